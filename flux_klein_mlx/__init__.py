@@ -1,0 +1,3 @@
+"""FLUX.2 [klein] on MLX."""
+
+__version__ = "0.1.0"

