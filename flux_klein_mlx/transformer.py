@@ -1,0 +1,579 @@
+"""The FLUX.2 [klein] flow transformer (4B / 9B): double-stream and single-stream blocks.
+
+Module attributes follow the BFL checkpoint names (`img_attn.qkv`, `linear1`, `final_layer.adaLN_modulation.1`,
+...): the fused projections are fewer, bigger matmuls, and BFL files load as they are. diffusers folders
+are converted by `sanitize_flux2_klein_weights` (q/k/v rows concatenated, final-layer halves swapped).
+
+Shapes: B batch, Lt text tokens (512 in the pipeline), Li image tokens (target + references),
+D hidden size, H heads, hd head dim (128), M MLP width (3·D).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .errors import FluxKleinError
+from .rope import apply_rope, rope_tables
+from .weights import component_files, load_into, read_json, read_safetensors, read_weight_files
+
+
+@dataclass
+class FluxKleinParams:
+    """Transformer hyper-parameters (BFL names); defaults are klein-4B."""
+
+    in_channels: int = 128
+    hidden_size: int = 3072
+    context_in_dim: int = 7680
+    num_heads: int = 24
+    mlp_ratio: float = 3.0
+    depth: int = 5
+    depth_single: int = 20
+    axes_dim: tuple[int, ...] = (32, 32, 32, 32)
+    theta: float = 2000.0
+    eps: float = 1e-6
+    time_channels: int = 256
+
+    def __post_init__(self):
+        self.axes_dim = tuple(int(a) for a in self.axes_dim)
+        if self.hidden_size % self.num_heads:
+            raise FluxKleinError(
+                f"transformer config is inconsistent: hidden size {self.hidden_size} is not a multiple of "
+                f"{self.num_heads} heads; fix config.json"
+            )
+        if sum(self.axes_dim) != self.head_dim or any(a % 2 for a in self.axes_dim):
+            raise FluxKleinError(
+                f"transformer config is inconsistent: RoPE axes {self.axes_dim} must be even and sum to the "
+                f"head dim {self.head_dim}; fix config.json"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.hidden_size * self.mlp_ratio)
+
+    @classmethod
+    def klein_4b(cls) -> "FluxKleinParams":
+        return cls()
+
+    @classmethod
+    def klein_9b(cls) -> "FluxKleinParams":
+        return cls(hidden_size=4096, context_in_dim=12288, num_heads=32, depth=8, depth_single=24)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FluxKleinParams":
+        """From a diffusers `transformer/config.json` (or a dict of our own field names); unknown keys ignored."""
+        ours = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in ours}
+        diffusers_names = {
+            "num_layers": "depth",
+            "num_single_layers": "depth_single",
+            "joint_attention_dim": "context_in_dim",
+            "axes_dims_rope": "axes_dim",
+            "rope_theta": "theta",
+            "timestep_guidance_channels": "time_channels",
+            "num_attention_heads": "num_heads",
+        }
+        for theirs, mine in diffusers_names.items():
+            if theirs in d:
+                kw[mine] = d[theirs]
+        if "attention_head_dim" in d and "hidden_size" not in d:
+            kw["hidden_size"] = int(d["attention_head_dim"]) * int(kw.get("num_heads", cls.num_heads))
+        return cls(**kw)
+
+    def _shape_key(self) -> tuple:
+        # Everything that decides a weight's shape; theta/eps/axes do not.
+        return (
+            self.in_channels, self.hidden_size, self.context_in_dim, self.num_heads,
+            self.mlp_hidden, self.depth, self.depth_single, self.time_channels,
+        )  # fmt: skip
+
+    @property
+    def variant(self) -> str:
+        """"klein-4b", "klein-9b" or "other", judged from the shape-deciding fields."""
+        for name, preset in (("klein-4b", self.klein_4b()), ("klein-9b", self.klein_9b())):
+            if self._shape_key() == preset._shape_key():
+                return name
+        return "other"
+
+    def describe(self) -> str:
+        """E.g. "klein-4B (hidden 3072, 5 double / 20 single blocks)"."""
+        name = {"klein-4b": "klein-4B", "klein-9b": "klein-9B"}.get(self.variant, "a custom FLUX.2 transformer")
+        return f"{name} (hidden {self.hidden_size}, {self.depth} double / {self.depth_single} single blocks)"
+
+
+def count_parameters(params: FluxKleinParams) -> int:
+    """Parameter count from the hyper-parameters alone (no allocation)."""
+    D, M, hd, C = params.hidden_size, params.mlp_hidden, params.head_dim, params.in_channels
+    embed = D * C + D * params.context_in_dim + D * params.time_channels + D * D
+    modulation = (6 + 6 + 3) * D * D
+    # qkv, proj, MLP up (2M) and down, per stream, plus two QK-norm scales per stream
+    double = 2 * (3 * D * D + D * D + 2 * M * D + M * D + 2 * hd)
+    single = (3 * D + 2 * M) * D + (D + M) * D + 2 * hd
+    final = 2 * D * D + C * D
+    return embed + modulation + params.depth * double + params.depth_single * single + final
+
+
+# --- building blocks ---------------------------------------------------------------------------------
+
+
+def timestep_embedding(t: mx.array, dim: int = 256, max_period: float = 10000.0) -> mx.array:
+    """Sinusoid of 1000·t, (B,) -> (B, dim) float32, cosine half first."""
+    half = dim // 2
+    freqs = mx.exp(-math.log(max_period) * mx.arange(half, dtype=mx.float32) / half)
+    args = (t.astype(mx.float32) * 1000.0)[:, None] * freqs[None, :]
+    return mx.concatenate([mx.cos(args), mx.sin(args)], axis=-1)
+
+
+def modulate(x: mx.array, shift: mx.array, scale: mx.array, eps: float) -> mx.array:
+    """(1 + scale) · LayerNorm(x) + shift, LayerNorm without affine parameters."""
+    return (1 + scale) * mx.fast.layer_norm(x, None, None, eps) + shift
+
+
+def swiglu(x: mx.array) -> mx.array:
+    """SiLU(a) · b for x = [a | b] along the last axis (the first half is gated)."""
+    a, b = mx.split(x, 2, axis=-1)
+    return nn.silu(a) * b
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """RoPE on q, k (B, H, L, hd), full softmax attention, heads merged -> (B, L, H·hd)."""
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    B, H, L, hd = q.shape
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=hd**-0.5)
+    return out.transpose(0, 2, 1, 3).reshape(B, L, H * hd)
+
+
+def split_heads(qkv: mx.array, num_heads: int) -> tuple[mx.array, mx.array, mx.array]:
+    """(B, L, 3·D) laid out [q | k | v], each head-major -> three (B, H, L, hd)."""
+    B, L, _ = qkv.shape
+    qkv = qkv.reshape(B, L, 3, num_heads, -1).transpose(2, 0, 3, 1, 4)  # (3, B, H, L, hd)
+    return qkv[0], qkv[1], qkv[2]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.scale = mx.ones((dim,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, self.scale, self.eps)
+
+
+class QKNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.query_norm = RMSNorm(dim, eps)
+        self.key_norm = RMSNorm(dim, eps)
+
+
+class SwiGLU(nn.Module):
+    """Parameter-free middle element of the MLP lists, so their Linears sit at BFL's indices 0 and 2."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return swiglu(x)
+
+
+class MLPEmbedder(nn.Module):
+    def __init__(self, in_dim: int, hidden: int):
+        super().__init__()
+        self.in_layer = nn.Linear(in_dim, hidden, bias=False)
+        self.out_layer = nn.Linear(hidden, hidden, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.out_layer(nn.silu(self.in_layer(x)))
+
+
+class Modulation(nn.Module):
+    """SiLU(vec) -> Linear -> `n` chunks of width D, each (B, 1, D) to broadcast over tokens."""
+
+    def __init__(self, dim: int, n: int):
+        super().__init__()
+        self.n = n
+        self.lin = nn.Linear(dim, n * dim, bias=False)
+
+    def __call__(self, vec: mx.array) -> list[mx.array]:
+        return mx.split(self.lin(nn.silu(vec))[:, None, :], self.n, axis=-1)
+
+
+class SelfAttention(nn.Module):
+    """One stream's attention weights in a double block: fused qkv, QK norm, output projection."""
+
+    def __init__(self, dim: int, num_heads: int, eps: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.norm = QKNorm(dim // num_heads, eps)
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def qkv_heads(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        q, k, v = split_heads(self.qkv(x), self.num_heads)
+        return self.norm.query_norm(q), self.norm.key_norm(k), v
+
+
+def _mlp(dim: int, hidden: int) -> list[nn.Module]:
+    return [nn.Linear(dim, 2 * hidden, bias=False), SwiGLU(), nn.Linear(hidden, dim, bias=False)]
+
+
+def _run(layers: list[nn.Module], x: mx.array) -> mx.array:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+class DoubleStreamBlock(nn.Module):
+    """Separate weights for image and text, one joint attention over [txt ; img]."""
+
+    def __init__(self, p: FluxKleinParams):
+        super().__init__()
+        self.eps = p.eps
+        self.img_attn = SelfAttention(p.hidden_size, p.num_heads, p.eps)
+        self.img_mlp = _mlp(p.hidden_size, p.mlp_hidden)
+        self.txt_attn = SelfAttention(p.hidden_size, p.num_heads, p.eps)
+        self.txt_mlp = _mlp(p.hidden_size, p.mlp_hidden)
+
+    def __call__(self, img, txt, mod_img, mod_txt, cos, sin):
+        i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = mod_img
+        t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = mod_txt
+        iq, ik, iv = self.img_attn.qkv_heads(modulate(img, i_sh1, i_sc1, self.eps))
+        tq, tk, tv = self.txt_attn.qkv_heads(modulate(txt, t_sh1, t_sc1, self.eps))
+        Lt = txt.shape[1]
+        # Joint sequence is text first: (B, H, Lt + Li, hd)
+        out = attention(
+            mx.concatenate([tq, iq], axis=2),
+            mx.concatenate([tk, ik], axis=2),
+            mx.concatenate([tv, iv], axis=2),
+            cos,
+            sin,
+        )
+        txt_out, img_out = out[:, :Lt], out[:, Lt:]
+        img = img + i_g1 * self.img_attn.proj(img_out)
+        img = img + i_g2 * _run(self.img_mlp, modulate(img, i_sh2, i_sc2, self.eps))
+        txt = txt + t_g1 * self.txt_attn.proj(txt_out)
+        txt = txt + t_g2 * _run(self.txt_mlp, modulate(txt, t_sh2, t_sc2, self.eps))
+        return img, txt
+
+
+class SingleStreamBlock(nn.Module):
+    """Parallel attention + MLP over the joint sequence with one fused input projection."""
+
+    def __init__(self, p: FluxKleinParams):
+        super().__init__()
+        self.eps = p.eps
+        self.num_heads = p.num_heads
+        self.hidden_size = p.hidden_size
+        # output columns [q | k | v | a | b]
+        self.linear1 = nn.Linear(p.hidden_size, 3 * p.hidden_size + 2 * p.mlp_hidden, bias=False)
+        self.linear2 = nn.Linear(p.hidden_size + p.mlp_hidden, p.hidden_size, bias=False)
+        self.norm = QKNorm(p.head_dim, p.eps)
+
+    def __call__(self, x, mod, cos, sin):
+        shift, scale, gate = mod
+        z = self.linear1(modulate(x, shift, scale, self.eps))
+        qkv, mlp = z[..., : 3 * self.hidden_size], z[..., 3 * self.hidden_size :]
+        q, k, v = split_heads(qkv, self.num_heads)
+        out = attention(self.norm.query_norm(q), self.norm.key_norm(k), v, cos, sin)
+        return x + gate * self.linear2(mx.concatenate([out, swiglu(mlp)], axis=-1))
+
+
+class LastLayer(nn.Module):
+    def __init__(self, p: FluxKleinParams):
+        super().__init__()
+        self.eps = p.eps
+        # index 1 as in BFL's nn.Sequential(SiLU, Linear); rows are [shift ; scale]
+        self.adaLN_modulation = [nn.SiLU(), nn.Linear(p.hidden_size, 2 * p.hidden_size, bias=False)]
+        self.linear = nn.Linear(p.hidden_size, p.in_channels, bias=False)
+
+    def __call__(self, x: mx.array, vec: mx.array) -> mx.array:
+        shift, scale = mx.split(_run(self.adaLN_modulation, vec)[:, None, :], 2, axis=-1)
+        return self.linear(modulate(x, shift, scale, self.eps))
+
+
+# --- the model ---------------------------------------------------------------------------------------
+
+
+class FluxKlein(nn.Module):
+    """FLUX.2 [klein] transformer: `model(img, txt, timesteps, img_ids, txt_ids)` -> velocity."""
+
+    def __init__(self, params: FluxKleinParams):
+        super().__init__()
+        self.params = params
+        D = params.hidden_size
+        self.img_in = nn.Linear(params.in_channels, D, bias=False)
+        self.txt_in = nn.Linear(params.context_in_dim, D, bias=False)
+        self.time_in = MLPEmbedder(params.time_channels, D)
+        self.double_stream_modulation_img = Modulation(D, 6)
+        self.double_stream_modulation_txt = Modulation(D, 6)
+        self.single_stream_modulation = Modulation(D, 3)
+        self.double_blocks = [DoubleStreamBlock(params) for _ in range(params.depth)]
+        self.single_blocks = [SingleStreamBlock(params) for _ in range(params.depth_single)]
+        self.final_layer = LastLayer(params)
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The compute dtype: that of the (never quantized) QK-norm scales."""
+        block = self.double_blocks[0].img_attn if self.double_blocks else self.single_blocks[0]
+        return block.norm.query_norm.scale.dtype
+
+    def compute_rope(self, txt_ids: mx.array, img_ids: mx.array) -> tuple[mx.array, mx.array]:
+        """cos/sin tables (Lt + Li, hd/2) for the joint [txt ; img] sequence; build once per shape."""
+        txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids
+        img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
+        ids = mx.concatenate([txt_ids.astype(mx.float32), img_ids.astype(mx.float32)], axis=0)
+        return rope_tables(ids, self.params.axes_dim, self.params.theta)
+
+    def embed_text(self, txt: mx.array) -> mx.array:
+        """The step-invariant text projection (B, Lt, context_in_dim) -> (B, Lt, D)."""
+        return self.txt_in(txt.astype(self.dtype))
+
+    def forward_with_rope(
+        self,
+        img: mx.array,
+        txt: mx.array | None,
+        timesteps: mx.array,
+        rope: tuple[mx.array, mx.array],
+        txt_embedded: mx.array | None = None,
+    ) -> mx.array:
+        """The forward pass with precomputed `rope` tables (and optionally `txt_embedded = embed_text(txt)`).
+
+        img (B, Li, in_channels), txt (B, Lt, context_in_dim), timesteps (B,) or scalar sigma in [0, 1].
+        Returns (B, Li, in_channels) in the weight dtype.
+        """
+        dtype = self.dtype
+        cos, sin = rope
+        txt = self.embed_text(txt) if txt_embedded is None else txt_embedded.astype(dtype)
+        img = self.img_in(img.astype(dtype))
+        B, Lt = txt.shape[0], txt.shape[1]
+        if cos.shape[0] != Lt + img.shape[1]:
+            raise ValueError(
+                f"RoPE tables cover {cos.shape[0]} tokens but the sequence has {Lt} text + {img.shape[1]} image"
+            )
+        timesteps = timesteps if isinstance(timesteps, mx.array) else mx.array(timesteps, dtype=mx.float32)
+        timesteps = mx.broadcast_to(timesteps.reshape(-1), (B,))
+        vec = self.time_in(timestep_embedding(timesteps, self.params.time_channels).astype(dtype))  # (B, D)
+        # The three modulations are shared by every block of their kind.
+        mod_img = self.double_stream_modulation_img(vec)
+        mod_txt = self.double_stream_modulation_txt(vec)
+        mod_single = self.single_stream_modulation(vec)
+        for block in self.double_blocks:
+            img, txt = block(img, txt, mod_img, mod_txt, cos, sin)
+        h = mx.concatenate([txt, img], axis=1)  # (B, Lt + Li, D)
+        for block in self.single_blocks:
+            h = block(h, mod_single, cos, sin)
+        return self.final_layer(h[:, Lt:], vec)
+
+    def __call__(
+        self, img: mx.array, txt: mx.array, timesteps: mx.array, img_ids: mx.array, txt_ids: mx.array
+    ) -> mx.array:
+        return self.forward_with_rope(img, txt, timesteps, self.compute_rope(txt_ids, img_ids))
+
+
+# --- checkpoints -------------------------------------------------------------------------------------
+
+_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+
+# diffusers name -> ours (BFL), applied to whole dotted segments; q/k/v and the final layer are special.
+_DIFFUSERS_TOP = {
+    "x_embedder": "img_in",
+    "context_embedder": "txt_in",
+    "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
+    "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
+    "double_stream_modulation_img.linear": "double_stream_modulation_img.lin",
+    "double_stream_modulation_txt.linear": "double_stream_modulation_txt.lin",
+    "single_stream_modulation.linear": "single_stream_modulation.lin",
+    "proj_out": "final_layer.linear",
+}
+_DIFFUSERS_DOUBLE = {
+    "attn.norm_q.weight": "img_attn.norm.query_norm.scale",
+    "attn.norm_k.weight": "img_attn.norm.key_norm.scale",
+    "attn.norm_added_q.weight": "txt_attn.norm.query_norm.scale",
+    "attn.norm_added_k.weight": "txt_attn.norm.key_norm.scale",
+    "attn.to_out.0": "img_attn.proj",
+    "attn.to_add_out": "txt_attn.proj",
+    "ff.linear_in": "img_mlp.0",
+    "ff.linear_out": "img_mlp.2",
+    "ff_context.linear_in": "txt_mlp.0",
+    "ff_context.linear_out": "txt_mlp.2",
+}
+_DIFFUSERS_SINGLE = {
+    "attn.to_qkv_mlp_proj": "linear1",
+    "attn.to_out": "linear2",
+    "attn.norm_q.weight": "norm.query_norm.scale",
+    "attn.norm_k.weight": "norm.key_norm.scale",
+}
+_QKV = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+        "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}  # fmt: skip
+
+
+def _count_blocks(keys, prefix: str) -> int:
+    idx = {int(m.group(1)) for k in keys if (m := re.match(rf"{re.escape(prefix)}\.(\d+)\.", k))}
+    return max(idx) + 1 if idx else 0
+
+
+def _reject_foreign(weights: dict[str, mx.array]) -> None:
+    """Raise for FLUX.1 and FLUX.2-dev checkpoints, which share many names with klein."""
+    keys = list(weights)
+    n_double = max(_count_blocks(keys, "double_blocks"), _count_blocks(keys, "transformer_blocks"))
+    n_single = max(_count_blocks(keys, "single_blocks"), _count_blocks(keys, "single_transformer_blocks"))
+    img_in = weights.get("img_in.weight", weights.get("x_embedder.weight"))
+    flux1_markers = (".img_mod.", ".txt_mod.", "vector_in.", "time_text_embed.", ".norm1.linear.", ".norm1_context.")
+    flux1_marker = next((k for k in keys for m in flux1_markers if m in k or k.startswith(m)), None)
+    flux1_shape = img_in is not None and img_in.shape[0] == 3072 and img_in.shape[1] == 64
+    if flux1_marker or flux1_shape or (n_double, n_single) == (19, 38):
+        why = f"key {flux1_marker}" if flux1_marker else f"{n_double} double / {n_single} single blocks"
+        raise FluxKleinError(
+            f"not a FLUX.2 [klein] checkpoint: it is a FLUX.1 transformer checkpoint ({why}); "
+            "use a FLUX.2 [klein] 4B or 9B transformer"
+        )
+    dev_marker = next((k for k in keys if k.startswith("guidance_in.") or ".guidance_embedder." in k), None)
+    dev_shape = img_in is not None and img_in.shape[0] == 6144
+    if dev_marker or dev_shape:
+        why = f"key {dev_marker}" if dev_marker else "hidden size 6144"
+        raise FluxKleinError(
+            f"not a klein checkpoint: it is FLUX.2-dev ({why}, {n_double} double / {n_single} single blocks); "
+            "use a FLUX.2 [klein] 4B or 9B transformer"
+        )
+
+
+def _from_diffusers(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    out: dict[str, mx.array] = {}
+    rest = dict(weights)
+    # Fused qkv: rows of q, k, v concatenated in that order, for every tensor kind (weight, scales, ...).
+    for n in range(_count_blocks(weights, "transformer_blocks")):
+        for ours, parts in _QKV.items():
+            pre = f"transformer_blocks.{n}."
+            suffixes = {k[len(pre + parts[0]) + 1 :] for k in weights if k.startswith(pre + parts[0] + ".")}
+            for suf in suffixes:
+                names = [f"{pre}{p}.{suf}" for p in parts]
+                if all(name in rest for name in names):
+                    out[f"double_blocks.{n}.{ours}.{suf}"] = mx.concatenate([rest.pop(x) for x in names], axis=0)
+    for k, v in rest.items():
+        if k.startswith("norm_out.linear."):
+            # diffusers rows are [scale ; shift], ours [shift ; scale]
+            half = v.shape[0] // 2
+            out["final_layer.adaLN_modulation.1." + k[len("norm_out.linear.") :]] = mx.concatenate(
+                [v[half:], v[:half]], axis=0
+            )
+            continue
+        out[_rename_diffusers(k)] = v
+    return out
+
+
+def _rename_diffusers(k: str) -> str:
+    """Our name for one diffusers key; unknown keys come back unchanged (strict load then names them)."""
+    for theirs, ours in _DIFFUSERS_TOP.items():
+        if k.startswith(theirs + "."):
+            return ours + k[len(theirs) :]
+    for prefix, ours_prefix, table in (
+        ("transformer_blocks", "double_blocks", _DIFFUSERS_DOUBLE),
+        ("single_transformer_blocks", "single_blocks", _DIFFUSERS_SINGLE),
+    ):
+        m = re.match(rf"{prefix}\.(\d+)\.(.+)$", k)
+        if m:
+            rest = m.group(2)
+            for theirs, ours in table.items():
+                if rest == theirs or rest.startswith(theirs + "."):
+                    return f"{ours_prefix}.{m.group(1)}.{ours}{rest[len(theirs):]}"
+    return k
+
+
+def sanitize_flux2_klein_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Map a klein transformer checkpoint onto our parameter names.
+
+    Accepts diffusers (`transformer/diffusion_pytorch_model*.safetensors`), BFL single files (optionally
+    prefixed `model.diffusion_model.`), and our own naming (= BFL's, also for quantized tensors), which passes
+    through. FLUX.1 and FLUX.2-dev checkpoints raise FluxKleinError.
+    """
+    stripped = {}
+    for k, v in weights.items():
+        for p in _PREFIXES:
+            if k.startswith(p):
+                k = k[len(p) :]
+                break
+        stripped[k] = v
+    _reject_foreign(stripped)
+    diffusers_roots = ("transformer_blocks.", "single_transformer_blocks.", "x_embedder.", "time_guidance_embed.",
+                       "norm_out.", "proj_out.", "context_embedder.")  # fmt: skip
+    if any(k.startswith(diffusers_roots) for k in stripped):
+        return _from_diffusers(stripped)
+    return stripped
+
+
+def infer_params(weights: dict[str, mx.array]) -> FluxKleinParams:
+    """Hyper-parameters implied by sanitized weights' shapes (klein presets when hidden size and depths match)."""
+    keys = list(weights)
+    if "img_in.weight" not in weights:
+        raise FluxKleinError(
+            "no img_in / x_embedder weight: this is not a FLUX.2 [klein] transformer checkpoint "
+            "(is it the text encoder or the VAE?)"
+        )
+    D = weights["img_in.weight"].shape[0]
+    depth, depth_single = _count_blocks(keys, "double_blocks"), _count_blocks(keys, "single_blocks")
+    for preset in (FluxKleinParams.klein_4b(), FluxKleinParams.klein_9b()):
+        if (D, depth, depth_single) == (preset.hidden_size, preset.depth, preset.depth_single):
+            return preset
+    # A custom size: read each dimension from an unquantized weight.
+    try:
+        norm = "double_blocks.0.img_attn.norm.query_norm.scale" if depth else "single_blocks.0.norm.query_norm.scale"
+        hd = weights[norm].shape[0]
+        if depth:
+            mlp_hidden = weights["double_blocks.0.img_mlp.2.weight"].shape[1]
+        else:
+            mlp_hidden = weights["single_blocks.0.linear2.weight"].shape[1] - D
+        return FluxKleinParams(
+            in_channels=weights["img_in.weight"].shape[1],
+            hidden_size=D,
+            context_in_dim=weights["txt_in.weight"].shape[1],
+            num_heads=D // hd,
+            mlp_ratio=mlp_hidden / D,
+            depth=depth,
+            depth_single=depth_single,
+            axes_dim=(hd // 4,) * 4,
+            time_channels=weights["time_in.in_layer.weight"].shape[1],
+        )
+    except KeyError as e:
+        raise FluxKleinError(f"transformer checkpoint is incomplete: missing {e.args[0]}; download it again") from None
+
+
+def load_flux_klein(
+    source: str | Path, params: FluxKleinParams | None = None, dtype: mx.Dtype = mx.bfloat16
+) -> FluxKlein:
+    """Load a klein transformer from a diffusers `transformer/` folder or a BFL single `.safetensors` file.
+
+    A folder's hyper-parameters come from its config.json, a single file's from its shapes. When `params`
+    is given it must describe the same architecture (e.g. klein-4B vs klein-9B), else FluxKleinError.
+    Weights are cast to `dtype` and evaluated before returning.
+    """
+    source = Path(source)
+    if source.is_dir() and not (source / "config.json").is_file() and (source / "transformer").is_dir():
+        source = source / "transformer"  # a whole pipeline snapshot
+    if source.is_dir():
+        config = read_json(source / "config.json")
+        if config.get("guidance_embeds"):
+            raise FluxKleinError(
+                f"not a klein checkpoint: it is FLUX.2-dev ({source / 'config.json'} has guidance_embeds); "
+                "use a FLUX.2 [klein] 4B or 9B transformer"
+            )
+        file_params = FluxKleinParams.from_dict(config)
+        weights = sanitize_flux2_klein_weights(read_weight_files(component_files(source)))
+    elif source.is_file():
+        weights = sanitize_flux2_klein_weights(read_safetensors(source))
+        file_params = infer_params(weights)
+    else:
+        raise FluxKleinError(f"transformer weights not found: {source} is neither a folder nor a file")
+    if params is not None and params._shape_key() != file_params._shape_key():
+        wanted = params.describe().split(" (")[0] if params.variant != "other" else params.describe()
+        raise FluxKleinError(f"this checkpoint is {file_params.describe()} but {wanted} was requested")
+    model = FluxKlein(params or file_params)
+    load_into(model, weights, "transformer", dtype=dtype)
+    mx.eval(model.parameters())
+    return model

@@ -1,0 +1,389 @@
+"""Parity of the MLX klein transformer with diffusers' Flux2Transformer2DModel, plus loading and bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+from diffusers.models.transformers.transformer_flux2 import Flux2PosEmbed
+from mlx.utils import tree_flatten
+from refs import randomize_, rel_err, to_mx
+from safetensors.torch import save_file
+
+from flux_klein_mlx.errors import FluxKleinError
+from flux_klein_mlx.rope import image_ids, rope_tables, text_ids
+from flux_klein_mlx.transformer import (
+    FluxKlein,
+    FluxKleinParams,
+    count_parameters,
+    load_flux_klein,
+    sanitize_flux2_klein_weights,
+)
+from flux_klein_mlx.weights import read_safetensors
+
+# Tiny diffusers config: 3 heads of 16 (axes 4×4), 2 double + 2 single blocks, text width 24.
+CONFIG = dict(
+    patch_size=1,
+    in_channels=16,
+    out_channels=None,
+    num_layers=2,
+    num_single_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=3,
+    joint_attention_dim=24,
+    timestep_guidance_channels=256,
+    mlp_ratio=3.0,
+    axes_dims_rope=(4, 4, 4, 4),
+    rope_theta=2000,
+    eps=1e-6,
+    guidance_embeds=False,
+)
+D, C, CTX, HD = 48, 16, 24, 16
+M = 3 * D
+LT = 7  # text length: the model must not assume 512
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.manual_seed(0)
+    return randomize_(Flux2Transformer2DModel(**CONFIG), seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def folder(reference, tmp_path_factory):
+    """The reference saved as diffusers saves it (single file)."""
+    path = tmp_path_factory.mktemp("snap") / "transformer"
+    reference.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ours(folder):
+    return load_flux_klein(folder, dtype=mx.float32)
+
+
+def make_inputs(B: int, grid: tuple[int, int], refs: list[tuple[int, int]], seed: int):
+    """Random latents/text and the reference pipeline's own position ids (target, then refs at t=10, 20)."""
+    g = torch.Generator().manual_seed(seed)
+    txt = torch.randn(B, LT, CTX, generator=g)
+    txt_ids = Flux2KleinPipeline._prepare_text_ids(txt)  # (B, LT, 4)
+    img_ids = Flux2KleinPipeline._prepare_latent_ids(torch.zeros(B, C, *grid))
+    if refs:
+        ref_ids = Flux2KleinPipeline._prepare_image_ids([torch.zeros(1, C, h, w) for h, w in refs])
+        img_ids = torch.cat([img_ids, ref_ids.expand(B, -1, -1)], dim=1)
+    img = torch.randn(B, img_ids.shape[1], C, generator=g)
+    return img, txt, img_ids, txt_ids
+
+
+def our_ids(grid, refs):
+    ids = [image_ids(*grid)] + [image_ids(h, w, t=10 * (k + 1)) for k, (h, w) in enumerate(refs)]
+    return mx.concatenate(ids, axis=0), text_ids(LT)
+
+
+def run_both(reference, model, img, txt, t, img_ids, txt_ids):
+    with torch.no_grad():
+        theirs = reference(img, txt, t, img_ids, txt_ids, return_dict=False)[0]
+    mine = model(to_mx(img), to_mx(txt), to_mx(t), mx.array(img_ids.numpy()), mx.array(txt_ids.numpy()))
+    return mine, theirs
+
+
+# --- position ids and RoPE ---------------------------------------------------------------------------
+
+
+def test_ids_match_reference_pipeline():
+    g = Flux2KleinPipeline._prepare_latent_ids(torch.zeros(1, C, 3, 5))[0]
+    assert np.array_equal(np.array(image_ids(3, 5)), g.numpy())
+    r = Flux2KleinPipeline._prepare_image_ids([torch.zeros(1, C, 2, 3), torch.zeros(1, C, 4, 2)])[0]
+    ours_r = mx.concatenate([image_ids(2, 3, t=10), image_ids(4, 2, t=20)], axis=0)
+    assert np.array_equal(np.array(ours_r), r.numpy())
+    tx = Flux2KleinPipeline._prepare_text_ids(torch.zeros(1, 512, 3))[0]
+    assert np.array_equal(np.array(text_ids()), tx.numpy())
+
+
+def test_rope_tables_match_diffusers():
+    ids = mx.concatenate([text_ids(512), image_ids(64, 64), image_ids(8, 8, t=20)], axis=0)
+    cos_ref, sin_ref = Flux2PosEmbed(theta=2000, axes_dim=[32, 32, 32, 32])(torch.from_numpy(np.array(ids)))
+    cos, sin = rope_tables(ids)
+    assert cos.shape == (512 + 4096 + 64, 64) and cos.dtype == mx.float32
+    # diffusers repeats each value for the two dims of a pair
+    assert np.abs(np.repeat(np.array(cos), 2, axis=1) - cos_ref.numpy()).max() < 1e-6
+    assert np.abs(np.repeat(np.array(sin), 2, axis=1) - sin_ref.numpy()).max() < 1e-6
+    # batched ids use element 0
+    cos_b, _ = rope_tables(mx.stack([ids, ids * 0]))
+    assert np.array_equal(np.array(cos_b), np.array(cos))
+
+
+# --- parity with diffusers -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "B, grid, refs, t",
+    [
+        (2, (3, 5), [], [1.0, 1.0]),
+        (2, (3, 5), [(2, 3)], [0.7, 0.7]),
+        (2, (5, 3), [(2, 3), (4, 2)], [0.3, 0.9]),
+        (1, (4, 4), [(3, 2), (2, 2)], [0.05]),
+    ],
+)
+def test_matches_diffusers(reference, ours, B, grid, refs, t):
+    img, txt, img_ids, txt_ids = make_inputs(B, grid, refs, seed=len(refs) + B)
+    mine, theirs = run_both(reference, ours, img, txt, torch.tensor(t), img_ids, txt_ids)
+    assert mine.shape == (B, img.shape[1], C)
+    assert rel_err(mine, theirs) <= 1e-4
+    # ids given as (L, 4) and built by our own rope helpers give the same answer
+    o_img, o_txt = our_ids(grid, refs)
+    again = ours(to_mx(img), to_mx(txt), to_mx(torch.tensor(t)), o_img, o_txt)
+    assert np.array_equal(np.array(again), np.array(mine))
+
+
+def test_sharded_folder_matches_diffusers(reference, tmp_path):
+    path = tmp_path / "transformer"
+    reference.save_pretrained(path, max_shard_size="20KB")
+    assert (path / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    model = load_flux_klein(path, dtype=mx.float32)
+    img, txt, img_ids, txt_ids = make_inputs(2, (3, 5), [(2, 2)], seed=7)
+    mine, theirs = run_both(reference, model, img, txt, torch.tensor([0.7, 0.3]), img_ids, txt_ids)
+    assert rel_err(mine, theirs) <= 1e-4
+
+
+def test_whole_snapshot_folder_is_accepted(reference, folder):
+    # `folder` is <snap>/transformer; its parent has no config.json but a transformer/ subfolder
+    model = load_flux_klein(folder.parent, dtype=mx.float32)
+    assert model.params.hidden_size == D
+
+
+def test_bf16_close_to_float32(folder):
+    f32 = load_flux_klein(folder, dtype=mx.float32)
+    b16 = load_flux_klein(folder, dtype=mx.bfloat16)
+    assert b16.dtype == mx.bfloat16
+    img, txt, img_ids, txt_ids = make_inputs(2, (3, 5), [(2, 3)], seed=3)
+    args = (to_mx(img), to_mx(txt), mx.array([0.7, 0.3]), mx.array(img_ids.numpy()), mx.array(txt_ids.numpy()))
+    out16 = b16(*args)
+    assert out16.dtype == mx.bfloat16
+    assert rel_err(out16, np.array(f32(*args))) <= 2e-2
+
+
+def test_cached_rope_and_hoisted_text_are_bit_exact(ours):
+    img, txt, img_ids, txt_ids = make_inputs(2, (3, 5), [(2, 3)], seed=5)
+    img, txt = to_mx(img), to_mx(txt)
+    t = mx.array([0.7, 0.3])
+    plain = ours(img, txt, t, mx.array(img_ids.numpy()), mx.array(txt_ids.numpy()))
+    o_img, o_txt = our_ids((3, 5), [(2, 3)])
+    rope = ours.compute_rope(o_txt, o_img)
+    mx.eval(rope)
+    cached = ours.forward_with_rope(img, txt, t, rope)
+    hoisted = ours.forward_with_rope(img, None, t, rope, txt_embedded=ours.embed_text(txt))
+    assert np.array_equal(np.array(cached), np.array(plain))
+    assert np.array_equal(np.array(hoisted), np.array(plain))
+    # a scalar timestep broadcasts over the batch
+    same_t = ours.forward_with_rope(img, txt, mx.array(0.7), rope)
+    assert np.array_equal(np.array(same_t[0]), np.array(cached[0]))
+
+
+# --- BFL single-file format ----------------------------------------------------------------------------
+
+
+def bfl_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights with the BFL names and layouts of spec §3.1, at the tiny sizes."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {
+        "img_in.weight": (D, C),
+        "txt_in.weight": (D, CTX),
+        "time_in.in_layer.weight": (D, 256),
+        "time_in.out_layer.weight": (D, D),
+        "double_stream_modulation_img.lin.weight": (6 * D, D),
+        "double_stream_modulation_txt.lin.weight": (6 * D, D),
+        "single_stream_modulation.lin.weight": (3 * D, D),
+        "final_layer.adaLN_modulation.1.weight": (2 * D, D),  # rows [shift ; scale]
+        "final_layer.linear.weight": (C, D),
+    }
+    for i in range(2):
+        for s in ("img", "txt"):
+            shapes[f"double_blocks.{i}.{s}_attn.qkv.weight"] = (3 * D, D)
+            shapes[f"double_blocks.{i}.{s}_attn.norm.query_norm.scale"] = (HD,)
+            shapes[f"double_blocks.{i}.{s}_attn.norm.key_norm.scale"] = (HD,)
+            shapes[f"double_blocks.{i}.{s}_attn.proj.weight"] = (D, D)
+            shapes[f"double_blocks.{i}.{s}_mlp.0.weight"] = (2 * M, D)
+            shapes[f"double_blocks.{i}.{s}_mlp.2.weight"] = (D, M)
+        shapes[f"single_blocks.{i}.linear1.weight"] = (3 * D + 2 * M, D)
+        shapes[f"single_blocks.{i}.linear2.weight"] = (D, D + M)
+        shapes[f"single_blocks.{i}.norm.query_norm.scale"] = (HD,)
+        shapes[f"single_blocks.{i}.norm.key_norm.scale"] = (HD,)
+    out = {}
+    for k, shape in shapes.items():
+        r = torch.randn(shape, generator=g)
+        out[k] = 1 + 0.1 * r if len(shape) == 1 else r / shape[1] ** 0.5
+    return out
+
+
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
+def test_bfl_file_matches_diffusers(tmp_path, prefix):
+    bfl = bfl_weights(seed=1)
+    path = tmp_path / "flux-2-klein-tiny.safetensors"
+    save_file({prefix + k: v.contiguous() for k, v in bfl.items()}, str(path))
+    reference = Flux2Transformer2DModel(**CONFIG).eval()
+    converted = convert_flux2_transformer_checkpoint_to_diffusers({k: v.clone() for k, v in bfl.items()})
+    reference.load_state_dict(converted, strict=True)
+
+    model = load_flux_klein(path, dtype=mx.float32)  # params inferred from the shapes
+    assert model.params.num_heads == 3 and model.params.axes_dim == (4, 4, 4, 4)
+    img, txt, img_ids, txt_ids = make_inputs(2, (3, 5), [(2, 3), (3, 3)], seed=11)
+    mine, theirs = run_both(reference, model, img, txt, torch.tensor([0.9, 0.4]), img_ids, txt_ids)
+    assert rel_err(mine, theirs) <= 1e-4
+
+
+# --- sanitize and strict loading -----------------------------------------------------------------------
+
+
+def test_sanitize_consumes_every_key(folder, tmp_path):
+    model = FluxKlein(FluxKleinParams.from_dict(CONFIG))
+    expected = {k for k, _ in tree_flatten(model.parameters())}
+    diffusers_keys = read_safetensors(folder / "diffusion_pytorch_model.safetensors")
+    assert set(sanitize_flux2_klein_weights(diffusers_keys)) == expected
+    bfl = {k: mx.array(v.numpy()) for k, v in bfl_weights().items()}
+    assert set(sanitize_flux2_klein_weights(bfl)) == expected
+    prefixed = {"model.diffusion_model." + k: v for k, v in bfl.items()}
+    assert set(sanitize_flux2_klein_weights(prefixed)) == expected
+    # our own naming (what `convert` saves) passes through unchanged
+    ours = dict(tree_flatten(model.parameters()))
+    assert sanitize_flux2_klein_weights(ours).keys() == ours.keys()
+
+
+def test_extra_or_missing_key_is_named(tmp_path):
+    bfl = bfl_weights()
+    extra = dict(bfl, **{"double_blocks.0.img_attn.bogus.weight": torch.zeros(2, 2)})
+    path = tmp_path / "extra.safetensors"
+    save_file(extra, str(path))
+    with pytest.raises(FluxKleinError, match=r"1 unexpected \(double_blocks\.0\.img_attn\.bogus\.weight\)"):
+        load_flux_klein(path, dtype=mx.float32)
+    missing = {k: v for k, v in bfl.items() if not k.startswith("single_blocks.1.norm")}
+    path = tmp_path / "missing.safetensors"
+    save_file(missing, str(path))
+    with pytest.raises(FluxKleinError, match=r"2 missing \(single_blocks\.1\.norm\.key_norm\.scale"):
+        load_flux_klein(path, dtype=mx.float32)
+
+
+# --- bad inputs ----------------------------------------------------------------------------------------
+
+
+def stand_in(hidden: int, depth: int, depth_single: int) -> dict[str, torch.Tensor]:
+    """A few small tensors whose shapes and key counts imply a given real variant."""
+    w = {"img_in.weight": torch.zeros(hidden, 128, dtype=torch.float16)}
+    for i in range(depth):
+        w[f"double_blocks.{i}.img_attn.norm.query_norm.scale"] = torch.ones(128)
+    for i in range(depth_single):
+        w[f"single_blocks.{i}.norm.query_norm.scale"] = torch.ones(128)
+    return w
+
+
+def test_wrong_variant_is_named(tmp_path):
+    path = tmp_path / "flux-2-klein-9b.safetensors"
+    save_file(stand_in(4096, 8, 24), str(path))
+    with pytest.raises(
+        FluxKleinError,
+        match=r"this checkpoint is klein-9B \(hidden 4096, 8 double / 24 single blocks\) but klein-4B was requested",
+    ):
+        load_flux_klein(path, params=FluxKleinParams.klein_4b())
+    path = tmp_path / "flux-2-klein-4b.safetensors"
+    save_file(stand_in(3072, 5, 20), str(path))
+    with pytest.raises(FluxKleinError, match=r"is klein-4B \(hidden 3072, 5 double / 20 single blocks\) but klein-9B"):
+        load_flux_klein(path, params=FluxKleinParams.klein_9b())
+
+
+def test_wrong_variant_folder(folder):
+    with pytest.raises(FluxKleinError, match=r"custom FLUX.2 transformer \(hidden 48, 2 double / 2 single.*klein-4B"):
+        load_flux_klein(folder, params=FluxKleinParams.klein_4b())
+
+
+def test_flux1_checkpoints_rejected(tmp_path):
+    bfl1 = {
+        "img_in.weight": torch.zeros(3072, 64),
+        "vector_in.in_layer.weight": torch.zeros(4, 4),
+        "double_blocks.0.img_mod.lin.weight": torch.zeros(4, 4),
+    }
+    path = tmp_path / "flux1-dev.safetensors"
+    save_file(bfl1, str(path))
+    with pytest.raises(FluxKleinError, match=r"not a FLUX.2 \[klein\] checkpoint: it is a FLUX.1"):
+        load_flux_klein(path)
+    diffusers1 = {
+        "x_embedder.weight": mx.zeros((3072, 64)),
+        "time_text_embed.timestep_embedder.linear_1.weight": mx.zeros((4, 4)),
+        "transformer_blocks.0.norm1.linear.weight": mx.zeros((4, 4)),
+    }
+    with pytest.raises(FluxKleinError, match=r"not a FLUX.2 \[klein\] checkpoint: it is a FLUX.1"):
+        sanitize_flux2_klein_weights(diffusers1)
+    with pytest.raises(FluxKleinError, match=r"FLUX.1"):
+        sanitize_flux2_klein_weights({"img_in.weight": mx.zeros((3072, 64))})
+
+
+def test_flux2_dev_rejected(tmp_path):
+    w = dict(stand_in(6144, 8, 48), **{"guidance_in.in_layer.weight": torch.zeros(4, 4)})
+    path = tmp_path / "flux2-dev.safetensors"
+    save_file(w, str(path))
+    with pytest.raises(FluxKleinError, match=r"not a klein checkpoint: it is FLUX.2-dev"):
+        load_flux_klein(path)
+    with pytest.raises(FluxKleinError, match=r"FLUX.2-dev"):
+        sanitize_flux2_klein_weights({"time_guidance_embed.guidance_embedder.linear_1.weight": mx.zeros((4, 4))})
+    folder = tmp_path / "transformer"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(dict(CONFIG, guidance_embeds=True)))
+    with pytest.raises(FluxKleinError, match=r"FLUX.2-dev"):
+        load_flux_klein(folder)
+
+
+def test_not_a_transformer_file(tmp_path):
+    path = tmp_path / "vae.safetensors"
+    save_file({"decoder.conv_in.weight": torch.zeros(4, 4)}, str(path))
+    with pytest.raises(FluxKleinError, match=r"not a FLUX.2 \[klein\] transformer"):
+        load_flux_klein(path)
+
+
+def test_damaged_files_are_named(tmp_path):
+    good = tmp_path / "good.safetensors"
+    save_file(bfl_weights(), str(good))
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(FluxKleinError, match=r"truncated\.safetensors is damaged"):
+        load_flux_klein(truncated, dtype=mx.float32)
+    text = tmp_path / "notes.safetensors"
+    text.write_text("this is not a weight file\n")
+    with pytest.raises(FluxKleinError, match=r"notes\.safetensors is damaged"):
+        load_flux_klein(text)
+    with pytest.raises(FluxKleinError, match=r"not found"):
+        load_flux_klein(tmp_path / "absent.safetensors")
+
+
+# --- configs and parameter counts ----------------------------------------------------------------------
+
+
+def test_params_from_real_configs():
+    base = dict(
+        _class_name="Flux2Transformer2DModel", attention_head_dim=128, axes_dims_rope=[32, 32, 32, 32], eps=1e-6,
+        guidance_embeds=False, in_channels=128, mlp_ratio=3.0, out_channels=None, patch_size=1, rope_theta=2000,
+        timestep_guidance_channels=256,
+    )  # fmt: skip
+    p4 = FluxKleinParams.from_dict(dict(base, joint_attention_dim=7680, num_attention_heads=24, num_layers=5,
+                                        num_single_layers=20))  # fmt: skip
+    p9 = FluxKleinParams.from_dict(dict(base, joint_attention_dim=12288, num_attention_heads=32, num_layers=8,
+                                        num_single_layers=24))  # fmt: skip
+    assert p4 == FluxKleinParams.klein_4b() and p4.variant == "klein-4b"
+    assert p9 == FluxKleinParams.klein_9b() and p9.variant == "klein-9b"
+    assert p4.head_dim == 128 and p4.mlp_hidden == 9216 and p9.mlp_hidden == 12288
+    assert FluxKleinParams.from_dict(CONFIG).variant == "other"
+
+
+def test_parameter_counts_without_allocating():
+    expected = {"klein_4b": 3_875_544_576, "klein_9b": 9_078_581_248}
+    before = mx.get_active_memory()
+    for name, n in expected.items():
+        params = getattr(FluxKleinParams, name)()
+        assert count_parameters(params) == n
+        model = FluxKlein(params)  # lazy: no weight is materialised
+        assert sum(v.size for _, v in tree_flatten(model.parameters())) == n
+        assert len(tree_flatten(model.parameters())) == {"klein_4b": 149, "klein_9b": 201}[name]
+    assert mx.get_active_memory() - before < 64 * 2**20
