@@ -545,13 +545,14 @@ def infer_params(weights: dict[str, mx.array]) -> FluxKleinParams:
 
 
 def load_flux_klein(
-    source: str | Path, params: FluxKleinParams | None = None, dtype: mx.Dtype = mx.bfloat16
+    source: str | Path, params: FluxKleinParams | None = None, dtype: mx.Dtype = mx.bfloat16, lazy: bool = False
 ) -> FluxKlein:
     """Load a klein transformer from a diffusers `transformer/` folder or a BFL single `.safetensors` file.
 
     A folder's hyper-parameters come from its config.json, a single file's from its shapes. When `params`
     is given it must describe the same architecture (e.g. klein-4B vs klein-9B), else FluxKleinError.
-    Weights are cast to `dtype` and evaluated before returning.
+    Weights are cast to `dtype` and evaluated before returning, unless `lazy` (then they are read
+    from disk when first used: a caller that quantizes at load never holds the whole model unquantized).
     """
     source = Path(source)
     if source.is_dir() and not (source / "config.json").is_file() and (source / "transformer").is_dir():
@@ -575,5 +576,6 @@ def load_flux_klein(
         raise FluxKleinError(f"this checkpoint is {file_params.describe()} but {wanted} was requested")
     model = FluxKlein(params or file_params)
     load_into(model, weights, "transformer", dtype=dtype)
-    mx.eval(model.parameters())
+    if not lazy:
+        mx.eval(model.parameters())
     return model

@@ -1,0 +1,145 @@
+"""`python -m flux_klein_mlx generate`: prompt (and reference images) in, PNG out."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .errors import FluxKleinError
+
+DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-4B"
+
+
+def unique_path(path: Path) -> Path:
+    """`path` if it is free, else the first free `stem-N.suffix`: outputs are never overwritten."""
+    if not path.exists():
+        return path
+    n = 1
+    while True:
+        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
+        if not candidate.exists():
+            return candidate
+        n += 1
+
+
+def output_paths(output: str, count: int) -> list[Path]:
+    base = Path(output)
+    if base.suffix.lower() != ".png":
+        raise FluxKleinError(f"--output must end in .png, not {base.name!r}")
+    if not base.parent.is_dir():
+        raise FluxKleinError(f"output folder {base.parent} does not exist; create it first")
+    if count == 1:
+        return [base]
+    return [base.with_name(f"{base.stem}-{i}{base.suffix}") for i in range(count)]
+
+
+def save_png(image, path: Path, metadata: dict) -> Path:
+    """Write the PNG with the generation parameters in its text chunks; never overwrites."""
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    for k, v in metadata.items():
+        info.add_text(k, "" if v is None else str(v))
+    info.add_text("parameters", json.dumps(metadata))
+    final = unique_path(path)
+    image.save(final, pnginfo=info)
+    return final
+
+
+def _mb(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB"
+
+
+@click.command("generate")
+@click.option("--prompt", "-p", required=True, help="What to draw.")
+@click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
+              help="Hugging Face repo id, diffusers folder, or a folder written by `convert`.")
+@click.option("--width", "-W", type=int, default=None, help="Width in px, multiple of 16 [default: 1024, or the first --image's].")
+@click.option("--height", "-H", type=int, default=None, help="Height in px, multiple of 16 [default: 1024, or the first --image's].")
+@click.option("--steps", type=int, default=None, help="Denoising steps [default: 4 distilled, 50 Base].")
+@click.option("--guidance", type=float, default=None, help="CFG scale, Base models only [default: 4.0].")
+@click.option("--seed", type=int, default=None, help="Noise seed [default: random, printed].")
+@click.option("--image", "-i", "images", multiple=True, help="Reference image to edit; repeat for multi-reference.")
+@click.option("--negative-prompt", default=None, help="Unconditional prompt for CFG (Base models).")
+@click.option("--num-images", "-n", type=click.IntRange(1, 1000), default=1, show_default=True,
+              help="Images to make; seeds count up from --seed.")
+@click.option("--quantize", "-q", type=click.Choice(["4", "8"]), default=None,
+              help="Quantize transformer and text encoder at load (not needed for a quantized folder).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--low-memory", is_flag=True, help="Also release the transformer before decoding.")
+@click.option("--output", "-o", default="image.png", show_default=True,
+              help="PNG path; an existing file is kept and a new name chosen.")
+def generate(prompt, model, width, height, steps, guidance, seed, images, negative_prompt, num_images,
+             quantize, dtype, low_memory, output):
+    """Generate images from a prompt (and optional reference images)."""
+    from .pipeline import check_size
+
+    # Cheap checks before loading gigabytes.
+    if width is not None or height is not None:
+        check_size(width or 1024, height or 1024)
+    for p in images:
+        if not Path(p).is_file():
+            raise FluxKleinError(f"reference image not found: {p}")
+    paths = output_paths(output, num_images)
+
+    import flux_klein_mlx
+
+    t0 = time.perf_counter()
+    pipe = flux_klein_mlx.load(model, dtype=dtype, quantize=int(quantize) if quantize else None,
+                               low_memory=low_memory)
+    info = pipe.info
+    click.echo(f"{info.name} from {info.source} ({dtype}"
+               f"{', %d-bit' % info.quantization['bits'] if info.quantization else ''}), "
+               f"loaded in {time.perf_counter() - t0:.1f} s", err=True)
+
+    base_seed = seed
+    for n, path in enumerate(paths):
+        run_seed = None if base_seed is None else base_seed + n
+        image, stats = _run(pipe, prompt, width, height, steps, guidance, run_seed, images, negative_prompt)
+        metadata = {
+            "prompt": prompt, "negative_prompt": negative_prompt if not info.is_distilled else None,
+            "seed": stats["seed"], "steps": stats["steps"], "guidance": stats["guidance"],
+            "width": stats["width"], "height": stats["height"], "model": info.source,
+            "variant": info.name, "dtype": dtype,
+            "quantize": info.quantization["bits"] if info.quantization else None,
+            "references": [str(p) for p in images] or None, "software": f"flux_klein_mlx {flux_klein_mlx.__version__}",
+        }
+        final = save_png(image, path, metadata)
+        if final != path:
+            click.echo(f"{path} exists; wrote {final} instead", err=True)
+        click.echo(
+            f"seed {stats['seed']}: encode {stats['encode']['seconds']:.1f} s (peak {_mb(stats['encode']['peak_memory'])}), "
+            f"denoise {stats['denoise']['seconds']:.1f} s = {stats['denoise']['seconds_per_step']:.2f} s/step "
+            f"(peak {_mb(stats['denoise']['peak_memory'])}), decode {stats['decode']['seconds']:.1f} s "
+            f"(peak {_mb(stats['decode']['peak_memory'])})", err=True)
+        click.echo(str(final))
+
+
+def _run(pipe, prompt, width, height, steps, guidance, seed, images, negative_prompt):
+    """One image, with a progress bar that shows seconds per step."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda msg, *a, **k: click.echo(f"warning: {msg}", err=True)
+        stream = pipe.stream(prompt, width=width, height=height, steps=steps, guidance=guidance, seed=seed,
+                             images=list(images) or None, negative_prompt=negative_prompt)
+        first = next(stream)  # prompt encoded, references encoded
+        bar = click.progressbar(length=first.total, label="denoising", file=sys.stderr,
+                                show_eta=True, item_show_func=lambda s: s)
+        event = first
+        with bar:
+            for event in stream:
+                if event.stage == "denoise":
+                    bar.update(1, f"{event.seconds:.2f} s/step")
+        return event.image, event.stats
+
+
+def main(argv=None):
+    from .__main__ import run_command
+
+    return run_command(generate, argv)

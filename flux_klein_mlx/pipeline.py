@@ -1,0 +1,492 @@
+"""The FLUX.2 [klein] pipeline: prompt -> embeddings -> 4 (or 50) flow steps -> VAE decode.
+
+Staged for memory (style.md habit 5): the text encoder is loaded to encode a prompt and released
+right after (embeddings of recent prompts are kept, so repeated prompts never reload it); with
+`low_memory` the transformer is also released before the VAE decode. Each stage's wall time and
+peak memory are recorded in `Progress.stats`. `stream()` is a generator that yields after every
+denoising step, so a caller can draw progress or stop by breaking out of the loop; `generate()`
+runs it to the end.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import mlx.core as mx
+import numpy as np
+from PIL import Image
+
+from .errors import FluxKleinError
+from .rope import image_ids, text_ids
+from .sampler import FluxSampler
+
+# Reference-image limits of both references (spec 8.1).
+REF_MIN_SIDE = 64
+REF_MAX_ASPECT = 8
+REF_MAX_AREA = 1024 * 1024
+MIN_SIDE, MAX_SIDE = 64, 4096
+
+
+@dataclass
+class ModelInfo:
+    """What the files say about the model (never guessed from its name)."""
+
+    variant: str  # "klein-4b" | "klein-9b"
+    is_distilled: bool
+    source: str
+    dtype: str
+    quantization: dict | None = None
+    in_channels: int = 128  # transformer tokens: 4 x the VAE's latent channels
+
+    @property
+    def default_steps(self) -> int:
+        return 4 if self.is_distilled else 50
+
+    @property
+    def default_guidance(self) -> float | None:
+        return None if self.is_distilled else 4.0
+
+    @property
+    def name(self) -> str:
+        size = self.variant.split("-")[-1].upper()
+        return f"FLUX.2 [klein] {size}" + ("" if self.is_distilled else " Base")
+
+
+@dataclass
+class Progress:
+    """One event of `FluxKleinPipeline.stream`: a finished stage or denoising step."""
+
+    stage: str  # "encode" | "denoise" | "decode"
+    step: int = 0  # denoising step just finished (1-based); 0 outside the loop
+    total: int = 0  # number of denoising steps
+    seconds: float = 0.0  # wall time of this step or stage
+    image: Image.Image | np.ndarray | None = None  # set on the final "decode" event
+    stats: dict = field(default_factory=dict)  # per stage: {"seconds": s, "peak_memory": bytes}
+
+
+class _Slot:
+    """A model that is loaded on first use and can be released to free its memory."""
+
+    def __init__(self, loader: Callable[[], object]):
+        self._loader = loader
+        self._model = None
+
+    def get(self):
+        if self._model is None:
+            self._model = self._loader()
+        return self._model
+
+    @property
+    def loaded(self) -> bool:
+        return self._model is not None
+
+    def release(self) -> None:
+        self._model = None
+        mx.clear_cache()
+
+
+def _to_pil_rgb(image) -> Image.Image:
+    if isinstance(image, (str, Path)):
+        path = Path(image)
+        if not path.is_file():
+            raise FluxKleinError(f"reference image not found: {path}")
+        try:
+            with Image.open(path) as im:
+                im.load()
+                return im.convert("RGB")
+        except (OSError, ValueError) as e:
+            raise FluxKleinError(f"cannot read reference image {path}: {e}") from None
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    raise FluxKleinError(f"a reference image must be a PIL image or a file path, not {type(image).__name__}")
+
+
+def preprocess_reference(image, multiple: int = 16) -> np.ndarray:
+    """A reference image as the references prepare it: (H, W, 3) float32 in [-1, 1].
+
+    Validate (each side >= 64 px, aspect ratio <= 8), shrink to 1024^2 px area with Lanczos if
+    larger (sizes truncated), floor both sides to multiples of 16 and centre-crop (spec 8.1).
+    """
+    img = _to_pil_rgb(image)
+    w, h = img.size
+    if w < REF_MIN_SIDE or h < REF_MIN_SIDE:
+        raise FluxKleinError(f"reference image is {w}x{h}; both sides must be at least {REF_MIN_SIDE} px")
+    if max(w / h, h / w) > REF_MAX_ASPECT:
+        raise FluxKleinError(
+            f"reference image is {w}x{h} (aspect ratio {max(w / h, h / w):.1f}); the limit is {REF_MAX_ASPECT}:1"
+        )
+    if w * h > REF_MAX_AREA:
+        scale = math.sqrt(REF_MAX_AREA / (w * h))
+        img = img.resize((int(w * scale), int(h * scale)), Image.Resampling.LANCZOS)
+        w, h = img.size
+    cw, ch = (w // multiple) * multiple, (h // multiple) * multiple
+    left, top = (w - cw) // 2, (h - ch) // 2
+    img = img.crop((left, top, left + cw, top + ch))
+    return np.asarray(img, dtype=np.float32) / 127.5 - 1.0
+
+
+def check_size(width: int, height: int, multiple: int = 16) -> None:
+    """Output sizes: multiples of 16 between 64 and 4096 px; otherwise a message with a fix."""
+    for name, v in (("width", width), ("height", height)):
+        if not isinstance(v, int) or v < MIN_SIDE or v > MAX_SIDE:
+            raise FluxKleinError(f"{name} {v} is out of range; use a multiple of {multiple} from {MIN_SIDE} to {MAX_SIDE}")
+        if v % multiple:
+            lo = v // multiple * multiple
+            raise FluxKleinError(f"{name} {v} is not a multiple of {multiple}; use {lo} or {lo + multiple}")
+
+
+def pack_latents(latents: mx.array) -> mx.array:
+    """Noise in diffusers' layout (B, C, h, w) -> tokens (B, h*w, C), row-major (C = 128 for klein)."""
+    B, C, h, w = latents.shape
+    return latents.reshape(B, C, h * w).transpose(0, 2, 1)
+
+
+def to_output(images: mx.array, output_type: str):
+    """Decoded images (1, H, W, 3), nominally [-1, 1] -> PIL (rounded) or float32 [0, 1] array."""
+    x = np.array(mx.clip(images[0].astype(mx.float32) / 2 + 0.5, 0.0, 1.0))
+    if output_type == "np":
+        return x
+    return Image.fromarray(np.round(x * 255).astype(np.uint8))
+
+
+class FluxKleinPipeline:
+    """Text-to-image, editing and multi-reference generation with a loaded klein model.
+
+    Build it with `flux_klein_mlx.load(...)`. Components are held in slots so that the pipeline
+    can release and reload them between stages.
+    """
+
+    def __init__(
+        self,
+        transformer: Callable[[], object],
+        text_encoder: Callable[[], object],
+        tokenizer: Callable[[], object],
+        vae: Callable[[], object],
+        info: ModelInfo,
+        *,
+        dtype=mx.bfloat16,
+        low_memory: bool = False,
+    ):
+        self.transformer = _Slot(transformer)
+        self.text_encoder = _Slot(text_encoder)
+        self.tokenizer = _Slot(tokenizer)
+        self.vae = _Slot(vae)
+        self.info = info
+        self.dtype = dtype
+        self.low_memory = low_memory
+        self._prompt_cache: dict[str, mx.array] = {}  # prompt -> (1, 512, C) embeddings
+
+    # ---- stages -------------------------------------------------------------------------------
+
+    def encode_prompts(self, prompts: Sequence[str]) -> mx.array:
+        """Embeddings (B, 512, 3*hidden) for `prompts`; the text encoder is released afterwards."""
+        missing = [p for p in dict.fromkeys(prompts) if p not in self._prompt_cache]
+        if missing:
+            from .text_encoder import encode_prompts
+
+            emb = encode_prompts(self.text_encoder.get(), self.tokenizer.get(), missing).astype(self.dtype)
+            mx.eval(emb)
+            for i, p in enumerate(missing):
+                self._prompt_cache[p] = emb[i : i + 1]
+            # Keep a handful of recent prompts; the encoder itself is the big allocation.
+            while len(self._prompt_cache) > 8:
+                self._prompt_cache.pop(next(iter(self._prompt_cache)))
+            self.text_encoder.release()
+        return mx.concatenate([self._prompt_cache[p] for p in prompts], axis=0)
+
+    def encode_references(self, images: Sequence) -> tuple[mx.array, mx.array, tuple[int, int]]:
+        """VAE-encode references -> tokens (1, sum h_k*w_k, 128), ids (.., 4), first one's (W, H)."""
+        vae = self.vae.get()
+        tokens, ids, first_size = [], [], None
+        for k, image in enumerate(images):
+            pixels = preprocess_reference(image)  # (H, W, 3)
+            H, W = pixels.shape[:2]
+            first_size = first_size or (W, H)
+            tok = vae.encode_to_tokens(mx.array(pixels)[None].astype(self.dtype))  # (1, H/16*W/16, 128)
+            tokens.append(tok)
+            ids.append(image_ids(H // 16, W // 16, t=10 * (k + 1)))
+        out = mx.concatenate(tokens, axis=1), mx.concatenate(ids, axis=0)
+        mx.eval(out)
+        return out[0], out[1], first_size
+
+    # ---- the run ------------------------------------------------------------------------------
+
+    def stream(
+        self,
+        prompt: str,
+        *,
+        width: int | None = None,
+        height: int | None = None,
+        steps: int | None = None,
+        guidance: float | None = None,
+        seed: int | None = None,
+        images: Sequence | None = None,
+        negative_prompt: str | None = None,
+        latents=None,
+        output_type: str = "pil",
+    ) -> Iterator[Progress]:
+        """Run a generation, yielding a `Progress` after encoding, after every step and at the end.
+
+        The final event (stage "decode") carries the image. See `generate` for the arguments.
+        """
+        if output_type not in ("pil", "np"):
+            raise FluxKleinError(f"output_type must be 'pil' or 'np', not {output_type!r}")
+        info = self.info
+        steps = steps or info.default_steps
+        if steps < 1:
+            raise FluxKleinError(f"steps must be at least 1, not {steps}")
+        if info.is_distilled:
+            if guidance is not None and guidance != 1.0:
+                warnings.warn(
+                    f"guidance {guidance} is ignored: {info.name} is guidance-distilled (use a Base model for CFG)"
+                )
+            guidance = None
+            if negative_prompt:
+                warnings.warn(f"negative_prompt is ignored: {info.name} runs without classifier-free guidance")
+        else:
+            guidance = info.default_guidance if guidance is None else float(guidance)
+        cfg = guidance is not None and guidance > 1.0
+        if isinstance(images, (str, Path, Image.Image)):
+            images = [images]
+        images = list(images or [])
+        if width is not None or height is not None or not images:
+            width, height = width or 1024, height or 1024
+            check_size(width, height)
+        seed = random.randrange(2**31) if seed is None and latents is None else seed
+        stats: dict = {"seed": seed, "steps": steps, "guidance": guidance}
+
+        # 1. Conditioning: prompt embeddings (text encoder released after), reference tokens.
+        mx.reset_peak_memory()
+        t0 = time.perf_counter()
+        prompts = [prompt] + ([negative_prompt or ""] if cfg else [])
+        ctx = self.encode_prompts(prompts)  # (1 or 2, 512, C); [cond, uncond]
+        ref_tokens = ref_ids = None
+        if images:
+            ref_tokens, ref_ids, (rw, rh) = self.encode_references(images)
+            width, height = width or rw, height or rh
+            check_size(width, height)
+        stats["encode"] = {"seconds": time.perf_counter() - t0, "peak_memory": mx.get_peak_memory()}
+        yield Progress("encode", 0, steps, stats["encode"]["seconds"], stats=stats)
+
+        # 2. Noise in the normalised, patchified latent space.
+        h, w, c = height // 16, width // 16, info.in_channels
+        if latents is not None:
+            x = mx.array(np.asarray(latents, dtype=np.float32))
+            if x.shape != (1, c, h, w):
+                raise FluxKleinError(f"latents must have shape (1, {c}, {h}, {w}) for {width}x{height}, not {x.shape}")
+        else:
+            x = FluxSampler.sample_prior((1, c, h, w), seed=seed)
+        x = pack_latents(x).astype(self.dtype)  # (1, h*w, c)
+
+        # 3. Denoise. Everything that depends only on shapes is built once, outside the loop.
+        mx.reset_peak_memory()
+        t_stage = time.perf_counter()
+        model = self.transformer.get()
+        sigmas = FluxSampler().timesteps(h * w, steps)
+        img_ids = image_ids(h, w) if ref_ids is None else mx.concatenate([image_ids(h, w), ref_ids], axis=0)
+        rope = model.compute_rope(text_ids(ctx.shape[1]), img_ids)
+        txt = model.embed_text(ctx)  # step-invariant text projection, hoisted out of the loop
+        B = ctx.shape[0]
+        ref = None if ref_tokens is None else mx.broadcast_to(ref_tokens, (B,) + ref_tokens.shape[1:])
+        n_target = h * w
+        for i in range(steps):
+            t_step = time.perf_counter()
+            x_in = mx.broadcast_to(x, (B,) + x.shape[1:])
+            if ref is not None:
+                x_in = mx.concatenate([x_in, ref], axis=1)  # [target; refs]
+            # diffusers' timestep path: sigma*1000 in the latent dtype, then /1000 (bf16-coarse, spec 2.3)
+            t = mx.full((B,), sigmas[i] * 1000.0, dtype=mx.float32).astype(self.dtype) / 1000.0
+            v = model.forward_with_rope(x_in, ctx, t, rope, txt_embedded=txt)[:, :n_target]
+            if cfg:
+                v = v[1:2] + guidance * (v[0:1] - v[1:2])  # uncond + s * (cond - uncond)
+            x = FluxSampler.step(x, v, sigmas[i], sigmas[i + 1])
+            finite = mx.all(mx.isfinite(x))
+            mx.eval(x, finite)
+            if not finite.item():
+                raise FluxKleinError(
+                    f"non-finite values appeared at denoising step {i + 1}: the weights may be damaged, "
+                    "or try --dtype float32"
+                )
+            yield Progress("denoise", i + 1, steps, time.perf_counter() - t_step, stats=stats)
+        stats["denoise"] = {
+            "seconds": time.perf_counter() - t_stage,
+            "peak_memory": mx.get_peak_memory(),
+            "seconds_per_step": (time.perf_counter() - t_stage) / steps,
+        }
+        del model
+        if self.low_memory:
+            self.transformer.release()
+
+        # 4. Decode: denormalise -> unpatchify -> VAE decoder.
+        mx.reset_peak_memory()
+        t0 = time.perf_counter()
+        decoded = self.vae.get().decode_tokens(x, h, w)
+        image = to_output(decoded, output_type)
+        stats["decode"] = {"seconds": time.perf_counter() - t0, "peak_memory": mx.get_peak_memory()}
+        stats["total_seconds"] = sum(stats[s]["seconds"] for s in ("encode", "denoise", "decode"))
+        stats["width"], stats["height"] = width, height
+        yield Progress("decode", steps, steps, stats["decode"]["seconds"], image=image, stats=stats)
+
+    def generate(
+        self,
+        prompt: str,
+        *,
+        width: int | None = None,
+        height: int | None = None,
+        steps: int | None = None,
+        guidance: float | None = None,
+        seed: int | None = None,
+        images: Sequence | None = None,
+        negative_prompt: str | None = None,
+        latents=None,
+        output_type: str = "pil",
+    ):
+        """Generate one image.
+
+        Args:
+            prompt: the text prompt.
+            width, height: output size in pixels, multiples of 16 (default 1024x1024; with
+                reference images and no size given, the first reference's processed size).
+            steps: denoising steps (default: 4 for distilled models, 50 for Base).
+            guidance: CFG scale for Base models (default 4.0); ignored, with a warning, by
+                distilled models.
+            seed: seed of the initial noise (MLX RNG); random when None.
+            images: reference image(s) for editing / multi-reference (PIL images or paths).
+            negative_prompt: the unconditional prompt of CFG (Base models; default "").
+            latents: initial noise in diffusers' layout (1, 128, H/16, W/16), instead of a seed.
+            output_type: "pil" (PIL image) or "np" (float32 array (H, W, 3) in [0, 1]).
+        """
+        event = None
+        for event in self.stream(
+            prompt, width=width, height=height, steps=steps, guidance=guidance, seed=seed, images=images,
+            negative_prompt=negative_prompt, latents=latents, output_type=output_type,
+        ):
+            pass
+        self.last_stats = event.stats
+        return event.image
+
+
+DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-4B"
+DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+
+
+def _quantized(load_fn: Callable[[], object], bits: int | None, group_size: int) -> Callable[[], object]:
+    """Wrap a loader so that the model is quantized as it loads (lazily, one layer at a time)."""
+    if not bits:
+        return load_fn
+
+    def load_and_quantize():
+        from .quantize import evaluate_by_layer, quantize_model
+
+        model = load_fn()
+        quantize_model(model, bits, group_size)
+        evaluate_by_layer(model)
+        return model
+
+    return load_and_quantize
+
+
+def load(
+    model: str | Path = DEFAULT_MODEL,
+    *,
+    dtype: str = "bfloat16",
+    quantize: int | None = None,
+    group_size: int = 64,
+    low_memory: bool = False,
+) -> FluxKleinPipeline:
+    """Load a FLUX.2 [klein] pipeline.
+
+    Args:
+        model: a Hugging Face repo id (e.g. "black-forest-labs/FLUX.2-klein-4B", resolved through
+            the hub cache, downloading only the files the pipeline needs), a local folder in the
+            diffusers layout of the klein repos, or a folder written by `convert`.
+        dtype: "bfloat16" (default), "float16" or "float32" for weights and activations.
+        quantize: 4 or 8 to quantize the transformer and text encoder at load (a folder that is
+            already quantized keeps its own quantization).
+        group_size: quantization group size (64).
+        low_memory: also release the transformer before the VAE decode (it reloads next time).
+
+    The variant (4B/9B, distilled/Base) is read from the files. Models load on first use.
+    """
+    from .quantize import check_quantization
+    from .tokenizer import load_tokenizer
+    from .transformer import FluxKleinParams, load_flux_klein
+    from .text_encoder import load_text_encoder
+    from .vae import AutoEncoderConfig, load_vae
+    from .weights import read_json, resolve_model
+
+    if dtype not in DTYPES:
+        raise FluxKleinError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    dt = DTYPES[dtype]
+    if quantize is not None:
+        check_quantization(quantize, group_size)
+    path = resolve_model(model)
+    if path.is_file():
+        raise FluxKleinError(
+            f"{path} is a single weight file; convert it into a model folder first: "
+            f"python -m flux_klein_mlx convert --model {path} --output DIR"
+        )
+
+    from .convert import is_mlx_folder
+
+    if is_mlx_folder(path):
+        from .convert import load_component, read_config
+
+        config = read_config(path)
+        params = FluxKleinParams.from_dict(config["transformer"]["config"])
+        record = config["transformer"].get("quantization")
+        info = ModelInfo(
+            variant=config["variant"], is_distilled=bool(config["is_distilled"]), source=str(model), dtype=dtype,
+            quantization=record or ({"bits": quantize, "group_size": group_size} if quantize else None),
+            in_channels=params.in_channels,
+        )
+        q = None if record else quantize
+
+        def component(name):
+            return lambda: load_component(path, name, dt, q if name != "vae" else None, group_size)
+
+        loaders = [component("transformer"), component("text_encoder"), lambda: load_tokenizer(path / "tokenizer"),
+                   component("vae")]
+    else:
+        if not (path / "model_index.json").is_file():
+            raise FluxKleinError(
+                f"{path} is not a FLUX.2 [klein] model folder: no model_index.json (diffusers layout) and no "
+                "config.json written by `convert`"
+            )
+        index = read_json(path / "model_index.json")
+        kind = index.get("_class_name")
+        if kind != "Flux2KleinPipeline":
+            raise FluxKleinError(
+                f"{path} holds a {kind} model; flux_klein_mlx runs FLUX.2 [klein] 4B/9B "
+                "(Flux2KleinPipeline), distilled or Base"
+            )
+        tconfig = read_json(path / "transformer" / "config.json")
+        if tconfig.get("guidance_embeds"):
+            raise FluxKleinError(f"{path} is a FLUX.2-dev transformer, not klein; use a FLUX.2 [klein] model")
+        params = FluxKleinParams.from_dict(tconfig)
+        vae_config = AutoEncoderConfig.from_dict(read_json(path / "vae" / "config.json"))
+        if 4 * vae_config.latent_channels != params.in_channels:
+            raise FluxKleinError(
+                f"the VAE has {vae_config.latent_channels} latent channels but the transformer takes "
+                f"{params.in_channels // 4}; the snapshot mixes components of different models"
+            )
+        info = ModelInfo(
+            variant=params.variant, is_distilled=bool(index.get("is_distilled", False)), source=str(model),
+            dtype=dtype, quantization={"bits": quantize, "group_size": group_size} if quantize else None,
+            in_channels=params.in_channels,
+        )
+        loaders = [
+            _quantized(lambda: load_flux_klein(path / "transformer", params, dt, lazy=bool(quantize)), quantize,
+                       group_size),
+            _quantized(lambda: load_text_encoder(path / "text_encoder", dt, expected_dim=params.context_in_dim),
+                       quantize, group_size),
+            lambda: load_tokenizer(path / "tokenizer"),
+            lambda: load_vae(path / "vae", dt),
+        ]
+    return FluxKleinPipeline(*loaders, info, dtype=dt, low_memory=low_memory)
