@@ -76,14 +76,13 @@ def _mb(nbytes: int) -> str:
 def generate(prompt, model, width, height, steps, guidance, seed, images, negative_prompt, num_images,
              quantize, dtype, low_memory, output):
     """Generate images from a prompt (and optional reference images)."""
-    from .pipeline import check_size
+    from .pipeline import check_size, preprocess_reference
 
-    # Cheap checks before loading gigabytes.
+    # Cheap checks before loading gigabytes: sizes, reference images, the output path.
     if width is not None or height is not None:
         check_size(width or 1024, height or 1024)
     for p in images:
-        if not Path(p).is_file():
-            raise FluxKleinError(f"reference image not found: {p}")
+        preprocess_reference(p)
     paths = output_paths(output, num_images)
 
     import flux_klein_mlx

@@ -1,0 +1,166 @@
+"""`python -m flux_klein_mlx generate` on a tiny model: PNG + metadata, reproducibility, the hub
+cache path of a new user (offline), and one-line errors that leave no file behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from flux_klein_mlx.__main__ import main
+from tiny_model import shared_tiny_snapshot
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory):
+    return shared_tiny_snapshot(tmp_path_factory, distilled=True)
+
+
+def generate(args, capsys):
+    code = main(["generate", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_writes_png_with_metadata_and_never_overwrites(snapshot, tmp_path, capsys):
+    out = tmp_path / "fox.png"
+    args = ["--model", str(snapshot), "--prompt", "a red fox", "--seed", "42", "--width", "96", "--height", "64",
+            "--dtype", "float32", "--output", str(out)]
+    code, stdout, stderr = generate(args, capsys)
+    assert code == 0, stderr
+    assert stdout.strip() == str(out) and out.is_file()
+    assert "denoising" in stderr and "s/step" in stderr and "peak" in stderr
+    with Image.open(out) as im:
+        assert im.size == (96, 64)
+        meta = dict(im.text)
+        first = np.asarray(im.convert("RGB"))
+    assert meta["prompt"] == "a red fox" and meta["seed"] == "42" and meta["steps"] == "4"
+    assert meta["width"] == "96" and meta["height"] == "64" and meta["model"] == str(snapshot)
+    assert json.loads(meta["parameters"])["guidance"] is None
+
+    # Same seed again: the existing file is kept, a new name is chosen and printed, same pixels.
+    code, stdout, stderr = generate(args, capsys)
+    second_path = tmp_path / "fox-1.png"
+    assert code == 0 and stdout.strip() == str(second_path) and "exists" in stderr
+    with Image.open(second_path) as im:
+        assert np.array_equal(np.asarray(im.convert("RGB")), first)
+    with Image.open(out) as im:
+        assert np.array_equal(np.asarray(im.convert("RGB")), first)
+
+
+def test_generate_num_images_counts_seeds_up(snapshot, tmp_path, capsys):
+    out = tmp_path / "many.png"
+    code, stdout, _ = generate(["--model", str(snapshot), "-p", "x", "--seed", "5", "-n", "2", "-W", "64", "-H", "64",
+                                "--dtype", "float32", "-o", str(out)], capsys)
+    assert code == 0
+    paths = stdout.split()
+    assert paths == [str(tmp_path / "many-0.png"), str(tmp_path / "many-1.png")]
+    seeds = [Image.open(p).text["seed"] for p in paths]
+    assert seeds == ["5", "6"]
+
+
+def test_editing_with_reference_image(snapshot, tmp_path, capsys):
+    ref = tmp_path / "ref.png"
+    Image.fromarray((np.random.default_rng(0).random((72, 100, 3)) * 255).astype(np.uint8)).save(ref)
+    out = tmp_path / "edit.png"
+    code, _, stderr = generate(["--model", str(snapshot), "-p", "make it blue", "--image", str(ref), "--seed", "1",
+                                "--dtype", "float32", "-o", str(out)], capsys)
+    assert code == 0, stderr
+    with Image.open(out) as im:
+        assert im.size == (96, 64)  # the reference's size, floored to multiples of 16 and centre-cropped
+        assert json.loads(im.text["parameters"])["references"] == [str(ref)]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--width", "100"], "width 100 is not a multiple of 16; use 96 or 112"),
+        (["--height", "8192"], "height 8192 is out of range"),
+        (["--image", "/no/such.png"], "reference image not found: /no/such.png"),
+        (["--model", "/no/such/folder"], "model '/no/such/folder' not found"),
+        (["--model", "nobody/no-such-model"], "is neither a local folder nor a downloadable Hugging Face repo id"),
+        (["--output", "/no/such/dir/x.png"], "output folder /no/such/dir does not exist"),
+        (["--quantize", "4", "--output", "x.jpg"], "--output must end in .png"),
+    ],
+)
+def test_bad_input_one_line_error_and_no_file(snapshot, tmp_path, capsys, extra, message, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["--model", str(snapshot), "-p", "x", "--dtype", "float32", "-o", str(tmp_path / "out.png"), *extra]
+    code, stdout, stderr = generate(args, capsys)
+    assert code != 0
+    assert message in stderr
+    assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
+    assert list(tmp_path.glob("*.png")) == []
+
+
+def test_small_or_extreme_reference_and_unsupported_model(snapshot, tmp_path, capsys):
+    small = tmp_path / "small.png"
+    Image.new("RGB", (40, 80)).save(small)
+    wide = tmp_path / "wide.png"
+    Image.new("RGB", (640, 64)).save(wide)
+    for path, message in ((small, "both sides must be at least 64 px"), (wide, "the limit is 8:1")):
+        code, _, stderr = generate(["--model", str(snapshot), "-p", "x", "--image", str(path), "--dtype", "float32",
+                                    "-o", str(tmp_path / "o.png")], capsys)
+        assert code == 1 and message in stderr and len(stderr.strip().splitlines()) == 1
+    dev = tmp_path / "dev"
+    shutil.copytree(snapshot, dev)
+    index = json.loads((dev / "model_index.json").read_text())
+    index["_class_name"] = "Flux2Pipeline"
+    (dev / "model_index.json").write_text(json.dumps(index))
+    code, _, stderr = generate(["--model", str(dev), "-p", "x", "-o", str(tmp_path / "o.png")], capsys)
+    assert code == 1 and "holds a Flux2Pipeline model" in stderr
+    assert list(tmp_path.glob("o*.png")) == []
+
+
+def test_non_finite_weights_stop_with_message_and_no_file(snapshot, tmp_path, capsys):
+    import mlx.core as mx
+
+    bad = tmp_path / "bad"
+    shutil.copytree(snapshot, bad)
+    f = bad / "transformer" / "diffusion_pytorch_model.safetensors"
+    w = mx.load(str(f))
+    w["proj_out.weight"] = mx.full(w["proj_out.weight"].shape, float("inf"))
+    mx.save_safetensors(str(f), w)
+    code, _, stderr = generate(["--model", str(bad), "-p", "x", "-W", "64", "-H", "64", "--dtype", "float32",
+                                "-o", str(tmp_path / "nan.png")], capsys)
+    assert code == 1 and "non-finite values appeared at denoising step 1" in stderr
+    assert not (tmp_path / "nan.png").exists()
+
+
+def _hub_cache(snapshot: Path, cache: Path, repo_id: str) -> None:
+    """Lay a snapshot out like huggingface_hub's cache: models--owner--name/{refs/main, snapshots/<rev>}."""
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    root = cache / ("models--" + repo_id.replace("/", "--"))
+    shutil.copytree(snapshot, root / "snapshots" / rev)
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(rev)
+
+
+def test_first_run_of_a_new_user_from_the_hub_cache_offline(snapshot, tmp_path):
+    """`--model owner/name` resolves through huggingface_hub's cache with HF_HUB_OFFLINE=1, in a real process."""
+    cache = tmp_path / "hub"
+    _hub_cache(snapshot, cache, "black-forest-labs/FLUX.2-klein-4B")
+    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    out = tmp_path / "first.png"
+    # The default --model is the klein-4B repo id: exactly what a new user types.
+    cmd = [sys.executable, "-m", "flux_klein_mlx", "generate", "--prompt", "a lighthouse", "--seed", "3",
+           "--width", "64", "--height", "64", "--output", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert out.is_file() and Image.open(out).text["model"] == "black-forest-labs/FLUX.2-klein-4B"
+
+    # An id that is not in the cache: one line, exit 1, no traceback.
+    proc = subprocess.run(cmd[:-1] + [str(tmp_path / "second.png"), "--model", "someone/missing-model"], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("error: model 'someone/missing-model' is neither")
+    assert not (tmp_path / "second.png").exists()
