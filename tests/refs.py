@@ -21,7 +21,8 @@ def randomize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-            if not t.is_floating_point():
+            # Integer buffers and RoPE frequency tables are structure, not weights.
+            if not t.is_floating_point() or "inv_freq" in name:
                 continue
             r = torch.randn(t.shape, generator=g, dtype=torch.float32)
             if t.ndim >= 2:
