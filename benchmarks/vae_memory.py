@@ -1,0 +1,93 @@
+"""Peak memory and time of the full-size FLUX.2 VAE decoder, untiled vs tiled.
+
+Random weights (the numbers do not depend on them), one image, latents of the real shape.
+Peak memory is `mx.get_peak_memory()` after `mx.reset_peak_memory()` around each decode; the
+decoder's own weights (~200 MB in float32) are allocated before and counted in both.
+
+    python benchmarks/vae_memory.py --size 1024            # untiled then tiled, float32
+    python benchmarks/vae_memory.py --size 512 --dtype bfloat16 --modes tiled
+
+On Linux this takes minutes per 1024^2 decode (about 10 TFLOP on a few CPU cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import os
+import platform
+import sys
+import time
+
+# MLX's Linux CPU wheel bundles a slow reference BLAS; load OpenBLAS first when it is there.
+if sys.platform.startswith("linux") and ctypes.util.find_library("openblas"):
+    ctypes.CDLL(ctypes.util.find_library("openblas"), mode=ctypes.RTLD_GLOBAL)
+
+import mlx.core as mx  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from flux_klein_mlx.vae import AutoEncoder, AutoEncoderConfig  # noqa: E402
+
+
+def decode_flops(size: int, config: AutoEncoderConfig) -> float:
+    """Multiply-adds x 2 of the decoder's convs and mid attention for a size x size image."""
+    ch = list(reversed(config.block_out_channels))
+    s = size // config.downscale
+    f = 2 * s * s * 9 * config.latent_channels * ch[0]  # conv_in
+    f += 2 * 2 * s * s * 9 * ch[0] * ch[0] + 2 * (4 * s * s * ch[0] ** 2 + 2 * (s * s) ** 2 * ch[0])  # mid
+    prev = ch[0]
+    for i, c in enumerate(ch):
+        for j in range(config.layers_per_block + 1):
+            cin = prev if j == 0 else c
+            f += 2 * s * s * 9 * (cin * c + c * c) + (2 * s * s * cin * c if cin != c else 0)
+        prev = c
+        if i < len(ch) - 1:
+            s *= 2
+            f += 2 * s * s * 9 * c * c  # upsample conv at the doubled size
+    return f + 2 * s * s * 9 * ch[-1] * config.out_channels
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", type=int, default=1024)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--modes", default="untiled,tiled")
+    p.add_argument("--tile-pixels", type=int, default=1 << 16)
+    args = p.parse_args()
+
+    dtype = getattr(mx, args.dtype)
+    config = AutoEncoderConfig.flux2()
+    model = AutoEncoder(config)
+    model.set_dtype(dtype)
+    decoder = model.decoder
+    mx.eval(decoder.parameters())
+    z = mx.random.normal((1, args.size // 8, args.size // 8, config.latent_channels), key=mx.random.key(0))
+    mx.eval(z)
+    flops = decode_flops(args.size, config)
+    print(
+        f"FLUX.2 VAE decoder, {args.size}x{args.size}, {args.dtype}, batch 1, random weights; "
+        f"mlx {mx.__version__}, {mx.default_device()}, {platform.machine()} {platform.system()}, "
+        f"{os.cpu_count()} cores; {flops / 1e12:.1f} TFLOP per decode"
+    )
+    outs = {}
+    for mode in args.modes.split(","):
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        t0 = time.perf_counter()
+        y = decoder.decode_tiled(z, args.tile_pixels) if mode == "tiled" else decoder(z)
+        mx.eval(y)
+        dt = time.perf_counter() - t0
+        peak = mx.get_peak_memory() / 2**30
+        outs[mode] = y
+        extra = f", tile_pixels {args.tile_pixels}" if mode == "tiled" else ""
+        print(f"{mode:8s} peak {peak:6.2f} GiB  time {dt:6.1f} s  ({flops / dt / 1e9:.0f} GFLOP/s){extra}")
+        del y
+    if "untiled" in outs and "tiled" in outs:
+        a, b = outs["untiled"].astype(mx.float32), outs["tiled"].astype(mx.float32)
+        diff = mx.abs(a - b).max().item() / max(mx.abs(a).max().item(), 1e-12)
+        print(f"tiled vs untiled: max|diff| / max|untiled| = {diff:.2e}")
+
+
+if __name__ == "__main__":
+    main()
