@@ -70,17 +70,18 @@ def _mb(nbytes: int) -> str:
 @click.option("--quantize", "-q", type=click.Choice(["4", "8"]), default=None,
               help="Quantize transformer and text encoder at load (not needed for a quantized folder).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
-@click.option("--low-memory", is_flag=True, help="Also release the transformer before decoding.")
+@click.option("--low-memory", is_flag=True, help="Release the transformer before decoding and decode in tiles (for small-memory Macs).")
 @click.option("--output", "-o", default="image.png", show_default=True,
               help="PNG path; an existing file is kept and a new name chosen.")
 def generate(prompt, model, width, height, steps, guidance, seed, images, negative_prompt, num_images,
              quantize, dtype, low_memory, output):
     """Generate images from a prompt (and optional reference images)."""
-    from .pipeline import check_size, preprocess_reference
+    from .pipeline import preprocess_reference
+    from .vae import check_image_size
 
     # Cheap checks before loading gigabytes: sizes, reference images, the output path.
     if width is not None or height is not None:
-        check_size(width or 1024, height or 1024)
+        check_image_size(width or 1024, height or 1024)
     for p in images:
         preprocess_reference(p)
     paths = output_paths(output, num_images)

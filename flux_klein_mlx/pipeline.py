@@ -25,12 +25,12 @@ from PIL import Image
 from .errors import FluxKleinError
 from .rope import image_ids, text_ids
 from .sampler import FluxSampler
+from .vae import check_image_size
 
 # Reference-image limits of both references (spec 8.1).
 REF_MIN_SIDE = 64
 REF_MAX_ASPECT = 8
 REF_MAX_AREA = 1024 * 1024
-MIN_SIDE, MAX_SIDE = 64, 4096
 
 
 @dataclass
@@ -129,16 +129,6 @@ def preprocess_reference(image, multiple: int = 16) -> np.ndarray:
     left, top = (w - cw) // 2, (h - ch) // 2
     img = img.crop((left, top, left + cw, top + ch))
     return np.asarray(img, dtype=np.float32) / 127.5 - 1.0
-
-
-def check_size(width: int, height: int, multiple: int = 16) -> None:
-    """Output sizes: multiples of 16 between 64 and 4096 px; otherwise a message with a fix."""
-    for name, v in (("width", width), ("height", height)):
-        if not isinstance(v, int) or v < MIN_SIDE or v > MAX_SIDE:
-            raise FluxKleinError(f"{name} {v} is out of range; use a multiple of {multiple} from {MIN_SIDE} to {MAX_SIDE}")
-        if v % multiple:
-            lo = v // multiple * multiple
-            raise FluxKleinError(f"{name} {v} is not a multiple of {multiple}; use {lo} or {lo + multiple}")
 
 
 def pack_latents(latents: mx.array) -> mx.array:
@@ -257,7 +247,7 @@ class FluxKleinPipeline:
         images = list(images or [])
         if width is not None or height is not None or not images:
             width, height = width or 1024, height or 1024
-            check_size(width, height)
+            check_image_size(width, height)
         seed = random.randrange(2**31) if seed is None and latents is None else seed
         stats: dict = {"seed": seed, "steps": steps, "guidance": guidance}
 
@@ -270,7 +260,7 @@ class FluxKleinPipeline:
         if images:
             ref_tokens, ref_ids, (rw, rh) = self.encode_references(images)
             width, height = width or rw, height or rh
-            check_size(width, height)
+            check_image_size(width, height)
         stats["encode"] = {"seconds": time.perf_counter() - t0, "peak_memory": mx.get_peak_memory()}
         yield Progress("encode", 0, steps, stats["encode"]["seconds"], stats=stats)
 
@@ -326,7 +316,8 @@ class FluxKleinPipeline:
         # 4. Decode: denormalise -> unpatchify -> VAE decoder.
         mx.reset_peak_memory()
         t0 = time.perf_counter()
-        decoded = self.vae.get().decode_tokens(x, h, w)
+        # Low-memory mode decodes in row bands (same result, bounded activation peak).
+        decoded = self.vae.get().decode_tokens(x, h, w, tiled=self.low_memory)
         image = to_output(decoded, output_type)
         stats["decode"] = {"seconds": time.perf_counter() - t0, "peak_memory": mx.get_peak_memory()}
         stats["total_seconds"] = sum(stats[s]["seconds"] for s in ("encode", "denoise", "decode"))
@@ -410,7 +401,8 @@ def load(
         quantize: 4 or 8 to quantize the transformer and text encoder at load (a folder that is
             already quantized keeps its own quantization).
         group_size: quantization group size (64).
-        low_memory: also release the transformer before the VAE decode (it reloads next time).
+        low_memory: also release the transformer before the VAE decode (it reloads next time)
+            and decode in row bands, which bounds the decoder's activation memory.
 
     The variant (4B/9B, distilled/Base) is read from the files. Models load on first use.
     """

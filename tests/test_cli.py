@@ -83,8 +83,8 @@ def test_editing_with_reference_image(snapshot, tmp_path, capsys):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--width", "100"], "width 100 is not a multiple of 16; use 96 or 112"),
-        (["--height", "8192"], "height 8192 is out of range"),
+        (["--width", "100"], "width 100 is not a multiple of 16; use e.g. 96 or 112"),
+        (["--height", "8192"], "height 8192 is above the maximum of 4096 px"),
         (["--image", "/no/such.png"], "reference image not found: /no/such.png"),
         (["--model", "/no/such/folder"], "model '/no/such/folder' not found"),
         (["--model", "nobody/no-such-model"], "is neither a local folder nor a downloadable Hugging Face repo id"),

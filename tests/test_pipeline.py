@@ -148,8 +148,8 @@ def test_guidance_on_distilled_is_ignored_with_warning(distilled):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(width=1000, height=64), "width 1000 is not a multiple of 16; use 992 or 1008"),
-        (dict(width=64, height=32), "height 32 is out of range"),
+        (dict(width=1000, height=64), "width 1000 is not a multiple of 16; use e.g. 992 or 1008"),
+        (dict(width=64, height=32), "height 32 is below the minimum of 64 px"),
         (dict(width=64, height=64, images=["/nonexistent.png"]), "reference image not found"),
         (dict(width=64, height=64, latents=np.zeros((1, 3, 4, 4), np.float32)), "latents must have shape"),
     ],
