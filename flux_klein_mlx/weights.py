@@ -7,6 +7,7 @@ evaluated, so tensors that a caller drops (e.g. Qwen3 layers above 27) are never
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -111,3 +112,169 @@ def load_into(model, weights: dict[str, mx.array], what: str, dtype=None) -> Non
         # integer weights keep theirs.
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()), strict=True)
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+# safetensors dtype names; the bytes of every dtype are written through an unsigned view of equal width.
+_ST_DTYPES = {
+    mx.bool_: "BOOL", mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16", mx.int16: "I16",
+    mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32", mx.int32: "I32", mx.float32: "F32",
+    mx.uint64: "U64", mx.int64: "I64",
+}  # fmt: skip
+_UNSIGNED = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+
+
+def _tensor_bytes(a: mx.array):
+    """The evaluated array's bytes in C order, without an extra copy when it is contiguous."""
+    import numpy as np
+
+    if a.dtype == mx.bool_:
+        a = a.astype(mx.uint8)
+    return memoryview(np.ascontiguousarray(np.asarray(a.view(_UNSIGNED[a.dtype.size])))).cast("B")
+
+
+def save_safetensors_streaming(
+    path: str | Path,
+    tensors: dict[str, mx.array],
+    metadata: dict[str, str] | None = None,
+    on_tensor: Callable[[str, int], None] | None = None,
+) -> None:
+    """Write `tensors` to one safetensors file, evaluating and writing one tensor at a time.
+
+    The header only needs shapes and dtypes, which lazy arrays know, so the file is written
+    sequentially and peak memory stays near the largest tensor (plus whatever it is computed from)
+    instead of the whole file, as `mx.save_safetensors` needs. The dict is consumed: each tensor is
+    popped before it is evaluated so nothing keeps it alive after it is written. `on_tensor(name,
+    nbytes)` is called after each tensor.
+    """
+    import json as _json
+
+    header: dict = {"__metadata__": dict(metadata or {"format": "mlx"})}
+    offset = 0
+    names = list(tensors)
+    for name in names:
+        a = tensors[name]
+        if a.dtype not in _ST_DTYPES:
+            raise FluxKleinError(f"cannot store {name}: dtype {a.dtype} has no safetensors equivalent")
+        header[name] = {"dtype": _ST_DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    blob = _json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for name in names:
+            a = tensors.pop(name)
+            mx.eval(a)
+            f.write(_tensor_bytes(a))
+            del a
+            if on_tensor is not None:
+                on_tensor(name, header[name]["data_offsets"][1] - header[name]["data_offsets"][0])
+
+
+def plan_shards(tensors: dict[str, mx.array], max_shard_bytes: int) -> list[list[str]]:
+    """Group tensor names, in order, into shards of at most `max_shard_bytes` (a bigger tensor gets its own)."""
+    shards: list[list[str]] = []
+    size = 0
+    for name, a in tensors.items():
+        if not shards or (size + a.nbytes > max_shard_bytes and shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += a.nbytes
+    return shards
+
+
+def save_safetensors_sharded(
+    weights: dict[str, mx.array],
+    folder: str | Path,
+    prefix: str,
+    max_shard_bytes: int = 5 << 30,
+    on_tensor: Callable[[str, int], None] | None = None,
+) -> list[Path]:
+    """Write `weights` as `prefix.safetensors`, or as `prefix-0000i-of-0000n.safetensors` shards
+    plus `prefix.safetensors.index.json` (Hugging Face's index format) when larger than one shard.
+
+    Streams like `save_safetensors_streaming` and consumes `weights`. Returns the files written.
+    """
+    folder = Path(folder)
+    total = sum(a.nbytes for a in weights.values())
+    shards = plan_shards(weights, max_shard_bytes)
+    if len(shards) <= 1:
+        path = folder / f"{prefix}.safetensors"
+        save_safetensors_streaming(path, weights, on_tensor=on_tensor)
+        return [path]
+    files, weight_map = [], {}
+    for i, names in enumerate(shards, start=1):
+        path = folder / f"{prefix}-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_safetensors_streaming(path, {n: weights.pop(n) for n in names}, on_tensor=on_tensor)
+        weight_map.update({n: path.name for n in names})
+        files.append(path)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return files
+
+
+def prefixed_files(folder: str | Path, prefix: str) -> list[Path]:
+    """The safetensors files of one component of a converted folder: `prefix.safetensors`, or the
+    shards named by `prefix.safetensors.index.json`."""
+    folder = Path(folder)
+    index = folder / f"{prefix}.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as e:
+            raise FluxKleinError(f"{index} is damaged ({e}); convert the model again") from None
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise FluxKleinError(f"{folder} is incomplete: missing shard(s) {', '.join(missing[:3])}; convert the model again")
+        return [folder / n for n in names]
+    single = folder / f"{prefix}.safetensors"
+    if single.is_file():
+        return [single]
+    raise FluxKleinError(f"{folder} has no {prefix} weights ({single.name}); convert the model again")
+
+
+# --- the hub ---------------------------------------------------------------------------------------
+
+# What the pipeline reads from a hub repo: the diffusers components, or a converted (MLX) folder.
+# The BFL single file at the root of the official repos duplicates transformer/ and is skipped.
+HUB_PATTERNS = [
+    "model_index.json", "scheduler/*", "transformer/*", "text_encoder/*", "tokenizer/*", "vae/*",
+    "config.json", "transformer*.safetensors*", "text_encoder*.safetensors*", "vae.safetensors",
+]  # fmt: skip
+
+
+def resolve_model(model: str | Path, allow_patterns: list[str] | None = None, cache_dir: str | Path | None = None) -> Path:
+    """A local folder or file as a Path; otherwise a Hugging Face repo id, downloaded into (or found
+    in) the hub cache with `allow_patterns` (default: the files the pipeline needs).
+
+    Offline (HF_HUB_OFFLINE=1) a repo id resolves only when it is already cached. Anything that
+    is neither an existing path nor a reachable repo raises FluxKleinError.
+    """
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    text = str(model)
+    looks_like_path = text.startswith((".", "/", "~")) or text.count("/") != 1 or text.endswith(".safetensors")
+    if looks_like_path:
+        raise FluxKleinError(f"model '{text}' not found: no such folder or file, and it is not a Hugging Face repo id (owner/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, HFValidationError
+
+    try:
+        return Path(snapshot_download(repo_id=text, allow_patterns=allow_patterns or HUB_PATTERNS, cache_dir=cache_dir))
+    except GatedRepoError:
+        raise FluxKleinError(
+            f"model '{text}' is gated on Hugging Face: accept its licence on the model page, log in with "
+            "`hf auth login`, and retry"
+        ) from None
+    except (HFValidationError, EntryNotFoundError, ValueError, OSError) as e:
+        # Offline and not cached, unknown repo, no network: huggingface_hub raises OSError subclasses.
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        hint = "it is not in the local Hugging Face cache and HF_HUB_OFFLINE is set" if offline else type(e).__name__
+        raise FluxKleinError(
+            f"model '{text}' is neither a local folder nor a downloadable Hugging Face repo id ({hint}); "
+            "check the path or the repo id, and your network"
+        ) from None

@@ -1,0 +1,95 @@
+"""The analytic FLOP model of FLUX.2 [klein] and the lower bounds it implies, per chip.
+
+The formulas live in the package (`flux_klein_mlx.benchmark`, which the `benchmark` command
+uses to turn seconds into TFLOPS and % of peak); this module re-exports them and, when run,
+prints the tables of docs/performance.md sections 0, 4 and 5 from the model presets:
+
+    .venv/bin/python benchmarks/flops.py
+
+Conventions: 1 multiply-add = 2 FLOPs, batch 1, one transformer forward per step (distilled
+klein, no CFG), 512 text tokens, image tokens = (W/16)·(H/16). Lower bound = FLOPs / peak.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flux_klein_mlx.benchmark import (  # noqa: E402,F401  (re-exported)
+    APPLE_CHIPS,
+    OTHER_ACCELERATORS,
+    Flops,
+    chip_peak_tflops,
+    flops_of_text_encoder,
+    flops_of_transformer,
+    flops_of_vae_decoder,
+    text_encoder_flops,
+    transformer_step_flops,
+    vae_decoder_flops,
+)
+from flux_klein_mlx.text_encoder import qwen3_4b, qwen3_8b  # noqa: E402
+from flux_klein_mlx.transformer import FluxKleinParams, count_parameters  # noqa: E402
+from flux_klein_mlx.vae import AutoEncoderConfig  # noqa: E402
+
+SIZES = (1024, 512)
+
+
+def variants() -> dict:
+    """klein-4B and klein-9B: (transformer params, text encoder config)."""
+    return {"klein-4B": (FluxKleinParams.klein_4b(), qwen3_4b()), "klein-9B": (FluxKleinParams.klein_9b(), qwen3_8b())}
+
+
+def image_flops(params, qwen, size: int, steps: int = 4) -> dict:
+    """FLOPs (TFLOP) of each stage of one size×size image, and the total."""
+    step = flops_of_transformer(params, size, size)
+    text = flops_of_text_encoder(qwen, layers=27)
+    vae = flops_of_vae_decoder(AutoEncoderConfig.flux2(), size, size)
+    return {
+        "step": step.total / 1e12,
+        "step_linear": step.linear / 1e12,
+        "step_attention": step.attention / 1e12,
+        "text_encoder": text.total / 1e12,
+        "vae_decode": vae.total / 1e12,
+        "vae_attention": vae.attention / 1e12,
+        "image": (steps * step.total + text.total + vae.total) / 1e12,
+    }
+
+
+def tables() -> str:
+    out = []
+    out.append("FLOPs per step (TFLOP), 512 text tokens")
+    out.append(f"{'':<10}{'size':>6}{'params':>10}{'linear':>9}{'attention':>11}{'step':>8}{'4 steps':>9}"
+               f"{'encoder':>9}{'VAE dec':>9}{'image':>8}")  # fmt: skip
+    flops = {}
+    for name, (params, qwen) in variants().items():
+        for size in SIZES:
+            f = flops[name, size] = image_flops(params, qwen, size)
+            out.append(
+                f"{name:<10}{size:>5}²{count_parameters(params) / 1e9:>9.3f}B{f['step_linear']:>9.2f}"
+                f"{f['step_attention']:>11.2f}{f['step']:>8.2f}{4 * f['step']:>9.1f}{f['text_encoder']:>9.2f}"
+                f"{f['vae_decode']:>9.2f}{f['image']:>8.1f}"
+            )
+    out.append("")
+    out.append("Lower bounds at 100 % of peak (per step / per 4-step image incl. encoder and decoder)")
+    cols = [("klein-4B", 1024), ("klein-4B", 512), ("klein-9B", 1024), ("klein-9B", 512)]
+    out.append(f"{'chip':<18}{'TFLOPS':>7}" + "".join(f"{n[6:] + ' ' + str(s) + '² step':>17}{'image':>9}" for n, s in cols))
+
+    def fmt(seconds: float) -> str:
+        return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+    chips = [(f"{n} ({c}c)", chip_peak_tflops(n, c)) for n, c, _, _ in APPLE_CHIPS]
+    chips += [(n, t) for n, t, _ in OTHER_ACCELERATORS]
+    for label, peak in chips:
+        row = f"{label:<18}{peak:>7.1f}"
+        for key in cols:
+            f = flops[key]
+            row += f"{fmt(f['step'] / peak):>17}{fmt(f['image'] / peak):>9}"
+        out.append(row)
+    out.append("M5 rows count the shader ALUs only (GPU neural accelerators unpublished): measure first.")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(tables())

@@ -1,0 +1,660 @@
+"""Memory of converting and of running FLUX.2 [klein] 4B at 4 bits, on full-size random weights.
+
+Part 1, `convert`: lays out a full-size random klein-4B snapshot exactly like the hub repo
+(diffusers transformer/ with one ~7.75 GB bf16 file, Qwen3-4B text_encoder/ in 2 shards with all
+36 layers, vae/, the real Qwen3 tokenizer, model_index.json), generated tensor by tensor, then
+runs `convert_model` (what `python -m flux_klein_mlx convert` calls) in bf16 and in 4-bit, each in
+a fresh process: wall time, peak MLX memory (`mx.get_peak_memory`), max RSS, file sizes.
+
+Part 2, `resident`: loads each component of the 4-bit folder in a fresh process and reads
+`mx.get_active_memory()`: what a stage holds (transformer 4-bit, Qwen3-4B 27 layers 4-bit, VAE bf16).
+
+Part 3, `activations`: each stage's activation peak (peak minus what was resident before the
+call), in float32 with full-width models of reduced depth (the activations of a layer-by-layer
+model do not depend on its depth; checked at 256²), at 256², 512² and 1024²:
+encode = Qwen3-4B at 512 tokens, denoise = one Euler step of the transformer (512 text tokens +
+image tokens), decode = the VAE decoder. On a Mac the transformer's and Qwen3's attention (head
+dim 128) runs in MLX's fused Metal kernel, which never stores the L×L scores, and convolutions
+run as implicit GEMM without unfolding their input. MLX's CPU backend does both the expensive way,
+so the activation runs swap those ops for stand-ins with the kernels' memory profile (one op,
+output-sized allocation, same inputs; see `emulate_fused_attention`): the measured numbers are the
+rest of the graph as MLX schedules it, plus what the kernels allocate. The VAE's mid attention
+(head dim 512) has no fused Metal kernel, so it runs unchanged. A width-reduced run in bf16 vs
+float32 gives the dtype factor for the Mac's bf16 activations.
+
+    .venv/bin/python benchmarks/memory.py all --work /tmp/klein-memory     # ~30 GB of disk, deleted after
+    .venv/bin/python benchmarks/memory.py activations                      # no disk needed
+
+Results go to benchmarks/memory.json (the tables of benchmarks/MEMORY.md are made from it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+if sys.platform == "linux" and "mlx.core" not in sys.modules and ctypes.util.find_library("openblas"):
+    try:
+        ctypes.CDLL(ctypes.util.find_library("openblas"), mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        pass
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import resource  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+RESULTS = ROOT / "benchmarks" / "memory.json"
+GB = 1e9
+
+# diffusers / transformers configs of the real klein-4B repo (reference-spec sections 2.1, 5.1, 6.1).
+TRANSFORMER_4B = dict(
+    patch_size=1, in_channels=128, out_channels=None, num_layers=5, num_single_layers=20, attention_head_dim=128,
+    num_attention_heads=24, joint_attention_dim=7680, timestep_guidance_channels=256, mlp_ratio=3.0,
+    axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=False,
+)  # fmt: skip
+QWEN3_4B = dict(
+    vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    max_position_embeddings=40960, torch_dtype="bfloat16",
+)  # fmt: skip
+
+
+def rss_bytes() -> int:
+    """Max resident set size of this process so far (Linux reports KiB, macOS bytes)."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+# --- part 1: a full-size random snapshot -------------------------------------------------------------
+
+
+def _shapes(module) -> dict[str, tuple[tuple[int, ...], str]]:
+    import torch
+
+    out = {}
+    for name, t in list(module.state_dict().items()):
+        out[name] = (tuple(t.shape), "int" if not torch.is_floating_point(t) else "float")
+    return out
+
+
+def _random_tensors(shapes: dict, seed: int) -> dict[str, mx.array]:
+    """Lazy bf16 uniform values of scale 1/sqrt(fan_in) (BN variances positive): generated at write time."""
+    out = {}
+    for i, (name, (shape, kind)) in enumerate(shapes.items()):
+        key = mx.random.key(seed * 100_000 + i)
+        if kind == "int":
+            out[name] = mx.zeros(shape, dtype=mx.int64)
+        elif name.endswith("running_var"):
+            out[name] = mx.random.uniform(0.5, 1.5, shape, dtype=mx.bfloat16, key=key)
+        else:
+            fan_in = 1
+            for s in shape[1:]:
+                fan_in *= s
+            r = (3.0 / max(fan_in, 1)) ** 0.5 if len(shape) > 1 else 0.1
+            out[name] = mx.random.uniform(-r, r, shape, dtype=mx.bfloat16, key=key)
+    return out
+
+
+def make_full_snapshot(dst: Path) -> dict:
+    """Write a random klein-4B snapshot in the hub layout; returns the seconds and bytes it took."""
+    import torch
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+    from refs import qwen_tokenizer_dir
+    from tiny_model import SCHEDULER
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from flux_klein_mlx.weights import save_safetensors_sharded, save_safetensors_streaming
+
+    t0 = time.perf_counter()
+    dst.mkdir(parents=True)
+    with torch.device("meta"):
+        transformer = Flux2Transformer2DModel(**TRANSFORMER_4B)
+        text_encoder = Qwen3ForCausalLM(Qwen3Config(**QWEN3_4B))
+        vae = AutoencoderKLFlux2()
+    index = {
+        "_class_name": "Flux2KleinPipeline", "_diffusers_version": "0.37.0.dev0", "is_distilled": True,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen3ForCausalLM"], "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+        "transformer": ["diffusers", "Flux2Transformer2DModel"], "vae": ["diffusers", "AutoencoderKLFlux2"],
+    }  # fmt: skip
+    (dst / "model_index.json").write_text(json.dumps(index, indent=2))
+    FlowMatchEulerDiscreteScheduler(**SCHEDULER).save_config(dst / "scheduler")
+    transformer.save_config(dst / "transformer")
+    vae.save_config(dst / "vae")
+    text_encoder.config.save_pretrained(dst / "text_encoder")
+    shutil.copytree(qwen_tokenizer_dir(), dst / "tokenizer")
+
+    save_safetensors_streaming(
+        dst / "transformer" / "diffusion_pytorch_model.safetensors", _random_tensors(_shapes(transformer), 1)
+    )
+    te = {k: v for k, v in _shapes(text_encoder).items() if k != "lm_head.weight"}  # tied: not stored
+    # Two shards with an index, named as transformers names them (model-00001-of-00002.safetensors).
+    save_safetensors_sharded(_random_tensors(te, 2), dst / "text_encoder", "model", max_shard_bytes=4_100_000_000)
+    save_safetensors_streaming(dst / "vae" / "diffusion_pytorch_model.safetensors", _random_tensors(_shapes(vae), 3))
+    return {
+        "seconds": time.perf_counter() - t0,
+        "bytes": {c: folder_bytes(dst / c) for c in ("transformer", "text_encoder", "vae", "tokenizer")},
+        "peak_memory": mx.get_peak_memory(),
+        "max_rss": rss_bytes(),
+    }
+
+
+def child_convert(src: str, out: str, bits: int | None) -> dict:
+    """One `convert_model` run; per-component seconds from the progress callback."""
+    from flux_klein_mlx.convert import convert_model
+
+    marks: dict[str, float] = {}
+
+    def progress(name, done, total):
+        marks.setdefault(name, time.perf_counter())
+        if done >= total:
+            marks[name + ":end"] = time.perf_counter()
+
+    t0 = time.perf_counter()
+    config = convert_model(src, out, dtype="bfloat16", bits=bits, progress=progress)
+    wall = time.perf_counter() - t0
+    files = {f.name: f.stat().st_size for f in sorted(Path(out).iterdir()) if f.is_file()}
+    per = {c: marks.get(c + ":end", 0) - marks.get(c, 0) for c in ("transformer", "text_encoder", "vae")}
+    return {
+        "bits": bits, "seconds": wall, "component_seconds": per, "peak_memory": mx.get_peak_memory(),
+        "max_rss": rss_bytes(), "files": files, "total_bytes": folder_bytes(Path(out)),
+        "quantized_layers": {c: len(config[c]["quantization"]["layers"]) if config[c]["quantization"] else 0
+                             for c in ("transformer", "text_encoder", "vae")},
+    }  # fmt: skip
+
+
+def child_resident(folder: str, name: str) -> dict:
+    """Load one component (evaluated) and report what it holds."""
+    from mlx.utils import tree_flatten
+
+    from flux_klein_mlx.convert import load_component
+
+    t0 = time.perf_counter()
+    model = load_component(folder, name)
+    seconds = time.perf_counter() - t0
+    mx.synchronize()
+    params = tree_flatten(model.parameters())
+    return {
+        "component": name, "load_seconds": seconds, "active_memory": mx.get_active_memory(),
+        "parameter_bytes": sum(v.nbytes for _, v in params), "peak_memory": mx.get_peak_memory(),
+        "max_rss": rss_bytes(),
+    }  # fmt: skip
+
+
+# --- part 3: activations ------------------------------------------------------------------------------
+
+FUSED_HEAD_DIMS = (64, 72, 80, 96, 128)  # MLX's full-attention Metal kernel (see module docstring)
+
+
+def emulate_fused_attention() -> None:
+    """Give attention the memory profile of MLX's fused Metal kernel: one op that reads q, k, v and
+    allocates only its output (the CPU backend instead materialises the (H, L, L) scores).
+
+    The stand-in computes q + sum(k) + sum(v): the same output shape and inputs, so the rest of the
+    lazy graph is scheduled and freed exactly as with the kernel, but the values are meaningless.
+    Only memory is measured with it. Head dims without a fused kernel (the VAE's 512) run as they are.
+    """
+    sdpa = mx.fast.scaled_dot_product_attention
+
+    def fused_stand_in(q, k, v, *, scale, mask=None, **kw):
+        if q.shape[-1] not in FUSED_HEAD_DIMS or q.shape[2] <= 8:
+            return sdpa(q, k, v, scale=scale, mask=mask, **kw)
+        extra = k.sum() + v.sum()
+        if isinstance(mask, mx.array):
+            extra = extra + mask.astype(q.dtype).sum()
+        return q + extra.astype(q.dtype)
+
+    mx.fast.scaled_dot_product_attention = fused_stand_in
+
+
+def emulate_implicit_gemm_conv() -> None:
+    """Give convolutions the memory profile of MLX's Metal convs (implicit GEMM: one op, output only).
+
+    MLX's CPU conv unfolds its whole input first (H·W·9·C values for a 3x3 conv: 9.7 GB of float32
+    for the VAE's 256-channel conv at 1024²), which Metal's implicit-GEMM kernels never do (Winograd,
+    when chosen, works in memory-bounded batches). The stand-in allocates the conv's output from
+    a strided view of the input and the weight's sum: same shape and inputs, meaningless values.
+    """
+
+    def conv_stand_in(x, w, stride=1, padding=0, dilation=1, groups=1, **kw):
+        st = (stride, stride) if isinstance(stride, int) else tuple(stride)
+        pad = (padding, padding) if isinstance(padding, int) else tuple(padding)
+        B, H, W, _ = x.shape
+        O, kh, kw_ = w.shape[0], w.shape[1], w.shape[2]
+        Ho, Wo = (H + 2 * pad[0] - kh) // st[0] + 1, (W + 2 * pad[1] - kw_) // st[1] + 1
+        # A strided view covering the output grid (rows/cols clipped), then one allocation of the output.
+        view = x[:, : Ho * st[0] : st[0], : Wo * st[1] : st[1], :1]
+        view = mx.pad(view, [(0, 0), (0, Ho - view.shape[1]), (0, Wo - view.shape[2]), (0, 0)]) if (
+            view.shape[1] != Ho or view.shape[2] != Wo) else view  # fmt: skip
+        return mx.broadcast_to(view, (B, Ho, Wo, 1)) * w.sum() + mx.zeros((O,), dtype=x.dtype)
+
+    mx.conv2d = conv_stand_in
+
+
+def emulate_matmul_kernels() -> None:
+    """Give Linear / QuantizedLinear layers the memory profile of a GEMM kernel (output only), without
+    the compute: bf16 and 4-bit matmuls run at a few GFLOPS on MLX's CPU backend, so a full-size
+    bf16 / 4-bit stage at 1024² is out of reach here, while its memory is what we want to know.
+    Validated against real float32 compute in `part_stages` (the 'check' rows)."""
+
+    def dense(self, x):
+        out = self["weight"].shape[0]
+        return mx.broadcast_to(x[..., :1], (*x.shape[:-1], out)) * self["weight"][0, 0] + mx.zeros((out,), x.dtype)
+
+    def quantized(self, x):
+        out = self["weight"].shape[0]
+        return mx.broadcast_to(x[..., :1], (*x.shape[:-1], out)) * self["scales"][0, 0] + mx.zeros((out,), x.dtype)
+
+    import mlx.nn as nn
+
+    nn.Linear.__call__ = dense
+    nn.QuantizedLinear.__call__ = quantized
+
+
+def emulate_fused_norms() -> None:
+    """Give mx.fast.layer_norm / rms_norm / rope the memory profile of their Metal kernels.
+
+    On the CPU these ops fall back to composed ops that upcast a bf16 input to a float32 copy and
+    build several full-size temporaries; the Metal kernels write one output (reusing a donatable
+    input's buffer, like any MLX elementwise op). The stand-in is one elementwise op on the input."""
+    fast = mx.fast
+
+    def scaled(x, weight=None):
+        s = weight.reshape(-1)[0] if isinstance(weight, mx.array) else 1.0
+        return x * mx.array(s, dtype=x.dtype) if not isinstance(s, mx.array) else x * s.astype(x.dtype)
+
+    fast.layer_norm = lambda x, weight, bias, eps, **kw: scaled(x, weight)
+    fast.rms_norm = lambda x, weight, eps, **kw: scaled(x, weight)
+    fast.rope = lambda x, dims, **kw: scaled(x)
+
+
+def _zero_params(model) -> None:
+    """Set every parameter to zeros of its own shape and dtype (memory as real weights, no random fill)."""
+    from mlx.utils import tree_map
+
+    model.update(tree_map(lambda a: mx.zeros(a.shape, a.dtype), model.parameters()))
+    mx.eval(model.parameters())
+
+
+def evaluate_per_block() -> None:
+    """What-if: `mx.eval` after every transformer block, so at most one block's intermediates are alive
+    (MLX otherwise schedules up to 20 independent branches at a time, MLX_BFS_MAX_WIDTH)."""
+    from flux_klein_mlx import transformer
+
+    for cls in (transformer.DoubleStreamBlock, transformer.SingleStreamBlock):
+        call = cls.__call__
+
+        def wrapped(self, *args, _call=call):
+            out = _call(self, *args)
+            mx.eval(out)
+            return out
+
+        cls.__call__ = wrapped
+
+
+def child_stage(stage: str, size: int, dtype: str = "bfloat16", bits: int | None = 4, tiled: bool = False,
+                stand_in_matmul: bool = True, depth: int | None = None, block_eval: bool = False) -> dict:  # fmt: skip
+    """A whole pipeline stage at full size: weights resident (zeros of the real shapes, `bits`-quantized
+    like a converted folder), then the stage's work as the pipeline runs it, peak memory over both.
+
+    Matmuls, attention and convs are output-only stand-ins (see the `emulate_*` functions) unless
+    `stand_in_matmul` is False (real float32 matmuls: the check of the stand-in)."""
+    from flux_klein_mlx.quantize import quantize_model
+
+    emulate_fused_attention()
+    emulate_implicit_gemm_conv()
+    emulate_fused_norms()
+    if stand_in_matmul:
+        emulate_matmul_kernels()
+    if block_eval:
+        evaluate_per_block()
+    dt = getattr(mx, dtype)
+    mx.random.seed(0)
+    mx.reset_peak_memory()
+    if stage == "encode":
+        from flux_klein_mlx.text_encoder import Qwen3Config, Qwen3TextEncoder
+
+        cfg = dict(QWEN3_4B) if depth is None else dict(QWEN3_4B, num_hidden_layers=depth)
+        layers = (9, 18, 27) if depth is None else (depth,)
+        model = Qwen3TextEncoder(Qwen3Config.from_dict(cfg), out_layers=layers)
+    elif stage == "denoise":
+        from flux_klein_mlx.transformer import FluxKlein, FluxKleinParams
+
+        p = FluxKleinParams.klein_4b() if depth is None else FluxKleinParams(depth=depth, depth_single=depth)
+        model = FluxKlein(p)
+    else:
+        from flux_klein_mlx.vae import AutoEncoder, AutoEncoderConfig
+
+        model = AutoEncoder(AutoEncoderConfig.flux2())
+    model.update(model.parameters())  # (lazy random init is never evaluated)
+    from mlx.utils import tree_map
+
+    model.update(tree_map(lambda a: a.astype(dt) if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters()))
+    if bits and stage != "decode":
+        quantize_model(model, bits)
+    _zero_params(model)
+    if not stand_in_matmul:  # real compute needs real values
+        _random_params(model, dt)
+    resident = mx.get_active_memory()
+    load_peak = mx.get_peak_memory()
+    if stage == "encode":
+        ids = mx.random.randint(0, QWEN3_4B["vocab_size"], (1, 512))
+        mask = (mx.arange(512) < 24).astype(mx.int32)[None]
+        mx.eval(ids, mask)
+        res = _measure(lambda: model(ids, mask).astype(dt))
+    elif stage == "denoise":
+        from flux_klein_mlx.rope import image_ids, text_ids
+
+        h = w = size // 16
+        ctx = mx.random.normal((1, 512, model.params.context_in_dim)).astype(dt)
+        x = mx.random.normal((1, h * w, 128)).astype(dt)
+        mx.eval(ctx, x)
+        setup = _measure(lambda: (model.compute_rope(text_ids(512), image_ids(h, w)), model.embed_text(ctx)))
+        rope = model.compute_rope(text_ids(512), image_ids(h, w))
+        txt = model.embed_text(ctx)
+        mx.eval(rope, txt)
+        t = mx.array([0.9], dtype=dt)
+        res = _measure(lambda: x + (-0.05) * model.forward_with_rope(x, ctx, t, rope, txt_embedded=txt))
+        res["setup_peak"] = setup["peak"]
+    else:
+        h = w = size // 16
+        tokens = mx.random.normal((1, h * w, 128)).astype(dt)
+        mx.eval(tokens)
+        res = _measure(lambda: model.decode_tokens(tokens, h, w, tiled=tiled))
+    return {"stage": stage, "size": size, "dtype": dtype, "bits": bits, "tiled": tiled, "stand_in_matmul": stand_in_matmul,
+            "depth": depth, "block_eval": block_eval, "resident": resident, "load_peak": load_peak, **res,
+            "stage_peak": max(load_peak, res["peak"], res.get("setup_peak", 0))}  # fmt: skip
+
+
+def _random_params(model, dtype) -> None:
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    flat = tree_flatten(model.parameters())
+    new = [(k, (mx.random.normal(v.shape) * (v.shape[-1] ** -0.5 if v.ndim > 1 else 0.1) + (v.ndim == 1)).astype(dtype))
+           for k, v in flat]  # fmt: skip
+    model.update(tree_unflatten(new))
+    mx.eval(model.parameters())
+
+
+def _measure(run) -> dict:
+    mx.synchronize()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    out = run()
+    mx.eval(out)
+    seconds = time.perf_counter() - t0
+    return {"resident_before": before, "peak": mx.get_peak_memory(), "activation_peak": mx.get_peak_memory() - before,
+            "seconds": seconds}  # fmt: skip
+
+
+def child_activation(
+    stage: str, size: int, dtype: str, width: str, depth: int, tiled: bool = False, metal_conv: bool = False
+) -> dict:
+    """One stage's activation peak: `size`² image (512 text tokens), `width` "full" or "narrow";
+    `tiled` decodes with the VAE's banded decoder (`AutoEncoder.decode_tokens(..., tiled=True)`);
+    `metal_conv` replaces the CPU's full-size conv unfold by bands (see `emulate_implicit_gemm_conv`)."""
+    emulate_fused_attention()
+    if metal_conv:
+        emulate_implicit_gemm_conv()
+    dt = getattr(mx, dtype)
+    narrow = width == "narrow"
+    mx.random.seed(0)
+    if stage == "encode":
+        from flux_klein_mlx.text_encoder import Qwen3Config, Qwen3TextEncoder
+
+        cfg = dict(QWEN3_4B, num_hidden_layers=depth)
+        if narrow:
+            cfg.update(hidden_size=320, intermediate_size=1216, num_attention_heads=4, num_key_value_heads=1, vocab_size=4096)
+        model = Qwen3TextEncoder(Qwen3Config.from_dict(cfg), out_layers=tuple(sorted({max(1, depth // 3), max(1, 2 * depth // 3), depth})))
+        _random_params(model, dt)
+        ids = mx.random.randint(0, cfg["vocab_size"], (1, 512))
+        mask = (mx.arange(512) < 24).astype(mx.int32)[None]  # a short prompt, right-padded to 512
+        mx.eval(ids, mask)
+        res = _measure(lambda: model(ids, mask))
+    elif stage == "denoise":
+        from flux_klein_mlx.rope import image_ids, text_ids
+        from flux_klein_mlx.transformer import FluxKlein, FluxKleinParams
+
+        p = FluxKleinParams(depth=depth, depth_single=depth)
+        if narrow:
+            p = FluxKleinParams(hidden_size=384, num_heads=3, context_in_dim=960, depth=depth, depth_single=depth)
+        model = FluxKlein(p)
+        _random_params(model, dt)
+        h = w = size // 16
+        ctx = mx.random.normal((1, 512, p.context_in_dim)).astype(dt)
+        x = mx.random.normal((1, h * w, 128)).astype(dt)
+        rope = model.compute_rope(text_ids(512), image_ids(h, w))
+        txt = model.embed_text(ctx)  # hoisted out of the loop, as the pipeline does
+        mx.eval(ctx, x, rope, txt)
+        t = mx.array([0.9], dtype=dt)
+        res = _measure(lambda: x + (-0.05) * model.forward_with_rope(x, ctx, t, rope, txt_embedded=txt))
+    elif stage == "decode":
+        from flux_klein_mlx.vae import AutoEncoder, AutoEncoderConfig
+
+        cfg = AutoEncoderConfig.flux2()
+        if narrow:
+            cfg = AutoEncoderConfig(block_out_channels=(32, 64, 128, 128), norm_num_groups=32)
+        model = AutoEncoder(cfg)
+        _random_params(model, dt)
+        h = w = size // 16
+        tokens = mx.random.normal((1, h * w, cfg.token_channels)).astype(dt)
+        mx.eval(tokens)
+        res = _measure(lambda: model.decode_tokens(tokens, h, w, tiled=tiled))
+    else:
+        raise ValueError(stage)
+    return {"stage": stage, "size": size, "dtype": dtype, "width": width, "depth": depth, "tiled": tiled,
+            "metal_conv": metal_conv, **res}  # fmt: skip
+
+
+# --- driver -------------------------------------------------------------------------------------------
+
+
+def run_child(task: str, **kwargs) -> dict:
+    """Run one measurement in a fresh process (clean peaks and RSS); returns its JSON result."""
+    cmd = [sys.executable, __file__, "--child", json.dumps({"task": task, **kwargs})]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{task} {kwargs} failed:\n{r.stderr[-3000:]}")
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    print(f"  {task} {kwargs}: {json.dumps(result)[:400]}", flush=True)
+    return result
+
+
+def load_results() -> dict:
+    return json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+
+
+def save_results(results: dict) -> None:
+    import mlx.core
+
+    results["machine"] = {
+        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(), "mlx": mlx.core.__version__, "python": platform.python_version(),
+    }  # fmt: skip
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def part_convert(work: Path, results: dict, keep: bool) -> None:
+    src, out_bf16, out_q4 = work / "src", work / "klein-4b-bf16", work / "klein-4b-q4"
+    if not src.exists():
+        print(f"writing the random full-size snapshot to {src} ...", flush=True)
+        results["snapshot"] = run_child("snapshot", dst=str(src))
+    print("converting to 4-bit ...", flush=True)
+    results["convert_q4"] = run_child("convert", src=str(src), out=str(out_q4), bits=4)
+    print("loading the 4-bit components ...", flush=True)
+    results["resident_q4"] = {n: run_child("resident", folder=str(out_q4), name=n)
+                              for n in ("transformer", "text_encoder", "vae")}  # fmt: skip
+    shutil.rmtree(out_q4)  # keep the disk under ~30 GB: source 16 GB + bf16 output 14 GB
+    save_results(results)
+    print("converting to bf16 ...", flush=True)
+    results["convert_bf16"] = run_child("convert", src=str(src), out=str(out_bf16), bits=None)
+    results["resident_bf16"] = {"transformer": run_child("resident", folder=str(out_bf16), name="transformer")}
+    shutil.rmtree(out_bf16)
+    if not keep:
+        shutil.rmtree(src)
+    save_results(results)
+
+
+def part_activations(results: dict) -> None:
+    acts = results.setdefault("activations", [])
+    fields = ("stage", "size", "dtype", "width", "depth", "tiled", "metal_conv")
+    key = lambda a: tuple(a.get(f, False) for f in fields)  # noqa: E731
+    done = {key(a) for a in acts}
+    plan = [
+        # Real float32 compute (only attention is a stand-in): is the peak independent of depth?
+        ("encode", 1024, "float32", "full", 3, False, False), ("encode", 1024, "float32", "full", 6, False, False),
+        ("denoise", 256, "float32", "full", 1, False, False), ("denoise", 256, "float32", "full", 2, False, False),
+        ("denoise", 256, "float32", "full", 4, False, False), ("denoise", 512, "float32", "full", 2, False, False),
+        # The decoder with the CPU's own convs (full unfold), whole and banded: what a Linux/CPU run needs.
+        ("decode", 256, "float32", "full", 1, False, False), ("decode", 512, "float32", "full", 1, False, False),
+        ("decode", 256, "float32", "full", 1, True, False), ("decode", 512, "float32", "full", 1, True, False),
+    ]  # fmt: skip
+    for job in plan:
+        if job not in done:
+            acts.append(run_child("activation", **dict(zip(fields, job))))
+            save_results(results)
+
+
+def part_stages(results: dict) -> None:
+    stages = results.setdefault("stages", [])
+    fields = ("stage", "size", "dtype", "bits", "tiled", "stand_in_matmul", "depth", "block_eval")
+    done = {tuple(r.get(f, False if f == "block_eval" else None) for f in fields) for r in stages}
+    plan = [
+        ("encode", 1024, "bfloat16", 4, False, True, None, False),
+        ("denoise", 256, "bfloat16", 4, False, True, None, False), ("denoise", 512, "bfloat16", 4, False, True, None, False),
+        ("denoise", 1024, "bfloat16", 4, False, True, None, False), ("denoise", 1024, "bfloat16", None, False, True, None, False),
+        ("decode", 256, "bfloat16", None, False, True, None, False), ("decode", 512, "bfloat16", None, False, True, None, False),
+        ("decode", 1024, "bfloat16", None, False, True, None, False), ("decode", 1024, "bfloat16", None, True, True, None, False),
+        # checks of the matmul stand-in against real float32 compute (unquantized, reduced depth)
+        ("encode", 1024, "float32", None, False, True, 3, False), ("encode", 1024, "float32", None, False, False, 3, False),
+        ("denoise", 512, "float32", None, False, True, 2, False), ("denoise", 512, "float32", None, False, False, 2, False),
+        # what-if: one block's intermediates at a time
+        ("denoise", 1024, "bfloat16", 4, False, True, None, True), ("denoise", 512, "bfloat16", 4, False, True, None, True),
+    ]  # fmt: skip
+    for job in plan:
+        if job not in done:
+            stages.append(run_child("stage", **dict(zip(fields, job))))
+            save_results(results)
+
+
+def _act(results: dict, **want) -> float | None:
+    """The activation peak (bytes) of the run matching `want`, or None."""
+    for a in results.get("activations", []):
+        if all(a.get(k, False) == v for k, v in want.items()):
+            return a["activation_peak"]
+    return None
+
+
+def report(results: dict) -> str:
+    """Markdown tables of the measurements (pasted into benchmarks/MEMORY.md)."""
+    g = lambda b: "–" if b is None else f"{b / GB:.2f} GB"  # noqa: E731
+    lines = ["| conversion (16.0 GB bf16 snapshot) | wall | peak MLX memory | max RSS | transformer | text encoder | VAE | folder |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for key, label in (("convert_bf16", "bf16"), ("convert_q4", "4-bit g64")):
+        c = results.get(key)
+        if not c:
+            continue
+        size = lambda prefix: sum(v for k, v in c["files"].items() if k.startswith(prefix) and k.endswith(".safetensors"))  # noqa: E731
+        lines.append(f"| {label} | {c['seconds']:.0f} s | {g(c['peak_memory'])} | {g(c['max_rss'])} | {g(size('transformer'))} | "
+                     f"{g(size('text_encoder'))} | {g(size('vae'))} | {g(c['total_bytes'])} |")  # fmt: skip
+    lines += ["", "| loaded component | resident (mx.get_active_memory) | load peak | max RSS |", "|---|---|---|---|"]
+    for key, label in (("resident_q4", "4-bit"), ("resident_bf16", "bf16")):
+        for name, r in results.get(key, {}).items():
+            lines.append(f"| {name} ({label if name != 'vae' else 'bf16'}) | {g(r['active_memory'])} | {g(r['peak_memory'])} | {g(r['max_rss'])} |")
+    def stage(**want):
+        want.setdefault("block_eval", False)
+        for r in results.get("stages", []):
+            if all(r.get(k, False if k == "block_eval" else None) == v for k, v in want.items()):
+                return r
+        return None
+
+    lines += ["", "| stage (bf16 activations, Metal-like kernels) | weights resident | 256² | 512² | 1024² |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    rows = [("1. encode: Qwen3-4B 27 layers 4-bit, 512 tokens", dict(stage="encode", bits=4, dtype="bfloat16")),
+            ("2. denoise: transformer 4-bit, one step", dict(stage="denoise", bits=4, dtype="bfloat16", depth=None)),
+            ("2. denoise: transformer bf16, one step", dict(stage="denoise", bits=None, dtype="bfloat16", depth=None)),
+            ("2. what-if: 4-bit, `mx.eval` after each block", dict(stage="denoise", bits=4, dtype="bfloat16", depth=None, block_eval=True)),
+            ("3. decode: VAE bf16, whole image", dict(stage="decode", tiled=False, dtype="bfloat16")),
+            ("3. decode: VAE bf16, banded (`tiled=True`)", dict(stage="decode", tiled=True, dtype="bfloat16"))]  # fmt: skip
+    for label, want in rows:
+        cells, resident = [], None
+        for size in (256, 512, 1024):
+            r = stage(size=1024, **want) if want["stage"] == "encode" else stage(size=size, **want)
+            resident = resident or (r and r["resident"])
+            cells.append("–" if r is None else f"{g(r['stage_peak'])} (+{r['activation_peak'] / GB:.2f})")
+        if want["stage"] == "encode":
+            cells = [cells[-1], "same", "same"]
+        lines.append(f"| {label} | {g(resident)} | {' | '.join(cells)} |")
+    lines += ["", "| check: float32, reduced depth | stand-in matmuls | real matmuls |", "|---|---|---|"]
+    for label, want in (("encode, 3 layers, 512 tokens", dict(stage="encode", depth=3, dtype="float32")),
+                        ("denoise 512², 2 + 2 blocks", dict(stage="denoise", depth=2, dtype="float32"))):  # fmt: skip
+        a_, b_ = stage(stand_in_matmul=True, **want), stage(stand_in_matmul=False, **want)
+        if a_ and b_:
+            lines.append(f"| {label} | +{a_['activation_peak'] / GB:.3f} GB | +{b_['activation_peak'] / GB:.3f} GB |")
+
+    lines += ["", "| float32, real compute (attention stand-in only) | 256² | 512² |", "|---|---|---|"]
+    rows = [("encode, 3 layers (6 layers)", dict(stage="encode", width="full")),
+            ("denoise, 1+1 / 2+2 / 4+4 blocks", dict(stage="denoise", width="full")),
+            ("decode, CPU convs, whole image", dict(stage="decode", width="full", metal_conv=False, tiled=False)),
+            ("decode, CPU convs, banded", dict(stage="decode", width="full", metal_conv=False, tiled=True))]  # fmt: skip
+    for label, want in rows:
+        if want["stage"] == "encode":
+            a3, a6 = _act(results, size=1024, dtype="float32", depth=3, **want), _act(results, size=1024, dtype="float32", depth=6, **want)
+            lines.append(f"| {label} | {g(a3)} ({g(a6)}) | |")
+        elif want["stage"] == "denoise":
+            d = [g(_act(results, size=256, dtype="float32", depth=k, **want)) for k in (1, 2, 4)]
+            lines.append(f"| {label} | {' / '.join(d)} | {g(_act(results, size=512, dtype='float32', depth=2, **want))} (2+2) |")
+        else:
+            lines.append(f"| {label} | {g(_act(results, size=256, dtype='float32', **want))} | {g(_act(results, size=512, dtype='float32', **want))} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("part", choices=["convert", "stages", "activations", "all", "report"], nargs="?", default="all")
+    p.add_argument("--work", default="/tmp/klein-memory", help="Scratch folder for the ~30 GB of part 1.")
+    p.add_argument("--keep", action="store_true", help="Keep the random source snapshot.")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        job = json.loads(args.child)
+        task = job.pop("task")
+        fn = {"snapshot": lambda dst: make_full_snapshot(Path(dst)), "convert": child_convert,
+              "resident": child_resident, "activation": child_activation, "stage": child_stage}[task]  # fmt: skip
+        print(json.dumps(fn(**job)))
+        return
+    results = load_results()
+    if args.part == "report":
+        print(report(results))
+        return
+    if args.part in ("convert", "all"):
+        part_convert(Path(args.work), results, args.keep)
+    if args.part in ("stages", "all"):
+        part_stages(results)
+    if args.part in ("activations", "all"):
+        part_activations(results)
+    save_results(results)
+    print(f"results in {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
