@@ -74,7 +74,8 @@ def tables() -> str:
     out.append("")
     out.append("Lower bounds at 100 % of peak (per step / per 4-step image incl. encoder and decoder)")
     cols = [("klein-4B", 1024), ("klein-4B", 512), ("klein-9B", 1024), ("klein-9B", 512)]
-    out.append(f"{'chip':<18}{'TFLOPS':>7}" + "".join(f"{n[6:] + ' ' + str(s) + '² step':>17}{'image':>9}" for n, s in cols))
+    heads = "".join(f"{n[6:] + ' ' + str(s) + '² step':>17}{'image':>9}" for n, s in cols)
+    out.append(f"{'chip':<18}{'TFLOPS':>7}" + heads)
 
     def fmt(seconds: float) -> str:
         return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"

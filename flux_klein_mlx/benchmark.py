@@ -387,9 +387,8 @@ class _Source:
     """Where the three models come from: one loader per component, called stage by stage.
 
     Random weights need no download: full-size modules are built lazily and filled with random
-    values block by block. A model id or folder goes through `flux_klein_mlx.load` (the loaders
-    `generate` uses) when the package has it, else a local snapshot folder is read component by
-    component.
+    values block by block. A model id or folder goes through `flux_klein_mlx.load`, the loaders
+    `generate` uses, whose components load on first use.
     """
 
     def __init__(self, model: str | None, variant: str, dtype, quantize: int | None, seed: int):
@@ -400,28 +399,17 @@ class _Source:
             self.qwen, self.out_layers, self.params, self.vae_config = _random_configs(variant)
             self.variant = variant
             return
-        import flux_klein_mlx
+        from .pipeline import load
 
         self.params = self.qwen = self.vae_config = None  # known once each model is loaded
-        if hasattr(flux_klein_mlx, "load"):
-            dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
-            self.pipe = flux_klein_mlx.load(model, dtype=dtype_name, quantize=quantize)
-            self.variant = self.pipe.info.variant
-        elif Path(model).is_dir():
-            self.variant = "checkpoint"
-        else:
-            raise FluxKleinError(f"{model} is not a local folder; pass a downloaded snapshot folder or --random-weights")
+        dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
+        self.pipe = load(model, dtype=dtype_name, quantize=quantize)
+        self.variant = self.pipe.info.variant
 
     def text_encoder(self):
         """(encoder, input_ids, attention_mask) for one prompt padded to 512 tokens."""
-        if self.model is not None:
-            if self.pipe is not None:
-                encoder, tokenizer = self.pipe.text_encoder.get(), self.pipe.tokenizer.get()
-            else:
-                from .text_encoder import load_text_encoder
-                from .tokenizer import load_tokenizer
-
-                encoder, tokenizer = load_text_encoder(self.model, self.dtype), load_tokenizer(self.model)
+        if self.pipe is not None:
+            encoder, tokenizer = self.pipe.text_encoder.get(), self.pipe.tokenizer.get()
             ids, mask = tokenizer(DEFAULT_PROMPT)
             self.qwen, self.out_layers = encoder.config, encoder.out_layers
             return encoder, ids, mask
@@ -437,12 +425,6 @@ class _Source:
     def transformer(self):
         if self.pipe is not None:
             model = self.pipe.transformer.get()
-        elif self.model is not None:
-            from .transformer import load_flux_klein
-
-            model = load_flux_klein(Path(self.model) / "transformer", dtype=self.dtype)
-            if self.quantize:
-                _quantize(model, self.quantize)
         else:
             from .transformer import FluxKlein
 
@@ -456,10 +438,6 @@ class _Source:
     def vae(self):
         if self.pipe is not None:
             vae = self.pipe.vae.get()
-        elif self.model is not None:
-            from .vae import load_vae
-
-            vae = load_vae(Path(self.model) / "vae", dtype=self.dtype)
         else:
             from .vae import AutoEncoder
 
@@ -785,7 +763,8 @@ def write_json(result: dict, path: str | Path) -> Path:
 @click.option("--height", "-H", type=int, default=1024, show_default=True, help="Image height in px, multiple of 16.")
 @click.option("--steps", type=click.IntRange(1, 1000), default=4, show_default=True, help="Denoising steps per image.")
 @click.option("--quantize", "-q", type=click.Choice(["4", "8"]), default=None,
-              help="Quantize the transformer's Linear layers (group 64) before timing.")
+              help="Quantize Linear layers (group 64) before timing: the transformer's with --random-weights, "
+                   "transformer and text encoder with --model (as generate does).")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
               help="Compute dtype [default: bfloat16 on a GPU, float32 on a CPU].")
 @click.option("--warmup", type=click.IntRange(0, 100), default=1, show_default=True, help="Untimed runs per stage.")
