@@ -20,15 +20,11 @@ which is preloaded before mlx is imported, as in the root conftest).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import sys
 
-if sys.platform == "linux" and "mlx.core" not in sys.modules and ctypes.util.find_library("openblas"):
-    try:
-        ctypes.CDLL(ctypes.util.find_library("openblas"), mode=ctypes.RTLD_GLOBAL)
-    except OSError:
-        pass
+from flux_klein_mlx import preload_openblas  # imports no mlx
+
+preload_openblas()  # before mlx is imported: OpenBLAS instead of the slow bundled BLAS
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -21,8 +21,6 @@ keeps it).
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import importlib.util
 import json
 import os
@@ -34,9 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-# MLX's Linux CPU wheel bundles a slow reference BLAS; load OpenBLAS first when it is there.
-if sys.platform.startswith("linux") and ctypes.util.find_library("openblas"):
-    ctypes.CDLL(ctypes.util.find_library("openblas"), mode=ctypes.RTLD_GLOBAL)
+from flux_klein_mlx import preload_openblas  # imports no mlx
+
+preload_openblas()  # before mlx is imported: OpenBLAS instead of the slow bundled BLAS
 
 import mlx.core as mx  # noqa: E402
 

@@ -13,16 +13,14 @@ On Linux this takes minutes per 1024^2 decode (about 10 TFLOP on a few CPU cores
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import os
 import platform
 import sys
 import time
 
-# MLX's Linux CPU wheel bundles a slow reference BLAS; load OpenBLAS first when it is there.
-if sys.platform.startswith("linux") and ctypes.util.find_library("openblas"):
-    ctypes.CDLL(ctypes.util.find_library("openblas"), mode=ctypes.RTLD_GLOBAL)
+from flux_klein_mlx import preload_openblas  # imports no mlx
+
+preload_openblas()  # before mlx is imported: OpenBLAS instead of the slow bundled BLAS
 
 import mlx.core as mx  # noqa: E402
 

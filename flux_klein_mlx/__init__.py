@@ -41,7 +41,37 @@ _EXPORTS = {
     "FluxKleinError": "errors",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = ["__version__", "preload_openblas", *_EXPORTS]
+
+
+def preload_openblas() -> str:
+    """Linux: make MLX's CPU backend use OpenBLAS instead of the slow BLAS its wheel bundles.
+
+    fp32 matmuls are ~40x faster with it. It only works before `mlx.core` is first imported (the
+    dynamic linker keeps the first definition of each BLAS symbol), so entry points call it first.
+    Returns what happened ("openblas", "n/a" off Linux, or why not), for reports. Never raises.
+    """
+    import ctypes
+    import ctypes.util
+    import sys
+    from pathlib import Path
+
+    if sys.platform != "linux":
+        return "n/a"
+    if "mlx.core" in sys.modules:
+        try:
+            mapped = "openblas" in Path("/proc/self/maps").read_text()
+        except OSError:
+            mapped = False
+        return "openblas" if mapped else "bundled reference BLAS (slow: import mlx after OpenBLAS)"
+    name = ctypes.util.find_library("openblas")
+    if not name:
+        return "bundled reference BLAS (slow: apt-get install libopenblas0-pthread)"
+    try:
+        ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        return "bundled reference BLAS (OpenBLAS failed to load)"
+    return "openblas"
 
 
 def __getattr__(name: str):

@@ -11,6 +11,7 @@ import sys
 
 import click
 
+from . import preload_openblas
 from .errors import FluxKleinError
 
 # subcommand -> (module, click command attribute)
@@ -20,21 +21,6 @@ COMMANDS = {
     "quantize": ("flux_klein_mlx.quantize", "quantize_command"),
     "benchmark": ("flux_klein_mlx.benchmark", "benchmark"),
 }
-
-
-def preload_openblas() -> None:
-    """On Linux, bind MLX's CPU backend to OpenBLAS (40x faster than the bundled BLAS) if present."""
-    if sys.platform != "linux" or "mlx.core" in sys.modules:
-        return
-    import ctypes
-    import ctypes.util
-
-    lib = ctypes.util.find_library("openblas")
-    if lib:
-        try:
-            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
-        except OSError:
-            pass
 
 
 class LazyGroup(click.Group):

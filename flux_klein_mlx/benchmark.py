@@ -12,8 +12,6 @@ and `benchmarks/flops.py` share (the package is what gets installed, so the form
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import math
 import os
@@ -29,37 +27,9 @@ from pathlib import Path
 import click
 
 
-def _preload_openblas() -> str:
-    """Linux: make MLX bind to OpenBLAS instead of the reference BLAS its CPU wheel bundles.
+from . import preload_openblas  # noqa: E402
 
-    fp32 matmuls are ~40x faster with it. It only works before mlx is first imported (the dynamic
-    linker keeps the first definition of each BLAS symbol), so this runs at the top of the CLI
-    module, before `import mlx.core`. Returns what happened, for the machine report.
-    """
-    if sys.platform != "linux":
-        return "n/a"
-    if "mlx.core" in sys.modules:
-        # Loaded by the caller already: if the caller preloaded OpenBLAS (as the test conftest
-        # does), it is mapped; otherwise MLX is stuck with its bundled BLAS for this process.
-        return "openblas" if _openblas_mapped() else "bundled reference BLAS (slow: import mlx after OpenBLAS)"
-    name = ctypes.util.find_library("openblas")
-    if not name:
-        return "bundled reference BLAS (slow: apt-get install libopenblas0-pthread)"
-    try:
-        ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
-    except OSError:
-        return "bundled reference BLAS (OpenBLAS failed to load)"
-    return "openblas"
-
-
-def _openblas_mapped() -> bool:
-    try:
-        return "openblas" in Path("/proc/self/maps").read_text()
-    except OSError:
-        return False
-
-
-_BLAS = _preload_openblas()
+_BLAS = preload_openblas()
 
 import mlx.core as mx  # noqa: E402  (after the BLAS preload, on purpose)
 import mlx.nn as nn  # noqa: E402
