@@ -6,39 +6,43 @@ Part 1, `convert`: lays out a full-size random klein-4B snapshot exactly like th
 runs `convert_model` (what `python -m flux_klein_mlx convert` calls) in bf16 and in 4-bit, each in
 a fresh process: wall time, peak MLX memory (`mx.get_peak_memory`), max RSS, file sizes.
 
-Part 2, `resident`: loads each component of the 4-bit folder in a fresh process and reads
+It then loads each component of the converted folders in a fresh process and reads
 `mx.get_active_memory()`: what a stage holds (transformer 4-bit, Qwen3-4B 27 layers 4-bit, VAE bf16).
 
-Part 3, `activations`: each stage's activation peak (peak minus what was resident before the
-call), in float32 with full-width models of reduced depth (the activations of a layer-by-layer
-model do not depend on its depth; checked at 256²), at 256², 512² and 1024²:
-encode = Qwen3-4B at 512 tokens, denoise = one Euler step of the transformer (512 text tokens +
-image tokens), decode = the VAE decoder. On a Mac the transformer's and Qwen3's attention (head
-dim 128) runs in MLX's fused Metal kernel, which never stores the L×L scores, and convolutions
-run as implicit GEMM without unfolding their input. MLX's CPU backend does both the expensive way,
-so the activation runs swap those ops for stand-ins with the kernels' memory profile (one op,
-output-sized allocation, same inputs; see `emulate_fused_attention`): the measured numbers are the
-rest of the graph as MLX schedules it, plus what the kernels allocate. The VAE's mid attention
-(head dim 512) has no fused Metal kernel, so it runs unchanged. A width-reduced run in bf16 vs
-float32 gives the dtype factor for the Mac's bf16 activations.
+Part 2, `stages`: each pipeline stage at full size in bf16 (encode = Qwen3-4B at 512 tokens,
+denoise = one Euler step of the transformer on 512 text + H·W/256 image tokens, decode = the
+VAE), weights resident as loaded, peak memory over the stage. MLX's CPU backend cannot run
+full-size bf16/4-bit matmuls in reasonable time, and it implements attention (full L×L scores),
+convolutions (whole-input unfold) and norms/RoPE (float32 copies) differently from the Metal
+kernels a Mac uses. Those ops, and the matmuls, are swapped for stand-ins with the kernels'
+memory profile (one op, same inputs, output-sized allocation, meaningless values; see the
+`emulate_*` functions); the rest of the graph runs and is scheduled by MLX as is. The VAE's mid
+attention (head dim 512) has no fused Metal kernel and runs unchanged. Check rows compare the
+matmul stand-ins with real float32 compute at reduced depth. What-if rows measure two exact
+rewrites of the transformer's evaluation that lower the denoise peak.
+
+Part 3, `activations`: real float32 compute (attention stand-in only) at reduced depth: the peak
+does not depend on depth; and the VAE decode with MLX's own CPU convolutions (Linux numbers).
 
     .venv/bin/python benchmarks/memory.py all --work /tmp/klein-memory     # ~30 GB of disk, deleted after
-    .venv/bin/python benchmarks/memory.py activations                      # no disk needed
+    .venv/bin/python benchmarks/memory.py stages                           # no disk needed
+    .venv/bin/python benchmarks/memory.py report                           # markdown tables
 
 Results go to benchmarks/memory.json (the tables of benchmarks/MEMORY.md are made from it).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import sys
+from pathlib import Path
 
-if sys.platform == "linux" and "mlx.core" not in sys.modules and ctypes.util.find_library("openblas"):
-    try:
-        ctypes.CDLL(ctypes.util.find_library("openblas"), mode=ctypes.RTLD_GLOBAL)
-    except OSError:
-        pass
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from flux_klein_mlx import preload_openblas  # noqa: E402  (imports no mlx)
+
+preload_openblas()  # before mlx is imported: OpenBLAS instead of the slow bundled BLAS
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -48,13 +52,8 @@ import resource  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 RESULTS = ROOT / "benchmarks" / "memory.json"
 GB = 1e9
@@ -293,12 +292,48 @@ def _zero_params(model) -> None:
     mx.eval(model.parameters())
 
 
-def evaluate_per_block() -> None:
+def evaluate_per_block(split: bool = False) -> None:
     """What-if: `mx.eval` after every transformer block, so at most one block's intermediates are alive
-    (MLX otherwise schedules up to 20 independent branches at a time, MLX_BFS_MAX_WIDTH)."""
-    from flux_klein_mlx import transformer
+    (MLX otherwise schedules up to 20 independent branches at a time, MLX_BFS_MAX_WIDTH).
 
-    for cls in (transformer.DoubleStreamBlock, transformer.SingleStreamBlock):
+    `split` also runs each single-stream block as two halves, evaluated in turn: attention through
+    the q/k/v rows of linear1 and the first D columns of linear2, then the MLP through the other
+    rows/columns, so neither the fused (L, 3D + 2M) projection nor the (L, D + M) concatenation
+    exists (same math: linear2 is linear in its concatenated input)."""
+    import mlx.nn as nn
+
+    from flux_klein_mlx import transformer as T
+
+    def part(layer, rows=slice(None), cols=(0, None)):
+        """The sub-layer of a (possibly quantized) Linear for some output rows / input columns."""
+        c0, c1 = cols
+        if isinstance(layer, nn.QuantizedLinear):
+            per_word, g = 32 // layer.bits, layer.group_size  # packed values per uint32, group size
+            w = layer.weight[rows, c0 // per_word : None if c1 is None else c1 // per_word]
+            sub = nn.QuantizedLinear(w.shape[1] * per_word, w.shape[0], False, g, layer.bits)
+            sub.weight = w
+            sub.scales = layer.scales[rows, c0 // g : None if c1 is None else c1 // g]
+            sub.biases = layer.biases[rows, c0 // g : None if c1 is None else c1 // g]
+            return sub
+        w = layer.weight[rows, c0:c1]
+        sub = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        sub.weight = w
+        return sub
+
+    def split_single(self, x, mod, cos, sin):
+        shift, scale, gate = mod
+        y = T.modulate(x, shift, scale, self.eps)
+        D = self.hidden_size
+        q, k, v = T.split_heads(part(self.linear1, slice(0, 3 * D))(y), self.num_heads)
+        attn = T.attention(self.norm.query_norm(q), self.norm.key_norm(k), v, cos, sin)
+        h = part(self.linear2, cols=(0, D))(attn)
+        mx.eval(h)
+        h = h + part(self.linear2, cols=(D, None))(T.swiglu(part(self.linear1, slice(3 * D, None))(y)))
+        return x + gate * h
+
+    if split:
+        T.SingleStreamBlock.__call__ = split_single
+    for cls in (T.DoubleStreamBlock, T.SingleStreamBlock):
         call = cls.__call__
 
         def wrapped(self, *args, _call=call):
@@ -310,7 +345,7 @@ def evaluate_per_block() -> None:
 
 
 def child_stage(stage: str, size: int, dtype: str = "bfloat16", bits: int | None = 4, tiled: bool = False,
-                stand_in_matmul: bool = True, depth: int | None = None, block_eval: bool = False) -> dict:  # fmt: skip
+                stand_in_matmul: bool = True, depth: int | None = None, block_eval: bool | str = False) -> dict:  # fmt: skip
     """A whole pipeline stage at full size: weights resident (zeros of the real shapes, `bits`-quantized
     like a converted folder), then the stage's work as the pipeline runs it, peak memory over both.
 
@@ -324,7 +359,7 @@ def child_stage(stage: str, size: int, dtype: str = "bfloat16", bits: int | None
     if stand_in_matmul:
         emulate_matmul_kernels()
     if block_eval:
-        evaluate_per_block()
+        evaluate_per_block(split=block_eval == "split")
     dt = getattr(mx, dtype)
     mx.random.seed(0)
     mx.reset_peak_memory()
@@ -409,21 +444,18 @@ def _measure(run) -> dict:
 def child_activation(
     stage: str, size: int, dtype: str, width: str, depth: int, tiled: bool = False, metal_conv: bool = False
 ) -> dict:
-    """One stage's activation peak: `size`² image (512 text tokens), `width` "full" or "narrow";
-    `tiled` decodes with the VAE's banded decoder (`AutoEncoder.decode_tokens(..., tiled=True)`);
-    `metal_conv` replaces the CPU's full-size conv unfold by bands (see `emulate_implicit_gemm_conv`)."""
+    """One stage's activation peak with real float32 compute (`width` "full": the real widths, `depth`
+    blocks/layers) at a `size`² image (512 text tokens); attention is the fused-kernel stand-in.
+    `tiled` decodes with the VAE's banded decoder; `metal_conv` swaps convs for stand-ins too."""
     emulate_fused_attention()
     if metal_conv:
         emulate_implicit_gemm_conv()
     dt = getattr(mx, dtype)
-    narrow = width == "narrow"
     mx.random.seed(0)
     if stage == "encode":
         from flux_klein_mlx.text_encoder import Qwen3Config, Qwen3TextEncoder
 
         cfg = dict(QWEN3_4B, num_hidden_layers=depth)
-        if narrow:
-            cfg.update(hidden_size=320, intermediate_size=1216, num_attention_heads=4, num_key_value_heads=1, vocab_size=4096)
         model = Qwen3TextEncoder(Qwen3Config.from_dict(cfg), out_layers=tuple(sorted({max(1, depth // 3), max(1, 2 * depth // 3), depth})))
         _random_params(model, dt)
         ids = mx.random.randint(0, cfg["vocab_size"], (1, 512))
@@ -435,8 +467,6 @@ def child_activation(
         from flux_klein_mlx.transformer import FluxKlein, FluxKleinParams
 
         p = FluxKleinParams(depth=depth, depth_single=depth)
-        if narrow:
-            p = FluxKleinParams(hidden_size=384, num_heads=3, context_in_dim=960, depth=depth, depth_single=depth)
         model = FluxKlein(p)
         _random_params(model, dt)
         h = w = size // 16
@@ -451,8 +481,6 @@ def child_activation(
         from flux_klein_mlx.vae import AutoEncoder, AutoEncoderConfig
 
         cfg = AutoEncoderConfig.flux2()
-        if narrow:
-            cfg = AutoEncoderConfig(block_out_channels=(32, 64, 128, 128), norm_num_groups=32)
         model = AutoEncoder(cfg)
         _random_params(model, dt)
         h = w = size // 16
@@ -549,6 +577,7 @@ def part_stages(results: dict) -> None:
         ("denoise", 512, "float32", None, False, True, 2, False), ("denoise", 512, "float32", None, False, False, 2, False),
         # what-if: one block's intermediates at a time
         ("denoise", 1024, "bfloat16", 4, False, True, None, True), ("denoise", 512, "bfloat16", 4, False, True, None, True),
+        ("denoise", 1024, "bfloat16", 4, False, True, None, "split"), ("denoise", 512, "bfloat16", 4, False, True, None, "split"),
     ]  # fmt: skip
     for job in plan:
         if job not in done:
@@ -593,6 +622,7 @@ def report(results: dict) -> str:
             ("2. denoise: transformer 4-bit, one step", dict(stage="denoise", bits=4, dtype="bfloat16", depth=None)),
             ("2. denoise: transformer bf16, one step", dict(stage="denoise", bits=None, dtype="bfloat16", depth=None)),
             ("2. what-if: 4-bit, `mx.eval` after each block", dict(stage="denoise", bits=4, dtype="bfloat16", depth=None, block_eval=True)),
+            ("2. what-if: same + single blocks in two halves", dict(stage="denoise", bits=4, dtype="bfloat16", depth=None, block_eval="split")),
             ("3. decode: VAE bf16, whole image", dict(stage="decode", tiled=False, dtype="bfloat16")),
             ("3. decode: VAE bf16, banded (`tiled=True`)", dict(stage="decode", tiled=True, dtype="bfloat16"))]  # fmt: skip
     for label, want in rows:

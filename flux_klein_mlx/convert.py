@@ -38,7 +38,7 @@ from mlx.utils import tree_flatten
 
 from . import __version__
 from .errors import FluxKleinError
-from .quantize import apply_quantization, check_quantization, check_record, quantize_model
+from .quantize import apply_quantization, check_quantization, check_record, evaluate_by_layer, quantize_model
 from .text_encoder import Qwen3Config, Qwen3TextEncoder, sanitize_qwen3_weights
 from .transformer import FluxKlein, FluxKleinParams, infer_params, sanitize_flux2_klein_weights
 from .vae import AutoEncoder, AutoEncoderConfig, sanitize_vae_weights
@@ -459,14 +459,6 @@ def quantize_folder(
 # --- loading --------------------------------------------------------------------------------------------
 
 
-def _evaluate_by_layer(model: nn.Module) -> None:
-    """Evaluate a lazily loaded model one leaf module at a time, so a quantize-at-load holds one
-    layer's unquantized weights at a time rather than the whole model's."""
-    for _, leaf in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
-        mx.eval(leaf.parameters())
-    mx.eval(model.parameters())  # arrays held by non-leaf modules, if any
-
-
 def load_component(
     folder: str | Path, name: str, dtype=None, quantize: int | None = None, group_size: int = 64
 ) -> nn.Module:
@@ -486,7 +478,7 @@ def load_component(
     load_into(model, read_weight_files(prefixed_files(folder, name)), WHAT[name], dtype=as_dtype(dtype))
     if quantize and entry["quantization"] is None and name != "vae":
         quantize_model(model, quantize, group_size)
-    _evaluate_by_layer(model)
+    evaluate_by_layer(model)
     return model
 
 

@@ -128,6 +128,19 @@ def infer_record(model: nn.Module, weights: dict[str, mx.array]) -> dict | None:
     return record
 
 
+def evaluate_by_layer(model: nn.Module) -> None:
+    """Evaluate a lazily loaded (and lazily quantized) model one leaf module at a time.
+
+    After `quantize_model` on weights still on disk, this holds one layer's unquantized weights at
+    a time instead of the whole model's: the peak is the quantized model plus its largest layer.
+    """
+    from mlx.utils import tree_flatten
+
+    for _, leaf in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+        mx.eval(leaf.parameters())
+    mx.eval(model.parameters())  # arrays held by non-leaf modules, if any
+
+
 def quantize_weight(weight: mx.array, bits: int, group_size: int) -> tuple[mx.array, mx.array, mx.array]:
     """One (out, in) weight -> (packed uint32 weight, scales, biases), as QuantizedLinear stores them."""
     return mx.quantize(weight, group_size, bits, mode=MODE)

@@ -178,3 +178,39 @@ def test_non_finite_values_are_reported(distilled):
     lat[0, 0, 0, 0] = np.nan
     with pytest.raises(FluxKleinError, match="non-finite values appeared at denoising step 1"):
         pipe.generate("x", width=64, height=64, latents=lat)
+
+
+def test_converted_folder_gives_the_same_image(distilled, tmp_path):
+    """`load` on a folder written by `convert` runs the same model as on the diffusers snapshot."""
+    from flux_klein_mlx.convert import convert_model
+
+    out = tmp_path / "mlx"
+    convert_model(distilled, out, dtype="float32")
+    lat = noise(64, 64)
+    a = flux_klein_mlx.load(distilled, dtype="float32").generate("a boat", width=64, height=64, latents=lat,
+                                                                output_type="np")
+    pipe = flux_klein_mlx.load(out, dtype="float32")
+    b = pipe.generate("a boat", width=64, height=64, latents=lat, output_type="np")
+    assert np.abs(a - b).max() <= 1e-5
+    assert pipe.info.is_distilled and pipe.info.quantization is None
+
+
+@pytest.mark.parametrize("bits, tolerance", [(8, 0.05), (4, 0.5)])
+def test_quantize_at_load(distilled, tmp_path, bits, tolerance):
+    """`load(..., quantize=b)` quantizes transformer and text encoder in memory; a converted
+    quantized folder gives the same image as quantizing the snapshot at load."""
+    from flux_klein_mlx.convert import convert_model
+    from flux_klein_mlx.quantize import is_quantized
+
+    lat = noise(64, 64)
+    plain = flux_klein_mlx.load(distilled, dtype="float32").generate("a boat", width=64, height=64, latents=lat,
+                                                                    output_type="np")
+    pipe = flux_klein_mlx.load(distilled, dtype="float32", quantize=bits)
+    at_load = pipe.generate("a boat", width=64, height=64, latents=lat, output_type="np")
+    assert pipe.info.quantization["bits"] == bits and is_quantized(pipe.transformer.get())
+    assert 0 < np.abs(plain - at_load).max() < tolerance
+    out = tmp_path / f"q{bits}"
+    convert_model(distilled, out, dtype="float32", bits=bits)
+    stored = flux_klein_mlx.load(out, dtype="float32").generate("a boat", width=64, height=64, latents=lat,
+                                                               output_type="np")
+    assert np.abs(stored - at_load).max() <= 1e-5
