@@ -358,7 +358,7 @@ def child_stage(stage: str, size: int, dtype: str = "bfloat16", bits: int | None
     emulate_fused_norms()
     if stand_in_matmul:
         emulate_matmul_kernels()
-    if block_eval:
+    if block_eval and block_eval != "low_memory":  # "low_memory": the model's own low-memory forward
         evaluate_per_block(split=block_eval == "split")
     dt = getattr(mx, dtype)
     mx.random.seed(0)
@@ -406,7 +406,8 @@ def child_stage(stage: str, size: int, dtype: str = "bfloat16", bits: int | None
         txt = model.embed_text(ctx)
         mx.eval(rope, txt)
         t = mx.array([0.9], dtype=dt)
-        res = _measure(lambda: x + (-0.05) * model.forward_with_rope(x, ctx, t, rope, txt_embedded=txt))
+        low = block_eval == "low_memory"
+        res = _measure(lambda: x + (-0.05) * model.forward_with_rope(x, ctx, t, rope, txt_embedded=txt, low_memory=low))
         res["setup_peak"] = setup["peak"]
     else:
         h = w = size // 16
@@ -476,7 +477,8 @@ def child_activation(
         txt = model.embed_text(ctx)  # hoisted out of the loop, as the pipeline does
         mx.eval(ctx, x, rope, txt)
         t = mx.array([0.9], dtype=dt)
-        res = _measure(lambda: x + (-0.05) * model.forward_with_rope(x, ctx, t, rope, txt_embedded=txt))
+        low = block_eval == "low_memory"
+        res = _measure(lambda: x + (-0.05) * model.forward_with_rope(x, ctx, t, rope, txt_embedded=txt, low_memory=low))
     elif stage == "decode":
         from flux_klein_mlx.vae import AutoEncoder, AutoEncoderConfig
 
