@@ -261,10 +261,19 @@ def emulate_matmul_kernels() -> None:
         out = self["weight"].shape[0]
         return mx.broadcast_to(x[..., :1], (*x.shape[:-1], out)) * self["scales"][0, 0] + mx.zeros((out,), x.dtype)
 
+    def part(layer, x, rows=slice(None), cols=(0, None)):  # transformer.linear_part (low-memory halves)
+        out = layer["weight"][rows].shape[0]
+        return mx.broadcast_to(x[..., :1], (*x.shape[:-1], out)) * layer["weight"][0, 0].astype(x.dtype) + mx.zeros(
+            (out,), x.dtype
+        )
+
     import mlx.nn as nn
+
+    from flux_klein_mlx import transformer
 
     nn.Linear.__call__ = dense
     nn.QuantizedLinear.__call__ = quantized
+    transformer.linear_part = part
 
 
 def emulate_fused_norms() -> None:

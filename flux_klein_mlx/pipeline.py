@@ -321,6 +321,8 @@ class FluxKleinPipeline:
         decoded = self.vae.get().decode_tokens(x, h, w, tiled=self.low_memory)
         image = to_output(decoded, output_type)
         stats["decode"] = {"seconds": time.perf_counter() - t0, "peak_memory": mx.get_peak_memory()}
+        if self.low_memory:
+            self.vae.release()  # so the next image's denoise holds the transformer alone
         stats["total_seconds"] = sum(stats[s]["seconds"] for s in ("encode", "denoise", "decode"))
         stats["width"], stats["height"] = width, height
         yield Progress("decode", steps, steps, stats["decode"]["seconds"], image=image, stats=stats)
