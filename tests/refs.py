@@ -68,3 +68,17 @@ def qwen_tokenizer_dir() -> Path:
     d = Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
     assert (d / "tokenizer.json").is_file(), f"no tokenizer.json in {d}"
     return d
+
+
+def reference_tokens(hf_tokenizer, prompts, max_length: int = 512) -> tuple[list, list]:
+    """Token ids and masks as diffusers' `_get_qwen3_prompt_embeds` makes them, prompt by prompt:
+    a single user turn of the chat template, thinking disabled, right-padded / truncated to 512."""
+    ids, masks = [], []
+    for p in prompts:
+        text = hf_tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+        enc = hf_tokenizer(text, padding="max_length", max_length=max_length, truncation=True)
+        ids.append(enc["input_ids"])
+        masks.append(enc["attention_mask"])
+    return ids, masks

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from mlx.utils import tree_flatten
-from refs import qwen_tokenizer_dir, randomize_, rel_err, to_np
+from refs import qwen_tokenizer_dir, randomize_, reference_tokens, rel_err, to_np
 from transformers import AutoTokenizer, Qwen3Config as HFQwen3Config, Qwen3ForCausalLM
 
 import flux_klein_mlx.text_encoder as te
@@ -70,14 +70,7 @@ def build_snapshot(root, tie: bool, attn: str, seed: int) -> Qwen3ForCausalLM:
 
 def reference_embeddings(model, tok, prompts):
     """transformers end to end: chat template, pad/truncate to 512, hidden_states 9/18/27."""
-    ids, masks = [], []
-    for p in prompts:
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True, enable_thinking=False
-        )
-        enc = tok(text, padding="max_length", max_length=512, truncation=True)
-        ids.append(enc["input_ids"])
-        masks.append(enc["attention_mask"])
+    ids, masks = reference_tokens(tok, prompts)
     with torch.no_grad():
         out = model.model(  # the trunk: hidden_states are the same, the 151936-wide logits skipped
             input_ids=torch.tensor(ids),

@@ -6,7 +6,7 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
-from refs import qwen_tokenizer_dir
+from refs import qwen_tokenizer_dir, reference_tokens
 from transformers import AutoTokenizer
 
 from flux_klein_mlx.errors import FluxKleinError
@@ -41,14 +41,7 @@ def hf(snapshot):
 
 def reference(hf, prompts):
     """diffusers' `_get_qwen3_prompt_embeds` tokenization, prompt by prompt."""
-    ids, masks = [], []
-    for p in prompts:
-        text = hf.apply_chat_template(
-            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True, enable_thinking=False
-        )
-        enc = hf(text, padding="max_length", max_length=512, truncation=True)
-        ids.append(enc["input_ids"])
-        masks.append(enc["attention_mask"])
+    ids, masks = reference_tokens(hf, prompts)
     return np.array(ids), np.array(masks)
 
 
