@@ -2,8 +2,9 @@
 
 An MLX folder (written by `convert_model` / `quantize_folder`, read by `load_component`):
 
-    config.json                  format marker and version, variant, is_distilled, dtype, source,
-                                 and per component its config and quantization record (or null)
+    config.json                  format marker and version, variant, is_distilled, reference_kv
+                                 (klein 9B-KV), dtype, source, and per component its config and
+                                 quantization record (or null)
     transformer.safetensors      our parameter names (post-sanitize), so loading needs no mapping;
     text_encoder.safetensors     over 5 GB a component is split into prefix-0000i-of-0000n shards
     vae.safetensors              + prefix.safetensors.index.json; the VAE is never quantized
@@ -38,6 +39,7 @@ from mlx.utils import tree_flatten
 
 from . import __version__
 from .errors import FluxKleinError
+from .kv_cache import KV_PIPELINE_CLASS
 from .quantize import apply_quantization, check_quantization, check_record, evaluate_by_layer, quantize_model
 from .text_encoder import Qwen3Config, Qwen3TextEncoder, sanitize_qwen3_weights
 from .transformer import FluxKlein, FluxKleinParams, infer_params, sanitize_flux2_klein_weights
@@ -179,7 +181,15 @@ def _transformer_from_bfl(file: Path, base: Path) -> tuple[dict, dict[str, mx.ar
 
 def _is_distilled(snapshot: Path) -> bool:
     index = snapshot / "model_index.json"
-    return bool(read_json(index).get("is_distilled", False)) if index.is_file() else False
+    if not index.is_file():
+        return False
+    return bool(read_json(index).get("is_distilled", False)) or _is_kv(snapshot)
+
+
+def _is_kv(snapshot: Path) -> bool:
+    """A klein 9B-KV snapshot (distilled, although its index has no is_distilled key)."""
+    index = snapshot / "model_index.json"
+    return index.is_file() and read_json(index).get("_class_name") == KV_PIPELINE_CLASS
 
 
 def inspect_source(model: str | Path, base: str | Path | None = None) -> dict:
@@ -217,9 +227,11 @@ def source_parts(source: dict, dtype, bits, group_size) -> tuple[list[Part], dic
         t_config, t_weights = _transformer_from_bfl(path, base)
         # A Base checkpoint next to (or based on) a distilled snapshot is still a Base model.
         is_distilled = _is_distilled(base) and "base" not in path.name.lower()
+        reference_kv = _is_kv(base)
     else:
         t_config, t_weights = _transformer_from_diffusers(path / "transformer")
         is_distilled = _is_distilled(path)
+        reference_kv = _is_kv(path)
     te_folder = _snapshot_parts_folder(base / "text_encoder")
     te_config = read_json(te_folder / "config.json")
     te_weights = sanitize_qwen3_weights(read_weight_files(component_files(te_folder)))
@@ -249,6 +261,7 @@ def source_parts(source: dict, dtype, bits, group_size) -> tuple[list[Part], dic
     meta = {
         "variant": params.variant,
         "is_distilled": is_distilled,
+        "reference_kv": reference_kv,
         "scheduler": read_json(scheduler) if scheduler.is_file() else None,
         "tokenizer_source": base / "tokenizer",
     }
@@ -316,6 +329,7 @@ def write_folder(
         "flux_klein_mlx_version": __version__,
         "variant": meta["variant"],
         "is_distilled": bool(meta["is_distilled"]),
+        "reference_kv": bool(meta.get("reference_kv", False)),
         "dtype": meta["dtype"],
         "source": meta["source"],
         **{p.name: {"config": p.config, "quantization": p.quantization} for p in parts},
@@ -446,6 +460,7 @@ def quantize_folder(
     meta = {
         "variant": config["variant"],
         "is_distilled": config["is_distilled"],
+        "reference_kv": bool(config.get("reference_kv", False)),
         "dtype": config["dtype"],
         "source": {"model": str(model), "path": str(folder), "format": FORMAT, "original": config.get("source")},
         "scheduler": config.get("scheduler"),

@@ -43,6 +43,8 @@ class ModelInfo:
     dtype: str
     quantization: dict | None = None
     in_channels: int = 128  # transformer tokens: 4 x the VAE's latent channels
+    reference_kv: bool = False  # klein 9B-KV: reference K/V computed once per image, then cached
+
 
     @property
     def default_steps(self) -> int:
@@ -55,7 +57,7 @@ class ModelInfo:
     @property
     def name(self) -> str:
         size = self.variant.split("-")[-1].upper()
-        return f"FLUX.2 [klein] {size}" + ("" if self.is_distilled else " Base")
+        return f"FLUX.2 [klein] {size}" + ("-KV" if self.reference_kv else "" if self.is_distilled else " Base")
 
 
 @dataclass
@@ -279,7 +281,11 @@ class FluxKleinPipeline:
         t_stage = time.perf_counter()
         model = self.transformer.get()
         sigmas = FluxSampler().timesteps(h * w, steps)
-        img_ids = image_ids(h, w) if ref_ids is None else mx.concatenate([image_ids(h, w), ref_ids], axis=0)
+        # KV variant with references: the references leave the sequence; their K/V come from a cache
+        # filled at the first step and dropped with this image (other variants never cache).
+        use_kv = info.reference_kv and ref_tokens is not None
+        kv_cache = None
+        img_ids = image_ids(h, w) if ref_ids is None or use_kv else mx.concatenate([image_ids(h, w), ref_ids], axis=0)
         rope = model.compute_rope(text_ids(ctx.shape[1]), img_ids)
         txt = model.embed_text(ctx)  # step-invariant text projection, hoisted out of the loop
         B = ctx.shape[0]
@@ -288,11 +294,17 @@ class FluxKleinPipeline:
         for i in range(steps):
             t_step = time.perf_counter()
             x_in = mx.broadcast_to(x, (B,) + x.shape[1:])
-            if ref is not None:
+            if use_kv and kv_cache is None:
+                kv_cache = model.reference_kv(ref, ref_ids, low_memory=self.low_memory)  # the extract step
+                mx.eval(kv_cache.arrays())
+                stats["reference_kv"] = {"seconds": time.perf_counter() - t_step, "bytes": kv_cache.nbytes}
+            elif ref is not None and not use_kv:
                 x_in = mx.concatenate([x_in, ref], axis=1)  # [target; refs]
             # diffusers' timestep path: sigma*1000 in the latent dtype, then /1000 (bf16-coarse, spec 2.3)
             t = mx.full((B,), sigmas[i] * 1000.0, dtype=mx.float32).astype(self.dtype) / 1000.0
-            v = model.forward_with_rope(x_in, ctx, t, rope, txt_embedded=txt, low_memory=self.low_memory)
+            v = model.forward_with_rope(
+                x_in, ctx, t, rope, txt_embedded=txt, low_memory=self.low_memory, reference_kv=kv_cache
+            )
             v = v[:, :n_target]  # predictions for the target tokens only (refs are context)
             if cfg:
                 v = v[1:2] + guidance * (v[0:1] - v[1:2])  # uncond + s * (cond - uncond)
@@ -310,7 +322,7 @@ class FluxKleinPipeline:
             "peak_memory": mx.get_peak_memory(),
             "seconds_per_step": (time.perf_counter() - t_stage) / steps,
         }
-        del model
+        del model, kv_cache
         if self.low_memory:
             self.transformer.release()
 
@@ -411,6 +423,7 @@ def load(
 
     The variant (4B/9B, distilled/Base) is read from the files. Models load on first use.
     """
+    from .kv_cache import KV_PIPELINE_CLASS
     from .quantize import check_quantization
     from .tokenizer import load_tokenizer
     from .transformer import FluxKleinParams, load_flux_klein
@@ -441,7 +454,7 @@ def load(
         info = ModelInfo(
             variant=config["variant"], is_distilled=bool(config["is_distilled"]), source=str(model), dtype=dtype,
             quantization=record or ({"bits": quantize, "group_size": group_size} if quantize else None),
-            in_channels=params.in_channels,
+            in_channels=params.in_channels, reference_kv=bool(config.get("reference_kv", False)),
         )
         q = None if record else quantize
 
@@ -458,11 +471,12 @@ def load(
             )
         index = read_json(path / "model_index.json")
         kind = index.get("_class_name")
-        if kind != "Flux2KleinPipeline":
+        if kind not in ("Flux2KleinPipeline", KV_PIPELINE_CLASS):
             raise FluxKleinError(
                 f"{path} holds a {kind} model; flux_klein_mlx runs FLUX.2 [klein] 4B/9B "
-                "(Flux2KleinPipeline), distilled or Base"
+                f"(Flux2KleinPipeline), distilled or Base, and klein 9B-KV ({KV_PIPELINE_CLASS})"
             )
+        kv = kind == KV_PIPELINE_CLASS  # distilled, though its index has no is_distilled key
         tconfig = read_json(path / "transformer" / "config.json")
         if tconfig.get("guidance_embeds"):
             raise FluxKleinError(f"{path} is a FLUX.2-dev transformer, not klein; use a FLUX.2 [klein] model")
@@ -474,9 +488,9 @@ def load(
                 f"{params.in_channels // 4}; the snapshot mixes components of different models"
             )
         info = ModelInfo(
-            variant=params.variant, is_distilled=bool(index.get("is_distilled", False)), source=str(model),
+            variant=params.variant, is_distilled=kv or bool(index.get("is_distilled", False)), source=str(model),
             dtype=dtype, quantization={"bits": quantize, "group_size": group_size} if quantize else None,
-            in_channels=params.in_channels,
+            in_channels=params.in_channels, reference_kv=kv,
         )
         loaders = [
             _quantized(lambda: load_flux_klein(path / "transformer", params, dt, lazy=bool(quantize)), quantize,

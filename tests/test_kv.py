@@ -114,3 +114,174 @@ def test_transformer_low_memory_reference_pass_is_the_same(kv_transformer):
     b = model.forward_with_rope(*args, reference_kv=slow, low_memory=True)
     assert np.abs(to_np(a) - to_np(b)).max() <= 1e-5
     assert fast.nbytes == (2 + 2) * 2 * 20 * 64 * 4  # blocks x (K, V) x tokens x hidden x float32
+
+
+# --- the pipeline against diffusers' Flux2KleinKVPipeline ------------------------------------------------
+
+
+def _noise(h, w, seed=0):
+    return np.random.default_rng(seed).standard_normal((1, C, h // 16, w // 16)).astype(np.float32)
+
+
+def _picture(w, h, seed=0):
+    """A smooth random RGB picture, so the VAE sees image-like input."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    small = (rng.random((max(h // 16, 2), max(w // 16, 2), 3)) * 255).astype(np.uint8)
+    return Image.fromarray(small).resize((w, h), Image.Resampling.BILINEAR)
+
+
+@pytest.fixture(scope="module")
+def kv_pipe(kv_snapshot):
+    import flux_klein_mlx
+
+    return flux_klein_mlx.load(kv_snapshot, dtype="float32")
+
+
+@pytest.mark.parametrize(
+    "images, size",
+    [
+        ([(100, 72, 1)], (64, 96)),  # one reference, cropped to 96x64 by both pipelines; output takes its size
+        ([(64, 80, 2), (112, 64, 3)], (64, 64)),  # two references of different sizes
+        ([], (64, 80)),  # no reference: runs like klein-9B
+    ],
+    ids=["one-reference", "two-references", "no-reference"],
+)
+def test_image_matches_diffusers_kv_pipeline(kv_reference, kv_pipe, images, size):
+    refs = [_picture(w, h, s) for w, h, s in images]
+    h, w = size
+    lat = _noise(h, w, seed=len(refs))
+    given = {} if len(refs) == 1 else dict(width=w, height=h)
+    with torch.no_grad():
+        theirs = kv_reference(
+            image=refs or None, prompt="the cat in the room", num_inference_steps=4, output_type="np",
+            latents=torch.from_numpy(lat), **given,
+        ).images[0]  # fmt: skip
+    ours = kv_pipe.generate("the cat in the room", images=refs, latents=lat, output_type="np", **given)
+    assert ours.shape == theirs.shape == (h, w, 3)
+    err = np.abs(ours - theirs).max()
+    assert err <= 1e-3, err
+    assert theirs.std() > 0.01  # a real image, not a constant
+    stats = kv_pipe.last_stats
+    assert ("reference_kv" in stats) == bool(refs)
+
+
+def test_kv_model_is_recognised_as_distilled(kv_pipe):
+    info = kv_pipe.info
+    assert info.reference_kv and info.is_distilled
+    assert info.default_steps == 4 and info.default_guidance is None
+    assert info.name.endswith("-KV")
+    lat = _noise(64, 64)
+    plain = kv_pipe.generate("x", latents=lat, width=64, height=64, output_type="np")
+    with pytest.warns(UserWarning, match="negative_prompt is ignored"):
+        neg = kv_pipe.generate("x", latents=lat, width=64, height=64, negative_prompt="blurry", output_type="np")
+    assert np.array_equal(plain, neg)
+
+
+class _Spy:
+    """Counts `reference_kv` calls and records which cache each forward received."""
+
+    def __init__(self, monkeypatch):
+        from flux_klein_mlx.transformer import FluxKlein
+
+        self.extracts, self.forwards = 0, []
+        real_ref, real_fwd = FluxKlein.reference_kv, FluxKlein.forward_with_rope
+
+        def reference_kv(model, *a, **k):
+            self.extracts += 1
+            return real_ref(model, *a, **k)
+
+        def forward_with_rope(model, img, *a, **k):
+            self.forwards.append((img.shape[1], k.get("reference_kv")))
+            return real_fwd(model, img, *a, **k)
+
+        monkeypatch.setattr(FluxKlein, "reference_kv", reference_kv)
+        monkeypatch.setattr(FluxKlein, "forward_with_rope", forward_with_rope)
+
+
+def test_cache_lives_for_one_image(kv_pipe, monkeypatch):
+    spy = _Spy(monkeypatch)
+    ref = _picture(64, 64, 5)
+    a = kv_pipe.generate("x", images=[ref], seed=1, output_type="np")
+    b = kv_pipe.generate("x", images=[ref], seed=1, output_type="np")
+    assert np.array_equal(a, b)  # seeds reproduce
+    assert spy.extracts == 2  # one reference pass per image, never reused across images
+    assert [n for n, _ in spy.forwards] == [16] * 8  # the references never enter the sequence
+    caches = [c for _, c in spy.forwards]
+    assert all(c is caches[0] for c in caches[:4]) and all(c is caches[4] for c in caches[4:])
+    assert caches[0] is not caches[4]
+    held = [v for v in vars(kv_pipe).values() if type(v).__name__ == "ReferenceKV"]
+    assert not held
+    assert kv_pipe.last_stats["reference_kv"]["bytes"] == (2 + 2) * 2 * 16 * 64 * 4
+
+
+def test_plain_klein_never_caches(tmp_path_factory, monkeypatch):
+    import flux_klein_mlx
+    from tiny_model import shared_tiny_snapshot
+
+    pipe = flux_klein_mlx.load(shared_tiny_snapshot(tmp_path_factory, distilled=True), dtype="float32")
+    assert not pipe.info.reference_kv
+    spy = _Spy(monkeypatch)
+    pipe.generate("x", images=[_picture(64, 64, 5)], seed=1, output_type="np")
+    assert spy.extracts == 0
+    assert [n for n, _ in spy.forwards] == [32] * 4  # [target ; reference] tokens every step
+    assert all(c is None for _, c in spy.forwards)
+    assert "reference_kv" not in pipe.last_stats
+
+
+def test_low_memory_kv_gives_the_same_image(kv_snapshot, kv_pipe):
+    import flux_klein_mlx
+
+    lat, ref = _noise(64, 64), _picture(64, 64, 6)
+    a = kv_pipe.generate("x", images=[ref], latents=lat, output_type="np")
+    b = flux_klein_mlx.load(kv_snapshot, dtype="float32", low_memory=True).generate(
+        "x", images=[ref], latents=lat, output_type="np"
+    )
+    assert np.abs(a - b).max() <= 1e-5
+
+
+# --- quantization and converted folders ---------------------------------------------------------------------
+
+
+def test_converted_and_quantized_kv_folders_keep_the_kv_identity(kv_snapshot, kv_pipe, tmp_path):
+    import json
+
+    import flux_klein_mlx
+    from flux_klein_mlx.convert import convert_model, quantize_folder
+
+    lat, ref = _noise(64, 64), _picture(80, 64, 7)
+    want = kv_pipe.generate("a boat", images=[ref], latents=lat, width=64, height=64, output_type="np")
+    out = tmp_path / "kv-mlx"
+    convert_model(kv_snapshot, out, dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    assert config["reference_kv"] is True and config["is_distilled"] is True
+    pipe = flux_klein_mlx.load(out, dtype="float32")
+    assert pipe.info.reference_kv and pipe.info.is_distilled
+    got = pipe.generate("a boat", images=[ref], latents=lat, width=64, height=64, output_type="np")
+    assert np.abs(got - want).max() <= 1e-5
+
+    q4 = tmp_path / "kv-q4"
+    quantize_folder(out, q4, bits=4)
+    config = json.loads((q4 / "config.json").read_text())
+    assert config["reference_kv"] is True and config["is_distilled"] is True
+    assert config["transformer"]["quantization"]["bits"] == 4
+    pipe = flux_klein_mlx.load(q4, dtype="float32")
+    assert pipe.info.reference_kv
+    got = pipe.generate("a boat", images=[ref], latents=lat, width=64, height=64, output_type="np")
+    assert "reference_kv" in pipe.last_stats
+    assert 0 < np.abs(got - want).max() <= 0.5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quantize_at_load_kv_stays_close(kv_snapshot, kv_pipe, dtype):
+    import flux_klein_mlx
+
+    lat, ref = _noise(64, 64), _picture(64, 64, 8)
+    want = kv_pipe.generate("a boat", images=[ref], latents=lat, output_type="np")
+    pipe = flux_klein_mlx.load(kv_snapshot, dtype=dtype, quantize=4)
+    got = pipe.generate("a boat", images=[ref], latents=lat, output_type="np")
+    assert pipe.info.reference_kv and pipe.info.quantization["bits"] == 4
+    assert "reference_kv" in pipe.last_stats
+    err = np.abs(got - want).max()
+    assert 0 < err <= 0.5, err
