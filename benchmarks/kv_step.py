@@ -43,6 +43,24 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 TEXT_TOKENS = 512  # the pipelines always pad prompts to 512 tokens
 
 
+def step_tflop(params, target: int, refs: int, text: int = TEXT_TOKENS) -> dict:
+    """Analytic TFLOP of the three kinds of step (blocks only; embeddings and final layer are tiny).
+
+    Per block and token both block kinds do (4 D^2 + 3 M D) multiply-adds in their Linears;
+    attention costs 2 x 2 x Lq x Lk x D. Uncached: every token in the sequence. Cached: the target and
+    text tokens, attending to Lk = text + target + refs keys. Extract: cached + the reference pass.
+    """
+    D, M, blocks = params.hidden_size, params.mlp_hidden, params.depth + params.depth_single
+    linear = 2 * (4 * D * D + 3 * M * D)  # FLOP per token and block
+
+    def cost(lq, lk, tokens):
+        return blocks * (linear * tokens + 4 * lq * lk * D) / 1e12
+
+    full = text + target + refs
+    cached = cost(text + target, full, text + target)
+    return {"uncached": cost(full, full, full), "cached": cached, "extract": cached + cost(refs, refs, refs)}
+
+
 def _time(fn, warmup: int, trials: int) -> list[float]:
     times = []
     for i in range(warmup + trials):
@@ -99,7 +117,11 @@ def kv_step(blocks=(1, 1), width=256, height=256, refs=1, dtype="float32", warmu
         results[name] = _stats(_time(fn, warmup, trials))
         log(f"{name}: median {results[name]['median_s']:.3f} s")
     ratio = results["kv_cached"]["median_s"] / results["uncached_klein_9b"]["median_s"]
-    log(f"ratio cached / uncached: {ratio:.3f}")
+    flop = step_tflop(params, h * w, refs * h * w)
+    full = step_tflop(FluxKleinParams.klein_9b(), 64 * 64, 64 * 64)
+    log(f"ratio cached / uncached: {ratio:.3f} measured, {flop['cached'] / flop['uncached']:.3f} by FLOP count; "
+        f"full klein-9B at 1024^2 with one 1024^2 reference by FLOP count: {full['cached'] / full['uncached']:.3f} "
+        f"(extract step {full['extract'] / full['uncached']:.3f})")  # fmt: skip
     return {
         "benchmark": "klein 9B-KV cached step vs klein-9B uncached step",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -109,6 +131,8 @@ def kv_step(blocks=(1, 1), width=256, height=256, refs=1, dtype="float32", warmu
                    "image_tokens": h * w, "text_tokens": TEXT_TOKENS, "dtype": dtype, "warmup": warmup,
                    "trials": trials, "cache_bytes": cache.nbytes},  # fmt: skip
         "steps": results,
+        "tflop": flop,
+        "tflop_klein_9b_1024_one_reference": full,
         "ratio_cached_over_uncached": ratio,
         "ratio_extract_over_uncached": results["kv_extract"]["median_s"] / results["uncached_klein_9b"]["median_s"],
     }

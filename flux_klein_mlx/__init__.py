@@ -23,6 +23,7 @@ _EXPORTS = {
     "FluxKleinParams": "transformer",
     "load_flux_klein": "transformer",
     "sanitize_flux2_klein_weights": "transformer",
+    "ReferenceKV": "kv_cache",
     "Qwen3Config": "text_encoder",
     "Qwen3TextEncoder": "text_encoder",
     "load_text_encoder": "text_encoder",

@@ -465,7 +465,7 @@ def load(
             decoder's activation memory. With `quantize=4` this keeps a klein-4B 1024^2
             generation near 3 GB.
 
-    The variant (4B/9B, distilled/Base) is read from the files. Models load on first use.
+    The variant (4B/9B, distilled/Base, 9B-KV) is read from the files. Models load on first use.
     """
     from .kv_cache import KV_PIPELINE_CLASS
     from .quantize import check_quantization
