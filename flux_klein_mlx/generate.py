@@ -9,9 +9,11 @@ from pathlib import Path
 
 import click
 
+from . import __version__
+from .cli import run_command
 from .errors import FluxKleinError
-
-DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-4B"
+from .pipeline import DEFAULT_MODEL, load, preprocess_reference
+from .vae import check_image_size
 
 
 def unique_path(path: Path) -> Path:
@@ -76,9 +78,6 @@ def _mb(nbytes: int) -> str:
 def generate(prompt, model, width, height, steps, guidance, seed, images, negative_prompt, num_images,
              quantize, dtype, low_memory, output):
     """Generate images from a prompt (and optional reference images)."""
-    from .pipeline import preprocess_reference
-    from .vae import check_image_size
-
     # Cheap checks before loading gigabytes: sizes, reference images, the output path.
     if width is not None or height is not None:
         check_image_size(width or 1024, height or 1024)
@@ -86,14 +85,12 @@ def generate(prompt, model, width, height, steps, guidance, seed, images, negati
         preprocess_reference(p)
     paths = output_paths(output, num_images)
 
-    import flux_klein_mlx
-
     t0 = time.perf_counter()
-    pipe = flux_klein_mlx.load(model, dtype=dtype, quantize=int(quantize) if quantize else None,
+    pipe = load(model, dtype=dtype, quantize=int(quantize) if quantize else None,
                                low_memory=low_memory)
     info = pipe.info
     click.echo(f"{info.name} from {info.source} ({dtype}"
-               f"{', %d-bit' % info.quantization['bits'] if info.quantization else ''}), "
+               f"{', %d-bit' % pipe.quantization['bits'] if pipe.quantization else ''}), "
                f"loaded in {time.perf_counter() - t0:.1f} s", err=True)
 
     base_seed = seed
@@ -105,8 +102,8 @@ def generate(prompt, model, width, height, steps, guidance, seed, images, negati
             "seed": stats["seed"], "steps": stats["steps"], "guidance": stats["guidance"],
             "width": stats["width"], "height": stats["height"], "model": info.source,
             "variant": info.name, "dtype": dtype,
-            "quantize": info.quantization["bits"] if info.quantization else None,
-            "references": [str(p) for p in images] or None, "software": f"flux_klein_mlx {flux_klein_mlx.__version__}",
+            "quantize": pipe.quantization["bits"] if pipe.quantization else None,
+            "references": [str(p) for p in images] or None, "software": f"flux_klein_mlx {__version__}",
         }
         final = save_png(image, path, metadata)
         if final != path:
@@ -140,6 +137,4 @@ def _run(pipe, prompt, width, height, steps, guidance, seed, images, negative_pr
 
 
 def main(argv=None):
-    from .__main__ import run_command
-
     return run_command(generate, argv)
