@@ -122,6 +122,8 @@ class Worker:
         self.loaded_loras: tuple = ()
         self.features: set[str] = set()
         self.completed = 0
+        self.cancelled_jobs = 0
+        self.active_memory = 0  # MLX bytes in use after the last job (read on the worker thread)
         self._thread = threading.Thread(target=self._run, name="flux-klein-worker", daemon=True)
 
     # ---- called from the HTTP side ----------------------------------------------------------
@@ -165,7 +167,8 @@ class Worker:
         with self._lock:
             return {"state": self.state, "error": self.error, "waiting": len(self._waiting),
                     "running": self._running is not None, "max_queue": self.max_queue,
-                    "completed": self.completed}
+                    "completed": self.completed, "cancelled": self.cancelled_jobs,
+                    "mlx_active_bytes": self.active_memory}
 
     # ---- the worker thread ----------------------------------------------------------------------
 
@@ -204,9 +207,11 @@ class Worker:
                 import mlx.core as mx
 
                 mx.clear_cache()  # give freed buffers back so idle memory returns to its level
+                self.active_memory = mx.get_active_memory()
 
     def _execute(self, job: Job) -> None:
         if job.cancelled.is_set():
+            self.cancelled_jobs += 1
             job.on_event(JobEvent("cancelled"))
             return
         try:
@@ -214,6 +219,7 @@ class Worker:
             if loras != self.loaded_loras:
                 self._load(loras)
             finished = self._generate(job)
+            self.cancelled_jobs += not finished
             job.on_event(JobEvent("done" if finished else "cancelled"))
         except FluxKleinError as e:
             job.on_event(JobEvent("error", {"status": 400, "message": str(e)}))
