@@ -100,13 +100,12 @@ def _int(body: dict, name: str, lo: int, hi: int, default=None):
     v = body.get(name)
     if v is None or v == "":
         return default
-    if isinstance(v, bool):
-        raise ApiError(400, f"{name} must be a whole number, not {v!r}", name)
-    try:
-        iv = int(v) if isinstance(v, (int, str)) else None
-    except ValueError:
-        iv = None
-    if iv is None or (isinstance(v, str) and not re.fullmatch(r"-?\d+", v.strip())):
+    # JSON integers, or digit strings from multipart forms; never bools or floats
+    if isinstance(v, int) and not isinstance(v, bool):
+        iv = v
+    elif isinstance(v, str) and re.fullmatch(r"\s*-?\d{1,20}\s*", v):
+        iv = int(v)
+    else:
         raise ApiError(400, f"{name} must be a whole number, not {v!r}", name)
     if not lo <= iv <= hi:
         raise ApiError(400, f"{name} must be between {lo} and {hi}, not {iv}", name)

@@ -153,7 +153,8 @@ class Worker:
                 raise NotReady("the model is still loading; retry in a few seconds")
             if self.state == "failed":
                 raise NotReady(f"the model failed to load: {self.error}")
-            if len(self._waiting) >= self.max_queue:
+            idle = self._running is None and not self._waiting
+            if len(self._waiting) >= self.max_queue and not idle:
                 raise QueueFull(
                     f"the queue is full ({self.max_queue} waiting, one running); retry later or start the server "
                     "with a larger --queue"

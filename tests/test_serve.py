@@ -229,6 +229,39 @@ def test_client_disconnect_cancels_between_steps(server):
     assert time.monotonic() - t0 < 60
 
 
+def test_worker_refuses_while_loading_and_when_full(snapshot):
+    from flux_klein_mlx.jobs import ImageRequest, NotReady, QueueFull, Worker
+
+    gate = threading.Event()
+
+    def loader(loras):
+        assert gate.wait(60)
+        return flux_klein_mlx.load(snapshot, dtype="float32")
+
+    events = []
+    worker = Worker(loader, max_queue=0)
+    worker.start()
+    try:
+        with pytest.raises(NotReady, match="still loading"):  # HTTP 503
+            worker.submit(ImageRequest("x", width=64, height=64, steps=50), events.append)
+        gate.set()
+        assert worker.wait_ready(60)
+        job = worker.submit(ImageRequest("x", width=64, height=64, steps=50), events.append)  # idle: runs
+        deadline = time.monotonic() + 60
+        while not any(e.kind == "step" for e in events):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(QueueFull, match="queue is full"):  # HTTP 429: one running, none may wait
+            worker.submit(ImageRequest("y"), events.append)
+        job.cancel()
+        while not any(e.kind in ("done", "cancelled") for e in events):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert events[-1].kind == "cancelled" and sum(e.kind == "step" for e in events) < 50
+    finally:
+        worker.stop()
+
+
 # ---- load -----------------------------------------------------------------------------------------
 
 
