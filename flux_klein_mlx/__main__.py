@@ -1,4 +1,4 @@
-"""`python -m flux_klein_mlx generate | convert | quantize | benchmark`.
+"""`python -m flux_klein_mlx generate | convert | quantize | benchmark | serve`.
 
 Each subcommand lives in its own module and is imported only when used, so `--help` is instant.
 Every user-fixable problem (`FluxKleinError`) ends as one line on stderr and exit status 1.
@@ -19,6 +19,7 @@ COMMANDS = {
     "convert": ("flux_klein_mlx.convert", "convert"),
     "quantize": ("flux_klein_mlx.convert", "quantize_command"),
     "benchmark": ("flux_klein_mlx.benchmark", "benchmark"),
+    "serve": ("flux_klein_mlx.serve", "serve"),
 }
 
 

@@ -39,16 +39,21 @@ def output_paths(output: str, count: int) -> list[Path]:
     return [base.with_name(f"{base.stem}-{i}{base.suffix}") for i in range(count)]
 
 
-def save_png(image, path: Path, metadata: dict) -> Path:
-    """Write the PNG with the generation parameters in its text chunks; never overwrites."""
+def png_info(metadata: dict):
+    """PNG text chunks: one per parameter, plus all of them as JSON under "parameters"."""
     from PIL.PngImagePlugin import PngInfo
 
     info = PngInfo()
     for k, v in metadata.items():
         info.add_text(k, "" if v is None else str(v))
     info.add_text("parameters", json.dumps(metadata))
+    return info
+
+
+def save_png(image, path: Path, metadata: dict) -> Path:
+    """Write the PNG with the generation parameters in its text chunks; never overwrites."""
     final = unique_path(path)
-    image.save(final, pnginfo=info)
+    image.save(final, pnginfo=png_info(metadata))
     return final
 
 
@@ -75,8 +80,10 @@ def _mb(nbytes: int) -> str:
 @click.option("--low-memory", is_flag=True, help="Release the transformer before decoding and decode in tiles (for small-memory Macs).")
 @click.option("--output", "-o", default="image.png", show_default=True,
               help="PNG path; an existing file is kept and a new name chosen.")
+@click.option("--preview-dir", default=None,
+              help="Also write a small latent preview PNG after every step into this existing folder.")
 def generate(prompt, model, width, height, steps, guidance, seed, images, negative_prompt, num_images,
-             quantize, dtype, low_memory, output):
+             quantize, dtype, low_memory, output, preview_dir):
     """Generate images from a prompt (and optional reference images)."""
     # Cheap checks before loading gigabytes: sizes, reference images, the output path.
     if width is not None or height is not None:
@@ -84,6 +91,8 @@ def generate(prompt, model, width, height, steps, guidance, seed, images, negati
     for p in images:
         preprocess_reference(p)
     paths = output_paths(output, num_images)
+    if preview_dir is not None and not Path(preview_dir).is_dir():
+        raise FluxKleinError(f"--preview-dir {preview_dir} is not an existing folder; create it first")
 
     t0 = time.perf_counter()
     pipe = load(model, dtype=dtype, quantize=int(quantize) if quantize else None,
@@ -96,7 +105,8 @@ def generate(prompt, model, width, height, steps, guidance, seed, images, negati
     base_seed = seed
     for n, path in enumerate(paths):
         run_seed = None if base_seed is None else base_seed + n
-        image, stats = _run(pipe, prompt, width, height, steps, guidance, run_seed, images, negative_prompt)
+        previews = None if preview_dir is None else (Path(preview_dir), path.stem)
+        image, stats = _run(pipe, prompt, width, height, steps, guidance, run_seed, images, negative_prompt, previews)
         metadata = {
             "prompt": prompt, "negative_prompt": negative_prompt if not info.is_distilled else None,
             "seed": stats["seed"], "steps": stats["steps"], "guidance": stats["guidance"],
@@ -116,9 +126,15 @@ def generate(prompt, model, width, height, steps, guidance, seed, images, negati
         click.echo(str(final))
 
 
-def _run(pipe, prompt, width, height, steps, guidance, seed, images, negative_prompt):
-    """One image, with a progress bar that shows seconds per step."""
+def _run(pipe, prompt, width, height, steps, guidance, seed, images, negative_prompt, previews=None):
+    """One image, with a progress bar that shows seconds per step; `previews`: (folder, name stem)."""
     import warnings
+
+    from PIL import Image
+
+    from .preview import preview_for
+
+    preview = preview_for(pipe.vae.get()) if previews else None
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -133,6 +149,10 @@ def _run(pipe, prompt, width, height, steps, guidance, seed, images, negative_pr
             for event in stream:
                 if event.stage == "denoise":
                     bar.update(1, f"{event.seconds:.2f} s/step")
+                    if preview is not None:
+                        folder, stem = previews
+                        small = Image.fromarray(preview.render(event.denoised, *event.grid))
+                        small.save(unique_path(folder / f"{stem}-step{event.step:02d}.png"))
         return event.image, event.stats
 
 

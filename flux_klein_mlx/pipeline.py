@@ -47,6 +47,9 @@ class Progress:
     seconds: float = 0.0  # wall time of this step or stage
     image: Image.Image | np.ndarray | None = None  # set on the final "decode" event
     stats: dict = field(default_factory=dict)  # per stage: {"seconds": s, "peak_memory": bytes}
+    # "denoise" events: the step's estimate of the clean latent tokens (1, h*w, C), lazy (for previews)
+    denoised: mx.array | None = None
+    grid: tuple[int, int] = (0, 0)  # (h, w) of the latent token grid: image size / 16
 
 
 @dataclass
@@ -324,6 +327,7 @@ class FluxKleinPipeline:
             v = v[:, : h * w]  # predictions for the target tokens only (refs are context)
             if job.guidance is not None:
                 v = v[1:2] + job.guidance * (v[0:1] - v[1:2])  # uncond + s * (cond - uncond)
+            x0 = x - sigmas[i] * v  # flow matching: x_t = (1 - s) x0 + s noise, v = noise - x0
             x = FluxSampler.step(x, v, sigmas[i], sigmas[i + 1])
             finite = mx.all(mx.isfinite(x))
             mx.eval(x, finite)
@@ -333,7 +337,8 @@ class FluxKleinPipeline:
                     "or try --dtype float32"
                 )
             job.x = x
-            yield Progress("denoise", i + 1, steps, time.perf_counter() - t_step, stats=job.stats)
+            yield Progress("denoise", i + 1, steps, time.perf_counter() - t_step, stats=job.stats, denoised=x0,
+                           grid=(h, w))
         seconds = time.perf_counter() - t_stage
         job.stats["denoise"] = {"seconds": seconds, "peak_memory": mx.get_peak_memory(), "seconds_per_step": seconds / steps}
         del model

@@ -12,7 +12,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "flux_klein_mlx"
 MODEL_FILES = {"transformer", "text_encoder", "vae", "rope"}
-CLI_MODULES = {"__main__", "cli", "generate", "convert", "benchmark", "serve"}
+# The applications: CLI commands and the server (its HTTP app and worker).
+CLI_MODULES = {"__main__", "cli", "generate", "convert", "benchmark", "serve", "api", "jobs"}
 IO_MODULES = {"weights", "loading", "pipeline"}
 
 
