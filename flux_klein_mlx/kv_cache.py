@@ -17,10 +17,6 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-# model_index.json `_class_name` of the KV repos (black-forest-labs/FLUX.2-klein-9b-kv). Their index has
-# no `is_distilled` key and the transformer config no KV flag, yet the model is distilled (4 steps, no CFG).
-KV_PIPELINE_CLASS = "Flux2KleinKVPipeline"
-
 KV = tuple[mx.array, mx.array]  # (keys, values), each (B, H, Lr, hd), keys already rotated
 
 

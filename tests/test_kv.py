@@ -15,7 +15,7 @@ import torch
 from refs import rel_err, to_mx, to_np
 
 from flux_klein_mlx.rope import image_ids, text_ids
-from flux_klein_mlx.transformer import load_flux_klein
+from flux_klein_mlx.loading import load_flux_klein
 from tiny_kv_model import shared_tiny_kv_snapshot
 from tiny_model import LATENT_CHANNELS, QWEN_HIDDEN
 
@@ -171,12 +171,39 @@ def test_kv_model_is_recognised_as_distilled(kv_pipe):
     info = kv_pipe.info
     assert info.reference_kv and info.is_distilled
     assert info.default_steps == 4 and info.default_guidance is None
-    assert info.name.endswith("-KV")
+    assert info.name == "FLUX.2 [klein] (custom size) KV"  # the tiny model has no table row
     lat = _noise(64, 64)
     plain = kv_pipe.generate("x", latents=lat, width=64, height=64, output_type="np")
     with pytest.warns(UserWarning, match="negative_prompt is ignored"):
         neg = kv_pipe.generate("x", latents=lat, width=64, height=64, negative_prompt="blurry", output_type="np")
     assert np.array_equal(plain, neg)
+
+
+def test_variant_table_row():
+    from flux_klein_mlx.config import KV_PIPELINE_CLASS, PIPELINE_CLASSES, VARIANTS, FluxKleinParams, variant_for
+
+    row = VARIANTS["klein-9b-kv"]
+    assert row.reference_kv and row.distilled and row.steps == 4 and row.guidance is None
+    assert row.pipeline_class == KV_PIPELINE_CLASS and KV_PIPELINE_CLASS in PIPELINE_CLASSES
+    assert row.transformer.shape_key() == FluxKleinParams.klein_9b().shape_key()
+    assert variant_for(FluxKleinParams.klein_9b(), True, reference_kv=True).title == "FLUX.2 [klein] 9B-KV"
+    assert variant_for(FluxKleinParams.klein_9b(), True).name == "klein-9b"  # plain klein-9B stays plain
+    assert not any(v.reference_kv for k, v in VARIANTS.items() if k != "klein-9b-kv")
+
+
+def test_other_pipeline_classes_are_still_refused(kv_snapshot, tmp_path):
+    import json
+    import shutil
+
+    import flux_klein_mlx
+    from flux_klein_mlx.errors import FluxKleinError
+
+    folder = tmp_path / "snap"
+    shutil.copytree(kv_snapshot, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps(index | {"_class_name": "Flux2KVPipeline"}))
+    with pytest.raises(FluxKleinError, match="holds a Flux2KVPipeline model"):
+        flux_klein_mlx.load(folder)
 
 
 class _Spy:
@@ -273,15 +300,15 @@ def test_converted_and_quantized_kv_folders_keep_the_kv_identity(kv_snapshot, kv
     assert 0 < np.abs(got - want).max() <= 0.5
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_quantize_at_load_kv_stays_close(kv_snapshot, kv_pipe, dtype):
+def test_quantize_at_load_kv_bf16_stays_close(kv_snapshot, kv_pipe):
+    """4-bit weights and bf16 activations (what a Mac runs) against the float32 image."""
     import flux_klein_mlx
 
     lat, ref = _noise(64, 64), _picture(64, 64, 8)
     want = kv_pipe.generate("a boat", images=[ref], latents=lat, output_type="np")
-    pipe = flux_klein_mlx.load(kv_snapshot, dtype=dtype, quantize=4)
+    pipe = flux_klein_mlx.load(kv_snapshot, dtype="bfloat16", quantize=4)
     got = pipe.generate("a boat", images=[ref], latents=lat, output_type="np")
-    assert pipe.info.reference_kv and pipe.info.quantization["bits"] == 4
+    assert pipe.info.reference_kv and pipe.quantization["bits"] == 4
     assert "reference_kv" in pipe.last_stats
     err = np.abs(got - want).max()
     assert 0 < err <= 0.5, err
