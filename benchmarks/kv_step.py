@@ -12,7 +12,9 @@ The ratio cached / uncached is what the KV variant saves on steps 2..n. A step's
 its blocks, so the per-block ratio carries over to the full 8 + 24 blocks up to the (unchanged)
 embedding and final layers.
 
-    .venv/bin/python benchmarks/kv_step.py --blocks 1+1 -W 256 -H 256 --warmup 1 --trials 3
+    .venv/bin/python benchmarks/kv_step.py --blocks 1+1 -W 512 -H 512 --warmup 1 --trials 2
+
+The three are timed in turn within every round, so the load of a shared machine weighs on all alike.
 """
 
 from __future__ import annotations
@@ -61,13 +63,16 @@ def step_tflop(params, target: int, refs: int, text: int = TEXT_TOKENS) -> dict:
     return {"uncached": cost(full, full, full), "cached": cached, "extract": cached + cost(refs, refs, refs)}
 
 
-def _time(fn, warmup: int, trials: int) -> list[float]:
-    times = []
+def _time_interleaved(fns: dict, warmup: int, trials: int) -> dict[str, list[float]]:
+    """Wall times of each fn, run in turn within every round (a shared machine's load then weighs
+    on all of them alike); the first `warmup` rounds are discarded."""
+    times = {name: [] for name in fns}
     for i in range(warmup + trials):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            mx.eval(fn())
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
     return times
 
 
@@ -112,10 +117,10 @@ def kv_step(blocks=(1, 1), width=256, height=256, refs=1, dtype="float32", warmu
     def cached():
         return model.forward_with_rope(x, ctx, t, rope_kv, txt_embedded=txt, reference_kv=cache)
 
-    results = {}
-    for name, fn in (("uncached_klein_9b", uncached), ("kv_extract", extract), ("kv_cached", cached)):
-        results[name] = _stats(_time(fn, warmup, trials))
-        log(f"{name}: median {results[name]['median_s']:.3f} s")
+    fns = {"uncached_klein_9b": uncached, "kv_extract": extract, "kv_cached": cached}
+    results = {name: _stats(t) for name, t in _time_interleaved(fns, warmup, trials).items()}
+    for name, r in results.items():
+        log(f"{name}: median {r['median_s']:.3f} s (min {r['min_s']:.3f}, max {r['max_s']:.3f})")
     ratio = results["kv_cached"]["median_s"] / results["uncached_klein_9b"]["median_s"]
     flop = step_tflop(params, h * w, refs * h * w)
     full = step_tflop(FluxKleinParams.klein_9b(), 64 * 64, 64 * 64)

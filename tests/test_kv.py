@@ -312,3 +312,87 @@ def test_quantize_at_load_kv_bf16_stays_close(kv_snapshot, kv_pipe):
     assert "reference_kv" in pipe.last_stats
     err = np.abs(got - want).max()
     assert 0 < err <= 0.5, err
+
+
+# --- the benchmark: first (extract) step and cached steps apart --------------------------------------------
+
+
+def _tiny_variant(kv: bool):
+    import dataclasses
+
+    from flux_klein_mlx.config import VARIANTS, AutoEncoderConfig, FluxKleinParams, Qwen3Config
+
+    return dataclasses.replace(
+        VARIANTS["klein-9b-kv" if kv else "klein-9b"], name="tiny",
+        transformer=FluxKleinParams(hidden_size=64, num_heads=2, axes_dim=(8,) * 4, depth=1, depth_single=1,
+                                    context_in_dim=96),
+        text_encoder=Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=27, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=8, rope_theta=1e6, vocab_size=1000),
+        vae=AutoEncoderConfig(block_out_channels=(32, 32, 32, 32), layers_per_block=1, latent_channels=32),
+    )  # fmt: skip
+
+
+def test_benchmark_reports_the_kv_first_and_cached_steps_apart():
+    from flux_klein_mlx import benchmark as bm
+    from flux_klein_mlx import flops
+    from flux_klein_mlx.random_model import random_pipeline
+
+    row = _tiny_variant(kv=True)
+    r = bm.run_benchmark(random_pipeline(row), width=64, height=64, steps=3, warmup=0, trials=2,
+                         text_encoder=False, decode=False, references=1)  # fmt: skip
+    c, st = r["config"], r["stages"]
+    assert c["reference_kv"] and c["references"] == 1 and c["reference_tokens"] == 16 and c["blocks"] == "1+1"
+    assert len(st["kv_reference_pass"]["times_s"]) == 2  # one reference pass per image
+    assert len(st["kv_first_step"]["times_s"]) == 2 and len(st["kv_cached_step"]["times_s"]) == 2 * 2
+    p = row.transformer
+    cached = flops.flops_of_transformer(p, 64, 64, 512, 16, cached_references=True).total
+    ref_pass = flops.reference_pass_flops(p, 16).total
+    assert st["kv_cached_step"]["tflop"] == pytest.approx(cached / 1e12)
+    assert st["kv_first_step"]["tflop"] == pytest.approx((cached + ref_pass) / 1e12)
+    assert st["denoise"]["tflop"] == pytest.approx((3 * cached + ref_pass) / 1e12)
+    assert st["kv_reference_pass"]["cache_gb"] == pytest.approx(2 * 2 * 16 * 64 * 4 / 1e9)
+    table = bm.format_report(r)
+    for label in ("KV reference pass", "KV first step", "KV cached step", "reference K/V cached"):
+        assert label in table
+
+    # plain klein-9B with the same reference: every step alike, the reference in the sequence
+    r = bm.run_benchmark(random_pipeline(_tiny_variant(kv=False)), width=64, height=64, steps=2, warmup=0,
+                         trials=1, text_encoder=False, decode=False, references=1)  # fmt: skip
+    assert not r["config"]["reference_kv"] and not any(k.startswith("kv_") for k in r["stages"])
+    uncached = flops.flops_of_transformer(p, 64, 64, 512, 16).total
+    assert r["stages"]["denoise_step"]["tflop"] == pytest.approx(uncached / 1e12)
+
+
+def test_kv_flop_model():
+    from flux_klein_mlx import flops
+    from flux_klein_mlx.config import FluxKleinParams
+
+    p = FluxKleinParams.klein_9b()
+    plain = flops.flops_of_transformer(p, 1024, 1024)
+    uncached = flops.flops_of_transformer(p, 1024, 1024, 512, 4096)
+    cached = flops.flops_of_transformer(p, 1024, 1024, 512, 4096, cached_references=True)
+    # cached: the blocks see 512 + 4096 queries (as without references) against 512 + 8192 keys
+    assert cached.linear == plain.linear and cached.attention == pytest.approx(plain.attention * 8704 / 4608)
+    assert cached.linear / uncached.linear == pytest.approx(4608 / 8704)
+    assert cached.attention / uncached.attention == pytest.approx(4608 / 8704)
+    ref = flops.reference_pass_flops(p, 4096)
+    assert ref.attention == pytest.approx(32 * 4 * 4096**2 * 4096)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--random-weights", "--blocks", "1x2"], "--blocks must be DOUBLE+SINGLE"),
+        (["--random-weights", "--blocks", "0+0"], "--blocks must be DOUBLE+SINGLE"),
+        (["--random-weights", "--blocks", "1+a"], "--blocks must be DOUBLE+SINGLE"),
+        (["--model", "x", "--blocks", "1+1"], "--blocks only applies to --random-weights"),
+        (["--random-weights", "--references", "-1"], "--references"),
+        (["--random-weights", "--references", "11"], "--references"),
+    ],
+)
+def test_benchmark_bad_kv_options_are_one_line_errors(args, message, capsys):
+    from flux_klein_mlx import benchmark as bm
+
+    assert bm.main(args) != 0
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
