@@ -37,9 +37,11 @@ import time  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
-from flux_klein_mlx.benchmark import _randomize, machine_info  # noqa: E402
+from flux_klein_mlx.config import FluxKleinParams  # noqa: E402
+from flux_klein_mlx.flops import machine_info  # noqa: E402
+from flux_klein_mlx.random_model import randomize  # noqa: E402
 from flux_klein_mlx.rope import image_ids, text_ids  # noqa: E402
-from flux_klein_mlx.transformer import FluxKlein, FluxKleinParams  # noqa: E402
+from flux_klein_mlx.transformer import FluxKlein  # noqa: E402
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 TEXT_TOKENS = 512  # the pipelines always pad prompts to 512 tokens
@@ -87,7 +89,7 @@ def kv_step(blocks=(1, 1), width=256, height=256, refs=1, dtype="float32", warmu
     params = dataclasses.replace(FluxKleinParams.klein_9b(), depth=depth, depth_single=depth_single)
     dt = DTYPES[dtype]
     model = FluxKlein(params)
-    _randomize(model, dt, seed)
+    randomize(model, dt, seed)
     h, w = height // 16, width // 16
     key = mx.random.key(seed + 1)
     k1, k2, k3 = mx.random.split(key, 3)
