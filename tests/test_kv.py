@@ -396,3 +396,23 @@ def test_benchmark_bad_kv_options_are_one_line_errors(args, message, capsys):
     assert bm.main(args) != 0
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_generate_cli_edits_with_the_kv_model(kv_snapshot, tmp_path, capsys):
+    import json
+
+    from PIL import Image
+
+    from flux_klein_mlx import generate
+
+    ref = tmp_path / "ref.png"
+    _picture(80, 64, 9).save(ref)
+    out = tmp_path / "edit.png"
+    code = generate.main(["--model", str(kv_snapshot), "-p", "make it blue", "--image", str(ref), "--seed", "1",
+                          "--dtype", "float32", "--negative-prompt", "blurry", "-o", str(out)])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "negative_prompt is ignored" in captured.err
+    with Image.open(out) as im:
+        meta = json.loads(im.text["parameters"])
+        assert im.size == (80, 64) and meta["variant"].endswith("KV") and meta["steps"] == 4
