@@ -73,8 +73,13 @@ def _mb(nbytes: int) -> str:
 @click.option("--low-memory", is_flag=True, help="Release the transformer before decoding and decode in tiles (for small-memory Macs).")
 @click.option("--output", "-o", default="image.png", show_default=True,
               help="PNG path; an existing file is kept and a new name chosen.")
+@click.option("--lora", "loras", multiple=True,
+              help="LoRA .safetensors file, owner/name (its single .safetensors) or owner/name:FILE; repeat for several.")
+@click.option("--lora-scale", "lora_scales", type=float, multiple=True,
+              help="Strength of each --lora, by position [default: 1.0].")
+@click.option("--lora-partial", is_flag=True, help="Apply a LoRA even when some of its modules match no layer.")
 def generate(prompt, model, width, height, steps, guidance, seed, images, negative_prompt, num_images,
-             quantize, dtype, low_memory, output):
+             quantize, dtype, low_memory, output, loras, lora_scales, lora_partial):
     """Generate images from a prompt (and optional reference images)."""
     from .pipeline import preprocess_reference
     from .vae import check_image_size
@@ -85,16 +90,24 @@ def generate(prompt, model, width, height, steps, guidance, seed, images, negati
     for p in images:
         preprocess_reference(p)
     paths = output_paths(output, num_images)
+    if len(lora_scales) > len(loras):
+        raise FluxKleinError(
+            f"--lora-scale is given {len(lora_scales)} times but --lora {len(loras)} times; give one scale per LoRA, in order"
+        )
+    lora_specs = [(p, lora_scales[i] if i < len(lora_scales) else 1.0) for i, p in enumerate(loras)]
 
     import flux_klein_mlx
 
     t0 = time.perf_counter()
     pipe = flux_klein_mlx.load(model, dtype=dtype, quantize=int(quantize) if quantize else None,
-                               low_memory=low_memory)
+                               low_memory=low_memory, loras=lora_specs, lora_partial=lora_partial)
     info = pipe.info
     click.echo(f"{info.name} from {info.source} ({dtype}"
                f"{', %d-bit' % info.quantization['bits'] if info.quantization else ''}), "
                f"loaded in {time.perf_counter() - t0:.1f} s", err=True)
+    for lora in pipe.loras:
+        click.echo(f"LoRA {lora.name} ({lora.sha256}) at scale {lora.scale:g}: {len({t.layer for t in lora.terms})} "
+                   f"layers, {lora.nbytes / 1e6:.1f} MB", err=True)
 
     base_seed = seed
     for n, path in enumerate(paths):
@@ -106,7 +119,8 @@ def generate(prompt, model, width, height, steps, guidance, seed, images, negati
             "width": stats["width"], "height": stats["height"], "model": info.source,
             "variant": info.name, "dtype": dtype,
             "quantize": info.quantization["bits"] if info.quantization else None,
-            "references": [str(p) for p in images] or None, "software": f"flux_klein_mlx {flux_klein_mlx.__version__}",
+            "references": [str(p) for p in images] or None,
+            "loras": [lora.record() for lora in pipe.loras] or None, "software": f"flux_klein_mlx {flux_klein_mlx.__version__}",
         }
         final = save_png(image, path, metadata)
         if final != path:

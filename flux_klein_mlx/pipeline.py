@@ -162,8 +162,12 @@ class FluxKleinPipeline:
         *,
         dtype=mx.bfloat16,
         low_memory: bool = False,
+        transformer_params=None,
+        loras: list | None = None,
     ):
-        self.transformer = _Slot(transformer)
+        self.transformer_params = transformer_params  # checks LoRAs without loading the transformer
+        self.loras = list(loras or [])  # lora.Lora, applied whenever the transformer (re)loads
+        self.transformer = _Slot(self._with_loras(transformer))
         self.text_encoder = _Slot(text_encoder)
         self.tokenizer = _Slot(tokenizer)
         self.vae = _Slot(vae)
@@ -171,6 +175,33 @@ class FluxKleinPipeline:
         self.dtype = dtype
         self.low_memory = low_memory
         self._prompt_cache: dict[str, mx.array] = {}  # prompt -> (1, 512, C) embeddings
+
+    # ---- LoRAs ---------------------------------------------------------------------------------
+
+    def _with_loras(self, loader: Callable[[], object]) -> Callable[[], object]:
+        def load_and_apply():
+            model = loader()
+            if self.loras:
+                from .lora import apply_loras
+
+                apply_loras(model, self.loras)
+            return model
+
+        return load_and_apply
+
+    def set_loras(self, loras, partial: bool = False) -> None:
+        """Replace the applied LoRAs, e.g. `["a.safetensors", ("b.safetensors", 0.8)]`; `[]` removes them.
+
+        The base model is not reloaded: fused LoRAs are unfused exactly, side paths dropped. Every
+        file is read and checked first; on any error the pipeline keeps its previous LoRAs.
+        """
+        from .lora import apply_loras, load_loras
+
+        params = self.transformer_params or self.transformer.get().params
+        parsed = load_loras(loras, params, partial)
+        if self.transformer.loaded:
+            apply_loras(self.transformer.get(), parsed)
+        self.loras = parsed
 
     # ---- stages -------------------------------------------------------------------------------
 
@@ -393,6 +424,8 @@ def load(
     quantize: int | None = None,
     group_size: int = 64,
     low_memory: bool = False,
+    loras: list | None = None,
+    lora_partial: bool = False,
 ) -> FluxKleinPipeline:
     """Load a FLUX.2 [klein] pipeline.
 
@@ -408,6 +441,10 @@ def load(
             before the VAE decode (it reloads next time) and decode in row bands, which bounds the
             decoder's activation memory. With `quantize=4` this keeps a klein-4B 1024^2
             generation near 3 GB.
+        loras: LoRA files for the transformer, each a path (or `owner/name`, `owner/name:file.safetensors`
+            on the Hugging Face hub) or `(path, scale)`; scale defaults to 1.0. Fused into float
+            weights, a side path beside quantized ones; change them later with `set_loras`.
+        lora_partial: accept LoRAs of which only some modules match the model (refused otherwise).
 
     The variant (4B/9B, distilled/Base) is read from the files. Models load on first use.
     """
@@ -486,4 +523,8 @@ def load(
             lambda: load_tokenizer(path / "tokenizer"),
             lambda: load_vae(path / "vae", dt),
         ]
-    return FluxKleinPipeline(*loaders, info, dtype=dt, low_memory=low_memory)
+    from .lora import load_loras
+
+    parsed = load_loras(loras, params, lora_partial)  # every LoRA checked before any model loads
+    return FluxKleinPipeline(*loaders, info, dtype=dt, low_memory=low_memory, transformer_params=params,
+                             loras=parsed)
