@@ -33,12 +33,32 @@ C = 4 * LATENT_CHANNELS
 PARAMS = FluxKleinParams.from_dict(TRANSFORMER)
 D, M = PARAMS.hidden_size, PARAMS.mlp_hidden  # 64, 192
 H, W = 64, 64
+STEPS = 2
 PROMPT = "a lighthouse at dusk"
 
 
 @pytest.fixture(scope="module")
 def snap(tmp_path_factory):
     return shared_tiny_snapshot(tmp_path_factory, distilled=True)
+
+
+@pytest.fixture(scope="module")
+def ref_pipe(snap):
+    """One diffusers pipeline for the module, its prompt encoded once; each reference runs on a fresh copy
+    of its transformer. Images are memoised by the bytes of the LoRA files and the merges."""
+    from diffusers import Flux2KleinPipeline
+
+    pipe = Flux2KleinPipeline.from_pretrained(snap, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        embeds, _ = pipe.encode_prompt(prompt=PROMPT, device="cpu")
+    return pipe, copy.deepcopy(pipe.transformer), embeds, {}
+
+
+@pytest.fixture(scope="module")
+def our_pipe(snap):
+    """One pipeline for the module (its prompt embeddings cached); tests change LoRAs with set_loras."""
+    return flux_klein_mlx.load(snap, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +84,21 @@ class Rand:
 # --- the reference --------------------------------------------------------------------------------------
 
 
-def reference(snap, lat, files=(), weights=None, merge=()):
+def reference(ref_pipe, lat, files=(), weights=None, merge=()):
     """diffusers' image with `files` loaded as adapters (and `set_adapters(weights)`), plus `merge`:
     (diffusers module, delta in diffusers' row order) added to the base weights first."""
-    from diffusers import Flux2KleinPipeline
+    import hashlib
 
-    pipe = Flux2KleinPipeline.from_pretrained(snap, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
+    pipe, base, embeds, memo = ref_pipe
+    key = hashlib.sha256(repr(weights).encode())
+    for f in files:
+        key.update(f.read_bytes())
+    for m, d in merge:
+        key.update(m.encode() + np.ascontiguousarray(d, np.float32).tobytes())
+    key = key.hexdigest()
+    if key in memo:
+        return memo[key]
+    pipe.transformer = copy.deepcopy(base)
     with torch.no_grad():
         for module, delta in merge:
             pipe.transformer.get_submodule(module).weight += torch.as_tensor(delta, dtype=torch.float32)
@@ -80,13 +108,14 @@ def reference(snap, lat, files=(), weights=None, merge=()):
     if weights is not None:
         pipe.set_adapters(names, weights)
     with torch.no_grad():
-        return pipe(prompt=PROMPT, height=H, width=W, num_inference_steps=4, output_type="np",
-                    latents=torch.from_numpy(lat)).images[0]
+        memo[key] = pipe(prompt_embeds=embeds, height=H, width=W, num_inference_steps=STEPS, output_type="np",
+                         latents=torch.from_numpy(lat)).images[0]
+    return memo[key]
 
 
-def ours(snap, lat, loras, **kw):
-    pipe = flux_klein_mlx.load(snap, dtype="float32", loras=loras, **kw)
-    return pipe.generate(PROMPT, width=W, height=H, latents=lat, output_type="np"), pipe
+def ours(pipe, lat, loras):
+    pipe.set_loras(loras)
+    return pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np"), pipe
 
 
 def swap_halves(x):
@@ -234,19 +263,19 @@ def check(ours_img, theirs, base=None):
 
 
 @pytest.fixture(scope="module")
-def base_image(snap, lat):
-    return reference(snap, lat)
+def base_image(ref_pipe, lat):
+    return reference(ref_pipe, lat)
 
 
 @pytest.mark.parametrize("bare", [False, True], ids=["prefixed", "bare-default"])
-def test_format_a_peft_matches_diffusers(snap, lat, tmp_path, base_image, bare):
+def test_format_a_peft_matches_diffusers(ref_pipe, our_pipe, lat, tmp_path, base_image, bare):
     """q/k/v onto our fused qkv, the fused single projection, norm_out (row order), alpha 8 != rank 4 from metadata.
     diffusers loads nothing from bare keys, so its reference is the prefixed twin of the same factors."""
     f = lora_a(tmp_path / "a.safetensors", Rand(1), bare=bare)
     twin = lora_a(tmp_path / "twin.safetensors", Rand(1)) if bare else f
-    img, pipe = ours(snap, lat, [f])
+    img, pipe = ours(our_pipe, lat, [f])
     assert pipe.loras[0].format == "A"
-    check(img, reference(snap, lat, [twin]), base_image)
+    check(img, reference(ref_pipe, lat, [twin]), base_image)
 
 
 @pytest.mark.parametrize(
@@ -254,7 +283,7 @@ def test_format_a_peft_matches_diffusers(snap, lat, tmp_path, base_image, bare):
     [("diffusion_model.", ("lora_A", "lora_B")), ("", ("lora_down", "lora_up")), ("base_model.model.", ("lora_A", "lora_B"))],
     ids=["B-prefixed", "B-bare-down-up", "C-peft-wrapped"],
 )
-def test_bfl_names_match_diffusers_with_final_layer_swapped_right(snap, lat, tmp_path, base_image, prefix, names):
+def test_bfl_names_match_diffusers_with_final_layer_swapped_right(ref_pipe, our_pipe, lat, tmp_path, base_image, prefix, names):
     """B and C: fused-qkv ranks 6 (dense up) and 3, single linear1/linear2, every global. The final layer's
     modulation goes into the reference by hand (diffusers' converter forgets the swap), as does the whole
     LoRA for bare down/up keys (diffusers loads nothing from them: its reference is the prefixed twin)."""
@@ -265,36 +294,37 @@ def test_bfl_names_match_diffusers_with_final_layer_swapped_right(snap, lat, tmp
     lora_bfl(ref_file, Rand(2), prefix="diffusion_model." if prefix == "" else prefix, skip=(final,))
     down, up = factors[final]
     delta = (up @ down).numpy()  # BFL rows [shift; scale], alpha = rank
-    img, pipe = ours(snap, lat, [f])
+    img, pipe = ours(our_pipe, lat, [f])
     assert pipe.loras[0].format == ("C" if prefix.startswith("base_model") else "B")
-    check(img, reference(snap, lat, [ref_file], merge=[("norm_out.linear", swap_halves(delta))]), base_image)
+    check(img, reference(ref_pipe, lat, [ref_file], merge=[("norm_out.linear", swap_halves(delta))]), base_image)
 
 
-def test_kohya_matches_diffusers(snap, lat, tmp_path, base_image):
+def test_kohya_matches_diffusers(ref_pipe, our_pipe, lat, tmp_path, base_image):
     """D: `.alpha` (1.0 as musubi writes it, and others) and alpha = rank without; a rank-6 fused qkv with a
     block-diagonal up matrix and one with a dense up matrix; the modulation diffusers drops is merged by hand."""
     f = tmp_path / "kohya.safetensors"
     dropped = lora_kohya(f, Rand(3))
-    img, pipe = ours(snap, lat, [f])
+    img, pipe = ours(our_pipe, lat, [f])
     assert pipe.loras[0].format == "D"
-    check(img, reference(snap, lat, [f], merge=dropped), base_image)
+    check(img, reference(ref_pipe, lat, [f], merge=dropped), base_image)
 
 
-def test_two_loras_with_weights_match_set_adapters(snap, lat, tmp_path, base_image):
+def test_two_loras_with_weights_match_set_adapters(ref_pipe, our_pipe, lat, tmp_path, base_image):
     """A (PEFT) at 0.7 plus D (kohya) at 1.3 add up as diffusers' set_adapters([..], [0.7, 1.3])."""
     a = lora_a(tmp_path / "a.safetensors", Rand(4), r=3, alpha=5.0)
     k = tmp_path / "k.safetensors"
     dropped = lora_kohya(k, Rand(5))
-    img, _ = ours(snap, lat, [(a, 0.7), (k, 1.3)])
+    img, _ = ours(our_pipe, lat, [(a, 0.7), (k, 1.3)])
     merge = [(m, 1.3 * d) for m, d in dropped]
-    check(img, reference(snap, lat, [a, k], weights=[0.7, 1.3], merge=merge), base_image)
+    check(img, reference(ref_pipe, lat, [a, k], weights=[0.7, 1.3], merge=merge), base_image)
 
 
-def test_lokr_equals_numpy_kron_delta(snap, tmp_path):
+def test_lokr_equals_numpy_kron_delta(our_pipe, tmp_path):
     """E: delta = factor * kron(w1, w2) on our layers (rows of the fused qkv, the final layer swapped)."""
     f = tmp_path / "lokr.safetensors"
     expected = lokr_file(f, Rand(6))
-    pipe = flux_klein_mlx.load(snap, dtype="float32")
+    pipe = our_pipe
+    pipe.set_loras([])
     model = pipe.transformer.get()
     before = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     pipe.set_loras([(f, 0.5)])
@@ -312,7 +342,7 @@ def test_lokr_equals_numpy_kron_delta(snap, tmp_path):
 
 
 @pytest.mark.parametrize("bits, tolerance", [(8, 0.05), (4, 0.5)])
-def test_quantized_side_path(snap, lat, tmp_path, bits, tolerance):
+def test_quantized_side_path(snap, our_pipe, lat, tmp_path, bits, tolerance):
     """A 4/8-bit model keeps every quantized layer packed and adds the LoRA beside it. Judged twice: the image
     against our float fused path within the quantize tests' tolerance, and the transformer against the same
     dequantized weights with the LoRA fused (kernel rounding only), also in low-memory mode."""
@@ -320,8 +350,10 @@ def test_quantized_side_path(snap, lat, tmp_path, bits, tolerance):
     e = tmp_path / "e.safetensors"
     lokr_file(e, Rand(8))
     loras = [(a, 0.9), (e, 1.0)]
-    fused, _ = ours(snap, lat, loras)
-    img, pipe = ours(snap, lat, loras, quantize=bits)
+    fused, _ = ours(our_pipe, lat, loras)
+    pipe = flux_klein_mlx.load(snap, dtype="float32", quantize=bits, loras=loras)
+    pipe._prompt_cache = dict(our_pipe._prompt_cache)  # the same embeddings: only the transformer differs
+    img = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
     err = float(np.abs(img - fused).max())
     print(f"{bits}-bit + LoRA image vs float32 fused: max abs {err:.2e}")
     assert err < tolerance
@@ -346,7 +378,7 @@ def test_quantized_side_path(snap, lat, tmp_path, bits, tolerance):
         assert err < 1e-5
 
 
-def test_unfuse_restores_weights_bit_for_bit_and_set_loras_does_not_reload(snap, lat, tmp_path):
+def test_unfuse_restores_weights_bit_for_bit_and_set_loras_does_not_reload(snap, our_pipe, lat, tmp_path):
     a = lora_a(tmp_path / "a.safetensors", Rand(9))
     b = tmp_path / "b.safetensors"
     lora_bfl(b, Rand(10))
@@ -364,10 +396,11 @@ def test_unfuse_restores_weights_bit_for_bit_and_set_loras_does_not_reload(snap,
         assert all(np.array_equal(np.array(after[k].astype(mx.float32)), v) for k, v in base.items()), dtype
     # Between images: the same pixels as a fresh load with those LoRAs.
     pipe = flux_klein_mlx.load(snap, dtype="float32", loras=[a])
-    first = pipe.generate(PROMPT, width=W, height=H, latents=lat, output_type="np")
+    pipe._prompt_cache = dict(our_pipe._prompt_cache)
+    first = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
     pipe.set_loras([(b, 0.5)])
-    second = pipe.generate(PROMPT, width=W, height=H, latents=lat, output_type="np")
-    fresh, _ = ours(snap, lat, [(b, 0.5)])
+    second = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
+    fresh, _ = ours(our_pipe, lat, [(b, 0.5)])
     assert np.array_equal(second, fresh) and not np.array_equal(first, second)
     # A quantized model gets its plain QuantizedLinear layers back.
     pipe = flux_klein_mlx.load(snap, dtype="float32", quantize=8, loras=[a])
@@ -376,11 +409,12 @@ def test_unfuse_restores_weights_bit_for_bit_and_set_loras_does_not_reload(snap,
     assert not any(isinstance(m, LoRAQuantizedLinear) for _, m in model.named_modules())
 
 
-def test_low_memory_reapplies_loras_after_reload(snap, lat, tmp_path):
+def test_low_memory_reapplies_loras_after_reload(snap, our_pipe, lat, tmp_path):
     a = lora_a(tmp_path / "a.safetensors", Rand(11))
     pipe = flux_klein_mlx.load(snap, dtype="float32", low_memory=True, loras=[(a, 0.8)])
-    one = pipe.generate(PROMPT, width=W, height=H, latents=lat, output_type="np")
+    pipe._prompt_cache = dict(our_pipe._prompt_cache)
+    one = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
     assert not pipe.transformer.loaded  # released after the denoise
-    two = pipe.generate(PROMPT, width=W, height=H, latents=lat, output_type="np")
-    plain, _ = ours(snap, lat, [(a, 0.8)])
+    two = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
+    plain, _ = ours(our_pipe, lat, [(a, 0.8)])
     assert np.array_equal(one, two) and np.abs(one - plain).max() <= 1e-5
