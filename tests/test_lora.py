@@ -418,3 +418,182 @@ def test_low_memory_reapplies_loras_after_reload(snap, our_pipe, lat, tmp_path):
     two = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
     plain, _ = ours(our_pipe, lat, [(a, 0.8)])
     assert np.array_equal(one, two) and np.abs(one - plain).max() <= 1e-5
+
+
+# --- refusals: one line, nothing applied ---------------------------------------------------------------
+
+
+def write(path, sd, metadata=None):
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path), metadata=metadata)
+    return path
+
+
+def pair(name, out, inp, r=4, down="lora_A", up="lora_B"):
+    rng = Rand(0)
+    a, b = rng.pair(out, inp, r)
+    return {f"{name}.{down}.weight": a, f"{name}.{up}.weight": b}
+
+
+def refused(loras, match, params=PARAMS, **kw):
+    with pytest.raises(FluxKleinError, match=match) as e:
+        load_loras(loras, params, **kw)
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+def test_keys_that_match_nothing_are_refused_with_count_and_names(tmp_path):
+    f = write(tmp_path / "x.safetensors", pair("transformer.foo.bar", D, D) | pair("transformer.encoder.layer_1", D, D))
+    msg = refused([f], r"LoRA x.safetensors matches no layer of the model: none of its 2 modules")
+    assert "encoder.layer_1" in msg and "foo.bar" in msg
+
+
+def test_partial_match_is_refused_unless_asked(tmp_path):
+    good = pair("transformer.transformer_blocks.0.attn.to_q", D, D) | pair("transformer.proj_out", C, D)
+    extra = pair("transformer.transformer_blocks.7.attn.to_q", D, D)  # the tiny model has 2 double blocks
+    f = write(tmp_path / "p.safetensors", good | extra)
+    refused([f], r"1 of its 3 modules match no layer of .* \(transformer_blocks\.7\.attn\.to_q\); .*--lora-partial")
+    (lora,) = load_loras([f], PARAMS, partial=True)
+    assert sorted(t.layer for t in lora.terms) == ["double_blocks.0.img_attn.qkv", "final_layer.linear"]
+
+
+def test_lora_for_another_klein_size_or_flux1_names_that_model(tmp_path):
+    k4, k9 = FluxKleinParams.klein_4b(), FluxKleinParams.klein_9b()
+    nine = write(tmp_path / "nine.safetensors", pair("diffusion_model.double_blocks.0.img_attn.qkv", 3 * 4096, 4096))
+    four = write(tmp_path / "four.safetensors", pair("transformer.transformer_blocks.0.attn.to_out.0", 3072, 3072))
+    refused([nine], r"was made for FLUX.2 \[klein\] 9B \(hidden size 4096\), but the model is klein-4B", params=k4)
+    refused([four], r"was made for FLUX.2 \[klein\] 4B \(hidden size 3072\), but the model is klein-9B", params=k9)
+    refused([four], r"made for FLUX.2 \[klein\] 4B \(hidden size 3072\), but the model is a custom FLUX.2 transformer")
+    # FLUX.1: told by its names, or by its 4x GELU MLP when the names are shared
+    flux1 = write(tmp_path / "f1.safetensors", pair("lora_unet_double_blocks_0_img_mod_lin", 6 * 3072, 3072,
+                                                    down="lora_down", up="lora_up"))
+    refused([flux1], r"was made for FLUX.1, not FLUX.2 \[klein\] \(module double_blocks_0_img_mod_lin\)", params=k4)
+    mlp = write(tmp_path / "f1mlp.safetensors", pair("diffusion_model.double_blocks.0.img_mlp.0", 4 * 3072, 3072))
+    refused([mlp], r"was made for FLUX.1 \(module double_blocks.0.img_mlp.0\), but the model is klein-4B", params=k4)
+    sdxl = write(tmp_path / "sdxl.safetensors", pair("lora_unet_down_blocks_0_attentions_0_proj_in", 320, 320,
+                                                     down="lora_down", up="lora_up"))
+    refused([sdxl], r"was made for an SDXL / Stable Diffusion UNet, not FLUX.2 \[klein\]")
+
+
+def test_damaged_incomplete_and_foreign_files(tmp_path):
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    refused([junk], r"LoRA junk.safetensors is damaged or not a safetensors file")
+    good = write(tmp_path / "good.safetensors", pair("transformer.proj_out", C, D))
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(good.read_bytes()[:-100])
+    refused([cut], r"LoRA cut.safetensors is damaged")
+    refused([tmp_path / "missing.safetensors"], r"LoRA '.*missing.safetensors' not found: no such file")
+    half = write(tmp_path / "half.safetensors", {"transformer.proj_out.lora_A.weight": torch.zeros(4, D)})
+    refused([half], r"LoRA half.safetensors is incomplete: proj_out has a down matrix but no up matrix")
+    nan = pair("transformer.proj_out", C, D)
+    nan["transformer.proj_out.lora_B.weight"][0, 0] = float("nan")
+    refused([write(tmp_path / "nan.safetensors", nan)], r"holds non-finite values \(in transformer.proj_out.lora_B")
+    ckpt = write(tmp_path / "ckpt.safetensors", {"double_blocks.0.img_attn.qkv.weight": torch.zeros(3 * D, D)})
+    refused([ckpt], r"1 key\(s\) that are not LoRA/LoKr weights \(double_blocks.0.img_attn.qkv.weight\)")
+    dora = pair("transformer.proj_out", C, D) | {"transformer.proj_out.lora_magnitude_vector": torch.ones(C)}
+    refused([write(tmp_path / "dora.safetensors", dora)], r"holds DoRA weights")
+    bad_meta = write(tmp_path / "meta.safetensors", pair("transformer.proj_out", C, D), {"lora_adapter_metadata": "{"})
+    refused([bad_meta], r"damaged lora_adapter_metadata header")
+
+
+@pytest.mark.parametrize("scale, match", [(float("nan"), "scale nan is not finite"), (float("inf"), "scale inf is not finite"),
+                                          ("strong", "scale 'strong' is not a number")])  # fmt: skip
+def test_bad_scales(tmp_path, scale, match):
+    f = write(tmp_path / "s.safetensors", pair("transformer.proj_out", C, D))
+    refused([(f, scale)], match)
+    refused([(f,)], r"has no scale value")
+
+
+def test_a_refused_lora_leaves_the_model_as_it_was(snap, our_pipe, tmp_path):
+    good = lora_a(tmp_path / "a.safetensors", Rand(12))
+    bad = write(tmp_path / "bad.safetensors", pair("transformer.transformer_blocks.9.attn.to_q", D, D))
+    our_pipe.set_loras([good])
+    before = {k: np.array(v) for k, v in tree_flatten(our_pipe.transformer.get().parameters())}
+    with pytest.raises(FluxKleinError, match="matches no layer"):
+        our_pipe.set_loras([(good, 0.5), bad])
+    after = dict(tree_flatten(our_pipe.transformer.get().parameters()))
+    assert all(np.array_equal(np.array(after[k]), v) for k, v in before.items())
+    assert [(x.name, x.scale) for x in our_pipe.loras] == [("a.safetensors", 1.0)]
+    with pytest.raises(FluxKleinError, match="matches no layer"):
+        flux_klein_mlx.load(snap, loras=[bad])  # refused by load() itself, before any model is read
+
+
+# --- the CLI ------------------------------------------------------------------------------------------
+
+
+def cli(args, capsys):
+    from flux_klein_mlx.__main__ import main
+
+    code = main(["generate", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snap, tmp_path, capsys, monkeypatch):
+    import hashlib
+
+    import huggingface_hub.constants
+    from PIL import Image
+
+    a = lora_a(tmp_path / "style.safetensors", Rand(13))
+    k = tmp_path / "kohya.safetensors"
+    lora_kohya(k, Rand(14))
+    # `--lora owner/name`: the repo's single .safetensors, from the hub cache, offline
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    cache = tmp_path / "hub"
+    root = cache / "models--someone--klein-lora"
+    (root / "snapshots" / rev).mkdir(parents=True)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(rev)
+    (root / "snapshots" / rev / "README.md").write_text("a LoRA")
+    (root / "snapshots" / rev / "kohya.safetensors").write_bytes(k.read_bytes())
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    out = tmp_path / "img.png"
+    code, stdout, err = cli(["--model", str(snap), "--prompt", PROMPT, "--seed", "1", "--width", "64", "--height", "64",
+                             "--steps", "1", "--dtype", "float32", "--output", str(out), "--lora", str(a),
+                             "--lora", "someone/klein-lora", "--lora-scale", "0.7"], capsys)
+    assert code == 0, err
+    params = json.loads(Image.open(out).text["parameters"])
+    assert params["loras"] == [
+        {"name": "style.safetensors", "sha256": hashlib.sha256(a.read_bytes()).hexdigest()[:12], "scale": 0.7},
+        {"name": "kohya.safetensors", "sha256": hashlib.sha256(k.read_bytes()).hexdigest()[:12], "scale": 1.0},
+    ]
+    assert "LoRA style.safetensors" in err
+    # `owner/name:file` names the file; a repo with two .safetensors must be told which
+    from flux_klein_mlx.weights import resolve_lora
+
+    assert resolve_lora("someone/klein-lora:kohya.safetensors").read_bytes() == k.read_bytes()
+    (root / "snapshots" / rev / "other.safetensors").write_bytes(k.read_bytes())
+    with pytest.raises(FluxKleinError, match=r"has 2 .safetensors files .*; name one as someone/klein-lora:FILE"):
+        resolve_lora("someone/klein-lora")
+    with pytest.raises(FluxKleinError, match=r"not in the local Hugging Face cache"):
+        resolve_lora("someone/not-cached")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--lora", "A", "--lora-scale", "1", "--lora-scale", "2"], "--lora-scale is given 2 times but --lora 1 times"),
+        (["--lora", "A", "--lora-scale", "nan"], "scale nan is not finite"),
+        (["--lora", "missing.safetensors"], "LoRA 'missing.safetensors' not found"),
+        (["--lora", "NOTHING"], "matches no layer of the model"),
+        (["--lora", "PARTIAL"], "1 of its 2 modules match no layer"),
+        (["--lora", "NINE"], r"was made for FLUX.2 \[klein\] 9B"),
+    ],
+)
+def test_cli_bad_loras_one_line_exit_1_no_file(snap, tmp_path, capsys, extra, message):
+    files = {
+        "A": lora_a(tmp_path / "a.safetensors", Rand(15)),
+        "NOTHING": write(tmp_path / "n.safetensors", pair("unet.mid.proj", D, D)),
+        "PARTIAL": write(tmp_path / "p.safetensors", pair("transformer.proj_out", C, D) | pair("transformer.x.y", D, D)),
+        "NINE": write(tmp_path / "9.safetensors", pair("diffusion_model.double_blocks.0.img_attn.proj", 4096, 4096)),
+    }
+    extra = [str(files.get(x, x)) for x in extra]
+    out = tmp_path / "img.png"
+    code, stdout, err = cli(["--model", str(snap), "--prompt", "x", "--width", "64", "--height", "64",
+                             "--output", str(out), *extra], capsys)
+    assert code == 1 and not out.exists()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    assert __import__("re").search(message, lines[0]), lines[0]
