@@ -206,9 +206,11 @@ class LoRAQuantizedLinear(nn.QuantizedLinear):
 class LoraState:
     """What `apply_loras` changed on a model: original float weights and the wrapped quantized layers."""
 
-    def __init__(self, loras: list[Lora]):
+    def __init__(self, loras: list[Lora], keep_originals: bool):
         self.loras = loras
+        self.keep_originals = keep_originals
         self.originals: dict[str, mx.array] = {}  # layer path -> original float weight
+        self.fused: list[str] = []  # float layers with updates fused in
         self.wrapped: list[str] = []  # layer paths now LoRAQuantizedLinear
 
 
@@ -239,6 +241,8 @@ def remove_loras(model: nn.Module) -> None:
     state = getattr(model, "lora_state", None)
     if state is None:
         return
+    if state.fused and not state.keep_originals:
+        raise FluxKleinError("these LoRAs were fused without keeping the original weights; reload the model to remove them")
     for path, weight in state.originals.items():
         _get(model, path).weight = weight
     for path in state.wrapped:
@@ -246,11 +250,12 @@ def remove_loras(model: nn.Module) -> None:
     model.lora_state = None
 
 
-def apply_loras(model: nn.Module, loras: list[Lora]) -> None:
+def apply_loras(model: nn.Module, loras: list[Lora], keep_originals: bool = True) -> None:
     """Apply `loras` (from `load_loras`) to a klein transformer, replacing whatever was applied before.
 
     Float layers get the summed update fused into their weight (the original is kept for
-    `remove_loras`); quantized layers get a side path. Shapes were checked against the model's
+    `remove_loras`, unless `keep_originals` is False: then the LoRAs cost only their own size but can
+    only be removed by reloading the model); quantized layers get a side path. Shapes were checked against the model's
     hyper-parameters when the LoRAs were read; a model with other shapes is refused here before
     anything changes.
     """
@@ -268,7 +273,7 @@ def apply_loras(model: nn.Module, loras: list[Lora]) -> None:
         out = layer.weight.shape[0]
         if any(t.rows[1] > out for t in terms):
             raise FluxKleinError(f"layer {path} has {out} outputs; the LoRA was read for another model")
-    state = LoraState(list(loras))
+    state = LoraState(list(loras), keep_originals)
     new_weights = []
     for path, terms in by_layer.items():
         layer = _get(model, path)
@@ -280,7 +285,9 @@ def apply_loras(model: nn.Module, loras: list[Lora]) -> None:
         delta = mx.zeros(W.shape, dtype=mx.float32)
         for t in terms:
             delta = delta.at[t.rows[0] : t.rows[1]].add(t.factor * _delta(t))
-        state.originals[path] = W
+        state.fused.append(path)
+        if keep_originals:
+            state.originals[path] = W
         layer.weight = (W.astype(mx.float32) + delta).astype(W.dtype)  # one rounding
         new_weights.append(layer.weight)
     mx.eval(new_weights)

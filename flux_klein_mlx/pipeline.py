@@ -199,7 +199,9 @@ class FluxKleinPipeline:
             if self.loras:
                 from .lora import apply_loras
 
-                apply_loras(model, self.loras)
+                # Low-memory mode reloads the transformer for every image anyway: no copy of the original
+                # weights is kept (the LoRAs cost their own size), a change of LoRAs releases the model.
+                apply_loras(model, self.loras, keep_originals=not self.low_memory)
             return model
 
         return load_and_apply
@@ -207,14 +209,17 @@ class FluxKleinPipeline:
     def set_loras(self, loras, partial: bool = False) -> None:
         """Replace the applied LoRAs, e.g. `["a.safetensors", ("b.safetensors", 0.8)]`; `[]` removes them.
 
-        The base model is not reloaded: fused LoRAs are unfused exactly, side paths dropped. Every
+        The base model is not reloaded: fused LoRAs are unfused exactly, side paths dropped (in
+        low-memory mode the transformer, reloaded for every image anyway, is released instead). Every
         file is read and checked first; on any error the pipeline keeps its previous LoRAs.
         """
         from .lora import apply_loras, load_loras
 
         params = self.transformer_params or self.transformer.get().params
         parsed = load_loras(loras, params, partial)
-        if self.transformer.loaded:
+        if self.transformer.loaded and self.low_memory:
+            self.transformer.release()
+        elif self.transformer.loaded:
             apply_loras(self.transformer.get(), parsed)
         self.loras = parsed
 

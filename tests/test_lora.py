@@ -25,7 +25,7 @@ from tiny_model import LATENT_CHANNELS, TRANSFORMER, shared_tiny_snapshot
 
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.lora import LoRAQuantizedLinear, apply_loras, load_loras, remove_loras
+from flux_klein_mlx.lora import LoRAQuantizedLinear, apply_loras, applied_loras, load_loras, remove_loras
 from flux_klein_mlx.quantize import dequantize_model
 from flux_klein_mlx.transformer import FluxKleinParams
 
@@ -418,6 +418,11 @@ def test_low_memory_reapplies_loras_after_reload(snap, our_pipe, lat, tmp_path):
     two = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
     plain, _ = ours(our_pipe, lat, [(a, 0.8)])
     assert np.array_equal(one, two) and np.abs(one - plain).max() <= 1e-5
+    # No copy of the original weights is kept (the transformer reloads for every image); a change releases it.
+    model = pipe.transformer.get()
+    assert model.lora_state.fused and not model.lora_state.originals
+    pipe.set_loras([])
+    assert not pipe.transformer.loaded and applied_loras(pipe.transformer.get()) == []
 
 
 # --- refusals: one line, nothing applied ---------------------------------------------------------------
