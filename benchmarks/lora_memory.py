@@ -19,7 +19,7 @@ import mlx.core as mx  # noqa: E402
 
 from flux_klein_mlx.lora import load_loras  # noqa: E402
 from flux_klein_mlx.lora_formats import layer_shapes  # noqa: E402
-from flux_klein_mlx.transformer import FluxKleinParams  # noqa: E402
+from flux_klein_mlx.config import FluxKleinParams  # noqa: E402
 from flux_klein_mlx.weights import save_safetensors_streaming  # noqa: E402
 
 

@@ -27,7 +27,7 @@ import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.lora import LoRAQuantizedLinear, apply_loras, applied_loras, load_loras, remove_loras
 from flux_klein_mlx.quantize import dequantize_model
-from flux_klein_mlx.transformer import FluxKleinParams
+from flux_klein_mlx.config import FluxKleinParams
 
 C = 4 * LATENT_CHANNELS
 PARAMS = FluxKleinParams.from_dict(TRANSFORMER)
