@@ -12,6 +12,7 @@ import click
 from . import __version__
 from .cli import run_command
 from .errors import FluxKleinError
+from .lora import pair_scales
 from .pipeline import DEFAULT_MODEL, load, preprocess_reference
 from .vae import check_image_size
 
@@ -98,11 +99,7 @@ def generate(prompt, model, width, height, steps, guidance, seed, images, negati
     paths = output_paths(output, num_images)
     if preview_dir is not None and not Path(preview_dir).is_dir():
         raise FluxKleinError(f"--preview-dir {preview_dir} is not an existing folder; create it first")
-    if len(lora_scales) > len(loras):
-        raise FluxKleinError(
-            f"--lora-scale is given {len(lora_scales)} times but --lora {len(loras)} times; give one scale per LoRA, in order"
-        )
-    lora_specs = [(p, lora_scales[i] if i < len(lora_scales) else 1.0) for i, p in enumerate(loras)]
+    lora_specs = pair_scales(loras, lora_scales)
 
     t0 = time.perf_counter()
     pipe = load(model, dtype=dtype, quantize=int(quantize) if quantize else None,

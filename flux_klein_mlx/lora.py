@@ -97,6 +97,19 @@ def load_lora(source, params, scale: float = 1.0, partial: bool = False) -> Lora
     return Lora(path.name, sha[:12], scale, parsed.format, parsed.terms, str(path))
 
 
+def pair_scales(sources, scales) -> list[tuple[object, float]]:
+    """LoRA sources and strengths given separately (as on the command line) -> (source, scale) pairs.
+
+    Scales go by position; LoRAs without one get 1.0; more scales than LoRAs is an error.
+    """
+    sources, scales = list(sources), list(scales)
+    if len(scales) > len(sources):
+        raise FluxKleinError(
+            f"--lora-scale is given {len(scales)} times but --lora {len(sources)} times; give one scale per LoRA, in order"
+        )
+    return [(s, scales[i] if i < len(scales) else 1.0) for i, s in enumerate(sources)]
+
+
 def load_loras(loras, params, partial: bool = False) -> list[Lora]:
     """`["a.safetensors", ("b.safetensors", 0.8)]` -> validated `Lora`s, all read before any is applied."""
     if loras is None:
@@ -250,12 +263,13 @@ def remove_loras(model: nn.Module) -> None:
     model.lora_state = None
 
 
-def apply_loras(model: nn.Module, loras: list[Lora], keep_originals: bool = True) -> None:
+def apply_loras(model: nn.Module, loras: list[Lora], keep_originals: bool = True, evaluate: bool = True) -> None:
     """Apply `loras` (from `load_loras`) to a klein transformer, replacing whatever was applied before.
 
     Float layers get the summed update fused into their weight (the original is kept for
     `remove_loras`, unless `keep_originals` is False: then the LoRAs cost only their own size but can
-    only be removed by reloading the model); quantized layers get a side path. Shapes were checked against the model's
+    only be removed by reloading the model); quantized layers get a side path. `evaluate=False` leaves
+    the fused weights lazy (conversion writes them one at a time). Shapes were checked against the model's
     hyper-parameters when the LoRAs were read; a model with other shapes is refused here before
     anything changes.
     """
@@ -290,5 +304,6 @@ def apply_loras(model: nn.Module, loras: list[Lora], keep_originals: bool = True
             state.originals[path] = W
         layer.weight = (W.astype(mx.float32) + delta).astype(W.dtype)  # one rounding
         new_weights.append(layer.weight)
-    mx.eval(new_weights)
+    if evaluate:
+        mx.eval(new_weights)
     model.lora_state = state if loras else None

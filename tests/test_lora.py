@@ -602,3 +602,46 @@ def test_cli_bad_loras_one_line_exit_1_no_file(snap, tmp_path, capsys, extra, me
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
     assert __import__("re").search(message, lines[0]), lines[0]
+
+
+# --- convert --lora ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits, tolerance", [(None, 1e-5), (8, 0.05)])
+def test_convert_bakes_loras_and_records_them(snap, our_pipe, lat, tmp_path, bits, tolerance):
+    """A converted (optionally 8-bit) folder with LoRAs baked in gives the image of the base model with
+    the LoRAs applied at load (float: to float rounding; 8-bit: within the quantize tests' tolerance)."""
+    import hashlib
+
+    from flux_klein_mlx.convert import convert_model
+
+    a = lora_a(tmp_path / "a.safetensors", Rand(16))
+    k = tmp_path / "k.safetensors"
+    lora_kohya(k, Rand(17))
+    out = tmp_path / "baked"
+    config = convert_model(snap, out, dtype="float32", bits=bits, loras=[(a, 0.7), k])
+    assert config["loras"] == [
+        {"name": "a.safetensors", "sha256": hashlib.sha256(a.read_bytes()).hexdigest()[:12], "scale": 0.7},
+        {"name": "k.safetensors", "sha256": hashlib.sha256(k.read_bytes()).hexdigest()[:12], "scale": 1.0},
+    ]
+    assert json.loads((out / "config.json").read_text())["loras"] == config["loras"]
+    want, _ = ours(our_pipe, lat, [(a, 0.7), k])
+    pipe = flux_klein_mlx.load(out, dtype="float32")
+    pipe._prompt_cache = dict(our_pipe._prompt_cache)  # the same embeddings: only the transformer differs
+    got = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
+    err = float(np.abs(got - want).max())
+    print(f"convert --lora (bits={bits}) vs LoRAs at load: max abs {err:.2e}")
+    assert err <= tolerance
+
+
+def test_convert_lora_bad_input_writes_nothing(snap, tmp_path, capsys):
+    from flux_klein_mlx.__main__ import main
+
+    bad = write(tmp_path / "bad.safetensors", pair("transformer.transformer_blocks.9.attn.to_q", D, D))
+    for extra, message in (([str(bad)], "matches no layer"), ([str(bad), "--lora-scale", "1", "--lora-scale", "2"],
+                                                            "--lora-scale is given 2 times")):
+        out = tmp_path / "out"
+        code = main(["convert", "--model", str(snap), "--output", str(out), "--lora", *extra])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 1 and not out.exists() and len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+        assert not list(tmp_path.glob("out*"))
