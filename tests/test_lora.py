@@ -245,6 +245,20 @@ def lokr_file(path, rng):
     return expected
 
 
+def single_split_file(path, rng):
+    """diffusers-style separate k and MLP-in LoRAs for a single block (diffusers' klein model has only the fused
+    `to_qkv_mlp_proj`, so the judge is numpy): rows D..2D and 3D..3D+2M of our fused linear1. No metadata:
+    alpha = rank. Returns {our layer: delta}."""
+    sd, delta = {}, np.zeros(_shape("single_blocks.0.linear1"), np.float32)
+    for name, rows, r in (("attn.to_k", (D, 2 * D), 3), ("proj_mlp", (3 * D, 3 * D + 2 * M), 5)):
+        down, up = rng.pair(rows[1] - rows[0], D, r)
+        sd[f"transformer.single_transformer_blocks.0.{name}.lora_A.weight"] = down
+        sd[f"transformer.single_transformer_blocks.0.{name}.lora_B.weight"] = up
+        delta[rows[0] : rows[1]] += (up @ down).numpy()
+    save_file(sd, str(path))
+    return {"single_blocks.0.linear1": delta}
+
+
 def _shape(layer):
     from flux_klein_mlx.lora_formats import layer_shapes
 
@@ -319,22 +333,24 @@ def test_two_loras_with_weights_match_set_adapters(ref_pipe, our_pipe, lat, tmp_
     check(img, reference(ref_pipe, lat, [a, k], weights=[0.7, 1.3], merge=merge), base_image)
 
 
-def test_lokr_equals_numpy_kron_delta(our_pipe, tmp_path):
-    """E: delta = factor * kron(w1, w2) on our layers (rows of the fused qkv, the final layer swapped)."""
-    f = tmp_path / "lokr.safetensors"
-    expected = lokr_file(f, Rand(6))
+@pytest.mark.parametrize("kind", ["lokr", "single-split"])
+def test_fused_update_equals_numpy_delta(our_pipe, tmp_path, kind):
+    """E: delta = factor * kron(w1, w2) on our layers (rows of the fused qkv, the final layer swapped);
+    separate k / MLP-in LoRAs of a single block land on their rows of linear1."""
+    f = tmp_path / f"{kind}.safetensors"
+    expected = (lokr_file if kind == "lokr" else single_split_file)(f, Rand(6))
     pipe = our_pipe
     pipe.set_loras([])
     model = pipe.transformer.get()
     before = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     pipe.set_loras([(f, 0.5)])
-    assert pipe.loras[0].format == "E"
+    assert pipe.loras[0].format == ("E" if kind == "lokr" else "A")
     after = dict(tree_flatten(model.parameters()))
     worst = 0.0
     for k, b in before.items():
         want = b + 0.5 * expected[k[: -len(".weight")]] if k[: -len(".weight")] in expected else b
         worst = max(worst, float(np.abs(np.array(after[k]) - want).max()))
-    print(f"LoKr fused vs numpy delta: max abs {worst:.2e}")
+    print(f"{kind} fused vs numpy delta: max abs {worst:.2e}")
     assert worst <= 1e-5
 
 
@@ -349,7 +365,9 @@ def test_quantized_side_path(snap, our_pipe, lat, tmp_path, bits, tolerance):
     a = lora_a(tmp_path / "a.safetensors", Rand(7))
     e = tmp_path / "e.safetensors"
     lokr_file(e, Rand(8))
-    loras = [(a, 0.9), (e, 1.0)]
+    s = tmp_path / "s.safetensors"
+    single_split_file(s, Rand(18))  # row blocks of linear1: the low-memory path splits exactly there
+    loras = [(a, 0.9), (e, 1.0), (s, 1.1)]
     fused, _ = ours(our_pipe, lat, loras)
     pipe = flux_klein_mlx.load(snap, dtype="float32", quantize=bits, loras=loras)
     pipe._prompt_cache = dict(our_pipe._prompt_cache)  # the same embeddings: only the transformer differs
