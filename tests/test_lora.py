@@ -663,3 +663,19 @@ def test_convert_lora_bad_input_writes_nothing(snap, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 1 and not out.exists() and len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
         assert not list(tmp_path.glob("out*"))
+
+
+def test_side_path_on_a_converted_quantized_folder(snap, our_pipe, lat, tmp_path):
+    """A 4-bit converted folder takes LoRAs the same way as quantizing at load: the same image."""
+    from flux_klein_mlx.convert import convert_model
+
+    out = tmp_path / "q4"
+    convert_model(snap, out, dtype="float32", bits=4)
+    a = lora_a(tmp_path / "a.safetensors", Rand(19))
+    images = []
+    for model, kw in ((out, {}), (snap, {"quantize": 4})):
+        pipe = flux_klein_mlx.load(model, dtype="float32", loras=[(a, 1.2)], **kw)
+        pipe._prompt_cache = dict(our_pipe._prompt_cache)
+        images.append(pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np"))
+        assert any(isinstance(m, LoRAQuantizedLinear) for _, m in pipe.transformer.get().named_modules())
+    assert np.abs(images[0] - images[1]).max() <= 1e-5
