@@ -15,7 +15,7 @@ refused with one line and the model is left as it was.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -150,11 +150,12 @@ def _delta(t: Term) -> mx.array:
     return d
 
 
-class _Terms:
-    """A plain holder, so the LoRA tensors are not parameters of the model (saving and strict loads ignore them)."""
+class _Hidden:
+    """A plain holder: what it holds is not a parameter or child of the module that keeps it, so saving,
+    strict loads and `parameters()` never see the LoRA tensors or the wrapped layer."""
 
-    def __init__(self, terms: list[Term]):
-        self.terms = terms
+    def __init__(self, value):
+        self.value = value
 
 
 class LoRAQuantizedLinear(nn.QuantizedLinear):
@@ -169,13 +170,13 @@ class LoRAQuantizedLinear(nn.QuantizedLinear):
         self.group_size, self.bits, self.mode = base.group_size, base.bits, base.mode
         for k, v in base.items():
             self[k] = v
-        self._base = _Terms([base])  # not a child module
-        self._lora = _Terms(terms)
+        self._base = _Hidden(base)
+        self._lora = _Hidden(terms)
         self.freeze()
 
     @property
     def base(self) -> nn.QuantizedLinear:
-        return self._base.terms[0]
+        return self._base.value
 
     @property
     def out_dims(self) -> int:
@@ -189,7 +190,7 @@ class LoRAQuantizedLinear(nn.QuantizedLinear):
         r0, r1, _ = rows.indices(self.out_dims)
         c0, c1 = cols[0], x.shape[-1] + cols[0]
         whole, pieces = None, {}
-        for t in self._lora.terms:
+        for t in self._lora.value:
             lo, hi = max(t.rows[0], r0), min(t.rows[1], r1)
             if lo >= hi:
                 continue
@@ -276,8 +277,7 @@ def apply_loras(model: nn.Module, loras: list[Lora], keep_originals: bool = True
     by_layer: dict[str, list[Term]] = {}
     for lora in loras:
         for t in lora.terms:
-            scaled = Term(**{**t.__dict__, "factor": t.factor * lora.scale})
-            by_layer.setdefault(t.layer, []).append(scaled)
+            by_layer.setdefault(t.layer, []).append(replace(t, factor=t.factor * lora.scale))
     remove_loras(model)
     for path, terms in by_layer.items():  # check every layer before changing one
         try:

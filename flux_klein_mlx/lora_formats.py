@@ -205,7 +205,7 @@ def _metadata_alpha(metadata: dict | None, what: str):
     try:
         config = json.loads(raw)
         config = {k.removeprefix("transformer."): v for k, v in config.items()}
-        alpha = float(config.get("lora_alpha", config.get("alpha", config["r"])))
+        alpha = float(config.get("lora_alpha", 8))  # PEFT's LoraConfig default, as diffusers would build it
         patterns = {str(k).lstrip("^"): float(v) for k, v in (config.get("alpha_pattern") or {}).items()}
         rslora = bool(config.get("use_rslora", False))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
