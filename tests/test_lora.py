@@ -509,6 +509,8 @@ def test_damaged_incomplete_and_foreign_files(tmp_path):
     refused([tmp_path / "missing.safetensors"], r"LoRA '.*missing.safetensors' not found: no such file")
     half = write(tmp_path / "half.safetensors", {"transformer.proj_out.lora_A.weight": torch.zeros(4, D)})
     refused([half], r"LoRA half.safetensors is incomplete: proj_out has a down matrix but no up matrix")
+    odd = {"transformer.proj_out.lora_A.weight": torch.zeros(4, D), "transformer.proj_out.lora_B.weight": torch.zeros(C, 3)}
+    refused([write(tmp_path / "odd.safetensors", odd)], r"proj_out has down \(4, 64\) and up \(32, 3\), which do not form")
     nan = pair("transformer.proj_out", C, D)
     nan["transformer.proj_out.lora_B.weight"][0, 0] = float("nan")
     refused([write(tmp_path / "nan.safetensors", nan)], r"holds non-finite values \(in transformer.proj_out.lora_B")
