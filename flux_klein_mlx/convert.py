@@ -35,6 +35,7 @@ from mlx.utils import tree_flatten
 
 from . import __version__
 from .errors import FluxKleinError
+from .lora import apply_loras, load_loras, pair_scales
 from .loading import (
     COMPONENTS,
     DTYPES,
@@ -48,7 +49,7 @@ from .loading import (
     dtype_name,
     read_component,
 )
-from .quantize import check_quantization
+from .quantize import check_quantization, quantize_model
 from .weights import save_safetensors_sharded
 
 MAX_SHARD_BYTES = 5 << 30
@@ -71,12 +72,21 @@ class Part:
         return sum(a.nbytes for a in self.weights.values())
 
 
-def make_part(info: ModelInfo, name: str, dtype=None, bits: int | None = None, group_size: int = 64) -> Part:
+def make_part(
+    info: ModelInfo, name: str, dtype=None, bits: int | None = None, group_size: int = 64, loras: list | None = None
+) -> Part:
     """One component of a described model, strictly checked, cast and quantized, all lazily: no
-    tensor is read from disk here."""
+    tensor is read from disk here. `loras` (transformer only, from `lora.load_loras`) are fused
+    into the float weights before quantization."""
     weights = read_component(info, name)
     bits = None if name == "vae" else bits
-    module, record = assemble(name, info.configs[name], weights, dtype, info.quantization[name], bits, group_size)
+    if not loras:
+        module, record = assemble(name, info.configs[name], weights, dtype, info.quantization[name], bits, group_size)
+        return Part(name, info.configs[name], dict(tree_flatten(module.parameters())), record)
+    module, record = assemble(name, info.configs[name], weights, dtype, info.quantization[name], None, group_size)
+    apply_loras(module, loras, keep_originals=False, evaluate=False)  # lazy: each fused weight computed as written
+    if bits:
+        record = quantize_model(module, bits, group_size)
     return Part(name, info.configs[name], dict(tree_flatten(module.parameters())), record)
 
 
@@ -91,6 +101,8 @@ def convert_model(
     overwrite: bool = False,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     progress: Progress | None = None,
+    loras: list | None = None,
+    lora_partial: bool = False,
 ) -> dict:
     """Convert a FLUX.2 [klein] model into an MLX folder at `output`; returns its config.
 
@@ -98,7 +110,8 @@ def convert_model(
     tokenizer/), a Hugging Face repo id, or a BFL single-file transformer (`.safetensors`), whose
     text encoder, VAE and tokenizer then come from `base` (default: the folder the file is in).
     `bits` 4 or 8 quantizes the transformer and text encoder (group size `group_size`); the VAE
-    stays in `dtype`.
+    stays in `dtype`. `loras` (paths or (path, scale), as for `load`) are baked into the transformer
+    before quantization and recorded in config.json ("loras": name, sha256, scale).
     """
     cast = as_dtype(dtype)
     if bits is not None:
@@ -108,13 +121,15 @@ def convert_model(
         raise FluxKleinError(
             f"{info.path} is already converted; use it as it is, or `quantize` it to make a 4- or 8-bit copy"
         )
-    parts = [make_part(info, name, cast, bits, group_size) for name in COMPONENTS]
+    baked = load_loras(loras, info.params, lora_partial)  # all checked before anything is written
+    parts = [make_part(info, name, cast, bits, group_size, baked if name == "transformer" else None)
+             for name in COMPONENTS]  # fmt: skip
     source = {"model": str(model), "path": str(info.path), "format": info.format}
     if info.format == "bfl":
         source["base"] = str(info.tokenizer.parent)
     meta = {"variant": info.variant, "is_distilled": info.is_distilled, "reference_kv": info.reference_kv,
             "dtype": dtype_name(cast), "source": source, "scheduler": info.scheduler,
-            "tokenizer_source": info.tokenizer}  # fmt: skip
+            "tokenizer_source": info.tokenizer, "loras": [lora.record() for lora in baked] or None}  # fmt: skip
     return write_folder(
         output, parts, meta, overwrite=overwrite, sources=[info.path, info.tokenizer.parent],
         max_shard_bytes=max_shard_bytes, progress=progress,
@@ -227,6 +242,7 @@ def write_folder(
         **{p.name: {"config": p.config, "quantization": p.quantization} for p in parts},
         "tokenizer": "tokenizer",
         "scheduler": meta.get("scheduler"),
+        **({"loras": meta["loras"]} if meta.get("loras") else {}),  # LoRAs baked into the transformer
     }
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = _fresh_sibling(output, "tmp")
@@ -319,7 +335,8 @@ def summary(output: str | Path, config: dict) -> str:
     output = Path(output)
     size = sum(f.stat().st_size for f in output.rglob("*") if f.is_file())
     q = [f"{WHAT[n]} {config[n]['quantization']['bits']}-bit" for n in COMPONENTS if config[n]["quantization"]]
-    return f"wrote {output} ({config['variant']}, {config['dtype']}{', ' + ', '.join(q) if q else ''}, {size / 1e9:.2f} GB)"
+    baked = f", {len(config['loras'])} LoRA(s) baked in" if config.get("loras") else ""
+    return f"wrote {output} ({config['variant']}, {config['dtype']}{', ' + ', '.join(q) if q else ''}{baked}, {size / 1e9:.2f} GB)"
 
 
 @click.command("convert")
@@ -330,11 +347,16 @@ def summary(output: str | Path, config: dict) -> str:
 @click.option("--group-size", type=int, default=64, show_default=True, help="Quantization group size (32, 64 or 128).")
 @click.option("--base", default=None, help="For a single-file transformer: folder or repo id with text_encoder/, vae/, tokenizer/.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
-def convert(model, output, dtype, bits, group_size, base, overwrite):
-    """Convert a FLUX.2 [klein] model into an MLX folder (optionally 4/8-bit)."""
+@click.option("--lora", "loras", multiple=True, help="Bake this LoRA (file, owner/name or owner/name:FILE) into the transformer; repeatable.")
+@click.option("--lora-scale", "lora_scales", type=float, multiple=True, help="Strength of each --lora, by position [default: 1.0].")
+@click.option("--lora-partial", is_flag=True, help="Bake a LoRA even when some of its modules match no layer.")
+def convert(model, output, dtype, bits, group_size, base, overwrite, loras, lora_scales, lora_partial):
+    """Convert a FLUX.2 [klein] model into an MLX folder (optionally 4/8-bit, optionally with LoRAs baked in)."""
+    specs = pair_scales(loras, lora_scales)
     with ProgressBars() as bars:
         config = convert_model(
-            model, output, dtype=dtype, bits=bits, group_size=group_size, base=base, overwrite=overwrite, progress=bars
+            model, output, dtype=dtype, bits=bits, group_size=group_size, base=base, overwrite=overwrite, progress=bars,
+            loras=specs, lora_partial=lora_partial,
         )
     click.echo(summary(output, config))
 

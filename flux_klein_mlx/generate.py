@@ -12,6 +12,7 @@ import click
 from . import __version__
 from .cli import run_command
 from .errors import FluxKleinError
+from .lora import pair_scales
 from .pipeline import DEFAULT_MODEL, load, preprocess_reference
 from .vae import check_image_size
 
@@ -82,8 +83,13 @@ def _mb(nbytes: int) -> str:
               help="PNG path; an existing file is kept and a new name chosen.")
 @click.option("--preview-dir", default=None,
               help="Also write a small latent preview PNG after every step into this existing folder.")
+@click.option("--lora", "loras", multiple=True,
+              help="LoRA .safetensors file, owner/name (its single .safetensors) or owner/name:FILE; repeat for several.")
+@click.option("--lora-scale", "lora_scales", type=float, multiple=True,
+              help="Strength of each --lora, by position [default: 1.0].")
+@click.option("--lora-partial", is_flag=True, help="Apply a LoRA even when some of its modules match no layer.")
 def generate(prompt, model, width, height, steps, guidance, seed, images, negative_prompt, num_images,
-             quantize, dtype, low_memory, output, preview_dir):
+             quantize, dtype, low_memory, output, preview_dir, loras, lora_scales, lora_partial):
     """Generate images from a prompt (and optional reference images)."""
     # Cheap checks before loading gigabytes: sizes, reference images, the output path.
     if width is not None or height is not None:
@@ -93,14 +99,18 @@ def generate(prompt, model, width, height, steps, guidance, seed, images, negati
     paths = output_paths(output, num_images)
     if preview_dir is not None and not Path(preview_dir).is_dir():
         raise FluxKleinError(f"--preview-dir {preview_dir} is not an existing folder; create it first")
+    lora_specs = pair_scales(loras, lora_scales)
 
     t0 = time.perf_counter()
     pipe = load(model, dtype=dtype, quantize=int(quantize) if quantize else None,
-                               low_memory=low_memory)
+                low_memory=low_memory, loras=lora_specs, lora_partial=lora_partial)
     info = pipe.info
     click.echo(f"{info.name} from {info.source} ({dtype}"
                f"{', %d-bit' % pipe.quantization['bits'] if pipe.quantization else ''}), "
                f"loaded in {time.perf_counter() - t0:.1f} s", err=True)
+    for lora in pipe.loras:
+        click.echo(f"LoRA {lora.name} ({lora.sha256}) at scale {lora.scale:g}: {len({t.layer for t in lora.terms})} "
+                   f"layers, {lora.nbytes / 1e6:.1f} MB", err=True)
 
     base_seed = seed
     for n, path in enumerate(paths):
@@ -114,6 +124,7 @@ def generate(prompt, model, width, height, steps, guidance, seed, images, negati
             "variant": info.name, "dtype": dtype,
             "quantize": pipe.quantization["bits"] if pipe.quantization else None,
             "references": [str(p) for p in images] or None, "software": f"flux_klein_mlx {__version__}",
+            "loras": [lora.record() for lora in pipe.loras] or None,
         }
         final = save_png(image, path, metadata)
         if final != path:

@@ -265,7 +265,7 @@ class Worker:
                 "prompt": req.prompt, "negative_prompt": req.negative_prompt if not info.is_distilled else None,
                 "seed": stats["seed"], "steps": stats["steps"], "guidance": stats["guidance"],
                 "width": stats["width"], "height": stats["height"], **self.metadata,
-                "variant": info.name, "quantize": info.quantization["bits"] if info.quantization else None,
+                "variant": info.name, "quantize": pipe.quantization["bits"] if pipe.quantization else None,
                 "references": len(req.images) or None, "mask": req.mask is not None or None,
                 "strength": req.strength, "loras": ", ".join(f"{Path(p).stem}:{s}" for p, s in self.loaded_loras) or None,
                 "software": f"flux_klein_mlx {flux_klein_mlx.__version__}",

@@ -160,8 +160,10 @@ class FluxKleinPipeline:
         dtype=mx.bfloat16,
         low_memory: bool = False,
         quantization: dict | None = None,
+        loras: list | None = None,
     ):
-        self.transformer = _Slot(transformer)
+        self.loras = list(loras or [])  # lora.Lora, applied whenever the transformer (re)loads
+        self.transformer = _Slot(self._with_loras(transformer))
         self.text_encoder = _Slot(text_encoder)
         self.tokenizer = _Slot(tokenizer)
         self.vae = _Slot(vae)
@@ -170,6 +172,37 @@ class FluxKleinPipeline:
         self.quantization = quantization  # {"bits", "group_size", ...} or None
         self.low_memory = low_memory
         self._prompt_cache: dict[str, mx.array] = {}  # prompt -> (1, 512, C) embeddings
+
+    # ---- LoRAs ---------------------------------------------------------------------------------
+
+    def _with_loras(self, loader: Callable[[], object]) -> Callable[[], object]:
+        def load_and_apply():
+            model = loader()
+            if self.loras:
+                from .lora import apply_loras
+
+                # Low-memory mode reloads the transformer for every image anyway: no copy of the original
+                # weights is kept (the LoRAs cost their own size), a change of LoRAs releases the model.
+                apply_loras(model, self.loras, keep_originals=not self.low_memory)
+            return model
+
+        return load_and_apply
+
+    def set_loras(self, loras, partial: bool = False) -> None:
+        """Replace the applied LoRAs, e.g. `["a.safetensors", ("b.safetensors", 0.8)]`; `[]` removes them.
+
+        The base model is not reloaded: fused LoRAs are unfused exactly, side paths dropped (in
+        low-memory mode the transformer, reloaded for every image anyway, is released instead). Every
+        file is read and checked first; on any error the pipeline keeps its previous LoRAs.
+        """
+        from .lora import apply_loras, load_loras
+
+        parsed = load_loras(loras, self.info.params, partial)
+        if self.transformer.loaded and self.low_memory:
+            self.transformer.release()
+        elif self.transformer.loaded:
+            apply_loras(self.transformer.get(), parsed)
+        self.loras = parsed
 
     # ---- stages -------------------------------------------------------------------------------
 
@@ -419,6 +452,8 @@ def load(
     quantize: int | None = None,
     group_size: int = 64,
     low_memory: bool = False,
+    loras: list | None = None,
+    lora_partial: bool = False,
 ) -> FluxKleinPipeline:
     """Load a FLUX.2 [klein] pipeline.
 
@@ -434,6 +469,10 @@ def load(
             before the VAE decode (it reloads next time) and decode in row bands, which bounds the
             decoder's activation memory. With `quantize=4` this keeps a klein-4B 1024^2
             generation near 3 GB.
+        loras: LoRA files for the transformer, each a path (or `owner/name`, `owner/name:file.safetensors`
+            on the Hugging Face hub) or `(path, scale)`; scale defaults to 1.0. Fused into float
+            weights, a side path beside quantized ones; change them later with `set_loras`.
+        lora_partial: accept LoRAs of which only some modules match the model (refused otherwise).
 
     The variant (4B/9B, distilled/Base, 9B-KV) is read from the files. Models load on first use.
     """
@@ -451,8 +490,11 @@ def load(
     def component(name):
         return lambda: load_component(info, name, dt, quantize, group_size)
 
+    from .lora import load_loras
+
+    parsed = load_loras(loras, info.params, lora_partial)  # every LoRA checked before any model loads
     return FluxKleinPipeline(
         component("transformer"), component("text_encoder"), lambda: load_tokenizer(info.tokenizer),
         component("vae"), info, dtype=dt, low_memory=low_memory,
-        quantization=stored or ({"bits": quantize, "group_size": group_size} if quantize else None),
+        quantization=stored or ({"bits": quantize, "group_size": group_size} if quantize else None), loras=parsed,
     )  # fmt: skip
