@@ -469,11 +469,19 @@ def part_convert(work: Path, results: dict, keep: bool) -> None:
     save_results(results)
 
 
+def run_plan(results: dict, key: str, task: str, fields: tuple, plan: list, defaults: dict) -> None:
+    """Run each job of `plan` (a tuple of `fields` values) that `results[key]` lacks, in a child, and save
+    after each; a stored row without one of the fields reads as `defaults` gives it (else None)."""
+    rows = results.setdefault(key, [])
+    done = {tuple(r.get(f, defaults.get(f)) for f in fields) for r in rows}
+    for job in plan:
+        if job not in done:
+            rows.append(run_child(task, **dict(zip(fields, job))))
+            save_results(results)
+
+
 def part_activations(results: dict) -> None:
-    acts = results.setdefault("activations", [])
     fields = ("stage", "size", "dtype", "width", "depth", "tiled", "metal_conv")
-    key = lambda a: tuple(a.get(f, False) for f in fields)  # noqa: E731
-    done = {key(a) for a in acts}
     plan = [
         # Real float32 compute (only attention is a stand-in): is the peak independent of depth?
         ("encode", 1024, "float32", "full", 3, False, False), ("encode", 1024, "float32", "full", 6, False, False),
@@ -483,16 +491,11 @@ def part_activations(results: dict) -> None:
         ("decode", 256, "float32", "full", 1, False, False), ("decode", 512, "float32", "full", 1, False, False),
         ("decode", 256, "float32", "full", 1, True, False), ("decode", 512, "float32", "full", 1, True, False),
     ]  # fmt: skip
-    for job in plan:
-        if job not in done:
-            acts.append(run_child("activation", **dict(zip(fields, job))))
-            save_results(results)
+    run_plan(results, "activations", "activation", fields, plan, dict.fromkeys(fields, False))
 
 
 def part_stages(results: dict) -> None:
-    stages = results.setdefault("stages", [])
     fields = ("stage", "size", "dtype", "bits", "tiled", "stand_in_matmul", "depth", "block_eval")
-    done = {tuple(r.get(f, False if f == "block_eval" else None) for f in fields) for r in stages}
     plan = [
         ("encode", 1024, "bfloat16", 4, False, True, None, False),
         ("denoise", 256, "bfloat16", 4, False, True, None, False), ("denoise", 512, "bfloat16", 4, False, True, None, False),
@@ -506,10 +509,7 @@ def part_stages(results: dict) -> None:
         ("denoise", 512, "bfloat16", 4, False, True, None, "low_memory"),
         ("denoise", 1024, "bfloat16", 4, False, True, None, "low_memory"),
     ]  # fmt: skip
-    for job in plan:
-        if job not in done:
-            stages.append(run_child("stage", **dict(zip(fields, job))))
-            save_results(results)
+    run_plan(results, "stages", "stage", fields, plan, {"block_eval": False})
 
 
 def _act(results: dict, **want) -> float | None:
