@@ -14,23 +14,23 @@ increase of each is printed.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
-from flux_klein_mlx import preload_openblas
-
-preload_openblas()
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
+import common  # noqa: E402,F401  (this checkout on sys.path, OpenBLAS preloaded)
 
 import mlx.core as mx  # noqa: E402
 
 from mlx.utils import tree_flatten  # noqa: E402
 
+from flux_klein_mlx.config import FluxKleinParams  # noqa: E402
 from flux_klein_mlx.lora import apply_loras, load_loras  # noqa: E402
 from flux_klein_mlx.random_model import randomize  # noqa: E402
 from flux_klein_mlx.transformer import FluxKlein  # noqa: E402
 from flux_klein_mlx.weights import load_into, read_weight_files  # noqa: E402
 from flux_klein_mlx.lora_formats import layer_shapes  # noqa: E402
-from flux_klein_mlx.config import FluxKleinParams  # noqa: E402
 from flux_klein_mlx.weights import save_safetensors_streaming  # noqa: E402
 
 
