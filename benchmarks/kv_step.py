@@ -22,12 +22,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's package, not an installed copy
-
-from flux_klein_mlx import preload_openblas  # noqa: E402  (imports no mlx)
-
-preload_openblas()  # before mlx is imported: OpenBLAS instead of the slow bundled BLAS
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also when a test loads this file
+import common  # noqa: E402, F401  (this checkout first on sys.path, OpenBLAS preloaded)
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -38,7 +34,7 @@ import time  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from flux_klein_mlx.config import FluxKleinParams  # noqa: E402
-from flux_klein_mlx.flops import machine_info  # noqa: E402
+from flux_klein_mlx.flops import flops_of_transformer, machine_info, reference_pass_flops  # noqa: E402
 from flux_klein_mlx.random_model import randomize  # noqa: E402
 from flux_klein_mlx.rope import image_ids, text_ids  # noqa: E402
 from flux_klein_mlx.transformer import FluxKlein  # noqa: E402
@@ -47,22 +43,17 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 TEXT_TOKENS = 512  # the pipelines always pad prompts to 512 tokens
 
 
-def step_tflop(params, target: int, refs: int, text: int = TEXT_TOKENS) -> dict:
-    """Analytic TFLOP of the three kinds of step (blocks only; embeddings and final layer are tiny).
+def step_tflop(params, width: int, height: int, refs: int) -> dict:
+    """TFLOP in the blocks of the three kinds of step, from the package's FLOP model
+    (`flux_klein_mlx.flops`); the embeddings are left out (the text projection is hoisted here)."""
+    r = refs * (width // 16) * (height // 16)
 
-    Per block and token both block kinds do (4 D^2 + 3 M D) multiply-adds in their Linears;
-    attention costs 2 x 2 x Lq x Lk x D. Uncached: every token in the sequence. Cached: the target and
-    text tokens, attending to Lk = text + target + refs keys. Extract: cached + the reference pass.
-    """
-    D, M, blocks = params.hidden_size, params.mlp_hidden, params.depth + params.depth_single
-    linear = 2 * (4 * D * D + 3 * M * D)  # FLOP per token and block
+    def blocks(f):
+        return (f.linear + f.attention) / 1e12
 
-    def cost(lq, lk, tokens):
-        return blocks * (linear * tokens + 4 * lq * lk * D) / 1e12
-
-    full = text + target + refs
-    cached = cost(text + target, full, text + target)
-    return {"uncached": cost(full, full, full), "cached": cached, "extract": cached + cost(refs, refs, refs)}
+    uncached = blocks(flops_of_transformer(params, width, height, TEXT_TOKENS, r))
+    cached = blocks(flops_of_transformer(params, width, height, TEXT_TOKENS, r, cached_references=True))
+    return {"uncached": uncached, "cached": cached, "extract": cached + blocks(reference_pass_flops(params, r))}
 
 
 def _time_interleaved(fns: dict, warmup: int, trials: int) -> dict[str, list[float]]:
@@ -127,8 +118,8 @@ def kv_step(blocks=(1, 1), width=256, height=256, refs=1, dtype="float32", warmu
     for name, r in results.items():
         log(f"{name}: median {r['median_s']:.3f} s (min {r['min_s']:.3f}, max {r['max_s']:.3f})")
     ratio = results["kv_cached"]["median_s"] / results["uncached_klein_9b"]["median_s"]
-    flop = step_tflop(params, h * w, refs * h * w)
-    full = step_tflop(FluxKleinParams.klein_9b(), 64 * 64, 64 * 64)
+    flop = step_tflop(params, width, height, refs)
+    full = step_tflop(FluxKleinParams.klein_9b(), 1024, 1024, 1)
     log(f"ratio cached / uncached: {ratio:.3f} (medians), {statistics.median(paired):.3f} (median of the "
         f"per-round ratios {', '.join(f'{r:.3f}' for r in paired)}), {flop['cached'] / flop['uncached']:.3f} by FLOP count; "
         f"full klein-9B at 1024^2 with one 1024^2 reference by FLOP count: {full['cached'] / full['uncached']:.3f} "
