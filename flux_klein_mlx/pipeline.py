@@ -23,6 +23,8 @@ import numpy as np
 from PIL import Image
 
 from .errors import FluxKleinError
+from .img2img import blend, prepare_init_image, scale_noise, start_step
+from .noise import check_noise_kind, initial_noise
 from .rope import image_ids, text_ids
 from .sampler import FluxSampler
 from .vae import check_image_size
@@ -190,8 +192,11 @@ class FluxKleinPipeline:
             self.text_encoder.release()
         return mx.concatenate([self._prompt_cache[p] for p in prompts], axis=0)
 
-    def encode_references(self, images: Sequence) -> tuple[mx.array, mx.array, tuple[int, int]]:
-        """VAE-encode references -> tokens (1, sum h_k*w_k, 128), ids (.., 4), first one's (W, H)."""
+    def encode_references(self, images: Sequence, first_t: int = 10) -> tuple[mx.array, mx.array, tuple[int, int]]:
+        """VAE-encode references -> tokens (1, sum h_k*w_k, 128), ids (.., 4), first one's (W, H).
+
+        Reference k gets time coordinate first_t + 10 k (an init image takes 10, references follow).
+        """
         vae = self.vae.get()
         tokens, ids, first_size = [], [], None
         for k, image in enumerate(images):
@@ -200,7 +205,7 @@ class FluxKleinPipeline:
             first_size = first_size or (W, H)
             tok = vae.encode_to_tokens(mx.array(pixels)[None].astype(self.dtype))  # (1, H/16*W/16, 128)
             tokens.append(tok)
-            ids.append(image_ids(H // 16, W // 16, t=10 * (k + 1)))
+            ids.append(image_ids(H // 16, W // 16, t=first_t + 10 * k))
         out = mx.concatenate(tokens, axis=1), mx.concatenate(ids, axis=0)
         mx.eval(out)
         return out[0], out[1], first_size
@@ -220,6 +225,10 @@ class FluxKleinPipeline:
         negative_prompt: str | None = None,
         latents=None,
         output_type: str = "pil",
+        noise: str = "torch",
+        init_image=None,
+        strength: float | None = None,
+        mask=None,
     ) -> Iterator[Progress]:
         """Run a generation, yielding a `Progress` after encoding, after every step and at the end.
 
@@ -242,6 +251,22 @@ class FluxKleinPipeline:
         else:
             guidance = info.default_guidance if guidance is None else float(guidance)
         cfg = guidance is not None and guidance > 1.0
+        check_noise_kind(noise)
+        if init_image is None and (mask is not None or strength is not None):
+            what = "a mask" if mask is not None else "strength"
+            raise FluxKleinError(f"{what} needs an init image (init_image=, --init-image)")
+        # Image-to-image / inpainting (img2img.py): preprocessed before any model runs; sets the size.
+        init = None
+        if init_image is not None:
+            init = prepare_init_image(init_image, 0.8 if strength is None else strength, mask)
+        t_start = 0 if init is None else start_step(steps, init.strength)
+        if init is not None:
+            if (width or init.width, height or init.height) != (init.width, init.height):
+                raise FluxKleinError(
+                    f"the output takes the init image's size ({init.width}x{init.height}); leave width/height unset"
+                )
+            width, height = init.width, init.height
+        run = steps - t_start  # denoising steps that actually run
         if isinstance(images, (str, Path, Image.Image)):
             images = [images]
         images = list(images or [])
@@ -249,7 +274,10 @@ class FluxKleinPipeline:
             width, height = width or 1024, height or 1024
             check_image_size(width, height)
         seed = random.randrange(2**31) if seed is None and latents is None else seed
-        stats: dict = {"seed": seed, "steps": steps, "guidance": guidance}
+        stats: dict = {"seed": seed, "steps": steps, "guidance": guidance,
+                       "noise": "latents" if latents is not None else noise}
+        if init is not None:
+            stats.update(strength=init.strength, steps_run=run, inpainting=init.mask is not None)
 
         # 1. Conditioning: prompt embeddings (text encoder released after), reference tokens.
         mx.reset_peak_memory()
@@ -258,11 +286,18 @@ class FluxKleinPipeline:
         ctx = self.encode_prompts(prompts)  # (1 or 2, 512, C); [cond, uncond]
         ref_tokens = ref_ids = None
         if images:
-            ref_tokens, ref_ids, (rw, rh) = self.encode_references(images)
+            ref_tokens, ref_ids, (rw, rh) = self.encode_references(images, first_t=10 if init is None else 20)
             width, height = width or rw, height or rh
             check_image_size(width, height)
+        if init is not None:
+            # The init image's tokens (1, h*w, 128) are x0 and also the first reference (t = 10).
+            x0 = self.vae.get().encode_to_tokens(mx.array(init.pixels)[None].astype(self.dtype))
+            x0_ids = image_ids(height // 16, width // 16, t=10)
+            ref_tokens = x0 if ref_tokens is None else mx.concatenate([x0, ref_tokens], axis=1)
+            ref_ids = x0_ids if ref_ids is None else mx.concatenate([x0_ids, ref_ids], axis=0)
+            mx.eval(ref_tokens, ref_ids)
         stats["encode"] = {"seconds": time.perf_counter() - t0, "peak_memory": mx.get_peak_memory()}
-        yield Progress("encode", 0, steps, stats["encode"]["seconds"], stats=stats)
+        yield Progress("encode", 0, run, stats["encode"]["seconds"], stats=stats)
 
         # 2. Noise in the normalised, patchified latent space.
         h, w, c = height // 16, width // 16, info.in_channels
@@ -271,21 +306,28 @@ class FluxKleinPipeline:
             if x.shape != (1, c, h, w):
                 raise FluxKleinError(f"latents must have shape (1, {c}, {h}, {w}) for {width}x{height}, not {x.shape}")
         else:
-            x = FluxSampler.sample_prior((1, c, h, w), seed=seed)
-        x = pack_latents(x).astype(self.dtype)  # (1, h*w, c)
+            x = initial_noise((1, c, h, w), seed, noise)  # float32; torch's CPU randn by default
+        x = pack_latents(x)  # (1, h*w, c)
 
         # 3. Denoise. Everything that depends only on shapes is built once, outside the loop.
         mx.reset_peak_memory()
         t_stage = time.perf_counter()
         model = self.transformer.get()
         sigmas = FluxSampler().timesteps(h * w, steps)
+        prior = x  # float32 noise, reused to re-noise the kept region when inpainting
+        keep = None if init is None or init.mask is None else mx.array(init.mask)[None]  # (1, h*w, 1), 1 = repaint
+        if init is not None:
+            # mu comes from all `steps`; the first t_start sigmas are skipped (diffusers' get_timesteps).
+            sigmas = sigmas[t_start:]
+            x = scale_noise(x0, prior, sigmas[0])
+        x = x.astype(self.dtype)
         img_ids = image_ids(h, w) if ref_ids is None else mx.concatenate([image_ids(h, w), ref_ids], axis=0)
         rope = model.compute_rope(text_ids(ctx.shape[1]), img_ids)
         txt = model.embed_text(ctx)  # step-invariant text projection, hoisted out of the loop
         B = ctx.shape[0]
         ref = None if ref_tokens is None else mx.broadcast_to(ref_tokens, (B,) + ref_tokens.shape[1:])
         n_target = h * w
-        for i in range(steps):
+        for i in range(run):
             t_step = time.perf_counter()
             x_in = mx.broadcast_to(x, (B,) + x.shape[1:])
             if ref is not None:
@@ -297,6 +339,8 @@ class FluxKleinPipeline:
             if cfg:
                 v = v[1:2] + guidance * (v[0:1] - v[1:2])  # uncond + s * (cond - uncond)
             x = FluxSampler.step(x, v, sigmas[i], sigmas[i + 1])
+            if keep is not None:
+                x = blend(x, x0, prior, keep, sigmas[i + 1] if i + 1 < run else None)
             finite = mx.all(mx.isfinite(x))
             mx.eval(x, finite)
             if not finite.item():
@@ -304,11 +348,11 @@ class FluxKleinPipeline:
                     f"non-finite values appeared at denoising step {i + 1}: the weights may be damaged, "
                     "or try --dtype float32"
                 )
-            yield Progress("denoise", i + 1, steps, time.perf_counter() - t_step, stats=stats)
+            yield Progress("denoise", i + 1, run, time.perf_counter() - t_step, stats=stats)
         stats["denoise"] = {
             "seconds": time.perf_counter() - t_stage,
             "peak_memory": mx.get_peak_memory(),
-            "seconds_per_step": (time.perf_counter() - t_stage) / steps,
+            "seconds_per_step": (time.perf_counter() - t_stage) / run,
         }
         del model
         if self.low_memory:
@@ -325,7 +369,7 @@ class FluxKleinPipeline:
             self.vae.release()  # so the next image's denoise holds the transformer alone
         stats["total_seconds"] = sum(stats[s]["seconds"] for s in ("encode", "denoise", "decode"))
         stats["width"], stats["height"] = width, height
-        yield Progress("decode", steps, steps, stats["decode"]["seconds"], image=image, stats=stats)
+        yield Progress("decode", run, run, stats["decode"]["seconds"], image=image, stats=stats)
 
     def generate(
         self,
@@ -340,6 +384,10 @@ class FluxKleinPipeline:
         negative_prompt: str | None = None,
         latents=None,
         output_type: str = "pil",
+        noise: str = "torch",
+        init_image=None,
+        strength: float | None = None,
+        mask=None,
     ):
         """Generate one image.
 
@@ -350,16 +398,26 @@ class FluxKleinPipeline:
             steps: denoising steps (default: 4 for distilled models, 50 for Base).
             guidance: CFG scale for Base models (default 4.0); ignored, with a warning, by
                 distilled models.
-            seed: seed of the initial noise (MLX RNG); random when None.
+            seed: seed of the initial noise; random when None. Taken modulo 2**32 for torch noise.
             images: reference image(s) for editing / multi-reference (PIL images or paths).
             negative_prompt: the unconditional prompt of CFG (Base models; default "").
             latents: initial noise in diffusers' layout (1, 128, H/16, W/16), instead of a seed.
             output_type: "pil" (PIL image) or "np" (float32 array (H, W, 3) in [0, 1]).
+            noise: "torch" (default): the noise `torch.randn` draws on the CPU for this seed, so
+                diffusers' images for a seed reproduce; "mlx": MLX's noise, as mflux draws it.
+            init_image: image-to-image: start from this image (PIL or path) instead of pure
+                noise, as diffusers' Flux2KleinInpaintPipeline does; the output takes its size
+                (area capped at 1024^2 px, sides resized to multiples of 16). It is also the first
+                reference image; `images` follow it.
+            strength: how far from the init image to go, in (0, 1] (default 0.8); 1 starts from
+                pure noise. About steps * strength of the steps run (diffusers' convention).
+            mask: inpainting: a mask the size of the init image; white is repainted, black kept.
         """
         event = None
         for event in self.stream(
             prompt, width=width, height=height, steps=steps, guidance=guidance, seed=seed, images=images,
-            negative_prompt=negative_prompt, latents=latents, output_type=output_type,
+            negative_prompt=negative_prompt, latents=latents, output_type=output_type, noise=noise,
+            init_image=init_image, strength=strength, mask=mask,
         ):
             pass
         self.last_stats = event.stats

@@ -72,3 +72,79 @@ def test_several_images_use_consecutive_seeds_like_diffusers_generator_lists():
 def test_unknown_noise_kind():
     with pytest.raises(FluxKleinError, match="noise must be one of torch, mlx, not 'numpy'"):
         initial_noise((1, 128, 4, 4), 0, "numpy")
+
+
+# ---- end to end by seed alone: no injected latents on either side -----------------------------
+
+
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory):
+    from tiny_model import shared_tiny_snapshot
+
+    return shared_tiny_snapshot(tmp_path_factory, distilled=True)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    from tiny_model import shared_tiny_snapshot
+
+    return shared_tiny_snapshot(tmp_path_factory, distilled=False)
+
+
+def picture(w, h, seed=0):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    small = (rng.random((max(h // 16, 2), max(w // 16, 2), 3)) * 255).astype(np.uint8)
+    return Image.fromarray(small).resize((w, h), Image.Resampling.BILINEAR)
+
+
+def by_seed(path, seed, **kwargs):
+    """diffusers' Flux2KleinPipeline with a CPU generator seeded `seed`, and ours with `seed` alone."""
+    from diffusers import Flux2KleinPipeline
+
+    import flux_klein_mlx
+
+    ref = Flux2KleinPipeline.from_pretrained(path, dtype=torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    theirs_kw = dict(prompt=kwargs["prompt"], num_inference_steps=kwargs["steps"], output_type="np",
+                     generator=torch.Generator("cpu").manual_seed(seed))
+    for ours_name, their_name in (("width", "width"), ("height", "height"), ("images", "image"),
+                                  ("guidance", "guidance_scale")):
+        if kwargs.get(ours_name) is not None:
+            theirs_kw[their_name] = kwargs[ours_name]
+    with torch.no_grad():
+        theirs = ref(**theirs_kw).images[0]
+    ours = flux_klein_mlx.load(path, dtype="float32").generate(seed=seed, output_type="np", **kwargs)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("seed", [0, 42, 2**32 + 5])
+def test_text_to_image_by_seed_matches_diffusers(distilled, seed):
+    ours, theirs = by_seed(distilled, seed, prompt="a red fox in fresh snow", width=96, height=64, steps=4)
+    err = np.abs(ours - theirs).max()
+    print(f"text-to-image seed {seed}: max abs {err:.2e}")
+    assert ours.shape == theirs.shape == (64, 96, 3) and err <= 1e-3 and theirs.std() > 0.01
+
+
+def test_one_reference_by_seed_matches_diffusers(distilled):
+    ours, theirs = by_seed(distilled, 7, prompt="make it winter", images=[picture(100, 72, 1)], steps=4)
+    err = np.abs(ours - theirs).max()
+    print(f"one reference: max abs {err:.2e}")
+    assert ours.shape == theirs.shape == (64, 96, 3) and err <= 1e-3
+
+
+def test_base_with_cfg_by_seed_matches_diffusers(base):
+    ours, theirs = by_seed(base, 3, prompt="a lighthouse at dusk", width=64, height=80, steps=3, guidance=4.0)
+    err = np.abs(ours - theirs).max()
+    print(f"Base + CFG: max abs {err:.2e}")
+    assert err <= 1e-3
+
+
+def test_mlx_noise_gives_a_different_image(distilled):
+    import flux_klein_mlx
+
+    pipe = flux_klein_mlx.load(distilled, dtype="float32")
+    a = pipe.generate("x", width=64, height=64, seed=1, output_type="np")
+    b = pipe.generate("x", width=64, height=64, seed=1, noise="mlx", output_type="np")
+    assert pipe.last_stats["noise"] == "mlx" and not np.allclose(a, b, atol=1e-3)
