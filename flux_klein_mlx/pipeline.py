@@ -72,6 +72,30 @@ class Progress:
     stats: dict = field(default_factory=dict)  # per stage: {"seconds": s, "peak_memory": bytes}
 
 
+@dataclass
+class Job:
+    """One image in flight between the stages: conditioning, the latents and the run's stats."""
+
+    x: mx.array  # (1, h*w, 128) packed latents; the denoise stage advances it
+    ctx: mx.array  # (1 or 2, 512, 3*hidden) prompt embeddings; [cond, uncond] with CFG
+    ref_tokens: mx.array | None  # (1, sum h_k*w_k, 128) reference tokens, or None
+    ref_ids: mx.array | None  # (sum h_k*w_k, 4) their RoPE ids
+    h: int  # latent grid (pixels / 16)
+    w: int
+    steps: int
+    guidance: float | None  # CFG scale when CFG runs, else None
+    stats: dict
+    # Image-to-image / inpainting (img2img.py); defaults mean text-to-image.
+    t_start: int = 0  # schedule steps skipped (strength); the schedule is still built for `steps`
+    x0: mx.array | None = None  # (1, h*w, 128) init image tokens
+    prior: mx.array | None = None  # (1, h*w, 128) float32 noise, reused to re-noise the kept region
+    mask: mx.array | None = None  # (1, h*w, 1) inpainting mask on the token grid, 1 = repaint
+
+    @property
+    def steps_run(self) -> int:
+        return self.steps - self.t_start
+
+
 class _Slot:
     """A model that is loaded on first use and can be released to free its memory."""
 
@@ -233,9 +257,40 @@ class FluxKleinPipeline:
         """Run a generation, yielding a `Progress` after encoding, after every step and at the end.
 
         The final event (stage "decode") carries the image. See `generate` for the arguments.
+        The three stages (`prepare`, `denoise`, `decode`) are public so that the benchmark times
+        exactly this code.
         """
         if output_type not in ("pil", "np"):
             raise FluxKleinError(f"output_type must be 'pil' or 'np', not {output_type!r}")
+        job = self.prepare(
+            prompt, width=width, height=height, steps=steps, guidance=guidance, seed=seed, images=images,
+            negative_prompt=negative_prompt, latents=latents, noise=noise, init_image=init_image, strength=strength,
+            mask=mask,
+        )
+        yield Progress("encode", 0, job.steps_run, job.stats["encode"]["seconds"], stats=job.stats)
+        yield from self.denoise(job)
+        image = self.decode(job, output_type)
+        n = job.steps_run
+        yield Progress("decode", n, n, job.stats["decode"]["seconds"], image=image, stats=job.stats)
+
+    def prepare(
+        self,
+        prompt: str,
+        *,
+        width: int | None = None,
+        height: int | None = None,
+        steps: int | None = None,
+        guidance: float | None = None,
+        seed: int | None = None,
+        images: Sequence | None = None,
+        negative_prompt: str | None = None,
+        latents=None,
+        noise: str = "torch",
+        init_image=None,
+        strength: float | None = None,
+        mask=None,
+    ) -> Job:
+        """Stage 1: resolve the settings, encode the prompt(s) and references, draw the noise."""
         info = self.info
         steps = steps or info.default_steps
         if steps < 1:
@@ -250,7 +305,6 @@ class FluxKleinPipeline:
                 warnings.warn(f"negative_prompt is ignored: {info.name} runs without classifier-free guidance")
         else:
             guidance = info.default_guidance if guidance is None else float(guidance)
-        cfg = guidance is not None and guidance > 1.0
         check_noise_kind(noise)
         if init_image is None and (mask is not None or strength is not None):
             what = "a mask" if mask is not None else "strength"
@@ -259,14 +313,12 @@ class FluxKleinPipeline:
         init = None
         if init_image is not None:
             init = prepare_init_image(init_image, 0.8 if strength is None else strength, mask)
-        t_start = 0 if init is None else start_step(steps, init.strength)
-        if init is not None:
             if (width or init.width, height or init.height) != (init.width, init.height):
                 raise FluxKleinError(
                     f"the output takes the init image's size ({init.width}x{init.height}); leave width/height unset"
                 )
             width, height = init.width, init.height
-        run = steps - t_start  # denoising steps that actually run
+        t_start = 0 if init is None else start_step(steps, init.strength)
         if isinstance(images, (str, Path, Image.Image)):
             images = [images]
         images = list(images or [])
@@ -277,9 +329,10 @@ class FluxKleinPipeline:
         stats: dict = {"seed": seed, "steps": steps, "guidance": guidance,
                        "noise": "latents" if latents is not None else noise}
         if init is not None:
-            stats.update(strength=init.strength, steps_run=run, inpainting=init.mask is not None)
+            stats.update(strength=init.strength, steps_run=steps - t_start, inpainting=init.mask is not None)
 
-        # 1. Conditioning: prompt embeddings (text encoder released after), reference tokens.
+        # Conditioning: prompt embeddings (text encoder released after), reference tokens.
+        cfg = guidance is not None and guidance > 1.0
         mx.reset_peak_memory()
         t0 = time.perf_counter()
         prompts = [prompt] + ([negative_prompt or ""] if cfg else [])
@@ -289,6 +342,7 @@ class FluxKleinPipeline:
             ref_tokens, ref_ids, (rw, rh) = self.encode_references(images, first_t=10 if init is None else 20)
             width, height = width or rw, height or rh
             check_image_size(width, height)
+        x0 = None
         if init is not None:
             # The init image's tokens (1, h*w, 128) are x0 and also the first reference (t = 10).
             x0 = self.vae.get().encode_to_tokens(mx.array(init.pixels)[None].astype(self.dtype))
@@ -297,50 +351,54 @@ class FluxKleinPipeline:
             ref_ids = x0_ids if ref_ids is None else mx.concatenate([x0_ids, ref_ids], axis=0)
             mx.eval(ref_tokens, ref_ids)
         stats["encode"] = {"seconds": time.perf_counter() - t0, "peak_memory": mx.get_peak_memory()}
-        yield Progress("encode", 0, run, stats["encode"]["seconds"], stats=stats)
+        stats["width"], stats["height"] = width, height
 
-        # 2. Noise in the normalised, patchified latent space.
-        h, w, c = height // 16, width // 16, info.in_channels
+        # Noise in the normalised, patchified latent space.
+        h, w, c = height // 16, width // 16, self.info.in_channels
         if latents is not None:
             x = mx.array(np.asarray(latents, dtype=np.float32))
             if x.shape != (1, c, h, w):
                 raise FluxKleinError(f"latents must have shape (1, {c}, {h}, {w}) for {width}x{height}, not {x.shape}")
         else:
             x = initial_noise((1, c, h, w), seed, noise)  # float32; torch's CPU randn by default
-        x = pack_latents(x)  # (1, h*w, c)
+        prior = pack_latents(x)  # (1, h*w, c) float32
+        if init is not None:
+            # Noised to the first sigma that runs; mu comes from all `steps` (diffusers' get_timesteps).
+            x = scale_noise(x0, prior, FluxSampler().timesteps(h * w, steps)[t_start])
+        else:
+            x = prior
+        mask = None if init is None or init.mask is None else mx.array(init.mask)[None]  # (1, h*w, 1)
+        return Job(x=x.astype(self.dtype), ctx=ctx, ref_tokens=ref_tokens, ref_ids=ref_ids, h=h, w=w, steps=steps,
+                   guidance=guidance if cfg else None, stats=stats, t_start=t_start, x0=x0, prior=prior, mask=mask)
 
-        # 3. Denoise. Everything that depends only on shapes is built once, outside the loop.
+    def denoise(self, job: Job) -> Iterator[Progress]:
+        """Stage 2: the flow steps, a generator that yields after every step; `job.x` advances."""
         mx.reset_peak_memory()
         t_stage = time.perf_counter()
         model = self.transformer.get()
-        sigmas = FluxSampler().timesteps(h * w, steps)
-        prior = x  # float32 noise, reused to re-noise the kept region when inpainting
-        keep = None if init is None or init.mask is None else mx.array(init.mask)[None]  # (1, h*w, 1), 1 = repaint
-        if init is not None:
-            # mu comes from all `steps`; the first t_start sigmas are skipped (diffusers' get_timesteps).
-            sigmas = sigmas[t_start:]
-            x = scale_noise(x0, prior, sigmas[0])
-        x = x.astype(self.dtype)
-        img_ids = image_ids(h, w) if ref_ids is None else mx.concatenate([image_ids(h, w), ref_ids], axis=0)
-        rope = model.compute_rope(text_ids(ctx.shape[1]), img_ids)
-        txt = model.embed_text(ctx)  # step-invariant text projection, hoisted out of the loop
-        B = ctx.shape[0]
-        ref = None if ref_tokens is None else mx.broadcast_to(ref_tokens, (B,) + ref_tokens.shape[1:])
-        n_target = h * w
-        for i in range(run):
+        h, w, steps = job.h, job.w, job.steps_run
+        # Everything that depends only on shapes is built once, outside the loop.
+        sigmas = FluxSampler().timesteps(h * w, job.steps)[job.t_start :]  # img2img skips the first t_start
+        img_ids = image_ids(h, w) if job.ref_ids is None else mx.concatenate([image_ids(h, w), job.ref_ids], axis=0)
+        rope = model.compute_rope(text_ids(job.ctx.shape[1]), img_ids)
+        txt = model.embed_text(job.ctx)  # step-invariant text projection, hoisted out of the loop
+        B = job.ctx.shape[0]
+        ref = None if job.ref_tokens is None else mx.broadcast_to(job.ref_tokens, (B,) + job.ref_tokens.shape[1:])
+        x = job.x
+        for i in range(steps):
             t_step = time.perf_counter()
             x_in = mx.broadcast_to(x, (B,) + x.shape[1:])
             if ref is not None:
                 x_in = mx.concatenate([x_in, ref], axis=1)  # [target; refs]
             # diffusers' timestep path: sigma*1000 in the latent dtype, then /1000 (bf16-coarse, spec 2.3)
             t = mx.full((B,), sigmas[i] * 1000.0, dtype=mx.float32).astype(self.dtype) / 1000.0
-            v = model.forward_with_rope(x_in, ctx, t, rope, txt_embedded=txt, low_memory=self.low_memory)
-            v = v[:, :n_target]  # predictions for the target tokens only (refs are context)
-            if cfg:
-                v = v[1:2] + guidance * (v[0:1] - v[1:2])  # uncond + s * (cond - uncond)
+            v = model.forward_with_rope(x_in, job.ctx, t, rope, txt_embedded=txt, low_memory=self.low_memory)
+            v = v[:, : h * w]  # predictions for the target tokens only (refs are context)
+            if job.guidance is not None:
+                v = v[1:2] + job.guidance * (v[0:1] - v[1:2])  # uncond + s * (cond - uncond)
             x = FluxSampler.step(x, v, sigmas[i], sigmas[i + 1])
-            if keep is not None:
-                x = blend(x, x0, prior, keep, sigmas[i + 1] if i + 1 < run else None)
+            if job.mask is not None:  # inpainting: the kept region is x0 noised to the next sigma
+                x = blend(x, job.x0, job.prior, job.mask, sigmas[i + 1] if i + 1 < steps else None)
             finite = mx.all(mx.isfinite(x))
             mx.eval(x, finite)
             if not finite.item():
@@ -348,28 +406,27 @@ class FluxKleinPipeline:
                     f"non-finite values appeared at denoising step {i + 1}: the weights may be damaged, "
                     "or try --dtype float32"
                 )
-            yield Progress("denoise", i + 1, run, time.perf_counter() - t_step, stats=stats)
-        stats["denoise"] = {
-            "seconds": time.perf_counter() - t_stage,
-            "peak_memory": mx.get_peak_memory(),
-            "seconds_per_step": (time.perf_counter() - t_stage) / run,
-        }
+            job.x = x
+            yield Progress("denoise", i + 1, steps, time.perf_counter() - t_step, stats=job.stats)
+        seconds = time.perf_counter() - t_stage
+        job.stats["denoise"] = {"seconds": seconds, "peak_memory": mx.get_peak_memory(), "seconds_per_step": seconds / steps}
         del model
         if self.low_memory:
             self.transformer.release()
 
-        # 4. Decode: denormalise -> unpatchify -> VAE decoder.
+    def decode(self, job: Job, output_type: str = "pil"):
+        """Stage 3: denormalise -> unpatchify -> VAE decoder -> PIL image or float array."""
         mx.reset_peak_memory()
         t0 = time.perf_counter()
         # Low-memory mode decodes in row bands (same result, bounded activation peak).
-        decoded = self.vae.get().decode_tokens(x, h, w, tiled=self.low_memory)
+        decoded = self.vae.get().decode_tokens(job.x, job.h, job.w, tiled=self.low_memory)
         image = to_output(decoded, output_type)
+        stats = job.stats
         stats["decode"] = {"seconds": time.perf_counter() - t0, "peak_memory": mx.get_peak_memory()}
         if self.low_memory:
             self.vae.release()  # so the next image's denoise holds the transformer alone
         stats["total_seconds"] = sum(stats[s]["seconds"] for s in ("encode", "denoise", "decode"))
-        stats["width"], stats["height"] = width, height
-        yield Progress("decode", run, run, stats["decode"]["seconds"], image=image, stats=stats)
+        return image
 
     def generate(
         self,
@@ -410,7 +467,7 @@ class FluxKleinPipeline:
                 (area capped at 1024^2 px, sides resized to multiples of 16). It is also the first
                 reference image; `images` follow it.
             strength: how far from the init image to go, in (0, 1] (default 0.8); 1 starts from
-                pure noise. About steps * strength of the steps run (diffusers' convention).
+                pure noise. int(steps * strength) or so of the steps run (diffusers' convention).
             mask: inpainting: a mask the size of the init image; white is repainted, black kept.
         """
         event = None
