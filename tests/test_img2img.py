@@ -181,3 +181,76 @@ def test_unreadable_files(distilled, tmp_path):
         pipe.generate("x", init_image=broken)
     with pytest.raises(FluxKleinError, match="cannot read mask"):
         pipe.generate("x", init_image=picture(64, 64), mask=broken)
+
+
+# ---- the CLI -------------------------------------------------------------------------------------
+
+
+def cli(args, capsys):
+    from flux_klein_mlx.__main__ import main
+
+    code = main(["generate", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_img2img_inpainting_and_noise_metadata(distilled, tmp_path, capsys):
+    import json
+
+    init, mask = tmp_path / "init.png", tmp_path / "mask.png"
+    picture(100, 72, seed=4).save(init)
+    ellipse_mask(100, 72).save(mask)
+    out = tmp_path / "edit.png"
+    code, stdout, stderr = cli(["--model", str(distilled), "-p", "a cat", "--init-image", str(init), "--strength",
+                                "0.6", "--mask", str(mask), "--seed", "11", "--dtype", "float32", "-o", str(out)],
+                               capsys)
+    assert code == 0, stderr
+    with Image.open(out) as im:
+        assert im.size == (96, 64)
+        meta = json.loads(im.text["parameters"])
+        cli_pixels = np.asarray(im.convert("RGB"))
+    assert meta["noise"] == "torch" and meta["strength"] == 0.6 and meta["steps_run"] == 3
+    assert meta["init_image"] == str(init) and meta["mask"] == str(mask)
+    # The same run through the Python API gives the same pixels.
+    api = flux_klein_mlx.load(distilled, dtype="float32").generate("a cat", init_image=init, strength=0.6,
+                                                                   mask=mask, seed=11)
+    assert np.array_equal(np.asarray(api), cli_pixels)
+
+    code, stdout, stderr = cli(["--model", str(distilled), "-p", "x", "-W", "64", "-H", "64", "--seed", "1",
+                                "--noise", "mlx", "--dtype", "float32", "-o", str(tmp_path / "mlx.png")], capsys)
+    assert code == 0, stderr
+    assert json.loads(Image.open(tmp_path / "mlx.png").text["parameters"])["noise"] == "mlx"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--strength", "0.5"], "--strength needs --init-image"),
+        (["--mask", "MASK"], "--mask needs --init-image"),
+        (["--init-image", "INIT", "--strength", "0"], "strength must be in (0, 1]"),
+        (["--init-image", "INIT", "--strength", "1.01"], "strength must be in (0, 1]"),
+        (["--init-image", "INIT", "--strength", "1e-18", "--steps", "4"], "so small that none of the 4 steps runs"),
+        (["--init-image", "INIT", "--mask", "SMALLMASK"], "the mask is 64x64 but the init image is 100x72"),
+        (["--init-image", "INIT", "--mask", "BLACKMASK"], "the mask has no white pixel"),
+        (["--init-image", "TINY"], "both sides must be at least 64 px"),
+        (["--init-image", "BROKEN"], "cannot read init image"),
+        (["--init-image", "INIT", "--mask", "BROKEN"], "cannot read mask"),
+        (["--init-image", "/no/such.png"], "init image not found: /no/such.png"),
+        (["--init-image", "INIT", "--width", "128"], "the output takes --init-image's size (96x64)"),
+    ],
+)
+def test_cli_bad_input_one_line_exit_1_no_file(distilled, tmp_path, capsys, extra, message):
+    files = {"INIT": picture(100, 72), "MASK": Image.new("L", (100, 72), 255),
+             "SMALLMASK": Image.new("L", (64, 64), 255), "BLACKMASK": Image.new("L", (100, 72), 0),
+             "TINY": Image.new("RGB", (40, 80))}
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for name, im in files.items():
+        im.save(inputs / f"{name}.png")
+    (inputs / "BROKEN.png").write_bytes(b"not a png")
+    extra = [str(inputs / f"{a}.png") if a in files or a == "BROKEN" else a for a in extra]
+    out = tmp_path / "out.png"
+    code, _, stderr = cli(["--model", str(distilled), "-p", "x", "--dtype", "float32", "-o", str(out), *extra], capsys)
+    assert code != 0 and message in stderr, stderr
+    assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
+    assert not out.exists() and list(tmp_path.glob("*.png")) == []
