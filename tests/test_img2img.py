@@ -62,7 +62,13 @@ def ellipse_mask(w, h):
 
 def compare(ours_pipe, ref_pipe, *, init, steps, strength, seed, mask=None, reference=None, guidance=None,
             prompt="a cat on a sofa"):
-    kw = dict(prompt=prompt, image=init, mask_image=mask if mask is not None else Image.new("L", init.size, 255),
+    # diffusers' own prompt embeddings, computed once per prompt (its text encoder is the slow part on CPU).
+    cache = ref_pipe.__dict__.setdefault("_test_prompt_cache", {})
+    if prompt not in cache:
+        with torch.no_grad():
+            cache[prompt] = ref_pipe.encode_prompt(prompt=prompt, device="cpu")[0]
+    kw = dict(prompt_embeds=cache[prompt], image=init,
+              mask_image=mask if mask is not None else Image.new("L", init.size, 255),
               strength=strength, num_inference_steps=steps, output_type="np",
               generator=torch.Generator("cpu").manual_seed(seed))
     if reference is not None:

@@ -99,14 +99,19 @@ def picture(w, h, seed=0):
     return Image.fromarray(small).resize((w, h), Image.Resampling.BILINEAR)
 
 
+_REFERENCE_PIPES: dict = {}  # snapshot path -> diffusers pipeline, loaded once per session
+
+
 def by_seed(path, seed, **kwargs):
     """diffusers' Flux2KleinPipeline with a CPU generator seeded `seed`, and ours with `seed` alone."""
     from diffusers import Flux2KleinPipeline
 
     import flux_klein_mlx
 
-    ref = Flux2KleinPipeline.from_pretrained(path, dtype=torch.float32)
-    ref.set_progress_bar_config(disable=True)
+    if path not in _REFERENCE_PIPES:
+        _REFERENCE_PIPES[path] = Flux2KleinPipeline.from_pretrained(path, dtype=torch.float32)
+        _REFERENCE_PIPES[path].set_progress_bar_config(disable=True)
+    ref = _REFERENCE_PIPES[path]
     theirs_kw = dict(prompt=kwargs["prompt"], num_inference_steps=kwargs["steps"], output_type="np",
                      generator=torch.Generator("cpu").manual_seed(seed))
     for ours_name, their_name in (("width", "width"), ("height", "height"), ("images", "image"),
