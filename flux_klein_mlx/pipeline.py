@@ -458,7 +458,8 @@ class FluxKleinPipeline:
             seed: seed of the initial noise; random when None. Taken modulo 2**32 for torch noise.
             images: reference image(s) for editing / multi-reference (PIL images or paths).
             negative_prompt: the unconditional prompt of CFG (Base models; default "").
-            latents: initial noise in diffusers' layout (1, 128, H/16, W/16), instead of a seed.
+            latents: initial noise in diffusers' layout (1, 128, H/16, W/16), instead of a seed
+                (with an init image it is the noise that `strength` mixes in).
             output_type: "pil" (PIL image) or "np" (float32 array (H, W, 3) in [0, 1]).
             noise: "torch" (default): the noise `torch.randn` draws on the CPU for this seed, so
                 diffusers' images for a seed reproduce; "mlx": MLX's noise, as mflux draws it.

@@ -15,7 +15,7 @@ from PIL import Image, ImageDraw
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.img2img import prepare_init_image
-from tiny_model import shared_tiny_snapshot
+from tiny_model import LATENT_CHANNELS, shared_tiny_snapshot
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +127,18 @@ def test_inpainting_on_base_with_cfg_matches_diffusers(base):
                         mask=ellipse_mask(64, 64), steps=3, strength=0.9, seed=1, guidance=4.0)
     print(f"inpainting Base + CFG: max abs {err:.2e}")
     assert err <= 1e-3
+
+
+def test_latents_are_the_noise_that_strength_mixes_in(pipes):
+    """`latents=` replaces the seed's noise; strength still noises the init image with it."""
+    from flux_klein_mlx.noise import torch_randn
+
+    ours, _ = pipes
+    init = picture(96, 64, seed=3)
+    by_seed = ours.generate("x", init_image=init, strength=0.5, seed=8, output_type="np")
+    by_latents = ours.generate("x", init_image=init, strength=0.5, latents=torch_randn((1, 4 * LATENT_CHANNELS, 4, 6), 8),
+                               output_type="np")
+    assert np.array_equal(by_seed, by_latents)
 
 
 def test_preprocessing_matches_diffusers_for_large_images(pipes):

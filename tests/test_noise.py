@@ -42,6 +42,8 @@ def test_seed_is_taken_modulo_2_32_and_seeds_differ():
     a = torch_randn((1, 128, 4, 4), 5)
     assert np.array_equal(a, torch_randn((1, 128, 4, 4), 2**32 + 5))
     assert not np.allclose(a, torch_randn((1, 128, 4, 4), 6))
+    for seed in (-1, -5, 2**63 - 1):  # torch wraps these to 64 bits and keeps the low 32
+        assert np.abs(torch_randn((1, 128, 4, 4), seed) - reference((1, 128, 4, 4), seed)).max() <= 1e-5
 
 
 def test_bfloat16_pipelines_draw_the_same_noise_rounded():
