@@ -43,9 +43,11 @@ sys.path.insert(0, str(ROOT / "tests"))  # refs.randomize_: the test suite's ref
 
 from refs import randomize_  # noqa: E402
 
-from flux_klein_mlx.benchmark import flops_of_transformer, free_path, machine_info  # noqa: E402
+from flux_klein_mlx.benchmark import free_path  # noqa: E402
+from flux_klein_mlx.flops import flops_of_transformer, machine_info  # noqa: E402
 from flux_klein_mlx.rope import image_ids, text_ids  # noqa: E402
-from flux_klein_mlx.transformer import FluxKlein, FluxKleinParams, sanitize_flux2_klein_weights  # noqa: E402
+from flux_klein_mlx.config import FluxKleinParams  # noqa: E402
+from flux_klein_mlx.transformer import FluxKlein, sanitize_flux2_klein_weights  # noqa: E402
 from flux_klein_mlx.weights import load_into  # noqa: E402
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

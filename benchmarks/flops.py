@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flux_klein_mlx.benchmark import (  # noqa: E402,F401  (re-exported)
+from flux_klein_mlx.flops import (  # noqa: E402,F401  (re-exported)
     APPLE_CHIPS,
     OTHER_ACCELERATORS,
     Flops,
@@ -29,8 +29,9 @@ from flux_klein_mlx.benchmark import (  # noqa: E402,F401  (re-exported)
     transformer_step_flops,
     vae_decoder_flops,
 )
-from flux_klein_mlx.text_encoder import qwen3_4b, qwen3_8b  # noqa: E402
-from flux_klein_mlx.transformer import FluxKleinParams, count_parameters  # noqa: E402
+from flux_klein_mlx.config import qwen3_4b, qwen3_8b  # noqa: E402
+from flux_klein_mlx.config import FluxKleinParams  # noqa: E402
+from flux_klein_mlx.flops import count_parameters  # noqa: E402
 from flux_klein_mlx.vae import AutoEncoderConfig  # noqa: E402
 
 SIZES = (1024, 512)

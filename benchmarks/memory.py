@@ -183,10 +183,10 @@ def child_resident(folder: str, name: str) -> dict:
     """Load one component (evaluated) and report what it holds."""
     from mlx.utils import tree_flatten
 
-    from flux_klein_mlx.convert import load_component
+    from flux_klein_mlx.loading import describe, load_component
 
     t0 = time.perf_counter()
-    model = load_component(folder, name)
+    model = load_component(describe(folder), name)
     seconds = time.perf_counter() - t0
     mx.synchronize()
     params = tree_flatten(model.parameters())

@@ -40,7 +40,8 @@ import mlx.core as mx  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from flux_klein_mlx.text_encoder import OUT_LAYERS, qwen3_4b  # noqa: E402
+from flux_klein_mlx.config import qwen3_4b  # noqa: E402
+from flux_klein_mlx.text_encoder import OUT_LAYERS  # noqa: E402
 from flux_klein_mlx.weights import save_safetensors_sharded  # noqa: E402
 
 GB = 1e9
@@ -136,7 +137,8 @@ def max_rss_bytes() -> int:
 
 def measure(root: Path, dtype_name: str, encode: bool) -> dict:
     """Runs in a fresh process: load (and encode), report peak memory and RSS."""
-    from flux_klein_mlx.text_encoder import encode_prompts, load_text_encoder
+    from flux_klein_mlx.loading import load_text_encoder
+    from flux_klein_mlx.text_encoder import encode_prompts
 
     dtype = getattr(mx, dtype_name)
     out = {"dtype": dtype_name, "rss_before_load": max_rss_bytes()}

@@ -25,7 +25,8 @@ preload_openblas()  # before mlx is imported: OpenBLAS instead of the slow bundl
 import mlx.core as mx  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from flux_klein_mlx.vae import AutoEncoder, AutoEncoderConfig  # noqa: E402
+from flux_klein_mlx.config import AutoEncoderConfig  # noqa: E402
+from flux_klein_mlx.vae import AutoEncoder  # noqa: E402
 
 
 def decode_flops(size: int, config: AutoEncoderConfig) -> float:

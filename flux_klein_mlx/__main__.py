@@ -1,4 +1,4 @@
-"""`python -m flux_klein_mlx generate | convert | quantize | benchmark`.
+"""`python -m flux_klein_mlx generate | convert | quantize | benchmark | serve`.
 
 Each subcommand lives in its own module and is imported only when used, so `--help` is instant.
 Every user-fixable problem (`FluxKleinError`) ends as one line on stderr and exit status 1.
@@ -11,15 +11,15 @@ import sys
 
 import click
 
-from . import preload_openblas
-from .errors import FluxKleinError
+from .cli import run_command
 
 # subcommand -> (module, click command attribute)
 COMMANDS = {
     "generate": ("flux_klein_mlx.generate", "generate"),
     "convert": ("flux_klein_mlx.convert", "convert"),
-    "quantize": ("flux_klein_mlx.quantize", "quantize_command"),
+    "quantize": ("flux_klein_mlx.convert", "quantize_command"),
     "benchmark": ("flux_klein_mlx.benchmark", "benchmark"),
+    "serve": ("flux_klein_mlx.serve", "serve"),
 }
 
 
@@ -37,28 +37,6 @@ class LazyGroup(click.Group):
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def cli():
     """FLUX.2 [klein] image generation on MLX."""
-
-
-def run_command(command: click.Command, argv=None) -> int:
-    """Run a click command; user errors become one line on stderr and exit status 1."""
-    preload_openblas()
-    try:
-        command.main(args=argv, prog_name="python -m flux_klein_mlx", standalone_mode=False)
-    except FluxKleinError as e:
-        click.echo(f"error: {e}", err=True)
-        return 1
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        return 130
-    except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
-        return 130
-    except click.ClickException as e:
-        e.show()
-        return e.exit_code
-    except click.exceptions.Exit as e:
-        return e.exit_code
-    return 0
 
 
 def main(argv=None) -> int:

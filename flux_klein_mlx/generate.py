@@ -9,9 +9,12 @@ from pathlib import Path
 
 import click
 
+from . import __version__
+from .cli import run_command
 from .errors import FluxKleinError
-
-DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-4B"
+from .lora import pair_scales
+from .pipeline import DEFAULT_MODEL, load, preprocess_reference
+from .vae import check_image_size
 
 
 def unique_path(path: Path) -> Path:
@@ -37,16 +40,21 @@ def output_paths(output: str, count: int) -> list[Path]:
     return [base.with_name(f"{base.stem}-{i}{base.suffix}") for i in range(count)]
 
 
-def save_png(image, path: Path, metadata: dict) -> Path:
-    """Write the PNG with the generation parameters in its text chunks; never overwrites."""
+def png_info(metadata: dict):
+    """PNG text chunks: one per parameter, plus all of them as JSON under "parameters"."""
     from PIL.PngImagePlugin import PngInfo
 
     info = PngInfo()
     for k, v in metadata.items():
         info.add_text(k, "" if v is None else str(v))
     info.add_text("parameters", json.dumps(metadata))
+    return info
+
+
+def save_png(image, path: Path, metadata: dict) -> Path:
+    """Write the PNG with the generation parameters in its text chunks; never overwrites."""
     final = unique_path(path)
-    image.save(final, pnginfo=info)
+    image.save(final, pnginfo=png_info(metadata))
     return final
 
 
@@ -79,12 +87,17 @@ def _mb(nbytes: int) -> str:
 @click.option("--low-memory", is_flag=True, help="Release the transformer before decoding and decode in tiles (for small-memory Macs).")
 @click.option("--output", "-o", default="image.png", show_default=True,
               help="PNG path; an existing file is kept and a new name chosen.")
+@click.option("--preview-dir", default=None,
+              help="Also write a small latent preview PNG after every step into this existing folder.")
+@click.option("--lora", "loras", multiple=True,
+              help="LoRA .safetensors file, owner/name (its single .safetensors) or owner/name:FILE; repeat for several.")
+@click.option("--lora-scale", "lora_scales", type=float, multiple=True,
+              help="Strength of each --lora, by position [default: 1.0].")
+@click.option("--lora-partial", is_flag=True, help="Apply a LoRA even when some of its modules match no layer.")
 def generate(prompt, model, width, height, steps, guidance, seed, noise, init_image, strength, mask, images,
-             negative_prompt, num_images, quantize, dtype, low_memory, output):
+             negative_prompt, num_images, quantize, dtype, low_memory, output, preview_dir, loras, lora_scales,
+             lora_partial):
     """Generate images from a prompt (and optional reference images)."""
-    from .pipeline import preprocess_reference
-    from .vae import check_image_size
-
     # Cheap checks before loading gigabytes: sizes, reference images, the output path.
     if width is not None or height is not None:
         check_image_size(width or 1024, height or 1024)
@@ -102,16 +115,20 @@ def generate(prompt, model, width, height, steps, guidance, seed, noise, init_im
             raise FluxKleinError(f"the output takes --init-image's size ({init.width}x{init.height}); "
                                  "leave --width/--height out")
     paths = output_paths(output, num_images)
-
-    import flux_klein_mlx
+    if preview_dir is not None and not Path(preview_dir).is_dir():
+        raise FluxKleinError(f"--preview-dir {preview_dir} is not an existing folder; create it first")
+    lora_specs = pair_scales(loras, lora_scales)
 
     t0 = time.perf_counter()
-    pipe = flux_klein_mlx.load(model, dtype=dtype, quantize=int(quantize) if quantize else None,
-                               low_memory=low_memory)
+    pipe = load(model, dtype=dtype, quantize=int(quantize) if quantize else None,
+                low_memory=low_memory, loras=lora_specs, lora_partial=lora_partial)
     info = pipe.info
     click.echo(f"{info.name} from {info.source} ({dtype}"
-               f"{', %d-bit' % info.quantization['bits'] if info.quantization else ''}), "
+               f"{', %d-bit' % pipe.quantization['bits'] if pipe.quantization else ''}), "
                f"loaded in {time.perf_counter() - t0:.1f} s", err=True)
+    for lora in pipe.loras:
+        click.echo(f"LoRA {lora.name} ({lora.sha256}) at scale {lora.scale:g}: {len({t.layer for t in lora.terms})} "
+                   f"layers, {lora.nbytes / 1e6:.1f} MB", err=True)
 
     from .noise import seed_for_image
 
@@ -120,15 +137,17 @@ def generate(prompt, model, width, height, steps, guidance, seed, noise, init_im
     for n, path in enumerate(paths):
         # Image n uses seed + n, as diffusers does for a list of generators seeded N, N+1, ...
         run_seed = None if base_seed is None else seed_for_image(base_seed, n)
-        image, stats = _run(pipe, prompt, width, height, steps, guidance, run_seed, images, negative_prompt, img2img)
+        previews = None if preview_dir is None else (Path(preview_dir), path.stem)
+        image, stats = _run(pipe, prompt, width, height, steps, guidance, run_seed, images, negative_prompt, previews,
+                            img2img)
         metadata = {
             "prompt": prompt, "negative_prompt": negative_prompt if not info.is_distilled else None,
             "seed": stats["seed"], "steps": stats["steps"], "guidance": stats["guidance"],
             "width": stats["width"], "height": stats["height"], "model": info.source,
             "variant": info.name, "dtype": dtype,
-            "quantize": info.quantization["bits"] if info.quantization else None,
-            "references": [str(p) for p in images] or None, "software": f"flux_klein_mlx {flux_klein_mlx.__version__}",
-            "noise": stats["noise"],
+            "quantize": pipe.quantization["bits"] if pipe.quantization else None,
+            "references": [str(p) for p in images] or None, "software": f"flux_klein_mlx {__version__}",
+            "loras": [lora.record() for lora in pipe.loras] or None, "noise": stats["noise"],
         }
         if init_image is not None:
             metadata.update(init_image=str(init_image), strength=stats["strength"], mask=mask,
@@ -144,15 +163,22 @@ def generate(prompt, model, width, height, steps, guidance, seed, noise, init_im
         click.echo(str(final))
 
 
-def _run(pipe, prompt, width, height, steps, guidance, seed, images, negative_prompt, img2img):
-    """One image, with a progress bar that shows seconds per step."""
+def _run(pipe, prompt, width, height, steps, guidance, seed, images, negative_prompt, previews=None, img2img=None):
+    """One image, with a progress bar that shows seconds per step; `previews`: (folder, name stem);
+    `img2img`: noise / init_image / strength / mask keyword arguments."""
     import warnings
+
+    from PIL import Image
+
+    from .preview import preview_for
+
+    preview = preview_for(pipe.vae.get()) if previews else None
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = lambda msg, *a, **k: click.echo(f"warning: {msg}", err=True)
         stream = pipe.stream(prompt, width=width, height=height, steps=steps, guidance=guidance, seed=seed,
-                             images=list(images) or None, negative_prompt=negative_prompt, **img2img)
+                             images=list(images) or None, negative_prompt=negative_prompt, **(img2img or {}))
         first = next(stream)  # prompt encoded, references encoded
         bar = click.progressbar(length=first.total, label="denoising", file=sys.stderr,
                                 show_eta=True, item_show_func=lambda s: s)
@@ -161,10 +187,12 @@ def _run(pipe, prompt, width, height, steps, guidance, seed, images, negative_pr
             for event in stream:
                 if event.stage == "denoise":
                     bar.update(1, f"{event.seconds:.2f} s/step")
+                    if preview is not None:
+                        folder, stem = previews
+                        small = Image.fromarray(preview.render(event.denoised, *event.grid))
+                        small.save(unique_path(folder / f"{stem}-step{event.step:02d}.png"))
         return event.image, event.stats
 
 
 def main(argv=None):
-    from .__main__ import run_command
-
     return run_command(generate, argv)

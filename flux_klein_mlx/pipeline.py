@@ -24,40 +24,19 @@ from PIL import Image
 
 from .errors import FluxKleinError
 from .img2img import blend, prepare_init_image, scale_noise, start_step
+from .loading import ModelInfo, as_dtype, describe, load_component
 from .noise import check_noise_kind, initial_noise
+from .quantize import check_quantization
 from .rope import image_ids, text_ids
 from .sampler import FluxSampler
+from .text_encoder import encode_prompts
+from .tokenizer import load_tokenizer
 from .vae import check_image_size
 
 # Reference-image limits of both references (spec 8.1).
 REF_MIN_SIDE = 64
 REF_MAX_ASPECT = 8
 REF_MAX_AREA = 1024 * 1024
-
-
-@dataclass
-class ModelInfo:
-    """What the files say about the model (never guessed from its name)."""
-
-    variant: str  # "klein-4b" | "klein-9b"
-    is_distilled: bool
-    source: str
-    dtype: str
-    quantization: dict | None = None
-    in_channels: int = 128  # transformer tokens: 4 x the VAE's latent channels
-
-    @property
-    def default_steps(self) -> int:
-        return 4 if self.is_distilled else 50
-
-    @property
-    def default_guidance(self) -> float | None:
-        return None if self.is_distilled else 4.0
-
-    @property
-    def name(self) -> str:
-        size = self.variant.split("-")[-1].upper()
-        return f"FLUX.2 [klein] {size}" + ("" if self.is_distilled else " Base")
 
 
 @dataclass
@@ -70,6 +49,9 @@ class Progress:
     seconds: float = 0.0  # wall time of this step or stage
     image: Image.Image | np.ndarray | None = None  # set on the final "decode" event
     stats: dict = field(default_factory=dict)  # per stage: {"seconds": s, "peak_memory": bytes}
+    # "denoise" events: the step's estimate of the clean latent tokens (1, h*w, C), lazy (for previews)
+    denoised: mx.array | None = None
+    grid: tuple[int, int] = (0, 0)  # (h, w) of the latent token grid: image size / 16
 
 
 @dataclass
@@ -188,15 +170,50 @@ class FluxKleinPipeline:
         *,
         dtype=mx.bfloat16,
         low_memory: bool = False,
+        quantization: dict | None = None,
+        loras: list | None = None,
     ):
-        self.transformer = _Slot(transformer)
+        self.loras = list(loras or [])  # lora.Lora, applied whenever the transformer (re)loads
+        self.transformer = _Slot(self._with_loras(transformer))
         self.text_encoder = _Slot(text_encoder)
         self.tokenizer = _Slot(tokenizer)
         self.vae = _Slot(vae)
         self.info = info
         self.dtype = dtype
+        self.quantization = quantization  # {"bits", "group_size", ...} or None
         self.low_memory = low_memory
         self._prompt_cache: dict[str, mx.array] = {}  # prompt -> (1, 512, C) embeddings
+
+    # ---- LoRAs ---------------------------------------------------------------------------------
+
+    def _with_loras(self, loader: Callable[[], object]) -> Callable[[], object]:
+        def load_and_apply():
+            model = loader()
+            if self.loras:
+                from .lora import apply_loras
+
+                # Low-memory mode reloads the transformer for every image anyway: no copy of the original
+                # weights is kept (the LoRAs cost their own size), a change of LoRAs releases the model.
+                apply_loras(model, self.loras, keep_originals=not self.low_memory)
+            return model
+
+        return load_and_apply
+
+    def set_loras(self, loras, partial: bool = False) -> None:
+        """Replace the applied LoRAs, e.g. `["a.safetensors", ("b.safetensors", 0.8)]`; `[]` removes them.
+
+        The base model is not reloaded: fused LoRAs are unfused exactly, side paths dropped (in
+        low-memory mode the transformer, reloaded for every image anyway, is released instead). Every
+        file is read and checked first; on any error the pipeline keeps its previous LoRAs.
+        """
+        from .lora import apply_loras, load_loras
+
+        parsed = load_loras(loras, self.info.params, partial)
+        if self.transformer.loaded and self.low_memory:
+            self.transformer.release()
+        elif self.transformer.loaded:
+            apply_loras(self.transformer.get(), parsed)
+        self.loras = parsed
 
     # ---- stages -------------------------------------------------------------------------------
 
@@ -204,8 +221,6 @@ class FluxKleinPipeline:
         """Embeddings (B, 512, 3*hidden) for `prompts`; the text encoder is released afterwards."""
         missing = [p for p in dict.fromkeys(prompts) if p not in self._prompt_cache]
         if missing:
-            from .text_encoder import encode_prompts
-
             emb = encode_prompts(self.text_encoder.get(), self.tokenizer.get(), missing).astype(self.dtype)
             mx.eval(emb)
             for i, p in enumerate(missing):
@@ -215,6 +230,10 @@ class FluxKleinPipeline:
                 self._prompt_cache.pop(next(iter(self._prompt_cache)))
             self.text_encoder.release()
         return mx.concatenate([self._prompt_cache[p] for p in prompts], axis=0)
+
+    def remember_prompt(self, prompt: str, embeddings: mx.array) -> None:
+        """Use `embeddings` (1, 512, C) for `prompt` from now on instead of running the text encoder."""
+        self._prompt_cache[prompt] = embeddings.astype(self.dtype)
 
     def encode_references(self, images: Sequence, first_t: int = 10) -> tuple[mx.array, mx.array, tuple[int, int]]:
         """VAE-encode references -> tokens (1, sum h_k*w_k, 128), ids (.., 4), first one's (W, H).
@@ -396,6 +415,7 @@ class FluxKleinPipeline:
             v = v[:, : h * w]  # predictions for the target tokens only (refs are context)
             if job.guidance is not None:
                 v = v[1:2] + job.guidance * (v[0:1] - v[1:2])  # uncond + s * (cond - uncond)
+            x0 = x - sigmas[i] * v  # flow matching: x_t = (1 - s) x0 + s noise, v = noise - x0
             x = FluxSampler.step(x, v, sigmas[i], sigmas[i + 1])
             if job.mask is not None:  # inpainting: the kept region is x0 noised to the next sigma
                 x = blend(x, job.x0, job.prior, job.mask, sigmas[i + 1] if i + 1 < steps else None)
@@ -407,7 +427,8 @@ class FluxKleinPipeline:
                     "or try --dtype float32"
                 )
             job.x = x
-            yield Progress("denoise", i + 1, steps, time.perf_counter() - t_step, stats=job.stats)
+            yield Progress("denoise", i + 1, steps, time.perf_counter() - t_step, stats=job.stats, denoised=x0,
+                           grid=(h, w))
         seconds = time.perf_counter() - t_stage
         job.stats["denoise"] = {"seconds": seconds, "peak_memory": mx.get_peak_memory(), "seconds_per_step": seconds / steps}
         del model
@@ -483,23 +504,6 @@ class FluxKleinPipeline:
 
 
 DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-4B"
-DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
-
-
-def _quantized(load_fn: Callable[[], object], bits: int | None, group_size: int) -> Callable[[], object]:
-    """Wrap a loader so that the model is quantized as it loads (lazily, one layer at a time)."""
-    if not bits:
-        return load_fn
-
-    def load_and_quantize():
-        from .quantize import evaluate_by_layer, quantize_model
-
-        model = load_fn()
-        quantize_model(model, bits, group_size)
-        evaluate_by_layer(model)
-        return model
-
-    return load_and_quantize
 
 
 def load(
@@ -509,6 +513,8 @@ def load(
     quantize: int | None = None,
     group_size: int = 64,
     low_memory: bool = False,
+    loras: list | None = None,
+    lora_partial: bool = False,
 ) -> FluxKleinPipeline:
     """Load a FLUX.2 [klein] pipeline.
 
@@ -524,82 +530,32 @@ def load(
             before the VAE decode (it reloads next time) and decode in row bands, which bounds the
             decoder's activation memory. With `quantize=4` this keeps a klein-4B 1024^2
             generation near 3 GB.
+        loras: LoRA files for the transformer, each a path (or `owner/name`, `owner/name:file.safetensors`
+            on the Hugging Face hub) or `(path, scale)`; scale defaults to 1.0. Fused into float
+            weights, a side path beside quantized ones; change them later with `set_loras`.
+        lora_partial: accept LoRAs of which only some modules match the model (refused otherwise).
 
     The variant (4B/9B, distilled/Base) is read from the files. Models load on first use.
     """
-    from .quantize import check_quantization
-    from .tokenizer import load_tokenizer
-    from .transformer import FluxKleinParams, load_flux_klein
-    from .text_encoder import load_text_encoder
-    from .vae import AutoEncoderConfig, load_vae
-    from .weights import read_json, resolve_model
-
-    if dtype not in DTYPES:
-        raise FluxKleinError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    dt = DTYPES[dtype]
+    dt = as_dtype(dtype)
     if quantize is not None:
         check_quantization(quantize, group_size)
-    path = resolve_model(model)
-    if path.is_file():
+    info = describe(model)
+    if info.format == "bfl":
         raise FluxKleinError(
-            f"{path} is a single weight file; convert it into a model folder first: "
-            f"python -m flux_klein_mlx convert --model {path} --output DIR"
+            f"{info.path} is a single weight file; convert it into a model folder first: "
+            f"python -m flux_klein_mlx convert --model {info.path} --output DIR"
         )
+    stored = next((r for r in info.quantization.values() if r), None)
 
-    from .convert import is_mlx_folder
+    def component(name):
+        return lambda: load_component(info, name, dt, quantize, group_size)
 
-    if is_mlx_folder(path):
-        from .convert import load_component, read_config
+    from .lora import load_loras
 
-        config = read_config(path)
-        params = FluxKleinParams.from_dict(config["transformer"]["config"])
-        record = config["transformer"].get("quantization")
-        info = ModelInfo(
-            variant=config["variant"], is_distilled=bool(config["is_distilled"]), source=str(model), dtype=dtype,
-            quantization=record or ({"bits": quantize, "group_size": group_size} if quantize else None),
-            in_channels=params.in_channels,
-        )
-        q = None if record else quantize
-
-        def component(name):
-            return lambda: load_component(path, name, dt, q if name != "vae" else None, group_size)
-
-        loaders = [component("transformer"), component("text_encoder"), lambda: load_tokenizer(path / "tokenizer"),
-                   component("vae")]
-    else:
-        if not (path / "model_index.json").is_file():
-            raise FluxKleinError(
-                f"{path} is not a FLUX.2 [klein] model folder: no model_index.json (diffusers layout) and no "
-                "config.json written by `convert`"
-            )
-        index = read_json(path / "model_index.json")
-        kind = index.get("_class_name")
-        if kind != "Flux2KleinPipeline":
-            raise FluxKleinError(
-                f"{path} holds a {kind} model; flux_klein_mlx runs FLUX.2 [klein] 4B/9B "
-                "(Flux2KleinPipeline), distilled or Base"
-            )
-        tconfig = read_json(path / "transformer" / "config.json")
-        if tconfig.get("guidance_embeds"):
-            raise FluxKleinError(f"{path} is a FLUX.2-dev transformer, not klein; use a FLUX.2 [klein] model")
-        params = FluxKleinParams.from_dict(tconfig)
-        vae_config = AutoEncoderConfig.from_dict(read_json(path / "vae" / "config.json"))
-        if 4 * vae_config.latent_channels != params.in_channels:
-            raise FluxKleinError(
-                f"the VAE has {vae_config.latent_channels} latent channels but the transformer takes "
-                f"{params.in_channels // 4}; the snapshot mixes components of different models"
-            )
-        info = ModelInfo(
-            variant=params.variant, is_distilled=bool(index.get("is_distilled", False)), source=str(model),
-            dtype=dtype, quantization={"bits": quantize, "group_size": group_size} if quantize else None,
-            in_channels=params.in_channels,
-        )
-        loaders = [
-            _quantized(lambda: load_flux_klein(path / "transformer", params, dt, lazy=bool(quantize)), quantize,
-                       group_size),
-            _quantized(lambda: load_text_encoder(path / "text_encoder", dt, expected_dim=params.context_in_dim),
-                       quantize, group_size),
-            lambda: load_tokenizer(path / "tokenizer"),
-            lambda: load_vae(path / "vae", dt),
-        ]
-    return FluxKleinPipeline(*loaders, info, dtype=dt, low_memory=low_memory)
+    parsed = load_loras(loras, info.params, lora_partial)  # every LoRA checked before any model loads
+    return FluxKleinPipeline(
+        component("transformer"), component("text_encoder"), lambda: load_tokenizer(info.tokenizer),
+        component("vae"), info, dtype=dt, low_memory=low_memory,
+        quantization=stored or ({"bits": quantize, "group_size": group_size} if quantize else None), loras=parsed,
+    )  # fmt: skip

@@ -1,7 +1,7 @@
 """Group-wise affine weight quantization (4 or 8 bits) and the record that rebuilds it.
 
-This is the only module that calls `nn.quantize`; the `quantize` CLI command at the bottom only
-parses options and calls `convert.quantize_folder`. `quantize_model` turns the `nn.Linear` layers
+This is the only module that calls `nn.quantize` (the `quantize` command lives in convert.py).
+`quantize_model` turns the `nn.Linear` layers
 whose input width is a multiple of the group size into `nn.QuantizedLinear` (all other layers,
 norm scales and every VAE convolution stay as they are) and returns a JSON-able record of what it
 did. A converted folder stores that record in its config.json; `apply_quantization` replays it on
@@ -15,9 +15,9 @@ model) per `group_size` values, i.e. bits + 32 / group_size bits per weight: 4.5
 
 from __future__ import annotations
 
-import click
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import FluxKleinError
 
@@ -101,49 +101,15 @@ def apply_quantization(model: nn.Module, record: dict, what: str = "model") -> n
     return model
 
 
-def infer_record(model: nn.Module, weights: dict[str, mx.array]) -> dict | None:
-    """The quantization record implied by pre-quantized `weights` for an unquantized `model`.
-
-    A Linear at path p is quantized when `p.scales` is present; bits and group size follow from
-    the shapes (packed uint32 weight (out, in·bits/32), scales (out, in/group_size)). Returns None
-    when nothing is quantized.
-    """
-    layers, settings = [], set()
-    for path, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or f"{path}.scales" not in weights:
-            continue
-        in_dims = module.weight.shape[-1]
-        packed, scales = weights[f"{path}.weight"], weights[f"{path}.scales"]
-        bits = packed.shape[-1] * 32 // in_dims
-        group_size = in_dims // scales.shape[-1]
-        settings.add((bits, group_size))
-        layers.append(path)
-    if not layers:
-        return None
-    if len(settings) > 1:
-        raise FluxKleinError(f"the weights mix quantization settings {sorted(settings)}; convert them again")
-    (bits, group_size), = settings
-    record = {"bits": bits, "group_size": group_size, "mode": MODE, "layers": sorted(layers)}
-    check_record(record)
-    return record
-
-
 def evaluate_by_layer(model: nn.Module) -> None:
     """Evaluate a lazily loaded (and lazily quantized) model one leaf module at a time.
 
     After `quantize_model` on weights still on disk, this holds one layer's unquantized weights at
     a time instead of the whole model's: the peak is the quantized model plus its largest layer.
     """
-    from mlx.utils import tree_flatten
-
     for _, leaf in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
         mx.eval(leaf.parameters())
     mx.eval(model.parameters())  # arrays held by non-leaf modules, if any
-
-
-def quantize_weight(weight: mx.array, bits: int, group_size: int) -> tuple[mx.array, mx.array, mx.array]:
-    """One (out, in) weight -> (packed uint32 weight, scales, biases), as QuantizedLinear stores them."""
-    return mx.quantize(weight, group_size, bits, mode=MODE)
 
 
 def dequantize_model(model: nn.Module) -> nn.Module:
@@ -165,52 +131,5 @@ def dequantize_model(model: nn.Module) -> nn.Module:
                 linear.bias = module.bias
             layers.append((path, linear))
     if layers:
-        from mlx.utils import tree_unflatten
-
         model.update_modules(tree_unflatten(layers))
     return model
-
-
-def load_quantized_flux_klein(weights: dict[str, mx.array], params, record: dict | None = None):
-    """A quantized FluxKlein from pre-quantized weights (our names, as written by `convert`).
-
-    The quantization settings come from `record` when given, else from the weights' shapes. The
-    load is strict: every layer must be present, quantized as the record says.
-    """
-    from .transformer import FluxKlein
-    from .weights import load_into
-
-    model = FluxKlein(params)
-    record = record or infer_record(model, weights)
-    if record is None:
-        raise FluxKleinError("these transformer weights are not quantized; load them with load_flux_klein")
-    apply_quantization(model, record, "transformer")
-    load_into(model, weights, "transformer")
-    return model
-
-
-# --- CLI: `python -m flux_klein_mlx quantize` (the work is convert.quantize_folder) ---------------------
-
-@click.command("quantize")
-@click.option("--model", "-m", required=True, help="A folder written by `convert` (unquantized).")
-@click.option("--bits", "-b", type=int, required=True, help="4 or 8.")
-@click.option("--group-size", type=int, default=64, show_default=True, help="Values sharing one scale and bias: 32, 64 or 128.")
-@click.option("--output", "-o", required=True, type=click.Path(), help="The quantized MLX folder to write.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
-def quantize_command(model, bits, group_size, output, overwrite):
-    """Quantize a converted MLX folder's transformer and text encoder to 4 or 8 bits."""
-    from .convert import ProgressBars, quantize_folder, summary
-
-    bars = ProgressBars()
-    try:
-        config = quantize_folder(model, output, bits, group_size, overwrite=overwrite, progress=bars)
-    finally:
-        bars.close()
-    click.echo(summary(output, config))
-
-
-def main(argv=None) -> int:
-    """`quantize` as a program: FluxKleinError -> one line on stderr, exit status 1."""
-    from .__main__ import run_command
-
-    return run_command(quantize_command, argv)

@@ -8,9 +8,10 @@ exponential time shift whose strength mu depends on the target token count and t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import mlx.core as mx
+
+from .config import sampling_defaults
 
 
 def empirical_mu(image_seq_len: int, num_steps: int) -> float:
@@ -30,34 +31,21 @@ def time_shift(mu: float, sigma: float) -> float:
     return math.exp(mu) / (math.exp(mu) + (1.0 / sigma - 1.0))
 
 
-@dataclass
-class FluxSamplerConfig:
-    num_steps: int = 4
-
-    @classmethod
-    def klein(cls) -> "FluxSamplerConfig":
-        """Distilled klein: 4 steps, no guidance."""
-        return cls(num_steps=4)
-
-    @classmethod
-    def base(cls) -> "FluxSamplerConfig":
-        """klein Base: 50 steps (used with CFG 4.0)."""
-        return cls(num_steps=50)
-
-
 class FluxSampler:
     """Schedule, Euler update and prior noise for the klein denoising loop."""
 
-    def __init__(self, config: FluxSamplerConfig | None = None):
-        self.config = config or FluxSamplerConfig()
+    def __init__(self, num_steps: int = 4):
+        self.num_steps = num_steps  # used when `timesteps` is not told a step count
 
     @classmethod
     def klein(cls) -> "FluxSampler":
-        return cls(FluxSamplerConfig.klein())
+        """Distilled klein: 4 steps (the variant table's default)."""
+        return cls(sampling_defaults(True)[0])
 
     @classmethod
     def base(cls) -> "FluxSampler":
-        return cls(FluxSamplerConfig.base())
+        """klein Base: 50 steps (used with CFG 4.0)."""
+        return cls(sampling_defaults(False)[0])
 
     def timesteps(self, image_seq_len: int, num_steps: int | None = None) -> list[float]:
         """The n + 1 sigmas from 1.0 (pure noise) to 0.0 (clean) for `image_seq_len` target tokens.
@@ -65,7 +53,7 @@ class FluxSampler:
         Values are rounded to float32, as the reference scheduler stores them, so that the model
         sees the same timesteps.
         """
-        n = num_steps or self.config.num_steps
+        n = num_steps or self.num_steps
         if n < 1:
             raise ValueError("num_steps must be at least 1")
         mu = empirical_mu(image_seq_len, n)

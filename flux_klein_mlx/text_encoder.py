@@ -12,108 +12,32 @@ attention takes the boolean (B, 1, L, L) mask we build for right-padded prompts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from pathlib import Path
-from typing import TYPE_CHECKING
-
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.qwen3 import ModelArgs, TransformerBlock
 
+from .config import Qwen3Config
 from .errors import FluxKleinError
-from .weights import component_files, load_into, read_json, read_weight_files
-
-if TYPE_CHECKING:
-    from mlx_lm.models.qwen3 import ModelArgs
 
 OUT_LAYERS = (9, 18, 27)
 
 
-@dataclass
-class Qwen3Config:
-    """The Qwen3 hyper-parameters the encoder needs (a Hugging Face `text_encoder/config.json`)."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int | None = None  # None: as many as query heads (no GQA)
-    head_dim: int | None = None  # None: hidden_size // num_attention_heads
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0  # transformers' Qwen3 default when a config names none
-    vocab_size: int = 151936
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 32768
-
-    def __post_init__(self):
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Qwen3Config":
-        """Build from a config dict; unknown keys are ignored, missing required ones named."""
-        names = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in names and v is not None}
-        # transformers >= 5 nests rope_theta under rope_parameters; older configs use rope_scaling.
-        for nested in ("rope_parameters", "rope_scaling"):
-            rope = d.get(nested)
-            if not isinstance(rope, dict):
-                continue
-            kind = rope.get("rope_type", rope.get("type", "default"))
-            if kind not in (None, "default"):
-                raise FluxKleinError(
-                    f"the text encoder config asks for '{kind}' RoPE scaling, which FLUX.2 [klein]'s "
-                    "Qwen3 does not use; use the text_encoder/ of a FLUX.2 [klein] snapshot"
-                )
-            if "rope_theta" in rope and "rope_theta" not in kwargs:
-                kwargs["rope_theta"] = rope["rope_theta"]
-        required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-        missing = [k for k in required if k not in kwargs]
-        if missing:
-            raise FluxKleinError(
-                f"the text encoder config lacks {', '.join(missing)}; it is not a Qwen3 config.json"
-            )
-        return cls(**kwargs)
-
-    def model_args(self) -> "ModelArgs":
-        """The same hyper-parameters as mlx-lm's Qwen3 `ModelArgs`."""
-        # Importing mlx_lm runs its package __init__, which imports transformers (seconds): that
-        # happens when a model is built, not when this module is imported.
-        from mlx_lm.models.qwen3 import ModelArgs
-
-        return ModelArgs(
-            model_type="qwen3",
-            hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_hidden_layers,
-            intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads,
-            rms_norm_eps=self.rms_norm_eps,
-            vocab_size=self.vocab_size,
-            num_key_value_heads=self.num_key_value_heads,
-            max_position_embeddings=self.max_position_embeddings,
-            head_dim=self.head_dim,
-            tie_word_embeddings=self.tie_word_embeddings,
-            rope_theta=float(self.rope_theta),
-        )
-
-
-def qwen3_4b() -> Qwen3Config:
-    """Qwen3-4B, the text encoder of klein-4B (embeddings 3 x 2560 = 7680 wide)."""
-    return Qwen3Config(
-        hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
-        vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
-    )  # fmt: skip
-
-
-def qwen3_8b() -> Qwen3Config:
-    """Qwen3-8B, the text encoder of klein-9B (embeddings 3 x 4096 = 12288 wide)."""
-    return Qwen3Config(
-        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
-        vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960,
-    )  # fmt: skip
+def model_args(config: Qwen3Config) -> ModelArgs:
+    """The same hyper-parameters as mlx-lm's Qwen3 `ModelArgs`."""
+    return ModelArgs(
+        model_type="qwen3",
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_hidden_layers,
+        intermediate_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        rms_norm_eps=config.rms_norm_eps,
+        vocab_size=config.vocab_size,
+        num_key_value_heads=config.num_key_value_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        head_dim=config.head_dim,
+        tie_word_embeddings=config.tie_word_embeddings,
+        rope_theta=float(config.rope_theta),
+    )
 
 
 def causal_padding_mask(mask: mx.array) -> mx.array:
@@ -132,10 +56,8 @@ class Qwen3Trunk(nn.Module):
     """Embedding + the first `num_layers` decoder layers (named like HF's `Qwen3Model`)."""
 
     def __init__(self, config: Qwen3Config, num_layers: int):
-        from mlx_lm.models.qwen3 import TransformerBlock
-
         super().__init__()
-        args = config.model_args()
+        args = model_args(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = [TransformerBlock(args) for _ in range(num_layers)]
 
@@ -201,6 +123,12 @@ def _wanted(key: str, num_layers: int) -> bool:
     return False
 
 
+def keeps_key(key: str, num_layers: int = max(OUT_LAYERS)) -> bool:
+    """Whether a checkpoint key (any prefix style) is read at all: filtering on the lazy dict means
+    layers above `num_layers`, the final norm and the lm_head never leave the file."""
+    return _wanted(_canonical_key(key), num_layers)
+
+
 def sanitize_qwen3_weights(weights: dict[str, mx.array], num_layers: int = max(OUT_LAYERS)) -> dict[str, mx.array]:
     """Keep the weights the encoder uses, under its module names.
 
@@ -214,57 +142,6 @@ def sanitize_qwen3_weights(weights: dict[str, mx.array], num_layers: int = max(O
         if _wanted(k, num_layers):
             out[k] = v
     return out
-
-
-def _text_encoder_folder(folder: str | Path) -> Path:
-    """Accept a model snapshot (with a `text_encoder/` folder) or the text encoder folder itself."""
-    folder = Path(folder)
-    if (folder / "text_encoder").is_dir():
-        return folder / "text_encoder"
-    if (folder / "config.json").is_file():
-        return folder
-    raise FluxKleinError(
-        f"missing text encoder: neither {folder / 'text_encoder'} nor {folder / 'config.json'} exists; "
-        "point to a FLUX.2 [klein] snapshot that has a text_encoder/ folder"
-    )
-
-
-def _model_names(hidden: int, joint_dim: int) -> str:
-    encoders = {2560: "Qwen3-4B", 4096: "Qwen3-8B"}
-    dits = {7680: "klein-4B", 12288: "klein-9B"}
-    if hidden in encoders and joint_dim in dits:
-        return f": the text encoder is {encoders[hidden]}, the transformer {dits[joint_dim]}"
-    return ": use the text encoder from the same snapshot as the transformer"
-
-
-def load_text_encoder(
-    folder: str | Path,
-    dtype: mx.Dtype = mx.bfloat16,
-    expected_dim: int | None = None,
-    out_layers: tuple[int, ...] = OUT_LAYERS,
-) -> Qwen3TextEncoder:
-    """Load the Qwen3 text encoder of a snapshot (`folder` or `folder/text_encoder`).
-
-    Reads `config.json` and the (sharded) `model*.safetensors`; only the embedding and layers
-    1..max(out_layers) are ever read from disk. Weights stay lazy until first used or until the
-    caller evaluates `model.parameters()`. `expected_dim` is the transformer's
-    `joint_attention_dim`; a text encoder of another width is refused before any weight is read.
-    """
-    folder = _text_encoder_folder(folder)
-    config = Qwen3Config.from_dict(read_json(folder / "config.json"))
-    width = len(out_layers) * config.hidden_size
-    if expected_dim is not None and width != expected_dim:
-        raise FluxKleinError(
-            f"text encoder hidden size {config.hidden_size} gives {width}-wide embeddings but the "
-            f"transformer expects {expected_dim} (joint_attention_dim)"
-            + _model_names(config.hidden_size, expected_dim)
-        )
-    model = Qwen3TextEncoder(config, out_layers)
-    n = model.num_layers
-    # Filtering keys before anything is evaluated means the unused tensors are never read.
-    weights = read_weight_files(component_files(folder), keep=lambda k: _wanted(_canonical_key(k), n))
-    load_into(model, sanitize_qwen3_weights(weights, n), "text encoder", dtype=dtype)
-    return model
 
 
 def encode_prompts(encoder: Qwen3TextEncoder, tokenizer, prompts: str | list[str], max_length: int = 512) -> mx.array:

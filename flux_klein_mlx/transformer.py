@@ -12,114 +12,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, fields
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from .config import FluxKleinParams
 from .errors import FluxKleinError
 from .rope import apply_rope, rope_tables
-from .weights import component_files, load_into, read_json, read_safetensors, read_weight_files
-
-
-@dataclass
-class FluxKleinParams:
-    """Transformer hyper-parameters (BFL names); defaults are klein-4B."""
-
-    in_channels: int = 128
-    hidden_size: int = 3072
-    context_in_dim: int = 7680
-    num_heads: int = 24
-    mlp_ratio: float = 3.0
-    depth: int = 5
-    depth_single: int = 20
-    axes_dim: tuple[int, ...] = (32, 32, 32, 32)
-    theta: float = 2000.0
-    eps: float = 1e-6
-    time_channels: int = 256
-
-    def __post_init__(self):
-        self.axes_dim = tuple(int(a) for a in self.axes_dim)
-        if self.hidden_size % self.num_heads:
-            raise FluxKleinError(
-                f"transformer config is inconsistent: hidden size {self.hidden_size} is not a multiple of "
-                f"{self.num_heads} heads; fix config.json"
-            )
-        if sum(self.axes_dim) != self.head_dim or any(a % 2 for a in self.axes_dim):
-            raise FluxKleinError(
-                f"transformer config is inconsistent: RoPE axes {self.axes_dim} must be even and sum to the "
-                f"head dim {self.head_dim}; fix config.json"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def mlp_hidden(self) -> int:
-        return int(self.hidden_size * self.mlp_ratio)
-
-    @classmethod
-    def klein_4b(cls) -> "FluxKleinParams":
-        return cls()
-
-    @classmethod
-    def klein_9b(cls) -> "FluxKleinParams":
-        return cls(hidden_size=4096, context_in_dim=12288, num_heads=32, depth=8, depth_single=24)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "FluxKleinParams":
-        """From a diffusers `transformer/config.json` (or a dict of our own field names); unknown keys ignored."""
-        ours = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in d.items() if k in ours}
-        diffusers_names = {
-            "num_layers": "depth",
-            "num_single_layers": "depth_single",
-            "joint_attention_dim": "context_in_dim",
-            "axes_dims_rope": "axes_dim",
-            "rope_theta": "theta",
-            "timestep_guidance_channels": "time_channels",
-            "num_attention_heads": "num_heads",
-        }
-        for theirs, mine in diffusers_names.items():
-            if theirs in d:
-                kw[mine] = d[theirs]
-        if "attention_head_dim" in d and "hidden_size" not in d:
-            kw["hidden_size"] = int(d["attention_head_dim"]) * int(kw.get("num_heads", cls.num_heads))
-        return cls(**kw)
-
-    def _shape_key(self) -> tuple:
-        # Everything that decides a weight's shape; theta/eps/axes do not.
-        return (
-            self.in_channels, self.hidden_size, self.context_in_dim, self.num_heads,
-            self.mlp_hidden, self.depth, self.depth_single, self.time_channels,
-        )  # fmt: skip
-
-    @property
-    def variant(self) -> str:
-        """"klein-4b", "klein-9b" or "other", judged from the shape-deciding fields."""
-        for name, preset in (("klein-4b", self.klein_4b()), ("klein-9b", self.klein_9b())):
-            if self._shape_key() == preset._shape_key():
-                return name
-        return "other"
-
-    def describe(self) -> str:
-        """E.g. "klein-4B (hidden 3072, 5 double / 20 single blocks)"."""
-        name = {"klein-4b": "klein-4B", "klein-9b": "klein-9B"}.get(self.variant, "a custom FLUX.2 transformer")
-        return f"{name} (hidden {self.hidden_size}, {self.depth} double / {self.depth_single} single blocks)"
-
-
-def count_parameters(params: FluxKleinParams) -> int:
-    """Parameter count from the hyper-parameters alone (no allocation)."""
-    D, M, hd, C = params.hidden_size, params.mlp_hidden, params.head_dim, params.in_channels
-    embed = D * C + D * params.context_in_dim + D * params.time_channels + D * D
-    modulation = (6 + 6 + 3) * D * D
-    # qkv, proj, MLP up (2M) and down, per stream, plus two QK-norm scales per stream
-    double = 2 * (3 * D * D + D * D + 2 * M * D + M * D + 2 * hd)
-    single = (3 * D + 2 * M) * D + (D + M) * D + 2 * hd
-    final = 2 * D * D + C * D
-    return embed + modulation + params.depth * double + params.depth_single * single + final
 
 
 # --- building blocks ---------------------------------------------------------------------------------
@@ -172,10 +71,12 @@ def linear_part(layer: nn.Module, x: mx.array, rows: slice = slice(None), cols: 
         def part(a, per):
             return a[rows, c0 // per : None if c1 is None else c1 // per]
 
-        return mx.quantized_matmul(
+        out = mx.quantized_matmul(
             x, part(layer.weight, per_word), part(layer.scales, g), part(layer.biases, g),
             transpose=True, group_size=g, bits=layer.bits,
         )  # fmt: skip
+        side = getattr(layer, "side_path", None)  # a LoRA beside the quantized weights (lora.py)
+        return out if side is None else out + side(x, rows, cols)
     return x @ layer.weight[rows, c0:c1].T
 
 
@@ -584,40 +485,3 @@ def infer_params(weights: dict[str, mx.array]) -> FluxKleinParams:
         )
     except KeyError as e:
         raise FluxKleinError(f"transformer checkpoint is incomplete: missing {e.args[0]}; download it again") from None
-
-
-def load_flux_klein(
-    source: str | Path, params: FluxKleinParams | None = None, dtype: mx.Dtype = mx.bfloat16, lazy: bool = False
-) -> FluxKlein:
-    """Load a klein transformer from a diffusers `transformer/` folder or a BFL single `.safetensors` file.
-
-    A folder's hyper-parameters come from its config.json, a single file's from its shapes. When `params`
-    is given it must describe the same architecture (e.g. klein-4B vs klein-9B), else FluxKleinError.
-    Weights are cast to `dtype` and evaluated before returning, unless `lazy` (then they are read
-    from disk when first used: a caller that quantizes at load never holds the whole model unquantized).
-    """
-    source = Path(source)
-    if source.is_dir() and not (source / "config.json").is_file() and (source / "transformer").is_dir():
-        source = source / "transformer"  # a whole pipeline snapshot
-    if source.is_dir():
-        config = read_json(source / "config.json")
-        if config.get("guidance_embeds"):
-            raise FluxKleinError(
-                f"not a klein checkpoint: it is FLUX.2-dev ({source / 'config.json'} has guidance_embeds); "
-                "use a FLUX.2 [klein] 4B or 9B transformer"
-            )
-        file_params = FluxKleinParams.from_dict(config)
-        weights = sanitize_flux2_klein_weights(read_weight_files(component_files(source)))
-    elif source.is_file():
-        weights = sanitize_flux2_klein_weights(read_safetensors(source))
-        file_params = infer_params(weights)
-    else:
-        raise FluxKleinError(f"transformer weights not found: {source} is neither a folder nor a file")
-    if params is not None and params._shape_key() != file_params._shape_key():
-        wanted = params.describe().split(" (")[0] if params.variant != "other" else params.describe()
-        raise FluxKleinError(f"this checkpoint is {file_params.describe()} but {wanted} was requested")
-    model = FluxKlein(params or file_params)
-    load_into(model, weights, "transformer", dtype=dtype)
-    if not lazy:
-        mx.eval(model.parameters())
-    return model

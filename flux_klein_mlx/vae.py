@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, fields
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from .config import AutoEncoderConfig
 from .errors import FluxKleinError
-from .weights import component_files, load_into, read_json, read_safetensors, read_weight_files
 
 FLUX1_MESSAGE = (
     "this is a FLUX.1 VAE (16 latent channels); FLUX.2 [klein] needs the FLUX.2 VAE (32 channels)"
@@ -28,53 +26,6 @@ FLUX1_MESSAGE = (
 
 
 # ----------------------------------------------------------------------------------- config
-
-
-@dataclass
-class AutoEncoderConfig:
-    """The VAE's shape, as in a diffusers `vae/config.json` (unknown keys are ignored)."""
-
-    in_channels: int = 3
-    out_channels: int = 3
-    block_out_channels: tuple[int, ...] = (128, 256, 512, 512)
-    decoder_block_out_channels: tuple[int, ...] | None = None  # None: same as the encoder's
-    layers_per_block: int = 2
-    latent_channels: int = 32
-    norm_num_groups: int = 32
-    use_quant_conv: bool = True
-    use_post_quant_conv: bool = True
-    mid_block_add_attention: bool = True
-    batch_norm_eps: float = 1e-4
-    patch_size: tuple[int, int] = (2, 2)
-
-    @classmethod
-    def flux2(cls) -> "AutoEncoderConfig":
-        """The VAE shared by every FLUX.2 [klein] model (diffusers' constructor defaults)."""
-        return cls()
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "AutoEncoderConfig":
-        known = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in d.items() if k in known}
-        for k in ("block_out_channels", "decoder_block_out_channels", "patch_size"):
-            if kw.get(k) is not None:
-                kw[k] = tuple(kw[k])
-        return cls(**kw)
-
-    @property
-    def downscale(self) -> int:
-        """Image pixels per latent pixel (8 for FLUX.2): one stride-2 downsample per level but the last."""
-        return 2 ** (len(self.block_out_channels) - 1)
-
-    @property
-    def size_multiple(self) -> int:
-        """Image sides must be multiples of this (16 for FLUX.2): VAE downscale times the 2x2 patch."""
-        return self.downscale * self.patch_size[0]
-
-    @property
-    def token_channels(self) -> int:
-        """Channels of a transformer token (128 for FLUX.2): latent channels times the patch area."""
-        return self.latent_channels * self.patch_size[0] * self.patch_size[1]
 
 
 # ---------------------------------------------------------------------------- building blocks
@@ -598,7 +549,7 @@ def sanitize_vae_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 # ------------------------------------------------------------------------------------ loader
 
 
-def _check_flux2(config: AutoEncoderConfig | None, weights: dict[str, mx.array] | None) -> None:
+def check_flux2(config: AutoEncoderConfig | None, weights: dict[str, mx.array] | None) -> None:
     """A FLUX.1 VAE (16 latent channels, no latent statistics) has the same blocks: refuse it by name."""
     if config is not None and config.latent_channels == 16:
         raise FluxKleinError(FLUX1_MESSAGE)
@@ -606,29 +557,3 @@ def _check_flux2(config: AutoEncoderConfig | None, weights: dict[str, mx.array] 
         w = weights.get("decoder.conv_in.weight")
         if w is not None and w.ndim == 4 and w.shape[-1] == 16:
             raise FluxKleinError(FLUX1_MESSAGE)
-
-
-def load_vae(source: str | Path, dtype=mx.bfloat16, config: AutoEncoderConfig | None = None) -> AutoEncoder:
-    """Load the VAE from a diffusers `vae/` folder (config.json + safetensors), a model snapshot
-    that has one, or a BFL `ae.safetensors` file.
-
-    A single file carries no config: it is `config`, by default `AutoEncoderConfig.flux2()`.
-    Strict: every weight must be present with its shape. Floating tensors are cast to `dtype`.
-    """
-    source = Path(source)
-    if source.is_dir():
-        folder = source / "vae" if (source / "vae").is_dir() else source
-        config = AutoEncoderConfig.from_dict(read_json(folder / "config.json"))
-        _check_flux2(config, None)
-        weights = read_weight_files(component_files(folder))
-    elif source.is_file():
-        config = config or AutoEncoderConfig.flux2()
-        _check_flux2(config, None)
-        weights = read_safetensors(source)
-    else:
-        raise FluxKleinError(f"VAE not found: {source} is neither a vae/ folder nor an ae.safetensors file")
-    weights = sanitize_vae_weights(weights)
-    _check_flux2(None, weights)
-    model = AutoEncoder(config)
-    load_into(model, weights, "VAE", dtype=dtype)
-    return model

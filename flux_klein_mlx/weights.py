@@ -278,3 +278,70 @@ def resolve_model(model: str | Path, allow_patterns: list[str] | None = None, ca
             f"model '{text}' is neither a local folder nor a downloadable Hugging Face repo id ({hint}); "
             "check the path or the repo id, and your network"
         ) from None
+
+
+# --- LoRA files ------------------------------------------------------------------------------------
+
+
+def read_lora_file(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str], str]:
+    """One LoRA safetensors file -> (tensors, header metadata, sha256 hex of the file's bytes).
+
+    The tensors are evaluated (LoRAs are small, and the file may be gone or replaced later); a
+    missing, damaged or non-safetensors file raises FluxKleinError.
+    """
+    import hashlib
+
+    path = Path(path)
+    if not path.is_file():
+        raise FluxKleinError(f"LoRA file not found: {path}")
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    try:
+        tensors, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
+        mx.eval(tensors)
+    except Exception as e:  # mlx words its parse errors itself
+        raise FluxKleinError(
+            f"LoRA {path.name} is damaged or not a safetensors file ({str(e).splitlines()[0][:120]}); "
+            "download it again"
+        ) from None
+    return tensors, dict(metadata or {}), digest.hexdigest()
+
+
+def resolve_lora(spec: str | Path) -> Path:
+    """A LoRA given as a local file, `owner/name` (the repo's single .safetensors) or `owner/name:file.safetensors`.
+
+    Hub files resolve through the Hugging Face cache (offline with HF_HUB_OFFLINE=1 when cached).
+    """
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path
+    text = str(spec)
+    repo, _, filename = text.partition(":")
+    if path.exists() or text.startswith((".", "/", "~")) or repo.count("/") != 1 or (not filename and text.endswith(".safetensors")):
+        raise FluxKleinError(f"LoRA '{text}' not found: no such file, and not a Hugging Face repo id (owner/name[:file])")
+    from huggingface_hub import hf_hub_download, list_repo_files, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, HFValidationError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    try:
+        if filename:
+            return Path(hf_hub_download(repo_id=repo, filename=filename))
+        if offline:
+            folder = Path(snapshot_download(repo_id=repo, allow_patterns=["*.safetensors"]))
+            names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*.safetensors"))
+        else:
+            names = sorted(n for n in list_repo_files(repo) if n.endswith(".safetensors"))
+        if len(names) != 1:
+            listed = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            raise FluxKleinError(
+                f"LoRA repo {repo} has {len(names)} .safetensors files ({listed or 'none'}); "
+                f"name one as {repo}:FILE.safetensors"
+            )
+        return Path(hf_hub_download(repo_id=repo, filename=names[0]))
+    except GatedRepoError:
+        raise FluxKleinError(f"LoRA repo {repo} is gated: accept its licence on Hugging Face and `hf auth login`") from None
+    except (HFValidationError, ValueError, OSError) as e:
+        hint = "not in the local Hugging Face cache and HF_HUB_OFFLINE is set" if offline else type(e).__name__
+        raise FluxKleinError(f"LoRA '{text}' could not be found on the Hugging Face hub ({hint}); check the name") from None

@@ -9,11 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from flux_klein_mlx import preload_openblas  # noqa: E402  (imports no mlx)
-
-preload_openblas()  # before mlx is imported (Linux speed; a no-op on macOS)
-
-from flux_klein_mlx.quantize import main  # noqa: E402
+from flux_klein_mlx.__main__ import main  # noqa: E402  (imports no mlx; preloads OpenBLAS before it)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["quantize", *sys.argv[1:]]))

@@ -82,3 +82,10 @@ def reference_tokens(hf_tokenizer, prompts, max_length: int = 512) -> tuple[list
         ids.append(enc["input_ids"])
         masks.append(enc["attention_mask"])
     return ids, masks
+
+
+def load_folder_component(folder, name: str, dtype=None, quantize=None):
+    """One component of a model folder through the real loading layer (describe + load_component)."""
+    from flux_klein_mlx.loading import describe, load_component
+
+    return load_component(describe(folder), name, dtype, quantize)

@@ -11,10 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from tiny_model import shared_tiny_snapshot
+
 from flux_klein_mlx import benchmark as bm
-from flux_klein_mlx.text_encoder import qwen3_4b, qwen3_8b
-from flux_klein_mlx.transformer import FluxKleinParams
-from flux_klein_mlx.vae import AutoEncoderConfig
+from flux_klein_mlx import flops
+from flux_klein_mlx.config import AutoEncoderConfig, FluxKleinParams, Qwen3Config, Variant, qwen3_4b, qwen3_8b
+from flux_klein_mlx.random_model import randomize, random_pipeline
+from flux_klein_mlx.transformer import FluxKlein
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,24 +44,24 @@ STEP_TFLOP = {  # (variant, side): (linear, attention, total per step)
 @pytest.mark.parametrize("variant,side", list(STEP_TFLOP))
 def test_transformer_step_flops_match_performance_doc(variant, side):
     params = FluxKleinParams.klein_4b() if variant == "4b" else FluxKleinParams.klein_9b()
-    f = bm.flops_of_transformer(params, side, side)
+    f = flops.flops_of_transformer(params, side, side)
     linear, attention, total = STEP_TFLOP[variant, side]
     assert f.total / 1e12 == pytest.approx(total, rel=1e-3)
     assert f.linear / 1e12 == pytest.approx(linear, rel=1e-3)
     assert f.attention / 1e12 == pytest.approx(attention, abs=0.005)  # the doc gives 2 decimals
     # The keyword form with the doc's shapes gives the same count.
     D, depth, single, ctx = (3072, 5, 20, 7680) if variant == "4b" else (4096, 8, 24, 12288)
-    raw = bm.transformer_step_flops(D, depth, single, (side // 16) ** 2, 512, 3.0, ctx)
+    raw = flops.transformer_step_flops(D, depth, single, (side // 16) ** 2, 512, 3.0, ctx)
     assert raw == f
 
 
 def test_text_encoder_and_vae_flops_match_performance_doc():
-    assert bm.flops_of_text_encoder(qwen3_4b(), layers=27).total / 1e12 == pytest.approx(2.85, rel=2e-3)
-    assert bm.flops_of_text_encoder(qwen3_4b(), layers=36).total / 1e12 == pytest.approx(3.80, rel=2e-3)
-    assert bm.flops_of_text_encoder(qwen3_8b(), layers=27).total / 1e12 == pytest.approx(5.39, rel=2e-3)
-    assert bm.flops_of_text_encoder(qwen3_8b(), layers=36).total / 1e12 == pytest.approx(7.19, rel=2e-3)
+    assert flops.flops_of_text_encoder(qwen3_4b(), layers=27).total / 1e12 == pytest.approx(2.85, rel=2e-3)
+    assert flops.flops_of_text_encoder(qwen3_4b(), layers=36).total / 1e12 == pytest.approx(3.80, rel=2e-3)
+    assert flops.flops_of_text_encoder(qwen3_8b(), layers=27).total / 1e12 == pytest.approx(5.39, rel=2e-3)
+    assert flops.flops_of_text_encoder(qwen3_8b(), layers=36).total / 1e12 == pytest.approx(7.19, rel=2e-3)
     vae = AutoEncoderConfig.flux2()
-    big, small = bm.flops_of_vae_decoder(vae, 1024, 1024), bm.flops_of_vae_decoder(vae, 512, 512)
+    big, small = flops.flops_of_vae_decoder(vae, 1024, 1024), flops.flops_of_vae_decoder(vae, 512, 512)
     assert big.total / 1e12 == pytest.approx(10.5, rel=5e-3)
     assert big.attention / 1e12 == pytest.approx(0.55, rel=5e-3)
     assert small.total / 1e12 == pytest.approx(2.5, rel=1e-2)
@@ -73,41 +78,53 @@ def test_whole_image_flops_and_lower_bounds_match_performance_doc():
     assert flops.image_flops(p9, q9, 512)["image"] == pytest.approx(98.8, rel=1e-3)
     # Section 0: lower bound per 1024² 4B step on an M4 Max (18.4 TFLOPS) and an M3 Max (14.2).
     step = flops.image_flops(p4, q4, 1024)["step"]
-    assert step / bm.chip_peak_tflops("Apple M4 Max", 40) == pytest.approx(1.89, abs=0.005)
-    assert step / bm.chip_peak_tflops("M3 Max") == pytest.approx(2.45, abs=0.005)
+    assert step / flops.chip_peak_tflops("Apple M4 Max", 40) == pytest.approx(1.89, abs=0.005)
+    assert step / flops.chip_peak_tflops("M3 Max") == pytest.approx(2.45, abs=0.005)
     assert "M4 Max (40c)" in flops.tables()
 
 
 def test_chip_peaks():
-    assert bm.chip_peak_tflops("Apple M2 Pro", 19) == pytest.approx(6.8)
-    assert bm.chip_peak_tflops("Apple M4 Max", 32) == pytest.approx(18.4 * 32 / 40)  # binned part
-    assert bm.chip_peak_tflops("Apple M3 Max", None) == pytest.approx(14.2)
-    assert bm.chip_peak_tflops("Apple M9 Hyper", 99) is None
-    assert bm.chip_peak_tflops(None) is None
-    assert bm.chip_peak_tflops("Apple M1") == pytest.approx(2.6)  # "M1" does not match "M1 Max"
+    assert flops.chip_peak_tflops("Apple M2 Pro", 19) == pytest.approx(6.8)
+    assert flops.chip_peak_tflops("Apple M4 Max", 32) == pytest.approx(18.4 * 32 / 40)  # binned part
+    assert flops.chip_peak_tflops("Apple M3 Max", None) == pytest.approx(14.2)
+    assert flops.chip_peak_tflops("Apple M9 Hyper", 99) is None
+    assert flops.chip_peak_tflops(None) is None
+    assert flops.chip_peak_tflops("Apple M1") == pytest.approx(2.6)  # "M1" does not match "M1 Max"
 
 
 def test_machine_info_on_this_machine():
-    info = bm.machine_info()
+    info = flops.machine_info()
     for key in ("os", "python", "mlx", "flux_klein_mlx", "device", "cpu", "cpu_cores", "peak_tflops"):
         assert key in info
     if info["device"] == "cpu":
         assert info["peak_tflops"] is None  # the chip table holds GPU peaks only
 
 
-# --- The CLI on a tiny random model -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory):
+    return shared_tiny_snapshot(tmp_path_factory)
 
-TINY = ["--tiny", "-W", "64", "-H", "48", "--steps", "2", "--warmup", "1", "--trials", "2"]
+
+# --- The benchmark on a tiny random model ---------------------------------------------------------
+
+TINY_PARAMS = FluxKleinParams(hidden_size=64, num_heads=2, axes_dim=(8,) * 4, depth=1, depth_single=1, context_in_dim=96)
+TINY = Variant(
+    name="tiny", title="tiny random klein", family="other", distilled=True, transformer=TINY_PARAMS,
+    text_encoder=Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=27, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=8, rope_theta=1e6, vocab_size=1000),
+    vae=AutoEncoderConfig(block_out_channels=(32, 32, 32, 32), layers_per_block=1, latent_channels=32),
+    steps=4, guidance=None,
+)  # fmt: skip
 
 
-def test_cli_tiny_end_to_end_writes_json(tmp_path, capsys):
-    out = tmp_path / "bench.json"
-    assert bm.main(TINY + ["--json", str(out)]) == 0
-    table = capsys.readouterr().out
+def test_tiny_random_pipeline_end_to_end(tmp_path):
+    r = bm.run_benchmark(random_pipeline(TINY), width=80, height=64, steps=2, warmup=1, trials=2)
+    table = bm.format_report(r)
     for label in ("text encoding", "denoising step", "VAE decode", "image (no loads)", "make random transformer"):
         assert label in table
+    out = bm.write_json(r, tmp_path / "bench.json")
     r = json.loads(out.read_text())
-    assert r["config"] | {"width": 64, "height": 48, "image_tokens": 12, "text_tokens": 512, "steps": 2,
+    assert r["config"] | {"width": 80, "height": 64, "image_tokens": 20, "text_tokens": 512, "steps": 2,
                           "warmup": 1, "trials": 2, "weights": "random", "dtype": "float32"} == r["config"]  # fmt: skip
     st = r["stages"]
     assert len(st["denoise_step"]["times_s"]) == 2 * 2  # trials x steps, warm-up excluded
@@ -120,8 +137,7 @@ def test_cli_tiny_end_to_end_writes_json(tmp_path, capsys):
     for name in ("text_encoder_load", "transformer_load", "vae_load"):
         assert st[name]["seconds"] > 0 and st[name]["weights_gb"] > 0
     # The FLOP fields come from the same model as the library functions.
-    params = FluxKleinParams(hidden_size=64, num_heads=2, axes_dim=(8,) * 4, depth=1, depth_single=1, context_in_dim=96)
-    assert r["flops"]["step_tflop"] == pytest.approx(bm.flops_of_transformer(params, 64, 48).total / 1e12)
+    assert r["flops"]["step_tflop"] == pytest.approx(flops.flops_of_transformer(TINY_PARAMS, 80, 64).total / 1e12)
     image = st["image"]
     assert image["seconds"] == pytest.approx(
         st["text_encoding"]["median_s"] + st["denoise"]["median_s"] + st["vae_decode"]["median_s"]
@@ -129,11 +145,11 @@ def test_cli_tiny_end_to_end_writes_json(tmp_path, capsys):
     assert r["machine"]["mlx"] and r["machine"]["flux_klein_mlx"]
 
 
-def test_cli_never_overwrites_json(tmp_path, capsys):
+def test_cli_never_overwrites_json(snapshot, tmp_path, capsys):
     out = tmp_path / "bench.json"
     out.write_text("keep me")
-    args = ["--tiny", "-W", "32", "-H", "32", "--steps", "1", "--warmup", "0", "--trials", "1", "--skip-decode",
-            "--skip-text-encoder", "--json", str(out)]  # fmt: skip
+    args = ["--model", str(snapshot), "-W", "64", "-H", "64", "--steps", "1", "--warmup", "0",
+            "--trials", "1", "--skip-decode", "--skip-text-encoder", "--json", str(out)]  # fmt: skip
     assert bm.main(args) == 0
     assert out.read_text() == "keep me"
     assert "wrote" in capsys.readouterr().err
@@ -142,9 +158,9 @@ def test_cli_never_overwrites_json(tmp_path, capsys):
     assert r["stages"]["image"]["includes"] == ["denoise"]
 
 
-def test_cli_quantized_tiny(tmp_path):
-    base = ["--tiny", "-W", "32", "-H", "32", "--steps", "1", "--warmup", "0", "--trials", "1",
-            "--skip-text-encoder", "--skip-decode"]  # fmt: skip
+def test_cli_quantized(snapshot, tmp_path):
+    base = ["--model", str(snapshot), "-W", "64", "-H", "64", "--steps", "1", "--warmup", "0",
+            "--trials", "1", "--skip-text-encoder", "--skip-decode"]  # fmt: skip
     assert bm.main(base + ["--quantize", "4", "--json", str(tmp_path / "q.json")]) == 0
     assert bm.main(base + ["--json", str(tmp_path / "f.json")]) == 0
     q, f = (json.loads((tmp_path / n).read_text()) for n in ("q.json", "f.json"))
@@ -156,15 +172,16 @@ def test_cli_quantized_tiny(tmp_path):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--tiny", "-W", "100"], "width 100 is not a positive multiple of 16"),
+        (["--model", "SNAPSHOT", "-W", "100"], "width 100 is not a positive multiple of 16"),
         (["--random-weights", "-H", "8"], "height 8 is not a positive multiple of 16"),
         (["--random-weights", "--variant", "klein-7b"], "klein-7b"),
         (["--variant", "klein-4b"], "--random-weights"),
         (["--model", "x", "--random-weights"], "not both"),
-        (["--tiny", "--json", "/nonexistent/dir/r.json"], "does not exist"),
+        (["--random-weights", "--json", "/nonexistent/dir/r.json"], "does not exist"),
     ],
 )
-def test_cli_bad_options_are_one_line_errors(args, message, capsys):
+def test_cli_bad_options_are_one_line_errors(args, message, snapshot, capsys):
+    args = [str(snapshot) if a == "SNAPSHOT" else a for a in args]
     assert bm.main(args) != 0
     err = capsys.readouterr().err
     assert message in err
@@ -190,14 +207,8 @@ def test_compare_step_tiny_agrees_with_diffusers():
 
 
 def test_random_weights_are_scaled_and_in_dtype():
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    from flux_klein_mlx.transformer import FluxKlein
-
-    params = FluxKleinParams(hidden_size=64, num_heads=2, axes_dim=(8,) * 4, depth=1, depth_single=1, context_in_dim=96)
-    model = FluxKlein(params)
-    bm._randomize(model, mx.bfloat16, seed=0)
+    model = FluxKlein(TINY_PARAMS)
+    randomize(model, mx.bfloat16, seed=0)
     flat = dict(tree_flatten(model.parameters()))
     assert all(v.dtype == mx.bfloat16 for v in flat.values())
     w = flat["single_blocks.0.linear2.weight"].astype(mx.float32)  # (64, 64 + 192): std 1/sqrt(fan_in)
@@ -206,9 +217,9 @@ def test_random_weights_are_scaled_and_in_dtype():
 
 
 def test_flops_dataclass_total():
-    f = bm.Flops(1.0, 2.0, 3.0)
+    f = flops.Flops(1.0, 2.0, 3.0)
     assert f.total == 6.0
-    assert bm.flops_of_vae_decoder(SimpleNamespace(block_out_channels=(32, 32), layers_per_block=1,
+    assert flops.flops_of_vae_decoder(SimpleNamespace(block_out_channels=(32, 32), layers_per_block=1,
                                                    latent_channels=4), 16, 16).total > 0  # fmt: skip
 
 
@@ -218,7 +229,7 @@ def test_cli_on_a_tiny_checkpoint_folder(tmp_path):
 
     snapshot = make_tiny_snapshot(tmp_path / "snapshot")
     out = tmp_path / "r.json"
-    args = ["--model", str(snapshot), "-W", "32", "-H", "48", "--steps", "2", "--warmup", "0", "--trials", "1"]
+    args = ["--model", str(snapshot), "-W", "64", "-H", "80", "--steps", "2", "--warmup", "0", "--trials", "1"]
     assert bm.main(args + ["--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["config"]["weights"] == "checkpoint" and r["config"]["model"] == str(snapshot)

@@ -15,17 +15,16 @@ import numpy as np
 import pytest
 import torch
 from mlx.utils import tree_flatten
-from refs import rel_err, to_mx
+from refs import load_folder_component, rel_err, to_mx
 from tiny_model import LATENT_CHANNELS, QWEN_HIDDEN, TRANSFORMER, shared_tiny_snapshot, write_bfl_transformer
 
 import flux_klein_mlx.weights as weights_module
 from flux_klein_mlx import __main__ as cli
-from flux_klein_mlx.convert import COMPONENTS, FORMAT, convert_model, load_component, load_mlx_folder, read_config
+from flux_klein_mlx.convert import convert_model
+from flux_klein_mlx.loading import COMPONENTS, FORMAT, describe, load_flux_klein, load_text_encoder, load_vae
+from flux_klein_mlx.loading import read_mlx_config as read_config
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.text_encoder import load_text_encoder
 from flux_klein_mlx.tokenizer import PromptTokenizer
-from flux_klein_mlx.transformer import load_flux_klein
-from flux_klein_mlx.vae import load_vae
 from flux_klein_mlx.weights import (
     read_safetensors,
     read_weight_files,
@@ -148,7 +147,7 @@ def test_weights_are_ours_and_equal_to_direct_loading(converted, snapshot):
         "vae": load_vae(snapshot, dtype=mx.float32),
     }
     for name in COMPONENTS:
-        loaded = dict(tree_flatten(load_component(converted, name).parameters()))
+        loaded = dict(tree_flatten(load_folder_component(converted, name).parameters()))
         expected = dict(tree_flatten(direct[name].parameters()))
         assert loaded.keys() == expected.keys(), name
         for k, v in expected.items():
@@ -160,7 +159,8 @@ def test_weights_are_ours_and_equal_to_direct_loading(converted, snapshot):
 
 
 def test_loaded_models_match_references(converted, references):
-    transformer, text_encoder, vae, tokenizer_dir, config = load_mlx_folder(converted)
+    transformer, text_encoder, vae = (load_folder_component(converted, n) for n in COMPONENTS)
+    tokenizer_dir = describe(converted).tokenizer
     ref_t, ref_te, ref_vae = references
     errs = {
         "transformer": rel_err(*transformer_outputs(transformer, ref_t)),
@@ -179,7 +179,7 @@ def test_bf16_default_via_cli(capsys, snapshot, references, tmp_path):
     assert config["dtype"] == "bfloat16"
     stored = read_safetensors(out / "transformer.safetensors")
     assert {v.dtype for v in stored.values()} == {mx.bfloat16}
-    transformer = load_component(out, "transformer", dtype="float32")
+    transformer = load_folder_component(out, "transformer", dtype="float32")
     assert rel_err(*transformer_outputs(transformer, references[0])) < 2e-2  # bf16 weights
 
 

@@ -192,7 +192,7 @@ def test_converted_folder_gives_the_same_image(distilled, tmp_path):
     pipe = flux_klein_mlx.load(out, dtype="float32")
     b = pipe.generate("a boat", width=64, height=64, latents=lat, output_type="np")
     assert np.abs(a - b).max() <= 1e-5
-    assert pipe.info.is_distilled and pipe.info.quantization is None
+    assert pipe.info.is_distilled and pipe.quantization is None
 
 
 @pytest.mark.parametrize("bits, tolerance", [(8, 0.05), (4, 0.5)])
@@ -207,7 +207,7 @@ def test_quantize_at_load(distilled, tmp_path, bits, tolerance):
                                                                     output_type="np")
     pipe = flux_klein_mlx.load(distilled, dtype="float32", quantize=bits)
     at_load = pipe.generate("a boat", width=64, height=64, latents=lat, output_type="np")
-    assert pipe.info.quantization["bits"] == bits and is_quantized(pipe.transformer.get())
+    assert pipe.quantization["bits"] == bits and is_quantized(pipe.transformer.get())
     assert 0 < np.abs(plain - at_load).max() < tolerance
     out = tmp_path / f"q{bits}"
     convert_model(distilled, out, dtype="float32", bits=bits)

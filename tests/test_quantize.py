@@ -14,17 +14,17 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
-from refs import rel_err
+from refs import load_folder_component, rel_err
 from test_convert import leftovers, run_cli, text_encoder_outputs, transformer_outputs
 from tiny_model import shared_tiny_snapshot
 
-from flux_klein_mlx.convert import COMPONENTS, convert_model, load_component, read_config
+from flux_klein_mlx.convert import convert_model
+from flux_klein_mlx.loading import COMPONENTS
+from flux_klein_mlx.loading import read_mlx_config as read_config
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.quantize import (
     apply_quantization,
     dequantize_model,
-    infer_record,
-    load_quantized_flux_klein,
     quantize_model,
 )
 from flux_klein_mlx.transformer import FluxKleinParams
@@ -88,7 +88,6 @@ def test_record_rebuilds_skeleton_for_strict_load(tmp_path, bits):
     load_into(b, stored, "toy")
     x = mx.random.normal((5, 128))
     assert mx.array_equal(a(x), b(x)).item()
-    assert infer_record(toy(), stored) == record
 
     bad = dict(record, layers=record["layers"] + ["nope"])
     with pytest.raises(FluxKleinError, match="does not have"):
@@ -137,7 +136,7 @@ def test_convert_quantize_load(folders, snapshot, bits, weight_bound, bound):
     from transformers import Qwen3ForCausalLM
 
     config = read_config(folders[bits])
-    f32 = {n: load_component(folders[None], n) for n in ("transformer", "text_encoder")}
+    f32 = {n: load_folder_component(folders[None], n) for n in ("transformer", "text_encoder")}
     # The record names exactly the Linears whose input width is a multiple of 64.
     for name, model in f32.items():
         record = config[name]["quantization"]
@@ -150,9 +149,9 @@ def test_convert_quantize_load(folders, snapshot, bits, weight_bound, bound):
     vae_q, vae_f = (read_safetensors(folders[k] / "vae.safetensors") for k in (bits, None))
     assert all(mx.array_equal(vae_q[k], vae_f[k]).item() for k in vae_f)  # the VAE is copied as it is
 
-    transformer = load_component(folders[bits], "transformer")
+    transformer = load_folder_component(folders[bits], "transformer")
     assert isinstance(transformer.double_blocks[0].img_attn.qkv, nn.QuantizedLinear)
-    text_encoder = load_component(folders[bits], "text_encoder")
+    text_encoder = load_folder_component(folders[bits], "text_encoder")
     refs = {
         "transformer": Flux2Transformer2DModel.from_pretrained(snapshot / "transformer").eval(),
         "text_encoder": Qwen3ForCausalLM.from_pretrained(snapshot / "text_encoder").eval(),
@@ -213,21 +212,9 @@ def test_quantize_command_bad_input(capsys, folders, snapshot, tmp_path):
 def test_quantize_at_load_equals_prequantized(folders):
     """`load(..., quantize=4)` on an unquantized folder gives the same tensors as the 4-bit folder."""
     for name in ("transformer", "text_encoder"):
-        at_load = dict(tree_flatten(load_component(folders[None], name, quantize=4).parameters()))
-        stored = dict(tree_flatten(load_component(folders[4], name).parameters()))
+        at_load = dict(tree_flatten(load_folder_component(folders[None], name, quantize=4).parameters()))
+        stored = dict(tree_flatten(load_folder_component(folders[4], name).parameters()))
         assert at_load.keys() == stored.keys()
         assert all(mx.array_equal(at_load[k], stored[k]).item() for k in stored), name
-    vae = load_component(folders[None], "vae", quantize=4)  # the VAE stays unquantized
+    vae = load_folder_component(folders[None], "vae", quantize=4)  # the VAE stays unquantized
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in vae.named_modules())
-
-
-def test_load_quantized_flux_klein(folders):
-    config = read_config(folders[4])
-    params = FluxKleinParams.from_dict(config["transformer"]["config"])
-    weights = read_safetensors(folders[4] / "transformer.safetensors")
-    model = load_quantized_flux_klein(weights, params)  # settings inferred from the shapes
-    expected = dict(tree_flatten(load_component(folders[4], "transformer").parameters()))
-    got = dict(tree_flatten(model.parameters()))
-    assert got.keys() == expected.keys() and all(mx.array_equal(got[k], expected[k]).item() for k in got)
-    with pytest.raises(FluxKleinError, match="not quantized"):
-        load_quantized_flux_klein(read_safetensors(folders[None] / "transformer.safetensors"), params)

@@ -12,17 +12,11 @@ from mlx.utils import tree_flatten
 from refs import qwen_tokenizer_dir, randomize_, reference_tokens, rel_err, to_np
 from transformers import AutoTokenizer, Qwen3Config as HFQwen3Config, Qwen3ForCausalLM
 
-import flux_klein_mlx.text_encoder as te
+import flux_klein_mlx.loading as loading
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.text_encoder import (
-    Qwen3Config,
-    Qwen3TextEncoder,
-    encode_prompts,
-    load_text_encoder,
-    qwen3_4b,
-    qwen3_8b,
-    sanitize_qwen3_weights,
-)
+from flux_klein_mlx.config import Qwen3Config, qwen3_4b, qwen3_8b
+from flux_klein_mlx.loading import load_text_encoder
+from flux_klein_mlx.text_encoder import Qwen3TextEncoder, encode_prompts, sanitize_qwen3_weights
 from flux_klein_mlx.tokenizer import PromptTokenizer
 
 PROMPTS = {
@@ -146,14 +140,14 @@ def test_unused_weights_never_read(request, which, monkeypatch):
     norm and the lm_head never leave the file."""
     root = request.getfixturevalue(which).root
     kept = []
-    real_read = te.read_weight_files
+    real_read = loading.read_weight_files
 
     def spy(files, keep=None):
         weights = real_read(files, keep=keep)
         kept.extend(weights)
         return weights
 
-    monkeypatch.setattr(te, "read_weight_files", spy)
+    monkeypatch.setattr(loading, "read_weight_files", spy)
     encoder = load_text_encoder(root, dtype=mx.float32)
     assert kept and not [k for k in kept if ".layers.27." in k]
     assert not [k for k in kept if k.startswith("lm_head") or k == "model.norm.weight"]

@@ -18,13 +18,10 @@ from safetensors.torch import save_file
 
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.rope import image_ids, rope_tables, text_ids
-from flux_klein_mlx.transformer import (
-    FluxKlein,
-    FluxKleinParams,
-    count_parameters,
-    load_flux_klein,
-    sanitize_flux2_klein_weights,
-)
+from flux_klein_mlx.config import FluxKleinParams
+from flux_klein_mlx.flops import count_parameters
+from flux_klein_mlx.loading import load_flux_klein
+from flux_klein_mlx.transformer import FluxKlein, sanitize_flux2_klein_weights
 from flux_klein_mlx.weights import read_safetensors
 
 # Tiny diffusers config: 3 heads of 16 (axes 4×4), 2 double + 2 single blocks, text width 24.

@@ -22,11 +22,11 @@ from refs import randomize_, rel_err, to_mx
 from safetensors.torch import save_file
 
 from flux_klein_mlx.errors import FluxKleinError
+from flux_klein_mlx.config import AutoEncoderConfig
+from flux_klein_mlx.loading import load_vae
 from flux_klein_mlx.vae import (
     AutoEncoder,
-    AutoEncoderConfig,
     check_image_size,
-    load_vae,
     pack,
     patchify,
     sanitize_vae_weights,

@@ -1,0 +1,268 @@
+"""Arithmetic about the models and the machine: parameter counts, an analytic FLOP model
+(`docs/performance.md` section 4) and a table of chip peaks, so that benchmarks can report
+achieved TFLOPS and % of peak. Used by the `benchmark` command and the scripts in `benchmarks/`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from . import __version__, preload_openblas
+from .config import FluxKleinParams
+
+
+def count_parameters(params: FluxKleinParams) -> int:
+    """Parameter count from the hyper-parameters alone (no allocation)."""
+    D, M, hd, C = params.hidden_size, params.mlp_hidden, params.head_dim, params.in_channels
+    embed = D * C + D * params.context_in_dim + D * params.time_channels + D * D
+    modulation = (6 + 6 + 3) * D * D
+    # qkv, proj, MLP up (2M) and down, per stream, plus two QK-norm scales per stream
+    double = 2 * (3 * D * D + D * D + 2 * M * D + M * D + 2 * hd)
+    single = (3 * D + 2 * M) * D + (D + M) * D + 2 * hd
+    final = 2 * D * D + C * D
+    return embed + modulation + params.depth * double + params.depth_single * single + final
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOP model (performance.md section 4). 1 multiply-add = 2 FLOPs, batch 1.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Flops:
+    """FLOPs of one stage, by kind. `other` = transformer embeddings and output projection."""
+
+    linear: float
+    attention: float
+    other: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.linear + self.attention + self.other
+
+
+def transformer_step_flops(
+    hidden: int,
+    depth: int,
+    depth_single: int,
+    image_tokens: int,
+    text_tokens: int = 512,
+    mlp_ratio: float = 3.0,
+    context_dim: int = 7680,
+    in_channels: int = 128,
+) -> Flops:
+    """FLOPs of one transformer forward (one denoising step of distilled klein, no CFG).
+
+    The attention count does not depend on the number of heads (H·hd = hidden). The text
+    projection (`context_embedder`) is counted in every step, as in performance.md, although
+    the pipeline hoists it out of the loop (0.07 % of a 4B step at 1024²).
+    """
+    D, F, N, T = hidden, int(hidden * mlp_ratio), image_tokens, text_tokens
+    L = N + T
+    # Double block, per stream: q, k, v, o (4·D²) and the SwiGLU MLP D -> 2F -> D (3·D·F).
+    double = (4 * D * D + 3 * D * F) * (N + T)
+    # Single block on the joint sequence: fused qkv+mlp_in D -> 3D+2F, out (D+F) -> D.
+    single = (D * (3 * D + 2 * F) + (D + F) * D) * L
+    linear = 2 * (depth * double + depth_single * single)
+    attention = (depth + depth_single) * 4 * L * L * D  # QK^T and AV, bidirectional
+    other = 2 * (N * in_channels * D + T * context_dim * D + N * D * in_channels)
+    return Flops(float(linear), float(attention), float(other))
+
+
+def text_encoder_flops(
+    hidden: int,
+    intermediate: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    layers: int = 27,
+    tokens: int = 512,
+) -> Flops:
+    """FLOPs of the Qwen3 prompt encoder: `layers` decoder layers (27 for klein) on `tokens`."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    per_token = hidden * q + 2 * hidden * kv + q * hidden + 3 * hidden * intermediate
+    linear = 2 * per_token * tokens * layers
+    attention = 2 * tokens * tokens * q * layers  # causal: half of the 4·T²·(H·hd) full count
+    return Flops(float(linear), float(attention))
+
+
+def vae_decoder_flops(
+    width: int,
+    height: int,
+    block_out_channels: tuple[int, ...] = (128, 256, 512, 512),
+    layers_per_block: int = 2,
+    latent_channels: int = 32,
+) -> Flops:
+    """FLOPs of the FLUX.2 VAE decoder producing a width×height image (convs + mid attention)."""
+    down = 2 ** (len(block_out_channels) - 1)
+    h, w = height // down, width // down
+
+    def conv(h, w, cin, cout, k=3):
+        return 2 * h * w * cin * cout * k * k
+
+    def resblock(h, w, cin, cout):
+        return conv(h, w, cin, cout) + conv(h, w, cout, cout) + (conv(h, w, cin, cout, 1) if cin != cout else 0)
+
+    c = block_out_channels[-1]
+    linear = conv(h, w, latent_channels, latent_channels, 1) + conv(h, w, latent_channels, c)
+    # Mid block: resnet, single-head attention over h·w tokens (q, k, v, out are 1x1), resnet.
+    linear += 2 * resblock(h, w, c, c) + 2 * h * w * 4 * c * c
+    attention = 4 * (h * w) ** 2 * c
+    for i, cout in enumerate(reversed(block_out_channels)):
+        for _ in range(layers_per_block + 1):
+            linear += resblock(h, w, c, cout)
+            c = cout
+        if i < len(block_out_channels) - 1:
+            h, w = 2 * h, 2 * w  # nearest upsample, then a 3x3 conv at the new size
+            linear += conv(h, w, c, c)
+    linear += conv(h, w, c, 3)
+    return Flops(float(linear), float(attention))
+
+
+def flops_of_transformer(params, width: int, height: int, text_tokens: int = 512) -> Flops:
+    """`transformer_step_flops` for a `FluxKleinParams` at a width×height image."""
+    return transformer_step_flops(
+        hidden=params.hidden_size,
+        depth=params.depth,
+        depth_single=params.depth_single,
+        image_tokens=(width // 16) * (height // 16),
+        text_tokens=text_tokens,
+        mlp_ratio=params.mlp_ratio,
+        context_dim=params.context_in_dim,
+        in_channels=params.in_channels,
+    )
+
+
+def flops_of_text_encoder(config, layers: int = 27, tokens: int = 512) -> Flops:
+    """`text_encoder_flops` for a `Qwen3Config`."""
+    return text_encoder_flops(
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        layers=layers,
+        tokens=tokens,
+    )
+
+
+def flops_of_vae_decoder(config, width: int, height: int) -> Flops:
+    """`vae_decoder_flops` for an `AutoEncoderConfig`."""
+    return vae_decoder_flops(
+        width,
+        height,
+        block_out_channels=tuple(getattr(config, "decoder_block_out_channels", None) or config.block_out_channels),
+        layers_per_block=config.layers_per_block,
+        latent_channels=config.latent_channels,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Chip peaks (performance.md section 3: huggingface.js hardware.ts, Apple bandwidth figures).
+# Apple GPUs up to M4 run fp16 at the fp32 rate and bf16 at most at that rate, so this one number
+# is the peak for every dtype we run. M5 chips add GPU neural accelerators whose matmul peak is
+# unpublished: their % of peak counts the shader ALUs only and may exceed 100.
+# ---------------------------------------------------------------------------------------------
+
+# (name, GPU cores, peak TFLOPS fp16 = fp32, memory bandwidth GB/s)
+APPLE_CHIPS: tuple[tuple[str, int, float, int], ...] = (
+    ("M1", 8, 2.6, 68),
+    ("M1 Pro", 16, 5.2, 200),
+    ("M1 Max", 32, 10.4, 400),
+    ("M1 Ultra", 64, 21.0, 800),
+    ("M2", 10, 3.6, 100),
+    ("M2 Pro", 19, 6.8, 200),
+    ("M2 Max", 38, 13.6, 400),
+    ("M2 Ultra", 76, 27.2, 800),
+    ("M3", 10, 4.1, 100),
+    ("M3 Pro", 18, 7.4, 150),
+    ("M3 Max", 40, 14.2, 400),
+    ("M3 Ultra", 80, 28.4, 819),
+    ("M4", 10, 4.6, 120),
+    ("M4 Pro", 20, 9.2, 273),
+    ("M4 Max", 40, 18.4, 546),
+    ("M5", 10, 5.7, 153),
+    ("M5 Max", 40, 22.8, 614),
+)
+
+# For the lower-bound table only (MLX also runs on CUDA); dense bf16 tensor-core peaks.
+OTHER_ACCELERATORS: tuple[tuple[str, float, int], ...] = (
+    ("H100 SXM", 989.0, 3350),
+    ("H100 PCIe", 756.0, 2000),
+    ("H200", 989.0, 4800),
+)
+
+
+def chip_peak_tflops(chip: str | None, gpu_cores: int | None = None) -> float | None:
+    """Peak TFLOPS of an Apple chip ("Apple M3 Max" or "M3 Max"); None when unknown.
+
+    A binned part (fewer GPU cores than the table's configuration, e.g. the 30-core M3 Max)
+    scales linearly with the core count.
+    """
+    if not chip:
+        return None
+    name = re.sub(r"^Apple\s+", "", chip.strip())
+    for entry, cores, tflops, _ in APPLE_CHIPS:
+        if entry == name:
+            return tflops * gpu_cores / cores if gpu_cores else tflops
+    return None
+
+
+def _command_output(args: list[str]) -> str:
+    try:
+        return subprocess.run(args, capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _apple_gpu_cores() -> int | None:
+    m = re.search(r"Total Number of Cores:\s*(\d+)", _command_output(["system_profiler", "SPDisplaysDataType"]))
+    if not m:
+        m = re.search(r'"gpu-core-count"\s*=\s*(\d+)', _command_output(["ioreg", "-rc", "AGXAccelerator"]))
+    return int(m.group(1)) if m else None
+
+
+def machine_info() -> dict:
+    """What ran the benchmark: chip, cores, memory, OS, library versions, peak TFLOPS if known."""
+    info = {
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "mlx": getattr(mx, "__version__", "?"),
+        "flux_klein_mlx": __version__,
+        "device": "gpu" if mx.default_device() == mx.gpu else "cpu",
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_cores": os.cpu_count(),
+        "memory_gb": None,
+        "chip": None,
+        "gpu_cores": None,
+        "peak_tflops": None,
+    }
+    try:
+        info["memory_gb"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)
+    except (ValueError, OSError, AttributeError):
+        pass
+    if sys.platform == "darwin":
+        brand = _command_output(["sysctl", "-n", "machdep.cpu.brand_string"]).strip()
+        info["cpu"] = brand or info["cpu"]
+        if brand.startswith("Apple M"):
+            info["chip"] = brand
+            info["gpu_cores"] = _apple_gpu_cores()
+    elif sys.platform == "linux":
+        info["blas"] = preload_openblas()  # says which BLAS is mapped (mlx is imported by now)
+        try:
+            m = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
+            info["cpu"] = m.group(1).strip() if m else info["cpu"]
+        except OSError:
+            pass
+    # The table holds GPU peaks; a CPU run (Linux, or a Mac forced onto the CPU) gets no percentage.
+    if mx.default_device() == mx.gpu:
+        info["peak_tflops"] = chip_peak_tflops(info["chip"], info["gpu_cores"])
+    return info

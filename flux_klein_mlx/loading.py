@@ -1,0 +1,408 @@
+"""What a klein model on disk is, decided once, and how its components are loaded.
+
+Two entry points, shaped like mlx-lm's `utils.load_model`; every caller (pipeline, convert,
+quantize, benchmark) goes through them:
+
+    info = describe("black-forest-labs/FLUX.2-klein-4B")   # resolve, classify, check; reads configs only
+    model = load_component(info, "transformer", mx.bfloat16, quantize=4)
+
+`describe` resolves a repo id / folder / file, classifies it (diffusers snapshot, BFL single-file
+transformer with a base snapshot, or a folder written by `convert`), refuses FLUX.1 / FLUX.2-dev,
+and checks that the three components fit together. `load_component` is config -> module ->
+sanitize -> quantization record -> strict load. Model files only build modules and sanitize
+names; all reading happens here and in `weights.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .config import AutoEncoderConfig, FluxKleinParams, Qwen3Config, sampling_defaults, variant_for
+from .errors import FluxKleinError
+from .quantize import apply_quantization, check_record, evaluate_by_layer, quantize_model
+from .text_encoder import OUT_LAYERS, Qwen3TextEncoder, keeps_key, sanitize_qwen3_weights
+from .transformer import FluxKlein, infer_params, sanitize_flux2_klein_weights
+from .vae import AutoEncoder, check_flux2, sanitize_vae_weights
+from .weights import component_files, load_into, prefixed_files, read_json, read_safetensors, read_weight_files, resolve_model
+
+COMPONENTS = ("transformer", "text_encoder", "vae")
+WHAT = {"transformer": "transformer", "text_encoder": "text encoder", "vae": "VAE"}
+DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+
+# The marker of a folder written by `convert` (config.json "format" / "format_version").
+FORMAT = "flux_klein_mlx"
+FORMAT_VERSION = 1
+
+
+def as_dtype(dtype) -> mx.Dtype | None:
+    """None, an mx.Dtype or its name ("bfloat16", "float16", "float32") -> mx.Dtype or None."""
+    if dtype is None or isinstance(dtype, mx.Dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise FluxKleinError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    return DTYPES[dtype]
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
+@dataclass
+class ModelInfo:
+    """What the files say about a model (never guessed from its name)."""
+
+    source: str  # what the caller passed: repo id, folder or file
+    path: Path  # the resolved snapshot folder, BFL file or converted folder
+    format: str  # "diffusers" | "bfl" | "mlx"
+    is_distilled: bool
+    configs: dict[str, dict]  # component -> its config dict (Hugging Face names, or ours)
+    files: dict[str, list[Path]]  # component -> its safetensors files
+    quantization: dict[str, dict | None]  # component -> stored quantization record (converted folders)
+    tokenizer: Path  # the tokenizer folder
+    scheduler: dict | None = None  # scheduler_config.json, kept for converted folders
+    stored_dtype: str | None = None  # a converted folder's dtype
+    original: dict | None = None  # a converted folder's own "source" entry
+    params: FluxKleinParams = field(init=False)
+
+    def __post_init__(self):
+        self.params = FluxKleinParams.from_dict(self.configs["transformer"])
+
+    @property
+    def variant(self) -> str:
+        """"klein-4b", "klein-9b" or "other" (a custom size), from the transformer's shapes."""
+        return self.params.variant
+
+    @property
+    def in_channels(self) -> int:
+        return self.params.in_channels
+
+    @property
+    def default_steps(self) -> int:
+        return sampling_defaults(self.is_distilled)[0]
+
+    @property
+    def default_guidance(self) -> float | None:
+        return sampling_defaults(self.is_distilled)[1]
+
+    @property
+    def name(self) -> str:
+        row = variant_for(self.params, self.is_distilled)
+        if row is not None:
+            return row.title
+        return "FLUX.2 [klein] (custom size)" + ("" if self.is_distilled else " Base")
+
+
+# --- describe ------------------------------------------------------------------------------------
+
+
+def read_mlx_config(folder: str | Path) -> dict:
+    """The config.json of a converted folder, checked for our format marker and version."""
+    path = Path(folder) / "config.json"
+    config = read_json(path)
+    if config.get("format") != FORMAT:
+        raise FluxKleinError(f"{folder} is not a folder written by `flux_klein_mlx convert` (no format marker in config.json)")
+    if int(config.get("format_version", 0)) > FORMAT_VERSION:
+        raise FluxKleinError(f"{folder} was written by a newer flux_klein_mlx (format {config['format_version']}); upgrade flux_klein_mlx")
+    for name in COMPONENTS:
+        entry = config.get(name)
+        if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
+            raise FluxKleinError(f"{path} has no {WHAT[name]} config; convert the model again")
+        if entry.get("quantization") is not None:
+            check_record(entry["quantization"], WHAT[name])
+    return config
+
+
+def is_mlx_folder(path: str | Path) -> bool:
+    """Whether `path` is a folder written by `convert` (has a config.json with our format marker)."""
+    path = Path(path) / "config.json"
+    if not path.is_file():
+        return False
+    try:
+        return json.loads(path.read_text()).get("format") == FORMAT
+    except (ValueError, AttributeError):
+        return False
+
+
+def _dev_check(config: dict, where: Path) -> None:
+    if config.get("guidance_embeds"):
+        raise FluxKleinError(
+            f"not a klein checkpoint: it is FLUX.2-dev ({where} has guidance_embeds); "
+            "use a FLUX.2 [klein] 4B or 9B model"
+        )
+
+
+def _part_folder(folder: Path) -> Path:
+    if not folder.is_dir():
+        raise FluxKleinError(f"missing {folder.name}/ in {folder.parent}: the snapshot is incomplete, download it again")
+    return folder
+
+
+def _bfl_transformer_config(file: Path, base: Path) -> dict:
+    """Hyper-parameters of a BFL single file: the base snapshot's when its shapes agree (it also
+    carries theta/eps/axes), else the file's own shapes."""
+    params = infer_params(sanitize_flux2_klein_weights(read_safetensors(file)))
+    base_config = base / "transformer" / "config.json"
+    if base_config.is_file():
+        config = read_json(base_config)
+        if FluxKleinParams.from_dict(config).shape_key() == params.shape_key():
+            return config
+    return dataclasses.asdict(params)
+
+
+def _check_text_width(context_in_dim: int, te: Qwen3Config, where: Path) -> None:
+    """The transformer's joint_attention_dim must be the encoder's 3 stacked hidden states."""
+    width = len(OUT_LAYERS) * te.hidden_size
+    if context_in_dim == width:
+        return
+    encoders = {2560: "Qwen3-4B", 4096: "Qwen3-8B"}
+    dits = {7680: "klein-4B", 12288: "klein-9B"}
+    names = (
+        f": the text encoder is {encoders[te.hidden_size]}, the transformer {dits[context_in_dim]}"
+        if te.hidden_size in encoders and context_in_dim in dits
+        else ": use the text encoder from the same snapshot as the transformer"
+    )
+    raise FluxKleinError(
+        f"text encoder hidden size {te.hidden_size} ({where}) gives {width}-wide embeddings but the "
+        f"transformer expects {context_in_dim} (joint_attention_dim){names}"
+    )
+
+
+def _check_fit(configs: dict[str, dict], where: dict[str, Path]) -> None:
+    """The transformer must read what the text encoder and the VAE make."""
+    params = FluxKleinParams.from_dict(configs["transformer"])
+    vae = AutoEncoderConfig.from_dict(configs["vae"])
+    check_flux2(vae, None)
+    _check_text_width(params.context_in_dim, Qwen3Config.from_dict(configs["text_encoder"]), where["text_encoder"])
+    if params.in_channels != vae.token_channels:
+        raise FluxKleinError(
+            f"the transformer reads {params.in_channels} latent channels but the VAE in {where['vae']} makes "
+            f"{vae.token_channels}; the snapshot mixes components of different models (use the FLUX.2 VAE)"
+        )
+
+
+def describe(model: str | Path, base: str | Path | None = None) -> ModelInfo:
+    """Resolve and classify `model` and check it, reading configs only (no weights).
+
+    `model` is a Hugging Face repo id (through the hub cache), a diffusers snapshot folder, a
+    folder written by `convert`, or a BFL single-file transformer (`.safetensors`) whose text
+    encoder, VAE and tokenizer come from `base` (default: the folder the file is in).
+    """
+    path = resolve_model(model)
+    if path.is_file():
+        return _describe_bfl(model, path, base)
+    if is_mlx_folder(path):
+        config = read_mlx_config(path)
+        tokenizer = path / config.get("tokenizer", "tokenizer")
+        return ModelInfo(
+            source=str(model), path=path, format="mlx", is_distilled=bool(config.get("is_distilled")),
+            configs={n: config[n]["config"] for n in COMPONENTS},
+            files={n: prefixed_files(path, n) for n in COMPONENTS},
+            quantization={n: config[n].get("quantization") for n in COMPONENTS},
+            tokenizer=tokenizer, scheduler=config.get("scheduler"), stored_dtype=config.get("dtype"),
+            original=config.get("source"),
+        )  # fmt: skip
+    if not (path / "model_index.json").is_file():
+        raise FluxKleinError(
+            f"{path} is not a FLUX.2 [klein] snapshot or model folder: no model_index.json (diffusers layout) and no "
+            "config.json written by `convert`"
+        )
+    index = read_json(path / "model_index.json")
+    kind = index.get("_class_name")
+    if kind != "Flux2KleinPipeline":
+        raise FluxKleinError(
+            f"{path} holds a {kind} model; flux_klein_mlx runs FLUX.2 [klein] 4B/9B (Flux2KleinPipeline), distilled or Base"
+        )
+    folders = {n: _part_folder(path / n) for n in COMPONENTS}
+    configs = {n: read_json(folders[n] / "config.json") for n in COMPONENTS}
+    _dev_check(configs["transformer"], folders["transformer"] / "config.json")
+    _check_fit(configs, folders)
+    return ModelInfo(
+        source=str(model), path=path, format="diffusers", is_distilled=bool(index.get("is_distilled", False)),
+        configs=configs, files={n: component_files(folders[n]) for n in COMPONENTS},
+        quantization={n: None for n in COMPONENTS}, tokenizer=path / "tokenizer",
+        scheduler=_optional_json(path / "scheduler" / "scheduler_config.json"),
+    )  # fmt: skip
+
+
+def _describe_bfl(model, file: Path, base) -> ModelInfo:
+    if file.suffix != ".safetensors":
+        raise FluxKleinError(f"{file} is not a .safetensors file; pass a model folder, a repo id or a BFL .safetensors file")
+    base_path = resolve_model(base) if base is not None else file.parent
+    if not (base_path / "text_encoder").is_dir() or not (base_path / "vae").is_dir():
+        raise FluxKleinError(
+            f"a single transformer file needs the text encoder, VAE and tokenizer of a diffusers snapshot, "
+            f"and {base_path} has none; pass --base with a FLUX.2 [klein] folder or repo id"
+        )
+    folders = {n: _part_folder(base_path / n) for n in ("text_encoder", "vae")}
+    configs = {"transformer": _bfl_transformer_config(file, base_path)}
+    configs.update({n: read_json(folders[n] / "config.json") for n in folders})
+    _check_fit(configs, folders)
+    index = base_path / "model_index.json"
+    # A Base checkpoint next to (or based on) a distilled snapshot is still a Base model.
+    distilled = bool(read_json(index).get("is_distilled", False)) if index.is_file() else False
+    return ModelInfo(
+        source=str(model), path=file, format="bfl", is_distilled=distilled and "base" not in file.name.lower(),
+        configs=configs, files={"transformer": [file], **{n: component_files(folders[n]) for n in folders}},
+        quantization={n: None for n in COMPONENTS}, tokenizer=base_path / "tokenizer",
+        scheduler=_optional_json(base_path / "scheduler" / "scheduler_config.json"),
+    )  # fmt: skip
+
+
+def _optional_json(path: Path) -> dict | None:
+    return read_json(path) if path.is_file() else None
+
+
+# --- load ----------------------------------------------------------------------------------------
+
+
+def read_component(info: ModelInfo, name: str) -> dict[str, mx.array]:
+    """A component's weights under our names, lazily (only the tensors the model uses are listed)."""
+    weights = read_weight_files(info.files[name], keep=keeps_key if name == "text_encoder" else None)
+    if info.format != "mlx":  # converted folders are stored under our names already
+        weights = sanitize(name, weights)
+    return weights
+
+
+def build_module(name: str, config: dict) -> nn.Module:
+    """An unloaded (lazily initialised, so free) module for one component's config."""
+    if name == "transformer":
+        return FluxKlein(FluxKleinParams.from_dict(config))
+    if name == "text_encoder":
+        return Qwen3TextEncoder(Qwen3Config.from_dict(config))
+    if name == "vae":
+        return AutoEncoder(AutoEncoderConfig.from_dict(config))
+    raise ValueError(f"unknown component {name!r}; expected one of {COMPONENTS}")
+
+
+def sanitize(name: str, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """A component's checkpoint (diffusers, transformers or BFL names) under our module names."""
+    if name == "transformer":
+        return sanitize_flux2_klein_weights(weights)
+    if name == "text_encoder":
+        return sanitize_qwen3_weights(weights)
+    weights = sanitize_vae_weights(weights)
+    check_flux2(None, weights)
+    return weights
+
+
+def assemble(
+    name: str,
+    config: dict,
+    weights: dict[str, mx.array],
+    dtype=None,
+    record: dict | None = None,
+    bits: int | None = None,
+    group_size: int = 64,
+) -> tuple[nn.Module, dict | None]:
+    """Module + sanitized weights -> a strictly loaded, lazy module and its quantization record.
+
+    `record` rebuilds a stored quantization before the strict load; `bits` quantizes an
+    unquantized transformer or text encoder after it (the VAE is never quantized). Nothing is
+    evaluated: tensors are read when the caller evaluates them.
+    """
+    module = build_module(name, config)
+    if record is not None:
+        apply_quantization(module, record, WHAT[name])
+    load_into(module, weights, WHAT[name], dtype=as_dtype(dtype))
+    if bits and record is None and name != "vae":
+        record = quantize_model(module, bits, group_size)
+    return module, record
+
+
+def load_component(
+    info: ModelInfo, name: str, dtype=None, quantize: int | None = None, group_size: int = 64
+) -> nn.Module:
+    """Load one component of a described model, evaluated layer by layer.
+
+    `dtype` casts floating tensors (None: as stored); `quantize` 4 or 8 quantizes an unquantized
+    transformer or text encoder while loading, so the unquantized model is never whole in memory.
+    """
+    if name not in COMPONENTS:
+        raise ValueError(f"unknown component {name!r}; expected one of {COMPONENTS}")
+    weights = read_component(info, name)
+    module, _ = assemble(name, info.configs[name], weights, dtype, info.quantization[name], quantize, group_size)
+    evaluate_by_layer(module)
+    return module
+
+
+# --- one component on its own (a component folder, a snapshot, or a single file) -------------------
+
+
+def load_flux_klein(
+    source: str | Path, params: FluxKleinParams | None = None, dtype: mx.Dtype = mx.bfloat16
+) -> FluxKlein:
+    """Load a klein transformer from a diffusers `transformer/` folder (or its snapshot) or a BFL
+    single `.safetensors` file, evaluated.
+
+    A folder's hyper-parameters come from its config.json, a single file's from its shapes. When
+    `params` is given it must describe the same architecture (e.g. klein-4B vs klein-9B).
+    """
+    source = Path(source)
+    if source.is_dir() and not (source / "config.json").is_file() and (source / "transformer").is_dir():
+        source = source / "transformer"  # a whole pipeline snapshot
+    if source.is_dir():
+        config = read_json(source / "config.json")
+        _dev_check(config, source / "config.json")
+        file_params = FluxKleinParams.from_dict(config)
+        weights = sanitize_flux2_klein_weights(read_weight_files(component_files(source)))
+    elif source.is_file():
+        weights = sanitize_flux2_klein_weights(read_safetensors(source))
+        file_params = infer_params(weights)
+    else:
+        raise FluxKleinError(f"transformer weights not found: {source} is neither a folder nor a file")
+    if params is not None and params.shape_key() != file_params.shape_key():
+        wanted = params.describe().split(" (")[0] if params.variant != "other" else params.describe()
+        raise FluxKleinError(f"this checkpoint is {file_params.describe()} but {wanted} was requested")
+    model, _ = assemble("transformer", dataclasses.asdict(params or file_params), weights, dtype)
+    evaluate_by_layer(model)
+    return model
+
+
+def load_text_encoder(folder: str | Path, dtype: mx.Dtype = mx.bfloat16, expected_dim: int | None = None) -> Qwen3TextEncoder:
+    """Load the Qwen3 text encoder of a snapshot (`folder` or `folder/text_encoder`), evaluated.
+
+    Only the embedding and layers 1..27 are ever read from disk. `expected_dim` is the
+    transformer's `joint_attention_dim`; another width is refused before any weight is read.
+    """
+    folder = Path(folder)
+    if (folder / "text_encoder").is_dir():
+        folder = folder / "text_encoder"
+    elif not (folder / "config.json").is_file():
+        raise FluxKleinError(
+            f"missing text encoder: neither {folder / 'text_encoder'} nor {folder / 'config.json'} exists; "
+            "point to a FLUX.2 [klein] snapshot that has a text_encoder/ folder"
+        )
+    config = read_json(folder / "config.json")
+    if expected_dim is not None:
+        _check_text_width(expected_dim, Qwen3Config.from_dict(config), folder)
+    weights = sanitize_qwen3_weights(read_weight_files(component_files(folder), keep=keeps_key))
+    model, _ = assemble("text_encoder", config, weights, dtype)
+    evaluate_by_layer(model)
+    return model
+
+
+def load_vae(source: str | Path, dtype=mx.bfloat16, config: AutoEncoderConfig | None = None) -> AutoEncoder:
+    """Load the VAE from a diffusers `vae/` folder (or its snapshot) or a BFL `ae.safetensors` file.
+
+    A single file carries no config: it is `config`, by default the FLUX.2 VAE's. Evaluated.
+    """
+    source = Path(source)
+    if source.is_dir():
+        folder = source / "vae" if (source / "vae").is_dir() else source
+        config_dict = read_json(folder / "config.json")
+        files = component_files(folder)
+    elif source.is_file():
+        config_dict = dataclasses.asdict(config or AutoEncoderConfig.flux2())
+        files = [source]
+    else:
+        raise FluxKleinError(f"VAE not found: {source} is neither a vae/ folder nor an ae.safetensors file")
+    check_flux2(AutoEncoderConfig.from_dict(config_dict), None)
+    model, _ = assemble("vae", config_dict, sanitize("vae", read_weight_files(files)), dtype)
+    evaluate_by_layer(model)
+    return model

@@ -1,0 +1,309 @@
+"""Applying LoRAs to a klein transformer: fused into float weights, or a side path beside quantized ones.
+
+The effective update of one LoRA on one layer is `scale · (alpha / rank) · up @ down` (LoKr:
+`scale · factor · kron(w1, w2)`); several LoRAs add. On a float layer (nn.Linear, bf16/fp16/fp32)
+the sum is fused into the weight once (computed in float32, rounded once) and the original weight is
+kept, so removing or changing LoRAs restores it bit for bit. A quantized layer (nn.QuantizedLinear)
+is never dequantized: it becomes a `LoRAQuantizedLinear`, the same packed weights plus a low-rank
+side path `x @ down.T @ up.T` per update (LoKr: `w1 · X · w2.T` on x reshaped to (b, d)), so the
+memory added is the LoRA's own tensors.
+
+Everything is validated before the model is touched (`load_loras`): a LoRA that does not fit is
+refused with one line and the model is left as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .errors import FluxKleinError
+from .lora_formats import Term, parse_lora
+
+
+@dataclass
+class Lora:
+    """One LoRA file parsed, checked against a model's shapes, with the user's strength."""
+
+    name: str  # file name
+    sha256: str  # first 12 hex digits of the file's sha256
+    scale: float
+    format: str  # "A" diffusers/PEFT, "B" BFL, "C" PEFT-wrapped BFL, "D" kohya, "E" LoKr
+    terms: list[Term]
+    path: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the LoRA tensors held in memory."""
+        return sum(a.nbytes for t in self.terms for a in t.arrays())
+
+    def record(self) -> dict:
+        """What PNG metadata and config.json store about this LoRA."""
+        return {"name": self.name, "sha256": self.sha256, "scale": self.scale}
+
+
+def _spec(item) -> tuple[object, float]:
+    """A LoRA as the user wrote it: "file", ("file", scale) or ("file",) -> (source, scale)."""
+    if isinstance(item, (str, Path)):
+        return item, 1.0
+    if isinstance(item, (tuple, list)) and len(item) == 2:
+        source, scale = item
+    elif isinstance(item, (tuple, list)) and len(item) == 1:
+        raise FluxKleinError(f"LoRA {item[0]} has no scale value; give (path, scale) or just the path for 1.0")
+    else:
+        raise FluxKleinError(f"a LoRA must be a path or (path, scale), not {item!r}")
+    try:
+        scale = float(scale)
+    except (TypeError, ValueError):
+        raise FluxKleinError(f"LoRA {source}: scale {scale!r} is not a number") from None
+    if not math.isfinite(scale):
+        raise FluxKleinError(f"LoRA {source}: scale {scale} is not finite; use a number such as 0.8")
+    return source, scale
+
+
+def load_lora(source, params, scale: float = 1.0, partial: bool = False) -> Lora:
+    """Read one LoRA file (a path, `owner/name` or `owner/name:file.safetensors`) and map it onto a
+    transformer with hyper-parameters `params`.
+
+    Refuses (FluxKleinError, one line) damaged files, LoRAs for other models, and keys that match
+    no layer: all of them, or some of them unless `partial`.
+    """
+    from .weights import read_lora_file, resolve_lora
+
+    _, scale = _spec((source, scale))
+    path = resolve_lora(source)
+    tensors, metadata, sha = read_lora_file(path)
+    what = path.name
+    bad = [k for k, v in tensors.items() if not mx.all(mx.isfinite(v)).item()]
+    if bad:
+        raise FluxKleinError(f"LoRA {what} holds non-finite values (in {bad[0]}); the file is damaged, download it again")
+    parsed = parse_lora(tensors, metadata, params, what)
+    n, miss = parsed.n_modules, parsed.unmatched
+    head = ", ".join(miss[:3]) + (", ..." if len(miss) > 3 else "")
+    if not parsed.terms:
+        raise FluxKleinError(
+            f"LoRA {what} matches no layer of the model: none of its {n} modules ({head}) is a klein "
+            "transformer layer; it was made for another model"
+        )
+    if miss and not partial:
+        raise FluxKleinError(
+            f"LoRA {what}: {len(miss)} of its {n} modules match no layer of {params.describe()} ({head}); "
+            "load the rest anyway with --lora-partial (partial=True)"
+        )
+    return Lora(path.name, sha[:12], scale, parsed.format, parsed.terms, str(path))
+
+
+def pair_scales(sources, scales) -> list[tuple[object, float]]:
+    """LoRA sources and strengths given separately (as on the command line) -> (source, scale) pairs.
+
+    Scales go by position; LoRAs without one get 1.0; more scales than LoRAs is an error.
+    """
+    sources, scales = list(sources), list(scales)
+    if len(scales) > len(sources):
+        raise FluxKleinError(
+            f"--lora-scale is given {len(scales)} times but --lora {len(sources)} times; give one scale per LoRA, in order"
+        )
+    return [(s, scales[i] if i < len(scales) else 1.0) for i, s in enumerate(sources)]
+
+
+def load_loras(loras, params, partial: bool = False) -> list[Lora]:
+    """`["a.safetensors", ("b.safetensors", 0.8)]` -> validated `Lora`s, all read before any is applied."""
+    if loras is None:
+        return []
+    if isinstance(loras, (str, Path)):
+        loras = [loras]
+    return [load_lora(source, params, scale, partial) for source, scale in map(_spec, loras)]
+
+
+# --- the side path ------------------------------------------------------------------------------------
+
+
+def _term_output(t: Term, x: mx.array, cols: tuple[int, int], rows: tuple[int, int]) -> mx.array:
+    """factor · x @ delta[rows, cols].T for one term, x (..., cols width) -> (..., rows width), in x's dtype."""
+    c0, c1 = cols
+    r0, r1 = rows
+    if t.down is not None:
+        h = x @ t.down[:, c0:c1].astype(x.dtype).T  # (..., r)
+        return (h @ t.up[r0:r1].astype(x.dtype).T) * t.factor
+    a, b = t.w1.shape
+    c, d = t.w2.shape
+    if c0 % d == 0 and c1 % d == 0 and not t.swap:
+        # kron(w1, w2) x = vec(w1 · X · w2.T) with X = x reshaped (b, d): never builds the (a·c, b·d) matrix
+        X = x.reshape(*x.shape[:-1], (c1 - c0) // d, d)
+        y = mx.einsum("ij,...jl,kl->...ik", t.w1[:, c0 // d : c1 // d].astype(x.dtype), X, t.w2.astype(x.dtype))
+        return y.reshape(*x.shape[:-1], a * c)[..., r0:r1] * t.factor
+    return (x @ _delta(t)[r0:r1, c0:c1].astype(x.dtype).T) * t.factor
+
+
+def _delta(t: Term) -> mx.array:
+    """The term's dense update (rows, in) in float32, without its factor."""
+    if t.down is not None:
+        return t.up.astype(mx.float32) @ t.down.astype(mx.float32)
+    d = mx.kron(t.w1.astype(mx.float32), t.w2.astype(mx.float32))
+    if t.swap:
+        half = d.shape[0] // 2
+        d = mx.concatenate([d[half:], d[:half]], axis=0)
+    return d
+
+
+class _Hidden:
+    """A plain holder: what it holds is not a parameter or child of the module that keeps it, so saving,
+    strict loads and `parameters()` never see the LoRA tensors or the wrapped layer."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class LoRAQuantizedLinear(nn.QuantizedLinear):
+    """A QuantizedLinear with LoRA updates beside it: `quantized(x) + sum of low-rank terms`.
+
+    The packed weight, scales and biases are the original layer's arrays (same names, so the
+    model's parameters do not change); `base` gives the original layer back.
+    """
+
+    def __init__(self, base: nn.QuantizedLinear, terms: list[Term]):
+        nn.Module.__init__(self)
+        self.group_size, self.bits, self.mode = base.group_size, base.bits, base.mode
+        for k, v in base.items():
+            self[k] = v
+        self._base = _Hidden(base)
+        self._lora = _Hidden(terms)
+        self.freeze()
+
+    @property
+    def base(self) -> nn.QuantizedLinear:
+        return self._base.value
+
+    @property
+    def out_dims(self) -> int:
+        return self["weight"].shape[0]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return super().__call__(x) + self.side_path(x)
+
+    def side_path(self, x: mx.array, rows: slice = slice(None), cols: tuple = (0, None)) -> mx.array:
+        """The LoRA share of `x @ W[rows, c0:c1].T` (x holds only columns c0:c1); zeros where no term lands."""
+        r0, r1, _ = rows.indices(self.out_dims)
+        c0, c1 = cols[0], x.shape[-1] + cols[0]
+        whole, pieces = None, {}
+        for t in self._lora.value:
+            lo, hi = max(t.rows[0], r0), min(t.rows[1], r1)
+            if lo >= hi:
+                continue
+            y = _term_output(t, x, (c0, c1), (lo - t.rows[0], hi - t.rows[0]))
+            if (lo, hi) == (r0, r1):
+                whole = y if whole is None else whole + y
+            else:
+                pieces[(lo, hi)] = y + pieces[(lo, hi)] if (lo, hi) in pieces else y
+        if pieces:
+            # Row blocks (q, k, v of a fused qkv) are disjoint: concatenate them with zeros in the gaps.
+            parts, at = [], r0
+            for (lo, hi), y in sorted(pieces.items()):
+                if lo > at:
+                    parts.append(mx.zeros((*x.shape[:-1], lo - at), dtype=x.dtype))
+                parts.append(y)
+                at = hi
+            if at < r1:
+                parts.append(mx.zeros((*x.shape[:-1], r1 - at), dtype=x.dtype))
+            blocks = mx.concatenate(parts, axis=-1)
+            whole = blocks if whole is None else whole + blocks
+        return whole if whole is not None else mx.zeros((*x.shape[:-1], r1 - r0), dtype=x.dtype)
+
+
+# --- applying and removing ------------------------------------------------------------------------------
+
+
+class LoraState:
+    """What `apply_loras` changed on a model: original float weights and the wrapped quantized layers."""
+
+    def __init__(self, loras: list[Lora], keep_originals: bool):
+        self.loras = loras
+        self.keep_originals = keep_originals
+        self.originals: dict[str, mx.array] = {}  # layer path -> original float weight
+        self.fused: list[str] = []  # float layers with updates fused in
+        self.wrapped: list[str] = []  # layer paths now LoRAQuantizedLinear
+
+
+def _get(model: nn.Module, path: str):
+    obj = model
+    for p in path.split("."):
+        obj = obj[int(p)] if isinstance(obj, list) else getattr(obj, p)
+    return obj
+
+
+def _set(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, last = path.rpartition(".")
+    parent = _get(model, parent_path) if parent_path else model
+    if isinstance(parent, list):
+        parent[int(last)] = module
+    else:
+        setattr(parent, last, module)
+
+
+def applied_loras(model: nn.Module) -> list[Lora]:
+    """The LoRAs currently applied to `model` (empty when none)."""
+    state = getattr(model, "lora_state", None)
+    return list(state.loras) if state is not None else []
+
+
+def remove_loras(model: nn.Module) -> None:
+    """Undo `apply_loras`: original float weights back bit for bit, side paths dropped."""
+    state = getattr(model, "lora_state", None)
+    if state is None:
+        return
+    if state.fused and not state.keep_originals:
+        raise FluxKleinError("these LoRAs were fused without keeping the original weights; reload the model to remove them")
+    for path, weight in state.originals.items():
+        _get(model, path).weight = weight
+    for path in state.wrapped:
+        _set(model, path, _get(model, path).base)
+    model.lora_state = None
+
+
+def apply_loras(model: nn.Module, loras: list[Lora], keep_originals: bool = True, evaluate: bool = True) -> None:
+    """Apply `loras` (from `load_loras`) to a klein transformer, replacing whatever was applied before.
+
+    Float layers get the summed update fused into their weight (the original is kept for
+    `remove_loras`, unless `keep_originals` is False: then the LoRAs cost only their own size but can
+    only be removed by reloading the model); quantized layers get a side path. `evaluate=False` leaves
+    the fused weights lazy (conversion writes them one at a time). Shapes were checked against the model's
+    hyper-parameters when the LoRAs were read; a model with other shapes is refused here before
+    anything changes.
+    """
+    by_layer: dict[str, list[Term]] = {}
+    for lora in loras:
+        for t in lora.terms:
+            by_layer.setdefault(t.layer, []).append(replace(t, factor=t.factor * lora.scale))
+    remove_loras(model)
+    for path, terms in by_layer.items():  # check every layer before changing one
+        try:
+            layer = _get(model, path)
+        except (AttributeError, IndexError, KeyError, ValueError):
+            raise FluxKleinError(f"the model has no layer {path}; the LoRA was read for another model") from None
+        out = layer.weight.shape[0]
+        if any(t.rows[1] > out for t in terms):
+            raise FluxKleinError(f"layer {path} has {out} outputs; the LoRA was read for another model")
+    state = LoraState(list(loras), keep_originals)
+    new_weights = []
+    for path, terms in by_layer.items():
+        layer = _get(model, path)
+        if isinstance(layer, nn.QuantizedLinear):
+            _set(model, path, LoRAQuantizedLinear(layer, terms))
+            state.wrapped.append(path)
+            continue
+        W = layer.weight  # (out, in)
+        delta = mx.zeros(W.shape, dtype=mx.float32)
+        for t in terms:
+            delta = delta.at[t.rows[0] : t.rows[1]].add(t.factor * _delta(t))
+        state.fused.append(path)
+        if keep_originals:
+            state.originals[path] = W
+        layer.weight = (W.astype(mx.float32) + delta).astype(W.dtype)  # one rounding
+        new_weights.append(layer.weight)
+    if evaluate:
+        mx.eval(new_weights)
+    model.lora_state = state if loras else None

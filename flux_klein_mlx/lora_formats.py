@@ -1,0 +1,338 @@
+"""LoRA files for klein: which format a file is (from its keys), and what each key does to which of our layers.
+
+Five formats are in use (docs/lora-and-modes.md); the names differ, the mathematics does not:
+
+    A  diffusers / PEFT   transformer.transformer_blocks.0.attn.to_q.lora_A.weight   alpha: metadata, else rank
+    B  BFL names          diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight  alpha: `.alpha` key, else rank
+    C  PEFT-wrapped BFL   base_model.model.double_blocks.0.img_attn.qkv.lora_A.weight  as B
+    D  kohya / musubi     lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight     alpha: `.alpha` key, else rank
+    E  LyCORIS LoKr       double_blocks.0.img_attn.qkv.lokr_w1 (+ lokr_w2, _a/_b)     delta = kron(w1, w2)
+
+Every key is looked up in one table built from the model's own hyper-parameters: our (BFL) module
+paths, diffusers' names, and both written with underscores (kohya/LyCORIS). An entry is a `Target`:
+our layer, the rows of its output the named module covers (diffusers' separate q/k/v inside our
+fused qkv and `linear1`), and whether the rows come in diffusers' [scale ; shift] order (the final
+layer's modulation, ours is [shift ; scale]). The result is a list of `Term`s, each one update
+`factor · up @ down` (or `factor · kron(w1, w2)`) for a row range of one layer, with the halves
+already in our order. Nothing here touches a model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .errors import FluxKleinError
+
+# Module-name prefixes, longest first, and the format they say.
+_PREFIXES = (
+    ("base_model.model.diffusion_model.", "C"), ("base_model.model.", "C"), ("model.diffusion_model.", "B"),
+    ("diffusion_model.", "B"), ("transformer.", "A"),
+)  # fmt: skip
+_UNDERSCORE_PREFIXES = ("lora_unet_", "lora_transformer_", "lycoris_")
+# Key endings -> the role of the tensor. PEFT's adapter name (".default") is optional.
+_ROLE = re.compile(
+    r"^(?P<module>.+?)\.(?:(?P<lora>lora_[AB]|lora_down|lora_up|lora\.down|lora\.up)(?:\.[A-Za-z0-9_]+)?\.weight"
+    r"|(?P<lokr>lokr_w[12](?:_[ab])?|lokr_t[12])|(?P<alpha>alpha)|(?P<other>dora_scale|lora_magnitude_vector.*|"
+    r"(?:lora_[AB]|lora_down|lora_up)\.bias|diff|diff_b|hada_w[12]_[ab]))$"
+)
+_DOWN = {"lora_A", "lora_down", "lora.down"}
+# Keys that only other model families have, and the family they name.
+_FOREIGN_MARKERS = (
+    (("down_blocks", "up_blocks", "mid_block", "input_blocks", "output_blocks", "lora_te1_", "lora_te2_",
+      "text_model", "conditioner"), "an SDXL / Stable Diffusion UNet"),
+    ((".img_mod.", ".txt_mod.", "_img_mod_", "_txt_mod_", "vector_in", "time_text_embed", ".norm1.linear",
+      ".norm1_context.", "_norm1_linear", "_norm1_context_", "ff.net.", "ff_net_"), "FLUX.1"),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a named module lands in our model: a layer, a row range of its output, and the row order."""
+
+    layer: str  # our module path, e.g. "double_blocks.0.img_attn.qkv"
+    rows: tuple[int, int]  # [start, stop) of the layer's output rows
+    swap: bool = False  # rows given as [scale ; shift] (diffusers' norm_out), ours are [shift ; scale]
+
+
+@dataclass
+class Term:
+    """One update of one layer: `factor · up @ down` (or `factor · kron(w1, w2)`) added to rows [r0, r1)."""
+
+    layer: str
+    rows: tuple[int, int]
+    factor: float  # alpha / rank (LoKr: alpha / rank of its decomposed factor, or 1)
+    down: mx.array | None = None  # (r, in)
+    up: mx.array | None = None  # (r1 - r0, r), halves already in our order
+    w1: mx.array | None = None  # LoKr (a, b)
+    w2: mx.array | None = None  # LoKr (c, d); kron(w1, w2) is (a·c, b·d)
+    swap: bool = False  # LoKr only: roll the output halves (low-rank terms are swapped at parse time)
+    key: str = ""  # the module name in the file, for messages
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, in) of the update."""
+        if self.down is not None:
+            return self.up.shape[0], self.down.shape[1]
+        return self.w1.shape[0] * self.w2.shape[0], self.w1.shape[1] * self.w2.shape[1]
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.down, self.up, self.w1, self.w2) if a is not None]
+
+
+@dataclass
+class ParsedLora:
+    """A LoRA file's updates, mapped onto our layers (not yet scaled by the user's strength)."""
+
+    format: str  # "A".."E"
+    terms: list[Term]
+    unmatched: list[str] = field(default_factory=list)  # module names that match no layer
+    n_modules: int = 0
+
+
+def layer_shapes(params) -> dict[str, tuple[int, int]]:
+    """(out, in) of every Linear of a klein transformer with `params`, by our module path (no allocation)."""
+    D, M, C = params.hidden_size, params.mlp_hidden, params.in_channels
+    shapes = {
+        "img_in": (D, C), "txt_in": (D, params.context_in_dim), "time_in.in_layer": (D, params.time_channels),
+        "time_in.out_layer": (D, D), "double_stream_modulation_img.lin": (6 * D, D),
+        "double_stream_modulation_txt.lin": (6 * D, D), "single_stream_modulation.lin": (3 * D, D),
+        "final_layer.adaLN_modulation.1": (2 * D, D), "final_layer.linear": (C, D),
+    }  # fmt: skip
+    for i in range(params.depth):
+        for s in ("img", "txt"):
+            b = f"double_blocks.{i}.{s}"
+            shapes.update({f"{b}_attn.qkv": (3 * D, D), f"{b}_attn.proj": (D, D), f"{b}_mlp.0": (2 * M, D),
+                           f"{b}_mlp.2": (D, M)})  # fmt: skip
+    for j in range(params.depth_single):
+        shapes[f"single_blocks.{j}.linear1"] = (3 * D + 2 * M, D)
+        shapes[f"single_blocks.{j}.linear2"] = (D, D + M)
+    return shapes
+
+
+def target_table(params) -> dict[str, Target]:
+    """Every module name a klein LoRA may use (ours, diffusers', dotted and underscored) -> its Target."""
+    from .transformer import _DIFFUSERS_DOUBLE, _DIFFUSERS_SINGLE, _DIFFUSERS_TOP, _QKV
+
+    D, M = params.hidden_size, params.mlp_hidden
+    shapes = layer_shapes(params)
+    table = {path: Target(path, (0, out)) for path, (out, _) in shapes.items()}
+
+    def full(theirs: str, ours: str) -> None:
+        table[theirs] = Target(ours, (0, shapes[ours][0]))
+
+    for theirs, ours in _DIFFUSERS_TOP.items():
+        full(theirs, ours)
+    table["norm_out.linear"] = Target("final_layer.adaLN_modulation.1", (0, 2 * D), swap=True)
+    for i in range(params.depth):
+        for theirs, ours in _DIFFUSERS_DOUBLE.items():
+            if not theirs.endswith(".weight"):  # the norms are not Linears
+                full(f"transformer_blocks.{i}.{theirs}", f"double_blocks.{i}.{ours}")
+        for ours, parts in _QKV.items():
+            for n, part in enumerate(parts):  # diffusers' q, k, v are row blocks of our fused qkv
+                table[f"transformer_blocks.{i}.{part}"] = Target(f"double_blocks.{i}.{ours}", (n * D, (n + 1) * D))
+        # diffusers' own fused projections (after `fuse_qkv_projections`, as its LoKr loader uses)
+        full(f"transformer_blocks.{i}.attn.to_qkv", f"double_blocks.{i}.img_attn.qkv")
+        full(f"transformer_blocks.{i}.attn.to_added_qkv", f"double_blocks.{i}.txt_attn.qkv")
+    for j in range(params.depth_single):
+        for theirs, ours in _DIFFUSERS_SINGLE.items():
+            if not theirs.endswith(".weight"):
+                full(f"single_transformer_blocks.{j}.{theirs}", f"single_blocks.{j}.{ours}")
+        # Separate q/k/v/MLP-in names for the fused linear1, rows [q | k | v | a | b]
+        for n, part in enumerate(("to_q", "to_k", "to_v")):
+            table[f"single_transformer_blocks.{j}.attn.{part}"] = Target(f"single_blocks.{j}.linear1", (n * D, (n + 1) * D))
+        table[f"single_transformer_blocks.{j}.proj_mlp"] = Target(f"single_blocks.{j}.linear1", (3 * D, 3 * D + 2 * M))
+    table.update({name.replace(".", "_"): t for name, t in list(table.items())})
+    return table
+
+
+# --- reading the keys ---------------------------------------------------------------------------------
+
+
+def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str, mx.array]], str]:
+    """Keys -> {module name (prefix stripped): {role: tensor}}, and the format letter."""
+    modules: dict[str, dict[str, mx.array]] = {}
+    kinds = set()
+    unknown = []
+    for key, value in tensors.items():
+        m = _ROLE.match(key)
+        if m is None:
+            unknown.append(key)
+            continue
+        if m.group("other"):
+            what_ = "DoRA" if "dora" in key or "magnitude" in key else "LoRA bias / LoHa / full-diff"
+            raise FluxKleinError(
+                f"LoRA {what} holds {what_} weights ({key}), which flux_klein_mlx does not apply; "
+                "use a plain LoRA or LoKr"
+            )
+        name = m.group("module")
+        role = m.group("lora") or m.group("lokr") or "alpha"
+        if m.group("lora"):
+            role = "down" if role in _DOWN else "up"
+        kind = "E" if m.group("lokr") else None
+        if name.startswith(_UNDERSCORE_PREFIXES):
+            kind = kind or "D"
+            for p in _UNDERSCORE_PREFIXES:
+                name = name.removeprefix(p)
+        else:
+            for p, letter in _PREFIXES:
+                if name.startswith(p):
+                    name, kind = name[len(p) :], kind or letter
+                    break
+        kinds.add(kind)
+        modules.setdefault(name, {})[role] = value
+    if unknown:
+        raise FluxKleinError(
+            f"LoRA {what} has {len(unknown)} key(s) that are not LoRA/LoKr weights "
+            f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}); is it a model checkpoint?"
+        )
+    letters = sorted(k for k in kinds if k)
+    fmt = letters[0] if letters else ("B" if any(n.startswith(("double_blocks", "single_blocks")) for n in modules) else "A")
+    if "E" in letters:
+        fmt = "E"
+    return modules, fmt
+
+
+def _metadata_alpha(metadata: dict | None, what: str):
+    """PEFT's adapter config from the `lora_adapter_metadata` header entry -> alpha(module, rank) or None."""
+    raw = (metadata or {}).get("lora_adapter_metadata")
+    if not raw:
+        return None
+    try:
+        config = json.loads(raw)
+        config = {k.removeprefix("transformer."): v for k, v in config.items()}
+        alpha = float(config.get("lora_alpha", 8))  # PEFT's LoraConfig default, as diffusers would build it
+        patterns = {str(k).lstrip("^"): float(v) for k, v in (config.get("alpha_pattern") or {}).items()}
+        rslora = bool(config.get("use_rslora", False))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise FluxKleinError(f"LoRA {what} has a damaged lora_adapter_metadata header ({e}); re-export it") from None
+
+    def alpha_for(module: str, rank: int) -> float:
+        a = next((v for p, v in patterns.items() if module == p or module.endswith("." + p)), alpha)
+        return a / math.sqrt(rank) * rank if rslora else a  # rsLoRA: scale alpha / sqrt(r)
+
+    return alpha_for
+
+
+def _scalar(a: mx.array, what: str, key: str) -> float:
+    if a.size != 1:
+        raise FluxKleinError(f"LoRA {what}: {key}.alpha has {a.size} values, expected one; the file is damaged")
+    return float(a.astype(mx.float32).item())
+
+
+def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what: str) -> ParsedLora:
+    """Map a LoRA state dict onto our layers; `what` names the file in messages.
+
+    Raises FluxKleinError for foreign models, damaged or incomplete pairs and wrong shapes.
+    Module names that match no layer are returned in `unmatched` (the caller decides).
+    """
+    if not tensors:
+        raise FluxKleinError(f"LoRA {what} holds no tensors; download it again")
+    modules, fmt = _group(tensors, what)
+    names = list(modules)
+    for markers, family in _FOREIGN_MARKERS:
+        hit = next((n for n in names for mk in markers if mk in n), None)
+        if hit:
+            raise FluxKleinError(
+                f"LoRA {what} was made for {family}, not FLUX.2 [klein] (module {hit}); use a LoRA trained for klein"
+            )
+    table = target_table(params)
+    shapes = layer_shapes(params)
+    meta_alpha = _metadata_alpha(metadata, what) if fmt == "A" else None
+    terms, unmatched, foreign = [], [], []
+    for name, parts in modules.items():
+        target = table.get(name)
+        if target is None:
+            unmatched.append(name)
+            continue
+        term = _term(name, parts, target, meta_alpha, what)
+        rows = target.rows[1] - target.rows[0]
+        want = (rows, shapes[target.layer][1])
+        if term.shape != want:
+            foreign.append((name, term, want))
+            continue
+        terms.append(term)
+    if foreign:
+        raise FluxKleinError(_foreign_message(foreign, params, what))
+    return ParsedLora(fmt, terms, sorted(unmatched), len(modules))
+
+
+def _term(name: str, parts: dict[str, mx.array], target: Target, meta_alpha, what: str) -> Term:
+    alpha = _scalar(parts["alpha"], what, name) if "alpha" in parts else None
+    for a in parts.values():
+        if not mx.issubdtype(a.dtype, mx.floating):
+            raise FluxKleinError(f"LoRA {what}: {name} holds {a.dtype} values, not floats; the file is damaged")
+    if "down" in parts or "up" in parts:
+        if "down" not in parts or "up" not in parts:
+            have, miss = ("down", "up") if "down" in parts else ("up", "down")
+            raise FluxKleinError(f"LoRA {what} is incomplete: {name} has a {have} matrix but no {miss} matrix")
+        down, up = parts["down"], parts["up"]
+        if down.ndim != 2 or up.ndim != 2 or down.shape[0] != up.shape[1]:
+            raise FluxKleinError(
+                f"LoRA {what}: {name} has down {tuple(down.shape)} and up {tuple(up.shape)}, which do not form "
+                "a rank-r pair (convolution LoRAs do not apply to klein); the file is damaged"
+            )
+        rank = down.shape[0]
+        if alpha is None:
+            alpha = meta_alpha(name, rank) if meta_alpha else float(rank)
+        if target.swap and up.shape[0] % 2 == 0:  # [scale ; shift] -> [shift ; scale]
+            half = up.shape[0] // 2
+            up = mx.concatenate([up[half:], up[:half]], axis=0)
+        return Term(target.layer, target.rows, alpha / rank, down=down, up=up, key=name)
+    # LoKr: each factor is stored whole (w1) or as a product (w1_a @ w1_b).
+    factors, rank = [], None
+    for n in ("w1", "w2"):
+        if f"lokr_{n}" in parts:
+            factors.append(parts[f"lokr_{n}"])
+        elif f"lokr_{n}_a" in parts and f"lokr_{n}_b" in parts:
+            a, b = parts[f"lokr_{n}_a"], parts[f"lokr_{n}_b"]
+            if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+                raise FluxKleinError(f"LoRA {what}: {name}.lokr_{n}_a/_b do not multiply; the file is damaged")
+            factors.append(a @ b)
+            rank = b.shape[0] if n == "w2" or rank is None else rank  # LyCORIS: w2's rank wins
+        else:
+            raise FluxKleinError(f"LoRA {what} is incomplete: {name} has no lokr_{n} (nor lokr_{n}_a/_b)")
+    if "lokr_t1" in parts or "lokr_t2" in parts or any(f.ndim != 2 for f in factors):
+        raise FluxKleinError(f"LoRA {what}: {name} is a convolution (Tucker) LoKr, which does not apply to klein")
+    # LyCORIS scales by alpha / rank only when a factor is decomposed; whole factors are used as they are.
+    factor = alpha / rank if (alpha is not None and rank) else 1.0
+    return Term(target.layer, target.rows, factor, w1=factors[0], w2=factors[1], swap=target.swap, key=name)
+
+
+# Known transformers by hidden size (4B and FLUX.1 share 3072; FLUX.1's MLP is 4x, klein's SwiGLU 2 x 3x).
+_HIDDEN = {3072: "FLUX.2 [klein] 4B", 4096: "FLUX.2 [klein] 9B", 6144: "FLUX.2-dev"}
+
+
+def _foreign_message(foreign: list, params, what: str) -> str:
+    """Name the model a LoRA was made for, when its shapes tell; else name the first mismatch."""
+    D = params.hidden_size
+    hidden = set()
+    flux1 = False
+    for name, term, (rows, cols) in foreign:
+        layer = term.layer
+        if cols == D and not layer.endswith(("linear2", "_mlp.2")):  # layers whose input is the hidden state
+            hidden.add(term.shape[1])
+        if layer.endswith("_mlp.0") and term.shape[0] == 4 * term.shape[1]:
+            flux1 = True  # FLUX.1's GELU MLP (4D) instead of klein's SwiGLU (2 x 3D)
+        if layer.endswith("linear1") and term.shape[0] == 7 * term.shape[1]:
+            flux1 = True  # FLUX.1's single block: 3D qkv + 4D MLP
+        if layer == "img_in" and term.shape[1] == 64:
+            flux1 = True
+    name, term, want = foreign[0]
+    if len(hidden) == 1 and D not in hidden:
+        h = hidden.pop()
+        family = "FLUX.1" if flux1 else _HIDDEN.get(h, f"a transformer with hidden size {h}")
+        return (
+            f"LoRA {what} was made for {family} (hidden size {h}), but the model is {params.describe()}; "
+            "use a LoRA trained for this model"
+        )
+    if flux1:
+        return f"LoRA {what} was made for FLUX.1 (module {name}), but the model is {params.describe()}; use a klein LoRA"
+    return (
+        f"LoRA {what}: {name} updates a {term.shape[0]}x{term.shape[1]} block but {term.layer} needs {want[0]}x{want[1]} "
+        f"({len(foreign)} mismatched module(s)); it was made for another model than {params.describe()}"
+    )

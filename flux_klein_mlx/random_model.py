@@ -1,0 +1,98 @@
+"""A pipeline with random weights of a variant's true shapes, for benchmarks: nothing is downloaded.
+
+The pipeline is the real `FluxKleinPipeline`; only its loaders differ (they build each component
+from the variant's config and fill it with random values), so a benchmark times exactly the code
+that `generate` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .config import Variant
+from .loading import COMPONENTS, ModelInfo, build_module
+from .pipeline import FluxKleinPipeline
+from .quantize import evaluate_by_layer, quantize_model
+
+REAL_PROMPT_TOKENS = 40  # a typical prompt plus the chat template; the rest of the 512 is padding
+
+
+def randomize(model: nn.Module, dtype, seed: int) -> None:
+    """Give every parameter of a freshly built (lazy) model random values in `dtype`.
+
+    Matrices get N(0, 1/fan_in) so activations stay O(1) through the stack; vectors (norm scales,
+    biases, statistics) get 1. Each block is generated and evaluated on its own, so the model's
+    own lazy initialisers are never computed and the peak stays at the final weights' size.
+    """
+    # Group parameters by block ("double_blocks.3", "decoder", ...): one evaluation per group.
+    groups: dict[str, list[tuple[str, mx.array]]] = {}
+    for name, v in tree_flatten(model.parameters()):
+        m = re.match(r"^(.*?\.\d+)\.", name)
+        groups.setdefault(m.group(1) if m else name.split(".")[0], []).append((name, v))
+    key = mx.random.key(seed)
+    for items in groups.values():
+        new = []
+        for name, v in items:
+            key, k = mx.random.split(key)
+            if not mx.issubdtype(v.dtype, mx.floating):
+                continue
+            if v.ndim >= 2:
+                fan_in = math.prod(v.shape[1:])
+                new.append((name, mx.random.normal(v.shape, dtype=dtype, key=k) * (fan_in**-0.5)))
+            else:
+                new.append((name, mx.ones(v.shape, dtype=dtype)))
+        model.load_weights(new, strict=False)
+        mx.eval([v for _, v in new])
+
+
+class RandomTokens:
+    """Stands in for the tokenizer: random ids, `REAL_PROMPT_TOKENS` real ones and the rest padding."""
+
+    def __init__(self, vocab_size: int, seed: int):
+        self.vocab_size, self.seed = vocab_size, seed
+
+    def __call__(self, prompts, max_length: int = 512) -> tuple[mx.array, mx.array]:
+        n = 1 if isinstance(prompts, str) else len(prompts)
+        ids = mx.random.randint(0, self.vocab_size, (n, max_length), key=mx.random.key(self.seed))
+        mask = mx.broadcast_to((mx.arange(max_length) < REAL_PROMPT_TOKENS).astype(mx.int32), (n, max_length))
+        return ids.astype(mx.int32), mask
+
+
+def random_pipeline(
+    variant: Variant, dtype=mx.float32, quantize: int | None = None, seed: int = 0, low_memory: bool = False
+) -> FluxKleinPipeline:
+    """The pipeline of `variant` with random weights (`quantize` 4/8: transformer and text encoder,
+    quantized from the random weights as `convert` would)."""
+    configs = {
+        "transformer": dataclasses.asdict(variant.transformer),
+        "text_encoder": dataclasses.asdict(variant.text_encoder),
+        "vae": dataclasses.asdict(variant.vae),
+    }
+
+    def component(name: str, offset: int):
+        def make():
+            module = build_module(name, configs[name])
+            randomize(module, dtype, seed + offset)
+            if quantize and name != "vae":
+                quantize_model(module, quantize)
+                evaluate_by_layer(module)
+            return module
+
+        return make
+
+    info = ModelInfo(
+        source=f"random weights ({variant.name})", path=Path("."), format="random", is_distilled=variant.distilled,
+        configs=configs, files={}, quantization={n: None for n in COMPONENTS}, tokenizer=Path("."),
+    )  # fmt: skip
+    return FluxKleinPipeline(
+        component("transformer", 1), component("text_encoder", 0),
+        lambda: RandomTokens(variant.text_encoder.vocab_size, seed), component("vae", 2), info,
+        dtype=dtype, low_memory=low_memory, quantization={"bits": quantize, "group_size": 64} if quantize else None,
+    )  # fmt: skip

@@ -1,0 +1,117 @@
+"""`python -m flux_klein_mlx serve`: an OpenAI-compatible image server with a web page.
+
+Needs the `serve` extra (`pip install -e ".[serve]"`: Starlette, uvicorn, python-multipart). The
+model loads in the background; until it is ready the API answers 503.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+import click
+
+from .cli import run_command
+from .errors import FluxKleinError
+
+DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-4B"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_lora(value: str) -> tuple[str, float]:
+    """ "PATH" or "PATH:SCALE" -> (path, scale); the file must exist."""
+    path, scale = value, 1.0
+    head, sep, tail = value.rpartition(":")
+    if sep and head:
+        try:
+            path, scale = head, float(tail)
+        except ValueError:
+            path, scale = value, 1.0  # a ':' that is part of the path
+    if not Path(path).is_file():
+        raise FluxKleinError(f"--lora {path}: no such file; give a .safetensors LoRA file, optionally PATH:SCALE")
+    return str(Path(path).resolve()), scale
+
+
+@click.command("serve")
+@click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
+              help="Hugging Face repo id, diffusers folder, or a folder written by `convert`.")
+@click.option("--quantize", "-q", type=click.Choice(["4", "8"]), default=None,
+              help="Quantize transformer and text encoder at load.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--low-memory", is_flag=True, help="Release the transformer before decoding (small-memory Macs).")
+@click.option("--lora", "loras", multiple=True, help="LoRA file loaded with the model, PATH or PATH:SCALE; repeatable.")
+@click.option("--lora-dir", default=None, help="Folder of .safetensors LoRAs that requests may name (\"loras\").")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; anything but loopback requires --api-key.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--api-key", envvar="FLUX_KLEIN_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on /v1 (or set FLUX_KLEIN_API_KEY).")
+@click.option("--queue", "queue_size", type=click.IntRange(0, 1000), default=8, show_default=True,
+              help="Requests that may wait behind the running one; more get HTTP 429.")
+@click.option("--save-dir", default=None, help="Also save every result here (server-chosen file names).")
+@click.option("--max-upload-mb", type=click.FloatRange(0.1, 200), default=20, show_default=True,
+              help="Largest accepted image upload.")
+@click.option("--model-id", default=None, help="The model name clients use [default: the last part of --model].")
+def serve(model, quantize, dtype, low_memory, loras, lora_dir, host, port, api_key, queue_size, save_dir,
+          max_upload_mb, model_id):
+    """Serve the OpenAI Images API and a web page with live step previews."""
+    try:
+        import uvicorn  # noqa: F401
+        import starlette  # noqa: F401
+        import multipart  # noqa: F401  (python-multipart, for uploads)
+    except ImportError as e:
+        raise FluxKleinError(f"serve needs the serve extra ({e.name} is missing): pip install -e \".[serve]\"") from None
+    if not is_loopback(host) and not api_key:
+        raise FluxKleinError(f"--host {host} exposes the server beyond this machine; set --api-key KEY too "
+                             "(clients then send 'Authorization: Bearer KEY')")
+    for name, folder in (("--save-dir", save_dir), ("--lora-dir", lora_dir)):
+        if folder is not None and not Path(folder).is_dir():
+            raise FluxKleinError(f"{name} {folder} is not an existing folder; create it first")
+
+    from .jobs import Worker, load_supports_loras
+
+    base_loras = tuple(parse_lora(v) for v in loras)
+    if (base_loras or lora_dir) and not load_supports_loras():
+        raise FluxKleinError("--lora/--lora-dir need LoRA support (flux_klein_mlx.load(loras=...)), which this "
+                             "build does not have yet")
+
+    import uvicorn
+
+    import flux_klein_mlx
+
+    from .api import MB, ServerOptions, create_app
+
+    bits = int(quantize) if quantize else None
+
+    def loader(lora_list: tuple):
+        extra = {"loras": list(lora_list)} if lora_list else {}
+        return flux_klein_mlx.load(model, dtype=dtype, quantize=bits, low_memory=low_memory, **extra)
+
+    model_id = model_id or Path(str(model).rstrip("/")).name
+    options = ServerOptions(model_id=model_id, api_key=api_key, lora_dir=Path(lora_dir) if lora_dir else None,
+                            save_dir=Path(save_dir) if save_dir else None, max_upload_bytes=int(max_upload_mb * MB))
+    worker = Worker(loader, max_queue=queue_size, base_loras=base_loras,
+                    metadata={"model": model_id, "dtype": dtype})
+    worker.start()
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(f"loading {model}; serving {model_id!r} at http://{shown}:{port}/ (API: http://{shown}:{port}/v1)",
+               err=True)
+    try:
+        uvicorn.run(create_app(worker, options), host=host, port=port, log_level="warning",
+                    timeout_graceful_shutdown=5)
+    finally:
+        worker.stop()
+    if worker.state == "failed":
+        raise FluxKleinError(f"the model failed to load: {worker.error}")
+
+
+def main(argv=None):
+    return run_command(serve, argv)

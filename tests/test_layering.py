@@ -1,0 +1,80 @@
+"""Who may import whom (ARCHITECTURE.md), checked on the package's source with `ast`.
+
+- model files (transformer, text_encoder, vae, rope) import no file I/O, loading, pipeline or CLI;
+- the library (pipeline, loading, ...) never imports a CLI module;
+- no import cycles, counting function-local imports too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "flux_klein_mlx"
+MODEL_FILES = {"transformer", "text_encoder", "vae", "rope"}
+# The applications: CLI commands and the server (its HTTP app and worker).
+CLI_MODULES = {"__main__", "cli", "generate", "convert", "benchmark", "serve", "api", "jobs"}
+IO_MODULES = {"weights", "loading", "pipeline"}
+
+
+def package_imports() -> dict[str, set[str]]:
+    """module -> the package modules it imports anywhere in its source (relative or absolute)."""
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.glob("*.py"):
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level == 1 and node.module:  # from .x import y
+                    found.add(node.module.split(".")[0])
+                elif node.level == 1:  # from . import x
+                    found.update(a.name for a in node.names)
+                elif node.module and node.module.startswith("flux_klein_mlx."):
+                    found.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("flux_klein_mlx."))
+        graph[path.stem] = {m for m in found if m in modules and m != path.stem}
+    return graph
+
+
+def test_model_files_never_read_files_or_reach_up():
+    graph = package_imports()
+    for model in MODEL_FILES:
+        bad = graph[model] & (IO_MODULES | CLI_MODULES)
+        assert not bad, f"{model}.py imports {sorted(bad)}"
+
+
+def test_library_never_imports_a_cli_module():
+    graph = package_imports()
+    for module, imports in graph.items():
+        if module in CLI_MODULES:
+            continue
+        bad = imports & CLI_MODULES
+        assert not bad, f"{module}.py (library) imports CLI module(s) {sorted(bad)}"
+
+
+def test_no_import_cycles():
+    graph = package_imports()
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for dep in sorted(graph[module]):
+            if state.get(dep) == 1:
+                cycle = path[path.index(dep):] + [dep] if dep in path else [module, dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_the_walker_sees_relative_and_absolute_imports(tmp_path):
+    """The checks above are only as good as the walker: it must see every import form."""
+    graph = package_imports()
+    assert "loading" in graph["pipeline"]  # from .loading import ...
+    assert "config" in graph["transformer"]
+    assert "cli" in graph["generate"]

@@ -1,0 +1,683 @@
+"""LoRAs on the tiny klein snapshot: every format against diffusers' own LoRA loading, LoKr against a
+numpy delta, quantized side paths against the fused float path, exact unfusing, and every refusal.
+
+The LoRA files are random and written here in each format's exact key layout. diffusers
+(`Flux2KleinPipeline.load_lora_weights` + `set_adapters`) is the judge, except where it is known
+wrong or silent: its Flux2 converter maps BFL `final_layer.adaLN_modulation.1` onto `norm_out.linear`
+without swapping the shift/scale halves, and its kohya converter drops the modulation layers; those
+updates are merged into the reference's weights here, by hand, in diffusers' row order.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from mlx.utils import tree_flatten
+from refs import rel_err
+from safetensors.torch import save_file
+from tiny_model import LATENT_CHANNELS, TRANSFORMER, shared_tiny_snapshot
+
+import flux_klein_mlx
+from flux_klein_mlx.errors import FluxKleinError
+from flux_klein_mlx.lora import LoRAQuantizedLinear, apply_loras, applied_loras, load_loras, remove_loras
+from flux_klein_mlx.quantize import dequantize_model
+from flux_klein_mlx.config import FluxKleinParams
+
+C = 4 * LATENT_CHANNELS
+PARAMS = FluxKleinParams.from_dict(TRANSFORMER)
+D, M = PARAMS.hidden_size, PARAMS.mlp_hidden  # 64, 192
+H, W = 64, 64
+STEPS = 2
+PROMPT = "a lighthouse at dusk"
+
+
+@pytest.fixture(scope="module")
+def snap(tmp_path_factory):
+    return shared_tiny_snapshot(tmp_path_factory, distilled=True)
+
+
+@pytest.fixture(scope="module")
+def ref_pipe(snap):
+    """One diffusers pipeline for the module, its prompt encoded once; each reference runs on a fresh copy
+    of its transformer. Images are memoised by the bytes of the LoRA files and the merges."""
+    from diffusers import Flux2KleinPipeline
+
+    pipe = Flux2KleinPipeline.from_pretrained(snap, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        embeds, _ = pipe.encode_prompt(prompt=PROMPT, device="cpu")
+    return pipe, copy.deepcopy(pipe.transformer), embeds, {}
+
+
+@pytest.fixture(scope="module")
+def our_pipe(snap):
+    """One pipeline for the module (its prompt embeddings cached); tests change LoRAs with set_loras."""
+    return flux_klein_mlx.load(snap, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def lat():
+    return np.random.default_rng(5).standard_normal((1, C, H // 16, W // 16)).astype(np.float32)
+
+
+class Rand:
+    """Random LoRA factors: down ~ N(0, 1/in), up ~ N(0, 0.5^2/r), so updates are a fair share of the weights."""
+
+    def __init__(self, seed):
+        self.g = torch.Generator().manual_seed(seed)
+
+    def pair(self, out, inp, r):
+        down = torch.randn(r, inp, generator=self.g) / math.sqrt(inp)
+        up = 0.5 * torch.randn(out, r, generator=self.g) / math.sqrt(r)
+        return down, up
+
+    def mat(self, *shape, s=1.0):
+        return s * torch.randn(*shape, generator=self.g)
+
+
+# --- the reference --------------------------------------------------------------------------------------
+
+
+def reference(ref_pipe, lat, files=(), weights=None, merge=()):
+    """diffusers' image with `files` loaded as adapters (and `set_adapters(weights)`), plus `merge`:
+    (diffusers module, delta in diffusers' row order) added to the base weights first."""
+    import hashlib
+
+    pipe, base, embeds, memo = ref_pipe
+    key = hashlib.sha256(repr(weights).encode())
+    for f in files:
+        key.update(f.read_bytes())
+    for m, d in merge:
+        key.update(m.encode() + np.ascontiguousarray(d, np.float32).tobytes())
+    key = key.hexdigest()
+    if key in memo:
+        return memo[key]
+    pipe.transformer = copy.deepcopy(base)
+    with torch.no_grad():
+        for module, delta in merge:
+            pipe.transformer.get_submodule(module).weight += torch.as_tensor(delta, dtype=torch.float32)
+    names = [f"l{i}" for i in range(len(files))]
+    for f, name in zip(files, names):
+        pipe.load_lora_weights(str(f), adapter_name=name)
+    if weights is not None:
+        pipe.set_adapters(names, weights)
+    with torch.no_grad():
+        memo[key] = pipe(prompt_embeds=embeds, height=H, width=W, num_inference_steps=STEPS, output_type="np",
+                         latents=torch.from_numpy(lat)).images[0]
+    return memo[key]
+
+
+def ours(pipe, lat, loras):
+    pipe.set_loras(loras)
+    return pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np"), pipe
+
+
+def swap_halves(x):
+    h = x.shape[0] // 2
+    return np.concatenate([x[h:], x[:h]], axis=0)
+
+
+# --- LoRA files in each format --------------------------------------------------------------------------
+
+
+def lora_a(path, rng, *, bare=False, r=4, alpha=8.0):
+    """diffusers/PEFT names, alpha from `lora_adapter_metadata`; q/k/v split, fused single projection, globals."""
+    shapes = {
+        "transformer_blocks.0.attn.to_q": (D, D), "transformer_blocks.0.attn.to_k": (D, D),
+        "transformer_blocks.0.attn.to_v": (D, D), "transformer_blocks.1.attn.add_k_proj": (D, D),
+        "transformer_blocks.0.attn.to_out.0": (D, D), "transformer_blocks.1.attn.to_add_out": (D, D),
+        "transformer_blocks.0.ff.linear_in": (2 * M, D), "transformer_blocks.1.ff_context.linear_out": (D, M),
+        "single_transformer_blocks.0.attn.to_qkv_mlp_proj": (3 * D + 2 * M, D),
+        "single_transformer_blocks.1.attn.to_out": (D, D + M),
+        "x_embedder": (D, C), "context_embedder": (D, 3 * 32),
+        "time_guidance_embed.timestep_embedder.linear_1": (D, 256),
+        "double_stream_modulation_img.linear": (6 * D, D), "single_stream_modulation.linear": (3 * D, D),
+        "norm_out.linear": (2 * D, D), "proj_out": (C, D),
+    }  # fmt: skip
+    sd = {}
+    for name, (out, inp) in shapes.items():
+        down, up = rng.pair(out, inp, r)
+        key = name if bare else f"transformer.{name}"
+        suffix = ".default.weight" if bare else ".weight"
+        sd[f"{key}.lora_A{suffix}"], sd[f"{key}.lora_B{suffix}"] = down, up
+    prefix = "" if bare else "transformer."
+    meta = {f"{prefix}r": r, f"{prefix}lora_alpha": alpha, f"{prefix}target_modules": sorted(shapes)}
+    save_file(sd, str(path), metadata={"lora_adapter_metadata": json.dumps(meta)})
+    return path
+
+
+def bfl_modules():
+    """BFL module -> (out, in, rank): fused qkv with ranks 6 (divisible by 3, dense up) and 3, globals."""
+    return {
+        "double_blocks.0.img_attn.qkv": (3 * D, D, 6), "double_blocks.1.txt_attn.qkv": (3 * D, D, 3),
+        "double_blocks.0.txt_attn.proj": (D, D, 4), "double_blocks.1.img_mlp.0": (2 * M, D, 4),
+        "double_blocks.0.txt_mlp.2": (D, M, 4), "single_blocks.0.linear1": (3 * D + 2 * M, D, 5),
+        "single_blocks.1.linear2": (D, D + M, 4), "img_in": (D, C, 4), "txt_in": (D, 96, 4),
+        "time_in.in_layer": (D, 256, 4), "time_in.out_layer": (D, D, 2),
+        "double_stream_modulation_txt.lin": (6 * D, D, 4), "single_stream_modulation.lin": (3 * D, D, 4),
+        "final_layer.linear": (C, D, 4), "final_layer.adaLN_modulation.1": (2 * D, D, 4),
+    }  # fmt: skip
+
+
+def lora_bfl(path, rng, *, prefix="diffusion_model.", names=("lora_A", "lora_B"), skip=()):
+    """BFL names (B: `diffusion_model.`, C: `base_model.model.`, bare: ""); alpha = rank (no alpha keys).
+    Returns {module: (down, up)} so a test can skip modules for the reference."""
+    factors = {}
+    sd = {}
+    for name, (out, inp, r) in bfl_modules().items():
+        down, up = rng.pair(out, inp, r)
+        factors[name] = (down, up)
+        if name in skip:
+            continue
+        sd[f"{prefix}{name}.{names[0]}.weight"], sd[f"{prefix}{name}.{names[1]}.weight"] = down, up
+    save_file(sd, str(path))
+    return factors
+
+
+def lora_kohya(path, rng):
+    """kohya/musubi: underscore names, `.alpha` keys (1.0 = musubi's default), block-diagonal and dense fused qkv.
+    Returns the updates diffusers' kohya converter drops, as (diffusers module, delta in its row order)."""
+    sd = {}
+    dropped = []
+
+    def put(name, down, up, alpha=None):
+        sd[f"lora_unet_{name}.lora_down.weight"], sd[f"lora_unet_{name}.lora_up.weight"] = down, up
+        if alpha is not None:
+            sd[f"lora_unet_{name}.alpha"] = torch.tensor(alpha)
+
+    # rank 6, up block-diagonal (diffusers splits the down matrix in three)
+    down, up = rng.pair(3 * D, D, 6)
+    mask = torch.zeros(3 * D, 6)
+    for j in range(3):
+        mask[j * D : (j + 1) * D, 2 * j : 2 * j + 2] = 1
+    put("double_blocks_0_img_attn_qkv", down, up * mask, alpha=1.0)
+    put("double_blocks_1_img_attn_qkv", *rng.pair(3 * D, D, 6), alpha=3.0)  # rank 6, dense up
+    put("double_blocks_0_txt_attn_qkv", *rng.pair(3 * D, D, 4))  # no alpha: alpha = rank
+    put("double_blocks_1_txt_attn_proj", *rng.pair(D, D, 4), alpha=2.0)
+    put("double_blocks_0_img_mlp_0", *rng.pair(2 * M, D, 4), alpha=1.0)
+    put("double_blocks_1_txt_mlp_2", *rng.pair(D, M, 4), alpha=8.0)
+    put("single_blocks_0_linear1", *rng.pair(3 * D + 2 * M, D, 4), alpha=1.0)
+    put("single_blocks_1_linear2", *rng.pair(D, D + M, 4), alpha=4.0)
+    put("img_in", *rng.pair(D, C, 4), alpha=2.0)
+    put("time_in_in_layer", *rng.pair(D, 256, 4), alpha=4.0)
+    put("final_layer_linear", *rng.pair(C, D, 4), alpha=1.0)
+    # Not converted by diffusers: merged into the reference by hand.
+    down, up = rng.pair(6 * D, D, 4)
+    put("double_stream_modulation_img_lin", down, up, alpha=2.0)
+    dropped.append(("double_stream_modulation_img.linear", (up @ down).numpy() * 2.0 / 4))
+    save_file(sd, str(path))
+    return dropped
+
+
+def lokr_file(path, rng):
+    """LyCORIS LoKr in three namings, whole and factorised factors; returns {our layer: delta} from numpy."""
+    sd, expected = {}, {}
+
+    def add(layer, rows, delta):
+        full = expected.setdefault(layer, np.zeros(_shape(layer), np.float32))
+        full[rows[0] : rows[1]] += delta
+
+    w1, w2 = rng.mat(4, 4), rng.mat(48, 16, s=0.1)  # whole factors: no alpha scaling even with an alpha key
+    sd |= {"double_blocks.0.img_attn.qkv.lokr_w1": w1, "double_blocks.0.img_attn.qkv.lokr_w2": w2,
+           "double_blocks.0.img_attn.qkv.alpha": torch.tensor(2.0)}  # fmt: skip
+    add("double_blocks.0.img_attn.qkv", (0, 3 * D), np.kron(w1.numpy(), w2.numpy()))
+    a, b, w2 = rng.mat(8, 2), rng.mat(2, 8), rng.mat(72, 8, s=0.1)  # w1 = a @ b, rank 2, alpha 4 -> x2
+    sd |= {"single_blocks.0.linear1.lokr_w1_a": a, "single_blocks.0.linear1.lokr_w1_b": b,
+           "single_blocks.0.linear1.lokr_w2": w2, "single_blocks.0.linear1.alpha": torch.tensor(4.0)}  # fmt: skip
+    add("single_blocks.0.linear1", (0, 3 * D + 2 * M), 2.0 * np.kron((a @ b).numpy(), w2.numpy()))
+    w1, w2 = rng.mat(2, 4), rng.mat(32, 16, s=0.1)  # diffusers' to_k: rows D..2D of our fused qkv
+    sd |= {"transformer_blocks.1.attn.to_k.lokr_w1": w1, "transformer_blocks.1.attn.to_k.lokr_w2": w2}
+    add("double_blocks.1.img_attn.qkv", (D, 2 * D), np.kron(w1.numpy(), w2.numpy()))
+    w1, w2 = rng.mat(2, 2), rng.mat(64, 32, s=0.1)  # diffusers' norm_out: [scale; shift] -> ours [shift; scale]
+    sd |= {"norm_out.linear.lokr_w1": w1, "norm_out.linear.lokr_w2": w2}
+    add("final_layer.adaLN_modulation.1", (0, 2 * D), swap_halves(np.kron(w1.numpy(), w2.numpy())))
+    w1, a, b = rng.mat(4, 8), rng.mat(16, 3, s=0.3), rng.mat(3, 32, s=0.3)  # w2 = a @ b, rank 3, alpha 1.5
+    name = "lycoris_single_transformer_blocks_1_attn_to_out"
+    sd |= {f"{name}.lokr_w1": w1, f"{name}.lokr_w2_a": a, f"{name}.lokr_w2_b": b, f"{name}.alpha": torch.tensor(1.5)}
+    add("single_blocks.1.linear2", (0, D), 0.5 * np.kron(w1.numpy(), (a @ b).numpy()))
+    save_file(sd, str(path))
+    return expected
+
+
+def single_split_file(path, rng):
+    """diffusers-style separate k and MLP-in LoRAs for a single block (diffusers' klein model has only the fused
+    `to_qkv_mlp_proj`, so the judge is numpy): rows D..2D and 3D..3D+2M of our fused linear1. No metadata:
+    alpha = rank. Returns {our layer: delta}."""
+    sd, delta = {}, np.zeros(_shape("single_blocks.0.linear1"), np.float32)
+    for name, rows, r in (("attn.to_k", (D, 2 * D), 3), ("proj_mlp", (3 * D, 3 * D + 2 * M), 5)):
+        down, up = rng.pair(rows[1] - rows[0], D, r)
+        sd[f"transformer.single_transformer_blocks.0.{name}.lora_A.weight"] = down
+        sd[f"transformer.single_transformer_blocks.0.{name}.lora_B.weight"] = up
+        delta[rows[0] : rows[1]] += (up @ down).numpy()
+    save_file(sd, str(path))
+    return {"single_blocks.0.linear1": delta}
+
+
+def _shape(layer):
+    from flux_klein_mlx.lora_formats import layer_shapes
+
+    return layer_shapes(PARAMS)[layer]
+
+
+# --- parity with diffusers ------------------------------------------------------------------------------
+
+
+def check(ours_img, theirs, base=None):
+    err = float(np.abs(ours_img - theirs).max())
+    print(f"max abs vs diffusers {err:.2e}")
+    assert err <= 1e-3, err
+    if base is not None:  # the LoRA changed the image: the comparison is not vacuous
+        assert np.abs(theirs - base).max() > 0.02
+
+
+@pytest.fixture(scope="module")
+def base_image(ref_pipe, lat):
+    return reference(ref_pipe, lat)
+
+
+@pytest.mark.parametrize("bare", [False, True], ids=["prefixed", "bare-default"])
+def test_format_a_peft_matches_diffusers(ref_pipe, our_pipe, lat, tmp_path, base_image, bare):
+    """q/k/v onto our fused qkv, the fused single projection, norm_out (row order), alpha 8 != rank 4 from metadata.
+    diffusers loads nothing from bare keys, so its reference is the prefixed twin of the same factors."""
+    f = lora_a(tmp_path / "a.safetensors", Rand(1), bare=bare)
+    twin = lora_a(tmp_path / "twin.safetensors", Rand(1)) if bare else f
+    img, pipe = ours(our_pipe, lat, [f])
+    assert pipe.loras[0].format == "A"
+    check(img, reference(ref_pipe, lat, [twin]), base_image)
+
+
+@pytest.mark.parametrize(
+    "prefix, names",
+    [("diffusion_model.", ("lora_A", "lora_B")), ("", ("lora_down", "lora_up")), ("base_model.model.", ("lora_A", "lora_B"))],
+    ids=["B-prefixed", "B-bare-down-up", "C-peft-wrapped"],
+)
+def test_bfl_names_match_diffusers_with_final_layer_swapped_right(ref_pipe, our_pipe, lat, tmp_path, base_image, prefix, names):
+    """B and C: fused-qkv ranks 6 (dense up) and 3, single linear1/linear2, every global. The final layer's
+    modulation goes into the reference by hand (diffusers' converter forgets the swap), as does the whole
+    LoRA for bare down/up keys (diffusers loads nothing from them: its reference is the prefixed twin)."""
+    f = tmp_path / "b.safetensors"
+    factors = lora_bfl(f, Rand(2), prefix=prefix, names=names)
+    ref_file = tmp_path / "ref.safetensors"
+    final = "final_layer.adaLN_modulation.1"
+    lora_bfl(ref_file, Rand(2), prefix="diffusion_model." if prefix == "" else prefix, skip=(final,))
+    down, up = factors[final]
+    delta = (up @ down).numpy()  # BFL rows [shift; scale], alpha = rank
+    img, pipe = ours(our_pipe, lat, [f])
+    assert pipe.loras[0].format == ("C" if prefix.startswith("base_model") else "B")
+    check(img, reference(ref_pipe, lat, [ref_file], merge=[("norm_out.linear", swap_halves(delta))]), base_image)
+
+
+def test_kohya_matches_diffusers(ref_pipe, our_pipe, lat, tmp_path, base_image):
+    """D: `.alpha` (1.0 as musubi writes it, and others) and alpha = rank without; a rank-6 fused qkv with a
+    block-diagonal up matrix and one with a dense up matrix; the modulation diffusers drops is merged by hand."""
+    f = tmp_path / "kohya.safetensors"
+    dropped = lora_kohya(f, Rand(3))
+    img, pipe = ours(our_pipe, lat, [f])
+    assert pipe.loras[0].format == "D"
+    check(img, reference(ref_pipe, lat, [f], merge=dropped), base_image)
+
+
+def test_two_loras_with_weights_match_set_adapters(ref_pipe, our_pipe, lat, tmp_path, base_image):
+    """A (PEFT) at 0.7 plus D (kohya) at 1.3 add up as diffusers' set_adapters([..], [0.7, 1.3])."""
+    a = lora_a(tmp_path / "a.safetensors", Rand(4), r=3, alpha=5.0)
+    k = tmp_path / "k.safetensors"
+    dropped = lora_kohya(k, Rand(5))
+    img, _ = ours(our_pipe, lat, [(a, 0.7), (k, 1.3)])
+    merge = [(m, 1.3 * d) for m, d in dropped]
+    check(img, reference(ref_pipe, lat, [a, k], weights=[0.7, 1.3], merge=merge), base_image)
+
+
+@pytest.mark.parametrize("kind", ["lokr", "single-split"])
+def test_fused_update_equals_numpy_delta(our_pipe, tmp_path, kind):
+    """E: delta = factor * kron(w1, w2) on our layers (rows of the fused qkv, the final layer swapped);
+    separate k / MLP-in LoRAs of a single block land on their rows of linear1."""
+    f = tmp_path / f"{kind}.safetensors"
+    expected = (lokr_file if kind == "lokr" else single_split_file)(f, Rand(6))
+    pipe = our_pipe
+    pipe.set_loras([])
+    model = pipe.transformer.get()
+    before = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    pipe.set_loras([(f, 0.5)])
+    assert pipe.loras[0].format == ("E" if kind == "lokr" else "A")
+    after = dict(tree_flatten(model.parameters()))
+    worst = 0.0
+    for k, b in before.items():
+        want = b + 0.5 * expected[k[: -len(".weight")]] if k[: -len(".weight")] in expected else b
+        worst = max(worst, float(np.abs(np.array(after[k]) - want).max()))
+    print(f"{kind} fused vs numpy delta: max abs {worst:.2e}")
+    assert worst <= 1e-5
+
+
+# --- quantized side path, unfusing ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits, tolerance", [(8, 0.05), (4, 0.5)])
+def test_quantized_side_path(snap, our_pipe, lat, tmp_path, bits, tolerance):
+    """A 4/8-bit model keeps every quantized layer packed and adds the LoRA beside it. Judged twice: the image
+    against our float fused path within the quantize tests' tolerance, and the transformer against the same
+    dequantized weights with the LoRA fused (kernel rounding only), also in low-memory mode."""
+    a = lora_a(tmp_path / "a.safetensors", Rand(7))
+    e = tmp_path / "e.safetensors"
+    lokr_file(e, Rand(8))
+    s = tmp_path / "s.safetensors"
+    single_split_file(s, Rand(18))  # row blocks of linear1: the low-memory path splits exactly there
+    loras = [(a, 0.9), (e, 1.0), (s, 1.1)]
+    fused, _ = ours(our_pipe, lat, loras)
+    pipe = flux_klein_mlx.load(snap, dtype="float32", quantize=bits, loras=loras)
+    pipe._prompt_cache = dict(our_pipe._prompt_cache)  # the same embeddings: only the transformer differs
+    img = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
+    err = float(np.abs(img - fused).max())
+    print(f"{bits}-bit + LoRA image vs float32 fused: max abs {err:.2e}")
+    assert err < tolerance
+    model = pipe.transformer.get()
+    wrapped = [p for p, m in model.named_modules() if isinstance(m, LoRAQuantizedLinear)]
+    assert len(wrapped) >= 10 and not any(type(m).__name__ == "Linear" and p in wrapped for p, m in model.named_modules())
+    ref = copy.deepcopy(model)
+    remove_loras(ref)
+    dequantize_model(ref)
+    apply_loras(ref, pipe.loras)
+    rng = np.random.default_rng(0)
+    img_tok, txt = mx.array(rng.standard_normal((1, 16, C), np.float32)), mx.array(rng.standard_normal((1, 7, 96), np.float32))
+    from flux_klein_mlx.rope import image_ids, text_ids
+
+    rope = model.compute_rope(text_ids(7), image_ids(4, 4))
+    t = mx.array([0.6])
+    want = ref.forward_with_rope(img_tok, txt, t, rope)
+    for low_memory in (False, True):
+        got = model.forward_with_rope(img_tok, txt, t, rope, low_memory=low_memory)
+        err = rel_err(got, want)
+        print(f"{bits}-bit side path vs dequantized+fused (low_memory={low_memory}): rel {err:.1e}")
+        assert err < 1e-5
+
+
+def test_unfuse_restores_weights_bit_for_bit_and_set_loras_does_not_reload(snap, our_pipe, lat, tmp_path):
+    a = lora_a(tmp_path / "a.safetensors", Rand(9))
+    b = tmp_path / "b.safetensors"
+    lora_bfl(b, Rand(10))
+    for dtype in ("bfloat16", "float32"):
+        pipe = flux_klein_mlx.load(snap, dtype=dtype)
+        model = pipe.transformer.get()
+        base = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())}
+        pipe.set_loras([a, (b, 0.5)])
+        assert pipe.transformer.get() is model
+        changed = [k for k, v in tree_flatten(model.parameters()) if not np.array_equal(np.array(v.astype(mx.float32)), base[k])]
+        assert len(changed) >= 20
+        pipe.set_loras([(b, 1.5)])
+        pipe.set_loras([])
+        after = dict(tree_flatten(model.parameters()))
+        assert all(np.array_equal(np.array(after[k].astype(mx.float32)), v) for k, v in base.items()), dtype
+    # Between images: the same pixels as a fresh load with those LoRAs.
+    pipe = flux_klein_mlx.load(snap, dtype="float32", loras=[a])
+    pipe._prompt_cache = dict(our_pipe._prompt_cache)
+    first = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
+    pipe.set_loras([(b, 0.5)])
+    second = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
+    fresh, _ = ours(our_pipe, lat, [(b, 0.5)])
+    assert np.array_equal(second, fresh) and not np.array_equal(first, second)
+    # A quantized model gets its plain QuantizedLinear layers back.
+    pipe = flux_klein_mlx.load(snap, dtype="float32", quantize=8, loras=[a])
+    model = pipe.transformer.get()
+    pipe.set_loras([])
+    assert not any(isinstance(m, LoRAQuantizedLinear) for _, m in model.named_modules())
+
+
+def test_low_memory_reapplies_loras_after_reload(snap, our_pipe, lat, tmp_path):
+    a = lora_a(tmp_path / "a.safetensors", Rand(11))
+    pipe = flux_klein_mlx.load(snap, dtype="float32", low_memory=True, loras=[(a, 0.8)])
+    pipe._prompt_cache = dict(our_pipe._prompt_cache)
+    one = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
+    assert not pipe.transformer.loaded  # released after the denoise
+    two = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
+    plain, _ = ours(our_pipe, lat, [(a, 0.8)])
+    assert np.array_equal(one, two) and np.abs(one - plain).max() <= 1e-5
+    # No copy of the original weights is kept (the transformer reloads for every image); a change releases it.
+    model = pipe.transformer.get()
+    assert model.lora_state.fused and not model.lora_state.originals
+    pipe.set_loras([])
+    assert not pipe.transformer.loaded and applied_loras(pipe.transformer.get()) == []
+
+
+# --- refusals: one line, nothing applied ---------------------------------------------------------------
+
+
+def write(path, sd, metadata=None):
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path), metadata=metadata)
+    return path
+
+
+def pair(name, out, inp, r=4, down="lora_A", up="lora_B"):
+    rng = Rand(0)
+    a, b = rng.pair(out, inp, r)
+    return {f"{name}.{down}.weight": a, f"{name}.{up}.weight": b}
+
+
+def refused(loras, match, params=PARAMS, **kw):
+    with pytest.raises(FluxKleinError, match=match) as e:
+        load_loras(loras, params, **kw)
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+def test_keys_that_match_nothing_are_refused_with_count_and_names(tmp_path):
+    f = write(tmp_path / "x.safetensors", pair("transformer.foo.bar", D, D) | pair("transformer.encoder.layer_1", D, D))
+    msg = refused([f], r"LoRA x.safetensors matches no layer of the model: none of its 2 modules")
+    assert "encoder.layer_1" in msg and "foo.bar" in msg
+
+
+def test_partial_match_is_refused_unless_asked(tmp_path):
+    good = pair("transformer.transformer_blocks.0.attn.to_q", D, D) | pair("transformer.proj_out", C, D)
+    extra = pair("transformer.transformer_blocks.7.attn.to_q", D, D)  # the tiny model has 2 double blocks
+    f = write(tmp_path / "p.safetensors", good | extra)
+    refused([f], r"1 of its 3 modules match no layer of .* \(transformer_blocks\.7\.attn\.to_q\); .*--lora-partial")
+    (lora,) = load_loras([f], PARAMS, partial=True)
+    assert sorted(t.layer for t in lora.terms) == ["double_blocks.0.img_attn.qkv", "final_layer.linear"]
+
+
+def test_lora_for_another_klein_size_or_flux1_names_that_model(tmp_path):
+    k4, k9 = FluxKleinParams.klein_4b(), FluxKleinParams.klein_9b()
+    nine = write(tmp_path / "nine.safetensors", pair("diffusion_model.double_blocks.0.img_attn.qkv", 3 * 4096, 4096))
+    four = write(tmp_path / "four.safetensors", pair("transformer.transformer_blocks.0.attn.to_out.0", 3072, 3072))
+    refused([nine], r"was made for FLUX.2 \[klein\] 9B \(hidden size 4096\), but the model is klein-4B", params=k4)
+    refused([four], r"was made for FLUX.2 \[klein\] 4B \(hidden size 3072\), but the model is klein-9B", params=k9)
+    refused([four], r"made for FLUX.2 \[klein\] 4B \(hidden size 3072\), but the model is a custom FLUX.2 transformer")
+    # FLUX.1: told by its names, or by its 4x GELU MLP when the names are shared
+    flux1 = write(tmp_path / "f1.safetensors", pair("lora_unet_double_blocks_0_img_mod_lin", 6 * 3072, 3072,
+                                                    down="lora_down", up="lora_up"))
+    refused([flux1], r"was made for FLUX.1, not FLUX.2 \[klein\] \(module double_blocks_0_img_mod_lin\)", params=k4)
+    mlp = write(tmp_path / "f1mlp.safetensors", pair("diffusion_model.double_blocks.0.img_mlp.0", 4 * 3072, 3072))
+    refused([mlp], r"was made for FLUX.1 \(module double_blocks.0.img_mlp.0\), but the model is klein-4B", params=k4)
+    sdxl = write(tmp_path / "sdxl.safetensors", pair("lora_unet_down_blocks_0_attentions_0_proj_in", 320, 320,
+                                                     down="lora_down", up="lora_up"))
+    refused([sdxl], r"was made for an SDXL / Stable Diffusion UNet, not FLUX.2 \[klein\]")
+
+
+def test_damaged_incomplete_and_foreign_files(tmp_path):
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    refused([junk], r"LoRA junk.safetensors is damaged or not a safetensors file")
+    good = write(tmp_path / "good.safetensors", pair("transformer.proj_out", C, D))
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(good.read_bytes()[:-100])
+    refused([cut], r"LoRA cut.safetensors is damaged")
+    refused([tmp_path / "missing.safetensors"], r"LoRA '.*missing.safetensors' not found: no such file")
+    half = write(tmp_path / "half.safetensors", {"transformer.proj_out.lora_A.weight": torch.zeros(4, D)})
+    refused([half], r"LoRA half.safetensors is incomplete: proj_out has a down matrix but no up matrix")
+    odd = {"transformer.proj_out.lora_A.weight": torch.zeros(4, D), "transformer.proj_out.lora_B.weight": torch.zeros(C, 3)}
+    refused([write(tmp_path / "odd.safetensors", odd)], r"proj_out has down \(4, 64\) and up \(32, 3\), which do not form")
+    nan = pair("transformer.proj_out", C, D)
+    nan["transformer.proj_out.lora_B.weight"][0, 0] = float("nan")
+    refused([write(tmp_path / "nan.safetensors", nan)], r"holds non-finite values \(in transformer.proj_out.lora_B")
+    ckpt = write(tmp_path / "ckpt.safetensors", {"double_blocks.0.img_attn.qkv.weight": torch.zeros(3 * D, D)})
+    refused([ckpt], r"1 key\(s\) that are not LoRA/LoKr weights \(double_blocks.0.img_attn.qkv.weight\)")
+    dora = pair("transformer.proj_out", C, D) | {"transformer.proj_out.lora_magnitude_vector": torch.ones(C)}
+    refused([write(tmp_path / "dora.safetensors", dora)], r"holds DoRA weights")
+    bad_meta = write(tmp_path / "meta.safetensors", pair("transformer.proj_out", C, D), {"lora_adapter_metadata": "{"})
+    refused([bad_meta], r"damaged lora_adapter_metadata header")
+
+
+@pytest.mark.parametrize("scale, match", [(float("nan"), "scale nan is not finite"), (float("inf"), "scale inf is not finite"),
+                                          ("strong", "scale 'strong' is not a number")])  # fmt: skip
+def test_bad_scales(tmp_path, scale, match):
+    f = write(tmp_path / "s.safetensors", pair("transformer.proj_out", C, D))
+    refused([(f, scale)], match)
+    refused([(f,)], r"has no scale value")
+
+
+def test_a_refused_lora_leaves_the_model_as_it_was(snap, our_pipe, tmp_path):
+    good = lora_a(tmp_path / "a.safetensors", Rand(12))
+    bad = write(tmp_path / "bad.safetensors", pair("transformer.transformer_blocks.9.attn.to_q", D, D))
+    our_pipe.set_loras([good])
+    before = {k: np.array(v) for k, v in tree_flatten(our_pipe.transformer.get().parameters())}
+    with pytest.raises(FluxKleinError, match="matches no layer"):
+        our_pipe.set_loras([(good, 0.5), bad])
+    after = dict(tree_flatten(our_pipe.transformer.get().parameters()))
+    assert all(np.array_equal(np.array(after[k]), v) for k, v in before.items())
+    assert [(x.name, x.scale) for x in our_pipe.loras] == [("a.safetensors", 1.0)]
+    with pytest.raises(FluxKleinError, match="matches no layer"):
+        flux_klein_mlx.load(snap, loras=[bad])  # refused by load() itself, before any model is read
+
+
+# --- the CLI ------------------------------------------------------------------------------------------
+
+
+def cli(args, capsys):
+    from flux_klein_mlx.__main__ import main
+
+    code = main(["generate", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snap, tmp_path, capsys, monkeypatch):
+    import hashlib
+
+    import huggingface_hub.constants
+    from PIL import Image
+
+    a = lora_a(tmp_path / "style.safetensors", Rand(13))
+    k = tmp_path / "kohya.safetensors"
+    lora_kohya(k, Rand(14))
+    # `--lora owner/name`: the repo's single .safetensors, from the hub cache, offline
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    cache = tmp_path / "hub"
+    root = cache / "models--someone--klein-lora"
+    (root / "snapshots" / rev).mkdir(parents=True)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(rev)
+    (root / "snapshots" / rev / "README.md").write_text("a LoRA")
+    (root / "snapshots" / rev / "kohya.safetensors").write_bytes(k.read_bytes())
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    out = tmp_path / "img.png"
+    code, stdout, err = cli(["--model", str(snap), "--prompt", PROMPT, "--seed", "1", "--width", "64", "--height", "64",
+                             "--steps", "1", "--dtype", "float32", "--output", str(out), "--lora", str(a),
+                             "--lora", "someone/klein-lora", "--lora-scale", "0.7"], capsys)
+    assert code == 0, err
+    params = json.loads(Image.open(out).text["parameters"])
+    assert params["loras"] == [
+        {"name": "style.safetensors", "sha256": hashlib.sha256(a.read_bytes()).hexdigest()[:12], "scale": 0.7},
+        {"name": "kohya.safetensors", "sha256": hashlib.sha256(k.read_bytes()).hexdigest()[:12], "scale": 1.0},
+    ]
+    assert "LoRA style.safetensors" in err
+    # `owner/name:file` names the file; a repo with two .safetensors must be told which
+    from flux_klein_mlx.weights import resolve_lora
+
+    assert resolve_lora("someone/klein-lora:kohya.safetensors").read_bytes() == k.read_bytes()
+    (root / "snapshots" / rev / "other.safetensors").write_bytes(k.read_bytes())
+    with pytest.raises(FluxKleinError, match=r"has 2 .safetensors files .*; name one as someone/klein-lora:FILE"):
+        resolve_lora("someone/klein-lora")
+    with pytest.raises(FluxKleinError, match=r"not in the local Hugging Face cache"):
+        resolve_lora("someone/not-cached")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--lora", "A", "--lora-scale", "1", "--lora-scale", "2"], "--lora-scale is given 2 times but --lora 1 times"),
+        (["--lora", "A", "--lora-scale", "nan"], "scale nan is not finite"),
+        (["--lora", "missing.safetensors"], "LoRA 'missing.safetensors' not found"),
+        (["--lora", "NOTHING"], "matches no layer of the model"),
+        (["--lora", "PARTIAL"], "1 of its 2 modules match no layer"),
+        (["--lora", "NINE"], r"was made for FLUX.2 \[klein\] 9B"),
+    ],
+)
+def test_cli_bad_loras_one_line_exit_1_no_file(snap, tmp_path, capsys, extra, message):
+    files = {
+        "A": lora_a(tmp_path / "a.safetensors", Rand(15)),
+        "NOTHING": write(tmp_path / "n.safetensors", pair("unet.mid.proj", D, D)),
+        "PARTIAL": write(tmp_path / "p.safetensors", pair("transformer.proj_out", C, D) | pair("transformer.x.y", D, D)),
+        "NINE": write(tmp_path / "9.safetensors", pair("diffusion_model.double_blocks.0.img_attn.proj", 4096, 4096)),
+    }
+    extra = [str(files.get(x, x)) for x in extra]
+    out = tmp_path / "img.png"
+    code, stdout, err = cli(["--model", str(snap), "--prompt", "x", "--width", "64", "--height", "64",
+                             "--output", str(out), *extra], capsys)
+    assert code == 1 and not out.exists()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    assert __import__("re").search(message, lines[0]), lines[0]
+
+
+# --- convert --lora ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits, tolerance", [(None, 1e-5), (8, 0.05)])
+def test_convert_bakes_loras_and_records_them(snap, our_pipe, lat, tmp_path, bits, tolerance):
+    """A converted (optionally 8-bit) folder with LoRAs baked in gives the image of the base model with
+    the LoRAs applied at load (float: to float rounding; 8-bit: within the quantize tests' tolerance)."""
+    import hashlib
+
+    from flux_klein_mlx.convert import convert_model
+
+    a = lora_a(tmp_path / "a.safetensors", Rand(16))
+    k = tmp_path / "k.safetensors"
+    lora_kohya(k, Rand(17))
+    out = tmp_path / "baked"
+    config = convert_model(snap, out, dtype="float32", bits=bits, loras=[(a, 0.7), k])
+    assert config["loras"] == [
+        {"name": "a.safetensors", "sha256": hashlib.sha256(a.read_bytes()).hexdigest()[:12], "scale": 0.7},
+        {"name": "k.safetensors", "sha256": hashlib.sha256(k.read_bytes()).hexdigest()[:12], "scale": 1.0},
+    ]
+    assert json.loads((out / "config.json").read_text())["loras"] == config["loras"]
+    want, _ = ours(our_pipe, lat, [(a, 0.7), k])
+    pipe = flux_klein_mlx.load(out, dtype="float32")
+    pipe._prompt_cache = dict(our_pipe._prompt_cache)  # the same embeddings: only the transformer differs
+    got = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
+    err = float(np.abs(got - want).max())
+    print(f"convert --lora (bits={bits}) vs LoRAs at load: max abs {err:.2e}")
+    assert err <= tolerance
+
+
+def test_convert_lora_bad_input_writes_nothing(snap, tmp_path, capsys):
+    from flux_klein_mlx.__main__ import main
+
+    bad = write(tmp_path / "bad.safetensors", pair("transformer.transformer_blocks.9.attn.to_q", D, D))
+    for extra, message in (([str(bad)], "matches no layer"), ([str(bad), "--lora-scale", "1", "--lora-scale", "2"],
+                                                            "--lora-scale is given 2 times")):
+        out = tmp_path / "out"
+        code = main(["convert", "--model", str(snap), "--output", str(out), "--lora", *extra])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 1 and not out.exists() and len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+        assert not list(tmp_path.glob("out*"))
+
+
+def test_side_path_on_a_converted_quantized_folder(snap, our_pipe, lat, tmp_path):
+    """A 4-bit converted folder takes LoRAs the same way as quantizing at load: the same image."""
+    from flux_klein_mlx.convert import convert_model
+
+    out = tmp_path / "q4"
+    convert_model(snap, out, dtype="float32", bits=4)
+    a = lora_a(tmp_path / "a.safetensors", Rand(19))
+    images = []
+    for model, kw in ((out, {}), (snap, {"quantize": 4})):
+        pipe = flux_klein_mlx.load(model, dtype="float32", loras=[(a, 1.2)], **kw)
+        pipe._prompt_cache = dict(our_pipe._prompt_cache)
+        images.append(pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np"))
+        assert any(isinstance(m, LoRAQuantizedLinear) for _, m in pipe.transformer.get().named_modules())
+    assert np.abs(images[0] - images[1]).max() <= 1e-5

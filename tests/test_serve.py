@@ -1,0 +1,499 @@
+"""`serve`: the real server in a subprocess on 127.0.0.1, with the tiny snapshot, driven by the
+official `openai` client, raw HTTP for malformed requests, and a headless Chromium for the page.
+
+The judge for images is `FluxKleinPipeline.generate` run here on the same request: the server's PNG
+must decode to exactly that image. Every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("multipart")
+
+import flux_klein_mlx  # noqa: E402
+from tiny_model import shared_tiny_snapshot  # noqa: E402
+
+KEY = "test-key-123"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: bytes | None = None, headers: dict | None = None, timeout: float = 60):
+    """(status, parsed JSON or raw bytes) without raising on HTTP errors."""
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, data, ctype = r.status, r.read(), r.headers.get("content-type", "")
+    except urllib.error.HTTPError as e:
+        status, data, ctype = e.code, e.read(), e.headers.get("content-type", "")
+    return status, json.loads(data) if ctype.startswith("application/json") else data
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+class Server:
+    def __init__(self, proc, port, save_dir):
+        self.proc, self.port, self.save_dir = proc, port, save_dir
+        self.url = f"http://127.0.0.1:{port}"
+        self.auth = {"Authorization": f"Bearer {KEY}"}
+
+    def status(self) -> dict:
+        code, body = http("GET", self.url + "/v1/status", headers=self.auth, timeout=10)
+        assert code == 200, body
+        return body
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=kw.pop("timeout", 120), **kw)
+
+    def wait_idle(self, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = self.status()
+            if st["waiting"] == 0 and not st["running"]:
+                return st
+            time.sleep(0.2)
+        raise AssertionError("the server did not become idle")
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory):
+    return shared_tiny_snapshot(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(snapshot, tmp_path_factory):
+    save_dir = tmp_path_factory.mktemp("saved")
+    port = free_port()
+    cmd = [sys.executable, "-m", "flux_klein_mlx", "serve", "--model", str(snapshot), "--dtype", "float32",
+           "--port", str(port), "--api-key", KEY, "--queue", "4", "--save-dir", str(save_dir),
+           "--max-upload-mb", "2", "--model-id", "klein-tiny"]
+    log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    srv = Server(proc, port, save_dir)
+    deadline = time.monotonic() + 90
+    while True:
+        assert proc.poll() is None, "server exited: " + Path(log.name).read_text()
+        try:
+            if srv.status()["state"] == "ready":
+                break
+        except (OSError, AssertionError):
+            pass
+        assert time.monotonic() < deadline, "server not ready in 90 s: " + Path(log.name).read_text()
+        time.sleep(0.3)
+    yield srv
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def pipe(snapshot):
+    return flux_klein_mlx.load(snapshot, dtype="float32")
+
+
+def decode(b64: str) -> Image.Image:
+    im = Image.open(io.BytesIO(base64.b64decode(b64)))
+    im.load()
+    return im
+
+
+def picture(w, h, seed=0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    small = (rng.random((max(h // 16, 2), max(w // 16, 2), 3)) * 255).astype(np.uint8)
+    return Image.fromarray(small).resize((w, h), Image.Resampling.BILINEAR)
+
+
+def png(im: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+# ---- the OpenAI client --------------------------------------------------------------------------
+
+
+def test_models_lists_the_served_model(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["klein-tiny"]
+
+
+def test_generate_matches_the_pipeline(server, pipe):
+    client = server.client()
+    res = client.images.generate(model="klein-tiny", prompt="a red fox in fresh snow", size="96x64", n=2,
+                                 response_format="b64_json", extra_body={"seed": 11, "steps": 3})
+    assert len(res.data) == 2
+    for k, item in enumerate(res.data):
+        im = decode(item.b64_json)
+        assert im.format == "PNG" and im.size == (96, 64)
+        assert im.text["seed"] == str(11 + k) and im.text["prompt"] == "a red fox in fresh snow"
+        assert json.loads(im.text["parameters"])["steps"] == 3
+        ours = pipe.generate("a red fox in fresh snow", width=96, height=64, seed=11 + k, steps=3)
+        np.testing.assert_array_equal(np.asarray(im.convert("RGB")), np.asarray(ours))
+    saved = sorted(server.save_dir.glob("*.png"))
+    assert len(saved) >= 2 and all(len(p.stem) == len("20260101-120000-") + 12 for p in saved)
+
+
+def test_url_response_is_served_by_the_server(server):
+    res = server.client().images.generate(prompt="a lighthouse", size="64x64", response_format="url",
+                                          extra_body={"seed": 4, "steps": 2})
+    url = res.data[0].url
+    assert url.startswith(server.url + "/v1/images/files/")
+    code, data = http("GET", url)  # a capability URL: no key needed
+    assert code == 200 and Image.open(io.BytesIO(data)).size == (64, 64)
+    code, body = http("GET", server.url + "/v1/images/files/" + "0" * 32 + ".png")
+    assert code == 404 and "no such image" in body["error"]["message"]
+
+
+def test_edit_with_references_matches_the_pipeline(server, pipe):
+    refs = [picture(80, 64, 1), picture(64, 64, 2)]
+    res = server.client().images.edit(
+        model="klein-tiny", image=[("a.png", png(refs[0]), "image/png"), ("b.png", png(refs[1]), "image/png")],
+        prompt="the cat from the first in the room of the second", size="64x64",
+        extra_body={"seed": 5, "steps": 2})
+    im = decode(res.data[0].b64_json)
+    assert im.size == (64, 64) and im.text["references"] == "2"
+    ours = pipe.generate("the cat from the first in the room of the second", width=64, height=64, seed=5, steps=2,
+                         images=refs)
+    np.testing.assert_array_equal(np.asarray(im.convert("RGB")), np.asarray(ours))
+
+
+def test_single_image_edit_takes_the_reference_size(server, pipe):
+    ref = picture(96, 64, 3)
+    res = server.client().images.edit(image=("r.png", png(ref), "image/png"), prompt="make it winter",
+                                      extra_body={"seed": 8, "steps": 2})
+    im = decode(res.data[0].b64_json)
+    ours = pipe.generate("make it winter", seed=8, steps=2, images=[ref])
+    assert im.size == ours.size == (96, 64)
+    np.testing.assert_array_equal(np.asarray(im.convert("RGB")), np.asarray(ours))
+
+
+def test_stream_sends_a_preview_per_step(server):
+    events = list(server.client().images.generate(prompt="a fox", size="64x64", stream=True,
+                                                  extra_body={"seed": 1, "steps": 3}))
+    partial = [e for e in events if e.type == "image_generation.partial_image"]
+    done = [e for e in events if e.type == "image_generation.completed"]
+    assert [e.partial_image_index for e in partial] == [0, 1, 2]
+    assert decode(partial[0].b64_json).size == (8, 8)  # latent resolution: 1/8 of the side
+    assert len(done) == 1 and decode(done[0].b64_json).size == (64, 64)
+
+
+def test_client_disconnect_cancels_between_steps(server):
+    before = server.wait_idle()
+    req = urllib.request.Request(server.url + "/v1/images/generations", method="POST",
+                                 data=json.dumps({"prompt": "slow", "size": "64x64", "steps": 200, "seed": 1,
+                                                  "stream": True}).encode(),
+                                 headers={**server.auth, "Content-Type": "application/json"})
+    t0 = time.monotonic()
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.readline().startswith(b"event: image_generation.progress")
+    # connection closed after the first step; the worker must stop long before step 200
+    st = server.wait_idle(timeout=60)
+    assert st["cancelled"] == before["cancelled"] + 1 and st["completed"] == before["completed"] + 1
+    assert time.monotonic() - t0 < 60
+
+
+def test_worker_refuses_while_loading_and_when_full(snapshot):
+    from flux_klein_mlx.jobs import ImageRequest, NotReady, QueueFull, Worker
+
+    gate = threading.Event()
+
+    def loader(loras):
+        assert gate.wait(60)
+        return flux_klein_mlx.load(snapshot, dtype="float32")
+
+    events = []
+    worker = Worker(loader, max_queue=0)
+    worker.start()
+    try:
+        with pytest.raises(NotReady, match="still loading"):  # HTTP 503
+            worker.submit(ImageRequest("x", width=64, height=64, steps=50), events.append)
+        gate.set()
+        assert worker.wait_ready(60)
+        job = worker.submit(ImageRequest("x", width=64, height=64, steps=50), events.append)  # idle: runs
+        deadline = time.monotonic() + 60
+        while not any(e.kind == "step" for e in events):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(QueueFull, match="queue is full"):  # HTTP 429: one running, none may wait
+            worker.submit(ImageRequest("y"), events.append)
+        job.cancel()
+        while not any(e.kind in ("done", "cancelled") for e in events):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert events[-1].kind == "cancelled" and sum(e.kind == "step" for e in events) < 50
+    finally:
+        worker.stop()
+
+
+# ---- load -----------------------------------------------------------------------------------------
+
+
+def test_sixteen_concurrent_clients(server):
+    server.wait_idle()
+    # Idle level after a warm-up (models loaded, caches filled).
+    server.client().images.generate(prompt="warm up", size="64x64", extra_body={"seed": 0, "steps": 2})
+    server.wait_idle()
+    rss_idle, mlx_idle = rss_bytes(server.proc.pid), server.status()["mlx_active_bytes"]
+    results: dict[tuple[int, int], object] = {}
+
+    def client_thread(i: int):
+        client = server.client(timeout=150)
+        for j in range(3):
+            prompt, seed = f"client {i} request {j}", 1000 * i + j
+            try:
+                res = client.images.generate(prompt=prompt, size="64x64", extra_body={"seed": seed, "steps": 2})
+                im = decode(res.data[0].b64_json)
+                results[i, j] = ("ok", im.text["prompt"] == prompt and im.text["seed"] == str(seed))
+            except openai.RateLimitError as e:
+                results[i, j] = ("429", e.status_code == 429 and "queue is full" in e.message)
+            except Exception as e:  # noqa: BLE001: recorded and failed below
+                results[i, j] = ("other", repr(e))
+
+    threads = [threading.Thread(target=client_thread, args=(i,), daemon=True) for i in range(16)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=max(1.0, 240 - (time.monotonic() - t0)))
+    elapsed = time.monotonic() - t0
+    assert not any(t.is_alive() for t in threads), "clients still waiting after 240 s"
+    assert len(results) == 48
+    kinds = [k for k, _ in results.values()]
+    assert all(ok is True for _, ok in results.values()), results
+    answered, refused = kinds.count("ok"), kinds.count("429")
+    assert answered + refused == 48 and answered >= 5 and refused >= 1
+    st = server.wait_idle()
+    assert server.proc.poll() is None and st["state"] == "ready"
+    rss_after, mlx_after = rss_bytes(server.proc.pid), st["mlx_active_bytes"]
+    print(f"\nload: {answered} answered, {refused} x 429 in {elapsed:.1f} s; RSS idle {rss_idle / 1e6:.0f} MB -> "
+          f"after {rss_after / 1e6:.0f} MB; MLX active {mlx_idle / 1e6:.1f} MB -> {mlx_after / 1e6:.1f} MB")
+    assert mlx_after <= mlx_idle * 1.05 + 1e6  # MLX buffers: back to the idle level
+    assert rss_after <= rss_idle * 1.25 + 50e6  # process: no growth beyond allocator slack
+
+
+# ---- bad requests -----------------------------------------------------------------------------------
+
+
+def png_header(w: int, h: int) -> bytes:
+    """A valid PNG signature and header declaring w x h, with almost no pixel data."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+
+
+def multipart(fields: dict, files: list[tuple[str, str, bytes, str]]) -> tuple[bytes, str]:
+    boundary = "----flux-klein-test-boundary"
+    out = io.BytesIO()
+    for k, v in fields.items():
+        out.write(f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode())
+    for field, name, data, ctype in files:
+        out.write(f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"; filename="{name}"\r\n'
+                  f"Content-Type: {ctype}\r\n\r\n".encode())
+        out.write(data + b"\r\n")
+    out.write(f"--{boundary}--\r\n".encode())
+    return out.getvalue(), f"multipart/form-data; boundary={boundary}"
+
+
+GOOD = {"prompt": "a fox", "size": "64x64", "steps": 1}
+BAD_JSON = [
+    # (name, body, headers, status, message fragment)
+    ("malformed JSON", b'{"prompt": "a fox",', None, 400, "not valid JSON"),
+    ("not an object", b'["a fox"]', None, 400, "must be a JSON object"),
+    ("unknown size", {**GOOD, "size": "huge"}, None, 400, "size must be 'WIDTHxHEIGHT'"),
+    ("size not a multiple of 16", {**GOOD, "size": "100x64"}, None, 400, "not a multiple of 16"),
+    ("n = 0", {**GOOD, "n": 0}, None, 400, "n must be between 1 and 10"),
+    ("n = 100", {**GOOD, "n": 100}, None, 400, "n must be between 1 and 10"),
+    ("missing prompt", {"size": "64x64"}, None, 400, "prompt is required"),
+    ("unknown field", {**GOOD, "sampler": "dpm"}, None, 400, "unknown field 'sampler'"),
+    ("a path as image", {**GOOD, "image": "/etc/passwd"}, None, 400, "never reads files by path"),
+    ("a path as LoRA", {**GOOD, "loras": ["../../etc/passwd"]}, None, 400, "never a path"),
+    ("steps not a number", {**GOOD, "steps": "many"}, None, 400, "steps must be a whole number"),
+    ("unknown model", {**GOOD, "model": "dall-e-3"}, None, 404, "is not served here"),
+    ("missing API key", GOOD, {"Authorization": ""}, 401, "missing API key"),
+    ("wrong API key", GOOD, {"Authorization": "Bearer nope"}, 401, "invalid API key"),
+]
+
+
+@pytest.mark.parametrize("name,body,headers,status,fragment", BAD_JSON, ids=[b[0] for b in BAD_JSON])
+def test_bad_generation_requests(server, name, body, headers, status, fragment):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    h = {**server.auth, "Content-Type": "application/json", **(headers or {})}
+    h = {k: v for k, v in h.items() if v}
+    code, reply = http("POST", server.url + "/v1/images/generations", data, h)
+    assert code == status, reply
+    error = reply["error"]
+    assert fragment in error["message"] and "\n" not in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert server.status()["state"] == "ready"  # still serving
+
+
+def bad_uploads():
+    ok = png(picture(64, 64))
+    return [
+        ("200 MP upload", {}, [("image", "big.png", png_header(20000, 10000), "image/png")], 413, "MP"),
+        ("upload over the byte limit", {}, [("image", "big.png", b"\x89PNG" + os.urandom(3 * 1024 * 1024),
+                                              "image/png")], 413, "the limit is 2 MB"),
+        ("text file as image", {}, [("image", "notes.txt", b"hello, not an image", "text/plain")], 400,
+         "not a readable image"),
+        ("mask of the wrong size", {}, [("image", "a.png", ok, "image/png"),
+                                        ("mask", "m.png", png(Image.new("L", (32, 32), 255)), "image/png")], 400,
+         "mask is 32x32 but the image is 64x64"),
+        ("image as a path string", {"image": "/etc/passwd"}, [], 400, "never reads files by path"),
+        ("no image", {}, [], 400, "upload at least one image"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(bad_uploads())), ids=[c[0] for c in bad_uploads()])
+def test_bad_edit_requests(server, case):
+    name, fields, files, status, fragment = bad_uploads()[case]
+    body, ctype = multipart({"prompt": "x", **fields}, files)
+    code, reply = http("POST", server.url + "/v1/images/edits", body, {**server.auth, "Content-Type": ctype})
+    assert code == status, reply
+    assert fragment in reply["error"]["message"] and "\n" not in reply["error"]["message"]
+    assert server.status()["state"] == "ready"
+
+
+def test_mask_is_refused_clearly_until_inpainting_exists(server):
+    ok = png(picture(64, 64))
+    client = server.client()
+    if server.status()["inpainting"]:
+        pytest.skip("this build supports inpainting")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.images.edit(image=("a.png", ok, "image/png"), mask=("m.png", png(Image.new("L", (64, 64), 255)),
+                                                                    "image/png"), prompt="x")
+    assert e.value.status_code == 400 and "inpainting (mask) is not supported" in e.value.message
+
+
+def test_openai_client_sees_errors_as_exceptions(server):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError, match="size must be"):
+        server.client().images.generate(prompt="x", size="auto-ish")
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        server.client().models.retrieve("gpt-image-1")
+    code, body = http("GET", server.url + "/v1/nothing", headers=server.auth)
+    assert code == 404 and body["error"]["message"] == "no route GET /v1/nothing; see GET /v1/status"
+
+
+def test_non_loopback_host_requires_api_key(snapshot):
+    r = subprocess.run([sys.executable, "-m", "flux_klein_mlx", "serve", "--model", str(snapshot), "--host",
+                        "0.0.0.0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.startswith("error: --host 0.0.0.0") and "--api-key" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_lora_without_lora_support_is_one_line(snapshot, tmp_path):
+    import inspect
+
+    if "loras" in inspect.signature(flux_klein_mlx.load).parameters:
+        pytest.skip("this build supports LoRAs")
+    lora = tmp_path / "style.safetensors"
+    lora.write_bytes(b"")
+    r = subprocess.run([sys.executable, "-m", "flux_klein_mlx", "serve", "--model", str(snapshot), "--lora",
+                        str(lora)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "need LoRA support" in r.stderr and r.stderr.count("\n") == 1
+
+
+# ---- the page in a real browser ---------------------------------------------------------------------
+
+
+def chromium() -> tuple[str, str] | None:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    return (browser, driver) if browser and driver else None
+
+
+@pytest.mark.skipif(chromium() is None, reason="headless Chromium is not installed "
+                    "(apt-get install chromium chromium-driver; .ci/run does this)")
+def test_page_generates_with_preview_and_history(server, tmp_path):
+    pytest.importorskip("selenium")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser, driver_path = chromium()
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = browser
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--no-first-run", "--disable-extensions", f"--user-data-dir={tmp_path / 'profile'}"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(driver_path), options=opts)
+    try:
+        driver.set_page_load_timeout(30)
+        driver.get(server.url + "/")
+        wait = WebDriverWait(driver, 60, poll_frequency=0.2)
+        # The server wants a key: the page asks for it.
+        wait.until(lambda d: d.find_element(By.ID, "key-row").is_displayed())
+        driver.find_element(By.ID, "apikey").send_keys(KEY)
+        for field, value in (("prompt", "a fox in the browser"), ("width", "64"), ("height", "64"),
+                             ("seed", "7"), ("steps", "3")):
+            el = driver.find_element(By.ID, field)
+            el.clear()
+            el.send_keys(value)
+        driver.find_element(By.ID, "generate").click()
+        wait.until(lambda d: d.find_element(By.ID, "result").is_displayed())
+        preview = driver.find_element(By.ID, "preview")
+        assert preview.is_displayed() and preview.get_attribute("src").startswith("data:image/png;base64,")
+        assert driver.find_element(By.ID, "progress").get_attribute("value") == "3"
+        result = driver.find_element(By.ID, "result")
+        assert driver.execute_script("return arguments[0].naturalWidth", result) == 64
+        meta = driver.find_element(By.ID, "meta").text
+        assert "seed: 7" in meta and "prompt: a fox in the browser" in meta
+        # A reference image (through the drop zone's file input) makes it an edit.
+        ref = tmp_path / "ref.png"
+        picture(64, 64, 9).save(ref)
+        driver.find_element(By.ID, "refs-file").send_keys(str(ref))
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#refs img")) == 1)
+        driver.find_element(By.ID, "seed").clear()
+        driver.find_element(By.ID, "seed").send_keys("8")
+        driver.find_element(By.ID, "generate").click()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#history .item")) == 2)
+        assert "references: 1" in driver.find_element(By.ID, "meta").text
+        assert driver.find_element(By.ID, "error").text == ""
+        # "reuse settings" on the first image puts its seed back.
+        driver.find_elements(By.CSS_SELECTOR, "#history .reuse")[1].click()
+        assert driver.find_element(By.ID, "seed").get_attribute("value") == "7"
+        assert driver.find_element(By.ID, "prompt").get_attribute("value") == "a fox in the browser"
+    finally:
+        driver.quit()
