@@ -20,33 +20,24 @@ which is preloaded before mlx is imported, as in the root conftest).
 
 from __future__ import annotations
 
+import argparse
+import os
+import statistics
 import sys
+import time
+from pathlib import Path
 
-from flux_klein_mlx import preload_openblas  # imports no mlx
-
-preload_openblas()  # before mlx is imported: OpenBLAS instead of the slow bundled BLAS
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also when a test loads this file
+from common import diffusers_transformer_config, randomize_torch_  # noqa: E402  (preloads OpenBLAS)
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # refs.randomize_: the test suite's reference randomiser
-
-from refs import randomize_  # noqa: E402
-
-from flux_klein_mlx.benchmark import free_path  # noqa: E402
+from flux_klein_mlx.benchmark import write_json  # noqa: E402
+from flux_klein_mlx.config import FluxKleinParams  # noqa: E402
 from flux_klein_mlx.flops import flops_of_transformer, machine_info  # noqa: E402
 from flux_klein_mlx.rope import image_ids, text_ids  # noqa: E402
-from flux_klein_mlx.config import FluxKleinParams  # noqa: E402
 from flux_klein_mlx.transformer import FluxKlein, sanitize_flux2_klein_weights  # noqa: E402
 from flux_klein_mlx.weights import load_into  # noqa: E402
 
@@ -54,34 +45,14 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
 
-def diffusers_config(params: FluxKleinParams) -> dict:
-    """Constructor arguments of diffusers' Flux2Transformer2DModel for our hyper-parameters."""
-    return dict(
-        patch_size=1,
-        in_channels=params.in_channels,
-        out_channels=None,
-        num_layers=params.depth,
-        num_single_layers=params.depth_single,
-        attention_head_dim=params.head_dim,
-        num_attention_heads=params.num_heads,
-        joint_attention_dim=params.context_in_dim,
-        timestep_guidance_channels=params.time_channels,
-        mlp_ratio=params.mlp_ratio,
-        axes_dims_rope=tuple(params.axes_dim),
-        rope_theta=params.theta,
-        eps=params.eps,
-        guidance_embeds=False,
-    )
-
-
 def build_diffusers(params: FluxKleinParams, dtype: str = "float32", seed: int = 0):
     """A randomised diffusers transformer, allocated once (meta device, then filled in place)."""
     from diffusers import Flux2Transformer2DModel
 
     with torch.device("meta"):
-        model = Flux2Transformer2DModel(**diffusers_config(params))
-    model = model.to_empty(device="cpu")  # uninitialised storage; randomize_ fills every tensor
-    randomize_(model, seed)
+        model = Flux2Transformer2DModel(**diffusers_transformer_config(params))
+    model = model.to_empty(device="cpu")  # uninitialised storage; randomize_torch_ fills every tensor
+    randomize_torch_(model, seed)
     if dtype != "float32":
         model = model.to(TORCH_DTYPES[dtype])
     return model.eval()
@@ -256,8 +227,7 @@ def main(argv=None) -> int:
     print(f"ratio MLX / diffusers (median): {result['ratio_mlx_over_diffusers']:.3f}; "
           f"outputs agree to rel err {result['rel_err']:.2e}")  # fmt: skip
     if args.json:
-        final = free_path(Path(args.json))
-        final.write_text(json.dumps(result, indent=2) + "\n")
+        final = write_json(result, args.json)  # a new name if the file exists: results are never overwritten
         print(f"wrote {final}" + (f" ({args.json} exists)" if final != Path(args.json) else ""))
     return 0
 

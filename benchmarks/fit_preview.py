@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also when a test loads this file
+import common  # noqa: E402,F401  (this checkout on sys.path, OpenBLAS preloaded)
 
 
 def pictures(n: int, size: int, seed: int) -> np.ndarray:

@@ -18,8 +18,18 @@ kernels a Mac uses. Those ops, and the matmuls, are swapped for stand-ins with t
 memory profile (one op, same inputs, output-sized allocation, meaningless values; see the
 `emulate_*` functions); the rest of the graph runs and is scheduled by MLX as is. The VAE's mid
 attention (head dim 512) has no fused Metal kernel and runs unchanged. Check rows compare the
-matmul stand-ins with real float32 compute at reduced depth. What-if rows measure two exact
-rewrites of the transformer's evaluation that lower the denoise peak.
+matmul stand-ins with real float32 compute at reduced depth. The `low_memory` rows measure the
+transformer's own block-by-block forward (`forward_with_rope(..., low_memory=True)`).
+
+Why stand-ins patched in a child process and not a seam in the package (issue 11 asks for "a seam
+like mlx-lm's `use_attention_backend`, not a patch"): mlx-lm's seam is a module-level stack of
+backends that every attention call consults. Ours would have to reach attention in three model
+files (and inside mlx-lm's Qwen3 block), every conv, every norm and every matmul, so it would be
+module-level mutable state (our style has none) consulted on the hot path of every layer, for a
+measurement that only this script makes. So the stand-ins replace MLX's own public ops
+(`mx.fast.*`, `mx.conv2d`, `mx.quantized_matmul`, `mx.addmm`, `mx.array.__matmul__`), only in the
+fresh child process of one measurement, and never a function of the package: the package runs
+exactly its real code on top of them.
 
 Part 3, `activations`: real float32 compute (attention stand-in only) at reduced depth: the peak
 does not depend on depth; and the VAE decode with MLX's own CPU convolutions (Linux numbers).
@@ -33,52 +43,27 @@ Results go to benchmarks/memory.json (the tables of benchmarks/MEMORY.md are mad
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shutil
 import sys
+import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from flux_klein_mlx import preload_openblas  # noqa: E402  (imports no mlx)
-
-preload_openblas()  # before mlx is imported: OpenBLAS instead of the slow bundled BLAS
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import resource  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
+from common import (  # noqa: E402  (puts this checkout on sys.path, preloads OpenBLAS)
+    GB, ROOT, SCHEDULER, diffusers_transformer_config, folder_bytes, max_rss_bytes, qwen3_hf_config,
+    qwen_tokenizer_dir, run_json_child,
+)  # fmt: skip
 
 import mlx.core as mx  # noqa: E402
 
+from flux_klein_mlx.config import AutoEncoderConfig, FluxKleinParams, qwen3_4b  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "memory.json"
-GB = 1e9
-
-# diffusers / transformers configs of the real klein-4B repo (reference-spec sections 2.1, 5.1, 6.1).
-TRANSFORMER_4B = dict(
-    patch_size=1, in_channels=128, out_channels=None, num_layers=5, num_single_layers=20, attention_head_dim=128,
-    num_attention_heads=24, joint_attention_dim=7680, timestep_guidance_channels=256, mlp_ratio=3.0,
-    axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=False,
-)  # fmt: skip
-QWEN3_4B = dict(
-    vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
-    max_position_embeddings=40960, torch_dtype="bfloat16",
-)  # fmt: skip
-
-
-def rss_bytes() -> int:
-    """Max resident set size of this process so far (Linux reports KiB, macOS bytes)."""
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r if sys.platform == "darwin" else r * 1024
-
-
-def folder_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
 # --- part 1: a full-size random snapshot -------------------------------------------------------------
@@ -115,8 +100,6 @@ def make_full_snapshot(dst: Path) -> dict:
     """Write a random klein-4B snapshot in the hub layout; returns the seconds and bytes it took."""
     import torch
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
-    from refs import qwen_tokenizer_dir
-    from tiny_model import SCHEDULER
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from flux_klein_mlx.weights import save_safetensors_sharded, save_safetensors_streaming
@@ -124,8 +107,8 @@ def make_full_snapshot(dst: Path) -> dict:
     t0 = time.perf_counter()
     dst.mkdir(parents=True)
     with torch.device("meta"):
-        transformer = Flux2Transformer2DModel(**TRANSFORMER_4B)
-        text_encoder = Qwen3ForCausalLM(Qwen3Config(**QWEN3_4B))
+        transformer = Flux2Transformer2DModel(**diffusers_transformer_config(FluxKleinParams.klein_4b()))
+        text_encoder = Qwen3ForCausalLM(Qwen3Config(**qwen3_hf_config(qwen3_4b())))
         vae = AutoencoderKLFlux2()
     index = {
         "_class_name": "Flux2KleinPipeline", "_diffusers_version": "0.37.0.dev0", "is_distilled": True,
@@ -151,7 +134,7 @@ def make_full_snapshot(dst: Path) -> dict:
         "seconds": time.perf_counter() - t0,
         "bytes": {c: folder_bytes(dst / c) for c in ("transformer", "text_encoder", "vae", "tokenizer")},
         "peak_memory": mx.get_peak_memory(),
-        "max_rss": rss_bytes(),
+        "max_rss": max_rss_bytes(),
     }
 
 
@@ -173,7 +156,7 @@ def child_convert(src: str, out: str, bits: int | None) -> dict:
     per = {c: marks.get(c + ":end", 0) - marks.get(c, 0) for c in ("transformer", "text_encoder", "vae")}
     return {
         "bits": bits, "seconds": wall, "component_seconds": per, "peak_memory": mx.get_peak_memory(),
-        "max_rss": rss_bytes(), "files": files, "total_bytes": folder_bytes(Path(out)),
+        "max_rss": max_rss_bytes(), "files": files, "total_bytes": folder_bytes(Path(out)),
         "quantized_layers": {c: len(config[c]["quantization"]["layers"]) if config[c]["quantization"] else 0
                              for c in ("transformer", "text_encoder", "vae")},
     }  # fmt: skip
@@ -193,7 +176,7 @@ def child_resident(folder: str, name: str) -> dict:
     return {
         "component": name, "load_seconds": seconds, "active_memory": mx.get_active_memory(),
         "parameter_bytes": sum(v.nbytes for _, v in params), "peak_memory": mx.get_peak_memory(),
-        "max_rss": rss_bytes(),
+        "max_rss": max_rss_bytes(),
     }  # fmt: skip
 
 
@@ -248,32 +231,26 @@ def emulate_implicit_gemm_conv() -> None:
 
 
 def emulate_matmul_kernels() -> None:
-    """Give Linear / QuantizedLinear layers the memory profile of a GEMM kernel (output only), without
-    the compute: bf16 and 4-bit matmuls run at a few GFLOPS on MLX's CPU backend, so a full-size
-    bf16 / 4-bit stage at 1024² is out of reach here, while its memory is what we want to know.
-    Validated against real float32 compute in `part_stages` (the 'check' rows)."""
+    """Give matmuls (`@`, `mx.addmm`, `mx.quantized_matmul`: what nn.Linear, nn.QuantizedLinear and
+    the transformer's low-memory halves call) the memory profile of a GEMM kernel (output only),
+    without the compute: bf16 and 4-bit matmuls run at a few GFLOPS on MLX's CPU backend, so a
+    full-size bf16 / 4-bit stage at 1024² is out of reach here, while its memory is what we want to
+    know. Validated against real float32 compute in `part_stages` (the 'check' rows)."""
 
-    def dense(self, x):
-        out = self["weight"].shape[0]
-        return mx.broadcast_to(x[..., :1], (*x.shape[:-1], out)) * self["weight"][0, 0] + mx.zeros((out,), x.dtype)
+    def output_only(x, corner, out: int, bias=None):  # (..., out) from one column of x: one allocation
+        add = mx.zeros((out,), x.dtype) if bias is None else bias
+        return mx.broadcast_to(x[..., :1], (*x.shape[:-1], out)) * corner + add
 
-    def quantized(self, x):
-        out = self["weight"].shape[0]
-        return mx.broadcast_to(x[..., :1], (*x.shape[:-1], out)) * self["scales"][0, 0] + mx.zeros((out,), x.dtype)
+    def matmul(a, b):  # a (..., K) @ b (K, N): weights, as nn.Linear and linear_part use it
+        return output_only(a, b[0, 0], b.shape[-1])
 
-    def part(layer, x, rows=slice(None), cols=(0, None)):  # transformer.linear_part (low-memory halves)
-        out = layer["weight"][rows].shape[0]
-        return mx.broadcast_to(x[..., :1], (*x.shape[:-1], out)) * layer["weight"][0, 0].astype(x.dtype) + mx.zeros(
-            (out,), x.dtype
-        )
+    def quantized_matmul(x, w, scales, biases=None, transpose=True, group_size=64, bits=4, **kw):
+        out = w.shape[0] if transpose else w.shape[-1] * 32 // bits  # w (out, in·bits/32) packed
+        return output_only(x, scales[0, 0], out)
 
-    import mlx.nn as nn
-
-    from flux_klein_mlx import transformer
-
-    nn.Linear.__call__ = dense
-    nn.QuantizedLinear.__call__ = quantized
-    transformer.linear_part = part
+    mx.array.__matmul__ = matmul
+    mx.addmm = lambda c, a, b, alpha=1.0, beta=1.0, **kw: output_only(a, b[0, 0], b.shape[-1], c)
+    mx.quantized_matmul = quantized_matmul
 
 
 def emulate_fused_norms() -> None:
@@ -301,90 +278,40 @@ def _zero_params(model) -> None:
     mx.eval(model.parameters())
 
 
-def evaluate_per_block(split: bool = False) -> None:
-    """What-if: `mx.eval` after every transformer block, so at most one block's intermediates are alive
-    (MLX otherwise schedules up to 20 independent branches at a time, MLX_BFS_MAX_WIDTH).
-
-    `split` also runs each single-stream block as two halves, evaluated in turn: attention through
-    the q/k/v rows of linear1 and the first D columns of linear2, then the MLP through the other
-    rows/columns, so neither the fused (L, 3D + 2M) projection nor the (L, D + M) concatenation
-    exists (same math: linear2 is linear in its concatenated input)."""
-    import mlx.nn as nn
-
-    from flux_klein_mlx import transformer as T
-
-    def part(layer, rows=slice(None), cols=(0, None)):
-        """The sub-layer of a (possibly quantized) Linear for some output rows / input columns."""
-        c0, c1 = cols
-        if isinstance(layer, nn.QuantizedLinear):
-            per_word, g = 32 // layer.bits, layer.group_size  # packed values per uint32, group size
-            w = layer.weight[rows, c0 // per_word : None if c1 is None else c1 // per_word]
-            sub = nn.QuantizedLinear(w.shape[1] * per_word, w.shape[0], False, g, layer.bits)
-            sub.weight = w
-            sub.scales = layer.scales[rows, c0 // g : None if c1 is None else c1 // g]
-            sub.biases = layer.biases[rows, c0 // g : None if c1 is None else c1 // g]
-            return sub
-        w = layer.weight[rows, c0:c1]
-        sub = nn.Linear(w.shape[1], w.shape[0], bias=False)
-        sub.weight = w
-        return sub
-
-    def split_single(self, x, mod, cos, sin):
-        shift, scale, gate = mod
-        y = T.modulate(x, shift, scale, self.eps)
-        D = self.hidden_size
-        q, k, v = T.split_heads(part(self.linear1, slice(0, 3 * D))(y), self.num_heads)
-        attn = T.attention(self.norm.query_norm(q), self.norm.key_norm(k), v, cos, sin)
-        h = part(self.linear2, cols=(0, D))(attn)
-        mx.eval(h)
-        h = h + part(self.linear2, cols=(D, None))(T.swiglu(part(self.linear1, slice(3 * D, None))(y)))
-        return x + gate * h
-
-    if split:
-        T.SingleStreamBlock.__call__ = split_single
-    for cls in (T.DoubleStreamBlock, T.SingleStreamBlock):
-        call = cls.__call__
-
-        def wrapped(self, *args, _call=call):
-            out = _call(self, *args)
-            mx.eval(out)
-            return out
-
-        cls.__call__ = wrapped
-
-
 def child_stage(stage: str, size: int, dtype: str = "bfloat16", bits: int | None = 4, tiled: bool = False,
                 stand_in_matmul: bool = True, depth: int | None = None, block_eval: bool | str = False) -> dict:  # fmt: skip
     """A whole pipeline stage at full size: weights resident (zeros of the real shapes, `bits`-quantized
     like a converted folder), then the stage's work as the pipeline runs it, peak memory over both.
 
     Matmuls, attention and convs are output-only stand-ins (see the `emulate_*` functions) unless
-    `stand_in_matmul` is False (real float32 matmuls: the check of the stand-in)."""
+    `stand_in_matmul` is False (real float32 matmuls: the check of the stand-in). `block_eval`
+    "low_memory" runs the denoise step through `forward_with_rope(..., low_memory=True)`."""
     from flux_klein_mlx.quantize import quantize_model
+
+    if block_eval not in (False, "low_memory"):
+        raise SystemExit(f"block_eval is False or 'low_memory', not {block_eval!r}")
 
     emulate_fused_attention()
     emulate_implicit_gemm_conv()
     emulate_fused_norms()
     if stand_in_matmul:
         emulate_matmul_kernels()
-    if block_eval and block_eval != "low_memory":  # "low_memory": the model's own low-memory forward
-        evaluate_per_block(split=block_eval == "split")
     dt = getattr(mx, dtype)
     mx.random.seed(0)
     mx.reset_peak_memory()
     if stage == "encode":
-        from flux_klein_mlx.text_encoder import Qwen3Config, Qwen3TextEncoder
+        from flux_klein_mlx.text_encoder import Qwen3TextEncoder
 
-        cfg = dict(QWEN3_4B) if depth is None else dict(QWEN3_4B, num_hidden_layers=depth)
+        cfg = qwen3_4b() if depth is None else dataclasses.replace(qwen3_4b(), num_hidden_layers=depth)
         layers = (9, 18, 27) if depth is None else (depth,)
-        model = Qwen3TextEncoder(Qwen3Config.from_dict(cfg), out_layers=layers)
+        model = Qwen3TextEncoder(cfg, out_layers=layers)
     elif stage == "denoise":
-        from flux_klein_mlx.transformer import FluxKlein, FluxKleinParams
+        from flux_klein_mlx.transformer import FluxKlein
 
         p = FluxKleinParams.klein_4b() if depth is None else FluxKleinParams(depth=depth, depth_single=depth)
         model = FluxKlein(p)
     else:
-        from flux_klein_mlx.vae import AutoEncoder, AutoEncoderConfig
+        from flux_klein_mlx.vae import AutoEncoder
 
         model = AutoEncoder(AutoEncoderConfig.flux2())
     model.update(model.parameters())  # (lazy random init is never evaluated)
@@ -395,11 +322,13 @@ def child_stage(stage: str, size: int, dtype: str = "bfloat16", bits: int | None
         quantize_model(model, bits)
     _zero_params(model)
     if not stand_in_matmul:  # real compute needs real values
-        _random_params(model, dt)
+        from flux_klein_mlx.random_model import randomize  # (imports the pipeline: seconds)
+
+        randomize(model, dt, seed=0)
     resident = mx.get_active_memory()
     load_peak = mx.get_peak_memory()
     if stage == "encode":
-        ids = mx.random.randint(0, QWEN3_4B["vocab_size"], (1, 512))
+        ids = mx.random.randint(0, qwen3_4b().vocab_size, (1, 512))
         mask = (mx.arange(512) < 24).astype(mx.int32)[None]
         mx.eval(ids, mask)
         res = _measure(lambda: model(ids, mask).astype(dt))
@@ -428,16 +357,6 @@ def child_stage(stage: str, size: int, dtype: str = "bfloat16", bits: int | None
             "stage_peak": max(load_peak, res["peak"], res.get("setup_peak", 0))}  # fmt: skip
 
 
-def _random_params(model, dtype) -> None:
-    from mlx.utils import tree_flatten, tree_unflatten
-
-    flat = tree_flatten(model.parameters())
-    new = [(k, (mx.random.normal(v.shape) * (v.shape[-1] ** -0.5 if v.ndim > 1 else 0.1) + (v.ndim == 1)).astype(dtype))
-           for k, v in flat]  # fmt: skip
-    model.update(tree_unflatten(new))
-    mx.eval(model.parameters())
-
-
 def _measure(run) -> dict:
     mx.synchronize()
     mx.clear_cache()
@@ -457,28 +376,30 @@ def child_activation(
     """One stage's activation peak with real float32 compute (`width` "full": the real widths, `depth`
     blocks/layers) at a `size`² image (512 text tokens); attention is the fused-kernel stand-in.
     `tiled` decodes with the VAE's banded decoder; `metal_conv` swaps convs for stand-ins too."""
+    from flux_klein_mlx.random_model import randomize
+
     emulate_fused_attention()
     if metal_conv:
         emulate_implicit_gemm_conv()
     dt = getattr(mx, dtype)
     mx.random.seed(0)
     if stage == "encode":
-        from flux_klein_mlx.text_encoder import Qwen3Config, Qwen3TextEncoder
+        from flux_klein_mlx.text_encoder import Qwen3TextEncoder
 
-        cfg = dict(QWEN3_4B, num_hidden_layers=depth)
-        model = Qwen3TextEncoder(Qwen3Config.from_dict(cfg), out_layers=tuple(sorted({max(1, depth // 3), max(1, 2 * depth // 3), depth})))
-        _random_params(model, dt)
-        ids = mx.random.randint(0, cfg["vocab_size"], (1, 512))
+        cfg = dataclasses.replace(qwen3_4b(), num_hidden_layers=depth)
+        model = Qwen3TextEncoder(cfg, out_layers=tuple(sorted({max(1, depth // 3), max(1, 2 * depth // 3), depth})))
+        randomize(model, dt, seed=0)
+        ids = mx.random.randint(0, cfg.vocab_size, (1, 512))
         mask = (mx.arange(512) < 24).astype(mx.int32)[None]  # a short prompt, right-padded to 512
         mx.eval(ids, mask)
         res = _measure(lambda: model(ids, mask))
     elif stage == "denoise":
         from flux_klein_mlx.rope import image_ids, text_ids
-        from flux_klein_mlx.transformer import FluxKlein, FluxKleinParams
+        from flux_klein_mlx.transformer import FluxKlein
 
         p = FluxKleinParams(depth=depth, depth_single=depth)
         model = FluxKlein(p)
-        _random_params(model, dt)
+        randomize(model, dt, seed=0)
         h = w = size // 16
         ctx = mx.random.normal((1, 512, p.context_in_dim)).astype(dt)
         x = mx.random.normal((1, h * w, 128)).astype(dt)
@@ -486,14 +407,13 @@ def child_activation(
         txt = model.embed_text(ctx)  # hoisted out of the loop, as the pipeline does
         mx.eval(ctx, x, rope, txt)
         t = mx.array([0.9], dtype=dt)
-        low = block_eval == "low_memory"
-        res = _measure(lambda: x + (-0.05) * model.forward_with_rope(x, ctx, t, rope, txt_embedded=txt, low_memory=low))
+        res = _measure(lambda: x + (-0.05) * model.forward_with_rope(x, ctx, t, rope, txt_embedded=txt))
     elif stage == "decode":
-        from flux_klein_mlx.vae import AutoEncoder, AutoEncoderConfig
+        from flux_klein_mlx.vae import AutoEncoder
 
         cfg = AutoEncoderConfig.flux2()
         model = AutoEncoder(cfg)
-        _random_params(model, dt)
+        randomize(model, dt, seed=0)
         h = w = size // 16
         tokens = mx.random.normal((1, h * w, cfg.token_channels)).astype(dt)
         mx.eval(tokens)
@@ -509,11 +429,7 @@ def child_activation(
 
 def run_child(task: str, **kwargs) -> dict:
     """Run one measurement in a fresh process (clean peaks and RSS); returns its JSON result."""
-    cmd = [sys.executable, __file__, "--child", json.dumps({"task": task, **kwargs})]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"{task} {kwargs} failed:\n{r.stderr[-3000:]}")
-    result = json.loads(r.stdout.strip().splitlines()[-1])
+    result = run_json_child([sys.executable, __file__, "--child", json.dumps({"task": task, **kwargs})], f"{task} {kwargs}")
     print(f"  {task} {kwargs}: {json.dumps(result)[:400]}", flush=True)
     return result
 
@@ -553,11 +469,19 @@ def part_convert(work: Path, results: dict, keep: bool) -> None:
     save_results(results)
 
 
+def run_plan(results: dict, key: str, task: str, fields: tuple, plan: list, defaults: dict) -> None:
+    """Run each job of `plan` (a tuple of `fields` values) that `results[key]` lacks, in a child, and save
+    after each; a stored row without one of the fields reads as `defaults` gives it (else None)."""
+    rows = results.setdefault(key, [])
+    done = {tuple(r.get(f, defaults.get(f)) for f in fields) for r in rows}
+    for job in plan:
+        if job not in done:
+            rows.append(run_child(task, **dict(zip(fields, job))))
+            save_results(results)
+
+
 def part_activations(results: dict) -> None:
-    acts = results.setdefault("activations", [])
     fields = ("stage", "size", "dtype", "width", "depth", "tiled", "metal_conv")
-    key = lambda a: tuple(a.get(f, False) for f in fields)  # noqa: E731
-    done = {key(a) for a in acts}
     plan = [
         # Real float32 compute (only attention is a stand-in): is the peak independent of depth?
         ("encode", 1024, "float32", "full", 3, False, False), ("encode", 1024, "float32", "full", 6, False, False),
@@ -567,16 +491,11 @@ def part_activations(results: dict) -> None:
         ("decode", 256, "float32", "full", 1, False, False), ("decode", 512, "float32", "full", 1, False, False),
         ("decode", 256, "float32", "full", 1, True, False), ("decode", 512, "float32", "full", 1, True, False),
     ]  # fmt: skip
-    for job in plan:
-        if job not in done:
-            acts.append(run_child("activation", **dict(zip(fields, job))))
-            save_results(results)
+    run_plan(results, "activations", "activation", fields, plan, dict.fromkeys(fields, False))
 
 
 def part_stages(results: dict) -> None:
-    stages = results.setdefault("stages", [])
     fields = ("stage", "size", "dtype", "bits", "tiled", "stand_in_matmul", "depth", "block_eval")
-    done = {tuple(r.get(f, False if f == "block_eval" else None) for f in fields) for r in stages}
     plan = [
         ("encode", 1024, "bfloat16", 4, False, True, None, False),
         ("denoise", 256, "bfloat16", 4, False, True, None, False), ("denoise", 512, "bfloat16", 4, False, True, None, False),
@@ -586,14 +505,11 @@ def part_stages(results: dict) -> None:
         # checks of the matmul stand-in against real float32 compute (unquantized, reduced depth)
         ("encode", 1024, "float32", None, False, True, 3, False), ("encode", 1024, "float32", None, False, False, 3, False),
         ("denoise", 512, "float32", None, False, True, 2, False), ("denoise", 512, "float32", None, False, False, 2, False),
-        # what-if: one block's intermediates at a time
-        ("denoise", 1024, "bfloat16", 4, False, True, None, True), ("denoise", 512, "bfloat16", 4, False, True, None, True),
-        ("denoise", 1024, "bfloat16", 4, False, True, None, "split"), ("denoise", 512, "bfloat16", 4, False, True, None, "split"),
+        # the transformer's own low-memory forward: one block's intermediates at a time, single blocks in halves
+        ("denoise", 512, "bfloat16", 4, False, True, None, "low_memory"),
+        ("denoise", 1024, "bfloat16", 4, False, True, None, "low_memory"),
     ]  # fmt: skip
-    for job in plan:
-        if job not in done:
-            stages.append(run_child("stage", **dict(zip(fields, job))))
-            save_results(results)
+    run_plan(results, "stages", "stage", fields, plan, {"block_eval": False})
 
 
 def _act(results: dict, **want) -> float | None:
@@ -632,8 +548,7 @@ def report(results: dict) -> str:
     rows = [("1. encode: Qwen3-4B 27 layers 4-bit, 512 tokens", dict(stage="encode", bits=4, dtype="bfloat16")),
             ("2. denoise: transformer 4-bit, one step", dict(stage="denoise", bits=4, dtype="bfloat16", depth=None)),
             ("2. denoise: transformer bf16, one step", dict(stage="denoise", bits=None, dtype="bfloat16", depth=None)),
-            ("2. what-if: 4-bit, `mx.eval` after each block", dict(stage="denoise", bits=4, dtype="bfloat16", depth=None, block_eval=True)),
-            ("2. what-if: same + single blocks in two halves", dict(stage="denoise", bits=4, dtype="bfloat16", depth=None, block_eval="split")),
+            ("2. denoise: transformer 4-bit, `low_memory=True`", dict(stage="denoise", bits=4, dtype="bfloat16", depth=None, block_eval="low_memory")),
             ("3. decode: VAE bf16, whole image", dict(stage="decode", tiled=False, dtype="bfloat16")),
             ("3. decode: VAE bf16, banded (`tiled=True`)", dict(stage="decode", tiled=True, dtype="bfloat16"))]  # fmt: skip
     for label, want in rows:

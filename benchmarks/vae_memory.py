@@ -17,34 +17,16 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 
-from flux_klein_mlx import preload_openblas  # imports no mlx
-
-preload_openblas()  # before mlx is imported: OpenBLAS instead of the slow bundled BLAS
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
+import common  # noqa: E402,F401  (this checkout on sys.path, OpenBLAS preloaded)
 
 import mlx.core as mx  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flux_klein_mlx.config import AutoEncoderConfig  # noqa: E402
+from flux_klein_mlx.flops import flops_of_vae_decoder  # noqa: E402
 from flux_klein_mlx.vae import AutoEncoder  # noqa: E402
-
-
-def decode_flops(size: int, config: AutoEncoderConfig) -> float:
-    """Multiply-adds x 2 of the decoder's convs and mid attention for a size x size image."""
-    ch = list(reversed(config.block_out_channels))
-    s = size // config.downscale
-    f = 2 * s * s * 9 * config.latent_channels * ch[0]  # conv_in
-    f += 2 * 2 * s * s * 9 * ch[0] * ch[0] + 2 * (4 * s * s * ch[0] ** 2 + 2 * (s * s) ** 2 * ch[0])  # mid
-    prev = ch[0]
-    for i, c in enumerate(ch):
-        for j in range(config.layers_per_block + 1):
-            cin = prev if j == 0 else c
-            f += 2 * s * s * 9 * (cin * c + c * c) + (2 * s * s * cin * c if cin != c else 0)
-        prev = c
-        if i < len(ch) - 1:
-            s *= 2
-            f += 2 * s * s * 9 * c * c  # upsample conv at the doubled size
-    return f + 2 * s * s * 9 * ch[-1] * config.out_channels
 
 
 def main() -> None:
@@ -63,7 +45,7 @@ def main() -> None:
     mx.eval(decoder.parameters())
     z = mx.random.normal((1, args.size // 8, args.size // 8, config.latent_channels), key=mx.random.key(0))
     mx.eval(z)
-    flops = decode_flops(args.size, config)
+    flops = flops_of_vae_decoder(config, args.size, args.size).total  # the package's FLOP model
     print(
         f"FLUX.2 VAE decoder, {args.size}x{args.size}, {args.dtype}, batch 1, random weights; "
         f"mlx {mx.__version__}, {mx.default_device()}, {platform.machine()} {platform.system()}, "

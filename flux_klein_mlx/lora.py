@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -264,12 +265,20 @@ def remove_loras(model: nn.Module) -> None:
     model.lora_state = None
 
 
-def apply_loras(model: nn.Module, loras: list[Lora], keep_originals: bool = True, evaluate: bool = True) -> None:
+def apply_loras(
+    model: nn.Module,
+    loras: list[Lora],
+    keep_originals: bool = True,
+    evaluate: bool = True,
+    reread: Callable[[str], mx.array] | None = None,
+) -> None:
     """Apply `loras` (from `load_loras`) to a klein transformer, replacing whatever was applied before.
 
     Float layers get the summed update fused into their weight (the original is kept for
     `remove_loras`, unless `keep_originals` is False: then the LoRAs cost only their own size but can
-    only be removed by reloading the model); quantized layers get a side path. `evaluate=False` leaves
+    only be removed by reloading the model); quantized layers get a side path. `reread(path)` gives a
+    layer's original weight as a lazy array read from the model's files: kept instead of the weight
+    itself, it costs no memory until the LoRAs are removed (the weight is then read from disk again). `evaluate=False` leaves
     the fused weights lazy (conversion writes them one at a time). Shapes were checked against the model's
     hyper-parameters when the LoRAs were read; a model with other shapes is refused here before
     anything changes.
@@ -301,7 +310,7 @@ def apply_loras(model: nn.Module, loras: list[Lora], keep_originals: bool = True
             delta = delta.at[t.rows[0] : t.rows[1]].add(t.factor * _delta(t))
         state.fused.append(path)
         if keep_originals:
-            state.originals[path] = W
+            state.originals[path] = W if reread is None else reread(path)
         layer.weight = (W.astype(mx.float32) + delta).astype(W.dtype)  # one rounding
         new_weights.append(layer.weight)
     if evaluate:

@@ -24,7 +24,8 @@ from PIL import Image
 
 from .errors import FluxKleinError
 from .img2img import blend, prepare_init_image, scale_noise, start_step
-from .loading import ModelInfo, as_dtype, describe, load_component
+from .loading import ModelInfo, as_dtype, describe, load_component, read_component
+from .lora import apply_loras, load_loras
 from .noise import check_noise_kind, initial_noise
 from .quantize import check_quantization
 from .rope import image_ids, text_ids
@@ -190,14 +191,20 @@ class FluxKleinPipeline:
         def load_and_apply():
             model = loader()
             if self.loras:
-                from .lora import apply_loras
-
                 # Low-memory mode reloads the transformer for every image anyway: no copy of the original
-                # weights is kept (the LoRAs cost their own size), a change of LoRAs releases the model.
-                apply_loras(model, self.loras, keep_originals=not self.low_memory)
+                # weights is kept, a change of LoRAs releases the model. Otherwise the originals of fused
+                # layers are kept as lazy arrays of the model's files: a LoRA costs its own size either way.
+                apply_loras(model, self.loras, keep_originals=not self.low_memory, reread=self._reread())
             return model
 
         return load_and_apply
+
+    def _reread(self) -> Callable[[str], mx.array] | None:
+        """Original float weights of transformer layers, lazily from the files (None: no files)."""
+        if self.info.format not in ("diffusers", "mlx"):
+            return None
+        weights = read_component(self.info, "transformer")  # lazy: nothing is read until evaluated
+        return lambda path: weights[f"{path}.weight"].astype(self.dtype)
 
     def set_loras(self, loras, partial: bool = False) -> None:
         """Replace the applied LoRAs, e.g. `["a.safetensors", ("b.safetensors", 0.8)]`; `[]` removes them.
@@ -206,8 +213,6 @@ class FluxKleinPipeline:
         low-memory mode the transformer, reloaded for every image anyway, is released instead). Every
         file is read and checked first; on any error the pipeline keeps its previous LoRAs.
         """
-        from .lora import apply_loras, load_loras
-
         parsed = load_loras(loras, self.info.params, partial)
         if self.transformer.loaded and self.low_memory:
             self.transformer.release()
@@ -550,8 +555,6 @@ def load(
 
     def component(name):
         return lambda: load_component(info, name, dt, quantize, group_size)
-
-    from .lora import load_loras
 
     parsed = load_loras(loras, info.params, lora_partial)  # every LoRA checked before any model loads
     return FluxKleinPipeline(
