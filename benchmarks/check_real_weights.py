@@ -30,6 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when a test loads the script by path
+import common  # noqa: E402, F401  (this checkout first on sys.path, OpenBLAS before mlx)
+
 CASES = ("text-to-image", "edit", "img2img")
 
 
@@ -220,10 +223,6 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="our dtype")
     p.add_argument("--output-dir", default="check_real_weights", help="side-by-side PNGs (diffusers | ours)")
     args = p.parse_args(argv)
-
-    from flux_klein_mlx import preload_openblas
-
-    preload_openblas()
     if args.steps is None:
         import flux_klein_mlx
 
