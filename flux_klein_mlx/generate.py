@@ -71,6 +71,12 @@ def _mb(nbytes: int) -> str:
 @click.option("--steps", type=int, default=None, help="Denoising steps [default: 4 distilled, 50 Base].")
 @click.option("--guidance", type=float, default=None, help="CFG scale, Base models only [default: 4.0].")
 @click.option("--seed", type=int, default=None, help="Noise seed [default: random, printed].")
+@click.option("--noise", type=click.Choice(["torch", "mlx"]), default="torch", show_default=True,
+              help="torch: the noise diffusers/ComfyUI draw for --seed on the CPU; mlx: mflux's.")
+@click.option("--init-image", default=None, help="Image-to-image: start from this picture (sets the output size).")
+@click.option("--strength", type=float, default=None,
+              help="How much of --init-image to redraw, (0, 1]; 1 = from pure noise [default: 0.8].")
+@click.option("--mask", default=None, help="Inpainting: white = repaint, black = keep; the size of --init-image.")
 @click.option("--image", "-i", "images", multiple=True, help="Reference image to edit; repeat for multi-reference.")
 @click.option("--negative-prompt", default=None, help="Unconditional prompt for CFG (Base models).")
 @click.option("--num-images", "-n", type=click.IntRange(1, 1000), default=1, show_default=True,
@@ -88,14 +94,26 @@ def _mb(nbytes: int) -> str:
 @click.option("--lora-scale", "lora_scales", type=float, multiple=True,
               help="Strength of each --lora, by position [default: 1.0].")
 @click.option("--lora-partial", is_flag=True, help="Apply a LoRA even when some of its modules match no layer.")
-def generate(prompt, model, width, height, steps, guidance, seed, images, negative_prompt, num_images,
-             quantize, dtype, low_memory, output, preview_dir, loras, lora_scales, lora_partial):
+def generate(prompt, model, width, height, steps, guidance, seed, noise, init_image, strength, mask, images,
+             negative_prompt, num_images, quantize, dtype, low_memory, output, preview_dir, loras, lora_scales,
+             lora_partial):
     """Generate images from a prompt (and optional reference images)."""
     # Cheap checks before loading gigabytes: sizes, reference images, the output path.
     if width is not None or height is not None:
         check_image_size(width or 1024, height or 1024)
     for p in images:
         preprocess_reference(p)
+    if init_image is None and (mask is not None or strength is not None):
+        raise FluxKleinError(f"{'--mask' if mask is not None else '--strength'} needs --init-image")
+    if init_image is not None:
+        from .img2img import prepare_init_image, start_step
+
+        init = prepare_init_image(init_image, 0.8 if strength is None else strength, mask)
+        if steps is not None:
+            start_step(steps, init.strength)
+        if (width or init.width, height or init.height) != (init.width, init.height):
+            raise FluxKleinError(f"the output takes --init-image's size ({init.width}x{init.height}); "
+                                 "leave --width/--height out")
     paths = output_paths(output, num_images)
     if preview_dir is not None and not Path(preview_dir).is_dir():
         raise FluxKleinError(f"--preview-dir {preview_dir} is not an existing folder; create it first")
@@ -112,11 +130,16 @@ def generate(prompt, model, width, height, steps, guidance, seed, images, negati
         click.echo(f"LoRA {lora.name} ({lora.sha256}) at scale {lora.scale:g}: {len({t.layer for t in lora.terms})} "
                    f"layers, {lora.nbytes / 1e6:.1f} MB", err=True)
 
+    from .noise import seed_for_image
+
     base_seed = seed
+    img2img = dict(noise=noise, init_image=init_image, strength=strength, mask=mask)
     for n, path in enumerate(paths):
-        run_seed = None if base_seed is None else base_seed + n
+        # Image n uses seed + n, as diffusers does for a list of generators seeded N, N+1, ...
+        run_seed = None if base_seed is None else seed_for_image(base_seed, n)
         previews = None if preview_dir is None else (Path(preview_dir), path.stem)
-        image, stats = _run(pipe, prompt, width, height, steps, guidance, run_seed, images, negative_prompt, previews)
+        image, stats = _run(pipe, prompt, width, height, steps, guidance, run_seed, images, negative_prompt, previews,
+                            img2img)
         metadata = {
             "prompt": prompt, "negative_prompt": negative_prompt if not info.is_distilled else None,
             "seed": stats["seed"], "steps": stats["steps"], "guidance": stats["guidance"],
@@ -124,8 +147,11 @@ def generate(prompt, model, width, height, steps, guidance, seed, images, negati
             "variant": info.name, "dtype": dtype,
             "quantize": pipe.quantization["bits"] if pipe.quantization else None,
             "references": [str(p) for p in images] or None, "software": f"flux_klein_mlx {__version__}",
-            "loras": [lora.record() for lora in pipe.loras] or None,
+            "loras": [lora.record() for lora in pipe.loras] or None, "noise": stats["noise"],
         }
+        if init_image is not None:
+            metadata.update(init_image=str(init_image), strength=stats["strength"], mask=mask,
+                            steps_run=stats["steps_run"])
         final = save_png(image, path, metadata)
         if final != path:
             click.echo(f"{path} exists; wrote {final} instead", err=True)
@@ -137,8 +163,9 @@ def generate(prompt, model, width, height, steps, guidance, seed, images, negati
         click.echo(str(final))
 
 
-def _run(pipe, prompt, width, height, steps, guidance, seed, images, negative_prompt, previews=None):
-    """One image, with a progress bar that shows seconds per step; `previews`: (folder, name stem)."""
+def _run(pipe, prompt, width, height, steps, guidance, seed, images, negative_prompt, previews=None, img2img=None):
+    """One image, with a progress bar that shows seconds per step; `previews`: (folder, name stem);
+    `img2img`: noise / init_image / strength / mask keyword arguments."""
     import warnings
 
     from PIL import Image
@@ -151,7 +178,7 @@ def _run(pipe, prompt, width, height, steps, guidance, seed, images, negative_pr
         warnings.simplefilter("always")
         warnings.showwarning = lambda msg, *a, **k: click.echo(f"warning: {msg}", err=True)
         stream = pipe.stream(prompt, width=width, height=height, steps=steps, guidance=guidance, seed=seed,
-                             images=list(images) or None, negative_prompt=negative_prompt)
+                             images=list(images) or None, negative_prompt=negative_prompt, **(img2img or {}))
         first = next(stream)  # prompt encoded, references encoded
         bar = click.progressbar(length=first.total, label="denoising", file=sys.stderr,
                                 show_eta=True, item_show_func=lambda s: s)

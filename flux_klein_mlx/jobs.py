@@ -235,8 +235,8 @@ class Worker:
         req, pipe = job.request, self.pipe
         kwargs = dict(width=req.width, height=req.height, steps=req.steps, guidance=req.guidance,
                       negative_prompt=req.negative_prompt, images=req.images or None)
-        if req.mask is not None:
-            # Inpainting: the first uploaded image is the one to repaint (checked by the HTTP layer).
+        if req.mask is not None or req.strength is not None:
+            # Inpainting / img2img: the first uploaded image is the one to repaint (checked by the HTTP layer).
             kwargs.update(mask=req.mask, init_image=req.images[0], images=req.images[1:] or None)
         if req.strength is not None:
             kwargs["strength"] = req.strength

@@ -23,8 +23,10 @@ import numpy as np
 from PIL import Image
 
 from .errors import FluxKleinError
-from .lora import apply_loras, load_loras
+from .img2img import blend, prepare_init_image, scale_noise, start_step
 from .loading import ModelInfo, as_dtype, describe, load_component, read_component
+from .lora import apply_loras, load_loras
+from .noise import check_noise_kind, initial_noise
 from .quantize import check_quantization
 from .rope import image_ids, text_ids
 from .sampler import FluxSampler
@@ -66,6 +68,15 @@ class Job:
     steps: int
     guidance: float | None  # CFG scale when CFG runs, else None
     stats: dict
+    # Image-to-image / inpainting (img2img.py); defaults mean text-to-image.
+    t_start: int = 0  # schedule steps skipped (strength); the schedule is still built for `steps`
+    x0: mx.array | None = None  # (1, h*w, 128) init image tokens
+    prior: mx.array | None = None  # (1, h*w, 128) float32 noise, reused to re-noise the kept region
+    mask: mx.array | None = None  # (1, h*w, 1) inpainting mask on the token grid, 1 = repaint
+
+    @property
+    def steps_run(self) -> int:
+        return self.steps - self.t_start
 
 
 class _Slot:
@@ -229,8 +240,11 @@ class FluxKleinPipeline:
         """Use `embeddings` (1, 512, C) for `prompt` from now on instead of running the text encoder."""
         self._prompt_cache[prompt] = embeddings.astype(self.dtype)
 
-    def encode_references(self, images: Sequence) -> tuple[mx.array, mx.array, tuple[int, int]]:
-        """VAE-encode references -> tokens (1, sum h_k*w_k, 128), ids (.., 4), first one's (W, H)."""
+    def encode_references(self, images: Sequence, first_t: int = 10) -> tuple[mx.array, mx.array, tuple[int, int]]:
+        """VAE-encode references -> tokens (1, sum h_k*w_k, 128), ids (.., 4), first one's (W, H).
+
+        Reference k gets time coordinate first_t + 10 k (an init image takes 10, references follow).
+        """
         vae = self.vae.get()
         tokens, ids, first_size = [], [], None
         for k, image in enumerate(images):
@@ -239,7 +253,7 @@ class FluxKleinPipeline:
             first_size = first_size or (W, H)
             tok = vae.encode_to_tokens(mx.array(pixels)[None].astype(self.dtype))  # (1, H/16*W/16, 128)
             tokens.append(tok)
-            ids.append(image_ids(H // 16, W // 16, t=10 * (k + 1)))
+            ids.append(image_ids(H // 16, W // 16, t=first_t + 10 * k))
         out = mx.concatenate(tokens, axis=1), mx.concatenate(ids, axis=0)
         mx.eval(out)
         return out[0], out[1], first_size
@@ -259,6 +273,10 @@ class FluxKleinPipeline:
         negative_prompt: str | None = None,
         latents=None,
         output_type: str = "pil",
+        noise: str = "torch",
+        init_image=None,
+        strength: float | None = None,
+        mask=None,
     ) -> Iterator[Progress]:
         """Run a generation, yielding a `Progress` after encoding, after every step and at the end.
 
@@ -270,12 +288,14 @@ class FluxKleinPipeline:
             raise FluxKleinError(f"output_type must be 'pil' or 'np', not {output_type!r}")
         job = self.prepare(
             prompt, width=width, height=height, steps=steps, guidance=guidance, seed=seed, images=images,
-            negative_prompt=negative_prompt, latents=latents,
+            negative_prompt=negative_prompt, latents=latents, noise=noise, init_image=init_image, strength=strength,
+            mask=mask,
         )
-        yield Progress("encode", 0, job.steps, job.stats["encode"]["seconds"], stats=job.stats)
+        yield Progress("encode", 0, job.steps_run, job.stats["encode"]["seconds"], stats=job.stats)
         yield from self.denoise(job)
         image = self.decode(job, output_type)
-        yield Progress("decode", job.steps, job.steps, job.stats["decode"]["seconds"], image=image, stats=job.stats)
+        n = job.steps_run
+        yield Progress("decode", n, n, job.stats["decode"]["seconds"], image=image, stats=job.stats)
 
     def prepare(
         self,
@@ -289,6 +309,10 @@ class FluxKleinPipeline:
         images: Sequence | None = None,
         negative_prompt: str | None = None,
         latents=None,
+        noise: str = "torch",
+        init_image=None,
+        strength: float | None = None,
+        mask=None,
     ) -> Job:
         """Stage 1: resolve the settings, encode the prompt(s) and references, draw the noise."""
         info = self.info
@@ -305,6 +329,20 @@ class FluxKleinPipeline:
                 warnings.warn(f"negative_prompt is ignored: {info.name} runs without classifier-free guidance")
         else:
             guidance = info.default_guidance if guidance is None else float(guidance)
+        check_noise_kind(noise)
+        if init_image is None and (mask is not None or strength is not None):
+            what = "a mask" if mask is not None else "strength"
+            raise FluxKleinError(f"{what} needs an init image (init_image=, --init-image)")
+        # Image-to-image / inpainting (img2img.py): preprocessed before any model runs; sets the size.
+        init = None
+        if init_image is not None:
+            init = prepare_init_image(init_image, 0.8 if strength is None else strength, mask)
+            if (width or init.width, height or init.height) != (init.width, init.height):
+                raise FluxKleinError(
+                    f"the output takes the init image's size ({init.width}x{init.height}); leave width/height unset"
+                )
+            width, height = init.width, init.height
+        t_start = 0 if init is None else start_step(steps, init.strength)
         if isinstance(images, (str, Path, Image.Image)):
             images = [images]
         images = list(images or [])
@@ -312,7 +350,10 @@ class FluxKleinPipeline:
             width, height = width or 1024, height or 1024
             check_image_size(width, height)
         seed = random.randrange(2**31) if seed is None and latents is None else seed
-        stats: dict = {"seed": seed, "steps": steps, "guidance": guidance}
+        stats: dict = {"seed": seed, "steps": steps, "guidance": guidance,
+                       "noise": "latents" if latents is not None else noise}
+        if init is not None:
+            stats.update(strength=init.strength, steps_run=steps - t_start, inpainting=init.mask is not None)
 
         # Conditioning: prompt embeddings (text encoder released after), reference tokens.
         cfg = guidance is not None and guidance > 1.0
@@ -322,9 +363,17 @@ class FluxKleinPipeline:
         ctx = self.encode_prompts(prompts)  # (1 or 2, 512, C); [cond, uncond]
         ref_tokens = ref_ids = None
         if images:
-            ref_tokens, ref_ids, (rw, rh) = self.encode_references(images)
+            ref_tokens, ref_ids, (rw, rh) = self.encode_references(images, first_t=10 if init is None else 20)
             width, height = width or rw, height or rh
             check_image_size(width, height)
+        x0 = None
+        if init is not None:
+            # The init image's tokens (1, h*w, 128) are x0 and also the first reference (t = 10).
+            x0 = self.vae.get().encode_to_tokens(mx.array(init.pixels)[None].astype(self.dtype))
+            x0_ids = image_ids(height // 16, width // 16, t=10)
+            ref_tokens = x0 if ref_tokens is None else mx.concatenate([x0, ref_tokens], axis=1)
+            ref_ids = x0_ids if ref_ids is None else mx.concatenate([x0_ids, ref_ids], axis=0)
+            mx.eval(ref_tokens, ref_ids)
         stats["encode"] = {"seconds": time.perf_counter() - t0, "peak_memory": mx.get_peak_memory()}
         stats["width"], stats["height"] = width, height
 
@@ -335,19 +384,25 @@ class FluxKleinPipeline:
             if x.shape != (1, c, h, w):
                 raise FluxKleinError(f"latents must have shape (1, {c}, {h}, {w}) for {width}x{height}, not {x.shape}")
         else:
-            x = FluxSampler.sample_prior((1, c, h, w), seed=seed)
-        x = pack_latents(x).astype(self.dtype)  # (1, h*w, c)
-        return Job(x=x, ctx=ctx, ref_tokens=ref_tokens, ref_ids=ref_ids, h=h, w=w, steps=steps,
-                   guidance=guidance if cfg else None, stats=stats)
+            x = initial_noise((1, c, h, w), seed, noise)  # float32; torch's CPU randn by default
+        prior = pack_latents(x)  # (1, h*w, c) float32
+        if init is not None:
+            # Noised to the first sigma that runs; mu comes from all `steps` (diffusers' get_timesteps).
+            x = scale_noise(x0, prior, FluxSampler().timesteps(h * w, steps)[t_start])
+        else:
+            x = prior
+        mask = None if init is None or init.mask is None else mx.array(init.mask)[None]  # (1, h*w, 1)
+        return Job(x=x.astype(self.dtype), ctx=ctx, ref_tokens=ref_tokens, ref_ids=ref_ids, h=h, w=w, steps=steps,
+                   guidance=guidance if cfg else None, stats=stats, t_start=t_start, x0=x0, prior=prior, mask=mask)
 
     def denoise(self, job: Job) -> Iterator[Progress]:
         """Stage 2: the flow steps, a generator that yields after every step; `job.x` advances."""
         mx.reset_peak_memory()
         t_stage = time.perf_counter()
         model = self.transformer.get()
-        h, w, steps = job.h, job.w, job.steps
+        h, w, steps = job.h, job.w, job.steps_run
         # Everything that depends only on shapes is built once, outside the loop.
-        sigmas = FluxSampler().timesteps(h * w, steps)
+        sigmas = FluxSampler().timesteps(h * w, job.steps)[job.t_start :]  # img2img skips the first t_start
         # KV variant with references: the references leave the sequence; their K/V come from a cache
         # filled at the first step and dropped with this image (other variants never cache).
         use_kv = self.info.reference_kv and job.ref_tokens is not None
@@ -378,6 +433,8 @@ class FluxKleinPipeline:
                 v = v[1:2] + job.guidance * (v[0:1] - v[1:2])  # uncond + s * (cond - uncond)
             x0 = x - sigmas[i] * v  # flow matching: x_t = (1 - s) x0 + s noise, v = noise - x0
             x = FluxSampler.step(x, v, sigmas[i], sigmas[i + 1])
+            if job.mask is not None:  # inpainting: the kept region is x0 noised to the next sigma
+                x = blend(x, job.x0, job.prior, job.mask, sigmas[i + 1] if i + 1 < steps else None)
             finite = mx.all(mx.isfinite(x))
             mx.eval(x, finite)
             if not finite.item():
@@ -421,6 +478,10 @@ class FluxKleinPipeline:
         negative_prompt: str | None = None,
         latents=None,
         output_type: str = "pil",
+        noise: str = "torch",
+        init_image=None,
+        strength: float | None = None,
+        mask=None,
     ):
         """Generate one image.
 
@@ -431,16 +492,27 @@ class FluxKleinPipeline:
             steps: denoising steps (default: 4 for distilled models, 50 for Base).
             guidance: CFG scale for Base models (default 4.0); ignored, with a warning, by
                 distilled models.
-            seed: seed of the initial noise (MLX RNG); random when None.
+            seed: seed of the initial noise; random when None. Taken modulo 2**32 for torch noise.
             images: reference image(s) for editing / multi-reference (PIL images or paths).
             negative_prompt: the unconditional prompt of CFG (Base models; default "").
-            latents: initial noise in diffusers' layout (1, 128, H/16, W/16), instead of a seed.
+            latents: initial noise in diffusers' layout (1, 128, H/16, W/16), instead of a seed
+                (with an init image it is the noise that `strength` mixes in).
             output_type: "pil" (PIL image) or "np" (float32 array (H, W, 3) in [0, 1]).
+            noise: "torch" (default): the noise `torch.randn` draws on the CPU for this seed, so
+                diffusers' images for a seed reproduce; "mlx": MLX's noise, as mflux draws it.
+            init_image: image-to-image: start from this image (PIL or path) instead of pure
+                noise, as diffusers' Flux2KleinInpaintPipeline does; the output takes its size
+                (area capped at 1024^2 px, sides resized to multiples of 16). It is also the first
+                reference image; `images` follow it.
+            strength: how far from the init image to go, in (0, 1] (default 0.8); 1 starts from
+                pure noise. int(steps * strength) or so of the steps run (diffusers' convention).
+            mask: inpainting: a mask the size of the init image; white is repainted, black kept.
         """
         event = None
         for event in self.stream(
             prompt, width=width, height=height, steps=steps, guidance=guidance, seed=seed, images=images,
-            negative_prompt=negative_prompt, latents=latents, output_type=output_type,
+            negative_prompt=negative_prompt, latents=latents, output_type=output_type, noise=noise,
+            init_image=init_image, strength=strength, mask=mask,
         ):
             pass
         self.last_stats = event.stats

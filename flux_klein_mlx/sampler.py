@@ -68,7 +68,14 @@ class FluxSampler:
         return out.astype(x.dtype)
 
     @staticmethod
-    def sample_prior(shape: tuple[int, ...], seed: int | None = None, dtype=mx.float32) -> mx.array:
-        """Standard normal noise of `shape` from MLX's RNG; the same seed gives the same noise."""
-        key = mx.random.key(seed) if seed is not None else None
-        return mx.random.normal(shape, dtype=mx.float32, key=key).astype(dtype)
+    def sample_prior(
+        shape: tuple[int, ...], seed: int | None = None, dtype=mx.float32, noise: str = "torch"
+    ) -> mx.array:
+        """Standard normal noise of `shape` for `seed` (random when None), drawn as `noise.initial_noise`
+        does: torch's CPU randn ("torch", the default) or mflux's MLX draw ("mlx")."""
+        import random
+
+        from .noise import initial_noise
+
+        seed = random.randrange(2**31) if seed is None else seed
+        return initial_noise(shape, seed, noise).astype(dtype)
