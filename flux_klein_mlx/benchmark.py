@@ -370,8 +370,9 @@ def parse_blocks(text: str) -> dict:
 @click.option("--trials", type=click.IntRange(1, 1000), default=3, show_default=True, help="Timed runs per stage.")
 @click.option("--skip-text-encoder", is_flag=True, help="Feed random text embeddings instead of running Qwen3.")
 @click.option("--skip-decode", is_flag=True, help="Do not run the VAE decoder.")
-@click.option("--references", type=click.IntRange(0, 10), default=0, show_default=True,
-              help="Edit with this many reference pictures of the output size (klein 9B-KV caches them).")
+@click.option("--references", type=click.IntRange(0, 10), default=None,
+              help="Edit with this many reference pictures of the output size; klein 9B-KV caches them "
+                   "[default: 1 for klein 9B-KV, else 0].")
 @click.option("--blocks", default=None, metavar="DOUBLE+SINGLE",
               help="With --random-weights: fewer transformer blocks than the variant (e.g. 1+2), for slow machines.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights and inputs.")
@@ -397,6 +398,8 @@ def benchmark(model, random_weights, variant, width, height, steps, quantize, dt
         pipe = load(model, dtype=dtype, quantize=bits)
     else:
         pipe = random_pipeline(row, DTYPES[dtype], bits, seed)
+    if references is None:  # the KV model exists for editing: time what it is for
+        references = 1 if pipe.info.reference_kv else 0
     result = run_benchmark(
         pipe, width=width, height=height, steps=steps, warmup=warmup, trials=trials,
         text_encoder=not skip_text_encoder, decode=not skip_decode, seed=seed,

@@ -14,6 +14,7 @@ import pytest
 import torch
 from refs import rel_err, to_mx, to_np
 
+from flux_klein_mlx.kv_cache import cache_nbytes
 from flux_klein_mlx.rope import image_ids, text_ids
 from flux_klein_mlx.loading import load_flux_klein
 from tiny_kv_model import shared_tiny_kv_snapshot
@@ -114,6 +115,9 @@ def test_transformer_low_memory_reference_pass_is_the_same(kv_transformer):
     b = model.forward_with_rope(*args, reference_kv=slow, low_memory=True)
     assert np.abs(to_np(a) - to_np(b)).max() <= 1e-5
     assert fast.nbytes == (2 + 2) * 2 * 20 * 64 * 4  # blocks x (K, V) x tokens x hidden x float32
+    assert fast.nbytes == cache_nbytes(2 + 2, 20, 64, bytes_per_value=4)
+    # the README's memory row: klein-9B (8 + 24 blocks, hidden 4096), one 1024^2 reference, bf16
+    assert cache_nbytes(8 + 24, 64 * 64, 4096) == 2_147_483_648
 
 
 # --- the pipeline against diffusers' Flux2KleinKVPipeline ------------------------------------------------
