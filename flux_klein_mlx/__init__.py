@@ -31,6 +31,7 @@ _EXPORTS = {
     "AutoEncoderConfig": "config",
     "FluxKlein": "transformer",
     "sanitize_flux2_klein_weights": "transformer",
+    "ReferenceKV": "kv_cache",
     "Qwen3TextEncoder": "text_encoder",
     "sanitize_qwen3_weights": "text_encoder",
     "PromptTokenizer": "tokenizer",

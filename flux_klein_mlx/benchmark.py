@@ -10,6 +10,7 @@ peak where the chip is known.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -17,12 +18,20 @@ from pathlib import Path
 
 import click
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
+from PIL import Image
 
 from .cli import run_command
 from .config import VARIANTS
 from .errors import FluxKleinError
-from .flops import flops_of_text_encoder, flops_of_transformer, flops_of_vae_decoder, machine_info
+from .flops import (
+    flops_of_text_encoder,
+    flops_of_transformer,
+    flops_of_vae_decoder,
+    machine_info,
+    reference_pass_flops,
+)
 from .loading import DTYPES
 from .pipeline import FluxKleinPipeline, load
 from .random_model import random_pipeline
@@ -69,6 +78,13 @@ def _repeat(run, warmup: int, trials: int) -> list[float]:
     return times
 
 
+def reference_pictures(n: int, width: int, height: int, seed: int = 0) -> list[Image.Image]:
+    """`n` smooth random RGB pictures of width x height (stand-in references: the VAE encodes them)."""
+    rng = np.random.default_rng(seed)
+    small = [(rng.random((max(height // 32, 2), max(width // 32, 2), 3)) * 255).astype(np.uint8) for _ in range(n)]
+    return [Image.fromarray(a).resize((width, height), Image.Resampling.BILINEAR) for a in small]
+
+
 def run_benchmark(
     pipe: FluxKleinPipeline,
     width: int = 1024,
@@ -80,11 +96,14 @@ def run_benchmark(
     decode: bool = True,
     seed: int = 0,
     log=None,
+    references: int = 0,
 ) -> dict:
     """Time every stage of one image on `pipe` and return the results (the structure `--json` writes).
 
     Skipped stages are absent from "stages"; without the text encoder, random embeddings of the
-    right shape stand in. `log(msg)` gets progress lines.
+    right shape stand in. `references` edits with that many reference pictures of the output size
+    (encoded in the prepare stage, not timed); for klein 9B-KV the first step (reference pass +
+    cached step) and the cached steps are reported apart. `log(msg)` gets progress lines.
     """
     log = log or (lambda msg: None)
     for name, v in (("width", width), ("height", height)):
@@ -93,6 +112,8 @@ def run_benchmark(
             raise FluxKleinError(f"{name} {v} is not a positive multiple of 16; use {fix}")
     if steps < 1 or trials < 1 or warmup < 0:
         raise FluxKleinError("steps and trials must be at least 1 and warmup at least 0")
+    if references < 0:
+        raise FluxKleinError(f"references must be 0 or more, not {references}")
     info = pipe.info
     params = info.params
     machine = machine_info()
@@ -128,11 +149,15 @@ def run_benchmark(
     # 2. Transformer: the pipeline's denoising stage, every step timed on its own.
     log(f"{verb} the transformer")
     _, stages["transformer_load"] = _timed_load(pipe.transformer)
-    step_flops = flops_of_transformer(params, width, height, TEXT_TOKENS)
+    ref_tokens = references * (width // 16) * (height // 16)
+    kv = info.reference_kv and references > 0  # klein 9B-KV: the first step differs from the others
+    step_flops = flops_of_transformer(params, width, height, TEXT_TOKENS, ref_tokens, cached_references=kv)
     flops["step"] = step_flops.total
-    step_times, per_index, denoise_times, peaks = [], [[] for _ in range(steps)], [], []
+    first_flops = step_flops.total + (reference_pass_flops(params, ref_tokens).total if kv else 0.0)
+    images = reference_pictures(references, width, height, seed)
+    step_times, per_index, denoise_times, peaks, ref_pass = [], [[] for _ in range(steps)], [], [], []
     for trial in range(warmup + trials):
-        job = pipe.prepare(DEFAULT_PROMPT, width=width, height=height, steps=steps, seed=seed)
+        job = pipe.prepare(DEFAULT_PROMPT, width=width, height=height, steps=steps, seed=seed, images=images)
         for event in pipe.denoise(job):
             if trial >= warmup:
                 step_times.append(event.seconds)
@@ -141,13 +166,26 @@ def run_benchmark(
         if trial >= warmup:
             denoise_times.append(seconds)
             peaks.append(job.stats["denoise"]["peak_memory"] / GB)
+            if kv:
+                ref_pass.append(job.stats["reference_kv"]["seconds"])
         what = f"warm-up {trial + 1}" if trial < warmup else f"trial {trial - warmup + 1}"
         log(f"denoising {what}: {seconds:.2f} s")
-    stages["denoise_step"] = _summary(step_times, step_flops.total, peak) | {
+    # KV steps are not alike (the first one also runs the reference pass): no one FLOP count for all.
+    stages["denoise_step"] = _summary(step_times, None if kv else step_flops.total, peak) | {
         "per_step_median_s": [statistics.median(t) for t in per_index],
         "peak_memory_gb": max(peaks),
     }
-    stages["denoise"] = _summary(denoise_times, steps * step_flops.total, peak) | {"peak_memory_gb": max(peaks)}
+    denoise_flops = first_flops + (steps - 1) * step_flops.total
+    stages["denoise"] = _summary(denoise_times, denoise_flops, peak) | {"peak_memory_gb": max(peaks)}
+    if kv:
+        ref_f = reference_pass_flops(params, ref_tokens).total
+        stages["kv_reference_pass"] = _summary(ref_pass, ref_f, peak) | {
+            "peak_memory_gb": max(peaks), "cache_gb": job.stats["reference_kv"]["bytes"] / GB,
+        }  # fmt: skip
+        stages["kv_first_step"] = _summary(per_index[0], first_flops, peak) | {"peak_memory_gb": max(peaks)}
+        if steps > 1:
+            cached = [t for ts in per_index[1:] for t in ts]
+            stages["kv_cached_step"] = _summary(cached, step_flops.total, peak) | {"peak_memory_gb": max(peaks)}
     pipe.transformer.release()
 
     # 3. VAE decode of the final latents (the pipeline's decode stage).
@@ -170,7 +208,7 @@ def run_benchmark(
     # The image: sum of the stage medians (loads excluded; the stages run one after another).
     parts = ["denoise"] + [s for s in ("text_encoding", "vae_decode") if s in stages]
     image_s = sum(stages[s]["median_s"] for s in parts)
-    image_flops = steps * flops["step"] + flops.get("text_encoder", 0.0) + flops.get("vae_decode", 0.0)
+    image_flops = denoise_flops + flops.get("text_encoder", 0.0) + flops.get("vae_decode", 0.0)
     stages["image"] = {
         "seconds": image_s,
         "includes": parts,
@@ -192,6 +230,10 @@ def run_benchmark(
             "height": height,
             "image_tokens": (width // 16) * (height // 16),
             "text_tokens": TEXT_TOKENS,
+            "blocks": f"{params.depth}+{params.depth_single}",
+            "references": references,
+            "reference_tokens": ref_tokens,
+            "reference_kv": kv,
             "steps": steps,
             "dtype": next(k for k, v in DTYPES.items() if v == pipe.dtype),
             "quantize": pipe.quantization["bits"] if pipe.quantization else None,
@@ -226,6 +268,8 @@ def format_report(result: dict) -> str:
     lines = [
         f"flux_klein_mlx {m['flux_klein_mlx']} benchmark: {c['variant']} ({weights}), {c['width']}x{c['height']} "
         f"({c['image_tokens']} image + {c['text_tokens']} text tokens), {c['steps']} steps, {c['dtype']}{quant}",
+        f"{c.get('blocks', '?')} blocks; {c.get('references', 0)} reference(s), {c.get('reference_tokens', 0)} tokens"
+        + (" (reference K/V cached: the first step runs the reference pass)" if c.get("reference_kv") else ""),
         f"warm-up {c['warmup']}, trials {c['trials']}; {chip}, {m['cpu_cores']} CPU cores, "
         f"{m['memory_gb']} GB; {m['os']}; MLX {m['mlx']} on {m['device']}; {peak}"
         + (f"; BLAS: {m['blas']}" if m.get("blas") else ""),
@@ -251,6 +295,9 @@ def format_report(result: dict) -> str:
     row("text encoding", st.get("text_encoding"))
     row(f"{load} transformer", st.get("transformer_load"))
     row("denoising step", st.get("denoise_step"))
+    row("  KV reference pass", st.get("kv_reference_pass"))
+    row("  KV first step", st.get("kv_first_step"))
+    row("  KV cached step", st.get("kv_cached_step"))
     row(f"denoise ({c['steps']} step{'s' if c['steps'] > 1 else ''})", st.get("denoise"))
     row(f"{load} VAE", st.get("vae_load"))
     row("VAE decode", st.get("vae_decode"))
@@ -299,6 +346,14 @@ def write_json(result: dict, path: str | Path) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 
+def parse_blocks(text: str) -> dict:
+    """"1+2" -> {"depth": 1, "depth_single": 2}; FluxKleinError for anything else."""
+    parts = text.split("+")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or sum(int(p) for p in parts) == 0:
+        raise FluxKleinError(f"--blocks must be DOUBLE+SINGLE block counts such as 1+2 (klein-9B has 8+24), not {text!r}")
+    return {"depth": int(parts[0]), "depth_single": int(parts[1])}
+
+
 @click.command("benchmark")
 @click.option("--model", "-m", default=None, help="Hugging Face repo id or local folder (real weights).")
 @click.option("--random-weights", is_flag=True, help="Build the model with random weights: nothing is downloaded.")
@@ -315,11 +370,15 @@ def write_json(result: dict, path: str | Path) -> Path:
 @click.option("--trials", type=click.IntRange(1, 1000), default=3, show_default=True, help="Timed runs per stage.")
 @click.option("--skip-text-encoder", is_flag=True, help="Feed random text embeddings instead of running Qwen3.")
 @click.option("--skip-decode", is_flag=True, help="Do not run the VAE decoder.")
+@click.option("--references", type=click.IntRange(0, 10), default=0, show_default=True,
+              help="Edit with this many reference pictures of the output size (klein 9B-KV caches them).")
+@click.option("--blocks", default=None, metavar="DOUBLE+SINGLE",
+              help="With --random-weights: fewer transformer blocks than the variant (e.g. 1+2), for slow machines.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights and inputs.")
 @click.option("--json", "json_path", default=None,
               help="Also write the results as JSON here (an existing file is kept: a new name is chosen).")
 def benchmark(model, random_weights, variant, width, height, steps, quantize, dtype, warmup, trials,
-              skip_text_encoder, skip_decode, seed, json_path):  # fmt: skip
+              skip_text_encoder, skip_decode, references, blocks, seed, json_path):  # fmt: skip
     """Time load, text encoding, each denoising step and VAE decode; report TFLOPS and % of peak."""
     if model and random_weights:
         raise click.UsageError("give either --model or --random-weights, not both")
@@ -327,16 +386,21 @@ def benchmark(model, random_weights, variant, width, height, steps, quantize, dt
         raise click.UsageError("give --model ID|DIR for real weights, or --random-weights [--variant ...]")
     if json_path and not Path(json_path).parent.is_dir():
         raise FluxKleinError(f"folder {Path(json_path).parent} does not exist; create it or choose another --json path")
+    if blocks and model:
+        raise click.UsageError("--blocks only applies to --random-weights")
+    row = VARIANTS[variant]
+    if blocks:
+        row = dataclasses.replace(row, transformer=dataclasses.replace(row.transformer, **parse_blocks(blocks)))
     dtype = dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
     bits = int(quantize) if quantize else None
     if model:
         pipe = load(model, dtype=dtype, quantize=bits)
     else:
-        pipe = random_pipeline(VARIANTS[variant], DTYPES[dtype], bits, seed)
+        pipe = random_pipeline(row, DTYPES[dtype], bits, seed)
     result = run_benchmark(
         pipe, width=width, height=height, steps=steps, warmup=warmup, trials=trials,
         text_encoder=not skip_text_encoder, decode=not skip_decode, seed=seed,
-        log=lambda msg: click.echo(msg, err=True),
+        log=lambda msg: click.echo(msg, err=True), references=references,
     )  # fmt: skip
     click.echo(format_report(result))
     if json_path:

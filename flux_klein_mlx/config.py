@@ -232,6 +232,8 @@ class Variant:
     vae: AutoEncoderConfig
     steps: int  # default denoising steps
     guidance: float | None  # default CFG scale (None: no CFG)
+    pipeline_class: str = "Flux2KleinPipeline"  # model_index.json `_class_name`
+    reference_kv: bool = False  # distilled to cache the references' K/V (klein 9B-KV, see kv_cache.py)
 
 
 _QWEN3_4B = Qwen3Config(
@@ -255,18 +257,27 @@ def _rows() -> dict[str, Variant]:
                 distilled=distilled, transformer=transformer, text_encoder=qwen, vae=AutoEncoderConfig(),
                 steps=4 if distilled else 50, guidance=None if distilled else 4.0,
             )  # fmt: skip
+    # klein 9B-KV (black-forest-labs/FLUX.2-klein-9b-kv): klein-9B's shapes, distilled for the reference
+    # K/V cache. Its model_index.json has no is_distilled key; the pipeline class tells it apart.
+    rows["klein-9b-kv"] = dataclasses.replace(
+        rows["klein-9b"], name="klein-9b-kv", title="FLUX.2 [klein] 9B-KV", pipeline_class=KV_PIPELINE_CLASS,
+        reference_kv=True,
+    )  # fmt: skip
     return rows
 
 
+KV_PIPELINE_CLASS = "Flux2KleinKVPipeline"
 VARIANTS: dict[str, Variant] = _rows()
+PIPELINE_CLASSES = tuple(dict.fromkeys(v.pipeline_class for v in VARIANTS.values()))
 
 
-def variant_for(params: FluxKleinParams, distilled: bool) -> Variant | None:
+def variant_for(params: FluxKleinParams, distilled: bool, reference_kv: bool = False) -> Variant | None:
     """The table row of a transformer shape and distillation, or None for a custom size."""
     return next(
-        (v for v in VARIANTS.values() if v.distilled == distilled and v.transformer.shape_key() == params.shape_key()),
+        (v for v in VARIANTS.values() if v.distilled == distilled and v.reference_kv == reference_kv
+         and v.transformer.shape_key() == params.shape_key()),
         None,
-    )
+    )  # fmt: skip
 
 
 def sampling_defaults(distilled: bool) -> tuple[int, float | None]:

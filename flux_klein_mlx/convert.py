@@ -3,8 +3,9 @@ quantized), or quantize a converted folder into a new one. The CLI commands are 
 
 An MLX folder (read back by `loading.describe` / `loading.load_component`):
 
-    config.json                  format marker and version, variant, is_distilled, dtype, source,
-                                 and per component its config and quantization record (or null)
+    config.json                  format marker and version, variant, is_distilled, reference_kv
+                                 (klein 9B-KV), dtype, source, and per component its config and
+                                 quantization record (or null)
     transformer.safetensors      our parameter names (post-sanitize), so loading needs no mapping;
     text_encoder.safetensors     over 5 GB a component is split into prefix-0000i-of-0000n shards
     vae.safetensors              + prefix.safetensors.index.json; the VAE is never quantized
@@ -126,9 +127,9 @@ def convert_model(
     source = {"model": str(model), "path": str(info.path), "format": info.format}
     if info.format == "bfl":
         source["base"] = str(info.tokenizer.parent)
-    meta = {"variant": info.variant, "is_distilled": info.is_distilled, "dtype": dtype_name(cast), "source": source,
-            "scheduler": info.scheduler, "tokenizer_source": info.tokenizer,
-            "loras": [lora.record() for lora in baked] or None}  # fmt: skip
+    meta = {"variant": info.variant, "is_distilled": info.is_distilled, "reference_kv": info.reference_kv,
+            "dtype": dtype_name(cast), "source": source, "scheduler": info.scheduler,
+            "tokenizer_source": info.tokenizer, "loras": [lora.record() for lora in baked] or None}  # fmt: skip
     return write_folder(
         output, parts, meta, overwrite=overwrite, sources=[info.path, info.tokenizer.parent],
         max_shard_bytes=max_shard_bytes, progress=progress,
@@ -163,6 +164,7 @@ def quantize_folder(
     meta = {
         "variant": info.variant,
         "is_distilled": info.is_distilled,
+        "reference_kv": info.reference_kv,
         "dtype": info.stored_dtype,
         "source": {"model": str(model), "path": str(info.path), "format": FORMAT, "original": info.original},
         "scheduler": info.scheduler,
@@ -234,6 +236,7 @@ def write_folder(
         "flux_klein_mlx_version": __version__,
         "variant": meta["variant"],
         "is_distilled": bool(meta["is_distilled"]),
+        "reference_kv": bool(meta.get("reference_kv", False)),
         "dtype": meta["dtype"],
         "source": meta["source"],
         **{p.name: {"config": p.config, "quantization": p.quantization} for p in parts},

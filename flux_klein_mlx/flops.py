@@ -58,23 +58,39 @@ def transformer_step_flops(
     mlp_ratio: float = 3.0,
     context_dim: int = 7680,
     in_channels: int = 128,
+    reference_tokens: int = 0,
+    cached_references: bool = False,
 ) -> Flops:
     """FLOPs of one transformer forward (one denoising step of distilled klein, no CFG).
 
     The attention count does not depend on the number of heads (H·hd = hidden). The text
     projection (`context_embedder`) is counted in every step, as in performance.md, although
-    the pipeline hoists it out of the loop (0.07 % of a 4B step at 1024²).
+    the pipeline hoists it out of the loop (0.07 % of a 4B step at 1024²). `reference_tokens`
+    join the sequence; with `cached_references` (klein 9B-KV) they are only extra keys/values.
     """
-    D, F, N, T = hidden, int(hidden * mlp_ratio), image_tokens, text_tokens
-    L = N + T
+    D, F, N, T, R = hidden, int(hidden * mlp_ratio), image_tokens, text_tokens, reference_tokens
+    Lq = N + T + (0 if cached_references else R)  # tokens that run through the blocks
+    Lk = N + T + R  # keys every query sees
     # Double block, per stream: q, k, v, o (4·D²) and the SwiGLU MLP D -> 2F -> D (3·D·F).
-    double = (4 * D * D + 3 * D * F) * (N + T)
+    double = (4 * D * D + 3 * D * F) * Lq
     # Single block on the joint sequence: fused qkv+mlp_in D -> 3D+2F, out (D+F) -> D.
-    single = (D * (3 * D + 2 * F) + (D + F) * D) * L
+    single = (D * (3 * D + 2 * F) + (D + F) * D) * Lq
     linear = 2 * (depth * double + depth_single * single)
-    attention = (depth + depth_single) * 4 * L * L * D  # QK^T and AV, bidirectional
-    other = 2 * (N * in_channels * D + T * context_dim * D + N * D * in_channels)
+    attention = (depth + depth_single) * 4 * Lq * Lk * D  # QK^T and AV, bidirectional
+    n_img = Lq - T
+    other = 2 * (n_img * in_channels * D + T * context_dim * D + n_img * D * in_channels)
     return Flops(float(linear), float(attention), float(other))
+
+
+def reference_pass_flops(params: FluxKleinParams, reference_tokens: int) -> Flops:
+    """FLOPs of klein 9B-KV's reference pass (`FluxKlein.reference_kv`): the reference tokens
+    alone through every block, attending only to themselves (counted whole; MLX skips the last
+    block's MLP, 1-2 % of it)."""
+    f = transformer_step_flops(
+        params.hidden_size, params.depth, params.depth_single, reference_tokens, 0, params.mlp_ratio,
+        params.context_in_dim, params.in_channels,
+    )  # fmt: skip
+    return Flops(f.linear, f.attention, 2.0 * reference_tokens * params.in_channels * params.hidden_size)
 
 
 def text_encoder_flops(
@@ -127,7 +143,9 @@ def vae_decoder_flops(
     return Flops(float(linear), float(attention))
 
 
-def flops_of_transformer(params, width: int, height: int, text_tokens: int = 512) -> Flops:
+def flops_of_transformer(
+    params, width: int, height: int, text_tokens: int = 512, reference_tokens: int = 0, cached_references: bool = False
+) -> Flops:
     """`transformer_step_flops` for a `FluxKleinParams` at a width×height image."""
     return transformer_step_flops(
         hidden=params.hidden_size,
@@ -138,6 +156,8 @@ def flops_of_transformer(params, width: int, height: int, text_tokens: int = 512
         mlp_ratio=params.mlp_ratio,
         context_dim=params.context_in_dim,
         in_channels=params.in_channels,
+        reference_tokens=reference_tokens,
+        cached_references=cached_references,
     )
 
 

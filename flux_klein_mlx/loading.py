@@ -23,7 +23,15 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .config import AutoEncoderConfig, FluxKleinParams, Qwen3Config, sampling_defaults, variant_for
+from .config import (
+    KV_PIPELINE_CLASS,
+    PIPELINE_CLASSES,
+    AutoEncoderConfig,
+    FluxKleinParams,
+    Qwen3Config,
+    sampling_defaults,
+    variant_for,
+)
 from .errors import FluxKleinError
 from .quantize import apply_quantization, check_record, evaluate_by_layer, quantize_model
 from .text_encoder import OUT_LAYERS, Qwen3TextEncoder, keeps_key, sanitize_qwen3_weights
@@ -68,6 +76,7 @@ class ModelInfo:
     scheduler: dict | None = None  # scheduler_config.json, kept for converted folders
     stored_dtype: str | None = None  # a converted folder's dtype
     original: dict | None = None  # a converted folder's own "source" entry
+    reference_kv: bool = False  # klein 9B-KV: reference K/V computed once per image, then cached
     params: FluxKleinParams = field(init=False)
 
     def __post_init__(self):
@@ -92,10 +101,10 @@ class ModelInfo:
 
     @property
     def name(self) -> str:
-        row = variant_for(self.params, self.is_distilled)
+        row = variant_for(self.params, self.is_distilled, self.reference_kv)
         if row is not None:
             return row.title
-        return "FLUX.2 [klein] (custom size)" + ("" if self.is_distilled else " Base")
+        return "FLUX.2 [klein] (custom size)" + (" KV" if self.reference_kv else "" if self.is_distilled else " Base")
 
 
 # --- describe ------------------------------------------------------------------------------------
@@ -205,7 +214,7 @@ def describe(model: str | Path, base: str | Path | None = None) -> ModelInfo:
             files={n: prefixed_files(path, n) for n in COMPONENTS},
             quantization={n: config[n].get("quantization") for n in COMPONENTS},
             tokenizer=tokenizer, scheduler=config.get("scheduler"), stored_dtype=config.get("dtype"),
-            original=config.get("source"),
+            original=config.get("source"), reference_kv=bool(config.get("reference_kv", False)),
         )  # fmt: skip
     if not (path / "model_index.json").is_file():
         raise FluxKleinError(
@@ -214,19 +223,21 @@ def describe(model: str | Path, base: str | Path | None = None) -> ModelInfo:
         )
     index = read_json(path / "model_index.json")
     kind = index.get("_class_name")
-    if kind != "Flux2KleinPipeline":
+    if kind not in PIPELINE_CLASSES:
         raise FluxKleinError(
-            f"{path} holds a {kind} model; flux_klein_mlx runs FLUX.2 [klein] 4B/9B (Flux2KleinPipeline), distilled or Base"
+            f"{path} holds a {kind} model; flux_klein_mlx runs FLUX.2 [klein] 4B/9B (Flux2KleinPipeline), distilled or "
+            f"Base, and klein 9B-KV ({KV_PIPELINE_CLASS})"
         )
+    kv = kind == KV_PIPELINE_CLASS  # distilled, although its index has no is_distilled key
     folders = {n: _part_folder(path / n) for n in COMPONENTS}
     configs = {n: read_json(folders[n] / "config.json") for n in COMPONENTS}
     _dev_check(configs["transformer"], folders["transformer"] / "config.json")
     _check_fit(configs, folders)
     return ModelInfo(
-        source=str(model), path=path, format="diffusers", is_distilled=bool(index.get("is_distilled", False)),
+        source=str(model), path=path, format="diffusers", is_distilled=kv or bool(index.get("is_distilled", False)),
         configs=configs, files={n: component_files(folders[n]) for n in COMPONENTS},
         quantization={n: None for n in COMPONENTS}, tokenizer=path / "tokenizer",
-        scheduler=_optional_json(path / "scheduler" / "scheduler_config.json"),
+        scheduler=_optional_json(path / "scheduler" / "scheduler_config.json"), reference_kv=kv,
     )  # fmt: skip
 
 
@@ -245,12 +256,14 @@ def _describe_bfl(model, file: Path, base) -> ModelInfo:
     _check_fit(configs, folders)
     index = base_path / "model_index.json"
     # A Base checkpoint next to (or based on) a distilled snapshot is still a Base model.
-    distilled = bool(read_json(index).get("is_distilled", False)) if index.is_file() else False
+    index = read_json(index) if index.is_file() else {}
+    kv = index.get("_class_name") == KV_PIPELINE_CLASS  # a 9B-KV file with the 9B-KV snapshot as its base
+    distilled = kv or bool(index.get("is_distilled", False))
     return ModelInfo(
         source=str(model), path=file, format="bfl", is_distilled=distilled and "base" not in file.name.lower(),
         configs=configs, files={"transformer": [file], **{n: component_files(folders[n]) for n in folders}},
         quantization={n: None for n in COMPONENTS}, tokenizer=base_path / "tokenizer",
-        scheduler=_optional_json(base_path / "scheduler" / "scheduler_config.json"),
+        scheduler=_optional_json(base_path / "scheduler" / "scheduler_config.json"), reference_kv=kv,
     )  # fmt: skip
 
 

@@ -403,7 +403,12 @@ class FluxKleinPipeline:
         h, w, steps = job.h, job.w, job.steps_run
         # Everything that depends only on shapes is built once, outside the loop.
         sigmas = FluxSampler().timesteps(h * w, job.steps)[job.t_start :]  # img2img skips the first t_start
-        img_ids = image_ids(h, w) if job.ref_ids is None else mx.concatenate([image_ids(h, w), job.ref_ids], axis=0)
+        # KV variant with references: the references leave the sequence; their K/V come from a cache
+        # filled at the first step and dropped with this image (other variants never cache).
+        use_kv = self.info.reference_kv and job.ref_tokens is not None
+        kv_cache = None
+        plain_refs = job.ref_ids is not None and not use_kv
+        img_ids = mx.concatenate([image_ids(h, w), job.ref_ids], axis=0) if plain_refs else image_ids(h, w)
         rope = model.compute_rope(text_ids(job.ctx.shape[1]), img_ids)
         txt = model.embed_text(job.ctx)  # step-invariant text projection, hoisted out of the loop
         B = job.ctx.shape[0]
@@ -412,11 +417,17 @@ class FluxKleinPipeline:
         for i in range(steps):
             t_step = time.perf_counter()
             x_in = mx.broadcast_to(x, (B,) + x.shape[1:])
-            if ref is not None:
+            if use_kv and kv_cache is None:
+                kv_cache = model.reference_kv(ref, job.ref_ids, low_memory=self.low_memory)  # the extract step
+                mx.eval(kv_cache.arrays())
+                job.stats["reference_kv"] = {"seconds": time.perf_counter() - t_step, "bytes": kv_cache.nbytes}
+            elif plain_refs:
                 x_in = mx.concatenate([x_in, ref], axis=1)  # [target; refs]
             # diffusers' timestep path: sigma*1000 in the latent dtype, then /1000 (bf16-coarse, spec 2.3)
             t = mx.full((B,), sigmas[i] * 1000.0, dtype=mx.float32).astype(self.dtype) / 1000.0
-            v = model.forward_with_rope(x_in, job.ctx, t, rope, txt_embedded=txt, low_memory=self.low_memory)
+            v = model.forward_with_rope(
+                x_in, job.ctx, t, rope, txt_embedded=txt, low_memory=self.low_memory, reference_kv=kv_cache
+            )
             v = v[:, : h * w]  # predictions for the target tokens only (refs are context)
             if job.guidance is not None:
                 v = v[1:2] + job.guidance * (v[0:1] - v[1:2])  # uncond + s * (cond - uncond)
@@ -436,7 +447,7 @@ class FluxKleinPipeline:
                            grid=(h, w))
         seconds = time.perf_counter() - t_stage
         job.stats["denoise"] = {"seconds": seconds, "peak_memory": mx.get_peak_memory(), "seconds_per_step": seconds / steps}
-        del model
+        del model, kv_cache
         if self.low_memory:
             self.transformer.release()
 
@@ -540,7 +551,7 @@ def load(
             weights, a side path beside quantized ones; change them later with `set_loras`.
         lora_partial: accept LoRAs of which only some modules match the model (refused otherwise).
 
-    The variant (4B/9B, distilled/Base) is read from the files. Models load on first use.
+    The variant (4B/9B, distilled/Base, 9B-KV) is read from the files. Models load on first use.
     """
     dt = as_dtype(dtype)
     if quantize is not None:

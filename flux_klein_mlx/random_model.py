@@ -90,6 +90,7 @@ def random_pipeline(
     info = ModelInfo(
         source=f"random weights ({variant.name})", path=Path("."), format="random", is_distilled=variant.distilled,
         configs=configs, files={}, quantization={n: None for n in COMPONENTS}, tokenizer=Path("."),
+        reference_kv=variant.reference_kv,
     )  # fmt: skip
     return FluxKleinPipeline(
         component("transformer", 1), component("text_encoder", 0),

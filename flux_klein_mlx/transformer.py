@@ -18,6 +18,7 @@ import mlx.nn as nn
 
 from .config import FluxKleinParams
 from .errors import FluxKleinError
+from .kv_cache import KV, ReferenceKV
 from .rope import apply_rope, rope_tables
 
 
@@ -43,12 +44,26 @@ def swiglu(x: mx.array) -> mx.array:
     return nn.silu(a) * b
 
 
-def attention(q: mx.array, k: mx.array, v: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """RoPE on q, k (B, H, L, hd), full softmax attention, heads merged -> (B, L, H·hd)."""
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+def attend(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+    """Full softmax attention of q (B, H, L, hd) over k, v (B, H, Lk, hd), heads merged -> (B, L, H·hd)."""
     B, H, L, hd = q.shape
     out = mx.fast.scaled_dot_product_attention(q, k, v, scale=hd**-0.5)
     return out.transpose(0, 2, 1, 3).reshape(B, L, H * hd)
+
+
+def attention(
+    q: mx.array, k: mx.array, v: mx.array, cos: mx.array, sin: mx.array, ref_kv: KV | None = None
+) -> mx.array:
+    """RoPE on q, k (B, H, L, hd), full softmax attention, heads merged -> (B, L, H·hd).
+
+    `ref_kv`: cached reference keys/values (B, H, Lr, hd), already rotated, that every query also
+    attends to (the KV variant's cached steps); key order does not change softmax attention.
+    """
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if ref_kv is not None:
+        k = mx.concatenate([k, ref_kv[0]], axis=2)  # (B, H, L + Lr, hd)
+        v = mx.concatenate([v, ref_kv[1]], axis=2)
+    return attend(q, k, v)
 
 
 def split_heads(qkv: mx.array, num_heads: int) -> tuple[mx.array, mx.array, mx.array]:
@@ -162,7 +177,7 @@ class DoubleStreamBlock(nn.Module):
         self.txt_attn = SelfAttention(p.hidden_size, p.num_heads, p.eps)
         self.txt_mlp = _mlp(p.hidden_size, p.mlp_hidden)
 
-    def __call__(self, img, txt, mod_img, mod_txt, cos, sin):
+    def __call__(self, img, txt, mod_img, mod_txt, cos, sin, ref_kv: KV | None = None):
         i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = mod_img
         t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = mod_txt
         iq, ik, iv = self.img_attn.qkv_heads(modulate(img, i_sh1, i_sc1, self.eps))
@@ -175,6 +190,7 @@ class DoubleStreamBlock(nn.Module):
             mx.concatenate([tv, iv], axis=2),
             cos,
             sin,
+            ref_kv,
         )
         txt_out, img_out = out[:, :Lt], out[:, Lt:]
         img = img + i_g1 * self.img_attn.proj(img_out)
@@ -182,6 +198,16 @@ class DoubleStreamBlock(nn.Module):
         txt = txt + t_g1 * self.txt_attn.proj(txt_out)
         txt = txt + t_g2 * _run(self.txt_mlp, modulate(txt, t_sh2, t_sc2, self.eps))
         return img, txt
+
+    def reference(self, ref, mod_ref, cos, sin) -> tuple[mx.array, KV]:
+        """Reference tokens (B, Lr, D) alone through the image stream, attending only to themselves
+        (KV variant): (updated tokens, their rotated (k, v)). `cos`/`sin` cover the Lr tokens."""
+        sh1, sc1, g1, sh2, sc2, g2 = mod_ref
+        q, k, v = self.img_attn.qkv_heads(modulate(ref, sh1, sc1, self.eps))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        ref = ref + g1 * self.img_attn.proj(attend(q, k, v))
+        ref = ref + g2 * _run(self.img_mlp, modulate(ref, sh2, sc2, self.eps))
+        return ref, (k, v)
 
 
 class SingleStreamBlock(nn.Module):
@@ -197,27 +223,42 @@ class SingleStreamBlock(nn.Module):
         self.linear2 = nn.Linear(p.hidden_size + p.mlp_hidden, p.hidden_size, bias=False)
         self.norm = QKNorm(p.head_dim, p.eps)
 
-    def __call__(self, x, mod, cos, sin, low_memory: bool = False):
+    def __call__(self, x, mod, cos, sin, low_memory: bool = False, ref_kv: KV | None = None):
         shift, scale, gate = mod
         y = modulate(x, shift, scale, self.eps)
         if low_memory:
-            return x + gate * self._halves(y, cos, sin)
+            return x + gate * self._halves(y, cos, sin, ref_kv)
         z = self.linear1(y)
         qkv, mlp = z[..., : 3 * self.hidden_size], z[..., 3 * self.hidden_size :]
         q, k, v = split_heads(qkv, self.num_heads)
-        out = attention(self.norm.query_norm(q), self.norm.key_norm(k), v, cos, sin)
+        out = attention(self.norm.query_norm(q), self.norm.key_norm(k), v, cos, sin, ref_kv)
         return x + gate * self.linear2(mx.concatenate([out, swiglu(mlp)], axis=-1))
 
-    def _halves(self, y: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    def _halves(self, y: mx.array, cos: mx.array, sin: mx.array, ref_kv: KV | None = None) -> mx.array:
         """linear2([attn | mlp]) as attention half, evaluated, then MLP half: the same sum, but
         neither the (L, 3D + 2M) projection nor the (L, D + M) concatenation is ever alive."""
         D = self.hidden_size
         q, k, v = split_heads(linear_part(self.linear1, y, rows=slice(0, 3 * D)), self.num_heads)
-        attn = attention(self.norm.query_norm(q), self.norm.key_norm(k), v, cos, sin)  # (B, L, D)
+        attn = attention(self.norm.query_norm(q), self.norm.key_norm(k), v, cos, sin, ref_kv)  # (B, L, D)
         h = linear_part(self.linear2, attn, cols=(0, D))
         mx.eval(h)
         mlp = swiglu(linear_part(self.linear1, y, rows=slice(3 * D, None)))  # (B, L, M)
         return h + linear_part(self.linear2, mlp, cols=(D, None))
+
+    def reference(self, x, mod, cos, sin, low_memory: bool = False) -> tuple[mx.array, KV]:
+        """Reference tokens (B, Lr, D) alone, attending only to themselves (KV variant):
+        (updated tokens, their rotated (k, v)). Computed in halves like `_halves`; MLX computes
+        the MLP half only if the returned tokens are used (not after the last block)."""
+        shift, scale, gate = mod
+        y = modulate(x, shift, scale, self.eps)
+        D = self.hidden_size
+        q, k, v = split_heads(linear_part(self.linear1, y, rows=slice(0, 3 * D)), self.num_heads)
+        q, k = apply_rope(self.norm.query_norm(q), cos, sin), apply_rope(self.norm.key_norm(k), cos, sin)
+        h = linear_part(self.linear2, attend(q, k, v), cols=(0, D))
+        if low_memory:
+            mx.eval(h, k, v)
+        mlp = swiglu(linear_part(self.linear1, y, rows=slice(3 * D, None)))  # (B, Lr, M)
+        return x + gate * (h + linear_part(self.linear2, mlp, cols=(D, None))), (k, v)
 
 
 class LastLayer(nn.Module):
@@ -278,6 +319,7 @@ class FluxKlein(nn.Module):
         rope: tuple[mx.array, mx.array],
         txt_embedded: mx.array | None = None,
         low_memory: bool = False,
+        reference_kv: ReferenceKV | None = None,
     ) -> mx.array:
         """The forward pass with precomputed `rope` tables (and optionally `txt_embedded = embed_text(txt)`).
 
@@ -286,6 +328,8 @@ class FluxKlein(nn.Module):
         (otherwise MLX keeps the intermediates of several blocks alive at once) and runs single
         blocks in two halves: the same function with a lower activation peak (about 1.3 -> 0.8 GB
         for klein-4B at 1024^2), at the cost of one synchronisation per block.
+        `reference_kv` (KV variant, from `reference_kv()`): every text and image token also attends
+        to the cached reference keys/values; `img` then holds the target tokens only.
         """
         dtype = self.dtype
         cos, sin = rope
@@ -303,16 +347,49 @@ class FluxKlein(nn.Module):
         mod_img = self.double_stream_modulation_img(vec)
         mod_txt = self.double_stream_modulation_txt(vec)
         mod_single = self.single_stream_modulation(vec)
-        for block in self.double_blocks:
-            img, txt = block(img, txt, mod_img, mod_txt, cos, sin)
+        ref_double = reference_kv.double if reference_kv is not None else [None] * len(self.double_blocks)
+        ref_single = reference_kv.single if reference_kv is not None else [None] * len(self.single_blocks)
+        for block, ref_kv in zip(self.double_blocks, ref_double):
+            img, txt = block(img, txt, mod_img, mod_txt, cos, sin, ref_kv)
             if low_memory:
                 mx.eval(img, txt)
         h = mx.concatenate([txt, img], axis=1)  # (B, Lt + Li, D)
-        for block in self.single_blocks:
-            h = block(h, mod_single, cos, sin, low_memory)
+        for block, ref_kv in zip(self.single_blocks, ref_single):
+            h = block(h, mod_single, cos, sin, low_memory, ref_kv)
             if low_memory:
                 mx.eval(h)
         return self.final_layer(h[:, Lt:], vec)
+
+    def reference_kv(self, ref: mx.array, ref_ids: mx.array, low_memory: bool = False) -> ReferenceKV:
+        """The KV variant's first-step reference pass: every block's rotated keys/values of `ref`.
+
+        ref (B, Lr, in_channels): the packed reference latents of all references; ref_ids (Lr, 4)
+        their positions (t = 10, 20, ...). The reference tokens attend only to themselves and are
+        modulated at timestep 0, as klein 9B-KV was distilled (diffusers' `kv_cache_mode="extract"`),
+        so the result does not depend on prompt, noise or step: compute it once per image and pass
+        it to every `forward_with_rope(..., reference_kv=...)`. Returned unevaluated unless `low_memory`
+        (then evaluated block by block).
+        """
+        dtype = self.dtype
+        ref_ids = ref_ids[0] if ref_ids.ndim == 3 else ref_ids
+        cos, sin = rope_tables(ref_ids.astype(mx.float32), self.params.axes_dim, self.params.theta)  # (Lr, hd/2)
+        x = self.img_in(ref.astype(dtype))  # (B, Lr, D)
+        t0 = mx.zeros((x.shape[0],), dtype=mx.float32)  # the fixed reference timestep
+        vec = self.time_in(timestep_embedding(t0, self.params.time_channels).astype(dtype))
+        mod_img, mod_single = self.double_stream_modulation_img(vec), self.single_stream_modulation(vec)
+        cache = ReferenceKV()
+        for block in self.double_blocks:
+            x, kv = block.reference(x, mod_img, cos, sin)
+            cache.double.append(kv)
+            if low_memory:
+                mx.eval(x, kv)
+        for n, block in enumerate(self.single_blocks):
+            x, kv = block.reference(x, mod_single, cos, sin, low_memory)
+            cache.single.append(kv)
+            if low_memory:
+                # the last block's tokens are never needed, only its keys/values
+                mx.eval(kv if n == len(self.single_blocks) - 1 else (x, kv))
+        return cache
 
     def __call__(
         self, img: mx.array, txt: mx.array, timesteps: mx.array, img_ids: mx.array, txt_ids: mx.array
