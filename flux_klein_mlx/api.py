@@ -203,10 +203,6 @@ class Server:
             if self.options.lora_dir is None:
                 raise ApiError(400, "this server was started without --lora-dir, so requests cannot name LoRAs",
                                "loras")
-            from .jobs import load_supports_loras
-
-            if not load_supports_loras():
-                raise ApiError(400, "LoRAs are not supported by this build of flux_klein_mlx", "loras")
             path = self.options.lora_dir / f"{name}.safetensors"
             if not path.is_file():
                 raise ApiError(404, f"no LoRA named {name!r} in the server's LoRA folder; GET /v1/status lists them",
@@ -415,7 +411,7 @@ def create_app(worker: Worker, options: ServerOptions) -> Starlette:
             **st, "model": options.model_id, "variant": info.name if info else None,
             "default_steps": info.default_steps if info else None,
             "distilled": info.is_distilled if info else None,
-            "inpainting": "mask" in worker.features, "loras": loras,
+            "inpainting": True, "loras": loras,
             "preview": worker.preview.source if worker.preview else None,
             "fields": {"generations": sorted(GENERATION_FIELDS), "edits": sorted(EDIT_FIELDS)},
             "limits": {"max_upload_mb": options.max_upload_bytes / MB, "max_megapixels": options.max_pixels / 1e6,
@@ -470,15 +466,9 @@ def create_app(worker: Worker, options: ServerOptions) -> Starlette:
                 raise ApiError(400, f"mask is {mask.size[0]}x{mask.size[1]} but the image is "
                                     f"{req.images[0].size[0]}x{req.images[0].size[1]}; they must be the same size",
                                "mask")
-            if "mask" not in worker.features:
-                raise ApiError(400, "inpainting (mask) is not supported by this build of flux_klein_mlx; send the "
-                                    "image(s) without a mask for reference editing", "mask")
             req.mask = mask
         strength = _float(body, "strength", 0.0, 1.0)
         if strength is not None:
-            if "strength" not in worker.features:
-                raise ApiError(400, "strength is not supported by this build of flux_klein_mlx (no img2img)",
-                               "strength")
             req.strength = strength
         return await server.run(request, req, opts, "image_edit")
 

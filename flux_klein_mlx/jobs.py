@@ -11,7 +11,6 @@ nothing of MLX; this module knows nothing of HTTP.
 from __future__ import annotations
 
 import collections
-import inspect
 import io
 import threading
 import time
@@ -24,6 +23,7 @@ from typing import Callable
 
 from PIL import Image
 
+from . import __version__
 from .errors import FluxKleinError
 
 
@@ -81,19 +81,6 @@ def png_bytes(image: Image.Image, metadata: dict | None = None) -> bytes:
     return buf.getvalue()
 
 
-def pipeline_features(pipe) -> set[str]:
-    """Optional pipeline keywords this build supports: a subset of {"mask", "init_image", "strength"}."""
-    params = inspect.signature(pipe.stream).parameters
-    return {k for k in ("mask", "init_image", "strength") if k in params}
-
-
-def load_supports_loras() -> bool:
-    """True when `flux_klein_mlx.load` takes `loras=` (LoRA support is a separate feature)."""
-    import flux_klein_mlx
-
-    return "loras" in inspect.signature(flux_klein_mlx.load).parameters
-
-
 class Worker:
     """Owns the pipeline and the job line.
 
@@ -120,7 +107,6 @@ class Worker:
         self.pipe = None
         self.preview = None  # preview.LatentPreview for the loaded VAE
         self.loaded_loras: tuple = ()
-        self.features: set[str] = set()
         self.completed = 0
         self.cancelled_jobs = 0
         self.active_memory = 0  # MLX bytes in use after the last job (read on the worker thread)
@@ -179,7 +165,6 @@ class Worker:
         self.pipe = None  # one model resident: drop the old one before loading the next
         pipe = self._loader(loras)
         self.preview = preview_for(pipe.vae.get())
-        self.features = pipeline_features(pipe)
         self.pipe, self.loaded_loras = pipe, loras
 
     def _run(self) -> None:
@@ -230,8 +215,6 @@ class Worker:
 
     def _generate(self, job: Job) -> bool:
         """Run the job's images; False when cancelled part-way."""
-        import flux_klein_mlx
-
         req, pipe = job.request, self.pipe
         kwargs = dict(width=req.width, height=req.height, steps=req.steps, guidance=req.guidance,
                       negative_prompt=req.negative_prompt, images=req.images or None)
@@ -268,7 +251,7 @@ class Worker:
                 "variant": info.name, "quantize": pipe.quantization["bits"] if pipe.quantization else None,
                 "references": len(req.images) or None, "mask": req.mask is not None or None,
                 "strength": req.strength, "loras": ", ".join(f"{Path(p).stem}:{s}" for p, s in self.loaded_loras) or None,
-                "software": f"flux_klein_mlx {flux_klein_mlx.__version__}",
+                "software": f"flux_klein_mlx {__version__}",
             }
             job.on_event(JobEvent("image", {"index": index, "image": event.image, "metadata": metadata,
                                             "png": png_bytes(event.image, metadata),

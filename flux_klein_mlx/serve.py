@@ -13,6 +13,7 @@ import click
 
 from .cli import run_command
 from .errors import FluxKleinError
+from .pipeline import load
 
 DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-4B"
 
@@ -76,24 +77,18 @@ def serve(model, quantize, dtype, low_memory, loras, lora_dir, host, port, api_k
         if folder is not None and not Path(folder).is_dir():
             raise FluxKleinError(f"{name} {folder} is not an existing folder; create it first")
 
-    from .jobs import Worker, load_supports_loras
-
-    base_loras = tuple(parse_lora(v) for v in loras)
-    if (base_loras or lora_dir) and not load_supports_loras():
-        raise FluxKleinError("--lora/--lora-dir need LoRA support (flux_klein_mlx.load(loras=...)), which this "
-                             "build does not have yet")
-
+    # The server modules import the serve extra (checked above), so they are imported only here.
     import uvicorn
 
-    import flux_klein_mlx
-
     from .api import MB, ServerOptions, create_app
+    from .jobs import Worker
+
+    base_loras = tuple(parse_lora(v) for v in loras)
 
     bits = int(quantize) if quantize else None
 
     def loader(lora_list: tuple):
-        extra = {"loras": list(lora_list)} if lora_list else {}
-        return flux_klein_mlx.load(model, dtype=dtype, quantize=bits, low_memory=low_memory, **extra)
+        return load(model, dtype=dtype, quantize=bits, low_memory=low_memory, loras=list(lora_list))
 
     model_id = model_id or Path(str(model).rstrip("/")).name
     options = ServerOptions(model_id=model_id, api_key=api_key, lora_dir=Path(lora_dir) if lora_dir else None,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageDraw
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -92,13 +92,36 @@ def snapshot(tmp_path_factory):
     return shared_tiny_snapshot(tmp_path_factory)
 
 
+def write_style_lora(folder: Path) -> Path:
+    """A random diffusers/PEFT LoRA on the tiny transformer's first double block (q and the MLP)."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(5)
+    hidden = 64  # tiny_model.TRANSFORMER: 2 heads x 32
+    tensors = {}
+    for name, (out, inp) in {"attn.to_q": (hidden, hidden), "ff.linear_in": (6 * hidden, hidden)}.items():
+        key = f"transformer.transformer_blocks.0.{name}"
+        tensors[f"{key}.lora_A.weight"] = rng.normal(0, 0.3, (4, inp)).astype(np.float32)
+        tensors[f"{key}.lora_B.weight"] = rng.normal(0, 0.3, (out, 4)).astype(np.float32)
+    path = folder / "style.safetensors"
+    save_file(tensors, str(path))
+    return path
+
+
 @pytest.fixture(scope="module")
-def server(snapshot, tmp_path_factory):
+def lora_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("loras")
+    write_style_lora(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(snapshot, lora_dir, tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("saved")
     port = free_port()
     cmd = [sys.executable, "-m", "flux_klein_mlx", "serve", "--model", str(snapshot), "--dtype", "float32",
            "--port", str(port), "--api-key", KEY, "--queue", "4", "--save-dir", str(save_dir),
-           "--max-upload-mb", "2", "--model-id", "klein-tiny"]
+           "--max-upload-mb", "2", "--model-id", "klein-tiny", "--lora-dir", str(lora_dir)]
     log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -168,6 +191,40 @@ def test_generate_matches_the_pipeline(server, pipe):
         np.testing.assert_array_equal(np.asarray(im.convert("RGB")), np.asarray(ours))
     saved = sorted(server.save_dir.glob("*.png"))
     assert len(saved) >= 2 and all(len(p.stem) == len("20260101-120000-") + 12 for p in saved)
+
+
+def test_a_lora_named_in_the_request_matches_the_pipeline_with_it(server, snapshot, lora_dir):
+    """`loras` by name from --lora-dir: the image equals `load(..., loras=[(file, scale)])`, and the
+    next request without it is the plain model's again."""
+    client = server.client()
+    res = client.images.generate(prompt="a red fox", size="64x64", extra_body={"seed": 3, "steps": 2,
+                                                                             "loras": ["style:0.8"]})
+    with_lora = flux_klein_mlx.load(snapshot, dtype="float32", loras=[(lora_dir / "style.safetensors", 0.8)])
+    ours = with_lora.generate("a red fox", width=64, height=64, seed=3, steps=2)
+    got = np.asarray(decode(res.data[0].b64_json).convert("RGB"))
+    np.testing.assert_array_equal(got, np.asarray(ours))
+    plain = client.images.generate(prompt="a red fox", size="64x64", extra_body={"seed": 3, "steps": 2})
+    assert not np.array_equal(np.asarray(decode(plain.data[0].b64_json).convert("RGB")), got)
+    with pytest.raises(openai.NotFoundError, match="no LoRA named"):
+        client.images.generate(prompt="x", size="64x64", extra_body={"loras": ["absent"]})
+
+
+def test_inpainting_and_img2img_through_the_server_match_the_pipeline(server, pipe):
+    init = picture(100, 72, 4)  # resized to 96x64, as the pipeline does
+    mask = Image.new("L", init.size, 0)
+    ImageDraw.Draw(mask).ellipse((20, 10, 80, 60), fill=255)
+    client = server.client()
+    res = client.images.edit(image=("a.png", png(init), "image/png"), mask=("m.png", png(mask), "image/png"),
+                             prompt="a cat", extra_body={"seed": 3, "steps": 4, "strength": 0.75})
+    im = decode(res.data[0].b64_json)
+    ours = pipe.generate("a cat", init_image=init, mask=mask, strength=0.75, seed=3, steps=4)
+    assert im.size == ours.size == (96, 64)
+    np.testing.assert_array_equal(np.asarray(im.convert("RGB")), np.asarray(ours))
+
+    res = client.images.edit(image=("a.png", png(init), "image/png"), prompt="a cat",
+                             extra_body={"seed": 3, "steps": 4, "strength": 0.5})
+    ours = pipe.generate("a cat", init_image=init, strength=0.5, seed=3, steps=4)
+    np.testing.assert_array_equal(np.asarray(decode(res.data[0].b64_json).convert("RGB")), np.asarray(ours))
 
 
 def test_url_response_is_served_by_the_server(server):
@@ -393,17 +450,6 @@ def test_bad_edit_requests(server, case):
     assert server.status()["state"] == "ready"
 
 
-def test_mask_is_refused_clearly_until_inpainting_exists(server):
-    ok = png(picture(64, 64))
-    client = server.client()
-    if server.status()["inpainting"]:
-        pytest.skip("this build supports inpainting")
-    with pytest.raises(openai.BadRequestError) as e:
-        client.images.edit(image=("a.png", ok, "image/png"), mask=("m.png", png(Image.new("L", (64, 64), 255)),
-                                                                    "image/png"), prompt="x")
-    assert e.value.status_code == 400 and "inpainting (mask) is not supported" in e.value.message
-
-
 def test_openai_client_sees_errors_as_exceptions(server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
@@ -420,21 +466,6 @@ def test_non_loopback_host_requires_api_key(snapshot):
                         "0.0.0.0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and r.stderr.startswith("error: --host 0.0.0.0") and "--api-key" in r.stderr
     assert "Traceback" not in r.stderr
-
-
-def test_lora_without_lora_support_is_one_line(snapshot, tmp_path):
-    import inspect
-
-    if "loras" in inspect.signature(flux_klein_mlx.load).parameters:
-        pytest.skip("this build supports LoRAs")
-    lora = tmp_path / "style.safetensors"
-    lora.write_bytes(b"")
-    r = subprocess.run([sys.executable, "-m", "flux_klein_mlx", "serve", "--model", str(snapshot), "--lora",
-                        str(lora)], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and "need LoRA support" in r.stderr and r.stderr.count("\n") == 1
-
-
-# ---- the page in a real browser ---------------------------------------------------------------------
 
 
 def chromium() -> tuple[str, str] | None:
