@@ -25,8 +25,6 @@ def check_output_file(path: str | Path, option: str = "--output") -> Path:
     """Raise FluxKleinError unless a new file can be created at `path` (or next to it, if taken)."""
     path = Path(path).expanduser()
     parent = path.parent
-    if path.is_dir():
-        raise FluxKleinError(f"{option} {path} is a folder; give a file name inside it, e.g. {path / 'image.png'}")
     if parent.exists() and not parent.is_dir():
         raise FluxKleinError(f"{option} {path}: {parent} is a file, not a folder; choose another path")
     if not parent.is_dir():
@@ -40,6 +38,8 @@ def check_output_file(path: str | Path, option: str = "--output") -> Path:
             f"{option} file name is {len(os.fsencode(path.name))} bytes; this file system allows {name_max} "
             f"(keep it under {name_max - _SUFFIX_ROOM}); choose a shorter name"
         )
+    if path.is_dir():
+        raise FluxKleinError(f"{option} {path} is a folder; give a file name inside it, e.g. {path / 'image.png'}")
     try:  # the real test of permissions (read-only folder or volume, ACLs): create and remove a file
         with tempfile.NamedTemporaryFile(dir=parent, prefix=".flux_klein_mlx-probe-"):
             pass
