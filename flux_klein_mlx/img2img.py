@@ -49,6 +49,8 @@ def open_image(image, what: str) -> Image.Image:
         path = Path(image).expanduser()
         if path.is_dir():
             raise FluxKleinError(f"{what} {path} is a folder, not an image; give an image file")
+        if path.exists() and not path.is_file():
+            raise FluxKleinError(f"{what} {path} is not a regular file (a device or pipe); give an image file")
         if not path.is_file():
             raise FluxKleinError(f"{what} not found: {path}")
         try:

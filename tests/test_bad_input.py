@@ -425,6 +425,8 @@ def test_decompression_bomb_refused_in_one_line(capsys, snapshot, tmp_path, no_m
 def test_folder_given_as_image(capsys, snapshot, tmp_path, no_models):
     code, _, err = run(capsys, *gen_args(snapshot, tmp_path / "x.png", "--image", tmp_path))
     assert_one_line_error(code, err, "is a folder, not an image")
+    code, _, err = run(capsys, *gen_args(snapshot, tmp_path / "x.png", "--init-image", "/dev/null"))
+    assert_one_line_error(code, err, "is not a regular file")
 
 
 def test_width_alone_with_a_reference_takes_the_references_height(snapshot, tmp_path):
