@@ -25,6 +25,7 @@ from PIL import Image
 from .cli import run_command
 from .config import VARIANTS
 from .errors import FluxKleinError
+from .output_files import check_output_file, write_exclusive
 from .flops import (
     flops_of_text_encoder,
     flops_of_transformer,
@@ -334,11 +335,8 @@ def write_json(result: dict, path: str | Path) -> Path:
     path = Path(path)
     if not path.parent.is_dir():
         raise FluxKleinError(f"folder {path.parent} does not exist; create it or choose another --json path")
-    final = free_path(path)
-    with open(final, "x") as f:  # "x": never clobber a file that appeared meanwhile
-        json.dump(result, f, indent=2)
-        f.write("\n")
-    return final
+    # Created exclusively under the first free name: never clobbers a file that appeared meanwhile.
+    return write_exclusive(path, lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,8 +383,8 @@ def benchmark(model, random_weights, variant, width, height, steps, quantize, dt
         raise click.UsageError("give either --model or --random-weights, not both")
     if not model and not random_weights:
         raise click.UsageError("give --model ID|DIR for real weights, or --random-weights [--variant ...]")
-    if json_path and not Path(json_path).parent.is_dir():
-        raise FluxKleinError(f"folder {Path(json_path).parent} does not exist; create it or choose another --json path")
+    if json_path:  # before any work: a read-only, missing or mistyped folder must not cost the run
+        check_output_file(json_path, "--json")
     if blocks and model:
         raise click.UsageError("--blocks only applies to --random-weights")
     row = VARIANTS[variant]

@@ -6,6 +6,8 @@ Shared by `__main__` and each command module's `main()`, so that no command modu
 
 from __future__ import annotations
 
+import warnings
+
 import click
 
 from . import preload_openblas
@@ -15,6 +17,13 @@ from .errors import FluxKleinError
 def run_command(command: click.Command, argv=None) -> int:
     """Run a click command; user errors become one line on stderr and exit status 1."""
     preload_openblas()
+    with warnings.catch_warnings():
+        # A library warning is one line too ("warning: ..."), never a file/line dump.
+        warnings.showwarning = lambda msg, *a, **k: click.echo(f"warning: {msg}", err=True)
+        return _run(command, argv)
+
+
+def _run(command: click.Command, argv) -> int:
     try:
         command.main(args=argv, prog_name="python -m flux_klein_mlx", standalone_mode=False)
     except FluxKleinError as e:

@@ -20,11 +20,16 @@ is removed and nothing appears at the output path. The source is never modified.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
+import re
 import secrets
+import signal
 import shutil
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -45,8 +50,10 @@ from .loading import (
     ModelInfo,
     as_dtype,
     assemble,
+    check_weights,
     describe,
     dtype_name,
+    is_mlx_folder,
     read_component,
 )
 from .quantize import check_quantization, quantize_model
@@ -121,6 +128,7 @@ def convert_model(
         raise FluxKleinError(
             f"{info.path} is already converted; use it as it is, or `quantize` it to make a 4- or 8-bit copy"
         )
+    check_weights(info)  # every file's header, keys and shapes, before anything is written
     baked = load_loras(loras, info.params, lora_partial)  # all checked before anything is written
     parts = [make_part(info, name, cast, bits, group_size, baked if name == "transformer" else None)
              for name in COMPONENTS]  # fmt: skip
@@ -160,6 +168,7 @@ def quantize_folder(
             f"{info.path} is already quantized ({done[0][1]}-bit {WHAT[done[0][0]]}); quantize the unquantized "
             "folder, or convert the original model again with --quantize"
         )
+    check_weights(info)
     parts = [make_part(info, name, None, bits, group_size) for name in COMPONENTS]
     meta = {
         "variant": info.variant,
@@ -191,6 +200,12 @@ def _check_paths(sources: list[Path], output: Path, overwrite: bool) -> None:
             raise FluxKleinError(f"--output {output} exists and is not a folder; choose another path")
         if not overwrite:
             raise FluxKleinError(f"{output} already exists; pass --overwrite to replace it, or choose another --output")
+        # --overwrite replaces only what `convert`/`quantize` wrote (or an empty folder): never photos or documents.
+        if not is_mlx_folder(output) and any(output.iterdir()):
+            raise FluxKleinError(
+                f"--overwrite refused: {output} is not a folder written by `flux_klein_mlx convert` (no format marker "
+                "in its config.json), so it is left untouched; choose another --output"
+            )
 
 
 def _check_disk_space(output: Path, needed: int) -> None:
@@ -223,6 +238,9 @@ def write_folder(
     and too little free disk space, before writing anything. Returns the config written.
     """
     output = Path(output).expanduser()
+    if output.is_symlink() and output.is_dir():
+        # Replace the folder the link points to; the link itself stays and points at the new folder.
+        output = output.resolve()
     _check_paths(list(sources), output, overwrite)
     tokenizer_src = Path(meta["tokenizer_source"])
     if not tokenizer_src.is_dir():
@@ -244,9 +262,20 @@ def write_folder(
         "scheduler": meta.get("scheduler"),
         **({"loras": meta["loras"]} if meta.get("loras") else {}),  # LoRAs baked into the transformer
     }
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _fresh_sibling(output, "tmp")
+    if output.parent.exists() and not output.parent.is_dir():
+        raise FluxKleinError(f"--output {output}: {output.parent} is a file, not a folder; choose another --output")
     try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FluxKleinError(f"cannot create the folder {output.parent} ({e.strerror}); choose another --output") from None
+    remove_stale_temporaries(output)
+    try:
+        tmp = _fresh_sibling(output, "tmp")
+    except OSError as e:
+        raise FluxKleinError(f"cannot write next to {output} ({e.strerror}); choose another --output") from None
+    try:
+        # Marks the folder as ours while it is being written: a later run removes it if this process is gone.
+        (tmp / TMP_MARKER).write_text(f"{os.getpid()}\n")
         for part in parts:
             total, done = part.nbytes, 0
 
@@ -269,11 +298,51 @@ def write_folder(
         for f in tokenizer_files:
             shutil.copy2(f, tmp / "tokenizer" / f.name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / TMP_MARKER).unlink()
         _move_into_place(tmp, output)
     except BaseException:  # also KeyboardInterrupt: never leave a partial folder behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return config
+
+
+TMP_MARKER = ".flux_klein_mlx-writing"  # in `<output>.tmp-XXXXXXXX` while it is written: the writer's pid
+_TMP_NAME = re.compile(r"\.tmp-[0-9a-f]{8}$")
+
+
+def _writer_alive(folder: Path) -> bool:
+    try:
+        pid = int((folder / TMP_MARKER).read_text().strip())
+    except (OSError, ValueError):
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temporaries(output: Path) -> list[Path]:
+    """Remove `<output>.tmp-XXXXXXXX` folders left by an earlier run that was killed (SIGKILL, power loss).
+
+    Only folders that are ours are removed: empty ones, and ones whose marker file names a process
+    that no longer runs (a conversion still running keeps its folder). Returns the folders removed.
+    """
+    removed = []
+    if not output.parent.is_dir():
+        return removed
+    for cand in output.parent.glob(f"{glob.escape(output.name)}.tmp-*"):
+        if not _TMP_NAME.search(cand.name[len(output.name):]) or cand.is_symlink() or not cand.is_dir():
+            continue
+        if any(cand.iterdir()) and (not (cand / TMP_MARKER).is_file() or _writer_alive(cand)):
+            continue  # not ours, or its writer still runs
+        shutil.rmtree(cand, ignore_errors=True)
+        removed.append(cand)
+    return removed
 
 
 def _fresh_sibling(output: Path, tag: str) -> Path:
@@ -339,6 +408,25 @@ def summary(output: str | Path, config: dict) -> str:
     return f"wrote {output} ({config['variant']}, {config['dtype']}{', ' + ', '.join(q) if q else ''}{baked}, {size / 1e9:.2f} GB)"
 
 
+@contextlib.contextmanager
+def interrupt_on_termination():
+    """SIGTERM and SIGHUP end a conversion like Ctrl-C (SIGINT): the temporary folder is removed."""
+
+    def handler(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    wanted = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, handler) for s in wanted}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 @click.command("convert")
 @click.option("--model", "-m", required=True, help="Diffusers snapshot folder, Hugging Face repo id, or BFL single-file .safetensors.")
 @click.option("--output", "-o", required=True, type=click.Path(), help="The MLX folder to write.")
@@ -353,7 +441,7 @@ def summary(output: str | Path, config: dict) -> str:
 def convert(model, output, dtype, bits, group_size, base, overwrite, loras, lora_scales, lora_partial):
     """Convert a FLUX.2 [klein] model into an MLX folder (optionally 4/8-bit, optionally with LoRAs baked in)."""
     specs = pair_scales(loras, lora_scales)
-    with ProgressBars() as bars:
+    with interrupt_on_termination(), ProgressBars() as bars:
         config = convert_model(
             model, output, dtype=dtype, bits=bits, group_size=group_size, base=base, overwrite=overwrite, progress=bars,
             loras=specs, lora_partial=lora_partial,
@@ -369,6 +457,6 @@ def convert(model, output, dtype, bits, group_size, base, overwrite, loras, lora
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 def quantize_command(model, bits, group_size, output, overwrite):
     """Quantize a converted MLX folder's transformer and text encoder to 4 or 8 bits."""
-    with ProgressBars() as bars:
+    with interrupt_on_termination(), ProgressBars() as bars:
         config = quantize_folder(model, output, bits, group_size, overwrite=overwrite, progress=bars)
     click.echo(summary(output, config))

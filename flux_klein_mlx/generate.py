@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import click
@@ -13,7 +14,8 @@ from . import __version__
 from .cli import run_command
 from .errors import FluxKleinError
 from .lora import pair_scales
-from .pipeline import DEFAULT_MODEL, load, preprocess_reference
+from .output_files import check_output_file, write_exclusive
+from .pipeline import DEFAULT_MODEL, check_settings, load, preprocess_reference
 from .vae import check_image_size
 
 
@@ -30,11 +32,10 @@ def unique_path(path: Path) -> Path:
 
 
 def output_paths(output: str, count: int) -> list[Path]:
-    base = Path(output)
+    base = Path(output).expanduser()
     if base.suffix.lower() != ".png":
         raise FluxKleinError(f"--output must end in .png, not {base.name!r}")
-    if not base.parent.is_dir():
-        raise FluxKleinError(f"output folder {base.parent} does not exist; create it first")
+    check_output_file(base if count == 1 else base.with_name(f"{base.stem}-{count - 1}{base.suffix}"))
     if count == 1:
         return [base]
     return [base.with_name(f"{base.stem}-{i}{base.suffix}") for i in range(count)]
@@ -52,10 +53,11 @@ def png_info(metadata: dict):
 
 
 def save_png(image, path: Path, metadata: dict) -> Path:
-    """Write the PNG with the generation parameters in its text chunks; never overwrites."""
-    final = unique_path(path)
-    image.save(final, pnginfo=png_info(metadata))
-    return final
+    """Write the PNG with the generation parameters in its text chunks; never overwrites.
+
+    Created exclusively (`output_files.write_exclusive`): two processes saving to the same free
+    name both succeed under different names, and the file is complete when it appears."""
+    return write_exclusive(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=png_info(metadata)))
 
 
 def _mb(nbytes: int) -> str:
@@ -99,16 +101,21 @@ def generate(prompt, model, width, height, steps, guidance, seed, noise, init_im
              lora_partial):
     """Generate images from a prompt (and optional reference images)."""
     # Cheap checks before loading gigabytes: sizes, reference images, the output path.
+    check_settings(prompt, negative_prompt, width, height, steps, guidance, seed)
     if width is not None or height is not None:
-        check_image_size(width or 1024, height or 1024)
-    for p in images:
-        preprocess_reference(p)
+        check_image_size(1024 if width is None else width, 1024 if height is None else height)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the run itself warns once (e.g. an animated reference)
+        for p in images:
+            preprocess_reference(p)
     if init_image is None and (mask is not None or strength is not None):
         raise FluxKleinError(f"{'--mask' if mask is not None else '--strength'} needs --init-image")
     if init_image is not None:
         from .img2img import prepare_init_image, start_step
 
-        init = prepare_init_image(init_image, 0.8 if strength is None else strength, mask)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            init = prepare_init_image(init_image, 0.8 if strength is None else strength, mask)
         if steps is not None:
             start_step(steps, init.strength)
         if (width or init.width, height or init.height) != (init.width, init.height):
@@ -117,15 +124,18 @@ def generate(prompt, model, width, height, steps, guidance, seed, noise, init_im
     paths = output_paths(output, num_images)
     if preview_dir is not None and not Path(preview_dir).is_dir():
         raise FluxKleinError(f"--preview-dir {preview_dir} is not an existing folder; create it first")
+    if preview_dir is not None:
+        check_output_file(Path(preview_dir) / f"{paths[-1].stem}-step00.png", "--preview-dir")
     lora_specs = pair_scales(loras, lora_scales)
 
     t0 = time.perf_counter()
     pipe = load(model, dtype=dtype, quantize=int(quantize) if quantize else None,
                 low_memory=low_memory, loras=lora_specs, lora_partial=lora_partial)
     info = pipe.info
+    # load() only reads configs and checks the files' headers; each model loads when first used.
     click.echo(f"{info.name} from {info.source} ({dtype}"
-               f"{', %d-bit' % pipe.quantization['bits'] if pipe.quantization else ''}), "
-               f"loaded in {time.perf_counter() - t0:.1f} s", err=True)
+               f"{', %d-bit' % pipe.quantization['bits'] if pipe.quantization else ''}): files checked in "
+               f"{time.perf_counter() - t0:.1f} s, models load on first use", err=True)
     for lora in pipe.loras:
         click.echo(f"LoRA {lora.name} ({lora.sha256}) at scale {lora.scale:g}: {len({t.layer for t in lora.terms})} "
                    f"layers, {lora.nbytes / 1e6:.1f} MB", err=True)

@@ -19,12 +19,13 @@ Everything here happens before any model runs, except `scale_noise` / `blend` (c
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from .errors import FluxKleinError
 
@@ -35,20 +36,51 @@ MULTIPLE = 16
 
 
 def open_image(image, what: str) -> Image.Image:
-    """A PIL image from a path or a PIL image, fully read, in its own mode; one-line errors."""
+    """A PIL image from a path or a PIL image, fully read, as a photo viewer shows it; one-line errors.
+
+    From a file: the EXIF orientation is applied (as diffusers' `load_image` does), 16- and 32-bit
+    integer modes become 8-bit by value (a 50% grey 16-bit PNG stays 50% grey), an animated file
+    gives its first frame with a warning, and a file over PIL's decompression-bomb limit is refused.
+    Other modes keep their own (colour conversion happens later, as in diffusers).
+    """
     if isinstance(image, Image.Image):
-        return image
+        return to_8bit(image)
     if isinstance(image, (str, Path)):
-        path = Path(image)
+        path = Path(image).expanduser()
+        if path.is_dir():
+            raise FluxKleinError(f"{what} {path} is a folder, not an image; give an image file")
+        if path.exists() and not path.is_file():
+            raise FluxKleinError(f"{what} {path} is not a regular file (a device or pipe); give an image file")
         if not path.is_file():
             raise FluxKleinError(f"{what} not found: {path}")
         try:
-            with Image.open(path) as im:
-                im.load()
-                return im.copy()
-        except (OSError, ValueError) as e:
-            raise FluxKleinError(f"cannot read {what} {path}: {e}") from None
+            with warnings.catch_warnings():
+                # 89-179 MP: PIL warns; such a picture is shrunk to 1 MP right after, so it is fine.
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                with Image.open(path) as im:
+                    frames = getattr(im, "n_frames", 1)
+                    im.load()
+                    img = ImageOps.exif_transpose(im) or im.copy()
+        except Image.DecompressionBombError:
+            limit = 2 * (Image.MAX_IMAGE_PIXELS or 0) / 1e6
+            raise FluxKleinError(
+                f"{what} {path} has more pixels than PIL decodes safely ({limit:.0f} MP); shrink it "
+                "(e.g. to 4096 px a side) and try again"
+            ) from None
+        except (OSError, ValueError, SyntaxError) as e:
+            raise FluxKleinError(f"cannot read {what} {path}: {str(e).splitlines()[0][:160]}") from None
+        if frames > 1:
+            warnings.warn(f"{what} {path} has {frames} frames; the first one is used")
+        return to_8bit(img)
     raise FluxKleinError(f"the {what} must be a PIL image or a file path, not {type(image).__name__}")
+
+
+def to_8bit(img: Image.Image) -> Image.Image:
+    """16- and 32-bit integer images -> 8-bit grey by value (PIL's own convert clips them to white)."""
+    if img.mode.startswith("I;16") or img.mode == "I":
+        a = np.asarray(img).astype(np.float64)  # (H, W); 16-bit range (PNG / TIFF)
+        return Image.fromarray(np.clip(np.round(a / 257.0), 0, 255).astype(np.uint8), mode="L")
+    return img
 
 
 def check_strength(strength) -> float:

@@ -37,7 +37,7 @@ from .quantize import apply_quantization, check_record, evaluate_by_layer, quant
 from .text_encoder import OUT_LAYERS, Qwen3TextEncoder, keeps_key, sanitize_qwen3_weights
 from .transformer import FluxKlein, infer_params, sanitize_flux2_klein_weights
 from .vae import AutoEncoder, check_flux2, sanitize_vae_weights
-from .weights import component_files, load_into, prefixed_files, read_json, read_safetensors, read_weight_files, resolve_model
+from .weights import check_safetensors_file, component_files, load_into, prefixed_files, read_json, read_safetensors, read_weight_files, resolve_model
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
 WHAT = {"transformer": "transformer", "text_encoder": "text encoder", "vae": "VAE"}
@@ -326,6 +326,20 @@ def assemble(
     if bits and record is None and name != "vae":
         record = quantize_model(module, bits, group_size)
     return module, record
+
+
+def check_weights(info: ModelInfo, names=COMPONENTS) -> None:
+    """Check every weight file of `names` before any model runs, reading headers only.
+
+    Each file's safetensors header must parse and the file must hold all the bytes it lists
+    (a truncated file is caught here); the component's tensors, under our names, must be exactly
+    the parameters its config (and stored quantization) asks for, with their shapes. Nothing is
+    evaluated, so this costs the headers, not the weights.
+    """
+    for name in names:
+        for f in info.files[name]:
+            check_safetensors_file(f)
+        assemble(name, info.configs[name], read_component(info, name), None, info.quantization[name])
 
 
 def load_component(

@@ -11,6 +11,8 @@ runs it to the end.
 from __future__ import annotations
 
 import math
+import numbers
+import os
 import random
 import time
 import warnings
@@ -23,8 +25,8 @@ import numpy as np
 from PIL import Image
 
 from .errors import FluxKleinError
-from .img2img import blend, prepare_init_image, scale_noise, start_step
-from .loading import ModelInfo, as_dtype, describe, load_component, read_component
+from .img2img import blend, open_image, prepare_init_image, scale_noise, start_step
+from .loading import ModelInfo, as_dtype, check_weights, describe, load_component, read_component
 from .lora import apply_loras, load_loras
 from .noise import check_noise_kind, initial_noise
 from .quantize import check_quantization
@@ -101,19 +103,7 @@ class _Slot:
 
 
 def _to_pil_rgb(image) -> Image.Image:
-    if isinstance(image, (str, Path)):
-        path = Path(image)
-        if not path.is_file():
-            raise FluxKleinError(f"reference image not found: {path}")
-        try:
-            with Image.open(path) as im:
-                im.load()
-                return im.convert("RGB")
-        except (OSError, ValueError) as e:
-            raise FluxKleinError(f"cannot read reference image {path}: {e}") from None
-    if isinstance(image, Image.Image):
-        return image.convert("RGB")
-    raise FluxKleinError(f"a reference image must be a PIL image or a file path, not {type(image).__name__}")
+    return open_image(image, "reference image").convert("RGB")
 
 
 def preprocess_reference(image, multiple: int = 16) -> np.ndarray:
@@ -138,6 +128,35 @@ def preprocess_reference(image, multiple: int = 16) -> np.ndarray:
     left, top = (w - cw) // 2, (h - ch) // 2
     img = img.crop((left, top, left + cw, top + ch))
     return np.asarray(img, dtype=np.float32) / 127.5 - 1.0
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def check_settings(prompt, negative_prompt=None, width=None, height=None, steps=None, guidance=None, seed=None):
+    """Types and ranges of a run's settings, checked before any model runs (one-line errors).
+
+    Seeds are any whole number: torch noise uses `seed mod 2**32` (as torch does, negative seeds
+    wrap), MLX noise `seed mod 2**64`. Guidance must be a finite number >= 0 (at most 1 runs no CFG,
+    as in diffusers).
+    """
+    if not isinstance(prompt, str):
+        raise FluxKleinError(f"the prompt must be a string, not {type(prompt).__name__}")
+    if negative_prompt is not None and not isinstance(negative_prompt, str):
+        raise FluxKleinError(f"negative_prompt must be a string or None, not {type(negative_prompt).__name__}")
+    for name, v in (("width", width), ("height", height)):
+        if v is not None and not _is_int(v):
+            raise FluxKleinError(f"{name} must be a whole number of pixels, not {v!r}")
+    if steps is not None and (not _is_int(steps) or steps < 1):
+        raise FluxKleinError(f"steps must be a whole number of at least 1, not {steps!r}")
+    if guidance is not None and (
+        isinstance(guidance, bool) or not isinstance(guidance, numbers.Real) or not math.isfinite(guidance)
+        or guidance < 0
+    ):  # fmt: skip
+        raise FluxKleinError(f"guidance must be a finite number >= 0 (e.g. 4.0; at most 1 turns CFG off), not {guidance!r}")
+    if seed is not None and not _is_int(seed):
+        raise FluxKleinError(f"seed must be a whole number, not {seed!r}")
 
 
 def pack_latents(latents: mx.array) -> mx.array:
@@ -228,6 +247,7 @@ class FluxKleinPipeline:
         if missing:
             emb = encode_prompts(self.text_encoder.get(), self.tokenizer.get(), missing).astype(self.dtype)
             mx.eval(emb)
+            self._check_finite(emb, "the text encoder's prompt embeddings")
             for i, p in enumerate(missing):
                 self._prompt_cache[p] = emb[i : i + 1]
             # Keep a handful of recent prompts; the encoder itself is the big allocation.
@@ -256,7 +276,18 @@ class FluxKleinPipeline:
             ids.append(image_ids(H // 16, W // 16, t=first_t + 10 * k))
         out = mx.concatenate(tokens, axis=1), mx.concatenate(ids, axis=0)
         mx.eval(out)
+        self._check_finite(out[0], "the VAE encoding of the reference image(s)")
         return out[0], out[1], first_size
+
+    def _nan_hint(self) -> str:
+        if self.dtype == mx.float32:
+            return "the weights are probably damaged (the run is already float32); download or convert them again"
+        return "the weights may be damaged, or the values overflow this dtype: try --dtype float32 (dtype='float32')"
+
+    def _check_finite(self, x: mx.array, stage: str) -> None:
+        """End the run, naming the stage, when `x` holds NaN or infinity."""
+        if not mx.all(mx.isfinite(x)).item():
+            raise FluxKleinError(f"non-finite values in {stage}: {self._nan_hint()}")
 
     # ---- the run ------------------------------------------------------------------------------
 
@@ -316,9 +347,8 @@ class FluxKleinPipeline:
     ) -> Job:
         """Stage 1: resolve the settings, encode the prompt(s) and references, draw the noise."""
         info = self.info
-        steps = steps or info.default_steps
-        if steps < 1:
-            raise FluxKleinError(f"steps must be at least 1, not {steps}")
+        check_settings(prompt, negative_prompt, width, height, steps, guidance, seed)
+        steps = info.default_steps if steps is None else int(steps)
         if info.is_distilled:
             if guidance is not None and guidance != 1.0:
                 warnings.warn(
@@ -346,9 +376,10 @@ class FluxKleinPipeline:
         if isinstance(images, (str, Path, Image.Image)):
             images = [images]
         images = list(images or [])
-        if width is not None or height is not None or not images:
-            width, height = width or 1024, height or 1024
-            check_image_size(width, height)
+        if not images:
+            width, height = 1024 if width is None else width, 1024 if height is None else height
+        # With references, a side left out is the first reference's (checked once it is known).
+        check_image_size(1024 if width is None else width, 1024 if height is None else height)
         seed = random.randrange(2**31) if seed is None and latents is None else seed
         stats: dict = {"seed": seed, "steps": steps, "guidance": guidance,
                        "noise": "latents" if latents is not None else noise}
@@ -364,7 +395,7 @@ class FluxKleinPipeline:
         ref_tokens = ref_ids = None
         if images:
             ref_tokens, ref_ids, (rw, rh) = self.encode_references(images, first_t=10 if init is None else 20)
-            width, height = width or rw, height or rh
+            width, height = rw if width is None else width, rh if height is None else height
             check_image_size(width, height)
         x0 = None
         if init is not None:
@@ -374,6 +405,7 @@ class FluxKleinPipeline:
             ref_tokens = x0 if ref_tokens is None else mx.concatenate([x0, ref_tokens], axis=1)
             ref_ids = x0_ids if ref_ids is None else mx.concatenate([x0_ids, ref_ids], axis=0)
             mx.eval(ref_tokens, ref_ids)
+            self._check_finite(x0, "the VAE encoding of the init image")
         stats["encode"] = {"seconds": time.perf_counter() - t0, "peak_memory": mx.get_peak_memory()}
         stats["width"], stats["height"] = width, height
 
@@ -438,10 +470,7 @@ class FluxKleinPipeline:
             finite = mx.all(mx.isfinite(x))
             mx.eval(x, finite)
             if not finite.item():
-                raise FluxKleinError(
-                    f"non-finite values appeared at denoising step {i + 1}: the weights may be damaged, "
-                    "or try --dtype float32"
-                )
+                raise FluxKleinError(f"non-finite values appeared at denoising step {i + 1}: {self._nan_hint()}")
             job.x = x
             yield Progress("denoise", i + 1, steps, time.perf_counter() - t_step, stats=job.stats, denoised=x0,
                            grid=(h, w))
@@ -457,6 +486,7 @@ class FluxKleinPipeline:
         t0 = time.perf_counter()
         # Low-memory mode decodes in row bands (same result, bounded activation peak).
         decoded = self.vae.get().decode_tokens(job.x, job.h, job.w, tiled=self.low_memory)
+        self._check_finite(decoded, "the VAE decode")  # never a black or garbage PNG from NaN
         image = to_output(decoded, output_type)
         stats = job.stats
         stats["decode"] = {"seconds": time.perf_counter() - t0, "peak_memory": mx.get_peak_memory()}
@@ -553,9 +583,17 @@ def load(
 
     The variant (4B/9B, distilled/Base, 9B-KV) is read from the files. Models load on first use.
     """
+    if not isinstance(model, (str, os.PathLike)) or not str(model):
+        raise FluxKleinError(f"model must be a repo id or a path (str or Path), not {model!r}")
+    if not isinstance(dtype, (str, mx.Dtype)):
+        raise FluxKleinError(f"dtype must be one of 'bfloat16', 'float16', 'float32', not {dtype!r}")
     dt = as_dtype(dtype)
+    for what, value in (("quantize", quantize), ("group_size", group_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            choices = "4, 8 or None" if what == "quantize" else "32, 64 or 128"
+            raise FluxKleinError(f"{what} must be a whole number ({choices}), not {value!r}")
     if quantize is not None:
-        check_quantization(quantize, group_size)
+        check_quantization(int(quantize), int(group_size))
     info = describe(model)
     if info.format == "bfl":
         raise FluxKleinError(
@@ -563,6 +601,12 @@ def load(
             f"python -m flux_klein_mlx convert --model {info.path} --output DIR"
         )
     stored = next((r for r in info.quantization.values() if r), None)
+    if stored and quantize is not None and quantize != stored["bits"]:
+        raise FluxKleinError(
+            f"{info.path} is already quantized to {stored['bits']} bits; leave --quantize out, or quantize the "
+            f"unquantized folder to {quantize} bits"
+        )
+    check_weights(info)  # every weight file's header, keys and shapes, before any model runs
 
     def component(name):
         return lambda: load_component(info, name, dt, quantize, group_size)

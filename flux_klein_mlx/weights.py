@@ -30,6 +30,49 @@ def read_safetensors(path: str | Path) -> dict[str, mx.array]:
         ) from None
 
 
+_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+
+
+def check_safetensors_file(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Check one safetensors file from its header alone (no tensor is read): the 8-byte length and
+    the JSON header parse, and the file is long enough for every tensor the header lists (a
+    truncated download is caught here, not when the tensor is first used). Returns name ->
+    (dtype, shape)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FluxKleinError(f"weight file not found: {path}")
+    size = path.stat().st_size
+    damaged = f"{path} is damaged or not a safetensors file"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n <= 0 or n > _MAX_HEADER or 8 + n > size:
+                raise FluxKleinError(f"{damaged} (no valid header); download or convert it again")
+            header = json.loads(f.read(n))
+    except (ValueError, UnicodeDecodeError):
+        raise FluxKleinError(f"{damaged} (its header is not JSON); download or convert it again") from None
+    except OSError as e:
+        raise FluxKleinError(f"cannot read {path} ({e.strerror}); check the file's permissions") from None
+    if not isinstance(header, dict):
+        raise FluxKleinError(f"{damaged} (its header is not a table of tensors); download or convert it again")
+    tensors, end = {}, 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (lo, hi) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+            end = max(end, int(hi))
+        except (TypeError, KeyError, ValueError):
+            raise FluxKleinError(f"{damaged} (tensor {name!r} has no dtype/shape/offsets); download it again") from None
+        tensors[name] = (dtype, shape)
+    if 8 + n + end > size:
+        raise FluxKleinError(
+            f"{path} is truncated: {size} bytes, its header needs {8 + n + end}; download or convert it again"
+        )
+    return tensors
+
+
 def read_weight_files(
     files: Iterable[str | Path], keep: Callable[[str], bool] | None = None
 ) -> dict[str, mx.array]:

@@ -292,10 +292,18 @@ def test_existing_output_refused_then_overwritten(capsys, snapshot, tmp_path):
     code, _, err = run_cli(capsys, "convert", "-m", str(snapshot), "-o", str(out), "--dtype", "float32")
     assert code == 1 and err.count("\n") == 1 and "already exists; pass --overwrite" in err
     assert (out / "keep.txt").read_text() == "old"
+    # --overwrite replaces only a folder `convert` wrote (issue 12: a folder of documents was wiped).
     code, _, err = run_cli(capsys, "convert", "-m", str(snapshot), "-o", str(out), "--dtype", "float32", "--overwrite")
+    assert code == 1 and err.count("\n") == 1 and "not a folder written by `flux_klein_mlx convert`" in err
+    assert (out / "keep.txt").read_text() == "old" and sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    ours = tmp_path / "ours"
+    code, _, err = run_cli(capsys, "convert", "-m", str(snapshot), "-o", str(ours), "--dtype", "bfloat16")
     assert code == 0, err
-    assert not (out / "keep.txt").exists() and read_config(out)["dtype"] == "float32"
-    assert leftovers(out) == []
+    (ours / "keep.txt").write_text("old")
+    code, _, err = run_cli(capsys, "convert", "-m", str(snapshot), "-o", str(ours), "--dtype", "float32", "--overwrite")
+    assert code == 0, err
+    assert not (ours / "keep.txt").exists() and read_config(ours)["dtype"] == "float32"
+    assert leftovers(ours) == []
 
 
 def test_incomplete_or_damaged_source(capsys, snapshot, tmp_path):
@@ -339,6 +347,7 @@ def test_interrupted_run_leaves_nothing(snapshot, tmp_path, monkeypatch):
     # The same interruption while replacing an existing folder keeps the old one intact.
     out.mkdir()
     (out / "keep.txt").write_text("old")
+    (out / "config.json").write_text('{"format": "flux_klein_mlx"}')  # --overwrite replaces only our folders
     calls.clear()
     with pytest.raises(KeyboardInterrupt):
         convert_model(snapshot, out, overwrite=True)

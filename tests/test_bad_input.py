@@ -1,0 +1,461 @@
+"""Issue 12: every bad input fails fast with one clear line; nothing lost, nothing silent.
+
+Each kind: exit code 1 (or the documented outcome), a one-line message naming the problem, no
+traceback, nothing existing changed (hashed before/after), no partial file or folder left. The
+fast-failure kinds also assert that no model was loaded: `loading.load_component` is replaced by a
+recorder for the whole module (a run that gets past the checks fails loudly instead of loading).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from PIL import Image
+
+import flux_klein_mlx.pipeline as pipeline_module
+from flux_klein_mlx import convert as convert_module
+from flux_klein_mlx.__main__ import main
+from flux_klein_mlx.errors import FluxKleinError
+from flux_klein_mlx.img2img import open_image
+from flux_klein_mlx.loading import FORMAT, describe
+from flux_klein_mlx.pipeline import FluxKleinPipeline, load, preprocess_reference
+from tiny_model import shared_tiny_snapshot
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory):
+    return shared_tiny_snapshot(tmp_path_factory, distilled=True)
+
+
+@pytest.fixture(scope="module")
+def base_snapshot(tmp_path_factory):
+    return shared_tiny_snapshot(tmp_path_factory, distilled=False)
+
+
+@pytest.fixture(scope="module")
+def converted(snapshot, tmp_path_factory):
+    from flux_klein_mlx.convert import convert_model
+
+    out = tmp_path_factory.mktemp("converted") / "conv"
+    convert_model(snapshot, out, dtype="float32")
+    return out
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    """Record every model load; a bad input must be refused before any."""
+    calls = []
+
+    def recorder(info, name, *a, **k):
+        calls.append(name)
+        raise AssertionError(f"the {name} was loaded before the bad input was refused")
+
+    monkeypatch.setattr(pipeline_module, "load_component", recorder)
+    return calls
+
+
+def tree_hash(path: Path) -> str:
+    """Names, sizes and bytes of everything under `path` (or of the file)."""
+    h = hashlib.sha256()
+    paths = [path] if path.is_file() else sorted(p for p in path.rglob("*"))
+    for p in paths:
+        h.update(str(p.relative_to(path.parent)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def run(capsys, *args):
+    code = main(list(map(str, args)))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, *words):
+    assert code == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def gen_args(snapshot, out, *extra):
+    return ["generate", "--model", snapshot, "-p", "a fox", "--dtype", "float32", "-W", "64", "-H", "64",
+            "--steps", "1", "--seed", "1", "-o", out, *extra]
+
+
+# --- data loss ------------------------------------------------------------------------------------------
+
+
+def test_overwrite_refuses_a_folder_convert_did_not_write(capsys, snapshot, converted, tmp_path):
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    (photos / "holiday.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    (photos / "config.json").write_text('{"some": "other tool"}')
+    before = tree_hash(photos)
+    for cmd in (["convert", "-m", snapshot], ["quantize", "-m", converted, "-b", "4"]):
+        code, _, err = run(capsys, *cmd, "-o", photos, "--overwrite")
+        assert_one_line_error(code, err, str(photos))
+        assert tree_hash(photos) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["photos"]  # no .tmp-* / .old-* left
+
+
+def test_symlinked_output_replaces_its_target_and_leaves_no_stray(capsys, snapshot, tmp_path):
+    real = tmp_path / "real"
+    code, _, err = run(capsys, "convert", "-m", snapshot, "-o", real, "--dtype", "float32")
+    assert code == 0, err
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    code, _, err = run(capsys, "convert", "-m", snapshot, "-o", link, "--dtype", "bfloat16", "--overwrite")
+    assert code == 0, err
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert json.loads((real / "config.json").read_text())["dtype"] == "bfloat16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]  # no *.old-* link, no .tmp-*
+
+
+def test_sighup_is_handled_like_sigint():
+    with pytest.raises(KeyboardInterrupt):
+        with convert_module.interrupt_on_termination():
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(1)  # the handler raises here
+    assert signal.getsignal(signal.SIGHUP) is not None
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM"])
+def test_termination_signal_removes_the_temporary_folder(snapshot, tmp_path, sig):
+    out = tmp_path / "out"
+    # A child converts with tensor writes slowed down; the signal arrives mid-write.
+    code = f"""
+import sys, time
+sys.path.insert(0, {str(REPO)!r})
+from flux_klein_mlx import weights
+real = weights._tensor_bytes
+def slow(a):
+    time.sleep(0.05)
+    return real(a)
+weights._tensor_bytes = slow
+from flux_klein_mlx.__main__ import main
+sys.exit(main(["convert", "-m", {str(snapshot)!r}, "-o", {str(out)!r}, "--dtype", "float32"]))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, cwd=REPO)
+    deadline = time.time() + 60
+    while not list(tmp_path.glob("out.tmp-*/transformer*")) and time.time() < deadline:
+        time.sleep(0.05)
+    assert list(tmp_path.glob("out.tmp-*")), "the conversion never started writing"
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err  # as for Ctrl-C ("aborted")
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "aborted"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_later_run_removes_stale_temporaries_of_its_own_only(capsys, snapshot, tmp_path):
+    out = tmp_path / "out"
+    dead = tmp_path / "out.tmp-0123abcd"  # a run killed with SIGKILL: marker names a pid that is gone
+    dead.mkdir()
+    (dead / convert_module.TMP_MARKER).write_text("999999999\n")
+    (dead / "transformer.safetensors").write_bytes(b"half")
+    empty = tmp_path / "out.tmp-00000000"
+    empty.mkdir()
+    alive = tmp_path / "out.tmp-11111111"  # a conversion still running (this process): kept
+    alive.mkdir()
+    (alive / convert_module.TMP_MARKER).write_text(f"{os.getpid()}\n")
+    foreign = tmp_path / "out.tmp-22222222"  # someone else's folder with that name: kept
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    code, _, err = run(capsys, "convert", "-m", snapshot, "-o", out, "--dtype", "float32")
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.tmp-11111111", "out.tmp-22222222"]
+    assert (foreign / "notes.txt").read_text() == "mine"
+    assert not (out / convert_module.TMP_MARKER).exists()
+
+
+def test_png_is_created_exclusively_never_replacing(tmp_path):
+    from flux_klein_mlx.generate import save_png
+
+    img = Image.new("RGB", (8, 8), (10, 20, 30))
+    target = tmp_path / "x.png"
+    # A name taken between the free-name check and the write (another process) is not replaced.
+    written = [save_png(img, target, {"seed": i}) for i in range(3)]
+    assert written == [target, tmp_path / "x-1.png", tmp_path / "x-2.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x-1.png", "x-2.png", "x.png"]  # no temporaries
+    with Image.open(tmp_path / "x-2.png") as im:
+        assert im.text["seed"] == "2"
+
+
+# --- fail before the work -------------------------------------------------------------------------------
+
+
+def test_output_checked_before_any_model(capsys, snapshot, tmp_path, no_models):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    cases = [
+        (tmp_path / "missing" / "x.png", "does not exist"),
+        (afile / "x.png", "is a file, not a folder"),
+        (tmp_path / ("n" * 300 + ".png"), "file name is"),
+        (tmp_path, "must end in .png"),
+    ]
+    if os.geteuid() != 0:  # root writes anywhere
+        cases.append((ro / "x.png", "cannot write"))
+    for out, words in cases:
+        code, _, err = run(capsys, *gen_args(snapshot, out))
+        assert_one_line_error(code, err, words)
+    assert no_models == [] and list(ro.iterdir()) == [] and afile.read_text() == "x"
+    code, _, err = run(capsys, "benchmark", "--random-weights", "--json", afile / "r.json")
+    assert_one_line_error(code, err, "is a file, not a folder")
+
+
+def test_output_folder_given_where_a_png_is_expected(capsys, snapshot, tmp_path, no_models):
+    folder = tmp_path / "shots.png"
+    folder.mkdir()
+    code, _, err = run(capsys, *gen_args(snapshot, folder))
+    assert_one_line_error(code, err, "is a folder")
+
+
+def damaged_copy(snapshot, tmp_path, how):
+    src = tmp_path / "snap"
+    shutil.copytree(snapshot, src)
+    vae = src / "vae" / "diffusion_pytorch_model.safetensors"
+    data = vae.read_bytes()
+    if how == "truncated":
+        vae.write_bytes(data[: len(data) - 1000])
+    elif how == "garbage":
+        vae.write_bytes(b"\x00" * 64)
+    elif how == "shape":
+        cfg = json.loads((src / "vae" / "config.json").read_text())
+        cfg["block_out_channels"] = [16, 16, 32, 48]
+        (src / "vae" / "config.json").write_text(json.dumps(cfg))
+    return src
+
+
+@pytest.mark.parametrize("how,words", [("truncated", "is truncated"), ("garbage", "damaged"),
+                                       ("shape", "VAE weight")])
+def test_damaged_vae_found_before_any_model(capsys, snapshot, tmp_path, no_models, how, words):
+    src = damaged_copy(snapshot, tmp_path, how)
+    before = tree_hash(src)
+    code, _, err = run(capsys, *gen_args(src, tmp_path / "x.png"))
+    assert_one_line_error(code, err, words)
+    code, _, err = run(capsys, "convert", "-m", src, "-o", tmp_path / "out")
+    assert_one_line_error(code, err, words)
+    assert no_models == [] and tree_hash(src) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snap"]
+
+
+def test_truncated_converted_folder_refused_before_any_model(capsys, converted, tmp_path, no_models):
+    out = tmp_path / "conv"
+    shutil.copytree(converted, out)
+    f = out / "transformer.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    code, _, err = run(capsys, *gen_args(out, tmp_path / "x.png"))
+    assert_one_line_error(code, err, "transformer.safetensors is truncated")
+    code, _, err = run(capsys, "quantize", "-m", out, "-b", "4", "-o", tmp_path / "q")
+    assert_one_line_error(code, err, "is truncated")
+    assert not (tmp_path / "q").exists() and not (tmp_path / "x.png").exists()
+
+
+def test_load_message_says_what_is_true(capsys, snapshot, tmp_path):
+    code, _, err = run(capsys, *gen_args(snapshot, tmp_path / "x.png"))
+    assert code == 0, err
+    assert "loaded in" not in err and "models load on first use" in err
+
+
+# --- no silent wrong results ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["-W", "0"], "width 0 is below the minimum"),
+    (["--steps", "0"], "steps must be a whole number of at least 1"),
+    (["--guidance", "nan"], "guidance must be a finite number"),
+    (["--guidance", "-5"], "guidance must be a finite number >= 0"),
+    (["--guidance", "inf"], "guidance must be a finite number"),
+])
+def test_ranges_refused_by_cli_before_any_model(capsys, base_snapshot, tmp_path, no_models, extra, words):
+    code, _, err = run(capsys, *gen_args(base_snapshot, tmp_path / "x.png", *extra))
+    assert_one_line_error(code, err, words)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ranges_and_types_refused_by_the_python_api_alike(snapshot, base_snapshot, no_models):
+    pipe = load(base_snapshot)
+    for kwargs, words in [
+        (dict(width=0), "width 0 is below the minimum"),
+        (dict(steps=0), "steps must be"),
+        (dict(guidance=float("nan")), "guidance must be a finite number"),
+        (dict(guidance=-5.0), "guidance must be"),
+        (dict(seed="42"), "seed must be a whole number"),
+        (dict(seed=1.5), "seed must be a whole number"),
+        (dict(steps=2.5), "steps must be"),
+        (dict(width="64"), "width must be a whole number"),
+        (dict(negative_prompt=["x"]), "negative_prompt must be a string"),
+    ]:
+        with pytest.raises(FluxKleinError, match=words.replace("(", r"\(")):
+            pipe.generate("a fox", **kwargs)
+    with pytest.raises(FluxKleinError, match="prompt must be a string, not list"):
+        pipe.generate(["a fox", "a cat"])
+    for kwargs, words in [
+        (dict(model=None), "model must be a repo id or a path"),
+        (dict(model=3), "model must be a repo id or a path"),
+        (dict(model=snapshot, quantize="4"), "quantize must be a whole number"),
+        (dict(model=snapshot, quantize=True), "quantize must be a whole number"),
+        (dict(model=snapshot, dtype=1), "dtype must be one of"),
+    ]:
+        with pytest.raises(FluxKleinError, match=words):
+            load(**kwargs)
+    assert no_models == []
+
+
+def test_seeds_wrap_like_torch_in_cli_and_api(capsys, snapshot, tmp_path):
+    """Documented: torch noise uses seed mod 2**32 (negative seeds wrap, as in torch); the CLI and
+    the API accept any whole number alike."""
+    pipe = load(snapshot, dtype="float32")
+    x = pipe.generate("a fox", width=64, height=64, steps=1, seed=-1, output_type="np")
+    y = pipe.generate("a fox", width=64, height=64, steps=1, seed=2**32 - 1, output_type="np")
+    assert np.array_equal(x, y)
+    out = tmp_path / "big.png"
+    code, _, err = run(capsys, *gen_args(snapshot, out, "--seed", 2**64 + 2**32 - 1))
+    assert code == 0 and "Traceback" not in err, err
+    assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), np.round(y * 255).astype(np.uint8))
+
+
+def test_quantize_option_on_a_quantized_folder(capsys, snapshot, tmp_path, no_models):
+    q4 = tmp_path / "q4"
+    code, _, err = run(capsys, "convert", "-m", snapshot, "-o", q4, "-q", "4")
+    assert code == 0, err
+    code, _, err = run(capsys, *gen_args(q4, tmp_path / "x.png", "--quantize", "8"))
+    assert_one_line_error(code, err, "already quantized to 4 bits")
+    load(q4, quantize=4)  # the same bits: nothing to do, accepted
+
+
+def nan_pipeline(snapshot, stage, dtype="float32"):
+    """A real tiny pipeline whose VAE encode or decode returns NaN."""
+    pipe = load(snapshot, dtype=dtype)
+    vae = pipe.vae.get()
+    name = "decode_tokens" if stage == "decode" else "encode_to_tokens"
+    real = getattr(vae, name)
+    setattr(vae, name, lambda *a, **k: real(*a, **k) * float("nan"))
+    return pipe
+
+
+@pytest.mark.parametrize("stage,dtype,words", [("decode", "float32", "VAE decode"),
+                                               ("encode", "bfloat16", "VAE encoding of the reference")])
+def test_non_finite_values_end_the_run_naming_the_stage(snapshot, tmp_path, stage, dtype, words):
+    ref = tmp_path / "ref.png"
+    Image.new("RGB", (64, 64), (120, 30, 200)).save(ref)
+    pipe = nan_pipeline(snapshot, stage, dtype)
+    with pytest.raises(FluxKleinError, match=words) as e:
+        pipe.generate("a fox", width=64, height=64, steps=1, seed=0, images=[ref] if stage == "encode" else None)
+    message = str(e.value)
+    assert "\n" not in message
+    # float32 already: no advice to use float32; bfloat16: the advice is given.
+    assert ("--dtype float32" in message) == (dtype != "float32")
+
+
+def test_non_finite_prompt_embeddings_named(snapshot):
+    pipe = load(snapshot, dtype="float32")
+    real = pipe.text_encoder._loader
+
+    def poisoned():
+        te = real()
+        te.model.embed_tokens.weight = te.model.embed_tokens.weight * float("nan")
+        return te
+
+    pipe.text_encoder._loader = poisoned
+    with pytest.raises(FluxKleinError, match="non-finite values in the text encoder") as e:
+        pipe.generate("a fox", width=64, height=64, steps=1, seed=0)
+    assert "--dtype float32" not in str(e.value)
+
+
+# --- reference images -----------------------------------------------------------------------------------
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    im = Image.new("RGB", (64, 128), (0, 0, 0))
+    im.paste((255, 255, 255), (0, 0, 64, 16))  # a white band at the top
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 CW to display"
+    path = tmp_path / "phone.jpg"
+    im.save(path, exif=exif.tobytes(), quality=95)
+    shown = open_image(path, "reference image")
+    assert shown.size == (128, 64)  # what a photo viewer shows
+    assert preprocess_reference(path).shape == (64, 128, 3)
+
+
+def test_16_bit_grey_converted_by_value(tmp_path):
+    path = tmp_path / "grey16.png"
+    Image.fromarray(np.full((64, 64), 32768, dtype=np.uint16)).save(path)
+    x = preprocess_reference(path)  # [-1, 1]
+    assert abs(float(x.mean())) < 0.01  # 50% grey, not white
+
+
+def test_animated_reference_warns_first_frame(tmp_path):
+    path = tmp_path / "anim.gif"
+    frames = [Image.new("RGB", (64, 64), c) for c in ((255, 0, 0), (0, 255, 0))]
+    frames[0].save(path, save_all=True, append_images=frames[1:])
+    with pytest.warns(UserWarning, match="2 frames; the first one is used"):
+        x = preprocess_reference(path)
+    assert x[..., 0].mean() > 0.9 and x[..., 1].mean() < -0.9
+
+
+def test_decompression_bomb_refused_in_one_line(capsys, snapshot, tmp_path, no_models, monkeypatch):
+    path = tmp_path / "huge.png"
+    Image.new("L", (400, 400)).save(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100 * 100)  # 400x400 is then "over 2x the limit"
+    code, _, err = run(capsys, *gen_args(snapshot, tmp_path / "x.png", "--image", path))
+    assert_one_line_error(code, err, "more pixels than PIL decodes safely")
+
+
+def test_folder_given_as_image(capsys, snapshot, tmp_path, no_models):
+    code, _, err = run(capsys, *gen_args(snapshot, tmp_path / "x.png", "--image", tmp_path))
+    assert_one_line_error(code, err, "is a folder, not an image")
+    code, _, err = run(capsys, *gen_args(snapshot, tmp_path / "x.png", "--init-image", "/dev/null"))
+    assert_one_line_error(code, err, "is not a regular file")
+
+
+def test_width_alone_with_a_reference_takes_the_references_height(snapshot, tmp_path):
+    ref = tmp_path / "ref.png"
+    Image.new("RGB", (128, 96), (30, 60, 90)).save(ref)
+    pipe = load(snapshot, dtype="float32")
+    out = pipe.generate("a fox", width=64, steps=1, seed=0, images=[ref])
+    assert out.size == (64, 96)  # not 64x1024
+    assert pipe.last_stats["height"] == 96
+
+
+# --- misleading messages --------------------------------------------------------------------------------
+
+
+def test_text_file_as_model(capsys, tmp_path, no_models):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    code, _, err = run(capsys, *gen_args(notes, tmp_path / "x.png"))
+    assert_one_line_error(code, err, "is not a .safetensors file")
+
+
+def test_flux1_index_refused_by_convert_as_by_generate(capsys, snapshot, tmp_path, no_models):
+    src = tmp_path / "snap"
+    shutil.copytree(snapshot, src)
+    index = json.loads((src / "model_index.json").read_text())
+    index["_class_name"] = "FluxPipeline"
+    (src / "model_index.json").write_text(json.dumps(index))
+    code, _, err_gen = run(capsys, *gen_args(src, tmp_path / "x.png"))
+    assert_one_line_error(code, err_gen, "FluxPipeline")
+    code, _, err_conv = run(capsys, "convert", "-m", src, "-o", tmp_path / "out")
+    assert_one_line_error(code, err_conv, "FluxPipeline")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snap"]
