@@ -125,18 +125,20 @@ class InitImage:
         return self.pixels.shape[0]
 
 
+def check_image_shape(w: int, h: int, what: str) -> None:
+    """Both references' limits on an input image: each side >= 64 px, aspect ratio <= 8 (spec 8.1)."""
+    if w < MIN_SIDE or h < MIN_SIDE:
+        raise FluxKleinError(f"{what} is {w}x{h}; both sides must be at least {MIN_SIDE} px")
+    if max(w / h, h / w) > MAX_ASPECT:
+        raise FluxKleinError(f"{what} is {w}x{h} (aspect ratio {max(w / h, h / w):.1f}); the limit is {MAX_ASPECT}:1")
+
+
 def prepare_init_image(image, strength: float = 0.8, mask=None) -> InitImage:
     """Validate and preprocess an init image (path or PIL) and optional mask as diffusers does."""
     strength = check_strength(strength)
     img = open_image(image, "init image")
     raw_w, raw_h = img.size
-    if raw_w < MIN_SIDE or raw_h < MIN_SIDE:
-        raise FluxKleinError(f"init image is {raw_w}x{raw_h}; both sides must be at least {MIN_SIDE} px")
-    if max(raw_w / raw_h, raw_h / raw_w) > MAX_ASPECT:
-        raise FluxKleinError(
-            f"init image is {raw_w}x{raw_h} (aspect ratio {max(raw_w / raw_h, raw_h / raw_w):.1f}); "
-            f"the limit is {MAX_ASPECT}:1"
-        )
+    check_image_shape(raw_w, raw_h, "init image")
     m = None if mask is None else open_image(mask, "mask")
     if m is not None and m.size != (raw_w, raw_h):
         raise FluxKleinError(

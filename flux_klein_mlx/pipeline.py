@@ -25,7 +25,7 @@ import numpy as np
 from PIL import Image
 
 from .errors import FluxKleinError
-from .img2img import blend, open_image, prepare_init_image, scale_noise, start_step
+from .img2img import MAX_AREA, blend, check_image_shape, open_image, prepare_init_image, scale_noise, start_step
 from .loading import ModelInfo, as_dtype, check_weights, describe, load_component, read_component
 from .lora import apply_loras, load_loras
 from .noise import check_noise_kind, initial_noise
@@ -36,10 +36,6 @@ from .text_encoder import encode_prompts
 from .tokenizer import load_tokenizer
 from .vae import check_image_size
 
-# Reference-image limits of both references (spec 8.1).
-REF_MIN_SIDE = 64
-REF_MAX_ASPECT = 8
-REF_MAX_AREA = 1024 * 1024
 
 
 @dataclass
@@ -114,14 +110,9 @@ def preprocess_reference(image, multiple: int = 16) -> np.ndarray:
     """
     img = _to_pil_rgb(image)
     w, h = img.size
-    if w < REF_MIN_SIDE or h < REF_MIN_SIDE:
-        raise FluxKleinError(f"reference image is {w}x{h}; both sides must be at least {REF_MIN_SIDE} px")
-    if max(w / h, h / w) > REF_MAX_ASPECT:
-        raise FluxKleinError(
-            f"reference image is {w}x{h} (aspect ratio {max(w / h, h / w):.1f}); the limit is {REF_MAX_ASPECT}:1"
-        )
-    if w * h > REF_MAX_AREA:
-        scale = math.sqrt(REF_MAX_AREA / (w * h))
+    check_image_shape(w, h, "reference image")
+    if w * h > MAX_AREA:
+        scale = math.sqrt(MAX_AREA / (w * h))
         img = img.resize((int(w * scale), int(h * scale)), Image.Resampling.LANCZOS)
         w, h = img.size
     cw, ch = (w // multiple) * multiple, (h // multiple) * multiple
