@@ -30,7 +30,7 @@ from flux_klein_mlx.lora import apply_loras, load_loras  # noqa: E402
 from flux_klein_mlx.random_model import randomize  # noqa: E402
 from flux_klein_mlx.transformer import FluxKlein  # noqa: E402
 from flux_klein_mlx.weights import load_into, read_weight_files  # noqa: E402
-from flux_klein_mlx.lora_formats import layer_shapes  # noqa: E402
+from flux_klein_mlx.transformer import linear_shapes  # noqa: E402
 from flux_klein_mlx.weights import save_safetensors_streaming  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     args = ap.parse_args()
     params = FluxKleinParams.klein_4b()
-    shapes = {k: v for k, v in layer_shapes(params).items() if k.startswith(("double_blocks", "single_blocks"))}
+    shapes = {k: v for k, v in linear_shapes(params).items() if k.startswith(("double_blocks", "single_blocks"))}
     tensors = {}
     for layer, (out, inp) in shapes.items():
         tensors[f"diffusion_model.{layer}.lora_A.weight"] = (mx.random.normal((args.rank, inp)) * 0.01).astype(mx.bfloat16)
@@ -64,7 +64,7 @@ def main() -> None:
 def fused_cost(rank: int) -> None:
     """Active memory added by fusing a LoRA into a stored bf16 transformer (1 double + 1 single block)."""
     params = FluxKleinParams(depth=1, depth_single=1)
-    shapes = {k: v for k, v in layer_shapes(params).items() if k.startswith(("double_blocks", "single_blocks"))}
+    shapes = {k: v for k, v in linear_shapes(params).items() if k.startswith(("double_blocks", "single_blocks"))}
     with tempfile.TemporaryDirectory() as tmp:
         model = FluxKlein(params)
         randomize(model, mx.bfloat16, seed=0)

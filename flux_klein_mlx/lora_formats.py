@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from .config import HIDDEN_SIZES, flux1_marker
 from .errors import FluxKleinError
+from .transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, DIFFUSERS_TOP, QKV, linear_shapes
 
 # Module-name prefixes, longest first, and the format they say.
 _PREFIXES = (
@@ -41,13 +43,9 @@ _ROLE = re.compile(
     r"(?:lora_[AB]|lora_down|lora_up)\.bias|diff|diff_b|hada_w[12]_[ab]))$"
 )
 _DOWN = {"lora_A", "lora_down", "lora.down"}
-# Keys that only other model families have, and the family they name.
-_FOREIGN_MARKERS = (
-    (("down_blocks", "up_blocks", "mid_block", "input_blocks", "output_blocks", "lora_te1_", "lora_te2_",
-      "text_model", "conditioner"), "an SDXL / Stable Diffusion UNet"),
-    ((".img_mod.", ".txt_mod.", "_img_mod_", "_txt_mod_", "vector_in", "time_text_embed", ".norm1.linear",
-      ".norm1_context.", "_norm1_linear", "_norm1_context_", "ff.net.", "ff_net_"), "FLUX.1"),
-)  # fmt: skip
+# Keys that only UNet models (SDXL, Stable Diffusion) have; FLUX.1's are config.FLUX1_MARKERS.
+_UNET_MARKERS = ("down_blocks", "up_blocks", "mid_block", "input_blocks", "output_blocks", "lora_te1_", "lora_te2_",
+                 "text_model", "conditioner")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -94,52 +92,30 @@ class ParsedLora:
     n_modules: int = 0
 
 
-def layer_shapes(params) -> dict[str, tuple[int, int]]:
-    """(out, in) of every Linear of a klein transformer with `params`, by our module path (no allocation)."""
-    D, M, C = params.hidden_size, params.mlp_hidden, params.in_channels
-    shapes = {
-        "img_in": (D, C), "txt_in": (D, params.context_in_dim), "time_in.in_layer": (D, params.time_channels),
-        "time_in.out_layer": (D, D), "double_stream_modulation_img.lin": (6 * D, D),
-        "double_stream_modulation_txt.lin": (6 * D, D), "single_stream_modulation.lin": (3 * D, D),
-        "final_layer.adaLN_modulation.1": (2 * D, D), "final_layer.linear": (C, D),
-    }  # fmt: skip
-    for i in range(params.depth):
-        for s in ("img", "txt"):
-            b = f"double_blocks.{i}.{s}"
-            shapes.update({f"{b}_attn.qkv": (3 * D, D), f"{b}_attn.proj": (D, D), f"{b}_mlp.0": (2 * M, D),
-                           f"{b}_mlp.2": (D, M)})  # fmt: skip
-    for j in range(params.depth_single):
-        shapes[f"single_blocks.{j}.linear1"] = (3 * D + 2 * M, D)
-        shapes[f"single_blocks.{j}.linear2"] = (D, D + M)
-    return shapes
-
-
 def target_table(params) -> dict[str, Target]:
     """Every module name a klein LoRA may use (ours, diffusers', dotted and underscored) -> its Target."""
-    from .transformer import _DIFFUSERS_DOUBLE, _DIFFUSERS_SINGLE, _DIFFUSERS_TOP, _QKV
-
     D, M = params.hidden_size, params.mlp_hidden
-    shapes = layer_shapes(params)
+    shapes = linear_shapes(params)
     table = {path: Target(path, (0, out)) for path, (out, _) in shapes.items()}
 
     def full(theirs: str, ours: str) -> None:
         table[theirs] = Target(ours, (0, shapes[ours][0]))
 
-    for theirs, ours in _DIFFUSERS_TOP.items():
+    for theirs, ours in DIFFUSERS_TOP.items():
         full(theirs, ours)
     table["norm_out.linear"] = Target("final_layer.adaLN_modulation.1", (0, 2 * D), swap=True)
     for i in range(params.depth):
-        for theirs, ours in _DIFFUSERS_DOUBLE.items():
+        for theirs, ours in DIFFUSERS_DOUBLE.items():
             if not theirs.endswith(".weight"):  # the norms are not Linears
                 full(f"transformer_blocks.{i}.{theirs}", f"double_blocks.{i}.{ours}")
-        for ours, parts in _QKV.items():
+        for ours, parts in QKV.items():
             for n, part in enumerate(parts):  # diffusers' q, k, v are row blocks of our fused qkv
                 table[f"transformer_blocks.{i}.{part}"] = Target(f"double_blocks.{i}.{ours}", (n * D, (n + 1) * D))
         # diffusers' own fused projections (after `fuse_qkv_projections`, as its LoKr loader uses)
         full(f"transformer_blocks.{i}.attn.to_qkv", f"double_blocks.{i}.img_attn.qkv")
         full(f"transformer_blocks.{i}.attn.to_added_qkv", f"double_blocks.{i}.txt_attn.qkv")
     for j in range(params.depth_single):
-        for theirs, ours in _DIFFUSERS_SINGLE.items():
+        for theirs, ours in DIFFUSERS_SINGLE.items():
             if not theirs.endswith(".weight"):
                 full(f"single_transformer_blocks.{j}.{theirs}", f"single_blocks.{j}.{ours}")
         # Separate q/k/v/MLP-in names for the fused linear1, rows [q | k | v | a | b]
@@ -234,14 +210,15 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
         raise FluxKleinError(f"LoRA {what} holds no tensors; download it again")
     modules, fmt = _group(tensors, what)
     names = list(modules)
-    for markers, family in _FOREIGN_MARKERS:
-        hit = next((n for n in names for mk in markers if mk in n), None)
+    unet = next((n for n in names for mk in _UNET_MARKERS if mk in n), None)
+    flux1 = next((n for n in names if flux1_marker(n)), None)
+    for hit, family in ((unet, "an SDXL / Stable Diffusion UNet"), (flux1, "FLUX.1")):
         if hit:
             raise FluxKleinError(
                 f"LoRA {what} was made for {family}, not FLUX.2 [klein] (module {hit}); use a LoRA trained for klein"
             )
     table = target_table(params)
-    shapes = layer_shapes(params)
+    shapes = linear_shapes(params)
     meta_alpha = _metadata_alpha(metadata, what) if fmt == "A" else None
     terms, unmatched, foreign = [], [], []
     for name, parts in modules.items():
@@ -303,10 +280,6 @@ def _term(name: str, parts: dict[str, mx.array], target: Target, meta_alpha, wha
     return Term(target.layer, target.rows, factor, w1=factors[0], w2=factors[1], swap=target.swap, key=name)
 
 
-# Known transformers by hidden size (4B and FLUX.1 share 3072; FLUX.1's MLP is 4x, klein's SwiGLU 2 x 3x).
-_HIDDEN = {3072: "FLUX.2 [klein] 4B", 4096: "FLUX.2 [klein] 9B", 6144: "FLUX.2-dev"}
-
-
 def _foreign_message(foreign: list, params, what: str) -> str:
     """Name the model a LoRA was made for, when its shapes tell; else name the first mismatch."""
     D = params.hidden_size
@@ -325,7 +298,7 @@ def _foreign_message(foreign: list, params, what: str) -> str:
     name, term, want = foreign[0]
     if len(hidden) == 1 and D not in hidden:
         h = hidden.pop()
-        family = "FLUX.1" if flux1 else _HIDDEN.get(h, f"a transformer with hidden size {h}")
+        family = "FLUX.1" if flux1 else HIDDEN_SIZES.get(h, f"a transformer with hidden size {h}")
         return (
             f"LoRA {what} was made for {family} (hidden size {h}), but the model is {params.describe()}; "
             "use a LoRA trained for this model"

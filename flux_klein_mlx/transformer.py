@@ -16,7 +16,7 @@ import re
 import mlx.core as mx
 import mlx.nn as nn
 
-from .config import FluxKleinParams
+from .config import DEV_HIDDEN, DEV_MARKERS, FLUX1_BLOCKS, FLUX1_IMG_IN, FluxKleinParams, flux1_marker
 from .errors import FluxKleinError
 from .kv_cache import KV, ReferenceKV
 from .rope import apply_rope, rope_tables
@@ -397,12 +397,22 @@ class FluxKlein(nn.Module):
         return self.forward_with_rope(img, txt, timesteps, self.compute_rope(txt_ids, img_ids))
 
 
+def linear_shapes(params: FluxKleinParams) -> dict[str, tuple[int, int]]:
+    """(out, in) of every Linear of a klein transformer with `params`, by module path.
+
+    Read off a model built lazily (its random initial weights are never evaluated, so this allocates
+    nothing): the one statement of the layers' shapes is the model's own constructor.
+    """
+    model = FluxKlein(params)
+    return {path: tuple(m.weight.shape) for path, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
 # --- checkpoints -------------------------------------------------------------------------------------
 
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
 # diffusers name -> ours (BFL), applied to whole dotted segments; q/k/v and the final layer are special.
-_DIFFUSERS_TOP = {
+DIFFUSERS_TOP = {
     "x_embedder": "img_in",
     "context_embedder": "txt_in",
     "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
@@ -412,7 +422,7 @@ _DIFFUSERS_TOP = {
     "single_stream_modulation.linear": "single_stream_modulation.lin",
     "proj_out": "final_layer.linear",
 }
-_DIFFUSERS_DOUBLE = {
+DIFFUSERS_DOUBLE = {
     "attn.norm_q.weight": "img_attn.norm.query_norm.scale",
     "attn.norm_k.weight": "img_attn.norm.key_norm.scale",
     "attn.norm_added_q.weight": "txt_attn.norm.query_norm.scale",
@@ -424,13 +434,13 @@ _DIFFUSERS_DOUBLE = {
     "ff_context.linear_in": "txt_mlp.0",
     "ff_context.linear_out": "txt_mlp.2",
 }
-_DIFFUSERS_SINGLE = {
+DIFFUSERS_SINGLE = {
     "attn.to_qkv_mlp_proj": "linear1",
     "attn.to_out": "linear2",
     "attn.norm_q.weight": "norm.query_norm.scale",
     "attn.norm_k.weight": "norm.key_norm.scale",
 }
-_QKV = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+QKV = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
         "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}  # fmt: skip
 
 
@@ -445,19 +455,17 @@ def _reject_foreign(weights: dict[str, mx.array]) -> None:
     n_double = max(_count_blocks(keys, "double_blocks"), _count_blocks(keys, "transformer_blocks"))
     n_single = max(_count_blocks(keys, "single_blocks"), _count_blocks(keys, "single_transformer_blocks"))
     img_in = weights.get("img_in.weight", weights.get("x_embedder.weight"))
-    flux1_markers = (".img_mod.", ".txt_mod.", "vector_in.", "time_text_embed.", ".norm1.linear.", ".norm1_context.")
-    flux1_marker = next((k for k in keys for m in flux1_markers if m in k or k.startswith(m)), None)
-    flux1_shape = img_in is not None and img_in.shape[0] == 3072 and img_in.shape[1] == 64
-    if flux1_marker or flux1_shape or (n_double, n_single) == (19, 38):
-        why = f"key {flux1_marker}" if flux1_marker else f"{n_double} double / {n_single} single blocks"
+    marked = next((k for k in keys if flux1_marker(k)), None)
+    flux1_shape = img_in is not None and tuple(img_in.shape) == FLUX1_IMG_IN
+    if marked or flux1_shape or (n_double, n_single) == FLUX1_BLOCKS:
+        why = f"key {marked}" if marked else f"{n_double} double / {n_single} single blocks"
         raise FluxKleinError(
             f"not a FLUX.2 [klein] checkpoint: it is a FLUX.1 transformer checkpoint ({why}); "
             "use a FLUX.2 [klein] 4B or 9B transformer"
         )
-    dev_marker = next((k for k in keys if k.startswith("guidance_in.") or ".guidance_embedder." in k), None)
-    dev_shape = img_in is not None and img_in.shape[0] == 6144
-    if dev_marker or dev_shape:
-        why = f"key {dev_marker}" if dev_marker else "hidden size 6144"
+    dev_marker = next((k for k in keys for m in DEV_MARKERS if k.startswith(m) or m in k), None)
+    if dev_marker or (img_in is not None and img_in.shape[0] == DEV_HIDDEN):
+        why = f"key {dev_marker}" if dev_marker else f"hidden size {DEV_HIDDEN}"
         raise FluxKleinError(
             f"not a klein checkpoint: it is FLUX.2-dev ({why}, {n_double} double / {n_single} single blocks); "
             "use a FLUX.2 [klein] 4B or 9B transformer"
@@ -469,7 +477,7 @@ def _from_diffusers(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     rest = dict(weights)
     # Fused qkv: rows of q, k, v concatenated in that order, for every tensor kind (weight, scales, ...).
     for n in range(_count_blocks(weights, "transformer_blocks")):
-        for ours, parts in _QKV.items():
+        for ours, parts in QKV.items():
             pre = f"transformer_blocks.{n}."
             suffixes = {k[len(pre + parts[0]) + 1 :] for k in weights if k.startswith(pre + parts[0] + ".")}
             for suf in suffixes:
@@ -490,12 +498,12 @@ def _from_diffusers(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 
 def _rename_diffusers(k: str) -> str:
     """Our name for one diffusers key; unknown keys come back unchanged (strict load then names them)."""
-    for theirs, ours in _DIFFUSERS_TOP.items():
+    for theirs, ours in DIFFUSERS_TOP.items():
         if k.startswith(theirs + "."):
             return ours + k[len(theirs) :]
     for prefix, ours_prefix, table in (
-        ("transformer_blocks", "double_blocks", _DIFFUSERS_DOUBLE),
-        ("single_transformer_blocks", "single_blocks", _DIFFUSERS_SINGLE),
+        ("transformer_blocks", "double_blocks", DIFFUSERS_DOUBLE),
+        ("single_transformer_blocks", "single_blocks", DIFFUSERS_SINGLE),
     ):
         m = re.match(rf"{prefix}\.(\d+)\.(.+)$", k)
         if m:

@@ -260,9 +260,9 @@ def single_split_file(path, rng):
 
 
 def _shape(layer):
-    from flux_klein_mlx.lora_formats import layer_shapes
+    from flux_klein_mlx.transformer import linear_shapes
 
-    return layer_shapes(PARAMS)[layer]
+    return linear_shapes(PARAMS)[layer]
 
 
 # --- parity with diffusers ------------------------------------------------------------------------------
