@@ -24,6 +24,7 @@ import mlx.nn as nn
 
 from .errors import FluxKleinError
 from .lora_formats import Term, parse_lora
+from .weights import read_lora_file, resolve_lora
 
 
 @dataclass
@@ -47,16 +48,27 @@ class Lora:
         return {"name": self.name, "sha256": self.sha256, "scale": self.scale}
 
 
-def _spec(item) -> tuple[object, float]:
-    """A LoRA as the user wrote it: "file", ("file", scale) or ("file",) -> (source, scale)."""
+def parse_lora_spec(item, files: bool = True) -> tuple[object, float]:
+    """A LoRA as a user writes it -> (source, scale): "file", "file:0.8", Path, ("file", 0.8) or ("file",).
+
+    A string's last ":NUMBER" is its scale unless the whole string names an existing file (a file
+    may have a colon in its name; `files=False` never looks at the file system, for names from a
+    client); `owner/name:file.safetensors` keeps its colon (no number).
+    """
     if isinstance(item, (str, Path)):
-        return item, 1.0
-    if isinstance(item, (tuple, list)) and len(item) == 2:
+        source, scale = item, 1.0
+        head, sep, tail = str(item).rpartition(":")
+        if isinstance(item, str) and sep and head and not (files and Path(item).expanduser().is_file()):
+            try:
+                source, scale = head, float(tail)
+            except ValueError:
+                pass  # a colon that is part of the name
+    elif isinstance(item, (tuple, list)) and len(item) == 2:
         source, scale = item
     elif isinstance(item, (tuple, list)) and len(item) == 1:
         raise FluxKleinError(f"LoRA {item[0]} has no scale value; give (path, scale) or just the path for 1.0")
     else:
-        raise FluxKleinError(f"a LoRA must be a path or (path, scale), not {item!r}")
+        raise FluxKleinError(f"a LoRA must be a path, 'PATH:SCALE' or (path, scale), not {item!r}")
     try:
         scale = float(scale)
     except (TypeError, ValueError):
@@ -73,9 +85,7 @@ def load_lora(source, params, scale: float = 1.0, partial: bool = False) -> Lora
     Refuses (FluxKleinError, one line) damaged files, LoRAs for other models, and keys that match
     no layer: all of them, or some of them unless `partial`.
     """
-    from .weights import read_lora_file, resolve_lora
-
-    _, scale = _spec((source, scale))
+    _, scale = parse_lora_spec((source, scale))
     path = resolve_lora(source)
     tensors, metadata, sha = read_lora_file(path)
     what = path.name
@@ -117,7 +127,7 @@ def load_loras(loras, params, partial: bool = False) -> list[Lora]:
         return []
     if isinstance(loras, (str, Path)):
         loras = [loras]
-    return [load_lora(source, params, scale, partial) for source, scale in map(_spec, loras)]
+    return [load_lora(source, params, scale, partial) for source, scale in map(parse_lora_spec, loras)]
 
 
 # --- the side path ------------------------------------------------------------------------------------

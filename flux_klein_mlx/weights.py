@@ -359,7 +359,7 @@ def resolve_lora(spec: str | Path) -> Path:
     """
     path = Path(spec).expanduser()
     if path.is_file():
-        return path
+        return path.resolve()
     text = str(spec)
     repo, _, filename = text.partition(":")
     if path.exists() or text.startswith((".", "/", "~")) or repo.count("/") != 1 or (not filename and text.endswith(".safetensors")):

@@ -89,3 +89,51 @@ def load_folder_component(folder, name: str, dtype=None, quantize=None):
     from flux_klein_mlx.loading import describe, load_component
 
     return load_component(describe(folder), name, dtype, quantize)
+
+
+def load_one(name: str, source, dtype=None, config: dict | None = None):
+    """One component from its own folder (diffusers/transformers layout, or a snapshot holding it) or a
+    single file, through the package's real steps: read -> sanitize -> assemble (strict) -> evaluate.
+
+    The pipeline always loads whole models (`describe` + `load_component`); component tests load the
+    reference's saved component alone. A single file carries no config: `config`, or for the
+    transformer the shapes (`infer_params`).
+    """
+    import dataclasses
+
+    from flux_klein_mlx import loading  # read through loading's names, so that tests can watch the reads
+    from flux_klein_mlx.quantize import evaluate_by_layer
+    from flux_klein_mlx.text_encoder import keeps_key
+    from flux_klein_mlx.transformer import infer_params
+    from flux_klein_mlx.weights import component_files, read_json
+
+    source = Path(source)
+    if source.is_dir() and (source / name).is_dir():
+        source = source / name  # a whole snapshot
+    keep = keeps_key if name == "text_encoder" else None
+    if source.is_dir():
+        config = read_json(source / "config.json")
+        weights = loading.sanitize(name, loading.read_weight_files(component_files(source), keep=keep))
+    else:
+        weights = loading.sanitize(name, loading.read_weight_files([source], keep=keep))
+        if config is None:
+            config = dataclasses.asdict(infer_params(weights))
+    model, _ = loading.assemble(name, dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config, weights,
+                        dtype)
+    evaluate_by_layer(model)
+    return model
+
+
+def config_snapshot(root, transformer: dict, text_encoder: dict, vae: dict | None = None) -> Path:
+    """A diffusers snapshot skeleton with configs and no weights: enough for `describe`, which reads
+    configs only (its refusals come before any weight is read)."""
+    import json
+
+    root = Path(root)
+    configs = {"transformer": transformer, "text_encoder": text_encoder, "vae": vae or {}}
+    for name, config in configs.items():
+        if config is not None:
+            (root / name).mkdir(parents=True, exist_ok=True)
+            (root / name / "config.json").write_text(json.dumps(config))
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline", "is_distilled": True}))
+    return root

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -19,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from PIL import Image
@@ -28,9 +26,9 @@ import flux_klein_mlx.pipeline as pipeline_module
 from flux_klein_mlx import convert as convert_module
 from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.img2img import open_image
-from flux_klein_mlx.loading import FORMAT, describe
-from flux_klein_mlx.pipeline import FluxKleinPipeline, load, preprocess_reference
+from flux_klein_mlx.inputs import open_image, preprocess_reference
+from flux_klein_mlx.output import TMP_MARKER, read_record, save_image
+from flux_klein_mlx.pipeline import load
 from tiny_model import shared_tiny_snapshot
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,13 +166,13 @@ def test_a_later_run_removes_stale_temporaries_of_its_own_only(capsys, snapshot,
     out = tmp_path / "out"
     dead = tmp_path / "out.tmp-0123abcd"  # a run killed with SIGKILL: marker names a pid that is gone
     dead.mkdir()
-    (dead / convert_module.TMP_MARKER).write_text("999999999\n")
+    (dead / TMP_MARKER).write_text("999999999\n")
     (dead / "transformer.safetensors").write_bytes(b"half")
     empty = tmp_path / "out.tmp-00000000"
     empty.mkdir()
     alive = tmp_path / "out.tmp-11111111"  # a conversion still running (this process): kept
     alive.mkdir()
-    (alive / convert_module.TMP_MARKER).write_text(f"{os.getpid()}\n")
+    (alive / TMP_MARKER).write_text(f"{os.getpid()}\n")
     foreign = tmp_path / "out.tmp-22222222"  # someone else's folder with that name: kept
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
@@ -182,20 +180,17 @@ def test_a_later_run_removes_stale_temporaries_of_its_own_only(capsys, snapshot,
     assert code == 0, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.tmp-11111111", "out.tmp-22222222"]
     assert (foreign / "notes.txt").read_text() == "mine"
-    assert not (out / convert_module.TMP_MARKER).exists()
+    assert not (out / TMP_MARKER).exists()
 
 
 def test_png_is_created_exclusively_never_replacing(tmp_path):
-    from flux_klein_mlx.generate import save_png
-
     img = Image.new("RGB", (8, 8), (10, 20, 30))
     target = tmp_path / "x.png"
     # A name taken between the free-name check and the write (another process) is not replaced.
-    written = [save_png(img, target, {"seed": i}) for i in range(3)]
+    written = [save_image(img, target, {"seed": i}) for i in range(3)]
     assert written == [target, tmp_path / "x-1.png", tmp_path / "x-2.png"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x-1.png", "x-2.png", "x.png"]  # no temporaries
-    with Image.open(tmp_path / "x-2.png") as im:
-        assert im.text["seed"] == "2"
+    assert read_record(tmp_path / "x-2.png")["seed"] == 2
 
 
 # --- fail before the work -------------------------------------------------------------------------------
@@ -347,7 +342,7 @@ def test_quantize_option_on_a_quantized_folder(capsys, snapshot, tmp_path, no_mo
 def nan_pipeline(snapshot, stage, dtype="float32"):
     """A real tiny pipeline whose VAE encode or decode returns NaN."""
     pipe = load(snapshot, dtype=dtype)
-    vae = pipe.vae.get()
+    vae = pipe.component("vae")
     name = "decode_tokens" if stage == "decode" else "encode_to_tokens"
     real = getattr(vae, name)
     setattr(vae, name, lambda *a, **k: real(*a, **k) * float("nan"))
@@ -370,14 +365,8 @@ def test_non_finite_values_end_the_run_naming_the_stage(snapshot, tmp_path, stag
 
 def test_non_finite_prompt_embeddings_named(snapshot):
     pipe = load(snapshot, dtype="float32")
-    real = pipe.text_encoder._loader
-
-    def poisoned():
-        te = real()
-        te.model.embed_tokens.weight = te.model.embed_tokens.weight * float("nan")
-        return te
-
-    pipe.text_encoder._loader = poisoned
+    te = pipe.component("text_encoder")  # loaded now, poisoned in place; the run encodes with it
+    te.model.embed_tokens.weight = te.model.embed_tokens.weight * float("nan")
     with pytest.raises(FluxKleinError, match="non-finite values in the text encoder") as e:
         pipe.generate("a fox", width=64, height=64, steps=1, seed=0)
     assert "--dtype float32" not in str(e.value)
@@ -435,7 +424,7 @@ def test_width_alone_with_a_reference_takes_the_references_height(snapshot, tmp_
     pipe = load(snapshot, dtype="float32")
     out = pipe.generate("a fox", width=64, steps=1, seed=0, images=[ref])
     assert out.size == (64, 96)  # not 64x1024
-    assert pipe.last_stats["height"] == 96
+    assert pipe.last_metadata["height"] == 96
 
 
 # --- misleading messages --------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from PIL import Image, ImageDraw
 
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.img2img import prepare_init_image
+from flux_klein_mlx.inputs import content_hash, prepare_init_image
 from tiny_model import LATENT_CHANNELS, shared_tiny_snapshot
 
 
@@ -92,7 +92,7 @@ def test_img2img_matches_diffusers(pipes, steps, strength, runs):
     err, ours, theirs = compare(ours_pipe, ref_pipe, init=init, steps=steps, strength=strength, seed=11)
     print(f"img2img steps {steps} strength {strength}: max abs {err:.2e}")
     assert ours.shape == (64, 96, 3) and err <= 1e-3
-    assert ours_pipe.last_stats["steps_run"] == runs and not ours_pipe.last_stats["inpainting"]
+    assert ours_pipe.last_metadata["steps_run"] == runs and ours_pipe.last_metadata["mask"] is None
 
 
 def test_img2img_with_a_reference_matches_diffusers(pipes):
@@ -110,7 +110,7 @@ def test_inpainting_matches_diffusers(pipes, steps, strength):
     err, ours, theirs = compare(ours_pipe, ref_pipe, init=init, mask=ellipse_mask(120, 88), steps=steps,
                                 strength=strength, seed=5)
     print(f"inpainting steps {steps} strength {strength}: max abs {err:.2e}")
-    assert ours.shape == (80, 112, 3) and err <= 1e-3 and ours_pipe.last_stats["inpainting"]
+    assert ours.shape == (80, 112, 3) and err <= 1e-3 and ours_pipe.last_metadata["mask"] is not None
 
 
 def test_inpainting_with_a_reference_matches_diffusers(pipes):
@@ -131,7 +131,7 @@ def test_inpainting_on_base_with_cfg_matches_diffusers(base):
 
 def test_latents_are_the_noise_that_strength_mixes_in(pipes):
     """`latents=` replaces the seed's noise; strength still noises the init image with it."""
-    from flux_klein_mlx.noise import torch_randn
+    from flux_klein_mlx.sampling import torch_randn
 
     ours, _ = pipes
     init = picture(96, 64, seed=3)
@@ -188,7 +188,7 @@ def test_bad_input_is_one_line_and_runs_no_model(distilled, kwargs, message):
     with pytest.raises(FluxKleinError, match=message) as info:
         pipe.generate("x", **args)
     assert "\n" not in str(info.value)
-    assert not (pipe.transformer.loaded or pipe.text_encoder.loaded or pipe.vae.loaded)
+    assert not (pipe.is_loaded("transformer") or pipe.is_loaded("text_encoder") or pipe.is_loaded("vae"))
 
 
 def test_unreadable_files(distilled, tmp_path):
@@ -225,10 +225,11 @@ def test_cli_img2img_inpainting_and_noise_metadata(distilled, tmp_path, capsys):
     assert code == 0, stderr
     with Image.open(out) as im:
         assert im.size == (96, 64)
-        meta = json.loads(im.text["parameters"])
+        meta = json.loads(im.text["flux_klein_mlx"])
         cli_pixels = np.asarray(im.convert("RGB"))
     assert meta["noise"] == "torch" and meta["strength"] == 0.6 and meta["steps_run"] == 3
-    assert meta["init_image"] == str(init) and meta["mask"] == str(mask)
+    prepared = prepare_init_image(init, 0.6, mask)  # images are named by the content hash of their pixels
+    assert meta["init_image"] == content_hash(prepared.pixels) and meta["mask"] == content_hash(prepared.mask)
     # The same run through the Python API gives the same pixels.
     api = flux_klein_mlx.load(distilled, dtype="float32").generate("a cat", init_image=init, strength=0.6,
                                                                    mask=mask, seed=11)
@@ -237,14 +238,14 @@ def test_cli_img2img_inpainting_and_noise_metadata(distilled, tmp_path, capsys):
     code, stdout, stderr = cli(["--model", str(distilled), "-p", "x", "-W", "64", "-H", "64", "--seed", "1",
                                 "--noise", "mlx", "--dtype", "float32", "-o", str(tmp_path / "mlx.png")], capsys)
     assert code == 0, stderr
-    assert json.loads(Image.open(tmp_path / "mlx.png").text["parameters"])["noise"] == "mlx"
+    assert json.loads(Image.open(tmp_path / "mlx.png").text["flux_klein_mlx"])["noise"] == "mlx"
 
 
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--strength", "0.5"], "--strength needs --init-image"),
-        (["--mask", "MASK"], "--mask needs --init-image"),
+        (["--strength", "0.5"], "strength needs an init image (--init-image"),
+        (["--mask", "MASK"], "a mask needs an init image (--init-image"),
         (["--init-image", "INIT", "--strength", "0"], "strength must be in (0, 1]"),
         (["--init-image", "INIT", "--strength", "1.01"], "strength must be in (0, 1]"),
         (["--init-image", "INIT", "--strength", "1e-18", "--steps", "4"], "so small that none of the 4 steps runs"),
@@ -254,7 +255,7 @@ def test_cli_img2img_inpainting_and_noise_metadata(distilled, tmp_path, capsys):
         (["--init-image", "BROKEN"], "cannot read init image"),
         (["--init-image", "INIT", "--mask", "BROKEN"], "cannot read mask"),
         (["--init-image", "/no/such.png"], "init image not found: /no/such.png"),
-        (["--init-image", "INIT", "--width", "128"], "the output takes --init-image's size (96x64)"),
+        (["--init-image", "INIT", "--width", "128"], "the output takes the init image's size (96x64)"),
     ],
 )
 def test_cli_bad_input_one_line_exit_1_no_file(distilled, tmp_path, capsys, extra, message):

@@ -12,11 +12,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from refs import rel_err, to_mx, to_np
+from refs import load_one, rel_err, to_mx, to_np
 
 from flux_klein_mlx.kv_cache import cache_nbytes
 from flux_klein_mlx.rope import image_ids, text_ids
-from flux_klein_mlx.loading import load_flux_klein
 from tiny_kv_model import shared_tiny_kv_snapshot
 from tiny_model import LATENT_CHANNELS, QWEN_HIDDEN
 
@@ -42,7 +41,7 @@ def kv_reference(kv_snapshot):
 
 @pytest.fixture(scope="module")
 def kv_transformer(kv_snapshot):
-    return load_flux_klein(kv_snapshot / "transformer", dtype=mx.float32)
+    return load_one("transformer", kv_snapshot / "transformer", dtype=mx.float32)
 
 
 def _inputs(grid, refs, seed=0):
@@ -168,7 +167,7 @@ def test_image_matches_diffusers_kv_pipeline(kv_reference, kv_pipe, images, size
     assert err <= 1e-3, err
     assert theirs.std() > 0.01  # a real image, not a constant
     stats = kv_pipe.last_stats
-    assert ("reference_kv" in stats) == bool(refs)
+    assert (stats.reference_kv_bytes is not None) == bool(refs)
 
 
 def test_kv_model_is_recognised_as_distilled(kv_pipe):
@@ -244,7 +243,7 @@ def test_cache_lives_for_one_image(kv_pipe, monkeypatch):
     assert caches[0] is not caches[4]
     held = [v for v in vars(kv_pipe).values() if type(v).__name__ == "ReferenceKV"]
     assert not held
-    assert kv_pipe.last_stats["reference_kv"]["bytes"] == (2 + 2) * 2 * 16 * 64 * 4
+    assert kv_pipe.last_stats.reference_kv_bytes == (2 + 2) * 2 * 16 * 64 * 4
 
 
 def test_plain_klein_never_caches(tmp_path_factory, monkeypatch):
@@ -258,7 +257,7 @@ def test_plain_klein_never_caches(tmp_path_factory, monkeypatch):
     assert spy.extracts == 0
     assert [n for n, _ in spy.forwards] == [32] * 4  # [target ; reference] tokens every step
     assert all(c is None for _, c in spy.forwards)
-    assert "reference_kv" not in pipe.last_stats
+    assert pipe.last_stats.reference_kv_bytes is None
 
 
 def test_low_memory_kv_gives_the_same_image(kv_snapshot, kv_pipe):
@@ -300,7 +299,7 @@ def test_converted_and_quantized_kv_folders_keep_the_kv_identity(kv_snapshot, kv
     pipe = flux_klein_mlx.load(q4, dtype="float32")
     assert pipe.info.reference_kv
     got = pipe.generate("a boat", images=[ref], latents=lat, width=64, height=64, output_type="np")
-    assert "reference_kv" in pipe.last_stats
+    assert pipe.last_stats.reference_kv_bytes is not None
     assert 0 < np.abs(got - want).max() <= 0.5
 
 
@@ -313,7 +312,7 @@ def test_quantize_at_load_kv_bf16_stays_close(kv_snapshot, kv_pipe):
     pipe = flux_klein_mlx.load(kv_snapshot, dtype="bfloat16", quantize=4)
     got = pipe.generate("a boat", images=[ref], latents=lat, output_type="np")
     assert pipe.info.reference_kv and pipe.quantization["bits"] == 4
-    assert "reference_kv" in pipe.last_stats
+    assert pipe.last_stats.reference_kv_bytes is not None
     err = np.abs(got - want).max()
     assert 0 < err <= 0.5, err
 
@@ -418,7 +417,7 @@ def test_generate_cli_edits_with_the_kv_model(kv_snapshot, tmp_path, capsys):
     assert code == 0, captured.err
     assert "negative_prompt is ignored" in captured.err
     with Image.open(out) as im:
-        meta = json.loads(im.text["parameters"])
+        meta = json.loads(im.text["flux_klein_mlx"])
         assert im.size == (80, 64) and meta["variant"].endswith("KV") and meta["steps"] == 4
 
 
@@ -465,7 +464,7 @@ def test_lora_on_the_kv_model_matches_diffusers(kv_snapshot, tmp_path):
                              latents=torch.from_numpy(lat)).images[0]  # fmt: skip
     pipe = flux_klein_mlx.load(kv_snapshot, dtype="float32", loras=[lora])
     ours = pipe.generate("a boat", images=[ref], latents=lat, output_type="np")
-    assert "reference_kv" in pipe.last_stats
+    assert pipe.last_stats.reference_kv_bytes is not None
     err = np.abs(ours - theirs).max()
     assert err <= 1e-3, err
     pipe.set_loras([])

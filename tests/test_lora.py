@@ -341,7 +341,7 @@ def test_fused_update_equals_numpy_delta(our_pipe, tmp_path, kind):
     expected = (lokr_file if kind == "lokr" else single_split_file)(f, Rand(6))
     pipe = our_pipe
     pipe.set_loras([])
-    model = pipe.transformer.get()
+    model = pipe.component("transformer")
     before = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     pipe.set_loras([(f, 0.5)])
     assert pipe.loras[0].format == ("E" if kind == "lokr" else "A")
@@ -370,12 +370,12 @@ def test_quantized_side_path(snap, our_pipe, lat, tmp_path, bits, tolerance):
     loras = [(a, 0.9), (e, 1.0), (s, 1.1)]
     fused, _ = ours(our_pipe, lat, loras)
     pipe = flux_klein_mlx.load(snap, dtype="float32", quantize=bits, loras=loras)
-    pipe._prompt_cache = dict(our_pipe._prompt_cache)  # the same embeddings: only the transformer differs
+    pipe.remember_prompt(PROMPT, our_pipe.encode_prompts([PROMPT]))  # the same embeddings: only the transformer differs
     img = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
     err = float(np.abs(img - fused).max())
     print(f"{bits}-bit + LoRA image vs float32 fused: max abs {err:.2e}")
     assert err < tolerance
-    model = pipe.transformer.get()
+    model = pipe.component("transformer")
     wrapped = [p for p, m in model.named_modules() if isinstance(m, LoRAQuantizedLinear)]
     assert len(wrapped) >= 10 and not any(type(m).__name__ == "Linear" and p in wrapped for p, m in model.named_modules())
     ref = copy.deepcopy(model)
@@ -402,10 +402,10 @@ def test_unfuse_restores_weights_bit_for_bit_and_set_loras_does_not_reload(snap,
     lora_bfl(b, Rand(10))
     for dtype in ("bfloat16", "float32"):
         pipe = flux_klein_mlx.load(snap, dtype=dtype)
-        model = pipe.transformer.get()
+        model = pipe.component("transformer")
         base = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())}
         pipe.set_loras([a, (b, 0.5)])
-        assert pipe.transformer.get() is model
+        assert pipe.component("transformer") is model
         changed = [k for k, v in tree_flatten(model.parameters()) if not np.array_equal(np.array(v.astype(mx.float32)), base[k])]
         assert len(changed) >= 20
         pipe.set_loras([(b, 1.5)])
@@ -414,7 +414,7 @@ def test_unfuse_restores_weights_bit_for_bit_and_set_loras_does_not_reload(snap,
         assert all(np.array_equal(np.array(after[k].astype(mx.float32)), v) for k, v in base.items()), dtype
     # Between images: the same pixels as a fresh load with those LoRAs.
     pipe = flux_klein_mlx.load(snap, dtype="float32", loras=[a])
-    pipe._prompt_cache = dict(our_pipe._prompt_cache)
+    pipe.remember_prompt(PROMPT, our_pipe.encode_prompts([PROMPT]))
     first = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
     pipe.set_loras([(b, 0.5)])
     second = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
@@ -422,7 +422,7 @@ def test_unfuse_restores_weights_bit_for_bit_and_set_loras_does_not_reload(snap,
     assert np.array_equal(second, fresh) and not np.array_equal(first, second)
     # A quantized model gets its plain QuantizedLinear layers back.
     pipe = flux_klein_mlx.load(snap, dtype="float32", quantize=8, loras=[a])
-    model = pipe.transformer.get()
+    model = pipe.component("transformer")
     pipe.set_loras([])
     assert not any(isinstance(m, LoRAQuantizedLinear) for _, m in model.named_modules())
 
@@ -430,17 +430,17 @@ def test_unfuse_restores_weights_bit_for_bit_and_set_loras_does_not_reload(snap,
 def test_low_memory_reapplies_loras_after_reload(snap, our_pipe, lat, tmp_path):
     a = lora_a(tmp_path / "a.safetensors", Rand(11))
     pipe = flux_klein_mlx.load(snap, dtype="float32", low_memory=True, loras=[(a, 0.8)])
-    pipe._prompt_cache = dict(our_pipe._prompt_cache)
+    pipe.remember_prompt(PROMPT, our_pipe.encode_prompts([PROMPT]))
     one = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
-    assert not pipe.transformer.loaded  # released after the denoise
+    assert not pipe.is_loaded("transformer")  # released after the denoise
     two = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
     plain, _ = ours(our_pipe, lat, [(a, 0.8)])
     assert np.array_equal(one, two) and np.abs(one - plain).max() <= 1e-5
     # No copy of the original weights is kept (the transformer reloads for every image); a change releases it.
-    model = pipe.transformer.get()
+    model = pipe.component("transformer")
     assert model.lora_state.fused and not model.lora_state.originals
     pipe.set_loras([])
-    assert not pipe.transformer.loaded and applied_loras(pipe.transformer.get()) == []
+    assert not pipe.is_loaded("transformer") and applied_loras(pipe.component("transformer")) == []
 
 
 # --- refusals: one line, nothing applied ---------------------------------------------------------------
@@ -534,10 +534,10 @@ def test_a_refused_lora_leaves_the_model_as_it_was(snap, our_pipe, tmp_path):
     good = lora_a(tmp_path / "a.safetensors", Rand(12))
     bad = write(tmp_path / "bad.safetensors", pair("transformer.transformer_blocks.9.attn.to_q", D, D))
     our_pipe.set_loras([good])
-    before = {k: np.array(v) for k, v in tree_flatten(our_pipe.transformer.get().parameters())}
+    before = {k: np.array(v) for k, v in tree_flatten(our_pipe.component("transformer").parameters())}
     with pytest.raises(FluxKleinError, match="matches no layer"):
         our_pipe.set_loras([(good, 0.5), bad])
-    after = dict(tree_flatten(our_pipe.transformer.get().parameters()))
+    after = dict(tree_flatten(our_pipe.component("transformer").parameters()))
     assert all(np.array_equal(np.array(after[k]), v) for k, v in before.items())
     assert [(x.name, x.scale) for x in our_pipe.loras] == [("a.safetensors", 1.0)]
     with pytest.raises(FluxKleinError, match="matches no layer"):
@@ -579,7 +579,7 @@ def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snap, tmp_path
                              "--steps", "1", "--dtype", "float32", "--output", str(out), "--lora", str(a),
                              "--lora", "someone/klein-lora", "--lora-scale", "0.7"], capsys)
     assert code == 0, err
-    params = json.loads(Image.open(out).text["parameters"])
+    params = json.loads(Image.open(out).text["flux_klein_mlx"])
     assert params["loras"] == [
         {"name": "style.safetensors", "sha256": hashlib.sha256(a.read_bytes()).hexdigest()[:12], "scale": 0.7},
         {"name": "kohya.safetensors", "sha256": hashlib.sha256(k.read_bytes()).hexdigest()[:12], "scale": 1.0},
@@ -647,7 +647,7 @@ def test_convert_bakes_loras_and_records_them(snap, our_pipe, lat, tmp_path, bit
     assert json.loads((out / "config.json").read_text())["loras"] == config["loras"]
     want, _ = ours(our_pipe, lat, [(a, 0.7), k])
     pipe = flux_klein_mlx.load(out, dtype="float32")
-    pipe._prompt_cache = dict(our_pipe._prompt_cache)  # the same embeddings: only the transformer differs
+    pipe.remember_prompt(PROMPT, our_pipe.encode_prompts([PROMPT]))  # the same embeddings: only the transformer differs
     got = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
     err = float(np.abs(got - want).max())
     print(f"convert --lora (bits={bits}) vs LoRAs at load: max abs {err:.2e}")
@@ -677,7 +677,7 @@ def test_side_path_on_a_converted_quantized_folder(snap, our_pipe, lat, tmp_path
     images = []
     for model, kw in ((out, {}), (snap, {"quantize": 4})):
         pipe = flux_klein_mlx.load(model, dtype="float32", loras=[(a, 1.2)], **kw)
-        pipe._prompt_cache = dict(our_pipe._prompt_cache)
+        pipe.remember_prompt(PROMPT, our_pipe.encode_prompts([PROMPT]))
         images.append(pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np"))
-        assert any(isinstance(m, LoRAQuantizedLinear) for _, m in pipe.transformer.get().named_modules())
+        assert any(isinstance(m, LoRAQuantizedLinear) for _, m in pipe.component("transformer").named_modules())
     assert np.abs(images[0] - images[1]).max() <= 1e-5

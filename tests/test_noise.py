@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.noise import initial_noise, seed_for_image, torch_randn
+from flux_klein_mlx.sampling import initial_noise, seed_for_image, torch_randn
 
 SEEDS = [0, 1, 42, 2**31 - 1, 2**32 + 5]
 # (1, 128, H/16, W/16) latents of 64x64 ... 1024x1024 px images and non-square ones.
@@ -154,4 +154,4 @@ def test_mlx_noise_gives_a_different_image(distilled):
     pipe = flux_klein_mlx.load(distilled, dtype="float32")
     a = pipe.generate("x", width=64, height=64, seed=1, output_type="np")
     b = pipe.generate("x", width=64, height=64, seed=1, noise="mlx", output_type="np")
-    assert pipe.last_stats["noise"] == "mlx" and not np.allclose(a, b, atol=1e-3)
+    assert pipe.last_metadata["noise"] == "mlx" and not np.allclose(a, b, atol=1e-3)

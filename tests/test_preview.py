@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 import flux_klein_mlx
-from flux_klein_mlx.preview import FLUX2_RGB_FACTORS, LatentPreview, flux2_preview, preview_for, unpatchify_tokens
+from flux_klein_mlx.output import FLUX2_RGB_FACTORS, LatentPreview, flux2_preview, preview_for, unpatchify_tokens
 from tiny_model import LATENT_CHANNELS, shared_tiny_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def test_pipeline_denoised_estimate_and_fitted_map(snapshot):
     steps = [e for e in events if e.stage == "denoise"]
     assert all(e.grid == (6, 4) and e.denoised.shape == (1, 24, 4 * LATENT_CHANNELS) for e in steps)
     # After the last step the clean-latent estimate is the final latent: decoding it gives the image.
-    vae = pipe.vae.get()
+    vae = pipe.component("vae")
     decoded = np.array(mx.clip(vae.decode_tokens(steps[-1].denoised, 6, 4)[0] / 2 + 0.5, 0, 1))
     np.testing.assert_allclose(decoded, events[-1].image, atol=1e-5)
     preview = preview_for(vae)  # 8 latent channels: fitted to this VAE at load

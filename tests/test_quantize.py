@@ -27,7 +27,6 @@ from flux_klein_mlx.quantize import (
     dequantize_model,
     quantize_model,
 )
-from flux_klein_mlx.transformer import FluxKleinParams
 from flux_klein_mlx.weights import load_into, read_safetensors, read_weight_files, save_safetensors_sharded
 
 

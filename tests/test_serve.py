@@ -33,6 +33,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("multipart")
 
 import flux_klein_mlx  # noqa: E402
+from flux_klein_mlx.output import a1111_parameters  # noqa: E402
 from tiny_model import shared_tiny_snapshot  # noqa: E402
 
 KEY = "test-key-123"
@@ -185,10 +186,12 @@ def test_generate_matches_the_pipeline(server, pipe):
     for k, item in enumerate(res.data):
         im = decode(item.b64_json)
         assert im.format == "PNG" and im.size == (96, 64)
-        assert im.text["seed"] == str(11 + k) and im.text["prompt"] == "a red fox in fresh snow"
-        assert json.loads(im.text["parameters"])["steps"] == 3
+        record = json.loads(im.text["flux_klein_mlx"])
+        assert record["seed"] == 11 + k and record["prompt"] == "a red fox in fresh snow" and record["steps"] == 3
         ours = pipe.generate("a red fox in fresh snow", width=96, height=64, seed=11 + k, steps=3)
         np.testing.assert_array_equal(np.asarray(im.convert("RGB")), np.asarray(ours))
+        assert record == pipe.last_metadata  # one schema: the same request says the same from every door
+        assert im.text["parameters"] == a1111_parameters(record)
     saved = sorted(server.save_dir.glob("*.png"))
     assert len(saved) >= 2 and all(len(p.stem) == len("20260101-120000-") + 12 for p in saved)
 
@@ -245,7 +248,7 @@ def test_edit_with_references_matches_the_pipeline(server, pipe):
         prompt="the cat from the first in the room of the second", size="64x64",
         extra_body={"seed": 5, "steps": 2})
     im = decode(res.data[0].b64_json)
-    assert im.size == (64, 64) and im.text["references"] == "2"
+    assert im.size == (64, 64) and len(json.loads(im.text["flux_klein_mlx"])["references"]) == 2
     ours = pipe.generate("the cat from the first in the room of the second", width=64, height=64, seed=5, steps=2,
                          images=refs)
     np.testing.assert_array_equal(np.asarray(im.convert("RGB")), np.asarray(ours))
@@ -287,11 +290,12 @@ def test_client_disconnect_cancels_between_steps(server):
 
 
 def test_worker_refuses_while_loading_and_when_full(snapshot):
+    from flux_klein_mlx.inputs import RunSettings
     from flux_klein_mlx.jobs import ImageRequest, NotReady, QueueFull, Worker
 
     gate = threading.Event()
 
-    def loader(loras):
+    def loader():
         assert gate.wait(60)
         return flux_klein_mlx.load(snapshot, dtype="float32")
 
@@ -300,16 +304,16 @@ def test_worker_refuses_while_loading_and_when_full(snapshot):
     worker.start()
     try:
         with pytest.raises(NotReady, match="still loading"):  # HTTP 503
-            worker.submit(ImageRequest("x", width=64, height=64, steps=50), events.append)
+            worker.submit(ImageRequest(RunSettings("x", width=64, height=64, steps=50)), events.append)
         gate.set()
         assert worker.wait_ready(60)
-        job = worker.submit(ImageRequest("x", width=64, height=64, steps=50), events.append)  # idle: runs
+        job = worker.submit(ImageRequest(RunSettings("x", width=64, height=64, steps=50)), events.append)  # idle: runs
         deadline = time.monotonic() + 60
         while not any(e.kind == "step" for e in events):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         with pytest.raises(QueueFull, match="queue is full"):  # HTTP 429: one running, none may wait
-            worker.submit(ImageRequest("y"), events.append)
+            worker.submit(ImageRequest(RunSettings("y")), events.append)
         job.cancel()
         while not any(e.kind in ("done", "cancelled") for e in events):
             assert time.monotonic() < deadline
@@ -337,7 +341,8 @@ def test_sixteen_concurrent_clients(server):
             try:
                 res = client.images.generate(prompt=prompt, size="64x64", extra_body={"seed": seed, "steps": 2})
                 im = decode(res.data[0].b64_json)
-                results[i, j] = ("ok", im.text["prompt"] == prompt and im.text["seed"] == str(seed))
+                record = json.loads(im.text["flux_klein_mlx"])
+                results[i, j] = ("ok", record["prompt"] == prompt and record["seed"] == seed)
             except openai.RateLimitError as e:
                 results[i, j] = ("429", e.status_code == 429 and "queue is full" in e.message)
             except Exception as e:  # noqa: BLE001: recorded and failed below
