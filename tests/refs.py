@@ -137,3 +137,51 @@ def config_snapshot(root, transformer: dict, text_encoder: dict, vae: dict | Non
             (root / name / "config.json").write_text(json.dumps(config))
     (root / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline", "is_distilled": True}))
     return root
+
+
+def picture(w: int, h: int, seed: int = 0):
+    """A smooth random RGB picture of w x h, so the VAE sees image-like input."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    small = (rng.random((max(h // 16, 2), max(w // 16, 2), 3)) * 255).astype(np.uint8)
+    return Image.fromarray(small).resize((w, h), Image.Resampling.BILINEAR)
+
+
+def noise(h: int, w: int, seed: int = 0, channels: int = 32) -> np.ndarray:
+    """Injected initial noise in diffusers' layout (1, C, h/16, w/16), float32 (C: the tiny models' 4 x 8)."""
+    return np.random.default_rng(seed).standard_normal((1, channels, h // 16, w // 16)).astype(np.float32)
+
+
+_PIPELINES: dict = {}  # (snapshot path, kind) -> diffusers pipeline: each loaded once per test session
+
+
+def diffusers_pipeline(path, kind: str = "plain", distilled: bool = True):
+    """diffusers' reference pipeline on a tiny snapshot, float32, loaded once per session.
+
+    kind: "plain" (Flux2KleinPipeline), "inpaint" (Flux2KleinInpaintPipeline on the plain one's
+    components) or "kv" (Flux2KleinKVPipeline, whose constructor installs the KV attention processors).
+    Callers must not change its weights (tests that load LoRAs into it use a copy of the transformer).
+    """
+    from diffusers import Flux2KleinInpaintPipeline, Flux2KleinKVPipeline, Flux2KleinPipeline
+
+    key = (str(path), kind, distilled)
+    if key not in _PIPELINES:
+        if kind == "inpaint":
+            plain = diffusers_pipeline(path, "plain")
+            pipe = Flux2KleinInpaintPipeline(**plain.components, is_distilled=distilled)
+        else:
+            cls = Flux2KleinKVPipeline if kind == "kv" else Flux2KleinPipeline
+            pipe = cls.from_pretrained(path, dtype=torch.float32)
+        pipe.set_progress_bar_config(disable=True)
+        _PIPELINES[key] = pipe
+    return _PIPELINES[key]
+
+
+def diffusers_prompt_embeds(pipe, prompt: str):
+    """diffusers' own prompt embeddings for `prompt`, computed once per pipeline (its text encoder is slow)."""
+    cache = pipe.__dict__.setdefault("_test_prompt_cache", {})
+    if prompt not in cache:
+        with torch.no_grad():
+            cache[prompt] = pipe.encode_prompt(prompt=prompt, device="cpu")[0]
+    return cache[prompt]

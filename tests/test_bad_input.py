@@ -29,19 +29,8 @@ from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.inputs import open_image, preprocess_reference
 from flux_klein_mlx.output import TMP_MARKER, read_record, save_image
 from flux_klein_mlx.pipeline import load
-from tiny_model import shared_tiny_snapshot
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def snapshot(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=True)
-
-
-@pytest.fixture(scope="module")
-def base_snapshot(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=False)
 
 
 @pytest.fixture(scope="module")
@@ -282,14 +271,14 @@ def test_load_message_says_what_is_true(capsys, snapshot, tmp_path):
     (["--guidance", "-5"], "guidance must be a finite number >= 0"),
     (["--guidance", "inf"], "guidance must be a finite number"),
 ])
-def test_ranges_refused_by_cli_before_any_model(capsys, base_snapshot, tmp_path, no_models, extra, words):
-    code, _, err = run(capsys, *gen_args(base_snapshot, tmp_path / "x.png", *extra))
+def test_ranges_refused_by_cli_before_any_model(capsys, base, tmp_path, no_models, extra, words):
+    code, _, err = run(capsys, *gen_args(base, tmp_path / "x.png", *extra))
     assert_one_line_error(code, err, words)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_ranges_and_types_refused_by_the_python_api_alike(snapshot, base_snapshot, no_models):
-    pipe = load(base_snapshot)
+def test_ranges_and_types_refused_by_the_python_api_alike(snapshot, base, no_models):
+    pipe = load(base)
     for kwargs, words in [
         (dict(width=0), "width 0 is below the minimum"),
         (dict(steps=0), "steps must be"),

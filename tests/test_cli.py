@@ -17,14 +17,8 @@ from PIL import Image
 from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.inputs import content_hash, preprocess_reference
 from flux_klein_mlx.output import read_record
-from tiny_model import shared_tiny_snapshot
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def snapshot(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=True)
 
 
 def generate(args, capsys):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from mlx.utils import tree_flatten
 from refs import load_folder_component, load_one, rel_err, to_mx
-from tiny_model import LATENT_CHANNELS, QWEN_HIDDEN, TRANSFORMER, shared_tiny_snapshot, write_bfl_transformer
+from tiny_model import LATENT_CHANNELS, QWEN_HIDDEN, TRANSFORMER, write_bfl_transformer
 
 import flux_klein_mlx.weights as weights_module
 from flux_klein_mlx import __main__ as cli
@@ -32,11 +32,6 @@ from flux_klein_mlx.weights import (
     save_safetensors_sharded,
     save_safetensors_streaming,
 )
-
-
-@pytest.fixture(scope="module")
-def snapshot(tmp_path_factory) -> Path:
-    return shared_tiny_snapshot(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

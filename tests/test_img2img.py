@@ -15,39 +15,14 @@ from PIL import Image, ImageDraw
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.inputs import content_hash, prepare_init_image
-from tiny_model import LATENT_CHANNELS, shared_tiny_snapshot
-
-
-@pytest.fixture(scope="module")
-def distilled(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=True)
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=False)
+from refs import diffusers_pipeline, diffusers_prompt_embeds, picture
+from tiny_model import LATENT_CHANNELS
 
 
 @pytest.fixture(scope="module")
 def pipes(distilled):
     """(ours, diffusers' inpaint pipeline) on the distilled tiny snapshot, float32."""
-    return flux_klein_mlx.load(distilled, dtype="float32"), inpaint_pipe(distilled, True)
-
-
-def inpaint_pipe(path, distilled):
-    from diffusers import Flux2KleinInpaintPipeline, Flux2KleinPipeline
-
-    plain = Flux2KleinPipeline.from_pretrained(path, dtype=torch.float32)
-    pipe = Flux2KleinInpaintPipeline(**plain.components, is_distilled=distilled)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def picture(w, h, seed=0):
-    """A smooth random RGB picture, so the VAE sees image-like input."""
-    rng = np.random.default_rng(seed)
-    small = (rng.random((max(h // 16, 2), max(w // 16, 2), 3)) * 255).astype(np.uint8)
-    return Image.fromarray(small).resize((w, h), Image.Resampling.BILINEAR)
+    return flux_klein_mlx.load(distilled, dtype="float32"), diffusers_pipeline(distilled, "inpaint", True)
 
 
 def ellipse_mask(w, h):
@@ -62,12 +37,7 @@ def ellipse_mask(w, h):
 
 def compare(ours_pipe, ref_pipe, *, init, steps, strength, seed, mask=None, reference=None, guidance=None,
             prompt="a cat on a sofa"):
-    # diffusers' own prompt embeddings, computed once per prompt (its text encoder is the slow part on CPU).
-    cache = ref_pipe.__dict__.setdefault("_test_prompt_cache", {})
-    if prompt not in cache:
-        with torch.no_grad():
-            cache[prompt] = ref_pipe.encode_prompt(prompt=prompt, device="cpu")[0]
-    kw = dict(prompt_embeds=cache[prompt], image=init,
+    kw = dict(prompt_embeds=diffusers_prompt_embeds(ref_pipe, prompt), image=init,
               mask_image=mask if mask is not None else Image.new("L", init.size, 255),
               strength=strength, num_inference_steps=steps, output_type="np",
               generator=torch.Generator("cpu").manual_seed(seed))
@@ -123,7 +93,7 @@ def test_inpainting_with_a_reference_matches_diffusers(pipes):
 
 def test_inpainting_on_base_with_cfg_matches_diffusers(base):
     ours_pipe = flux_klein_mlx.load(base, dtype="float32")
-    err, _, _ = compare(ours_pipe, inpaint_pipe(base, False), init=picture(64, 64, seed=2),
+    err, _, _ = compare(ours_pipe, diffusers_pipeline(base, "inpaint", False), init=picture(64, 64, seed=2),
                         mask=ellipse_mask(64, 64), steps=3, strength=0.9, seed=1, guidance=4.0)
     print(f"inpainting Base + CFG: max abs {err:.2e}")
     assert err <= 1e-3

@@ -21,7 +21,7 @@ import torch
 from mlx.utils import tree_flatten
 from refs import rel_err
 from safetensors.torch import save_file
-from tiny_model import LATENT_CHANNELS, TRANSFORMER, shared_tiny_snapshot
+from tiny_model import LATENT_CHANNELS, TRANSFORMER
 
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
@@ -38,17 +38,12 @@ PROMPT = "a lighthouse at dusk"
 
 
 @pytest.fixture(scope="module")
-def snap(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=True)
-
-
-@pytest.fixture(scope="module")
-def ref_pipe(snap):
+def ref_pipe(snapshot):
     """One diffusers pipeline for the module, its prompt encoded once; each reference runs on a fresh copy
     of its transformer. Images are memoised by the bytes of the LoRA files and the merges."""
     from diffusers import Flux2KleinPipeline
 
-    pipe = Flux2KleinPipeline.from_pretrained(snap, dtype=torch.float32)
+    pipe = Flux2KleinPipeline.from_pretrained(snapshot, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     with torch.no_grad():
         embeds, _ = pipe.encode_prompt(prompt=PROMPT, device="cpu")
@@ -56,9 +51,9 @@ def ref_pipe(snap):
 
 
 @pytest.fixture(scope="module")
-def our_pipe(snap):
+def our_pipe(snapshot):
     """One pipeline for the module (its prompt embeddings cached); tests change LoRAs with set_loras."""
-    return flux_klein_mlx.load(snap, dtype="float32")
+    return flux_klein_mlx.load(snapshot, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -358,7 +353,7 @@ def test_fused_update_equals_numpy_delta(our_pipe, tmp_path, kind):
 
 
 @pytest.mark.parametrize("bits, tolerance", [(8, 0.05), (4, 0.5)])
-def test_quantized_side_path(snap, our_pipe, lat, tmp_path, bits, tolerance):
+def test_quantized_side_path(snapshot, our_pipe, lat, tmp_path, bits, tolerance):
     """A 4/8-bit model keeps every quantized layer packed and adds the LoRA beside it. Judged twice: the image
     against our float fused path within the quantize tests' tolerance, and the transformer against the same
     dequantized weights with the LoRA fused (kernel rounding only), also in low-memory mode."""
@@ -369,7 +364,7 @@ def test_quantized_side_path(snap, our_pipe, lat, tmp_path, bits, tolerance):
     single_split_file(s, Rand(18))  # row blocks of linear1: the low-memory path splits exactly there
     loras = [(a, 0.9), (e, 1.0), (s, 1.1)]
     fused, _ = ours(our_pipe, lat, loras)
-    pipe = flux_klein_mlx.load(snap, dtype="float32", quantize=bits, loras=loras)
+    pipe = flux_klein_mlx.load(snapshot, dtype="float32", quantize=bits, loras=loras)
     pipe.remember_prompt(PROMPT, our_pipe.encode_prompts([PROMPT]))  # the same embeddings: only the transformer differs
     img = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
     err = float(np.abs(img - fused).max())
@@ -396,12 +391,12 @@ def test_quantized_side_path(snap, our_pipe, lat, tmp_path, bits, tolerance):
         assert err < 1e-5
 
 
-def test_unfuse_restores_weights_bit_for_bit_and_set_loras_does_not_reload(snap, our_pipe, lat, tmp_path):
+def test_unfuse_restores_weights_bit_for_bit_and_set_loras_does_not_reload(snapshot, our_pipe, lat, tmp_path):
     a = lora_a(tmp_path / "a.safetensors", Rand(9))
     b = tmp_path / "b.safetensors"
     lora_bfl(b, Rand(10))
     for dtype in ("bfloat16", "float32"):
-        pipe = flux_klein_mlx.load(snap, dtype=dtype)
+        pipe = flux_klein_mlx.load(snapshot, dtype=dtype)
         model = pipe.component("transformer")
         base = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())}
         pipe.set_loras([a, (b, 0.5)])
@@ -413,7 +408,7 @@ def test_unfuse_restores_weights_bit_for_bit_and_set_loras_does_not_reload(snap,
         after = dict(tree_flatten(model.parameters()))
         assert all(np.array_equal(np.array(after[k].astype(mx.float32)), v) for k, v in base.items()), dtype
     # Between images: the same pixels as a fresh load with those LoRAs.
-    pipe = flux_klein_mlx.load(snap, dtype="float32", loras=[a])
+    pipe = flux_klein_mlx.load(snapshot, dtype="float32", loras=[a])
     pipe.remember_prompt(PROMPT, our_pipe.encode_prompts([PROMPT]))
     first = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
     pipe.set_loras([(b, 0.5)])
@@ -421,15 +416,15 @@ def test_unfuse_restores_weights_bit_for_bit_and_set_loras_does_not_reload(snap,
     fresh, _ = ours(our_pipe, lat, [(b, 0.5)])
     assert np.array_equal(second, fresh) and not np.array_equal(first, second)
     # A quantized model gets its plain QuantizedLinear layers back.
-    pipe = flux_klein_mlx.load(snap, dtype="float32", quantize=8, loras=[a])
+    pipe = flux_klein_mlx.load(snapshot, dtype="float32", quantize=8, loras=[a])
     model = pipe.component("transformer")
     pipe.set_loras([])
     assert not any(isinstance(m, LoRAQuantizedLinear) for _, m in model.named_modules())
 
 
-def test_low_memory_reapplies_loras_after_reload(snap, our_pipe, lat, tmp_path):
+def test_low_memory_reapplies_loras_after_reload(snapshot, our_pipe, lat, tmp_path):
     a = lora_a(tmp_path / "a.safetensors", Rand(11))
-    pipe = flux_klein_mlx.load(snap, dtype="float32", low_memory=True, loras=[(a, 0.8)])
+    pipe = flux_klein_mlx.load(snapshot, dtype="float32", low_memory=True, loras=[(a, 0.8)])
     pipe.remember_prompt(PROMPT, our_pipe.encode_prompts([PROMPT]))
     one = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
     assert not pipe.is_loaded("transformer")  # released after the denoise
@@ -530,7 +525,7 @@ def test_bad_scales(tmp_path, scale, match):
     refused([(f,)], r"has no scale value")
 
 
-def test_a_refused_lora_leaves_the_model_as_it_was(snap, our_pipe, tmp_path):
+def test_a_refused_lora_leaves_the_model_as_it_was(snapshot, our_pipe, tmp_path):
     good = lora_a(tmp_path / "a.safetensors", Rand(12))
     bad = write(tmp_path / "bad.safetensors", pair("transformer.transformer_blocks.9.attn.to_q", D, D))
     our_pipe.set_loras([good])
@@ -541,7 +536,7 @@ def test_a_refused_lora_leaves_the_model_as_it_was(snap, our_pipe, tmp_path):
     assert all(np.array_equal(np.array(after[k]), v) for k, v in before.items())
     assert [(x.name, x.scale) for x in our_pipe.loras] == [("a.safetensors", 1.0)]
     with pytest.raises(FluxKleinError, match="matches no layer"):
-        flux_klein_mlx.load(snap, loras=[bad])  # refused by load() itself, before any model is read
+        flux_klein_mlx.load(snapshot, loras=[bad])  # refused by load() itself, before any model is read
 
 
 # --- the CLI ------------------------------------------------------------------------------------------
@@ -555,7 +550,7 @@ def cli(args, capsys):
     return code, out, err
 
 
-def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snap, tmp_path, capsys, monkeypatch):
+def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snapshot, tmp_path, capsys, monkeypatch):
     import hashlib
 
     import huggingface_hub.constants
@@ -575,7 +570,7 @@ def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snap, tmp_path
     (root / "snapshots" / rev / "kohya.safetensors").write_bytes(k.read_bytes())
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     out = tmp_path / "img.png"
-    code, stdout, err = cli(["--model", str(snap), "--prompt", PROMPT, "--seed", "1", "--width", "64", "--height", "64",
+    code, stdout, err = cli(["--model", str(snapshot), "--prompt", PROMPT, "--seed", "1", "--width", "64", "--height", "64",
                              "--steps", "1", "--dtype", "float32", "--output", str(out), "--lora", str(a),
                              "--lora", "someone/klein-lora", "--lora-scale", "0.7"], capsys)
     assert code == 0, err
@@ -607,7 +602,7 @@ def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snap, tmp_path
         (["--lora", "NINE"], r"was made for FLUX.2 \[klein\] 9B"),
     ],
 )
-def test_cli_bad_loras_one_line_exit_1_no_file(snap, tmp_path, capsys, extra, message):
+def test_cli_bad_loras_one_line_exit_1_no_file(snapshot, tmp_path, capsys, extra, message):
     files = {
         "A": lora_a(tmp_path / "a.safetensors", Rand(15)),
         "NOTHING": write(tmp_path / "n.safetensors", pair("unet.mid.proj", D, D)),
@@ -616,7 +611,7 @@ def test_cli_bad_loras_one_line_exit_1_no_file(snap, tmp_path, capsys, extra, me
     }
     extra = [str(files.get(x, x)) for x in extra]
     out = tmp_path / "img.png"
-    code, stdout, err = cli(["--model", str(snap), "--prompt", "x", "--width", "64", "--height", "64",
+    code, stdout, err = cli(["--model", str(snapshot), "--prompt", "x", "--width", "64", "--height", "64",
                              "--output", str(out), *extra], capsys)
     assert code == 1 and not out.exists()
     lines = err.strip().splitlines()
@@ -628,7 +623,7 @@ def test_cli_bad_loras_one_line_exit_1_no_file(snap, tmp_path, capsys, extra, me
 
 
 @pytest.mark.parametrize("bits, tolerance", [(None, 1e-5), (8, 0.05)])
-def test_convert_bakes_loras_and_records_them(snap, our_pipe, lat, tmp_path, bits, tolerance):
+def test_convert_bakes_loras_and_records_them(snapshot, our_pipe, lat, tmp_path, bits, tolerance):
     """A converted (optionally 8-bit) folder with LoRAs baked in gives the image of the base model with
     the LoRAs applied at load (float: to float rounding; 8-bit: within the quantize tests' tolerance)."""
     import hashlib
@@ -639,7 +634,7 @@ def test_convert_bakes_loras_and_records_them(snap, our_pipe, lat, tmp_path, bit
     k = tmp_path / "k.safetensors"
     lora_kohya(k, Rand(17))
     out = tmp_path / "baked"
-    config = convert_model(snap, out, dtype="float32", bits=bits, loras=[(a, 0.7), k])
+    config = convert_model(snapshot, out, dtype="float32", bits=bits, loras=[(a, 0.7), k])
     assert config["loras"] == [
         {"name": "a.safetensors", "sha256": hashlib.sha256(a.read_bytes()).hexdigest()[:12], "scale": 0.7},
         {"name": "k.safetensors", "sha256": hashlib.sha256(k.read_bytes()).hexdigest()[:12], "scale": 1.0},
@@ -654,28 +649,28 @@ def test_convert_bakes_loras_and_records_them(snap, our_pipe, lat, tmp_path, bit
     assert err <= tolerance
 
 
-def test_convert_lora_bad_input_writes_nothing(snap, tmp_path, capsys):
+def test_convert_lora_bad_input_writes_nothing(snapshot, tmp_path, capsys):
     from flux_klein_mlx.__main__ import main
 
     bad = write(tmp_path / "bad.safetensors", pair("transformer.transformer_blocks.9.attn.to_q", D, D))
     for extra, message in (([str(bad)], "matches no layer"), ([str(bad), "--lora-scale", "1", "--lora-scale", "2"],
                                                             "--lora-scale is given 2 times")):
         out = tmp_path / "out"
-        code = main(["convert", "--model", str(snap), "--output", str(out), "--lora", *extra])
+        code = main(["convert", "--model", str(snapshot), "--output", str(out), "--lora", *extra])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 1 and not out.exists() and len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
         assert not list(tmp_path.glob("out*"))
 
 
-def test_side_path_on_a_converted_quantized_folder(snap, our_pipe, lat, tmp_path):
+def test_side_path_on_a_converted_quantized_folder(snapshot, our_pipe, lat, tmp_path):
     """A 4-bit converted folder takes LoRAs the same way as quantizing at load: the same image."""
     from flux_klein_mlx.convert import convert_model
 
     out = tmp_path / "q4"
-    convert_model(snap, out, dtype="float32", bits=4)
+    convert_model(snapshot, out, dtype="float32", bits=4)
     a = lora_a(tmp_path / "a.safetensors", Rand(19))
     images = []
-    for model, kw in ((out, {}), (snap, {"quantize": 4})):
+    for model, kw in ((out, {}), (snapshot, {"quantize": 4})):
         pipe = flux_klein_mlx.load(model, dtype="float32", loras=[(a, 1.2)], **kw)
         pipe.remember_prompt(PROMPT, our_pipe.encode_prompts([PROMPT]))
         images.append(pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np"))

@@ -15,43 +15,15 @@ from PIL import Image
 
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
-from tiny_model import LATENT_CHANNELS, shared_tiny_snapshot
+from refs import diffusers_pipeline, noise, picture
+from tiny_model import LATENT_CHANNELS
 
 C = 4 * LATENT_CHANNELS  # transformer token channels
 
 
-@pytest.fixture(scope="module")
-def distilled(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=True)
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=False)
-
-
-def reference_pipe(path):
-    from diffusers import Flux2KleinPipeline
-
-    pipe = Flux2KleinPipeline.from_pretrained(path, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def noise(h, w, seed=0):
-    return np.random.default_rng(seed).standard_normal((1, C, h // 16, w // 16)).astype(np.float32)
-
-
-def picture(w, h, seed=0):
-    """A smooth random RGB picture, so the VAE sees image-like input."""
-    rng = np.random.default_rng(seed)
-    small = (rng.random((max(h // 16, 2), max(w // 16, 2), 3)) * 255).astype(np.uint8)
-    return Image.fromarray(small).resize((w, h), Image.Resampling.BILINEAR)
-
-
 def run_both(path, prompt, *, width=None, height=None, steps=4, images=None, guidance=None,
              negative_prompt=None, out_hw=None):
-    ref = reference_pipe(path)
+    ref = diffusers_pipeline(path)
     h, w = out_hw or (height, width)
     lat = noise(h, w)
     kwargs = dict(prompt=prompt, height=height, width=width, num_inference_steps=steps, output_type="np",

@@ -15,14 +15,9 @@ from PIL import Image
 
 import flux_klein_mlx
 from flux_klein_mlx.output import FLUX2_RGB_FACTORS, LatentPreview, flux2_preview, preview_for, unpatchify_tokens
-from tiny_model import LATENT_CHANNELS, shared_tiny_snapshot
+from tiny_model import LATENT_CHANNELS
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def snapshot(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory)
 
 
 def test_token_channel_order_matches_diffusers_patchify():

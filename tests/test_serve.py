@@ -34,7 +34,7 @@ pytest.importorskip("multipart")
 
 import flux_klein_mlx  # noqa: E402
 from flux_klein_mlx.output import a1111_parameters  # noqa: E402
-from tiny_model import shared_tiny_snapshot  # noqa: E402
+from refs import picture  # noqa: E402
 
 KEY = "test-key-123"
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,11 +86,6 @@ class Server:
                 return st
             time.sleep(0.2)
         raise AssertionError("the server did not become idle")
-
-
-@pytest.fixture(scope="module")
-def snapshot(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory)
 
 
 def write_style_lora(folder: Path) -> Path:
@@ -156,12 +151,6 @@ def decode(b64: str) -> Image.Image:
     im = Image.open(io.BytesIO(base64.b64decode(b64)))
     im.load()
     return im
-
-
-def picture(w, h, seed=0) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    small = (rng.random((max(h // 16, 2), max(w // 16, 2), 3)) * 255).astype(np.uint8)
-    return Image.fromarray(small).resize((w, h), Image.Resampling.BILINEAR)
 
 
 def png(im: Image.Image) -> bytes:
