@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -459,3 +460,24 @@ def test_flux1_index_refused_by_convert_as_by_generate(capsys, snapshot, tmp_pat
     code, _, err_conv = run(capsys, "convert", "-m", src, "-o", tmp_path / "out")
     assert_one_line_error(code, err_conv, "FluxPipeline")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["snap"]
+
+
+# --- LoRA files (issue 21) ------------------------------------------------------------------------------
+
+
+def test_bad_lora_files_refused_by_the_cli_before_any_model(capsys, snapshot, tmp_path, no_models):
+    """Every kind of bad LoRA file of test_lora.bad_lora_files: one line naming the file, exit 1, no model
+    loaded, the files untouched, no image written."""
+    from test_lora import bad_lora_files
+
+    folder = tmp_path / "loras"
+    folder.mkdir()
+    cases = bad_lora_files(folder)
+    before = tree_hash(folder)
+    out = tmp_path / "x.png"
+    for name, lora, scale, match in cases:
+        code, _, err = run(capsys, *gen_args(snapshot, out, "--lora", lora, "--lora-scale", scale))
+        assert_one_line_error(code, err)
+        assert re.search(match, err), (name, err)
+        assert lora.name in err, (name, err)
+    assert no_models == [] and tree_hash(folder) == before and not out.exists()
