@@ -149,7 +149,8 @@ def _warn_about_alpha(terms: list[Term], what: str) -> None:
                        (lambda f: f < 0, "a negative alpha, which subtracts its update")):  # fmt: skip
         hit = [t.key for t in terms if test(t.factor)]
         if hit:
-            which = "every module" if len(hit) == n else f"{len(hit)} of its {n} modules ({', '.join(hit[:3])}{', ...' if len(hit) > 3 else ''})"
+            names = ", ".join(hit[:3]) + (", ..." if len(hit) > 3 else "")
+            which = "every module" if len(hit) == n else f"{len(hit)} of its {n} modules ({names})"
             warnings.warn(f"LoRA {what} has {says}, in {which}", stacklevel=3)
 
 

@@ -180,7 +180,8 @@ def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str,
         kinds.add(kind)
         if (name, role) in keys:  # e.g. `transformer.x.lora_A.weight` beside `x.lora_A.default.weight`
             raise FluxKleinError(
-                f"LoRA {what} holds {name}'s {role} {'matrix' if role in ('down', 'up') else 'value'} twice ({keys[name, role]} and {key}); "
+                f"LoRA {what} holds {name}'s {role} {'matrix' if role in ('down', 'up') else 'value'} twice "
+                f"({keys[name, role]} and {key}); "
                 "the file mixes two namings of one module: keep one"
             )
         keys[name, role] = key
@@ -263,7 +264,8 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
             )
     bare = [n for n, parts in modules.items() if set(parts) == {"alpha"}]
     if bare:
-        head = f"{len(bare)} `.alpha` keys and no LoRA weights" if len(bare) == len(modules) else f"an alpha for {bare[0]} but no weights"
+        head = (f"{len(bare)} `.alpha` keys and no LoRA weights" if len(bare) == len(modules)
+                else f"an alpha for {bare[0]} but no weights")  # fmt: skip
         raise FluxKleinError(f"LoRA {what} is incomplete: it holds {head}; export or download it again")
     table = target_table(params)
     shapes = linear_shapes(params)

@@ -375,7 +375,7 @@ def resolve_lora(spec: str | Path) -> Path:
         raise FluxKleinError("a LoRA was given as an empty name; give a .safetensors file or a Hugging Face repo id")
     if path.is_dir():
         found = sorted(p.name for p in path.glob("*.safetensors"))
-        inside = f"it holds {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}" if found else "it holds no .safetensors file"
+        inside = f"it holds {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}" if found else "it holds no LoRA"
         raise FluxKleinError(f"LoRA '{text}' is a folder, not a LoRA file ({inside}); give the .safetensors file itself")
     repo, _, filename = text.partition(":")
     if path.exists() or text.startswith((".", "/", "~")) or repo.count("/") != 1 or (not filename and text.endswith(".safetensors")):
