@@ -33,7 +33,7 @@ from .quantize import check_quantization
 from .rope import image_ids, text_ids
 from .sampler import FluxSampler
 from .text_encoder import encode_prompts
-from .tokenizer import load_tokenizer
+from .tokenizer import check_text, load_tokenizer
 from .vae import check_image_size
 
 
@@ -136,6 +136,9 @@ def check_settings(prompt, negative_prompt=None, width=None, height=None, steps=
         raise FluxKleinError(f"the prompt must be a string, not {type(prompt).__name__}")
     if negative_prompt is not None and not isinstance(negative_prompt, str):
         raise FluxKleinError(f"negative_prompt must be a string or None, not {type(negative_prompt).__name__}")
+    check_text(prompt)
+    if negative_prompt is not None:
+        check_text(negative_prompt, "the negative prompt")
     for name, v in (("width", width), ("height", height)):
         if v is not None and not _is_int(v):
             raise FluxKleinError(f"{name} must be a whole number of pixels, not {v!r}")

@@ -323,6 +323,22 @@ def test_ranges_and_types_refused_by_the_python_api_alike(snapshot, base_snapsho
     assert no_models == []
 
 
+def test_prompt_that_is_not_text_refused_alike_by_cli_and_api(capsys, base_snapshot, tmp_path, no_models):
+    """Bytes that are not UTF-8 on the command line reach Python as lone surrogates (surrogateescape); the
+    Python API and the server (JSON `\\ud800`) can pass lone surrogates themselves. One rule: an error that says
+    so, before any model (the server's 400 is in test_serve)."""
+    out = tmp_path / "x.png"
+    for extra, words in ((["-p", "caf\udce9"], "the prompt is not valid text: character 4 is a lone surrogate U+DCE9 "
+                                               "(byte 0xE9 that is not UTF-8"),
+                         (["--negative-prompt", "a\udcff", "--guidance", "4"], "the negative prompt is not valid text")):
+        code, _, err = run(capsys, *gen_args(base_snapshot, out, *extra))
+        assert_one_line_error(code, err, words)
+    pipe = load(base_snapshot)
+    with pytest.raises(FluxKleinError, match=r"the prompt is not valid text: character 3 is a lone surrogate U\+D800; "):
+        pipe.generate("a \ud800 fox", width=64, height=64)
+    assert no_models == [] and not out.exists()
+
+
 def test_seeds_wrap_like_torch_in_cli_and_api(capsys, snapshot, tmp_path):
     """Documented: torch noise uses seed mod 2**32 (negative seeds wrap, as in torch); the CLI and
     the API accept any whole number alike."""

@@ -405,6 +405,7 @@ BAD_JSON = [
     ("a path as image", {**GOOD, "image": "/etc/passwd"}, None, 400, "never reads files by path"),
     ("a path as LoRA", {**GOOD, "loras": ["../../etc/passwd"]}, None, 400, "never a path"),
     ("steps not a number", {**GOOD, "steps": "many"}, None, 400, "steps must be a whole number"),
+    ("lone surrogate in the prompt", {**GOOD, "prompt": "a \ud800 fox"}, None, 400, "is a lone surrogate U+D800"),
     ("unknown model", {**GOOD, "model": "dall-e-3"}, None, 404, "is not served here"),
     ("missing API key", GOOD, {"Authorization": ""}, 401, "missing API key"),
     ("wrong API key", GOOD, {"Authorization": "Bearer nope"}, 401, "invalid API key"),
