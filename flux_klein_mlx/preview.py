@@ -47,6 +47,10 @@ class LatentPreview:
 
     def render(self, tokens, h: int, w: int) -> np.ndarray:
         """Tokens (1, h*w, 4C) or (h*w, 4C) on an h x w grid -> uint8 RGB (2h, 2w, 3)."""
+        if not isinstance(tokens, np.ndarray) and hasattr(tokens, "astype"):
+            import mlx.core as mx
+
+            tokens = tokens.astype(mx.float32)  # numpy cannot read bfloat16 MLX arrays (the default dtype)
         lat = unpatchify_tokens(np.asarray(tokens, dtype=np.float32), h, w)  # (2h, 2w, C)
         if lat.shape[-1] != self.channels:
             raise ValueError(f"this preview map takes {self.channels} latent channels, not {lat.shape[-1]}")
