@@ -336,6 +336,16 @@ def test_two_loras_with_weights_match_set_adapters(ref_pipe, our_pipe, lat, tmp_
 # --- files other Mac trainers write ----------------------------------------------------------------------
 
 
+def with_twin(theirs, rng, prefix):
+    """Rank-4 factors under a trainer's names (`prefix` + name) and the same factors under diffusers' names."""
+    sd, twin = {}, {}
+    for name, (diffusers_name, out, inp) in theirs.items():
+        down, up = rng.pair(out, inp, 4)
+        sd[f"{prefix}{name}.lora_A.weight"], sd[f"{prefix}{name}.lora_B.weight"] = down, up
+        twin[f"transformer.{diffusers_name}.lora_A.weight"], twin[f"transformer.{diffusers_name}.lora_B.weight"] = down, up
+    return sd, twin
+
+
 def mflux_file(path, rng):
     """mflux's `save_lora_adapter`: `transformer.` + mflux's own module paths (double-block `attn.to_out` without
     diffusers' `.0`, `time_guidance_embed.linear_1`), lora_A (r, in) / lora_B (out, r) after its transpose, no
@@ -350,11 +360,7 @@ def mflux_file(path, rng):
         "single_transformer_blocks.1.attn.to_qkv_mlp_proj": ("single_transformer_blocks.1.attn.to_qkv_mlp_proj",
                                                              3 * D + 2 * M, D),
     }  # fmt: skip
-    sd, twin = {}, {}
-    for name, (diffusers_name, out, inp) in theirs.items():
-        down, up = rng.pair(out, inp, 4)
-        sd[f"transformer.{name}.lora_A.weight"], sd[f"transformer.{name}.lora_B.weight"] = down, up
-        twin[f"transformer.{diffusers_name}.lora_A.weight"], twin[f"transformer.{diffusers_name}.lora_B.weight"] = down, up
+    sd, twin = with_twin(theirs, rng, "transformer.")
     mx.save_safetensors(str(path), {k: mx.array(v.numpy()) for k, v in sd.items()},
                         metadata={"mflux_version": "0.17.0", "model": "flux2-klein-4b"})
     return twin, {}
@@ -372,15 +378,12 @@ def swift_file(path, rng):
                                                         3 * D + 2 * M, D),
         "single_transformer_blocks.1.attn.to_out": ("single_transformer_blocks.1.attn.to_out", D, D + M),
     }  # fmt: skip
-    sd, twin = {}, {}
-    for name, (diffusers_name, out, inp) in theirs.items():
-        down, up = rng.pair(out, inp, 4)
-        sd[f"{name}.lora_A.weight"], sd[f"{name}.lora_B.weight"] = down, up
-        twin[f"transformer.{diffusers_name}.lora_A.weight"], twin[f"transformer.{diffusers_name}.lora_B.weight"] = down, up
+    sd, twin = with_twin(theirs, rng, "")
     save_file(sd, str(path), metadata={"lora_rank": "4", "lora_alpha": "6.0", "format": "diffusers",
                                        "software": "flux2-swift-mlx"})
-    targets = sorted(d for d, _, _ in theirs.values())
-    return twin, {"lora_adapter_metadata": json.dumps({"transformer.r": 4, "transformer.lora_alpha": 6.0, "transformer.target_modules": targets})}
+    config = {"transformer.r": 4, "transformer.lora_alpha": 6.0,
+              "transformer.target_modules": sorted(d for d, _, _ in theirs.values())}
+    return twin, {"lora_adapter_metadata": json.dumps(config)}
 
 
 def lycoris_file(path, rng):
