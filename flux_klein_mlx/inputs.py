@@ -33,6 +33,7 @@ from PIL import Image, ImageOps
 
 from .errors import FluxKleinError
 from .sampling import check_noise_kind, seed_for_image, start_step
+from .tokenizer import check_text
 
 MIN_SIDE = 64  # input images (spec 8.1)
 MAX_ASPECT = 8
@@ -123,6 +124,9 @@ def _check_text(prompt, negative_prompt) -> None:
         raise FluxKleinError(f"the prompt must be a string, not {type(prompt).__name__}")
     if negative_prompt is not None and not isinstance(negative_prompt, str):
         raise FluxKleinError(f"negative_prompt must be a string or None, not {type(negative_prompt).__name__}")
+    check_text(prompt)  # lone surrogates (undecodable argv bytes, JSON "\ud800") end here, not in the tokenizer
+    if negative_prompt is not None:
+        check_text(negative_prompt, "the negative prompt")
 
 
 def check_strength(strength) -> float:

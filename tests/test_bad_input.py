@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -306,6 +307,22 @@ def test_ranges_and_types_refused_by_the_python_api_alike(snapshot, base, no_mod
     assert no_models == []
 
 
+def test_prompt_that_is_not_text_refused_alike_by_cli_and_api(capsys, base, tmp_path, no_models):
+    """Bytes that are not UTF-8 on the command line reach Python as lone surrogates (surrogateescape); the
+    Python API and the server (JSON `\\ud800`) can pass lone surrogates themselves. One rule: an error that says
+    so, before any model (the server's 400 is in test_serve)."""
+    out = tmp_path / "x.png"
+    for extra, words in ((["-p", "caf\udce9"], "the prompt is not valid text: character 4 is a lone surrogate U+DCE9 "
+                                               "(byte 0xE9 that is not UTF-8"),
+                         (["--negative-prompt", "a\udcff", "--guidance", "4"], "the negative prompt is not valid text")):
+        code, _, err = run(capsys, *gen_args(base, out, *extra))
+        assert_one_line_error(code, err, words)
+    pipe = load(base)
+    with pytest.raises(FluxKleinError, match=r"the prompt is not valid text: character 3 is a lone surrogate U\+D800; "):
+        pipe.generate("a \ud800 fox", width=64, height=64)
+    assert no_models == [] and not out.exists()
+
+
 def test_seeds_wrap_like_torch_in_cli_and_api(capsys, snapshot, tmp_path):
     """Documented: torch noise uses seed mod 2**32 (negative seeds wrap, as in torch); the CLI and
     the API accept any whole number alike."""
@@ -437,3 +454,24 @@ def test_flux1_index_refused_by_convert_as_by_generate(capsys, snapshot, tmp_pat
     code, _, err_conv = run(capsys, "convert", "-m", src, "-o", tmp_path / "out")
     assert_one_line_error(code, err_conv, "FluxPipeline")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["snap"]
+
+
+# --- LoRA files (issue 21) ------------------------------------------------------------------------------
+
+
+def test_bad_lora_files_refused_by_the_cli_before_any_model(capsys, snapshot, tmp_path, no_models):
+    """Every kind of bad LoRA file of test_lora.bad_lora_files: one line naming the file, exit 1, no model
+    loaded, the files untouched, no image written."""
+    from test_lora import bad_lora_files
+
+    folder = tmp_path / "loras"
+    folder.mkdir()
+    cases = bad_lora_files(folder)
+    before = tree_hash(folder)
+    out = tmp_path / "x.png"
+    for name, lora, scale, match in cases:
+        code, _, err = run(capsys, *gen_args(snapshot, out, "--lora", lora, "--lora-scale", scale))
+        assert_one_line_error(code, err)
+        assert re.search(match, err), (name, err)
+        assert lora.name in err, (name, err)
+    assert no_models == [] and tree_hash(folder) == before and not out.exists()

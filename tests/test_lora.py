@@ -328,6 +328,91 @@ def test_two_loras_with_weights_match_set_adapters(ref_pipe, our_pipe, lat, tmp_
     check(img, reference(ref_pipe, lat, [a, k], weights=[0.7, 1.3], merge=merge), base_image)
 
 
+# --- files other Mac trainers write ----------------------------------------------------------------------
+
+
+def with_twin(theirs, rng, prefix):
+    """Rank-4 factors under a trainer's names (`prefix` + name) and the same factors under diffusers' names."""
+    sd, twin = {}, {}
+    for name, (diffusers_name, out, inp) in theirs.items():
+        down, up = rng.pair(out, inp, 4)
+        sd[f"{prefix}{name}.lora_A.weight"], sd[f"{prefix}{name}.lora_B.weight"] = down, up
+        twin[f"transformer.{diffusers_name}.lora_A.weight"], twin[f"transformer.{diffusers_name}.lora_B.weight"] = down, up
+    return sd, twin
+
+
+def mflux_file(path, rng):
+    """mflux's `save_lora_adapter`: `transformer.` + mflux's own module paths (double-block `attn.to_out` without
+    diffusers' `.0`, `time_guidance_embed.linear_1`), lora_A (r, in) / lora_B (out, r) after its transpose, no
+    alpha (its LoRALinear scale is 1: alpha = rank), written by `mx.save_safetensors` with its metadata.
+    Returns the diffusers name of each module, for the twin diffusers loads."""
+    theirs = {
+        "transformer_blocks.0.attn.to_out": ("transformer_blocks.0.attn.to_out.0", D, D),
+        "transformer_blocks.1.attn.to_q": ("transformer_blocks.1.attn.to_q", D, D),
+        "transformer_blocks.0.ff.linear_in": ("transformer_blocks.0.ff.linear_in", 2 * M, D),
+        "time_guidance_embed.linear_1": ("time_guidance_embed.timestep_embedder.linear_1", D, 256),
+        "norm_out.linear": ("norm_out.linear", 2 * D, D),
+        "single_transformer_blocks.1.attn.to_qkv_mlp_proj": ("single_transformer_blocks.1.attn.to_qkv_mlp_proj",
+                                                             3 * D + 2 * M, D),
+    }  # fmt: skip
+    sd, twin = with_twin(theirs, rng, "transformer.")
+    mx.save_safetensors(str(path), {k: mx.array(v.numpy()) for k, v in sd.items()},
+                        metadata={"mflux_version": "0.17.0", "model": "flux2-klein-4b"})
+    return twin, {}
+
+
+def swift_file(path, rng):
+    """flux-2-swift-mlx's `getLoRAParameters` + `saveLoRAWeights`: no prefix, `ff.activation.proj` for linear_in,
+    single `attn.to_qkv_mlp`, and alpha / rank as top-level metadata (its scale is lora_alpha / lora_rank)."""
+    theirs = {
+        "transformer_blocks.0.attn.to_k": ("transformer_blocks.0.attn.to_k", D, D),
+        "transformer_blocks.1.attn.to_out.0": ("transformer_blocks.1.attn.to_out.0", D, D),
+        "transformer_blocks.1.ff.activation.proj": ("transformer_blocks.1.ff.linear_in", 2 * M, D),
+        "transformer_blocks.0.ff_context.activation.proj": ("transformer_blocks.0.ff_context.linear_in", 2 * M, D),
+        "single_transformer_blocks.0.attn.to_qkv_mlp": ("single_transformer_blocks.0.attn.to_qkv_mlp_proj",
+                                                        3 * D + 2 * M, D),
+        "single_transformer_blocks.1.attn.to_out": ("single_transformer_blocks.1.attn.to_out", D, D + M),
+    }  # fmt: skip
+    sd, twin = with_twin(theirs, rng, "")
+    save_file(sd, str(path), metadata={"lora_rank": "4", "lora_alpha": "6.0", "format": "diffusers",
+                                       "software": "flux2-swift-mlx"})
+    config = {"transformer.r": 4, "transformer.lora_alpha": 6.0,
+              "transformer.target_modules": sorted(d for d, _, _ in theirs.values())}
+    return twin, {"lora_adapter_metadata": json.dumps(config)}
+
+
+def lycoris_file(path, rng):
+    """SimpleTuner's LyCORIS LoKr: `lycoris_` + diffusers paths with underscores, whole and decomposed factors
+    (shaped as LyCORIS factorises with factor 4, so that diffusers can rebuild its config), `.alpha` (scaling
+    only decomposed factors). diffusers reads this file itself: no twin."""
+    sd = {}
+    w = "lycoris_transformer_blocks_0_attn_to_q"
+    sd |= {f"{w}.lokr_w1": rng.mat(4, 4), f"{w}.lokr_w2": rng.mat(16, 16, s=0.1), f"{w}.alpha": torch.tensor(3.0)}
+    w = "lycoris_transformer_blocks_1_ff_linear_in"
+    sd |= {f"{w}.lokr_w1": rng.mat(4, 4), f"{w}.lokr_w2_a": rng.mat(96, 2, s=0.3), f"{w}.lokr_w2_b": rng.mat(2, 16, s=0.3),
+           f"{w}.alpha": torch.tensor(4.0)}  # fmt: skip
+    w = "lycoris_single_transformer_blocks_0_attn_to_qkv_mlp_proj"
+    sd |= {f"{w}.lokr_w1": rng.mat(4, 4), f"{w}.lokr_w2": rng.mat(144, 16, s=0.1)}
+    save_file(sd, str(path))
+    return None, {}
+
+
+@pytest.mark.parametrize("writer", [mflux_file, swift_file, lycoris_file], ids=["mflux", "flux-2-swift-mlx", "lycoris"])
+def test_other_mac_trainers_files_match_diffusers(ref_pipe, our_pipe, lat, tmp_path, base_image, writer):
+    """mflux and flux-2-swift-mlx files are judged by diffusers loading their diffusers-named twin (same factors,
+    alpha in PEFT's metadata), which is what those names mean in the trainers' own models; SimpleTuner's LyCORIS
+    LoKr is loaded by diffusers itself."""
+    f = tmp_path / "theirs.safetensors"
+    twin, meta = writer(f, Rand(20))
+    ref_file = f
+    if twin is not None:
+        ref_file = tmp_path / "twin.safetensors"
+        save_file({k: v.contiguous() for k, v in twin.items()}, str(ref_file), metadata=meta or None)
+    img, pipe = ours(our_pipe, lat, [f])
+    assert pipe.loras[0].format == ("E" if writer is lycoris_file else "A")
+    check(img, reference(ref_pipe, lat, [ref_file]), base_image)
+
+
 @pytest.mark.parametrize("kind", ["lokr", "single-split"])
 def test_fused_update_equals_numpy_delta(our_pipe, tmp_path, kind):
     """E: delta = factor * kron(w1, w2) on our layers (rows of the fused qkv, the final layer swapped);
@@ -515,6 +600,79 @@ def test_damaged_incomplete_and_foreign_files(tmp_path):
     refused([write(tmp_path / "dora.safetensors", dora)], r"holds DoRA weights")
     bad_meta = write(tmp_path / "meta.safetensors", pair("transformer.proj_out", C, D), {"lora_adapter_metadata": "{"})
     refused([bad_meta], r"damaged lora_adapter_metadata header")
+
+
+def kohya(name, out, inp, r=4, alpha=None, **scaled):
+    sd = pair(f"lora_unet_{name}", out, inp, r, down="lora_down", up="lora_up")
+    for role, s in scaled.items():
+        sd[f"lora_unet_{name}.lora_{role}.weight"] *= s
+    if alpha is not None:
+        sd[f"lora_unet_{name}.alpha"] = torch.tensor(alpha)
+    return sd
+
+
+def bad_lora_files(folder):
+    """(name, file or spec, scale, message) for every kind of LoRA file issue 21 lists."""
+    import safetensors.torch
+
+    meta = lambda alpha: {"lora_adapter_metadata": json.dumps({"transformer.lora_alpha": alpha})}  # noqa: E731
+    fp8 = {k: v.to(torch.float8_e4m3fn) for k, v in pair("transformer.proj_out", C, D).items()}
+    safetensors.torch.save_file(fp8, str(folder / "fp8.safetensors"))
+    zero = {"transformer.proj_out.lora_A.weight": torch.zeros(0, D), "transformer.proj_out.lora_B.weight": torch.zeros(C, 0)}
+    lokr = {"double_blocks.0.img_attn.qkv.lokr_w1": torch.ones(4, 4), "double_blocks.0.img_attn.qkv.lokr_w2": torch.ones(48, 17)}
+    return [
+        ("rank 0", write(folder / "r0.safetensors", zero), 1.0, r"r0.safetensors: proj_out has rank 0"),
+        ("alpha nan in metadata", write(folder / "an.safetensors", pair("transformer.proj_out", C, D), meta(float("nan"))),
+         1.0, r"an.safetensors: its metadata gives lora_alpha = nan"),
+        ("alpha inf in .alpha", write(folder / "ai.safetensors", kohya("img_in", D, C, alpha=float("inf"))), 1.0,
+         r"ai.safetensors holds non-finite values \(in lora_unet_img_in.alpha\)"),
+        ("overflow: factors", write(folder / "of.safetensors", kohya("img_in", D, C, up=1e20)), 1.0,
+         r"of.safetensors: its update of img_in reaches .*e\+19 \(scale 1 x alpha/rank 1 x its factors\)"),
+        ("overflow: alpha", write(folder / "oa.safetensors", kohya("img_in", D, C, alpha=4e30)), 1.0,
+         r"oa.safetensors: its update of img_in reaches .* alpha/rank 1e\+30"),
+        ("overflow: scale", write(folder / "os.safetensors", pair("transformer.proj_out", C, D)), 1e38,
+         r"os.safetensors: its update of proj_out reaches .*\(scale 1e\+38"),
+        ("two namings of one layer", write(folder / "two.safetensors", pair("transformer.transformer_blocks.0.attn.to_k", D, D)
+                                           | pair("diffusion_model.double_blocks.0.img_attn.qkv", 3 * D, D)), 1.0,
+         r"two.safetensors updates double_blocks.0.img_attn.qkv twice: double_blocks.0.img_attn.qkv and "
+         r"transformer_blocks.0.attn.to_k name the same weights"),
+        ("mflux and diffusers to_out", write(folder / "out.safetensors", pair("transformer.transformer_blocks.1.attn.to_out", D, D)
+                                             | pair("transformer.transformer_blocks.1.attn.to_out.0", D, D)), 1.0,
+         r"out.safetensors updates double_blocks.1.img_attn.proj twice"),
+        ("one key under two prefixes", write(folder / "dup.safetensors", pair("transformer.proj_out", C, D)
+                                             | pair("proj_out", C, D, down="lora_A.default", up="lora_B.default")), 1.0,
+         r"dup.safetensors holds proj_out's (down|up) matrix twice \(\S*proj_out.lora_[AB]\S* and \S*proj_out"),
+        ("fp8", folder / "fp8.safetensors", 1.0, r"LoRA fp8.safetensors stores fp8 tensors \(F8_E4M3"),
+        ("a folder", folder, 1.0, r"is a folder, not a LoRA file \(it holds ai.safetensors, al.safetensors, an.safetensors, ...\); give the"),
+        ("LoKr factors that do not fit", write(folder / "kr.safetensors", lokr), 1.0,
+         r"kr.safetensors: double_blocks.0.img_attn.qkv has LoKr factors 4x4 and 48x17, whose product is 192x68, "
+         r"but double_blocks.0.img_attn.qkv takes 192x64"),
+        ("a pair for an unknown width", write(folder / "w.safetensors", pair("transformer.transformer_blocks.0.attn.to_q",
+                                                                              D, 65)), 1.0,
+         r"w.safetensors: transformer_blocks.0.attn.to_q updates a 64x65 block, but rows 0-64 of double_blocks.0.img_attn.qkv take 64x64"),
+        ("only .alpha keys", write(folder / "al.safetensors", {"lora_unet_img_in.alpha": torch.tensor(4.0),
+                                                                "lora_unet_txt_in.alpha": torch.tensor(4.0)}), 1.0,
+         r"al.safetensors is incomplete: it holds 2 `.alpha` keys and no LoRA weights"),
+    ]
+
+
+def test_bad_lora_files_refused_naming_the_file(tmp_path):
+    for name, f, scale, match in bad_lora_files(tmp_path):
+        message = refused([(f, scale)], match)
+        assert "hidden size" not in message, (name, message)
+
+
+def test_alpha_zero_or_negative_loads_with_a_warning(tmp_path):
+    zero = write(tmp_path / "zero.safetensors", pair("transformer.proj_out", C, D),
+                 {"lora_adapter_metadata": json.dumps({"transformer.lora_alpha": 0})})
+    with pytest.warns(UserWarning, match=r"LoRA zero.safetensors has alpha 0, which changes nothing, in every module"):
+        (lora,) = load_loras([zero], PARAMS)
+    assert [t.factor for t in lora.terms] == [0.0]
+    neg = write(tmp_path / "neg.safetensors", kohya("img_in", D, C, alpha=-2.0) | kohya("txt_in", D, 96, alpha=2.0))
+    with pytest.warns(UserWarning, match=r"LoRA neg.safetensors has a negative alpha, which subtracts its update, "
+                                         r"in 1 of its 2 modules \(img_in\)"):
+        (lora,) = load_loras([neg], PARAMS)
+    assert sorted(t.factor for t in lora.terms) == [-0.5, 0.5]
 
 
 @pytest.mark.parametrize("scale, match", [(float("nan"), "scale nan is not finite"), (float("inf"), "scale inf is not finite"),

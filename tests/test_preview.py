@@ -43,6 +43,15 @@ def test_published_flux2_map_renders_uint8_at_latent_resolution():
         p.render(np.zeros((1, 4, 64), np.float32), 2, 2)
 
 
+def test_render_takes_bfloat16_mlx_tokens():
+    """The default dtype: every step preview of a bf16 run is a bf16 MLX array (issue 21: this crashed)."""
+    import mlx.core as mx
+
+    tokens = mx.array(np.random.default_rng(1).standard_normal((1, 4 * 6, 128)).astype(np.float32)).astype(mx.bfloat16)
+    p = flux2_preview()
+    np.testing.assert_array_equal(p.render(tokens, 4, 6), p.render(np.array(tokens.astype(mx.float32)), 4, 6))
+
+
 def test_fit_script_on_the_tiny_vae_beats_a_constant_colour(snapshot, capsys):
     spec = importlib.util.spec_from_file_location("fit_preview", ROOT / "benchmarks" / "fit_preview.py")
     script = importlib.util.module_from_spec(spec)
