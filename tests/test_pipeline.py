@@ -190,3 +190,51 @@ def test_quantize_at_load(distilled, tmp_path, bits, tolerance):
     stored = flux_klein_mlx.load(out, dtype="float32").generate("a boat", width=64, height=64, latents=lat,
                                                                output_type="np")
     assert np.abs(stored - at_load).max() <= 1e-5
+
+
+# --- the run's nouns: settings, inputs, memory plan ------------------------------------------------------
+
+
+def test_references_are_read_and_encoded_once_per_batch(distilled, tmp_path, monkeypatch):
+    """`generate -n 2 --image R`: R is decoded once (before any model runs) and VAE-encoded once."""
+    import flux_klein_mlx.inputs as inputs_module
+    from flux_klein_mlx.__main__ import main
+    from flux_klein_mlx.vae import AutoEncoder
+
+    ref = tmp_path / "ref.png"
+    picture(64, 64, 3).save(ref)
+    opened, encoded = [], []
+    real_open, real_encode = inputs_module.open_image, AutoEncoder.encode_to_tokens
+    monkeypatch.setattr(inputs_module, "open_image", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
+    monkeypatch.setattr(AutoEncoder, "encode_to_tokens", lambda self, x: encoded.append(x.shape) or real_encode(self, x))
+    args = ["generate", "-m", str(distilled), "-p", "x", "-i", str(ref), "-n", "2", "--seed", "1", "--steps", "1",
+            "--dtype", "float32", "-o", str(tmp_path / "out.png")]
+    assert main(args) == 0
+    assert opened == [str(ref)] and len(encoded) == 1
+
+
+def test_memory_plan_parts_can_be_chosen_alone(distilled):
+    from flux_klein_mlx.pipeline import MemoryPlan
+
+    assert MemoryPlan.of(True) == MemoryPlan(True, True, True, True) and MemoryPlan.of(False) == MemoryPlan()
+    lat = noise(64, 64)
+    whole = flux_klein_mlx.load(distilled, dtype="float32").generate("x", width=64, height=64, latents=lat,
+                                                                      output_type="np")
+    tiled = flux_klein_mlx.load(distilled, dtype="float32", low_memory=MemoryPlan(tiled_decode=True))
+    image = tiled.generate("x", width=64, height=64, latents=lat, output_type="np")
+    assert tiled.is_loaded("transformer") and tiled.is_loaded("vae")  # nothing released: only the decode is tiled
+    np.testing.assert_allclose(image, whole, atol=1e-5)
+    with pytest.raises(FluxKleinError, match="low_memory must be True, False or a MemoryPlan"):
+        flux_klein_mlx.load(distilled, low_memory="yes")
+
+
+def test_settings_are_declared_once_and_checked_once(distilled):
+    pipe = flux_klein_mlx.load(distilled, dtype="float32")
+    with pytest.raises(FluxKleinError, match="unknown setting 'stpes'; the settings are"):
+        pipe.generate("x", stpes=3)
+    stream = pipe.stream("x", width=64, height=64, steps=2, seed=1)
+    next(stream)  # the run is open
+    with pytest.raises(FluxKleinError, match="while a stream"):
+        pipe.set_loras([])
+    stream.close()
+    pipe.set_loras([])  # closed: allowed again
