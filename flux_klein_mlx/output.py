@@ -33,6 +33,7 @@ from PIL.PngImagePlugin import PngInfo
 
 from . import __version__
 from .errors import FluxKleinError
+from .vae import unpatchify
 
 RECORD_KEY = "flux_klein_mlx"  # PNG text chunk holding the JSON record
 FORMATS = {".png": "PNG"}
@@ -393,8 +394,6 @@ def fit_to_decoder(vae, *, grid: int = 8, samples: int = 4, seed: int = 0) -> La
     Used for VAEs without a published map (the tiny test models): a few decodes of
     grid x grid-token latents, which is cheap for small VAEs.
     """
-    from .vae import unpatchify
-
     C4 = vae.config.token_channels
     rng = np.random.default_rng(seed)
     tokens = rng.standard_normal((samples, grid * grid, C4)).astype(np.float32)  # (N, L, 4C)
