@@ -73,6 +73,21 @@ def check_safetensors_file(path: str | Path) -> dict[str, tuple[str, tuple[int, 
     return tensors
 
 
+def safetensors_header_bytes(path: str | Path) -> bytes:
+    """The raw JSON header of a safetensors file (its first 8 + n bytes, never the tensors), for
+    fingerprints: the header names every tensor with its dtype, shape and offsets, so a re-saved
+    or re-quantized file has another. Raises OSError when unreadable, ValueError when no header."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n <= 0 or n > _MAX_HEADER:
+            raise ValueError(f"{path} has no safetensors header")
+        header = f.read(n)
+    if len(header) != n:
+        raise ValueError(f"{path} is shorter than its safetensors header")
+    return header
+
+
 def read_weight_files(
     files: Iterable[str | Path], keep: Callable[[str], bool] | None = None
 ) -> dict[str, mx.array]:
