@@ -100,9 +100,21 @@ def component_spans(info, name: str, merge: bool = True) -> list[Span]:
     those it drops unread (the text encoder's layers above 27, final norm and LM head; the VAE's
     BatchNorm step counter)."""
     from .text_encoder import keeps_key
+    from .vae_source import is_decoder_key
 
-    keep = {"text_encoder": keeps_key, "vae": lambda k: not k.endswith("num_batches_tracked")}.get(name)
-    return tensor_spans(info.files.get(name, []), keep, merge)
+    files = info.files.get(name, [])
+    if name == "text_encoder":
+        return tensor_spans(files, keeps_key, merge)
+    if name != "vae":
+        return tensor_spans(files, None, merge)
+    used = lambda k: not k.endswith("num_batches_tracked")  # noqa: E731
+    decoder = getattr(info, "decoder_files", None)
+    if not decoder:
+        return tensor_spans(files, used, merge)
+    # A decoder-only `vae=`: the model's VAE without its decoder, and the other file's decoder.
+    spans = tensor_spans(files, lambda k: used(k) and not is_decoder_key(k), False)
+    spans += tensor_spans(decoder, lambda k: used(k) and is_decoder_key(k), False)
+    return merge_spans(spans) if merge else spans
 
 
 def bytes_to_load(info, name: str) -> int:
