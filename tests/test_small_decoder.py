@@ -173,3 +173,28 @@ def test_bad_vae_sources_are_one_clear_line(snapshot, small, tmp_path):
     info = describe(snapshot)
     with pytest.raises(FluxKleinError, match="has no VAE"):
         with_vae(info, tmp_path / "empty")
+
+
+# ---- convert --vae ------------------------------------------------------------------------------
+
+
+def test_convert_writes_the_small_decoder(snapshot, small, tmp_path, capsys):
+    from mlx.utils import tree_flatten
+
+    from flux_klein_mlx import __main__ as cli
+
+    out = tmp_path / "mlx"
+    assert cli.main(["convert", "-m", str(snapshot), "-o", str(out), "--vae", str(small.root)]) == 0  # default bf16
+    info = describe(out)
+    assert info.configs["vae"]["decoder_block_out_channels"] == [24, 24, 48, 48]
+    assert info.original["vae"] == str(small.root)
+    written = dict(tree_flatten(load_component(info, "vae").parameters()))
+    direct = dict(tree_flatten(load_component(describe(snapshot, vae=small.root), "vae", mx.bfloat16).parameters()))
+    assert written.keys() == direct.keys()
+    assert all(written[k].dtype == mx.bfloat16 and mx.array_equal(written[k], direct[k]).item() for k in written)
+
+    capsys.readouterr()
+    bad = tmp_path / "bad"
+    assert cli.main(["convert", "-m", str(snapshot), "-o", str(bad), "--vae", str(tmp_path / "no-such-vae")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: VAE: ") and err.count("\n") == 1 and not bad.exists()
