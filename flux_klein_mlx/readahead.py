@@ -4,14 +4,14 @@ MLX loads a safetensors tensor lazily: when it is first evaluated, `pread()` cop
 from the file into the array's own buffer (mlx `io/load.cpp`, `ParallelFileReader`). Our loader
 evaluates layer by layer, so a cold load is a long series of synchronous reads in model order,
 during which nothing computes. `ReadAhead` reads the byte ranges the load will read, in file
-order, on a background thread, while something else computes (the text encoder encoding, the
+order, on background threads, while something else computes (the text encoder encoding, the
 last denoising steps), so that the load's preads find the bytes in the OS page cache and become
-memory copies.
+memory copies. Python threads suffice: `mx.eval` and file reads both release the GIL.
 
 Why a read-ahead cannot double what is resident (page cache vs MLX arrays):
-- It allocates no MLX array and keeps nothing: one reused buffer of `chunk_bytes` (8 MiB), into
-  which each chunk is read and overwritten. The process's own memory (MLX's allocations,
-  `mx.get_peak_memory()`, anonymous RSS) grows by that buffer only.
+- It allocates no MLX array and keeps nothing: each of its `readers` (4) threads has one reused
+  buffer of `chunk_bytes` (8 MiB), into which each chunk is read and overwritten. The process's
+  own memory (MLX's allocations, `mx.get_peak_memory()`, anonymous RSS) grows by those 32 MiB only.
 - What it fills is the page cache: clean, file-backed pages owned by the kernel. The load itself
   reads through the same page cache (buffered `pread`), so the very same pages are cached after
   a load with or without read-ahead; the read-ahead only changes *when* they arrive. Both with and
@@ -21,10 +21,11 @@ Why a read-ahead cannot double what is resident (page cache vs MLX arrays):
   swap. The only risk of reading ahead too early is that the pages are evicted before the load
   (the read was wasted; the load reads again): a cost in time, never in peak memory.
 
-Measuring it (benchmarks/cold_start.py): the same staged run with and without read-ahead, each
-reporting `mx.get_peak_memory()` per stage and the process's peak RSS (`ru_maxrss`); they must
-agree to within the read buffer. The page cache's share is visible separately (`free`, or
-Activity Monitor's "Cached Files"), and is the same after both runs.
+Measuring it (benchmarks/cold_start.py): the same cold load with and without read-ahead, each in a
+fresh process reporting `mx.get_peak_memory()` over the load and the peak RSS (VmHWM / ru_maxrss);
+they must agree to within the read buffers (on the Linux VM: identical MLX peak, RSS +4 MB). The
+page cache's share is visible separately (`free`, or Activity Monitor's "Cached Files") and is
+the same after both.
 
 Cold starts. `drop_from_page_cache(files)` evicts files with `posix_fadvise(POSIX_FADV_DONTNEED)`
 on Linux (no root needed; clean pages only, which weight files are). macOS has no per-file
@@ -47,11 +48,12 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from .weights import safetensors_tensor_spans
 
 CHUNK_BYTES = 8 << 20
+READERS = 4  # requests in flight (MLX's loader uses a pool of 4 too)
 MERGE_GAP = 1 << 20  # reading a gap this small is cheaper than skipping it (one sequential stream)
 
 
@@ -127,7 +129,7 @@ def bytes_to_load(info, name: str) -> int:
 
 @dataclass
 class ReadStats:
-    """What one sequential read did."""
+    """What one read of a list of spans did."""
 
     bytes: int = 0
     seconds: float = 0.0
@@ -141,59 +143,70 @@ class ReadStats:
         return self.bytes / self.seconds if self.seconds > 0 else 0.0
 
 
-def _advise_willneed(fd: int, span: Span) -> None:
-    # Linux starts reading the whole range now (asynchronously), deepening the disk's queue;
-    # elsewhere the sequential reads below do the work alone.
-    if hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, span.start, span.nbytes, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
+def _chunks(spans: Sequence[Span], chunk_bytes: int) -> Iterator[tuple[Path, int, int]]:
+    """(file, offset, length) of every chunk, in file order."""
+    return ((s.path, o, min(chunk_bytes, s.end - o)) for s in spans for o in range(s.start, s.end, chunk_bytes))
 
 
 def read_spans(
-    spans: Sequence[Span], chunk_bytes: int = CHUNK_BYTES, stop: threading.Event | None = None, advise: bool = True
+    spans: Sequence[Span], chunk_bytes: int = CHUNK_BYTES, stop: threading.Event | None = None, readers: int = READERS
 ) -> ReadStats:
-    """Read `spans` in order into one reused buffer; the bytes are dropped, the page cache keeps them.
+    """Read `spans` with `readers` threads taking the next chunk in file order, each into its own
+    reused buffer; the bytes are dropped, the page cache keeps them. Several requests in flight
+    (as MLX's own loader issues) are what an SSD needs for its rate; one reader got about half of
+    it on our development VM, and posix_fadvise(WILLNEED) on top made it slower, so neither is used.
 
     Errors end the read and are returned in `stats.error`, never raised.
     """
-    stats, buf = ReadStats(), bytearray(chunk_bytes)
-    view = memoryview(buf)
+    stats, lock = ReadStats(spans=len(spans)), threading.Lock()
+    chunks, fds, failures = _chunks(spans, chunk_bytes), {}, []
+    stop = stop or threading.Event()
     t0 = time.perf_counter()
+
+    def reader() -> None:
+        view = memoryview(bytearray(chunk_bytes))
+        while not stop.is_set():
+            with lock:
+                chunk = next(chunks, None)
+            if chunk is None:
+                return
+            path, offset, length = chunk
+            try:
+                n = _read_exactly(fds[path], view[:length], offset, path)
+            except Exception as e:  # noqa: BLE001  (a reader must never die silently: reported in stats.error)
+                failures.append(e)
+                stop.set()
+                return
+            with lock:
+                stats.bytes += n
+
     try:
-        fds: dict[Path, int] = {}
-        try:
-            for span in spans:
-                if span.path not in fds:
-                    fds[span.path] = os.open(span.path, os.O_RDONLY)
-                    if advise:  # hint every span of this file at once, before reading the first
-                        for s in spans:
-                            if s.path == span.path:
-                                _advise_willneed(fds[span.path], s)
-                stats.bytes += _read_span(fds[span.path], span, view, stop)
-                stats.spans += 1
-                if stop is not None and stop.is_set():
-                    stats.stopped = True
-                    break
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+        for path in dict.fromkeys(s.path for s in spans):
+            fds[path] = os.open(path, os.O_RDONLY)
+        threads = [threading.Thread(target=reader, name="flux_klein_mlx-read", daemon=True) for _ in range(max(1, readers))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     except OSError as e:
-        stats.error = f"{getattr(e, 'filename', None) or ''}: {e.strerror or e}".lstrip(": ")
+        failures.append(e)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if failures:
+        e = failures[0]
+        stats.error = f"{getattr(e, 'filename', None) or ''}: {getattr(e, 'strerror', None) or e}".lstrip(": ")
+    stats.stopped = stop.is_set() and not failures and stats.bytes < sum(s.nbytes for s in spans)
     stats.seconds = time.perf_counter() - t0
     return stats
 
 
-def _read_span(fd: int, span: Span, view: memoryview, stop: threading.Event | None) -> int:
-    done, offset = 0, span.start
-    while offset < span.end:
-        if stop is not None and stop.is_set():
-            break
-        n = _pread_into(fd, view[: min(len(view), span.end - offset)], offset)
+def _read_exactly(fd: int, view: memoryview, offset: int, path: Path) -> int:
+    done = 0
+    while done < len(view):
+        n = _pread_into(fd, view[done:], offset + done)
         if n <= 0:
-            raise OSError(f"{span.path} ended at byte {offset}, before {span.end}")
-        offset += n
+            raise OSError(f"{path} ended at byte {offset + done}, before {offset + len(view)}")
         done += n
     return done
 
@@ -219,10 +232,10 @@ class ReadAhead:
     """
 
     def __init__(
-        self, spans: Sequence[Span] | Callable[[], Sequence[Span]], chunk_bytes: int = CHUNK_BYTES, advise: bool = True
+        self, spans: Sequence[Span] | Callable[[], Sequence[Span]], chunk_bytes: int = CHUNK_BYTES, readers: int = READERS
     ):
         self._spans = spans
-        self.chunk_bytes, self.advise = chunk_bytes, advise
+        self.chunk_bytes, self.readers = chunk_bytes, readers
         self.stats = ReadStats()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="flux_klein_mlx-readahead", daemon=True)
@@ -244,7 +257,7 @@ class ReadAhead:
     def _run(self) -> None:
         try:
             spans = self._spans() if callable(self._spans) else self._spans
-            self.stats = read_spans(list(spans), self.chunk_bytes, self._stop, self.advise)
+            self.stats = read_spans(list(spans), self.chunk_bytes, self._stop, self.readers)
         except (OSError, ValueError, KeyError, TypeError) as e:  # a damaged header: the load will say so
             self.stats = ReadStats(error=str(e).splitlines()[0][:200] or type(e).__name__)
 
@@ -279,10 +292,11 @@ class ReadAhead:
 # ---- measuring ----------------------------------------------------------------------------------------
 
 
-def sequential_read_rate(spans: Sequence[Span], chunk_bytes: int = CHUNK_BYTES) -> ReadStats:
-    """Read `spans` on this thread and report the rate. Cold (after `drop_from_page_cache`) this
-    is the disk's sequential rate on these very files; warm, the page cache's copy rate."""
-    return read_spans(spans, chunk_bytes, advise=False)
+def sequential_read_rate(spans: Sequence[Span], chunk_bytes: int = CHUNK_BYTES, readers: int = READERS) -> ReadStats:
+    """Read `spans` (in file order, `readers` requests in flight, as `ReadAhead` does) and report
+    the rate. Cold (after `drop_from_page_cache`) this is the disk's rate on these very files;
+    warm, the page cache's copy rate."""
+    return read_spans(spans, chunk_bytes, readers=readers)
 
 
 def drop_from_page_cache(files: Iterable[str | Path]) -> str:

@@ -5,6 +5,7 @@ the loader reads."""
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 
 import mlx.core as mx
@@ -27,7 +28,7 @@ def test_read_ahead_reads_every_byte_and_its_thread_ends(tmp_path, capfd):
     files = [data_file(tmp_path, "a.bin"), data_file(tmp_path, "b.bin", 1000)]
     ahead = ReadAhead.of_files(files, chunk_bytes=1 << 20).start()
     stats = ahead.wait(timeout=60)
-    assert ahead.done and not ahead._thread.is_alive()
+    assert ahead.done and not any(t.name.startswith("flux_klein_mlx-") for t in threading.enumerate())
     assert stats.bytes == sum(f.stat().st_size for f in files) and stats.spans == 2 and stats.error is None
     assert stats.rate > 0
     with ReadAhead.of_files(files) as ahead:  # the context manager stops and joins
@@ -56,11 +57,14 @@ def test_read_ahead_fills_the_page_cache_and_drop_empties_it(tmp_path):
     assert storage_read_bytes() - before >= 0.9 * size  # dropped: read from the disk again
 
 
-def test_stop_ends_the_thread_early():
+def test_stop_ends_the_thread_early(tmp_path):
     ahead = ReadAhead([Span(ra.Path(os.devnull), 0, 1 << 40)], chunk_bytes=1 << 16)
     ahead._stop.set()  # stopped before it starts: nothing may be read
     stats = ahead.start().wait(timeout=10)
     assert ahead.done and stats.stopped and stats.bytes == 0
+    f = data_file(tmp_path, size=(4 << 20) + 5)
+    whole = ra.read_spans([Span(f, 0, f.stat().st_size)], chunk_bytes=1 << 20, readers=3)  # 5 chunks, 3 readers
+    assert whole.bytes == f.stat().st_size and not whole.stopped and whole.error is None
 
 
 def test_a_failed_read_is_one_warning_never_an_exception(tmp_path, capfd):
@@ -105,3 +109,27 @@ def test_stage_meter_counts_time_and_bytes(tmp_path):
     assert stage["seconds"] > 0 and set(meter.stages) == {"read"}
     assert (stage["read_bytes"] is None) == (storage_read_bytes() is None)
     assert ra.limit_seconds(2e9, 1e9, 3e12, 1e12) == pytest.approx(5.0)
+
+
+def test_cold_start_script_runs_on_the_tiny_snapshot(tmp_path_factory):
+    """benchmarks/cold_start.py's measurements, in-process on the tiny snapshot (so they cannot rot)."""
+    import importlib.util
+
+    from tiny_model import shared_tiny_snapshot
+
+    path = ra.Path(__file__).resolve().parents[1] / "benchmarks" / "cold_start.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_cold_start", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    model = str(shared_tiny_snapshot(tmp_path_factory))
+    loads = [dict(script.child_load(model, "vae", readahead=mode, overlap=0.05), cold=False) for mode in (None, "overlap")]
+    for x in loads:  # the load holds what it read, with or without read-ahead (a few scalars aside)
+        assert 0 <= x["peak_memory"] - x["bytes_to_load"] < 1024
+    assert loads[1]["readahead"]["bytes"] <= loads[1]["bytes_to_load"]
+    cache = script.child_cache(model)
+    assert cache["hit_equals"] and cache["entry_bytes"] > 512 * 7680 * 2
+    results = {"model": model, "drop": "not dropped", "sequential": {"bytes": 1e9, "seconds": 1.0, "rate": 1e9},
+               "loads": loads, "cache": cache,
+               "limit": {"bytes": 1e9, "read_seconds": 1.0, "flops_1024_4_steps": 1e12, "compute_seconds_at_peak": None}}  # fmt: skip
+    text = script.report(results)
+    assert "| vae | warm | overlap:" in text and "hit bit-identical: True" in text
