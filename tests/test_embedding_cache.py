@@ -106,6 +106,24 @@ def test_a_cached_run_opens_no_weight_file(snapshot, tmp_path, monkeypatch):
     assert EmbeddingCache(tmp_path).key(files, **KEY_ARGS) == key  # header digests remembered on disk
 
 
+def test_template_is_read_without_building_the_tokenizer(snapshot, encoder, tmp_path):
+    import shutil
+
+    from flux_klein_mlx.tokenizer import chat_template_source
+
+    _, tok = encoder["float32"]
+    assert chat_template_source(snapshot) == tok.hf_tokenizer.chat_template
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(snapshot / "tokenizer", folder)
+    (folder / "chat_template.jinja").write_text("{{ messages }}")  # transformers prefers this file
+    assert chat_template_source(folder) == "{{ messages }}"
+    (folder / "chat_template.jinja").unlink()
+    config = (folder / "tokenizer_config.json").read_text()
+    (folder / "tokenizer_config.json").write_text(config.replace('"chat_template"', '"no_template"'))
+    with pytest.raises(FluxKleinError, match="no chat template"):
+        chat_template_source(folder)
+
+
 def test_cached_embeddings_without_a_cache_encodes_everything():
     out = cached_embeddings(None, {"a": "", "b": ""}, lambda ps: mx.stack([mx.full((512, 3), float(len(p))) for p in ps]))
     assert set(out) == {"a", "b"} and out["a"].shape == (1, 512, 3)
