@@ -183,9 +183,9 @@ def run_ours(args, reference) -> dict:
 
 def first_sigma_step(job) -> float:
     """sigma_1 - sigma_0 of the steps that run (our schedule equals diffusers', tests/test_sampler.py)."""
-    from flux_klein_mlx.sampler import FluxSampler
+    from flux_klein_mlx.sampling import schedule
 
-    sig = FluxSampler().timesteps(job.h * job.w, job.steps)[job.t_start :]
+    sig = schedule(job.h * job.w, job.inputs.settings.steps)[job.inputs.t_start :]
     return sig[1] - sig[0]
 
 

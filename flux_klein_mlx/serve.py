@@ -13,9 +13,8 @@ import click
 
 from .cli import run_command
 from .errors import FluxKleinError
-from .pipeline import load
-
-DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-4B"
+from .lora import parse_lora_spec
+from .pipeline import DEFAULT_MODEL, load
 
 
 def is_loopback(host: str) -> bool:
@@ -27,20 +26,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def parse_lora(value: str) -> tuple[str, float]:
-    """ "PATH" or "PATH:SCALE" -> (path, scale); the file must exist."""
-    path, scale = value, 1.0
-    head, sep, tail = value.rpartition(":")
-    if sep and head:
-        try:
-            path, scale = head, float(tail)
-        except ValueError:
-            path, scale = value, 1.0  # a ':' that is part of the path
-    if not Path(path).is_file():
-        raise FluxKleinError(f"--lora {path}: no such file; give a .safetensors LoRA file, optionally PATH:SCALE")
-    return str(Path(path).resolve()), scale
-
-
 @click.command("serve")
 @click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
               help="Hugging Face repo id, diffusers folder, or a folder written by `convert`.")
@@ -48,7 +33,7 @@ def parse_lora(value: str) -> tuple[str, float]:
               help="Quantize transformer and text encoder at load.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--low-memory", is_flag=True, help="Release the transformer before decoding (small-memory Macs).")
-@click.option("--lora", "loras", multiple=True, help="LoRA file loaded with the model, PATH or PATH:SCALE; repeatable.")
+@click.option("--lora", "loras", multiple=True, help="LoRA loaded with the model: a file, owner/name or owner/name:FILE, optionally :SCALE; repeatable.")
 @click.option("--lora-dir", default=None, help="Folder of .safetensors LoRAs that requests may name (\"loras\").")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; anything but loopback requires --api-key.")
@@ -83,18 +68,16 @@ def serve(model, quantize, dtype, low_memory, loras, lora_dir, host, port, api_k
     from .api import MB, ServerOptions, create_app
     from .jobs import Worker
 
-    base_loras = tuple(parse_lora(v) for v in loras)
-
+    base_loras = [parse_lora_spec(v) for v in loras]
     bits = int(quantize) if quantize else None
 
-    def loader(lora_list: tuple):
-        return load(model, dtype=dtype, quantize=bits, low_memory=low_memory, loras=list(lora_list))
+    def loader():
+        return load(model, dtype=dtype, quantize=bits, low_memory=low_memory, loras=base_loras)
 
     model_id = model_id or Path(str(model).rstrip("/")).name
     options = ServerOptions(model_id=model_id, api_key=api_key, lora_dir=Path(lora_dir) if lora_dir else None,
                             save_dir=Path(save_dir) if save_dir else None, max_upload_bytes=int(max_upload_mb * MB))
-    worker = Worker(loader, max_queue=queue_size, base_loras=base_loras,
-                    metadata={"model": model_id, "dtype": dtype})
+    worker = Worker(loader, max_queue=queue_size)
     worker.start()
     shown = f"[{host}]" if ":" in host else host
     click.echo(f"loading {model}; serving {model_id!r} at http://{shown}:{port}/ (API: http://{shown}:{port}/v1)",

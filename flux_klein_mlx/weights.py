@@ -364,6 +364,16 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str
     path = Path(path)
     if not path.is_file():
         raise FluxKleinError(f"LoRA file not found: {path}")
+    try:
+        header = check_safetensors_file(path)
+    except FluxKleinError:
+        header = {}  # damaged: mx.load below says so in the LoRA's own words
+    fp8 = next(((k, d) for k, (d, _) in header.items() if d.upper().startswith("F8")), None)
+    if fp8:
+        raise FluxKleinError(
+            f"LoRA {path.name} stores fp8 tensors ({fp8[1]}, e.g. {fp8[0]}), which flux_klein_mlx does not read; "
+            "use a bf16, fp16 or fp32 export of it"
+        )
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -386,8 +396,14 @@ def resolve_lora(spec: str | Path) -> Path:
     """
     path = Path(spec).expanduser()
     if path.is_file():
-        return path
+        return path.resolve()
     text = str(spec)
+    if not text.strip():
+        raise FluxKleinError("a LoRA was given as an empty name; give a .safetensors file or a Hugging Face repo id")
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.safetensors"))
+        inside = f"it holds {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}" if found else "it holds no LoRA"
+        raise FluxKleinError(f"LoRA '{text}' is a folder, not a LoRA file ({inside}); give the .safetensors file itself")
     repo, _, filename = text.partition(":")
     if path.exists() or text.startswith((".", "/", "~")) or repo.count("/") != 1 or (not filename and text.endswith(".safetensors")):
         raise FluxKleinError(f"LoRA '{text}' not found: no such file, and not a Hugging Face repo id (owner/name[:file])")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from PIL import Image
@@ -28,22 +27,11 @@ import flux_klein_mlx.pipeline as pipeline_module
 from flux_klein_mlx import convert as convert_module
 from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.img2img import open_image
-from flux_klein_mlx.loading import FORMAT, describe
-from flux_klein_mlx.pipeline import FluxKleinPipeline, load, preprocess_reference
-from tiny_model import shared_tiny_snapshot
+from flux_klein_mlx.inputs import open_image, preprocess_reference
+from flux_klein_mlx.output import TMP_MARKER, read_record, save_image
+from flux_klein_mlx.pipeline import load
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def snapshot(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=True)
-
-
-@pytest.fixture(scope="module")
-def base_snapshot(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=False)
 
 
 @pytest.fixture(scope="module")
@@ -168,13 +156,13 @@ def test_a_later_run_removes_stale_temporaries_of_its_own_only(capsys, snapshot,
     out = tmp_path / "out"
     dead = tmp_path / "out.tmp-0123abcd"  # a run killed with SIGKILL: marker names a pid that is gone
     dead.mkdir()
-    (dead / convert_module.TMP_MARKER).write_text("999999999\n")
+    (dead / TMP_MARKER).write_text("999999999\n")
     (dead / "transformer.safetensors").write_bytes(b"half")
     empty = tmp_path / "out.tmp-00000000"
     empty.mkdir()
     alive = tmp_path / "out.tmp-11111111"  # a conversion still running (this process): kept
     alive.mkdir()
-    (alive / convert_module.TMP_MARKER).write_text(f"{os.getpid()}\n")
+    (alive / TMP_MARKER).write_text(f"{os.getpid()}\n")
     foreign = tmp_path / "out.tmp-22222222"  # someone else's folder with that name: kept
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
@@ -182,20 +170,17 @@ def test_a_later_run_removes_stale_temporaries_of_its_own_only(capsys, snapshot,
     assert code == 0, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.tmp-11111111", "out.tmp-22222222"]
     assert (foreign / "notes.txt").read_text() == "mine"
-    assert not (out / convert_module.TMP_MARKER).exists()
+    assert not (out / TMP_MARKER).exists()
 
 
 def test_png_is_created_exclusively_never_replacing(tmp_path):
-    from flux_klein_mlx.generate import save_png
-
     img = Image.new("RGB", (8, 8), (10, 20, 30))
     target = tmp_path / "x.png"
     # A name taken between the free-name check and the write (another process) is not replaced.
-    written = [save_png(img, target, {"seed": i}) for i in range(3)]
+    written = [save_image(img, target, {"seed": i}) for i in range(3)]
     assert written == [target, tmp_path / "x-1.png", tmp_path / "x-2.png"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x-1.png", "x-2.png", "x.png"]  # no temporaries
-    with Image.open(tmp_path / "x-2.png") as im:
-        assert im.text["seed"] == "2"
+    assert read_record(tmp_path / "x-2.png")["seed"] == 2
 
 
 # --- fail before the work -------------------------------------------------------------------------------
@@ -287,14 +272,14 @@ def test_load_message_says_what_is_true(capsys, snapshot, tmp_path):
     (["--guidance", "-5"], "guidance must be a finite number >= 0"),
     (["--guidance", "inf"], "guidance must be a finite number"),
 ])
-def test_ranges_refused_by_cli_before_any_model(capsys, base_snapshot, tmp_path, no_models, extra, words):
-    code, _, err = run(capsys, *gen_args(base_snapshot, tmp_path / "x.png", *extra))
+def test_ranges_refused_by_cli_before_any_model(capsys, base, tmp_path, no_models, extra, words):
+    code, _, err = run(capsys, *gen_args(base, tmp_path / "x.png", *extra))
     assert_one_line_error(code, err, words)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_ranges_and_types_refused_by_the_python_api_alike(snapshot, base_snapshot, no_models):
-    pipe = load(base_snapshot)
+def test_ranges_and_types_refused_by_the_python_api_alike(snapshot, base, no_models):
+    pipe = load(base)
     for kwargs, words in [
         (dict(width=0), "width 0 is below the minimum"),
         (dict(steps=0), "steps must be"),
@@ -322,6 +307,22 @@ def test_ranges_and_types_refused_by_the_python_api_alike(snapshot, base_snapsho
     assert no_models == []
 
 
+def test_prompt_that_is_not_text_refused_alike_by_cli_and_api(capsys, base, tmp_path, no_models):
+    """Bytes that are not UTF-8 on the command line reach Python as lone surrogates (surrogateescape); the
+    Python API and the server (JSON `\\ud800`) can pass lone surrogates themselves. One rule: an error that says
+    so, before any model (the server's 400 is in test_serve)."""
+    out = tmp_path / "x.png"
+    for extra, words in ((["-p", "caf\udce9"], "the prompt is not valid text: character 4 is a lone surrogate U+DCE9 "
+                                               "(byte 0xE9 that is not UTF-8"),
+                         (["--negative-prompt", "a\udcff", "--guidance", "4"], "the negative prompt is not valid text")):
+        code, _, err = run(capsys, *gen_args(base, out, *extra))
+        assert_one_line_error(code, err, words)
+    pipe = load(base)
+    with pytest.raises(FluxKleinError, match=r"the prompt is not valid text: character 3 is a lone surrogate U\+D800; "):
+        pipe.generate("a \ud800 fox", width=64, height=64)
+    assert no_models == [] and not out.exists()
+
+
 def test_seeds_wrap_like_torch_in_cli_and_api(capsys, snapshot, tmp_path):
     """Documented: torch noise uses seed mod 2**32 (negative seeds wrap, as in torch); the CLI and
     the API accept any whole number alike."""
@@ -347,7 +348,7 @@ def test_quantize_option_on_a_quantized_folder(capsys, snapshot, tmp_path, no_mo
 def nan_pipeline(snapshot, stage, dtype="float32"):
     """A real tiny pipeline whose VAE encode or decode returns NaN."""
     pipe = load(snapshot, dtype=dtype)
-    vae = pipe.vae.get()
+    vae = pipe.component("vae")
     name = "decode_tokens" if stage == "decode" else "encode_to_tokens"
     real = getattr(vae, name)
     setattr(vae, name, lambda *a, **k: real(*a, **k) * float("nan"))
@@ -370,14 +371,8 @@ def test_non_finite_values_end_the_run_naming_the_stage(snapshot, tmp_path, stag
 
 def test_non_finite_prompt_embeddings_named(snapshot):
     pipe = load(snapshot, dtype="float32")
-    real = pipe.text_encoder._loader
-
-    def poisoned():
-        te = real()
-        te.model.embed_tokens.weight = te.model.embed_tokens.weight * float("nan")
-        return te
-
-    pipe.text_encoder._loader = poisoned
+    te = pipe.component("text_encoder")  # loaded now, poisoned in place; the run encodes with it
+    te.model.embed_tokens.weight = te.model.embed_tokens.weight * float("nan")
     with pytest.raises(FluxKleinError, match="non-finite values in the text encoder") as e:
         pipe.generate("a fox", width=64, height=64, steps=1, seed=0)
     assert "--dtype float32" not in str(e.value)
@@ -435,7 +430,7 @@ def test_width_alone_with_a_reference_takes_the_references_height(snapshot, tmp_
     pipe = load(snapshot, dtype="float32")
     out = pipe.generate("a fox", width=64, steps=1, seed=0, images=[ref])
     assert out.size == (64, 96)  # not 64x1024
-    assert pipe.last_stats["height"] == 96
+    assert pipe.last_metadata["height"] == 96
 
 
 # --- misleading messages --------------------------------------------------------------------------------
@@ -459,3 +454,24 @@ def test_flux1_index_refused_by_convert_as_by_generate(capsys, snapshot, tmp_pat
     code, _, err_conv = run(capsys, "convert", "-m", src, "-o", tmp_path / "out")
     assert_one_line_error(code, err_conv, "FluxPipeline")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["snap"]
+
+
+# --- LoRA files (issue 21) ------------------------------------------------------------------------------
+
+
+def test_bad_lora_files_refused_by_the_cli_before_any_model(capsys, snapshot, tmp_path, no_models):
+    """Every kind of bad LoRA file of test_lora.bad_lora_files: one line naming the file, exit 1, no model
+    loaded, the files untouched, no image written."""
+    from test_lora import bad_lora_files
+
+    folder = tmp_path / "loras"
+    folder.mkdir()
+    cases = bad_lora_files(folder)
+    before = tree_hash(folder)
+    out = tmp_path / "x.png"
+    for name, lora, scale, match in cases:
+        code, _, err = run(capsys, *gen_args(snapshot, out, "--lora", lora, "--lora-scale", scale))
+        assert_one_line_error(code, err)
+        assert re.search(match, err), (name, err)
+        assert lora.name in err, (name, err)
+    assert no_models == [] and tree_hash(folder) == before and not out.exists()

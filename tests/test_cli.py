@@ -15,14 +15,10 @@ import pytest
 from PIL import Image
 
 from flux_klein_mlx.__main__ import main
-from tiny_model import shared_tiny_snapshot
+from flux_klein_mlx.inputs import content_hash, preprocess_reference
+from flux_klein_mlx.output import read_record
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def snapshot(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=True)
 
 
 def generate(args, capsys):
@@ -41,11 +37,15 @@ def test_generate_writes_png_with_metadata_and_never_overwrites(snapshot, tmp_pa
     assert "denoising" in stderr and "s/step" in stderr and "peak" in stderr
     with Image.open(out) as im:
         assert im.size == (96, 64)
-        meta = dict(im.text)
+        meta = json.loads(im.text["flux_klein_mlx"])
+        a1111 = im.text["parameters"]
         first = np.asarray(im.convert("RGB"))
-    assert meta["prompt"] == "a red fox" and meta["seed"] == "42" and meta["steps"] == "4"
-    assert meta["width"] == "96" and meta["height"] == "64" and meta["model"] == str(snapshot)
-    assert json.loads(meta["parameters"])["guidance"] is None
+    assert meta["prompt"] == "a red fox" and meta["seed"] == 42 and meta["steps"] == 4
+    assert meta["width"] == 96 and meta["height"] == 64 and meta["model"] == snapshot.name
+    assert meta["guidance"] is None
+    # A1111 / Forge text, which Civitai, InvokeAI and ComfyUI's importer parse; no chunk named "prompt".
+    assert a1111.startswith("a red fox\nSteps: 4, Sampler: Euler, ") and "CFG scale: 1, Seed: 42, Size: 96x64" in a1111
+    assert "prompt" not in im.text
 
     # Same seed again: the existing file is kept, a new name is chosen and printed, same pixels.
     code, stdout, stderr = generate(args, capsys)
@@ -64,8 +64,8 @@ def test_generate_num_images_counts_seeds_up(snapshot, tmp_path, capsys):
     assert code == 0
     paths = stdout.split()
     assert paths == [str(tmp_path / "many-0.png"), str(tmp_path / "many-1.png")]
-    seeds = [Image.open(p).text["seed"] for p in paths]
-    assert seeds == ["5", "6"]
+    seeds = [read_record(p)["seed"] for p in paths]
+    assert seeds == [5, 6]
 
 
 def test_editing_with_reference_image(snapshot, tmp_path, capsys):
@@ -77,7 +77,8 @@ def test_editing_with_reference_image(snapshot, tmp_path, capsys):
     assert code == 0, stderr
     with Image.open(out) as im:
         assert im.size == (96, 64)  # the reference's size, floored to multiples of 16 and centre-cropped
-        assert json.loads(im.text["parameters"])["references"] == [str(ref)]
+        # references are named by the content hash of their prepared pixels (the same from every door)
+        assert json.loads(im.text["flux_klein_mlx"])["references"] == [content_hash(preprocess_reference(ref))]
 
 
 @pytest.mark.parametrize(
@@ -156,7 +157,7 @@ def test_first_run_of_a_new_user_from_the_hub_cache_offline(snapshot, tmp_path):
            "--width", "64", "--height", "64", "--output", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert out.is_file() and Image.open(out).text["model"] == "black-forest-labs/FLUX.2-klein-4B"
+    assert out.is_file() and read_record(out)["model"] == "black-forest-labs/FLUX.2-klein-4B"
 
     # An id that is not in the cache: one line, exit 1, no traceback.
     proc = subprocess.run(cmd[:-1] + [str(tmp_path / "second.png"), "--model", "someone/missing-model"], env=env,

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 from mlx.utils import tree_flatten
-from refs import load_folder_component, rel_err, to_mx
-from tiny_model import LATENT_CHANNELS, QWEN_HIDDEN, TRANSFORMER, shared_tiny_snapshot, write_bfl_transformer
+from refs import load_folder_component, load_one, rel_err, to_mx
+from tiny_model import LATENT_CHANNELS, QWEN_HIDDEN, TRANSFORMER, write_bfl_transformer
 
 import flux_klein_mlx.weights as weights_module
 from flux_klein_mlx import __main__ as cli
 from flux_klein_mlx.convert import convert_model
-from flux_klein_mlx.loading import COMPONENTS, FORMAT, describe, load_flux_klein, load_text_encoder, load_vae
+from flux_klein_mlx.loading import COMPONENTS, FORMAT, describe
 from flux_klein_mlx.loading import read_mlx_config as read_config
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.tokenizer import PromptTokenizer
@@ -32,11 +32,6 @@ from flux_klein_mlx.weights import (
     save_safetensors_sharded,
     save_safetensors_streaming,
 )
-
-
-@pytest.fixture(scope="module")
-def snapshot(tmp_path_factory) -> Path:
-    return shared_tiny_snapshot(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -142,9 +137,9 @@ def test_folder_layout_and_config(converted, snapshot):
 def test_weights_are_ours_and_equal_to_direct_loading(converted, snapshot):
     """Keys are our model's names (no mapping at load) and every tensor equals the source loaders' result."""
     direct = {
-        "transformer": load_flux_klein(snapshot / "transformer", dtype=mx.float32),
-        "text_encoder": load_text_encoder(snapshot, dtype=mx.float32),
-        "vae": load_vae(snapshot, dtype=mx.float32),
+        "transformer": load_one("transformer", snapshot / "transformer", dtype=mx.float32),
+        "text_encoder": load_one("text_encoder", snapshot, dtype=mx.float32),
+        "vae": load_one("vae", snapshot, dtype=mx.float32),
     }
     for name in COMPONENTS:
         loaded = dict(tree_flatten(load_folder_component(converted, name).parameters()))

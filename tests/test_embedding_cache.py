@@ -38,11 +38,11 @@ def snapshot(tmp_path_factory):
 @pytest.fixture(scope="module")
 def encoder(snapshot):
     """{dtype name: (text encoder, tokenizer)} for the tiny snapshot."""
-    from flux_klein_mlx.loading import load_text_encoder
+    from flux_klein_mlx.loading import describe, load_component
     from flux_klein_mlx.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(snapshot)
-    return {n: (load_text_encoder(snapshot, dtype=d), tok) for n, d in (("bfloat16", mx.bfloat16), ("float32", mx.float32))}
+    tok, info = load_tokenizer(snapshot), describe(snapshot)
+    return {n: (load_component(info, "text_encoder", d), tok) for n, d in (("bfloat16", mx.bfloat16), ("float32", mx.float32))}
 
 
 def weight_file(folder: Path, name: str = "model.safetensors", value: float = 1.0) -> Path:

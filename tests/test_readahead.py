@@ -123,8 +123,10 @@ def test_cold_start_script_runs_on_the_tiny_snapshot(tmp_path_factory):
     spec.loader.exec_module(script)
     model = str(shared_tiny_snapshot(tmp_path_factory))
     loads = [dict(script.child_load(model, "vae", readahead=mode, overlap=0.05), cold=False) for mode in (None, "overlap")]
-    for x in loads:  # the load holds what it read, with or without read-ahead (a few scalars aside)
-        assert 0 <= x["peak_memory"] - x["bytes_to_load"] < 1024
+    # The load holds what it read, with or without read-ahead (in-process, the peak also counts
+    # whatever earlier tests still hold; the script runs each load in a fresh process).
+    assert all(x["peak_memory"] >= x["bytes_to_load"] for x in loads)
+    assert abs(loads[0]["peak_memory"] - loads[1]["peak_memory"]) < 1 << 20
     assert loads[1]["readahead"]["bytes"] <= loads[1]["bytes_to_load"]
     cache = script.child_cache(model)
     assert cache["hit_equals"] and cache["entry_bytes"] > 512 * 7680 * 2

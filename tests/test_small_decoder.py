@@ -16,14 +16,14 @@ import mlx.core as mx
 import pytest
 import torch
 from diffusers import AutoencoderKL, AutoencoderKLFlux2
-from refs import randomize_, reference_decode, reference_tokens, rel_err, to_bfl, to_mx
+from refs import randomize_, rel_err, to_bfl, to_mx, vae_reference_decode, vae_reference_tokens
 from safetensors.torch import save_file
 from tiny_model import VAE, shared_tiny_snapshot
 
 from flux_klein_mlx.config import AutoEncoderConfig
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.flops import flops_of_vae_decoder
-from flux_klein_mlx.loading import describe, load_component, load_vae, read_component, with_vae
+from flux_klein_mlx.loading import describe, load_component, read_component, with_vae
 from flux_klein_mlx.readahead import bytes_to_load
 
 SMALL = dict(VAE, block_out_channels=(32, 32, 64, 64), decoder_block_out_channels=(24, 24, 48, 48))
@@ -53,11 +53,11 @@ def check_parity(model, ref, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     images = torch.rand(2, 3, H, W, generator=g) * 2 - 1
     got = model.encode_to_tokens(to_mx(images).transpose(0, 2, 3, 1))
-    assert rel_err(got, reference_tokens(ref, images)) <= 1e-4
+    assert rel_err(got, vae_reference_tokens(ref, images)) <= 1e-4
     h, w = H // 16, W // 16
     tokens = torch.randn(2, h * w, 4 * VAE["latent_channels"], generator=g)  # (B, h*w, 2x2 patch of latents)
     got = model.decode_tokens(to_mx(tokens), h, w)  # (B, H, W, 3)
-    assert rel_err(got.transpose(0, 3, 1, 2), reference_decode(ref, tokens, h, w)) <= 1e-4
+    assert rel_err(got.transpose(0, 3, 1, 2), vae_reference_decode(ref, tokens, h, w)) <= 1e-4
 
 
 @pytest.mark.parametrize("source", ["folder", "bfl_file"])
@@ -72,12 +72,6 @@ def test_small_decoder_equals_diffusers(snapshot, small, source):
     model = load_component(info, "vae", mx.float32)
     assert model.decoder.conv_in.weight.shape == (48, 3, 3, 8)  # (O, kh, kw, I): the narrow decoder was built
     check_parity(model, small.ref)
-
-
-def test_bfl_single_file_loads_on_its_own(small):
-    """`load_vae` reads a single file's config off its shapes, so the ComfyUI file loads directly
-    (the given config supplies only what shapes cannot tell: here the tiny model's 8 GroupNorm groups)."""
-    check_parity(load_vae(small.bfl, dtype=mx.float32, config=AutoEncoderConfig(norm_num_groups=8)), small.ref, seed=1)
 
 
 def test_decoder_only_source_keeps_the_models_encoder_and_latent_statistics(snapshot, small):

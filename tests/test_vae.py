@@ -17,15 +17,16 @@ import pytest
 import torch
 from diffusers import AutoencoderKL, AutoencoderKLFlux2, Flux2KleinPipeline
 from mlx.utils import tree_flatten
-from refs import randomize_, reference_decode, reference_tokens, rel_err, to_bfl, to_mx
+from refs import load_one, randomize_, rel_err, to_bfl, to_mx
+from refs import vae_reference_decode as reference_decode
+from refs import vae_reference_tokens as reference_tokens
 from safetensors.torch import save_file
 
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.config import AutoEncoderConfig
-from flux_klein_mlx.loading import load_vae
+from flux_klein_mlx.inputs import check_image_size
 from flux_klein_mlx.vae import (
     AutoEncoder,
-    check_image_size,
     pack,
     patchify,
     sanitize_vae_weights,
@@ -57,9 +58,9 @@ def tiny(tmp_path_factory):
 
 def load(tiny, fmt: str, dtype=mx.float32) -> AutoEncoder:
     if fmt == "diffusers":
-        return load_vae(tiny.folder, dtype=dtype)
+        return load_one("vae", tiny.folder, dtype=dtype)
     config = AutoEncoderConfig.from_dict(json.loads((tiny.folder / "config.json").read_text()))
-    return load_vae(tiny.bfl_file, dtype=dtype, config=config)
+    return load_one("vae", tiny.bfl_file, dtype=dtype, config=config)
 
 
 def nchw(a: mx.array) -> mx.array:
@@ -157,7 +158,7 @@ def test_saved_ours_loads_again(tiny, tmp_path):
     """What `convert` writes (our names, NHWC) loads through the same path."""
     model = load(tiny, "bfl")
     mx.save_safetensors(str(tmp_path / "vae.safetensors"), dict(tree_flatten(model.parameters())))
-    again = load_vae(tmp_path / "vae.safetensors", dtype=mx.float32, config=model.config)
+    again = load_one("vae", tmp_path / "vae.safetensors", dtype=mx.float32, config=model.config)
     z = mx.random.normal((1, 2, 3, 32), key=mx.random.key(1))
     assert rel_err(again.decode(z), model.decode(z)) == 0.0
 
@@ -185,7 +186,7 @@ def test_missing_weight_is_named(tiny, tmp_path):
     w = {k: v for k, v in to_bfl(tiny.ref.state_dict(), 4).items() if k != "bn.running_var"}
     save_file(w, str(tmp_path / "ae.safetensors"))
     with pytest.raises(FluxKleinError, match="bn.running_var"):
-        load_vae(tmp_path / "ae.safetensors", dtype=mx.float32, config=load(tiny, "diffusers").config)
+        load_one("vae", tmp_path / "ae.safetensors", dtype=mx.float32, config=load(tiny, "diffusers").config)
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -232,12 +233,12 @@ def test_flux1_vae_is_refused_clearly(tmp_path):
     flux1 = _tiny_flux1_vae()
     flux1.save_pretrained(tmp_path / "vae")
     with pytest.raises(FluxKleinError, match=r"FLUX\.1 VAE \(16 latent channels\).*FLUX\.2 VAE \(32 channels\)"):
-        load_vae(tmp_path / "vae")
+        load_one("vae", tmp_path / "vae")
     save_file(to_bfl(flux1.state_dict(), 2), str(tmp_path / "ae.safetensors"))
     with pytest.raises(FluxKleinError, match=r"FLUX\.1 VAE"):
-        load_vae(tmp_path / "ae.safetensors")
+        load_one("vae", tmp_path / "ae.safetensors")
 
 
 def test_missing_source_is_clear(tmp_path):
-    with pytest.raises(FluxKleinError, match="VAE not found"):
-        load_vae(tmp_path / "nothing")
+    with pytest.raises(FluxKleinError, match="not found"):
+        load_one("vae", tmp_path / "nothing.safetensors")
