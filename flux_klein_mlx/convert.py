@@ -107,6 +107,7 @@ def convert_model(
     progress: Progress | None = None,
     loras: list | None = None,
     lora_partial: bool = False,
+    vae: str | Path | None = None,
 ) -> dict:
     """Convert a FLUX.2 [klein] model into an MLX folder at `output`; returns its config.
 
@@ -115,12 +116,14 @@ def convert_model(
     text encoder, VAE and tokenizer then come from `base` (default: the folder the file is in).
     `bits` 4 or 8 quantizes the transformer and text encoder (group size `group_size`); the VAE
     stays in `dtype`. `loras` (paths or (path, scale), as for `load`) are baked into the transformer
-    before quantization and recorded in config.json ("loras": name, sha256, scale).
+    before quantization and recorded in config.json ("loras": name, sha256, scale). `vae` (a
+    folder, file or repo id, e.g. black-forest-labs/FLUX.2-small-decoder) replaces the model's VAE,
+    or only its decoder, in the written folder (`loading.with_vae`); recorded as source "vae".
     """
     cast = as_dtype(dtype)
     if bits is not None:
         check_quantization(bits, group_size)
-    info = describe(model, base)
+    info = describe(model, base, vae)
     if info.format == "mlx":
         raise FluxKleinError(
             f"{info.path} is already converted; use it as it is, or `quantize` it to make a 4- or 8-bit copy"
@@ -137,11 +140,15 @@ def convert_model(
     source = {"model": str(model), "path": str(info.path), "format": info.format}
     if info.format == "bfl":
         source["base"] = str(info.tokenizer.parent)
+    vae_folders = []  # `vae=`'s folders: the output may not be inside them either
+    if vae is not None:
+        source["vae"] = str(vae)
+        vae_folders = [f.parent for f in info.decoder_files or info.files["vae"]]
     meta = {"variant": info.variant, "is_distilled": info.is_distilled, "reference_kv": info.reference_kv,
             "dtype": dtype_name(cast), "source": source, "scheduler": info.scheduler,
             "tokenizer_source": info.tokenizer, "loras": [lora.record() for lora in baked] or None}  # fmt: skip
     return write_folder(
-        output, parts, meta, overwrite=overwrite, sources=[info.path, info.tokenizer.parent],
+        output, parts, meta, overwrite=overwrite, sources=[info.path, info.tokenizer.parent, *vae_folders],
         max_shard_bytes=max_shard_bytes, progress=progress,
     )  # fmt: skip
 
@@ -353,13 +360,14 @@ def interrupt_on_termination():
 @click.option("--lora", "loras", multiple=True, help="Bake this LoRA (file, owner/name or owner/name:FILE) into the transformer; repeatable.")
 @click.option("--lora-scale", "lora_scales", type=float, multiple=True, help="Strength of each --lora, by position [default: 1.0].")
 @click.option("--lora-partial", is_flag=True, help="Bake a LoRA even when some of its modules match no layer.")
-def convert(model, output, dtype, bits, group_size, base, overwrite, loras, lora_scales, lora_partial):
+@click.option("--vae", default=None, help="Write this VAE instead of the model's: folder, .safetensors or repo id (e.g. black-forest-labs/FLUX.2-small-decoder); a decoder-only file replaces just the decoder.")
+def convert(model, output, dtype, bits, group_size, base, overwrite, loras, lora_scales, lora_partial, vae):
     """Convert a FLUX.2 [klein] model into an MLX folder (optionally 4/8-bit, optionally with LoRAs baked in)."""
     specs = pair_scales(loras, lora_scales)
     with interrupt_on_termination(), ProgressBars() as bars:
         config = convert_model(
             model, output, dtype=dtype, bits=bits, group_size=group_size, base=base, overwrite=overwrite, progress=bars,
-            loras=specs, lora_partial=lora_partial,
+            loras=specs, lora_partial=lora_partial, vae=vae,
         )
     click.echo(summary(output, config))
 

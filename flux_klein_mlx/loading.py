@@ -39,6 +39,7 @@ from .quantize import apply_quantization, check_record, evaluate_by_layer, quant
 from .text_encoder import OUT_LAYERS, Qwen3TextEncoder, keeps_key, sanitize_qwen3_weights
 from .transformer import FluxKlein, infer_params, sanitize_flux2_klein_weights
 from .vae import AutoEncoder, check_flux2, sanitize_vae_weights
+from .vae_source import decoder_config, decoder_only, infer_vae_config, merge_decoder
 from .weights import check_safetensors_file, component_files, load_into, prefixed_files, read_json, read_safetensors, read_weight_files, resolve_model
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
@@ -79,6 +80,8 @@ class ModelInfo:
     stored_dtype: str | None = None  # a converted folder's dtype
     original: dict | None = None  # a converted folder's own "source" entry
     reference_kv: bool = False  # klein 9B-KV: reference K/V computed once per image, then cached
+    vae_source: str | None = None  # `vae=` (--vae): where the VAE, or only its decoder, comes from
+    decoder_files: list[Path] | None = None  # a decoder-only `vae=`: its files (the rest is files["vae"])
     params: FluxKleinParams = field(init=False)
 
     def __post_init__(self):
@@ -197,13 +200,19 @@ def _check_fit(configs: dict[str, dict], where: dict[str, Path]) -> None:
         )
 
 
-def describe(model: str | Path, base: str | Path | None = None) -> ModelInfo:
+def describe(model: str | Path, base: str | Path | None = None, vae: str | Path | None = None) -> ModelInfo:
     """Resolve and classify `model` and check it, reading configs only (no weights).
 
     `model` is a Hugging Face repo id (through the hub cache), a diffusers snapshot folder, a
     folder written by `convert`, or a BFL single-file transformer (`.safetensors`) whose text
-    encoder, VAE and tokenizer come from `base` (default: the folder the file is in).
+    encoder, VAE and tokenizer come from `base` (default: the folder the file is in). `vae`
+    replaces the model's VAE, or only its decoder (see `with_vae`).
     """
+    info = _describe(model, base)
+    return info if vae is None else with_vae(info, vae)
+
+
+def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
     path = resolve_model(model, size_hint=lambda: download_bytes(str(model)))
     if path.is_file():
         return _describe_bfl(model, path, base)
@@ -287,11 +296,68 @@ def _optional_json(path: Path) -> dict | None:
     return read_json(path) if path.is_file() else None
 
 
+# What a `vae=` repo id needs from the hub: a VAE repo's root (BFL's small decoder) or a snapshot's vae/.
+# The root's BFL-named single file duplicates the diffusers one and is skipped.
+VAE_PATTERNS = ["config.json", "diffusion_pytorch_model*.safetensors*", "vae/*", "vae.safetensors*"]
+
+
+def with_vae(info: ModelInfo, source: str | Path) -> ModelInfo:
+    """`info` with the VAE of `source` (e.g. black-forest-labs/FLUX.2-small-decoder), checked.
+
+    `source` is a VAE folder (config.json + weights), a model snapshot or converted folder (its VAE),
+    a single `.safetensors` VAE (config from its shapes) or a repo id of one of these. A whole VAE
+    replaces the model's; a decoder alone replaces only the decoder (`vae_source.py`). Reads
+    configs and safetensors headers only.
+    """
+    try:
+        path = resolve_model(source, allow_patterns=VAE_PATTERNS)
+    except FluxKleinError as e:
+        raise FluxKleinError(f"VAE: {e}".replace("model '", "'", 1)) from None
+    config, files, where = _vae_files(path)
+    weights = sanitize("vae", read_weight_files(files))  # lazy: nothing but the headers is read
+    if config is None:
+        config = infer_vae_config(weights, info.configs["vae"], where)
+    if decoder_only(weights):
+        config = decoder_config(info.configs["vae"], config, where)
+        swap = {"decoder_files": files}
+    else:  # a whole VAE, as diffusers' `vae=` argument
+        swap = {"files": {**info.files, "vae": files}, "decoder_files": None}
+    new = dataclasses.replace(info, configs={**info.configs, "vae": config}, vae_source=str(source), **swap)
+    _check_fit(new.configs, {"text_encoder": info.files["text_encoder"][0].parent, "vae": Path(where)})
+    return new
+
+
+def _vae_files(path: Path) -> tuple[dict | None, list[Path], str]:
+    """(config or None for a single file, weight files, name for messages) of a VAE source."""
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise FluxKleinError(f"{path} is not a .safetensors file; pass a VAE folder, a .safetensors VAE or a repo id")
+        return None, [path], str(path)
+    if is_mlx_folder(path):
+        return read_mlx_config(path)["vae"]["config"], prefixed_files(path, "vae"), str(path)
+    folder = path / "vae" if (path / "vae").is_dir() else path
+    config = _optional_json(folder / "config.json")
+    if not isinstance(config, dict) or "block_out_channels" not in config:
+        raise FluxKleinError(
+            f"{path} has no VAE: expected a config.json with block_out_channels and its weights (a VAE repo such as "
+            "black-forest-labs/FLUX.2-small-decoder, a vae/ folder, or a model folder with one), or a .safetensors file"
+        )
+    single = folder / "diffusion_pytorch_model.safetensors"
+    indexed = any(folder.glob("*.safetensors.index.json"))
+    return config, [single] if single.is_file() and not indexed else component_files(folder), str(folder)
+
+
 # --- load ----------------------------------------------------------------------------------------
 
 
 def read_component(info: ModelInfo, name: str) -> dict[str, mx.array]:
     """A component's weights under our names, lazily (only the tensors the model uses are listed)."""
+    if name == "vae" and info.vae_source is not None:
+        # Sources of any format: sanitize is idempotent on weights already under our names.
+        weights = sanitize("vae", read_weight_files(info.files["vae"]))
+        if info.decoder_files:
+            weights = merge_decoder(weights, sanitize("vae", read_weight_files(info.decoder_files)))
+        return weights
     weights = read_weight_files(info.files[name], keep=keeps_key if name == "text_encoder" else None)
     if info.format != "mlx":  # converted folders are stored under our names already
         weights = sanitize(name, weights)

@@ -131,6 +131,7 @@ class Job:
     ref_tokens: mx.array | None  # (1, sum h_k*w_k, 128) init image + reference tokens, or None
     ref_ids: mx.array | None  # (sum h_k*w_k, 4) their RoPE ids
     prior: mx.array  # (1, h*w, 128) float32 noise, reused to re-noise the kept region (inpainting)
+    sigmas: list[float]  # the sigmas of the steps that run, then 0 (img2img: the first t_start skipped)
     x0: mx.array | None = None  # (1, h*w, 128) init image tokens
     mask: mx.array | None = None  # (1, h*w, 1) inpainting mask on the token grid, 1 = repaint
     stats: Stats = field(default_factory=Stats)
@@ -382,11 +383,11 @@ class FluxKleinPipeline:
         else:
             noise = initial_noise((1, self.info.in_channels, h, w), s.seed, s.noise)  # float32
         prior = pack_latents(noise)
-        x = prior
-        if init is not None:  # noised to the first sigma that runs; mu from all steps (diffusers' get_timesteps)
-            x = scale_noise(x0, prior, schedule(h * w, s.steps)[inputs.t_start])
+        # The schedule (and its mu) is built for all steps; img2img starts t_start steps in (diffusers' get_timesteps).
+        sigmas = schedule(h * w, s.steps)[inputs.t_start :]
+        x = prior if init is None else scale_noise(x0, prior, sigmas[0])  # the init image noised to the first sigma
         mask = None if init is None or init.mask is None else mx.array(init.mask)[None]  # (1, h*w, 1)
-        return Job(inputs, x.astype(self.dtype), ctx, ref_tokens, ref_ids, prior, x0, mask, stats)
+        return Job(inputs, x.astype(self.dtype), ctx, ref_tokens, ref_ids, prior, sigmas, x0, mask, stats)
 
     def denoise(self, job: Job) -> Iterator[Event]:
         """Stage 2: the flow steps, a generator that yields after every step; `job.x` advances."""
@@ -396,7 +397,7 @@ class FluxKleinPipeline:
         inputs, blockwise = job.inputs, self.memory.blockwise
         h, w, n = job.h, job.w, inputs.steps_run
         # Everything that depends only on shapes is built once, outside the loop.
-        sigmas = schedule(h * w, inputs.settings.steps)[inputs.t_start :]  # img2img skips the first t_start
+        sigmas = job.sigmas
         # KV variant with references: the references leave the sequence; their K/V come from a cache
         # filled at the first step and dropped with this image (other variants never cache).
         use_kv = self.info.reference_kv and job.ref_tokens is not None

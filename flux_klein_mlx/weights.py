@@ -74,6 +74,33 @@ def check_safetensors_file(path: str | Path) -> dict[str, tuple[str, tuple[int, 
     return tensors
 
 
+def safetensors_header_bytes(path: str | Path) -> bytes:
+    """The raw JSON header of a safetensors file (its first 8 + n bytes, never the tensors), for
+    fingerprints: the header names every tensor with its dtype, shape and offsets, so a re-saved
+    or re-quantized file has another. Raises OSError when unreadable, ValueError when no header."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n <= 0 or n > _MAX_HEADER:
+            raise ValueError(f"{path} has no safetensors header")
+        header = f.read(n)
+    if len(header) != n:
+        raise ValueError(f"{path} is shorter than its safetensors header")
+    return header
+
+
+def safetensors_tensor_spans(path: str | Path) -> dict[str, tuple[int, int]]:
+    """name -> (first byte, end byte) of each tensor's data in the file, from the header alone:
+    what a lazy load of that tensor will read."""
+    raw = safetensors_header_bytes(path)
+    header, base = json.loads(raw), 8 + len(raw)
+    return {
+        name: (base + int(entry["data_offsets"][0]), base + int(entry["data_offsets"][1]))
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
+
+
 def read_weight_files(
     files: Iterable[str | Path], keep: Callable[[str], bool] | None = None
 ) -> dict[str, mx.array]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -185,3 +187,58 @@ def diffusers_prompt_embeds(pipe, prompt: str):
         with torch.no_grad():
             cache[prompt] = pipe.encode_prompt(prompt=prompt, device="cpu")[0]
     return cache[prompt]
+
+
+# --- the VAE (test_vae, test_small_decoder) ---------------------------------------------------------
+
+
+def to_bfl(sd: dict[str, torch.Tensor], levels: int) -> dict[str, torch.Tensor]:
+    """diffusers VAE keys -> BFL `ae.safetensors` keys (spec 6.6), the inverse of our sanitize."""
+    rules = [
+        (r"^quant_conv\.", "encoder.quant_conv."),
+        (r"^post_quant_conv\.", "decoder.post_quant_conv."),
+        (r"^encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.", r"encoder.down.\1.block.\2."),
+        (r"^encoder\.down_blocks\.(\d+)\.downsamplers\.0\.", r"encoder.down.\1.downsample."),
+        (r"\.conv_shortcut\.", ".nin_shortcut."),
+        (r"\.mid_block\.resnets\.0\.", ".mid.block_1."),
+        (r"\.mid_block\.resnets\.1\.", ".mid.block_2."),
+        (r"\.mid_block\.attentions\.0\.group_norm\.", ".mid.attn_1.norm."),
+        (r"\.mid_block\.attentions\.0\.to_([qkv])\.", r".mid.attn_1.\1."),
+        (r"\.mid_block\.attentions\.0\.to_out\.0\.", ".mid.attn_1.proj_out."),
+        (r"^(encoder|decoder)\.conv_norm_out\.", r"\1.norm_out."),
+    ]
+    out = {}
+    for k, v in sd.items():
+        m = re.match(r"^decoder\.up_blocks\.(\d+)\.(resnets|upsamplers\.0)\.", k)
+        if m:
+            kind = "block" if m.group(2) == "resnets" else "upsample"
+            k = f"decoder.up.{levels - 1 - int(m.group(1))}.{kind}." + k[m.end() :]
+        for pattern, repl in rules:
+            k = re.sub(pattern, repl, k)
+        if re.search(r"\.attn_1\.(q|k|v|proj_out)\.weight$", k):
+            v = v[:, :, None, None]  # linear (C, C) -> BFL's 1x1 conv (C, C, 1, 1)
+        out[k] = v.detach().clone().contiguous()
+    return out
+
+
+def vae_reference_tokens(vae, images: torch.Tensor) -> torch.Tensor:
+    """Flux2KleinPipeline's image -> tokens steps (`_encode_vae_image`, then `_pack_latents`)."""
+    from diffusers import Flux2KleinPipeline
+
+    pipe = SimpleNamespace(vae=vae, _patchify_latents=Flux2KleinPipeline._patchify_latents)
+    with torch.no_grad():
+        latents = Flux2KleinPipeline._encode_vae_image(pipe, images, generator=None)  # (B, 128, h, w)
+        return Flux2KleinPipeline._pack_latents(latents)  # (B, h*w, 128)
+
+
+def vae_reference_decode(vae, tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """Flux2KleinPipeline.__call__'s tokens -> image steps after the denoising loop."""
+    from diffusers import Flux2KleinPipeline
+
+    with torch.no_grad():
+        ids = Flux2KleinPipeline._prepare_latent_ids(torch.zeros(tokens.shape[0], 1, h, w))
+        latents = Flux2KleinPipeline._unpack_latents_with_ids(tokens, ids, h, w)
+        bn_mean = vae.bn.running_mean.view(1, -1, 1, 1)
+        bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+        latents = Flux2KleinPipeline._unpatchify_latents(latents * bn_std + bn_mean)
+        return vae.decode(latents, return_dict=False)[0]  # (B, 3, 16h, 16w)

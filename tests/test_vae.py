@@ -9,7 +9,6 @@ encode and decode steps.
 from __future__ import annotations
 
 import json
-import re
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -18,7 +17,9 @@ import pytest
 import torch
 from diffusers import AutoencoderKL, AutoencoderKLFlux2, Flux2KleinPipeline
 from mlx.utils import tree_flatten
-from refs import load_one, randomize_, rel_err, to_mx
+from refs import load_one, randomize_, rel_err, to_bfl, to_mx
+from refs import vae_reference_decode as reference_decode
+from refs import vae_reference_tokens as reference_tokens
 from safetensors.torch import save_file
 
 from flux_klein_mlx.errors import FluxKleinError
@@ -43,35 +44,6 @@ TINY = dict(
 SIZES = [(64, 64), (48, 80)]  # (H, W), multiples of 16
 
 
-def to_bfl(sd: dict[str, torch.Tensor], levels: int) -> dict[str, torch.Tensor]:
-    """diffusers VAE keys -> BFL `ae.safetensors` keys (spec 6.6), the inverse of our sanitize."""
-    rules = [
-        (r"^quant_conv\.", "encoder.quant_conv."),
-        (r"^post_quant_conv\.", "decoder.post_quant_conv."),
-        (r"^encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.", r"encoder.down.\1.block.\2."),
-        (r"^encoder\.down_blocks\.(\d+)\.downsamplers\.0\.", r"encoder.down.\1.downsample."),
-        (r"\.conv_shortcut\.", ".nin_shortcut."),
-        (r"\.mid_block\.resnets\.0\.", ".mid.block_1."),
-        (r"\.mid_block\.resnets\.1\.", ".mid.block_2."),
-        (r"\.mid_block\.attentions\.0\.group_norm\.", ".mid.attn_1.norm."),
-        (r"\.mid_block\.attentions\.0\.to_([qkv])\.", r".mid.attn_1.\1."),
-        (r"\.mid_block\.attentions\.0\.to_out\.0\.", ".mid.attn_1.proj_out."),
-        (r"^(encoder|decoder)\.conv_norm_out\.", r"\1.norm_out."),
-    ]
-    out = {}
-    for k, v in sd.items():
-        m = re.match(r"^decoder\.up_blocks\.(\d+)\.(resnets|upsamplers\.0)\.", k)
-        if m:
-            kind = "block" if m.group(2) == "resnets" else "upsample"
-            k = f"decoder.up.{levels - 1 - int(m.group(1))}.{kind}." + k[m.end() :]
-        for pattern, repl in rules:
-            k = re.sub(pattern, repl, k)
-        if re.search(r"\.attn_1\.(q|k|v|proj_out)\.weight$", k):
-            v = v[:, :, None, None]  # linear (C, C) -> BFL's 1x1 conv (C, C, 1, 1)
-        out[k] = v.detach().clone().contiguous()
-    return out
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(reference VAE, diffusers folder, BFL file) for one tiny random VAE."""
@@ -89,25 +61,6 @@ def load(tiny, fmt: str, dtype=mx.float32) -> AutoEncoder:
         return load_one("vae", tiny.folder, dtype=dtype)
     config = AutoEncoderConfig.from_dict(json.loads((tiny.folder / "config.json").read_text()))
     return load_one("vae", tiny.bfl_file, dtype=dtype, config=config)
-
-
-def reference_tokens(vae, images: torch.Tensor) -> torch.Tensor:
-    """Flux2KleinPipeline's image -> tokens steps (`_encode_vae_image`, then `_pack_latents`)."""
-    pipe = SimpleNamespace(vae=vae, _patchify_latents=Flux2KleinPipeline._patchify_latents)
-    with torch.no_grad():
-        latents = Flux2KleinPipeline._encode_vae_image(pipe, images, generator=None)  # (B, 128, h, w)
-        return Flux2KleinPipeline._pack_latents(latents)  # (B, h*w, 128)
-
-
-def reference_decode(vae, tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """Flux2KleinPipeline.__call__'s tokens -> image steps after the denoising loop."""
-    with torch.no_grad():
-        ids = Flux2KleinPipeline._prepare_latent_ids(torch.zeros(tokens.shape[0], 1, h, w))
-        latents = Flux2KleinPipeline._unpack_latents_with_ids(tokens, ids, h, w)
-        bn_mean = vae.bn.running_mean.view(1, -1, 1, 1)
-        bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-        latents = Flux2KleinPipeline._unpatchify_latents(latents * bn_std + bn_mean)
-        return vae.decode(latents, return_dict=False)[0]  # (B, 3, 16h, 16w)
 
 
 def nchw(a: mx.array) -> mx.array:
