@@ -373,7 +373,7 @@ def resolve_model(model: str | Path, allow_patterns: list[str] | None = None, ca
             raise FluxKleinError(unreachable(text, e.__cause__, cache_dir, size_hint)) from None
         raise FluxKleinError(
             f"model '{text}' is not in the local Hugging Face cache ({hub_cache(cache_dir)}) and HF_HUB_OFFLINE is "
-            "set: unset it to download, check the repo id, or pass a local folder (--model DIR)"
+            "set: unset it to download, check the repo id, or give a local folder instead"
         ) from None
     except (HFValidationError, EntryNotFoundError, ValueError, OSError) as e:
         raise FluxKleinError(
@@ -390,7 +390,7 @@ def unreachable(repo: str, cause, cache_dir, size_hint) -> str:
     return (
         f"cannot reach the Hugging Face hub ({why}) to download '{repo}' ({about}into {hub_cache(cache_dir)}), and "
         "no complete copy is cached there: check your network (proxy, HF_ENDPOINT), or download it elsewhere and "
-        "pass the folder (--model DIR)"
+        "give its folder instead (--model DIR)"
     )
 
 
