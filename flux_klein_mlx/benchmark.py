@@ -405,6 +405,8 @@ def benchmark(model, random_weights, variant, width, height, steps, quantize, dt
         check_output_file(json_path, "--json")
     if blocks and model:
         raise click.UsageError("--blocks only applies to --random-weights")
+    if model and click.get_current_context().get_parameter_source("variant").name != "DEFAULT":
+        raise FluxKleinError("--variant only applies to --random-weights; with --model the variant is read from its files")
     row = VARIANTS[variant]
     if blocks:
         row = dataclasses.replace(row, transformer=dataclasses.replace(row.transformer, **parse_blocks(blocks)))

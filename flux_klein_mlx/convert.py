@@ -128,6 +128,11 @@ def convert_model(
         raise FluxKleinError(
             f"{info.path} is already converted; use it as it is, or `quantize` it to make a 4- or 8-bit copy"
         )
+    if base is not None and info.format != "bfl":
+        raise FluxKleinError(
+            f"--base is only for a single-file transformer; {model} is a whole model with its own text encoder "
+            "and VAE: leave --base out"
+        )
     check_weights(info)  # every file's header, keys and shapes, before anything is written
     baked = load_loras(loras, info.params, lora_partial)  # all checked before anything is written
     parts = [make_part(info, name, cast, bits, group_size, baked if name == "transformer" else None)
@@ -317,7 +322,12 @@ def summary(output: str | Path, config: dict) -> str:
     size = sum(f.stat().st_size for f in output.rglob("*") if f.is_file())
     q = [f"{WHAT[n]} {config[n]['quantization']['bits']}-bit" for n in COMPONENTS if config[n]["quantization"]]
     baked = f", {len(config['loras'])} LoRA(s) baked in" if config.get("loras") else ""
-    return f"wrote {output} ({config['variant']}, {config['dtype']}{', ' + ', '.join(q) if q else ''}{baked}, {size / 1e9:.2f} GB)"
+    source = config.get("source") or {}
+    # A single transformer file cannot say it is the 9B-KV model: the flag is its base snapshot's.
+    kv = f", reference KV because its base {source['base']} is a Flux2KleinKVPipeline" if config.get("reference_kv") \
+        and source.get("format") == "bfl" else ""
+    return (f"wrote {output} ({config['variant']}{kv}, {config['dtype']}{', ' + ', '.join(q) if q else ''}{baked}, "
+            f"{size / 1e9:.2f} GB)")
 
 
 @contextlib.contextmanager

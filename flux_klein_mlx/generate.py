@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -10,24 +11,39 @@ import click
 
 from .cli import run_command
 from .errors import FluxKleinError
-from .inputs import RunSettings, prepare_inputs
+from .inputs import RunSettings, check_prompt_given, prepare_inputs
 from .lora import pair_scales
-from .output import check_output_file, save_image, write_exclusive
+from .output import check_output_file, image_format, numbered_name, save_image, write_exclusive
 from .pipeline import DEFAULT_MODEL, load
 
 
 def output_paths(output: str, count: int) -> list[Path]:
-    """The PNG names of a run: `output`, or `stem-0.png` ... for several images; checked before any work."""
+    """The names a run asks for: `output`, or `stem-0.png` ... for several images; checked before any work.
+
+    An existing file is never replaced: a taken name moves on to the next free number (`output.write_exclusive`).
+    """
     base = Path(output).expanduser()
-    if base.suffix.lower() != ".png":
-        raise FluxKleinError(f"--output must end in .png, not {base.name!r}")
-    paths = [base] if count == 1 else [base.with_name(f"{base.stem}-{i}{base.suffix}") for i in range(count)]
+    image_format(base, "--output")
+    paths = [base] if count == 1 else [numbered_name(base, i) for i in range(count)]
     check_output_file(paths[-1])
     return paths
 
 
 def _gb(nbytes: int) -> str:
     return f"{nbytes / 1e9:.2f} GB"
+
+
+def summary(stats, seed, index: int, count: int) -> str:
+    """One line per image: model loading apart from the stages it happened in, then the total."""
+    st = stats
+    head = f"image {index + 1}/{count}, " if count > 1 else ""
+    return (
+        f"{head}seed {seed}: load {st.load_seconds:.1f} s, encode {st.encode.seconds - st.encode.load_seconds:.1f} s "
+        f"(peak {_gb(st.encode.peak_memory)}), denoise {st.denoise.seconds - st.denoise.load_seconds:.1f} s = "
+        f"{st.seconds_per_step:.2f} s/step (peak {_gb(st.denoise.peak_memory)}), decode "
+        f"{st.decode.seconds - st.decode.load_seconds:.1f} s (peak {_gb(st.decode.peak_memory)}), "
+        f"total {st.total_seconds:.1f} s"
+    )
 
 
 @click.command("generate")
@@ -44,7 +60,8 @@ def _gb(nbytes: int) -> str:
 @click.option("--init-image", default=None, help="Image-to-image: start from this picture (sets the output size).")
 @click.option("--strength", type=float, default=None,
               help="How much of --init-image to redraw, (0, 1]; 1 = from pure noise [default: 0.8].")
-@click.option("--mask", default=None, help="Inpainting: white = repaint, black = keep; the size of --init-image.")
+@click.option("--mask", default=None, help="Inpainting: white = repaint, black = keep (or, with transparency, transparent "
+              "= repaint); the size of --init-image.")
 @click.option("--image", "-i", "images", multiple=True, help="Reference image to edit; repeat for multi-reference.")
 @click.option("--negative-prompt", default=None, help="Unconditional prompt for CFG (Base models).")
 @click.option("--num-images", "-n", type=click.IntRange(1, 1000), default=1, show_default=True,
@@ -54,7 +71,7 @@ def _gb(nbytes: int) -> str:
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--low-memory", is_flag=True, help="Release the transformer before decoding and decode in tiles (for small-memory Macs).")
 @click.option("--output", "-o", default="image.png", show_default=True,
-              help="PNG path; an existing file is kept and a new name chosen.")
+              help="A .png, .jpg or .webp path; an existing file is kept and the next free number used.")
 @click.option("--preview-dir", default=None,
               help="Also write a small latent preview PNG after every step into this existing folder.")
 @click.option("--lora", "loras", multiple=True,
@@ -67,6 +84,7 @@ def generate(prompt, model, width, height, steps, guidance, seed, noise, init_im
              lora_partial):
     """Generate images from a prompt (and optional reference images)."""
     # Cheap checks before loading gigabytes: the settings, the output paths, the LoRA options.
+    check_prompt_given(prompt)
     settings = RunSettings(prompt, width=width, height=height, steps=steps, guidance=guidance, seed=seed,
                            images=list(images), negative_prompt=negative_prompt, noise=noise, init_image=init_image,
                            strength=strength, mask=mask).check()  # fmt: skip
@@ -89,33 +107,39 @@ def generate(prompt, model, width, height, steps, guidance, seed, noise, init_im
     for lora in pipe.loras:
         click.echo(f"LoRA {lora.name} ({lora.sha256}) at scale {lora.scale:g}: {len({t.layer for t in lora.terms})} "
                    f"layers, {lora.nbytes / 1e6:.1f} MB", err=True)
+    next_number = 0  # a batch continues its numbering after names that are taken
     for n, path in enumerate(paths):
+        label = "denoising" if num_images == 1 else f"image {n + 1}/{num_images}: denoising"
         previews = None if preview_dir is None else (Path(preview_dir), path.stem)
-        event = _run(pipe, prepared.for_image(n), previews)
-        final = save_image(event.image, path, event.metadata)
+        event = _run(pipe, prepared.for_image(n), previews, label)
+        if num_images == 1:
+            final = save_image(event.image, path, event.metadata)
+        else:
+            final = save_image(event.image, Path(output).expanduser(), event.metadata, first=next_number)
+            next_number = int(final.stem.rsplit("-", 1)[1]) + 1
         if final != path:
             click.echo(f"{path} exists; wrote {final} instead", err=True)
-        st = event.stats
-        click.echo(
-            f"seed {event.metadata['seed']}: encode {st.encode.seconds:.1f} s (peak {_gb(st.encode.peak_memory)}), "
-            f"denoise {st.denoise.seconds:.1f} s = {st.seconds_per_step:.2f} s/step "
-            f"(peak {_gb(st.denoise.peak_memory)}), decode {st.decode.seconds:.1f} s "
-            f"(peak {_gb(st.decode.peak_memory)})", err=True)
+        click.echo(summary(event.stats, event.metadata["seed"], n, num_images), err=True)
         click.echo(str(final))
 
 
-def _run(pipe, prepared, previews=None):
-    """One image with a progress bar that shows seconds per step; `previews`: (folder, name stem)."""
+def _run(pipe, prepared, previews=None, label="denoising"):
+    """One image with progress on stderr: a bar with seconds per step on a terminal, else one line per
+    step (logs, pipes). `previews`: (folder, name stem) to write a latent preview after every step."""
     stream = pipe.stream(prepared)
     first = next(stream)  # prompt encoded, references encoded
-    bar = click.progressbar(length=first.total, label="denoising", file=sys.stderr, show_eta=True,
-                            item_show_func=lambda s: s)  # fmt: skip
+    tty = sys.stderr.isatty()
+    bar = click.progressbar(length=first.total, label=label, file=sys.stderr, show_eta=True,
+                            item_show_func=lambda s: s) if tty else contextlib.nullcontext()  # fmt: skip
     event = first
     with bar:
         for event in stream:
             if event.stage != "denoise":
                 continue
-            bar.update(1, f"{event.seconds:.2f} s/step")
+            if tty:
+                bar.update(1, f"{event.seconds:.2f} s/step")
+            else:
+                click.echo(f"{label} step {event.step}/{event.total}: {event.seconds:.2f} s", err=True)
             if previews is not None:
                 folder, stem = previews
                 small = pipe.preview_map().image(event.denoised, *event.grid)

@@ -10,6 +10,8 @@ variant and reads every image the run needs, all before any model runs:
   to 1024^2 px area if larger, then resized -- not cropped -- to sides floored to multiples of 16;
   it sets the output size. A mask (white = repaint, black = keep) is resized like it, made grey,
   binarised at 0.5, then bilinearly resized to the h x w token grid (edges come out fractional).
+  A mask with transparency (an alpha channel that is not opaque everywhere) follows OpenAI's
+  convention instead: transparent = repaint, opaque = keep (its colours are ignored).
 
 The CLI and the server call `prepare_inputs` before the work starts, so a bad input ends the run
 in one line, and hand the result to the pipeline: nothing is decoded twice.
@@ -119,6 +121,13 @@ def is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
+def check_prompt_given(prompt) -> None:
+    """The CLI and the server refuse an empty prompt alike (an unset shell variable, an empty form
+    field); the Python API, like diffusers, takes "" as an unconditional prompt."""
+    if isinstance(prompt, str) and not prompt.strip():
+        raise FluxKleinError('the prompt is empty: describe the image to make (e.g. "a red fox in fresh snow")')
+
+
 def _check_text(prompt, negative_prompt) -> None:
     if not isinstance(prompt, str):
         raise FluxKleinError(f"the prompt must be a string, not {type(prompt).__name__}")
@@ -177,6 +186,11 @@ def open_image(image, what: str) -> Image.Image:
     Other modes keep their own (colour conversion happens later, as in diffusers).
     """
     if isinstance(image, Image.Image):
+        try:
+            image.load()  # a closed image fails here, not deep inside a resize
+        except ValueError:
+            raise FluxKleinError(f"the {what} is a closed PIL image (used after close() or outside its `with` "
+                                 "block); pass it while it is open, or its file path") from None
         return to_8bit(image)
     if not isinstance(image, (str, Path)):
         raise FluxKleinError(f"the {what} must be a PIL image or a file path, not {type(image).__name__}")
@@ -209,10 +223,19 @@ def open_image(image, what: str) -> Image.Image:
 
 
 def to_8bit(img: Image.Image) -> Image.Image:
-    """16- and 32-bit integer images -> 8-bit grey by value (PIL's own convert clips them to white)."""
+    """16- and 32-bit integer and 32-bit float images -> 8-bit grey by value (PIL's own convert clips
+    integers to white and floats in [0, 1] to black).
+
+    Float images (mode F: float TIFF, numpy float arrays) are read in [0, 1], the float convention,
+    unless a value exceeds 1: then in [0, 255]. NaN becomes 0.
+    """
     if img.mode.startswith("I;16") or img.mode == "I":
         a = np.asarray(img).astype(np.float64)  # (H, W); 16-bit range (PNG / TIFF)
         return Image.fromarray(np.clip(np.round(a / 257.0), 0, 255).astype(np.uint8), mode="L")
+    if img.mode == "F":
+        a = np.nan_to_num(np.asarray(img, dtype=np.float64), nan=0.0, posinf=255.0, neginf=0.0)  # (H, W)
+        scale = 255.0 if a.size == 0 or a.max() <= 1.0 else 1.0
+        return Image.fromarray(np.clip(np.round(a * scale), 0, 255).astype(np.uint8), mode="L")
     return img
 
 
@@ -276,12 +299,28 @@ def prepare_init_image(image, strength: float = DEFAULT_STRENGTH, mask=None) -> 
     packed = None
     if m is not None:
         # The mask goes straight from its own size to (W, H); then grey, [0, 1], binarised at 0.5.
-        grey = _pixels(m.resize((W, H), Image.Resampling.LANCZOS).convert("L"), normalize=False)
+        grey = _pixels(mask_as_grey(m).resize((W, H), Image.Resampling.LANCZOS).convert("L"), normalize=False)
         binary = (grey >= 0.5).astype(np.float32)  # (H, W)
         if not binary.any():
-            raise FluxKleinError("the mask has no white pixel: white marks what to repaint, black what to keep")
+            raise FluxKleinError("the mask has no white pixel: white marks what to repaint, black what to keep "
+                                 "(or, in a mask with transparency, transparent what to repaint)")
         packed = bilinear_resize(binary, H // MULTIPLE, W // MULTIPLE).reshape(-1, 1)  # (h*w, 1)
+        if not packed.any():  # the model works on 16x16-px cells; this mask's white falls between their samples
+            raise FluxKleinError(
+                f"the mask's white area ({int(binary.sum())} px at {W}x{H}) is too small: it misses every "
+                f"{MULTIPLE}x{MULTIPLE}-px cell the model repaints, so nothing would change; enlarge it"
+            )
     return InitImage(pixels=_pixels(img.convert("RGB"), normalize=True), mask=packed, strength=strength)
+
+
+def mask_as_grey(mask: Image.Image) -> Image.Image:
+    """A mask as grey, white = repaint. With transparency (alpha not opaque everywhere) OpenAI's
+    convention holds: transparent = repaint, so the grey is 255 - alpha; otherwise its brightness."""
+    if mask.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (mask.mode == "P" and "transparency" in mask.info):
+        alpha = mask.convert("RGBA").getchannel("A")
+        if alpha.getextrema()[0] < 255:
+            return alpha.point(lambda a: 255 - a)
+    return mask
 
 
 def bilinear_resize(x: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
@@ -363,6 +402,11 @@ def _resolve_guidance(s: RunSettings, info) -> tuple[float | None, str | None]:
 
 def _latents(value, shape: tuple[int, ...], width: int, height: int) -> np.ndarray:
     """Given noise as float32 numpy (MLX arrays of any float dtype, numpy, nested lists), checked."""
+    kind = getattr(value, "dtype", None)
+    if isinstance(value, mx.array) and value.dtype in (mx.bool_, mx.complex64):
+        raise FluxKleinError(f"latents must be a float array (numpy or MLX), not MLX {value.dtype}")
+    if isinstance(value, np.ndarray) and kind.kind not in "fiu":
+        raise FluxKleinError(f"latents must be a float array (numpy or MLX), not numpy dtype {kind}")
     try:
         x = np.array(value.astype(mx.float32)) if isinstance(value, mx.array) else np.asarray(value, dtype=np.float32)
     except (TypeError, ValueError):

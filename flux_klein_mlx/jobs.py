@@ -42,7 +42,8 @@ class ImageRequest:
     settings: RunSettings
     n: int = 1
     loras: tuple = ()  # ((server-side path, scale), ...) resolved from names by the HTTP layer
-    previews: bool = False  # render a preview PNG after every step
+    previews: bool = False  # render preview PNGs while denoising
+    partial_images: int | None = None  # how many previews per image (OpenAI's partial_images); None: every step
 
 
 @dataclass
@@ -162,7 +163,7 @@ class Worker:
             pipe.preview_map()  # fitted now for VAEs without a published map, not during the first job
         except Exception as e:  # noqa: BLE001: any load failure is reported as 503 with its message
             with self._lock:
-                self.state, self.error = "failed", str(e) if isinstance(e, FluxKleinError) else repr(e)
+                self.state, self.error = "failed", str(e) if isinstance(e, FluxKleinError) else f"{type(e).__name__}: {e}"
                 self._lock.notify_all()
             return False
         with self._lock:
@@ -213,6 +214,7 @@ class Worker:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # guidance on distilled models etc.: noted in the metadata
             prepared = prepare_inputs(req.settings, pipe.info)  # uploads decoded once for all n images
+        wanted = None if not req.previews else preview_steps(prepared.steps_run, req.partial_images)
         for index in range(req.n):
             stream = pipe.stream(prepared.for_image(index))
             event = None
@@ -222,7 +224,7 @@ class Worker:
                         return False
                     if event.stage == "denoise":
                         preview = None
-                        if req.previews and event.denoised is not None:
+                        if wanted and event.step in wanted and event.denoised is not None:
                             preview = image_bytes(pipe.preview_map().image(event.denoised, *event.grid))
                         job.on_event(StepEvent(index, event.step, event.total, preview))
             finally:
@@ -230,3 +232,11 @@ class Worker:
             job.on_event(ImageEvent(index, event.image, event.metadata, image_bytes(event.image, event.metadata),
                                     event.stats.total_seconds))  # fmt: skip
         return True
+
+
+def preview_steps(steps: int, count: int | None) -> set[int]:
+    """The steps (1-based) after which a preview is sent: all of them (None), or `count` spread evenly
+    over the run, the last step excluded when it can be (its image follows anyway)."""
+    if count is None:
+        return set(range(1, steps + 1))
+    return {min(steps, max(1, round(steps * k / (count + 1)))) for k in range(1, count + 1)}

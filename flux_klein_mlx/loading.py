@@ -22,10 +22,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .config import (
     KV_PIPELINE_CLASS,
     PIPELINE_CLASSES,
+    VARIANTS,
     AutoEncoderConfig,
     FluxKleinParams,
     Qwen3Config,
@@ -211,7 +213,7 @@ def describe(model: str | Path, base: str | Path | None = None, vae: str | Path 
 
 
 def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
-    path = resolve_model(model)
+    path = resolve_model(model, size_hint=lambda: download_bytes(str(model)))
     if path.is_file():
         return _describe_bfl(model, path, base)
     if is_mlx_folder(path):
@@ -274,6 +276,20 @@ def _describe_bfl(model, file: Path, base) -> ModelInfo:
         quantization={n: None for n in COMPONENTS}, tokenizer=base_path / "tokenizer",
         scheduler=_optional_json(base_path / "scheduler" / "scheduler_config.json"), reference_kv=kv,
     )  # fmt: skip
+
+
+def download_bytes(repo: str) -> int | None:
+    """About how many bytes the download of a published klein repo is (None for another repo): its
+    components' bf16 weights, every text-encoder layer included, counted from the shapes of lazily
+    built modules (nothing is allocated)."""
+    variant = next((v for v in VARIANTS.values() if v.repo.lower() == repo.lower()), None)
+    if variant is None:
+        return None
+    te = variant.text_encoder
+    modules = (FluxKlein(variant.transformer), Qwen3TextEncoder(te, (te.num_hidden_layers,)), AutoEncoder(variant.vae))
+    count = sum(a.size for m in modules for _, a in tree_flatten(m.parameters()))
+    count += te.hidden_size * (1 + (0 if te.tie_word_embeddings else te.vocab_size))  # final norm, untied lm_head
+    return 2 * count
 
 
 def _optional_json(path: Path) -> dict | None:

@@ -4,7 +4,9 @@
   final event, so `generate`, `serve` and the Python API write the same record for the same
   request. PNGs carry it twice: `parameters` is the A1111 / Forge text that A1111, Forge, Civitai,
   InvokeAI and ComfyUI's importer parse, and `flux_klein_mlx` holds the whole record as JSON (no
-  text chunk is named `prompt`: ComfyUI parses that key as a workflow).
+  text chunk is named `prompt`: ComfyUI parses that key as a workflow). JPEG and WebP files carry
+  the same text where A1111 puts it, in the EXIF UserComment ("UNICODE" + UTF-16BE in big-endian
+  EXIF, as piexif writes it), and the JSON record in XMP (`flux_klein_mlx:record`).
 - Files are never written twice: `check_output_file` runs before the work, `write_exclusive`
   writes into a temporary file and hard-links it to the first free name, and `folder_transaction`
   writes a whole folder next to its destination and renames it into place (crash-safe).
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import io
 import json
@@ -21,10 +24,15 @@ import os
 import re
 import secrets
 import shutil
+import stat
+import struct
 import tempfile
+import warnings
+import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
+from xml.sax.saxutils import escape
 
 import mlx.core as mx
 import numpy as np
@@ -36,7 +44,11 @@ from .errors import FluxKleinError
 from .vae import unpatchify
 
 RECORD_KEY = "flux_klein_mlx"  # PNG text chunk holding the JSON record
-FORMATS = {".png": "PNG"}
+FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
+QUALITY = 95  # JPEG and (lossy) WebP
+EXIF_IFD, USER_COMMENT = 0x8769, 0x9286
+UNICODE_COMMENT = b"UNICODE\0"  # EXIF UserComment character code; the text follows in UTF-16BE
+XMP_NS = "urn:flux_klein_mlx:record:1"  # the XMP namespace of our record (JPEG, WebP)
 
 
 # --- the record ---------------------------------------------------------------------------------------
@@ -90,11 +102,69 @@ def png_info(record: dict) -> PngInfo:
     return info
 
 
+def exif_parameters(record: dict) -> bytes:
+    """EXIF whose UserComment is the A1111 text, as A1111 writes JPEG and WebP (piexif's dump: a
+    big-endian TIFF, IFD0 pointing to an Exif IFD holding UserComment as UNDEFINED bytes, "UNICODE\\0"
+    + UTF-16BE). Built here because PIL would store the comment as BYTE, which piexif reads as ints."""
+    comment = UNICODE_COMMENT + a1111_parameters(record).encode("utf-16-be")
+    exif_ifd = 8 + 18  # header, then IFD0: count (2) + one entry (12) + next-IFD offset (4)
+    data = exif_ifd + 18  # the Exif IFD is one entry too; the comment's bytes follow it
+    tiff = (b"MM\x00\x2a" + struct.pack(">I", 8)
+            + struct.pack(">HHHII", 1, EXIF_IFD, 4, 1, exif_ifd) + struct.pack(">I", 0)  # LONG offset
+            + struct.pack(">HHHII", 1, USER_COMMENT, 7, len(comment), data) + struct.pack(">I", 0)  # UNDEFINED
+            + comment)  # fmt: skip
+    return b"Exif\x00\x00" + tiff
+
+
+def record_xmp(record: dict) -> bytes:
+    """An XMP packet holding the record as JSON in `flux_klein_mlx:record`."""
+    text = escape(json.dumps(record, ensure_ascii=False))
+    return (
+        '<?xpacket begin="\ufeff" id="W5M0MpCehiHzreSzNTczkc9d"?>'
+        '<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+        f'<rdf:Description rdf:about="" xmlns:flux_klein_mlx="{XMP_NS}"><flux_klein_mlx:record>{text}'
+        '</flux_klein_mlx:record></rdf:Description></rdf:RDF></x:xmpmeta><?xpacket end="w"?>'
+    ).encode("utf-8")
+
+
 def read_record(path: str | Path) -> dict | None:
-    """The record a PNG written here carries, or None."""
+    """The record an image written here carries (PNG text chunk, or XMP in JPEG / WebP), or None."""
     with Image.open(path) as im:
         raw = getattr(im, "text", {}).get(RECORD_KEY)
+        xmp = im.info.get("xmp")
+    if not raw and xmp:
+        try:
+            node = ElementTree.fromstring(xmp.decode("utf-8") if isinstance(xmp, bytes) else xmp)
+        except (ElementTree.ParseError, UnicodeDecodeError):
+            return None
+        found = node.find(f".//{{{XMP_NS}}}record")
+        raw = found.text if found is not None else None
     return json.loads(raw) if raw else None
+
+
+def write_image(image: Image.Image, target, fmt: str, record: dict | None) -> None:
+    """Save `image` to `target` (a path or file) as `fmt` ("PNG", "JPEG", "WEBP") with `record`.
+
+    A JPEG's metadata segments hold 64 KB each: a record (then the A1111 text) too long for them is
+    left out with a warning rather than failing the image.
+    """
+    if fmt == "PNG":
+        image.save(target, format=fmt, pnginfo=png_info(record) if record else None)
+        return
+    extra = {"exif": exif_parameters(record), "xmp": record_xmp(record)} if record else {}
+    if fmt == "JPEG" and image.mode not in ("RGB", "L"):
+        image = image.convert("RGB")  # JPEG has no alpha
+    while True:
+        try:
+            image.save(target, format=fmt, quality=QUALITY, **extra)
+            return
+        except ValueError as e:  # "EXIF data is too long" / "XMP data is too long" (JPEG)
+            if not extra or "too long" not in str(e):
+                raise
+            dropped = "xmp" if "xmp" in extra else "exif"
+            extra.pop(dropped)
+            warnings.warn(f"the {'JSON record (XMP)' if dropped == 'xmp' else 'A1111 text (EXIF)'} does not fit "
+                          f"in a {fmt} file (64 KB); the image is written without it: use .png to keep it")
 
 
 def image_bytes(image: Image.Image, record: dict | None = None) -> bytes:
@@ -104,16 +174,23 @@ def image_bytes(image: Image.Image, record: dict | None = None) -> bytes:
     return buf.getvalue()
 
 
-def save_image(image: Image.Image, path: str | Path, record: dict | None = None) -> Path:
-    """Write `image` as a new PNG with its record; never replaces a file (the next free name is used).
+def image_format(path: str | Path, option: str = "the output") -> str:
+    """The file format a name asks for ("PNG", "JPEG", "WEBP"), or a one-line error."""
+    fmt = FORMATS.get(Path(path).suffix.lower())
+    if fmt is None:
+        raise FluxKleinError(f"{option} must end in {', '.join(FORMATS)}, not {Path(path).name!r}")
+    return fmt
+
+
+def save_image(image: Image.Image, path: str | Path, record: dict | None = None, first: int | None = None) -> Path:
+    """Write `image` as a new PNG, JPEG or WebP file (by the name's ending) with its record; never
+    replaces a file (the next free name is used; `first`: see `write_exclusive`).
 
     Returns the name written. For the Python API: `save_image(image, "fox.png", pipe.last_metadata)`.
     """
     path = Path(path).expanduser()
-    fmt = FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise FluxKleinError(f"cannot write {path.name!r}: the output must end in {', '.join(FORMATS)}")
-    return write_exclusive(path, lambda tmp: image.save(tmp, format=fmt, pnginfo=png_info(record) if record else None))
+    fmt = image_format(path)
+    return write_exclusive(path, lambda tmp: write_image(image, tmp, fmt, record), first)
 
 
 # --- files that are never written twice ---------------------------------------------------------------
@@ -126,6 +203,10 @@ def check_output_file(path: str | Path, option: str = "--output") -> Path:
     """Raise FluxKleinError unless a new file can be created at `path` (or next to it, if taken)."""
     path = Path(path).expanduser()
     parent = path.parent
+    for p in (parent, path):
+        trouble = broken_link(p)
+        if trouble:
+            raise FluxKleinError(f"{option} {path}: {p} is a symbolic link that {trouble}; remove it or choose another path")
     if parent.exists() and not parent.is_dir():
         raise FluxKleinError(f"{option} {path}: {parent} is a file, not a folder; choose another path")
     if not parent.is_dir():
@@ -151,16 +232,37 @@ def check_output_file(path: str | Path, option: str = "--output") -> Path:
     return path
 
 
+def broken_link(path: Path) -> str | None:
+    """What is wrong with `path` when it is a symbolic link that leads nowhere ("loops" or "points to
+    nothing"), else None (we never write through a link, so such a name would only be skipped)."""
+    try:
+        if not stat.S_ISLNK(os.lstat(path).st_mode):
+            return None
+    except OSError:  # no such name (or one too long: said below)
+        return None
+    try:
+        os.stat(path)
+    except OSError as e:
+        return "loops" if e.errno == errno.ELOOP else "points to nothing"
+    return None
+
+
 def free_name(path: Path, n: int) -> Path:
     """`path` for n = 0, else `stem-n.suffix`."""
     return path if n == 0 else path.with_name(f"{path.stem}-{n}{path.suffix}")
 
 
-def _link_to_free_name(tmp: Path, path: Path) -> Path:
-    """Give the finished `tmp` the first free name `path`, `stem-1.suffix`, ...; never replaces a file."""
-    n = 0
+def numbered_name(path: Path, n: int) -> Path:
+    """`stem-n.suffix`: the name of image n of a batch."""
+    return path.with_name(f"{path.stem}-{n}{path.suffix}")
+
+
+def _link_to_free_name(tmp: Path, path: Path, first: int | None) -> Path:
+    """Give the finished `tmp` the first free name `path`, `stem-1.suffix`, ... (or `stem-first.suffix`,
+    `stem-(first+1).suffix`, ...); never replaces a file."""
+    n = 0 if first is None else first
     while True:
-        final = free_name(path, n)
+        final = free_name(path, n) if first is None else numbered_name(path, n)
         try:
             os.link(tmp, final)
             return final
@@ -181,18 +283,21 @@ def _link_to_free_name(tmp: Path, path: Path) -> Path:
             return final
 
 
-def write_exclusive(path: str | Path, write: Callable[[Path], None]) -> Path:
+def write_exclusive(path: str | Path, write: Callable[[Path], None], first: int | None = None) -> Path:
     """Write a new file at `path`, or at the first free `stem-N.suffix`; never replaces a file.
 
     `write(tmp)` writes the whole content to `tmp` (a name in the same folder); it is then
     hard-linked to the final name, which fails if the name exists, so a name is taken by exactly
-    one writer and is complete when it appears. Returns the name written.
+    one writer and is complete when it appears. With `first`, only numbered names are used: the
+    first free `stem-N.suffix` with N >= first (the images of a batch continue the numbering
+    after files that exist, so no name ever carries two numbers). Returns the name written; any
+    error (a full disk, a removed or read-only folder) is one FluxKleinError and leaves no file.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
         write(tmp)
-        return _link_to_free_name(tmp, path)
+        return _link_to_free_name(tmp, path, first)
     except OSError as e:
         raise FluxKleinError(f"cannot write {path} ({e.strerror}); nothing was written") from None
     finally:

@@ -78,6 +78,7 @@ class MemoryPlan:
 class StageStats:
     seconds: float = 0.0
     peak_memory: int = 0  # bytes (mx.get_peak_memory over the stage)
+    load_seconds: float = 0.0  # the part of `seconds` spent loading models (first use, or after a release)
 
 
 @dataclass
@@ -94,6 +95,11 @@ class Stats:
     @property
     def total_seconds(self) -> float:
         return self.encode.seconds + self.denoise.seconds + self.decode.seconds
+
+    @property
+    def load_seconds(self) -> float:
+        """Time spent loading models while making this image (included in the stages' seconds)."""
+        return self.encode.load_seconds + self.denoise.load_seconds + self.decode.load_seconds
 
 
 @dataclass
@@ -145,10 +151,13 @@ class _Slot:
     def __init__(self, loader: Callable[[], object]):
         self.loader = loader
         self.model = None
+        self.load_seconds = 0.0  # all loads so far (stages take differences)
 
     def get(self):
         if self.model is None:
+            t0 = time.perf_counter()
             self.model = self.loader()
+            self.load_seconds += time.perf_counter() - t0
         return self.model
 
     def release(self) -> None:
@@ -205,6 +214,10 @@ class FluxKleinPipeline:
     def release(self, name: str) -> None:
         """Drop a model to free its memory; it loads again when next needed."""
         self._slots[name].release()
+
+    def load_seconds(self) -> float:
+        """Seconds spent loading models since this pipeline was made (stages report their part)."""
+        return sum(slot.load_seconds for slot in self._slots.values())
 
     def preview_map(self) -> LatentPreview:
         """The latent -> RGB map of step previews for this model's VAE (output.preview_for)."""
@@ -351,7 +364,7 @@ class FluxKleinPipeline:
         inputs = self.inputs(prompt, settings)
         s, init = inputs.settings, inputs.init
         mx.reset_peak_memory()
-        t0 = time.perf_counter()
+        t0, loads = time.perf_counter(), self.load_seconds()
         cfg_scale = inputs.cfg_scale
         ctx = self.encode_prompts([s.prompt] + ([s.negative_prompt or ""] if cfg_scale else []))  # [cond, uncond]
         ref_tokens = ref_ids = x0 = None
@@ -362,7 +375,7 @@ class FluxKleinPipeline:
             ref_tokens, ref_ids = self.encode_images(pixels, 10, inputs.images_key, what)
             if init is not None:
                 x0 = ref_tokens[:, : (s.height // 16) * (s.width // 16)]
-        stats = Stats(encode=StageStats(time.perf_counter() - t0, mx.get_peak_memory()))
+        stats = Stats(encode=StageStats(time.perf_counter() - t0, mx.get_peak_memory(), self.load_seconds() - loads))
         # Noise in the normalised, patchified latent space: (1, C, h, w) -> tokens (1, h*w, C).
         h, w = s.height // 16, s.width // 16
         if inputs.latents is not None:
@@ -379,7 +392,7 @@ class FluxKleinPipeline:
     def denoise(self, job: Job) -> Iterator[Event]:
         """Stage 2: the flow steps, a generator that yields after every step; `job.x` advances."""
         mx.reset_peak_memory()
-        t_stage = time.perf_counter()
+        t_stage, loads = time.perf_counter(), self.load_seconds()
         model = self.component("transformer")
         inputs, blockwise = job.inputs, self.memory.blockwise
         h, w, n = job.h, job.w, inputs.steps_run
@@ -418,9 +431,9 @@ class FluxKleinPipeline:
                 raise FluxKleinError(f"non-finite values appeared at denoising step {i + 1}: {self._nan_hint()}")
             job.x = x
             yield Event("denoise", i + 1, n, time.perf_counter() - t_step, job.stats, denoised=denoised, grid=(h, w))
-        seconds = time.perf_counter() - t_stage
-        job.stats.denoise = StageStats(seconds, mx.get_peak_memory())
-        job.stats.seconds_per_step = seconds / n
+        seconds, loaded = time.perf_counter() - t_stage, self.load_seconds() - loads
+        job.stats.denoise = StageStats(seconds, mx.get_peak_memory(), loaded)
+        job.stats.seconds_per_step = (seconds - loaded) / n  # the steps' own rate, without the model's load
         del model, kv_cache
         if self.memory.release_models:
             self.release("transformer")
@@ -428,11 +441,11 @@ class FluxKleinPipeline:
     def decode(self, job: Job, output_type: str = "pil"):
         """Stage 3: denormalise -> unpatchify -> VAE decoder -> PIL image or float array."""
         mx.reset_peak_memory()
-        t0 = time.perf_counter()
+        t0, loads = time.perf_counter(), self.load_seconds()
         decoded = self.component("vae").decode_tokens(job.x, job.h, job.w, tiled=self.memory.tiled_decode)
         self._check_finite(decoded, "the VAE decode")  # never a black or garbage PNG from NaN
         image = to_output(decoded, output_type)
-        job.stats.decode = StageStats(time.perf_counter() - t0, mx.get_peak_memory())
+        job.stats.decode = StageStats(time.perf_counter() - t0, mx.get_peak_memory(), self.load_seconds() - loads)
         if self.memory.release_models:
             self.release("vae")  # so the next image's denoise holds the transformer alone
         self.last_stats, self.last_metadata = job.stats, self.metadata(job.inputs)

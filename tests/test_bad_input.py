@@ -8,6 +8,7 @@ recorder for the whole module (a run that gets past the checks fails loudly inst
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -475,3 +476,167 @@ def test_bad_lora_files_refused_by_the_cli_before_any_model(capsys, snapshot, tm
         assert re.search(match, err), (name, err)
         assert lora.name in err, (name, err)
     assert no_models == [] and tree_hash(folder) == before and not out.exists()
+
+
+# --- what leaves a door, and the doors' last bad inputs (issue 21) ---------------------------------------
+
+
+def default_args(model, out, *extra):
+    """`generate` in the default dtype (bfloat16), tiny and fast."""
+    return ["generate", "--model", model, "-p", "a fox", "-W", "64", "-H", "64", "--steps", "2", "--seed", "1",
+            "-o", out, *extra]
+
+
+def test_jpeg_webp_progress_lines_summary_and_batch_names(capsys, snapshot, tmp_path):
+    """`-o many.jpg -n 2` in the default dtype, `many-0.jpg` taken: A1111's own reader (piexif's
+    UserComment, what A1111 and Forge read from JPEG and WebP) gets the `parameters` text and our JSON
+    record comes back from XMP (a WebP from `save_image` too); stderr that is not a terminal gets one
+    line per step; the summary gives load time apart, the total and `image i/N`; the batch continues
+    the numbering after the taken name (never `many-0-1.jpg`)."""
+    pytest.importorskip("piexif")
+    import piexif
+    import piexif.helper
+
+    from flux_klein_mlx.output import a1111_parameters
+
+    taken = tmp_path / "many-0.jpg"
+    taken.write_bytes(b"mine")
+    code, out, err = run(capsys, *default_args(snapshot, tmp_path / "many.jpg", "-n", "2"))
+    assert code == 0, err
+    assert out.split() == [str(tmp_path / "many-1.jpg"), str(tmp_path / "many-2.jpg")]
+    assert taken.read_bytes() == b"mine"
+    for i in (1, 2):
+        assert f"image {i}/2: denoising step 1/2: " in err and f"image {i}/2: denoising step 2/2: " in err
+    sums = re.findall(r"^image (\d)/2, seed (\d): load \d+\.\d s, encode \d+\.\d s \(peak .*\), denoise \d+\.\d s = "
+                      r"\d+\.\d\d s/step .* total \d+\.\d s$", err, re.M)
+    assert sums == [("1", "1"), ("2", "2")], err
+    jpg = Path(out.split()[1])
+    record = read_record(jpg)
+    assert record["prompt"] == "a fox" and record["dtype"] == "bfloat16" and record["seed"] == 2
+    with Image.open(jpg) as im:
+        assert im.format == "JPEG" and im.size == (64, 64)
+        webp = save_image(im.convert("RGB"), tmp_path / "fox.webp", record)
+    for path, fmt in ((jpg, "JPEG"), (webp, "WEBP")):
+        with Image.open(path) as im:
+            assert im.format == fmt
+            comment = piexif.load(im.info["exif"])["Exif"][piexif.ExifIFD.UserComment]
+        assert piexif.helper.UserComment.load(comment) == a1111_parameters(record)
+        assert read_record(path) == record
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fox.webp", "many-0.jpg", "many-1.jpg", "many-2.jpg"]
+    code, out, err = run(capsys, "--version")
+    assert code == 0 and re.fullmatch(r"flux_klein_mlx \d+\.\d+\.\d+\n", out)
+
+
+def test_empty_prompt_symlink_loop_and_options_that_would_be_ignored(capsys, snapshot, tmp_path, no_models):
+    """An empty prompt (the server's rule too), a symbolic-link loop as --output, `benchmark --variant`
+    with `--model`: one line each, before any model, nothing written."""
+    loop = tmp_path / "loop.png"
+    loop.symlink_to(loop)
+    for args, words in (
+        (["generate", "--model", snapshot, "-p", " ", "-o", tmp_path / "x.png"], "the prompt is empty"),
+        (default_args(snapshot, loop), "is a symbolic link that loops"),
+        (["benchmark", "--model", snapshot, "--variant", "klein-9b"], "--variant only applies to --random-weights"),
+    ):
+        code, _, err = run(capsys, *args)
+        assert_one_line_error(code, err, words)
+    assert no_models == [] and sorted(p.name for p in tmp_path.iterdir()) == ["loop.png"]
+
+
+def half_written_then_disk_full(monkeypatch, folder: Path) -> None:
+    """Saving a picture into `folder` writes part of it, then fails as a full disk does (ENOSPC)."""
+    real = Image.Image.save
+
+    def save(self, fp, *args, **kwargs):
+        if isinstance(fp, (str, Path)) and Path(fp).parent == folder:
+            Path(fp).write_bytes(b"\x89PNG\r\n\x1a\n partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, fp, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", save)
+
+
+def test_a_full_disk_for_previews_is_one_line_and_leaves_no_partial_file(capsys, snapshot, tmp_path, monkeypatch):
+    previews = tmp_path / "previews"
+    previews.mkdir()
+    half_written_then_disk_full(monkeypatch, previews)
+    code, _, err = run(capsys, *default_args(snapshot, tmp_path / "x.png", "--preview-dir", previews, "--steps", "1"))
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and "Traceback" not in err and last.startswith("error: cannot write "), err
+    assert last.endswith("x-step01.png (No space left on device); nothing was written")
+    assert list(previews.iterdir()) == [] and not (tmp_path / "x.png").exists()
+
+
+def test_masks_in_openai_convention_and_masks_that_miss_every_cell(capsys, snapshot, tmp_path, no_models):
+    """A mask with transparency: transparent = repaint (OpenAI's convention), the same mask as white on
+    black; an opaque RGBA mask is read by brightness; white that misses every 16-px cell is refused."""
+    from flux_klein_mlx.inputs import prepare_init_image
+
+    init = Image.fromarray((np.random.default_rng(1).random((64, 64, 3)) * 255).astype(np.uint8))
+    grey = Image.new("L", (64, 64), 0)
+    grey.paste(255, (0, 0, 32, 48))  # repaint the top-left block
+    openai_mask = Image.new("RGBA", (64, 64), (0, 0, 0, 255))
+    openai_mask.paste((255, 255, 255, 0), (0, 0, 32, 48))  # transparent there (its colour does not matter)
+    opaque = grey.convert("RGBA")
+    palette = openai_mask.convert("P")  # a palette PNG with a transparent index
+    palette.info["transparency"] = palette.getpixel((0, 0))
+    expected = prepare_init_image(init, 0.8, grey).mask
+    assert expected.any() and not expected.all()
+    for mask in (openai_mask, opaque, palette):
+        np.testing.assert_array_equal(prepare_init_image(init, 0.8, mask).mask, expected)
+    tiny = Image.new("L", (64, 64), 0)
+    tiny.putpixel((0, 0), 255)  # bilinear taps of a 16x downscale sit at pixels 7 and 8 of each cell
+    with pytest.raises(FluxKleinError, match=r"misses every 16x16-px cell .*; enlarge it"):
+        prepare_init_image(init, 0.8, tiny)
+    init.save(tmp_path / "init.png")
+    tiny.save(tmp_path / "tiny.png")
+    code, _, err = run(capsys, *default_args(snapshot, tmp_path / "x.png", "--init-image", tmp_path / "init.png",
+                                             "--mask", tmp_path / "tiny.png"))
+    assert_one_line_error(code, err, "enlarge it")
+    assert no_models == [] and not (tmp_path / "x.png").exists()
+
+
+def test_float_images_closed_images_and_latents_of_a_wrong_dtype(base, tmp_path, no_models):
+    """32-bit float pictures by value ([0, 1], or [0, 255] when a value exceeds 1; a float TIFF too);
+    a closed PIL image and latents of dtype object, complex or bool: one FluxKleinError each."""
+    half = np.full((64, 64), 0.5, np.float32)
+    tiff = tmp_path / "half.tif"
+    Image.fromarray(half).save(tiff)
+    for image in (Image.fromarray(half), tiff, Image.fromarray(half * 255)):
+        x = preprocess_reference(image)  # [-1, 1]
+        assert abs(float(x.mean())) < 0.01, image  # 50% grey, not black
+    pipe = load(base)  # bfloat16
+    closed = Image.new("RGB", (64, 64))
+    closed.close()
+    for kwargs, words in (
+        (dict(images=[closed]), "reference image is a closed PIL image"),
+        (dict(init_image=closed), "init image is a closed PIL image"),
+        (dict(latents=np.zeros((1, 32, 4, 4), object)), "not numpy dtype object"),
+        (dict(latents=np.zeros((1, 32, 4, 4), complex)), "not numpy dtype complex128"),
+    ):
+        with pytest.raises(FluxKleinError, match=words):
+            pipe.generate("a fox", width=64, height=64, **kwargs)
+    assert no_models == []
+
+
+def test_convert_base_that_would_be_ignored_and_a_kv_flag_from_the_base(capsys, snapshot, tmp_path):
+    """`--base` beside a whole snapshot is refused (nothing written); a BFL transformer converted with a
+    9B-KV snapshot as --base says that its KV flag came from that base."""
+    from tiny_model import write_bfl_transformer
+
+    code, _, err = run(capsys, "convert", "-m", snapshot, "--base", snapshot, "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "--base is only for a single-file transformer")
+    assert list(tmp_path.iterdir()) == []
+    kv_base = tmp_path / "kv-base"
+    shutil.copytree(snapshot, kv_base)
+    index = json.loads((kv_base / "model_index.json").read_text())
+    index["_class_name"] = "Flux2KleinKVPipeline"
+    index.pop("is_distilled", None)
+    (kv_base / "model_index.json").write_text(json.dumps(index))
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    bfl = write_bfl_transformer(kv_base)
+    bfl = bfl.rename(lone / bfl.name)
+    code, out, err = run(capsys, "convert", "-m", bfl, "--base", kv_base, "-o", tmp_path / "kv", "--dtype", "float32")
+    assert code == 0, err
+    assert f"reference KV because its base {kv_base} is a Flux2KleinKVPipeline" in out
+    assert json.loads((tmp_path / "kv" / "config.json").read_text())["reference_kv"] is True

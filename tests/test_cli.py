@@ -88,9 +88,9 @@ def test_editing_with_reference_image(snapshot, tmp_path, capsys):
         (["--height", "8192"], "height 8192 is above the maximum of 4096 px"),
         (["--image", "/no/such.png"], "reference image not found: /no/such.png"),
         (["--model", "/no/such/folder"], "model '/no/such/folder' not found"),
-        (["--model", "nobody/no-such-model"], "is neither a local folder nor a downloadable Hugging Face repo id"),
+        (["--model", "nobody/no-such-model"], "is not in the local Hugging Face cache"),
         (["--output", "/no/such/dir/x.png"], "output folder /no/such/dir does not exist"),
-        (["--quantize", "4", "--output", "x.jpg"], "--output must end in .png"),
+        (["--quantize", "4", "--output", "x.gif"], "--output must end in .png, .jpg, .jpeg, .webp, not 'x.gif'"),
     ],
 )
 def test_bad_input_one_line_error_and_no_file(snapshot, tmp_path, capsys, extra, message, monkeypatch):
@@ -163,5 +163,56 @@ def test_first_run_of_a_new_user_from_the_hub_cache_offline(snapshot, tmp_path):
     proc = subprocess.run(cmd[:-1] + [str(tmp_path / "second.png"), "--model", "someone/missing-model"], env=env,
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().startswith("error: model 'someone/missing-model' is neither")
+    assert proc.stderr.strip().startswith("error: model 'someone/missing-model' is not in the local Hugging Face "
+                                          f"cache ({cache}) and HF_HUB_OFFLINE is set")
     assert not (tmp_path / "second.png").exists()
+
+
+def offline_hub(monkeypatch, cache: Path, endpoint: str = "http://127.0.0.1:9") -> None:
+    """huggingface_hub online, its hub at `endpoint` (port 9 on this machine: connection refused at once)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+
+
+def test_an_unreachable_hub_says_so_with_the_size_the_cache_and_the_way_out(tmp_path, capsys, monkeypatch):
+    """A new user's first run with no network: not "neither a folder nor a repo id" (a typo's message),
+    but that the hub cannot be reached, how big the download is, where it goes and `--model DIR`."""
+    offline_hub(monkeypatch, tmp_path / "hub")
+    code, _, stderr = generate(["--prompt", "a fox", "-o", str(tmp_path / "x.png")], capsys)  # the default model
+    assert code == 1 and len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
+    assert stderr.startswith("error: cannot reach the Hugging Face hub (ConnectError) to download "
+                             f"'black-forest-labs/FLUX.2-klein-4B' (about 16 GB, into {tmp_path / 'hub'})")
+    assert "--model DIR" in stderr and not (tmp_path / "x.png").exists()
+
+
+def test_a_large_download_is_announced_before_it_starts(snapshot, tmp_path, capsys, monkeypatch):
+    """One line, before the download: its size (the files the pipeline reads, nothing cached yet), the
+    cache folder, the way out. The hub's answers are stood in for (no network here)."""
+    import huggingface_hub
+    from types import SimpleNamespace
+
+    offline_hub(monkeypatch, tmp_path / "hub")
+    sizes = {"transformer/diffusion_pytorch_model.safetensors": 7_750_000_000, "vae/config.json": 800,
+             "text_encoder/model-00001-of-00002.safetensors": 8_000_000_000, "README.md": 9_000,
+             "flux-2-klein-4b.safetensors": 7_750_000_000}  # the BFL single file is not downloaded
+    info = SimpleNamespace(sha="0" * 40, siblings=[SimpleNamespace(rfilename=k, size=v) for k, v in sizes.items()])
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, repo, files_metadata=False: info)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda **kw: str(snapshot))
+    foreign = tmp_path / "out"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    code, _, stderr = main_cli(["convert", "-m", "black-forest-labs/FLUX.2-klein-4B", "-o", str(foreign)], capsys)
+    lines = stderr.strip().splitlines()
+    assert lines[0] == (f"downloading black-forest-labs/FLUX.2-klein-4B: 15.8 GB into {tmp_path / 'hub'} (once; "
+                        "Ctrl-C stops it, and --model DIR uses a copy you already have)"), stderr
+    assert code == 1 and len(lines) == 2 and lines[1].startswith("error: ")  # the folder is not ours: refused
+
+
+def main_cli(args, capsys):
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err

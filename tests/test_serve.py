@@ -121,6 +121,7 @@ def start_server(model, args, tmp_path_factory, save_dir=None):
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     srv = Server(proc, port, save_dir)
+    srv.log = Path(log.name)
     deadline = time.monotonic() + 90
     while True:
         assert proc.poll() is None, "server exited: " + Path(log.name).read_text()
@@ -408,6 +409,12 @@ BAD_JSON = [
     ("steps not a number", {**GOOD, "steps": "many"}, None, 400, "steps must be a whole number"),
     ("lone surrogate in the prompt", {**GOOD, "prompt": "a \ud800 fox"}, None, 400, "is a lone surrogate U+D800"),
     ("unknown model", {**GOOD, "model": "dall-e-3"}, None, 404, "is not served here"),
+    ("empty prompt", {**GOOD, "prompt": "  "}, None, 400, "the prompt is empty: describe the image to make"),
+    ("nine LoRAs", {**GOOD, "loras": ["style"] * 9}, None, 400, "a request may name at most 8"),
+    ("a LoRA named twice", {**GOOD, "loras": ["style", "style:0.5"]}, None, 400, "LoRA 'style' is named twice"),
+    ("partial_images over 3", {**GOOD, "partial_images": 4}, None, 400, "partial_images must be between 0 and 3"),
+    ("deeply nested JSON", b'{"prompt": "x", "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, 400,
+     "nests JSON too deeply"),
     ("missing API key", GOOD, {"Authorization": ""}, 401, "missing API key"),
     ("wrong API key", GOOD, {"Authorization": "Bearer nope"}, 401, "invalid API key"),
 ]
@@ -461,6 +468,92 @@ def test_openai_client_sees_errors_as_exceptions(server):
         server.client().models.retrieve("gpt-image-1")
     code, body = http("GET", server.url + "/v1/nothing", headers=server.auth)
     assert code == 404 and body["error"]["message"] == "no route GET /v1/nothing; see GET /v1/status"
+
+
+def test_a_refused_lora_request_keeps_the_pipeline(server, lora_dir):
+    """A damaged file in --lora-dir: that request gets its 400 (naming the file, no server path), the
+    loaded pipeline stays: /v1/status says ready and the next request with a good LoRA is answered."""
+    broken = lora_dir / "broken.safetensors"
+    broken.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    try:
+        client = server.client()
+        with pytest.raises(openai.BadRequestError) as e:
+            client.images.generate(prompt="a fox", size="64x64", extra_body={"steps": 1, "loras": ["broken"]})
+        message = e.value.body["message"]
+        assert "broken.safetensors" in message and str(lora_dir) not in message and "\n" not in message
+        assert server.status()["state"] == "ready"
+        assert re.search(r"^request [0-9a-f]{8}: generations 64x64, 1 steps, n=1 -> 400 LoRA broken\.safetensors",
+                         server.log.read_text(), re.M)
+        res = client.images.generate(prompt="a fox", size="64x64", extra_body={"seed": 2, "steps": 1,
+                                                                                "loras": ["style:0.8"]})
+        assert json.loads(decode(res.data[0].b64_json).text["flux_klein_mlx"])["loras"][0]["scale"] == 0.8
+    finally:
+        broken.unlink()
+
+
+def test_a_lost_save_dir_costs_a_warning_never_the_image(server, monkeypatch, tmp_path):
+    """--save-dir removed while serving: the client still gets its image, the log a warning, the folder
+    nothing; a full disk (ENOSPC half-way through the write) leaves no partial file. The log says
+    "model loaded in X s" and one line per request (id, size, steps, n, outcome, seconds)."""
+    from flux_klein_mlx.api import Server as App
+    from flux_klein_mlx.api import ServerOptions
+
+    away = server.save_dir.with_name(server.save_dir.name + "-away")
+    server.save_dir.rename(away)
+    try:
+        res = server.client().images.generate(prompt="a kept fox", size="64x64", extra_body={"seed": 3, "steps": 1})
+        assert decode(res.data[0].b64_json).size == (64, 64)
+    finally:
+        away.rename(server.save_dir)
+    log = server.log.read_text()
+    assert "model loaded in " in log and "warning: a result was not saved to --save-dir: cannot write " in log
+    assert re.search(r"^request [0-9a-f]{8}: generations 64x64, 1 steps, n=1 -> 200 in \d+\.\d\d s$", log, re.M), log
+
+    lines: list[str] = []
+    app = App(None, ServerOptions(save_dir=tmp_path, log=lines.append))
+    real = Path.write_bytes
+
+    def disk_full(path, data):
+        real(path, data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", disk_full)
+    app.save(b"\x89PNG" + bytes(100), "0" * 32)
+    assert list(tmp_path.iterdir()) == [] and len(lines) == 1 and "(No space left on device)" in lines[0]
+
+
+def test_error_bodies_show_no_server_path():
+    from flux_klein_mlx.forms import ApiError
+
+    body = ApiError(400, "LoRA /Users/me/loras/x.safetensors: cannot read /private/tmp/m/vae/w.safetensors, "
+                         "see GET /v1/status").body()
+    assert body["error"]["message"] == "LoRA x.safetensors: cannot read w.safetensors, see GET /v1/status"
+
+
+def test_serve_fails_cleanly_at_start(snapshot, tmp_path, capsys, monkeypatch):
+    """A busy port, a missing model, a broken --lora: one line and exit 1 before "serving"; a load that
+    fails after it ends `serve` with one line too (the worker's load fails; the server stops)."""
+    from flux_klein_mlx.__main__ import main
+    from flux_klein_mlx.pipeline import FluxKleinPipeline
+
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"not a LoRA")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for extra, words in (([], f"port {port} on 127.0.0.1 is already in use"),
+                             (["--model", str(tmp_path / "nothing"), "--port", str(free_port())], "not found"),
+                             (["--lora", str(broken), "--port", str(free_port())], "broken.safetensors")):  # fmt: skip
+            code = main(["serve", "--model", str(snapshot), "--port", str(port), *extra])
+            err = capsys.readouterr().err
+            assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+            assert words in err and "serving" not in err
+    monkeypatch.setattr(FluxKleinPipeline, "preview_map", lambda self: (_ for _ in ()).throw(RuntimeError("no memory")))
+    code = main(["serve", "--model", str(snapshot), "--port", str(free_port()), "--dtype", "float32"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and "serving" in lines[0], lines
+    assert lines[-1] == "error: the model failed to load: RuntimeError: no memory" and len(lines) == 2, lines
 
 
 def test_non_loopback_host_requires_api_key(snapshot):
@@ -636,3 +729,28 @@ def test_page_runs_in_the_default_dtype_on_a_phone(page_server, tmp_path):
         driver.find_elements(By.CSS_SELECTOR, "#history .reuse")[0].click()
         assert driver.find_element(By.ID, "prompt").get_attribute("value") == "a fox on a phone"
         assert driver.find_element(By.ID, "negative").get_attribute("value") == "blurry"
+
+
+def test_api_in_the_default_dtype_partial_images_and_an_openai_mask(page_server):
+    """bfloat16 through the API (not the page): `partial_images` (OpenAI's meaning: how many partial
+    images a stream sends), and an edit whose mask marks the region to repaint by transparency (OpenAI's
+    convention) repaints what the same mask in white on black does."""
+    from flux_klein_mlx.inputs import content_hash, prepare_init_image
+
+    client = page_server.client()
+    for partial, steps, expected in ((2, 3, [0, 1]), (0, 1, [])):
+        events = list(client.images.generate(prompt="a fox", size="64x64", stream=True, partial_images=partial,
+                                             extra_body={"seed": 1, "steps": steps}))
+        assert [e.partial_image_index for e in events if e.type == "image_generation.partial_image"] == expected
+        assert sum(e.type == "image_generation.progress" for e in events) == steps
+        done = [e for e in events if e.type == "image_generation.completed"]
+        assert len(done) == 1 and json.loads(decode(done[0].b64_json).text["flux_klein_mlx"])["dtype"] == "bfloat16"
+    init = picture(64, 64, 5)
+    grey = Image.new("L", (64, 64), 0)
+    grey.paste(255, (16, 0, 64, 40))
+    rgba = Image.new("RGBA", (64, 64), (0, 0, 0, 255))
+    rgba.paste((0, 0, 0, 0), (16, 0, 64, 40))  # transparent = repaint
+    res = client.images.edit(image=("a.png", png(init), "image/png"), mask=("m.png", png(rgba), "image/png"),
+                             prompt="a cat", extra_body={"seed": 3, "steps": 1})
+    record = json.loads(decode(res.data[0].b64_json).text["flux_klein_mlx"])
+    assert record["mask"] == content_hash(prepare_init_image(init, 0.8, grey).mask) and record["dtype"] == "bfloat16"

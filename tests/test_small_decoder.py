@@ -110,7 +110,7 @@ def test_repo_id_through_the_hub_cache(snapshot, small, tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     info = describe(snapshot, vae="black-forest-labs/FLUX.2-small-decoder")
     assert info.configs["vae"]["decoder_block_out_channels"] == [24, 24, 48, 48]
-    with pytest.raises(FluxKleinError, match="VAE: 'black-forest-labs/FLUX.2-nothing' is neither a local folder"):
+    with pytest.raises(FluxKleinError, match="VAE: 'black-forest-labs/FLUX.2-nothing' is not in the local Hugging Face cache"):
         describe(snapshot, vae="black-forest-labs/FLUX.2-nothing")
 
 
