@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.qwen3 import ModelArgs, TransformerBlock
 
 from .config import Qwen3Config
 from .errors import FluxKleinError
@@ -22,9 +21,19 @@ from .errors import FluxKleinError
 OUT_LAYERS = (9, 18, 27)
 
 
-def model_args(config: Qwen3Config) -> ModelArgs:
+def _qwen3():
+    """mlx-lm's Qwen3 module, imported when an encoder is first built: importing anything of mlx_lm
+    runs its package __init__, which imports transformers and torch (3.9 s of the 4.2 s that
+    `import flux_klein_mlx.generate` took on our Linux VM), and a run whose prompts are cached
+    never builds the encoder."""
+    from mlx_lm.models import qwen3
+
+    return qwen3
+
+
+def model_args(config: Qwen3Config):
     """The same hyper-parameters as mlx-lm's Qwen3 `ModelArgs`."""
-    return ModelArgs(
+    return _qwen3().ModelArgs(
         model_type="qwen3",
         hidden_size=config.hidden_size,
         num_hidden_layers=config.num_hidden_layers,
@@ -59,7 +68,8 @@ class Qwen3Trunk(nn.Module):
         super().__init__()
         args = model_args(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = [TransformerBlock(args) for _ in range(num_layers)]
+        block = _qwen3().TransformerBlock
+        self.layers = [block(args) for _ in range(num_layers)]
 
 
 class Qwen3TextEncoder(nn.Module):
