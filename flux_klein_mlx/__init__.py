@@ -26,6 +26,7 @@ _EXPORTS = {
     "RunSettings": "inputs",
     "PreparedInputs": "inputs",
     "prepare_inputs": "inputs",
+    "EmbeddingCache": "embedding_cache",
     "save_image": "output",
     "image_metadata": "output",
     "describe": "loading",

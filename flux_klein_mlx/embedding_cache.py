@@ -52,6 +52,7 @@ import numpy as np
 
 from . import __version__
 from .errors import FluxKleinError
+from .tokenizer import MAX_LENGTH, chat_template_source
 from .weights import safetensors_header_bytes
 
 DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB: ~130 klein-4B prompts in bf16 (7.9 MB each), ~80 for klein-9B
@@ -377,15 +378,40 @@ def _remove_if_stale(path: Path) -> None:
         pass
 
 
-# ---- the pipeline's use, in one call ---------------------------------------------------------------
+# ---- the pipeline's use ------------------------------------------------------------------------------
+
+
+def open_cache(cache, size: int | str = DEFAULT_MAX_BYTES) -> EmbeddingCache | None:
+    """`load`'s `cache=` (True, False or an EmbeddingCache) and `cache_size=` -> the cache, or None (off)."""
+    if isinstance(cache, EmbeddingCache):
+        return cache
+    if not isinstance(cache, bool):
+        raise FluxKleinError(f"cache must be True, False or an EmbeddingCache, not {cache!r}")
+    max_bytes = parse_size(size)
+    return EmbeddingCache.open_default(max_bytes) if cache and max_bytes > 0 else None
+
+
+def prompt_keys(cache: EmbeddingCache, encoder_files: Sequence[str | Path], tokenizer: str | Path,
+                prompts: Sequence[str], settings: Mapping) -> dict[str, str | None]:  # fmt: skip
+    """prompt -> key for a model's text encoder (`encoder_files`), its tokenizer folder's chat template
+    (read without building the tokenizer), the 512-token length and `settings` (dtype, quantization).
+
+    A weight file that cannot even be stat'ed gives None (not cached): the encoder's load then says
+    what is wrong."""
+    template = chat_template_source(tokenizer)
+    try:
+        return {p: cache.key(encoder_files, template=template, max_length=MAX_LENGTH, prompt=p, settings=settings)
+                for p in prompts}  # fmt: skip
+    except OSError:
+        return {p: None for p in prompts}
 
 
 def cached_embeddings(
     cache: EmbeddingCache | None,
-    keys: Mapping[str, str],
+    keys: Mapping[str, str | None],
     encode: Callable[[list[str]], mx.array],
 ) -> dict[str, mx.array]:
-    """prompt -> (1, L, C) embeddings for every prompt in `keys` (prompt -> cache key).
+    """prompt -> (1, L, C) embeddings for every prompt in `keys` (prompt -> cache key, None: not cached).
 
     Cached prompts are read; the others are encoded by `encode(missing)` -> (B, L, C) in one call
     (only then does the caller load its text encoder) and stored. `cache=None` encodes them all.
@@ -393,7 +419,7 @@ def cached_embeddings(
     found: dict[str, mx.array] = {}
     if cache is not None:
         for prompt, key in keys.items():
-            hit = cache.get(key)
+            hit = None if key is None else cache.get(key)
             if hit is not None:
                 found[prompt] = hit
     missing = [p for p in keys if p not in found]
@@ -401,6 +427,6 @@ def cached_embeddings(
         emb = encode(missing)
         for i, prompt in enumerate(missing):
             found[prompt] = emb[i : i + 1]
-            if cache is not None:
+            if cache is not None and keys[prompt] is not None:
                 cache.put(keys[prompt], found[prompt])
     return found

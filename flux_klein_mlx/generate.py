@@ -12,6 +12,7 @@ import click
 from .cli import run_command
 from .errors import FluxKleinError
 from .inputs import RunSettings, check_prompt_given, prepare_inputs
+from .embedding_cache import parse_size
 from .lora import pair_scales
 from .output import check_output_file, image_format, numbered_name, save_image, write_exclusive
 from .pipeline import DEFAULT_MODEL, load
@@ -79,9 +80,14 @@ def summary(stats, seed, index: int, count: int) -> str:
 @click.option("--lora-scale", "lora_scales", type=float, multiple=True,
               help="Strength of each --lora, by position [default: 1.0].")
 @click.option("--lora-partial", is_flag=True, help="Apply a LoRA even when some of its modules match no layer.")
+@click.option("--vae", default=None, help="Another VAE or decoder: repo id (e.g. black-forest-labs/FLUX.2-small-decoder), "
+              "folder or .safetensors file.")
+@click.option("--no-cache", is_flag=True, help="Do not read or store prompt embeddings on disk (the text encoder runs).")
+@click.option("--cache-size", default="1GiB", show_default=True,
+              help="Bound of the prompt-embedding cache on disk (e.g. 500MB, 2GB; 0 = off).")
 def generate(prompt, model, width, height, steps, guidance, seed, noise, init_image, strength, mask, images,
              negative_prompt, num_images, quantize, dtype, low_memory, output, preview_dir, loras, lora_scales,
-             lora_partial):
+             lora_partial, vae, no_cache, cache_size):
     """Generate images from a prompt (and optional reference images)."""
     # Cheap checks before loading gigabytes: the settings, the output paths, the LoRA options.
     check_prompt_given(prompt)
@@ -94,16 +100,19 @@ def generate(prompt, model, width, height, steps, guidance, seed, noise, init_im
     if preview_dir is not None:
         check_output_file(Path(preview_dir) / f"{paths[-1].stem}-step00.png", "--preview-dir")
     lora_specs = pair_scales(loras, lora_scales)
+    cache_bytes = parse_size(cache_size)
 
     t0 = time.perf_counter()
-    pipe = load(model, dtype=dtype, quantize=int(quantize) if quantize else None,
-                low_memory=low_memory, loras=lora_specs, lora_partial=lora_partial)
+    pipe = load(model, dtype=dtype, quantize=int(quantize) if quantize else None, low_memory=low_memory,
+                loras=lora_specs, lora_partial=lora_partial, vae=vae, cache=not no_cache, cache_size=cache_bytes)
     prepared = prepare_inputs(settings, pipe.info)  # every image read and checked before any model runs
+    encode = pipe.check_text_encoder(prepared)  # its files too, unless the prompt is cached
     info = pipe.info
     # load() only reads configs and checks the files' headers; each model loads when first used.
     click.echo(f"{info.name} from {info.source} ({dtype}"
                f"{', %d-bit' % pipe.quantization['bits'] if pipe.quantization else ''}): files checked in "
-               f"{time.perf_counter() - t0:.1f} s, models load on first use", err=True)
+               f"{time.perf_counter() - t0:.1f} s, {'' if encode else 'prompt embeddings cached, '}"
+               "models load on first use", err=True)
     for lora in pipe.loras:
         click.echo(f"LoRA {lora.name} ({lora.sha256}) at scale {lora.scale:g}: {len({t.layer for t in lora.terms})} "
                    f"layers, {lora.nbytes / 1e6:.1f} MB", err=True)

@@ -377,6 +377,11 @@ class PreparedInputs:
         g = self.settings.guidance
         return g if g is not None and g > 1.0 else None
 
+    @property
+    def prompts(self) -> list[str]:
+        """The prompts the text encoder reads: [prompt], or [prompt, negative prompt] with CFG."""
+        return [self.settings.prompt] + ([self.settings.negative_prompt or ""] if self.cfg_scale else [])
+
     def for_image(self, index: int) -> "PreparedInputs":
         """Image `index` of a batch: the same inputs with seed + index (diffusers' generators N, N+1, ...)."""
         seed = self.settings.seed

@@ -56,7 +56,7 @@ XMP_NS = "urn:flux_klein_mlx:record:1"  # the XMP namespace of our record (JPEG,
 
 def image_metadata(settings, *, model: str, variant: str, dtype: str, quantize: int | None, loras: list[dict],
                    references: list[str], init_image: str | None = None, mask: str | None = None,
-                   steps_run: int | None = None) -> dict:  # fmt: skip
+                   steps_run: int | None = None, vae: str | None = None) -> dict:  # fmt: skip
     """The record of one image: `settings` is the run's resolved `inputs.RunSettings`; images are named
     by the content hash of their pixels (the same whichever door they came through)."""
     return {
@@ -66,7 +66,7 @@ def image_metadata(settings, *, model: str, variant: str, dtype: str, quantize: 
         "noise": "latents" if settings.latents is not None else settings.noise,
         "model": model, "variant": variant, "dtype": dtype, "quantize": quantize, "loras": loras,
         "references": references, "init_image": init_image, "strength": settings.strength if init_image else None,
-        "mask": mask, "software": f"flux_klein_mlx {__version__}",
+        "mask": mask, "vae": vae, "software": f"flux_klein_mlx {__version__}",
     }  # fmt: skip
 
 
@@ -86,7 +86,7 @@ def a1111_parameters(record: dict) -> str:
         "Steps": r("steps"), "Sampler": "Euler", "Schedule type": "Simple",
         "CFG scale": r("guidance") if r("guidance") is not None else 1, "Seed": r("seed"),
         "Size": f"{r('width')}x{r('height')}" if r("width") else None, "Model": r("model"),
-        "Denoising strength": r("strength") if r("init_image") else None,
+        "VAE": r("vae"), "Denoising strength": r("strength") if r("init_image") else None,
         "Lora hashes": ", ".join(f"{lora['name']}: {lora['sha256']}" for lora in r("loras") or []) or None,
         "Version": r("software", f"flux_klein_mlx {__version__}"),
     }  # fmt: skip

@@ -9,14 +9,16 @@ A run is three public stages, each timed (seconds, peak memory) into a typed `St
 
 `stream` is those three in a row and `generate` runs `stream` to the end. Models sit in slots,
 loaded on first use; the text encoder is released once the prompt is encoded (embeddings of
-recent prompts are kept, so repeated prompts never reload it), and reference tokens of recent
-image sets are kept too (one VAE encode for all images of a batch). A `MemoryPlan` says what
-else is given up for memory (`low_memory=True` sets all of it).
+recent prompts are kept, on disk too with a cache (`embedding_cache`): a run whose prompts are cached
+never opens its files), and reference tokens of recent image sets are kept (one VAE encode for all
+images of a batch). While one model computes, the next one's files are read ahead (`readahead.Prefetch`).
+A `MemoryPlan` says what else is given up for memory (`low_memory=True` sets all of it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import numbers
 import os
@@ -30,12 +32,14 @@ import mlx.core as mx
 import numpy as np
 from PIL import Image
 
+from .embedding_cache import DEFAULT_MAX_BYTES, EmbeddingCache, cached_embeddings, open_cache, prompt_keys
 from .errors import FluxKleinError
 from .inputs import PreparedInputs, RunSettings, prepare_inputs
 from .loading import ModelInfo, as_dtype, check_weights, describe, dtype_name, load_component, read_component
 from .lora import apply_loras, load_loras
 from .output import LatentPreview, image_metadata, preview_for
 from .quantize import check_quantization
+from .readahead import Prefetch
 from .rope import image_ids, text_ids
 from .sampling import blend, cfg, euler_step, initial_noise, model_timestep, pack_latents, scale_noise, schedule
 from .sampling import x0_estimate
@@ -173,9 +177,9 @@ def to_output(images: mx.array, output_type: str):
     return Image.fromarray(np.round(x * 255).astype(np.uint8))
 
 
-def model_name(info: ModelInfo) -> str:
-    """How metadata names the model: a repo id as given, a local folder or file by its name."""
-    source = str(info.source)
+def model_name(source) -> str:
+    """How metadata names a model (or VAE) source: a repo id as given, a local folder or file by its name."""
+    source = str(source)
     return Path(source.rstrip("/")).name if os.path.exists(source) else source
 
 
@@ -187,7 +191,8 @@ class FluxKleinPipeline:
     """
 
     def __init__(self, loaders: dict[str, Callable[[], object]], info: ModelInfo, *, dtype=mx.bfloat16,
-                 low_memory=False, quantization: dict | None = None, loras: list | None = None):  # fmt: skip
+                 low_memory=False, quantization: dict | None = None, loras: list | None = None,
+                 cache: EmbeddingCache | None = None, check_files: Callable[[], None] | None = None):  # fmt: skip
         self.info = info
         self.dtype = dtype
         self.memory = MemoryPlan.of(low_memory)
@@ -201,12 +206,26 @@ class FluxKleinPipeline:
         self._open_streams = 0
         self.last_stats: Stats | None = None
         self.last_metadata: dict | None = None
+        self.cache = cache  # prompt embeddings on disk (None: memory only)
+        self.prefetch = Prefetch(info)  # `prefetch.enabled = False` turns reading ahead off
+        # Checks the text encoder's files before its first load; cached once it passes (a failure raises again).
+        self._check_files = functools.cache(check_files or (lambda: None))
 
     # ---- models -------------------------------------------------------------------------------
 
     def component(self, name: str):
         """The loaded `name` ("transformer", "text_encoder", "tokenizer" or "vae"), loading it if needed."""
-        return self._slots[name].get()
+        model = self._slots[name].get()
+        self.prefetch.finish(name)  # loaded: what was not read ahead the load has read itself
+        return model
+
+    def _read_ahead(self, name: str) -> None:
+        """Read `name`'s files into the page cache on a background thread while something computes. Safe
+        for memory: no MLX array, no bytes kept (4 reused 8 MiB buffers), only clean, reclaimable cache pages
+        the load reads through anyway, capped to what fits beside the resident models (`readahead.Prefetch`);
+        measured: the same peak MLX memory and RSS with and without it (benchmarks/RESULTS.md)."""
+        if not self.is_loaded(name):
+            self.prefetch.start(name, mx.get_active_memory())
 
     def is_loaded(self, name: str) -> bool:
         return self._slots[name].model is not None
@@ -262,20 +281,49 @@ class FluxKleinPipeline:
     # ---- conditioning -------------------------------------------------------------------------
 
     def encode_prompts(self, prompts: Sequence[str]) -> mx.array:
-        """Embeddings (B, 512, 3*hidden) for `prompts`; the text encoder is released afterwards."""
+        """Embeddings (B, 512, 3*hidden) for `prompts`: kept in memory, else read from the disk cache,
+        else made by the text encoder (loaded for them, then released) and stored."""
         missing = [p for p in dict.fromkeys(prompts) if p not in self._prompts]
         if missing:
-            encoder, tokenizer = self.component("text_encoder"), self.component("tokenizer")
-            emb = encode_prompts(encoder, tokenizer, missing).astype(self.dtype)
-            mx.eval(emb)
-            self._check_finite(emb, "the text encoder's prompt embeddings")
-            for i, p in enumerate(missing):
-                self.remember_prompt(p, emb[i : i + 1])
-            del encoder
-            self.release("text_encoder")
+            found = cached_embeddings(self.cache, self._cache_keys(missing), self._run_text_encoder)
+            for p in missing:
+                self.remember_prompt(p, found[p])
         for p in prompts:
             self._prompts.move_to_end(p)
         return mx.concatenate([self._prompts[p] for p in prompts], axis=0)
+
+    def _run_text_encoder(self, prompts: list[str]) -> mx.array:
+        """(B, 512, C) embeddings of `prompts` from the text encoder, checked finite (never cached otherwise)."""
+        self._check_files()
+        encoder, tokenizer = self.component("text_encoder"), self.component("tokenizer")
+        self._read_ahead("transformer")  # its files are read while the encoder computes
+        emb = encode_prompts(encoder, tokenizer, prompts).astype(self.dtype)
+        mx.eval(emb)
+        self._check_finite(emb, "the text encoder's prompt embeddings")
+        del encoder
+        self.release("text_encoder")
+        return emb
+
+    def _cache_keys(self, prompts: list[str]) -> dict[str, str | None]:
+        if self.cache is None or not prompts:
+            return {p: None for p in prompts}
+        settings = {"dtype": dtype_name(self.dtype), "quantization": self.quantization}
+        return prompt_keys(self.cache, self.info.files["text_encoder"], self.info.tokenizer, prompts, settings)
+
+    def check_text_encoder(self, inputs: PreparedInputs | None = None) -> bool:
+        """Check the text encoder's files (headers) now, unless every prompt of `inputs` is cached:
+        those are read into memory and the encoder's files are never opened. `generate` calls it
+        before it prints anything, the server at its start (`None`: check). True: the encoder will run."""
+        prompts = [] if inputs is None else inputs.prompts
+        missing = [p for p in dict.fromkeys(prompts) if p not in self._prompts]
+        for p, key in self._cache_keys(missing).items():
+            hit = None if key is None else self.cache.get(key)
+            if hit is not None:
+                self.remember_prompt(p, hit)
+        needed = inputs is None or any(p not in self._prompts for p in prompts)
+        if needed:
+            self._check_files()
+        return needed
 
     def remember_prompt(self, prompt: str, embeddings: mx.array) -> None:
         """Use `embeddings` (1, 512, C) for `prompt` from now on instead of running the text encoder."""
@@ -365,8 +413,8 @@ class FluxKleinPipeline:
         s, init = inputs.settings, inputs.init
         mx.reset_peak_memory()
         t0, loads = time.perf_counter(), self.load_seconds()
-        cfg_scale = inputs.cfg_scale
-        ctx = self.encode_prompts([s.prompt] + ([s.negative_prompt or ""] if cfg_scale else []))  # [cond, uncond]
+        ctx = self.encode_prompts(inputs.prompts)  # (1 or 2, 512, C): [cond, uncond] with CFG
+        self._read_ahead("transformer")  # prompts cached: read while the references are encoded
         ref_tokens = ref_ids = x0 = None
         # The init image is x0 and the first reference (t = 10); other references follow at 20, 30, ...
         pixels = ([init.pixels] if init is not None else []) + inputs.references
@@ -410,6 +458,8 @@ class FluxKleinPipeline:
         kv_cache, x, scale = None, job.x, inputs.cfg_scale
         for i in range(n):
             t_step = time.perf_counter()
+            if i == n - 1:
+                self._read_ahead("vae")  # read during the last step, so the decode finds it cached
             x_in = mx.broadcast_to(x, (B,) + x.shape[1:])
             if use_kv and kv_cache is None:
                 kv_cache = model.reference_kv(ref, job.ref_ids, low_memory=blockwise)  # the extract step
@@ -455,10 +505,11 @@ class FluxKleinPipeline:
         """The record of an image made from `inputs` by this pipeline (output.image_metadata)."""
         hashes = inputs.hashes
         return image_metadata(
-            inputs.settings, model=model_name(self.info), variant=self.info.name, dtype=dtype_name(self.dtype),
+            inputs.settings, model=model_name(self.info.source), variant=self.info.name, dtype=dtype_name(self.dtype),
             quantize=self.quantization["bits"] if self.quantization else None,
             loras=[lora.record() for lora in self.loras], references=hashes["references"],
             init_image=hashes.get("init_image"), mask=hashes.get("mask"), steps_run=inputs.steps_run,
+            vae=self.info.vae_source and model_name(self.info.vae_source),
         )  # fmt: skip
 
 
@@ -484,6 +535,9 @@ def load(
     low_memory: bool | MemoryPlan = False,
     loras: list | None = None,
     lora_partial: bool = False,
+    vae: str | Path | None = None,
+    cache: bool | EmbeddingCache = True,
+    cache_size: int | str = DEFAULT_MAX_BYTES,
 ) -> FluxKleinPipeline:
     """Load a FLUX.2 [klein] pipeline.
 
@@ -502,12 +556,20 @@ def load(
             on the Hugging Face hub) or `(path, scale)`; scale defaults to 1.0. Fused into float
             weights, a side path beside quantized ones; change them later with `set_loras`.
         lora_partial: accept LoRAs of which only some modules match the model (refused otherwise).
+        vae: another VAE in place of the model's, or only its decoder: a repo id such as
+            "black-forest-labs/FLUX.2-small-decoder", a folder or a .safetensors file (`loading.with_vae`).
+        cache: keep prompt embeddings on disk (in `$FLUX_KLEIN_CACHE`, else `$XDG_CACHE_HOME/flux_klein_mlx`,
+            else `~/.cache/flux_klein_mlx`): a prompt seen before never loads the text encoder. False: off.
+        cache_size: the disk cache's bound, bytes or text such as "1GB" (least recently used go first); 0: off.
 
     The variant (4B/9B, distilled/Base, 9B-KV) is read from the files. Models load on first use.
     """
     _check_load_options(model, dtype, quantize, group_size)
     dt, plan = as_dtype(dtype), MemoryPlan.of(low_memory)
-    info = describe(model)
+    prompt_cache = open_cache(cache, cache_size)
+    if vae is not None and (not isinstance(vae, (str, os.PathLike)) or not str(vae)):
+        raise FluxKleinError(f"vae must be a repo id or a path (str or Path), not {vae!r}")
+    info = describe(model, vae=vae)
     if info.format == "bfl":
         raise FluxKleinError(
             f"{info.path} is a single weight file; convert it into a model folder first: "
@@ -519,7 +581,9 @@ def load(
             f"{info.path} is already quantized to {stored['bits']} bits; leave --quantize out, or quantize the "
             f"unquantized folder to {quantize} bits"
         )
-    check_weights(info)  # every weight file's header, keys and shapes, before any model runs
+    # Every weight file's header, keys and shapes, before any model runs; the text encoder's just before
+    # it first loads (it is the first model to run), so that a run whose prompts are cached never opens them.
+    check_weights(info, ("transformer", "vae"))
     parsed = load_loras(loras, info.params, lora_partial)  # every LoRA checked before any model loads
 
     def component(name):
@@ -528,4 +592,6 @@ def load(
     loaders = {name: component(name) for name in ("transformer", "text_encoder", "vae")}
     loaders["tokenizer"] = lambda: load_tokenizer(info.tokenizer)
     quantization = stored or ({"bits": quantize, "group_size": group_size} if quantize else None)
-    return FluxKleinPipeline(loaders, info, dtype=dt, low_memory=plan, quantization=quantization, loras=parsed)
+    return FluxKleinPipeline(loaders, info, dtype=dt, low_memory=plan, quantization=quantization, loras=parsed,
+                             cache=prompt_cache, check_files=lambda: check_weights(info, ("text_encoder",)))  # fmt: skip
+

@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from .cli import run_command
+from .embedding_cache import parse_size
 from .errors import FluxKleinError
 from .lora import parse_lora_spec
 from .pipeline import DEFAULT_MODEL, load
@@ -36,6 +37,14 @@ def bind(host: str, port: int) -> socket.socket:
         reason = e.strerror or str(e)
         raise FluxKleinError(f"cannot listen on {host}:{port} ({reason}); choose another --host or --port") from None
     return sock
+
+
+def import_multipart() -> None:
+    """python-multipart (uploads), under its name since 0.0.13; the old `multipart` name warns there."""
+    try:
+        import python_multipart  # noqa: F401
+    except ImportError:
+        import multipart  # noqa: F401
 
 
 def is_loopback(host: str) -> bool:
@@ -67,13 +76,18 @@ def is_loopback(host: str) -> bool:
 @click.option("--max-upload-mb", type=click.FloatRange(0.1, 200), default=20, show_default=True,
               help="Largest accepted image upload.")
 @click.option("--model-id", default=None, help="The model name clients use [default: the last part of --model].")
+@click.option("--vae", default=None, help="Another VAE or decoder: repo id (e.g. black-forest-labs/FLUX.2-small-decoder), "
+              "folder or .safetensors file.")
+@click.option("--no-cache", is_flag=True, help="Do not read or store prompt embeddings on disk.")
+@click.option("--cache-size", default="1GiB", show_default=True,
+              help="Bound of the prompt-embedding cache on disk (e.g. 500MB, 2GB; 0 = off).")
 def serve(model, quantize, dtype, low_memory, loras, lora_dir, host, port, api_key, queue_size, save_dir,
-          max_upload_mb, model_id):
+          max_upload_mb, model_id, vae, no_cache, cache_size):
     """Serve the OpenAI Images API and a web page with live step previews."""
     try:
         import uvicorn  # noqa: F401
         import starlette  # noqa: F401
-        import multipart  # noqa: F401  (python-multipart, for uploads)
+        import_multipart()
     except ImportError as e:
         raise FluxKleinError(f"serve needs the serve extra ({e.name} is missing): pip install -e \".[serve]\"") from None
     if not is_loopback(host) and not api_key:
@@ -91,10 +105,13 @@ def serve(model, quantize, dtype, low_memory, loras, lora_dir, host, port, api_k
 
     base_loras = [parse_lora_spec(v) for v in loras]
     bits = int(quantize) if quantize else None
+    cache_bytes = parse_size(cache_size)
     sock = bind(host, port)
     t0 = time.perf_counter()
     try:  # the model's files and the LoRAs, checked before saying "serving" (one line and exit 1 if not)
-        pipe = load(model, dtype=dtype, quantize=bits, low_memory=low_memory, loras=base_loras)
+        pipe = load(model, dtype=dtype, quantize=bits, low_memory=low_memory, loras=base_loras, vae=vae,
+                    cache=not no_cache, cache_size=cache_bytes)
+        pipe.check_text_encoder()  # load() leaves it to the first prompt that is not cached; a server checks all
     except BaseException:
         sock.close()
         raise

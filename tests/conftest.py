@@ -1,10 +1,33 @@
-"""Fixtures shared by the test modules: the tiny snapshots, built once per session."""
+"""Fixtures shared by the test modules: the tiny snapshots, built once per session, and a prompt
+cache of each test's own (no test reads another's prompts, none touches the user's cache)."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import tempfile
 
 import pytest
 
 from tiny_model import shared_tiny_snapshot
+
+_SESSION_CACHE = tempfile.mkdtemp(prefix="flux-klein-test-cache-")
+
+
+def pytest_configure(config):
+    os.environ["FLUX_KLEIN_CACHE"] = _SESSION_CACHE  # also for session fixtures, before any test's own
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def prompt_cache(tmp_path_factory, monkeypatch):
+    """This test's prompt-embedding cache folder (empty at the start; `load()` uses it by default)."""
+    folder = tmp_path_factory.mktemp("prompt-cache")
+    monkeypatch.setenv("FLUX_KLEIN_CACHE", str(folder))
+    return folder
 
 
 @pytest.fixture(scope="session")
