@@ -38,6 +38,7 @@ from .output import check_output_file, write_exclusive
 from .pipeline import FluxKleinPipeline, load
 from .random_model import random_pipeline
 from .text_encoder import OUT_LAYERS, encode_prompts
+from .time_to_image import format_cold, measure_cold
 
 TEXT_TOKENS = 512
 DEFAULT_PROMPT = "a red fox in fresh snow at dawn, soft light, 35 mm photograph"
@@ -394,8 +395,12 @@ def parse_blocks(text: str) -> dict:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights and inputs.")
 @click.option("--json", "json_path", default=None,
               help="Also write the results as JSON here (an existing file is kept: a new name is chosen).")
+@click.option("--vae", default=None, help="With --model: another VAE or decoder (e.g. black-forest-labs/FLUX.2-small-decoder).")
+@click.option("--cold", is_flag=True,
+              help="With --model: time to first image cold and warm (page cache dropped where possible), prompt "
+                   "cached or not, each stage, against bytes / disk rate + compute (one run of each kind).")
 def benchmark(model, random_weights, variant, width, height, steps, quantize, dtype, warmup, trials,
-              skip_text_encoder, skip_decode, references, blocks, seed, json_path):  # fmt: skip
+              skip_text_encoder, skip_decode, references, blocks, seed, json_path, vae, cold):  # fmt: skip
     """Time load, text encoding, each denoising step and VAE decode; report TFLOPS and % of peak."""
     if model and random_weights:
         raise click.UsageError("give either --model or --random-weights, not both")
@@ -410,10 +415,19 @@ def benchmark(model, random_weights, variant, width, height, steps, quantize, dt
     row = VARIANTS[variant]
     if blocks:
         row = dataclasses.replace(row, transformer=dataclasses.replace(row.transformer, **parse_blocks(blocks)))
+    if (cold or vae) and not model:
+        raise click.UsageError("--cold and --vae need --model (a folder to read; benchmarks/cold_start.py make writes "
+                               "one with random weights)")
     dtype = dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
     bits = int(quantize) if quantize else None
+    if cold:
+        result = measure_cold(model, width=width, height=height, steps=steps, dtype=dtype, quantize=bits, vae=vae,
+                              log=lambda msg: click.echo(msg, err=True))  # fmt: skip
+        click.echo(format_cold(result))
+        _write_json(result, json_path)
+        return
     if model:
-        pipe = load(model, dtype=dtype, quantize=bits)
+        pipe = load(model, dtype=dtype, quantize=bits, vae=vae)
     else:
         pipe = random_pipeline(row, DTYPES[dtype], bits, seed)
     if references is None:  # the KV model exists for editing: time what it is for
@@ -424,6 +438,10 @@ def benchmark(model, random_weights, variant, width, height, steps, quantize, dt
         log=lambda msg: click.echo(msg, err=True), references=references,
     )  # fmt: skip
     click.echo(format_report(result))
+    _write_json(result, json_path)
+
+
+def _write_json(result: dict, json_path: str | None) -> None:
     if json_path:
         final = write_json(result, json_path)
         if final != Path(json_path):
