@@ -2,6 +2,8 @@
 
     python benchmarks/cold_start.py make --dir /tmp/klein-cold      # random full-size klein-4B, 4-bit (~4.7 GB)
     python benchmarks/cold_start.py run --model /tmp/klein-cold [--json cold.json]
+    python benchmarks/cold_start.py make --dir /tmp/klein-bf16 --bits 0 --blocks 1+4   # bf16, 1/5 of the blocks
+    python benchmarks/cold_start.py second --model /tmp/klein-bf16 -W 256 -H 256 --steps 1 --dtype float32
 
 `make` writes a converted folder (what `convert --quantize 4` writes) with random weights of
 klein-4B's true shapes: 4-bit transformer and Qwen3-4B (layers 1-27), bf16 VAE, the real tokenizer.
@@ -22,9 +24,15 @@ start needs `sudo purge`):
    the key needs (`chat_template_source`) against building the tokenizer;
 5. the floor `bytes / sequential rate` (+ FLOPs / peak where the chip's peak is known).
 
+`second` runs `python -m flux_klein_mlx generate` twice in fresh processes, timed from outside
+(process start, imports and the PNG included): the first run with an empty prompt cache, the
+second with the same prompt and another seed; once with the page cache dropped first, once warm.
+
 What it cannot do on a Linux CPU: time a whole image at 4 bits. MLX's CPU backend runs quantized
 matmuls without BLAS (~0.15 GFLOPS measured here), so the 2.85 TFLOP encoder alone would take
-hours; `benchmark --cold` times first images on a Mac.
+hours. Whole images are timed here on bf16 files computed in float32 (`make --bits 0`, `--dtype
+float32`), with fewer transformer blocks where memory requires (`--blocks`); `python -m
+flux_klein_mlx benchmark --cold` times every stage of first images, cold and warm.
 """
 
 from __future__ import annotations
@@ -48,8 +56,9 @@ COMPONENTS = ("text_encoder", "transformer", "vae")
 # --- make -------------------------------------------------------------------------------------------
 
 
-def make(folder: Path) -> None:
-    """A converted klein-4B folder with random weights, 4-bit transformer and text encoder."""
+def make(folder: Path, bits: int = 4, blocks: str | None = None) -> None:
+    """A converted klein-4B folder with random weights: transformer and text encoder quantized to
+    `bits` (0: bf16), the transformer with `blocks` ("D+S") double + single blocks (default all)."""
     from mlx.utils import tree_flatten
 
     from flux_klein_mlx.config import VARIANTS
@@ -58,13 +67,17 @@ def make(folder: Path) -> None:
     from flux_klein_mlx.quantize import evaluate_by_layer, quantize_model
     from flux_klein_mlx.random_model import randomize
 
+    from flux_klein_mlx.benchmark import parse_blocks
+
     variant, parts = VARIANTS["klein-4b"], []
+    if blocks:
+        variant = dataclasses.replace(variant, transformer=dataclasses.replace(variant.transformer, **parse_blocks(blocks)))
     for seed, name in enumerate(COMPONENTS):
         t0 = time.perf_counter()
         config = dataclasses.asdict(getattr(variant, name))
         module = build_module(name, config)
         randomize(module, mx.bfloat16, seed)
-        record = None if name == "vae" else quantize_model(module, 4)
+        record = None if name == "vae" or not bits else quantize_model(module, bits)
         evaluate_by_layer(module)  # one component quantized at a time: the bf16 weights go before the next
         parts.append(Part(name, config, dict(tree_flatten(module.parameters())), record))
         print(f"  random {name}: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -234,12 +247,68 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
+# --- second: `generate` twice, as a user runs it ------------------------------------------------------
+
+
+def second_generate(model: str, width: int, height: int, steps: int, dtype: str) -> dict:
+    """`python -m flux_klein_mlx generate` in fresh processes, timed from outside (process start,
+    imports and PNG writing included): a first run with an empty prompt cache, then the same prompt
+    with another seed; once after dropping the page cache (first run cold) and once warm."""
+    import os
+    import shutil
+    import subprocess
+
+    from flux_klein_mlx.loading import describe
+    from flux_klein_mlx.readahead import drop_from_page_cache
+
+    info = describe(model)
+    files = [f for n in COMPONENTS for f in info.files[n]]
+    out = {"model": model, "settings": {"width": width, "height": height, "steps": steps, "dtype": dtype}, "runs": {}}
+    with tempfile.TemporaryDirectory(prefix="flux-klein-second-") as tmp:
+        env = dict(os.environ, FLUX_KLEIN_CACHE=str(Path(tmp) / "cache"))
+        for start in ("cold", "warm"):
+            shutil.rmtree(Path(tmp) / "cache", ignore_errors=True)  # the first run encodes its prompt
+            if start == "cold":
+                out["page_cache"] = drop_from_page_cache(files)
+            for run, seed in (("first", 1), ("second", 2)):
+                cmd = [sys.executable, "-m", "flux_klein_mlx", "generate", "-m", str(model), "-p", "a red fox in fresh snow",
+                       "-W", str(width), "-H", str(height), "--steps", str(steps), "--dtype", dtype, "--seed", str(seed),
+                       "-o", str(Path(tmp) / f"{start}-{run}.png")]  # fmt: skip
+                t0 = time.perf_counter()
+                r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                wall = time.perf_counter() - t0
+                if r.returncode:
+                    raise SystemExit(f"generate failed: {r.stderr.strip()[-2000:]}")
+                lines = r.stderr.strip().splitlines()
+                out["runs"][f"{start} {run}"] = {"seconds": wall, "cached": "prompt embeddings cached" in r.stderr,
+                                                 "summary": [ln for ln in lines if ln.startswith("seed ")][-1:]}  # fmt: skip
+                print(f"  {start} {run}: {wall:.1f} s; {out['runs'][f'{start} {run}']['summary']}", flush=True)
+    return out
+
+
+def report_second(r: dict) -> str:
+    runs = r["runs"]
+    lines = [f"model {r['model']}, {r['settings']}; page cache before the cold pair: {r.get('page_cache')}", "",
+             "| run | wall s | prompt from the cache | generate's summary |", "|---|---|---|---|"]  # fmt: skip
+    for name, x in runs.items():
+        lines.append(f"| {name} | {x['seconds']:.1f} | {x['cached']} | {' '.join(x['summary'])} |")
+    for start in ("cold", "warm"):
+        lines.append(f"{start}: second / first = {runs[f'{start} second']['seconds'] / runs[f'{start} first']['seconds']:.2f}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["make", "run"], nargs="?", default="run")
+    p.add_argument("what", choices=["make", "run", "second"], nargs="?", default="run")
     p.add_argument("--dir", type=Path, default=Path("/tmp/klein-cold"), help="make: the folder to write")
+    p.add_argument("--bits", type=int, choices=[0, 4, 8], default=4, help="make: quantization (0: bf16)")
+    p.add_argument("--blocks", default=None, help="make: transformer blocks DOUBLE+SINGLE (default 5+20)")
     p.add_argument("--model", default="/tmp/klein-cold", help="run: a converted (or any) klein model")
-    p.add_argument("--json", type=Path, default=None, help="run: also write the results here")
+    p.add_argument("--json", type=Path, default=None, help="run, second: also write the results here")
+    p.add_argument("-W", "--width", type=int, default=256, help="second: image width")
+    p.add_argument("-H", "--height", type=int, default=256, help="second: image height")
+    p.add_argument("--steps", type=int, default=1, help="second: denoising steps")
+    p.add_argument("--dtype", default="float32", help="second: compute dtype (float32: BLAS on a CPU)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -248,7 +317,13 @@ def main() -> None:
         print(json.dumps({"load": child_load, "cache": child_cache}[task](**spec)))
         return
     if args.what == "make":
-        make(args.dir)
+        make(args.dir, args.bits, args.blocks)
+        return
+    if args.what == "second":
+        results = second_generate(args.model, args.width, args.height, args.steps, args.dtype)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+        print(report_second(results))
         return
     results = measure(args.model)
     if args.json:
