@@ -434,7 +434,9 @@ def load_component(
     """
     if name not in COMPONENTS:
         raise ValueError(f"unknown component {name!r}; expected one of {COMPONENTS}")
-    weights = read_component(info, name)
-    module, _ = assemble(name, info.configs[name], weights, dtype, info.quantization[name], quantize, group_size)
+    # No name may hold the read weights while the layers are evaluated: a cast or quantized layer would
+    # keep its source tensors alive (evaluated) until the load returns, the whole model twice at its end.
+    module, _ = assemble(name, info.configs[name], read_component(info, name), dtype, info.quantization[name],
+                         quantize, group_size)  # fmt: skip
     evaluate_by_layer(module)
     return module

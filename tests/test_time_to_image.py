@@ -148,3 +148,20 @@ def _spans(snapshot):
     from flux_klein_mlx.readahead import component_spans
 
     return component_spans(describe(snapshot), "text_encoder", merge=False)
+
+
+@pytest.mark.parametrize("dtype, bits", [("bfloat16", None), ("float32", 4)])
+def test_a_cast_or_quantized_load_never_holds_the_whole_source(distilled, dtype, bits):
+    """Loading float32 files as bf16 (or quantizing at load) holds one layer's source tensors at a
+    time, not the whole model's: the peak stays near the loaded size (before: loaded + source)."""
+    import mlx.core as mx
+
+    from flux_klein_mlx.loading import as_dtype, load_component
+
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    model = load_component(describe(distilled), "transformer", as_dtype(dtype), bits)
+    loaded = mx.get_active_memory() - before
+    assert mx.get_peak_memory() - before < 1.5 * loaded, (mx.get_peak_memory() - before, loaded)
+    del model
