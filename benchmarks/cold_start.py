@@ -286,6 +286,40 @@ def second_generate(model: str, width: int, height: int, steps: int, dtype: str)
     return out
 
 
+# --- overlap: cold first images with and without read-ahead, alternated ------------------------------
+
+
+def overlap(model: str, width: int, height: int, steps: int, dtype: str, pairs: int) -> dict:
+    """`pairs` x (cold first image with read-ahead, the same without), alternated in one process
+    (`time_to_image.one_run`, prompt not cached): what reading the transformer during the encode,
+    and the VAE during the last step, saves or costs."""
+    import statistics
+
+    from flux_klein_mlx.inputs import RunSettings
+    from flux_klein_mlx.loading import describe
+    from flux_klein_mlx.readahead import drop_from_page_cache
+    from flux_klein_mlx.time_to_image import one_run
+
+    info = describe(model)
+    files = [f for n in COMPONENTS for f in info.files[n]]
+    settings = RunSettings("a red fox in fresh snow", width=width, height=height, steps=steps, seed=1)
+    runs = {"read-ahead": [], "none": []}
+    for i in range(pairs):
+        for mode in (("read-ahead", "none") if i % 2 == 0 else ("none", "read-ahead")):
+            drop_from_page_cache(files)
+            r = one_run(model, settings, cache=False, read_ahead=mode == "read-ahead", dtype=dtype)
+            runs[mode].append(r)
+            st = r["stages"]
+            print(f"  {mode}: {r['seconds']:.2f} s (encode {st['encode']['seconds']:.2f}, transformer load "
+                  f"{st['transformer load']['seconds']:.2f}, peak RSS {r['peak_rss'] / 1e9:.2f} GB)", flush=True)
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    summary = {mode: {"seconds": med([r["seconds"] for r in rs]),
+                      **{k: med([r["stages"][k]["seconds"] for r in rs]) for k in ("encode", "transformer load", "VAE load")},
+                      "peak_memory": max(r["peak_memory"] for r in rs), "peak_rss": max(r["peak_rss"] for r in rs)}
+               for mode, rs in runs.items()}  # fmt: skip
+    return {"model": model, "pairs": pairs, "runs": runs, "median": summary}
+
+
 def report_second(r: dict) -> str:
     runs = r["runs"]
     lines = [f"model {r['model']}, {r['settings']}; page cache before the cold pair: {r.get('page_cache')}", "",
@@ -299,7 +333,8 @@ def report_second(r: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["make", "run", "second"], nargs="?", default="run")
+    p.add_argument("what", choices=["make", "run", "second", "overlap"], nargs="?", default="run")
+    p.add_argument("--pairs", type=int, default=3, help="overlap: cold runs with and without read-ahead, each")
     p.add_argument("--dir", type=Path, default=Path("/tmp/klein-cold"), help="make: the folder to write")
     p.add_argument("--bits", type=int, choices=[0, 4, 8], default=4, help="make: quantization (0: bf16)")
     p.add_argument("--blocks", default=None, help="make: transformer blocks DOUBLE+SINGLE (default 5+20)")
@@ -318,6 +353,15 @@ def main() -> None:
         return
     if args.what == "make":
         make(args.dir, args.bits, args.blocks)
+        return
+    if args.what == "overlap":
+        results = overlap(args.model, args.width, args.height, args.steps, args.dtype, args.pairs)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+        for mode, m in results["median"].items():
+            print(f"{mode}: median {m['seconds']:.2f} s; encode {m['encode']:.2f} s, transformer load "
+                  f"{m['transformer load']:.2f} s, VAE load {m['VAE load']:.2f} s; peak MLX {m['peak_memory'] / 1e9:.2f} GB, "
+                  f"peak RSS {m['peak_rss'] / 1e9:.2f} GB")  # fmt: skip
         return
     if args.what == "second":
         results = second_generate(args.model, args.width, args.height, args.steps, args.dtype)

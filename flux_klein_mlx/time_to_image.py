@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib
+import resource
 import subprocess
 import sys
 import tempfile
@@ -67,6 +68,7 @@ RUNS = (  # name, drop the page cache, use the run's prompt cache (else none), r
 def one_run(model, settings: RunSettings, *, cache, read_ahead: bool = True, **load_args) -> dict:
     """One image through a fresh pipeline, each stage timed on its own, in the order `generate` runs
     them (the loads `prepare`/`denoise`/`decode` would make are made just before, and timed)."""
+    rss_reset = reset_peak_rss()
     meter, peaks, t0 = StageMeter(), {}, time.perf_counter()
 
     def stage(name: str, work: Callable[[], object]) -> None:
@@ -100,7 +102,29 @@ def one_run(model, settings: RunSettings, *, cache, read_ahead: bool = True, **l
     mx.clear_cache()
     stages = {k: dict(v, peak_memory=peaks[k]) for k, v in meter.stages.items()}
     return {"seconds": total, "stages": stages, "read_ahead": ahead, "io_source": meter.source,
-            "peak_memory": max(peaks.values())}  # fmt: skip
+            "peak_memory": max(peaks.values()), "peak_rss": peak_rss(), "peak_rss_of_run": rss_reset}  # fmt: skip
+
+
+def reset_peak_rss() -> bool:
+    """Linux: restart the process's peak-RSS count (VmHWM) so that each run reports its own."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int:
+    """Peak resident memory of this process in bytes: since the last `reset_peak_rss` on Linux,
+    since it started elsewhere."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
 
 
 def matmul_rate(dtype, n: int = 2048, trials: int = 3) -> float:
@@ -232,6 +256,8 @@ def format_cold(r: dict) -> str:
         lines.append(f"| {st} | " + " | ".join(cells) + " |")
     lines.append("| **total** | " + " | ".join(f"**{r['runs'][n]['seconds']:.2f} s**" for n in names) + " |")
     lines.append("| peak MLX memory | " + " | ".join(f"{r['runs'][n]['peak_memory'] / gb:.2f} GB" for n in names) + " |")
+    lines.append("| peak RSS" + ("" if r["runs"][names[0]]["peak_rss_of_run"] else " (process, so far)") + " | "
+                 + " | ".join(f"{r['runs'][n]['peak_rss'] / gb:.2f} GB" for n in names) + " |")
     lines.append("| read ahead | " + " | ".join(
         ", ".join(f"{k} {v['bytes'] / gb:.2f} GB" for k, v in r["runs"][n]["read_ahead"].items()) or "-" for n in names) + " |")
     lines.append("")
