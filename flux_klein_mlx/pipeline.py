@@ -11,7 +11,7 @@ A run is three public stages, each timed (seconds, peak memory) into a typed `St
 loaded on first use; the text encoder is released once the prompt is encoded (embeddings of
 recent prompts are kept, on disk too with a cache (`embedding_cache`): a run whose prompts are cached
 never opens its files), and reference tokens of recent image sets are kept (one VAE encode for all
-images of a batch). While one model computes, the next one's files are read ahead (`readahead.Prefetch`).
+images of a batch). While a GPU computes, the next model's files are read ahead (`readahead.Prefetch`).
 A `MemoryPlan` says what else is given up for memory (`low_memory=True` sets all of it).
 """
 
@@ -207,7 +207,9 @@ class FluxKleinPipeline:
         self.last_stats: Stats | None = None
         self.last_metadata: dict | None = None
         self.cache = cache  # prompt embeddings on disk (None: memory only)
-        self.prefetch = Prefetch(info)  # `prefetch.enabled = False` turns reading ahead off
+        # Reading ahead pays where a GPU computes and the CPU cores are free; the CPU backend's compute
+        # takes every core (measured on 2 cores: encode +3.4 s, loads no faster; RESULTS.md section 8).
+        self.prefetch = Prefetch(info, enabled=mx.default_device() == mx.gpu)
         # Checks the text encoder's files before its first load; cached once it passes (a failure raises again).
         self._check_files = functools.cache(check_files or (lambda: None))
 

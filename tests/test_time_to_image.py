@@ -41,11 +41,15 @@ def test_a_cached_prompt_gives_the_same_image_and_never_opens_the_text_encoder(d
     lat = noise(64, 64)
     args = dict(width=64, height=64, steps=1, latents=lat, output_type="np")
     with FileOpens(encoder_files(distilled), monkeypatch) as first:
-        miss = flux_klein_mlx.load(distilled, dtype="float32").generate("a red fox", **args)
+        pipe = flux_klein_mlx.load(distilled, dtype="float32")
+        pipe.prefetch.enabled = True  # on by default where a GPU computes
+        miss = pipe.generate("a red fox", **args)
     assert "text_encoder" in loads and first.opened  # the recorder sees the opens of a miss
+    assert set(pipe.prefetch.finished) == {"transformer", "vae"}  # read while the encoder ran, and the step
     loads.clear()
     with FileOpens(encoder_files(distilled), monkeypatch) as opens:  # a new pipeline: as a second `generate`
         pipe = flux_klein_mlx.load(distilled, dtype="float32")
+        pipe.prefetch.enabled = True  # on by default where a GPU computes
         hit = pipe.generate("a red fox", **args)
     assert opens.opened == [] and loads == ["transformer", "vae"] and not pipe.is_loaded("tokenizer")
     assert np.array_equal(hit, miss)  # bit for bit
