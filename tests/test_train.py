@@ -138,13 +138,14 @@ def batch(edit: bool, seed: int = 3):
     return x0, noise, ctx, u.astype(np.float32), idx, cond
 
 
-def our_loss_and_grads(model, lora, x0, noise, ctx, u, cond):
+def our_loss_and_grads(model, lora, x0, noise, ctx, u, cond, checkpoint=False):
     B, C, h, w = x0.shape
     sigma = mx.array(sigmas_from_draws("uniform", u, h * w))
     ids = [image_ids(h, w)] + ([image_ids(h, w, t=10)] if cond is not None else [])
     rope = model.compute_rope(text_ids(ctx.shape[1]), mx.concatenate(ids, axis=0))
     refs = tokens(cond) if cond is not None else None
-    f = nn.value_and_grad(model, lambda: flow_loss(model, tokens(x0), tokens(noise), sigma, mx.array(ctx), rope, refs))
+    f = nn.value_and_grad(model, lambda: flow_loss(model, tokens(x0), tokens(noise), sigma, mx.array(ctx), rope, refs,
+                                                   checkpoint=checkpoint))
     loss, grads = f()
     return loss, dict(tree_flatten(grads))
 
@@ -159,6 +160,10 @@ def test_loss_and_every_gradient_equal_diffusers_peft_and_autograd(pair, edit):
     ref_loss = diffusers_loss(ref, t(x0), t(noise), torch.from_numpy(idx), t(ctx), t(cond))
     ref_loss.backward()
     assert abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()) <= 1e-5
+    # --low-memory: gradient checkpointing per block recomputes the same function
+    loss_ckpt, grads_ckpt = our_loss_and_grads(model, lora, x0, noise, ctx, u, cond, checkpoint=True)
+    assert abs(loss_ckpt.item() - loss.item()) <= 1e-6 * abs(loss.item())
+    assert all(rel_err(grads_ckpt[k], grads[k]) <= 1e-5 for k in grads)
     names = set()
     for name, (pa, pb) in lora.paths().items():
         m = ref.get_submodule(name)
