@@ -207,9 +207,14 @@ def _check_model(s: TrainSettings):
         size = {"klein-4b": "4B", "klein-9b": "9B"}.get(info.variant, "4B")
         warnings.warn(
             f"{info.name} is a distilled model: training a LoRA on it is not recommended (it breaks the "
-            f"distillation); train on the Base model black-forest-labs/FLUX.2-klein-base-{size} and apply the LoRA to either"
+            f"distillation); train on the Base model black-forest-labs/FLUX.2-klein-base-{size} instead"
         )
     return info
+
+
+def run_key(s: TrainSettings, info) -> dict:
+    """The settings a checkpoint must share with a run that resumes it; the model by its resolved path."""
+    return {**s.run_key(), "model": str(info.path)}
 
 
 def data_key(items) -> list:
@@ -217,7 +222,7 @@ def data_key(items) -> list:
     return [[it.stem, it.image.sha256, it.caption, [c.sha256 for c in it.controls], list(it.bucket)] for it in items]
 
 
-def _check_resume(s: TrainSettings, items) -> Path | None:
+def _check_resume(s: TrainSettings, info, items) -> Path | None:
     """The checkpoint to continue from (None: a new run); refuses mixing runs in one work folder."""
     wd = s.work_dir
     if wd.exists() and not wd.is_dir():
@@ -236,7 +241,7 @@ def _check_resume(s: TrainSettings, items) -> Path | None:
         raise FluxKleinError(f"--resume: no checkpoint in {wd}; run without --resume to start training")
     step, folder = done[-1]
     state = read_state(folder)
-    diffs = differences(state.get("run_key", {}), s.run_key())
+    diffs = differences(state.get("run_key", {}), run_key(s, info))
     if state.get("data") != data_key(items):
         diffs.append("data: the images, captions or controls differ from the checkpoint's")
     if diffs:
@@ -258,7 +263,7 @@ def plan_run(settings: TrainSettings) -> RunPlan:
     info = _check_model(s)
     slots = parse_targets(s.targets, info.params)
     items = scan_data(s.data, s.caption, s.controls, s.resolution)
-    return RunPlan(s, info, slots, items, _check_resume(s, items))
+    return RunPlan(s, info, slots, items, _check_resume(s, info, items))
 
 
 def train_lora(model=None, data=None, output=None, **settings) -> Iterator:
@@ -429,7 +434,7 @@ class Trainer:
     def state(self) -> dict:
         return {
             "step": self.step_no, "epoch": self.epoch, "batches": self.batches, "position": self.position,
-            "rng": self.rng.bit_generator.state, "losses": self.losses, "run_key": self.s.run_key(),
+            "rng": self.rng.bit_generator.state, "losses": self.losses, "run_key": run_key(self.s, self.info),
             "data": data_key(self.items), "flux_klein_mlx": __version__,
         }  # fmt: skip
 

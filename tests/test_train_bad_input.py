@@ -27,7 +27,8 @@ import flux_klein_mlx.train as train_module
 from flux_klein_mlx import train_state
 from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.train import CheckpointSaved, TrainFinished, data_key, plan_run
+from flux_klein_mlx.loading import describe
+from flux_klein_mlx.train import CheckpointSaved, TrainFinished, data_key, plan_run, run_key
 from flux_klein_mlx.train_data import bucket_size, scan_data
 from flux_klein_mlx.train_settings import TrainSettings
 
@@ -144,7 +145,7 @@ def fake_checkpoint(work: Path, settings: TrainSettings, step: int = 2) -> Path:
     folder = work / f"checkpoint-{step:06d}"
     folder.mkdir(parents=True)
     items = scan_data(settings.data, settings.caption, settings.controls, settings.resolution)
-    state = {"step": step, "run_key": settings.check().run_key(), "data": data_key(items)}
+    state = {"step": step, "run_key": run_key(settings.check(), describe(settings.model)), "data": data_key(items)}
     (folder / "state.json").write_text(json.dumps(state))
     return folder
 
