@@ -159,15 +159,36 @@ def child_speed(size: int, depth: int, depth_single: int, warmup: int, trials: i
 
 def emulate_unfused_training_attention() -> None:
     """Attention as MLX on Metal runs it under `mx.grad` (unfused, see the module docstring):
-    scores = q kᵀ (B, H, L, Lk), probabilities = softmax (kept for the backward), out = p v, with both
-    matmuls output-only stand-ins: the (B, H, L, Lk) arrays and their gradients are allocated for real."""
+    scores = q kᵀ (B, H, L, Lk), probabilities = softmax(scores) (kept for the backward), out = p v.
+    The two matmuls are output-only stand-ins whose backward allocates what a matmul's backward does
+    (dP = dO vᵀ is (B, H, L, Lk); dq, dk, dv are their inputs' sizes); the softmax and its backward
+    are MLX's own. So every (B, H, L, Lk) array of the real graph exists, and no other."""
+
+    @mx.custom_function
+    def qk(q, k):  # (B, H, L, hd), (B, H, Lk, hd) -> (B, H, L, Lk)
+        return mx.broadcast_to(q[..., :1], (*q.shape[:3], k.shape[2])) * k[:, :, None, :, 0]
+
+    @qk.vjp
+    def qk_vjp(primals, d_scores, _):
+        q, k = primals
+        dq = d_scores[..., :1] * k[:, :, :1, :]  # (B, H, L, hd), as dS @ k
+        dk = d_scores[:, :, :1, :].swapaxes(-1, -2) * q[:, :, :1, :]  # (B, H, Lk, hd), as dSᵀ @ q
+        return dq, dk
+
+    @mx.custom_function
+    def pv(p, v):  # (B, H, L, Lk), (B, H, Lk, hd) -> (B, H, L, hd)
+        return p[..., :1] * v[:, :, :1, :]
+
+    @pv.vjp
+    def pv_vjp(primals, d_out, _):
+        p, v = primals
+        dp = d_out[..., :1] * v[:, :, None, :, 0]  # (B, H, L, Lk), as dO @ vᵀ
+        dv = p[:, :, :1, :].swapaxes(-1, -2) * d_out[:, :, :1, :]  # (B, H, Lk, hd), as pᵀ @ dO
+        return dp, dv
 
     def unfused(q, k, v, *, scale, mask=None, **kw):
-        B, H, L, hd = q.shape
-        Lk = k.shape[2]
-        scores = mx.broadcast_to(q[..., :1] * scale, (B, H, L, Lk)) * k[:, :, None, :, 0]  # (B, H, L, Lk)
-        p = mx.softmax(scores, axis=-1, precise=True)
-        return mx.broadcast_to(p[..., :1], (B, H, L, v.shape[-1])) * v[:, :, :1, :]  # (B, H, L, hd)
+        p = mx.softmax(qk(q * scale, k), axis=-1, precise=True)
+        return pv(p, v)
 
     mx.fast.scaled_dot_product_attention = unfused
 

@@ -393,7 +393,9 @@ def test_short_training_lowers_diffusers_own_objective(snap, data, ref_pipe, tmp
 
 
 def test_resume_is_bit_exact_with_controls_batches_and_accumulation(snap, data, tmp_path):
-    common = dict(model=snap, data=data[0], controls=[data[1]], rank=4, resolution=64, dtype="float32", batch_size=2,
+    """In bf16 (the default dtype, no quantization): 2 steps + resume to 4 == 4 steps straight, bit for bit;
+    an edit LoRA (a control folder) with batches of 2 over two buckets and 2 micro-batches per step."""
+    common = dict(model=snap, data=data[0], controls=[data[1]], rank=4, resolution=64, batch_size=2,
                   grad_accum=2, timesteps="logit-normal", save_every=2, keep_checkpoints=5)  # fmt: skip
     straight = run(output=tmp_path / "straight.safetensors", steps=4, **common)
     first = run(output=tmp_path / "first.safetensors", steps=2, work_dir=tmp_path / "resumed", **common)
@@ -408,6 +410,8 @@ def test_resume_is_bit_exact_with_controls_batches_and_accumulation(snap, data, 
     assert all(np.array_equal(np.array(oa[k]), np.array(ob[k])) for k in oa)
     state = json.loads((tmp_path / "resumed" / "checkpoint-000004" / "state.json").read_text())
     assert state["step"] == 4 and len(state["losses"]) == 4
+    assert all(v.dtype == mx.bfloat16 for v in b.values())
+    assert flux_klein_mlx.load(snap, loras=[tmp_path / "second.safetensors"]).loras[0].format == "A"
 
 
 def test_cli_default_bf16_4bit_run_with_samples_progress_loss_plot_and_train_json(snap, data, tmp_path, capsys):
