@@ -49,7 +49,7 @@ import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 
 from flux_klein_mlx.config import FluxKleinParams  # noqa: E402
-from flux_klein_mlx.flops import flops_of_transformer, lora_training_flops  # noqa: E402
+from flux_klein_mlx.flops import APPLE_CHIPS, flops_of_transformer, lora_training_flops  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "train_step.json"
 RANK = 16
@@ -139,10 +139,11 @@ def _timed(fn, warmup: int, trials: int) -> list[float]:
     return times
 
 
-def child_speed(size: int, depth: int, depth_single: int, warmup: int, trials: int) -> dict:
-    """Real float32 compute: forward, step, step with checkpointing (interleaved trials)."""
+def child_speed(size: int, depth: int, depth_single: int, warmup: int, trials: int, dtype: str = "float32",
+                bits: int | None = None) -> dict:
+    """Real compute (random weights): forward, step, step with checkpointing (interleaved trials)."""
     params = params_for(depth, depth_single)
-    s = Setup(params, size, mx.float32, None, random_weights=True)
+    s = Setup(params, size, getattr(mx, dtype), bits, random_weights=True)
     runs = {"forward": s.forward, "step": lambda: s.step(False), "step_checkpoint": lambda: s.step(True)}
     times = {k: [] for k in runs}
     for k, fn in runs.items():  # warm-up (and the optimizer's state allocated) before any timed trial
@@ -152,7 +153,7 @@ def child_speed(size: int, depth: int, depth_single: int, warmup: int, trials: i
             times[k] += _timed(fn, 0, 1)
     fwd, step = step_flops(params, size, False)
     _, step_ckpt = step_flops(params, size, True)
-    return {"size": size, "depth": depth, "depth_single": depth_single, "times": times,
+    return {"size": size, "depth": depth, "depth_single": depth_single, "dtype": dtype, "bits": bits, "times": times,
             "flops": {"forward": fwd, "step": step, "step_checkpoint": step_ckpt},
             "trainable": s.lora.num_parameters}  # fmt: skip
 
@@ -286,13 +287,22 @@ def report(results: dict) -> str:
         _, full_ckpt = step_flops(params_for(5, 20), r["size"], True)
         scale = lambda key, full_flops: med[key] * full_flops / f[key]  # noqa: E731
         spread = lambda key: f"{med[key]:.1f} s ({min(r['times'][key]):.1f}–{max(r['times'][key]):.1f})"  # noqa: E731
+        kind = r.get("dtype", "float32") + (f", {r['bits']}-bit" if r.get("bits") else "")
         lines.append(
-            f"| {r['size']}² | {r['depth']} + {r['depth_single']} | {spread('forward')} | {spread('step')} | "
+            f"| {r['size']}², {kind} | {r['depth']} + {r['depth_single']} | {spread('forward')} | {spread('step')} | "
             f"{spread('step_checkpoint')} | {med['step'] / med['forward']:.2f} (FLOPs {f['step'] / f['forward']:.2f}) | "
             f"{med['step_checkpoint'] / med['forward']:.2f} (FLOPs {f['step_checkpoint'] / f['forward']:.2f}) | "
             f"{f['step'] / med['step'] / 1e9:.0f} | {scale('step', full_step):.0f} s ({scale('step_checkpoint', full_ckpt):.0f} s) | "
             f"{full_step / 1e12:.1f} ({full_ckpt / 1e12:.1f}) |"
         )
+    lines += ["", "| klein-4B step, rank 16 on all block Linears, at 100 % of the GPU's peak | TFLOP | M1 | M2 Pro | M3 Max "
+              "| M4 Max |", "|---|---|---|---|---|---|"]  # fmt: skip
+    peaks = {name: tflops for name, _, tflops, _ in APPLE_CHIPS}
+    for size in (512, 1024):
+        for ckpt in (False, True):
+            flops = step_flops(params_for(5, 20), size, ckpt)[1]
+            cells = " | ".join(f"{flops / (peaks[c] * 1e12):.2f} s" for c in ("M1", "M2 Pro", "M3 Max", "M4 Max"))
+            lines.append(f"| {size}²{', checkpointing' if ckpt else ''} | {flops / 1e12:.1f} | {cells} |")
     lines += ["", "| klein-4B Base, rank 16 on every block Linear | resident (weights + adapters + AdamW) | peak, fitted "
               "| peak, measured at full depth | target |", "|---|---|---|---|---|"]  # fmt: skip
     targets = {(512, 4, True): 6 * GB, (1024, None, True): 16 * GB}
@@ -305,6 +315,9 @@ def report(results: dict) -> str:
         peak = full["peak"] if full else (fit[0] if fit else None)
         verdict = "–" if target is None or peak is None else f"≤ {target / GB:.0f} GB: " + ("met" if peak <= target else "missed")
         lines.append(f"| {label} | {g(fit and fit[1])} | {g(fit and fit[0])} | {g(full and full['peak'])} | {verdict} |")
+    probs = 25 * 24 * ((1024 // 16) ** 2 + TEXT) ** 2 * 2  # 25 blocks x 24 heads x L x L, bf16
+    lines.append(f"| 1024², no checkpointing | | each block keeps its attention probabilities: > {probs / GB:.1f} GB "
+                 "of them alone | not measured | – |")
     return "\n".join(lines)
 
 
@@ -315,6 +328,8 @@ def main() -> None:
     p.add_argument("--blocks", default="1+1", help="double+single blocks of the speed measurement")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--trials", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="speed: weights and activations")
+    p.add_argument("--quantize", type=int, default=None, choices=[4, 8], help="speed: quantize the frozen weights")
     p.add_argument("--full", action="store_true", help="memory: also measure the full depth where it fits")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -326,8 +341,11 @@ def main() -> None:
     results = load_results()
     if args.part == "speed":
         d, s = (int(x) for x in args.blocks.split("+"))
-        row = run_child("speed", size=args.size, depth=d, depth_single=s, warmup=args.warmup, trials=args.trials)
-        results["speed"] = [r for r in results.get("speed", []) if (r["size"], r["depth"], r["depth_single"]) != (args.size, d, s)]
+        row = run_child("speed", size=args.size, depth=d, depth_single=s, warmup=args.warmup, trials=args.trials,
+                        dtype=args.dtype, bits=args.quantize)  # fmt: skip
+        same = lambda r: (r["size"], r["depth"], r["depth_single"], r.get("dtype", "float32"), r.get("bits")) == (  # noqa: E731
+            args.size, d, s, args.dtype, args.quantize)
+        results["speed"] = [r for r in results.get("speed", []) if not same(r)]
         results["speed"].append(row)
         save_results(results)
     elif args.part == "memory":
