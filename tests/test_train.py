@@ -440,3 +440,34 @@ def test_cli_default_bf16_4bit_run_with_samples_progress_loss_plot_and_train_jso
     # the checkpoint's LoRA is a LoRA file too, and the output loads in the pipeline
     assert flux_klein_mlx.load(snap, loras=[work / "checkpoint-000001" / "lora.safetensors"]).loras[0].format == "A"
     assert flux_klein_mlx.load(snap, quantize=4, loras=[out]).loras[0].format == "A"
+
+
+def test_benchmark_attention_stand_in_allocates_what_mlx_unfused_attention_does(monkeypatch):
+    """benchmarks/train_step.py models training memory with an output-only stand-in for attention; its
+    forward + backward peak must equal that of MLX's own unfused attention (the graph MLX runs on
+    Metal under mx.grad, and on the CPU always), measured here with real compute."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_train_step", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    real = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", real)  # restored after the test
+    script.emulate_unfused_training_attention()
+    stand_in = mx.fast.scaled_dot_product_attention
+
+    def peak(attention, q):
+        g = mx.grad(lambda q, k, v: (attention(q, k, v, scale=0.1) * v).sum(), argnums=(0, 1, 2))
+        mx.eval(g(q, q, q))
+        mx.synchronize()
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(g(q, q, q))
+        return mx.get_peak_memory() - base
+
+    q = mx.random.normal((1, 8, 512, 64), key=mx.random.key(0)).astype(mx.bfloat16)
+    mx.eval(q)
+    assert peak(stand_in, q) == peak(real, q) > 3 * 8 * 512 * 512 * 2  # several (H, L, L) arrays
