@@ -328,7 +328,8 @@ def main() -> None:
     p.add_argument("--blocks", default="1+1", help="double+single blocks of the speed measurement")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--trials", type=int, default=2)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="speed: weights and activations")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="speed: weights and activations")
     p.add_argument("--quantize", type=int, default=None, choices=[4, 8], help="speed: quantize the frozen weights")
     p.add_argument("--full", action="store_true", help="memory: also measure the full depth where it fits")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)

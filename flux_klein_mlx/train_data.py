@@ -118,7 +118,8 @@ def _caption(image: Path, fallback: str | None) -> tuple[str, str] | None:
         try:
             text = txt.read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as e:
-            raise FluxKleinError(f"cannot read caption {txt} ({getattr(e, 'strerror', None) or e}); save it as UTF-8 text") from None
+            why = getattr(e, "strerror", None) or e
+            raise FluxKleinError(f"cannot read caption {txt} ({why}); save it as UTF-8 text") from None
         if text:
             return text, "file"
     return (fallback, "--caption") if fallback else None

@@ -377,7 +377,8 @@ def test_short_training_lowers_diffusers_own_objective(snap, data, ref_pipe, tmp
         px = torch.from_numpy(load_pixels(one / "im0.png", (64, 64))).permute(2, 0, 1)[None]
         vae = ref_pipe.vae
         z = P._patchify_latents(vae.encode(px).latent_dist.mode())
-        x0 = (z - vae.bn.running_mean.view(1, -1, 1, 1)) / torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+        x0 = (z - vae.bn.running_mean.view(1, -1, 1, 1)) / std
         ctx, _ = ref_pipe.encode_prompt(prompt=CAPTION, device="cpu")
         g = torch.Generator().manual_seed(0)
         draws = [(torch.randn(x0.shape, generator=g), torch.randint(0, 1000, (1,), generator=g)) for _ in range(12)]

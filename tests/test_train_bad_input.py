@@ -248,7 +248,8 @@ def test_a_disk_that_fills_keeps_the_last_good_checkpoint_and_resume_continues(s
     try:
         kw = dict(model=snap, data=data, output=out, work_dir=work, steps=3, save_every=1, rank=4, resolution=64,
                   dtype="float32", keep_checkpoints=3)  # fmt: skip
-        with pytest.raises(FluxKleinError, match=r"cannot write checkpoint checkpoint-000002 .*checkpoint-000001 \(step 1\).*--resume"):
+        message = r"cannot write checkpoint checkpoint-000002 .*checkpoint-000001 \(step 1\).*--resume"
+        with pytest.raises(FluxKleinError, match=message):
             for ev in flux_klein_mlx.train_lora(**kw):
                 if isinstance(ev, CheckpointSaved) and ev.step == 1:
                     fill(work) if real else full.append(True)
