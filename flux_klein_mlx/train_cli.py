@@ -102,7 +102,7 @@ def describe_event(ev) -> str | None:
 @click.option("--max-grad-norm", type=float, default=_D.max_grad_norm, show_default=True)
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=_D.dtype, show_default=True)
 @click.option("--quantize", "-q", type=click.Choice(["4", "8"]), default=None, help="Quantize the frozen model (QLoRA).")
-@click.option("--low-memory", is_flag=True, help="Gradient checkpointing per block: less memory, ~1/3 more time.")
+@click.option("--low-memory", is_flag=True, help="Gradient checkpointing per block: much less memory, 1.2-1.5x the time per step.")
 @click.option("--save-every", type=int, default=_D.save_every, show_default=True, help="Checkpoint every N steps.")
 @click.option("--keep-checkpoints", type=int, default=_D.keep_checkpoints, show_default=True)
 @click.option("--work-dir", default=None, help="Checkpoints, samples, loss.png, train.json [default: <output stem>.train/].")
