@@ -183,10 +183,7 @@ def run_ours(args, reference) -> dict:
 
 def first_sigma_step(job) -> float:
     """sigma_1 - sigma_0 of the steps that run (our schedule equals diffusers', tests/test_sampler.py)."""
-    from flux_klein_mlx.sampler import FluxSampler
-
-    sig = FluxSampler().timesteps(job.h * job.w, job.steps)[job.t_start :]
-    return sig[1] - sig[0]
+    return job.sigmas[1] - job.sigmas[0]
 
 
 def compare(args) -> tuple[list[dict], str]:

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     import torch
     from diffusers import AutoencoderKLFlux2
 
-    from flux_klein_mlx.preview import fit_preview
+    from flux_klein_mlx.output import fit_preview
 
     torch.manual_seed(args.seed)
     vae = AutoencoderKLFlux2.from_pretrained(args.vae, torch_dtype=torch.float32).eval()

@@ -5,7 +5,7 @@ Writes a random Qwen3-4B checkpoint in the Hugging Face layout of FLUX.2-klein-4
 `model.safetensors.index.json`, ~8 GB; streamed tensor by tensor, so the writer needs well under
 1 GB), then measures in fresh processes:
 
-1. bf16 (the Mac path): `load_text_encoder` + `mx.eval(model.parameters())`. The peak is the
+1. bf16 (the Mac path): `load_component(describe(root), "text_encoder")` + `mx.eval(model.parameters())`. The peak is the
    bytes of what was read. bf16 matmuls run at ~5 GFLOPS on Linux CPUs, so no encode here by
    default (`--encode-bf16` runs one: ~2.8 TFLOP, about 10 minutes).
 2. float32 (fast on a Linux CPU): the same load cast to float32, then one prompt through
@@ -21,6 +21,7 @@ keeps it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -34,7 +35,7 @@ from common import GB, max_rss_bytes, qwen3_hf_config, qwen_tokenizer_dir, run_j
 
 import mlx.core as mx  # noqa: E402
 
-from flux_klein_mlx.config import qwen3_4b  # noqa: E402
+from flux_klein_mlx.config import FluxKleinParams, qwen3_4b  # noqa: E402
 from flux_klein_mlx.text_encoder import OUT_LAYERS  # noqa: E402
 from flux_klein_mlx.weights import save_safetensors_sharded  # noqa: E402
 
@@ -95,19 +96,25 @@ def write_checkpoint(root: Path) -> list[str]:
     (folder / "config.json").write_text(json.dumps(qwen3_hf_config(qwen3_4b()), indent=2))
     files = save_safetensors_sharded(lazy_checkpoint(), folder, "model", max_shard_bytes=5 << 30)
     shutil.copytree(qwen_tokenizer_dir(), root / "tokenizer", dirs_exist_ok=True)  # as in the snapshot
+    # The other components' configs (no weights): the loading layer describes a whole snapshot, reading
+    # configs only, and then loads just the text encoder's files.
+    for name, config in (("transformer", dataclasses.asdict(FluxKleinParams.klein_4b())), ("vae", {})):
+        (root / name).mkdir(exist_ok=True)
+        (root / name / "config.json").write_text(json.dumps(config))
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline", "is_distilled": True}))
     return [f"{f.name} ({f.stat().st_size / GB:.2f} GB)" for f in files]
 
 
 def measure(root: Path, dtype_name: str, encode: bool) -> dict:
     """Runs in a fresh process: load (and encode), report peak memory and RSS."""
-    from flux_klein_mlx.loading import load_text_encoder
+    from flux_klein_mlx.loading import describe, load_component
     from flux_klein_mlx.text_encoder import encode_prompts
 
     dtype = getattr(mx, dtype_name)
     out = {"dtype": dtype_name, "rss_before_load": max_rss_bytes()}
     mx.reset_peak_memory()
     t = time.perf_counter()
-    encoder = load_text_encoder(root, dtype=dtype, expected_dim=7680)
+    encoder = load_component(describe(root), "text_encoder", dtype)
     mx.eval(encoder.parameters())
     out["load_s"] = time.perf_counter() - t
     out["layers_built"] = len(encoder.model.layers)

@@ -5,7 +5,8 @@
     image = pipe.generate("a red fox in fresh snow", seed=1)
 
 The components mirror the model's parts: `FluxKlein` (flow transformer), `Qwen3TextEncoder`,
-`Encoder`/`Decoder` (VAE), `FluxSampler`, and the `sanitize_*` weight converters. Names are
+`Encoder`/`Decoder` (VAE), and the `sanitize_*` weight converters; a run's settings are a
+`RunSettings`, its events `Event`s with typed `Stats`, its memory choices a `MemoryPlan`. Names are
 imported on first use so that `import flux_klein_mlx` stays fast.
 """
 
@@ -19,12 +20,17 @@ _EXPORTS = {
     "load": "pipeline",
     "FluxKleinPipeline": "pipeline",
     "Progress": "pipeline",
+    "Event": "pipeline",
+    "Stats": "pipeline",
+    "MemoryPlan": "pipeline",
+    "RunSettings": "inputs",
+    "PreparedInputs": "inputs",
+    "prepare_inputs": "inputs",
+    "save_image": "output",
+    "image_metadata": "output",
     "describe": "loading",
     "load_component": "loading",
     "ModelInfo": "loading",
-    "load_flux_klein": "loading",
-    "load_text_encoder": "loading",
-    "load_vae": "loading",
     "VARIANTS": "config",
     "FluxKleinParams": "config",
     "Qwen3Config": "config",
@@ -39,7 +45,6 @@ _EXPORTS = {
     "Encoder": "vae",
     "Decoder": "vae",
     "sanitize_vae_weights": "vae",
-    "FluxSampler": "sampler",
     "quantize_model": "quantize",
     "count_parameters": "flops",
     "FluxKleinError": "errors",

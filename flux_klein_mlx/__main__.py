@@ -11,6 +11,7 @@ import sys
 
 import click
 
+from . import __version__
 from .cli import run_command
 
 # subcommand -> (module, click command attribute)
@@ -36,6 +37,7 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="flux_klein_mlx", message="%(prog)s %(version)s")
 def cli():
     """FLUX.2 [klein] image generation on MLX."""
 

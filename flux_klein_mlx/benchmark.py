@@ -15,6 +15,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import click
 import mlx.core as mx
@@ -25,7 +26,6 @@ from PIL import Image
 from .cli import run_command
 from .config import VARIANTS
 from .errors import FluxKleinError
-from .output_files import check_output_file, write_exclusive
 from .flops import (
     flops_of_text_encoder,
     flops_of_transformer,
@@ -33,7 +33,8 @@ from .flops import (
     machine_info,
     reference_pass_flops,
 )
-from .loading import DTYPES
+from .loading import DTYPES, dtype_name
+from .output import check_output_file, write_exclusive
 from .pipeline import FluxKleinPipeline, load
 from .random_model import random_pipeline
 from .text_encoder import OUT_LAYERS, encode_prompts
@@ -54,11 +55,11 @@ def _summary(times: list[float], flops: float | None, peak_tflops: float | None)
     return out
 
 
-def _timed_load(slot) -> tuple[object, dict]:
-    """Load a pipeline slot's model (evaluated), with its time, resident size and peak."""
+def _timed_load(pipe: FluxKleinPipeline, name: str) -> tuple[object, dict]:
+    """Load one of the pipeline's models (evaluated), with its time, resident size and peak."""
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    model = slot.get()
+    model = pipe.component(name)
     mx.eval(model.parameters())
     seconds = time.perf_counter() - t0
     return model, {
@@ -86,6 +87,126 @@ def reference_pictures(n: int, width: int, height: int, seed: int = 0) -> list[I
     return [Image.fromarray(a).resize((width, height), Image.Resampling.BILINEAR) for a in small]
 
 
+@dataclasses.dataclass
+class Run:
+    """One benchmark's settings and what it has measured so far."""
+
+    pipe: FluxKleinPipeline
+    width: int
+    height: int
+    steps: int
+    warmup: int
+    trials: int
+    references: int
+    seed: int
+    log: Callable[[str], None]
+    peak: float | None  # the chip's peak TFLOPS, when known
+    stages: dict = dataclasses.field(default_factory=dict)
+    flops: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def verb(self) -> str:
+        return "making random weights for" if self.pipe.info.format == "random" else "loading"
+
+    @property
+    def kv(self) -> bool:
+        """klein 9B-KV with references: the first step differs from the others."""
+        return self.pipe.info.reference_kv and self.references > 0
+
+
+def _check_run(width: int, height: int, steps: int, warmup: int, trials: int, references: int) -> None:
+    for name, v in (("width", width), ("height", height)):
+        if v < 16 or v % 16:
+            fix = " or ".join(str(c) for c in sorted({max(16, v // 16 * 16), v // 16 * 16 + 16}))
+            raise FluxKleinError(f"{name} {v} is not a positive multiple of 16; use {fix}")
+    if steps < 1 or trials < 1 or warmup < 0:
+        raise FluxKleinError("steps and trials must be at least 1 and warmup at least 0")
+    if references < 0:
+        raise FluxKleinError(f"references must be 0 or more, not {references}")
+
+
+def _text_encoder_stage(run: Run) -> mx.array:
+    """Time 512 tokens through layers 1..27 (the pipeline's encode function); the embeddings (1, 512, C)."""
+    pipe = run.pipe
+    run.log(f"{run.verb} the text encoder")
+    encoder, run.stages["text_encoder_load"] = _timed_load(pipe, "text_encoder")
+    tokenizer = pipe.component("tokenizer")
+    run.flops["text_encoder"] = flops_of_text_encoder(encoder.config, layers=max(OUT_LAYERS), tokens=TEXT_TOKENS).total
+    box = {}
+
+    def encode():
+        box["ctx"] = encode_prompts(encoder, tokenizer, [DEFAULT_PROMPT]).astype(pipe.dtype)
+        mx.eval(box["ctx"])
+
+    mx.reset_peak_memory()
+    times = _repeat(encode, run.warmup, run.trials)
+    run.stages["text_encoding"] = _summary(times, run.flops["text_encoder"], run.peak) | {
+        "peak_memory_gb": mx.get_peak_memory() / GB}
+    run.log(f"text encoding: {run.stages['text_encoding']['median_s']:.3f} s")
+    encoder = None  # drop this reference before releasing the slot's
+    pipe.release("text_encoder")
+    return box["ctx"]
+
+
+def _denoise_stage(run: Run):
+    """Time the pipeline's denoising stage, every step on its own; returns the last job (for the decode)."""
+    pipe, params = run.pipe, run.pipe.info.params
+    run.log(f"{run.verb} the transformer")
+    _, run.stages["transformer_load"] = _timed_load(pipe, "transformer")
+    ref_tokens = run.references * (run.width // 16) * (run.height // 16)
+    step = flops_of_transformer(params, run.width, run.height, TEXT_TOKENS, ref_tokens, cached_references=run.kv)
+    ref_pass = reference_pass_flops(params, ref_tokens).total if run.kv else 0.0
+    run.flops.update(step=step, denoise=step.total * run.steps + ref_pass)
+    images = reference_pictures(run.references, run.width, run.height, run.seed)
+    per_index, denoise_times, peaks, ref_times = [[] for _ in range(run.steps)], [], [], []
+    for trial in range(run.warmup + run.trials):
+        job = pipe.prepare(DEFAULT_PROMPT, width=run.width, height=run.height, steps=run.steps, seed=run.seed,
+                           images=images)  # fmt: skip
+        seconds = [event.seconds for event in pipe.denoise(job)]
+        if trial >= run.warmup:
+            for i, t in enumerate(seconds):
+                per_index[i].append(t)
+            denoise_times.append(job.stats.denoise.seconds)
+            peaks.append(job.stats.denoise.peak_memory / GB)
+            ref_times += [job.stats.reference_kv_seconds] if run.kv else []
+        what = f"warm-up {trial + 1}" if trial < run.warmup else f"trial {trial - run.warmup + 1}"
+        run.log(f"denoising {what}: {job.stats.denoise.seconds:.2f} s")
+    memory = {"peak_memory_gb": max(peaks)}
+    # KV steps are not alike (the first one also runs the reference pass): no one FLOP count for all.
+    run.stages["denoise_step"] = _summary([t for ts in per_index for t in ts], None if run.kv else step.total,
+                                          run.peak) | {"per_step_median_s": [statistics.median(t) for t in per_index],
+                                                       **memory}  # fmt: skip
+    run.stages["denoise"] = _summary(denoise_times, run.flops["denoise"], run.peak) | memory
+    if run.kv:
+        run.stages["kv_reference_pass"] = _summary(ref_times, ref_pass, run.peak) | memory | {
+            "cache_gb": job.stats.reference_kv_bytes / GB}
+        run.stages["kv_first_step"] = _summary(per_index[0], step.total + ref_pass, run.peak) | memory
+        if run.steps > 1:
+            cached = [t for ts in per_index[1:] for t in ts]
+            run.stages["kv_cached_step"] = _summary(cached, step.total, run.peak) | memory
+    pipe.release("transformer")
+    return job
+
+
+def _decode_stage(run: Run, job) -> None:
+    """Time the pipeline's decode stage on the final latents of `job`."""
+    pipe = run.pipe
+    run.log(f"{run.verb} the VAE")
+    vae, run.stages["vae_load"] = _timed_load(pipe, "vae")
+    run.flops["vae_decode"] = flops_of_vae_decoder(vae.config, run.width, run.height).total
+    peaks = []
+
+    def decode():
+        pipe.decode(job, "np")
+        peaks.append(job.stats.decode.peak_memory / GB)
+
+    times = _repeat(decode, run.warmup, run.trials)
+    run.stages["vae_decode"] = _summary(times, run.flops["vae_decode"], run.peak) | {"peak_memory_gb": max(peaks)}
+    run.log(f"VAE decode: {run.stages['vae_decode']['median_s']:.3f} s")
+    del vae
+    pipe.release("vae")
+
+
 def run_benchmark(
     pipe: FluxKleinPipeline,
     width: int = 1024,
@@ -106,151 +227,58 @@ def run_benchmark(
     (encoded in the prepare stage, not timed); for klein 9B-KV the first step (reference pass +
     cached step) and the cached steps are reported apart. `log(msg)` gets progress lines.
     """
-    log = log or (lambda msg: None)
-    for name, v in (("width", width), ("height", height)):
-        if v < 16 or v % 16:
-            fix = " or ".join(str(c) for c in sorted({max(16, v // 16 * 16), v // 16 * 16 + 16}))
-            raise FluxKleinError(f"{name} {v} is not a positive multiple of 16; use {fix}")
-    if steps < 1 or trials < 1 or warmup < 0:
-        raise FluxKleinError("steps and trials must be at least 1 and warmup at least 0")
-    if references < 0:
-        raise FluxKleinError(f"references must be 0 or more, not {references}")
-    info = pipe.info
-    params = info.params
+    _check_run(width, height, steps, warmup, trials, references)
     machine = machine_info()
-    peak = machine["peak_tflops"]
-    stages: dict[str, dict] = {}
-    flops: dict[str, float] = {}
-    verb = "making random weights for" if info.format == "random" else "loading"
-    log(f"benchmark: {info.name}, {width}x{height}, {steps} steps, warm-up {warmup}, trials {trials}")
-
-    # 1. Text encoder: one prompt, 512 tokens through layers 1..27 (the pipeline's encode function).
+    run = Run(pipe, width, height, steps, warmup, trials, references, seed, log or (lambda msg: None),
+              machine["peak_tflops"])  # fmt: skip
+    info = pipe.info
+    run.log(f"benchmark: {info.name}, {width}x{height}, {steps} steps, warm-up {warmup}, trials {trials}")
     if text_encoder:
-        log(f"{verb} the text encoder")
-        encoder, stages["text_encoder_load"] = _timed_load(pipe.text_encoder)
-        tokenizer = pipe.tokenizer.get()
-        flops["text_encoder"] = flops_of_text_encoder(encoder.config, layers=max(OUT_LAYERS), tokens=TEXT_TOKENS).total
-        box = {}
-
-        def encode():
-            box["ctx"] = encode_prompts(encoder, tokenizer, [DEFAULT_PROMPT]).astype(pipe.dtype)
-            mx.eval(box["ctx"])
-
-        mx.reset_peak_memory()
-        times = _repeat(encode, warmup, trials)
-        stages["text_encoding"] = _summary(times, flops["text_encoder"], peak) | {"peak_memory_gb": mx.get_peak_memory() / GB}
-        log(f"text encoding: {stages['text_encoding']['median_s']:.3f} s")
-        ctx = box["ctx"]
-        del encoder
-        pipe.text_encoder.release()
+        ctx = _text_encoder_stage(run)
     else:
-        ctx = mx.random.normal((1, TEXT_TOKENS, params.context_in_dim), key=mx.random.key(seed + 3)).astype(pipe.dtype)
+        ctx = mx.random.normal((1, TEXT_TOKENS, info.params.context_in_dim), key=mx.random.key(seed + 3)).astype(pipe.dtype)
     pipe.remember_prompt(DEFAULT_PROMPT, ctx)
-
-    # 2. Transformer: the pipeline's denoising stage, every step timed on its own.
-    log(f"{verb} the transformer")
-    _, stages["transformer_load"] = _timed_load(pipe.transformer)
-    ref_tokens = references * (width // 16) * (height // 16)
-    kv = info.reference_kv and references > 0  # klein 9B-KV: the first step differs from the others
-    step_flops = flops_of_transformer(params, width, height, TEXT_TOKENS, ref_tokens, cached_references=kv)
-    flops["step"] = step_flops.total
-    first_flops = step_flops.total + (reference_pass_flops(params, ref_tokens).total if kv else 0.0)
-    images = reference_pictures(references, width, height, seed)
-    step_times, per_index, denoise_times, peaks, ref_pass = [], [[] for _ in range(steps)], [], [], []
-    for trial in range(warmup + trials):
-        job = pipe.prepare(DEFAULT_PROMPT, width=width, height=height, steps=steps, seed=seed, images=images)
-        for event in pipe.denoise(job):
-            if trial >= warmup:
-                step_times.append(event.seconds)
-                per_index[event.step - 1].append(event.seconds)
-        seconds = job.stats["denoise"]["seconds"]
-        if trial >= warmup:
-            denoise_times.append(seconds)
-            peaks.append(job.stats["denoise"]["peak_memory"] / GB)
-            if kv:
-                ref_pass.append(job.stats["reference_kv"]["seconds"])
-        what = f"warm-up {trial + 1}" if trial < warmup else f"trial {trial - warmup + 1}"
-        log(f"denoising {what}: {seconds:.2f} s")
-    # KV steps are not alike (the first one also runs the reference pass): no one FLOP count for all.
-    stages["denoise_step"] = _summary(step_times, None if kv else step_flops.total, peak) | {
-        "per_step_median_s": [statistics.median(t) for t in per_index],
-        "peak_memory_gb": max(peaks),
-    }
-    denoise_flops = first_flops + (steps - 1) * step_flops.total
-    stages["denoise"] = _summary(denoise_times, denoise_flops, peak) | {"peak_memory_gb": max(peaks)}
-    if kv:
-        ref_f = reference_pass_flops(params, ref_tokens).total
-        stages["kv_reference_pass"] = _summary(ref_pass, ref_f, peak) | {
-            "peak_memory_gb": max(peaks), "cache_gb": job.stats["reference_kv"]["bytes"] / GB,
-        }  # fmt: skip
-        stages["kv_first_step"] = _summary(per_index[0], first_flops, peak) | {"peak_memory_gb": max(peaks)}
-        if steps > 1:
-            cached = [t for ts in per_index[1:] for t in ts]
-            stages["kv_cached_step"] = _summary(cached, step_flops.total, peak) | {"peak_memory_gb": max(peaks)}
-    pipe.transformer.release()
-
-    # 3. VAE decode of the final latents (the pipeline's decode stage).
+    job = _denoise_stage(run)
     if decode:
-        log(f"{verb} the VAE")
-        vae, stages["vae_load"] = _timed_load(pipe.vae)
-        flops["vae_decode"] = flops_of_vae_decoder(vae.config, width, height).total
-        decode_peaks = []
+        _decode_stage(run, job)
+    return _result(run, machine, text_encoder, decode)
 
-        def run_decode():
-            pipe.decode(job, "np")
-            decode_peaks.append(job.stats["decode"]["peak_memory"] / GB)
 
-        times = _repeat(run_decode, warmup, trials)
-        stages["vae_decode"] = _summary(times, flops["vae_decode"], peak) | {"peak_memory_gb": max(decode_peaks)}
-        log(f"VAE decode: {stages['vae_decode']['median_s']:.3f} s")
-        del vae
-        pipe.vae.release()
-
-    # The image: sum of the stage medians (loads excluded; the stages run one after another).
+def _result(run: Run, machine: dict, text_encoder: bool, decode: bool) -> dict:
+    """The whole-image row (sum of the stage medians, loads excluded) and the JSON structure."""
+    stages, flops, pipe, info = run.stages, run.flops, run.pipe, run.pipe.info
     parts = ["denoise"] + [s for s in ("text_encoding", "vae_decode") if s in stages]
     image_s = sum(stages[s]["median_s"] for s in parts)
-    image_flops = denoise_flops + flops.get("text_encoder", 0.0) + flops.get("vae_decode", 0.0)
+    image_flops = flops["denoise"] + flops.get("text_encoder", 0.0) + flops.get("vae_decode", 0.0)
     stages["image"] = {
-        "seconds": image_s,
-        "includes": parts,
-        "tflop": image_flops / 1e12,
-        "tflops": image_flops / image_s / 1e12,
-        "pct_of_peak": 100 * image_flops / image_s / 1e12 / peak if peak else None,
+        "seconds": image_s, "includes": parts, "tflop": image_flops / 1e12, "tflops": image_flops / image_s / 1e12,
+        "pct_of_peak": 100 * image_flops / image_s / 1e12 / run.peak if run.peak else None,
         "peak_memory_gb": max(stages[s]["peak_memory_gb"] for s in parts),
-    }
+    }  # fmt: skip
+    random = info.format == "random"
+    params, step = info.params, flops["step"]
     return {
-        "benchmark": "flux_klein_mlx per-stage latency",
-        "schema": 1,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "benchmark": "flux_klein_mlx per-stage latency", "schema": 1, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine,
         "config": {
-            "model": None if info.format == "random" else info.source,
-            "weights": "random" if info.format == "random" else "checkpoint",
-            "variant": info.variant,
-            "width": width,
-            "height": height,
-            "image_tokens": (width // 16) * (height // 16),
-            "text_tokens": TEXT_TOKENS,
-            "blocks": f"{params.depth}+{params.depth_single}",
-            "references": references,
-            "reference_tokens": ref_tokens,
-            "reference_kv": kv,
-            "steps": steps,
-            "dtype": next(k for k, v in DTYPES.items() if v == pipe.dtype),
-            "quantize": pipe.quantization["bits"] if pipe.quantization else None,
-            "warmup": warmup,
-            "trials": trials,
+            "model": None if random else info.source, "weights": "random" if random else "checkpoint",
+            "variant": info.variant, "width": run.width, "height": run.height,
+            "image_tokens": (run.width // 16) * (run.height // 16), "text_tokens": TEXT_TOKENS,
+            "blocks": f"{params.depth}+{params.depth_single}", "references": run.references,
+            "reference_tokens": run.references * (run.width // 16) * (run.height // 16), "reference_kv": run.kv,
+            "steps": run.steps, "dtype": dtype_name(pipe.dtype),
+            "quantize": pipe.quantization["bits"] if pipe.quantization else None, "warmup": run.warmup,
+            "trials": run.trials,
         },
         "flops": {
-            "step_tflop": step_flops.total / 1e12,
-            "step_linear_tflop": step_flops.linear / 1e12,
-            "step_attention_tflop": step_flops.attention / 1e12,
+            "step_tflop": step.total / 1e12, "step_linear_tflop": step.linear / 1e12,
+            "step_attention_tflop": step.attention / 1e12,
             "text_encoder_tflop": flops.get("text_encoder", 0.0) / 1e12 if text_encoder else None,
             "vae_decode_tflop": flops.get("vae_decode", 0.0) / 1e12 if decode else None,
             "image_tflop": image_flops / 1e12,
         },
         "stages": stages,
-    }
+    }  # fmt: skip
 
 
 def _fmt_s(s: float) -> str:
@@ -320,16 +348,6 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def free_path(path: Path) -> Path:
-    """`path` if nothing is there, else the first free `stem-N.suffix` (results are never overwritten)."""
-    if not path.exists():
-        return path
-    n = 1
-    while (candidate := path.with_name(f"{path.stem}-{n}{path.suffix}")).exists():
-        n += 1
-    return candidate
-
-
 def write_json(result: dict, path: str | Path) -> Path:
     """Write `result` as JSON to `path`, or to a new name if `path` exists; returns where it went."""
     path = Path(path)
@@ -387,6 +405,8 @@ def benchmark(model, random_weights, variant, width, height, steps, quantize, dt
         check_output_file(json_path, "--json")
     if blocks and model:
         raise click.UsageError("--blocks only applies to --random-weights")
+    if model and click.get_current_context().get_parameter_source("variant").name != "DEFAULT":
+        raise FluxKleinError("--variant only applies to --random-weights; with --model the variant is read from its files")
     row = VARIANTS[variant]
     if blocks:
         row = dataclasses.replace(row, transformer=dataclasses.replace(row.transformer, **parse_blocks(blocks)))

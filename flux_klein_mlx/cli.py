@@ -11,7 +11,7 @@ import warnings
 import click
 
 from . import preload_openblas
-from .errors import FluxKleinError
+from .errors import FluxKleinError, Notice
 
 
 def run_command(command: click.Command, argv=None) -> int:
@@ -19,7 +19,8 @@ def run_command(command: click.Command, argv=None) -> int:
     preload_openblas()
     with warnings.catch_warnings():
         # A library warning is one line too ("warning: ..."), never a file/line dump.
-        warnings.showwarning = lambda msg, *a, **k: click.echo(f"warning: {msg}", err=True)
+        warnings.showwarning = lambda msg, category, *a, **k: click.echo(
+            str(msg) if issubclass(category, Notice) else f"warning: {msg}", err=True)
         return _run(command, argv)
 
 

@@ -234,6 +234,7 @@ class Variant:
     guidance: float | None  # default CFG scale (None: no CFG)
     pipeline_class: str = "Flux2KleinPipeline"  # model_index.json `_class_name`
     reference_kv: bool = False  # distilled to cache the references' K/V (klein 9B-KV, see kv_cache.py)
+    repo: str = ""  # the Hugging Face repo id it is published under
 
 
 _QWEN3_4B = Qwen3Config(
@@ -256,12 +257,13 @@ def _rows() -> dict[str, Variant]:
                 name=name, title=f"FLUX.2 [klein] {size}" + ("" if distilled else " Base"), family=family,
                 distilled=distilled, transformer=transformer, text_encoder=qwen, vae=AutoEncoderConfig(),
                 steps=4 if distilled else 50, guidance=None if distilled else 4.0,
+                repo=f"black-forest-labs/FLUX.2-klein-{'' if distilled else 'base-'}{size}",
             )  # fmt: skip
     # klein 9B-KV (black-forest-labs/FLUX.2-klein-9b-kv): klein-9B's shapes, distilled for the reference
     # K/V cache. Its model_index.json has no is_distilled key; the pipeline class tells it apart.
     rows["klein-9b-kv"] = dataclasses.replace(
         rows["klein-9b"], name="klein-9b-kv", title="FLUX.2 [klein] 9B-KV", pipeline_class=KV_PIPELINE_CLASS,
-        reference_kv=True,
+        reference_kv=True, repo="black-forest-labs/FLUX.2-klein-9b-kv",
     )  # fmt: skip
     return rows
 

@@ -21,11 +21,7 @@ is removed and nothing appears at the output path. The source is never modified.
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
-import os
-import re
-import secrets
 import signal
 import shutil
 import sys
@@ -56,6 +52,7 @@ from .loading import (
     is_mlx_folder,
     read_component,
 )
+from .output import check_disk_space, folder_transaction
 from .quantize import check_quantization, quantize_model
 from .weights import save_safetensors_sharded
 
@@ -110,6 +107,7 @@ def convert_model(
     progress: Progress | None = None,
     loras: list | None = None,
     lora_partial: bool = False,
+    vae: str | Path | None = None,
 ) -> dict:
     """Convert a FLUX.2 [klein] model into an MLX folder at `output`; returns its config.
 
@@ -118,15 +116,22 @@ def convert_model(
     text encoder, VAE and tokenizer then come from `base` (default: the folder the file is in).
     `bits` 4 or 8 quantizes the transformer and text encoder (group size `group_size`); the VAE
     stays in `dtype`. `loras` (paths or (path, scale), as for `load`) are baked into the transformer
-    before quantization and recorded in config.json ("loras": name, sha256, scale).
+    before quantization and recorded in config.json ("loras": name, sha256, scale). `vae` (a
+    folder, file or repo id, e.g. black-forest-labs/FLUX.2-small-decoder) replaces the model's VAE,
+    or only its decoder, in the written folder (`loading.with_vae`); recorded as source "vae".
     """
     cast = as_dtype(dtype)
     if bits is not None:
         check_quantization(bits, group_size)
-    info = describe(model, base)
+    info = describe(model, base, vae)
     if info.format == "mlx":
         raise FluxKleinError(
             f"{info.path} is already converted; use it as it is, or `quantize` it to make a 4- or 8-bit copy"
+        )
+    if base is not None and info.format != "bfl":
+        raise FluxKleinError(
+            f"--base is only for a single-file transformer; {model} is a whole model with its own text encoder "
+            "and VAE: leave --base out"
         )
     check_weights(info)  # every file's header, keys and shapes, before anything is written
     baked = load_loras(loras, info.params, lora_partial)  # all checked before anything is written
@@ -135,11 +140,15 @@ def convert_model(
     source = {"model": str(model), "path": str(info.path), "format": info.format}
     if info.format == "bfl":
         source["base"] = str(info.tokenizer.parent)
+    vae_folders = []  # `vae=`'s folders: the output may not be inside them either
+    if vae is not None:
+        source["vae"] = str(vae)
+        vae_folders = [f.parent for f in info.decoder_files or info.files["vae"]]
     meta = {"variant": info.variant, "is_distilled": info.is_distilled, "reference_kv": info.reference_kv,
             "dtype": dtype_name(cast), "source": source, "scheduler": info.scheduler,
             "tokenizer_source": info.tokenizer, "loras": [lora.record() for lora in baked] or None}  # fmt: skip
     return write_folder(
-        output, parts, meta, overwrite=overwrite, sources=[info.path, info.tokenizer.parent],
+        output, parts, meta, overwrite=overwrite, sources=[info.path, info.tokenizer.parent, *vae_folders],
         max_shard_bytes=max_shard_bytes, progress=progress,
     )  # fmt: skip
 
@@ -208,19 +217,6 @@ def _check_paths(sources: list[Path], output: Path, overwrite: bool) -> None:
             )
 
 
-def _check_disk_space(output: Path, needed: int) -> None:
-    probe = output.parent
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    # 1 % + 64 MB of headroom for the index/config files and the file system's own needs.
-    if free < needed * 1.01 + (64 << 20):
-        raise FluxKleinError(
-            f"not enough disk space for {output}: the converted model needs about {needed / 1e9:.2f} GB "
-            f"and {free / 1e9:.2f} GB are free; free some space or choose another --output"
-        )
-
-
 def write_folder(
     output: str | Path,
     parts: list[Part],
@@ -246,7 +242,8 @@ def write_folder(
     if not tokenizer_src.is_dir():
         raise FluxKleinError(f"missing tokenizer/ in {tokenizer_src.parent}: the snapshot is incomplete, download it again")
     tokenizer_files = [f for f in sorted(tokenizer_src.iterdir()) if f.is_file()]
-    _check_disk_space(output, sum(p.nbytes for p in parts) + sum(f.stat().st_size for f in tokenizer_files))
+    check_disk_space(output, sum(p.nbytes for p in parts) + sum(f.stat().st_size for f in tokenizer_files),
+                     "the converted model")
 
     config = {
         "format": FORMAT,
@@ -262,115 +259,35 @@ def write_folder(
         "scheduler": meta.get("scheduler"),
         **({"loras": meta["loras"]} if meta.get("loras") else {}),  # LoRAs baked into the transformer
     }
-    if output.parent.exists() and not output.parent.is_dir():
-        raise FluxKleinError(f"--output {output}: {output.parent} is a file, not a folder; choose another --output")
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise FluxKleinError(f"cannot create the folder {output.parent} ({e.strerror}); choose another --output") from None
-    remove_stale_temporaries(output)
-    try:
-        tmp = _fresh_sibling(output, "tmp")
-    except OSError as e:
-        raise FluxKleinError(f"cannot write next to {output} ({e.strerror}); choose another --output") from None
-    try:
-        # Marks the folder as ours while it is being written: a later run removes it if this process is gone.
-        (tmp / TMP_MARKER).write_text(f"{os.getpid()}\n")
+    with folder_transaction(output) as tmp:
         for part in parts:
-            total, done = part.nbytes, 0
-
-            def on_tensor(_name: str, nbytes: int, part=part, total=total) -> None:
-                nonlocal done
-                done += nbytes
-                if progress is not None:
-                    progress(part.name, done, total)
-
-            if progress is not None:
-                progress(part.name, 0, total)
-            try:
-                save_safetensors_sharded(part.weights, tmp, part.name, max_shard_bytes, on_tensor=on_tensor)
-            except (OSError, RuntimeError) as e:  # disk full, unreadable source bytes, ...
-                raise FluxKleinError(
-                    f"writing the {WHAT[part.name]} failed ({str(e).splitlines()[0][:160]}); nothing was written to {output}"
-                ) from None
-            mx.clear_cache()
+            _write_part(part, tmp, output, max_shard_bytes, progress)
         (tmp / "tokenizer").mkdir()
         for f in tokenizer_files:
             shutil.copy2(f, tmp / "tokenizer" / f.name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / TMP_MARKER).unlink()
-        _move_into_place(tmp, output)
-    except BaseException:  # also KeyboardInterrupt: never leave a partial folder behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return config
 
 
-TMP_MARKER = ".flux_klein_mlx-writing"  # in `<output>.tmp-XXXXXXXX` while it is written: the writer's pid
-_TMP_NAME = re.compile(r"\.tmp-[0-9a-f]{8}$")
+def _write_part(part: Part, folder: Path, output: Path, max_shard_bytes: int, progress: Progress | None) -> None:
+    """One component's tensors into `folder`, streamed, reporting bytes written."""
+    total, done = part.nbytes, 0
 
+    def on_tensor(_name: str, nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress is not None:
+            progress(part.name, done, total)
 
-def _writer_alive(folder: Path) -> bool:
+    if progress is not None:
+        progress(part.name, 0, total)
     try:
-        pid = int((folder / TMP_MARKER).read_text().strip())
-    except (OSError, ValueError):
-        return False
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def remove_stale_temporaries(output: Path) -> list[Path]:
-    """Remove `<output>.tmp-XXXXXXXX` folders left by an earlier run that was killed (SIGKILL, power loss).
-
-    Only folders that are ours are removed: empty ones, and ones whose marker file names a process
-    that no longer runs (a conversion still running keeps its folder). Returns the folders removed.
-    """
-    removed = []
-    if not output.parent.is_dir():
-        return removed
-    for cand in output.parent.glob(f"{glob.escape(output.name)}.tmp-*"):
-        if not _TMP_NAME.search(cand.name[len(output.name):]) or cand.is_symlink() or not cand.is_dir():
-            continue
-        if any(cand.iterdir()) and (not (cand / TMP_MARKER).is_file() or _writer_alive(cand)):
-            continue  # not ours, or its writer still runs
-        shutil.rmtree(cand, ignore_errors=True)
-        removed.append(cand)
-    return removed
-
-
-def _fresh_sibling(output: Path, tag: str) -> Path:
-    """Create and return an empty folder `<output>.<tag>-XXXXXXXX` next to `output` (umask permissions)."""
-    while True:
-        path = output.with_name(f"{output.name}.{tag}-{secrets.token_hex(4)}")
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            continue
-
-
-def _move_into_place(tmp: Path, output: Path) -> None:
-    """Rename the finished folder to `output`; an existing output is moved aside first and deleted
-    only once the new one is in place (restored if the rename fails)."""
-    if not output.exists():
-        os.rename(tmp, output)
-        return
-    old = _fresh_sibling(output, "old")
-    os.rmdir(old)
-    os.rename(output, old)
-    try:
-        os.rename(tmp, output)
-    except BaseException:
-        os.rename(old, output)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+        save_safetensors_sharded(part.weights, folder, part.name, max_shard_bytes, on_tensor=on_tensor)
+    except (OSError, RuntimeError) as e:  # disk full, unreadable source bytes, ...
+        raise FluxKleinError(
+            f"writing the {WHAT[part.name]} failed ({str(e).splitlines()[0][:160]}); nothing was written to {output}"
+        ) from None
+    mx.clear_cache()
 
 
 class ProgressBars:
@@ -405,7 +322,12 @@ def summary(output: str | Path, config: dict) -> str:
     size = sum(f.stat().st_size for f in output.rglob("*") if f.is_file())
     q = [f"{WHAT[n]} {config[n]['quantization']['bits']}-bit" for n in COMPONENTS if config[n]["quantization"]]
     baked = f", {len(config['loras'])} LoRA(s) baked in" if config.get("loras") else ""
-    return f"wrote {output} ({config['variant']}, {config['dtype']}{', ' + ', '.join(q) if q else ''}{baked}, {size / 1e9:.2f} GB)"
+    source = config.get("source") or {}
+    # A single transformer file cannot say it is the 9B-KV model: the flag is its base snapshot's.
+    kv = f", reference KV because its base {source['base']} is a Flux2KleinKVPipeline" if config.get("reference_kv") \
+        and source.get("format") == "bfl" else ""
+    return (f"wrote {output} ({config['variant']}{kv}, {config['dtype']}{', ' + ', '.join(q) if q else ''}{baked}, "
+            f"{size / 1e9:.2f} GB)")
 
 
 @contextlib.contextmanager
@@ -438,13 +360,14 @@ def interrupt_on_termination():
 @click.option("--lora", "loras", multiple=True, help="Bake this LoRA (file, owner/name or owner/name:FILE) into the transformer; repeatable.")
 @click.option("--lora-scale", "lora_scales", type=float, multiple=True, help="Strength of each --lora, by position [default: 1.0].")
 @click.option("--lora-partial", is_flag=True, help="Bake a LoRA even when some of its modules match no layer.")
-def convert(model, output, dtype, bits, group_size, base, overwrite, loras, lora_scales, lora_partial):
+@click.option("--vae", default=None, help="Write this VAE instead of the model's: folder, .safetensors or repo id (e.g. black-forest-labs/FLUX.2-small-decoder); a decoder-only file replaces just the decoder.")
+def convert(model, output, dtype, bits, group_size, base, overwrite, loras, lora_scales, lora_partial, vae):
     """Convert a FLUX.2 [klein] model into an MLX folder (optionally 4/8-bit, optionally with LoRAs baked in)."""
     specs = pair_scales(loras, lora_scales)
     with interrupt_on_termination(), ProgressBars() as bars:
         config = convert_model(
             model, output, dtype=dtype, bits=bits, group_size=group_size, base=base, overwrite=overwrite, progress=bars,
-            loras=specs, lora_partial=lora_partial,
+            loras=specs, lora_partial=lora_partial, vae=vae,
         )
     click.echo(summary(output, config))
 

@@ -2,66 +2,48 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import click
 
-from . import __version__
 from .cli import run_command
 from .errors import FluxKleinError
+from .inputs import RunSettings, check_prompt_given, prepare_inputs
 from .lora import pair_scales
-from .output_files import check_output_file, write_exclusive
-from .pipeline import DEFAULT_MODEL, check_settings, load, preprocess_reference
-from .vae import check_image_size
-
-
-def unique_path(path: Path) -> Path:
-    """`path` if it is free, else the first free `stem-N.suffix`: outputs are never overwritten."""
-    if not path.exists():
-        return path
-    n = 1
-    while True:
-        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
-        if not candidate.exists():
-            return candidate
-        n += 1
+from .output import check_output_file, image_format, numbered_name, save_image, write_exclusive
+from .pipeline import DEFAULT_MODEL, load
 
 
 def output_paths(output: str, count: int) -> list[Path]:
+    """The names a run asks for: `output`, or `stem-0.png` ... for several images; checked before any work.
+
+    An existing file is never replaced: a taken name moves on to the next free number (`output.write_exclusive`).
+    """
     base = Path(output).expanduser()
-    if base.suffix.lower() != ".png":
-        raise FluxKleinError(f"--output must end in .png, not {base.name!r}")
-    check_output_file(base if count == 1 else base.with_name(f"{base.stem}-{count - 1}{base.suffix}"))
-    if count == 1:
-        return [base]
-    return [base.with_name(f"{base.stem}-{i}{base.suffix}") for i in range(count)]
+    image_format(base, "--output")
+    paths = [base] if count == 1 else [numbered_name(base, i) for i in range(count)]
+    check_output_file(paths[-1])
+    return paths
 
 
-def png_info(metadata: dict):
-    """PNG text chunks: one per parameter, plus all of them as JSON under "parameters"."""
-    from PIL.PngImagePlugin import PngInfo
-
-    info = PngInfo()
-    for k, v in metadata.items():
-        info.add_text(k, "" if v is None else str(v))
-    info.add_text("parameters", json.dumps(metadata))
-    return info
-
-
-def save_png(image, path: Path, metadata: dict) -> Path:
-    """Write the PNG with the generation parameters in its text chunks; never overwrites.
-
-    Created exclusively (`output_files.write_exclusive`): two processes saving to the same free
-    name both succeed under different names, and the file is complete when it appears."""
-    return write_exclusive(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=png_info(metadata)))
-
-
-def _mb(nbytes: int) -> str:
+def _gb(nbytes: int) -> str:
     return f"{nbytes / 1e9:.2f} GB"
+
+
+def summary(stats, seed, index: int, count: int) -> str:
+    """One line per image: model loading apart from the stages it happened in, then the total."""
+    st = stats
+    head = f"image {index + 1}/{count}, " if count > 1 else ""
+    return (
+        f"{head}seed {seed}: load {st.load_seconds:.1f} s, encode {st.encode.seconds - st.encode.load_seconds:.1f} s "
+        f"(peak {_gb(st.encode.peak_memory)}), denoise {st.denoise.seconds - st.denoise.load_seconds:.1f} s = "
+        f"{st.seconds_per_step:.2f} s/step (peak {_gb(st.denoise.peak_memory)}), decode "
+        f"{st.decode.seconds - st.decode.load_seconds:.1f} s (peak {_gb(st.decode.peak_memory)}), "
+        f"total {st.total_seconds:.1f} s"
+    )
 
 
 @click.command("generate")
@@ -78,7 +60,8 @@ def _mb(nbytes: int) -> str:
 @click.option("--init-image", default=None, help="Image-to-image: start from this picture (sets the output size).")
 @click.option("--strength", type=float, default=None,
               help="How much of --init-image to redraw, (0, 1]; 1 = from pure noise [default: 0.8].")
-@click.option("--mask", default=None, help="Inpainting: white = repaint, black = keep; the size of --init-image.")
+@click.option("--mask", default=None, help="Inpainting: white = repaint, black = keep (or, with transparency, transparent "
+              "= repaint); the size of --init-image.")
 @click.option("--image", "-i", "images", multiple=True, help="Reference image to edit; repeat for multi-reference.")
 @click.option("--negative-prompt", default=None, help="Unconditional prompt for CFG (Base models).")
 @click.option("--num-images", "-n", type=click.IntRange(1, 1000), default=1, show_default=True,
@@ -88,7 +71,7 @@ def _mb(nbytes: int) -> str:
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--low-memory", is_flag=True, help="Release the transformer before decoding and decode in tiles (for small-memory Macs).")
 @click.option("--output", "-o", default="image.png", show_default=True,
-              help="PNG path; an existing file is kept and a new name chosen.")
+              help="A .png, .jpg or .webp path; an existing file is kept and the next free number used.")
 @click.option("--preview-dir", default=None,
               help="Also write a small latent preview PNG after every step into this existing folder.")
 @click.option("--lora", "loras", multiple=True,
@@ -100,27 +83,11 @@ def generate(prompt, model, width, height, steps, guidance, seed, noise, init_im
              negative_prompt, num_images, quantize, dtype, low_memory, output, preview_dir, loras, lora_scales,
              lora_partial):
     """Generate images from a prompt (and optional reference images)."""
-    # Cheap checks before loading gigabytes: sizes, reference images, the output path.
-    check_settings(prompt, negative_prompt, width, height, steps, guidance, seed)
-    if width is not None or height is not None:
-        check_image_size(1024 if width is None else width, 1024 if height is None else height)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the run itself warns once (e.g. an animated reference)
-        for p in images:
-            preprocess_reference(p)
-    if init_image is None and (mask is not None or strength is not None):
-        raise FluxKleinError(f"{'--mask' if mask is not None else '--strength'} needs --init-image")
-    if init_image is not None:
-        from .img2img import prepare_init_image, start_step
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            init = prepare_init_image(init_image, 0.8 if strength is None else strength, mask)
-        if steps is not None:
-            start_step(steps, init.strength)
-        if (width or init.width, height or init.height) != (init.width, init.height):
-            raise FluxKleinError(f"the output takes --init-image's size ({init.width}x{init.height}); "
-                                 "leave --width/--height out")
+    # Cheap checks before loading gigabytes: the settings, the output paths, the LoRA options.
+    check_prompt_given(prompt)
+    settings = RunSettings(prompt, width=width, height=height, steps=steps, guidance=guidance, seed=seed,
+                           images=list(images), negative_prompt=negative_prompt, noise=noise, init_image=init_image,
+                           strength=strength, mask=mask).check()  # fmt: skip
     paths = output_paths(output, num_images)
     if preview_dir is not None and not Path(preview_dir).is_dir():
         raise FluxKleinError(f"--preview-dir {preview_dir} is not an existing folder; create it first")
@@ -131,6 +98,7 @@ def generate(prompt, model, width, height, steps, guidance, seed, noise, init_im
     t0 = time.perf_counter()
     pipe = load(model, dtype=dtype, quantize=int(quantize) if quantize else None,
                 low_memory=low_memory, loras=lora_specs, lora_partial=lora_partial)
+    prepared = prepare_inputs(settings, pipe.info)  # every image read and checked before any model runs
     info = pipe.info
     # load() only reads configs and checks the files' headers; each model loads when first used.
     click.echo(f"{info.name} from {info.source} ({dtype}"
@@ -139,69 +107,44 @@ def generate(prompt, model, width, height, steps, guidance, seed, noise, init_im
     for lora in pipe.loras:
         click.echo(f"LoRA {lora.name} ({lora.sha256}) at scale {lora.scale:g}: {len({t.layer for t in lora.terms})} "
                    f"layers, {lora.nbytes / 1e6:.1f} MB", err=True)
-
-    from .noise import seed_for_image
-
-    base_seed = seed
-    img2img = dict(noise=noise, init_image=init_image, strength=strength, mask=mask)
+    next_number = 0  # a batch continues its numbering after names that are taken
     for n, path in enumerate(paths):
-        # Image n uses seed + n, as diffusers does for a list of generators seeded N, N+1, ...
-        run_seed = None if base_seed is None else seed_for_image(base_seed, n)
+        label = "denoising" if num_images == 1 else f"image {n + 1}/{num_images}: denoising"
         previews = None if preview_dir is None else (Path(preview_dir), path.stem)
-        image, stats = _run(pipe, prompt, width, height, steps, guidance, run_seed, images, negative_prompt, previews,
-                            img2img)
-        metadata = {
-            "prompt": prompt, "negative_prompt": negative_prompt if not info.is_distilled else None,
-            "seed": stats["seed"], "steps": stats["steps"], "guidance": stats["guidance"],
-            "width": stats["width"], "height": stats["height"], "model": info.source,
-            "variant": info.name, "dtype": dtype,
-            "quantize": pipe.quantization["bits"] if pipe.quantization else None,
-            "references": [str(p) for p in images] or None, "software": f"flux_klein_mlx {__version__}",
-            "loras": [lora.record() for lora in pipe.loras] or None, "noise": stats["noise"],
-        }
-        if init_image is not None:
-            metadata.update(init_image=str(init_image), strength=stats["strength"], mask=mask,
-                            steps_run=stats["steps_run"])
-        final = save_png(image, path, metadata)
+        event = _run(pipe, prepared.for_image(n), previews, label)
+        if num_images == 1:
+            final = save_image(event.image, path, event.metadata)
+        else:
+            final = save_image(event.image, Path(output).expanduser(), event.metadata, first=next_number)
+            next_number = int(final.stem.rsplit("-", 1)[1]) + 1
         if final != path:
             click.echo(f"{path} exists; wrote {final} instead", err=True)
-        click.echo(
-            f"seed {stats['seed']}: encode {stats['encode']['seconds']:.1f} s (peak {_mb(stats['encode']['peak_memory'])}), "
-            f"denoise {stats['denoise']['seconds']:.1f} s = {stats['denoise']['seconds_per_step']:.2f} s/step "
-            f"(peak {_mb(stats['denoise']['peak_memory'])}), decode {stats['decode']['seconds']:.1f} s "
-            f"(peak {_mb(stats['decode']['peak_memory'])})", err=True)
+        click.echo(summary(event.stats, event.metadata["seed"], n, num_images), err=True)
         click.echo(str(final))
 
 
-def _run(pipe, prompt, width, height, steps, guidance, seed, images, negative_prompt, previews=None, img2img=None):
-    """One image, with a progress bar that shows seconds per step; `previews`: (folder, name stem);
-    `img2img`: noise / init_image / strength / mask keyword arguments."""
-    import warnings
-
-    from PIL import Image
-
-    from .preview import preview_for
-
-    preview = preview_for(pipe.vae.get()) if previews else None
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = lambda msg, *a, **k: click.echo(f"warning: {msg}", err=True)
-        stream = pipe.stream(prompt, width=width, height=height, steps=steps, guidance=guidance, seed=seed,
-                             images=list(images) or None, negative_prompt=negative_prompt, **(img2img or {}))
-        first = next(stream)  # prompt encoded, references encoded
-        bar = click.progressbar(length=first.total, label="denoising", file=sys.stderr,
-                                show_eta=True, item_show_func=lambda s: s)
-        event = first
-        with bar:
-            for event in stream:
-                if event.stage == "denoise":
-                    bar.update(1, f"{event.seconds:.2f} s/step")
-                    if preview is not None:
-                        folder, stem = previews
-                        small = Image.fromarray(preview.render(event.denoised, *event.grid))
-                        small.save(unique_path(folder / f"{stem}-step{event.step:02d}.png"))
-        return event.image, event.stats
+def _run(pipe, prepared, previews=None, label="denoising"):
+    """One image with progress on stderr: a bar with seconds per step on a terminal, else one line per
+    step (logs, pipes). `previews`: (folder, name stem) to write a latent preview after every step."""
+    stream = pipe.stream(prepared)
+    first = next(stream)  # prompt encoded, references encoded
+    tty = sys.stderr.isatty()
+    bar = click.progressbar(length=first.total, label=label, file=sys.stderr, show_eta=True,
+                            item_show_func=lambda s: s) if tty else contextlib.nullcontext()  # fmt: skip
+    event = first
+    with bar:
+        for event in stream:
+            if event.stage != "denoise":
+                continue
+            if tty:
+                bar.update(1, f"{event.seconds:.2f} s/step")
+            else:
+                click.echo(f"{label} step {event.step}/{event.total}: {event.seconds:.2f} s", err=True)
+            if previews is not None:
+                folder, stem = previews
+                small = pipe.preview_map().image(event.denoised, *event.grid)
+                write_exclusive(folder / f"{stem}-step{event.step:02d}.png", lambda tmp: small.save(tmp, format="PNG"))
+    return event
 
 
 def main(argv=None):

@@ -22,10 +22,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .config import (
     KV_PIPELINE_CLASS,
     PIPELINE_CLASSES,
+    VARIANTS,
     AutoEncoderConfig,
     FluxKleinParams,
     Qwen3Config,
@@ -37,6 +39,7 @@ from .quantize import apply_quantization, check_record, evaluate_by_layer, quant
 from .text_encoder import OUT_LAYERS, Qwen3TextEncoder, keeps_key, sanitize_qwen3_weights
 from .transformer import FluxKlein, infer_params, sanitize_flux2_klein_weights
 from .vae import AutoEncoder, check_flux2, sanitize_vae_weights
+from .vae_source import decoder_config, decoder_only, infer_vae_config, merge_decoder
 from .weights import check_safetensors_file, component_files, load_into, prefixed_files, read_json, read_safetensors, read_weight_files, resolve_model
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
@@ -77,6 +80,8 @@ class ModelInfo:
     stored_dtype: str | None = None  # a converted folder's dtype
     original: dict | None = None  # a converted folder's own "source" entry
     reference_kv: bool = False  # klein 9B-KV: reference K/V computed once per image, then cached
+    vae_source: str | None = None  # `vae=` (--vae): where the VAE, or only its decoder, comes from
+    decoder_files: list[Path] | None = None  # a decoder-only `vae=`: its files (the rest is files["vae"])
     params: FluxKleinParams = field(init=False)
 
     def __post_init__(self):
@@ -195,14 +200,20 @@ def _check_fit(configs: dict[str, dict], where: dict[str, Path]) -> None:
         )
 
 
-def describe(model: str | Path, base: str | Path | None = None) -> ModelInfo:
+def describe(model: str | Path, base: str | Path | None = None, vae: str | Path | None = None) -> ModelInfo:
     """Resolve and classify `model` and check it, reading configs only (no weights).
 
     `model` is a Hugging Face repo id (through the hub cache), a diffusers snapshot folder, a
     folder written by `convert`, or a BFL single-file transformer (`.safetensors`) whose text
-    encoder, VAE and tokenizer come from `base` (default: the folder the file is in).
+    encoder, VAE and tokenizer come from `base` (default: the folder the file is in). `vae`
+    replaces the model's VAE, or only its decoder (see `with_vae`).
     """
-    path = resolve_model(model)
+    info = _describe(model, base)
+    return info if vae is None else with_vae(info, vae)
+
+
+def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
+    path = resolve_model(model, size_hint=lambda: download_bytes(str(model)))
     if path.is_file():
         return _describe_bfl(model, path, base)
     if is_mlx_folder(path):
@@ -267,8 +278,73 @@ def _describe_bfl(model, file: Path, base) -> ModelInfo:
     )  # fmt: skip
 
 
+def download_bytes(repo: str) -> int | None:
+    """About how many bytes the download of a published klein repo is (None for another repo): its
+    components' bf16 weights, every text-encoder layer included, counted from the shapes of lazily
+    built modules (nothing is allocated)."""
+    variant = next((v for v in VARIANTS.values() if v.repo.lower() == repo.lower()), None)
+    if variant is None:
+        return None
+    te = variant.text_encoder
+    modules = (FluxKlein(variant.transformer), Qwen3TextEncoder(te, (te.num_hidden_layers,)), AutoEncoder(variant.vae))
+    count = sum(a.size for m in modules for _, a in tree_flatten(m.parameters()))
+    count += te.hidden_size * (1 + (0 if te.tie_word_embeddings else te.vocab_size))  # final norm, untied lm_head
+    return 2 * count
+
+
 def _optional_json(path: Path) -> dict | None:
     return read_json(path) if path.is_file() else None
+
+
+# What a `vae=` repo id needs from the hub: a VAE repo's root (BFL's small decoder) or a snapshot's vae/.
+# The root's BFL-named single file duplicates the diffusers one and is skipped.
+VAE_PATTERNS = ["config.json", "diffusion_pytorch_model*.safetensors*", "vae/*", "vae.safetensors*"]
+
+
+def with_vae(info: ModelInfo, source: str | Path) -> ModelInfo:
+    """`info` with the VAE of `source` (e.g. black-forest-labs/FLUX.2-small-decoder), checked.
+
+    `source` is a VAE folder (config.json + weights), a model snapshot or converted folder (its VAE),
+    a single `.safetensors` VAE (config from its shapes) or a repo id of one of these. A whole VAE
+    replaces the model's; a decoder alone replaces only the decoder (`vae_source.py`). Reads
+    configs and safetensors headers only.
+    """
+    try:
+        path = resolve_model(source, allow_patterns=VAE_PATTERNS)
+    except FluxKleinError as e:
+        raise FluxKleinError(f"VAE: {e}".replace("model '", "'", 1)) from None
+    config, files, where = _vae_files(path)
+    weights = sanitize("vae", read_weight_files(files))  # lazy: nothing but the headers is read
+    if config is None:
+        config = infer_vae_config(weights, info.configs["vae"], where)
+    if decoder_only(weights):
+        config = decoder_config(info.configs["vae"], config, where)
+        swap = {"decoder_files": files}
+    else:  # a whole VAE, as diffusers' `vae=` argument
+        swap = {"files": {**info.files, "vae": files}, "decoder_files": None}
+    new = dataclasses.replace(info, configs={**info.configs, "vae": config}, vae_source=str(source), **swap)
+    _check_fit(new.configs, {"text_encoder": info.files["text_encoder"][0].parent, "vae": Path(where)})
+    return new
+
+
+def _vae_files(path: Path) -> tuple[dict | None, list[Path], str]:
+    """(config or None for a single file, weight files, name for messages) of a VAE source."""
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise FluxKleinError(f"{path} is not a .safetensors file; pass a VAE folder, a .safetensors VAE or a repo id")
+        return None, [path], str(path)
+    if is_mlx_folder(path):
+        return read_mlx_config(path)["vae"]["config"], prefixed_files(path, "vae"), str(path)
+    folder = path / "vae" if (path / "vae").is_dir() else path
+    config = _optional_json(folder / "config.json")
+    if not isinstance(config, dict) or "block_out_channels" not in config:
+        raise FluxKleinError(
+            f"{path} has no VAE: expected a config.json with block_out_channels and its weights (a VAE repo such as "
+            "black-forest-labs/FLUX.2-small-decoder, a vae/ folder, or a model folder with one), or a .safetensors file"
+        )
+    single = folder / "diffusion_pytorch_model.safetensors"
+    indexed = any(folder.glob("*.safetensors.index.json"))
+    return config, [single] if single.is_file() and not indexed else component_files(folder), str(folder)
 
 
 # --- load ----------------------------------------------------------------------------------------
@@ -276,6 +352,12 @@ def _optional_json(path: Path) -> dict | None:
 
 def read_component(info: ModelInfo, name: str) -> dict[str, mx.array]:
     """A component's weights under our names, lazily (only the tensors the model uses are listed)."""
+    if name == "vae" and info.vae_source is not None:
+        # Sources of any format: sanitize is idempotent on weights already under our names.
+        weights = sanitize("vae", read_weight_files(info.files["vae"]))
+        if info.decoder_files:
+            weights = merge_decoder(weights, sanitize("vae", read_weight_files(info.decoder_files)))
+        return weights
     weights = read_weight_files(info.files[name], keep=keeps_key if name == "text_encoder" else None)
     if info.format != "mlx":  # converted folders are stored under our names already
         weights = sanitize(name, weights)
@@ -356,80 +438,3 @@ def load_component(
     module, _ = assemble(name, info.configs[name], weights, dtype, info.quantization[name], quantize, group_size)
     evaluate_by_layer(module)
     return module
-
-
-# --- one component on its own (a component folder, a snapshot, or a single file) -------------------
-
-
-def load_flux_klein(
-    source: str | Path, params: FluxKleinParams | None = None, dtype: mx.Dtype = mx.bfloat16
-) -> FluxKlein:
-    """Load a klein transformer from a diffusers `transformer/` folder (or its snapshot) or a BFL
-    single `.safetensors` file, evaluated.
-
-    A folder's hyper-parameters come from its config.json, a single file's from its shapes. When
-    `params` is given it must describe the same architecture (e.g. klein-4B vs klein-9B).
-    """
-    source = Path(source)
-    if source.is_dir() and not (source / "config.json").is_file() and (source / "transformer").is_dir():
-        source = source / "transformer"  # a whole pipeline snapshot
-    if source.is_dir():
-        config = read_json(source / "config.json")
-        _dev_check(config, source / "config.json")
-        file_params = FluxKleinParams.from_dict(config)
-        weights = sanitize_flux2_klein_weights(read_weight_files(component_files(source)))
-    elif source.is_file():
-        weights = sanitize_flux2_klein_weights(read_safetensors(source))
-        file_params = infer_params(weights)
-    else:
-        raise FluxKleinError(f"transformer weights not found: {source} is neither a folder nor a file")
-    if params is not None and params.shape_key() != file_params.shape_key():
-        wanted = params.describe().split(" (")[0] if params.variant != "other" else params.describe()
-        raise FluxKleinError(f"this checkpoint is {file_params.describe()} but {wanted} was requested")
-    model, _ = assemble("transformer", dataclasses.asdict(params or file_params), weights, dtype)
-    evaluate_by_layer(model)
-    return model
-
-
-def load_text_encoder(folder: str | Path, dtype: mx.Dtype = mx.bfloat16, expected_dim: int | None = None) -> Qwen3TextEncoder:
-    """Load the Qwen3 text encoder of a snapshot (`folder` or `folder/text_encoder`), evaluated.
-
-    Only the embedding and layers 1..27 are ever read from disk. `expected_dim` is the
-    transformer's `joint_attention_dim`; another width is refused before any weight is read.
-    """
-    folder = Path(folder)
-    if (folder / "text_encoder").is_dir():
-        folder = folder / "text_encoder"
-    elif not (folder / "config.json").is_file():
-        raise FluxKleinError(
-            f"missing text encoder: neither {folder / 'text_encoder'} nor {folder / 'config.json'} exists; "
-            "point to a FLUX.2 [klein] snapshot that has a text_encoder/ folder"
-        )
-    config = read_json(folder / "config.json")
-    if expected_dim is not None:
-        _check_text_width(expected_dim, Qwen3Config.from_dict(config), folder)
-    weights = sanitize_qwen3_weights(read_weight_files(component_files(folder), keep=keeps_key))
-    model, _ = assemble("text_encoder", config, weights, dtype)
-    evaluate_by_layer(model)
-    return model
-
-
-def load_vae(source: str | Path, dtype=mx.bfloat16, config: AutoEncoderConfig | None = None) -> AutoEncoder:
-    """Load the VAE from a diffusers `vae/` folder (or its snapshot) or a BFL `ae.safetensors` file.
-
-    A single file carries no config: it is `config`, by default the FLUX.2 VAE's. Evaluated.
-    """
-    source = Path(source)
-    if source.is_dir():
-        folder = source / "vae" if (source / "vae").is_dir() else source
-        config_dict = read_json(folder / "config.json")
-        files = component_files(folder)
-    elif source.is_file():
-        config_dict = dataclasses.asdict(config or AutoEncoderConfig.flux2())
-        files = [source]
-    else:
-        raise FluxKleinError(f"VAE not found: {source} is neither a vae/ folder nor an ae.safetensors file")
-    check_flux2(AutoEncoderConfig.from_dict(config_dict), None)
-    model, _ = assemble("vae", config_dict, sanitize("vae", read_weight_files(files)), dtype)
-    evaluate_by_layer(model)
-    return model

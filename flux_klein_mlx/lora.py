@@ -15,6 +15,7 @@ refused with one line and the model is left as it was.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -24,6 +25,7 @@ import mlx.nn as nn
 
 from .errors import FluxKleinError
 from .lora_formats import Term, parse_lora
+from .weights import read_lora_file, resolve_lora
 
 
 @dataclass
@@ -47,16 +49,27 @@ class Lora:
         return {"name": self.name, "sha256": self.sha256, "scale": self.scale}
 
 
-def _spec(item) -> tuple[object, float]:
-    """A LoRA as the user wrote it: "file", ("file", scale) or ("file",) -> (source, scale)."""
+def parse_lora_spec(item, files: bool = True) -> tuple[object, float]:
+    """A LoRA as a user writes it -> (source, scale): "file", "file:0.8", Path, ("file", 0.8) or ("file",).
+
+    A string's last ":NUMBER" is its scale unless the whole string names an existing file (a file
+    may have a colon in its name; `files=False` never looks at the file system, for names from a
+    client); `owner/name:file.safetensors` keeps its colon (no number).
+    """
     if isinstance(item, (str, Path)):
-        return item, 1.0
-    if isinstance(item, (tuple, list)) and len(item) == 2:
+        source, scale = item, 1.0
+        head, sep, tail = str(item).rpartition(":")
+        if isinstance(item, str) and sep and head and not (files and Path(item).expanduser().is_file()):
+            try:
+                source, scale = head, float(tail)
+            except ValueError:
+                pass  # a colon that is part of the name
+    elif isinstance(item, (tuple, list)) and len(item) == 2:
         source, scale = item
     elif isinstance(item, (tuple, list)) and len(item) == 1:
         raise FluxKleinError(f"LoRA {item[0]} has no scale value; give (path, scale) or just the path for 1.0")
     else:
-        raise FluxKleinError(f"a LoRA must be a path or (path, scale), not {item!r}")
+        raise FluxKleinError(f"a LoRA must be a path, 'PATH:SCALE' or (path, scale), not {item!r}")
     try:
         scale = float(scale)
     except (TypeError, ValueError):
@@ -73,9 +86,7 @@ def load_lora(source, params, scale: float = 1.0, partial: bool = False) -> Lora
     Refuses (FluxKleinError, one line) damaged files, LoRAs for other models, and keys that match
     no layer: all of them, or some of them unless `partial`.
     """
-    from .weights import read_lora_file, resolve_lora
-
-    _, scale = _spec((source, scale))
+    _, scale = parse_lora_spec((source, scale))
     path = resolve_lora(source)
     tensors, metadata, sha = read_lora_file(path)
     what = path.name
@@ -95,7 +106,62 @@ def load_lora(source, params, scale: float = 1.0, partial: bool = False) -> Lora
             f"LoRA {what}: {len(miss)} of its {n} modules match no layer of {params.describe()} ({head}); "
             "load the rest anyway with --lora-partial (partial=True)"
         )
+    check_magnitude(parsed.terms, scale, what)
+    _warn_about_alpha(parsed.terms, what)
     return Lora(path.name, sha[:12], scale, parsed.format, parsed.terms, str(path))
+
+
+# The largest update a LoRA may make to one weight: float16's largest number. Weights are about 0.1 and
+# real LoRA updates far below 1; anything near this is a broken file, alpha or scale, and beyond it
+# the weight overflows in float16 (and soon after in bfloat16/float32).
+MAX_UPDATE = 65504.0
+
+
+def _peak_bound(t: Term) -> mx.array:
+    """An upper bound of max |up @ down| (Cauchy-Schwarz: largest row norm of up x largest column norm
+    of down), exact max |kron(w1, w2)| for LoKr; rescaled by the largest entry so that float32 never overflows."""
+    if t.down is None:
+        return mx.abs(t.w1).max().astype(mx.float32) * mx.abs(t.w2).max().astype(mx.float32)
+    bound = mx.array(1.0)
+    for m, axis in ((t.up, 1), (t.down, 0)):  # up (rows, r): norm along r; down (r, in): norm along r
+        m = m.astype(mx.float32)
+        top = mx.maximum(mx.abs(m).max(), mx.array(1e-30))
+        bound = bound * top * mx.sqrt(((m / top) ** 2).sum(axis=axis)).max()
+    return bound
+
+
+def check_magnitude(terms: list[Term], scale: float, what: str) -> None:
+    """Refuse a LoRA whose update `scale · alpha/rank · up @ down` exceeds MAX_UPDATE anywhere (from
+    the factors, the alpha or the scale), before any model is touched. A cheap bound per term; the
+    exact float32 maximum only for the rare low-rank term whose bound is over the limit."""
+    bounds = [_peak_bound(t) for t in terms]
+    mx.eval(bounds)
+    for t, bound in zip(terms, bounds):
+        factor = abs(scale * t.factor)
+        peak = factor * bound.item()  # exact for LoKr
+        if peak <= MAX_UPDATE or factor == 0:
+            continue
+        if t.down is not None:  # exact, each factor rescaled so that the product itself cannot overflow
+            mu, md = mx.abs(t.up).max().item(), mx.abs(t.down).max().item()
+            exact = (t.up.astype(mx.float32) / mu) @ (t.down.astype(mx.float32) / md)
+            peak = mx.abs(exact).max().item() * mu * md * factor
+        if peak > MAX_UPDATE:
+            raise FluxKleinError(
+                f"LoRA {what}: its update of {t.key} reaches {peak:.3g} (scale {scale:g} x alpha/rank {t.factor:g} x "
+                f"its factors), beyond {MAX_UPDATE:g}, which no weight survives; the file, its alpha or the scale is wrong"
+            )
+
+
+def _warn_about_alpha(terms: list[Term], what: str) -> None:
+    """An alpha of 0 makes a module do nothing; a negative one subtracts its update (as diffusers applies it)."""
+    n = len(terms)
+    for test, says in ((lambda f: f == 0, "alpha 0, which changes nothing"),
+                       (lambda f: f < 0, "a negative alpha, which subtracts its update")):  # fmt: skip
+        hit = [t.key for t in terms if test(t.factor)]
+        if hit:
+            names = ", ".join(hit[:3]) + (", ..." if len(hit) > 3 else "")
+            which = "every module" if len(hit) == n else f"{len(hit)} of its {n} modules ({names})"
+            warnings.warn(f"LoRA {what} has {says}, in {which}", stacklevel=3)
 
 
 def pair_scales(sources, scales) -> list[tuple[object, float]]:
@@ -117,7 +183,7 @@ def load_loras(loras, params, partial: bool = False) -> list[Lora]:
         return []
     if isinstance(loras, (str, Path)):
         loras = [loras]
-    return [load_lora(source, params, scale, partial) for source, scale in map(_spec, loras)]
+    return [load_lora(source, params, scale, partial) for source, scale in map(parse_lora_spec, loras)]
 
 
 # --- the side path ------------------------------------------------------------------------------------

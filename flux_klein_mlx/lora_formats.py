@@ -8,6 +8,12 @@ Five formats are in use (docs/lora-and-modes.md); the names differ, the mathemat
     D  kohya / musubi     lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight     alpha: `.alpha` key, else rank
     E  LyCORIS LoKr       double_blocks.0.img_attn.qkv.lokr_w1 (+ lokr_w2, _a/_b)     delta = kron(w1, w2)
 
+Two Mac trainers write A with names of their own, read here too: mflux (`transformer.` prefix,
+`attn.to_out` without diffusers' `.0`, `time_guidance_embed.linear_1`; no alpha: alpha = rank) and
+flux-2-swift-mlx (no prefix, `ff.activation.proj` for `ff.linear_in`, `attn.to_qkv_mlp`; alpha and
+rank as top-level `lora_alpha` / `lora_rank` metadata). SimpleTuner's LyCORIS files are D/E names
+with the `lycoris_` prefix.
+
 Every key is looked up in one table built from the model's own hyper-parameters: our (BFL) module
 paths, diffusers' names, and both written with underscores (kohya/LyCORIS). An entry is a `Target`:
 our layer, the rows of its output the named module covers (diffusers' separate q/k/v inside our
@@ -46,6 +52,12 @@ _DOWN = {"lora_A", "lora_down", "lora.down"}
 # Keys that only UNet models (SDXL, Stable Diffusion) have; FLUX.1's are config.FLUX1_MARKERS.
 _UNET_MARKERS = ("down_blocks", "up_blocks", "mid_block", "input_blocks", "output_blocks", "lora_te1_", "lora_te2_",
                  "text_model", "conditioner")  # fmt: skip
+# Other trainers' names for diffusers modules: mflux (its own module paths) and flux-2-swift-mlx.
+_ALIASES_TOP = {"time_guidance_embed.linear_1": "time_guidance_embed.timestep_embedder.linear_1",
+               "time_guidance_embed.linear_2": "time_guidance_embed.timestep_embedder.linear_2"}  # fmt: skip
+_ALIASES_DOUBLE = {"attn.to_out": "attn.to_out.0", "ff.activation.proj": "ff.linear_in",
+                  "ff_context.activation.proj": "ff_context.linear_in"}  # fmt: skip
+_ALIASES_SINGLE = {"attn.to_qkv_mlp": "attn.to_qkv_mlp_proj"}
 
 
 @dataclass(frozen=True)
@@ -122,6 +134,11 @@ def target_table(params) -> dict[str, Target]:
         for n, part in enumerate(("to_q", "to_k", "to_v")):
             table[f"single_transformer_blocks.{j}.attn.{part}"] = Target(f"single_blocks.{j}.linear1", (n * D, (n + 1) * D))
         table[f"single_transformer_blocks.{j}.proj_mlp"] = Target(f"single_blocks.{j}.linear1", (3 * D, 3 * D + 2 * M))
+    for prefix, n, aliases in (("", 1, _ALIASES_TOP), ("transformer_blocks.{}.", params.depth, _ALIASES_DOUBLE),
+                               ("single_transformer_blocks.{}.", params.depth_single, _ALIASES_SINGLE)):
+        for i in range(n):
+            for alias, name in aliases.items():
+                table[prefix.format(i) + alias] = table[prefix.format(i) + name]
     table.update({name.replace(".", "_"): t for name, t in list(table.items())})
     return table
 
@@ -132,6 +149,7 @@ def target_table(params) -> dict[str, Target]:
 def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str, mx.array]], str]:
     """Keys -> {module name (prefix stripped): {role: tensor}}, and the format letter."""
     modules: dict[str, dict[str, mx.array]] = {}
+    keys: dict[tuple[str, str], str] = {}  # (module, role) -> the key that gave it
     kinds = set()
     unknown = []
     for key, value in tensors.items():
@@ -160,6 +178,13 @@ def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str,
                     name, kind = name[len(p) :], kind or letter
                     break
         kinds.add(kind)
+        if (name, role) in keys:  # e.g. `transformer.x.lora_A.weight` beside `x.lora_A.default.weight`
+            raise FluxKleinError(
+                f"LoRA {what} holds {name}'s {role} {'matrix' if role in ('down', 'up') else 'value'} twice "
+                f"({keys[name, role]} and {key}); "
+                "the file mixes two namings of one module: keep one"
+            )
+        keys[name, role] = key
         modules.setdefault(name, {})[role] = value
     if unknown:
         raise FluxKleinError(
@@ -174,20 +199,37 @@ def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str,
 
 
 def _metadata_alpha(metadata: dict | None, what: str):
-    """PEFT's adapter config from the `lora_adapter_metadata` header entry -> alpha(module, rank) or None."""
-    raw = (metadata or {}).get("lora_adapter_metadata")
-    if not raw:
-        return None
+    """Alpha from the header -> alpha(module, rank), or None (alpha = rank).
+
+    PEFT/diffusers write their adapter config as JSON in `lora_adapter_metadata`; flux-2-swift-mlx
+    writes `lora_alpha` and `lora_rank` as plain entries (its scale is lora_alpha / lora_rank).
+    """
+    metadata = metadata or {}
+    raw = metadata.get("lora_adapter_metadata")
     try:
-        config = json.loads(raw)
-        config = {k.removeprefix("transformer."): v for k, v in config.items()}
-        alpha = float(config.get("lora_alpha", 8))  # PEFT's LoraConfig default, as diffusers would build it
-        patterns = {str(k).lstrip("^"): float(v) for k, v in (config.get("alpha_pattern") or {}).items()}
-        rslora = bool(config.get("use_rslora", False))
+        if raw:
+            config = json.loads(raw)
+            config = {k.removeprefix("transformer."): v for k, v in config.items()}
+            alpha = float(config.get("lora_alpha", 8))  # PEFT's LoraConfig default, as diffusers would build it
+            patterns = {str(k).lstrip("^"): float(v) for k, v in (config.get("alpha_pattern") or {}).items()}
+            rslora, per_rank = bool(config.get("use_rslora", False)), None
+        elif "lora_alpha" in metadata:
+            alpha, patterns, rslora = float(metadata["lora_alpha"]), {}, False
+            per_rank = float(metadata["lora_rank"]) if "lora_rank" in metadata else None
+        else:
+            return None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise FluxKleinError(f"LoRA {what} has a damaged lora_adapter_metadata header ({e}); re-export it") from None
+        header = "lora_adapter_metadata" if raw else "lora_alpha / lora_rank"
+        raise FluxKleinError(f"LoRA {what} has a damaged {header} header ({e}); re-export it") from None
+    for name, v in (("lora_alpha", alpha), ("lora_rank", per_rank or 1.0), *patterns.items()):
+        if not math.isfinite(v):
+            raise FluxKleinError(f"LoRA {what}: its metadata gives {name} = {v}, not a finite number; re-export it")
+    if per_rank is not None and per_rank <= 0:
+        raise FluxKleinError(f"LoRA {what}: its metadata gives lora_rank = {per_rank:g}; re-export it")
 
     def alpha_for(module: str, rank: int) -> float:
+        if per_rank is not None:
+            return alpha / per_rank * rank  # the writer's scale alpha / lora_rank, whatever the tensor's rank
         a = next((v for p, v in patterns.items() if module == p or module.endswith("." + p)), alpha)
         return a / math.sqrt(rank) * rank if rslora else a  # rsLoRA: scale alpha / sqrt(r)
 
@@ -197,7 +239,10 @@ def _metadata_alpha(metadata: dict | None, what: str):
 def _scalar(a: mx.array, what: str, key: str) -> float:
     if a.size != 1:
         raise FluxKleinError(f"LoRA {what}: {key}.alpha has {a.size} values, expected one; the file is damaged")
-    return float(a.astype(mx.float32).item())
+    value = float(a.astype(mx.float32).item())
+    if not math.isfinite(value):
+        raise FluxKleinError(f"LoRA {what}: {key}.alpha is {value}, not a finite number; the file is damaged")
+    return value
 
 
 def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what: str) -> ParsedLora:
@@ -217,6 +262,11 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
             raise FluxKleinError(
                 f"LoRA {what} was made for {family}, not FLUX.2 [klein] (module {hit}); use a LoRA trained for klein"
             )
+    bare = [n for n, parts in modules.items() if set(parts) == {"alpha"}]
+    if bare:
+        head = (f"{len(bare)} `.alpha` keys and no LoRA weights" if len(bare) == len(modules)
+                else f"an alpha for {bare[0]} but no weights")  # fmt: skip
+        raise FluxKleinError(f"LoRA {what} is incomplete: it holds {head}; export or download it again")
     table = target_table(params)
     shapes = linear_shapes(params)
     meta_alpha = _metadata_alpha(metadata, what) if fmt == "A" else None
@@ -235,7 +285,24 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
         terms.append(term)
     if foreign:
         raise FluxKleinError(_foreign_message(foreign, params, what))
+    _check_overlaps(terms, what)
     return ParsedLora(fmt, terms, sorted(unmatched), len(modules))
+
+
+def _check_overlaps(terms: list[Term], what: str) -> None:
+    """Refuse two modules of one file that update the same rows of a layer (one module under two namings:
+    diffusers' `to_q` beside BFL's `img_attn.qkv`, mflux's `attn.to_out` beside `attn.to_out.0`)."""
+    by_layer: dict[str, list[Term]] = {}
+    for t in terms:
+        by_layer.setdefault(t.layer, []).append(t)
+    for layer, ts in by_layer.items():
+        ts.sort(key=lambda t: t.rows)
+        for a, b in zip(ts, ts[1:]):
+            if b.rows[0] < a.rows[1]:
+                raise FluxKleinError(
+                    f"LoRA {what} updates {layer} twice: {a.key} and {b.key} name the same weights (two namings "
+                    "of one module in one file); keep one of them"
+                )
 
 
 def _term(name: str, parts: dict[str, mx.array], target: Target, meta_alpha, what: str) -> Term:
@@ -254,6 +321,8 @@ def _term(name: str, parts: dict[str, mx.array], target: Target, meta_alpha, wha
                 "a rank-r pair (convolution LoRAs do not apply to klein); the file is damaged"
             )
         rank = down.shape[0]
+        if rank == 0 or down.size == 0 or up.size == 0:
+            raise FluxKleinError(f"LoRA {what}: {name} has rank 0 (empty down/up matrices); the file is damaged")
         if alpha is None:
             alpha = meta_alpha(name, rank) if meta_alpha else float(rank)
         if target.swap and up.shape[0] % 2 == 0:  # [scale ; shift] -> [shift ; scale]
@@ -275,6 +344,8 @@ def _term(name: str, parts: dict[str, mx.array], target: Target, meta_alpha, wha
             raise FluxKleinError(f"LoRA {what} is incomplete: {name} has no lokr_{n} (nor lokr_{n}_a/_b)")
     if "lokr_t1" in parts or "lokr_t2" in parts or any(f.ndim != 2 for f in factors):
         raise FluxKleinError(f"LoRA {what}: {name} is a convolution (Tucker) LoKr, which does not apply to klein")
+    if rank == 0 or any(f.size == 0 for f in factors):
+        raise FluxKleinError(f"LoRA {what}: {name} has an empty LoKr factor (rank 0); the file is damaged")
     # LyCORIS scales by alpha / rank only when a factor is decomposed; whole factors are used as they are.
     factor = alpha / rank if (alpha is not None and rank) else 1.0
     return Term(target.layer, target.rows, factor, w1=factors[0], w2=factors[1], swap=target.swap, key=name)
@@ -296,16 +367,23 @@ def _foreign_message(foreign: list, params, what: str) -> str:
         if layer == "img_in" and term.shape[1] == 64:
             flux1 = True
     name, term, want = foreign[0]
-    if len(hidden) == 1 and D not in hidden:
-        h = hidden.pop()
-        family = "FLUX.1" if flux1 else HIDDEN_SIZES.get(h, f"a transformer with hidden size {h}")
+    h = next(iter(hidden)) if len(hidden) == 1 else None
+    if h is not None and h != D and (flux1 or h in HIDDEN_SIZES):
+        family = "FLUX.1" if flux1 else HIDDEN_SIZES[h]
         return (
             f"LoRA {what} was made for {family} (hidden size {h}), but the model is {params.describe()}; "
             "use a LoRA trained for this model"
         )
     if flux1:
         return f"LoRA {what} was made for FLUX.1 (module {name}), but the model is {params.describe()}; use a klein LoRA"
+    made = f"updates a {term.shape[0]}x{term.shape[1]} block"
+    if term.w1 is not None:  # LoKr: name the factors, whose Kronecker product is what does not fit
+        (a, b), (c, d) = term.w1.shape, term.w2.shape
+        made = f"has LoKr factors {a}x{b} and {c}x{d}, whose product is {a * c}x{b * d}"
+    r0, r1 = term.rows
+    whole = r1 - r0 == linear_shapes(params)[term.layer][0]
+    place = f"{term.layer} takes" if whole else f"rows {r0}-{r1} of {term.layer} take"
     return (
-        f"LoRA {what}: {name} updates a {term.shape[0]}x{term.shape[1]} block but {term.layer} needs {want[0]}x{want[1]} "
-        f"({len(foreign)} mismatched module(s)); it was made for another model than {params.describe()}"
+        f"LoRA {what}: {name} {made}, but {place} {want[0]}x{want[1]} ({len(foreign)} module(s) do not "
+        f"fit); it was made for another model than {params.describe()}, or the file is damaged"
     )

@@ -92,8 +92,7 @@ def random_pipeline(
         configs=configs, files={}, quantization={n: None for n in COMPONENTS}, tokenizer=Path("."),
         reference_kv=variant.reference_kv,
     )  # fmt: skip
-    return FluxKleinPipeline(
-        component("transformer", 1), component("text_encoder", 0),
-        lambda: RandomTokens(variant.text_encoder.vocab_size, seed), component("vae", 2), info,
-        dtype=dtype, low_memory=low_memory, quantization={"bits": quantize, "group_size": 64} if quantize else None,
-    )  # fmt: skip
+    loaders = {"transformer": component("transformer", 1), "text_encoder": component("text_encoder", 0),
+               "tokenizer": lambda: RandomTokens(variant.text_encoder.vocab_size, seed), "vae": component("vae", 2)}
+    return FluxKleinPipeline(loaders, info, dtype=dtype, low_memory=low_memory,
+                             quantization={"bits": quantize, "group_size": 64} if quantize else None)  # fmt: skip

@@ -1,21 +1,41 @@
 """`python -m flux_klein_mlx serve`: an OpenAI-compatible image server with a web page.
 
-Needs the `serve` extra (`pip install -e ".[serve]"`: Starlette, uvicorn, python-multipart). The
-model loads in the background; until it is ready the API answers 503.
+Needs the `serve` extra (`pip install -e ".[serve]"`: Starlette, uvicorn, python-multipart). Before
+it says "serving" it holds its port and has checked the model's files and the LoRAs, so a busy port
+or a missing model is one line and exit status 1. The model then loads in the background (the API
+answers 503 until it is ready); a load that fails ends the process with one line, too.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import socket
+import time
 from pathlib import Path
 
 import click
 
 from .cli import run_command
 from .errors import FluxKleinError
-from .pipeline import load
+from .lora import parse_lora_spec
+from .pipeline import DEFAULT_MODEL, load
 
-DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-4B"
+
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before anything loads (uvicorn is handed it, and never binds itself)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart may reuse the port at once
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise FluxKleinError(f"port {port} on {host} is already in use (another server?); stop it or choose "
+                                 "another --port") from None
+        reason = e.strerror or str(e)
+        raise FluxKleinError(f"cannot listen on {host}:{port} ({reason}); choose another --host or --port") from None
+    return sock
 
 
 def is_loopback(host: str) -> bool:
@@ -27,20 +47,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def parse_lora(value: str) -> tuple[str, float]:
-    """ "PATH" or "PATH:SCALE" -> (path, scale); the file must exist."""
-    path, scale = value, 1.0
-    head, sep, tail = value.rpartition(":")
-    if sep and head:
-        try:
-            path, scale = head, float(tail)
-        except ValueError:
-            path, scale = value, 1.0  # a ':' that is part of the path
-    if not Path(path).is_file():
-        raise FluxKleinError(f"--lora {path}: no such file; give a .safetensors LoRA file, optionally PATH:SCALE")
-    return str(Path(path).resolve()), scale
-
-
 @click.command("serve")
 @click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
               help="Hugging Face repo id, diffusers folder, or a folder written by `convert`.")
@@ -48,7 +54,7 @@ def parse_lora(value: str) -> tuple[str, float]:
               help="Quantize transformer and text encoder at load.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--low-memory", is_flag=True, help="Release the transformer before decoding (small-memory Macs).")
-@click.option("--lora", "loras", multiple=True, help="LoRA file loaded with the model, PATH or PATH:SCALE; repeatable.")
+@click.option("--lora", "loras", multiple=True, help="LoRA loaded with the model: a file, owner/name or owner/name:FILE, optionally :SCALE; repeatable.")
 @click.option("--lora-dir", default=None, help="Folder of .safetensors LoRAs that requests may name (\"loras\").")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; anything but loopback requires --api-key.")
@@ -83,27 +89,42 @@ def serve(model, quantize, dtype, low_memory, loras, lora_dir, host, port, api_k
     from .api import MB, ServerOptions, create_app
     from .jobs import Worker
 
-    base_loras = tuple(parse_lora(v) for v in loras)
-
+    base_loras = [parse_lora_spec(v) for v in loras]
     bits = int(quantize) if quantize else None
-
-    def loader(lora_list: tuple):
-        return load(model, dtype=dtype, quantize=bits, low_memory=low_memory, loras=list(lora_list))
-
+    sock = bind(host, port)
+    t0 = time.perf_counter()
+    try:  # the model's files and the LoRAs, checked before saying "serving" (one line and exit 1 if not)
+        pipe = load(model, dtype=dtype, quantize=bits, low_memory=low_memory, loras=base_loras)
+    except BaseException:
+        sock.close()
+        raise
     model_id = model_id or Path(str(model).rstrip("/")).name
     options = ServerOptions(model_id=model_id, api_key=api_key, lora_dir=Path(lora_dir) if lora_dir else None,
-                            save_dir=Path(save_dir) if save_dir else None, max_upload_bytes=int(max_upload_mb * MB))
-    worker = Worker(loader, max_queue=queue_size, base_loras=base_loras,
-                    metadata={"model": model_id, "dtype": dtype})
-    worker.start()
+                            save_dir=Path(save_dir) if save_dir else None, max_upload_bytes=int(max_upload_mb * MB),
+                            log=lambda line: click.echo(line, err=True))  # fmt: skip
+
+    def loader():  # on the worker thread, while the server already answers (503 until ready)
+        try:
+            if not pipe.memory.release_models:
+                pipe.component("transformer")  # resident anyway: loaded now rather than in the first request
+            pipe.preview_map()  # the VAE
+        except BaseException:
+            server.should_exit = True  # the process ends with the error below, not as a server answering 503
+            raise
+        click.echo(f"model loaded in {time.perf_counter() - t0:.1f} s", err=True)
+        return pipe
+
+    worker = Worker(loader, max_queue=queue_size)
+    server = uvicorn.Server(uvicorn.Config(create_app(worker, options), log_level="warning", timeout_graceful_shutdown=5))
     shown = f"[{host}]" if ":" in host else host
-    click.echo(f"loading {model}; serving {model_id!r} at http://{shown}:{port}/ (API: http://{shown}:{port}/v1)",
-               err=True)
+    click.echo(f"{pipe.info.name} from {model}: serving {model_id!r} at http://{shown}:{port}/ "
+               f"(API: http://{shown}:{port}/v1); loading the model", err=True)
+    worker.start()
     try:
-        uvicorn.run(create_app(worker, options), host=host, port=port, log_level="warning",
-                    timeout_graceful_shutdown=5)
+        server.run(sockets=[sock])
     finally:
         worker.stop()
+        sock.close()
     if worker.state == "failed":
         raise FluxKleinError(f"the model failed to load: {worker.error}")
 

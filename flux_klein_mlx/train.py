@@ -54,7 +54,7 @@ from . import __version__
 from .errors import FluxKleinError
 from .loading import as_dtype, check_weights, describe, load_component
 from .lora_train import attach_lora, parse_targets, write_lora_file
-from .output_files import check_output_file, write_exclusive
+from .output import check_output_file, write_exclusive
 from .rope import image_ids, text_ids
 from .text_encoder import encode_prompts
 from .tokenizer import load_tokenizer

@@ -34,7 +34,7 @@ import numpy as np
 from PIL import Image
 
 from .errors import FluxKleinError
-from .img2img import check_image_shape, open_image
+from .inputs import check_image_shape, open_image
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 SIZE_MULTIPLE = 16

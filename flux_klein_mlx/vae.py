@@ -449,29 +449,6 @@ class AutoEncoder(nn.Module):
         return self.decode(self.tokens_to_latents(tokens, h, w), tiled=tiled, tile_pixels=tile_pixels)
 
 
-def check_image_size(width: int, height: int, multiple: int = 16, minimum: int = 64, maximum: int = 4096) -> None:
-    """Raise FluxKleinError unless both sides are multiples of `multiple` within [minimum, maximum] px.
-
-    The maximum is ours (the references have none): 4096 px a side, already 16x the pixels the
-    models were tuned for (about 1 MP).
-    """
-    for name, v in (("width", width), ("height", height)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise FluxKleinError(f"{name} must be a whole number of pixels, got {v!r}")
-        if v < minimum:
-            raise FluxKleinError(
-                f"{name} {v} is below the minimum of {minimum} px; use {minimum} or more, a multiple of {multiple}"
-            )
-        if v > maximum:
-            raise FluxKleinError(
-                f"{name} {v} is above the maximum of {maximum} px; use at most {maximum}, a multiple of {multiple}"
-            )
-        if v % multiple:
-            lo, hi = v // multiple * multiple, (v // multiple + 1) * multiple
-            options = " or ".join(str(s) for s in (lo, hi) if minimum <= s <= maximum)
-            raise FluxKleinError(f"{name} {v} is not a multiple of {multiple}; use e.g. {options}")
-
-
 # ---------------------------------------------------------------------------------- sanitize
 
 # BFL `ae.safetensors` names -> ours (= diffusers'), applied in order; decoder up-block indices are

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Callable, Iterable
 
 import mlx.core as mx
 
-from .errors import FluxKleinError
+from .errors import FluxKleinError, Notice
 
 
 def read_safetensors(path: str | Path) -> dict[str, mx.array]:
@@ -71,6 +72,33 @@ def check_safetensors_file(path: str | Path) -> dict[str, tuple[str, tuple[int, 
             f"{path} is truncated: {size} bytes, its header needs {8 + n + end}; download or convert it again"
         )
     return tensors
+
+
+def safetensors_header_bytes(path: str | Path) -> bytes:
+    """The raw JSON header of a safetensors file (its first 8 + n bytes, never the tensors), for
+    fingerprints: the header names every tensor with its dtype, shape and offsets, so a re-saved
+    or re-quantized file has another. Raises OSError when unreadable, ValueError when no header."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n <= 0 or n > _MAX_HEADER:
+            raise ValueError(f"{path} has no safetensors header")
+        header = f.read(n)
+    if len(header) != n:
+        raise ValueError(f"{path} is shorter than its safetensors header")
+    return header
+
+
+def safetensors_tensor_spans(path: str | Path) -> dict[str, tuple[int, int]]:
+    """name -> (first byte, end byte) of each tensor's data in the file, from the header alone:
+    what a lazy load of that tensor will read."""
+    raw = safetensors_header_bytes(path)
+    header, base = json.loads(raw), 8 + len(raw)
+    return {
+        name: (base + int(entry["data_offsets"][0]), base + int(entry["data_offsets"][1]))
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
 
 
 def read_weight_files(
@@ -289,12 +317,29 @@ HUB_PATTERNS = [
 ]  # fmt: skip
 
 
-def resolve_model(model: str | Path, allow_patterns: list[str] | None = None, cache_dir: str | Path | None = None) -> Path:
+LARGE_DOWNLOAD = 100 << 20  # bytes: a download at least this big is announced before it starts
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def hub_cache(cache_dir: str | Path | None = None) -> str:
+    """The folder huggingface_hub downloads into."""
+    from huggingface_hub import constants
+
+    return str(cache_dir or constants.HF_HUB_CACHE)
+
+
+def resolve_model(model: str | Path, allow_patterns: list[str] | None = None, cache_dir: str | Path | None = None,
+                  size_hint: Callable[[], int | None] | None = None) -> Path:  # fmt: skip
     """A local folder or file as a Path; otherwise a Hugging Face repo id, downloaded into (or found
     in) the hub cache with `allow_patterns` (default: the files the pipeline needs).
 
     Offline (HF_HUB_OFFLINE=1) a repo id resolves only when it is already cached. Anything that
-    is neither an existing path nor a reachable repo raises FluxKleinError.
+    is neither an existing path nor a reachable repo raises FluxKleinError; an unreachable hub is
+    told apart from an unknown repo. A large download is announced first (a `Notice`).
+    `size_hint()` estimates the download in bytes for the message when the hub cannot be reached.
     """
     path = Path(model).expanduser()
     if path.exists():
@@ -304,23 +349,71 @@ def resolve_model(model: str | Path, allow_patterns: list[str] | None = None, ca
     if looks_like_path:
         raise FluxKleinError(f"model '{text}' not found: no such folder or file, and it is not a Hugging Face repo id (owner/name)")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, HFValidationError
+    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, HFValidationError, LocalEntryNotFoundError
+    from huggingface_hub.errors import RepositoryNotFoundError
 
+    patterns = allow_patterns or HUB_PATTERNS
+    offline = hub_offline()
+    if not offline:
+        announce_download(text, patterns, cache_dir)
     try:
-        return Path(snapshot_download(repo_id=text, allow_patterns=allow_patterns or HUB_PATTERNS, cache_dir=cache_dir))
+        return Path(snapshot_download(repo_id=text, allow_patterns=patterns, cache_dir=cache_dir))
     except GatedRepoError:
         raise FluxKleinError(
             f"model '{text}' is gated on Hugging Face: accept its licence on the model page, log in with "
             "`hf auth login`, and retry"
         ) from None
-    except (HFValidationError, EntryNotFoundError, ValueError, OSError) as e:
-        # Offline and not cached, unknown repo, no network: huggingface_hub raises OSError subclasses.
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-        hint = "it is not in the local Hugging Face cache and HF_HUB_OFFLINE is set" if offline else type(e).__name__
+    except RepositoryNotFoundError:
         raise FluxKleinError(
-            f"model '{text}' is neither a local folder nor a downloadable Hugging Face repo id ({hint}); "
+            f"there is no model '{text}' on the Hugging Face hub (or it is private): check the repo id's spelling; "
+            "a private repo needs `hf auth login`"
+        ) from None
+    except LocalEntryNotFoundError as e:
+        if not offline:  # the hub was not reached (no network, a proxy, the hub down) and the cache lacks it
+            raise FluxKleinError(unreachable(text, e.__cause__, cache_dir, size_hint)) from None
+        raise FluxKleinError(
+            f"model '{text}' is not in the local Hugging Face cache ({hub_cache(cache_dir)}) and HF_HUB_OFFLINE is "
+            "set: unset it to download, check the repo id, or give a local folder instead"
+        ) from None
+    except (HFValidationError, EntryNotFoundError, ValueError, OSError) as e:
+        raise FluxKleinError(
+            f"model '{text}' is neither a local folder nor a downloadable Hugging Face repo id ({type(e).__name__}); "
             "check the path or the repo id, and your network"
         ) from None
+
+
+def unreachable(repo: str, cause, cache_dir, size_hint) -> str:
+    """The message for a repo that is not cached while the hub cannot be reached."""
+    size = size_hint() if size_hint is not None else None
+    about = f"about {size / 1e9:.0f} GB, " if size else ""
+    why = type(cause).__name__ if cause is not None else "no connection"
+    return (
+        f"cannot reach the Hugging Face hub ({why}) to download '{repo}' ({about}into {hub_cache(cache_dir)}), and "
+        "no complete copy is cached there: check your network (proxy, HF_ENDPOINT), or download it elsewhere and "
+        "give its folder instead (--model DIR)"
+    )
+
+
+def announce_download(repo: str, patterns: list[str], cache_dir=None) -> None:
+    """Say how much is about to be downloaded and where (a `Notice`), when it is large.
+
+    One hub call lists the files with their sizes; the files already cached are not counted. Any
+    failure here is left to the download itself, which says what is wrong.
+    """
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.utils import filter_repo_objects
+
+    try:
+        info = HfApi().model_info(repo, files_metadata=True)
+        files = {s.rfilename: s.size or 0 for s in info.siblings or []}
+        wanted = filter_repo_objects(list(files), allow_patterns=patterns)
+        need = sum(files[f] for f in wanted
+                   if not isinstance(try_to_load_from_cache(repo, f, cache_dir=cache_dir, revision=info.sha), str))
+    except Exception:  # noqa: BLE001: unreachable, unknown, gated, an older huggingface_hub: the download says it
+        return
+    if need >= LARGE_DOWNLOAD:
+        warnings.warn(f"downloading {repo}: {need / 1e9:.1f} GB into {hub_cache(cache_dir)} (once; Ctrl-C stops it, "
+                      "and --model DIR uses a copy you already have)", Notice)
 
 
 # --- LoRA files ------------------------------------------------------------------------------------
@@ -337,6 +430,16 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str
     path = Path(path)
     if not path.is_file():
         raise FluxKleinError(f"LoRA file not found: {path}")
+    try:
+        header = check_safetensors_file(path)
+    except FluxKleinError:
+        header = {}  # damaged: mx.load below says so in the LoRA's own words
+    fp8 = next(((k, d) for k, (d, _) in header.items() if d.upper().startswith("F8")), None)
+    if fp8:
+        raise FluxKleinError(
+            f"LoRA {path.name} stores fp8 tensors ({fp8[1]}, e.g. {fp8[0]}), which flux_klein_mlx does not read; "
+            "use a bf16, fp16 or fp32 export of it"
+        )
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -359,15 +462,21 @@ def resolve_lora(spec: str | Path) -> Path:
     """
     path = Path(spec).expanduser()
     if path.is_file():
-        return path
+        return path.resolve()
     text = str(spec)
+    if not text.strip():
+        raise FluxKleinError("a LoRA was given as an empty name; give a .safetensors file or a Hugging Face repo id")
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.safetensors"))
+        inside = f"it holds {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}" if found else "it holds no LoRA"
+        raise FluxKleinError(f"LoRA '{text}' is a folder, not a LoRA file ({inside}); give the .safetensors file itself")
     repo, _, filename = text.partition(":")
     if path.exists() or text.startswith((".", "/", "~")) or repo.count("/") != 1 or (not filename and text.endswith(".safetensors")):
         raise FluxKleinError(f"LoRA '{text}' not found: no such file, and not a Hugging Face repo id (owner/name[:file])")
     from huggingface_hub import hf_hub_download, list_repo_files, snapshot_download
     from huggingface_hub.errors import GatedRepoError, HFValidationError
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    offline = hub_offline()
     try:
         if filename:
             return Path(hf_hub_download(repo_id=repo, filename=filename))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -89,3 +91,154 @@ def load_folder_component(folder, name: str, dtype=None, quantize=None):
     from flux_klein_mlx.loading import describe, load_component
 
     return load_component(describe(folder), name, dtype, quantize)
+
+
+def load_one(name: str, source, dtype=None, config: dict | None = None):
+    """One component from its own folder (diffusers/transformers layout, or a snapshot holding it) or a
+    single file, through the package's real steps: read -> sanitize -> assemble (strict) -> evaluate.
+
+    The pipeline always loads whole models (`describe` + `load_component`); component tests load the
+    reference's saved component alone. A single file carries no config: `config`, or for the
+    transformer the shapes (`infer_params`).
+    """
+    import dataclasses
+
+    from flux_klein_mlx import loading  # read through loading's names, so that tests can watch the reads
+    from flux_klein_mlx.quantize import evaluate_by_layer
+    from flux_klein_mlx.text_encoder import keeps_key
+    from flux_klein_mlx.transformer import infer_params
+    from flux_klein_mlx.weights import component_files, read_json
+
+    source = Path(source)
+    if source.is_dir() and (source / name).is_dir():
+        source = source / name  # a whole snapshot
+    keep = keeps_key if name == "text_encoder" else None
+    if source.is_dir():
+        config = read_json(source / "config.json")
+        weights = loading.sanitize(name, loading.read_weight_files(component_files(source), keep=keep))
+    else:
+        weights = loading.sanitize(name, loading.read_weight_files([source], keep=keep))
+        if config is None:
+            config = dataclasses.asdict(infer_params(weights))
+    model, _ = loading.assemble(name, dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config, weights,
+                        dtype)
+    evaluate_by_layer(model)
+    return model
+
+
+def config_snapshot(root, transformer: dict, text_encoder: dict, vae: dict | None = None) -> Path:
+    """A diffusers snapshot skeleton with configs and no weights: enough for `describe`, which reads
+    configs only (its refusals come before any weight is read)."""
+    import json
+
+    root = Path(root)
+    configs = {"transformer": transformer, "text_encoder": text_encoder, "vae": vae or {}}
+    for name, config in configs.items():
+        if config is not None:
+            (root / name).mkdir(parents=True, exist_ok=True)
+            (root / name / "config.json").write_text(json.dumps(config))
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline", "is_distilled": True}))
+    return root
+
+
+def picture(w: int, h: int, seed: int = 0):
+    """A smooth random RGB picture of w x h, so the VAE sees image-like input."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    small = (rng.random((max(h // 16, 2), max(w // 16, 2), 3)) * 255).astype(np.uint8)
+    return Image.fromarray(small).resize((w, h), Image.Resampling.BILINEAR)
+
+
+def noise(h: int, w: int, seed: int = 0, channels: int = 32) -> np.ndarray:
+    """Injected initial noise in diffusers' layout (1, C, h/16, w/16), float32 (C: the tiny models' 4 x 8)."""
+    return np.random.default_rng(seed).standard_normal((1, channels, h // 16, w // 16)).astype(np.float32)
+
+
+_PIPELINES: dict = {}  # (snapshot path, kind) -> diffusers pipeline: each loaded once per test session
+
+
+def diffusers_pipeline(path, kind: str = "plain", distilled: bool = True):
+    """diffusers' reference pipeline on a tiny snapshot, float32, loaded once per session.
+
+    kind: "plain" (Flux2KleinPipeline), "inpaint" (Flux2KleinInpaintPipeline on the plain one's
+    components) or "kv" (Flux2KleinKVPipeline, whose constructor installs the KV attention processors).
+    Callers must not change its weights (tests that load LoRAs into it use a copy of the transformer).
+    """
+    from diffusers import Flux2KleinInpaintPipeline, Flux2KleinKVPipeline, Flux2KleinPipeline
+
+    key = (str(path), kind, distilled)
+    if key not in _PIPELINES:
+        if kind == "inpaint":
+            plain = diffusers_pipeline(path, "plain")
+            pipe = Flux2KleinInpaintPipeline(**plain.components, is_distilled=distilled)
+        else:
+            cls = Flux2KleinKVPipeline if kind == "kv" else Flux2KleinPipeline
+            pipe = cls.from_pretrained(path, dtype=torch.float32)
+        pipe.set_progress_bar_config(disable=True)
+        _PIPELINES[key] = pipe
+    return _PIPELINES[key]
+
+
+def diffusers_prompt_embeds(pipe, prompt: str):
+    """diffusers' own prompt embeddings for `prompt`, computed once per pipeline (its text encoder is slow)."""
+    cache = pipe.__dict__.setdefault("_test_prompt_cache", {})
+    if prompt not in cache:
+        with torch.no_grad():
+            cache[prompt] = pipe.encode_prompt(prompt=prompt, device="cpu")[0]
+    return cache[prompt]
+
+
+# --- the VAE (test_vae, test_small_decoder) ---------------------------------------------------------
+
+
+def to_bfl(sd: dict[str, torch.Tensor], levels: int) -> dict[str, torch.Tensor]:
+    """diffusers VAE keys -> BFL `ae.safetensors` keys (spec 6.6), the inverse of our sanitize."""
+    rules = [
+        (r"^quant_conv\.", "encoder.quant_conv."),
+        (r"^post_quant_conv\.", "decoder.post_quant_conv."),
+        (r"^encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.", r"encoder.down.\1.block.\2."),
+        (r"^encoder\.down_blocks\.(\d+)\.downsamplers\.0\.", r"encoder.down.\1.downsample."),
+        (r"\.conv_shortcut\.", ".nin_shortcut."),
+        (r"\.mid_block\.resnets\.0\.", ".mid.block_1."),
+        (r"\.mid_block\.resnets\.1\.", ".mid.block_2."),
+        (r"\.mid_block\.attentions\.0\.group_norm\.", ".mid.attn_1.norm."),
+        (r"\.mid_block\.attentions\.0\.to_([qkv])\.", r".mid.attn_1.\1."),
+        (r"\.mid_block\.attentions\.0\.to_out\.0\.", ".mid.attn_1.proj_out."),
+        (r"^(encoder|decoder)\.conv_norm_out\.", r"\1.norm_out."),
+    ]
+    out = {}
+    for k, v in sd.items():
+        m = re.match(r"^decoder\.up_blocks\.(\d+)\.(resnets|upsamplers\.0)\.", k)
+        if m:
+            kind = "block" if m.group(2) == "resnets" else "upsample"
+            k = f"decoder.up.{levels - 1 - int(m.group(1))}.{kind}." + k[m.end() :]
+        for pattern, repl in rules:
+            k = re.sub(pattern, repl, k)
+        if re.search(r"\.attn_1\.(q|k|v|proj_out)\.weight$", k):
+            v = v[:, :, None, None]  # linear (C, C) -> BFL's 1x1 conv (C, C, 1, 1)
+        out[k] = v.detach().clone().contiguous()
+    return out
+
+
+def vae_reference_tokens(vae, images: torch.Tensor) -> torch.Tensor:
+    """Flux2KleinPipeline's image -> tokens steps (`_encode_vae_image`, then `_pack_latents`)."""
+    from diffusers import Flux2KleinPipeline
+
+    pipe = SimpleNamespace(vae=vae, _patchify_latents=Flux2KleinPipeline._patchify_latents)
+    with torch.no_grad():
+        latents = Flux2KleinPipeline._encode_vae_image(pipe, images, generator=None)  # (B, 128, h, w)
+        return Flux2KleinPipeline._pack_latents(latents)  # (B, h*w, 128)
+
+
+def vae_reference_decode(vae, tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """Flux2KleinPipeline.__call__'s tokens -> image steps after the denoising loop."""
+    from diffusers import Flux2KleinPipeline
+
+    with torch.no_grad():
+        ids = Flux2KleinPipeline._prepare_latent_ids(torch.zeros(tokens.shape[0], 1, h, w))
+        latents = Flux2KleinPipeline._unpack_latents_with_ids(tokens, ids, h, w)
+        bn_mean = vae.bn.running_mean.view(1, -1, 1, 1)
+        bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+        latents = Flux2KleinPipeline._unpatchify_latents(latents * bn_std + bn_mean)
+        return vae.decode(latents, return_dict=False)[0]  # (B, 3, 16h, 16w)

@@ -8,10 +8,11 @@ recorder for the whole module (a run that gets past the checks fails loudly inst
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
-import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,7 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from PIL import Image
@@ -28,22 +28,11 @@ import flux_klein_mlx.pipeline as pipeline_module
 from flux_klein_mlx import convert as convert_module
 from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.img2img import open_image
-from flux_klein_mlx.loading import FORMAT, describe
-from flux_klein_mlx.pipeline import FluxKleinPipeline, load, preprocess_reference
-from tiny_model import shared_tiny_snapshot
+from flux_klein_mlx.inputs import open_image, preprocess_reference
+from flux_klein_mlx.output import TMP_MARKER, read_record, save_image
+from flux_klein_mlx.pipeline import load
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def snapshot(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=True)
-
-
-@pytest.fixture(scope="module")
-def base_snapshot(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=False)
 
 
 @pytest.fixture(scope="module")
@@ -168,13 +157,13 @@ def test_a_later_run_removes_stale_temporaries_of_its_own_only(capsys, snapshot,
     out = tmp_path / "out"
     dead = tmp_path / "out.tmp-0123abcd"  # a run killed with SIGKILL: marker names a pid that is gone
     dead.mkdir()
-    (dead / convert_module.TMP_MARKER).write_text("999999999\n")
+    (dead / TMP_MARKER).write_text("999999999\n")
     (dead / "transformer.safetensors").write_bytes(b"half")
     empty = tmp_path / "out.tmp-00000000"
     empty.mkdir()
     alive = tmp_path / "out.tmp-11111111"  # a conversion still running (this process): kept
     alive.mkdir()
-    (alive / convert_module.TMP_MARKER).write_text(f"{os.getpid()}\n")
+    (alive / TMP_MARKER).write_text(f"{os.getpid()}\n")
     foreign = tmp_path / "out.tmp-22222222"  # someone else's folder with that name: kept
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
@@ -182,20 +171,17 @@ def test_a_later_run_removes_stale_temporaries_of_its_own_only(capsys, snapshot,
     assert code == 0, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.tmp-11111111", "out.tmp-22222222"]
     assert (foreign / "notes.txt").read_text() == "mine"
-    assert not (out / convert_module.TMP_MARKER).exists()
+    assert not (out / TMP_MARKER).exists()
 
 
 def test_png_is_created_exclusively_never_replacing(tmp_path):
-    from flux_klein_mlx.generate import save_png
-
     img = Image.new("RGB", (8, 8), (10, 20, 30))
     target = tmp_path / "x.png"
     # A name taken between the free-name check and the write (another process) is not replaced.
-    written = [save_png(img, target, {"seed": i}) for i in range(3)]
+    written = [save_image(img, target, {"seed": i}) for i in range(3)]
     assert written == [target, tmp_path / "x-1.png", tmp_path / "x-2.png"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x-1.png", "x-2.png", "x.png"]  # no temporaries
-    with Image.open(tmp_path / "x-2.png") as im:
-        assert im.text["seed"] == "2"
+    assert read_record(tmp_path / "x-2.png")["seed"] == 2
 
 
 # --- fail before the work -------------------------------------------------------------------------------
@@ -287,14 +273,14 @@ def test_load_message_says_what_is_true(capsys, snapshot, tmp_path):
     (["--guidance", "-5"], "guidance must be a finite number >= 0"),
     (["--guidance", "inf"], "guidance must be a finite number"),
 ])
-def test_ranges_refused_by_cli_before_any_model(capsys, base_snapshot, tmp_path, no_models, extra, words):
-    code, _, err = run(capsys, *gen_args(base_snapshot, tmp_path / "x.png", *extra))
+def test_ranges_refused_by_cli_before_any_model(capsys, base, tmp_path, no_models, extra, words):
+    code, _, err = run(capsys, *gen_args(base, tmp_path / "x.png", *extra))
     assert_one_line_error(code, err, words)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_ranges_and_types_refused_by_the_python_api_alike(snapshot, base_snapshot, no_models):
-    pipe = load(base_snapshot)
+def test_ranges_and_types_refused_by_the_python_api_alike(snapshot, base, no_models):
+    pipe = load(base)
     for kwargs, words in [
         (dict(width=0), "width 0 is below the minimum"),
         (dict(steps=0), "steps must be"),
@@ -322,6 +308,22 @@ def test_ranges_and_types_refused_by_the_python_api_alike(snapshot, base_snapsho
     assert no_models == []
 
 
+def test_prompt_that_is_not_text_refused_alike_by_cli_and_api(capsys, base, tmp_path, no_models):
+    """Bytes that are not UTF-8 on the command line reach Python as lone surrogates (surrogateescape); the
+    Python API and the server (JSON `\\ud800`) can pass lone surrogates themselves. One rule: an error that says
+    so, before any model (the server's 400 is in test_serve)."""
+    out = tmp_path / "x.png"
+    for extra, words in ((["-p", "caf\udce9"], "the prompt is not valid text: character 4 is a lone surrogate U+DCE9 "
+                                               "(byte 0xE9 that is not UTF-8"),
+                         (["--negative-prompt", "a\udcff", "--guidance", "4"], "the negative prompt is not valid text")):
+        code, _, err = run(capsys, *gen_args(base, out, *extra))
+        assert_one_line_error(code, err, words)
+    pipe = load(base)
+    with pytest.raises(FluxKleinError, match=r"the prompt is not valid text: character 3 is a lone surrogate U\+D800; "):
+        pipe.generate("a \ud800 fox", width=64, height=64)
+    assert no_models == [] and not out.exists()
+
+
 def test_seeds_wrap_like_torch_in_cli_and_api(capsys, snapshot, tmp_path):
     """Documented: torch noise uses seed mod 2**32 (negative seeds wrap, as in torch); the CLI and
     the API accept any whole number alike."""
@@ -347,7 +349,7 @@ def test_quantize_option_on_a_quantized_folder(capsys, snapshot, tmp_path, no_mo
 def nan_pipeline(snapshot, stage, dtype="float32"):
     """A real tiny pipeline whose VAE encode or decode returns NaN."""
     pipe = load(snapshot, dtype=dtype)
-    vae = pipe.vae.get()
+    vae = pipe.component("vae")
     name = "decode_tokens" if stage == "decode" else "encode_to_tokens"
     real = getattr(vae, name)
     setattr(vae, name, lambda *a, **k: real(*a, **k) * float("nan"))
@@ -370,14 +372,8 @@ def test_non_finite_values_end_the_run_naming_the_stage(snapshot, tmp_path, stag
 
 def test_non_finite_prompt_embeddings_named(snapshot):
     pipe = load(snapshot, dtype="float32")
-    real = pipe.text_encoder._loader
-
-    def poisoned():
-        te = real()
-        te.model.embed_tokens.weight = te.model.embed_tokens.weight * float("nan")
-        return te
-
-    pipe.text_encoder._loader = poisoned
+    te = pipe.component("text_encoder")  # loaded now, poisoned in place; the run encodes with it
+    te.model.embed_tokens.weight = te.model.embed_tokens.weight * float("nan")
     with pytest.raises(FluxKleinError, match="non-finite values in the text encoder") as e:
         pipe.generate("a fox", width=64, height=64, steps=1, seed=0)
     assert "--dtype float32" not in str(e.value)
@@ -435,7 +431,7 @@ def test_width_alone_with_a_reference_takes_the_references_height(snapshot, tmp_
     pipe = load(snapshot, dtype="float32")
     out = pipe.generate("a fox", width=64, steps=1, seed=0, images=[ref])
     assert out.size == (64, 96)  # not 64x1024
-    assert pipe.last_stats["height"] == 96
+    assert pipe.last_metadata["height"] == 96
 
 
 # --- misleading messages --------------------------------------------------------------------------------
@@ -459,3 +455,188 @@ def test_flux1_index_refused_by_convert_as_by_generate(capsys, snapshot, tmp_pat
     code, _, err_conv = run(capsys, "convert", "-m", src, "-o", tmp_path / "out")
     assert_one_line_error(code, err_conv, "FluxPipeline")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["snap"]
+
+
+# --- LoRA files (issue 21) ------------------------------------------------------------------------------
+
+
+def test_bad_lora_files_refused_by_the_cli_before_any_model(capsys, snapshot, tmp_path, no_models):
+    """Every kind of bad LoRA file of test_lora.bad_lora_files: one line naming the file, exit 1, no model
+    loaded, the files untouched, no image written."""
+    from test_lora import bad_lora_files
+
+    folder = tmp_path / "loras"
+    folder.mkdir()
+    cases = bad_lora_files(folder)
+    before = tree_hash(folder)
+    out = tmp_path / "x.png"
+    for name, lora, scale, match in cases:
+        code, _, err = run(capsys, *gen_args(snapshot, out, "--lora", lora, "--lora-scale", scale))
+        assert_one_line_error(code, err)
+        assert re.search(match, err), (name, err)
+        assert lora.name in err, (name, err)
+    assert no_models == [] and tree_hash(folder) == before and not out.exists()
+
+
+# --- what leaves a door, and the doors' last bad inputs (issue 21) ---------------------------------------
+
+
+def default_args(model, out, *extra):
+    """`generate` in the default dtype (bfloat16), tiny and fast."""
+    return ["generate", "--model", model, "-p", "a fox", "-W", "64", "-H", "64", "--steps", "2", "--seed", "1",
+            "-o", out, *extra]
+
+
+def test_jpeg_webp_progress_lines_summary_and_batch_names(capsys, snapshot, tmp_path):
+    """`-o many.jpg -n 2` in the default dtype, `many-0.jpg` taken: A1111's own reader (piexif's
+    UserComment, what A1111 and Forge read from JPEG and WebP) gets the `parameters` text and our JSON
+    record comes back from XMP (a WebP from `save_image` too); stderr that is not a terminal gets one
+    line per step; the summary gives load time apart, the total and `image i/N`; the batch continues
+    the numbering after the taken name (never `many-0-1.jpg`)."""
+    pytest.importorskip("piexif")
+    import piexif
+    import piexif.helper
+
+    from flux_klein_mlx.output import a1111_parameters
+
+    taken = tmp_path / "many-0.jpg"
+    taken.write_bytes(b"mine")
+    code, out, err = run(capsys, *default_args(snapshot, tmp_path / "many.jpg", "-n", "2"))
+    assert code == 0, err
+    assert out.split() == [str(tmp_path / "many-1.jpg"), str(tmp_path / "many-2.jpg")]
+    assert taken.read_bytes() == b"mine"
+    for i in (1, 2):
+        assert f"image {i}/2: denoising step 1/2: " in err and f"image {i}/2: denoising step 2/2: " in err
+    sums = re.findall(r"^image (\d)/2, seed (\d): load \d+\.\d s, encode \d+\.\d s \(peak .*\), denoise \d+\.\d s = "
+                      r"\d+\.\d\d s/step .* total \d+\.\d s$", err, re.M)
+    assert sums == [("1", "1"), ("2", "2")], err
+    jpg = Path(out.split()[1])
+    record = read_record(jpg)
+    assert record["prompt"] == "a fox" and record["dtype"] == "bfloat16" and record["seed"] == 2
+    with Image.open(jpg) as im:
+        assert im.format == "JPEG" and im.size == (64, 64)
+        webp = save_image(im.convert("RGB"), tmp_path / "fox.webp", record)
+    for path, fmt in ((jpg, "JPEG"), (webp, "WEBP")):
+        with Image.open(path) as im:
+            assert im.format == fmt
+            comment = piexif.load(im.info["exif"])["Exif"][piexif.ExifIFD.UserComment]
+        assert piexif.helper.UserComment.load(comment) == a1111_parameters(record)
+        assert read_record(path) == record
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fox.webp", "many-0.jpg", "many-1.jpg", "many-2.jpg"]
+    code, out, err = run(capsys, "--version")
+    assert code == 0 and re.fullmatch(r"flux_klein_mlx \d+\.\d+\.\d+\n", out)
+
+
+def test_empty_prompt_symlink_loop_and_options_that_would_be_ignored(capsys, snapshot, tmp_path, no_models):
+    """An empty prompt (the server's rule too), a symbolic-link loop as --output, `benchmark --variant`
+    with `--model`: one line each, before any model, nothing written."""
+    loop = tmp_path / "loop.png"
+    loop.symlink_to(loop)
+    for args, words in (
+        (["generate", "--model", snapshot, "-p", " ", "-o", tmp_path / "x.png"], "the prompt is empty"),
+        (default_args(snapshot, loop), "is a symbolic link that loops"),
+        (["benchmark", "--model", snapshot, "--variant", "klein-9b"], "--variant only applies to --random-weights"),
+    ):
+        code, _, err = run(capsys, *args)
+        assert_one_line_error(code, err, words)
+    assert no_models == [] and sorted(p.name for p in tmp_path.iterdir()) == ["loop.png"]
+
+
+def half_written_then_disk_full(monkeypatch, folder: Path) -> None:
+    """Saving a picture into `folder` writes part of it, then fails as a full disk does (ENOSPC)."""
+    real = Image.Image.save
+
+    def save(self, fp, *args, **kwargs):
+        if isinstance(fp, (str, Path)) and Path(fp).parent == folder:
+            Path(fp).write_bytes(b"\x89PNG\r\n\x1a\n partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, fp, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", save)
+
+
+def test_a_full_disk_for_previews_is_one_line_and_leaves_no_partial_file(capsys, snapshot, tmp_path, monkeypatch):
+    previews = tmp_path / "previews"
+    previews.mkdir()
+    half_written_then_disk_full(monkeypatch, previews)
+    code, _, err = run(capsys, *default_args(snapshot, tmp_path / "x.png", "--preview-dir", previews, "--steps", "1"))
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and "Traceback" not in err and last.startswith("error: cannot write "), err
+    assert last.endswith("x-step01.png (No space left on device); nothing was written")
+    assert list(previews.iterdir()) == [] and not (tmp_path / "x.png").exists()
+
+
+def test_masks_in_openai_convention_and_masks_that_miss_every_cell(capsys, snapshot, tmp_path, no_models):
+    """A mask with transparency: transparent = repaint (OpenAI's convention), the same mask as white on
+    black; an opaque RGBA mask is read by brightness; white that misses every 16-px cell is refused."""
+    from flux_klein_mlx.inputs import prepare_init_image
+
+    init = Image.fromarray((np.random.default_rng(1).random((64, 64, 3)) * 255).astype(np.uint8))
+    grey = Image.new("L", (64, 64), 0)
+    grey.paste(255, (0, 0, 32, 48))  # repaint the top-left block
+    openai_mask = Image.new("RGBA", (64, 64), (0, 0, 0, 255))
+    openai_mask.paste((255, 255, 255, 0), (0, 0, 32, 48))  # transparent there (its colour does not matter)
+    opaque = grey.convert("RGBA")
+    palette = openai_mask.convert("P")  # a palette PNG with a transparent index
+    palette.info["transparency"] = palette.getpixel((0, 0))
+    expected = prepare_init_image(init, 0.8, grey).mask
+    assert expected.any() and not expected.all()
+    for mask in (openai_mask, opaque, palette):
+        np.testing.assert_array_equal(prepare_init_image(init, 0.8, mask).mask, expected)
+    tiny = Image.new("L", (64, 64), 0)
+    tiny.putpixel((0, 0), 255)  # bilinear taps of a 16x downscale sit at pixels 7 and 8 of each cell
+    with pytest.raises(FluxKleinError, match=r"misses every 16x16-px cell .*; enlarge it"):
+        prepare_init_image(init, 0.8, tiny)
+    init.save(tmp_path / "init.png")
+    tiny.save(tmp_path / "tiny.png")
+    code, _, err = run(capsys, *default_args(snapshot, tmp_path / "x.png", "--init-image", tmp_path / "init.png",
+                                             "--mask", tmp_path / "tiny.png"))
+    assert_one_line_error(code, err, "enlarge it")
+    assert no_models == [] and not (tmp_path / "x.png").exists()
+
+
+def test_float_images_closed_images_and_latents_of_a_wrong_dtype(base, tmp_path, no_models):
+    """32-bit float pictures by value ([0, 1], or [0, 255] when a value exceeds 1; a float TIFF too);
+    a closed PIL image and latents of dtype object, complex or bool: one FluxKleinError each."""
+    half = np.full((64, 64), 0.5, np.float32)
+    tiff = tmp_path / "half.tif"
+    Image.fromarray(half).save(tiff)
+    for image in (Image.fromarray(half), tiff, Image.fromarray(half * 255)):
+        x = preprocess_reference(image)  # [-1, 1]
+        assert abs(float(x.mean())) < 0.01, image  # 50% grey, not black
+    pipe = load(base)  # bfloat16
+    closed = Image.new("RGB", (64, 64))
+    closed.close()
+    for kwargs, words in (
+        (dict(images=[closed]), "reference image is a closed PIL image"),
+        (dict(init_image=closed), "init image is a closed PIL image"),
+        (dict(latents=np.zeros((1, 32, 4, 4), object)), "not numpy dtype object"),
+        (dict(latents=np.zeros((1, 32, 4, 4), complex)), "not numpy dtype complex128"),
+    ):
+        with pytest.raises(FluxKleinError, match=words):
+            pipe.generate("a fox", width=64, height=64, **kwargs)
+    assert no_models == []
+
+
+def test_convert_base_that_would_be_ignored_and_a_kv_flag_from_the_base(capsys, snapshot, tmp_path):
+    """`--base` beside a whole snapshot is refused (nothing written); a BFL transformer converted with a
+    9B-KV snapshot as --base says that its KV flag came from that base."""
+    from tiny_model import write_bfl_transformer
+
+    code, _, err = run(capsys, "convert", "-m", snapshot, "--base", snapshot, "-o", tmp_path / "out")
+    assert_one_line_error(code, err, "--base is only for a single-file transformer")
+    assert list(tmp_path.iterdir()) == []
+    kv_base = tmp_path / "kv-base"
+    shutil.copytree(snapshot, kv_base)
+    index = json.loads((kv_base / "model_index.json").read_text())
+    index["_class_name"] = "Flux2KleinKVPipeline"
+    index.pop("is_distilled", None)
+    (kv_base / "model_index.json").write_text(json.dumps(index))
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    bfl = write_bfl_transformer(kv_base)
+    bfl = bfl.rename(lone / bfl.name)
+    code, out, err = run(capsys, "convert", "-m", bfl, "--base", kv_base, "-o", tmp_path / "kv", "--dtype", "float32")
+    assert code == 0, err
+    assert f"reference KV because its base {kv_base} is a Flux2KleinKVPipeline" in out
+    assert json.loads((tmp_path / "kv" / "config.json").read_text())["reference_kv"] is True

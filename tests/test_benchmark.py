@@ -13,7 +13,6 @@ import pytest
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from tiny_model import shared_tiny_snapshot
 
 from flux_klein_mlx import benchmark as bm
 from flux_klein_mlx import flops
@@ -98,11 +97,6 @@ def test_machine_info_on_this_machine():
         assert key in info
     if info["device"] == "cpu":
         assert info["peak_tflops"] is None  # the chip table holds GPU peaks only
-
-
-@pytest.fixture(scope="module")
-def snapshot(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory)
 
 
 # --- The benchmark on a tiny random model ---------------------------------------------------------

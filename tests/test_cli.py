@@ -15,14 +15,10 @@ import pytest
 from PIL import Image
 
 from flux_klein_mlx.__main__ import main
-from tiny_model import shared_tiny_snapshot
+from flux_klein_mlx.inputs import content_hash, preprocess_reference
+from flux_klein_mlx.output import read_record
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def snapshot(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=True)
 
 
 def generate(args, capsys):
@@ -41,11 +37,15 @@ def test_generate_writes_png_with_metadata_and_never_overwrites(snapshot, tmp_pa
     assert "denoising" in stderr and "s/step" in stderr and "peak" in stderr
     with Image.open(out) as im:
         assert im.size == (96, 64)
-        meta = dict(im.text)
+        meta = json.loads(im.text["flux_klein_mlx"])
+        a1111 = im.text["parameters"]
         first = np.asarray(im.convert("RGB"))
-    assert meta["prompt"] == "a red fox" and meta["seed"] == "42" and meta["steps"] == "4"
-    assert meta["width"] == "96" and meta["height"] == "64" and meta["model"] == str(snapshot)
-    assert json.loads(meta["parameters"])["guidance"] is None
+    assert meta["prompt"] == "a red fox" and meta["seed"] == 42 and meta["steps"] == 4
+    assert meta["width"] == 96 and meta["height"] == 64 and meta["model"] == snapshot.name
+    assert meta["guidance"] is None
+    # A1111 / Forge text, which Civitai, InvokeAI and ComfyUI's importer parse; no chunk named "prompt".
+    assert a1111.startswith("a red fox\nSteps: 4, Sampler: Euler, ") and "CFG scale: 1, Seed: 42, Size: 96x64" in a1111
+    assert "prompt" not in im.text
 
     # Same seed again: the existing file is kept, a new name is chosen and printed, same pixels.
     code, stdout, stderr = generate(args, capsys)
@@ -64,8 +64,8 @@ def test_generate_num_images_counts_seeds_up(snapshot, tmp_path, capsys):
     assert code == 0
     paths = stdout.split()
     assert paths == [str(tmp_path / "many-0.png"), str(tmp_path / "many-1.png")]
-    seeds = [Image.open(p).text["seed"] for p in paths]
-    assert seeds == ["5", "6"]
+    seeds = [read_record(p)["seed"] for p in paths]
+    assert seeds == [5, 6]
 
 
 def test_editing_with_reference_image(snapshot, tmp_path, capsys):
@@ -77,7 +77,8 @@ def test_editing_with_reference_image(snapshot, tmp_path, capsys):
     assert code == 0, stderr
     with Image.open(out) as im:
         assert im.size == (96, 64)  # the reference's size, floored to multiples of 16 and centre-cropped
-        assert json.loads(im.text["parameters"])["references"] == [str(ref)]
+        # references are named by the content hash of their prepared pixels (the same from every door)
+        assert json.loads(im.text["flux_klein_mlx"])["references"] == [content_hash(preprocess_reference(ref))]
 
 
 @pytest.mark.parametrize(
@@ -87,9 +88,9 @@ def test_editing_with_reference_image(snapshot, tmp_path, capsys):
         (["--height", "8192"], "height 8192 is above the maximum of 4096 px"),
         (["--image", "/no/such.png"], "reference image not found: /no/such.png"),
         (["--model", "/no/such/folder"], "model '/no/such/folder' not found"),
-        (["--model", "nobody/no-such-model"], "is neither a local folder nor a downloadable Hugging Face repo id"),
+        (["--model", "nobody/no-such-model"], "is not in the local Hugging Face cache"),
         (["--output", "/no/such/dir/x.png"], "output folder /no/such/dir does not exist"),
-        (["--quantize", "4", "--output", "x.jpg"], "--output must end in .png"),
+        (["--quantize", "4", "--output", "x.gif"], "--output must end in .png, .jpg, .jpeg, .webp, not 'x.gif'"),
     ],
 )
 def test_bad_input_one_line_error_and_no_file(snapshot, tmp_path, capsys, extra, message, monkeypatch):
@@ -156,11 +157,62 @@ def test_first_run_of_a_new_user_from_the_hub_cache_offline(snapshot, tmp_path):
            "--width", "64", "--height", "64", "--output", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert out.is_file() and Image.open(out).text["model"] == "black-forest-labs/FLUX.2-klein-4B"
+    assert out.is_file() and read_record(out)["model"] == "black-forest-labs/FLUX.2-klein-4B"
 
     # An id that is not in the cache: one line, exit 1, no traceback.
     proc = subprocess.run(cmd[:-1] + [str(tmp_path / "second.png"), "--model", "someone/missing-model"], env=env,
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().startswith("error: model 'someone/missing-model' is neither")
+    assert proc.stderr.strip().startswith("error: model 'someone/missing-model' is not in the local Hugging Face "
+                                          f"cache ({cache}) and HF_HUB_OFFLINE is set")
     assert not (tmp_path / "second.png").exists()
+
+
+def offline_hub(monkeypatch, cache: Path, endpoint: str = "http://127.0.0.1:9") -> None:
+    """huggingface_hub online, its hub at `endpoint` (port 9 on this machine: connection refused at once)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+
+
+def test_an_unreachable_hub_says_so_with_the_size_the_cache_and_the_way_out(tmp_path, capsys, monkeypatch):
+    """A new user's first run with no network: not "neither a folder nor a repo id" (a typo's message),
+    but that the hub cannot be reached, how big the download is, where it goes and `--model DIR`."""
+    offline_hub(monkeypatch, tmp_path / "hub")
+    code, _, stderr = generate(["--prompt", "a fox", "-o", str(tmp_path / "x.png")], capsys)  # the default model
+    assert code == 1 and len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
+    assert stderr.startswith("error: cannot reach the Hugging Face hub (ConnectError) to download "
+                             f"'black-forest-labs/FLUX.2-klein-4B' (about 16 GB, into {tmp_path / 'hub'})")
+    assert "--model DIR" in stderr and not (tmp_path / "x.png").exists()
+
+
+def test_a_large_download_is_announced_before_it_starts(snapshot, tmp_path, capsys, monkeypatch):
+    """One line, before the download: its size (the files the pipeline reads, nothing cached yet), the
+    cache folder, the way out. The hub's answers are stood in for (no network here)."""
+    import huggingface_hub
+    from types import SimpleNamespace
+
+    offline_hub(monkeypatch, tmp_path / "hub")
+    sizes = {"transformer/diffusion_pytorch_model.safetensors": 7_750_000_000, "vae/config.json": 800,
+             "text_encoder/model-00001-of-00002.safetensors": 8_000_000_000, "README.md": 9_000,
+             "flux-2-klein-4b.safetensors": 7_750_000_000}  # the BFL single file is not downloaded
+    info = SimpleNamespace(sha="0" * 40, siblings=[SimpleNamespace(rfilename=k, size=v) for k, v in sizes.items()])
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, repo, files_metadata=False: info)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda **kw: str(snapshot))
+    foreign = tmp_path / "out"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    code, _, stderr = main_cli(["convert", "-m", "black-forest-labs/FLUX.2-klein-4B", "-o", str(foreign)], capsys)
+    lines = stderr.strip().splitlines()
+    assert lines[0] == (f"downloading black-forest-labs/FLUX.2-klein-4B: 15.8 GB into {tmp_path / 'hub'} (once; "
+                        "Ctrl-C stops it, and --model DIR uses a copy you already have)"), stderr
+    assert code == 1 and len(lines) == 2 and lines[1].startswith("error: ")  # the folder is not ours: refused
+
+
+def main_cli(args, capsys):
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err

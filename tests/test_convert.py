@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 from mlx.utils import tree_flatten
-from refs import load_folder_component, rel_err, to_mx
-from tiny_model import LATENT_CHANNELS, QWEN_HIDDEN, TRANSFORMER, shared_tiny_snapshot, write_bfl_transformer
+from refs import load_folder_component, load_one, rel_err, to_mx
+from tiny_model import LATENT_CHANNELS, QWEN_HIDDEN, TRANSFORMER, write_bfl_transformer
 
 import flux_klein_mlx.weights as weights_module
 from flux_klein_mlx import __main__ as cli
 from flux_klein_mlx.convert import convert_model
-from flux_klein_mlx.loading import COMPONENTS, FORMAT, describe, load_flux_klein, load_text_encoder, load_vae
+from flux_klein_mlx.loading import COMPONENTS, FORMAT, describe
 from flux_klein_mlx.loading import read_mlx_config as read_config
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.tokenizer import PromptTokenizer
@@ -32,11 +32,6 @@ from flux_klein_mlx.weights import (
     save_safetensors_sharded,
     save_safetensors_streaming,
 )
-
-
-@pytest.fixture(scope="module")
-def snapshot(tmp_path_factory) -> Path:
-    return shared_tiny_snapshot(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -142,9 +137,9 @@ def test_folder_layout_and_config(converted, snapshot):
 def test_weights_are_ours_and_equal_to_direct_loading(converted, snapshot):
     """Keys are our model's names (no mapping at load) and every tensor equals the source loaders' result."""
     direct = {
-        "transformer": load_flux_klein(snapshot / "transformer", dtype=mx.float32),
-        "text_encoder": load_text_encoder(snapshot, dtype=mx.float32),
-        "vae": load_vae(snapshot, dtype=mx.float32),
+        "transformer": load_one("transformer", snapshot / "transformer", dtype=mx.float32),
+        "text_encoder": load_one("text_encoder", snapshot, dtype=mx.float32),
+        "vae": load_one("vae", snapshot, dtype=mx.float32),
     }
     for name in COMPONENTS:
         loaded = dict(tree_flatten(load_folder_component(converted, name).parameters()))
@@ -237,7 +232,8 @@ def test_repo_id_through_the_hub_cache(snapshot, tmp_path, monkeypatch):
     assert resolve_model("acme/tiny-klein") == repo / "snapshots" / commit
     config = convert_model("acme/tiny-klein", tmp_path / "out", dtype="float32")
     assert config["source"]["model"] == "acme/tiny-klein"
-    with pytest.raises(FluxKleinError, match="neither a local folder nor a downloadable Hugging Face repo id"):
+    with pytest.raises(FluxKleinError, match=r"'acme/not-cached' is not in the local Hugging Face cache \(.*\) and "
+                                             "HF_HUB_OFFLINE is set"):
         resolve_model("acme/not-cached")
     with pytest.raises(FluxKleinError, match="not found"):
         resolve_model("./no/such/folder")
@@ -379,7 +375,7 @@ def test_bad_options(capsys, snapshot, tmp_path, args, message):
 
 def test_bad_model_arguments(capsys, snapshot, converted, tmp_path):
     code, _, err = run_cli(capsys, "convert", "-m", "acme/does-not-exist", "-o", str(tmp_path / "o"))
-    assert code == 1 and "neither a local folder nor a downloadable Hugging Face repo id" in err
+    assert code == 1 and "is not in the local Hugging Face cache" in err
     code, _, err = run_cli(capsys, "convert", "-m", str(converted), "-o", str(tmp_path / "o"))
     assert code == 1 and "already converted" in err
     code, _, err = run_cli(capsys, "convert", "-m", str(tmp_path), "-o", str(tmp_path / "o"))

@@ -14,40 +14,15 @@ from PIL import Image, ImageDraw
 
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.img2img import prepare_init_image
-from tiny_model import LATENT_CHANNELS, shared_tiny_snapshot
-
-
-@pytest.fixture(scope="module")
-def distilled(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=True)
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=False)
+from flux_klein_mlx.inputs import content_hash, prepare_init_image
+from refs import diffusers_pipeline, diffusers_prompt_embeds, picture
+from tiny_model import LATENT_CHANNELS
 
 
 @pytest.fixture(scope="module")
 def pipes(distilled):
     """(ours, diffusers' inpaint pipeline) on the distilled tiny snapshot, float32."""
-    return flux_klein_mlx.load(distilled, dtype="float32"), inpaint_pipe(distilled, True)
-
-
-def inpaint_pipe(path, distilled):
-    from diffusers import Flux2KleinInpaintPipeline, Flux2KleinPipeline
-
-    plain = Flux2KleinPipeline.from_pretrained(path, dtype=torch.float32)
-    pipe = Flux2KleinInpaintPipeline(**plain.components, is_distilled=distilled)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def picture(w, h, seed=0):
-    """A smooth random RGB picture, so the VAE sees image-like input."""
-    rng = np.random.default_rng(seed)
-    small = (rng.random((max(h // 16, 2), max(w // 16, 2), 3)) * 255).astype(np.uint8)
-    return Image.fromarray(small).resize((w, h), Image.Resampling.BILINEAR)
+    return flux_klein_mlx.load(distilled, dtype="float32"), diffusers_pipeline(distilled, "inpaint", True)
 
 
 def ellipse_mask(w, h):
@@ -62,12 +37,7 @@ def ellipse_mask(w, h):
 
 def compare(ours_pipe, ref_pipe, *, init, steps, strength, seed, mask=None, reference=None, guidance=None,
             prompt="a cat on a sofa"):
-    # diffusers' own prompt embeddings, computed once per prompt (its text encoder is the slow part on CPU).
-    cache = ref_pipe.__dict__.setdefault("_test_prompt_cache", {})
-    if prompt not in cache:
-        with torch.no_grad():
-            cache[prompt] = ref_pipe.encode_prompt(prompt=prompt, device="cpu")[0]
-    kw = dict(prompt_embeds=cache[prompt], image=init,
+    kw = dict(prompt_embeds=diffusers_prompt_embeds(ref_pipe, prompt), image=init,
               mask_image=mask if mask is not None else Image.new("L", init.size, 255),
               strength=strength, num_inference_steps=steps, output_type="np",
               generator=torch.Generator("cpu").manual_seed(seed))
@@ -92,7 +62,7 @@ def test_img2img_matches_diffusers(pipes, steps, strength, runs):
     err, ours, theirs = compare(ours_pipe, ref_pipe, init=init, steps=steps, strength=strength, seed=11)
     print(f"img2img steps {steps} strength {strength}: max abs {err:.2e}")
     assert ours.shape == (64, 96, 3) and err <= 1e-3
-    assert ours_pipe.last_stats["steps_run"] == runs and not ours_pipe.last_stats["inpainting"]
+    assert ours_pipe.last_metadata["steps_run"] == runs and ours_pipe.last_metadata["mask"] is None
 
 
 def test_img2img_with_a_reference_matches_diffusers(pipes):
@@ -110,7 +80,7 @@ def test_inpainting_matches_diffusers(pipes, steps, strength):
     err, ours, theirs = compare(ours_pipe, ref_pipe, init=init, mask=ellipse_mask(120, 88), steps=steps,
                                 strength=strength, seed=5)
     print(f"inpainting steps {steps} strength {strength}: max abs {err:.2e}")
-    assert ours.shape == (80, 112, 3) and err <= 1e-3 and ours_pipe.last_stats["inpainting"]
+    assert ours.shape == (80, 112, 3) and err <= 1e-3 and ours_pipe.last_metadata["mask"] is not None
 
 
 def test_inpainting_with_a_reference_matches_diffusers(pipes):
@@ -123,7 +93,7 @@ def test_inpainting_with_a_reference_matches_diffusers(pipes):
 
 def test_inpainting_on_base_with_cfg_matches_diffusers(base):
     ours_pipe = flux_klein_mlx.load(base, dtype="float32")
-    err, _, _ = compare(ours_pipe, inpaint_pipe(base, False), init=picture(64, 64, seed=2),
+    err, _, _ = compare(ours_pipe, diffusers_pipeline(base, "inpaint", False), init=picture(64, 64, seed=2),
                         mask=ellipse_mask(64, 64), steps=3, strength=0.9, seed=1, guidance=4.0)
     print(f"inpainting Base + CFG: max abs {err:.2e}")
     assert err <= 1e-3
@@ -131,7 +101,7 @@ def test_inpainting_on_base_with_cfg_matches_diffusers(base):
 
 def test_latents_are_the_noise_that_strength_mixes_in(pipes):
     """`latents=` replaces the seed's noise; strength still noises the init image with it."""
-    from flux_klein_mlx.noise import torch_randn
+    from flux_klein_mlx.sampling import torch_randn
 
     ours, _ = pipes
     init = picture(96, 64, seed=3)
@@ -188,7 +158,7 @@ def test_bad_input_is_one_line_and_runs_no_model(distilled, kwargs, message):
     with pytest.raises(FluxKleinError, match=message) as info:
         pipe.generate("x", **args)
     assert "\n" not in str(info.value)
-    assert not (pipe.transformer.loaded or pipe.text_encoder.loaded or pipe.vae.loaded)
+    assert not (pipe.is_loaded("transformer") or pipe.is_loaded("text_encoder") or pipe.is_loaded("vae"))
 
 
 def test_unreadable_files(distilled, tmp_path):
@@ -225,10 +195,11 @@ def test_cli_img2img_inpainting_and_noise_metadata(distilled, tmp_path, capsys):
     assert code == 0, stderr
     with Image.open(out) as im:
         assert im.size == (96, 64)
-        meta = json.loads(im.text["parameters"])
+        meta = json.loads(im.text["flux_klein_mlx"])
         cli_pixels = np.asarray(im.convert("RGB"))
     assert meta["noise"] == "torch" and meta["strength"] == 0.6 and meta["steps_run"] == 3
-    assert meta["init_image"] == str(init) and meta["mask"] == str(mask)
+    prepared = prepare_init_image(init, 0.6, mask)  # images are named by the content hash of their pixels
+    assert meta["init_image"] == content_hash(prepared.pixels) and meta["mask"] == content_hash(prepared.mask)
     # The same run through the Python API gives the same pixels.
     api = flux_klein_mlx.load(distilled, dtype="float32").generate("a cat", init_image=init, strength=0.6,
                                                                    mask=mask, seed=11)
@@ -237,14 +208,14 @@ def test_cli_img2img_inpainting_and_noise_metadata(distilled, tmp_path, capsys):
     code, stdout, stderr = cli(["--model", str(distilled), "-p", "x", "-W", "64", "-H", "64", "--seed", "1",
                                 "--noise", "mlx", "--dtype", "float32", "-o", str(tmp_path / "mlx.png")], capsys)
     assert code == 0, stderr
-    assert json.loads(Image.open(tmp_path / "mlx.png").text["parameters"])["noise"] == "mlx"
+    assert json.loads(Image.open(tmp_path / "mlx.png").text["flux_klein_mlx"])["noise"] == "mlx"
 
 
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--strength", "0.5"], "--strength needs --init-image"),
-        (["--mask", "MASK"], "--mask needs --init-image"),
+        (["--strength", "0.5"], "strength needs an init image (--init-image"),
+        (["--mask", "MASK"], "a mask needs an init image (--init-image"),
         (["--init-image", "INIT", "--strength", "0"], "strength must be in (0, 1]"),
         (["--init-image", "INIT", "--strength", "1.01"], "strength must be in (0, 1]"),
         (["--init-image", "INIT", "--strength", "1e-18", "--steps", "4"], "so small that none of the 4 steps runs"),
@@ -254,7 +225,7 @@ def test_cli_img2img_inpainting_and_noise_metadata(distilled, tmp_path, capsys):
         (["--init-image", "BROKEN"], "cannot read init image"),
         (["--init-image", "INIT", "--mask", "BROKEN"], "cannot read mask"),
         (["--init-image", "/no/such.png"], "init image not found: /no/such.png"),
-        (["--init-image", "INIT", "--width", "128"], "the output takes --init-image's size (96x64)"),
+        (["--init-image", "INIT", "--width", "128"], "the output takes the init image's size (96x64)"),
     ],
 )
 def test_cli_bad_input_one_line_exit_1_no_file(distilled, tmp_path, capsys, extra, message):

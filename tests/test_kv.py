@@ -12,11 +12,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from refs import rel_err, to_mx, to_np
+from refs import diffusers_pipeline, load_one, noise, picture, rel_err, to_mx, to_np
 
 from flux_klein_mlx.kv_cache import cache_nbytes
 from flux_klein_mlx.rope import image_ids, text_ids
-from flux_klein_mlx.loading import load_flux_klein
 from tiny_kv_model import shared_tiny_kv_snapshot
 from tiny_model import LATENT_CHANNELS, QWEN_HIDDEN
 
@@ -33,16 +32,12 @@ def kv_snapshot(tmp_path_factory):
 @pytest.fixture(scope="module")
 def kv_reference(kv_snapshot):
     """diffusers' KV pipeline (float32), whose constructor installs the KV attention processors."""
-    from diffusers import Flux2KleinKVPipeline
-
-    pipe = Flux2KleinKVPipeline.from_pretrained(kv_snapshot, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return diffusers_pipeline(kv_snapshot, "kv")
 
 
 @pytest.fixture(scope="module")
 def kv_transformer(kv_snapshot):
-    return load_flux_klein(kv_snapshot / "transformer", dtype=mx.float32)
+    return load_one("transformer", kv_snapshot / "transformer", dtype=mx.float32)
 
 
 def _inputs(grid, refs, seed=0):
@@ -123,19 +118,6 @@ def test_transformer_low_memory_reference_pass_is_the_same(kv_transformer):
 # --- the pipeline against diffusers' Flux2KleinKVPipeline ------------------------------------------------
 
 
-def _noise(h, w, seed=0):
-    return np.random.default_rng(seed).standard_normal((1, C, h // 16, w // 16)).astype(np.float32)
-
-
-def _picture(w, h, seed=0):
-    """A smooth random RGB picture, so the VAE sees image-like input."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    small = (rng.random((max(h // 16, 2), max(w // 16, 2), 3)) * 255).astype(np.uint8)
-    return Image.fromarray(small).resize((w, h), Image.Resampling.BILINEAR)
-
-
 @pytest.fixture(scope="module")
 def kv_pipe(kv_snapshot):
     import flux_klein_mlx
@@ -153,9 +135,9 @@ def kv_pipe(kv_snapshot):
     ids=["one-reference", "two-references", "no-reference"],
 )
 def test_image_matches_diffusers_kv_pipeline(kv_reference, kv_pipe, images, size):
-    refs = [_picture(w, h, s) for w, h, s in images]
+    refs = [picture(w, h, s) for w, h, s in images]
     h, w = size
-    lat = _noise(h, w, seed=len(refs))
+    lat = noise(h, w, seed=len(refs))
     given = {} if len(refs) == 1 else dict(width=w, height=h)
     with torch.no_grad():
         theirs = kv_reference(
@@ -168,7 +150,7 @@ def test_image_matches_diffusers_kv_pipeline(kv_reference, kv_pipe, images, size
     assert err <= 1e-3, err
     assert theirs.std() > 0.01  # a real image, not a constant
     stats = kv_pipe.last_stats
-    assert ("reference_kv" in stats) == bool(refs)
+    assert (stats.reference_kv_bytes is not None) == bool(refs)
 
 
 def test_kv_model_is_recognised_as_distilled(kv_pipe):
@@ -176,7 +158,7 @@ def test_kv_model_is_recognised_as_distilled(kv_pipe):
     assert info.reference_kv and info.is_distilled
     assert info.default_steps == 4 and info.default_guidance is None
     assert info.name == "FLUX.2 [klein] (custom size) KV"  # the tiny model has no table row
-    lat = _noise(64, 64)
+    lat = noise(64, 64)
     plain = kv_pipe.generate("x", latents=lat, width=64, height=64, output_type="np")
     with pytest.warns(UserWarning, match="negative_prompt is ignored"):
         neg = kv_pipe.generate("x", latents=lat, width=64, height=64, negative_prompt="blurry", output_type="np")
@@ -233,7 +215,7 @@ class _Spy:
 
 def test_cache_lives_for_one_image(kv_pipe, monkeypatch):
     spy = _Spy(monkeypatch)
-    ref = _picture(64, 64, 5)
+    ref = picture(64, 64, 5)
     a = kv_pipe.generate("x", images=[ref], seed=1, output_type="np")
     b = kv_pipe.generate("x", images=[ref], seed=1, output_type="np")
     assert np.array_equal(a, b)  # seeds reproduce
@@ -244,7 +226,7 @@ def test_cache_lives_for_one_image(kv_pipe, monkeypatch):
     assert caches[0] is not caches[4]
     held = [v for v in vars(kv_pipe).values() if type(v).__name__ == "ReferenceKV"]
     assert not held
-    assert kv_pipe.last_stats["reference_kv"]["bytes"] == (2 + 2) * 2 * 16 * 64 * 4
+    assert kv_pipe.last_stats.reference_kv_bytes == (2 + 2) * 2 * 16 * 64 * 4
 
 
 def test_plain_klein_never_caches(tmp_path_factory, monkeypatch):
@@ -254,17 +236,17 @@ def test_plain_klein_never_caches(tmp_path_factory, monkeypatch):
     pipe = flux_klein_mlx.load(shared_tiny_snapshot(tmp_path_factory, distilled=True), dtype="float32")
     assert not pipe.info.reference_kv
     spy = _Spy(monkeypatch)
-    pipe.generate("x", images=[_picture(64, 64, 5)], seed=1, output_type="np")
+    pipe.generate("x", images=[picture(64, 64, 5)], seed=1, output_type="np")
     assert spy.extracts == 0
     assert [n for n, _ in spy.forwards] == [32] * 4  # [target ; reference] tokens every step
     assert all(c is None for _, c in spy.forwards)
-    assert "reference_kv" not in pipe.last_stats
+    assert pipe.last_stats.reference_kv_bytes is None
 
 
 def test_low_memory_kv_gives_the_same_image(kv_snapshot, kv_pipe):
     import flux_klein_mlx
 
-    lat, ref = _noise(64, 64), _picture(64, 64, 6)
+    lat, ref = noise(64, 64), picture(64, 64, 6)
     a = kv_pipe.generate("x", images=[ref], latents=lat, output_type="np")
     b = flux_klein_mlx.load(kv_snapshot, dtype="float32", low_memory=True).generate(
         "x", images=[ref], latents=lat, output_type="np"
@@ -281,7 +263,7 @@ def test_converted_and_quantized_kv_folders_keep_the_kv_identity(kv_snapshot, kv
     import flux_klein_mlx
     from flux_klein_mlx.convert import convert_model, quantize_folder
 
-    lat, ref = _noise(64, 64), _picture(80, 64, 7)
+    lat, ref = noise(64, 64), picture(80, 64, 7)
     want = kv_pipe.generate("a boat", images=[ref], latents=lat, width=64, height=64, output_type="np")
     out = tmp_path / "kv-mlx"
     convert_model(kv_snapshot, out, dtype="float32")
@@ -300,7 +282,7 @@ def test_converted_and_quantized_kv_folders_keep_the_kv_identity(kv_snapshot, kv
     pipe = flux_klein_mlx.load(q4, dtype="float32")
     assert pipe.info.reference_kv
     got = pipe.generate("a boat", images=[ref], latents=lat, width=64, height=64, output_type="np")
-    assert "reference_kv" in pipe.last_stats
+    assert pipe.last_stats.reference_kv_bytes is not None
     assert 0 < np.abs(got - want).max() <= 0.5
 
 
@@ -308,12 +290,12 @@ def test_quantize_at_load_kv_bf16_stays_close(kv_snapshot, kv_pipe):
     """4-bit weights and bf16 activations (what a Mac runs) against the float32 image."""
     import flux_klein_mlx
 
-    lat, ref = _noise(64, 64), _picture(64, 64, 8)
+    lat, ref = noise(64, 64), picture(64, 64, 8)
     want = kv_pipe.generate("a boat", images=[ref], latents=lat, output_type="np")
     pipe = flux_klein_mlx.load(kv_snapshot, dtype="bfloat16", quantize=4)
     got = pipe.generate("a boat", images=[ref], latents=lat, output_type="np")
     assert pipe.info.reference_kv and pipe.quantization["bits"] == 4
-    assert "reference_kv" in pipe.last_stats
+    assert pipe.last_stats.reference_kv_bytes is not None
     err = np.abs(got - want).max()
     assert 0 < err <= 0.5, err
 
@@ -410,7 +392,7 @@ def test_generate_cli_edits_with_the_kv_model(kv_snapshot, tmp_path, capsys):
     from flux_klein_mlx import generate
 
     ref = tmp_path / "ref.png"
-    _picture(80, 64, 9).save(ref)
+    picture(80, 64, 9).save(ref)
     out = tmp_path / "edit.png"
     code = generate.main(["--model", str(kv_snapshot), "-p", "make it blue", "--image", str(ref), "--seed", "1",
                           "--dtype", "float32", "--negative-prompt", "blurry", "-o", str(out)])  # fmt: skip
@@ -418,7 +400,7 @@ def test_generate_cli_edits_with_the_kv_model(kv_snapshot, tmp_path, capsys):
     assert code == 0, captured.err
     assert "negative_prompt is ignored" in captured.err
     with Image.open(out) as im:
-        meta = json.loads(im.text["parameters"])
+        meta = json.loads(im.text["flux_klein_mlx"])
         assert im.size == (80, 64) and meta["variant"].endswith("KV") and meta["steps"] == 4
 
 
@@ -456,7 +438,7 @@ def test_lora_on_the_kv_model_matches_diffusers(kv_snapshot, tmp_path):
     from diffusers import Flux2KleinKVPipeline
 
     lora = _peft_lora(tmp_path / "lora.safetensors")
-    lat, ref = _noise(64, 64), _picture(64, 64, 10)
+    lat, ref = noise(64, 64), picture(64, 64, 10)
     theirs_pipe = Flux2KleinKVPipeline.from_pretrained(kv_snapshot, dtype=torch.float32)
     theirs_pipe.set_progress_bar_config(disable=True)
     theirs_pipe.load_lora_weights(str(lora), adapter_name="l0")
@@ -465,7 +447,7 @@ def test_lora_on_the_kv_model_matches_diffusers(kv_snapshot, tmp_path):
                              latents=torch.from_numpy(lat)).images[0]  # fmt: skip
     pipe = flux_klein_mlx.load(kv_snapshot, dtype="float32", loras=[lora])
     ours = pipe.generate("a boat", images=[ref], latents=lat, output_type="np")
-    assert "reference_kv" in pipe.last_stats
+    assert pipe.last_stats.reference_kv_bytes is not None
     err = np.abs(ours - theirs).max()
     assert err <= 1e-3, err
     pipe.set_loras([])

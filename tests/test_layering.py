@@ -13,7 +13,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "flux_klein_mlx"
 MODEL_FILES = {"transformer", "kv_cache", "recompute", "text_encoder", "vae", "rope"}
 # The applications: CLI commands and the server (its HTTP app and worker).
-CLI_MODULES = {"__main__", "cli", "generate", "convert", "benchmark", "serve", "api", "jobs", "train_cli"}
+CLI_MODULES = {"__main__", "cli", "generate", "convert", "benchmark", "serve", "api", "forms", "jobs", "train_cli"}
 IO_MODULES = {"weights", "loading", "pipeline"}
 
 
@@ -78,3 +78,45 @@ def test_the_walker_sees_relative_and_absolute_imports(tmp_path):
     assert "loading" in graph["pipeline"]  # from .loading import ...
     assert "config" in graph["transformer"]
     assert "cli" in graph["generate"]
+
+
+# --- the house's size rules (docs/style.md) -------------------------------------------------------------
+
+SERVER_MODULES = {"serve", "api", "forms", "jobs"}
+COMMAND_MODULES = {"__main__", "generate", "convert", "benchmark"}  # commands the server must not reach into
+MAX_FUNCTION_LINES = 80
+MAX_FILE_LINES = 600
+
+
+def sources() -> dict[str, ast.Module]:
+    return {p.stem: ast.parse(p.read_text()) for p in sorted(PACKAGE.glob("*.py"))}
+
+
+def test_the_server_imports_no_command_module():
+    graph = package_imports()
+    for module in SERVER_MODULES:
+        bad = graph[module] & COMMAND_MODULES
+        assert not bad, f"{module}.py (server) imports command module(s) {sorted(bad)}"
+
+
+def test_no_private_name_crosses_modules():
+    """`from .x import _y` (or `x._y`) reaches into another module's internals: make the name public."""
+    crossings = []
+    for module, tree in sources().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level == 1 or (node.module or "").startswith("flux_klein_mlx")):
+                crossings += [f"{module}: {a.name}" for a in node.names if a.name.startswith("_") and a.name != "__version__"]
+    assert not crossings, crossings
+
+
+def test_no_function_over_80_lines():
+    long = [f"{module}.{node.name}: {node.end_lineno - node.lineno + 1}"
+            for module, tree in sources().items() for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]  # fmt: skip
+    assert not long, long
+
+
+def test_no_file_over_600_lines():
+    big = {p.name: n for p in PACKAGE.glob("*.py") if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
+    assert not big, big

@@ -21,7 +21,7 @@ import torch
 from mlx.utils import tree_flatten
 from refs import rel_err
 from safetensors.torch import save_file
-from tiny_model import LATENT_CHANNELS, TRANSFORMER, shared_tiny_snapshot
+from tiny_model import LATENT_CHANNELS, TRANSFORMER
 
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
@@ -38,17 +38,12 @@ PROMPT = "a lighthouse at dusk"
 
 
 @pytest.fixture(scope="module")
-def snap(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=True)
-
-
-@pytest.fixture(scope="module")
-def ref_pipe(snap):
+def ref_pipe(snapshot):
     """One diffusers pipeline for the module, its prompt encoded once; each reference runs on a fresh copy
     of its transformer. Images are memoised by the bytes of the LoRA files and the merges."""
     from diffusers import Flux2KleinPipeline
 
-    pipe = Flux2KleinPipeline.from_pretrained(snap, dtype=torch.float32)
+    pipe = Flux2KleinPipeline.from_pretrained(snapshot, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     with torch.no_grad():
         embeds, _ = pipe.encode_prompt(prompt=PROMPT, device="cpu")
@@ -56,9 +51,9 @@ def ref_pipe(snap):
 
 
 @pytest.fixture(scope="module")
-def our_pipe(snap):
+def our_pipe(snapshot):
     """One pipeline for the module (its prompt embeddings cached); tests change LoRAs with set_loras."""
-    return flux_klein_mlx.load(snap, dtype="float32")
+    return flux_klein_mlx.load(snapshot, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -333,6 +328,91 @@ def test_two_loras_with_weights_match_set_adapters(ref_pipe, our_pipe, lat, tmp_
     check(img, reference(ref_pipe, lat, [a, k], weights=[0.7, 1.3], merge=merge), base_image)
 
 
+# --- files other Mac trainers write ----------------------------------------------------------------------
+
+
+def with_twin(theirs, rng, prefix):
+    """Rank-4 factors under a trainer's names (`prefix` + name) and the same factors under diffusers' names."""
+    sd, twin = {}, {}
+    for name, (diffusers_name, out, inp) in theirs.items():
+        down, up = rng.pair(out, inp, 4)
+        sd[f"{prefix}{name}.lora_A.weight"], sd[f"{prefix}{name}.lora_B.weight"] = down, up
+        twin[f"transformer.{diffusers_name}.lora_A.weight"], twin[f"transformer.{diffusers_name}.lora_B.weight"] = down, up
+    return sd, twin
+
+
+def mflux_file(path, rng):
+    """mflux's `save_lora_adapter`: `transformer.` + mflux's own module paths (double-block `attn.to_out` without
+    diffusers' `.0`, `time_guidance_embed.linear_1`), lora_A (r, in) / lora_B (out, r) after its transpose, no
+    alpha (its LoRALinear scale is 1: alpha = rank), written by `mx.save_safetensors` with its metadata.
+    Returns the diffusers name of each module, for the twin diffusers loads."""
+    theirs = {
+        "transformer_blocks.0.attn.to_out": ("transformer_blocks.0.attn.to_out.0", D, D),
+        "transformer_blocks.1.attn.to_q": ("transformer_blocks.1.attn.to_q", D, D),
+        "transformer_blocks.0.ff.linear_in": ("transformer_blocks.0.ff.linear_in", 2 * M, D),
+        "time_guidance_embed.linear_1": ("time_guidance_embed.timestep_embedder.linear_1", D, 256),
+        "norm_out.linear": ("norm_out.linear", 2 * D, D),
+        "single_transformer_blocks.1.attn.to_qkv_mlp_proj": ("single_transformer_blocks.1.attn.to_qkv_mlp_proj",
+                                                             3 * D + 2 * M, D),
+    }  # fmt: skip
+    sd, twin = with_twin(theirs, rng, "transformer.")
+    mx.save_safetensors(str(path), {k: mx.array(v.numpy()) for k, v in sd.items()},
+                        metadata={"mflux_version": "0.17.0", "model": "flux2-klein-4b"})
+    return twin, {}
+
+
+def swift_file(path, rng):
+    """flux-2-swift-mlx's `getLoRAParameters` + `saveLoRAWeights`: no prefix, `ff.activation.proj` for linear_in,
+    single `attn.to_qkv_mlp`, and alpha / rank as top-level metadata (its scale is lora_alpha / lora_rank)."""
+    theirs = {
+        "transformer_blocks.0.attn.to_k": ("transformer_blocks.0.attn.to_k", D, D),
+        "transformer_blocks.1.attn.to_out.0": ("transformer_blocks.1.attn.to_out.0", D, D),
+        "transformer_blocks.1.ff.activation.proj": ("transformer_blocks.1.ff.linear_in", 2 * M, D),
+        "transformer_blocks.0.ff_context.activation.proj": ("transformer_blocks.0.ff_context.linear_in", 2 * M, D),
+        "single_transformer_blocks.0.attn.to_qkv_mlp": ("single_transformer_blocks.0.attn.to_qkv_mlp_proj",
+                                                        3 * D + 2 * M, D),
+        "single_transformer_blocks.1.attn.to_out": ("single_transformer_blocks.1.attn.to_out", D, D + M),
+    }  # fmt: skip
+    sd, twin = with_twin(theirs, rng, "")
+    save_file(sd, str(path), metadata={"lora_rank": "4", "lora_alpha": "6.0", "format": "diffusers",
+                                       "software": "flux2-swift-mlx"})
+    config = {"transformer.r": 4, "transformer.lora_alpha": 6.0,
+              "transformer.target_modules": sorted(d for d, _, _ in theirs.values())}
+    return twin, {"lora_adapter_metadata": json.dumps(config)}
+
+
+def lycoris_file(path, rng):
+    """SimpleTuner's LyCORIS LoKr: `lycoris_` + diffusers paths with underscores, whole and decomposed factors
+    (shaped as LyCORIS factorises with factor 4, so that diffusers can rebuild its config), `.alpha` (scaling
+    only decomposed factors). diffusers reads this file itself: no twin."""
+    sd = {}
+    w = "lycoris_transformer_blocks_0_attn_to_q"
+    sd |= {f"{w}.lokr_w1": rng.mat(4, 4), f"{w}.lokr_w2": rng.mat(16, 16, s=0.1), f"{w}.alpha": torch.tensor(3.0)}
+    w = "lycoris_transformer_blocks_1_ff_linear_in"
+    sd |= {f"{w}.lokr_w1": rng.mat(4, 4), f"{w}.lokr_w2_a": rng.mat(96, 2, s=0.3), f"{w}.lokr_w2_b": rng.mat(2, 16, s=0.3),
+           f"{w}.alpha": torch.tensor(4.0)}  # fmt: skip
+    w = "lycoris_single_transformer_blocks_0_attn_to_qkv_mlp_proj"
+    sd |= {f"{w}.lokr_w1": rng.mat(4, 4), f"{w}.lokr_w2": rng.mat(144, 16, s=0.1)}
+    save_file(sd, str(path))
+    return None, {}
+
+
+@pytest.mark.parametrize("writer", [mflux_file, swift_file, lycoris_file], ids=["mflux", "flux-2-swift-mlx", "lycoris"])
+def test_other_mac_trainers_files_match_diffusers(ref_pipe, our_pipe, lat, tmp_path, base_image, writer):
+    """mflux and flux-2-swift-mlx files are judged by diffusers loading their diffusers-named twin (same factors,
+    alpha in PEFT's metadata), which is what those names mean in the trainers' own models; SimpleTuner's LyCORIS
+    LoKr is loaded by diffusers itself."""
+    f = tmp_path / "theirs.safetensors"
+    twin, meta = writer(f, Rand(20))
+    ref_file = f
+    if twin is not None:
+        ref_file = tmp_path / "twin.safetensors"
+        save_file({k: v.contiguous() for k, v in twin.items()}, str(ref_file), metadata=meta or None)
+    img, pipe = ours(our_pipe, lat, [f])
+    assert pipe.loras[0].format == ("E" if writer is lycoris_file else "A")
+    check(img, reference(ref_pipe, lat, [ref_file]), base_image)
+
+
 @pytest.mark.parametrize("kind", ["lokr", "single-split"])
 def test_fused_update_equals_numpy_delta(our_pipe, tmp_path, kind):
     """E: delta = factor * kron(w1, w2) on our layers (rows of the fused qkv, the final layer swapped);
@@ -341,7 +421,7 @@ def test_fused_update_equals_numpy_delta(our_pipe, tmp_path, kind):
     expected = (lokr_file if kind == "lokr" else single_split_file)(f, Rand(6))
     pipe = our_pipe
     pipe.set_loras([])
-    model = pipe.transformer.get()
+    model = pipe.component("transformer")
     before = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     pipe.set_loras([(f, 0.5)])
     assert pipe.loras[0].format == ("E" if kind == "lokr" else "A")
@@ -358,7 +438,7 @@ def test_fused_update_equals_numpy_delta(our_pipe, tmp_path, kind):
 
 
 @pytest.mark.parametrize("bits, tolerance", [(8, 0.05), (4, 0.5)])
-def test_quantized_side_path(snap, our_pipe, lat, tmp_path, bits, tolerance):
+def test_quantized_side_path(snapshot, our_pipe, lat, tmp_path, bits, tolerance):
     """A 4/8-bit model keeps every quantized layer packed and adds the LoRA beside it. Judged twice: the image
     against our float fused path within the quantize tests' tolerance, and the transformer against the same
     dequantized weights with the LoRA fused (kernel rounding only), also in low-memory mode."""
@@ -369,13 +449,13 @@ def test_quantized_side_path(snap, our_pipe, lat, tmp_path, bits, tolerance):
     single_split_file(s, Rand(18))  # row blocks of linear1: the low-memory path splits exactly there
     loras = [(a, 0.9), (e, 1.0), (s, 1.1)]
     fused, _ = ours(our_pipe, lat, loras)
-    pipe = flux_klein_mlx.load(snap, dtype="float32", quantize=bits, loras=loras)
-    pipe._prompt_cache = dict(our_pipe._prompt_cache)  # the same embeddings: only the transformer differs
+    pipe = flux_klein_mlx.load(snapshot, dtype="float32", quantize=bits, loras=loras)
+    pipe.remember_prompt(PROMPT, our_pipe.encode_prompts([PROMPT]))  # the same embeddings: only the transformer differs
     img = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
     err = float(np.abs(img - fused).max())
     print(f"{bits}-bit + LoRA image vs float32 fused: max abs {err:.2e}")
     assert err < tolerance
-    model = pipe.transformer.get()
+    model = pipe.component("transformer")
     wrapped = [p for p, m in model.named_modules() if isinstance(m, LoRAQuantizedLinear)]
     assert len(wrapped) >= 10 and not any(type(m).__name__ == "Linear" and p in wrapped for p, m in model.named_modules())
     ref = copy.deepcopy(model)
@@ -396,16 +476,16 @@ def test_quantized_side_path(snap, our_pipe, lat, tmp_path, bits, tolerance):
         assert err < 1e-5
 
 
-def test_unfuse_restores_weights_bit_for_bit_and_set_loras_does_not_reload(snap, our_pipe, lat, tmp_path):
+def test_unfuse_restores_weights_bit_for_bit_and_set_loras_does_not_reload(snapshot, our_pipe, lat, tmp_path):
     a = lora_a(tmp_path / "a.safetensors", Rand(9))
     b = tmp_path / "b.safetensors"
     lora_bfl(b, Rand(10))
     for dtype in ("bfloat16", "float32"):
-        pipe = flux_klein_mlx.load(snap, dtype=dtype)
-        model = pipe.transformer.get()
+        pipe = flux_klein_mlx.load(snapshot, dtype=dtype)
+        model = pipe.component("transformer")
         base = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())}
         pipe.set_loras([a, (b, 0.5)])
-        assert pipe.transformer.get() is model
+        assert pipe.component("transformer") is model
         changed = [k for k, v in tree_flatten(model.parameters()) if not np.array_equal(np.array(v.astype(mx.float32)), base[k])]
         assert len(changed) >= 20
         pipe.set_loras([(b, 1.5)])
@@ -413,34 +493,34 @@ def test_unfuse_restores_weights_bit_for_bit_and_set_loras_does_not_reload(snap,
         after = dict(tree_flatten(model.parameters()))
         assert all(np.array_equal(np.array(after[k].astype(mx.float32)), v) for k, v in base.items()), dtype
     # Between images: the same pixels as a fresh load with those LoRAs.
-    pipe = flux_klein_mlx.load(snap, dtype="float32", loras=[a])
-    pipe._prompt_cache = dict(our_pipe._prompt_cache)
+    pipe = flux_klein_mlx.load(snapshot, dtype="float32", loras=[a])
+    pipe.remember_prompt(PROMPT, our_pipe.encode_prompts([PROMPT]))
     first = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
     pipe.set_loras([(b, 0.5)])
     second = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
     fresh, _ = ours(our_pipe, lat, [(b, 0.5)])
     assert np.array_equal(second, fresh) and not np.array_equal(first, second)
     # A quantized model gets its plain QuantizedLinear layers back.
-    pipe = flux_klein_mlx.load(snap, dtype="float32", quantize=8, loras=[a])
-    model = pipe.transformer.get()
+    pipe = flux_klein_mlx.load(snapshot, dtype="float32", quantize=8, loras=[a])
+    model = pipe.component("transformer")
     pipe.set_loras([])
     assert not any(isinstance(m, LoRAQuantizedLinear) for _, m in model.named_modules())
 
 
-def test_low_memory_reapplies_loras_after_reload(snap, our_pipe, lat, tmp_path):
+def test_low_memory_reapplies_loras_after_reload(snapshot, our_pipe, lat, tmp_path):
     a = lora_a(tmp_path / "a.safetensors", Rand(11))
-    pipe = flux_klein_mlx.load(snap, dtype="float32", low_memory=True, loras=[(a, 0.8)])
-    pipe._prompt_cache = dict(our_pipe._prompt_cache)
+    pipe = flux_klein_mlx.load(snapshot, dtype="float32", low_memory=True, loras=[(a, 0.8)])
+    pipe.remember_prompt(PROMPT, our_pipe.encode_prompts([PROMPT]))
     one = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
-    assert not pipe.transformer.loaded  # released after the denoise
+    assert not pipe.is_loaded("transformer")  # released after the denoise
     two = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
     plain, _ = ours(our_pipe, lat, [(a, 0.8)])
     assert np.array_equal(one, two) and np.abs(one - plain).max() <= 1e-5
     # No copy of the original weights is kept (the transformer reloads for every image); a change releases it.
-    model = pipe.transformer.get()
+    model = pipe.component("transformer")
     assert model.lora_state.fused and not model.lora_state.originals
     pipe.set_loras([])
-    assert not pipe.transformer.loaded and applied_loras(pipe.transformer.get()) == []
+    assert not pipe.is_loaded("transformer") and applied_loras(pipe.component("transformer")) == []
 
 
 # --- refusals: one line, nothing applied ---------------------------------------------------------------
@@ -522,6 +602,79 @@ def test_damaged_incomplete_and_foreign_files(tmp_path):
     refused([bad_meta], r"damaged lora_adapter_metadata header")
 
 
+def kohya(name, out, inp, r=4, alpha=None, **scaled):
+    sd = pair(f"lora_unet_{name}", out, inp, r, down="lora_down", up="lora_up")
+    for role, s in scaled.items():
+        sd[f"lora_unet_{name}.lora_{role}.weight"] *= s
+    if alpha is not None:
+        sd[f"lora_unet_{name}.alpha"] = torch.tensor(alpha)
+    return sd
+
+
+def bad_lora_files(folder):
+    """(name, file or spec, scale, message) for every kind of LoRA file issue 21 lists."""
+    import safetensors.torch
+
+    meta = lambda alpha: {"lora_adapter_metadata": json.dumps({"transformer.lora_alpha": alpha})}  # noqa: E731
+    fp8 = {k: v.to(torch.float8_e4m3fn) for k, v in pair("transformer.proj_out", C, D).items()}
+    safetensors.torch.save_file(fp8, str(folder / "fp8.safetensors"))
+    zero = {"transformer.proj_out.lora_A.weight": torch.zeros(0, D), "transformer.proj_out.lora_B.weight": torch.zeros(C, 0)}
+    lokr = {"double_blocks.0.img_attn.qkv.lokr_w1": torch.ones(4, 4), "double_blocks.0.img_attn.qkv.lokr_w2": torch.ones(48, 17)}
+    return [
+        ("rank 0", write(folder / "r0.safetensors", zero), 1.0, r"r0.safetensors: proj_out has rank 0"),
+        ("alpha nan in metadata", write(folder / "an.safetensors", pair("transformer.proj_out", C, D), meta(float("nan"))),
+         1.0, r"an.safetensors: its metadata gives lora_alpha = nan"),
+        ("alpha inf in .alpha", write(folder / "ai.safetensors", kohya("img_in", D, C, alpha=float("inf"))), 1.0,
+         r"ai.safetensors holds non-finite values \(in lora_unet_img_in.alpha\)"),
+        ("overflow: factors", write(folder / "of.safetensors", kohya("img_in", D, C, up=1e20)), 1.0,
+         r"of.safetensors: its update of img_in reaches .*e\+19 \(scale 1 x alpha/rank 1 x its factors\)"),
+        ("overflow: alpha", write(folder / "oa.safetensors", kohya("img_in", D, C, alpha=4e30)), 1.0,
+         r"oa.safetensors: its update of img_in reaches .* alpha/rank 1e\+30"),
+        ("overflow: scale", write(folder / "os.safetensors", pair("transformer.proj_out", C, D)), 1e38,
+         r"os.safetensors: its update of proj_out reaches .*\(scale 1e\+38"),
+        ("two namings of one layer", write(folder / "two.safetensors", pair("transformer.transformer_blocks.0.attn.to_k", D, D)
+                                           | pair("diffusion_model.double_blocks.0.img_attn.qkv", 3 * D, D)), 1.0,
+         r"two.safetensors updates double_blocks.0.img_attn.qkv twice: double_blocks.0.img_attn.qkv and "
+         r"transformer_blocks.0.attn.to_k name the same weights"),
+        ("mflux and diffusers to_out", write(folder / "out.safetensors", pair("transformer.transformer_blocks.1.attn.to_out", D, D)
+                                             | pair("transformer.transformer_blocks.1.attn.to_out.0", D, D)), 1.0,
+         r"out.safetensors updates double_blocks.1.img_attn.proj twice"),
+        ("one key under two prefixes", write(folder / "dup.safetensors", pair("transformer.proj_out", C, D)
+                                             | pair("proj_out", C, D, down="lora_A.default", up="lora_B.default")), 1.0,
+         r"dup.safetensors holds proj_out's (down|up) matrix twice \(\S*proj_out.lora_[AB]\S* and \S*proj_out"),
+        ("fp8", folder / "fp8.safetensors", 1.0, r"LoRA fp8.safetensors stores fp8 tensors \(F8_E4M3"),
+        ("a folder", folder, 1.0, r"is a folder, not a LoRA file \(it holds ai.safetensors, al.safetensors, an.safetensors, ...\); give the"),
+        ("LoKr factors that do not fit", write(folder / "kr.safetensors", lokr), 1.0,
+         r"kr.safetensors: double_blocks.0.img_attn.qkv has LoKr factors 4x4 and 48x17, whose product is 192x68, "
+         r"but double_blocks.0.img_attn.qkv takes 192x64"),
+        ("a pair for an unknown width", write(folder / "w.safetensors", pair("transformer.transformer_blocks.0.attn.to_q",
+                                                                              D, 65)), 1.0,
+         r"w.safetensors: transformer_blocks.0.attn.to_q updates a 64x65 block, but rows 0-64 of double_blocks.0.img_attn.qkv take 64x64"),
+        ("only .alpha keys", write(folder / "al.safetensors", {"lora_unet_img_in.alpha": torch.tensor(4.0),
+                                                                "lora_unet_txt_in.alpha": torch.tensor(4.0)}), 1.0,
+         r"al.safetensors is incomplete: it holds 2 `.alpha` keys and no LoRA weights"),
+    ]
+
+
+def test_bad_lora_files_refused_naming_the_file(tmp_path):
+    for name, f, scale, match in bad_lora_files(tmp_path):
+        message = refused([(f, scale)], match)
+        assert "hidden size" not in message, (name, message)
+
+
+def test_alpha_zero_or_negative_loads_with_a_warning(tmp_path):
+    zero = write(tmp_path / "zero.safetensors", pair("transformer.proj_out", C, D),
+                 {"lora_adapter_metadata": json.dumps({"transformer.lora_alpha": 0})})
+    with pytest.warns(UserWarning, match=r"LoRA zero.safetensors has alpha 0, which changes nothing, in every module"):
+        (lora,) = load_loras([zero], PARAMS)
+    assert [t.factor for t in lora.terms] == [0.0]
+    neg = write(tmp_path / "neg.safetensors", kohya("img_in", D, C, alpha=-2.0) | kohya("txt_in", D, 96, alpha=2.0))
+    with pytest.warns(UserWarning, match=r"LoRA neg.safetensors has a negative alpha, which subtracts its update, "
+                                         r"in 1 of its 2 modules \(img_in\)"):
+        (lora,) = load_loras([neg], PARAMS)
+    assert sorted(t.factor for t in lora.terms) == [-0.5, 0.5]
+
+
 @pytest.mark.parametrize("scale, match", [(float("nan"), "scale nan is not finite"), (float("inf"), "scale inf is not finite"),
                                           ("strong", "scale 'strong' is not a number")])  # fmt: skip
 def test_bad_scales(tmp_path, scale, match):
@@ -530,18 +683,18 @@ def test_bad_scales(tmp_path, scale, match):
     refused([(f,)], r"has no scale value")
 
 
-def test_a_refused_lora_leaves_the_model_as_it_was(snap, our_pipe, tmp_path):
+def test_a_refused_lora_leaves_the_model_as_it_was(snapshot, our_pipe, tmp_path):
     good = lora_a(tmp_path / "a.safetensors", Rand(12))
     bad = write(tmp_path / "bad.safetensors", pair("transformer.transformer_blocks.9.attn.to_q", D, D))
     our_pipe.set_loras([good])
-    before = {k: np.array(v) for k, v in tree_flatten(our_pipe.transformer.get().parameters())}
+    before = {k: np.array(v) for k, v in tree_flatten(our_pipe.component("transformer").parameters())}
     with pytest.raises(FluxKleinError, match="matches no layer"):
         our_pipe.set_loras([(good, 0.5), bad])
-    after = dict(tree_flatten(our_pipe.transformer.get().parameters()))
+    after = dict(tree_flatten(our_pipe.component("transformer").parameters()))
     assert all(np.array_equal(np.array(after[k]), v) for k, v in before.items())
     assert [(x.name, x.scale) for x in our_pipe.loras] == [("a.safetensors", 1.0)]
     with pytest.raises(FluxKleinError, match="matches no layer"):
-        flux_klein_mlx.load(snap, loras=[bad])  # refused by load() itself, before any model is read
+        flux_klein_mlx.load(snapshot, loras=[bad])  # refused by load() itself, before any model is read
 
 
 # --- the CLI ------------------------------------------------------------------------------------------
@@ -555,7 +708,7 @@ def cli(args, capsys):
     return code, out, err
 
 
-def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snap, tmp_path, capsys, monkeypatch):
+def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snapshot, tmp_path, capsys, monkeypatch):
     import hashlib
 
     import huggingface_hub.constants
@@ -575,11 +728,11 @@ def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snap, tmp_path
     (root / "snapshots" / rev / "kohya.safetensors").write_bytes(k.read_bytes())
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     out = tmp_path / "img.png"
-    code, stdout, err = cli(["--model", str(snap), "--prompt", PROMPT, "--seed", "1", "--width", "64", "--height", "64",
+    code, stdout, err = cli(["--model", str(snapshot), "--prompt", PROMPT, "--seed", "1", "--width", "64", "--height", "64",
                              "--steps", "1", "--dtype", "float32", "--output", str(out), "--lora", str(a),
                              "--lora", "someone/klein-lora", "--lora-scale", "0.7"], capsys)
     assert code == 0, err
-    params = json.loads(Image.open(out).text["parameters"])
+    params = json.loads(Image.open(out).text["flux_klein_mlx"])
     assert params["loras"] == [
         {"name": "style.safetensors", "sha256": hashlib.sha256(a.read_bytes()).hexdigest()[:12], "scale": 0.7},
         {"name": "kohya.safetensors", "sha256": hashlib.sha256(k.read_bytes()).hexdigest()[:12], "scale": 1.0},
@@ -607,7 +760,7 @@ def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snap, tmp_path
         (["--lora", "NINE"], r"was made for FLUX.2 \[klein\] 9B"),
     ],
 )
-def test_cli_bad_loras_one_line_exit_1_no_file(snap, tmp_path, capsys, extra, message):
+def test_cli_bad_loras_one_line_exit_1_no_file(snapshot, tmp_path, capsys, extra, message):
     files = {
         "A": lora_a(tmp_path / "a.safetensors", Rand(15)),
         "NOTHING": write(tmp_path / "n.safetensors", pair("unet.mid.proj", D, D)),
@@ -616,7 +769,7 @@ def test_cli_bad_loras_one_line_exit_1_no_file(snap, tmp_path, capsys, extra, me
     }
     extra = [str(files.get(x, x)) for x in extra]
     out = tmp_path / "img.png"
-    code, stdout, err = cli(["--model", str(snap), "--prompt", "x", "--width", "64", "--height", "64",
+    code, stdout, err = cli(["--model", str(snapshot), "--prompt", "x", "--width", "64", "--height", "64",
                              "--output", str(out), *extra], capsys)
     assert code == 1 and not out.exists()
     lines = err.strip().splitlines()
@@ -628,7 +781,7 @@ def test_cli_bad_loras_one_line_exit_1_no_file(snap, tmp_path, capsys, extra, me
 
 
 @pytest.mark.parametrize("bits, tolerance", [(None, 1e-5), (8, 0.05)])
-def test_convert_bakes_loras_and_records_them(snap, our_pipe, lat, tmp_path, bits, tolerance):
+def test_convert_bakes_loras_and_records_them(snapshot, our_pipe, lat, tmp_path, bits, tolerance):
     """A converted (optionally 8-bit) folder with LoRAs baked in gives the image of the base model with
     the LoRAs applied at load (float: to float rounding; 8-bit: within the quantize tests' tolerance)."""
     import hashlib
@@ -639,7 +792,7 @@ def test_convert_bakes_loras_and_records_them(snap, our_pipe, lat, tmp_path, bit
     k = tmp_path / "k.safetensors"
     lora_kohya(k, Rand(17))
     out = tmp_path / "baked"
-    config = convert_model(snap, out, dtype="float32", bits=bits, loras=[(a, 0.7), k])
+    config = convert_model(snapshot, out, dtype="float32", bits=bits, loras=[(a, 0.7), k])
     assert config["loras"] == [
         {"name": "a.safetensors", "sha256": hashlib.sha256(a.read_bytes()).hexdigest()[:12], "scale": 0.7},
         {"name": "k.safetensors", "sha256": hashlib.sha256(k.read_bytes()).hexdigest()[:12], "scale": 1.0},
@@ -647,37 +800,37 @@ def test_convert_bakes_loras_and_records_them(snap, our_pipe, lat, tmp_path, bit
     assert json.loads((out / "config.json").read_text())["loras"] == config["loras"]
     want, _ = ours(our_pipe, lat, [(a, 0.7), k])
     pipe = flux_klein_mlx.load(out, dtype="float32")
-    pipe._prompt_cache = dict(our_pipe._prompt_cache)  # the same embeddings: only the transformer differs
+    pipe.remember_prompt(PROMPT, our_pipe.encode_prompts([PROMPT]))  # the same embeddings: only the transformer differs
     got = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
     err = float(np.abs(got - want).max())
     print(f"convert --lora (bits={bits}) vs LoRAs at load: max abs {err:.2e}")
     assert err <= tolerance
 
 
-def test_convert_lora_bad_input_writes_nothing(snap, tmp_path, capsys):
+def test_convert_lora_bad_input_writes_nothing(snapshot, tmp_path, capsys):
     from flux_klein_mlx.__main__ import main
 
     bad = write(tmp_path / "bad.safetensors", pair("transformer.transformer_blocks.9.attn.to_q", D, D))
     for extra, message in (([str(bad)], "matches no layer"), ([str(bad), "--lora-scale", "1", "--lora-scale", "2"],
                                                             "--lora-scale is given 2 times")):
         out = tmp_path / "out"
-        code = main(["convert", "--model", str(snap), "--output", str(out), "--lora", *extra])
+        code = main(["convert", "--model", str(snapshot), "--output", str(out), "--lora", *extra])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 1 and not out.exists() and len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
         assert not list(tmp_path.glob("out*"))
 
 
-def test_side_path_on_a_converted_quantized_folder(snap, our_pipe, lat, tmp_path):
+def test_side_path_on_a_converted_quantized_folder(snapshot, our_pipe, lat, tmp_path):
     """A 4-bit converted folder takes LoRAs the same way as quantizing at load: the same image."""
     from flux_klein_mlx.convert import convert_model
 
     out = tmp_path / "q4"
-    convert_model(snap, out, dtype="float32", bits=4)
+    convert_model(snapshot, out, dtype="float32", bits=4)
     a = lora_a(tmp_path / "a.safetensors", Rand(19))
     images = []
-    for model, kw in ((out, {}), (snap, {"quantize": 4})):
+    for model, kw in ((out, {}), (snapshot, {"quantize": 4})):
         pipe = flux_klein_mlx.load(model, dtype="float32", loras=[(a, 1.2)], **kw)
-        pipe._prompt_cache = dict(our_pipe._prompt_cache)
+        pipe.remember_prompt(PROMPT, our_pipe.encode_prompts([PROMPT]))
         images.append(pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np"))
-        assert any(isinstance(m, LoRAQuantizedLinear) for _, m in pipe.transformer.get().named_modules())
+        assert any(isinstance(m, LoRAQuantizedLinear) for _, m in pipe.component("transformer").named_modules())
     assert np.abs(images[0] - images[1]).max() <= 1e-5

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.noise import initial_noise, seed_for_image, torch_randn
+from flux_klein_mlx.sampling import initial_noise, seed_for_image, torch_randn
+from refs import diffusers_pipeline, picture
 
 SEEDS = [0, 1, 42, 2**31 - 1, 2**32 + 5]
 # (1, 128, H/16, W/16) latents of 64x64 ... 1024x1024 px images and non-square ones.
@@ -79,41 +80,11 @@ def test_unknown_noise_kind():
 # ---- end to end by seed alone: no injected latents on either side -----------------------------
 
 
-@pytest.fixture(scope="module")
-def distilled(tmp_path_factory):
-    from tiny_model import shared_tiny_snapshot
-
-    return shared_tiny_snapshot(tmp_path_factory, distilled=True)
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    from tiny_model import shared_tiny_snapshot
-
-    return shared_tiny_snapshot(tmp_path_factory, distilled=False)
-
-
-def picture(w, h, seed=0):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    small = (rng.random((max(h // 16, 2), max(w // 16, 2), 3)) * 255).astype(np.uint8)
-    return Image.fromarray(small).resize((w, h), Image.Resampling.BILINEAR)
-
-
-_REFERENCE_PIPES: dict = {}  # snapshot path -> diffusers pipeline, loaded once per session
-
-
 def by_seed(path, seed, **kwargs):
     """diffusers' Flux2KleinPipeline with a CPU generator seeded `seed`, and ours with `seed` alone."""
-    from diffusers import Flux2KleinPipeline
-
     import flux_klein_mlx
 
-    if path not in _REFERENCE_PIPES:
-        _REFERENCE_PIPES[path] = Flux2KleinPipeline.from_pretrained(path, dtype=torch.float32)
-        _REFERENCE_PIPES[path].set_progress_bar_config(disable=True)
-    ref = _REFERENCE_PIPES[path]
+    ref = diffusers_pipeline(path)
     theirs_kw = dict(prompt=kwargs["prompt"], num_inference_steps=kwargs["steps"], output_type="np",
                      generator=torch.Generator("cpu").manual_seed(seed))
     for ours_name, their_name in (("width", "width"), ("height", "height"), ("images", "image"),
@@ -154,4 +125,4 @@ def test_mlx_noise_gives_a_different_image(distilled):
     pipe = flux_klein_mlx.load(distilled, dtype="float32")
     a = pipe.generate("x", width=64, height=64, seed=1, output_type="np")
     b = pipe.generate("x", width=64, height=64, seed=1, noise="mlx", output_type="np")
-    assert pipe.last_stats["noise"] == "mlx" and not np.allclose(a, b, atol=1e-3)
+    assert pipe.last_metadata["noise"] == "mlx" and not np.allclose(a, b, atol=1e-3)

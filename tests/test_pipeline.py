@@ -15,43 +15,15 @@ from PIL import Image
 
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
-from tiny_model import LATENT_CHANNELS, shared_tiny_snapshot
+from refs import diffusers_pipeline, noise, picture
+from tiny_model import LATENT_CHANNELS
 
 C = 4 * LATENT_CHANNELS  # transformer token channels
 
 
-@pytest.fixture(scope="module")
-def distilled(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=True)
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=False)
-
-
-def reference_pipe(path):
-    from diffusers import Flux2KleinPipeline
-
-    pipe = Flux2KleinPipeline.from_pretrained(path, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def noise(h, w, seed=0):
-    return np.random.default_rng(seed).standard_normal((1, C, h // 16, w // 16)).astype(np.float32)
-
-
-def picture(w, h, seed=0):
-    """A smooth random RGB picture, so the VAE sees image-like input."""
-    rng = np.random.default_rng(seed)
-    small = (rng.random((max(h // 16, 2), max(w // 16, 2), 3)) * 255).astype(np.uint8)
-    return Image.fromarray(small).resize((w, h), Image.Resampling.BILINEAR)
-
-
 def run_both(path, prompt, *, width=None, height=None, steps=4, images=None, guidance=None,
              negative_prompt=None, out_hw=None):
-    ref = reference_pipe(path)
+    ref = diffusers_pipeline(path)
     h, w = out_hw or (height, width)
     lat = noise(h, w)
     kwargs = dict(prompt=prompt, height=height, width=width, num_inference_steps=steps, output_type="np",
@@ -112,16 +84,16 @@ def test_stream_yields_every_step_and_stats(distilled):
     assert [e.step for e in events if e.stage == "denoise"] == [1, 2, 3, 4]
     stats = events[-1].stats
     for stage in ("encode", "denoise", "decode"):
-        assert stats[stage]["seconds"] > 0 and stats[stage]["peak_memory"] > 0
+        assert getattr(stats, stage).seconds > 0 and getattr(stats, stage).peak_memory > 0
     assert isinstance(events[-1].image, Image.Image) and events[-1].image.size == (64, 64)
     # The text encoder was released after encoding; the prompt's embeddings are cached.
-    assert not pipe.text_encoder.loaded and pipe.transformer.loaded
+    assert not pipe.is_loaded("text_encoder") and pipe.is_loaded("transformer")
 
 
 def test_seed_reproducible_and_low_memory_staging(distilled):
     pipe = flux_klein_mlx.load(distilled, dtype="float32", low_memory=True)
     a = pipe.generate("a boat", width=64, height=64, seed=11, output_type="np")
-    assert not pipe.transformer.loaded and not pipe.text_encoder.loaded  # both released
+    assert not pipe.is_loaded("transformer") and not pipe.is_loaded("text_encoder")  # both released
     b = pipe.generate("a boat", width=64, height=64, seed=11, output_type="np")
     c = pipe.generate("a boat", width=64, height=64, seed=12, output_type="np")
     assert np.array_equal(a, b) and not np.array_equal(a, c)
@@ -175,8 +147,12 @@ def test_bad_reference_images(distilled, tmp_path):
 def test_non_finite_values_are_reported(distilled):
     pipe = flux_klein_mlx.load(distilled, dtype="float32")
     lat = noise(64, 64)
-    lat[0, 0, 0, 0] = np.nan
+    model = pipe.component("transformer")
+    model.final_layer.linear.weight = model.final_layer.linear.weight * float("nan")  # a damaged weight
     with pytest.raises(FluxKleinError, match="non-finite values appeared at denoising step 1"):
+        pipe.generate("x", width=64, height=64, latents=lat)
+    lat[0, 0, 0, 0] = np.nan  # non-finite given noise is refused before any step, not blamed on the weights
+    with pytest.raises(FluxKleinError, match="latents hold NaN or infinity"):
         pipe.generate("x", width=64, height=64, latents=lat)
 
 
@@ -207,10 +183,58 @@ def test_quantize_at_load(distilled, tmp_path, bits, tolerance):
                                                                     output_type="np")
     pipe = flux_klein_mlx.load(distilled, dtype="float32", quantize=bits)
     at_load = pipe.generate("a boat", width=64, height=64, latents=lat, output_type="np")
-    assert pipe.quantization["bits"] == bits and is_quantized(pipe.transformer.get())
+    assert pipe.quantization["bits"] == bits and is_quantized(pipe.component("transformer"))
     assert 0 < np.abs(plain - at_load).max() < tolerance
     out = tmp_path / f"q{bits}"
     convert_model(distilled, out, dtype="float32", bits=bits)
     stored = flux_klein_mlx.load(out, dtype="float32").generate("a boat", width=64, height=64, latents=lat,
                                                                output_type="np")
     assert np.abs(stored - at_load).max() <= 1e-5
+
+
+# --- the run's nouns: settings, inputs, memory plan ------------------------------------------------------
+
+
+def test_references_are_read_and_encoded_once_per_batch(distilled, tmp_path, monkeypatch):
+    """`generate -n 2 --image R`: R is decoded once (before any model runs) and VAE-encoded once."""
+    import flux_klein_mlx.inputs as inputs_module
+    from flux_klein_mlx.__main__ import main
+    from flux_klein_mlx.vae import AutoEncoder
+
+    ref = tmp_path / "ref.png"
+    picture(64, 64, 3).save(ref)
+    opened, encoded = [], []
+    real_open, real_encode = inputs_module.open_image, AutoEncoder.encode_to_tokens
+    monkeypatch.setattr(inputs_module, "open_image", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
+    monkeypatch.setattr(AutoEncoder, "encode_to_tokens", lambda self, x: encoded.append(x.shape) or real_encode(self, x))
+    args = ["generate", "-m", str(distilled), "-p", "x", "-i", str(ref), "-n", "2", "--seed", "1", "--steps", "1",
+            "--dtype", "float32", "-o", str(tmp_path / "out.png")]
+    assert main(args) == 0
+    assert opened == [str(ref)] and len(encoded) == 1
+
+
+def test_memory_plan_parts_can_be_chosen_alone(distilled):
+    from flux_klein_mlx.pipeline import MemoryPlan
+
+    assert MemoryPlan.of(True) == MemoryPlan(True, True, True, True) and MemoryPlan.of(False) == MemoryPlan()
+    lat = noise(64, 64)
+    whole = flux_klein_mlx.load(distilled, dtype="float32").generate("x", width=64, height=64, latents=lat,
+                                                                      output_type="np")
+    tiled = flux_klein_mlx.load(distilled, dtype="float32", low_memory=MemoryPlan(tiled_decode=True))
+    image = tiled.generate("x", width=64, height=64, latents=lat, output_type="np")
+    assert tiled.is_loaded("transformer") and tiled.is_loaded("vae")  # nothing released: only the decode is tiled
+    np.testing.assert_allclose(image, whole, atol=1e-5)
+    with pytest.raises(FluxKleinError, match="low_memory must be True, False or a MemoryPlan"):
+        flux_klein_mlx.load(distilled, low_memory="yes")
+
+
+def test_settings_are_declared_once_and_checked_once(distilled):
+    pipe = flux_klein_mlx.load(distilled, dtype="float32")
+    with pytest.raises(FluxKleinError, match="unknown setting 'stpes'; the settings are"):
+        pipe.generate("x", stpes=3)
+    stream = pipe.stream("x", width=64, height=64, steps=2, seed=1)
+    next(stream)  # the run is open
+    with pytest.raises(FluxKleinError, match="while a stream"):
+        pipe.set_loras([])
+    stream.close()
+    pipe.set_loras([])  # closed: allowed again

@@ -14,15 +14,10 @@ import torch
 from PIL import Image
 
 import flux_klein_mlx
-from flux_klein_mlx.preview import FLUX2_RGB_FACTORS, LatentPreview, flux2_preview, preview_for, unpatchify_tokens
-from tiny_model import LATENT_CHANNELS, shared_tiny_snapshot
+from flux_klein_mlx.output import FLUX2_RGB_FACTORS, LatentPreview, flux2_preview, preview_for, unpatchify_tokens
+from tiny_model import LATENT_CHANNELS
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def snapshot(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory)
 
 
 def test_token_channel_order_matches_diffusers_patchify():
@@ -48,6 +43,15 @@ def test_published_flux2_map_renders_uint8_at_latent_resolution():
         p.render(np.zeros((1, 4, 64), np.float32), 2, 2)
 
 
+def test_render_takes_bfloat16_mlx_tokens():
+    """The default dtype: every step preview of a bf16 run is a bf16 MLX array (issue 21: this crashed)."""
+    import mlx.core as mx
+
+    tokens = mx.array(np.random.default_rng(1).standard_normal((1, 4 * 6, 128)).astype(np.float32)).astype(mx.bfloat16)
+    p = flux2_preview()
+    np.testing.assert_array_equal(p.render(tokens, 4, 6), p.render(np.array(tokens.astype(mx.float32)), 4, 6))
+
+
 def test_fit_script_on_the_tiny_vae_beats_a_constant_colour(snapshot, capsys):
     spec = importlib.util.spec_from_file_location("fit_preview", ROOT / "benchmarks" / "fit_preview.py")
     script = importlib.util.module_from_spec(spec)
@@ -67,7 +71,7 @@ def test_pipeline_denoised_estimate_and_fitted_map(snapshot):
     steps = [e for e in events if e.stage == "denoise"]
     assert all(e.grid == (6, 4) and e.denoised.shape == (1, 24, 4 * LATENT_CHANNELS) for e in steps)
     # After the last step the clean-latent estimate is the final latent: decoding it gives the image.
-    vae = pipe.vae.get()
+    vae = pipe.component("vae")
     decoded = np.array(mx.clip(vae.decode_tokens(steps[-1].denoised, 6, 4)[0] / 2 + 0.5, 0, 1))
     np.testing.assert_allclose(decoded, events[-1].image, atol=1e-5)
     preview = preview_for(vae)  # 8 latent channels: fitted to this VAE at load

@@ -16,7 +16,6 @@ import pytest
 from mlx.utils import tree_flatten
 from refs import load_folder_component, rel_err
 from test_convert import leftovers, run_cli, text_encoder_outputs, transformer_outputs
-from tiny_model import shared_tiny_snapshot
 
 from flux_klein_mlx.convert import convert_model
 from flux_klein_mlx.loading import COMPONENTS
@@ -27,7 +26,6 @@ from flux_klein_mlx.quantize import (
     dequantize_model,
     quantize_model,
 )
-from flux_klein_mlx.transformer import FluxKleinParams
 from flux_klein_mlx.weights import load_into, read_safetensors, read_weight_files, save_safetensors_sharded
 
 
@@ -106,11 +104,6 @@ def test_quantized_equals_dequantized_weights():
 
 
 # --- the tiny snapshot -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def snapshot(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

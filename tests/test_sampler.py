@@ -7,7 +7,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 
 import mlx.core as mx
-from flux_klein_mlx.sampler import FluxSampler, empirical_mu
+from flux_klein_mlx.sampling import empirical_mu, euler_step, initial_noise, schedule
 
 
 def reference_sigmas(seq_len: int, steps: int) -> np.ndarray:
@@ -25,7 +25,7 @@ def reference_sigmas(seq_len: int, steps: int) -> np.ndarray:
 @pytest.mark.parametrize("steps", [1, 4, 28, 50])
 def test_schedule_matches_diffusers(seq_len, steps):
     assert abs(empirical_mu(seq_len, steps) - compute_empirical_mu(seq_len, steps)) < 1e-9
-    ours = np.array(FluxSampler().timesteps(seq_len, steps))
+    ours = np.array(schedule(seq_len, steps))
     theirs = reference_sigmas(seq_len, steps)
     assert ours.shape == theirs.shape == (steps + 1,)
     assert np.abs(ours - theirs).max() <= 1e-6
@@ -34,7 +34,7 @@ def test_schedule_matches_diffusers(seq_len, steps):
 
 def test_schedule_spec_values():
     # reference-spec 7.1, 1024^2, 4 steps
-    np.testing.assert_allclose(FluxSampler.klein().timesteps(4096), [1, 0.967384, 0.908144, 0.767200, 0], atol=1e-6)
+    np.testing.assert_allclose(schedule(4096, 4), [1, 0.967384, 0.908144, 0.767200, 0], atol=1e-6)
 
 
 def test_euler_step_matches_diffusers():
@@ -45,19 +45,19 @@ def test_euler_step_matches_diffusers():
     sched.set_begin_index(0)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 64, 128)).astype(np.float32)
-    sigmas = FluxSampler().timesteps(64, 4)
+    sigmas = schedule(64, 4)
     xt, xm = torch.from_numpy(x), mx.array(x)
     for i, t in enumerate(sched.timesteps):
         v = rng.standard_normal(x.shape).astype(np.float32)
         xt = sched.step(torch.from_numpy(v), t, xt, return_dict=False)[0]
-        xm = FluxSampler.step(xm, mx.array(v), sigmas[i], sigmas[i + 1])
+        xm = euler_step(xm, mx.array(v), sigmas[i], sigmas[i + 1])
     assert np.abs(np.array(xm) - xt.numpy()).max() < 1e-5
 
 
 def test_prior_is_seeded():
-    a = FluxSampler.sample_prior((1, 128, 4, 6), seed=7)
-    b = FluxSampler.sample_prior((1, 128, 4, 6), seed=7)
-    c = FluxSampler.sample_prior((1, 128, 4, 6), seed=8)
+    a = initial_noise((1, 128, 4, 6), 7)
+    b = initial_noise((1, 128, 4, 6), 7)
+    c = initial_noise((1, 128, 4, 6), 8)
     assert np.array_equal(np.array(a), np.array(b))
     assert not np.array_equal(np.array(a), np.array(c))
     assert abs(float(a.std()) - 1.0) < 0.2

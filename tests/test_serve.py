@@ -8,9 +8,11 @@ must decode to exactly that image. Every loop is bounded in count and time.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import socket
 import struct
@@ -33,7 +35,8 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("multipart")
 
 import flux_klein_mlx  # noqa: E402
-from tiny_model import shared_tiny_snapshot  # noqa: E402
+from flux_klein_mlx.output import a1111_parameters  # noqa: E402
+from refs import picture  # noqa: E402
 
 KEY = "test-key-123"
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,11 +90,6 @@ class Server:
         raise AssertionError("the server did not become idle")
 
 
-@pytest.fixture(scope="module")
-def snapshot(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory)
-
-
 def write_style_lora(folder: Path) -> Path:
     """A random diffusers/PEFT LoRA on the tiny transformer's first double block (q and the MLP)."""
     from safetensors.numpy import save_file
@@ -115,17 +113,15 @@ def lora_dir(tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="module")
-def server(snapshot, lora_dir, tmp_path_factory):
-    save_dir = tmp_path_factory.mktemp("saved")
+def start_server(model, args, tmp_path_factory, save_dir=None):
+    """`serve` in a subprocess on a free port; yields a ready `Server`, stops it afterwards."""
     port = free_port()
-    cmd = [sys.executable, "-m", "flux_klein_mlx", "serve", "--model", str(snapshot), "--dtype", "float32",
-           "--port", str(port), "--api-key", KEY, "--queue", "4", "--save-dir", str(save_dir),
-           "--max-upload-mb", "2", "--model-id", "klein-tiny", "--lora-dir", str(lora_dir)]
+    cmd = [sys.executable, "-m", "flux_klein_mlx", "serve", "--model", str(model), "--port", str(port), *args]
     log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     srv = Server(proc, port, save_dir)
+    srv.log = Path(log.name)
     deadline = time.monotonic() + 90
     while True:
         assert proc.poll() is None, "server exited: " + Path(log.name).read_text()
@@ -147,6 +143,14 @@ def server(snapshot, lora_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def server(snapshot, lora_dir, tmp_path_factory):
+    save_dir = tmp_path_factory.mktemp("saved")
+    yield from start_server(snapshot, ["--dtype", "float32", "--api-key", KEY, "--queue", "4", "--save-dir",
+                                       str(save_dir), "--max-upload-mb", "2", "--model-id", "klein-tiny",
+                                       "--lora-dir", str(lora_dir)], tmp_path_factory, save_dir)
+
+
+@pytest.fixture(scope="module")
 def pipe(snapshot):
     return flux_klein_mlx.load(snapshot, dtype="float32")
 
@@ -155,12 +159,6 @@ def decode(b64: str) -> Image.Image:
     im = Image.open(io.BytesIO(base64.b64decode(b64)))
     im.load()
     return im
-
-
-def picture(w, h, seed=0) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    small = (rng.random((max(h // 16, 2), max(w // 16, 2), 3)) * 255).astype(np.uint8)
-    return Image.fromarray(small).resize((w, h), Image.Resampling.BILINEAR)
 
 
 def png(im: Image.Image) -> bytes:
@@ -185,10 +183,12 @@ def test_generate_matches_the_pipeline(server, pipe):
     for k, item in enumerate(res.data):
         im = decode(item.b64_json)
         assert im.format == "PNG" and im.size == (96, 64)
-        assert im.text["seed"] == str(11 + k) and im.text["prompt"] == "a red fox in fresh snow"
-        assert json.loads(im.text["parameters"])["steps"] == 3
+        record = json.loads(im.text["flux_klein_mlx"])
+        assert record["seed"] == 11 + k and record["prompt"] == "a red fox in fresh snow" and record["steps"] == 3
         ours = pipe.generate("a red fox in fresh snow", width=96, height=64, seed=11 + k, steps=3)
         np.testing.assert_array_equal(np.asarray(im.convert("RGB")), np.asarray(ours))
+        assert record == pipe.last_metadata  # one schema: the same request says the same from every door
+        assert im.text["parameters"] == a1111_parameters(record)
     saved = sorted(server.save_dir.glob("*.png"))
     assert len(saved) >= 2 and all(len(p.stem) == len("20260101-120000-") + 12 for p in saved)
 
@@ -245,7 +245,7 @@ def test_edit_with_references_matches_the_pipeline(server, pipe):
         prompt="the cat from the first in the room of the second", size="64x64",
         extra_body={"seed": 5, "steps": 2})
     im = decode(res.data[0].b64_json)
-    assert im.size == (64, 64) and im.text["references"] == "2"
+    assert im.size == (64, 64) and len(json.loads(im.text["flux_klein_mlx"])["references"]) == 2
     ours = pipe.generate("the cat from the first in the room of the second", width=64, height=64, seed=5, steps=2,
                          images=refs)
     np.testing.assert_array_equal(np.asarray(im.convert("RGB")), np.asarray(ours))
@@ -287,11 +287,12 @@ def test_client_disconnect_cancels_between_steps(server):
 
 
 def test_worker_refuses_while_loading_and_when_full(snapshot):
+    from flux_klein_mlx.inputs import RunSettings
     from flux_klein_mlx.jobs import ImageRequest, NotReady, QueueFull, Worker
 
     gate = threading.Event()
 
-    def loader(loras):
+    def loader():
         assert gate.wait(60)
         return flux_klein_mlx.load(snapshot, dtype="float32")
 
@@ -300,16 +301,16 @@ def test_worker_refuses_while_loading_and_when_full(snapshot):
     worker.start()
     try:
         with pytest.raises(NotReady, match="still loading"):  # HTTP 503
-            worker.submit(ImageRequest("x", width=64, height=64, steps=50), events.append)
+            worker.submit(ImageRequest(RunSettings("x", width=64, height=64, steps=50)), events.append)
         gate.set()
         assert worker.wait_ready(60)
-        job = worker.submit(ImageRequest("x", width=64, height=64, steps=50), events.append)  # idle: runs
+        job = worker.submit(ImageRequest(RunSettings("x", width=64, height=64, steps=50)), events.append)  # idle: runs
         deadline = time.monotonic() + 60
         while not any(e.kind == "step" for e in events):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         with pytest.raises(QueueFull, match="queue is full"):  # HTTP 429: one running, none may wait
-            worker.submit(ImageRequest("y"), events.append)
+            worker.submit(ImageRequest(RunSettings("y")), events.append)
         job.cancel()
         while not any(e.kind in ("done", "cancelled") for e in events):
             assert time.monotonic() < deadline
@@ -337,7 +338,8 @@ def test_sixteen_concurrent_clients(server):
             try:
                 res = client.images.generate(prompt=prompt, size="64x64", extra_body={"seed": seed, "steps": 2})
                 im = decode(res.data[0].b64_json)
-                results[i, j] = ("ok", im.text["prompt"] == prompt and im.text["seed"] == str(seed))
+                record = json.loads(im.text["flux_klein_mlx"])
+                results[i, j] = ("ok", record["prompt"] == prompt and record["seed"] == seed)
             except openai.RateLimitError as e:
                 results[i, j] = ("429", e.status_code == 429 and "queue is full" in e.message)
             except Exception as e:  # noqa: BLE001: recorded and failed below
@@ -405,7 +407,14 @@ BAD_JSON = [
     ("a path as image", {**GOOD, "image": "/etc/passwd"}, None, 400, "never reads files by path"),
     ("a path as LoRA", {**GOOD, "loras": ["../../etc/passwd"]}, None, 400, "never a path"),
     ("steps not a number", {**GOOD, "steps": "many"}, None, 400, "steps must be a whole number"),
+    ("lone surrogate in the prompt", {**GOOD, "prompt": "a \ud800 fox"}, None, 400, "is a lone surrogate U+D800"),
     ("unknown model", {**GOOD, "model": "dall-e-3"}, None, 404, "is not served here"),
+    ("empty prompt", {**GOOD, "prompt": "  "}, None, 400, "the prompt is empty: describe the image to make"),
+    ("nine LoRAs", {**GOOD, "loras": ["style"] * 9}, None, 400, "a request may name at most 8"),
+    ("a LoRA named twice", {**GOOD, "loras": ["style", "style:0.5"]}, None, 400, "LoRA 'style' is named twice"),
+    ("partial_images over 3", {**GOOD, "partial_images": 4}, None, 400, "partial_images must be between 0 and 3"),
+    ("deeply nested JSON", b'{"prompt": "x", "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, 400,
+     "nests JSON too deeply"),
     ("missing API key", GOOD, {"Authorization": ""}, 401, "missing API key"),
     ("wrong API key", GOOD, {"Authorization": "Bearer nope"}, 401, "invalid API key"),
 ]
@@ -461,6 +470,92 @@ def test_openai_client_sees_errors_as_exceptions(server):
     assert code == 404 and body["error"]["message"] == "no route GET /v1/nothing; see GET /v1/status"
 
 
+def test_a_refused_lora_request_keeps_the_pipeline(server, lora_dir):
+    """A damaged file in --lora-dir: that request gets its 400 (naming the file, no server path), the
+    loaded pipeline stays: /v1/status says ready and the next request with a good LoRA is answered."""
+    broken = lora_dir / "broken.safetensors"
+    broken.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    try:
+        client = server.client()
+        with pytest.raises(openai.BadRequestError) as e:
+            client.images.generate(prompt="a fox", size="64x64", extra_body={"steps": 1, "loras": ["broken"]})
+        message = e.value.body["message"]
+        assert "broken.safetensors" in message and str(lora_dir) not in message and "\n" not in message
+        assert server.status()["state"] == "ready"
+        assert re.search(r"^request [0-9a-f]{8}: generations 64x64, 1 steps, n=1 -> 400 LoRA broken\.safetensors",
+                         server.log.read_text(), re.M)
+        res = client.images.generate(prompt="a fox", size="64x64", extra_body={"seed": 2, "steps": 1,
+                                                                                "loras": ["style:0.8"]})
+        assert json.loads(decode(res.data[0].b64_json).text["flux_klein_mlx"])["loras"][0]["scale"] == 0.8
+    finally:
+        broken.unlink()
+
+
+def test_a_lost_save_dir_costs_a_warning_never_the_image(server, monkeypatch, tmp_path):
+    """--save-dir removed while serving: the client still gets its image, the log a warning, the folder
+    nothing; a full disk (ENOSPC half-way through the write) leaves no partial file. The log says
+    "model loaded in X s" and one line per request (id, size, steps, n, outcome, seconds)."""
+    from flux_klein_mlx.api import Server as App
+    from flux_klein_mlx.api import ServerOptions
+
+    away = server.save_dir.with_name(server.save_dir.name + "-away")
+    server.save_dir.rename(away)
+    try:
+        res = server.client().images.generate(prompt="a kept fox", size="64x64", extra_body={"seed": 3, "steps": 1})
+        assert decode(res.data[0].b64_json).size == (64, 64)
+    finally:
+        away.rename(server.save_dir)
+    log = server.log.read_text()
+    assert "model loaded in " in log and "warning: a result was not saved to --save-dir: cannot write " in log
+    assert re.search(r"^request [0-9a-f]{8}: generations 64x64, 1 steps, n=1 -> 200 in \d+\.\d\d s$", log, re.M), log
+
+    lines: list[str] = []
+    app = App(None, ServerOptions(save_dir=tmp_path, log=lines.append))
+    real = Path.write_bytes
+
+    def disk_full(path, data):
+        real(path, data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", disk_full)
+    app.save(b"\x89PNG" + bytes(100), "0" * 32)
+    assert list(tmp_path.iterdir()) == [] and len(lines) == 1 and "(No space left on device)" in lines[0]
+
+
+def test_error_bodies_show_no_server_path():
+    from flux_klein_mlx.forms import ApiError
+
+    body = ApiError(400, "LoRA /Users/me/loras/x.safetensors: cannot read /private/tmp/m/vae/w.safetensors, "
+                         "see GET /v1/status").body()
+    assert body["error"]["message"] == "LoRA x.safetensors: cannot read w.safetensors, see GET /v1/status"
+
+
+def test_serve_fails_cleanly_at_start(snapshot, tmp_path, capsys, monkeypatch):
+    """A busy port, a missing model, a broken --lora: one line and exit 1 before "serving"; a load that
+    fails after it ends `serve` with one line too (the worker's load fails; the server stops)."""
+    from flux_klein_mlx.__main__ import main
+    from flux_klein_mlx.pipeline import FluxKleinPipeline
+
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"not a LoRA")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for extra, words in (([], f"port {port} on 127.0.0.1 is already in use"),
+                             (["--model", str(tmp_path / "nothing"), "--port", str(free_port())], "not found"),
+                             (["--lora", str(broken), "--port", str(free_port())], "broken.safetensors")):  # fmt: skip
+            code = main(["serve", "--model", str(snapshot), "--port", str(port), *extra])
+            err = capsys.readouterr().err
+            assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+            assert words in err and "serving" not in err
+    monkeypatch.setattr(FluxKleinPipeline, "preview_map", lambda self: (_ for _ in ()).throw(RuntimeError("no memory")))
+    code = main(["serve", "--model", str(snapshot), "--port", str(free_port()), "--dtype", "float32"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and "serving" in lines[0], lines
+    assert lines[-1] == "error: the model failed to load: RuntimeError: no memory" and len(lines) == 2, lines
+
+
 def test_non_loopback_host_requires_api_key(snapshot):
     r = subprocess.run([sys.executable, "-m", "flux_klein_mlx", "serve", "--model", str(snapshot), "--host",
                         "0.0.0.0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -474,57 +569,188 @@ def chromium() -> tuple[str, str] | None:
     return (browser, driver) if browser and driver else None
 
 
-@pytest.mark.skipif(chromium() is None, reason="headless Chromium is not installed "
-                    "(apt-get install chromium chromium-driver; .ci/run does this)")
-def test_page_generates_with_preview_and_history(server, tmp_path):
+needs_chromium = pytest.mark.skipif(chromium() is None, reason="headless Chromium is not installed "
+                                    "(apt-get install chromium chromium-driver; .ci/run does this)")
+
+
+@contextlib.contextmanager
+def browser(tmp_path, width=1280, height=900):
+    """A headless Chromium with its own profile (so storage survives reloads within a test)."""
     pytest.importorskip("selenium")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
 
-    browser, driver_path = chromium()
+    path, driver_path = chromium()
     opts = webdriver.ChromeOptions()
-    opts.binary_location = browser
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--no-first-run", "--disable-extensions", f"--user-data-dir={tmp_path / 'profile'}"):
+    opts.binary_location = path
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--no-first-run",
+                "--disable-extensions", f"--window-size={width},{height}", f"--user-data-dir={tmp_path / 'profile'}"):
         opts.add_argument(arg)
     driver = webdriver.Chrome(service=Service(driver_path), options=opts)
     try:
         driver.set_page_load_timeout(30)
-        driver.get(server.url + "/")
-        wait = WebDriverWait(driver, 60, poll_frequency=0.2)
-        # The server wants a key: the page asks for it.
-        wait.until(lambda d: d.find_element(By.ID, "key-row").is_displayed())
-        driver.find_element(By.ID, "apikey").send_keys(KEY)
-        for field, value in (("prompt", "a fox in the browser"), ("width", "64"), ("height", "64"),
-                             ("seed", "7"), ("steps", "3")):
-            el = driver.find_element(By.ID, field)
-            el.clear()
-            el.send_keys(value)
-        driver.find_element(By.ID, "generate").click()
-        wait.until(lambda d: d.find_element(By.ID, "result").is_displayed())
-        preview = driver.find_element(By.ID, "preview")
-        assert preview.is_displayed() and preview.get_attribute("src").startswith("data:image/png;base64,")
-        assert driver.find_element(By.ID, "progress").get_attribute("value") == "3"
-        result = driver.find_element(By.ID, "result")
-        assert driver.execute_script("return arguments[0].naturalWidth", result) == 64
-        meta = driver.find_element(By.ID, "meta").text
-        assert "seed: 7" in meta and "prompt: a fox in the browser" in meta
-        # A reference image (through the drop zone's file input) makes it an edit.
-        ref = tmp_path / "ref.png"
-        picture(64, 64, 9).save(ref)
-        driver.find_element(By.ID, "refs-file").send_keys(str(ref))
-        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#refs img")) == 1)
-        driver.find_element(By.ID, "seed").clear()
-        driver.find_element(By.ID, "seed").send_keys("8")
-        driver.find_element(By.ID, "generate").click()
-        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#history .item")) == 2)
-        assert "references: 1" in driver.find_element(By.ID, "meta").text
-        assert driver.find_element(By.ID, "error").text == ""
-        # "reuse settings" on the first image puts its seed back.
-        driver.find_elements(By.CSS_SELECTOR, "#history .reuse")[1].click()
-        assert driver.find_element(By.ID, "seed").get_attribute("value") == "7"
-        assert driver.find_element(By.ID, "prompt").get_attribute("value") == "a fox in the browser"
+        yield driver
     finally:
         driver.quit()
+
+
+def fill(driver, **fields):
+    from selenium.webdriver.common.by import By
+
+    for field, value in fields.items():
+        el = driver.find_element(By.ID, field)
+        el.clear()
+        el.send_keys(str(value))
+
+
+# Records every text the step label and the header's busy mark show, for assertions after the run.
+RECORD = """
+window.__labels = []; window.__busy = [];
+new MutationObserver(() => window.__labels.push(document.getElementById("step-label").textContent))
+  .observe(document.getElementById("step-label"), {childList: true, characterData: true, subtree: true});
+new MutationObserver(() => window.__busy.push(document.getElementById("busy").textContent))
+  .observe(document.getElementById("busy"), {childList: true, characterData: true, subtree: true});
+"""
+
+
+@needs_chromium
+def test_page_on_a_distilled_model_with_a_key(server, tmp_path):
+    """The key prompt; a distilled model hides guidance and the negative prompt; the LoRA picker lists
+    --lora-dir; the mode note says which image a mask repaints. No generation (the next test runs them)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    with browser(tmp_path) as driver:
+        driver.get(server.url + "/")
+        wait = WebDriverWait(driver, 30, poll_frequency=0.2)
+        wait.until(lambda d: d.find_element(By.ID, "key-row").is_displayed())
+        driver.find_element(By.ID, "apikey").send_keys(KEY)
+        driver.execute_script("refreshStatus()")
+        wait.until(lambda d: "ready" in d.find_element(By.ID, "status").text)
+        assert not driver.find_element(By.ID, "base-only").is_displayed()
+        wait.until(lambda d: d.find_element(By.ID, "lora-box").is_displayed())
+        assert [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#loras label")] == ["style"]
+        assert not driver.find_element(By.ID, "strength").is_enabled()  # no image to start from yet
+        ref, mask = tmp_path / "ref.png", tmp_path / "mask.png"
+        picture(64, 64, 9).save(ref)
+        Image.new("L", (64, 64), 255).save(mask)
+        driver.find_element(By.ID, "mask-file").send_keys(str(mask))
+        wait.until(lambda d: "first image is the one being repainted" in d.find_element(By.ID, "mode-note").text)
+        driver.find_element(By.ID, "refs-file").send_keys(str(ref))
+        wait.until(lambda d: d.find_element(By.ID, "mode-note").text.startswith("inpainting: the first image"))
+        assert driver.find_element(By.ID, "strength").is_enabled()
+
+
+@pytest.fixture(scope="module")
+def page_server(tmp_path_factory, lora_dir, base):
+    """A Base model served in the default dtype (bfloat16), no key: what `serve` gives a new user."""
+    yield from start_server(base, ["--lora-dir", str(lora_dir), "--model-id", "klein-base-tiny"], tmp_path_factory)
+
+
+@needs_chromium
+def test_page_runs_in_the_default_dtype_on_a_phone(page_server, tmp_path):
+    """On a phone-sized window, bfloat16: an inpainting run with every control (guidance, negative prompt, a
+    LoRA, strength, two images) shows "loading the model" (never "queued"), the header busy, step / elapsed /
+    ETA, previews, both results scrolled into view; a failed run clears the results; Cancel stops a run on the
+    server; the history survives a reload with downloads of the server's PNGs."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    ref, mask = tmp_path / "ref.png", tmp_path / "mask.png"
+    picture(64, 64, 9).save(ref)
+    m = Image.new("L", (64, 64), 0)
+    ImageDraw.Draw(m).rectangle((0, 0, 63, 31), fill=255)
+    m.save(mask)
+    with browser(tmp_path, 390, 844) as driver:
+        driver.get(page_server.url + "/")
+        wait = WebDriverWait(driver, 90, poll_frequency=0.1)
+        wait.until(lambda d: d.find_element(By.ID, "base-only").is_displayed())  # a Base model: CFG controls
+        wait.until(lambda d: d.find_element(By.ID, "lora-box").is_displayed())
+        driver.execute_script(RECORD)
+        Select(driver.find_element(By.ID, "size-preset")).select_by_value("512x512")
+        assert driver.find_element(By.ID, "width").get_attribute("value") == "512"
+        fill(driver, prompt="a fox on a phone", width=64, height=64, seed=7, steps=3, count=2, guidance=2.5,
+             negative="blurry")
+        assert Select(driver.find_element(By.ID, "size-preset")).first_selected_option.get_attribute("value") == "custom"
+        driver.find_element(By.ID, "lora-style").click()
+        driver.find_element(By.CSS_SELECTOR, "#loras input[type=number]").clear()
+        driver.find_element(By.CSS_SELECTOR, "#loras input[type=number]").send_keys("0.8")
+        driver.find_element(By.ID, "refs-file").send_keys(str(ref))
+        driver.find_element(By.ID, "mask-file").send_keys(str(mask))
+        fill(driver, strength=0.7)
+        driver.find_element(By.ID, "generate").click()
+        wait.until(lambda d: d.find_element(By.ID, "step-label").text.startswith(("done", "failed")))
+        assert driver.find_element(By.ID, "error").text == ""
+        labels = driver.execute_script("return window.__labels")
+        assert "loading the model…" in labels and not any("queued" in t for t in labels), labels
+        assert any(re.fullmatch(r"image 2/2 · step \d / \d · \d+\.\d s · about \d+\.\d s left", t) for t in labels), labels
+        assert any(t.startswith("● generating") for t in driver.execute_script("return window.__busy"))
+        assert not driver.find_element(By.ID, "busy").is_displayed()  # not busy any more
+        results = driver.find_elements(By.CSS_SELECTOR, "#results img.result")
+        assert len(results) == 2 and all(driver.execute_script("return arguments[0].naturalWidth", r) == 64
+                                         for r in results)
+        top = driver.execute_script("return arguments[0].getBoundingClientRect().top", results[0])
+        assert driver.execute_script("return window.scrollY") > 0 and 0 <= top < 844  # brought into view
+        assert driver.find_element(By.ID, "preview").get_attribute("src").startswith("data:image/png;base64,")
+        meta = driver.find_element(By.ID, "meta").text
+        for fact in ("guidance: 2.5", "negative_prompt: blurry", "loras: style:0.8", "strength: 0.7",
+                     "dtype: bfloat16", "prompt: a fox on a phone"):
+            assert fact in meta, (fact, meta)
+        assert re.search(r"^mask: [0-9a-f]{12}$", meta, re.M), meta  # the mask, named by its content hash
+
+        # A failed run (steps over the server's limit): one message, no result left beside "failed".
+        driver.execute_script("document.getElementById('steps').max = 100000")
+        fill(driver, steps=500)
+        driver.find_element(By.ID, "generate").click()
+        wait.until(lambda d: d.find_element(By.ID, "step-label").text == "failed")
+        assert "steps must be between 1 and 200" in driver.find_element(By.ID, "error").text
+        assert driver.find_elements(By.CSS_SELECTOR, "#results img") == [] and driver.find_element(By.ID, "meta").text == ""
+
+        # Cancel a long text-to-image run: the server stops it (disconnect) and counts it cancelled.
+        before = page_server.status()
+        driver.execute_script("for (const b of document.querySelectorAll('.thumbs button')) b.click()")
+        fill(driver, steps=200, count=1)
+        driver.find_element(By.ID, "generate").click()
+        wait.until(lambda d: "step 2 / 200" in d.find_element(By.ID, "step-label").text)
+        driver.find_element(By.ID, "cancel").click()
+        wait.until(lambda d: d.find_element(By.ID, "step-label").text == "cancelled")
+        st = page_server.wait_idle(60)
+        assert st["cancelled"] == before["cancelled"] + 1
+
+        # The history survives a reload, with downloads of the server's own PNGs.
+        driver.refresh()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#history .item")) == 2)
+        link = driver.find_elements(By.CSS_SELECTOR, "#history a.download")[0]
+        assert link.get_attribute("download").endswith(".png") and link.get_attribute("href").startswith("blob:")
+        head = driver.execute_async_script(
+            "fetch(arguments[0]).then(r => r.arrayBuffer()).then(b => arguments[1](Array.from(new Uint8Array(b, 0, 8))))",
+            link.get_attribute("href"))
+        assert bytes(head) == b"\x89PNG\r\n\x1a\n"
+        driver.find_elements(By.CSS_SELECTOR, "#history .reuse")[0].click()
+        assert driver.find_element(By.ID, "prompt").get_attribute("value") == "a fox on a phone"
+        assert driver.find_element(By.ID, "negative").get_attribute("value") == "blurry"
+
+
+def test_api_in_the_default_dtype_partial_images_and_an_openai_mask(page_server):
+    """bfloat16 through the API (not the page): `partial_images` (OpenAI's meaning: how many partial
+    images a stream sends), and an edit whose mask marks the region to repaint by transparency (OpenAI's
+    convention) repaints what the same mask in white on black does."""
+    from flux_klein_mlx.inputs import content_hash, prepare_init_image
+
+    client = page_server.client()
+    for partial, steps, expected in ((2, 3, [0, 1]), (0, 1, [])):
+        events = list(client.images.generate(prompt="a fox", size="64x64", stream=True, partial_images=partial,
+                                             extra_body={"seed": 1, "steps": steps}))
+        assert [e.partial_image_index for e in events if e.type == "image_generation.partial_image"] == expected
+        assert sum(e.type == "image_generation.progress" for e in events) == steps
+        done = [e for e in events if e.type == "image_generation.completed"]
+        assert len(done) == 1 and json.loads(decode(done[0].b64_json).text["flux_klein_mlx"])["dtype"] == "bfloat16"
+    init = picture(64, 64, 5)
+    grey = Image.new("L", (64, 64), 0)
+    grey.paste(255, (16, 0, 64, 40))
+    rgba = Image.new("RGBA", (64, 64), (0, 0, 0, 255))
+    rgba.paste((0, 0, 0, 0), (16, 0, 64, 40))  # transparent = repaint
+    res = client.images.edit(image=("a.png", png(init), "image/png"), mask=("m.png", png(rgba), "image/png"),
+                             prompt="a cat", extra_body={"seed": 3, "steps": 1})
+    record = json.loads(decode(res.data[0].b64_json).text["flux_klein_mlx"])
+    assert record["mask"] == content_hash(prepare_init_image(init, 0.8, grey).mask) and record["dtype"] == "bfloat16"

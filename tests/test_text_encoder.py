@@ -1,5 +1,6 @@
 """Qwen3 text encoder parity with transformers' Qwen3ForCausalLM hidden_states[9, 18, 27]."""
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -9,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 from mlx.utils import tree_flatten
-from refs import qwen_tokenizer_dir, randomize_, reference_tokens, rel_err, to_np
+from refs import config_snapshot, load_one, qwen_tokenizer_dir, randomize_, reference_tokens, rel_err, to_np
 from transformers import AutoTokenizer, Qwen3Config as HFQwen3Config, Qwen3ForCausalLM
 
 import flux_klein_mlx.loading as loading
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.config import Qwen3Config, qwen3_4b, qwen3_8b
-from flux_klein_mlx.loading import load_text_encoder
+from flux_klein_mlx.config import FluxKleinParams, Qwen3Config, qwen3_4b, qwen3_8b
+from flux_klein_mlx.loading import describe
 from flux_klein_mlx.text_encoder import Qwen3TextEncoder, encode_prompts, sanitize_qwen3_weights
 from flux_klein_mlx.tokenizer import PromptTokenizer
 
@@ -112,7 +113,7 @@ def test_matches_transformers(request, which, case):
     root = snapshot.root
     assert (root / "text_encoder" / "model.safetensors.index.json").is_file()  # sharded
     prompts = PROMPTS[case]
-    encoder = load_text_encoder(root, dtype=mx.float32, expected_dim=96)
+    encoder = load_one("text_encoder", root, dtype=mx.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the long prompt's truncation warning (test_tokenizer checks it)
         ours = encode_prompts(encoder, snapshot.tok, prompts)
@@ -127,7 +128,7 @@ def test_bfloat16_close_to_float32_reference(tied):
     # The bf16 path (weights cast at load, bool mask). On this model transformers' own bf16 run
     # is 4.3e-2 away from its float32 run, ours 4.4e-2: bf16 has 8 mantissa bits, 27 layers deep.
     snapshot = tied
-    encoder = load_text_encoder(snapshot.root / "text_encoder", dtype=mx.bfloat16)
+    encoder = load_one("text_encoder", snapshot.root / "text_encoder", dtype=mx.bfloat16)
     ours = encode_prompts(encoder, snapshot.tok, PROMPTS["batch"])
     assert ours.dtype == mx.bfloat16
     err = rel_err(ours, snapshot.reference(PROMPTS["batch"]))
@@ -148,7 +149,7 @@ def test_unused_weights_never_read(request, which, monkeypatch):
         return weights
 
     monkeypatch.setattr(loading, "read_weight_files", spy)
-    encoder = load_text_encoder(root, dtype=mx.float32)
+    encoder = load_one("text_encoder", root, dtype=mx.float32)
     assert kept and not [k for k in kept if ".layers.27." in k]
     assert not [k for k in kept if k.startswith("lm_head") or k == "model.norm.weight"]
     assert len(encoder.model.layers) == 27
@@ -191,31 +192,32 @@ def test_config_from_transformers_configs():
 
 
 def test_missing_files_are_named(tmp_path):
+    transformer = {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
+                   "joint_attention_dim": 96, "in_channels": 128}
+    config_snapshot(tmp_path, transformer, None)
     with pytest.raises(FluxKleinError, match="text_encoder") as e:
-        load_text_encoder(tmp_path)
+        describe(tmp_path)
     assert str(tmp_path) in str(e.value)
     folder = tmp_path / "text_encoder"
     folder.mkdir()
     with pytest.raises(FluxKleinError, match="config.json") as e:
-        load_text_encoder(tmp_path)
+        describe(tmp_path)
     assert str(folder) in str(e.value)
     (folder / "config.json").write_text(json.dumps(tiny_hf_config(True).to_dict()))
     with pytest.raises(FluxKleinError, match="no .safetensors") as e:
-        load_text_encoder(tmp_path)
+        load_one("text_encoder", tmp_path)
     assert str(folder) in str(e.value)
     index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(FluxKleinError, match="model-00001-of-00002.safetensors"):
-        load_text_encoder(tmp_path)
+        load_one("text_encoder", tmp_path)
 
 
 def test_hidden_size_mismatch_names_both(tmp_path):
-    folder = tmp_path / "text_encoder"
-    folder.mkdir()
-    eight = qwen3_8b()
-    (folder / "config.json").write_text(json.dumps(eight.__dict__))  # no weights needed: refused first
+    transformer = dataclasses.asdict(FluxKleinParams.klein_4b())
+    config_snapshot(tmp_path, transformer, qwen3_8b().__dict__)  # configs only: refused before any weight
     with pytest.raises(FluxKleinError) as e:
-        load_text_encoder(tmp_path, expected_dim=7680)
+        describe(tmp_path)
     msg = str(e.value)
     for part in ("4096", "12288", "7680", "joint_attention_dim", "Qwen3-8B", "klein-4B"):
         assert part in msg, msg

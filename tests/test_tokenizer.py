@@ -87,6 +87,18 @@ def test_long_prompt_warns_with_dropped_count(ours, hf):
     assert np.array(mask).all()
 
 
+def test_text_the_tokenizer_cannot_encode_is_one_clear_error(ours):
+    """A lone surrogate (an undecodable argv byte under surrogateescape, or a JSON `\\ud800`) is refused by
+    name, not passed to the Rust tokenizer (whose TypeError says nothing); the fast tokenizer does fail on it."""
+    with pytest.raises(TypeError):
+        ours.hf_tokenizer(ours.format("caf\udce9"))
+    with pytest.raises(FluxKleinError, match=r"the prompt is not valid text: character 4 is a lone surrogate U\+DCE9 "
+                                             r"\(byte 0xE9 that is not UTF-8"):
+        ours("caf\udce9")
+    with pytest.raises(FluxKleinError, match=r"prompt 1 is not valid text: character 3 is a lone surrogate U\+D800; "):
+        ours(["ok", "a \ud800"])
+
+
 def test_missing_tokenizer_is_named(tmp_path):
     with pytest.raises(FluxKleinError, match="tokenizer") as e:
         PromptTokenizer.from_folder(tmp_path / "nowhere")

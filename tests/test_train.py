@@ -25,8 +25,8 @@ import pytest
 import torch
 from mlx.utils import tree_flatten
 from PIL import Image
-from refs import rel_err, to_np
-from tiny_model import SCHEDULER, shared_tiny_snapshot
+from refs import diffusers_pipeline, diffusers_prompt_embeds, rel_err, to_np
+from tiny_model import SCHEDULER
 
 import flux_klein_mlx
 from flux_klein_mlx.loading import describe, load_component
@@ -52,8 +52,8 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="module")
-def snap(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=False)
+def snap(base):
+    return base  # the session's tiny Base snapshot (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -305,9 +305,13 @@ def test_sigma_sampling_equals_diffusers_scheduler_and_musubi_flux2_shift():
 
 @pytest.fixture(scope="module")
 def ref_pipe(snap):
+    """The session's diffusers Base pipeline with a transformer of our own: these tests load LoRAs into it."""
+    import copy
+
     from diffusers import Flux2KleinPipeline
 
-    pipe = Flux2KleinPipeline.from_pretrained(snap, dtype=torch.float32)
+    shared = diffusers_pipeline(snap, "plain", distilled=False)
+    pipe = Flux2KleinPipeline(**{**shared.components, "transformer": copy.deepcopy(shared.transformer)}, is_distilled=False)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -379,7 +383,7 @@ def test_short_training_lowers_diffusers_own_objective(snap, data, ref_pipe, tmp
         z = P._patchify_latents(vae.encode(px).latent_dist.mode())
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
         x0 = (z - vae.bn.running_mean.view(1, -1, 1, 1)) / std
-        ctx, _ = ref_pipe.encode_prompt(prompt=CAPTION, device="cpu")
+        ctx = diffusers_prompt_embeds(diffusers_pipeline(snap, "plain", distilled=False), CAPTION)
         g = torch.Generator().manual_seed(0)
         draws = [(torch.randn(x0.shape, generator=g), torch.randint(0, 1000, (1,), generator=g)) for _ in range(12)]
 

@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from tiny_model import shared_tiny_snapshot
 
 import flux_klein_mlx
 import flux_klein_mlx.train as train_module
@@ -34,8 +33,8 @@ from flux_klein_mlx.train_settings import TrainSettings
 
 
 @pytest.fixture(scope="module")
-def snap(tmp_path_factory):
-    return shared_tiny_snapshot(tmp_path_factory, distilled=False)
+def snap(base):
+    return base  # the session's tiny Base snapshot (conftest.py)
 
 
 def make_images(folder: Path, n: int = 2, captions: bool = True, suffix: str = ".png") -> Path:

@@ -13,15 +13,15 @@ from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
 from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
 from diffusers.models.transformers.transformer_flux2 import Flux2PosEmbed
 from mlx.utils import tree_flatten
-from refs import randomize_, rel_err, to_mx
+from refs import config_snapshot, load_one, randomize_, rel_err, to_mx
 from safetensors.torch import save_file
 
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.rope import image_ids, rope_tables, text_ids
 from flux_klein_mlx.config import FluxKleinParams
 from flux_klein_mlx.flops import count_parameters
-from flux_klein_mlx.loading import load_flux_klein
-from flux_klein_mlx.transformer import FluxKlein, sanitize_flux2_klein_weights
+from flux_klein_mlx.transformer import FluxKlein, infer_params, sanitize_flux2_klein_weights
+from flux_klein_mlx.loading import describe
 from flux_klein_mlx.weights import read_safetensors
 
 # Tiny diffusers config: 3 heads of 16 (axes 4×4), 2 double + 2 single blocks, text width 24.
@@ -62,7 +62,7 @@ def folder(reference, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ours(folder):
-    return load_flux_klein(folder, dtype=mx.float32)
+    return load_one("transformer", folder, dtype=mx.float32)
 
 
 def make_inputs(B: int, grid: tuple[int, int], refs: list[tuple[int, int]], seed: int):
@@ -143,7 +143,7 @@ def test_sharded_folder_matches_diffusers(reference, tmp_path):
     path = tmp_path / "transformer"
     reference.save_pretrained(path, max_shard_size="20KB")
     assert (path / "diffusion_pytorch_model.safetensors.index.json").is_file()
-    model = load_flux_klein(path, dtype=mx.float32)
+    model = load_one("transformer", path, dtype=mx.float32)
     img, txt, img_ids, txt_ids = make_inputs(2, (3, 5), [(2, 2)], seed=7)
     mine, theirs = run_both(reference, model, img, txt, torch.tensor([0.7, 0.3]), img_ids, txt_ids)
     assert rel_err(mine, theirs) <= 1e-4
@@ -151,13 +151,13 @@ def test_sharded_folder_matches_diffusers(reference, tmp_path):
 
 def test_whole_snapshot_folder_is_accepted(reference, folder):
     # `folder` is <snap>/transformer; its parent has no config.json but a transformer/ subfolder
-    model = load_flux_klein(folder.parent, dtype=mx.float32)
+    model = load_one("transformer", folder.parent, dtype=mx.float32)
     assert model.params.hidden_size == D
 
 
 def test_bf16_close_to_float32(folder):
-    f32 = load_flux_klein(folder, dtype=mx.float32)
-    b16 = load_flux_klein(folder, dtype=mx.bfloat16)
+    f32 = load_one("transformer", folder, dtype=mx.float32)
+    b16 = load_one("transformer", folder, dtype=mx.bfloat16)
     assert b16.dtype == mx.bfloat16
     img, txt, img_ids, txt_ids = make_inputs(2, (3, 5), [(2, 3)], seed=3)
     args = (to_mx(img), to_mx(txt), mx.array([0.7, 0.3]), mx.array(img_ids.numpy()), mx.array(txt_ids.numpy()))
@@ -258,7 +258,7 @@ def test_bfl_file_matches_diffusers(tmp_path, prefix):
     converted = convert_flux2_transformer_checkpoint_to_diffusers({k: v.clone() for k, v in bfl.items()})
     reference.load_state_dict(converted, strict=True)
 
-    model = load_flux_klein(path, dtype=mx.float32)  # params inferred from the shapes
+    model = load_one("transformer", path, dtype=mx.float32)  # params inferred from the shapes
     assert model.params.num_heads == 3 and model.params.axes_dim == (4, 4, 4, 4)
     img, txt, img_ids, txt_ids = make_inputs(2, (3, 5), [(2, 3), (3, 3)], seed=11)
     mine, theirs = run_both(reference, model, img, txt, torch.tensor([0.9, 0.4]), img_ids, txt_ids)
@@ -288,12 +288,12 @@ def test_extra_or_missing_key_is_named(tmp_path):
     path = tmp_path / "extra.safetensors"
     save_file(extra, str(path))
     with pytest.raises(FluxKleinError, match=r"1 unexpected \(double_blocks\.0\.img_attn\.bogus\.weight\)"):
-        load_flux_klein(path, dtype=mx.float32)
+        load_one("transformer", path, dtype=mx.float32)
     missing = {k: v for k, v in bfl.items() if not k.startswith("single_blocks.1.norm")}
     path = tmp_path / "missing.safetensors"
     save_file(missing, str(path))
     with pytest.raises(FluxKleinError, match=r"2 missing \(single_blocks\.1\.norm\.key_norm\.scale"):
-        load_flux_klein(path, dtype=mx.float32)
+        load_one("transformer", path, dtype=mx.float32)
 
 
 # --- bad inputs ----------------------------------------------------------------------------------------
@@ -309,23 +309,14 @@ def stand_in(hidden: int, depth: int, depth_single: int) -> dict[str, torch.Tens
     return w
 
 
-def test_wrong_variant_is_named(tmp_path):
-    path = tmp_path / "flux-2-klein-9b.safetensors"
-    save_file(stand_in(4096, 8, 24), str(path))
-    with pytest.raises(
-        FluxKleinError,
-        match=r"this checkpoint is klein-9B \(hidden 4096, 8 double / 24 single blocks\) but klein-4B was requested",
-    ):
-        load_flux_klein(path, params=FluxKleinParams.klein_4b())
-    path = tmp_path / "flux-2-klein-4b.safetensors"
-    save_file(stand_in(3072, 5, 20), str(path))
-    with pytest.raises(FluxKleinError, match=r"is klein-4B \(hidden 3072, 5 double / 20 single blocks\) but klein-9B"):
-        load_flux_klein(path, params=FluxKleinParams.klein_9b())
-
-
-def test_wrong_variant_folder(folder):
-    with pytest.raises(FluxKleinError, match=r"custom FLUX.2 transformer \(hidden 48, 2 double / 2 single.*klein-4B"):
-        load_flux_klein(folder, params=FluxKleinParams.klein_4b())
+def test_variant_is_named_from_the_shapes(folder):
+    # A single file's variant comes from its shapes (what `describe` reports for BFL files).
+    nine = infer_params(sanitize_flux2_klein_weights({k: mx.array(v.numpy()) for k, v in stand_in(4096, 8, 24).items()}))
+    assert nine.describe() == "klein-9B (hidden 4096, 8 double / 24 single blocks)"
+    four = infer_params(sanitize_flux2_klein_weights({k: mx.array(v.numpy()) for k, v in stand_in(3072, 5, 20).items()}))
+    assert four.describe() == "klein-4B (hidden 3072, 5 double / 20 single blocks)"
+    custom = FluxKleinParams.from_dict(json.loads((folder / "config.json").read_text()))
+    assert custom.describe().startswith("a custom FLUX.2 transformer (hidden 48, 2 double / 2 single")
 
 
 def test_flux1_checkpoints_rejected(tmp_path):
@@ -337,7 +328,7 @@ def test_flux1_checkpoints_rejected(tmp_path):
     path = tmp_path / "flux1-dev.safetensors"
     save_file(bfl1, str(path))
     with pytest.raises(FluxKleinError, match=r"not a FLUX.2 \[klein\] checkpoint: it is a FLUX.1"):
-        load_flux_klein(path)
+        load_one("transformer", path)
     diffusers1 = {
         "x_embedder.weight": mx.zeros((3072, 64)),
         "time_text_embed.timestep_embedder.linear_1.weight": mx.zeros((4, 4)),
@@ -354,21 +345,21 @@ def test_flux2_dev_rejected(tmp_path):
     path = tmp_path / "flux2-dev.safetensors"
     save_file(w, str(path))
     with pytest.raises(FluxKleinError, match=r"not a klein checkpoint: it is FLUX.2-dev"):
-        load_flux_klein(path)
+        load_one("transformer", path)
     with pytest.raises(FluxKleinError, match=r"FLUX.2-dev"):
         sanitize_flux2_klein_weights({"time_guidance_embed.guidance_embedder.linear_1.weight": mx.zeros((4, 4))})
-    folder = tmp_path / "transformer"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(dict(CONFIG, guidance_embeds=True)))
+    # A diffusers snapshot is refused from its config alone, before any weight is read.
+    qwen = {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 28, "num_attention_heads": 2}
+    root = config_snapshot(tmp_path / "dev", dict(CONFIG, guidance_embeds=True), qwen)
     with pytest.raises(FluxKleinError, match=r"FLUX.2-dev"):
-        load_flux_klein(folder)
+        describe(root)
 
 
 def test_not_a_transformer_file(tmp_path):
     path = tmp_path / "vae.safetensors"
     save_file({"decoder.conv_in.weight": torch.zeros(4, 4)}, str(path))
     with pytest.raises(FluxKleinError, match=r"not a FLUX.2 \[klein\] transformer"):
-        load_flux_klein(path)
+        load_one("transformer", path)
 
 
 def test_damaged_files_are_named(tmp_path):
@@ -377,13 +368,13 @@ def test_damaged_files_are_named(tmp_path):
     truncated = tmp_path / "truncated.safetensors"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     with pytest.raises(FluxKleinError, match=r"truncated\.safetensors is damaged"):
-        load_flux_klein(truncated, dtype=mx.float32)
+        load_one("transformer", truncated, dtype=mx.float32)
     text = tmp_path / "notes.safetensors"
     text.write_text("this is not a weight file\n")
     with pytest.raises(FluxKleinError, match=r"notes\.safetensors is damaged"):
-        load_flux_klein(text)
+        load_one("transformer", text)
     with pytest.raises(FluxKleinError, match=r"not found"):
-        load_flux_klein(tmp_path / "absent.safetensors")
+        load_one("transformer", tmp_path / "absent.safetensors")
 
 
 # --- configs and parameter counts ----------------------------------------------------------------------

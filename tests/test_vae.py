@@ -9,7 +9,6 @@ encode and decode steps.
 from __future__ import annotations
 
 import json
-import re
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -18,15 +17,16 @@ import pytest
 import torch
 from diffusers import AutoencoderKL, AutoencoderKLFlux2, Flux2KleinPipeline
 from mlx.utils import tree_flatten
-from refs import randomize_, rel_err, to_mx
+from refs import load_one, randomize_, rel_err, to_bfl, to_mx
+from refs import vae_reference_decode as reference_decode
+from refs import vae_reference_tokens as reference_tokens
 from safetensors.torch import save_file
 
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.config import AutoEncoderConfig
-from flux_klein_mlx.loading import load_vae
+from flux_klein_mlx.inputs import check_image_size
 from flux_klein_mlx.vae import (
     AutoEncoder,
-    check_image_size,
     pack,
     patchify,
     sanitize_vae_weights,
@@ -44,35 +44,6 @@ TINY = dict(
 SIZES = [(64, 64), (48, 80)]  # (H, W), multiples of 16
 
 
-def to_bfl(sd: dict[str, torch.Tensor], levels: int) -> dict[str, torch.Tensor]:
-    """diffusers VAE keys -> BFL `ae.safetensors` keys (spec 6.6), the inverse of our sanitize."""
-    rules = [
-        (r"^quant_conv\.", "encoder.quant_conv."),
-        (r"^post_quant_conv\.", "decoder.post_quant_conv."),
-        (r"^encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.", r"encoder.down.\1.block.\2."),
-        (r"^encoder\.down_blocks\.(\d+)\.downsamplers\.0\.", r"encoder.down.\1.downsample."),
-        (r"\.conv_shortcut\.", ".nin_shortcut."),
-        (r"\.mid_block\.resnets\.0\.", ".mid.block_1."),
-        (r"\.mid_block\.resnets\.1\.", ".mid.block_2."),
-        (r"\.mid_block\.attentions\.0\.group_norm\.", ".mid.attn_1.norm."),
-        (r"\.mid_block\.attentions\.0\.to_([qkv])\.", r".mid.attn_1.\1."),
-        (r"\.mid_block\.attentions\.0\.to_out\.0\.", ".mid.attn_1.proj_out."),
-        (r"^(encoder|decoder)\.conv_norm_out\.", r"\1.norm_out."),
-    ]
-    out = {}
-    for k, v in sd.items():
-        m = re.match(r"^decoder\.up_blocks\.(\d+)\.(resnets|upsamplers\.0)\.", k)
-        if m:
-            kind = "block" if m.group(2) == "resnets" else "upsample"
-            k = f"decoder.up.{levels - 1 - int(m.group(1))}.{kind}." + k[m.end() :]
-        for pattern, repl in rules:
-            k = re.sub(pattern, repl, k)
-        if re.search(r"\.attn_1\.(q|k|v|proj_out)\.weight$", k):
-            v = v[:, :, None, None]  # linear (C, C) -> BFL's 1x1 conv (C, C, 1, 1)
-        out[k] = v.detach().clone().contiguous()
-    return out
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(reference VAE, diffusers folder, BFL file) for one tiny random VAE."""
@@ -87,28 +58,9 @@ def tiny(tmp_path_factory):
 
 def load(tiny, fmt: str, dtype=mx.float32) -> AutoEncoder:
     if fmt == "diffusers":
-        return load_vae(tiny.folder, dtype=dtype)
+        return load_one("vae", tiny.folder, dtype=dtype)
     config = AutoEncoderConfig.from_dict(json.loads((tiny.folder / "config.json").read_text()))
-    return load_vae(tiny.bfl_file, dtype=dtype, config=config)
-
-
-def reference_tokens(vae, images: torch.Tensor) -> torch.Tensor:
-    """Flux2KleinPipeline's image -> tokens steps (`_encode_vae_image`, then `_pack_latents`)."""
-    pipe = SimpleNamespace(vae=vae, _patchify_latents=Flux2KleinPipeline._patchify_latents)
-    with torch.no_grad():
-        latents = Flux2KleinPipeline._encode_vae_image(pipe, images, generator=None)  # (B, 128, h, w)
-        return Flux2KleinPipeline._pack_latents(latents)  # (B, h*w, 128)
-
-
-def reference_decode(vae, tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """Flux2KleinPipeline.__call__'s tokens -> image steps after the denoising loop."""
-    with torch.no_grad():
-        ids = Flux2KleinPipeline._prepare_latent_ids(torch.zeros(tokens.shape[0], 1, h, w))
-        latents = Flux2KleinPipeline._unpack_latents_with_ids(tokens, ids, h, w)
-        bn_mean = vae.bn.running_mean.view(1, -1, 1, 1)
-        bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-        latents = Flux2KleinPipeline._unpatchify_latents(latents * bn_std + bn_mean)
-        return vae.decode(latents, return_dict=False)[0]  # (B, 3, 16h, 16w)
+    return load_one("vae", tiny.bfl_file, dtype=dtype, config=config)
 
 
 def nchw(a: mx.array) -> mx.array:
@@ -206,7 +158,7 @@ def test_saved_ours_loads_again(tiny, tmp_path):
     """What `convert` writes (our names, NHWC) loads through the same path."""
     model = load(tiny, "bfl")
     mx.save_safetensors(str(tmp_path / "vae.safetensors"), dict(tree_flatten(model.parameters())))
-    again = load_vae(tmp_path / "vae.safetensors", dtype=mx.float32, config=model.config)
+    again = load_one("vae", tmp_path / "vae.safetensors", dtype=mx.float32, config=model.config)
     z = mx.random.normal((1, 2, 3, 32), key=mx.random.key(1))
     assert rel_err(again.decode(z), model.decode(z)) == 0.0
 
@@ -234,7 +186,7 @@ def test_missing_weight_is_named(tiny, tmp_path):
     w = {k: v for k, v in to_bfl(tiny.ref.state_dict(), 4).items() if k != "bn.running_var"}
     save_file(w, str(tmp_path / "ae.safetensors"))
     with pytest.raises(FluxKleinError, match="bn.running_var"):
-        load_vae(tmp_path / "ae.safetensors", dtype=mx.float32, config=load(tiny, "diffusers").config)
+        load_one("vae", tmp_path / "ae.safetensors", dtype=mx.float32, config=load(tiny, "diffusers").config)
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -281,12 +233,12 @@ def test_flux1_vae_is_refused_clearly(tmp_path):
     flux1 = _tiny_flux1_vae()
     flux1.save_pretrained(tmp_path / "vae")
     with pytest.raises(FluxKleinError, match=r"FLUX\.1 VAE \(16 latent channels\).*FLUX\.2 VAE \(32 channels\)"):
-        load_vae(tmp_path / "vae")
+        load_one("vae", tmp_path / "vae")
     save_file(to_bfl(flux1.state_dict(), 2), str(tmp_path / "ae.safetensors"))
     with pytest.raises(FluxKleinError, match=r"FLUX\.1 VAE"):
-        load_vae(tmp_path / "ae.safetensors")
+        load_one("vae", tmp_path / "ae.safetensors")
 
 
 def test_missing_source_is_clear(tmp_path):
-    with pytest.raises(FluxKleinError, match="VAE not found"):
-        load_vae(tmp_path / "nothing")
+    with pytest.raises(FluxKleinError, match="not found"):
+        load_one("vae", tmp_path / "nothing.safetensors")

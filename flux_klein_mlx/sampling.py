@@ -1,6 +1,11 @@
-"""The initial noise of a generation, reproducible across tools from the seed alone.
+"""The flow-matching math of a klein run, as functions: schedule, prior, Euler step, CFG, img2img.
 
-Two kinds, chosen with `noise=`:
+The schedule is the one both references use (BFL `get_schedule`; diffusers' klein pipeline +
+FlowMatchEulerDiscreteScheduler): a linear sigma grid 1 -> 0 pushed towards high noise by an
+exponential time shift whose strength mu depends on the target token count and the step count.
+The process is x_t = (1 - sigma) x0 + sigma * noise; the transformer predicts v = noise - x0.
+
+The prior comes in two kinds, chosen with `noise=`:
 
 - "torch" (default): bit-compatible with `torch.randn(shape, generator=torch.Generator("cpu")
   .manual_seed(seed))` in float32 -- the noise `Flux2KleinPipeline` draws with a CPU generator --
@@ -25,11 +30,106 @@ N + k, one (1, C, h, w) tensor per generator; `seed_for_image` says which seed i
 
 from __future__ import annotations
 
+import math
+
+import mlx.core as mx
 import numpy as np
 
 from .errors import FluxKleinError
 
 NOISE_KINDS = ("torch", "mlx")
+
+
+# --- the schedule -------------------------------------------------------------------------------------
+
+
+def empirical_mu(image_seq_len: int, num_steps: int) -> float:
+    """BFL's fitted shift for `image_seq_len` target tokens (references excluded) and `num_steps`."""
+    m200 = 0.00016927 * image_seq_len + 0.45666666
+    if image_seq_len > 4300:
+        return m200
+    # Linear in the step count through the fits at 10 and 200 steps.
+    m10 = 8.73809524e-05 * image_seq_len + 1.89833333
+    return m200 + (m200 - m10) / 190.0 * (num_steps - 200)
+
+
+def time_shift(mu: float, sigma: float) -> float:
+    """Exponential time shift: sigma' = e^mu / (e^mu + (1/sigma - 1)); sigma = 0 stays 0."""
+    if sigma <= 0.0:
+        return 0.0
+    return math.exp(mu) / (math.exp(mu) + (1.0 / sigma - 1.0))
+
+
+def schedule(image_seq_len: int, num_steps: int) -> list[float]:
+    """The n + 1 sigmas from 1.0 (pure noise) to 0.0 (clean) for `image_seq_len` target tokens.
+
+    Values are rounded to float32, as the reference scheduler stores them, so that the model sees
+    the same timesteps.
+    """
+    if num_steps < 1:
+        raise ValueError("num_steps must be at least 1")
+    mu = empirical_mu(image_seq_len, num_steps)
+    grid = [1.0 - i / num_steps for i in range(num_steps)]  # 1, ..., 1/n; the final 0 is appended
+    return [float(np.float32(time_shift(mu, s))) for s in grid] + [0.0]
+
+
+def start_step(steps: int, strength: float) -> int:
+    """Index of the first schedule step that runs for img2img (diffusers' `get_timesteps`, truncating)."""
+    init_timestep = min(steps * strength, steps)
+    t_start = int(max(steps - init_timestep, 0))
+    if steps - t_start < 1:
+        raise FluxKleinError(
+            f"strength {strength} is so small that none of the {steps} steps runs; raise --strength or --steps"
+        )
+    return t_start
+
+
+def model_timestep(sigma: float, batch: int, dtype) -> mx.array:
+    """The (B,) timestep the transformer sees: sigma*1000 in the activation dtype, then /1000
+    (diffusers' path; bf16-coarse, spec 2.3)."""
+    return mx.full((batch,), sigma * 1000.0, dtype=mx.float32).astype(dtype) / 1000.0
+
+
+# --- one step -----------------------------------------------------------------------------------------
+
+
+def euler_step(x: mx.array, v: mx.array, sigma: float, sigma_next: float) -> mx.array:
+    """x <- x + (sigma_next - sigma) * v, computed in float32, returned in x's dtype."""
+    out = x.astype(mx.float32) + (sigma_next - sigma) * v.astype(mx.float32)
+    return out.astype(x.dtype)
+
+
+def cfg(v: mx.array, scale: float) -> mx.array:
+    """Classifier-free guidance on a [cond ; uncond] batch (2, L, C): uncond + s * (cond - uncond)."""
+    return v[1:2] + scale * (v[0:1] - v[1:2])
+
+
+def x0_estimate(x: mx.array, v: mx.array, sigma: float) -> mx.array:
+    """The clean latent the step predicts: x_t = (1 - s) x0 + s noise and v = noise - x0 give x0 = x - s v."""
+    return x - sigma * v
+
+
+def scale_noise(x0: mx.array, noise: mx.array, sigma: float) -> mx.array:
+    """The forward process x = sigma * noise + (1 - sigma) * x0, in float32 (the scheduler's `scale_noise`)."""
+    return sigma * noise.astype(mx.float32) + (1.0 - sigma) * x0.astype(mx.float32)
+
+
+def blend(x: mx.array, x0: mx.array, noise: mx.array, mask: mx.array, sigma_next: float | None) -> mx.array:
+    """Inpainting: keep the unmasked region as x0 noised to `sigma_next` (None after the last step: clean
+    x0) where mask = 0, the denoised x where mask = 1; float32 math, x's dtype out. Shapes (1, L, C),
+    mask (1, L, 1)."""
+    known = x0.astype(mx.float32) if sigma_next is None else scale_noise(x0, noise, sigma_next)
+    out = (1.0 - mask) * known + mask * x.astype(mx.float32)
+    return out.astype(x.dtype)
+
+
+def pack_latents(latents: mx.array) -> mx.array:
+    """Noise in diffusers' layout (B, C, h, w) -> tokens (B, h*w, C), row-major (C = 128 for klein)."""
+    B, C, h, w = latents.shape
+    return latents.reshape(B, C, h * w).transpose(0, 2, 1)
+
+
+# --- the prior ----------------------------------------------------------------------------------------
 
 
 def check_noise_kind(noise: str) -> str:
@@ -96,10 +196,8 @@ def torch_randn(shape: tuple[int, ...], seed: int) -> np.ndarray:
     return out.reshape(shape)
 
 
-def initial_noise(shape: tuple[int, ...], seed: int, noise: str = "torch"):
+def initial_noise(shape: tuple[int, ...], seed: int, noise: str = "torch") -> mx.array:
     """The prior of a generation as an MLX float32 array of `shape` (diffusers' (1, C, h, w) layout)."""
-    import mlx.core as mx
-
     check_noise_kind(noise)
     if noise == "torch":
         return mx.array(torch_randn(shape, seed))

@@ -1,0 +1,139 @@
+"""What a client may send to `serve`: OpenAI's fields parsed and checked into our types, and errors
+in OpenAI's JSON shape (`{"error": {"message", "type", "param", "code"}}`).
+
+Nothing here touches MLX or the network; `api.py` calls these on every request. An error body never
+shows a server-side path (only its last part) or an exception's repr.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from starlette.responses import JSONResponse
+
+from .errors import FluxKleinError
+from .inputs import check_image_size
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's JSON shape."""
+
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+             503: "server_error", 500: "server_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": redact(self.message), "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "5"} if self.status in (429, 503) else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+# OpenAI fields we accept and ignore (they have no meaning for this model), and our extra fields.
+IGNORED = {"quality", "style", "user", "background", "moderation", "output_compression", "input_fidelity"}
+COMMON = {"prompt", "n", "size", "response_format", "model", "seed", "steps", "guidance", "negative_prompt",
+          "loras", "stream", "partial_images", "output_format"} | IGNORED
+GENERATION_FIELDS = COMMON
+EDIT_FIELDS = COMMON | {"image", "image[]", "mask", "strength", "loras[]"}
+SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+LORA_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_LORAS = 8  # LoRA names per request
+# An absolute file path in a message (never this server's own routes, /v1/...): clients see its last part.
+PATH_RE = re.compile(r"(?<![\w.:/])/(?!v1/)[^\s'\"(),;]*/([^\s'\"(),;/]+)")
+
+
+def redact(message: str) -> str:
+    """A message for a client: server-side absolute paths shortened to their last part."""
+    return PATH_RE.sub(lambda m: m.group(1), message)
+
+
+def parse_json(data: bytes) -> dict:
+    """A request body -> the JSON object it must be, or a 400 that says why (never a 500)."""
+    try:
+        body = json.loads(data or b"null")
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e.msg} at position {e.pos})") from None
+    except UnicodeDecodeError:
+        raise ApiError(400, "the request body is not UTF-8 JSON") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON too deeply; send a flat object like {\"prompt\": \"...\"}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object like {\"prompt\": \"...\"}")
+    return body
+
+
+# ---- field parsing: values are JSON types (generations) or strings (multipart edits) -------------
+
+
+def int_field(body: dict, name: str, lo: int, hi: int, default=None):
+    v = body.get(name)
+    if v is None or v == "":
+        return default
+    # JSON integers, or digit strings from multipart forms; never bools or floats
+    if isinstance(v, int) and not isinstance(v, bool):
+        iv = v
+    elif isinstance(v, str) and re.fullmatch(r"\s*-?\d{1,20}\s*", v):
+        iv = int(v)
+    else:
+        raise ApiError(400, f"{name} must be a whole number, not {v!r}", name)
+    if not lo <= iv <= hi:
+        raise ApiError(400, f"{name} must be between {lo} and {hi}, not {iv}", name)
+    return iv
+
+
+def float_field(body: dict, name: str, lo: float, hi: float):
+    v = body.get(name)
+    if v is None or v == "":
+        return None
+    try:
+        fv = float(v)
+        if isinstance(v, bool) or fv != fv:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ApiError(400, f"{name} must be a number, not {v!r}", name) from None
+    if not lo <= fv <= hi:
+        raise ApiError(400, f"{name} must be between {lo} and {hi}, not {fv}", name)
+    return fv
+
+
+def str_field(body: dict, name: str, max_len: int = 4000):
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise ApiError(400, f"{name} must be a string, not {type(v).__name__}", name)
+    if len(v) > max_len:
+        raise ApiError(400, f"{name} is {len(v)} characters long; the limit is {max_len}", name)
+    return v
+
+
+def bool_field(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is None or isinstance(v, bool):
+        return bool(v)
+    if isinstance(v, str) and v.lower() in ("true", "false", "1", "0"):
+        return v.lower() in ("true", "1")
+    raise ApiError(400, f"{name} must be true or false, not {v!r}", name)
+
+
+def parse_size(size) -> tuple[int | None, int | None]:
+    """ "WxH" -> (W, H); None or "auto" -> (None, None) (the pipeline's default)."""
+    if size is None or size == "" or size == "auto":
+        return None, None
+    m = SIZE_RE.match(size) if isinstance(size, str) else None
+    if not m:
+        raise ApiError(400, f"size must be 'WIDTHxHEIGHT' in pixels (e.g. '1024x1024') or 'auto', not {size!r}",
+                       "size")
+    w, h = int(m.group(1)), int(m.group(2))
+    try:
+        check_image_size(w, h)
+    except FluxKleinError as e:
+        raise ApiError(400, f"size {size}: {e}", "size") from None
+    return w, h

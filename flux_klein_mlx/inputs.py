@@ -1,0 +1,457 @@
+"""What a run asks for (`RunSettings`) and what it is given to work with (`PreparedInputs`).
+
+`RunSettings` holds the knobs of one generation, the keywords of `generate` / `stream`, declared
+here once. `prepare_inputs(settings, info)` checks them, resolves the defaults of the model's
+variant and reads every image the run needs, all before any model runs:
+
+- reference images: shrunk to 1024^2 px area if larger (Lanczos, sizes truncated), sides floored to
+  multiples of 16 and centre-cropped (spec 8.1);
+- an init image (image-to-image / inpainting, as diffusers' `Flux2KleinInpaintPipeline`): shrunk
+  to 1024^2 px area if larger, then resized -- not cropped -- to sides floored to multiples of 16;
+  it sets the output size. A mask (white = repaint, black = keep) is resized like it, made grey,
+  binarised at 0.5, then bilinearly resized to the h x w token grid (edges come out fractional).
+  A mask with transparency (an alpha channel that is not opaque everywhere) follows OpenAI's
+  convention instead: transparent = repaint, opaque = keep (its colours are ignored).
+
+The CLI and the server call `prepare_inputs` before the work starts, so a bad input ends the run
+in one line, and hand the result to the pipeline: nothing is decoded twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import numbers
+import random
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+from PIL import Image, ImageOps
+
+from .errors import FluxKleinError
+from .sampling import check_noise_kind, seed_for_image, start_step
+from .tokenizer import check_text
+
+MIN_SIDE = 64  # input images (spec 8.1)
+MAX_ASPECT = 8
+MAX_AREA = 1024 * 1024
+MULTIPLE = 16  # VAE downscale 8 x the 2x2 patch
+MAX_SIDE = 4096  # ours (the references have none): 16x the pixels klein was tuned for
+DEFAULT_SIZE = 1024
+DEFAULT_STRENGTH = 0.8
+
+
+@dataclass
+class RunSettings:
+    """One generation's settings, as `generate(prompt, **settings)` takes them.
+
+    prompt: the text prompt. width, height: output size in pixels, multiples of 16 (default
+    1024x1024; with reference images and no size given, the first reference's processed size).
+    steps: denoising steps (default: 4 for distilled models, 50 for Base). guidance: CFG scale for
+    Base models (default 4.0); ignored, with a warning, by distilled models. seed: seed of the
+    initial noise; random when None (taken modulo 2**32 for torch noise). images: reference
+    image(s) for editing / multi-reference (PIL images or paths). negative_prompt: the
+    unconditional prompt of CFG (Base models; default ""). latents: initial noise in diffusers'
+    layout (1, 128, H/16, W/16) instead of a seed's (with an init image it is the noise that
+    `strength` mixes in). output_type: "pil" or "np" (float32 (H, W, 3) in [0, 1]). noise: "torch"
+    (default: the noise `torch.randn` draws on the CPU for this seed, so diffusers' images
+    reproduce) or "mlx" (mflux's). init_image: image-to-image: start from this image instead of
+    pure noise; the output takes its size, and it is also the first reference (`images` follow).
+    strength: how far from the init image to go, in (0, 1] (default 0.8; 1 = pure noise), diffusers'
+    convention. mask: inpainting: a mask the size of the init image; white is repainted, black kept.
+    """
+
+    prompt: str
+    width: int | None = None
+    height: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    seed: int | None = None
+    images: Sequence | None = None
+    negative_prompt: str | None = None
+    latents: object = None
+    output_type: str = "pil"
+    noise: str = "torch"
+    init_image: object = None
+    strength: float | None = None
+    mask: object = None
+
+    @classmethod
+    def from_keywords(cls, prompt, keywords: dict) -> "RunSettings":
+        """`RunSettings(prompt, **keywords)` with a one-line error for an unknown keyword."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(keywords) - names)
+        if unknown:
+            raise FluxKleinError(f"unknown setting {unknown[0]!r}; the settings are {', '.join(sorted(names))}")
+        return cls(prompt, **keywords)
+
+    def check(self) -> "RunSettings":
+        """Types and ranges, checked without reading an image or a model; returns self."""
+        _check_text(self.prompt, self.negative_prompt)
+        for name, v in (("width", self.width), ("height", self.height)):
+            if v is not None and not is_int(v):
+                raise FluxKleinError(f"{name} must be a whole number of pixels, not {v!r}")
+        if self.width is not None or self.height is not None:
+            check_image_size(DEFAULT_SIZE if self.width is None else self.width,
+                             DEFAULT_SIZE if self.height is None else self.height)  # fmt: skip
+        if self.steps is not None and (not is_int(self.steps) or self.steps < 1):
+            raise FluxKleinError(f"steps must be a whole number of at least 1, not {self.steps!r}")
+        g = self.guidance
+        if g is not None and (isinstance(g, bool) or not isinstance(g, numbers.Real) or not math.isfinite(g) or g < 0):
+            raise FluxKleinError(f"guidance must be a finite number >= 0 (e.g. 4.0; at most 1 turns CFG off), not {g!r}")
+        if self.seed is not None and not is_int(self.seed):
+            raise FluxKleinError(f"seed must be a whole number, not {self.seed!r}")
+        if self.output_type not in ("pil", "np"):
+            raise FluxKleinError(f"output_type must be 'pil' or 'np', not {self.output_type!r}")
+        check_noise_kind(self.noise)
+        if self.init_image is None and (self.mask is not None or self.strength is not None):
+            what = "a mask" if self.mask is not None else "strength"
+            raise FluxKleinError(f"{what} needs an init image (--init-image, init_image=)")
+        if self.strength is not None:
+            check_strength(self.strength)
+        return self
+
+
+def is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def check_prompt_given(prompt) -> None:
+    """The CLI and the server refuse an empty prompt alike (an unset shell variable, an empty form
+    field); the Python API, like diffusers, takes "" as an unconditional prompt."""
+    if isinstance(prompt, str) and not prompt.strip():
+        raise FluxKleinError('the prompt is empty: describe the image to make (e.g. "a red fox in fresh snow")')
+
+
+def _check_text(prompt, negative_prompt) -> None:
+    if not isinstance(prompt, str):
+        raise FluxKleinError(f"the prompt must be a string, not {type(prompt).__name__}")
+    if negative_prompt is not None and not isinstance(negative_prompt, str):
+        raise FluxKleinError(f"negative_prompt must be a string or None, not {type(negative_prompt).__name__}")
+    check_text(prompt)  # lone surrogates (undecodable argv bytes, JSON "\ud800") end here, not in the tokenizer
+    if negative_prompt is not None:
+        check_text(negative_prompt, "the negative prompt")
+
+
+def check_strength(strength) -> float:
+    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0.0 < strength <= 1.0:
+        raise FluxKleinError(
+            f"strength must be in (0, 1] (1 = start from pure noise, small = stay close to the init image), "
+            f"not {strength!r}"
+        )
+    return float(strength)
+
+
+def check_image_size(width: int, height: int) -> None:
+    """Raise FluxKleinError unless both sides are multiples of 16 within [64, 4096] px."""
+    for name, v in (("width", width), ("height", height)):
+        if not is_int(v):
+            raise FluxKleinError(f"{name} must be a whole number of pixels, got {v!r}")
+        if v < MIN_SIDE:
+            raise FluxKleinError(
+                f"{name} {v} is below the minimum of {MIN_SIDE} px; use {MIN_SIDE} or more, a multiple of {MULTIPLE}"
+            )
+        if v > MAX_SIDE:
+            raise FluxKleinError(
+                f"{name} {v} is above the maximum of {MAX_SIDE} px; use at most {MAX_SIDE}, a multiple of {MULTIPLE}"
+            )
+        if v % MULTIPLE:
+            lo, hi = v // MULTIPLE * MULTIPLE, (v // MULTIPLE + 1) * MULTIPLE
+            options = " or ".join(str(s) for s in (lo, hi) if MIN_SIDE <= s <= MAX_SIDE)
+            raise FluxKleinError(f"{name} {v} is not a multiple of {MULTIPLE}; use e.g. {options}")
+
+
+def check_image_shape(w: int, h: int, what: str) -> None:
+    """An input image's limits: each side >= 64 px, aspect ratio <= 8 (spec 8.1)."""
+    if w < MIN_SIDE or h < MIN_SIDE:
+        raise FluxKleinError(f"{what} is {w}x{h}; both sides must be at least {MIN_SIDE} px")
+    if max(w / h, h / w) > MAX_ASPECT:
+        raise FluxKleinError(f"{what} is {w}x{h} (aspect ratio {max(w / h, h / w):.1f}); the limit is {MAX_ASPECT}:1")
+
+
+# --- reading images -----------------------------------------------------------------------------------
+
+
+def open_image(image, what: str) -> Image.Image:
+    """A PIL image from a path or a PIL image, fully read, as a photo viewer shows it; one-line errors.
+
+    From a file: the EXIF orientation is applied (as diffusers' `load_image` does), 16- and 32-bit
+    integer modes become 8-bit by value (a 50% grey 16-bit PNG stays 50% grey), an animated file
+    gives its first frame with a warning, and a file over PIL's decompression-bomb limit is refused.
+    Other modes keep their own (colour conversion happens later, as in diffusers).
+    """
+    if isinstance(image, Image.Image):
+        try:
+            image.load()  # a closed image fails here, not deep inside a resize
+        except ValueError:
+            raise FluxKleinError(f"the {what} is a closed PIL image (used after close() or outside its `with` "
+                                 "block); pass it while it is open, or its file path") from None
+        return to_8bit(image)
+    if not isinstance(image, (str, Path)):
+        raise FluxKleinError(f"the {what} must be a PIL image or a file path, not {type(image).__name__}")
+    path = Path(image).expanduser()
+    if path.is_dir():
+        raise FluxKleinError(f"{what} {path} is a folder, not an image; give an image file")
+    if path.exists() and not path.is_file():
+        raise FluxKleinError(f"{what} {path} is not a regular file (a device or pipe); give an image file")
+    if not path.is_file():
+        raise FluxKleinError(f"{what} not found: {path}")
+    try:
+        with warnings.catch_warnings():
+            # 89-179 MP: PIL warns; such a picture is shrunk to 1 MP right after, so it is fine.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as im:
+                frames = getattr(im, "n_frames", 1)
+                im.load()
+                img = ImageOps.exif_transpose(im) or im.copy()
+    except Image.DecompressionBombError:
+        limit = 2 * (Image.MAX_IMAGE_PIXELS or 0) / 1e6
+        raise FluxKleinError(
+            f"{what} {path} has more pixels than PIL decodes safely ({limit:.0f} MP); shrink it "
+            "(e.g. to 4096 px a side) and try again"
+        ) from None
+    except (OSError, ValueError, SyntaxError) as e:
+        raise FluxKleinError(f"cannot read {what} {path}: {str(e).splitlines()[0][:160]}") from None
+    if frames > 1:
+        warnings.warn(f"{what} {path} has {frames} frames; the first one is used")
+    return to_8bit(img)
+
+
+def to_8bit(img: Image.Image) -> Image.Image:
+    """16- and 32-bit integer and 32-bit float images -> 8-bit grey by value (PIL's own convert clips
+    integers to white and floats in [0, 1] to black).
+
+    Float images (mode F: float TIFF, numpy float arrays) are read in [0, 1], the float convention,
+    unless a value exceeds 1: then in [0, 255]. NaN becomes 0.
+    """
+    if img.mode.startswith("I;16") or img.mode == "I":
+        a = np.asarray(img).astype(np.float64)  # (H, W); 16-bit range (PNG / TIFF)
+        return Image.fromarray(np.clip(np.round(a / 257.0), 0, 255).astype(np.uint8), mode="L")
+    if img.mode == "F":
+        a = np.nan_to_num(np.asarray(img, dtype=np.float64), nan=0.0, posinf=255.0, neginf=0.0)  # (H, W)
+        scale = 255.0 if a.size == 0 or a.max() <= 1.0 else 1.0
+        return Image.fromarray(np.clip(np.round(a * scale), 0, 255).astype(np.uint8), mode="L")
+    return img
+
+
+def _shrink_to_area(img: Image.Image) -> Image.Image:
+    """Lanczos-shrink to MAX_AREA px when larger (sizes truncated), as diffusers' image processor does."""
+    w, h = img.size
+    if w * h <= MAX_AREA:
+        return img
+    scale = math.sqrt(MAX_AREA / (w * h))
+    return img.resize((int(w * scale), int(h * scale)), Image.Resampling.LANCZOS)
+
+
+def _pixels(img: Image.Image, normalize: bool) -> np.ndarray:
+    x = np.asarray(img).astype(np.float32) / 255.0  # diffusers' pil_to_numpy
+    return 2.0 * x - 1.0 if normalize else x
+
+
+def preprocess_reference(image) -> np.ndarray:
+    """A reference image as the references prepare it: (H, W, 3) float32 in [-1, 1], H, W multiples of 16."""
+    img = open_image(image, "reference image").convert("RGB")
+    check_image_shape(*img.size, "reference image")
+    img = _shrink_to_area(img)
+    w, h = img.size
+    cw, ch = w // MULTIPLE * MULTIPLE, h // MULTIPLE * MULTIPLE
+    left, top = (w - cw) // 2, (h - ch) // 2
+    return _pixels(img.crop((left, top, left + cw, top + ch)), normalize=True)
+
+
+@dataclass
+class InitImage:
+    """A prepared init image (and mask): what the pipeline needs, computed without any model."""
+
+    pixels: np.ndarray  # (H, W, 3) float32 in [-1, 1], H and W multiples of 16
+    mask: np.ndarray | None  # (h*w, 1) float32 in [0, 1] on the token grid, 1 = repaint; None = img2img
+    strength: float
+
+    @property
+    def width(self) -> int:
+        return self.pixels.shape[1]
+
+    @property
+    def height(self) -> int:
+        return self.pixels.shape[0]
+
+
+def prepare_init_image(image, strength: float = DEFAULT_STRENGTH, mask=None) -> InitImage:
+    """Validate and preprocess an init image (path or PIL) and optional mask as diffusers does."""
+    strength = check_strength(strength)
+    img = open_image(image, "init image")
+    raw_w, raw_h = img.size
+    check_image_shape(raw_w, raw_h, "init image")
+    m = None if mask is None else open_image(mask, "mask")
+    if m is not None and m.size != (raw_w, raw_h):
+        raise FluxKleinError(
+            f"the mask is {m.size[0]}x{m.size[1]} but the init image is {raw_w}x{raw_h}; they must be the same size"
+        )
+    # Resizes happen in the file's own mode, colour conversion after (diffusers' order).
+    img = _shrink_to_area(img)
+    W, H = img.size[0] // MULTIPLE * MULTIPLE, img.size[1] // MULTIPLE * MULTIPLE
+    img = img.resize((W, H), Image.Resampling.LANCZOS)  # stretches to the 16-multiple; no crop
+    packed = None
+    if m is not None:
+        # The mask goes straight from its own size to (W, H); then grey, [0, 1], binarised at 0.5.
+        grey = _pixels(mask_as_grey(m).resize((W, H), Image.Resampling.LANCZOS).convert("L"), normalize=False)
+        binary = (grey >= 0.5).astype(np.float32)  # (H, W)
+        if not binary.any():
+            raise FluxKleinError("the mask has no white pixel: white marks what to repaint, black what to keep "
+                                 "(or, in a mask with transparency, transparent what to repaint)")
+        packed = bilinear_resize(binary, H // MULTIPLE, W // MULTIPLE).reshape(-1, 1)  # (h*w, 1)
+        if not packed.any():  # the model works on 16x16-px cells; this mask's white falls between their samples
+            raise FluxKleinError(
+                f"the mask's white area ({int(binary.sum())} px at {W}x{H}) is too small: it misses every "
+                f"{MULTIPLE}x{MULTIPLE}-px cell the model repaints, so nothing would change; enlarge it"
+            )
+    return InitImage(pixels=_pixels(img.convert("RGB"), normalize=True), mask=packed, strength=strength)
+
+
+def mask_as_grey(mask: Image.Image) -> Image.Image:
+    """A mask as grey, white = repaint. With transparency (alpha not opaque everywhere) OpenAI's
+    convention holds: transparent = repaint, so the grey is 255 - alpha; otherwise its brightness."""
+    if mask.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (mask.mode == "P" and "transparency" in mask.info):
+        alpha = mask.convert("RGBA").getchannel("A")
+        if alpha.getextrema()[0] < 255:
+            return alpha.point(lambda a: 255 - a)
+    return mask
+
+
+def bilinear_resize(x: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
+    """(H, W) -> (out_h, out_w) like torch's `interpolate(mode="bilinear", align_corners=False)`."""
+
+    def taps(n_in, n_out):
+        scale = n_in / n_out
+        src = np.maximum((np.arange(n_out) + 0.5) * scale - 0.5, 0.0)
+        i0 = np.minimum(np.floor(src).astype(np.int64), n_in - 1)
+        i1 = np.minimum(i0 + 1, n_in - 1)
+        frac = (src - i0).astype(np.float32)
+        return i0, i1, frac
+
+    y0, y1, fy = taps(x.shape[0], out_h)
+    x0, x1, fx = taps(x.shape[1], out_w)
+    top = x[y0][:, x0] * (1 - fx) + x[y0][:, x1] * fx
+    bottom = x[y1][:, x0] * (1 - fx) + x[y1][:, x1] * fx
+    return (top * (1 - fy)[:, None] + bottom * fy[:, None]).astype(np.float32)
+
+
+# --- everything a run needs, before any model runs ----------------------------------------------------
+
+
+@dataclass
+class PreparedInputs:
+    """A checked run: its settings with every default resolved, and its images read.
+
+    `settings` has width, height, steps, seed set (guidance None on distilled models, negative_prompt
+    None unless CFG runs); `references` are the reference pixels in order; `init` the init image (and
+    mask) for img2img / inpainting.
+    """
+
+    settings: RunSettings
+    references: list[np.ndarray] = field(default_factory=list)  # each (H, W, 3) float32 in [-1, 1]
+    init: InitImage | None = None
+    t_start: int = 0  # schedule steps skipped (img2img); the schedule is still built for all steps
+    latents: np.ndarray | None = None  # (1, C, h, w) float32 given noise, or None: from the seed
+    # Content hashes (12 hex digits of sha256 of the prepared pixels): "references" [...], "init_image",
+    # "mask"; the same image gives the same hash whichever door it came through.
+    hashes: dict = field(default_factory=lambda: {"references": []})
+
+    @property
+    def images_key(self) -> str:
+        """One key for the init image and references together (the pipeline's token cache)."""
+        return ",".join([self.hashes.get("init_image") or ""] + self.hashes["references"])
+
+    @property
+    def steps_run(self) -> int:
+        return self.settings.steps - self.t_start
+
+    @property
+    def cfg_scale(self) -> float | None:
+        """The CFG scale when classifier-free guidance runs (guidance > 1), else None."""
+        g = self.settings.guidance
+        return g if g is not None and g > 1.0 else None
+
+    def for_image(self, index: int) -> "PreparedInputs":
+        """Image `index` of a batch: the same inputs with seed + index (diffusers' generators N, N+1, ...)."""
+        seed = self.settings.seed
+        if index == 0 or seed is None:
+            return self
+        return dataclasses.replace(self, settings=dataclasses.replace(self.settings, seed=seed_for_image(seed, index)))
+
+
+def _resolve_guidance(s: RunSettings, info) -> tuple[float | None, str | None]:
+    """(guidance, negative prompt) as the run uses them (None, None on distilled models), warning about
+    what is ignored. CFG runs only when guidance > 1, as in diffusers."""
+    if info.is_distilled:
+        if s.guidance is not None and s.guidance != 1.0:
+            warnings.warn(f"guidance {s.guidance} is ignored: {info.name} is guidance-distilled (use a Base model for CFG)")
+        if s.negative_prompt:
+            warnings.warn(f"negative_prompt is ignored: {info.name} runs without classifier-free guidance")
+        return None, None
+    guidance = info.default_guidance if s.guidance is None else float(s.guidance)
+    if guidance <= 1.0 and s.negative_prompt:
+        warnings.warn(f"negative_prompt is ignored: guidance {guidance:g} <= 1 runs without classifier-free guidance")
+    return guidance, s.negative_prompt if guidance > 1.0 else None
+
+
+def _latents(value, shape: tuple[int, ...], width: int, height: int) -> np.ndarray:
+    """Given noise as float32 numpy (MLX arrays of any float dtype, numpy, nested lists), checked."""
+    kind = getattr(value, "dtype", None)
+    if isinstance(value, mx.array) and value.dtype in (mx.bool_, mx.complex64):
+        raise FluxKleinError(f"latents must be a float array (numpy or MLX), not MLX {value.dtype}")
+    if isinstance(value, np.ndarray) and kind.kind not in "fiu":
+        raise FluxKleinError(f"latents must be a float array (numpy or MLX), not numpy dtype {kind}")
+    try:
+        x = np.array(value.astype(mx.float32)) if isinstance(value, mx.array) else np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise FluxKleinError(f"latents must be an array of numbers (numpy or MLX), not {type(value).__name__}") from None
+    if x.shape != shape:
+        raise FluxKleinError(f"latents must have shape {shape} for {width}x{height}, not {tuple(x.shape)}")
+    if not np.isfinite(x).all():
+        raise FluxKleinError("latents hold NaN or infinity; pass finite noise (e.g. a normal draw)")
+    return x
+
+
+def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
+    """Check `settings` against the model described by `info` and read every image, before any model runs."""
+    s = settings.check()
+    steps = info.default_steps if s.steps is None else int(s.steps)
+    guidance, negative = _resolve_guidance(s, info)
+    width, height = s.width, s.height
+    init = None
+    if s.init_image is not None:
+        init = prepare_init_image(s.init_image, DEFAULT_STRENGTH if s.strength is None else s.strength, s.mask)
+        if (width or init.width, height or init.height) != (init.width, init.height):
+            raise FluxKleinError(f"the output takes the init image's size ({init.width}x{init.height}); leave "
+                                 "--width/--height (width=, height=) out")
+        width, height = init.width, init.height
+    images = [s.images] if isinstance(s.images, (str, Path, Image.Image)) else list(s.images or [])
+    references = [preprocess_reference(im) for im in images]
+    if references:  # a side left out is the first reference's
+        rh, rw = references[0].shape[:2]
+        width, height = rw if width is None else width, rh if height is None else height
+    width, height = width or DEFAULT_SIZE, height or DEFAULT_SIZE
+    check_image_size(width, height)
+    t_start = 0 if init is None else start_step(steps, init.strength)
+    latents = None
+    if s.latents is not None:
+        latents = _latents(s.latents, (1, info.in_channels, height // MULTIPLE, width // MULTIPLE), width, height)
+    seed = random.randrange(2**31) if s.seed is None and latents is None else s.seed
+    resolved = dataclasses.replace(s, width=width, height=height, steps=steps, guidance=guidance, seed=seed,
+                                   negative_prompt=negative, images=None)  # fmt: skip
+    hashes = {"references": [content_hash(r) for r in references]}
+    if init is not None:
+        hashes["init_image"] = content_hash(init.pixels)
+        hashes["mask"] = None if init.mask is None else content_hash(init.mask)
+    return PreparedInputs(resolved, references, init, t_start, latents, hashes)
+
+
+def content_hash(pixels: np.ndarray) -> str:
+    """12 hex digits of the sha256 of an array's shape and bytes."""
+    return hashlib.sha256(str(pixels.shape).encode() + pixels.tobytes()).hexdigest()[:12]

@@ -1,0 +1,516 @@
+"""What leaves a run: the image's metadata (one schema for every door), image files, previews.
+
+- `image_metadata` is the one record of how an image was made; the pipeline attaches it to the
+  final event, so `generate`, `serve` and the Python API write the same record for the same
+  request. PNGs carry it twice: `parameters` is the A1111 / Forge text that A1111, Forge, Civitai,
+  InvokeAI and ComfyUI's importer parse, and `flux_klein_mlx` holds the whole record as JSON (no
+  text chunk is named `prompt`: ComfyUI parses that key as a workflow). JPEG and WebP files carry
+  the same text where A1111 puts it, in the EXIF UserComment ("UNICODE" + UTF-16BE in big-endian
+  EXIF, as piexif writes it), and the JSON record in XMP (`flux_klein_mlx:record`).
+- Files are never written twice: `check_output_file` runs before the work, `write_exclusive`
+  writes into a temporary file and hard-links it to the first free name, and `folder_transaction`
+  writes a whole folder next to its destination and renames it into place (crash-safe).
+- `LatentPreview` maps latent tokens to a small RGB picture after every step, without the VAE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import glob
+import io
+import json
+import os
+import re
+import secrets
+import shutil
+import stat
+import struct
+import tempfile
+import warnings
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+from xml.sax.saxutils import escape
+
+import mlx.core as mx
+import numpy as np
+from PIL import Image
+from PIL.PngImagePlugin import PngInfo
+
+from . import __version__
+from .errors import FluxKleinError
+from .vae import unpatchify
+
+RECORD_KEY = "flux_klein_mlx"  # PNG text chunk holding the JSON record
+FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
+QUALITY = 95  # JPEG and (lossy) WebP
+EXIF_IFD, USER_COMMENT = 0x8769, 0x9286
+UNICODE_COMMENT = b"UNICODE\0"  # EXIF UserComment character code; the text follows in UTF-16BE
+XMP_NS = "urn:flux_klein_mlx:record:1"  # the XMP namespace of our record (JPEG, WebP)
+
+
+# --- the record ---------------------------------------------------------------------------------------
+
+
+def image_metadata(settings, *, model: str, variant: str, dtype: str, quantize: int | None, loras: list[dict],
+                   references: list[str], init_image: str | None = None, mask: str | None = None,
+                   steps_run: int | None = None) -> dict:  # fmt: skip
+    """The record of one image: `settings` is the run's resolved `inputs.RunSettings`; images are named
+    by the content hash of their pixels (the same whichever door they came through)."""
+    return {
+        "prompt": settings.prompt, "negative_prompt": settings.negative_prompt, "seed": settings.seed,
+        "steps": settings.steps, "steps_run": steps_run if steps_run is not None else settings.steps,
+        "guidance": settings.guidance, "width": settings.width, "height": settings.height,
+        "noise": "latents" if settings.latents is not None else settings.noise,
+        "model": model, "variant": variant, "dtype": dtype, "quantize": quantize, "loras": loras,
+        "references": references, "init_image": init_image, "strength": settings.strength if init_image else None,
+        "mask": mask, "software": f"flux_klein_mlx {__version__}",
+    }  # fmt: skip
+
+
+def _a1111_value(v) -> str:
+    """A1111 quotes a value that holds a comma, colon or quote (`infotext_utils.quote`)."""
+    s = str(v)
+    return json.dumps(s, ensure_ascii=False) if any(c in s for c in ',:"') else s
+
+
+def a1111_parameters(record: dict) -> str:
+    """The A1111 / Forge `parameters` text: prompt, `Negative prompt: ...`, then `Steps: 4, Sampler: ...`."""
+    r = record.get
+    lines = [str(r("prompt") or "")]
+    if r("negative_prompt"):
+        lines.append(f"Negative prompt: {r('negative_prompt')}")
+    fields = {
+        "Steps": r("steps"), "Sampler": "Euler", "Schedule type": "Simple",
+        "CFG scale": r("guidance") if r("guidance") is not None else 1, "Seed": r("seed"),
+        "Size": f"{r('width')}x{r('height')}" if r("width") else None, "Model": r("model"),
+        "Denoising strength": r("strength") if r("init_image") else None,
+        "Lora hashes": ", ".join(f"{lora['name']}: {lora['sha256']}" for lora in r("loras") or []) or None,
+        "Version": r("software", f"flux_klein_mlx {__version__}"),
+    }  # fmt: skip
+    lines.append(", ".join(f"{k}: {_a1111_value(v)}" for k, v in fields.items() if v is not None))
+    return "\n".join(lines)
+
+
+def png_info(record: dict) -> PngInfo:
+    """PNG text chunks: `parameters` (A1111 text) and `flux_klein_mlx` (the record as JSON)."""
+    info = PngInfo()
+    info.add_text("parameters", a1111_parameters(record))
+    info.add_text(RECORD_KEY, json.dumps(record, ensure_ascii=False))
+    return info
+
+
+def exif_parameters(record: dict) -> bytes:
+    """EXIF whose UserComment is the A1111 text, as A1111 writes JPEG and WebP (piexif's dump: a
+    big-endian TIFF, IFD0 pointing to an Exif IFD holding UserComment as UNDEFINED bytes, "UNICODE\\0"
+    + UTF-16BE). Built here because PIL would store the comment as BYTE, which piexif reads as ints."""
+    comment = UNICODE_COMMENT + a1111_parameters(record).encode("utf-16-be")
+    exif_ifd = 8 + 18  # header, then IFD0: count (2) + one entry (12) + next-IFD offset (4)
+    data = exif_ifd + 18  # the Exif IFD is one entry too; the comment's bytes follow it
+    tiff = (b"MM\x00\x2a" + struct.pack(">I", 8)
+            + struct.pack(">HHHII", 1, EXIF_IFD, 4, 1, exif_ifd) + struct.pack(">I", 0)  # LONG offset
+            + struct.pack(">HHHII", 1, USER_COMMENT, 7, len(comment), data) + struct.pack(">I", 0)  # UNDEFINED
+            + comment)  # fmt: skip
+    return b"Exif\x00\x00" + tiff
+
+
+def record_xmp(record: dict) -> bytes:
+    """An XMP packet holding the record as JSON in `flux_klein_mlx:record`."""
+    text = escape(json.dumps(record, ensure_ascii=False))
+    return (
+        '<?xpacket begin="\ufeff" id="W5M0MpCehiHzreSzNTczkc9d"?>'
+        '<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+        f'<rdf:Description rdf:about="" xmlns:flux_klein_mlx="{XMP_NS}"><flux_klein_mlx:record>{text}'
+        '</flux_klein_mlx:record></rdf:Description></rdf:RDF></x:xmpmeta><?xpacket end="w"?>'
+    ).encode("utf-8")
+
+
+def read_record(path: str | Path) -> dict | None:
+    """The record an image written here carries (PNG text chunk, or XMP in JPEG / WebP), or None."""
+    with Image.open(path) as im:
+        raw = getattr(im, "text", {}).get(RECORD_KEY)
+        xmp = im.info.get("xmp")
+    if not raw and xmp:
+        try:
+            node = ElementTree.fromstring(xmp.decode("utf-8") if isinstance(xmp, bytes) else xmp)
+        except (ElementTree.ParseError, UnicodeDecodeError):
+            return None
+        found = node.find(f".//{{{XMP_NS}}}record")
+        raw = found.text if found is not None else None
+    return json.loads(raw) if raw else None
+
+
+def write_image(image: Image.Image, target, fmt: str, record: dict | None) -> None:
+    """Save `image` to `target` (a path or file) as `fmt` ("PNG", "JPEG", "WEBP") with `record`.
+
+    A JPEG's metadata segments hold 64 KB each: a record (then the A1111 text) too long for them is
+    left out with a warning rather than failing the image.
+    """
+    if fmt == "PNG":
+        image.save(target, format=fmt, pnginfo=png_info(record) if record else None)
+        return
+    extra = {"exif": exif_parameters(record), "xmp": record_xmp(record)} if record else {}
+    if fmt == "JPEG" and image.mode not in ("RGB", "L"):
+        image = image.convert("RGB")  # JPEG has no alpha
+    while True:
+        try:
+            image.save(target, format=fmt, quality=QUALITY, **extra)
+            return
+        except ValueError as e:  # "EXIF data is too long" / "XMP data is too long" (JPEG)
+            if not extra or "too long" not in str(e):
+                raise
+            dropped = "xmp" if "xmp" in extra else "exif"
+            extra.pop(dropped)
+            warnings.warn(f"the {'JSON record (XMP)' if dropped == 'xmp' else 'A1111 text (EXIF)'} does not fit "
+                          f"in a {fmt} file (64 KB); the image is written without it: use .png to keep it")
+
+
+def image_bytes(image: Image.Image, record: dict | None = None) -> bytes:
+    """A PNG in memory, with `record` in its text chunks when given."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", pnginfo=png_info(record) if record else None)
+    return buf.getvalue()
+
+
+def image_format(path: str | Path, option: str = "the output") -> str:
+    """The file format a name asks for ("PNG", "JPEG", "WEBP"), or a one-line error."""
+    fmt = FORMATS.get(Path(path).suffix.lower())
+    if fmt is None:
+        raise FluxKleinError(f"{option} must end in {', '.join(FORMATS)}, not {Path(path).name!r}")
+    return fmt
+
+
+def save_image(image: Image.Image, path: str | Path, record: dict | None = None, first: int | None = None) -> Path:
+    """Write `image` as a new PNG, JPEG or WebP file (by the name's ending) with its record; never
+    replaces a file (the next free name is used; `first`: see `write_exclusive`).
+
+    Returns the name written. For the Python API: `save_image(image, "fox.png", pipe.last_metadata)`.
+    """
+    path = Path(path).expanduser()
+    fmt = image_format(path)
+    return write_exclusive(path, lambda tmp: write_image(image, tmp, fmt, record), first)
+
+
+# --- files that are never written twice ---------------------------------------------------------------
+
+# Room left in a file name for the "-N" that `free_name` may add.
+_SUFFIX_ROOM = 8
+
+
+def check_output_file(path: str | Path, option: str = "--output") -> Path:
+    """Raise FluxKleinError unless a new file can be created at `path` (or next to it, if taken)."""
+    path = Path(path).expanduser()
+    parent = path.parent
+    for p in (parent, path):
+        trouble = broken_link(p)
+        if trouble:
+            raise FluxKleinError(f"{option} {path}: {p} is a symbolic link that {trouble}; remove it or choose another path")
+    if parent.exists() and not parent.is_dir():
+        raise FluxKleinError(f"{option} {path}: {parent} is a file, not a folder; choose another path")
+    if not parent.is_dir():
+        raise FluxKleinError(f"{option} {path}: output folder {parent} does not exist; create it first")
+    try:
+        name_max = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        name_max = 255
+    if len(os.fsencode(path.name)) + _SUFFIX_ROOM > name_max:
+        raise FluxKleinError(
+            f"{option} file name is {len(os.fsencode(path.name))} bytes; this file system allows {name_max} "
+            f"(keep it under {name_max - _SUFFIX_ROOM}); choose a shorter name"
+        )
+    if path.is_dir():
+        raise FluxKleinError(f"{option} {path} is a folder; give a file name inside it, e.g. {path / 'image.png'}")
+    try:  # the real test of permissions (read-only folder or volume, ACLs): create and remove a file
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".flux_klein_mlx-probe-"):
+            pass
+    except OSError as e:
+        raise FluxKleinError(
+            f"{option} {path}: cannot write in {parent} ({e.strerror}); choose a folder you can write to"
+        ) from None
+    return path
+
+
+def broken_link(path: Path) -> str | None:
+    """What is wrong with `path` when it is a symbolic link that leads nowhere ("loops" or "points to
+    nothing"), else None (we never write through a link, so such a name would only be skipped)."""
+    try:
+        if not stat.S_ISLNK(os.lstat(path).st_mode):
+            return None
+    except OSError:  # no such name (or one too long: said below)
+        return None
+    try:
+        os.stat(path)
+    except OSError as e:
+        return "loops" if e.errno == errno.ELOOP else "points to nothing"
+    return None
+
+
+def free_name(path: Path, n: int) -> Path:
+    """`path` for n = 0, else `stem-n.suffix`."""
+    return path if n == 0 else path.with_name(f"{path.stem}-{n}{path.suffix}")
+
+
+def numbered_name(path: Path, n: int) -> Path:
+    """`stem-n.suffix`: the name of image n of a batch."""
+    return path.with_name(f"{path.stem}-{n}{path.suffix}")
+
+
+def _link_to_free_name(tmp: Path, path: Path, first: int | None) -> Path:
+    """Give the finished `tmp` the first free name `path`, `stem-1.suffix`, ... (or `stem-first.suffix`,
+    `stem-(first+1).suffix`, ...); never replaces a file."""
+    n = 0 if first is None else first
+    while True:
+        final = free_name(path, n) if first is None else numbered_name(path, n)
+        try:
+            os.link(tmp, final)
+            return final
+        except FileExistsError:
+            n += 1
+        except OSError:  # no hard links here (some network/FAT volumes): exclusive create + copy
+            try:
+                dst = open(final, "xb")
+            except FileExistsError:
+                n += 1
+                continue
+            try:
+                with dst, open(tmp, "rb") as src:
+                    shutil.copyfileobj(src, dst)
+            except BaseException:
+                os.unlink(final)  # never a half-written file under the final name
+                raise
+            return final
+
+
+def write_exclusive(path: str | Path, write: Callable[[Path], None], first: int | None = None) -> Path:
+    """Write a new file at `path`, or at the first free `stem-N.suffix`; never replaces a file.
+
+    `write(tmp)` writes the whole content to `tmp` (a name in the same folder); it is then
+    hard-linked to the final name, which fails if the name exists, so a name is taken by exactly
+    one writer and is complete when it appears. With `first`, only numbered names are used: the
+    first free `stem-N.suffix` with N >= first (the images of a batch continue the numbering
+    after files that exist, so no name ever carries two numbers). Returns the name written; any
+    error (a full disk, a removed or read-only folder) is one FluxKleinError and leaves no file.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        write(tmp)
+        return _link_to_free_name(tmp, path, first)
+    except OSError as e:
+        raise FluxKleinError(f"cannot write {path} ({e.strerror}); nothing was written") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+# --- whole folders, crash-safe ------------------------------------------------------------------------
+
+TMP_MARKER = ".flux_klein_mlx-writing"  # in `<output>.tmp-XXXXXXXX` while it is written: the writer's pid
+_TMP_NAME = re.compile(r"\.tmp-[0-9a-f]{8}$")
+
+
+def check_disk_space(output: Path, needed: int, what: str = "the output") -> None:
+    """Refuse before writing when the volume of `output` lacks `needed` bytes (plus 1 % + 64 MB)."""
+    probe = output.parent
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed * 1.01 + (64 << 20):
+        raise FluxKleinError(
+            f"not enough disk space for {output}: {what} needs about {needed / 1e9:.2f} GB "
+            f"and {free / 1e9:.2f} GB are free; free some space or choose another --output"
+        )
+
+
+def _writer_alive(folder: Path) -> bool:
+    try:
+        pid = int((folder / TMP_MARKER).read_text().strip())
+    except (OSError, ValueError):
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temporaries(output: Path) -> list[Path]:
+    """Remove `<output>.tmp-XXXXXXXX` folders left by an earlier run that was killed (SIGKILL, power loss).
+
+    Only folders that are ours are removed: empty ones, and ones whose marker file names a process
+    that no longer runs (a write still running keeps its folder). Returns the folders removed.
+    """
+    removed = []
+    if not output.parent.is_dir():
+        return removed
+    for cand in output.parent.glob(f"{glob.escape(output.name)}.tmp-*"):
+        if not _TMP_NAME.search(cand.name[len(output.name):]) or cand.is_symlink() or not cand.is_dir():
+            continue
+        if any(cand.iterdir()) and (not (cand / TMP_MARKER).is_file() or _writer_alive(cand)):
+            continue  # not ours, or its writer still runs
+        shutil.rmtree(cand, ignore_errors=True)
+        removed.append(cand)
+    return removed
+
+
+def _fresh_sibling(output: Path, tag: str) -> Path:
+    """Create and return an empty folder `<output>.<tag>-XXXXXXXX` next to `output` (umask permissions)."""
+    while True:
+        path = output.with_name(f"{output.name}.{tag}-{secrets.token_hex(4)}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+
+
+def _move_into_place(tmp: Path, output: Path) -> None:
+    """Rename the finished folder to `output`; an existing output is moved aside first and deleted
+    only once the new one is in place (restored if the rename fails)."""
+    if not output.exists():
+        os.rename(tmp, output)
+        return
+    old = _fresh_sibling(output, "old")
+    os.rmdir(old)
+    os.rename(output, old)
+    try:
+        os.rename(tmp, output)
+    except BaseException:
+        os.rename(old, output)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def folder_transaction(output: Path) -> Iterator[Path]:
+    """Write a folder whole or not at all: yields an empty `<output>.tmp-XXXXXXXX` next to `output`,
+    renamed to `output` when the block ends (an existing `output` is replaced only then); on any error
+    or interruption the temporary folder is removed and `output` is as it was. Folders of earlier
+    writers that were killed are cleaned up first (only ours, see `remove_stale_temporaries`)."""
+    if output.parent.exists() and not output.parent.is_dir():
+        raise FluxKleinError(f"{output}: {output.parent} is a file, not a folder; choose another path")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(output)
+        tmp = _fresh_sibling(output, "tmp")
+    except OSError as e:
+        raise FluxKleinError(f"cannot write next to {output} ({e.strerror}); choose another path") from None
+    try:
+        # Marks the folder as ours while it is being written: a later run removes it if this process is gone.
+        (tmp / TMP_MARKER).write_text(f"{os.getpid()}\n")
+        yield tmp
+        (tmp / TMP_MARKER).unlink()
+        _move_into_place(tmp, output)
+    except BaseException:  # also KeyboardInterrupt: never leave a partial folder behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# --- step previews ------------------------------------------------------------------------------------
+
+# FLUX.2 VAE (32 latent channels), published by ComfyUI: comfy/latent_formats.py, class Flux2,
+# `latent_rgb_factors` / `latent_rgb_factors_bias` (github.com/Comfy-Org/ComfyUI). ComfyUI applies
+# them to its sampling latent after reshaping the 128 packed channels to (32, 2, 2) per token,
+# channel index c*4 + py*2 + px, which is diffusers' (and our) patchify order. Its Flux2 format has
+# identity process_in/out, so that latent is the transformer's own (BatchNorm-normalised) space,
+# the space of our tokens. The outputs are in [-1, 1] like the decoder's. Not re-fitted here: the
+# real VAE weights are not available to this project's tests (benchmarks/fit_preview.py fits a
+# map for any diffusers VAE folder).
+FLUX2_RGB_FACTORS = (
+    (0.0058, 0.0113, 0.0073), (0.0495, 0.0443, 0.0836), (-0.0099, 0.0096, 0.0644), (0.2144, 0.3009, 0.3652),
+    (0.0166, -0.0039, -0.0054), (0.0157, 0.0103, -0.0160), (-0.0398, 0.0902, -0.0235), (-0.0052, 0.0095, 0.0109),
+    (-0.3527, -0.2712, -0.1666), (-0.0301, -0.0356, -0.0180), (-0.0107, 0.0078, 0.0013), (0.0746, 0.0090, -0.0941),
+    (0.0156, 0.0169, 0.0070), (-0.0034, -0.0040, -0.0114), (0.0032, 0.0181, 0.0080), (-0.0939, -0.0008, 0.0186),
+    (0.0018, 0.0043, 0.0104), (0.0284, 0.0056, -0.0127), (-0.0024, -0.0022, -0.0030), (0.1207, -0.0026, 0.0065),
+    (0.0128, 0.0101, 0.0142), (0.0137, -0.0072, -0.0007), (0.0095, 0.0092, -0.0059), (0.0000, -0.0077, -0.0049),
+    (-0.0465, -0.0204, -0.0312), (0.0095, 0.0012, -0.0066), (0.0290, -0.0034, 0.0025), (0.0220, 0.0169, -0.0048),
+    (-0.0332, -0.0457, -0.0468), (-0.0085, 0.0389, 0.0609), (-0.0076, 0.0003, -0.0043), (-0.0111, -0.0460, -0.0614),
+)
+FLUX2_RGB_BIAS = (-0.0329, -0.0718, -0.0851)
+
+
+@dataclass(frozen=True)
+class LatentPreview:
+    """A linear latent -> RGB map: rgb = latent @ factors + bias, rgb nominally in [-1, 1]."""
+
+    factors: np.ndarray  # (C, 3) for C unpatchified latent channels
+    bias: np.ndarray  # (3,)
+    source: str = ""  # where the numbers come from, for reports
+
+    @property
+    def channels(self) -> int:
+        return self.factors.shape[0]
+
+    def render(self, tokens, h: int, w: int) -> np.ndarray:
+        """Tokens (1, h*w, 4C) or (h*w, 4C) on an h x w grid, any dtype (MLX bf16 too) -> uint8 RGB (2h, 2w, 3)."""
+        if isinstance(tokens, mx.array):
+            tokens = np.array(tokens.astype(mx.float32))  # numpy cannot read bf16 MLX arrays
+        lat = unpatchify_tokens(np.asarray(tokens, dtype=np.float32), h, w)  # (2h, 2w, C)
+        if lat.shape[-1] != self.channels:
+            raise ValueError(f"this preview map takes {self.channels} latent channels, not {lat.shape[-1]}")
+        rgb = lat @ self.factors + self.bias  # (2h, 2w, 3) in about [-1, 1]
+        return np.clip(np.round((rgb + 1.0) * 127.5), 0, 255).astype(np.uint8)
+
+    def image(self, tokens, h: int, w: int) -> Image.Image:
+        return Image.fromarray(self.render(tokens, h, w))
+
+
+def flux2_preview() -> LatentPreview:
+    """The published map for the real FLUX.2 VAE (32 latent channels)."""
+    return LatentPreview(np.array(FLUX2_RGB_FACTORS, np.float32), np.array(FLUX2_RGB_BIAS, np.float32),
+                         "ComfyUI comfy/latent_formats.py Flux2")
+
+
+def unpatchify_tokens(tokens: np.ndarray, h: int, w: int) -> np.ndarray:
+    """Tokens (1, h*w, 4C) -> (2h, 2w, C); packed channel index c*4 + py*2 + px (vae.patchify)."""
+    t = tokens.reshape(h, w, -1, 2, 2)  # (y, x, c, py, px)
+    C = t.shape[2]
+    return t.transpose(0, 3, 1, 4, 2).reshape(2 * h, 2 * w, C)  # (y, py, x, px, c)
+
+
+def fit_preview(latents: np.ndarray, images: np.ndarray, source: str = "fitted") -> LatentPreview:
+    """Least-squares fit of a preview map.
+
+    Args:
+        latents: (N, h, w, C) unpatchified latents in the normalised token space.
+        images: (N, 8h, 8w, 3) what the VAE decoder makes of them, in [-1, 1].
+
+    Each latent pixel is matched with the mean colour of the 8x8 pixels it decodes to.
+    """
+    latents = np.asarray(latents, np.float64)
+    images = np.asarray(images, np.float64)
+    N, h, w, C = latents.shape
+    f = images.shape[1] // h
+    target = images.reshape(N, h, f, w, f, 3).mean(axis=(2, 4)).reshape(-1, 3)  # (N*h*w, 3)
+    design = np.concatenate([latents.reshape(-1, C), np.ones((N * h * w, 1))], axis=1)  # (N*h*w, C+1)
+    solution, *_ = np.linalg.lstsq(design, target, rcond=None)  # (C+1, 3)
+    return LatentPreview(solution[:C].astype(np.float32), solution[C].astype(np.float32), source)
+
+
+def fit_to_decoder(vae, *, grid: int = 8, samples: int = 4, seed: int = 0) -> LatentPreview:
+    """Fit a map for an MLX `AutoEncoder` (ours) on prior-distributed random tokens.
+
+    Used for VAEs without a published map (the tiny test models): a few decodes of
+    grid x grid-token latents, which is cheap for small VAEs.
+    """
+    C4 = vae.config.token_channels
+    rng = np.random.default_rng(seed)
+    tokens = rng.standard_normal((samples, grid * grid, C4)).astype(np.float32)  # (N, L, 4C)
+    x = mx.array(tokens)  # the decoder casts to its own dtype
+    images = vae.decode_tokens(x, grid, grid).astype(mx.float32)  # (N, 16g, 16g, 3)
+    feats = unpatchify(x.reshape(samples, grid, grid, C4)).astype(mx.float32)  # (N, 2g, 2g, C)
+    mx.eval(images, feats)
+    return fit_preview(np.array(feats), np.array(images), "fitted at load to this model's VAE decoder")
+
+
+def preview_for(vae) -> LatentPreview:
+    """The preview map for a loaded MLX VAE: the published one for 32 channels, else fitted."""
+    if vae.config.latent_channels == len(FLUX2_RGB_FACTORS):
+        return flux2_preview()
+    return fit_to_decoder(vae)

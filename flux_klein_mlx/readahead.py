@@ -1,0 +1,353 @@
+"""Reading a component's weights before it is loaded, and measuring what loading reads.
+
+MLX loads a safetensors tensor lazily: when it is first evaluated, `pread()` copies its bytes
+from the file into the array's own buffer (mlx `io/load.cpp`, `ParallelFileReader`). Our loader
+evaluates layer by layer, so a cold load is a long series of synchronous reads in model order,
+during which nothing computes. `ReadAhead` reads the byte ranges the load will read, in file
+order, on background threads, while something else computes (the text encoder encoding, the
+last denoising steps), so that the load's preads find the bytes in the OS page cache and become
+memory copies. Python threads suffice: `mx.eval` and file reads both release the GIL.
+
+Why a read-ahead cannot double what is resident (page cache vs MLX arrays):
+- It allocates no MLX array and keeps nothing: each of its `readers` (4) threads has one reused
+  buffer of `chunk_bytes` (8 MiB), into which each chunk is read and overwritten. The process's
+  own memory (MLX's allocations, `mx.get_peak_memory()`, anonymous RSS) grows by those 32 MiB only.
+- What it fills is the page cache: clean, file-backed pages owned by the kernel. The load itself
+  reads through the same page cache (buffered `pread`), so the very same pages are cached after
+  a load with or without read-ahead; the read-ahead only changes *when* they arrive. Both with and
+  without it, a loaded component exists once as MLX arrays plus, transiently, as reclaimable
+  cache pages; that is the existing cost of buffered loading, not a new copy.
+- Clean cache pages are dropped by the kernel under memory pressure without any write-back or
+  swap. The only risk of reading ahead too early is that the pages are evicted before the load
+  (the read was wasted; the load reads again): a cost in time, never in peak memory.
+
+Measuring it (benchmarks/cold_start.py): the same cold load with and without read-ahead, each in a
+fresh process reporting `mx.get_peak_memory()` over the load and the peak RSS (VmHWM / ru_maxrss);
+they must agree to within the read buffers (on the Linux VM: identical MLX peak, RSS +4 MB). The
+page cache's share is visible separately (`free`, or Activity Monitor's "Cached Files") and is
+the same after both.
+
+Cold starts. `drop_from_page_cache(files)` evicts files with `posix_fadvise(POSIX_FADV_DONTNEED)`
+on Linux (no root needed; clean pages only, which weight files are). macOS has no per-file
+eviction for an unprivileged process: `sudo purge` empties the whole cache, and `F_NOCACHE` only
+affects reads through the descriptor that sets it, so a Mac cold start is approximated by
+`sudo purge` before the run, or by a reboot. `sequential_read_rate` measures the disk's rate on
+the same files, and `storage_read_bytes` what this process fetched from storage (Linux:
+`/proc/self/io` `read_bytes`; elsewhere None, and callers report `bytes_to_load`, the bytes the
+headers say the load reads, naming it as such).
+
+The library never prints: a failed read-ahead is a warning when it is stopped or waited for.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+from .weights import safetensors_tensor_spans
+
+CHUNK_BYTES = 8 << 20
+READERS = 4  # requests in flight (MLX's loader uses a pool of 4 too)
+MERGE_GAP = 1 << 20  # reading a gap this small is cheaper than skipping it (one sequential stream)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes [start, end) of one file."""
+
+    path: Path
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def merge_spans(spans: Iterable[Span], gap: int = MERGE_GAP) -> list[Span]:
+    """Sorted by file and offset; spans of one file closer than `gap` bytes joined into one."""
+    out: list[Span] = []
+    for s in sorted(spans, key=lambda s: (str(s.path), s.start)):
+        if out and out[-1].path == s.path and s.start - out[-1].end <= gap:
+            out[-1] = Span(s.path, out[-1].start, max(out[-1].end, s.end))
+        else:
+            out.append(s)
+    return out
+
+
+def file_spans(files: Iterable[str | Path]) -> list[Span]:
+    """Whole files."""
+    return [Span(Path(f), 0, Path(f).stat().st_size) for f in files]
+
+
+def tensor_spans(files: Iterable[str | Path], keep: Callable[[str], bool] | None = None, merge: bool = True) -> list[Span]:
+    """The data of the tensors `keep(name)` selects (all by default), from the files' headers;
+    merged (`merge_spans`) for reading, or one span per tensor."""
+    spans = []
+    for f in files:
+        for name, (start, end) in safetensors_tensor_spans(f).items():
+            if keep is None or keep(name):
+                spans.append(Span(Path(f), start, end))
+    return merge_spans(spans) if merge else spans
+
+
+def component_spans(info, name: str, merge: bool = True) -> list[Span]:
+    """What `loading.load_component(info, name)` reads: every tensor of the component's files but
+    those it drops unread (the text encoder's layers above 27, final norm and LM head; the VAE's
+    BatchNorm step counter)."""
+    from .text_encoder import keeps_key
+    from .vae_source import is_decoder_key
+
+    files = info.files.get(name, [])
+    if name == "text_encoder":
+        return tensor_spans(files, keeps_key, merge)
+    if name != "vae":
+        return tensor_spans(files, None, merge)
+    used = lambda k: not k.endswith("num_batches_tracked")  # noqa: E731
+    decoder = getattr(info, "decoder_files", None)
+    if not decoder:
+        return tensor_spans(files, used, merge)
+    # A decoder-only `vae=`: the model's VAE without its decoder, and the other file's decoder.
+    spans = tensor_spans(files, lambda k: used(k) and not is_decoder_key(k), False)
+    spans += tensor_spans(decoder, lambda k: used(k) and is_decoder_key(k), False)
+    return merge_spans(spans) if merge else spans
+
+
+def bytes_to_load(info, name: str) -> int:
+    """The bytes a load of `name` reads from its files, from their headers (no tensor is read)."""
+    return sum(s.nbytes for s in component_spans(info, name, merge=False))
+
+
+# ---- reading ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class ReadStats:
+    """What one read of a list of spans did."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    spans: int = 0
+    error: str | None = None  # why it stopped early, if it did
+    stopped: bool = False  # stopped on request before the end
+
+    @property
+    def rate(self) -> float:
+        """Bytes per second (0 when nothing was read)."""
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+
+def _chunks(spans: Sequence[Span], chunk_bytes: int) -> Iterator[tuple[Path, int, int]]:
+    """(file, offset, length) of every chunk, in file order."""
+    return ((s.path, o, min(chunk_bytes, s.end - o)) for s in spans for o in range(s.start, s.end, chunk_bytes))
+
+
+def read_spans(
+    spans: Sequence[Span], chunk_bytes: int = CHUNK_BYTES, stop: threading.Event | None = None, readers: int = READERS
+) -> ReadStats:
+    """Read `spans` with `readers` threads taking the next chunk in file order, each into its own
+    reused buffer; the bytes are dropped, the page cache keeps them. Several requests in flight
+    (as MLX's own loader issues) are what an SSD needs for its rate: on our development VM one reader
+    got 0.8-1.4 GB/s, four 1.1-2.3 GB/s, and posix_fadvise(WILLNEED) made one reader slower.
+
+    Errors end the read and are returned in `stats.error`, never raised.
+    """
+    stats, lock = ReadStats(spans=len(spans)), threading.Lock()
+    chunks, fds, failures = _chunks(spans, chunk_bytes), {}, []
+    stop = stop or threading.Event()
+    t0 = time.perf_counter()
+
+    def reader() -> None:
+        view = memoryview(bytearray(chunk_bytes))
+        while not stop.is_set():
+            with lock:
+                chunk = next(chunks, None)
+            if chunk is None:
+                return
+            path, offset, length = chunk
+            try:
+                n = _read_exactly(fds[path], view[:length], offset, path)
+            except Exception as e:  # noqa: BLE001  (a reader must never die silently: reported in stats.error)
+                failures.append(e)
+                stop.set()
+                return
+            with lock:
+                stats.bytes += n
+
+    try:
+        for path in dict.fromkeys(s.path for s in spans):
+            fds[path] = os.open(path, os.O_RDONLY)
+        threads = [threading.Thread(target=reader, name="flux_klein_mlx-read", daemon=True) for _ in range(max(1, readers))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    except OSError as e:
+        failures.append(e)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if failures:
+        e = failures[0]
+        stats.error = f"{getattr(e, 'filename', None) or ''}: {getattr(e, 'strerror', None) or e}".lstrip(": ")
+    stats.stopped = stop.is_set() and not failures and stats.bytes < sum(s.nbytes for s in spans)
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def _read_exactly(fd: int, view: memoryview, offset: int, path: Path) -> int:
+    done = 0
+    while done < len(view):
+        n = _pread_into(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(f"{path} ended at byte {offset + done}, before {offset + len(view)}")
+        done += n
+    return done
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    if hasattr(os, "preadv"):  # straight into the buffer, no bytes object per chunk
+        return os.preadv(fd, [view], offset)
+    data = os.pread(fd, len(view), offset)
+    view[: len(data)] = data
+    return len(data)
+
+
+class ReadAhead:
+    """Read spans (or whole files) on a background thread; see the module docstring.
+
+        ahead = ReadAhead.of_component(info, "transformer").start()
+        ...                              # the text encoder encodes meanwhile
+        ahead.stop()                     # or wait(): before the load, which reads the rest itself
+        model = load_component(info, "transformer")
+
+    `spans` may be a callable returning them: it then runs on the thread too (header parsing).
+    Nothing is raised or printed: a failed read ends the thread, and `stop()`/`wait()` warn once.
+    """
+
+    def __init__(
+        self, spans: Sequence[Span] | Callable[[], Sequence[Span]], chunk_bytes: int = CHUNK_BYTES, readers: int = READERS
+    ):
+        self._spans = spans
+        self.chunk_bytes, self.readers = chunk_bytes, readers
+        self.stats = ReadStats()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flux_klein_mlx-readahead", daemon=True)
+        self._reported = False
+
+    @classmethod
+    def of_files(cls, files: Iterable[str | Path], **kwargs) -> "ReadAhead":
+        files = list(files)
+        return cls(lambda: file_spans(files), **kwargs)
+
+    @classmethod
+    def of_component(cls, info, name: str, **kwargs) -> "ReadAhead":
+        return cls(lambda: component_spans(info, name), **kwargs)
+
+    def start(self) -> "ReadAhead":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            spans = self._spans() if callable(self._spans) else self._spans
+            self.stats = read_spans(list(spans), self.chunk_bytes, self._stop, self.readers)
+        except (OSError, ValueError, KeyError, TypeError) as e:  # a damaged header: the load will say so
+            self.stats = ReadStats(error=str(e).splitlines()[0][:200] or type(e).__name__)
+
+    @property
+    def done(self) -> bool:
+        return self._thread.ident is not None and not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> ReadStats:
+        """Wait until everything is read (or `timeout` seconds); the stats so far."""
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        self._report()
+        return self.stats
+
+    def stop(self) -> ReadStats:
+        """Stop after the current chunk and wait for the thread (at most one chunk's read)."""
+        self._stop.set()
+        return self.wait()
+
+    def _report(self) -> None:
+        if self.done and self.stats.error and not self._reported:
+            self._reported = True
+            warnings.warn(f"reading ahead stopped early ({self.stats.error}); loading reads the files itself", stacklevel=3)
+
+    def __enter__(self) -> "ReadAhead":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# ---- measuring ----------------------------------------------------------------------------------------
+
+
+def sequential_read_rate(spans: Sequence[Span], chunk_bytes: int = CHUNK_BYTES, readers: int = READERS) -> ReadStats:
+    """Read `spans` (in file order, `readers` requests in flight, as `ReadAhead` does) and report
+    the rate. Cold (after `drop_from_page_cache`) this is the disk's rate on these very files;
+    warm, the page cache's copy rate."""
+    return read_spans(spans, chunk_bytes, readers=readers)
+
+
+def drop_from_page_cache(files: Iterable[str | Path]) -> str:
+    """Evict `files` from the OS page cache; returns how (or why not), as one line for a report."""
+    files = [Path(f) for f in files]
+    if not hasattr(os, "posix_fadvise"):
+        how = "sudo purge" if sys.platform == "darwin" else "dropping the page cache as root"
+        return f"not dropped: no per-file eviction on {sys.platform} without privileges (approximate a cold start with {how})"
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)  # DONTNEED drops clean pages only: a file just written may still be dirty
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return f"dropped {len(files)} file(s) with posix_fadvise(POSIX_FADV_DONTNEED)"
+
+
+def storage_read_bytes() -> int | None:
+    """Bytes this process (all its threads) has caused to be fetched from storage so far: Linux's
+    `/proc/self/io` `read_bytes` (page-cache hits do not count). None where there is no such count."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class StageMeter:
+    """Wall time and storage bytes per stage of a run: `mark(stage)` closes the stage begun at the
+    previous mark (or at construction). `source` says where the bytes come from."""
+
+    def __init__(self):
+        self.stages: dict[str, dict] = {}
+        self._t, self._b = time.perf_counter(), storage_read_bytes()
+
+    @property
+    def source(self) -> str:
+        return "/proc/self/io read_bytes" if self._b is not None else "unavailable on this system"
+
+    def mark(self, stage: str) -> dict:
+        t, b = time.perf_counter(), storage_read_bytes()
+        entry = {"seconds": t - self._t, "read_bytes": (b - self._b) if b is not None and self._b is not None else None}
+        self.stages[stage] = entry
+        self._t, self._b = t, b
+        return entry
+
+
+def limit_seconds(read_bytes: float, read_rate: float, flops: float, peak_flops: float) -> float:
+    """The physical floor of a run: the bytes that must be read at the disk's sequential rate
+    (bytes/s) plus the FLOPs that must be done at the chip's rate (FLOP/s)."""
+    return read_bytes / read_rate + flops / peak_flops
