@@ -9,17 +9,15 @@
             state.json              step, the epoch's batch order and position, RNG state, losses, run key
         samples/step-000250-0.png
 
-A checkpoint is written into a hidden temporary folder and renamed into place when complete (a
-rename is atomic), so a crash or a full disk leaves the earlier checkpoints as they were. Only the
-newest `keep` checkpoints are kept.
+A checkpoint is written into a temporary folder, flushed and renamed into place when complete
+(output.folder_transaction; a rename is atomic), so a crash or a full disk leaves the earlier
+checkpoints as they were. Only the newest `keep` checkpoints are kept.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import secrets
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -28,10 +26,12 @@ import mlx.core as mx
 from PIL import Image, ImageDraw
 
 from .errors import FluxKleinError
+from .output import folder_transaction, write_replacing
 from .weights import read_lora_file, read_safetensors, save_safetensors_streaming
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d{6,})$")
-_TEMPORARY = re.compile(r"^\.(checkpoint-\d+\.tmp-[0-9a-f]+|.+\.[0-9a-f]{8}\.tmp)$")
+# The temporary names of output.folder_transaction (checkpoints) and output.write_replacing (files).
+_TEMPORARY = re.compile(r"^(checkpoint-\d+\.(tmp|old)-[0-9a-f]{8}|\..+\.[0-9a-f]{8}\.tmp)$")
 
 
 def checkpoints(work_dir: Path) -> list[tuple[int, Path]]:
@@ -53,14 +53,6 @@ def remove_temporaries(work_dir: Path) -> None:
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_checkpoint(
     work_dir: Path, step: int, lora: tuple[dict, dict], optimizer: dict[str, mx.array], state: dict, keep: int
 ) -> Path:
@@ -70,24 +62,17 @@ def write_checkpoint(
     untouched; the FluxKleinError names the last good one.
     """
     final = work_dir / f"checkpoint-{step:06d}"
-    tmp = work_dir / f".checkpoint-{step:06d}.tmp-{secrets.token_hex(4)}"
     try:
-        tmp.mkdir()
-        save_safetensors_streaming(tmp / "lora.safetensors", dict(lora[0]), metadata=lora[1])
-        save_safetensors_streaming(tmp / "optimizer.safetensors", dict(optimizer), metadata={"format": "mlx"})
-        (tmp / "state.json").write_text(json.dumps(state))
-        for f in tmp.iterdir():
-            _fsync(f)
-        if final.exists():  # the same step written before (an earlier run stopped right after it)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync(work_dir)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with folder_transaction(final, durable=True) as tmp:  # the same step written before is replaced whole
+            save_safetensors_streaming(tmp / "lora.safetensors", dict(lora[0]), metadata=lora[1])
+            save_safetensors_streaming(tmp / "optimizer.safetensors", dict(optimizer), metadata={"format": "mlx"})
+            (tmp / "state.json").write_text(json.dumps(state))
+    except (OSError, FluxKleinError) as e:
         done = checkpoints(work_dir)
         last = f"{done[-1][1]} (step {done[-1][0]})" if done else "none yet"
+        why = (e.strerror or e) if isinstance(e, OSError) else e
         raise FluxKleinError(
-            f"cannot write checkpoint {final.name} ({e.strerror or e}); the last good checkpoint is {last}: "
+            f"cannot write checkpoint {final.name} ({why}); the last good checkpoint is {last}: "
             "free some space and continue with --resume"
         ) from None
     for _, old in checkpoints(work_dir)[:-keep]:
@@ -118,12 +103,9 @@ def read_state(folder: Path) -> dict:
 
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     """Write a file of the work folder through a temporary name and a rename (replacing the old one)."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        write_replacing(path, write)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise FluxKleinError(f"cannot write {path} ({e.strerror or e}); free some space and continue with --resume") from None
 
 
