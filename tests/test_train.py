@@ -42,15 +42,6 @@ RANK, ALPHA = 4, 8.0  # scale 2: a wrong alpha/rank factor shows
 CAPTION = "a striped test card"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """torch's threads and the preloaded OpenBLAS's (conftest) oversubscribe 2 cores ~10x; one torch thread here."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def snap(base):
     return base  # the session's tiny Base snapshot (conftest.py)
