@@ -49,6 +49,8 @@ _EXPORTS = {
     "quantize_model": "quantize",
     "count_parameters": "flops",
     "FluxKleinError": "errors",
+    "train_lora": "train",
+    "TrainSettings": "train_settings",
 }
 
 __all__ = ["__version__", "preload_openblas", *_EXPORTS]

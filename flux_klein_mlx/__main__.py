@@ -1,4 +1,4 @@
-"""`python -m flux_klein_mlx generate | convert | quantize | benchmark | serve`.
+"""`python -m flux_klein_mlx generate | convert | quantize | benchmark | serve | train`.
 
 Each subcommand lives in its own module and is imported only when used, so `--help` is instant.
 Every user-fixable problem (`FluxKleinError`) ends as one line on stderr and exit status 1.
@@ -21,6 +21,7 @@ COMMANDS = {
     "quantize": ("flux_klein_mlx.convert", "quantize_command"),
     "benchmark": ("flux_klein_mlx.benchmark", "benchmark"),
     "serve": ("flux_klein_mlx.serve", "serve"),
+    "train": ("flux_klein_mlx.train_cli", "train"),
 }
 
 

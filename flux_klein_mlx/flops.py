@@ -82,6 +82,23 @@ def transformer_step_flops(
     return Flops(float(linear), float(attention), float(other))
 
 
+def lora_training_flops(forward: Flops, adapter_forward: float = 0.0, checkpoint: bool = False) -> Flops:
+    """FLOPs of one LoRA training step (batch 1) from those of its forward pass.
+
+    The backward pass of a LoRA step computes input gradients through every frozen layer (1x the
+    forward's linear FLOPs; frozen weights need no weight gradients), attention's backward costs
+    twice its forward (dQ, dK, dV and dP), and the adapters' own backward twice theirs
+    (`adapter_forward`: their forward FLOPs). Gradient checkpointing recomputes the forward once.
+    So a step is ~2x a forward, ~3x with checkpointing.
+    """
+    again = 1 if checkpoint else 0
+    return Flops(
+        linear=forward.linear * (2 + again) + adapter_forward * (3 + again),
+        attention=forward.attention * (3 + again),
+        other=forward.other * (2 + again),
+    )
+
+
 def reference_pass_flops(params: FluxKleinParams, reference_tokens: int) -> Flops:
     """FLOPs of klein 9B-KV's reference pass (`FluxKlein.reference_kv`): the reference tokens
     alone through every block, attending only to themselves (counted whole; MLX skips the last

@@ -387,12 +387,22 @@ def _move_into_place(tmp: Path, output: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file's (or a folder's entries') bytes to the disk, so a power loss cannot undo a rename."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
-def folder_transaction(output: Path) -> Iterator[Path]:
+def folder_transaction(output: Path, durable: bool = False) -> Iterator[Path]:
     """Write a folder whole or not at all: yields an empty `<output>.tmp-XXXXXXXX` next to `output`,
     renamed to `output` when the block ends (an existing `output` is replaced only then); on any error
     or interruption the temporary folder is removed and `output` is as it was. Folders of earlier
-    writers that were killed are cleaned up first (only ours, see `remove_stale_temporaries`)."""
+    writers that were killed are cleaned up first (only ours, see `remove_stale_temporaries`).
+    `durable`: the files are flushed to the disk before the rename, and the rename after it."""
     if output.parent.exists() and not output.parent.is_dir():
         raise FluxKleinError(f"{output}: {output.parent} is a file, not a folder; choose another path")
     try:
@@ -406,9 +416,26 @@ def folder_transaction(output: Path) -> Iterator[Path]:
         (tmp / TMP_MARKER).write_text(f"{os.getpid()}\n")
         yield tmp
         (tmp / TMP_MARKER).unlink()
+        for f in tmp.iterdir() if durable else ():
+            fsync_path(f)
         _move_into_place(tmp, output)
+        if durable:
+            fsync_path(output.parent)
     except BaseException:  # also KeyboardInterrupt: never leave a partial folder behind
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_replacing(path: Path, write: Callable[[Path], None]) -> None:
+    """Write a file this program owns (a work folder's, a cache's) whole: `write(tmp)` to a temporary
+    name in the same folder, then a rename over `path`. OSError passes to the caller; no temporary stays."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
 
 

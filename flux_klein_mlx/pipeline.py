@@ -208,7 +208,7 @@ class FluxKleinPipeline:
         self.last_metadata: dict | None = None
         self.cache = cache  # prompt embeddings on disk (None: memory only)
         # Reading ahead pays where a GPU computes and the CPU cores are free; the CPU backend's compute
-        # takes every core (measured on 2 cores: encode +3.4 s, loads no faster; RESULTS.md section 8).
+        # takes every core (measured on 2 cores: encode +3.4 s, loads no faster; RESULTS.md section 9).
         self.prefetch = Prefetch(info, enabled=mx.default_device() == mx.gpu)
         # Checks the text encoder's files before its first load; cached once it passes (a failure raises again).
         self._check_files = functools.cache(check_files or (lambda: None))

@@ -19,6 +19,7 @@ import mlx.nn as nn
 from .config import DEV_HIDDEN, DEV_MARKERS, FLUX1_BLOCKS, FLUX1_IMG_IN, FluxKleinParams, flux1_marker
 from .errors import FluxKleinError
 from .kv_cache import KV, ReferenceKV
+from .recompute import checkpointed
 from .rope import apply_rope, rope_tables
 
 
@@ -320,6 +321,7 @@ class FluxKlein(nn.Module):
         txt_embedded: mx.array | None = None,
         low_memory: bool = False,
         reference_kv: ReferenceKV | None = None,
+        checkpoint: bool = False,
     ) -> mx.array:
         """The forward pass with precomputed `rope` tables (and optionally `txt_embedded = embed_text(txt)`).
 
@@ -330,7 +332,12 @@ class FluxKlein(nn.Module):
         for klein-4B at 1024^2), at the cost of one synchronisation per block.
         `reference_kv` (KV variant, from `reference_kv()`): every text and image token also attends
         to the cached reference keys/values; `img` then holds the target tokens only.
+        `checkpoint` (training, under `mx.grad`): gradient checkpointing per block, each block's
+        inner activations recomputed in the backward pass instead of kept (`low_memory` evaluates
+        inside the forward, which a differentiated function cannot do).
         """
+        if checkpoint and (low_memory or reference_kv is not None):
+            raise ValueError("checkpoint is for training: it excludes low_memory and reference_kv")
         dtype = self.dtype
         cos, sin = rope
         txt = self.embed_text(txt) if txt_embedded is None else txt_embedded.astype(dtype)
@@ -350,11 +357,17 @@ class FluxKlein(nn.Module):
         ref_double = reference_kv.double if reference_kv is not None else [None] * len(self.double_blocks)
         ref_single = reference_kv.single if reference_kv is not None else [None] * len(self.single_blocks)
         for block, ref_kv in zip(self.double_blocks, ref_double):
-            img, txt = block(img, txt, mod_img, mod_txt, cos, sin, ref_kv)
+            if checkpoint:
+                img, txt = checkpointed(block)(img, txt, mod_img, mod_txt, cos, sin)
+            else:
+                img, txt = block(img, txt, mod_img, mod_txt, cos, sin, ref_kv)
             if low_memory:
                 mx.eval(img, txt)
         h = mx.concatenate([txt, img], axis=1)  # (B, Lt + Li, D)
         for block, ref_kv in zip(self.single_blocks, ref_single):
+            if checkpoint:
+                h = checkpointed(block)(h, mod_single, cos, sin)
+                continue
             h = block(h, mod_single, cos, sin, low_memory, ref_kv)
             if low_memory:
                 mx.eval(h)

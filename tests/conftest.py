@@ -45,3 +45,15 @@ def snapshot(distilled):
 def base(tmp_path_factory):
     """The tiny Base snapshot (no is_distilled key in model_index.json)."""
     return shared_tiny_snapshot(tmp_path_factory, distilled=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """The references run with one torch thread: torch's own pool and the preloaded OpenBLAS's threads
+    (root conftest.py) oversubscribe a small machine's cores (measured ~10x slower torch forwards)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

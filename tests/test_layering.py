@@ -11,9 +11,9 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "flux_klein_mlx"
-MODEL_FILES = {"transformer", "kv_cache", "text_encoder", "vae", "rope"}
+MODEL_FILES = {"transformer", "kv_cache", "recompute", "text_encoder", "vae", "rope"}
 # The applications: CLI commands and the server (its HTTP app and worker).
-CLI_MODULES = {"__main__", "cli", "generate", "convert", "benchmark", "serve", "api", "forms", "jobs"}
+CLI_MODULES = {"__main__", "cli", "generate", "convert", "benchmark", "serve", "api", "forms", "jobs", "train_cli"}
 IO_MODULES = {"weights", "loading", "pipeline"}
 
 

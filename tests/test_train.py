@@ -1,0 +1,500 @@
+"""LoRA training (issue 20) on the tiny klein Base snapshot, judged by the references.
+
+- the loss and every adapter's gradient (q/k/v row blocks of fused layers included, and an edit case
+  with a control image in the sequence) against diffusers' Flux2Transformer2DModel + peft's
+  `add_adapter`, the objective transcribed from diffusers' train_dreambooth_lora_flux2_klein(_img2img).py,
+  and torch autograd;
+- AdamW + clipping against torch.optim.AdamW after clip_grad_norm_; sigma sampling against diffusers'
+  scheduler and musubi's flux2_shift formula; the cached latents against diffusers' VAE path;
+- the written file in diffusers' `load_lora_weights` (no missing / unexpected keys, same image);
+- a short training that lowers diffusers' own objective, measured in diffusers with the LoRA loaded;
+- resume bit-exact, bf16 and 4-bit runs that train and load, the CLI with samples.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+import torch
+from mlx.utils import tree_flatten
+from PIL import Image
+from refs import diffusers_pipeline, diffusers_prompt_embeds, rel_err, to_np
+from tiny_model import SCHEDULER
+
+import flux_klein_mlx
+from flux_klein_mlx.loading import describe, load_component
+from flux_klein_mlx.lora_train import attach_lora, parse_targets, write_lora_file
+from flux_klein_mlx.rope import image_ids, text_ids
+from flux_klein_mlx.train import (
+    StepFinished, TrainFinished, Trainer, flow_loss, make_optimizer, optimizer_step, plan_run, shift_mu,
+    sigmas_from_draws,
+)  # fmt: skip
+from flux_klein_mlx.train_settings import TrainSettings
+
+RANK, ALPHA = 4, 8.0  # scale 2: a wrong alpha/rank factor shows
+CAPTION = "a striped test card"
+
+
+@pytest.fixture(scope="module")
+def snap(base):
+    return base  # the session's tiny Base snapshot (conftest.py)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Three captioned images (two buckets at resolution 64) and a control folder for them."""
+    root = tmp_path_factory.mktemp("train-data")
+    d, c = root / "photos", root / "before"
+    d.mkdir(), c.mkdir()
+    g = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:64, 0:64]
+    for i, (h, w) in enumerate([(64, 64), (64, 64), (96, 64)]):
+        base = np.stack([xx * 4 % 256, yy * 4 % 256, (xx + yy) * 2 % 256], -1).astype(np.uint8)
+        img = Image.fromarray(np.roll(base, 9 * i, axis=1)).resize((w, h))
+        img.save(d / f"im{i}.png")
+        (d / f"im{i}.txt").write_text(CAPTION)  # one text: each distinct caption costs a text-encoder run
+        Image.fromarray((g.random((h, w, 3)) * 255).astype(np.uint8)).save(c / f"im{i}.jpg")
+    return d, c
+
+
+# --- the references ----------------------------------------------------------------------------
+
+
+def diffusers_loss(transformer, x0, noise, idx, ctx, cond=None):
+    """diffusers' klein trainer loss (D-kt `main`; with `cond`, D-ki's edit sequence) for injected
+    latents x0 / noise (B, C, h, w), scheduler indices `idx` and prompt embeddings ctx (B, Lt, E)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline as P
+
+    sched = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
+    timesteps = sched.timesteps[idx]
+    sigmas = sched.sigmas[idx].to(x0.dtype).view(-1, 1, 1, 1)  # get_sigmas(..., dtype=model_input.dtype)
+    ids = P._prepare_latent_ids(x0)
+    packed = P._pack_latents((1.0 - sigmas) * x0 + sigmas * noise)
+    hidden, img_ids = packed, ids
+    if cond is not None:
+        cond_ids = P._prepare_image_ids([cond[0:1]]).expand(cond.shape[0], -1, -1)
+        hidden, img_ids = torch.cat([packed, P._pack_latents(cond)], 1), torch.cat([ids, cond_ids], 1)
+    pred = transformer(hidden_states=hidden, timestep=timesteps / 1000, guidance=None, encoder_hidden_states=ctx,
+                       txt_ids=P._prepare_text_ids(ctx), img_ids=img_ids, return_dict=False)[0]  # fmt: skip
+    pred = P._unpack_latents_with_ids(pred[:, : packed.size(1)], ids)
+    target = noise - x0
+    return torch.mean(((pred.float() - target.float()) ** 2).reshape(x0.shape[0], -1), 1).mean()
+
+
+def tokens(nchw: np.ndarray) -> mx.array:
+    B, C, h, w = nchw.shape
+    return mx.array(nchw.reshape(B, C, h * w).transpose(0, 2, 1))  # (B, h*w, C), row-major
+
+
+@pytest.fixture(scope="module")
+def pair(snap):
+    """The same random LoRA (non-zero B) on our transformer and on diffusers' (peft add_adapter)."""
+    from diffusers import Flux2Transformer2DModel
+    from peft import LoraConfig
+
+    model = load_component(describe(snap), "transformer", mx.float32)
+    slots = parse_targets("all", model.params)
+    lora = attach_lora(model, slots, RANK, ALPHA, np.random.default_rng(1))
+    ref = Flux2Transformer2DModel.from_pretrained(snap / "transformer", dtype=torch.float32).eval()
+    ref.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, init_lora_weights="gaussian",
+                               target_modules=[s.name for s in slots]))  # fmt: skip
+    g = np.random.default_rng(2)
+    values = {}
+    for s in slots:
+        a = (g.standard_normal((RANK, s.in_dims)) / math.sqrt(s.in_dims)).astype(np.float32)
+        b = (0.3 * g.standard_normal((s.out_dims, RANK)) / math.sqrt(RANK)).astype(np.float32)
+        values[f"{s.name}.lora_A.weight"], values[f"{s.name}.lora_B.weight"] = mx.array(a), mx.array(b)
+        m = ref.get_submodule(s.name)
+        m.lora_A["default"].weight.data.copy_(torch.from_numpy(a))
+        m.lora_B["default"].weight.data.copy_(torch.from_numpy(b))
+    lora.load(values, "test values")
+    return model, lora, ref
+
+
+def batch(edit: bool, seed: int = 3):
+    g = np.random.default_rng(seed)
+    B, C, h, w, Lt, E = 2, 32, 4, 3, 24, 96
+    x0, noise = g.standard_normal((2, B, C, h, w)).astype(np.float32)
+    ctx = g.standard_normal((B, Lt, E)).astype(np.float32)
+    u = np.array([0.2345, 0.9]) if not edit else np.array([0.6021, 0.05])
+    idx = (u * 1000).astype(np.int64)
+    cond = g.standard_normal((B, C, h, w)).astype(np.float32) if edit else None
+    return x0, noise, ctx, u.astype(np.float32), idx, cond
+
+
+def our_loss_and_grads(model, lora, x0, noise, ctx, u, cond, checkpoint=False):
+    B, C, h, w = x0.shape
+    sigma = mx.array(sigmas_from_draws("uniform", u, h * w))
+    ids = [image_ids(h, w)] + ([image_ids(h, w, t=10)] if cond is not None else [])
+    rope = model.compute_rope(text_ids(ctx.shape[1]), mx.concatenate(ids, axis=0))
+    refs = tokens(cond) if cond is not None else None
+    f = nn.value_and_grad(model, lambda: flow_loss(model, tokens(x0), tokens(noise), sigma, mx.array(ctx), rope, refs,
+                                                   checkpoint=checkpoint))
+    loss, grads = f()
+    return loss, dict(tree_flatten(grads))
+
+
+@pytest.mark.parametrize("edit", [False, True], ids=["text-to-image", "edit"])
+def test_loss_and_every_gradient_equal_diffusers_peft_and_autograd(pair, edit):
+    model, lora, ref = pair
+    x0, noise, ctx, u, idx, cond = batch(edit)
+    loss, grads = our_loss_and_grads(model, lora, x0, noise, ctx, u, cond)
+    ref.zero_grad()
+    t = lambda a: None if a is None else torch.from_numpy(a)  # noqa: E731
+    ref_loss = diffusers_loss(ref, t(x0), t(noise), torch.from_numpy(idx), t(ctx), t(cond))
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()) <= 1e-5
+    # --low-memory: gradient checkpointing per block recomputes the same function
+    loss_ckpt, grads_ckpt = our_loss_and_grads(model, lora, x0, noise, ctx, u, cond, checkpoint=True)
+    assert abs(loss_ckpt.item() - loss.item()) <= 1e-6 * abs(loss.item())
+    assert all(rel_err(grads_ckpt[k], grads[k]) <= 1e-5 for k in grads)
+    names = set()
+    for name, (pa, pb) in lora.paths().items():
+        m = ref.get_submodule(name)
+        for ours, theirs in ((grads[pa], m.lora_A["default"].weight.grad), (grads[pb], m.lora_B["default"].weight.grad)):
+            o, r = to_np(ours).ravel(), theirs.numpy().ravel()
+            assert rel_err(ours, theirs) <= 1e-4, name
+            assert o @ r / (np.linalg.norm(o) * np.linalg.norm(r)) >= 0.99999, name
+        names.add(name)
+    # every slot of both streams, the q/k/v row blocks of the fused qkv as three adapters
+    assert {"transformer_blocks.1.attn.to_k", "transformer_blocks.0.attn.add_v_proj",
+            "single_transformer_blocks.1.attn.to_qkv_mlp_proj"} <= names  # fmt: skip
+    assert len(names) == len(lora.slots) == 2 * 12 + 2 * 2
+
+
+def test_bf16_loss_and_gradients_follow_diffusers(snap, pair):
+    """bf16: the loss within 2e-2 of diffusers' bf16 loss (training.md (f)); the gradients against torch
+    autograd in float32. (training.md asks cosine >= 0.999 against diffusers' bf16 gradients; on this
+    tiny model those are themselves only 0.78-0.98 from the float32 gradients, all-bf16 backward, so
+    ours are held to the float32 truth instead, and to be no further from it than diffusers' bf16 ones.)"""
+    import copy
+
+    model32, lora32, ref32 = pair
+    model = load_component(describe(snap), "transformer", mx.bfloat16)
+    lora = attach_lora(model, lora32.slots, RANK, ALPHA, np.random.default_rng(0))
+    lora.load(lora32.arrays(), "the float32 pair's values")
+    ref = copy.deepcopy(ref32).to(torch.bfloat16)
+    x0, noise, ctx, u, idx, _ = batch(False)
+    loss, grads = our_loss_and_grads(model, lora, x0, noise, ctx, u, None)
+    t = lambda a, dt: torch.from_numpy(a).to(dt)  # noqa: E731
+    ref_loss = diffusers_loss(ref, t(x0, torch.bfloat16), t(noise, torch.bfloat16), torch.from_numpy(idx), t(ctx, torch.bfloat16))
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()) <= 2e-2
+    ref32.zero_grad()
+    diffusers_loss(ref32, t(x0, torch.float32), t(noise, torch.float32), torch.from_numpy(idx), t(ctx, torch.float32)).backward()
+    cos = lambda a, b: float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))  # noqa: E731
+    ours_vs_truth, theirs_vs_truth = [], []
+    for name, (pa, pb) in lora.paths().items():
+        m, m32 = ref.get_submodule(name), ref32.get_submodule(name)
+        for key, path in (("lora_A", pa), ("lora_B", pb)):
+            truth = getattr(m32, key)["default"].weight.grad.numpy().ravel()
+            ours_vs_truth.append(cos(to_np(grads[path]).ravel(), truth))
+            theirs_vs_truth.append(cos(getattr(m, key)["default"].weight.grad.float().numpy().ravel(), truth))
+    assert min(ours_vs_truth) >= 0.98 and np.mean(ours_vs_truth) >= 0.99
+    assert np.mean(ours_vs_truth) >= np.mean(theirs_vs_truth)
+
+
+def test_targets_presets_enumerate_the_model_and_refuse_what_matches_nothing(pair):
+    from flux_klein_mlx.errors import FluxKleinError
+
+    params = pair[0].params
+    names = lambda t: [s.name for s in parse_targets(t, params)]  # noqa: E731
+    assert names("double") == [n for n in names("all") if n.startswith("transformer_blocks.")]
+    assert names("single:1-1") == ["single_transformer_blocks.1.attn.to_qkv_mlp_proj", "single_transformer_blocks.1.attn.to_out"]
+    assert len(names("attention")) == 2 * 8 + 2 * 2  # q, k, v, out of both streams; the single blocks' two
+    assert names("img_attn.qkv") == names("to_q,to_k,to_v")
+    assert "transformer_blocks.0.attn.to_out.0" not in names("attn.to_out")  # suffix at a dot, as PEFT matches
+    for bad in ("single:0-12", "nothing_like_this", "double:x"):
+        with pytest.raises(FluxKleinError, match="--targets"):
+            parse_targets(bad, params)
+
+
+def test_qlora_side_path_on_quantized_layers_matches_the_dequantized_model(snap):
+    """QLoRA: the quantized matmul runs as it is (never dequantized) with the adapters beside it; the
+    loss and gradients equal those of the same adapters on the dequantized weights (kernel rounding only)."""
+    from flux_klein_mlx.quantize import dequantize_model
+
+    x0, noise, ctx, u, _, _ = batch(False)
+    out = []
+    for dequant in (False, True):
+        model = load_component(describe(snap), "transformer", mx.float32, quantize=4)
+        if dequant:
+            dequantize_model(model)
+        lora = attach_lora(model, parse_targets("all", model.params), RANK, ALPHA, np.random.default_rng(1))
+        g = np.random.default_rng(4)
+        lora.load({k: mx.array(0.1 * g.standard_normal(v.shape).astype(np.float32)) for k, v in lora.arrays().items()}, "t")
+        if not dequant:
+            assert isinstance(model.double_blocks[0].img_attn.qkv.base, nn.QuantizedLinear)
+        out.append(our_loss_and_grads(model, lora, x0, noise, ctx, u, None))
+    assert abs(out[0][0].item() - out[1][0].item()) / out[1][0].item() <= 1e-4
+    for k in out[1][1]:
+        assert rel_err(out[0][1][k], out[1][1][k]) <= 1e-3, k
+
+
+def test_adamw_and_clipping_equal_torch_for_one_and_five_steps():
+    g = np.random.default_rng(7)
+    shapes = [(4, 24), (40, 4), (4, 64)]
+    start = [g.standard_normal(s).astype(np.float32) for s in shapes]
+    grads = [[(g.standard_normal(s) * scale).astype(np.float32) for s in shapes] for scale in (2.0, 0.01, 1.0, 0.3, 5.0)]
+
+    class Params(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = [mx.array(a) for a in start]
+
+    ours = Params()
+    opt = make_optimizer(TrainSettings(lr=1e-4, weight_decay=1e-4))
+    theirs = [torch.nn.Parameter(torch.from_numpy(a.copy())) for a in start]
+    topt = torch.optim.AdamW(theirs, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4)
+    for step, gs in enumerate(grads, start=1):
+        optimizer_step(opt, ours, {"p": [mx.array(x) for x in gs]}, 1.0)
+        mx.eval(ours.parameters())
+        for p, x in zip(theirs, gs):
+            p.grad = torch.from_numpy(x.copy())
+        torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+        topt.step()
+        if step in (1, 5):
+            for a, b, a0 in zip(ours.p, theirs, start):
+                b = b.detach().numpy()
+                assert np.abs(to_np(a) - b).max() <= 1e-6 * max(1.0, np.abs(b).max())  # training.md (f): rel 1e-6
+                # the updates themselves agree (a wrong bias correction or weight decay is far outside this)
+                assert np.abs((to_np(a) - a0) - (b - a0)).max() <= 2e-3 * np.abs(b - a0).max()
+
+
+def test_sigma_sampling_equals_diffusers_scheduler_and_musubi_flux2_shift():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    sched = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
+    # uniform: u -> (u * 1000).long() -> scheduler.sigmas; u at and just below k/1000 in float32
+    k = np.arange(0, 1000, 37).astype(np.float32) / np.float32(1000)
+    u = np.concatenate([k, np.nextafter(k, np.float32(0)), np.random.default_rng(0).random(500, dtype=np.float32)])
+    u = u[(u >= 0) & (u < 1)].astype(np.float32)
+    ref = sched.sigmas[(torch.from_numpy(u) * 1000).long()].numpy()
+    assert np.array_equal(sigmas_from_draws("uniform", u, 1024), ref)
+    # logit-normal: diffusers' own draw, its normals recovered from the same generator
+    n = torch.normal(0.0, 1.0, size=(2000,), generator=torch.Generator().manual_seed(3))
+    uref = compute_density_for_timestep_sampling("logit_normal", 2000, 0.0, 1.0, generator=torch.Generator().manual_seed(3))
+    ref = sched.sigmas[(uref * 1000).long()].numpy()
+    assert (sigmas_from_draws("logit-normal", n.numpy(), 1024) == ref).mean() >= 0.999  # float32 sigmoid ulps at k/1000
+    # shift: musubi's flux2_shift (trainer_base.py) for the token count h*w of the patchified latents
+    for h, w in ((32, 32), (64, 64), (20, 36)):
+        m = (1.15 - 0.5) / (4096 - 256)
+        mu = m * (h * w) + (0.5 - m * 256)
+        t = torch.sigmoid(n * 1.0)
+        t = (t * math.exp(mu)) / (1 + (math.exp(mu) - 1) * t)
+        assert shift_mu(h * w) == pytest.approx(mu, rel=1e-12)
+        assert np.abs(sigmas_from_draws("shift", n.numpy(), h * w) - t.numpy()).max() <= 1e-6
+
+
+@pytest.fixture(scope="module")
+def ref_pipe(snap):
+    """The session's diffusers Base pipeline with a transformer of our own: these tests load LoRAs into it."""
+    import copy
+
+    from diffusers import Flux2KleinPipeline
+
+    shared = diffusers_pipeline(snap, "plain", distilled=False)
+    pipe = Flux2KleinPipeline(**{**shared.components, "transformer": copy.deepcopy(shared.transformer)}, is_distilled=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_cached_latents_equal_diffusers_vae_patchify_and_batchnorm(snap, data, ref_pipe, tmp_path):
+    from diffusers import Flux2KleinPipeline as P
+
+    from flux_klein_mlx.train_data import load_pixels
+
+    plan = plan_run(TrainSettings(model=snap, data=data[0], output=tmp_path / "x.safetensors", resolution=64, dtype="float32"))
+    trainer = Trainer(plan)
+    trainer.cache_latents()
+    vae = ref_pipe.vae
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    for it, ours in zip(plan.items, trainer.latents):
+        px = torch.from_numpy(load_pixels(it.image.path, it.bucket)).permute(2, 0, 1)[None]
+        with torch.no_grad():
+            z = P._patchify_latents(vae.encode(px).latent_dist.mode())
+        ref = P._pack_latents((z - vae.bn.running_mean.view(1, -1, 1, 1)) / std)
+        assert rel_err(ours, ref) <= 1e-4
+
+
+def test_saved_file_loads_in_diffusers_without_missing_keys_and_gives_our_image(snap, pair, ref_pipe, tmp_path, caplog):
+    _, lora, ref_model = pair
+    path = tmp_path / "lora.safetensors"
+    write_lora_file(path, lora, mx.float32)
+    ref_pipe.load_lora_weights(path, adapter_name="trained")
+    try:
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "key" in r.getMessage().lower()]
+        for name, a in lora.arrays().items():  # every tensor landed where it belongs
+            module, role = name.rsplit(".lora_", 1)
+            loaded = getattr(ref_pipe.transformer.get_submodule(module), "lora_" + role.split(".")[0])["trained"].weight
+            assert np.array_equal(loaded.detach().numpy(), to_np(a)), name
+        lat = np.random.default_rng(5).standard_normal((1, 32, 4, 4)).astype(np.float32)
+        with torch.no_grad():
+            theirs = ref_pipe(prompt="a lighthouse", height=64, width=64, num_inference_steps=2, guidance_scale=4.0,
+                              latents=torch.from_numpy(lat), output_type="np").images[0]  # fmt: skip
+        pipe = flux_klein_mlx.load(snap, dtype="float32", loras=[path])
+        ours = pipe.generate("a lighthouse", width=64, height=64, steps=2, guidance=4.0, latents=lat, output_type="np")
+        assert pipe.loras[0].format == "A" and np.abs(ours - theirs).max() <= 1e-3
+    finally:
+        ref_pipe.delete_adapters("trained")
+
+
+# --- whole runs --------------------------------------------------------------------------------
+
+
+def run(**kw) -> list:
+    return list(flux_klein_mlx.train_lora(**kw))
+
+
+def test_short_training_lowers_diffusers_own_objective(snap, data, ref_pipe, tmp_path):
+    """One image, 40 steps; then diffusers measures its objective on that image over a fixed set of
+    (sigma, noise) draws, with the base model and with the written LoRA loaded."""
+    from diffusers import Flux2KleinPipeline as P
+
+    from flux_klein_mlx.train_data import load_pixels
+
+    one = tmp_path / "one"
+    one.mkdir()
+    shutil.copy(data[0] / "im0.png", one / "im0.png")
+    out = tmp_path / "one.safetensors"
+    events = run(model=snap, data=one, caption=CAPTION, output=out, steps=40, lr=2e-3, rank=4,
+                 resolution=64, dtype="float32", timesteps="uniform", save_every=None)  # fmt: skip
+    assert isinstance(events[-1], TrainFinished) and events[-1].output == out
+    with torch.no_grad():
+        px = torch.from_numpy(load_pixels(one / "im0.png", (64, 64))).permute(2, 0, 1)[None]
+        vae = ref_pipe.vae
+        z = P._patchify_latents(vae.encode(px).latent_dist.mode())
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+        x0 = (z - vae.bn.running_mean.view(1, -1, 1, 1)) / std
+        ctx = diffusers_prompt_embeds(diffusers_pipeline(snap, "plain", distilled=False), CAPTION)
+        g = torch.Generator().manual_seed(0)
+        draws = [(torch.randn(x0.shape, generator=g), torch.randint(0, 1000, (1,), generator=g)) for _ in range(12)]
+
+        def objective():
+            return float(np.mean([diffusers_loss(ref_pipe.transformer, x0, e, i, ctx).item() for e, i in draws]))
+
+        before = objective()
+        ref_pipe.load_lora_weights(out, adapter_name="short")
+        after = objective()
+        ref_pipe.delete_adapters("short")
+    assert after < 0.9 * before, (before, after)
+
+
+def test_resume_is_bit_exact_with_controls_batches_and_accumulation(snap, data, tmp_path):
+    """In bf16 (the default dtype, no quantization): 2 steps + resume to 4 == 4 steps straight, bit for bit;
+    an edit LoRA (a control folder) with batches of 2 over two buckets and 2 micro-batches per step."""
+    common = dict(model=snap, data=data[0], controls=[data[1]], rank=4, resolution=64, batch_size=2,
+                  grad_accum=2, timesteps="logit-normal", save_every=2, keep_checkpoints=5)  # fmt: skip
+    straight = run(output=tmp_path / "straight.safetensors", steps=4, **common)
+    first = run(output=tmp_path / "first.safetensors", steps=2, work_dir=tmp_path / "resumed", **common)
+    second = run(output=tmp_path / "second.safetensors", steps=4, work_dir=tmp_path / "resumed", resume=True, **common)
+    steps = lambda evs: [(e.step, e.loss) for e in evs if isinstance(e, StepFinished)]  # noqa: E731
+    assert steps(first) + steps(second) == steps(straight)
+    assert [e for e in second if type(e).__name__ == "TrainStarted"][0].first_step == 3
+    a, b = (mx.load(str(tmp_path / f"{n}.safetensors")) for n in ("straight", "second"))
+    assert a.keys() == b.keys() and all(np.array_equal(to_np(a[k]), to_np(b[k])) for k in a)
+    oa, ob = (mx.load(str(d / "checkpoint-000004" / "optimizer.safetensors")) for d in
+              (tmp_path / "straight.train", tmp_path / "resumed"))  # fmt: skip
+    assert all(np.array_equal(np.array(oa[k]), np.array(ob[k])) for k in oa)
+    state = json.loads((tmp_path / "resumed" / "checkpoint-000004" / "state.json").read_text())
+    assert state["step"] == 4 and len(state["losses"]) == 4
+    assert all(v.dtype == mx.bfloat16 for v in b.values())
+    assert flux_klein_mlx.load(snap, loras=[tmp_path / "second.safetensors"]).loras[0].format == "A"
+
+
+def test_cli_default_bf16_4bit_run_with_samples_progress_loss_plot_and_train_json(snap, data, tmp_path, capsys):
+    """The command at its default dtype (bfloat16), QLoRA on a 4-bit base; the samples load the LoRA
+    through the public pipeline (4-bit too), so this run trains and loads."""
+    from flux_klein_mlx.__main__ import main
+
+    out = tmp_path / "cli.safetensors"
+    rc = main(["train", "--model", str(snap), "--data", str(data[0]), "--output", str(out), "--steps", "2",
+               "--rank", "4", "--resolution", "64", "--quantize", "4", "--save-every", "1", "--sample-every", "2",
+               "--sample-prompt", CAPTION, "--sample-steps", "1"])  # fmt: skip
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    lines = [line for line in cap.err.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2 and "loss" in lines[0] and "s/step" in lines[0] and "ETA" in lines[0]
+    assert str(out) in cap.out
+    assert all(v.dtype == mx.bfloat16 for v in mx.load(str(out)).values())
+    work = tmp_path / "cli.train"
+    assert (work / "samples" / "step-000002-0.png").is_file() and (work / "loss.png").is_file()
+    assert [p.name for p in sorted(work.glob("checkpoint-*"))] == ["checkpoint-000001", "checkpoint-000002"]
+    record = json.loads((work / "train.json").read_text())
+    assert record["settings"]["rank"] == 4 and record["settings"]["dtype"] == "bfloat16"
+    assert record["settings"]["quantize"] == 4 and len(record["targets"]) == 28
+    assert len(record["data"]) == 3 and all(len(d["sha256"]) == 64 for d in record["data"])
+    assert record["mlx"] and record["flux_klein_mlx"] and record["output"] == str(out)
+    # the checkpoint's LoRA is a LoRA file too, and the output loads in the pipeline
+    assert flux_klein_mlx.load(snap, loras=[work / "checkpoint-000001" / "lora.safetensors"]).loras[0].format == "A"
+    assert flux_klein_mlx.load(snap, quantize=4, loras=[out]).loras[0].format == "A"
+
+
+def test_benchmark_attention_stand_in_allocates_what_mlx_unfused_attention_does(monkeypatch):
+    """benchmarks/train_step.py models training memory with an output-only stand-in for attention; its
+    forward + backward peak must equal that of MLX's own unfused attention (the graph MLX runs on
+    Metal under mx.grad, and on the CPU always), measured here with real compute."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_train_step", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    real = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", real)  # restored after the test
+    script.emulate_unfused_training_attention()
+    stand_in = mx.fast.scaled_dot_product_attention
+
+    def peak(attention, q):
+        g = mx.grad(lambda q, k, v: (attention(q, k, v, scale=0.1) * v).sum(), argnums=(0, 1, 2))
+        mx.eval(g(q, q, q))
+        mx.synchronize()
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(g(q, q, q))
+        return mx.get_peak_memory() - base
+
+    q = mx.random.normal((1, 8, 512, 64), key=mx.random.key(0)).astype(mx.bfloat16)
+    mx.eval(q)
+    assert peak(stand_in, q) == peak(real, q) > 3 * 8 * 512 * 512 * 2  # several (H, L, L) arrays
+
+
+def test_low_memory_checkpointing_frees_each_block():
+    """--low-memory keeps one block's activations at a time: the peak grows with depth far less than
+    without checkpointing (MLX's nn.utils.checkpoint did not achieve this on the single blocks)."""
+    from flux_klein_mlx.config import FluxKleinParams
+    from flux_klein_mlx.random_model import randomize
+    from flux_klein_mlx.transformer import FluxKlein
+
+    def peak(n_single: int, checkpoint: bool) -> int:
+        p = FluxKleinParams(hidden_size=128, num_heads=1, axes_dim=(32, 32, 32, 32), context_in_dim=64, depth=0,
+                            depth_single=n_single)  # fmt: skip
+        model = FluxKlein(p)
+        randomize(model, mx.float32, 0)
+        attach_lora(model, parse_targets("all", p), 4, 4.0, np.random.default_rng(0))
+        g = np.random.default_rng(0)
+        x0 = mx.array(g.standard_normal((1, 32 * 32, 128)).astype(np.float32))
+        ctx = mx.array(g.standard_normal((1, 64, 64)).astype(np.float32))
+        rope = model.compute_rope(text_ids(64), image_ids(32, 32))
+        f = nn.value_and_grad(model, lambda: flow_loss(model, x0, x0, mx.array([0.5]), ctx, rope, checkpoint=checkpoint))
+        mx.eval(f())
+        mx.synchronize()
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(f())
+        return mx.get_peak_memory() - base
+
+    plain = peak(4, False) - peak(1, False)
+    kept = peak(4, True) - peak(1, True)
+    assert kept < 0.3 * plain, (kept, plain)
