@@ -10,9 +10,9 @@ from pathlib import Path
 import click
 
 from .cli import run_command
+from .embedding_cache import parse_size
 from .errors import FluxKleinError
 from .inputs import RunSettings, check_prompt_given, prepare_inputs
-from .embedding_cache import parse_size
 from .lora import pair_scales
 from .output import check_output_file, image_format, numbered_name, save_image, write_exclusive
 from .pipeline import DEFAULT_MODEL, load

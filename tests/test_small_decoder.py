@@ -192,3 +192,18 @@ def test_convert_writes_the_small_decoder(snapshot, small, tmp_path, capsys):
     assert cli.main(["convert", "-m", str(snapshot), "-o", str(bad), "--vae", str(tmp_path / "no-such-vae")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: VAE: ") and err.count("\n") == 1 and not bad.exists()
+
+
+def test_generate_with_another_decoder_names_it_in_the_record(snapshot, small, tmp_path):
+    """`generate --vae FILE` in the default dtype: the image is made and its record says which VAE."""
+    from PIL import Image
+
+    from flux_klein_mlx.__main__ import main
+    from flux_klein_mlx.output import read_record
+
+    out = tmp_path / "x.png"
+    args = ["generate", "-m", str(snapshot), "--vae", str(small.root / "decoder_only.safetensors"), "-p", "a fox",
+            "-W", "64", "-H", "64", "--steps", "1", "--seed", "1", "-o", str(out)]  # fmt: skip
+    assert main(args) == 0
+    assert read_record(out)["vae"] == "decoder_only.safetensors"
+    assert "VAE: decoder_only.safetensors" in Image.open(out).info["parameters"]
