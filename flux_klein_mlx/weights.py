@@ -62,7 +62,7 @@ def check_safetensors_file(path: str | Path) -> dict[str, tuple[str, tuple[int, 
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (lo, hi) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+            dtype, shape, (_, hi) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
             end = max(end, int(hi))
         except (TypeError, KeyError, ValueError):
             raise FluxKleinError(f"{damaged} (tensor {name!r} has no dtype/shape/offsets); download it again") from None

@@ -8,7 +8,6 @@ import os
 import threading
 import warnings
 
-import mlx.core as mx
 import pytest
 
 from flux_klein_mlx import readahead as ra
