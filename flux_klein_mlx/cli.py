@@ -14,6 +14,21 @@ from . import preload_openblas
 from .errors import FluxKleinError, Notice
 
 
+def vae_and_cache_options(command):
+    """`--vae`, `--no-cache` and `--cache-size`, worded once for `generate` and `serve`."""
+    options = [
+        click.option("--vae", default=None, help="Another VAE or decoder: repo id (e.g. "
+                     "black-forest-labs/FLUX.2-small-decoder), folder or .safetensors file."),
+        click.option("--no-cache", is_flag=True,
+                     help="Do not read or store prompt embeddings on disk (the text encoder runs)."),
+        click.option("--cache-size", default="1GiB", show_default=True,
+                     help="Bound of the prompt-embedding cache on disk (e.g. 500MB, 2GB; 0 = off)."),
+    ]
+    for option in reversed(options):  # click lists options in the order their decorators are written
+        command = option(command)
+    return command
+
+
 def run_command(command: click.Command, argv=None) -> int:
     """Run a click command; user errors become one line on stderr and exit status 1."""
     preload_openblas()

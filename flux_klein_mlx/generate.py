@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from .cli import run_command
+from .cli import run_command, vae_and_cache_options
 from .embedding_cache import parse_size
 from .errors import FluxKleinError
 from .inputs import RunSettings, check_prompt_given, prepare_inputs
@@ -80,11 +80,7 @@ def summary(stats, seed, index: int, count: int) -> str:
 @click.option("--lora-scale", "lora_scales", type=float, multiple=True,
               help="Strength of each --lora, by position [default: 1.0].")
 @click.option("--lora-partial", is_flag=True, help="Apply a LoRA even when some of its modules match no layer.")
-@click.option("--vae", default=None, help="Another VAE or decoder: repo id (e.g. black-forest-labs/FLUX.2-small-decoder), "
-              "folder or .safetensors file.")
-@click.option("--no-cache", is_flag=True, help="Do not read or store prompt embeddings on disk (the text encoder runs).")
-@click.option("--cache-size", default="1GiB", show_default=True,
-              help="Bound of the prompt-embedding cache on disk (e.g. 500MB, 2GB; 0 = off).")
+@vae_and_cache_options
 def generate(prompt, model, width, height, steps, guidance, seed, noise, init_image, strength, mask, images,
              negative_prompt, num_images, quantize, dtype, low_memory, output, preview_dir, loras, lora_scales,
              lora_partial, vae, no_cache, cache_size):

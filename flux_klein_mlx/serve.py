@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from .cli import run_command
+from .cli import run_command, vae_and_cache_options
 from .embedding_cache import parse_size
 from .errors import FluxKleinError
 from .lora import parse_lora_spec
@@ -76,11 +76,7 @@ def is_loopback(host: str) -> bool:
 @click.option("--max-upload-mb", type=click.FloatRange(0.1, 200), default=20, show_default=True,
               help="Largest accepted image upload.")
 @click.option("--model-id", default=None, help="The model name clients use [default: the last part of --model].")
-@click.option("--vae", default=None, help="Another VAE or decoder: repo id (e.g. black-forest-labs/FLUX.2-small-decoder), "
-              "folder or .safetensors file.")
-@click.option("--no-cache", is_flag=True, help="Do not read or store prompt embeddings on disk.")
-@click.option("--cache-size", default="1GiB", show_default=True,
-              help="Bound of the prompt-embedding cache on disk (e.g. 500MB, 2GB; 0 = off).")
+@vae_and_cache_options
 def serve(model, quantize, dtype, low_memory, loras, lora_dir, host, port, api_key, queue_size, save_dir,
           max_upload_mb, model_id, vae, no_cache, cache_size):
     """Serve the OpenAI Images API and a web page with live step previews."""
