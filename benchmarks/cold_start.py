@@ -4,6 +4,7 @@
     python benchmarks/cold_start.py run --model /tmp/klein-cold [--json cold.json]
     python benchmarks/cold_start.py make --dir /tmp/klein-bf16 --bits 0 --blocks 1+4   # bf16, 1/5 of the blocks
     python benchmarks/cold_start.py second --model /tmp/klein-bf16 -W 256 -H 256 --steps 1 --dtype float32
+    python benchmarks/cold_start.py widen --model /tmp/klein-bf16 --dir /tmp/klein-f32   # its files in float32
 
 `make` writes a converted folder (what `convert --quantize 4` writes) with random weights of
 klein-4B's true shapes: 4-bit transformer and Qwen3-4B (layers 1-27), bf16 VAE, the real tokenizer.
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -84,6 +86,43 @@ def make(folder: Path, bits: int = 4, blocks: str | None = None) -> None:
     meta = {"variant": variant.family, "is_distilled": True, "dtype": "bfloat16", "scheduler": common.SCHEDULER,
             "source": {"model": "random weights (benchmarks/cold_start.py)"}, "tokenizer_source": common.qwen_tokenizer_dir()}  # fmt: skip
     write_folder(folder, parts, meta, overwrite=True)
+    print(f"wrote {folder}: {common.folder_bytes(folder) / common.GB:.2f} GB")
+
+
+def widen(source: Path, folder: Path, max_shard: int = 2 * 10**9) -> None:
+    """A float32 copy of a converted bf16 folder: files in the dtype a CPU run computes in, so a load
+    only reads (as a bf16 run on a Mac does) instead of casting 2 bytes into 4 per weight."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file  # torch: numpy has no bfloat16
+
+    folder.mkdir(parents=True)
+    shutil.copytree(source / "tokenizer", folder / "tokenizer")
+    meta = json.loads((source / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(meta, dtype="float32"), indent=2) + "\n")
+    for name in COMPONENTS:
+        files = sorted(source.glob(f"{name}*.safetensors"))
+        shards, size, total = [{}], 0, 0
+        for f in files:
+            with safe_open(f, "pt") as h:
+                for key in h.keys():
+                    t = h.get_tensor(key)
+                    t = t.float() if t.is_floating_point() else t
+                    if size > max_shard:  # one shard in memory at a time
+                        save_file(shards[-1], folder / f"{name}.part{len(shards)}")
+                        shards[-1], size = {k: None for k in shards[-1]}, 0
+                        shards.append({})
+                    shards[-1][key], size, total = t, size + t.nbytes, total + t.nbytes
+        save_file(shards[-1], folder / f"{name}.part{len(shards)}")
+        if len(shards) == 1:
+            (folder / f"{name}.part1").rename(folder / f"{name}.safetensors")
+            continue
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            file = f"{name}-{i:05d}-of-{len(shards):05d}.safetensors"
+            (folder / f"{name}.part{i}").rename(folder / file)
+            weight_map.update(dict.fromkeys(shard, file))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / f"{name}.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
     print(f"wrote {folder}: {common.folder_bytes(folder) / common.GB:.2f} GB")
 
 
@@ -333,12 +372,12 @@ def report_second(r: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["make", "run", "second", "overlap"], nargs="?", default="run")
+    p.add_argument("what", choices=["make", "widen", "run", "second", "overlap"], nargs="?", default="run")
     p.add_argument("--pairs", type=int, default=3, help="overlap: cold runs with and without read-ahead, each")
-    p.add_argument("--dir", type=Path, default=Path("/tmp/klein-cold"), help="make: the folder to write")
+    p.add_argument("--dir", type=Path, default=Path("/tmp/klein-cold"), help="make, widen: the folder to write")
     p.add_argument("--bits", type=int, choices=[0, 4, 8], default=4, help="make: quantization (0: bf16)")
     p.add_argument("--blocks", default=None, help="make: transformer blocks DOUBLE+SINGLE (default 5+20)")
-    p.add_argument("--model", default="/tmp/klein-cold", help="run: a converted (or any) klein model")
+    p.add_argument("--model", default="/tmp/klein-cold", help="run, widen: a converted (or any) klein model")
     p.add_argument("--json", type=Path, default=None, help="run, second: also write the results here")
     p.add_argument("-W", "--width", type=int, default=256, help="second: image width")
     p.add_argument("-H", "--height", type=int, default=256, help="second: image height")
@@ -353,6 +392,9 @@ def main() -> None:
         return
     if args.what == "make":
         make(args.dir, args.bits, args.blocks)
+        return
+    if args.what == "widen":
+        widen(Path(args.model), args.dir)
         return
     if args.what == "overlap":
         results = overlap(args.model, args.width, args.height, args.steps, args.dtype, args.pairs)
