@@ -93,9 +93,6 @@ class RunSettings:
     def check(self) -> "RunSettings":
         """Types and ranges, checked without reading an image or a model; returns self."""
         _check_text(self.prompt, self.negative_prompt)
-        for name, v in (("width", self.width), ("height", self.height)):
-            if v is not None and not is_int(v):
-                raise FluxKleinError(f"{name} must be a whole number of pixels, not {v!r}")
         if self.width is not None or self.height is not None:
             check_image_size(DEFAULT_SIZE if self.width is None else self.width,
                              DEFAULT_SIZE if self.height is None else self.height)  # fmt: skip
@@ -151,7 +148,7 @@ def check_image_size(width: int, height: int) -> None:
     """Raise FluxKleinError unless both sides are multiples of 16 within [64, 4096] px."""
     for name, v in (("width", width), ("height", height)):
         if not is_int(v):
-            raise FluxKleinError(f"{name} must be a whole number of pixels, got {v!r}")
+            raise FluxKleinError(f"{name} must be a whole number of pixels, not {v!r}")
         if v < MIN_SIDE:
             raise FluxKleinError(
                 f"{name} {v} is below the minimum of {MIN_SIDE} px; use {MIN_SIDE} or more, a multiple of {MULTIPLE}"
