@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 from pathlib import Path
 from typing import Callable
 
@@ -71,33 +72,31 @@ def one_run(model, settings: RunSettings, *, cache, read_ahead: bool = True, **l
     rss_reset = reset_peak_rss()
     meter, peaks, t0 = StageMeter(), {}, time.perf_counter()
 
-    def stage(name: str, work: Callable[[], object]) -> None:
+    def stage(name: str, work: Callable[[], object]):
         mx.reset_peak_memory()
-        work()
+        out = work()
         peaks[name] = mx.get_peak_memory()
         meter.mark(name)
-
-    box = {}
+        return out
 
     def start():  # what generate does before any model loads
         pipe = load(model, cache=cache, **load_args)
         pipe.prefetch.enabled = read_ahead
         prepared = prepare_inputs(settings, pipe.info)
-        box.update(pipe=pipe, prepared=prepared, encodes=pipe.check_text_encoder(prepared))
+        return pipe, prepared, pipe.check_text_encoder(prepared)
 
-    stage("load() + checks", start)
-    pipe, prepared = box["pipe"], box["prepared"]
-    if box["encodes"]:  # the prompt is not cached: the encoder loads first
+    pipe, prepared, encodes = stage("load() + checks", start)
+    if encodes:  # the prompt is not cached: the encoder loads first
         stage("text encoder load", lambda: pipe.component("text_encoder"))
         stage("tokenizer load", lambda: pipe.component("tokenizer"))
-    stage("encode", lambda: box.update(job=pipe.prepare(prepared)))
+    job = stage("encode", lambda: pipe.prepare(prepared))
     stage("transformer load", lambda: pipe.component("transformer"))
-    stage("denoise", lambda: [None for _ in pipe.denoise(box["job"])])
+    stage("denoise", lambda: [None for _ in pipe.denoise(job)])
     stage("VAE load", lambda: pipe.component("vae"))
-    stage("decode", lambda: pipe.decode(box["job"]))
+    stage("decode", lambda: pipe.decode(job))
     total = time.perf_counter() - t0
     ahead = {k: {"bytes": v.bytes, "seconds": v.seconds} for k, v in pipe.prefetch.finished.items()}
-    del pipe, box
+    pipe = prepared = job = None  # the models go before the next run loads its own
     gc.collect()
     mx.clear_cache()
     stages = {k: dict(v, peak_memory=peaks[k]) for k, v in meter.stages.items()}
@@ -131,13 +130,8 @@ def matmul_rate(dtype, n: int = 2048, trials: int = 3) -> float:
     """FLOP/s of an n x n x n matmul in `dtype` (best of `trials`): the stand-in for a peak where no
     published one applies (a CPU)."""
     a = mx.random.normal((n, n)).astype(dtype)
-    mx.eval(a @ a)
-    best = float("inf")
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        mx.eval(a @ a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    mx.eval(a @ a)  # warm-up
+    return 2 * n**3 / min(timeit.repeat(lambda: mx.eval(a @ a), number=1, repeat=trials))
 
 
 def import_seconds() -> dict:
@@ -205,11 +199,6 @@ def measure_cold(model, *, width: int = 256, height: int = 256, steps: int = 1, 
 LOADS = ("load() + checks", "text encoder load", "tokenizer load", "transformer load", "VAE load")
 
 
-def compute_seconds(run: dict) -> float:
-    """A run's time less its loads and checks: encode, denoise and decode."""
-    return sum(v["seconds"] for k, v in run["stages"].items() if k not in LOADS)
-
-
 def limits(r: dict) -> dict:
     """Each cold run against `bytes / rate + compute` (compute: the warm twin's measured compute, and
     FLOPs / peak); `ratio` = measured / limit."""
@@ -221,7 +210,8 @@ def limits(r: dict) -> dict:
         read = sum(b[n] for n in parts) / rate
         flops = f["denoise"] + f["decode"] + (f["text_encoder"] if encodes else 0.0)
         measured = r["runs"][cold]["seconds"]
-        warm_compute = compute_seconds(r["runs"][warm])
+        # the warm run's time less its loads and checks: encode, denoise and decode
+        warm_compute = sum(v["seconds"] for k, v in r["runs"][warm]["stages"].items() if k not in LOADS)
         out[cold] = {"bytes": sum(b[n] for n in parts), "read_seconds": read, "warm_compute_seconds": warm_compute,
                      "limit_seconds": read + warm_compute, "ratio": measured / (read + warm_compute),
                      "flops": flops, "physics_seconds": read + flops / peak, "physics_ratio": measured / (read + flops / peak)}  # fmt: skip
@@ -244,10 +234,8 @@ def format_cold(r: dict) -> str:
         "",
     ]  # fmt: skip
     names = list(r["runs"])
-    stages = list(dict.fromkeys(k for run in r["runs"].values() for k in run["stages"]))
-    lines.append("| stage | " + " | ".join(names) + " |")
-    lines.append("|---" * (len(names) + 1) + "|")
-    for st in stages:
+    lines += ["| stage | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for st in dict.fromkeys(k for run in r["runs"].values() for k in run["stages"]):
         cells = []
         for n in names:
             v = r["runs"][n]["stages"].get(st)
