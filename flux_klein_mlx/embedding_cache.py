@@ -42,9 +42,8 @@ import re
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -99,8 +98,7 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-@dataclass(frozen=True)
-class _Entry:
+class _Entry(NamedTuple):
     path: Path
     size: int
     mtime_ns: int
@@ -126,19 +124,14 @@ class EmbeddingCache:
 
     @classmethod
     def open_default(cls, max_bytes: int = DEFAULT_MAX_BYTES, env: Mapping[str, str] | None = None) -> "EmbeddingCache":
-        """The cache in `default_folder(env) / "embeddings"`."""
         return cls(default_folder(env) / SUBFOLDER, max_bytes)
 
     # ---- keys -----------------------------------------------------------------------------------
 
     def key(self, weight_files: Sequence[str | Path], *, template: str, max_length: int, prompt: str,
             settings: Mapping | None = None) -> str:
-        """The entry name (64 hex digits) for one prompt encoded by the encoder in `weight_files`.
-
-        `template` is the chat template text, `settings` anything else (JSON-able) that changes
-        the embeddings: the encoder's dtype and quantization. Stats the weight files; reads a
-        file's header only when it changed since it was last seen (see the module docstring).
-        """
+        """The entry name (64 hex digits) for one prompt encoded by the encoder in `weight_files`;
+        `template` is the chat template text, `settings` the rest (JSON-able): see the module docstring."""
         recipe = {"version": KEY_VERSION, "encoder": [self._file_identity(Path(f)) for f in weight_files],
                   "template": template, "max_length": int(max_length), "prompt": prompt,
                   "settings": dict(settings or {}), "mlx": getattr(mx, "__version__", "?"),
@@ -188,10 +181,9 @@ class EmbeddingCache:
         A damaged entry is removed and reported as a miss; a hit marks the entry recently used."""
         path = self.path_of(key)
         try:
-            blob = path.read_bytes()
+            array = decode_entry(path.read_bytes(), key)
         except OSError:
             return None
-        array = decode_entry(blob, key)
         if array is None:
             _remove(path)
             return None
@@ -215,20 +207,16 @@ class EmbeddingCache:
 
     def entries(self) -> list[_Entry]:
         """The entries on disk, least recently used first."""
-        out = []
-        try:
+        out, scan = [], []
+        with contextlib.suppress(OSError):  # no folder yet
             scan = list(os.scandir(self.folder))
-        except OSError:
-            return []
         for e in scan:
-            if e.name.endswith(".safetensors") and not e.name.startswith("."):
-                try:
+            with contextlib.suppress(OSError):  # removed by another process meanwhile
+                if e.name.endswith(".safetensors") and not e.name.startswith("."):
                     st = e.stat()
-                except OSError:
-                    continue  # removed by another process meanwhile
-                out.append(_Entry(Path(e.path), st.st_size, st.st_mtime_ns))
-            elif e.name.startswith(".tmp-"):
-                _remove_if_stale(Path(e.path))
+                    out.append(_Entry(Path(e.path), st.st_size, st.st_mtime_ns))
+                elif e.name.startswith(".tmp-") and time.time() - e.stat().st_mtime > STALE_TEMP_SECONDS:
+                    os.unlink(e.path)  # a temporary file of a writer that died
         return sorted(out, key=lambda e: (e.mtime_ns, e.path.name))
 
     def total_bytes(self) -> int:
@@ -264,18 +252,14 @@ class EmbeddingCache:
         except OSError as e:
             if tmp is not None:
                 _remove(Path(tmp))
-            self._stop_writing(e)
+            if self.writable:  # the first failure turns writing off, with one warning
+                self.writable = False
+                why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+                       errno.EROFS: "it is on a read-only file system"}.get(e.errno, e.strerror or type(e).__name__)
+                warnings.warn(f"prompt cache off for this run: cannot write to {self.folder} ({why}); prompts are "
+                              "encoded every time (free space, set FLUX_KLEIN_CACHE to a writable folder, or turn the "
+                              "cache off)", CacheWarning, stacklevel=2)
             return False
-
-    def _stop_writing(self, error: OSError) -> None:
-        if not self.writable:
-            return
-        self.writable = False
-        why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
-               errno.EROFS: "it is on a read-only file system"}.get(error.errno, error.strerror or type(error).__name__)  # fmt: skip
-        warnings.warn(f"prompt cache off for this run: cannot write to {self.folder} ({why}); prompts are encoded "
-                      "every time (free space, set FLUX_KLEIN_CACHE to a writable folder, or turn the cache off)",
-                      CacheWarning, stacklevel=3)
 
 
 # ---- the entry format: a safetensors file with one tensor and its key and digest ----------------
@@ -335,12 +319,6 @@ def _remove(path: Path) -> bool:
         return False
 
 
-def _remove_if_stale(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        if time.time() - path.stat().st_mtime > STALE_TEMP_SECONDS:
-            path.unlink()
-
-
 # ---- the pipeline's use ------------------------------------------------------------------------------
 
 
@@ -376,12 +354,8 @@ def cached_embeddings(cache: EmbeddingCache | None, keys: Mapping[str, str | Non
     Cached prompts are read; the others are encoded by `encode(missing)` -> (B, L, C) in one call
     (only then does the caller load its text encoder) and stored. `cache=None` encodes them all.
     """
-    found: dict[str, mx.array] = {}
-    if cache is not None:
-        for prompt, key in keys.items():
-            hit = None if key is None else cache.get(key)
-            if hit is not None:
-                found[prompt] = hit
+    stored = {p: cache.get(k) for p, k in keys.items() if k is not None} if cache is not None else {}
+    found = {p: hit for p, hit in stored.items() if hit is not None}
     missing = [p for p in keys if p not in found]
     if missing:
         emb = encode(missing)

@@ -32,9 +32,8 @@ on Linux (no root needed; clean pages only, which weight files are). macOS has n
 eviction for an unprivileged process: `sudo purge` empties the whole cache, and `F_NOCACHE` only
 affects reads through the descriptor that sets it, so a Mac cold start is approximated by
 `sudo purge` before the run, or by a reboot. `sequential_read_rate` measures the disk's rate on
-the same files, and `storage_read_bytes` what this process fetched from storage (Linux:
-`/proc/self/io` `read_bytes`; elsewhere None, and callers report `bytes_to_load`, the bytes the
-headers say the load reads, naming it as such).
+the same files, and `storage_read_bytes` what this process fetched from storage (where it cannot
+say, callers report `bytes_to_load`, the bytes the headers say the load reads, naming it as such).
 
 The library never prints: a failed read-ahead is a warning when it is stopped or waited for.
 """
@@ -275,14 +274,6 @@ class ReadAhead:
         self.stop()
 
 
-def physical_memory() -> int | None:
-    """Bytes of RAM (Linux and macOS), None where the system does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 class Prefetch:
     """The read-aheads of one model's components, for a pipeline: at most one per component, started
     before its load (`start`), stopped once the load has run (`finish`). See the module docstring for
@@ -310,8 +301,10 @@ class Prefetch:
             return False
 
         def spans() -> list[Span]:  # on the reading thread: the headers are parsed there
-            wanted, ram = component_spans(self.info, name), physical_memory()
-            if ram is None:
+            wanted = component_spans(self.info, name)
+            try:
+                ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            except (ValueError, OSError, AttributeError):  # the system does not say how much RAM there is
                 return wanted
             return limit_spans(wanted, self.SHARE * ram - resident - sum(s.nbytes for s in wanted))
 
@@ -320,8 +313,7 @@ class Prefetch:
 
     def finish(self, name: str) -> ReadStats | None:
         """Stop `name`'s read-ahead (at most one chunk's wait) once its load has run; its stats."""
-        ahead = self.running.pop(name, None)
-        if ahead is None:
+        if (ahead := self.running.pop(name, None)) is None:
             return None
         self.finished[name] = ahead.stop()
         return self.finished[name]

@@ -21,17 +21,16 @@
   own compute (their stages less their loads) and `FLOPs / peak` (the chip's published peak, or
   where none is known, as on a CPU, the rate of one large matmul measured here in the run's dtype).
 
-Process start and imports are outside a run here; `import_seconds` measures them in a child
-process (with and without mlx_lm, transformers and torch, which only a run of the encoder imports).
+Process start and imports are outside a run here; `import_seconds` measures them in a child process.
 
-Cold starts: Linux evicts the model's files with posix_fadvise(DONTNEED), no root needed. macOS
-has no per-file eviction for an unprivileged process: the result says so, and a cold start is
-approximated by running `sudo purge` right before the benchmark (the first run is then cold; the
-later "cold" runs are labelled as not dropped).
+Cold starts: `readahead.drop_from_page_cache`. Where it cannot evict (macOS), the result says so, and
+a cold start is approximated by running `sudo purge` right before the benchmark (the first run is
+then cold; the later "cold" runs are labelled as not dropped).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import importlib
@@ -116,12 +115,10 @@ def reset_peak_rss() -> bool:
 def peak_rss() -> int:
     """Peak resident memory of this process in bytes: since the last `reset_peak_rss` on Linux,
     since it started elsewhere."""
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
 
@@ -146,14 +143,6 @@ def import_seconds() -> dict:
     return out
 
 
-def _flops(info, width: int, height: int, steps: int) -> dict:
-    return {
-        "text_encoder": flops_of_text_encoder(Qwen3Config.from_dict(info.configs["text_encoder"])).total,
-        "denoise": flops_of_transformer(info.params, width, height).total * steps,
-        "decode": flops_of_vae_decoder(AutoEncoderConfig.from_dict(info.configs["vae"]), width, height).total,
-    }
-
-
 def measure_cold(model, *, width: int = 256, height: int = 256, steps: int = 1, dtype: str = "bfloat16",
                  quantize: int | None = None, vae=None, log: Callable[[str], None] = lambda msg: None) -> dict:  # fmt: skip
     """Every measurement of the module docstring, as a JSON-able dict (`format_cold` prints it)."""
@@ -168,8 +157,7 @@ def measure_cold(model, *, width: int = 256, height: int = 256, steps: int = 1, 
               "bytes": {n: bytes_to_load(info, n) for n in COMPONENTS}}  # fmt: skip
     result["page_cache"] = drop_from_page_cache(files)
     dropped = result["page_cache"].startswith("dropped")
-    spans = [s for n in COMPONENTS for s in component_spans(info, n)]
-    rate = sequential_read_rate(spans)
+    rate = sequential_read_rate([s for n in COMPONENTS for s in component_spans(info, n)])
     result["read"] = {"bytes": rate.bytes, "seconds": rate.seconds, "rate": rate.rate, "cold": dropped}
     log(f"sequential read: {rate.bytes / 1e9:.2f} GB at {rate.rate / 1e9:.2f} GB/s ({result['page_cache']})")
     # Imports happen once per process, not once per run here (`import_seconds` has their cost): made
@@ -191,7 +179,11 @@ def measure_cold(model, *, width: int = 256, height: int = 256, steps: int = 1, 
     peak = machine["peak_tflops"] * 1e12 if machine["peak_tflops"] else None
     result["peak"] = {"flops": peak or matmul_rate(as_dtype(dtype)),
                       "source": "published peak of this chip" if peak else f"measured {dtype} matmul (2048^3) here"}  # fmt: skip
-    result["flops"] = _flops(info, width, height, steps)
+    result["flops"] = {
+        "text_encoder": flops_of_text_encoder(Qwen3Config.from_dict(info.configs["text_encoder"])).total,
+        "denoise": flops_of_transformer(info.params, width, height).total * steps,
+        "decode": flops_of_vae_decoder(AutoEncoderConfig.from_dict(info.configs["vae"]), width, height).total,
+    }
     result["limits"] = limits(result)
     return result
 

@@ -46,10 +46,6 @@ def _indices(weights: dict, prefix: str) -> list[int]:
     return sorted({int(m.group(1)) for k in weights if (m := re.match(re.escape(prefix) + r"\.(\d+)\.", k))})
 
 
-def _out_channels(weights: dict, key: str) -> int:
-    return int(weights[key].shape[0])  # conv weights are (O, kh, kw, I) under our names
-
-
 def infer_vae_config(weights: dict[str, mx.array], base: dict, where: str) -> dict:
     """A VAE config from its tensors' shapes (our names, NHWC), `base` filling what they cannot tell.
 
@@ -57,12 +53,12 @@ def infer_vae_config(weights: dict[str, mx.array], base: dict, where: str) -> di
     dec_levels = _indices(weights, "decoder.up_blocks")
     if not dec_levels or "decoder.conv_in.weight" not in weights:
         raise FluxKleinError(f"{where} holds no VAE decoder weights (no decoder.up_blocks / decoder.conv_in); pass a FLUX.2 VAE")
-    out = dict(base)
-    # Up-block i produces the channels of level (n - 1 - i): reversed, they are the decoder's widths.
-    widths = tuple(reversed([_out_channels(weights, f"decoder.up_blocks.{i}.resnets.0.conv1.weight") for i in dec_levels]))
+    # Conv weights are (O, kh, kw, I) under our names. Up-block i produces the channels of level
+    # (n - 1 - i): reversed, they are the decoder's widths.
+    widths = tuple(reversed([weights[f"decoder.up_blocks.{i}.resnets.0.conv1.weight"].shape[0] for i in dec_levels]))
     decoder_layers = len(_indices(weights, "decoder.up_blocks.0.resnets")) - 1  # one more ResBlock than the encoder
     latent = int(weights["decoder.conv_in.weight"].shape[-1])
-    out.update(latent_channels=latent, out_channels=_out_channels(weights, "decoder.conv_out.weight"),
+    out = dict(base, latent_channels=latent, out_channels=weights["decoder.conv_out.weight"].shape[0],
                use_post_quant_conv="decoder.post_quant_conv.weight" in weights,
                mid_block_add_attention=any(k.startswith("decoder.mid_block.attentions.") for k in weights))
     if "bn.running_mean" in weights:
@@ -71,7 +67,8 @@ def infer_vae_config(weights: dict[str, mx.array], base: dict, where: str) -> di
     enc_levels = _indices(weights, "encoder.down_blocks")
     if enc_levels:
         out.update(
-            block_out_channels=tuple(_out_channels(weights, f"encoder.down_blocks.{i}.resnets.0.conv1.weight") for i in enc_levels),
+            block_out_channels=tuple(weights[f"encoder.down_blocks.{i}.resnets.0.conv1.weight"].shape[0]
+                                     for i in enc_levels),
             layers_per_block=len(_indices(weights, "encoder.down_blocks.0.resnets")),
             in_channels=int(weights["encoder.conv_in.weight"].shape[-1]),
             use_quant_conv="encoder.quant_conv.weight" in weights,
