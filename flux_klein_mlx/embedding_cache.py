@@ -14,9 +14,8 @@ produced in. Its key is a digest of everything that decides those numbers:
 - `settings`: whatever else changes the numbers (dtype, quantization of the encoder), plus the
   versions of MLX and of this package, since a release may compute differently.
 
-The folder (`default_folder`): `$FLUX_KLEIN_CACHE`, else `$XDG_CACHE_HOME/flux_klein_mlx`, else
-`~/.cache/flux_klein_mlx`; entries live in its `embeddings/` subfolder. Deleting the folder
-clears the cache; nothing else refers to it.
+Entries live in the `embeddings/` subfolder of `default_folder()`. Deleting the folder clears the
+cache; nothing else refers to it.
 
 Robustness, by design rather than by luck:
 - an entry is written to a temporary file in the same folder and renamed into place, so readers
@@ -28,13 +27,13 @@ Robustness, by design rather than by luck:
   that the entries, the one being written included, stay within `max_bytes`, and again after
   the rename in case another process wrote meanwhile;
 - a folder that cannot be written (read-only, full, no permission) turns writing off with one
-  `CacheWarning`; reading what is there still works, and a run never fails because of the cache.
-
-The library never prints: problems are `warnings.warn(..., CacheWarning)`.
+  `CacheWarning` (the library never prints); reading what is there still works, and a run never
+  fails because of the cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -43,9 +42,8 @@ import re
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -100,8 +98,7 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-@dataclass(frozen=True)
-class _Entry:
+class _Entry(NamedTuple):
     path: Path
     size: int
     mtime_ns: int
@@ -127,42 +124,22 @@ class EmbeddingCache:
 
     @classmethod
     def open_default(cls, max_bytes: int = DEFAULT_MAX_BYTES, env: Mapping[str, str] | None = None) -> "EmbeddingCache":
-        """The cache in `default_folder(env) / "embeddings"`."""
         return cls(default_folder(env) / SUBFOLDER, max_bytes)
 
     # ---- keys -----------------------------------------------------------------------------------
 
-    def key(
-        self,
-        weight_files: Sequence[str | Path],
-        *,
-        template: str,
-        max_length: int,
-        prompt: str,
-        settings: Mapping | None = None,
-    ) -> str:
-        """The entry name (64 hex digits) for one prompt encoded by the encoder in `weight_files`.
-
-        `template` is the chat template text, `settings` anything else (JSON-able) that changes
-        the embeddings: the encoder's dtype and quantization. Stats the weight files; reads a
-        file's header only when it changed since it was last seen (see the module docstring).
-        """
-        files = [self._file_identity(Path(f)) for f in weight_files]
-        recipe = {
-            "version": KEY_VERSION,
-            "encoder": files,
-            "template": template,
-            "max_length": int(max_length),
-            "prompt": prompt,
-            "settings": dict(settings or {}),
-            "mlx": getattr(mx, "__version__", "?"),
-            "flux_klein_mlx": __version__,
-        }
+    def key(self, weight_files: Sequence[str | Path], *, template: str, max_length: int, prompt: str,
+            settings: Mapping | None = None) -> str:
+        """The entry name (64 hex digits) for one prompt encoded by the encoder in `weight_files`;
+        `template` is the chat template text, `settings` the rest (JSON-able): see the module docstring."""
+        recipe = {"version": KEY_VERSION, "encoder": [self._file_identity(Path(f)) for f in weight_files],
+                  "template": template, "max_length": int(max_length), "prompt": prompt,
+                  "settings": dict(settings or {}), "mlx": getattr(mx, "__version__", "?"),
+                  "flux_klein_mlx": __version__}
         blob = json.dumps(recipe, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def _file_identity(self, path: Path) -> dict:
-        """What the key knows of one weight file: resolved path, size, mtime_ns, header digest."""
         resolved = path.resolve()
         st = resolved.stat()  # a missing file raises here, as loading it would
         stat_id = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{resolved}"
@@ -175,7 +152,10 @@ class EmbeddingCache:
                 digest = "unreadable"  # loading will say what is wrong; this key just never matches a good one
             else:
                 headers[stat_id] = digest
-                self._save_headers(headers)
+                while len(headers) > MAX_REMEMBERED_HEADERS:  # oldest first (insertion order)
+                    headers.pop(next(iter(headers)))
+                if self.writable:
+                    self._write_atomic(self.folder / HEADERS_FILE, [json.dumps(headers).encode()])
         return {"path": str(resolved), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "header": digest}
 
     def _remembered_headers(self) -> dict[str, str]:
@@ -187,12 +167,6 @@ class EmbeddingCache:
             except (OSError, ValueError, UnicodeDecodeError):
                 self._headers = {}  # none yet, or damaged: digests are recomputed
         return self._headers
-
-    def _save_headers(self, headers: dict[str, str]) -> None:
-        while len(headers) > MAX_REMEMBERED_HEADERS:  # oldest first (insertion order)
-            headers.pop(next(iter(headers)))
-        if self.writable:
-            self._write_atomic(self.folder / HEADERS_FILE, [json.dumps(headers).encode()])
 
     # ---- entries --------------------------------------------------------------------------------
 
@@ -207,17 +181,14 @@ class EmbeddingCache:
         A damaged entry is removed and reported as a miss; a hit marks the entry recently used."""
         path = self.path_of(key)
         try:
-            blob = path.read_bytes()
+            array = decode_entry(path.read_bytes(), key)
         except OSError:
             return None
-        array = decode_entry(blob, key)
         if array is None:
             _remove(path)
             return None
-        try:
+        with contextlib.suppress(OSError):  # a read-only cache still serves its entries
             os.utime(path)  # LRU: a hit is a use
-        except OSError:
-            pass  # a read-only cache still serves its entries
         return array
 
     def put(self, key: str, embeddings: mx.array) -> bool:
@@ -236,20 +207,16 @@ class EmbeddingCache:
 
     def entries(self) -> list[_Entry]:
         """The entries on disk, least recently used first."""
-        out = []
-        try:
+        out, scan = [], []
+        with contextlib.suppress(OSError):  # no folder yet
             scan = list(os.scandir(self.folder))
-        except OSError:
-            return []
         for e in scan:
-            if e.name.endswith(".safetensors") and not e.name.startswith("."):
-                try:
+            with contextlib.suppress(OSError):  # removed by another process meanwhile
+                if e.name.endswith(".safetensors") and not e.name.startswith("."):
                     st = e.stat()
-                except OSError:
-                    continue  # removed by another process meanwhile
-                out.append(_Entry(Path(e.path), st.st_size, st.st_mtime_ns))
-            elif e.name.startswith(".tmp-"):
-                _remove_if_stale(Path(e.path))
+                    out.append(_Entry(Path(e.path), st.st_size, st.st_mtime_ns))
+                elif e.name.startswith(".tmp-") and time.time() - e.stat().st_mtime > STALE_TEMP_SECONDS:
+                    os.unlink(e.path)  # a temporary file of a writer that died
         return sorted(out, key=lambda e: (e.mtime_ns, e.path.name))
 
     def total_bytes(self) -> int:
@@ -262,9 +229,7 @@ class EmbeddingCache:
         for e in entries:
             if total + room <= self.max_bytes:
                 break
-            if e.path == keep:
-                continue  # being replaced: its old size is not counted above
-            if _remove(e.path):
+            if e.path != keep and _remove(e.path):  # `keep` is being replaced: its old size is not counted above
                 total -= e.size
 
     def clear(self) -> None:
@@ -277,33 +242,24 @@ class EmbeddingCache:
     # ---- writing --------------------------------------------------------------------------------
 
     def _write_atomic(self, path: Path, parts: Iterable[bytes]) -> bool:
-        """Write `parts` to a temporary file next to `path`, then rename it over `path`."""
         tmp = None
         try:
             fd, tmp = open_temporary(self.folder)
             with os.fdopen(fd, "wb") as f:
-                for part in parts:
-                    f.write(part)
+                f.writelines(parts)
             os.replace(tmp, path)
             return True
         except OSError as e:
             if tmp is not None:
                 _remove(Path(tmp))
-            self._stop_writing(e)
+            if self.writable:  # the first failure turns writing off, with one warning
+                self.writable = False
+                why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+                       errno.EROFS: "it is on a read-only file system"}.get(e.errno, e.strerror or type(e).__name__)
+                warnings.warn(f"prompt cache off for this run: cannot write to {self.folder} ({why}); prompts are "
+                              "encoded every time (free space, set FLUX_KLEIN_CACHE to a writable folder, or turn the "
+                              "cache off)", CacheWarning, stacklevel=2)
             return False
-
-    def _stop_writing(self, error: OSError) -> None:
-        if not self.writable:
-            return
-        self.writable = False
-        why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
-               errno.EROFS: "it is on a read-only file system"}.get(error.errno, error.strerror or type(error).__name__)  # fmt: skip
-        warnings.warn(
-            f"prompt cache off for this run: cannot write to {self.folder} ({why}); prompts are encoded "
-            "every time (free space, set FLUX_KLEIN_CACHE to a writable folder, or turn the cache off)",
-            CacheWarning,
-            stacklevel=3,
-        )
 
 
 # ---- the entry format: a safetensors file with one tensor and its key and digest ----------------
@@ -315,8 +271,7 @@ def encode_entry(embeddings: mx.array, key: str) -> list[bytes]:
     if embeddings.dtype not in _DTYPES:
         raise TypeError(f"embeddings must be float32, bfloat16 or float16, not {embeddings.dtype}")
     mx.eval(embeddings)
-    carrier_mx, _ = _CARRIER[embeddings.dtype.size]
-    data = np.ascontiguousarray(np.asarray(embeddings.view(carrier_mx))).tobytes()
+    data = np.ascontiguousarray(np.asarray(embeddings.view(_CARRIER[embeddings.dtype.size][0]))).tobytes()
     digest = hashlib.blake2b(data, digest_size=16).hexdigest()
     header = {
         "__metadata__": {"format": ENTRY_FORMAT, "key": key, "blake2b": digest},
@@ -331,7 +286,7 @@ def decode_entry(blob: bytes, key: str) -> mx.array | None:
     """The array of an entry's bytes, or None when anything about it is wrong."""
     try:
         n = int.from_bytes(blob[:8], "little")
-        if len(blob) < 8 or not 0 < n <= len(blob) - 8:
+        if not 0 < n <= len(blob) - 8:
             return None
         header = json.loads(blob[8 : 8 + n])
         meta, entry = header["__metadata__"], header["embeddings"]
@@ -341,15 +296,11 @@ def decode_entry(blob: bytes, key: str) -> mx.array | None:
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         return None
     data = memoryview(blob)[8 + n :]
-    if meta.get("format") != ENTRY_FORMAT or meta.get("key") != key or (lo, hi) != (0, len(data)):
+    if (meta.get("format") != ENTRY_FORMAT or meta.get("key") != key or (lo, hi) != (0, len(data))
+            or int(np.prod(shape)) * dtype.size != len(data)
+            or hashlib.blake2b(data, digest_size=16).hexdigest() != meta.get("blake2b")):
         return None
-    if int(np.prod(shape)) * dtype.size != len(data):
-        return None
-    if hashlib.blake2b(data, digest_size=16).hexdigest() != meta.get("blake2b"):
-        return None
-    carrier_mx, carrier_np = _CARRIER[dtype.size]
-    bits = np.frombuffer(data, dtype=carrier_np).reshape(shape)
-    return mx.array(bits).view(dtype)
+    return mx.array(np.frombuffer(data, dtype=_CARRIER[dtype.size][1]).reshape(shape)).view(dtype)
 
 
 def open_temporary(folder: Path) -> tuple[int, str]:
@@ -362,20 +313,10 @@ def open_temporary(folder: Path) -> tuple[int, str]:
 def _remove(path: Path) -> bool:
     """Remove a file; True when it is gone (also when someone else removed it first)."""
     try:
-        path.unlink()
-        return True
-    except FileNotFoundError:
+        path.unlink(missing_ok=True)
         return True
     except OSError:
         return False
-
-
-def _remove_if_stale(path: Path) -> None:
-    try:
-        if time.time() - path.stat().st_mtime > STALE_TEMP_SECONDS:
-            path.unlink()
-    except OSError:
-        pass
 
 
 # ---- the pipeline's use ------------------------------------------------------------------------------
@@ -406,22 +347,15 @@ def prompt_keys(cache: EmbeddingCache, encoder_files: Sequence[str | Path], toke
         return {p: None for p in prompts}
 
 
-def cached_embeddings(
-    cache: EmbeddingCache | None,
-    keys: Mapping[str, str | None],
-    encode: Callable[[list[str]], mx.array],
-) -> dict[str, mx.array]:
+def cached_embeddings(cache: EmbeddingCache | None, keys: Mapping[str, str | None],
+                      encode: Callable[[list[str]], mx.array]) -> dict[str, mx.array]:
     """prompt -> (1, L, C) embeddings for every prompt in `keys` (prompt -> cache key, None: not cached).
 
     Cached prompts are read; the others are encoded by `encode(missing)` -> (B, L, C) in one call
     (only then does the caller load its text encoder) and stored. `cache=None` encodes them all.
     """
-    found: dict[str, mx.array] = {}
-    if cache is not None:
-        for prompt, key in keys.items():
-            hit = None if key is None else cache.get(key)
-            if hit is not None:
-                found[prompt] = hit
+    stored = {p: cache.get(k) for p, k in keys.items() if k is not None} if cache is not None else {}
+    found = {p: hit for p, hit in stored.items() if hit is not None}
     missing = [p for p in keys if p not in found]
     if missing:
         emb = encode(missing)

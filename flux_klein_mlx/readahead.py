@@ -32,15 +32,15 @@ on Linux (no root needed; clean pages only, which weight files are). macOS has n
 eviction for an unprivileged process: `sudo purge` empties the whole cache, and `F_NOCACHE` only
 affects reads through the descriptor that sets it, so a Mac cold start is approximated by
 `sudo purge` before the run, or by a reboot. `sequential_read_rate` measures the disk's rate on
-the same files, and `storage_read_bytes` what this process fetched from storage (Linux:
-`/proc/self/io` `read_bytes`; elsewhere None, and callers report `bytes_to_load`, the bytes the
-headers say the load reads, naming it as such).
+the same files, and `storage_read_bytes` what this process fetched from storage (where it cannot
+say, callers report `bytes_to_load`, the bytes the headers say the load reads, naming it as such).
 
 The library never prints: a failed read-ahead is a warning when it is stopped or waited for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -48,8 +48,10 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Sequence
 
+from .text_encoder import keeps_key
+from .vae_source import is_decoder_key
 from .weights import safetensors_tensor_spans
 
 CHUNK_BYTES = 8 << 20
@@ -81,19 +83,11 @@ def merge_spans(spans: Iterable[Span], gap: int = MERGE_GAP) -> list[Span]:
     return out
 
 
-def file_spans(files: Iterable[str | Path]) -> list[Span]:
-    """Whole files."""
-    return [Span(Path(f), 0, Path(f).stat().st_size) for f in files]
-
-
 def tensor_spans(files: Iterable[str | Path], keep: Callable[[str], bool] | None = None, merge: bool = True) -> list[Span]:
     """The data of the tensors `keep(name)` selects (all by default), from the files' headers;
     merged (`merge_spans`) for reading, or one span per tensor."""
-    spans = []
-    for f in files:
-        for name, (start, end) in safetensors_tensor_spans(f).items():
-            if keep is None or keep(name):
-                spans.append(Span(Path(f), start, end))
+    spans = [Span(Path(f), start, end) for f in files for name, (start, end) in safetensors_tensor_spans(f).items()
+             if keep is None or keep(name)]
     return merge_spans(spans) if merge else spans
 
 
@@ -101,20 +95,13 @@ def component_spans(info, name: str, merge: bool = True) -> list[Span]:
     """What `loading.load_component(info, name)` reads: every tensor of the component's files but
     those it drops unread (the text encoder's layers above 27, final norm and LM head; the VAE's
     BatchNorm step counter)."""
-    from .text_encoder import keeps_key
-    from .vae_source import is_decoder_key
-
     files = info.files.get(name, [])
-    if name == "text_encoder":
-        return tensor_spans(files, keeps_key, merge)
     if name != "vae":
-        return tensor_spans(files, None, merge)
+        return tensor_spans(files, keeps_key if name == "text_encoder" else None, merge)
     used = lambda k: not k.endswith("num_batches_tracked")  # noqa: E731
-    decoder = getattr(info, "decoder_files", None)
-    if not decoder:
-        return tensor_spans(files, used, merge)
+    decoder = getattr(info, "decoder_files", None) or []
     # A decoder-only `vae=`: the model's VAE without its decoder, and the other file's decoder.
-    spans = tensor_spans(files, lambda k: used(k) and not is_decoder_key(k), False)
+    spans = tensor_spans(files, lambda k: used(k) and not (decoder and is_decoder_key(k)), False)
     spans += tensor_spans(decoder, lambda k: used(k) and is_decoder_key(k), False)
     return merge_spans(spans) if merge else spans
 
@@ -140,8 +127,6 @@ def bytes_to_load(info, name: str) -> int:
 
 @dataclass
 class ReadStats:
-    """What one read of a list of spans did."""
-
     bytes: int = 0
     seconds: float = 0.0
     spans: int = 0
@@ -154,14 +139,8 @@ class ReadStats:
         return self.bytes / self.seconds if self.seconds > 0 else 0.0
 
 
-def _chunks(spans: Sequence[Span], chunk_bytes: int) -> Iterator[tuple[Path, int, int]]:
-    """(file, offset, length) of every chunk, in file order."""
-    return ((s.path, o, min(chunk_bytes, s.end - o)) for s in spans for o in range(s.start, s.end, chunk_bytes))
-
-
-def read_spans(
-    spans: Sequence[Span], chunk_bytes: int = CHUNK_BYTES, stop: threading.Event | None = None, readers: int = READERS
-) -> ReadStats:
+def read_spans(spans: Sequence[Span], chunk_bytes: int = CHUNK_BYTES, stop: threading.Event | None = None,
+               readers: int = READERS) -> ReadStats:
     """Read `spans` with `readers` threads taking the next chunk in file order, each into its own
     reused buffer; the bytes are dropped, the page cache keeps them. Several requests in flight
     (as MLX's own loader issues) are what an SSD needs for its rate: on our development VM one reader
@@ -169,8 +148,9 @@ def read_spans(
 
     Errors end the read and are returned in `stats.error`, never raised.
     """
-    stats, lock = ReadStats(spans=len(spans)), threading.Lock()
-    chunks, fds, failures = _chunks(spans, chunk_bytes), {}, []
+    stats, lock, fds, failures = ReadStats(spans=len(spans)), threading.Lock(), {}, []
+    # (file, offset, length) of every chunk, in file order
+    chunks = ((s.path, o, min(chunk_bytes, s.end - o)) for s in spans for o in range(s.start, s.end, chunk_bytes))
     stop = stop or threading.Event()
     t0 = time.perf_counter()
 
@@ -215,19 +195,16 @@ def read_spans(
 def _read_exactly(fd: int, view: memoryview, offset: int, path: Path) -> int:
     done = 0
     while done < len(view):
-        n = _pread_into(fd, view[done:], offset + done)
+        if hasattr(os, "preadv"):  # straight into the buffer, no bytes object per chunk
+            n = os.preadv(fd, [view[done:]], offset + done)
+        else:
+            data = os.pread(fd, len(view) - done, offset + done)
+            n = len(data)
+            view[done : done + n] = data
         if n <= 0:
             raise OSError(f"{path} ended at byte {offset + done}, before {offset + len(view)}")
         done += n
     return done
-
-
-def _pread_into(fd: int, view: memoryview, offset: int) -> int:
-    if hasattr(os, "preadv"):  # straight into the buffer, no bytes object per chunk
-        return os.preadv(fd, [view], offset)
-    data = os.pread(fd, len(view), offset)
-    view[: len(data)] = data
-    return len(data)
 
 
 class ReadAhead:
@@ -242,9 +219,8 @@ class ReadAhead:
     Nothing is raised or printed: a failed read ends the thread, and `stop()`/`wait()` warn once.
     """
 
-    def __init__(
-        self, spans: Sequence[Span] | Callable[[], Sequence[Span]], chunk_bytes: int = CHUNK_BYTES, readers: int = READERS
-    ):
+    def __init__(self, spans: Sequence[Span] | Callable[[], Sequence[Span]], chunk_bytes: int = CHUNK_BYTES,
+                 readers: int = READERS):
         self._spans = spans
         self.chunk_bytes, self.readers = chunk_bytes, readers
         self.stats = ReadStats()
@@ -254,8 +230,8 @@ class ReadAhead:
 
     @classmethod
     def of_files(cls, files: Iterable[str | Path], **kwargs) -> "ReadAhead":
-        files = list(files)
-        return cls(lambda: file_spans(files), **kwargs)
+        files = [Path(f) for f in files]
+        return cls(lambda: [Span(f, 0, f.stat().st_size) for f in files], **kwargs)
 
     @classmethod
     def of_component(cls, info, name: str, **kwargs) -> "ReadAhead":
@@ -280,7 +256,10 @@ class ReadAhead:
         """Wait until everything is read (or `timeout` seconds); the stats so far."""
         if self._thread.ident is not None:
             self._thread.join(timeout)
-        self._report()
+        if self.done and self.stats.error and not self._reported:
+            self._reported = True
+            warnings.warn(f"reading ahead stopped early ({self.stats.error}); loading reads the files itself",
+                          stacklevel=2)
         return self.stats
 
     def stop(self) -> ReadStats:
@@ -288,24 +267,11 @@ class ReadAhead:
         self._stop.set()
         return self.wait()
 
-    def _report(self) -> None:
-        if self.done and self.stats.error and not self._reported:
-            self._reported = True
-            warnings.warn(f"reading ahead stopped early ({self.stats.error}); loading reads the files itself", stacklevel=3)
-
     def __enter__(self) -> "ReadAhead":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def physical_memory() -> int | None:
-    """Bytes of RAM (Linux and macOS), None where the system does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 class Prefetch:
@@ -333,22 +299,21 @@ class Prefetch:
         files = (getattr(self.info, "files", None) or {}).get(name)
         if not self.enabled or name in self.running or not files:
             return False
-        ram = physical_memory()
 
         def spans() -> list[Span]:  # on the reading thread: the headers are parsed there
             wanted = component_spans(self.info, name)
-            if ram is None:
+            try:
+                ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            except (ValueError, OSError, AttributeError):  # the system does not say how much RAM there is
                 return wanted
-            room = self.SHARE * ram - resident - sum(s.nbytes for s in wanted)
-            return limit_spans(wanted, room)
+            return limit_spans(wanted, self.SHARE * ram - resident - sum(s.nbytes for s in wanted))
 
         self.running[name] = ReadAhead(spans).start()
         return True
 
     def finish(self, name: str) -> ReadStats | None:
         """Stop `name`'s read-ahead (at most one chunk's wait) once its load has run; its stats."""
-        ahead = self.running.pop(name, None)
-        if ahead is None:
+        if (ahead := self.running.pop(name, None)) is None:
             return None
         self.finished[name] = ahead.stop()
         return self.finished[name]
@@ -357,11 +322,9 @@ class Prefetch:
 # ---- measuring ----------------------------------------------------------------------------------------
 
 
-def sequential_read_rate(spans: Sequence[Span], chunk_bytes: int = CHUNK_BYTES, readers: int = READERS) -> ReadStats:
-    """Read `spans` (in file order, `readers` requests in flight, as `ReadAhead` does) and report
-    the rate. Cold (after `drop_from_page_cache`) this is the disk's rate on these very files;
-    warm, the page cache's copy rate."""
-    return read_spans(spans, chunk_bytes, readers=readers)
+# Reading `spans` as `ReadAhead` does, for its rate: cold (after `drop_from_page_cache`) this is the disk's
+# rate on these very files; warm, the page cache's copy rate.
+sequential_read_rate = read_spans
 
 
 def drop_from_page_cache(files: Iterable[str | Path]) -> str:
@@ -383,12 +346,10 @@ def drop_from_page_cache(files: Iterable[str | Path]) -> str:
 def storage_read_bytes() -> int | None:
     """Bytes this process (all its threads) has caused to be fetched from storage so far: Linux's
     `/proc/self/io` `read_bytes` (page-cache hits do not count). None where there is no such count."""
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/self/io").read_text().splitlines():
             if line.startswith("read_bytes:"):
                 return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
     return None
 
 

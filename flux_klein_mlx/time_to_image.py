@@ -21,17 +21,16 @@
   own compute (their stages less their loads) and `FLOPs / peak` (the chip's published peak, or
   where none is known, as on a CPU, the rate of one large matmul measured here in the run's dtype).
 
-Process start and imports are outside a run here; `import_seconds` measures them in a child
-process (with and without mlx_lm, transformers and torch, which only a run of the encoder imports).
+Process start and imports are outside a run here; `import_seconds` measures them in a child process.
 
-Cold starts: Linux evicts the model's files with posix_fadvise(DONTNEED), no root needed. macOS
-has no per-file eviction for an unprivileged process: the result says so, and a cold start is
-approximated by running `sudo purge` right before the benchmark (the first run is then cold; the
-later "cold" runs are labelled as not dropped).
+Cold starts: `readahead.drop_from_page_cache`. Where it cannot evict (macOS), the result says so, and
+a cold start is approximated by running `sudo purge` right before the benchmark (the first run is
+then cold; the later "cold" runs are labelled as not dropped).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import importlib
@@ -40,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 from pathlib import Path
 from typing import Callable
 
@@ -71,33 +71,31 @@ def one_run(model, settings: RunSettings, *, cache, read_ahead: bool = True, **l
     rss_reset = reset_peak_rss()
     meter, peaks, t0 = StageMeter(), {}, time.perf_counter()
 
-    def stage(name: str, work: Callable[[], object]) -> None:
+    def stage(name: str, work: Callable[[], object]):
         mx.reset_peak_memory()
-        work()
+        out = work()
         peaks[name] = mx.get_peak_memory()
         meter.mark(name)
-
-    box = {}
+        return out
 
     def start():  # what generate does before any model loads
         pipe = load(model, cache=cache, **load_args)
         pipe.prefetch.enabled = read_ahead
         prepared = prepare_inputs(settings, pipe.info)
-        box.update(pipe=pipe, prepared=prepared, encodes=pipe.check_text_encoder(prepared))
+        return pipe, prepared, pipe.check_text_encoder(prepared)
 
-    stage("load() + checks", start)
-    pipe, prepared = box["pipe"], box["prepared"]
-    if box["encodes"]:  # the prompt is not cached: the encoder loads first
+    pipe, prepared, encodes = stage("load() + checks", start)
+    if encodes:  # the prompt is not cached: the encoder loads first
         stage("text encoder load", lambda: pipe.component("text_encoder"))
         stage("tokenizer load", lambda: pipe.component("tokenizer"))
-    stage("encode", lambda: box.update(job=pipe.prepare(prepared)))
+    job = stage("encode", lambda: pipe.prepare(prepared))
     stage("transformer load", lambda: pipe.component("transformer"))
-    stage("denoise", lambda: [None for _ in pipe.denoise(box["job"])])
+    stage("denoise", lambda: [None for _ in pipe.denoise(job)])
     stage("VAE load", lambda: pipe.component("vae"))
-    stage("decode", lambda: pipe.decode(box["job"]))
+    stage("decode", lambda: pipe.decode(job))
     total = time.perf_counter() - t0
     ahead = {k: {"bytes": v.bytes, "seconds": v.seconds} for k, v in pipe.prefetch.finished.items()}
-    del pipe, box
+    pipe = prepared = job = None  # the models go before the next run loads its own
     gc.collect()
     mx.clear_cache()
     stages = {k: dict(v, peak_memory=peaks[k]) for k, v in meter.stages.items()}
@@ -117,12 +115,10 @@ def reset_peak_rss() -> bool:
 def peak_rss() -> int:
     """Peak resident memory of this process in bytes: since the last `reset_peak_rss` on Linux,
     since it started elsewhere."""
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
 
@@ -131,13 +127,8 @@ def matmul_rate(dtype, n: int = 2048, trials: int = 3) -> float:
     """FLOP/s of an n x n x n matmul in `dtype` (best of `trials`): the stand-in for a peak where no
     published one applies (a CPU)."""
     a = mx.random.normal((n, n)).astype(dtype)
-    mx.eval(a @ a)
-    best = float("inf")
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        mx.eval(a @ a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    mx.eval(a @ a)  # warm-up
+    return 2 * n**3 / min(timeit.repeat(lambda: mx.eval(a @ a), number=1, repeat=trials))
 
 
 def import_seconds() -> dict:
@@ -150,14 +141,6 @@ def import_seconds() -> dict:
         subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
         out[name] = time.perf_counter() - t0
     return out
-
-
-def _flops(info, width: int, height: int, steps: int) -> dict:
-    return {
-        "text_encoder": flops_of_text_encoder(Qwen3Config.from_dict(info.configs["text_encoder"])).total,
-        "denoise": flops_of_transformer(info.params, width, height).total * steps,
-        "decode": flops_of_vae_decoder(AutoEncoderConfig.from_dict(info.configs["vae"]), width, height).total,
-    }
 
 
 def measure_cold(model, *, width: int = 256, height: int = 256, steps: int = 1, dtype: str = "bfloat16",
@@ -174,8 +157,7 @@ def measure_cold(model, *, width: int = 256, height: int = 256, steps: int = 1, 
               "bytes": {n: bytes_to_load(info, n) for n in COMPONENTS}}  # fmt: skip
     result["page_cache"] = drop_from_page_cache(files)
     dropped = result["page_cache"].startswith("dropped")
-    spans = [s for n in COMPONENTS for s in component_spans(info, n)]
-    rate = sequential_read_rate(spans)
+    rate = sequential_read_rate([s for n in COMPONENTS for s in component_spans(info, n)])
     result["read"] = {"bytes": rate.bytes, "seconds": rate.seconds, "rate": rate.rate, "cold": dropped}
     log(f"sequential read: {rate.bytes / 1e9:.2f} GB at {rate.rate / 1e9:.2f} GB/s ({result['page_cache']})")
     # Imports happen once per process, not once per run here (`import_seconds` has their cost): made
@@ -197,17 +179,16 @@ def measure_cold(model, *, width: int = 256, height: int = 256, steps: int = 1, 
     peak = machine["peak_tflops"] * 1e12 if machine["peak_tflops"] else None
     result["peak"] = {"flops": peak or matmul_rate(as_dtype(dtype)),
                       "source": "published peak of this chip" if peak else f"measured {dtype} matmul (2048^3) here"}  # fmt: skip
-    result["flops"] = _flops(info, width, height, steps)
+    result["flops"] = {
+        "text_encoder": flops_of_text_encoder(Qwen3Config.from_dict(info.configs["text_encoder"])).total,
+        "denoise": flops_of_transformer(info.params, width, height).total * steps,
+        "decode": flops_of_vae_decoder(AutoEncoderConfig.from_dict(info.configs["vae"]), width, height).total,
+    }
     result["limits"] = limits(result)
     return result
 
 
 LOADS = ("load() + checks", "text encoder load", "tokenizer load", "transformer load", "VAE load")
-
-
-def compute_seconds(run: dict) -> float:
-    """A run's time less its loads and checks: encode, denoise and decode."""
-    return sum(v["seconds"] for k, v in run["stages"].items() if k not in LOADS)
 
 
 def limits(r: dict) -> dict:
@@ -221,7 +202,8 @@ def limits(r: dict) -> dict:
         read = sum(b[n] for n in parts) / rate
         flops = f["denoise"] + f["decode"] + (f["text_encoder"] if encodes else 0.0)
         measured = r["runs"][cold]["seconds"]
-        warm_compute = compute_seconds(r["runs"][warm])
+        # the warm run's time less its loads and checks: encode, denoise and decode
+        warm_compute = sum(v["seconds"] for k, v in r["runs"][warm]["stages"].items() if k not in LOADS)
         out[cold] = {"bytes": sum(b[n] for n in parts), "read_seconds": read, "warm_compute_seconds": warm_compute,
                      "limit_seconds": read + warm_compute, "ratio": measured / (read + warm_compute),
                      "flops": flops, "physics_seconds": read + flops / peak, "physics_ratio": measured / (read + flops / peak)}  # fmt: skip
@@ -244,10 +226,8 @@ def format_cold(r: dict) -> str:
         "",
     ]  # fmt: skip
     names = list(r["runs"])
-    stages = list(dict.fromkeys(k for run in r["runs"].values() for k in run["stages"]))
-    lines.append("| stage | " + " | ".join(names) + " |")
-    lines.append("|---" * (len(names) + 1) + "|")
-    for st in stages:
+    lines += ["| stage | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for st in dict.fromkeys(k for run in r["runs"].values() for k in run["stages"]):
         cells = []
         for n in names:
             v = r["runs"][n]["stages"].get(st)

@@ -30,10 +30,6 @@ import mlx.core as mx
 from .config import AutoEncoderConfig
 from .errors import FluxKleinError
 
-_ENCODER_LEVEL = re.compile(r"^encoder\.down_blocks\.(\d+)\.")
-_DECODER_LEVEL = re.compile(r"^decoder\.up_blocks\.(\d+)\.")
-
-
 def is_decoder_key(key: str) -> bool:
     """Whether a VAE tensor belongs to the decoder, under diffusers, BFL or our names
     (diffusers keeps `post_quant_conv` at the top level; BFL and we put it in the decoder)."""
@@ -45,54 +41,41 @@ def decoder_only(weights: dict[str, mx.array]) -> bool:
     return not any(k.startswith("encoder.") for k in weights) and any(k.startswith("decoder.") for k in weights)
 
 
-def _levels(weights: dict, pattern: re.Pattern) -> list[int]:
-    return sorted({int(m.group(1)) for k in weights if (m := pattern.match(k))})
-
-
-def _count(weights: dict, prefix: str) -> int:
-    """How many numbered children `prefix.N.` exist (e.g. resnets of one block)."""
-    found = {int(m.group(1)) for k in weights if (m := re.match(re.escape(prefix) + r"\.(\d+)\.", k))}
-    return max(found) + 1 if found else 0
-
-
-def _out_channels(weights: dict, key: str) -> int:
-    return int(weights[key].shape[0])  # conv weights are (O, kh, kw, I) under our names
+def _indices(weights: dict, prefix: str) -> list[int]:
+    """The N of the numbered children `prefix.N.` (the levels of a VAE half, the resnets of one block), sorted."""
+    return sorted({int(m.group(1)) for k in weights if (m := re.match(re.escape(prefix) + r"\.(\d+)\.", k))})
 
 
 def infer_vae_config(weights: dict[str, mx.array], base: dict, where: str) -> dict:
     """A VAE config from its tensors' shapes (our names, NHWC), `base` filling what they cannot tell.
 
     Works for a whole VAE and for a decoder only (then the encoder's fields stay `base`'s)."""
-    dec_levels = _levels(weights, _DECODER_LEVEL)
+    dec_levels = _indices(weights, "decoder.up_blocks")
     if not dec_levels or "decoder.conv_in.weight" not in weights:
         raise FluxKleinError(f"{where} holds no VAE decoder weights (no decoder.up_blocks / decoder.conv_in); pass a FLUX.2 VAE")
-    out = dict(base)
-    # Up-block i produces the channels of level (n - 1 - i): reversed, they are the decoder's widths.
-    widths = tuple(reversed([_out_channels(weights, f"decoder.up_blocks.{i}.resnets.0.conv1.weight") for i in dec_levels]))
-    decoder_layers = _count(weights, "decoder.up_blocks.0.resnets") - 1  # one more ResBlock than the encoder
+    # Conv weights are (O, kh, kw, I) under our names. Up-block i produces the channels of level
+    # (n - 1 - i): reversed, they are the decoder's widths.
+    widths = tuple(reversed([weights[f"decoder.up_blocks.{i}.resnets.0.conv1.weight"].shape[0] for i in dec_levels]))
+    decoder_layers = len(_indices(weights, "decoder.up_blocks.0.resnets")) - 1  # one more ResBlock than the encoder
     latent = int(weights["decoder.conv_in.weight"].shape[-1])
-    out.update(
-        latent_channels=latent,
-        out_channels=_out_channels(weights, "decoder.conv_out.weight"),
-        use_post_quant_conv="decoder.post_quant_conv.weight" in weights,
-        mid_block_add_attention=any(k.startswith("decoder.mid_block.attentions.") for k in weights),
-    )
+    out = dict(base, latent_channels=latent, out_channels=weights["decoder.conv_out.weight"].shape[0],
+               use_post_quant_conv="decoder.post_quant_conv.weight" in weights,
+               mid_block_add_attention=any(k.startswith("decoder.mid_block.attentions.") for k in weights))
     if "bn.running_mean" in weights:
         p = math.isqrt(int(weights["bn.running_mean"].shape[0]) // latent)
         out["patch_size"] = (p, p)
-    enc_levels = _levels(weights, _ENCODER_LEVEL)
+    enc_levels = _indices(weights, "encoder.down_blocks")
     if enc_levels:
         out.update(
-            block_out_channels=tuple(_out_channels(weights, f"encoder.down_blocks.{i}.resnets.0.conv1.weight") for i in enc_levels),
-            layers_per_block=_count(weights, "encoder.down_blocks.0.resnets"),
+            block_out_channels=tuple(weights[f"encoder.down_blocks.{i}.resnets.0.conv1.weight"].shape[0]
+                                     for i in enc_levels),
+            layers_per_block=len(_indices(weights, "encoder.down_blocks.0.resnets")),
             in_channels=int(weights["encoder.conv_in.weight"].shape[-1]),
             use_quant_conv="encoder.quant_conv.weight" in weights,
         )
     if decoder_layers != out["layers_per_block"]:
-        raise FluxKleinError(
-            f"{where} has {decoder_layers + 1} ResBlocks per decoder level, the model's VAE "
-            f"{out['layers_per_block'] + 1}; flux_klein_mlx runs FLUX.2 VAEs with one layer count"
-        )
+        raise FluxKleinError(f"{where} has {decoder_layers + 1} ResBlocks per decoder level, the model's VAE "
+                             f"{out['layers_per_block'] + 1}; flux_klein_mlx runs FLUX.2 VAEs with one layer count")
     out["decoder_block_out_channels"] = None if widths == tuple(out["block_out_channels"]) else widths
     return out
 
@@ -101,24 +84,15 @@ def decoder_config(model_config: dict, source_config: dict, where: str) -> dict:
     """The config of the model's VAE with the decoder of `source_config` (a decoder-only source):
     the decoder's widths and layers must fit the model's latent space and layer count."""
     model, source = AutoEncoderConfig.from_dict(model_config), AutoEncoderConfig.from_dict(source_config)
-    for name in ("latent_channels", "layers_per_block", "mid_block_add_attention"):
-        if getattr(model, name) != getattr(source, name):
-            raise FluxKleinError(
-                f"the decoder in {where} has {name} {getattr(source, name)}, the model's VAE {getattr(model, name)}; "
-                "it does not decode this model's latents"
-            )
     widths = source.decoder_block_out_channels or source.block_out_channels
-    if len(widths) != len(model.block_out_channels):
-        raise FluxKleinError(
-            f"the decoder in {where} has {len(widths)} levels, the model's VAE {len(model.block_out_channels)}; "
-            "it does not decode this model's latents"
-        )
-    return dict(
-        model_config,
-        decoder_block_out_channels=list(widths),
-        use_post_quant_conv=source.use_post_quant_conv,
-        out_channels=source.out_channels,
-    )
+    checks = [(name, getattr(source, name), getattr(model, name))
+              for name in ("latent_channels", "layers_per_block", "mid_block_add_attention")]
+    for name, theirs, ours in [*checks, ("level count", len(widths), len(model.block_out_channels))]:
+        if theirs != ours:
+            raise FluxKleinError(f"the decoder in {where} has {name} {theirs}, the model's VAE {ours}; "
+                                 "it does not decode this model's latents")
+    return dict(model_config, decoder_block_out_channels=list(widths), use_post_quant_conv=source.use_post_quant_conv,
+                out_channels=source.out_channels)
 
 
 def merge_decoder(model: dict[str, mx.array], decoder: dict[str, mx.array]) -> dict[str, mx.array]:
