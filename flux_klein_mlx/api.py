@@ -1,13 +1,5 @@
-"""The HTTP side of `serve`: the OpenAI Images API routes, request validation, error mapping.
-
-Routes (all JSON errors in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`):
-
-    GET  /                          the web page (static/index.html)
-    GET  /v1/models                 the one model served
-    POST /v1/images/generations     JSON; `"stream": true` answers with server-sent events
-    POST /v1/images/edits           multipart: image / image[] (1..8 files), optional mask
-    GET  /v1/images/files/{id}.png  results of `response_format: "url"` (unguessable ids)
-    GET  /v1/status                 worker state, queue, what this build supports
+"""The HTTP side of `serve`: the OpenAI Images API routes (listed in `create_app`), request
+validation, error mapping (all JSON errors in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`).
 
 No request names a file on the server: images arrive as uploads (decoded and size-checked before
 anything runs), LoRAs by bare name from the folder the server was started with. Fields are parsed
@@ -199,8 +191,7 @@ class Server:
         ctype = request.headers.get("content-type", "")
         if not ctype.startswith("multipart/form-data"):
             raise ApiError(400, "POST /v1/images/edits takes multipart/form-data with image file(s) and a prompt")
-        o = self.options
-        form = await request.form(max_files=o.max_images + 1, max_fields=200, max_part_size=64 * 1024)
+        form = await request.form(max_files=self.options.max_images + 1, max_fields=200, max_part_size=64 * 1024)
         body, uploads, mask = {}, [], None
         try:
             for key, value in form.multi_items():
@@ -211,7 +202,7 @@ class Server:
                     if not is_file:
                         raise ApiError(400, f"{key} must be an uploaded file; this server never reads files by path",
                                        key)
-                    data = await value.read(o.max_upload_bytes + 1)
+                    data = await value.read(self.options.max_upload_bytes + 1)
                     if key == "mask":
                         mask = data
                     else:
@@ -227,16 +218,6 @@ class Server:
         return body, uploads, mask
 
     # ---- running a job from an async handler ----------------------------------------------------
-
-    def submit(self, req: ImageRequest):
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        try:  # events go from the worker thread to this event loop
-            job = self.worker.submit(req, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
-        except QueueFull as e:
-            raise ApiError(429, str(e), code="queue_full") from None
-        except NotReady as e:
-            raise ApiError(503, str(e), code="model_loading") from None
-        return job, queue
 
     def keep(self, event: ImageEvent, response_format: str, base_url: str) -> dict:
         """A finished image -> its OpenAI `data` item; saved to --save-dir when set."""
@@ -263,7 +244,13 @@ class Server:
             self.options.log(f"warning: a result was not saved to --save-dir: {e}")
 
     async def run(self, request: Request, req: ImageRequest, opts: dict, entry: RequestLog):
-        job, queue = self.submit(req)
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        try:  # events go from the worker thread to this event loop
+            job = self.worker.submit(req, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
+        except QueueFull as e:
+            raise ApiError(429, str(e), code="queue_full") from None
+        except NotReady as e:
+            raise ApiError(503, str(e), code="model_loading") from None
         opts["base_url"] = str(request.base_url).rstrip("/")
         if opts["stream"]:
             return StreamingResponse(self.events(job, queue, opts, req, entry), media_type="text/event-stream",
@@ -369,11 +356,9 @@ class Server:
             req, opts = await parse(request)
             entry.describe(req)
             response = await self.run(request, req, opts, entry)
-        except ApiError as e:
-            entry.finish(self.options.log, f"{e.status} {e.message}")
-            raise
         except Exception as e:
-            entry.finish(self.options.log, f"500 {type(e).__name__}: {e}")
+            entry.finish(self.options.log, f"{e.status} {e.message}" if isinstance(e, ApiError) else
+                         f"500 {type(e).__name__}: {e}")
             raise
         if not isinstance(response, StreamingResponse):
             entry.finish(self.options.log, str(response.status_code))
@@ -390,11 +375,10 @@ class Server:
 
     async def edit_request(self, request: Request):
         body, uploads, mask_data = await self.read_form(request)
-        o = self.options
         if not uploads:
             raise ApiError(400, "upload at least one image (field 'image' or 'image[]')", "image")
-        if len(uploads) > o.max_images:
-            raise ApiError(400, f"{len(uploads)} images uploaded; the limit is {o.max_images}", "image")
+        if len(uploads) > self.options.max_images:
+            raise ApiError(400, f"{len(uploads)} images uploaded; the limit is {self.options.max_images}", "image")
         req, opts = self.common(body, "image_edit")
         images = [self.decode_upload(name, data, "RGB") for name, data in uploads]
         mask = None if mask_data is None else self.decode_upload("mask", mask_data, None)  # alpha: transparent = repaint
@@ -434,13 +418,13 @@ def create_app(worker: Worker, options: ServerOptions) -> Starlette:
         return ApiError(500, f"internal server error ({type(exc).__name__}); the server's log has the details").response()
 
     routes = [
-        Route("/", server.index),
-        Route("/v1/models", server.models),
+        Route("/", server.index),  # the web page (static/index.html)
+        Route("/v1/models", server.models),  # the one model served
         Route("/v1/models/{model:path}", server.models),
-        Route("/v1/status", server.status),
-        Route("/v1/images/generations", server.images, methods=["POST"]),
-        Route("/v1/images/edits", server.images, methods=["POST"]),
-        Route("/v1/images/files/{file_id:str}.png", server.file),
+        Route("/v1/status", server.status),  # worker state, queue, what this build supports
+        Route("/v1/images/generations", server.images, methods=["POST"]),  # JSON; "stream": true answers with SSE
+        Route("/v1/images/edits", server.images, methods=["POST"]),  # multipart: image / image[] (1..8), optional mask
+        Route("/v1/images/files/{file_id:str}.png", server.file),  # results of response_format "url" (unguessable ids)
     ]
     app = Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
                                                        Exception: on_crash})

@@ -86,12 +86,10 @@ def float_field(body: dict, name: str, lo: float, hi: float):
         return None
     try:
         fv = float(v)
-        if isinstance(v, bool) or fv != fv:
-            raise ValueError
     except (TypeError, ValueError):
-        raise ApiError(400, f"{name} must be a number, not {v!r}", name) from None
-    if not lo <= fv <= hi:
-        raise ApiError(400, f"{name} must be between {lo} and {hi}, not {fv}", name)
+        fv = float("nan")  # refused below, as NaN is (it is in no range)
+    if isinstance(v, bool) or not lo <= fv <= hi:
+        raise ApiError(400, f"{name} must be a number between {lo} and {hi}, not {v!r}", name)
     return fv
 
 

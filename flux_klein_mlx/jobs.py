@@ -11,6 +11,7 @@ iterating). The HTTP layer (`api.py`) knows nothing of MLX; this module knows no
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import traceback
 import warnings
@@ -99,8 +100,7 @@ class Worker:
         self.error: str | None = None
         self.pipe = None
         self.base_loras: tuple = ()  # what the pipeline was loaded with, kept under every request's own
-        self.completed = 0
-        self.cancelled_jobs = 0
+        self.completed = self.cancelled_jobs = 0
         self.active_memory = 0  # MLX bytes in use after the last job (read on the worker thread)
         self._thread = threading.Thread(target=self._run, name="flux-klein-worker", daemon=True)
 
@@ -179,15 +179,8 @@ class Worker:
                 self.active_memory = mx.get_active_memory()
 
     def _execute(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            self.cancelled_jobs += 1
-            job.on_event(EndEvent("cancelled"))
-            return
         try:
-            loras = self.base_loras + tuple(job.request.loras)
-            if loras != tuple((lora.path, lora.scale) for lora in self.pipe.loras):
-                self.pipe.set_loras(list(loras))  # checked first: on error the pipeline keeps its LoRAs
-            finished = self._generate(job)
+            finished = not job.cancelled.is_set() and self._generate(job)  # cancelled while waiting: never starts
             self.cancelled_jobs += not finished
             job.on_event(EndEvent("done" if finished else "cancelled"))
         except FluxKleinError as e:
@@ -197,16 +190,17 @@ class Worker:
             job.on_event(EndEvent("error", 500, f"generation failed ({type(e).__name__})"))
 
     def _generate(self, job: Job) -> bool:
-        """Run the job's images; False when cancelled part-way."""
+        """Run the job's images with its LoRAs; False when cancelled part-way."""
         req, pipe = job.request, self.pipe
+        loras = self.base_loras + tuple(req.loras)
+        if loras != tuple((lora.path, lora.scale) for lora in pipe.loras):
+            pipe.set_loras(list(loras))  # checked first: on error the pipeline keeps its LoRAs
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # guidance on distilled models etc.: noted in the metadata
             prepared = prepare_inputs(req.settings, pipe.info)  # uploads decoded once for all n images
         wanted = preview_steps(prepared.steps_run, req.partial_images)
         for index in range(req.n):
-            stream = pipe.stream(prepared.for_image(index))
-            event = None
-            try:
+            with contextlib.closing(pipe.stream(prepared.for_image(index))) as stream:  # cleanup now, on this thread
                 for event in stream:
                     if job.cancelled.is_set():
                         return False
@@ -214,8 +208,6 @@ class Worker:
                         preview = (image_bytes(pipe.preview_map().image(event.denoised, *event.grid))
                                    if event.step in wanted else None)
                         job.on_event(StepEvent(index, event.step, event.total, preview))
-            finally:
-                stream.close()  # runs the generator's cleanup now, on this thread
             job.on_event(ImageEvent(index, event.metadata, image_bytes(event.image, event.metadata),
                                     event.stats.total_seconds))
         return True
