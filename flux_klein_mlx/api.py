@@ -3,8 +3,7 @@ validation, error mapping (all JSON errors in OpenAI's shape `{"error": {"messag
 
 No request names a file on the server: images arrive as uploads (decoded and size-checked before
 anything runs), LoRAs by bare name from the folder the server was started with. Fields are parsed
-by `forms.py`. Generation runs on the `jobs.Worker` thread; this module never touches MLX. Every
-image request ends in one log line (`ServerOptions.log`): id, size, steps, n, outcome, seconds.
+by `forms.py`. Generation runs on the `jobs.Worker` thread; this module never touches MLX.
 """
 
 from __future__ import annotations
@@ -93,9 +92,7 @@ class Server:
 
     def resolve_loras(self, value) -> tuple:
         """LoRA names (optionally "name:scale") -> ((path in --lora-dir, scale), ...)."""
-        if value is None or value == [] or value == "":
-            return ()
-        items = value if isinstance(value, list) else [value]
+        items = value if isinstance(value, list) else [value] if value not in (None, "") else []
         if len(items) > MAX_LORAS:
             raise ApiError(400, f"{len(items)} LoRAs named; a request may name at most {MAX_LORAS}", "loras")
         out = {}  # name -> (path, scale)
@@ -178,13 +175,12 @@ class Server:
         raise ApiError(413, f"{name} is {w}x{h} = {w * h / 1e6:.0f} MP; the limit is {o.max_pixels / 1e6:.0f} MP", name)
 
     async def read_json(self, request: Request) -> dict:
-        chunks, total = [], 0
+        body = bytearray()
         async for chunk in request.stream():
-            total += len(chunk)
-            if total > MB:
+            body += chunk
+            if len(body) > MB:
                 raise ApiError(413, "the JSON body is larger than 1 MB; images go to /v1/images/edits")
-            chunks.append(chunk)
-        return parse_json(b"".join(chunks))
+        return parse_json(body)
 
     async def read_form(self, request: Request) -> tuple[dict, list[tuple[str, bytes]], bytes | None]:
         """A multipart edit request -> (plain fields, uploaded images in order, the mask upload or None)."""

@@ -26,7 +26,8 @@ class ApiError(Exception):
     def body(self) -> dict:
         kind = ("rate_limit_error" if self.status == 429 else
                 "server_error" if self.status >= 500 else "invalid_request_error")
-        return {"error": {"message": redact(self.message), "type": kind, "param": self.param, "code": self.code}}
+        message = PATH_RE.sub(r"\1", self.message)  # server-side paths shortened to their last part
+        return {"error": {"message": message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         headers = {"Retry-After": "5"} if self.status in (429, 503) else None
@@ -44,12 +45,7 @@ MAX_LORAS = 8  # LoRA names per request
 PATH_RE = re.compile(r"(?<![\w.:/])/(?!v1/)[^\s'\"(),;]*/([^\s'\"(),;/]+)")
 
 
-def redact(message: str) -> str:
-    """A message for a client: server-side absolute paths shortened to their last part."""
-    return PATH_RE.sub(lambda m: m.group(1), message)
-
-
-def parse_json(data: bytes) -> dict:
+def parse_json(data: bytes | bytearray) -> dict:
     """A request body -> the JSON object it must be, or a 400 that says why (never a 500)."""
     try:
         body = json.loads(data or b"null")

@@ -112,9 +112,8 @@ class Worker:
     def stop(self, timeout: float = 10.0) -> None:
         with self._lock:
             self._stop = True
-            for job in [*self._waiting, self._running]:
-                if job is not None:
-                    job.cancel()
+            for job in filter(None, [*self._waiting, self._running]):
+                job.cancel()
             self._lock.notify_all()
         self._thread.join(timeout)
 
@@ -130,8 +129,7 @@ class Worker:
                 raise NotReady("the model is still loading; retry in a few seconds")
             if self.state == "failed":
                 raise NotReady(f"the model failed to load: {self.error}")
-            idle = self._running is None and not self._waiting
-            if len(self._waiting) >= self.max_queue and not idle:
+            if len(self._waiting) >= self.max_queue and (self._running or self._waiting):  # idle: one runs at --queue 0
                 raise QueueFull(f"the queue is full ({self.max_queue} waiting, one running); retry later or start "
                                 "the server with a larger --queue")
             job = Job(request, on_event)
@@ -148,7 +146,7 @@ class Worker:
 
     # ---- the worker thread ----------------------------------------------------------------------
 
-    def _start(self) -> bool:
+    def _run(self) -> None:
         try:
             pipe = self._loader()
         except Exception as e:  # noqa: BLE001: any load failure is reported as 503 with its message
@@ -158,10 +156,7 @@ class Worker:
         with self._lock:  # the pipe is set before the state says so
             self.state = "failed" if self.pipe is None else "ready"
             self._lock.notify_all()
-        return self.pipe is not None
-
-    def _run(self) -> None:
-        if not self._start():
+        if self.pipe is None:
             return
         while True:
             with self._lock:
@@ -170,24 +165,20 @@ class Worker:
                     return
                 job = self._running = self._waiting.popleft()
             try:
-                self._execute(job)
+                finished = not job.cancelled.is_set() and self._generate(job)  # cancelled while waiting: never starts
+                self.cancelled_jobs += not finished
+                job.on_event(EndEvent("done" if finished else "cancelled"))
+            except FluxKleinError as e:
+                job.on_event(EndEvent("error", 400, str(e)))
+            except Exception as e:  # noqa: BLE001: the server must outlive a failed job
+                traceback.print_exc()
+                job.on_event(EndEvent("error", 500, f"generation failed ({type(e).__name__})"))
             finally:
                 with self._lock:
                     self._running = None
                     self.completed += 1
                 mx.clear_cache()  # give freed buffers back so idle memory returns to its level
                 self.active_memory = mx.get_active_memory()
-
-    def _execute(self, job: Job) -> None:
-        try:
-            finished = not job.cancelled.is_set() and self._generate(job)  # cancelled while waiting: never starts
-            self.cancelled_jobs += not finished
-            job.on_event(EndEvent("done" if finished else "cancelled"))
-        except FluxKleinError as e:
-            job.on_event(EndEvent("error", 400, str(e)))
-        except Exception as e:  # noqa: BLE001: the server must outlive a failed job
-            traceback.print_exc()
-            job.on_event(EndEvent("error", 500, f"generation failed ({type(e).__name__})"))
 
     def _generate(self, job: Job) -> bool:
         """Run the job's images with its LoRAs; False when cancelled part-way."""
