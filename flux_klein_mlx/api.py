@@ -1,18 +1,9 @@
-"""The HTTP side of `serve`: the OpenAI Images API routes, request validation, error mapping.
-
-Routes (all JSON errors in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`):
-
-    GET  /                          the web page (static/index.html)
-    GET  /v1/models                 the one model served
-    POST /v1/images/generations     JSON; `"stream": true` answers with server-sent events
-    POST /v1/images/edits           multipart: image / image[] (1..8 files), optional mask
-    GET  /v1/images/files/{id}.png  results of `response_format: "url"` (unguessable ids)
-    GET  /v1/status                 worker state, queue, what this build supports
+"""The HTTP side of `serve`: the OpenAI Images API routes (listed in `create_app`), request
+validation, error mapping (all JSON errors in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`).
 
 No request names a file on the server: images arrive as uploads (decoded and size-checked before
 anything runs), LoRAs by bare name from the folder the server was started with. Fields are parsed
-by `forms.py`. Generation runs on the `jobs.Worker` thread; this module never touches MLX. Every
-image request ends in one log line (`ServerOptions.log`): id, size, steps, n, outcome, seconds.
+by `forms.py`. Generation runs on the `jobs.Worker` thread; this module never touches MLX.
 """
 
 from __future__ import annotations
@@ -77,53 +68,34 @@ class RequestLog:
     size: str = "auto"
     steps: object = "default"
     n: int = 1
-    done: bool = False
 
     def describe(self, req: ImageRequest, metadata: dict | None = None) -> None:
         s = req.settings
         if metadata:  # what ran: sizes and steps the request left to the model
             self.size, self.steps = f"{metadata['width']}x{metadata['height']}", metadata["steps"]
-        else:
-            self.size = f"{s.width or 'auto'}x{s.height or 'auto'}" if s.width or s.height else "auto"
-            self.steps, self.n = s.steps or "default", req.n
+        else:  # as asked: `size` sets both sides or neither
+            self.size, self.steps, self.n = f"{s.width}x{s.height}" if s.width else "auto", s.steps or "default", req.n
 
     def finish(self, log: Callable[[str], None], outcome: str) -> None:
-        if not self.done:
-            self.done = True
-            log(f"request {self.id}: {self.route} {self.size}, {self.steps} steps, n={self.n} -> {outcome} "
-                f"in {time.perf_counter() - self.t0:.2f} s")
-
-
-class BodyTooLarge(Exception):
-    pass
+        log(f"request {self.id}: {self.route} {self.size}, {self.steps} steps, n={self.n} -> {outcome} "
+            f"in {time.perf_counter() - self.t0:.2f} s")
 
 
 class Server:
     """The app's state and its routes: options, the worker, the results kept for `url` responses."""
 
     def __init__(self, worker: Worker, options: ServerOptions):
-        self.worker = worker
-        self.options = options
+        self.worker, self.options = worker, options
         self.files: OrderedDict[str, bytes] = OrderedDict()  # id -> PNG, newest last
 
     # ---- validation ---------------------------------------------------------------------------
 
-    def check_fields(self, body: dict, allowed: set[str]) -> None:
-        for key in body:
-            if key in ("image", "images", "mask", "image[]") and key not in allowed:
-                raise ApiError(400, f"{key} cannot be sent to /v1/images/generations: upload images with "
-                                    "POST /v1/images/edits (multipart); this server never reads files by path", key)
-            if key not in allowed:
-                raise ApiError(400, f"unknown field {key!r}; see GET /v1/status for the supported fields", key)
-
     def resolve_loras(self, value) -> tuple:
         """LoRA names (optionally "name:scale") -> ((path in --lora-dir, scale), ...)."""
-        if value is None or value == [] or value == "":
-            return ()
-        items = value if isinstance(value, list) else [value]
+        items = value if isinstance(value, list) else [value] if value not in (None, "") else []
         if len(items) > MAX_LORAS:
             raise ApiError(400, f"{len(items)} LoRAs named; a request may name at most {MAX_LORAS}", "loras")
-        out, seen = [], set()
+        out = {}  # name -> (path, scale)
         for item in items:
             if not isinstance(item, str):
                 raise ApiError(400, f"loras must be names (strings), not {type(item).__name__}", "loras")
@@ -131,25 +103,25 @@ class Server:
                 name, scale = parse_lora_spec(item, files=False)
             except FluxKleinError as e:
                 raise ApiError(400, str(e), "loras") from None
-            if "/" in name or "\\" in name or ".." in name or not LORA_NAME_RE.match(name):
+            if ".." in name or not LORA_NAME_RE.match(name):  # the pattern has no path separators
                 raise ApiError(400, f"LoRA {item!r} is not a name: give the name of a file in the server's "
                                     "--lora-dir (without .safetensors), never a path", "loras")
             if self.options.lora_dir is None:
                 raise ApiError(400, "this server was started without --lora-dir, so requests cannot name LoRAs",
                                "loras")
-            if name in seen:
+            if name in out:
                 raise ApiError(400, f"LoRA {name!r} is named twice; name each LoRA once (name:scale sets its "
                                     "strength)", "loras")
-            seen.add(name)
             path = self.options.lora_dir / f"{name}.safetensors"
             if not path.is_file():
                 raise ApiError(404, f"no LoRA named {name!r} in the server's LoRA folder; GET /v1/status lists them",
                                "loras")
-            out.append((str(path.resolve()), scale))
-        return tuple(out)
+            out[name] = (str(path.resolve()), scale)
+        return tuple(out.values())
 
-    def common(self, body: dict) -> tuple[ImageRequest, dict]:
-        """The fields both routes share -> a request (images added by the edit route) and response options."""
+    def common(self, body: dict, kind: str) -> tuple[ImageRequest, dict]:
+        """The fields both routes share -> a request (images added by the edit route) and response options
+        (`kind`: the route's event type prefix, "image_generation" or "image_edit")."""
         o = self.options
         model = body.get("model")
         if model not in (None, "", o.model_id):
@@ -171,18 +143,16 @@ class Server:
             raise ApiError(400, f"output_format must be 'png' (this server writes PNG only), not {output_format!r}",
                            "output_format")
         width, height = parse_size(body.get("size"))
-        settings = RunSettings(
-            prompt, width=width, height=height, seed=int_field(body, "seed", 0, 2**53),
-            steps=int_field(body, "steps", 1, o.max_steps), guidance=float_field(body, "guidance", 0.0, 50.0),
-            negative_prompt=str_field(body, "negative_prompt"),
-        )  # fmt: skip
+        settings = RunSettings(prompt, width=width, height=height, negative_prompt=str_field(body, "negative_prompt"),
+                               steps=int_field(body, "steps", 1, o.max_steps), seed=int_field(body, "seed", 0, 2**53),
+                               guidance=float_field(body, "guidance", 0.0, 50.0))
         stream = bool_field(body, "stream")
         # OpenAI's meaning: how many partial images a stream sends (0-3); left out, one per step (the page).
         partial = int_field(body, "partial_images", 0, 3)
         req = ImageRequest(settings, n=int_field(body, "n", 1, o.max_n, default=1),
                            loras=self.resolve_loras(body.get("loras", body.get("loras[]"))),
-                           previews=stream and partial != 0, partial_images=partial)  # fmt: skip
-        return req, {"response_format": response_format, "stream": stream}
+                           partial_images=partial if stream else 0)
+        return req, {"response_format": response_format, "stream": stream, "kind": kind}
 
     def decode_upload(self, name: str, data: bytes, mode: str | None) -> Image.Image:
         """An upload, size-checked from its header, decoded; converted to `mode` (None: kept, e.g. a mask's alpha)."""
@@ -195,37 +165,30 @@ class Server:
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
                 im = Image.open(io.BytesIO(data))  # reads the header only
                 w, h = im.size
-                if w * h > o.max_pixels:
-                    raise ApiError(413, f"{name} is {w}x{h} = {w * h / 1e6:.0f} MP; the limit is "
-                                        f"{o.max_pixels / 1e6:.0f} MP", name)
-                im.load()
-                return im.convert(mode) if mode else im
-        except ApiError:
-            raise
+                if w * h <= o.max_pixels:
+                    im.load()
+                    return im.convert(mode) if mode else im
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
             raise ApiError(413, f"{name} has too many pixels; the limit is {o.max_pixels / 1e6:.0f} MP", name) from None
         except Exception:  # noqa: BLE001: PIL raises many types for bad data
             raise ApiError(400, f"{name} is not a readable image; upload a PNG, JPEG or WebP file", name) from None
+        raise ApiError(413, f"{name} is {w}x{h} = {w * h / 1e6:.0f} MP; the limit is {o.max_pixels / 1e6:.0f} MP", name)
 
     async def read_json(self, request: Request) -> dict:
-        chunks, total = [], 0
+        body = bytearray()
         async for chunk in request.stream():
-            total += len(chunk)
-            if total > MB:
+            body += chunk
+            if len(body) > MB:
                 raise ApiError(413, "the JSON body is larger than 1 MB; images go to /v1/images/edits")
-            chunks.append(chunk)
-        return parse_json(b"".join(chunks))
+        return parse_json(body)
 
     async def read_form(self, request: Request) -> tuple[dict, list[tuple[str, bytes]], bytes | None]:
         """A multipart edit request -> (plain fields, uploaded images in order, the mask upload or None)."""
         ctype = request.headers.get("content-type", "")
         if not ctype.startswith("multipart/form-data"):
             raise ApiError(400, "POST /v1/images/edits takes multipart/form-data with image file(s) and a prompt")
-        o = self.options
-        form = await request.form(max_files=o.max_images + 1, max_fields=200, max_part_size=64 * 1024)
-        body: dict = {}
-        uploads: list[tuple[str, bytes]] = []
-        mask = None
+        form = await request.form(max_files=self.options.max_images + 1, max_fields=200, max_part_size=64 * 1024)
+        body, uploads, mask = {}, [], None
         try:
             for key, value in form.multi_items():
                 if key not in EDIT_FIELDS:
@@ -235,7 +198,7 @@ class Server:
                     if not is_file:
                         raise ApiError(400, f"{key} must be an uploaded file; this server never reads files by path",
                                        key)
-                    data = await value.read(o.max_upload_bytes + 1)
+                    data = await value.read(self.options.max_upload_bytes + 1)
                     if key == "mask":
                         mask = data
                     else:
@@ -251,21 +214,6 @@ class Server:
         return body, uploads, mask
 
     # ---- running a job from an async handler ----------------------------------------------------
-
-    def submit(self, req: ImageRequest):
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def on_event(event) -> None:  # worker thread -> event loop
-            loop.call_soon_threadsafe(queue.put_nowait, event)
-
-        try:
-            job = self.worker.submit(req, on_event)
-        except QueueFull as e:
-            raise ApiError(429, str(e), code="queue_full") from None
-        except NotReady as e:
-            raise ApiError(503, str(e), code="model_loading") from None
-        return job, queue
 
     def keep(self, event: ImageEvent, response_format: str, base_url: str) -> dict:
         """A finished image -> its OpenAI `data` item; saved to --save-dir when set."""
@@ -291,11 +239,17 @@ class Server:
         except FluxKleinError as e:
             self.options.log(f"warning: a result was not saved to --save-dir: {e}")
 
-    async def run(self, request: Request, req: ImageRequest, opts: dict, kind: str, entry: RequestLog):
-        job, queue = self.submit(req)
+    async def run(self, request: Request, req: ImageRequest, opts: dict, entry: RequestLog):
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        try:  # events go from the worker thread to this event loop
+            job = self.worker.submit(req, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
+        except QueueFull as e:
+            raise ApiError(429, str(e), code="queue_full") from None
+        except NotReady as e:
+            raise ApiError(503, str(e), code="model_loading") from None
         opts["base_url"] = str(request.base_url).rstrip("/")
         if opts["stream"]:
-            return StreamingResponse(self.events(job, queue, opts, kind, req, entry), media_type="text/event-stream",
+            return StreamingResponse(self.events(job, queue, opts, req, entry), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         data = []
         try:
@@ -318,47 +272,41 @@ class Server:
                     break
         finally:
             job.cancel()  # no-op when finished; stops the job when this handler is torn down
-        meta = data[0]["metadata"]
-        return JSONResponse({"created": int(time.time()), "data": data, "output_format": "png",
-                             "size": f"{meta['width']}x{meta['height']}", "background": "opaque"})
+        return JSONResponse({"created": int(time.time()), "data": data, "output_format": "png", "size": entry.size,
+                             "background": "opaque"})
 
-    async def events(self, job, queue, opts, kind: str, req: ImageRequest, entry: RequestLog):
+    async def events(self, job, queue, opts, req: ImageRequest, entry: RequestLog):
         """Server-sent events in OpenAI's image streaming shape: progress after every step, the partial
         images asked for (`partial_images`; one per step when left out), each finished image."""
 
-        def sse(name: str, payload: dict) -> bytes:
-            return f"event: {name}\ndata: {json.dumps(payload)}\n\n".encode()
+        def sse(name: str, **payload) -> bytes:
+            return f"event: {name}\ndata: {json.dumps({'type': name, **payload})}\n\n".encode()
 
-        s = req.settings
-        size = f"{s.width}x{s.height}" if s.width else "auto"
+        kind, size = opts["kind"], entry.size  # the size asked for ("auto" or WxH)
+        png = {"output_format": "png", "background": "opaque", "quality": "auto"}
         partials: dict[int, int] = {}  # image index -> partial images sent
         outcome = "client went away (cancelled)"
         try:
             while True:
                 event = await queue.get()
                 if isinstance(event, StepEvent):
-                    yield sse(f"{kind}.progress", {"type": f"{kind}.progress", "image_index": event.index,
-                                                   "step": event.step, "total_steps": event.total})
+                    step = {"image_index": event.index, "step": event.step, "total_steps": event.total}
+                    yield sse(f"{kind}.progress", **step)
                     if event.preview is not None:
                         partials[event.index] = partials.get(event.index, -1) + 1
-                        yield sse(f"{kind}.partial_image", {
-                            "type": f"{kind}.partial_image", "b64_json": base64.b64encode(event.preview).decode(),
-                            "partial_image_index": partials[event.index], "created_at": int(time.time()),
-                            "size": size, "output_format": "png", "background": "opaque", "quality": "auto",
-                            "image_index": event.index, "step": event.step, "total_steps": event.total})
+                        yield sse(f"{kind}.partial_image", b64_json=base64.b64encode(event.preview).decode(),
+                                  partial_image_index=partials[event.index], created_at=int(time.time()), size=size,
+                                  **png, **step)
                 elif isinstance(event, ImageEvent):
                     entry.describe(req, event.metadata)
-                    item = self.keep(event, opts["response_format"], opts["base_url"])
-                    yield sse(f"{kind}.completed", {
-                        "type": f"{kind}.completed", "created_at": int(time.time()), "output_format": "png",
-                        "size": f"{event.metadata['width']}x{event.metadata['height']}", "background": "opaque",
-                        "quality": "auto", "image_index": event.index, "seconds": event.seconds,
-                        "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
-                                  "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}},
-                        **item})
+                    yield sse(f"{kind}.completed", created_at=int(time.time()), size=entry.size, **png,
+                              image_index=event.index, seconds=event.seconds,
+                              usage={"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
+                                     "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}},
+                              **self.keep(event, opts["response_format"], opts["base_url"]))
                 elif event.kind == "error":
                     outcome = f"{event.status} {event.message} (streamed)"
-                    yield sse("error", {"type": "error", **ApiError(event.status, event.message).body()})
+                    yield sse("error", **ApiError(event.status, event.message).body())
                     return
                 else:  # done or cancelled
                     outcome = "200 streamed" if event.kind == "done" else "503 cancelled (server shutting down)"
@@ -374,68 +322,60 @@ class Server:
         return HTMLResponse(html, headers={"Cache-Control": "no-cache"})
 
     async def models(self, request: Request):
-        return JSONResponse({"object": "list", "data": [_model_card(self.options.model_id)]})
-
-    async def model(self, request: Request):
-        model_id = self.options.model_id
-        if request.path_params["model"] != model_id:
-            raise ApiError(404, f"model {request.path_params['model']!r} is not served here; this server serves "
-                                f"{model_id!r}", "model", "model_not_found")
-        return JSONResponse(_model_card(model_id))
+        """GET /v1/models (the list of one) or /v1/models/{model}."""
+        card = {"id": self.options.model_id, "object": "model", "created": 0, "owned_by": "flux_klein_mlx"}
+        name = request.path_params.get("model")
+        if name is not None and name != card["id"]:
+            raise ApiError(404, f"model {name!r} is not served here; this server serves {card['id']!r}", "model",
+                           "model_not_found")
+        return JSONResponse(card if name is not None else {"object": "list", "data": [card]})
 
     async def status(self, request: Request):
         o, pipe = self.options, self.worker.pipe
-        loras = sorted(p.stem for p in o.lora_dir.glob("*.safetensors")) if o.lora_dir else []
         info = pipe.info if pipe is not None else None
         return JSONResponse({
-            **self.worker.status(), "model": o.model_id, "variant": info.name if info else None,
-            "default_steps": info.default_steps if info else None,
-            "distilled": info.is_distilled if info else None,
-            "inpainting": True, "loras": loras,
+            **self.worker.status(), "model": o.model_id, "variant": info and info.name,
+            "default_steps": info and info.default_steps, "distilled": info and info.is_distilled,
+            "inpainting": True, "loras": sorted(p.stem for p in o.lora_dir.glob("*.safetensors")) if o.lora_dir else [],
             "preview": pipe.preview_map().source if pipe is not None else None,
             "fields": {"generations": sorted(GENERATION_FIELDS), "edits": sorted(EDIT_FIELDS)},
             "limits": {"max_upload_mb": o.max_upload_bytes / MB, "max_megapixels": o.max_pixels / 1e6,
                        "max_images": o.max_images, "max_n": o.max_n, "max_steps": o.max_steps},
-        })  # fmt: skip
+        })
 
-    async def logged(self, route: str, request: Request, parse) -> Response:
-        """Parse (`parse(request)` -> request, options, event kind) and run one image request; one log
-        line when it ends, whatever the outcome (a stream logs when it closes)."""
-        entry = RequestLog(route)
+    async def images(self, request: Request) -> Response:
+        """POST /v1/images/generations or /edits: parse and run one image request; one log line when it
+        ends, whatever the outcome (a stream logs when it closes)."""
+        entry = RequestLog(request.url.path.rsplit("/", 1)[1])  # "generations" | "edits"
         try:
-            req, opts, kind = await parse(request)
+            parse = self.generation_request if entry.route == "generations" else self.edit_request
+            req, opts = await parse(request)
             entry.describe(req)
-            response = await self.run(request, req, opts, kind, entry)
-        except ApiError as e:
-            entry.finish(self.options.log, f"{e.status} {e.message}")
-            raise
+            response = await self.run(request, req, opts, entry)
         except Exception as e:
-            entry.finish(self.options.log, f"500 {type(e).__name__}: {e}")
+            entry.finish(self.options.log, f"{e.status} {e.message}" if isinstance(e, ApiError) else
+                         f"500 {type(e).__name__}: {e}")
             raise
         if not isinstance(response, StreamingResponse):
             entry.finish(self.options.log, str(response.status_code))
         return response
 
-    async def generations(self, request: Request):
-        return await self.logged("generations", request, self.generation_request)
-
-    async def edits(self, request: Request):
-        return await self.logged("edits", request, self.edit_request)
-
     async def generation_request(self, request: Request):
         body = await self.read_json(request)
-        self.check_fields(body, GENERATION_FIELDS)
-        req, opts = self.common(body)
-        return req, opts, "image_generation"
+        for key in (k for k in body if k not in GENERATION_FIELDS):
+            if key in ("image", "images", "mask", "image[]"):
+                raise ApiError(400, f"{key} cannot be sent to /v1/images/generations: upload images with "
+                                    "POST /v1/images/edits (multipart); this server never reads files by path", key)
+            raise ApiError(400, f"unknown field {key!r}; see GET /v1/status for the supported fields", key)
+        return self.common(body, "image_generation")
 
     async def edit_request(self, request: Request):
         body, uploads, mask_data = await self.read_form(request)
-        o = self.options
         if not uploads:
             raise ApiError(400, "upload at least one image (field 'image' or 'image[]')", "image")
-        if len(uploads) > o.max_images:
-            raise ApiError(400, f"{len(uploads)} images uploaded; the limit is {o.max_images}", "image")
-        req, opts = self.common(body)
+        if len(uploads) > self.options.max_images:
+            raise ApiError(400, f"{len(uploads)} images uploaded; the limit is {self.options.max_images}", "image")
+        req, opts = self.common(body, "image_edit")
         images = [self.decode_upload(name, data, "RGB") for name, data in uploads]
         mask = None if mask_data is None else self.decode_upload("mask", mask_data, None)  # alpha: transparent = repaint
         if mask is not None and mask.size != images[0].size:
@@ -445,10 +385,10 @@ class Server:
         if mask is not None or strength is not None:
             # Inpainting / image-to-image: the first upload is the image being repainted, the rest references.
             req.settings = dataclasses.replace(req.settings, init_image=images[0], images=images[1:] or None,
-                                               mask=mask, strength=strength)  # fmt: skip
+                                               mask=mask, strength=strength)
         else:
             req.settings = dataclasses.replace(req.settings, images=images)
-        return req, opts, "image_edit"
+        return req, opts
 
     async def file(self, request: Request):
         png = self.files.get(request.path_params["file_id"])
@@ -461,7 +401,6 @@ class Server:
 def create_app(worker: Worker, options: ServerOptions) -> Starlette:
     """The ASGI app: routes, bearer-key check, body-size limit, OpenAI-shaped errors."""
     server = Server(worker, options)
-    body_cap = options.max_images * options.max_upload_bytes + 2 * options.max_upload_bytes + MB
 
     async def on_api_error(request: Request, exc: ApiError):
         return exc.response()
@@ -471,28 +410,21 @@ def create_app(worker: Worker, options: ServerOptions) -> Starlette:
                    405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
         return ApiError(exc.status_code, message).response()
 
-    async def on_too_large(request: Request, exc: BodyTooLarge):
-        return ApiError(413, f"the request body is larger than {body_cap / MB:.0f} MB").response()
-
     async def on_crash(request: Request, exc: Exception):  # a bug: JSON, no repr; the traceback goes to the log
         return ApiError(500, f"internal server error ({type(exc).__name__}); the server's log has the details").response()
 
     routes = [
-        Route("/", server.index),
-        Route("/v1/models", server.models),
-        Route("/v1/models/{model:path}", server.model),
-        Route("/v1/status", server.status),
-        Route("/v1/images/generations", server.generations, methods=["POST"]),
-        Route("/v1/images/edits", server.edits, methods=["POST"]),
-        Route("/v1/images/files/{file_id:str}.png", server.file),
+        Route("/", server.index),  # the web page (static/index.html)
+        Route("/v1/models", server.models),  # the one model served
+        Route("/v1/models/{model:path}", server.models),
+        Route("/v1/status", server.status),  # worker state, queue, what this build supports
+        Route("/v1/images/generations", server.images, methods=["POST"]),  # JSON; "stream": true answers with SSE
+        Route("/v1/images/edits", server.images, methods=["POST"]),  # multipart: image / image[] (1..8), optional mask
+        Route("/v1/images/files/{file_id:str}.png", server.file),  # results of response_format "url" (unguessable ids)
     ]
     app = Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
-                                                       BodyTooLarge: on_too_large, Exception: on_crash})
-    return _Guard(app, options.api_key, body_cap)
-
-
-def _model_card(model_id: str) -> dict:
-    return {"id": model_id, "object": "model", "created": 0, "owned_by": "flux_klein_mlx"}
+                                                       Exception: on_crash})
+    return _Guard(app, options.api_key, (options.max_images + 2) * options.max_upload_bytes + MB)
 
 
 class _Guard:
@@ -501,35 +433,33 @@ class _Guard:
     def __init__(self, app, api_key: str | None, body_cap: int):
         self.app, self.api_key, self.body_cap = app, api_key, body_cap
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        path = scope["path"]
+    def refusal(self, headers: dict, path: str) -> ApiError | None:
         if self.api_key and path.startswith("/v1/") and not path.startswith("/v1/images/files/"):
             auth = headers.get(b"authorization", b"").decode("latin-1")
             if not auth:
-                return await _send(scope, receive, send, ApiError(401, "missing API key: send the header 'Authorization: Bearer KEY'",
-                                                  code="invalid_api_key"))
+                return ApiError(401, "missing API key: send the header 'Authorization: Bearer KEY'",
+                                code="invalid_api_key")
             scheme, _, key = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
-                return await _send(scope, receive, send, ApiError(401, "invalid API key", code="invalid_api_key"))
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.body_cap:
-            return await _send(scope, receive, send, ApiError(413, f"the request body is larger than {self.body_cap / MB:.0f} MB"))
+                return ApiError(401, "invalid API key", code="invalid_api_key")
+        length = headers.get(b"content-length", b"")
+        return self.too_large() if length.isdigit() and int(length) > self.body_cap else None
+
+    def too_large(self) -> ApiError:
+        return ApiError(413, f"the request body is larger than {self.body_cap / MB:.0f} MB")
+
+    async def __call__(self, scope, receive, send):
+        error = self.refusal(dict(scope["headers"]), scope["path"]) if scope["type"] == "http" else None
+        if error is not None:
+            return await error.response()(scope, receive, send)
         seen = 0
 
         async def counted_receive():
             nonlocal seen
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.body_cap:
-                    raise BodyTooLarge()
+            seen += len(message.get("body", b""))  # only "http.request" messages have a body
+            if seen > self.body_cap:
+                raise self.too_large()  # raised inside the app: its ApiError handler answers
             return message
 
         return await self.app(scope, counted_receive, send)
-
-
-async def _send(scope, receive, send, error: ApiError) -> None:
-    await error.response()(scope, receive, send)

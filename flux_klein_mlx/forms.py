@@ -19,17 +19,15 @@ from .inputs import check_image_size
 class ApiError(Exception):
     """An error answered in OpenAI's JSON shape."""
 
-    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-             405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-             503: "server_error", 500: "server_error"}
-
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": redact(self.message), "type": self.TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
+        kind = ("rate_limit_error" if self.status == 429 else
+                "server_error" if self.status >= 500 else "invalid_request_error")
+        message = PATH_RE.sub(r"\1", self.message)  # server-side paths shortened to their last part
+        return {"error": {"message": message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         headers = {"Retry-After": "5"} if self.status in (429, 503) else None
@@ -38,23 +36,16 @@ class ApiError(Exception):
 
 # OpenAI fields we accept and ignore (they have no meaning for this model), and our extra fields.
 IGNORED = {"quality", "style", "user", "background", "moderation", "output_compression", "input_fidelity"}
-COMMON = {"prompt", "n", "size", "response_format", "model", "seed", "steps", "guidance", "negative_prompt",
-          "loras", "stream", "partial_images", "output_format"} | IGNORED
-GENERATION_FIELDS = COMMON
-EDIT_FIELDS = COMMON | {"image", "image[]", "mask", "strength", "loras[]"}
-SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+GENERATION_FIELDS = {"prompt", "n", "size", "response_format", "model", "seed", "steps", "guidance", "negative_prompt",
+                     "loras", "stream", "partial_images", "output_format"} | IGNORED
+EDIT_FIELDS = GENERATION_FIELDS | {"image", "image[]", "mask", "strength", "loras[]"}
 LORA_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_LORAS = 8  # LoRA names per request
 # An absolute file path in a message (never this server's own routes, /v1/...): clients see its last part.
 PATH_RE = re.compile(r"(?<![\w.:/])/(?!v1/)[^\s'\"(),;]*/([^\s'\"(),;/]+)")
 
 
-def redact(message: str) -> str:
-    """A message for a client: server-side absolute paths shortened to their last part."""
-    return PATH_RE.sub(lambda m: m.group(1), message)
-
-
-def parse_json(data: bytes) -> dict:
+def parse_json(data: bytes | bytearray) -> dict:
     """A request body -> the JSON object it must be, or a 400 that says why (never a 500)."""
     try:
         body = json.loads(data or b"null")
@@ -77,11 +68,8 @@ def int_field(body: dict, name: str, lo: int, hi: int, default=None):
     if v is None or v == "":
         return default
     # JSON integers, or digit strings from multipart forms; never bools or floats
-    if isinstance(v, int) and not isinstance(v, bool):
-        iv = v
-    elif isinstance(v, str) and re.fullmatch(r"\s*-?\d{1,20}\s*", v):
-        iv = int(v)
-    else:
+    iv = int(v) if isinstance(v, str) and re.fullmatch(r"\s*-?\d{1,20}\s*", v) else v
+    if not isinstance(iv, int) or isinstance(iv, bool):
         raise ApiError(400, f"{name} must be a whole number, not {v!r}", name)
     if not lo <= iv <= hi:
         raise ApiError(400, f"{name} must be between {lo} and {hi}, not {iv}", name)
@@ -94,12 +82,10 @@ def float_field(body: dict, name: str, lo: float, hi: float):
         return None
     try:
         fv = float(v)
-        if isinstance(v, bool) or fv != fv:
-            raise ValueError
     except (TypeError, ValueError):
-        raise ApiError(400, f"{name} must be a number, not {v!r}", name) from None
-    if not lo <= fv <= hi:
-        raise ApiError(400, f"{name} must be between {lo} and {hi}, not {fv}", name)
+        fv = float("nan")  # refused below, as NaN is (it is in no range)
+    if isinstance(v, bool) or not lo <= fv <= hi:
+        raise ApiError(400, f"{name} must be a number between {lo} and {hi}, not {v!r}", name)
     return fv
 
 
@@ -125,13 +111,13 @@ def bool_field(body: dict, name: str) -> bool:
 
 def parse_size(size) -> tuple[int | None, int | None]:
     """ "WxH" -> (W, H); None or "auto" -> (None, None) (the pipeline's default)."""
-    if size is None or size == "" or size == "auto":
+    if size in (None, "", "auto"):
         return None, None
-    m = SIZE_RE.match(size) if isinstance(size, str) else None
+    m = re.fullmatch(r"(\d{1,5})x(\d{1,5})", size) if isinstance(size, str) else None
     if not m:
         raise ApiError(400, f"size must be 'WIDTHxHEIGHT' in pixels (e.g. '1024x1024') or 'auto', not {size!r}",
                        "size")
-    w, h = int(m.group(1)), int(m.group(2))
+    w, h = map(int, m.groups())
     try:
         check_image_size(w, h)
     except FluxKleinError as e:

@@ -11,16 +11,14 @@ iterating). The HTTP layer (`api.py`) knows nothing of MLX; this module knows no
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
-import time
 import traceback
-import uuid
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
-from PIL import Image
 
 from .errors import FluxKleinError
 from .inputs import RunSettings, prepare_inputs
@@ -42,8 +40,7 @@ class ImageRequest:
     settings: RunSettings
     n: int = 1
     loras: tuple = ()  # ((server-side path, scale), ...) resolved from names by the HTTP layer
-    previews: bool = False  # render preview PNGs while denoising
-    partial_images: int | None = None  # how many previews per image (OpenAI's partial_images); None: every step
+    partial_images: int | None = 0  # preview PNGs per image while denoising (OpenAI's meaning); None: every step
 
 
 @dataclass
@@ -58,11 +55,9 @@ class StepEvent:
 @dataclass
 class ImageEvent:
     index: int
-    image: Image.Image
     metadata: dict
     png: bytes
     seconds: float
-    created: int = field(default_factory=lambda: int(time.time()))
     kind: str = "image"
 
 
@@ -77,7 +72,6 @@ class EndEvent:
 class Job:
     request: ImageRequest
     on_event: Callable[[object], None]
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -89,8 +83,9 @@ class Worker:
     """Owns the pipeline and the job line.
 
     Args:
-        loader: `loader()` -> a `FluxKleinPipeline` with the server's own LoRAs; called once, on the
-            worker thread. A request's LoRAs are applied with `set_loras` (the base model stays).
+        loader: `loader()` -> a `FluxKleinPipeline` with the server's own LoRAs and its `preview_map()`
+            fitted (not during the first job); called once, on the worker thread. A request's LoRAs are
+            applied with `set_loras` (the base model stays).
         max_queue: how many jobs may wait behind the running one; more are refused (`QueueFull`).
     """
 
@@ -105,8 +100,7 @@ class Worker:
         self.error: str | None = None
         self.pipe = None
         self.base_loras: tuple = ()  # what the pipeline was loaded with, kept under every request's own
-        self.completed = 0
-        self.cancelled_jobs = 0
+        self.completed = self.cancelled_jobs = 0
         self.active_memory = 0  # MLX bytes in use after the last job (read on the worker thread)
         self._thread = threading.Thread(target=self._run, name="flux-klein-worker", daemon=True)
 
@@ -118,10 +112,8 @@ class Worker:
     def stop(self, timeout: float = 10.0) -> None:
         with self._lock:
             self._stop = True
-            for job in self._waiting:
+            for job in filter(None, [*self._waiting, self._running]):
                 job.cancel()
-            if self._running is not None:
-                self._running.cancel()
             self._lock.notify_all()
         self._thread.join(timeout)
 
@@ -137,12 +129,9 @@ class Worker:
                 raise NotReady("the model is still loading; retry in a few seconds")
             if self.state == "failed":
                 raise NotReady(f"the model failed to load: {self.error}")
-            idle = self._running is None and not self._waiting
-            if len(self._waiting) >= self.max_queue and not idle:
-                raise QueueFull(
-                    f"the queue is full ({self.max_queue} waiting, one running); retry later or start the server "
-                    "with a larger --queue"
-                )
+            if len(self._waiting) >= self.max_queue and (self._running or self._waiting):  # idle: one runs at --queue 0
+                raise QueueFull(f"the queue is full ({self.max_queue} waiting, one running); retry later or start "
+                                "the server with a larger --queue")
             job = Job(request, on_event)
             self._waiting.append(job)
             self._lock.notify_all()
@@ -157,23 +146,17 @@ class Worker:
 
     # ---- the worker thread ----------------------------------------------------------------------
 
-    def _start(self) -> bool:
+    def _run(self) -> None:
         try:
             pipe = self._loader()
-            pipe.preview_map()  # fitted now for VAEs without a published map, not during the first job
         except Exception as e:  # noqa: BLE001: any load failure is reported as 503 with its message
-            with self._lock:
-                self.state, self.error = "failed", str(e) if isinstance(e, FluxKleinError) else f"{type(e).__name__}: {e}"
-                self._lock.notify_all()
-            return False
-        with self._lock:
+            self.error = str(e) if isinstance(e, FluxKleinError) else f"{type(e).__name__}: {e}"
+        else:
             self.pipe, self.base_loras = pipe, tuple((lora.path, lora.scale) for lora in pipe.loras)
-            self.state = "ready"
+        with self._lock:  # the pipe is set before the state says so
+            self.state = "failed" if self.pipe is None else "ready"
             self._lock.notify_all()
-        return True
-
-    def _run(self) -> None:
-        if not self._start():
+        if self.pipe is None:
             return
         while True:
             with self._lock:
@@ -182,7 +165,14 @@ class Worker:
                     return
                 job = self._running = self._waiting.popleft()
             try:
-                self._execute(job)
+                finished = not job.cancelled.is_set() and self._generate(job)  # cancelled while waiting: never starts
+                self.cancelled_jobs += not finished
+                job.on_event(EndEvent("done" if finished else "cancelled"))
+            except FluxKleinError as e:
+                job.on_event(EndEvent("error", 400, str(e)))
+            except Exception as e:  # noqa: BLE001: the server must outlive a failed job
+                traceback.print_exc()
+                job.on_event(EndEvent("error", 500, f"generation failed ({type(e).__name__})"))
             finally:
                 with self._lock:
                     self._running = None
@@ -190,47 +180,27 @@ class Worker:
                 mx.clear_cache()  # give freed buffers back so idle memory returns to its level
                 self.active_memory = mx.get_active_memory()
 
-    def _execute(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            self.cancelled_jobs += 1
-            job.on_event(EndEvent("cancelled"))
-            return
-        try:
-            loras = self.base_loras + tuple(job.request.loras)
-            if loras != tuple((lora.path, lora.scale) for lora in self.pipe.loras):
-                self.pipe.set_loras(list(loras))  # checked first: on error the pipeline keeps its LoRAs
-            finished = self._generate(job)
-            self.cancelled_jobs += not finished
-            job.on_event(EndEvent("done" if finished else "cancelled"))
-        except FluxKleinError as e:
-            job.on_event(EndEvent("error", 400, str(e)))
-        except Exception as e:  # noqa: BLE001: the server must outlive a failed job
-            traceback.print_exc()
-            job.on_event(EndEvent("error", 500, f"generation failed ({type(e).__name__})"))
-
     def _generate(self, job: Job) -> bool:
-        """Run the job's images; False when cancelled part-way."""
+        """Run the job's images with its LoRAs; False when cancelled part-way."""
         req, pipe = job.request, self.pipe
+        loras = self.base_loras + tuple(req.loras)
+        if loras != tuple((lora.path, lora.scale) for lora in pipe.loras):
+            pipe.set_loras(list(loras))  # checked first: on error the pipeline keeps its LoRAs
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # guidance on distilled models etc.: noted in the metadata
             prepared = prepare_inputs(req.settings, pipe.info)  # uploads decoded once for all n images
-        wanted = None if not req.previews else preview_steps(prepared.steps_run, req.partial_images)
+        wanted = preview_steps(prepared.steps_run, req.partial_images)
         for index in range(req.n):
-            stream = pipe.stream(prepared.for_image(index))
-            event = None
-            try:
+            with contextlib.closing(pipe.stream(prepared.for_image(index))) as stream:  # cleanup now, on this thread
                 for event in stream:
                     if job.cancelled.is_set():
                         return False
                     if event.stage == "denoise":
-                        preview = None
-                        if wanted and event.step in wanted and event.denoised is not None:
-                            preview = image_bytes(pipe.preview_map().image(event.denoised, *event.grid))
+                        preview = (image_bytes(pipe.preview_map().image(event.denoised, *event.grid))
+                                   if event.step in wanted else None)
                         job.on_event(StepEvent(index, event.step, event.total, preview))
-            finally:
-                stream.close()  # runs the generator's cleanup now, on this thread
-            job.on_event(ImageEvent(index, event.image, event.metadata, image_bytes(event.image, event.metadata),
-                                    event.stats.total_seconds))  # fmt: skip
+            job.on_event(ImageEvent(index, event.metadata, image_bytes(event.image, event.metadata),
+                                    event.stats.total_seconds))
         return True
 
 

@@ -17,9 +17,7 @@ from pathlib import Path
 import click
 
 from .cli import run_command, vae_and_cache_options
-from .embedding_cache import parse_size
 from .errors import FluxKleinError
-from .lora import parse_lora_spec
 from .pipeline import DEFAULT_MODEL, load
 
 
@@ -39,19 +37,9 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def import_multipart() -> None:
-    """python-multipart (uploads), under its name since 0.0.13; the old `multipart` name warns there."""
-    try:
-        import python_multipart  # noqa: F401
-    except ImportError:
-        import multipart  # noqa: F401
-
-
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
@@ -81,9 +69,12 @@ def serve(model, quantize, dtype, low_memory, loras, lora_dir, host, port, api_k
           max_upload_mb, model_id, vae, no_cache, cache_size):
     """Serve the OpenAI Images API and a web page with live step previews."""
     try:
-        import uvicorn  # noqa: F401
         import starlette  # noqa: F401
-        import_multipart()
+        import uvicorn
+        try:  # python-multipart (uploads), under this name since 0.0.13; the old `multipart` name warns there
+            import python_multipart  # noqa: F401
+        except ImportError:
+            import multipart  # noqa: F401
     except ImportError as e:
         raise FluxKleinError(f"serve needs the serve extra ({e.name} is missing): pip install -e \".[serve]\"") from None
     if not is_loopback(host) and not api_key:
@@ -94,19 +85,14 @@ def serve(model, quantize, dtype, low_memory, loras, lora_dir, host, port, api_k
             raise FluxKleinError(f"{name} {folder} is not an existing folder; create it first")
 
     # The server modules import the serve extra (checked above), so they are imported only here.
-    import uvicorn
-
     from .api import MB, ServerOptions, create_app
     from .jobs import Worker
 
-    base_loras = [parse_lora_spec(v) for v in loras]
-    bits = int(quantize) if quantize else None
-    cache_bytes = parse_size(cache_size)
     sock = bind(host, port)
     t0 = time.perf_counter()
     try:  # the model's files and the LoRAs, checked before saying "serving" (one line and exit 1 if not)
-        pipe = load(model, dtype=dtype, quantize=bits, low_memory=low_memory, loras=base_loras, vae=vae,
-                    cache=not no_cache, cache_size=cache_bytes)
+        pipe = load(model, dtype=dtype, quantize=int(quantize) if quantize else None, low_memory=low_memory,
+                    loras=loras, vae=vae, cache=not no_cache, cache_size=cache_size)
         pipe.check_text_encoder()  # load() leaves it to the first prompt that is not cached; a server checks all
     except BaseException:
         sock.close()
