@@ -45,16 +45,15 @@ def check_safetensors_file(path: str | Path) -> dict[str, tuple[str, tuple[int, 
     size = path.stat().st_size
     damaged = f"{path} is damaged or not a safetensors file"
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n <= 0 or n > _MAX_HEADER or 8 + n > size:
-                raise FluxKleinError(f"{damaged} (no valid header); download or convert it again")
-            header = json.loads(f.read(n))
-    except (ValueError, UnicodeDecodeError):
-        raise FluxKleinError(f"{damaged} (its header is not JSON); download or convert it again") from None
+        raw = safetensors_header_bytes(path)
+    except ValueError:
+        raise FluxKleinError(f"{damaged} (no valid header); download or convert it again") from None
     except OSError as e:
         raise FluxKleinError(f"cannot read {path} ({e.strerror}); check the file's permissions") from None
+    try:
+        header = json.loads(raw)
+    except ValueError:  # UnicodeDecodeError included
+        raise FluxKleinError(f"{damaged} (its header is not JSON); download or convert it again") from None
     if not isinstance(header, dict):
         raise FluxKleinError(f"{damaged} (its header is not a table of tensors); download or convert it again")
     tensors, end = {}, 0
@@ -67,9 +66,9 @@ def check_safetensors_file(path: str | Path) -> dict[str, tuple[str, tuple[int, 
         except (TypeError, KeyError, ValueError):
             raise FluxKleinError(f"{damaged} (tensor {name!r} has no dtype/shape/offsets); download it again") from None
         tensors[name] = (dtype, shape)
-    if 8 + n + end > size:
+    if 8 + len(raw) + end > size:
         raise FluxKleinError(
-            f"{path} is truncated: {size} bytes, its header needs {8 + n + end}; download or convert it again"
+            f"{path} is truncated: {size} bytes, its header needs {8 + len(raw) + end}; download or convert it again"
         )
     return tensors
 
@@ -105,12 +104,7 @@ def read_weight_files(
     files: Iterable[str | Path], keep: Callable[[str], bool] | None = None
 ) -> dict[str, mx.array]:
     """Merge several (sharded) safetensors files into one lazy dict, keeping only `keep(key)`."""
-    weights: dict[str, mx.array] = {}
-    for f in files:
-        for k, v in read_safetensors(f).items():
-            if keep is None or keep(k):
-                weights[k] = v
-    return weights
+    return {k: v for f in files for k, v in read_safetensors(f).items() if keep is None or keep(k)}
 
 
 def component_files(folder: str | Path) -> list[Path]:
@@ -124,21 +118,24 @@ def component_files(folder: str | Path) -> list[Path]:
         raise FluxKleinError(f"missing folder {folder}: the model snapshot is incomplete")
     indexes = sorted(folder.glob("*.safetensors.index.json"))
     if indexes:
-        try:
-            weight_map = json.loads(indexes[0].read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise FluxKleinError(f"{indexes[0]} is damaged ({e}); download it again") from None
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise FluxKleinError(
-                f"{folder} is incomplete: missing shard(s) {', '.join(missing[:3])} named in {indexes[0].name}"
-            )
-        return files
+        return index_shards(indexes[0], "download it again")
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FluxKleinError(f"no .safetensors weights in {folder}: the model snapshot is incomplete")
     return files
+
+
+def index_shards(index: Path, fix: str) -> list[Path]:
+    """The shards a Hugging Face `*.safetensors.index.json` names, each checked to exist; `fix` ends the errors."""
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, AttributeError) as e:
+        raise FluxKleinError(f"{index} is damaged ({e}); {fix}") from None
+    missing = [n for n in names if not (index.parent / n).is_file()]
+    if missing:
+        raise FluxKleinError(f"{index.parent} is incomplete: missing shard(s) {', '.join(missing[:3])} named in "
+                             f"{index.name}; {fix}")
+    return [index.parent / n for n in names]
 
 
 def read_json(path: str | Path) -> dict:
@@ -164,14 +161,9 @@ def load_into(model, weights: dict[str, mx.array], what: str, dtype=None) -> Non
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})")
-        if unexpected:
-            parts.append(
-                f"{len(unexpected)} unexpected ({', '.join(unexpected[:4])}{', ...' if len(unexpected) > 4 else ''})"
-            )
+    parts = [f"{len(keys)} {kind} ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})"
+             for kind, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
+    if parts:
         raise FluxKleinError(f"{what} weights do not match the model: {'; '.join(parts)}")
     for k, v in weights.items():
         if v.shape != expected[k].shape:
@@ -219,8 +211,6 @@ def save_safetensors_streaming(
     popped before it is evaluated so nothing keeps it alive after it is written. `on_tensor(name,
     nbytes)` is called after each tensor.
     """
-    import json as _json
-
     header: dict = {"__metadata__": dict(metadata or {"format": "mlx"})}
     offset = 0
     names = list(tensors)
@@ -230,7 +220,7 @@ def save_safetensors_streaming(
             raise FluxKleinError(f"cannot store {name}: dtype {a.dtype} has no safetensors equivalent")
         header[name] = {"dtype": _ST_DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
-    blob = _json.dumps(header, separators=(",", ":")).encode()
+    blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
     with open(path, "wb") as f:
         f.write(len(blob).to_bytes(8, "little"))
@@ -293,14 +283,7 @@ def prefixed_files(folder: str | Path, prefix: str) -> list[Path]:
     folder = Path(folder)
     index = folder / f"{prefix}.safetensors.index.json"
     if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, AttributeError) as e:
-            raise FluxKleinError(f"{index} is damaged ({e}); convert the model again") from None
-        missing = [n for n in names if not (folder / n).is_file()]
-        if missing:
-            raise FluxKleinError(f"{folder} is incomplete: missing shard(s) {', '.join(missing[:3])}; convert the model again")
-        return [folder / n for n in names]
+        return index_shards(index, "convert the model again")
     single = folder / f"{prefix}.safetensors"
     if single.is_file():
         return [single]
@@ -345,8 +328,7 @@ def resolve_model(model: str | Path, allow_patterns: list[str] | None = None, ca
     if path.exists():
         return path
     text = str(model)
-    looks_like_path = text.startswith((".", "/", "~")) or text.count("/") != 1 or text.endswith(".safetensors")
-    if looks_like_path:
+    if text.startswith((".", "/", "~")) or text.count("/") != 1 or text.endswith(".safetensors"):  # not owner/name
         raise FluxKleinError(f"model '{text}' not found: no such folder or file, and it is not a Hugging Face repo id (owner/name)")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, HFValidationError, LocalEntryNotFoundError
@@ -356,6 +338,7 @@ def resolve_model(model: str | Path, allow_patterns: list[str] | None = None, ca
     offline = hub_offline()
     if not offline:
         announce_download(text, patterns, cache_dir)
+    cache = hub_cache(cache_dir)
     try:
         return Path(snapshot_download(repo_id=text, allow_patterns=patterns, cache_dir=cache_dir))
     except GatedRepoError:
@@ -369,29 +352,25 @@ def resolve_model(model: str | Path, allow_patterns: list[str] | None = None, ca
             "a private repo needs `hf auth login`"
         ) from None
     except LocalEntryNotFoundError as e:
-        if not offline:  # the hub was not reached (no network, a proxy, the hub down) and the cache lacks it
-            raise FluxKleinError(unreachable(text, e.__cause__, cache_dir, size_hint)) from None
+        if offline:
+            raise FluxKleinError(
+                f"model '{text}' is not in the local Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set: unset it "
+                "to download, check the repo id, or give a local folder instead"
+            ) from None
+        # The hub was not reached (no network, a proxy, the hub down) and the cache lacks the repo.
+        size = size_hint() if size_hint is not None else None
+        about = f"about {size / 1e9:.0f} GB, " if size else ""
+        why = type(e.__cause__).__name__ if e.__cause__ is not None else "no connection"
         raise FluxKleinError(
-            f"model '{text}' is not in the local Hugging Face cache ({hub_cache(cache_dir)}) and HF_HUB_OFFLINE is "
-            "set: unset it to download, check the repo id, or give a local folder instead"
+            f"cannot reach the Hugging Face hub ({why}) to download '{text}' ({about}into {cache}), and no complete "
+            "copy is cached there: check your network (proxy, HF_ENDPOINT), or download it elsewhere and give its "
+            "folder instead (--model DIR)"
         ) from None
     except (HFValidationError, EntryNotFoundError, ValueError, OSError) as e:
         raise FluxKleinError(
             f"model '{text}' is neither a local folder nor a downloadable Hugging Face repo id ({type(e).__name__}); "
             "check the path or the repo id, and your network"
         ) from None
-
-
-def unreachable(repo: str, cause, cache_dir, size_hint) -> str:
-    """The message for a repo that is not cached while the hub cannot be reached."""
-    size = size_hint() if size_hint is not None else None
-    about = f"about {size / 1e9:.0f} GB, " if size else ""
-    why = type(cause).__name__ if cause is not None else "no connection"
-    return (
-        f"cannot reach the Hugging Face hub ({why}) to download '{repo}' ({about}into {hub_cache(cache_dir)}), and "
-        "no complete copy is cached there: check your network (proxy, HF_ENDPOINT), or download it elsewhere and "
-        "give its folder instead (--model DIR)"
-    )
 
 
 def announce_download(repo: str, patterns: list[str], cache_dir=None) -> None:
