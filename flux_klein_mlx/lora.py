@@ -256,29 +256,21 @@ class LoRAQuantizedLinear(nn.QuantizedLinear):
         """The LoRA share of `x @ W[rows, c0:c1].T` (x holds only columns c0:c1); zeros where no term lands."""
         r0, r1, _ = rows.indices(self.out_dims)
         c0, c1 = cols[0], x.shape[-1] + cols[0]
-        whole, pieces = None, {}
+        whole, pieces = [], {}  # outputs of terms over all rows r0:r1; of terms over row blocks
         for t in self._lora.value:
             lo, hi = max(t.rows[0], r0), min(t.rows[1], r1)
-            if lo >= hi:
-                continue
-            y = _term_output(t, x, (c0, c1), (lo - t.rows[0], hi - t.rows[0]))
-            if (lo, hi) == (r0, r1):
-                whole = y if whole is None else whole + y
-            else:
-                pieces[(lo, hi)] = y + pieces[(lo, hi)] if (lo, hi) in pieces else y
+            if lo < hi:
+                y = _term_output(t, x, (c0, c1), (lo - t.rows[0], hi - t.rows[0]))
+                (whole if (lo, hi) == (r0, r1) else pieces.setdefault((lo, hi), [])).append(y)
         if pieces:
             # Row blocks (q, k, v of a fused qkv) are disjoint: concatenate them with zeros in the gaps.
             parts, at = [], r0
-            for (lo, hi), y in sorted(pieces.items()):
-                if lo > at:
-                    parts.append(mx.zeros((*x.shape[:-1], lo - at), dtype=x.dtype))
-                parts.append(y)
+            for (lo, hi), ys in sorted(pieces.items()):
+                parts += [mx.zeros((*x.shape[:-1], lo - at), dtype=x.dtype), sum(ys[1:], ys[0])]
                 at = hi
-            if at < r1:
-                parts.append(mx.zeros((*x.shape[:-1], r1 - at), dtype=x.dtype))
-            blocks = mx.concatenate(parts, axis=-1)
-            whole = blocks if whole is None else whole + blocks
-        return whole if whole is not None else mx.zeros((*x.shape[:-1], r1 - r0), dtype=x.dtype)
+            parts.append(mx.zeros((*x.shape[:-1], r1 - at), dtype=x.dtype))
+            whole.append(mx.concatenate(parts, axis=-1))
+        return sum(whole[1:], whole[0]) if whole else mx.zeros((*x.shape[:-1], r1 - r0), dtype=x.dtype)
 
 
 # --- applying and removing ------------------------------------------------------------------------------
