@@ -164,20 +164,15 @@ def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str,
                 "use a plain LoRA or LoKr"
             )
         name = m.group("module")
-        role = m.group("lora") or m.group("lokr") or "alpha"
-        if m.group("lora"):
-            role = "down" if role in _DOWN else "up"
-        kind = "E" if m.group("lokr") else None
-        if name.startswith(_UNDERSCORE_PREFIXES):
-            kind = kind or "D"
-            for p in _UNDERSCORE_PREFIXES:
-                name = name.removeprefix(p)
-        else:
-            for p, letter in _PREFIXES:
-                if name.startswith(p):
-                    name, kind = name[len(p) :], kind or letter
-                    break
-        kinds.add(kind)
+        lora = m.group("lora")
+        role = ("down" if lora in _DOWN else "up") if lora else m.group("lokr") or "alpha"
+        kind = "D" if name.startswith(_UNDERSCORE_PREFIXES) else None
+        for p in _UNDERSCORE_PREFIXES:
+            name = name.removeprefix(p)
+        for p, letter in _PREFIXES:  # the first (longest) that matches
+            if kind is None and name.startswith(p):
+                name, kind = name[len(p) :], letter
+        kinds.add("E" if m.group("lokr") else kind)
         if (name, role) in keys:  # e.g. `transformer.x.lora_A.weight` beside `x.lora_A.default.weight`
             raise FluxKleinError(
                 f"LoRA {what} holds {name}'s {role} {'matrix' if role in ('down', 'up') else 'value'} twice "
@@ -191,11 +186,9 @@ def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str,
             f"LoRA {what} has {len(unknown)} key(s) that are not LoRA/LoKr weights "
             f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}); is it a model checkpoint?"
         )
-    letters = sorted(k for k in kinds if k)
-    fmt = letters[0] if letters else ("B" if any(n.startswith(("double_blocks", "single_blocks")) for n in modules) else "A")
-    if "E" in letters:
-        fmt = "E"
-    return modules, fmt
+    letters = kinds - {None}
+    unprefixed = "B" if any(n.startswith(("double_blocks", "single_blocks")) for n in modules) else "A"
+    return modules, "E" if "E" in letters else min(letters, default=unprefixed)
 
 
 def _metadata_alpha(metadata: dict | None, what: str):
@@ -277,8 +270,7 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
             unmatched.append(name)
             continue
         term = _term(name, parts, target, meta_alpha, what)
-        rows = target.rows[1] - target.rows[0]
-        want = (rows, shapes[target.layer][1])
+        want = (target.rows[1] - target.rows[0], shapes[target.layer][1])
         if term.shape != want:
             foreign.append((name, term, want))
             continue
@@ -354,18 +346,14 @@ def _term(name: str, parts: dict[str, mx.array], target: Target, meta_alpha, wha
 def _foreign_message(foreign: list, params, what: str) -> str:
     """Name the model a LoRA was made for, when its shapes tell; else name the first mismatch."""
     D = params.hidden_size
-    hidden = set()
-    flux1 = False
+    hidden, flux1 = set(), False
     for name, term, (rows, cols) in foreign:
-        layer = term.layer
+        (out, width), layer = term.shape, term.layer
         if cols == D and not layer.endswith(("linear2", "_mlp.2")):  # layers whose input is the hidden state
-            hidden.add(term.shape[1])
-        if layer.endswith("_mlp.0") and term.shape[0] == 4 * term.shape[1]:
-            flux1 = True  # FLUX.1's GELU MLP (4D) instead of klein's SwiGLU (2 x 3D)
-        if layer.endswith("linear1") and term.shape[0] == 7 * term.shape[1]:
-            flux1 = True  # FLUX.1's single block: 3D qkv + 4D MLP
-        if layer == "img_in" and term.shape[1] == 64:
-            flux1 = True
+            hidden.add(width)
+        flux1 = flux1 or (layer.endswith("_mlp.0") and out == 4 * width)  # GELU MLP (4D), not SwiGLU (2 x 3D)
+        flux1 = flux1 or (layer.endswith("linear1") and out == 7 * width)  # single block: 3D qkv + 4D MLP
+        flux1 = flux1 or (layer == "img_in" and width == 64)  # 16 latent channels x 2 x 2
     name, term, want = foreign[0]
     h = next(iter(hidden)) if len(hidden) == 1 else None
     if h is not None and h != D and (flux1 or h in HIDDEN_SIZES):
