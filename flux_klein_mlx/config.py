@@ -19,13 +19,9 @@ def from_dict(cls, d: dict, renames: dict[str, str] | None = None):
     Lists become tuples for tuple-typed fields (JSON has no tuples), None values are dropped so
     that defaults apply.
     """
-    names = {f.name: f for f in fields(cls)}
-    kw = {}
-    for key, value in d.items():
-        key = (renames or {}).get(key, key)
-        if key in names and value is not None:
-            kw[key] = tuple(value) if isinstance(value, list) else value
-    return cls(**kw)
+    names = {f.name for f in fields(cls)}
+    pairs = (((renames or {}).get(k, k), v) for k, v in d.items() if v is not None)
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in pairs if k in names})
 
 
 # --- the flow transformer ------------------------------------------------------------------------
@@ -196,9 +192,7 @@ class AutoEncoderConfig:
         """The VAE shared by every FLUX.2 [klein] model."""
         return cls()
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "AutoEncoderConfig":
-        return from_dict(cls, d)
+    from_dict = classmethod(from_dict)
 
     @property
     def downscale(self) -> int:
