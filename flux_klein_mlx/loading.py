@@ -134,21 +134,10 @@ def read_mlx_config(folder: str | Path) -> dict:
 
 def is_mlx_folder(path: str | Path) -> bool:
     """Whether `path` is a folder written by `convert` (has a config.json with our format marker)."""
-    path = Path(path) / "config.json"
-    if not path.is_file():
-        return False
     try:
-        return json.loads(path.read_text()).get("format") == FORMAT
-    except (ValueError, AttributeError):
+        return json.loads((Path(path) / "config.json").read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):  # no config.json, not JSON, not a table
         return False
-
-
-def _dev_check(config: dict, where: Path) -> None:
-    if config.get("guidance_embeds"):
-        raise FluxKleinError(
-            f"not a klein checkpoint: it is FLUX.2-dev ({where} has guidance_embeds); "
-            "use a FLUX.2 [klein] 4B or 9B model"
-        )
 
 
 def _part_folder(folder: Path) -> Path:
@@ -218,13 +207,12 @@ def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
         return _describe_bfl(model, path, base)
     if is_mlx_folder(path):
         config = read_mlx_config(path)
-        tokenizer = path / config.get("tokenizer", "tokenizer")
         return ModelInfo(
             source=str(model), path=path, format="mlx", is_distilled=bool(config.get("is_distilled")),
             configs={n: config[n]["config"] for n in COMPONENTS},
             files={n: prefixed_files(path, n) for n in COMPONENTS},
             quantization={n: config[n].get("quantization") for n in COMPONENTS},
-            tokenizer=tokenizer, scheduler=config.get("scheduler"), stored_dtype=config.get("dtype"),
+            tokenizer=path / config.get("tokenizer", "tokenizer"), scheduler=config.get("scheduler"), stored_dtype=config.get("dtype"),
             original=config.get("source"), reference_kv=bool(config.get("reference_kv", False)),
         )  # fmt: skip
     if not (path / "model_index.json").is_file():
@@ -239,17 +227,14 @@ def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
             f"{path} holds a {kind} model; flux_klein_mlx runs FLUX.2 [klein] 4B/9B (Flux2KleinPipeline), distilled or "
             f"Base, and klein 9B-KV ({KV_PIPELINE_CLASS})"
         )
-    kv = kind == KV_PIPELINE_CLASS  # distilled, although its index has no is_distilled key
     folders = {n: _part_folder(path / n) for n in COMPONENTS}
     configs = {n: read_json(folders[n] / "config.json") for n in COMPONENTS}
-    _dev_check(configs["transformer"], folders["transformer"] / "config.json")
-    _check_fit(configs, folders)
-    return ModelInfo(
-        source=str(model), path=path, format="diffusers", is_distilled=kv or bool(index.get("is_distilled", False)),
-        configs=configs, files={n: component_files(folders[n]) for n in COMPONENTS},
-        quantization={n: None for n in COMPONENTS}, tokenizer=path / "tokenizer",
-        scheduler=_optional_json(path / "scheduler" / "scheduler_config.json"), reference_kv=kv,
-    )  # fmt: skip
+    if configs["transformer"].get("guidance_embeds"):
+        raise FluxKleinError(
+            f"not a klein checkpoint: it is FLUX.2-dev ({folders['transformer'] / 'config.json'} has guidance_embeds); "
+            "use a FLUX.2 [klein] 4B or 9B model"
+        )
+    return _snapshot_info(model, path, "diffusers", path, index, configs, folders, {})
 
 
 def _describe_bfl(model, file: Path, base) -> ModelInfo:
@@ -264,17 +249,23 @@ def _describe_bfl(model, file: Path, base) -> ModelInfo:
     folders = {n: _part_folder(base_path / n) for n in ("text_encoder", "vae")}
     configs = {"transformer": _bfl_transformer_config(file, base_path)}
     configs.update({n: read_json(folders[n] / "config.json") for n in folders})
-    _check_fit(configs, folders)
-    index = base_path / "model_index.json"
+    info = _snapshot_info(model, file, "bfl", base_path, _optional_json(base_path / "model_index.json") or {},
+                          configs, folders, {"transformer": [file]})
     # A Base checkpoint next to (or based on) a distilled snapshot is still a Base model.
-    index = read_json(index) if index.is_file() else {}
-    kv = index.get("_class_name") == KV_PIPELINE_CLASS  # a 9B-KV file with the 9B-KV snapshot as its base
-    distilled = kv or bool(index.get("is_distilled", False))
+    info.is_distilled = info.is_distilled and "base" not in file.name.lower()
+    return info
+
+
+def _snapshot_info(model, path: Path, fmt: str, snapshot: Path, index: dict, configs: dict, folders: dict,
+                   files: dict) -> ModelInfo:
+    """A diffusers snapshot's ModelInfo (`snapshot` has the tokenizer, scheduler and `folders`), checked."""
+    _check_fit(configs, folders)
+    kv = index.get("_class_name") == KV_PIPELINE_CLASS  # distilled, although its index has no is_distilled key
     return ModelInfo(
-        source=str(model), path=file, format="bfl", is_distilled=distilled and "base" not in file.name.lower(),
-        configs=configs, files={"transformer": [file], **{n: component_files(folders[n]) for n in folders}},
-        quantization={n: None for n in COMPONENTS}, tokenizer=base_path / "tokenizer",
-        scheduler=_optional_json(base_path / "scheduler" / "scheduler_config.json"), reference_kv=kv,
+        source=str(model), path=path, format=fmt, is_distilled=kv or bool(index.get("is_distilled", False)),
+        configs=configs, files={**files, **{n: component_files(f) for n, f in folders.items()}},
+        quantization=dict.fromkeys(COMPONENTS), tokenizer=snapshot / "tokenizer",
+        scheduler=_optional_json(snapshot / "scheduler" / "scheduler_config.json"), reference_kv=kv,
     )  # fmt: skip
 
 
@@ -365,14 +356,12 @@ def read_component(info: ModelInfo, name: str) -> dict[str, mx.array]:
 
 
 def build_module(name: str, config: dict) -> nn.Module:
-    """An unloaded (lazily initialised, so free) module for one component's config."""
+    """An unloaded (lazily initialised, so free) module for one component's config (`name` checked by callers)."""
     if name == "transformer":
         return FluxKlein(FluxKleinParams.from_dict(config))
     if name == "text_encoder":
         return Qwen3TextEncoder(Qwen3Config.from_dict(config))
-    if name == "vae":
-        return AutoEncoder(AutoEncoderConfig.from_dict(config))
-    raise ValueError(f"unknown component {name!r}; expected one of {COMPONENTS}")
+    return AutoEncoder(AutoEncoderConfig.from_dict(config))
 
 
 def sanitize(name: str, weights: dict[str, mx.array]) -> dict[str, mx.array]:
