@@ -107,9 +107,8 @@ class ModelInfo:
     @property
     def name(self) -> str:
         row = variant_for(self.params, self.is_distilled, self.reference_kv)
-        if row is not None:
-            return row.title
-        return "FLUX.2 [klein] (custom size)" + (" KV" if self.reference_kv else "" if self.is_distilled else " Base")
+        custom = "FLUX.2 [klein] (custom size)" + (" KV" if self.reference_kv else "" if self.is_distilled else " Base")
+        return row.title if row is not None else custom
 
 
 # --- describe ------------------------------------------------------------------------------------
@@ -158,30 +157,22 @@ def _bfl_transformer_config(file: Path, base: Path) -> dict:
     return dataclasses.asdict(params)
 
 
-def _check_text_width(context_in_dim: int, te: Qwen3Config, where: Path) -> None:
-    """The transformer's joint_attention_dim must be the encoder's 3 stacked hidden states."""
-    width = len(OUT_LAYERS) * te.hidden_size
-    if context_in_dim == width:
-        return
-    encoders = {2560: "Qwen3-4B", 4096: "Qwen3-8B"}
-    dits = {7680: "klein-4B", 12288: "klein-9B"}
-    names = (
-        f": the text encoder is {encoders[te.hidden_size]}, the transformer {dits[context_in_dim]}"
-        if te.hidden_size in encoders and context_in_dim in dits
-        else ": use the text encoder from the same snapshot as the transformer"
-    )
-    raise FluxKleinError(
-        f"text encoder hidden size {te.hidden_size} ({where}) gives {width}-wide embeddings but the "
-        f"transformer expects {context_in_dim} (joint_attention_dim){names}"
-    )
-
-
 def _check_fit(configs: dict[str, dict], where: dict[str, Path]) -> None:
     """The transformer must read what the text encoder and the VAE make."""
     params = FluxKleinParams.from_dict(configs["transformer"])
     vae = AutoEncoderConfig.from_dict(configs["vae"])
     check_flux2(vae, None)
-    _check_text_width(params.context_in_dim, Qwen3Config.from_dict(configs["text_encoder"]), where["text_encoder"])
+    te_width = Qwen3Config.from_dict(configs["text_encoder"]).hidden_size
+    width = len(OUT_LAYERS) * te_width  # the encoder's 3 stacked hidden states
+    if params.context_in_dim != width:
+        encoder = {2560: "Qwen3-4B", 4096: "Qwen3-8B"}.get(te_width)
+        dit = {7680: "klein-4B", 12288: "klein-9B"}.get(params.context_in_dim)
+        names = (f"the text encoder is {encoder}, the transformer {dit}" if encoder and dit
+                 else "use the text encoder from the same snapshot as the transformer")
+        raise FluxKleinError(
+            f"text encoder hidden size {te_width} ({where['text_encoder']}) gives {width}-wide embeddings but the "
+            f"transformer expects {params.context_in_dim} (joint_attention_dim): {names}"
+        )
     if params.in_channels != vae.token_channels:
         raise FluxKleinError(
             f"the transformer reads {params.in_channels} latent channels but the VAE in {where['vae']} makes "

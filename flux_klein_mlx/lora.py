@@ -211,10 +211,7 @@ def _delta(t: Term) -> mx.array:
     if t.down is not None:
         return t.up.astype(mx.float32) @ t.down.astype(mx.float32)
     d = mx.kron(t.w1.astype(mx.float32), t.w2.astype(mx.float32))
-    if t.swap:
-        half = d.shape[0] // 2
-        d = mx.concatenate([d[half:], d[:half]], axis=0)
-    return d
+    return mx.roll(d, d.shape[0] // 2, axis=0) if t.swap else d  # rows [2D]: [scale ; shift] -> [shift ; scale]
 
 
 class _Hidden:

@@ -58,6 +58,8 @@ _ALIASES_TOP = {"time_guidance_embed.linear_1": "time_guidance_embed.timestep_em
 _ALIASES_DOUBLE = {"attn.to_out": "attn.to_out.0", "ff.activation.proj": "ff.linear_in",
                   "ff_context.activation.proj": "ff_context.linear_in"}  # fmt: skip
 _ALIASES_SINGLE = {"attn.to_qkv_mlp": "attn.to_qkv_mlp_proj"}
+# diffusers' own fused projections (after `fuse_qkv_projections`, as its LoKr loader uses), ours
+_FUSED = {"attn.to_qkv": "img_attn.qkv", "attn.to_added_qkv": "txt_attn.qkv"}
 
 
 @dataclass(frozen=True)
@@ -107,38 +109,26 @@ class ParsedLora:
 def target_table(params) -> dict[str, Target]:
     """Every module name a klein LoRA may use (ours, diffusers', dotted and underscored) -> its Target."""
     D, M = params.hidden_size, params.mlp_hidden
-    shapes = linear_shapes(params)
-    table = {path: Target(path, (0, out)) for path, (out, _) in shapes.items()}
-
-    def full(theirs: str, ours: str) -> None:
-        table[theirs] = Target(ours, (0, shapes[ours][0]))
-
-    for theirs, ours in DIFFUSERS_TOP.items():
-        full(theirs, ours)
+    table = {path: Target(path, (0, out)) for path, (out, _) in linear_shapes(params).items()}
     table["norm_out.linear"] = Target("final_layer.adaLN_modulation.1", (0, 2 * D), swap=True)
+    for theirs, ours, n, names, aliases in (
+        ("", "", 1, DIFFUSERS_TOP, _ALIASES_TOP),
+        ("transformer_blocks.{}.", "double_blocks.{}.", params.depth, {**DIFFUSERS_DOUBLE, **_FUSED}, _ALIASES_DOUBLE),
+        ("single_transformer_blocks.{}.", "single_blocks.{}.", params.depth_single, DIFFUSERS_SINGLE, _ALIASES_SINGLE),
+    ):
+        names = {k: v for k, v in names.items() if not k.endswith(".weight")}  # the norms are not Linears
+        names.update({alias: names[name] for alias, name in aliases.items()})
+        for i in range(n):  # whole layers under another name
+            table.update({theirs.format(i) + k: table[ours.format(i) + v] for k, v in names.items()})
     for i in range(params.depth):
-        for theirs, ours in DIFFUSERS_DOUBLE.items():
-            if not theirs.endswith(".weight"):  # the norms are not Linears
-                full(f"transformer_blocks.{i}.{theirs}", f"double_blocks.{i}.{ours}")
         for ours, parts in QKV.items():
             for n, part in enumerate(parts):  # diffusers' q, k, v are row blocks of our fused qkv
                 table[f"transformer_blocks.{i}.{part}"] = Target(f"double_blocks.{i}.{ours}", (n * D, (n + 1) * D))
-        # diffusers' own fused projections (after `fuse_qkv_projections`, as its LoKr loader uses)
-        full(f"transformer_blocks.{i}.attn.to_qkv", f"double_blocks.{i}.img_attn.qkv")
-        full(f"transformer_blocks.{i}.attn.to_added_qkv", f"double_blocks.{i}.txt_attn.qkv")
     for j in range(params.depth_single):
-        for theirs, ours in DIFFUSERS_SINGLE.items():
-            if not theirs.endswith(".weight"):
-                full(f"single_transformer_blocks.{j}.{theirs}", f"single_blocks.{j}.{ours}")
         # Separate q/k/v/MLP-in names for the fused linear1, rows [q | k | v | a | b]
         for n, part in enumerate(("to_q", "to_k", "to_v")):
             table[f"single_transformer_blocks.{j}.attn.{part}"] = Target(f"single_blocks.{j}.linear1", (n * D, (n + 1) * D))
         table[f"single_transformer_blocks.{j}.proj_mlp"] = Target(f"single_blocks.{j}.linear1", (3 * D, 3 * D + 2 * M))
-    for prefix, n, aliases in (("", 1, _ALIASES_TOP), ("transformer_blocks.{}.", params.depth, _ALIASES_DOUBLE),
-                               ("single_transformer_blocks.{}.", params.depth_single, _ALIASES_SINGLE)):
-        for i in range(n):
-            for alias, name in aliases.items():
-                table[prefix.format(i) + alias] = table[prefix.format(i) + name]
     table.update({name.replace(".", "_"): t for name, t in list(table.items())})
     return table
 
@@ -284,17 +274,13 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
 def _check_overlaps(terms: list[Term], what: str) -> None:
     """Refuse two modules of one file that update the same rows of a layer (one module under two namings:
     diffusers' `to_q` beside BFL's `img_attn.qkv`, mflux's `attn.to_out` beside `attn.to_out.0`)."""
-    by_layer: dict[str, list[Term]] = {}
-    for t in terms:
-        by_layer.setdefault(t.layer, []).append(t)
-    for layer, ts in by_layer.items():
-        ts.sort(key=lambda t: t.rows)
-        for a, b in zip(ts, ts[1:]):
-            if b.rows[0] < a.rows[1]:
-                raise FluxKleinError(
-                    f"LoRA {what} updates {layer} twice: {a.key} and {b.key} name the same weights (two namings "
-                    "of one module in one file); keep one of them"
-                )
+    ts = sorted(terms, key=lambda t: (t.layer, t.rows))
+    for a, b in zip(ts, ts[1:]):
+        if a.layer == b.layer and b.rows[0] < a.rows[1]:
+            raise FluxKleinError(
+                f"LoRA {what} updates {a.layer} twice: {a.key} and {b.key} name the same weights (two namings "
+                "of one module in one file); keep one of them"
+            )
 
 
 def _term(name: str, parts: dict[str, mx.array], target: Target, meta_alpha, what: str) -> Term:
@@ -318,8 +304,7 @@ def _term(name: str, parts: dict[str, mx.array], target: Target, meta_alpha, wha
         if alpha is None:
             alpha = meta_alpha(name, rank) if meta_alpha else float(rank)
         if target.swap and up.shape[0] % 2 == 0:  # [scale ; shift] -> [shift ; scale]
-            half = up.shape[0] // 2
-            up = mx.concatenate([up[half:], up[:half]], axis=0)
+            up = mx.roll(up, up.shape[0] // 2, axis=0)
         return Term(target.layer, target.rows, alpha / rank, down=down, up=up, key=name)
     # LoKr: each factor is stored whole (w1) or as a product (w1_a @ w1_b).
     factors, rank = [], None
