@@ -149,11 +149,9 @@ def _bfl_transformer_config(file: Path, base: Path) -> dict:
     """Hyper-parameters of a BFL single file: the base snapshot's when its shapes agree (it also
     carries theta/eps/axes), else the file's own shapes."""
     params = infer_params(sanitize_flux2_klein_weights(read_safetensors(file)))
-    base_config = base / "transformer" / "config.json"
-    if base_config.is_file():
-        config = read_json(base_config)
-        if FluxKleinParams.from_dict(config).shape_key() == params.shape_key():
-            return config
+    config = _optional_json(base / "transformer" / "config.json")
+    if config is not None and FluxKleinParams.from_dict(config).shape_key() == params.shape_key():
+        return config
     return dataclasses.asdict(params)
 
 
@@ -203,8 +201,9 @@ def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
             configs={n: config[n]["config"] for n in COMPONENTS},
             files={n: prefixed_files(path, n) for n in COMPONENTS},
             quantization={n: config[n].get("quantization") for n in COMPONENTS},
-            tokenizer=path / config.get("tokenizer", "tokenizer"), scheduler=config.get("scheduler"), stored_dtype=config.get("dtype"),
-            original=config.get("source"), reference_kv=bool(config.get("reference_kv", False)),
+            tokenizer=path / config.get("tokenizer", "tokenizer"), scheduler=config.get("scheduler"),
+            stored_dtype=config.get("dtype"), original=config.get("source"),
+            reference_kv=bool(config.get("reference_kv", False)),
         )  # fmt: skip
     if not (path / "model_index.json").is_file():
         raise FluxKleinError(
@@ -341,9 +340,7 @@ def read_component(info: ModelInfo, name: str) -> dict[str, mx.array]:
             weights = merge_decoder(weights, sanitize("vae", read_weight_files(info.decoder_files)))
         return weights
     weights = read_weight_files(info.files[name], keep=keeps_key if name == "text_encoder" else None)
-    if info.format != "mlx":  # converted folders are stored under our names already
-        weights = sanitize(name, weights)
-    return weights
+    return weights if info.format == "mlx" else sanitize(name, weights)  # converted folders have our names
 
 
 def build_module(name: str, config: dict) -> nn.Module:

@@ -18,6 +18,7 @@ import math
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import mlx.core as mx
@@ -214,14 +215,6 @@ def _delta(t: Term) -> mx.array:
     return mx.roll(d, d.shape[0] // 2, axis=0) if t.swap else d  # rows [2D]: [scale ; shift] -> [shift ; scale]
 
 
-class _Hidden:
-    """A plain holder: what it holds is not a parameter or child of the module that keeps it, so saving,
-    strict loads and `parameters()` never see the LoRA tensors or the wrapped layer."""
-
-    def __init__(self, value):
-        self.value = value
-
-
 class LoRAQuantizedLinear(nn.QuantizedLinear):
     """A QuantizedLinear with LoRA updates beside it: `quantized(x) + sum of low-rank terms`.
 
@@ -234,13 +227,14 @@ class LoRAQuantizedLinear(nn.QuantizedLinear):
         self.group_size, self.bits, self.mode = base.group_size, base.bits, base.mode
         for k, v in base.items():
             self[k] = v
-        self._base = _Hidden(base)
-        self._lora = _Hidden(terms)
+        # In a plain holder, not a parameter or child of this module: saving, strict loads and `parameters()`
+        # never see the LoRA tensors or the wrapped layer.
+        self._hidden = SimpleNamespace(base=base, terms=terms)
         self.freeze()
 
     @property
     def base(self) -> nn.QuantizedLinear:
-        return self._base.value
+        return self._hidden.base
 
     @property
     def out_dims(self) -> int:
@@ -254,7 +248,7 @@ class LoRAQuantizedLinear(nn.QuantizedLinear):
         r0, r1, _ = rows.indices(self.out_dims)
         c0, c1 = cols[0], x.shape[-1] + cols[0]
         whole, pieces = [], {}  # outputs of terms over all rows r0:r1; of terms over row blocks
-        for t in self._lora.value:
+        for t in self._hidden.terms:
             lo, hi = max(t.rows[0], r0), min(t.rows[1], r1)
             if lo < hi:
                 y = _term_output(t, x, (c0, c1), (lo - t.rows[0], hi - t.rows[0]))
