@@ -23,6 +23,7 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
 
 from .errors import FluxKleinError
 from .lora_formats import Term, parse_lora
@@ -285,15 +286,6 @@ def _get(model: nn.Module, path: str):
     return obj
 
 
-def _set(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent_path, _, last = path.rpartition(".")
-    parent = _get(model, parent_path) if parent_path else model
-    if isinstance(parent, list):
-        parent[int(last)] = module
-    else:
-        setattr(parent, last, module)
-
-
 def applied_loras(model: nn.Module) -> list[Lora]:
     """The LoRAs currently applied to `model` (empty when none)."""
     state = getattr(model, "lora_state", None)
@@ -309,8 +301,7 @@ def remove_loras(model: nn.Module) -> None:
         raise FluxKleinError("these LoRAs were fused without keeping the original weights; reload the model to remove them")
     for path, weight in state.originals.items():
         _get(model, path).weight = weight
-    for path in state.wrapped:
-        _set(model, path, _get(model, path).base)
+    model.update_modules(tree_unflatten([(path, _get(model, path).base) for path in state.wrapped]))
     model.lora_state = None
 
 
@@ -346,11 +337,11 @@ def apply_loras(
         if any(t.rows[1] > out for t in terms):
             raise FluxKleinError(f"layer {path} has {out} outputs; the LoRA was read for another model")
     state = LoraState(list(loras), keep_originals)
-    new_weights = []
+    new_weights, wrapped = [], []
     for path, terms in by_layer.items():
         layer = _get(model, path)
         if isinstance(layer, nn.QuantizedLinear):
-            _set(model, path, LoRAQuantizedLinear(layer, terms))
+            wrapped.append((path, LoRAQuantizedLinear(layer, terms)))
             state.wrapped.append(path)
             continue
         W = layer.weight  # (out, in)
@@ -362,6 +353,7 @@ def apply_loras(
             state.originals[path] = W if reread is None else reread(path)
         layer.weight = (W.astype(mx.float32) + delta).astype(W.dtype)  # one rounding
         new_weights.append(layer.weight)
+    model.update_modules(tree_unflatten(wrapped))
     if evaluate:
         mx.eval(new_weights)
     model.lora_state = state if loras else None

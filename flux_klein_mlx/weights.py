@@ -307,13 +307,6 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
-def hub_cache(cache_dir: str | Path | None = None) -> str:
-    """The folder huggingface_hub downloads into."""
-    from huggingface_hub import constants
-
-    return str(cache_dir or constants.HF_HUB_CACHE)
-
-
 def resolve_model(model: str | Path, allow_patterns: list[str] | None = None, cache_dir: str | Path | None = None,
                   size_hint: Callable[[], int | None] | None = None) -> Path:  # fmt: skip
     """A local folder or file as a Path; otherwise a Hugging Face repo id, downloaded into (or found
@@ -330,15 +323,15 @@ def resolve_model(model: str | Path, allow_patterns: list[str] | None = None, ca
     text = str(model)
     if text.startswith((".", "/", "~")) or text.count("/") != 1 or text.endswith(".safetensors"):  # not owner/name
         raise FluxKleinError(f"model '{text}' not found: no such folder or file, and it is not a Hugging Face repo id (owner/name)")
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, HFValidationError, LocalEntryNotFoundError
     from huggingface_hub.errors import RepositoryNotFoundError
 
     patterns = allow_patterns or HUB_PATTERNS
     offline = hub_offline()
+    cache = str(cache_dir or constants.HF_HUB_CACHE)  # the folder huggingface_hub downloads into
     if not offline:
-        announce_download(text, patterns, cache_dir)
-    cache = hub_cache(cache_dir)
+        announce_download(text, patterns, cache)
     try:
         return Path(snapshot_download(repo_id=text, allow_patterns=patterns, cache_dir=cache_dir))
     except GatedRepoError:
@@ -373,7 +366,7 @@ def resolve_model(model: str | Path, allow_patterns: list[str] | None = None, ca
         ) from None
 
 
-def announce_download(repo: str, patterns: list[str], cache_dir=None) -> None:
+def announce_download(repo: str, patterns: list[str], cache: str) -> None:
     """Say how much is about to be downloaded and where (a `Notice`), when it is large.
 
     One hub call lists the files with their sizes; the files already cached are not counted. Any
@@ -387,11 +380,11 @@ def announce_download(repo: str, patterns: list[str], cache_dir=None) -> None:
         files = {s.rfilename: s.size or 0 for s in info.siblings or []}
         wanted = filter_repo_objects(list(files), allow_patterns=patterns)
         need = sum(files[f] for f in wanted
-                   if not isinstance(try_to_load_from_cache(repo, f, cache_dir=cache_dir, revision=info.sha), str))
+                   if not isinstance(try_to_load_from_cache(repo, f, cache_dir=cache, revision=info.sha), str))
     except Exception:  # noqa: BLE001: unreachable, unknown, gated, an older huggingface_hub: the download says it
         return
     if need >= LARGE_DOWNLOAD:
-        warnings.warn(f"downloading {repo}: {need / 1e9:.1f} GB into {hub_cache(cache_dir)} (once; Ctrl-C stops it, "
+        warnings.warn(f"downloading {repo}: {need / 1e9:.1f} GB into {cache} (once; Ctrl-C stops it, "
                       "and --model DIR uses a copy you already have)", Notice)
 
 
