@@ -44,7 +44,7 @@ class Lora:
     @property
     def nbytes(self) -> int:
         """Bytes of the LoRA tensors held in memory."""
-        return sum(a.nbytes for t in self.terms for a in t.arrays())
+        return sum(a.nbytes for t in self.terms for a in (t.down, t.up, t.w1, t.w2) if a is not None)
 
     def record(self) -> dict:
         """What PNG metadata and config.json store about this LoRA."""
@@ -265,9 +265,8 @@ class LoRAQuantizedLinear(nn.QuantizedLinear):
 class LoraState:
     """What `apply_loras` changed on a model: original float weights and the wrapped quantized layers."""
 
-    def __init__(self, loras: list[Lora], keep_originals: bool):
+    def __init__(self, loras: list[Lora]):
         self.loras = loras
-        self.keep_originals = keep_originals
         self.originals: dict[str, mx.array] = {}  # layer path -> original float weight
         self.fused: list[str] = []  # float layers with updates fused in
         self.wrapped: list[str] = []  # layer paths now LoRAQuantizedLinear
@@ -291,7 +290,7 @@ def remove_loras(model: nn.Module) -> None:
     state = getattr(model, "lora_state", None)
     if state is None:
         return
-    if state.fused and not state.keep_originals:
+    if state.fused and not state.originals:  # fused with keep_originals=False
         raise FluxKleinError("these LoRAs were fused without keeping the original weights; reload the model to remove them")
     for path, weight in state.originals.items():
         _get(model, path).weight = weight
@@ -325,7 +324,7 @@ def apply_loras(model: nn.Module, loras: list[Lora], keep_originals: bool = True
         out = layer.weight.shape[0]
         if any(t.rows[1] > out for t in terms):
             raise FluxKleinError(f"layer {path} has {out} outputs; the LoRA was read for another model")
-    state = LoraState(list(loras), keep_originals)
+    state = LoraState(list(loras))
     new_weights, wrapped = [], []
     for path, terms in by_layer.items():
         layer = _get(model, path)

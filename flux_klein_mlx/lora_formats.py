@@ -92,9 +92,6 @@ class Term:
             return self.up.shape[0], self.down.shape[1]
         return self.w1.shape[0] * self.w2.shape[0], self.w1.shape[1] * self.w2.shape[1]
 
-    def arrays(self) -> list[mx.array]:
-        return [a for a in (self.down, self.up, self.w1, self.w2) if a is not None]
-
 
 @dataclass
 class ParsedLora:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from .errors import FluxKleinError, Notice
 
@@ -151,8 +152,6 @@ def load_into(model, weights: dict[str, mx.array], what: str, dtype=None) -> Non
     unexpected keys are listed (first few) with their count, so a wrong or partial checkpoint
     never loads silently. Floating tensors are cast to `dtype` when given.
     """
-    from mlx.utils import tree_flatten
-
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
