@@ -366,8 +366,7 @@ def check_weights(info: ModelInfo, names=COMPONENTS) -> None:
 
     Each file's safetensors header must parse and the file must hold all the bytes it lists
     (a truncated file is caught here); the component's tensors, under our names, must be exactly
-    the parameters its config (and stored quantization) asks for, with their shapes. Nothing is
-    evaluated, so this costs the headers, not the weights.
+    the parameters its config (and stored quantization) asks for, with their shapes.
     """
     for name in names:
         for f in info.files[name]:

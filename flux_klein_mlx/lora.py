@@ -175,10 +175,7 @@ def pair_scales(sources, scales) -> list[tuple[object, float]]:
 
 def load_loras(loras, params, partial: bool = False) -> list[Lora]:
     """`["a.safetensors", ("b.safetensors", 0.8)]` -> validated `Lora`s, all read before any is applied."""
-    if loras is None:
-        return []
-    if isinstance(loras, (str, Path)):
-        loras = [loras]
+    loras = [loras] if isinstance(loras, (str, Path)) else loras or []
     return [load_lora(source, params, scale, partial) for source, scale in map(parse_lora_spec, loras)]
 
 
