@@ -6,6 +6,7 @@ evaluated, so tensors that a caller drops (e.g. Qwen3 layers above 27) are never
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -371,8 +372,6 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str
     The tensors are evaluated (LoRAs are small, and the file may be gone or replaced later); a
     missing, damaged or non-safetensors file raises FluxKleinError.
     """
-    import hashlib
-
     path = Path(path)
     if not path.is_file():
         raise FluxKleinError(f"LoRA file not found: {path}")
