@@ -19,27 +19,17 @@ def from_dict(cls, d: dict, renames: dict[str, str] | None = None):
     Lists become tuples for tuple-typed fields (JSON has no tuples), None values are dropped so
     that defaults apply.
     """
-    names = {f.name: f for f in fields(cls)}
-    kw = {}
-    for key, value in d.items():
-        key = (renames or {}).get(key, key)
-        if key in names and value is not None:
-            kw[key] = tuple(value) if isinstance(value, list) else value
-    return cls(**kw)
+    names = {f.name for f in fields(cls)}
+    pairs = (((renames or {}).get(k, k), v) for k, v in d.items() if v is not None)
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in pairs if k in names})
 
 
 # --- the flow transformer ------------------------------------------------------------------------
 
 # diffusers `transformer/config.json` names -> ours (BFL's)
-_DIFFUSERS_TRANSFORMER = {
-    "num_layers": "depth",
-    "num_single_layers": "depth_single",
-    "joint_attention_dim": "context_in_dim",
-    "axes_dims_rope": "axes_dim",
-    "rope_theta": "theta",
-    "timestep_guidance_channels": "time_channels",
-    "num_attention_heads": "num_heads",
-}
+_DIFFUSERS_TRANSFORMER = {"num_layers": "depth", "num_single_layers": "depth_single",
+                          "joint_attention_dim": "context_in_dim", "axes_dims_rope": "axes_dim", "rope_theta": "theta",
+                          "timestep_guidance_channels": "time_channels", "num_attention_heads": "num_heads"}
 
 
 @dataclass
@@ -61,15 +51,11 @@ class FluxKleinParams:
     def __post_init__(self):
         self.axes_dim = tuple(int(a) for a in self.axes_dim)
         if self.hidden_size % self.num_heads:
-            raise FluxKleinError(
-                f"transformer config is inconsistent: hidden size {self.hidden_size} is not a multiple of "
-                f"{self.num_heads} heads; fix config.json"
-            )
+            raise FluxKleinError(f"transformer config is inconsistent: hidden size {self.hidden_size} is not a "
+                                 f"multiple of {self.num_heads} heads; fix config.json")
         if sum(self.axes_dim) != self.head_dim or any(a % 2 for a in self.axes_dim):
-            raise FluxKleinError(
-                f"transformer config is inconsistent: RoPE axes {self.axes_dim} must be even and sum to the "
-                f"head dim {self.head_dim}; fix config.json"
-            )
+            raise FluxKleinError(f"transformer config is inconsistent: RoPE axes {self.axes_dim} must be even and sum "
+                                 f"to the head dim {self.head_dim}; fix config.json")
 
     @property
     def head_dim(self) -> int:
@@ -153,18 +139,14 @@ class Qwen3Config:
                 continue
             kind = rope.get("rope_type", rope.get("type", "default"))
             if kind not in (None, "default"):
-                raise FluxKleinError(
-                    f"the text encoder config asks for '{kind}' RoPE scaling, which FLUX.2 [klein]'s "
-                    "Qwen3 does not use; use the text_encoder/ of a FLUX.2 [klein] snapshot"
-                )
+                raise FluxKleinError(f"the text encoder config asks for '{kind}' RoPE scaling, which FLUX.2 [klein]'s "
+                                     "Qwen3 does not use; use the text_encoder/ of a FLUX.2 [klein] snapshot")
             if "rope_theta" in rope and d.get("rope_theta") is None:
                 d["rope_theta"] = rope["rope_theta"]
         required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         missing = [k for k in required if d.get(k) is None]
         if missing:
-            raise FluxKleinError(
-                f"the text encoder config lacks {', '.join(missing)}; it is not a Qwen3 config.json"
-            )
+            raise FluxKleinError(f"the text encoder config lacks {', '.join(missing)}; it is not a Qwen3 config.json")
         return from_dict(cls, d)
 
 
@@ -196,9 +178,7 @@ class AutoEncoderConfig:
         """The VAE shared by every FLUX.2 [klein] model."""
         return cls()
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "AutoEncoderConfig":
-        return from_dict(cls, d)
+    from_dict = classmethod(from_dict)
 
     @property
     def downscale(self) -> int:

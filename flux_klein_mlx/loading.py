@@ -24,16 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .config import (
-    KV_PIPELINE_CLASS,
-    PIPELINE_CLASSES,
-    VARIANTS,
-    AutoEncoderConfig,
-    FluxKleinParams,
-    Qwen3Config,
-    sampling_defaults,
-    variant_for,
-)
+from .config import (KV_PIPELINE_CLASS, PIPELINE_CLASSES, VARIANTS, AutoEncoderConfig, FluxKleinParams, Qwen3Config,
+                     sampling_defaults, variant_for)
 from .errors import FluxKleinError
 from .quantize import apply_quantization, check_record, evaluate_by_layer, quantize_model
 from .text_encoder import OUT_LAYERS, Qwen3TextEncoder, keeps_key, sanitize_qwen3_weights
@@ -107,9 +99,8 @@ class ModelInfo:
     @property
     def name(self) -> str:
         row = variant_for(self.params, self.is_distilled, self.reference_kv)
-        if row is not None:
-            return row.title
-        return "FLUX.2 [klein] (custom size)" + (" KV" if self.reference_kv else "" if self.is_distilled else " Base")
+        custom = "FLUX.2 [klein] (custom size)" + (" KV" if self.reference_kv else "" if self.is_distilled else " Base")
+        return row.title if row is not None else custom
 
 
 # --- describe ------------------------------------------------------------------------------------
@@ -134,21 +125,10 @@ def read_mlx_config(folder: str | Path) -> dict:
 
 def is_mlx_folder(path: str | Path) -> bool:
     """Whether `path` is a folder written by `convert` (has a config.json with our format marker)."""
-    path = Path(path) / "config.json"
-    if not path.is_file():
-        return False
     try:
-        return json.loads(path.read_text()).get("format") == FORMAT
-    except (ValueError, AttributeError):
+        return json.loads((Path(path) / "config.json").read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):  # no config.json, not JSON, not a table
         return False
-
-
-def _dev_check(config: dict, where: Path) -> None:
-    if config.get("guidance_embeds"):
-        raise FluxKleinError(
-            f"not a klein checkpoint: it is FLUX.2-dev ({where} has guidance_embeds); "
-            "use a FLUX.2 [klein] 4B or 9B model"
-        )
 
 
 def _part_folder(folder: Path) -> Path:
@@ -161,30 +141,10 @@ def _bfl_transformer_config(file: Path, base: Path) -> dict:
     """Hyper-parameters of a BFL single file: the base snapshot's when its shapes agree (it also
     carries theta/eps/axes), else the file's own shapes."""
     params = infer_params(sanitize_flux2_klein_weights(read_safetensors(file)))
-    base_config = base / "transformer" / "config.json"
-    if base_config.is_file():
-        config = read_json(base_config)
-        if FluxKleinParams.from_dict(config).shape_key() == params.shape_key():
-            return config
+    config = _optional_json(base / "transformer" / "config.json")
+    if config is not None and FluxKleinParams.from_dict(config).shape_key() == params.shape_key():
+        return config
     return dataclasses.asdict(params)
-
-
-def _check_text_width(context_in_dim: int, te: Qwen3Config, where: Path) -> None:
-    """The transformer's joint_attention_dim must be the encoder's 3 stacked hidden states."""
-    width = len(OUT_LAYERS) * te.hidden_size
-    if context_in_dim == width:
-        return
-    encoders = {2560: "Qwen3-4B", 4096: "Qwen3-8B"}
-    dits = {7680: "klein-4B", 12288: "klein-9B"}
-    names = (
-        f": the text encoder is {encoders[te.hidden_size]}, the transformer {dits[context_in_dim]}"
-        if te.hidden_size in encoders and context_in_dim in dits
-        else ": use the text encoder from the same snapshot as the transformer"
-    )
-    raise FluxKleinError(
-        f"text encoder hidden size {te.hidden_size} ({where}) gives {width}-wide embeddings but the "
-        f"transformer expects {context_in_dim} (joint_attention_dim){names}"
-    )
 
 
 def _check_fit(configs: dict[str, dict], where: dict[str, Path]) -> None:
@@ -192,12 +152,20 @@ def _check_fit(configs: dict[str, dict], where: dict[str, Path]) -> None:
     params = FluxKleinParams.from_dict(configs["transformer"])
     vae = AutoEncoderConfig.from_dict(configs["vae"])
     check_flux2(vae, None)
-    _check_text_width(params.context_in_dim, Qwen3Config.from_dict(configs["text_encoder"]), where["text_encoder"])
+    te_width = Qwen3Config.from_dict(configs["text_encoder"]).hidden_size
+    width = len(OUT_LAYERS) * te_width  # the encoder's 3 stacked hidden states
+    if params.context_in_dim != width:
+        encoder = {2560: "Qwen3-4B", 4096: "Qwen3-8B"}.get(te_width)
+        dit = {7680: "klein-4B", 12288: "klein-9B"}.get(params.context_in_dim)
+        names = (f"the text encoder is {encoder}, the transformer {dit}" if encoder and dit
+                 else "use the text encoder from the same snapshot as the transformer")
+        raise FluxKleinError(f"text encoder hidden size {te_width} ({where['text_encoder']}) gives {width}-wide "
+                             f"embeddings but the transformer expects {params.context_in_dim} (joint_attention_dim): "
+                             f"{names}")
     if params.in_channels != vae.token_channels:
-        raise FluxKleinError(
-            f"the transformer reads {params.in_channels} latent channels but the VAE in {where['vae']} makes "
-            f"{vae.token_channels}; the snapshot mixes components of different models (use the FLUX.2 VAE)"
-        )
+        raise FluxKleinError(f"the transformer reads {params.in_channels} latent channels but the VAE in "
+                             f"{where['vae']} makes {vae.token_channels}; the snapshot mixes components of different "
+                             "models (use the FLUX.2 VAE)")
 
 
 def describe(model: str | Path, base: str | Path | None = None, vae: str | Path | None = None) -> ModelInfo:
@@ -218,38 +186,29 @@ def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
         return _describe_bfl(model, path, base)
     if is_mlx_folder(path):
         config = read_mlx_config(path)
-        tokenizer = path / config.get("tokenizer", "tokenizer")
         return ModelInfo(
             source=str(model), path=path, format="mlx", is_distilled=bool(config.get("is_distilled")),
             configs={n: config[n]["config"] for n in COMPONENTS},
             files={n: prefixed_files(path, n) for n in COMPONENTS},
             quantization={n: config[n].get("quantization") for n in COMPONENTS},
-            tokenizer=tokenizer, scheduler=config.get("scheduler"), stored_dtype=config.get("dtype"),
-            original=config.get("source"), reference_kv=bool(config.get("reference_kv", False)),
+            tokenizer=path / config.get("tokenizer", "tokenizer"), scheduler=config.get("scheduler"),
+            stored_dtype=config.get("dtype"), original=config.get("source"),
+            reference_kv=bool(config.get("reference_kv", False)),
         )  # fmt: skip
     if not (path / "model_index.json").is_file():
-        raise FluxKleinError(
-            f"{path} is not a FLUX.2 [klein] snapshot or model folder: no model_index.json (diffusers layout) and no "
-            "config.json written by `convert`"
-        )
+        raise FluxKleinError(f"{path} is not a FLUX.2 [klein] snapshot or model folder: no model_index.json "
+                             "(diffusers layout) and no config.json written by `convert`")
     index = read_json(path / "model_index.json")
     kind = index.get("_class_name")
     if kind not in PIPELINE_CLASSES:
-        raise FluxKleinError(
-            f"{path} holds a {kind} model; flux_klein_mlx runs FLUX.2 [klein] 4B/9B (Flux2KleinPipeline), distilled or "
-            f"Base, and klein 9B-KV ({KV_PIPELINE_CLASS})"
-        )
-    kv = kind == KV_PIPELINE_CLASS  # distilled, although its index has no is_distilled key
+        raise FluxKleinError(f"{path} holds a {kind} model; flux_klein_mlx runs FLUX.2 [klein] 4B/9B "
+                             f"(Flux2KleinPipeline), distilled or Base, and klein 9B-KV ({KV_PIPELINE_CLASS})")
     folders = {n: _part_folder(path / n) for n in COMPONENTS}
     configs = {n: read_json(folders[n] / "config.json") for n in COMPONENTS}
-    _dev_check(configs["transformer"], folders["transformer"] / "config.json")
-    _check_fit(configs, folders)
-    return ModelInfo(
-        source=str(model), path=path, format="diffusers", is_distilled=kv or bool(index.get("is_distilled", False)),
-        configs=configs, files={n: component_files(folders[n]) for n in COMPONENTS},
-        quantization={n: None for n in COMPONENTS}, tokenizer=path / "tokenizer",
-        scheduler=_optional_json(path / "scheduler" / "scheduler_config.json"), reference_kv=kv,
-    )  # fmt: skip
+    if configs["transformer"].get("guidance_embeds"):
+        raise FluxKleinError(f"not a klein checkpoint: it is FLUX.2-dev ({folders['transformer'] / 'config.json'} has "
+                             "guidance_embeds); use a FLUX.2 [klein] 4B or 9B model")
+    return _snapshot_info(model, path, "diffusers", path, index, configs, folders, {})
 
 
 def _describe_bfl(model, file: Path, base) -> ModelInfo:
@@ -257,24 +216,28 @@ def _describe_bfl(model, file: Path, base) -> ModelInfo:
         raise FluxKleinError(f"{file} is not a .safetensors file; pass a model folder, a repo id or a BFL .safetensors file")
     base_path = resolve_model(base) if base is not None else file.parent
     if not (base_path / "text_encoder").is_dir() or not (base_path / "vae").is_dir():
-        raise FluxKleinError(
-            f"a single transformer file needs the text encoder, VAE and tokenizer of a diffusers snapshot, "
-            f"and {base_path} has none; pass --base with a FLUX.2 [klein] folder or repo id"
-        )
+        raise FluxKleinError("a single transformer file needs the text encoder, VAE and tokenizer of a diffusers "
+                             f"snapshot, and {base_path} has none; pass --base with a FLUX.2 [klein] folder or repo id")
     folders = {n: _part_folder(base_path / n) for n in ("text_encoder", "vae")}
     configs = {"transformer": _bfl_transformer_config(file, base_path)}
     configs.update({n: read_json(folders[n] / "config.json") for n in folders})
-    _check_fit(configs, folders)
-    index = base_path / "model_index.json"
+    info = _snapshot_info(model, file, "bfl", base_path, _optional_json(base_path / "model_index.json") or {},
+                          configs, folders, {"transformer": [file]})
     # A Base checkpoint next to (or based on) a distilled snapshot is still a Base model.
-    index = read_json(index) if index.is_file() else {}
-    kv = index.get("_class_name") == KV_PIPELINE_CLASS  # a 9B-KV file with the 9B-KV snapshot as its base
-    distilled = kv or bool(index.get("is_distilled", False))
+    info.is_distilled = info.is_distilled and "base" not in file.name.lower()
+    return info
+
+
+def _snapshot_info(model, path: Path, fmt: str, snapshot: Path, index: dict, configs: dict, folders: dict,
+                   files: dict) -> ModelInfo:
+    """A diffusers snapshot's ModelInfo (`snapshot` has the tokenizer, scheduler and `folders`), checked."""
+    _check_fit(configs, folders)
+    kv = index.get("_class_name") == KV_PIPELINE_CLASS  # distilled, although its index has no is_distilled key
     return ModelInfo(
-        source=str(model), path=file, format="bfl", is_distilled=distilled and "base" not in file.name.lower(),
-        configs=configs, files={"transformer": [file], **{n: component_files(folders[n]) for n in folders}},
-        quantization={n: None for n in COMPONENTS}, tokenizer=base_path / "tokenizer",
-        scheduler=_optional_json(base_path / "scheduler" / "scheduler_config.json"), reference_kv=kv,
+        source=str(model), path=path, format=fmt, is_distilled=kv or bool(index.get("is_distilled", False)),
+        configs=configs, files={**files, **{n: component_files(f) for n, f in folders.items()}},
+        quantization=dict.fromkeys(COMPONENTS), tokenizer=snapshot / "tokenizer",
+        scheduler=_optional_json(snapshot / "scheduler" / "scheduler_config.json"), reference_kv=kv,
     )  # fmt: skip
 
 
@@ -338,10 +301,9 @@ def _vae_files(path: Path) -> tuple[dict | None, list[Path], str]:
     folder = path / "vae" if (path / "vae").is_dir() else path
     config = _optional_json(folder / "config.json")
     if not isinstance(config, dict) or "block_out_channels" not in config:
-        raise FluxKleinError(
-            f"{path} has no VAE: expected a config.json with block_out_channels and its weights (a VAE repo such as "
-            "black-forest-labs/FLUX.2-small-decoder, a vae/ folder, or a model folder with one), or a .safetensors file"
-        )
+        raise FluxKleinError(f"{path} has no VAE: expected a config.json with block_out_channels and its weights (a "
+                             "VAE repo such as black-forest-labs/FLUX.2-small-decoder, a vae/ folder, or a model "
+                             "folder with one), or a .safetensors file")
     single = folder / "diffusion_pytorch_model.safetensors"
     indexed = any(folder.glob("*.safetensors.index.json"))
     return config, [single] if single.is_file() and not indexed else component_files(folder), str(folder)
@@ -359,20 +321,16 @@ def read_component(info: ModelInfo, name: str) -> dict[str, mx.array]:
             weights = merge_decoder(weights, sanitize("vae", read_weight_files(info.decoder_files)))
         return weights
     weights = read_weight_files(info.files[name], keep=keeps_key if name == "text_encoder" else None)
-    if info.format != "mlx":  # converted folders are stored under our names already
-        weights = sanitize(name, weights)
-    return weights
+    return weights if info.format == "mlx" else sanitize(name, weights)  # converted folders have our names
 
 
 def build_module(name: str, config: dict) -> nn.Module:
-    """An unloaded (lazily initialised, so free) module for one component's config."""
+    """An unloaded (lazily initialised, so free) module for one component's config (`name` checked by callers)."""
     if name == "transformer":
         return FluxKlein(FluxKleinParams.from_dict(config))
     if name == "text_encoder":
         return Qwen3TextEncoder(Qwen3Config.from_dict(config))
-    if name == "vae":
-        return AutoEncoder(AutoEncoderConfig.from_dict(config))
-    raise ValueError(f"unknown component {name!r}; expected one of {COMPONENTS}")
+    return AutoEncoder(AutoEncoderConfig.from_dict(config))
 
 
 def sanitize(name: str, weights: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -386,15 +344,8 @@ def sanitize(name: str, weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return weights
 
 
-def assemble(
-    name: str,
-    config: dict,
-    weights: dict[str, mx.array],
-    dtype=None,
-    record: dict | None = None,
-    bits: int | None = None,
-    group_size: int = 64,
-) -> tuple[nn.Module, dict | None]:
+def assemble(name: str, config: dict, weights: dict[str, mx.array], dtype=None, record: dict | None = None,
+             bits: int | None = None, group_size: int = 64) -> tuple[nn.Module, dict | None]:
     """Module + sanitized weights -> a strictly loaded, lazy module and its quantization record.
 
     `record` rebuilds a stored quantization before the strict load; `bits` quantizes an
@@ -415,8 +366,7 @@ def check_weights(info: ModelInfo, names=COMPONENTS) -> None:
 
     Each file's safetensors header must parse and the file must hold all the bytes it lists
     (a truncated file is caught here); the component's tensors, under our names, must be exactly
-    the parameters its config (and stored quantization) asks for, with their shapes. Nothing is
-    evaluated, so this costs the headers, not the weights.
+    the parameters its config (and stored quantization) asks for, with their shapes.
     """
     for name in names:
         for f in info.files[name]:
@@ -424,9 +374,8 @@ def check_weights(info: ModelInfo, names=COMPONENTS) -> None:
         assemble(name, info.configs[name], read_component(info, name), None, info.quantization[name])
 
 
-def load_component(
-    info: ModelInfo, name: str, dtype=None, quantize: int | None = None, group_size: int = 64
-) -> nn.Module:
+def load_component(info: ModelInfo, name: str, dtype=None, quantize: int | None = None,
+                   group_size: int = 64) -> nn.Module:
     """Load one component of a described model, evaluated layer by layer.
 
     `dtype` casts floating tensors (None: as stored); `quantize` 4 or 8 quantizes an unquantized

@@ -18,10 +18,12 @@ import math
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
 
 from .errors import FluxKleinError
 from .lora_formats import Term, parse_lora
@@ -42,7 +44,7 @@ class Lora:
     @property
     def nbytes(self) -> int:
         """Bytes of the LoRA tensors held in memory."""
-        return sum(a.nbytes for t in self.terms for a in t.arrays())
+        return sum(a.nbytes for t in self.terms for a in (t.down, t.up, t.w1, t.w2) if a is not None)
 
     def record(self) -> dict:
         """What PNG metadata and config.json store about this LoRA."""
@@ -97,15 +99,11 @@ def load_lora(source, params, scale: float = 1.0, partial: bool = False) -> Lora
     n, miss = parsed.n_modules, parsed.unmatched
     head = ", ".join(miss[:3]) + (", ..." if len(miss) > 3 else "")
     if not parsed.terms:
-        raise FluxKleinError(
-            f"LoRA {what} matches no layer of the model: none of its {n} modules ({head}) is a klein "
-            "transformer layer; it was made for another model"
-        )
+        raise FluxKleinError(f"LoRA {what} matches no layer of the model: none of its {n} modules ({head}) is a klein "
+                             "transformer layer; it was made for another model")
     if miss and not partial:
-        raise FluxKleinError(
-            f"LoRA {what}: {len(miss)} of its {n} modules match no layer of {params.describe()} ({head}); "
-            "load the rest anyway with --lora-partial (partial=True)"
-        )
+        raise FluxKleinError(f"LoRA {what}: {len(miss)} of its {n} modules match no layer of {params.describe()} "
+                             f"({head}); load the rest anyway with --lora-partial (partial=True)")
     check_magnitude(parsed.terms, scale, what)
     _warn_about_alpha(parsed.terms, what)
     return Lora(path.name, sha[:12], scale, parsed.format, parsed.terms, str(path))
@@ -146,10 +144,9 @@ def check_magnitude(terms: list[Term], scale: float, what: str) -> None:
             exact = (t.up.astype(mx.float32) / mu) @ (t.down.astype(mx.float32) / md)
             peak = mx.abs(exact).max().item() * mu * md * factor
         if peak > MAX_UPDATE:
-            raise FluxKleinError(
-                f"LoRA {what}: its update of {t.key} reaches {peak:.3g} (scale {scale:g} x alpha/rank {t.factor:g} x "
-                f"its factors), beyond {MAX_UPDATE:g}, which no weight survives; the file, its alpha or the scale is wrong"
-            )
+            raise FluxKleinError(f"LoRA {what}: its update of {t.key} reaches {peak:.3g} (scale {scale:g} x "
+                                 f"alpha/rank {t.factor:g} x its factors), beyond {MAX_UPDATE:g}, which no weight "
+                                 "survives; the file, its alpha or the scale is wrong")
 
 
 def _warn_about_alpha(terms: list[Term], what: str) -> None:
@@ -171,18 +168,14 @@ def pair_scales(sources, scales) -> list[tuple[object, float]]:
     """
     sources, scales = list(sources), list(scales)
     if len(scales) > len(sources):
-        raise FluxKleinError(
-            f"--lora-scale is given {len(scales)} times but --lora {len(sources)} times; give one scale per LoRA, in order"
-        )
+        raise FluxKleinError(f"--lora-scale is given {len(scales)} times but --lora {len(sources)} times; give one "
+                             "scale per LoRA, in order")
     return [(s, scales[i] if i < len(scales) else 1.0) for i, s in enumerate(sources)]
 
 
 def load_loras(loras, params, partial: bool = False) -> list[Lora]:
     """`["a.safetensors", ("b.safetensors", 0.8)]` -> validated `Lora`s, all read before any is applied."""
-    if loras is None:
-        return []
-    if isinstance(loras, (str, Path)):
-        loras = [loras]
+    loras = [loras] if isinstance(loras, (str, Path)) else loras or []
     return [load_lora(source, params, scale, partial) for source, scale in map(parse_lora_spec, loras)]
 
 
@@ -211,18 +204,7 @@ def _delta(t: Term) -> mx.array:
     if t.down is not None:
         return t.up.astype(mx.float32) @ t.down.astype(mx.float32)
     d = mx.kron(t.w1.astype(mx.float32), t.w2.astype(mx.float32))
-    if t.swap:
-        half = d.shape[0] // 2
-        d = mx.concatenate([d[half:], d[:half]], axis=0)
-    return d
-
-
-class _Hidden:
-    """A plain holder: what it holds is not a parameter or child of the module that keeps it, so saving,
-    strict loads and `parameters()` never see the LoRA tensors or the wrapped layer."""
-
-    def __init__(self, value):
-        self.value = value
+    return mx.roll(d, d.shape[0] // 2, axis=0) if t.swap else d  # rows [2D]: [scale ; shift] -> [shift ; scale]
 
 
 class LoRAQuantizedLinear(nn.QuantizedLinear):
@@ -237,13 +219,14 @@ class LoRAQuantizedLinear(nn.QuantizedLinear):
         self.group_size, self.bits, self.mode = base.group_size, base.bits, base.mode
         for k, v in base.items():
             self[k] = v
-        self._base = _Hidden(base)
-        self._lora = _Hidden(terms)
+        # In a plain holder, not a parameter or child of this module: saving, strict loads and `parameters()`
+        # never see the LoRA tensors or the wrapped layer.
+        self._hidden = SimpleNamespace(base=base, terms=terms)
         self.freeze()
 
     @property
     def base(self) -> nn.QuantizedLinear:
-        return self._base.value
+        return self._hidden.base
 
     @property
     def out_dims(self) -> int:
@@ -256,29 +239,21 @@ class LoRAQuantizedLinear(nn.QuantizedLinear):
         """The LoRA share of `x @ W[rows, c0:c1].T` (x holds only columns c0:c1); zeros where no term lands."""
         r0, r1, _ = rows.indices(self.out_dims)
         c0, c1 = cols[0], x.shape[-1] + cols[0]
-        whole, pieces = None, {}
-        for t in self._lora.value:
+        whole, pieces = [], {}  # outputs of terms over all rows r0:r1; of terms over row blocks
+        for t in self._hidden.terms:
             lo, hi = max(t.rows[0], r0), min(t.rows[1], r1)
-            if lo >= hi:
-                continue
-            y = _term_output(t, x, (c0, c1), (lo - t.rows[0], hi - t.rows[0]))
-            if (lo, hi) == (r0, r1):
-                whole = y if whole is None else whole + y
-            else:
-                pieces[(lo, hi)] = y + pieces[(lo, hi)] if (lo, hi) in pieces else y
+            if lo < hi:
+                y = _term_output(t, x, (c0, c1), (lo - t.rows[0], hi - t.rows[0]))
+                (whole if (lo, hi) == (r0, r1) else pieces.setdefault((lo, hi), [])).append(y)
         if pieces:
             # Row blocks (q, k, v of a fused qkv) are disjoint: concatenate them with zeros in the gaps.
             parts, at = [], r0
-            for (lo, hi), y in sorted(pieces.items()):
-                if lo > at:
-                    parts.append(mx.zeros((*x.shape[:-1], lo - at), dtype=x.dtype))
-                parts.append(y)
+            for (lo, hi), ys in sorted(pieces.items()):
+                parts += [mx.zeros((*x.shape[:-1], lo - at), dtype=x.dtype), sum(ys[1:], ys[0])]
                 at = hi
-            if at < r1:
-                parts.append(mx.zeros((*x.shape[:-1], r1 - at), dtype=x.dtype))
-            blocks = mx.concatenate(parts, axis=-1)
-            whole = blocks if whole is None else whole + blocks
-        return whole if whole is not None else mx.zeros((*x.shape[:-1], r1 - r0), dtype=x.dtype)
+            parts.append(mx.zeros((*x.shape[:-1], r1 - at), dtype=x.dtype))
+            whole.append(mx.concatenate(parts, axis=-1))
+        return sum(whole[1:], whole[0]) if whole else mx.zeros((*x.shape[:-1], r1 - r0), dtype=x.dtype)
 
 
 # --- applying and removing ------------------------------------------------------------------------------
@@ -287,9 +262,8 @@ class LoRAQuantizedLinear(nn.QuantizedLinear):
 class LoraState:
     """What `apply_loras` changed on a model: original float weights and the wrapped quantized layers."""
 
-    def __init__(self, loras: list[Lora], keep_originals: bool):
+    def __init__(self, loras: list[Lora]):
         self.loras = loras
-        self.keep_originals = keep_originals
         self.originals: dict[str, mx.array] = {}  # layer path -> original float weight
         self.fused: list[str] = []  # float layers with updates fused in
         self.wrapped: list[str] = []  # layer paths now LoRAQuantizedLinear
@@ -300,15 +274,6 @@ def _get(model: nn.Module, path: str):
     for p in path.split("."):
         obj = obj[int(p)] if isinstance(obj, list) else getattr(obj, p)
     return obj
-
-
-def _set(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent_path, _, last = path.rpartition(".")
-    parent = _get(model, parent_path) if parent_path else model
-    if isinstance(parent, list):
-        parent[int(last)] = module
-    else:
-        setattr(parent, last, module)
 
 
 def applied_loras(model: nn.Module) -> list[Lora]:
@@ -322,22 +287,16 @@ def remove_loras(model: nn.Module) -> None:
     state = getattr(model, "lora_state", None)
     if state is None:
         return
-    if state.fused and not state.keep_originals:
+    if state.fused and not state.originals:  # fused with keep_originals=False
         raise FluxKleinError("these LoRAs were fused without keeping the original weights; reload the model to remove them")
     for path, weight in state.originals.items():
         _get(model, path).weight = weight
-    for path in state.wrapped:
-        _set(model, path, _get(model, path).base)
+    model.update_modules(tree_unflatten([(path, _get(model, path).base) for path in state.wrapped]))
     model.lora_state = None
 
 
-def apply_loras(
-    model: nn.Module,
-    loras: list[Lora],
-    keep_originals: bool = True,
-    evaluate: bool = True,
-    reread: Callable[[str], mx.array] | None = None,
-) -> None:
+def apply_loras(model: nn.Module, loras: list[Lora], keep_originals: bool = True, evaluate: bool = True,
+                reread: Callable[[str], mx.array] | None = None) -> None:
     """Apply `loras` (from `load_loras`) to a klein transformer, replacing whatever was applied before.
 
     Float layers get the summed update fused into their weight (the original is kept for
@@ -362,12 +321,12 @@ def apply_loras(
         out = layer.weight.shape[0]
         if any(t.rows[1] > out for t in terms):
             raise FluxKleinError(f"layer {path} has {out} outputs; the LoRA was read for another model")
-    state = LoraState(list(loras), keep_originals)
-    new_weights = []
+    state = LoraState(list(loras))
+    new_weights, wrapped = [], []
     for path, terms in by_layer.items():
         layer = _get(model, path)
         if isinstance(layer, nn.QuantizedLinear):
-            _set(model, path, LoRAQuantizedLinear(layer, terms))
+            wrapped.append((path, LoRAQuantizedLinear(layer, terms)))
             state.wrapped.append(path)
             continue
         W = layer.weight  # (out, in)
@@ -379,6 +338,7 @@ def apply_loras(
             state.originals[path] = W if reread is None else reread(path)
         layer.weight = (W.astype(mx.float32) + delta).astype(W.dtype)  # one rounding
         new_weights.append(layer.weight)
+    model.update_modules(tree_unflatten(wrapped))
     if evaluate:
         mx.eval(new_weights)
     model.lora_state = state if loras else None

@@ -58,6 +58,8 @@ _ALIASES_TOP = {"time_guidance_embed.linear_1": "time_guidance_embed.timestep_em
 _ALIASES_DOUBLE = {"attn.to_out": "attn.to_out.0", "ff.activation.proj": "ff.linear_in",
                   "ff_context.activation.proj": "ff_context.linear_in"}  # fmt: skip
 _ALIASES_SINGLE = {"attn.to_qkv_mlp": "attn.to_qkv_mlp_proj"}
+# diffusers' own fused projections (after `fuse_qkv_projections`, as its LoKr loader uses), ours
+_FUSED = {"attn.to_qkv": "img_attn.qkv", "attn.to_added_qkv": "txt_attn.qkv"}
 
 
 @dataclass(frozen=True)
@@ -90,9 +92,6 @@ class Term:
             return self.up.shape[0], self.down.shape[1]
         return self.w1.shape[0] * self.w2.shape[0], self.w1.shape[1] * self.w2.shape[1]
 
-    def arrays(self) -> list[mx.array]:
-        return [a for a in (self.down, self.up, self.w1, self.w2) if a is not None]
-
 
 @dataclass
 class ParsedLora:
@@ -107,38 +106,26 @@ class ParsedLora:
 def target_table(params) -> dict[str, Target]:
     """Every module name a klein LoRA may use (ours, diffusers', dotted and underscored) -> its Target."""
     D, M = params.hidden_size, params.mlp_hidden
-    shapes = linear_shapes(params)
-    table = {path: Target(path, (0, out)) for path, (out, _) in shapes.items()}
-
-    def full(theirs: str, ours: str) -> None:
-        table[theirs] = Target(ours, (0, shapes[ours][0]))
-
-    for theirs, ours in DIFFUSERS_TOP.items():
-        full(theirs, ours)
+    table = {path: Target(path, (0, out)) for path, (out, _) in linear_shapes(params).items()}
     table["norm_out.linear"] = Target("final_layer.adaLN_modulation.1", (0, 2 * D), swap=True)
+    for theirs, ours, n, names, aliases in (
+        ("", "", 1, DIFFUSERS_TOP, _ALIASES_TOP),
+        ("transformer_blocks.{}.", "double_blocks.{}.", params.depth, {**DIFFUSERS_DOUBLE, **_FUSED}, _ALIASES_DOUBLE),
+        ("single_transformer_blocks.{}.", "single_blocks.{}.", params.depth_single, DIFFUSERS_SINGLE, _ALIASES_SINGLE),
+    ):
+        names = {k: v for k, v in names.items() if not k.endswith(".weight")}  # the norms are not Linears
+        names.update({alias: names[name] for alias, name in aliases.items()})
+        for i in range(n):  # whole layers under another name
+            table.update({theirs.format(i) + k: table[ours.format(i) + v] for k, v in names.items()})
     for i in range(params.depth):
-        for theirs, ours in DIFFUSERS_DOUBLE.items():
-            if not theirs.endswith(".weight"):  # the norms are not Linears
-                full(f"transformer_blocks.{i}.{theirs}", f"double_blocks.{i}.{ours}")
         for ours, parts in QKV.items():
             for n, part in enumerate(parts):  # diffusers' q, k, v are row blocks of our fused qkv
                 table[f"transformer_blocks.{i}.{part}"] = Target(f"double_blocks.{i}.{ours}", (n * D, (n + 1) * D))
-        # diffusers' own fused projections (after `fuse_qkv_projections`, as its LoKr loader uses)
-        full(f"transformer_blocks.{i}.attn.to_qkv", f"double_blocks.{i}.img_attn.qkv")
-        full(f"transformer_blocks.{i}.attn.to_added_qkv", f"double_blocks.{i}.txt_attn.qkv")
     for j in range(params.depth_single):
-        for theirs, ours in DIFFUSERS_SINGLE.items():
-            if not theirs.endswith(".weight"):
-                full(f"single_transformer_blocks.{j}.{theirs}", f"single_blocks.{j}.{ours}")
         # Separate q/k/v/MLP-in names for the fused linear1, rows [q | k | v | a | b]
         for n, part in enumerate(("to_q", "to_k", "to_v")):
             table[f"single_transformer_blocks.{j}.attn.{part}"] = Target(f"single_blocks.{j}.linear1", (n * D, (n + 1) * D))
         table[f"single_transformer_blocks.{j}.proj_mlp"] = Target(f"single_blocks.{j}.linear1", (3 * D, 3 * D + 2 * M))
-    for prefix, n, aliases in (("", 1, _ALIASES_TOP), ("transformer_blocks.{}.", params.depth, _ALIASES_DOUBLE),
-                               ("single_transformer_blocks.{}.", params.depth_single, _ALIASES_SINGLE)):
-        for i in range(n):
-            for alias, name in aliases.items():
-                table[prefix.format(i) + alias] = table[prefix.format(i) + name]
     table.update({name.replace(".", "_"): t for name, t in list(table.items())})
     return table
 
@@ -159,43 +146,31 @@ def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str,
             continue
         if m.group("other"):
             what_ = "DoRA" if "dora" in key or "magnitude" in key else "LoRA bias / LoHa / full-diff"
-            raise FluxKleinError(
-                f"LoRA {what} holds {what_} weights ({key}), which flux_klein_mlx does not apply; "
-                "use a plain LoRA or LoKr"
-            )
+            raise FluxKleinError(f"LoRA {what} holds {what_} weights ({key}), which flux_klein_mlx does not apply; "
+                                 "use a plain LoRA or LoKr")
         name = m.group("module")
-        role = m.group("lora") or m.group("lokr") or "alpha"
-        if m.group("lora"):
-            role = "down" if role in _DOWN else "up"
-        kind = "E" if m.group("lokr") else None
-        if name.startswith(_UNDERSCORE_PREFIXES):
-            kind = kind or "D"
-            for p in _UNDERSCORE_PREFIXES:
-                name = name.removeprefix(p)
-        else:
-            for p, letter in _PREFIXES:
-                if name.startswith(p):
-                    name, kind = name[len(p) :], kind or letter
-                    break
-        kinds.add(kind)
+        lora = m.group("lora")
+        role = ("down" if lora in _DOWN else "up") if lora else m.group("lokr") or "alpha"
+        kind = "D" if name.startswith(_UNDERSCORE_PREFIXES) else None
+        for p in _UNDERSCORE_PREFIXES:
+            name = name.removeprefix(p)
+        for p, letter in _PREFIXES:  # the first (longest) that matches
+            if kind is None and name.startswith(p):
+                name, kind = name[len(p) :], letter
+        kinds.add("E" if m.group("lokr") else kind)
         if (name, role) in keys:  # e.g. `transformer.x.lora_A.weight` beside `x.lora_A.default.weight`
-            raise FluxKleinError(
-                f"LoRA {what} holds {name}'s {role} {'matrix' if role in ('down', 'up') else 'value'} twice "
-                f"({keys[name, role]} and {key}); "
-                "the file mixes two namings of one module: keep one"
-            )
+            raise FluxKleinError(f"LoRA {what} holds {name}'s {role} "
+                                 f"{'matrix' if role in ('down', 'up') else 'value'} twice ({keys[name, role]} and "
+                                 f"{key}); the file mixes two namings of one module: keep one")
         keys[name, role] = key
         modules.setdefault(name, {})[role] = value
     if unknown:
-        raise FluxKleinError(
-            f"LoRA {what} has {len(unknown)} key(s) that are not LoRA/LoKr weights "
-            f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}); is it a model checkpoint?"
-        )
-    letters = sorted(k for k in kinds if k)
-    fmt = letters[0] if letters else ("B" if any(n.startswith(("double_blocks", "single_blocks")) for n in modules) else "A")
-    if "E" in letters:
-        fmt = "E"
-    return modules, fmt
+        raise FluxKleinError(f"LoRA {what} has {len(unknown)} key(s) that are not LoRA/LoKr weights "
+                             f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}); is it a model "
+                             "checkpoint?")
+    letters = kinds - {None}
+    unprefixed = "B" if any(n.startswith(("double_blocks", "single_blocks")) for n in modules) else "A"
+    return modules, "E" if "E" in letters else min(letters, default=unprefixed)
 
 
 def _metadata_alpha(metadata: dict | None, what: str):
@@ -259,9 +234,8 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
     flux1 = next((n for n in names if flux1_marker(n)), None)
     for hit, family in ((unet, "an SDXL / Stable Diffusion UNet"), (flux1, "FLUX.1")):
         if hit:
-            raise FluxKleinError(
-                f"LoRA {what} was made for {family}, not FLUX.2 [klein] (module {hit}); use a LoRA trained for klein"
-            )
+            raise FluxKleinError(f"LoRA {what} was made for {family}, not FLUX.2 [klein] (module {hit}); use a LoRA "
+                                 "trained for klein")
     bare = [n for n, parts in modules.items() if set(parts) == {"alpha"}]
     if bare:
         head = (f"{len(bare)} `.alpha` keys and no LoRA weights" if len(bare) == len(modules)
@@ -277,8 +251,7 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
             unmatched.append(name)
             continue
         term = _term(name, parts, target, meta_alpha, what)
-        rows = target.rows[1] - target.rows[0]
-        want = (rows, shapes[target.layer][1])
+        want = (target.rows[1] - target.rows[0], shapes[target.layer][1])
         if term.shape != want:
             foreign.append((name, term, want))
             continue
@@ -292,17 +265,11 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
 def _check_overlaps(terms: list[Term], what: str) -> None:
     """Refuse two modules of one file that update the same rows of a layer (one module under two namings:
     diffusers' `to_q` beside BFL's `img_attn.qkv`, mflux's `attn.to_out` beside `attn.to_out.0`)."""
-    by_layer: dict[str, list[Term]] = {}
-    for t in terms:
-        by_layer.setdefault(t.layer, []).append(t)
-    for layer, ts in by_layer.items():
-        ts.sort(key=lambda t: t.rows)
-        for a, b in zip(ts, ts[1:]):
-            if b.rows[0] < a.rows[1]:
-                raise FluxKleinError(
-                    f"LoRA {what} updates {layer} twice: {a.key} and {b.key} name the same weights (two namings "
-                    "of one module in one file); keep one of them"
-                )
+    ts = sorted(terms, key=lambda t: (t.layer, t.rows))
+    for a, b in zip(ts, ts[1:]):
+        if a.layer == b.layer and b.rows[0] < a.rows[1]:
+            raise FluxKleinError(f"LoRA {what} updates {a.layer} twice: {a.key} and {b.key} name the same weights "
+                                 "(two namings of one module in one file); keep one of them")
 
 
 def _term(name: str, parts: dict[str, mx.array], target: Target, meta_alpha, what: str) -> Term:
@@ -316,18 +283,16 @@ def _term(name: str, parts: dict[str, mx.array], target: Target, meta_alpha, wha
             raise FluxKleinError(f"LoRA {what} is incomplete: {name} has a {have} matrix but no {miss} matrix")
         down, up = parts["down"], parts["up"]
         if down.ndim != 2 or up.ndim != 2 or down.shape[0] != up.shape[1]:
-            raise FluxKleinError(
-                f"LoRA {what}: {name} has down {tuple(down.shape)} and up {tuple(up.shape)}, which do not form "
-                "a rank-r pair (convolution LoRAs do not apply to klein); the file is damaged"
-            )
+            raise FluxKleinError(f"LoRA {what}: {name} has down {tuple(down.shape)} and up {tuple(up.shape)}, which "
+                                 "do not form a rank-r pair (convolution LoRAs do not apply to klein); the file is "
+                                 "damaged")
         rank = down.shape[0]
         if rank == 0 or down.size == 0 or up.size == 0:
             raise FluxKleinError(f"LoRA {what}: {name} has rank 0 (empty down/up matrices); the file is damaged")
         if alpha is None:
             alpha = meta_alpha(name, rank) if meta_alpha else float(rank)
         if target.swap and up.shape[0] % 2 == 0:  # [scale ; shift] -> [shift ; scale]
-            half = up.shape[0] // 2
-            up = mx.concatenate([up[half:], up[:half]], axis=0)
+            up = mx.roll(up, up.shape[0] // 2, axis=0)
         return Term(target.layer, target.rows, alpha / rank, down=down, up=up, key=name)
     # LoKr: each factor is stored whole (w1) or as a product (w1_a @ w1_b).
     factors, rank = [], None
@@ -354,26 +319,20 @@ def _term(name: str, parts: dict[str, mx.array], target: Target, meta_alpha, wha
 def _foreign_message(foreign: list, params, what: str) -> str:
     """Name the model a LoRA was made for, when its shapes tell; else name the first mismatch."""
     D = params.hidden_size
-    hidden = set()
-    flux1 = False
+    hidden, flux1 = set(), False
     for name, term, (rows, cols) in foreign:
-        layer = term.layer
+        (out, width), layer = term.shape, term.layer
         if cols == D and not layer.endswith(("linear2", "_mlp.2")):  # layers whose input is the hidden state
-            hidden.add(term.shape[1])
-        if layer.endswith("_mlp.0") and term.shape[0] == 4 * term.shape[1]:
-            flux1 = True  # FLUX.1's GELU MLP (4D) instead of klein's SwiGLU (2 x 3D)
-        if layer.endswith("linear1") and term.shape[0] == 7 * term.shape[1]:
-            flux1 = True  # FLUX.1's single block: 3D qkv + 4D MLP
-        if layer == "img_in" and term.shape[1] == 64:
-            flux1 = True
+            hidden.add(width)
+        flux1 = flux1 or (layer.endswith("_mlp.0") and out == 4 * width)  # GELU MLP (4D), not SwiGLU (2 x 3D)
+        flux1 = flux1 or (layer.endswith("linear1") and out == 7 * width)  # single block: 3D qkv + 4D MLP
+        flux1 = flux1 or (layer == "img_in" and width == 64)  # 16 latent channels x 2 x 2
     name, term, want = foreign[0]
     h = next(iter(hidden)) if len(hidden) == 1 else None
     if h is not None and h != D and (flux1 or h in HIDDEN_SIZES):
         family = "FLUX.1" if flux1 else HIDDEN_SIZES[h]
-        return (
-            f"LoRA {what} was made for {family} (hidden size {h}), but the model is {params.describe()}; "
-            "use a LoRA trained for this model"
-        )
+        return (f"LoRA {what} was made for {family} (hidden size {h}), but the model is {params.describe()}; "
+                "use a LoRA trained for this model")
     if flux1:
         return f"LoRA {what} was made for FLUX.1 (module {name}), but the model is {params.describe()}; use a klein LoRA"
     made = f"updates a {term.shape[0]}x{term.shape[1]} block"
@@ -383,7 +342,5 @@ def _foreign_message(foreign: list, params, what: str) -> str:
     r0, r1 = term.rows
     whole = r1 - r0 == linear_shapes(params)[term.layer][0]
     place = f"{term.layer} takes" if whole else f"rows {r0}-{r1} of {term.layer} take"
-    return (
-        f"LoRA {what}: {name} {made}, but {place} {want[0]}x{want[1]} ({len(foreign)} module(s) do not "
-        f"fit); it was made for another model than {params.describe()}, or the file is damaged"
-    )
+    return (f"LoRA {what}: {name} {made}, but {place} {want[0]}x{want[1]} ({len(foreign)} module(s) do not "
+            f"fit); it was made for another model than {params.describe()}, or the file is damaged")

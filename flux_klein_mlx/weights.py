@@ -6,6 +6,7 @@ evaluated, so tensors that a caller drops (e.g. Qwen3 layers above 27) are never
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from .errors import FluxKleinError, Notice
 
@@ -25,10 +27,8 @@ def read_safetensors(path: str | Path) -> dict[str, mx.array]:
     try:
         return mx.load(str(path))
     except Exception as e:  # mlx raises RuntimeError/ValueError with its own wording
-        raise FluxKleinError(
-            f"{path} is damaged or not a safetensors file ({str(e).splitlines()[0][:120]}); "
-            "download or convert it again"
-        ) from None
+        raise FluxKleinError(f"{path} is damaged or not a safetensors file ({str(e).splitlines()[0][:120]}); download "
+                             "or convert it again") from None
 
 
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
@@ -45,16 +45,15 @@ def check_safetensors_file(path: str | Path) -> dict[str, tuple[str, tuple[int, 
     size = path.stat().st_size
     damaged = f"{path} is damaged or not a safetensors file"
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n <= 0 or n > _MAX_HEADER or 8 + n > size:
-                raise FluxKleinError(f"{damaged} (no valid header); download or convert it again")
-            header = json.loads(f.read(n))
-    except (ValueError, UnicodeDecodeError):
-        raise FluxKleinError(f"{damaged} (its header is not JSON); download or convert it again") from None
+        raw = safetensors_header_bytes(path)
+    except ValueError:
+        raise FluxKleinError(f"{damaged} (no valid header); download or convert it again") from None
     except OSError as e:
         raise FluxKleinError(f"cannot read {path} ({e.strerror}); check the file's permissions") from None
+    try:
+        header = json.loads(raw)
+    except ValueError:  # UnicodeDecodeError included
+        raise FluxKleinError(f"{damaged} (its header is not JSON); download or convert it again") from None
     if not isinstance(header, dict):
         raise FluxKleinError(f"{damaged} (its header is not a table of tensors); download or convert it again")
     tensors, end = {}, 0
@@ -67,10 +66,9 @@ def check_safetensors_file(path: str | Path) -> dict[str, tuple[str, tuple[int, 
         except (TypeError, KeyError, ValueError):
             raise FluxKleinError(f"{damaged} (tensor {name!r} has no dtype/shape/offsets); download it again") from None
         tensors[name] = (dtype, shape)
-    if 8 + n + end > size:
-        raise FluxKleinError(
-            f"{path} is truncated: {size} bytes, its header needs {8 + n + end}; download or convert it again"
-        )
+    if 8 + len(raw) + end > size:
+        raise FluxKleinError(f"{path} is truncated: {size} bytes, its header needs {8 + len(raw) + end}; download or "
+                             "convert it again")
     return tensors
 
 
@@ -94,23 +92,13 @@ def safetensors_tensor_spans(path: str | Path) -> dict[str, tuple[int, int]]:
     what a lazy load of that tensor will read."""
     raw = safetensors_header_bytes(path)
     header, base = json.loads(raw), 8 + len(raw)
-    return {
-        name: (base + int(entry["data_offsets"][0]), base + int(entry["data_offsets"][1]))
-        for name, entry in header.items()
-        if name != "__metadata__"
-    }
+    return {name: (base + int(entry["data_offsets"][0]), base + int(entry["data_offsets"][1]))
+            for name, entry in header.items() if name != "__metadata__"}
 
 
-def read_weight_files(
-    files: Iterable[str | Path], keep: Callable[[str], bool] | None = None
-) -> dict[str, mx.array]:
+def read_weight_files(files: Iterable[str | Path], keep: Callable[[str], bool] | None = None) -> dict[str, mx.array]:
     """Merge several (sharded) safetensors files into one lazy dict, keeping only `keep(key)`."""
-    weights: dict[str, mx.array] = {}
-    for f in files:
-        for k, v in read_safetensors(f).items():
-            if keep is None or keep(k):
-                weights[k] = v
-    return weights
+    return {k: v for f in files for k, v in read_safetensors(f).items() if keep is None or keep(k)}
 
 
 def component_files(folder: str | Path) -> list[Path]:
@@ -124,21 +112,24 @@ def component_files(folder: str | Path) -> list[Path]:
         raise FluxKleinError(f"missing folder {folder}: the model snapshot is incomplete")
     indexes = sorted(folder.glob("*.safetensors.index.json"))
     if indexes:
-        try:
-            weight_map = json.loads(indexes[0].read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise FluxKleinError(f"{indexes[0]} is damaged ({e}); download it again") from None
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise FluxKleinError(
-                f"{folder} is incomplete: missing shard(s) {', '.join(missing[:3])} named in {indexes[0].name}"
-            )
-        return files
+        return index_shards(indexes[0], "download it again")
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FluxKleinError(f"no .safetensors weights in {folder}: the model snapshot is incomplete")
     return files
+
+
+def index_shards(index: Path, fix: str) -> list[Path]:
+    """The shards a Hugging Face `*.safetensors.index.json` names, each checked to exist; `fix` ends the errors."""
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, AttributeError) as e:
+        raise FluxKleinError(f"{index} is damaged ({e}); {fix}") from None
+    missing = [n for n in names if not (index.parent / n).is_file()]
+    if missing:
+        raise FluxKleinError(f"{index.parent} is incomplete: missing shard(s) {', '.join(missing[:3])} named in "
+                             f"{index.name}; {fix}")
+    return [index.parent / n for n in names]
 
 
 def read_json(path: str | Path) -> dict:
@@ -159,25 +150,17 @@ def load_into(model, weights: dict[str, mx.array], what: str, dtype=None) -> Non
     unexpected keys are listed (first few) with their count, so a wrong or partial checkpoint
     never loads silently. Floating tensors are cast to `dtype` when given.
     """
-    from mlx.utils import tree_flatten
-
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})")
-        if unexpected:
-            parts.append(
-                f"{len(unexpected)} unexpected ({', '.join(unexpected[:4])}{', ...' if len(unexpected) > 4 else ''})"
-            )
+    parts = [f"{len(keys)} {kind} ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})"
+             for kind, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
+    if parts:
         raise FluxKleinError(f"{what} weights do not match the model: {'; '.join(parts)}")
     for k, v in weights.items():
         if v.shape != expected[k].shape:
-            raise FluxKleinError(
-                f"{what} weight {k} has shape {tuple(v.shape)}, the model expects {tuple(expected[k].shape)}"
-            )
+            raise FluxKleinError(f"{what} weight {k} has shape {tuple(v.shape)}, the model expects "
+                                 f"{tuple(expected[k].shape)}")
     if dtype is not None:
         # Floating tensors (incl. quantization scales/biases) take the compute dtype; packed
         # integer weights keep theirs.
@@ -205,12 +188,8 @@ def _tensor_bytes(a: mx.array):
     return memoryview(np.ascontiguousarray(np.asarray(a.view(_UNSIGNED[a.dtype.size])))).cast("B")
 
 
-def save_safetensors_streaming(
-    path: str | Path,
-    tensors: dict[str, mx.array],
-    metadata: dict[str, str] | None = None,
-    on_tensor: Callable[[str, int], None] | None = None,
-) -> None:
+def save_safetensors_streaming(path: str | Path, tensors: dict[str, mx.array], metadata: dict[str, str] | None = None,
+                               on_tensor: Callable[[str, int], None] | None = None) -> None:
     """Write `tensors` to one safetensors file, evaluating and writing one tensor at a time.
 
     The header only needs shapes and dtypes, which lazy arrays know, so the file is written
@@ -219,8 +198,6 @@ def save_safetensors_streaming(
     popped before it is evaluated so nothing keeps it alive after it is written. `on_tensor(name,
     nbytes)` is called after each tensor.
     """
-    import json as _json
-
     header: dict = {"__metadata__": dict(metadata or {"format": "mlx"})}
     offset = 0
     names = list(tensors)
@@ -230,7 +207,7 @@ def save_safetensors_streaming(
             raise FluxKleinError(f"cannot store {name}: dtype {a.dtype} has no safetensors equivalent")
         header[name] = {"dtype": _ST_DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
-    blob = _json.dumps(header, separators=(",", ":")).encode()
+    blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
     with open(path, "wb") as f:
         f.write(len(blob).to_bytes(8, "little"))
@@ -257,13 +234,9 @@ def plan_shards(tensors: dict[str, mx.array], max_shard_bytes: int) -> list[list
     return shards
 
 
-def save_safetensors_sharded(
-    weights: dict[str, mx.array],
-    folder: str | Path,
-    prefix: str,
-    max_shard_bytes: int = 5 << 30,
-    on_tensor: Callable[[str, int], None] | None = None,
-) -> list[Path]:
+def save_safetensors_sharded(weights: dict[str, mx.array], folder: str | Path, prefix: str,
+                             max_shard_bytes: int = 5 << 30,
+                             on_tensor: Callable[[str, int], None] | None = None) -> list[Path]:
     """Write `weights` as `prefix.safetensors`, or as `prefix-0000i-of-0000n.safetensors` shards
     plus `prefix.safetensors.index.json` (Hugging Face's index format) when larger than one shard.
 
@@ -293,14 +266,7 @@ def prefixed_files(folder: str | Path, prefix: str) -> list[Path]:
     folder = Path(folder)
     index = folder / f"{prefix}.safetensors.index.json"
     if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, AttributeError) as e:
-            raise FluxKleinError(f"{index} is damaged ({e}); convert the model again") from None
-        missing = [n for n in names if not (folder / n).is_file()]
-        if missing:
-            raise FluxKleinError(f"{folder} is incomplete: missing shard(s) {', '.join(missing[:3])}; convert the model again")
-        return [folder / n for n in names]
+        return index_shards(index, "convert the model again")
     single = folder / f"{prefix}.safetensors"
     if single.is_file():
         return [single]
@@ -324,13 +290,6 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
-def hub_cache(cache_dir: str | Path | None = None) -> str:
-    """The folder huggingface_hub downloads into."""
-    from huggingface_hub import constants
-
-    return str(cache_dir or constants.HF_HUB_CACHE)
-
-
 def resolve_model(model: str | Path, allow_patterns: list[str] | None = None, cache_dir: str | Path | None = None,
                   size_hint: Callable[[], int | None] | None = None) -> Path:  # fmt: skip
     """A local folder or file as a Path; otherwise a Hugging Face repo id, downloaded into (or found
@@ -345,56 +304,44 @@ def resolve_model(model: str | Path, allow_patterns: list[str] | None = None, ca
     if path.exists():
         return path
     text = str(model)
-    looks_like_path = text.startswith((".", "/", "~")) or text.count("/") != 1 or text.endswith(".safetensors")
-    if looks_like_path:
+    if text.startswith((".", "/", "~")) or text.count("/") != 1 or text.endswith(".safetensors"):  # not owner/name
         raise FluxKleinError(f"model '{text}' not found: no such folder or file, and it is not a Hugging Face repo id (owner/name)")
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, HFValidationError, LocalEntryNotFoundError
     from huggingface_hub.errors import RepositoryNotFoundError
 
     patterns = allow_patterns or HUB_PATTERNS
     offline = hub_offline()
+    cache = str(cache_dir or constants.HF_HUB_CACHE)  # the folder huggingface_hub downloads into
     if not offline:
-        announce_download(text, patterns, cache_dir)
+        announce_download(text, patterns, cache)
     try:
         return Path(snapshot_download(repo_id=text, allow_patterns=patterns, cache_dir=cache_dir))
     except GatedRepoError:
-        raise FluxKleinError(
-            f"model '{text}' is gated on Hugging Face: accept its licence on the model page, log in with "
-            "`hf auth login`, and retry"
-        ) from None
+        raise FluxKleinError(f"model '{text}' is gated on Hugging Face: accept its licence on the model page, log in "
+                             "with `hf auth login`, and retry") from None
     except RepositoryNotFoundError:
-        raise FluxKleinError(
-            f"there is no model '{text}' on the Hugging Face hub (or it is private): check the repo id's spelling; "
-            "a private repo needs `hf auth login`"
-        ) from None
+        raise FluxKleinError(f"there is no model '{text}' on the Hugging Face hub (or it is private): check the repo "
+                             "id's spelling; a private repo needs `hf auth login`") from None
     except LocalEntryNotFoundError as e:
-        if not offline:  # the hub was not reached (no network, a proxy, the hub down) and the cache lacks it
-            raise FluxKleinError(unreachable(text, e.__cause__, cache_dir, size_hint)) from None
-        raise FluxKleinError(
-            f"model '{text}' is not in the local Hugging Face cache ({hub_cache(cache_dir)}) and HF_HUB_OFFLINE is "
-            "set: unset it to download, check the repo id, or give a local folder instead"
-        ) from None
+        if offline:
+            raise FluxKleinError(
+                f"model '{text}' is not in the local Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set: unset it "
+                "to download, check the repo id, or give a local folder instead"
+            ) from None
+        # The hub was not reached (no network, a proxy, the hub down) and the cache lacks the repo.
+        size = size_hint() if size_hint is not None else None
+        about = f"about {size / 1e9:.0f} GB, " if size else ""
+        why = type(e.__cause__).__name__ if e.__cause__ is not None else "no connection"
+        raise FluxKleinError(f"cannot reach the Hugging Face hub ({why}) to download '{text}' ({about}into {cache}), "
+                             "and no complete copy is cached there: check your network (proxy, HF_ENDPOINT), or "
+                             "download it elsewhere and give its folder instead (--model DIR)") from None
     except (HFValidationError, EntryNotFoundError, ValueError, OSError) as e:
-        raise FluxKleinError(
-            f"model '{text}' is neither a local folder nor a downloadable Hugging Face repo id ({type(e).__name__}); "
-            "check the path or the repo id, and your network"
-        ) from None
+        raise FluxKleinError(f"model '{text}' is neither a local folder nor a downloadable Hugging Face repo id "
+                             f"({type(e).__name__}); check the path or the repo id, and your network") from None
 
 
-def unreachable(repo: str, cause, cache_dir, size_hint) -> str:
-    """The message for a repo that is not cached while the hub cannot be reached."""
-    size = size_hint() if size_hint is not None else None
-    about = f"about {size / 1e9:.0f} GB, " if size else ""
-    why = type(cause).__name__ if cause is not None else "no connection"
-    return (
-        f"cannot reach the Hugging Face hub ({why}) to download '{repo}' ({about}into {hub_cache(cache_dir)}), and "
-        "no complete copy is cached there: check your network (proxy, HF_ENDPOINT), or download it elsewhere and "
-        "give its folder instead (--model DIR)"
-    )
-
-
-def announce_download(repo: str, patterns: list[str], cache_dir=None) -> None:
+def announce_download(repo: str, patterns: list[str], cache: str) -> None:
     """Say how much is about to be downloaded and where (a `Notice`), when it is large.
 
     One hub call lists the files with their sizes; the files already cached are not counted. Any
@@ -408,11 +355,11 @@ def announce_download(repo: str, patterns: list[str], cache_dir=None) -> None:
         files = {s.rfilename: s.size or 0 for s in info.siblings or []}
         wanted = filter_repo_objects(list(files), allow_patterns=patterns)
         need = sum(files[f] for f in wanted
-                   if not isinstance(try_to_load_from_cache(repo, f, cache_dir=cache_dir, revision=info.sha), str))
+                   if not isinstance(try_to_load_from_cache(repo, f, cache_dir=cache, revision=info.sha), str))
     except Exception:  # noqa: BLE001: unreachable, unknown, gated, an older huggingface_hub: the download says it
         return
     if need >= LARGE_DOWNLOAD:
-        warnings.warn(f"downloading {repo}: {need / 1e9:.1f} GB into {hub_cache(cache_dir)} (once; Ctrl-C stops it, "
+        warnings.warn(f"downloading {repo}: {need / 1e9:.1f} GB into {cache} (once; Ctrl-C stops it, "
                       "and --model DIR uses a copy you already have)", Notice)
 
 
@@ -425,8 +372,6 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str
     The tensors are evaluated (LoRAs are small, and the file may be gone or replaced later); a
     missing, damaged or non-safetensors file raises FluxKleinError.
     """
-    import hashlib
-
     path = Path(path)
     if not path.is_file():
         raise FluxKleinError(f"LoRA file not found: {path}")
@@ -436,10 +381,8 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str
         header = {}  # damaged: mx.load below says so in the LoRA's own words
     fp8 = next(((k, d) for k, (d, _) in header.items() if d.upper().startswith("F8")), None)
     if fp8:
-        raise FluxKleinError(
-            f"LoRA {path.name} stores fp8 tensors ({fp8[1]}, e.g. {fp8[0]}), which flux_klein_mlx does not read; "
-            "use a bf16, fp16 or fp32 export of it"
-        )
+        raise FluxKleinError(f"LoRA {path.name} stores fp8 tensors ({fp8[1]}, e.g. {fp8[0]}), which flux_klein_mlx "
+                             "does not read; use a bf16, fp16 or fp32 export of it")
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -448,10 +391,8 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str
         tensors, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
         mx.eval(tensors)
     except Exception as e:  # mlx words its parse errors itself
-        raise FluxKleinError(
-            f"LoRA {path.name} is damaged or not a safetensors file ({str(e).splitlines()[0][:120]}); "
-            "download it again"
-        ) from None
+        raise FluxKleinError(f"LoRA {path.name} is damaged or not a safetensors file "
+                             f"({str(e).splitlines()[0][:120]}); download it again") from None
     return tensors, dict(metadata or {}), digest.hexdigest()
 
 
@@ -487,10 +428,8 @@ def resolve_lora(spec: str | Path) -> Path:
             names = sorted(n for n in list_repo_files(repo) if n.endswith(".safetensors"))
         if len(names) != 1:
             listed = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-            raise FluxKleinError(
-                f"LoRA repo {repo} has {len(names)} .safetensors files ({listed or 'none'}); "
-                f"name one as {repo}:FILE.safetensors"
-            )
+            raise FluxKleinError(f"LoRA repo {repo} has {len(names)} .safetensors files ({listed or 'none'}); name "
+                                 f"one as {repo}:FILE.safetensors")
         return Path(hf_hub_download(repo_id=repo, filename=names[0]))
     except GatedRepoError:
         raise FluxKleinError(f"LoRA repo {repo} is gated: accept its licence on Hugging Face and `hf auth login`") from None
