@@ -331,8 +331,10 @@ def _foreign_message(foreign: list, params, what: str) -> str:
     h = next(iter(hidden)) if len(hidden) == 1 else None
     if h is not None and h != D and (flux1 or h in HIDDEN_SIZES):
         family = "FLUX.1" if flux1 else HIDDEN_SIZES[h]
-        return (f"LoRA {what} was made for {family} (hidden size {h}), but the model is {params.describe()}; "
-                "use a LoRA trained for this model")
+        return (
+            f"LoRA {what} was made for {family} (hidden size {h}), but the model is {params.describe()}; "
+            "use a LoRA trained for this model"
+        )
     if flux1:
         return f"LoRA {what} was made for FLUX.1 (module {name}), but the model is {params.describe()}; use a klein LoRA"
     made = f"updates a {term.shape[0]}x{term.shape[1]} block"
@@ -342,5 +344,7 @@ def _foreign_message(foreign: list, params, what: str) -> str:
     r0, r1 = term.rows
     whole = r1 - r0 == linear_shapes(params)[term.layer][0]
     place = f"{term.layer} takes" if whole else f"rows {r0}-{r1} of {term.layer} take"
-    return (f"LoRA {what}: {name} {made}, but {place} {want[0]}x{want[1]} ({len(foreign)} module(s) do not "
-            f"fit); it was made for another model than {params.describe()}, or the file is damaged")
+    return (
+        f"LoRA {what}: {name} {made}, but {place} {want[0]}x{want[1]} ({len(foreign)} module(s) do not "
+        f"fit); it was made for another model than {params.describe()}, or the file is damaged"
+    )

@@ -92,8 +92,11 @@ def safetensors_tensor_spans(path: str | Path) -> dict[str, tuple[int, int]]:
     what a lazy load of that tensor will read."""
     raw = safetensors_header_bytes(path)
     header, base = json.loads(raw), 8 + len(raw)
-    return {name: (base + int(entry["data_offsets"][0]), base + int(entry["data_offsets"][1]))
-            for name, entry in header.items() if name != "__metadata__"}
+    return {
+        name: (base + int(entry["data_offsets"][0]), base + int(entry["data_offsets"][1]))
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
 
 
 def read_weight_files(files: Iterable[str | Path], keep: Callable[[str], bool] | None = None) -> dict[str, mx.array]:
