@@ -27,9 +27,15 @@ def from_dict(cls, d: dict, renames: dict[str, str] | None = None):
 # --- the flow transformer ------------------------------------------------------------------------
 
 # diffusers `transformer/config.json` names -> ours (BFL's)
-_DIFFUSERS_TRANSFORMER = {"num_layers": "depth", "num_single_layers": "depth_single",
-                          "joint_attention_dim": "context_in_dim", "axes_dims_rope": "axes_dim", "rope_theta": "theta",
-                          "timestep_guidance_channels": "time_channels", "num_attention_heads": "num_heads"}
+_DIFFUSERS_TRANSFORMER = {
+    "num_layers": "depth",
+    "num_single_layers": "depth_single",
+    "joint_attention_dim": "context_in_dim",
+    "axes_dims_rope": "axes_dim",
+    "rope_theta": "theta",
+    "timestep_guidance_channels": "time_channels",
+    "num_attention_heads": "num_heads",
+}
 
 
 @dataclass

@@ -24,8 +24,16 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .config import (KV_PIPELINE_CLASS, PIPELINE_CLASSES, VARIANTS, AutoEncoderConfig, FluxKleinParams, Qwen3Config,
-                     sampling_defaults, variant_for)
+from .config import (
+    KV_PIPELINE_CLASS,
+    PIPELINE_CLASSES,
+    VARIANTS,
+    AutoEncoderConfig,
+    FluxKleinParams,
+    Qwen3Config,
+    sampling_defaults,
+    variant_for,
+)
 from .errors import FluxKleinError
 from .quantize import apply_quantization, check_record, evaluate_by_layer, quantize_model
 from .text_encoder import OUT_LAYERS, Qwen3TextEncoder, keeps_key, sanitize_qwen3_weights
@@ -344,8 +352,15 @@ def sanitize(name: str, weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return weights
 
 
-def assemble(name: str, config: dict, weights: dict[str, mx.array], dtype=None, record: dict | None = None,
-             bits: int | None = None, group_size: int = 64) -> tuple[nn.Module, dict | None]:
+def assemble(
+    name: str,
+    config: dict,
+    weights: dict[str, mx.array],
+    dtype=None,
+    record: dict | None = None,
+    bits: int | None = None,
+    group_size: int = 64,
+) -> tuple[nn.Module, dict | None]:
     """Module + sanitized weights -> a strictly loaded, lazy module and its quantization record.
 
     `record` rebuilds a stored quantization before the strict load; `bits` quantizes an
@@ -374,8 +389,9 @@ def check_weights(info: ModelInfo, names=COMPONENTS) -> None:
         assemble(name, info.configs[name], read_component(info, name), None, info.quantization[name])
 
 
-def load_component(info: ModelInfo, name: str, dtype=None, quantize: int | None = None,
-                   group_size: int = 64) -> nn.Module:
+def load_component(
+    info: ModelInfo, name: str, dtype=None, quantize: int | None = None, group_size: int = 64
+) -> nn.Module:
     """Load one component of a described model, evaluated layer by layer.
 
     `dtype` casts floating tensors (None: as stored); `quantize` 4 or 8 quantizes an unquantized

@@ -295,8 +295,13 @@ def remove_loras(model: nn.Module) -> None:
     model.lora_state = None
 
 
-def apply_loras(model: nn.Module, loras: list[Lora], keep_originals: bool = True, evaluate: bool = True,
-                reread: Callable[[str], mx.array] | None = None) -> None:
+def apply_loras(
+    model: nn.Module,
+    loras: list[Lora],
+    keep_originals: bool = True,
+    evaluate: bool = True,
+    reread: Callable[[str], mx.array] | None = None,
+) -> None:
     """Apply `loras` (from `load_loras`) to a klein transformer, replacing whatever was applied before.
 
     Float layers get the summed update fused into their weight (the original is kept for

@@ -99,7 +99,9 @@ def safetensors_tensor_spans(path: str | Path) -> dict[str, tuple[int, int]]:
     }
 
 
-def read_weight_files(files: Iterable[str | Path], keep: Callable[[str], bool] | None = None) -> dict[str, mx.array]:
+def read_weight_files(
+    files: Iterable[str | Path], keep: Callable[[str], bool] | None = None
+) -> dict[str, mx.array]:
     """Merge several (sharded) safetensors files into one lazy dict, keeping only `keep(key)`."""
     return {k: v for f in files for k, v in read_safetensors(f).items() if keep is None or keep(k)}
 
@@ -191,8 +193,12 @@ def _tensor_bytes(a: mx.array):
     return memoryview(np.ascontiguousarray(np.asarray(a.view(_UNSIGNED[a.dtype.size])))).cast("B")
 
 
-def save_safetensors_streaming(path: str | Path, tensors: dict[str, mx.array], metadata: dict[str, str] | None = None,
-                               on_tensor: Callable[[str, int], None] | None = None) -> None:
+def save_safetensors_streaming(
+    path: str | Path,
+    tensors: dict[str, mx.array],
+    metadata: dict[str, str] | None = None,
+    on_tensor: Callable[[str, int], None] | None = None,
+) -> None:
     """Write `tensors` to one safetensors file, evaluating and writing one tensor at a time.
 
     The header only needs shapes and dtypes, which lazy arrays know, so the file is written
@@ -237,9 +243,13 @@ def plan_shards(tensors: dict[str, mx.array], max_shard_bytes: int) -> list[list
     return shards
 
 
-def save_safetensors_sharded(weights: dict[str, mx.array], folder: str | Path, prefix: str,
-                             max_shard_bytes: int = 5 << 30,
-                             on_tensor: Callable[[str, int], None] | None = None) -> list[Path]:
+def save_safetensors_sharded(
+    weights: dict[str, mx.array],
+    folder: str | Path,
+    prefix: str,
+    max_shard_bytes: int = 5 << 30,
+    on_tensor: Callable[[str, int], None] | None = None,
+) -> list[Path]:
     """Write `weights` as `prefix.safetensors`, or as `prefix-0000i-of-0000n.safetensors` shards
     plus `prefix.safetensors.index.json` (Hugging Face's index format) when larger than one shard.
 
