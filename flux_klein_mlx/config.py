@@ -57,11 +57,15 @@ class FluxKleinParams:
     def __post_init__(self):
         self.axes_dim = tuple(int(a) for a in self.axes_dim)
         if self.hidden_size % self.num_heads:
-            raise FluxKleinError(f"transformer config is inconsistent: hidden size {self.hidden_size} is not a "
-                                 f"multiple of {self.num_heads} heads; fix config.json")
+            raise FluxKleinError(
+                f"transformer config is inconsistent: hidden size {self.hidden_size} is not a multiple of "
+                f"{self.num_heads} heads; fix config.json"
+            )
         if sum(self.axes_dim) != self.head_dim or any(a % 2 for a in self.axes_dim):
-            raise FluxKleinError(f"transformer config is inconsistent: RoPE axes {self.axes_dim} must be even and sum "
-                                 f"to the head dim {self.head_dim}; fix config.json")
+            raise FluxKleinError(
+                f"transformer config is inconsistent: RoPE axes {self.axes_dim} must be even and sum to the "
+                f"head dim {self.head_dim}; fix config.json"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -145,14 +149,18 @@ class Qwen3Config:
                 continue
             kind = rope.get("rope_type", rope.get("type", "default"))
             if kind not in (None, "default"):
-                raise FluxKleinError(f"the text encoder config asks for '{kind}' RoPE scaling, which FLUX.2 [klein]'s "
-                                     "Qwen3 does not use; use the text_encoder/ of a FLUX.2 [klein] snapshot")
+                raise FluxKleinError(
+                    f"the text encoder config asks for '{kind}' RoPE scaling, which FLUX.2 [klein]'s "
+                    "Qwen3 does not use; use the text_encoder/ of a FLUX.2 [klein] snapshot"
+                )
             if "rope_theta" in rope and d.get("rope_theta") is None:
                 d["rope_theta"] = rope["rope_theta"]
         required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         missing = [k for k in required if d.get(k) is None]
         if missing:
-            raise FluxKleinError(f"the text encoder config lacks {', '.join(missing)}; it is not a Qwen3 config.json")
+            raise FluxKleinError(
+                f"the text encoder config lacks {', '.join(missing)}; it is not a Qwen3 config.json"
+            )
         return from_dict(cls, d)
 
 

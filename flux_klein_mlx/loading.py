@@ -167,13 +167,15 @@ def _check_fit(configs: dict[str, dict], where: dict[str, Path]) -> None:
         dit = {7680: "klein-4B", 12288: "klein-9B"}.get(params.context_in_dim)
         names = (f"the text encoder is {encoder}, the transformer {dit}" if encoder and dit
                  else "use the text encoder from the same snapshot as the transformer")
-        raise FluxKleinError(f"text encoder hidden size {te_width} ({where['text_encoder']}) gives {width}-wide "
-                             f"embeddings but the transformer expects {params.context_in_dim} (joint_attention_dim): "
-                             f"{names}")
+        raise FluxKleinError(
+            f"text encoder hidden size {te_width} ({where['text_encoder']}) gives {width}-wide embeddings but the "
+            f"transformer expects {params.context_in_dim} (joint_attention_dim): {names}"
+        )
     if params.in_channels != vae.token_channels:
-        raise FluxKleinError(f"the transformer reads {params.in_channels} latent channels but the VAE in "
-                             f"{where['vae']} makes {vae.token_channels}; the snapshot mixes components of different "
-                             "models (use the FLUX.2 VAE)")
+        raise FluxKleinError(
+            f"the transformer reads {params.in_channels} latent channels but the VAE in {where['vae']} makes "
+            f"{vae.token_channels}; the snapshot mixes components of different models (use the FLUX.2 VAE)"
+        )
 
 
 def describe(model: str | Path, base: str | Path | None = None, vae: str | Path | None = None) -> ModelInfo:
@@ -204,18 +206,24 @@ def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
             reference_kv=bool(config.get("reference_kv", False)),
         )  # fmt: skip
     if not (path / "model_index.json").is_file():
-        raise FluxKleinError(f"{path} is not a FLUX.2 [klein] snapshot or model folder: no model_index.json "
-                             "(diffusers layout) and no config.json written by `convert`")
+        raise FluxKleinError(
+            f"{path} is not a FLUX.2 [klein] snapshot or model folder: no model_index.json (diffusers layout) and no "
+            "config.json written by `convert`"
+        )
     index = read_json(path / "model_index.json")
     kind = index.get("_class_name")
     if kind not in PIPELINE_CLASSES:
-        raise FluxKleinError(f"{path} holds a {kind} model; flux_klein_mlx runs FLUX.2 [klein] 4B/9B "
-                             f"(Flux2KleinPipeline), distilled or Base, and klein 9B-KV ({KV_PIPELINE_CLASS})")
+        raise FluxKleinError(
+            f"{path} holds a {kind} model; flux_klein_mlx runs FLUX.2 [klein] 4B/9B (Flux2KleinPipeline), distilled or "
+            f"Base, and klein 9B-KV ({KV_PIPELINE_CLASS})"
+        )
     folders = {n: _part_folder(path / n) for n in COMPONENTS}
     configs = {n: read_json(folders[n] / "config.json") for n in COMPONENTS}
     if configs["transformer"].get("guidance_embeds"):
-        raise FluxKleinError(f"not a klein checkpoint: it is FLUX.2-dev ({folders['transformer'] / 'config.json'} has "
-                             "guidance_embeds); use a FLUX.2 [klein] 4B or 9B model")
+        raise FluxKleinError(
+            f"not a klein checkpoint: it is FLUX.2-dev ({folders['transformer'] / 'config.json'} has guidance_embeds); "
+            "use a FLUX.2 [klein] 4B or 9B model"
+        )
     return _snapshot_info(model, path, "diffusers", path, index, configs, folders, {})
 
 
@@ -224,8 +232,10 @@ def _describe_bfl(model, file: Path, base) -> ModelInfo:
         raise FluxKleinError(f"{file} is not a .safetensors file; pass a model folder, a repo id or a BFL .safetensors file")
     base_path = resolve_model(base) if base is not None else file.parent
     if not (base_path / "text_encoder").is_dir() or not (base_path / "vae").is_dir():
-        raise FluxKleinError("a single transformer file needs the text encoder, VAE and tokenizer of a diffusers "
-                             f"snapshot, and {base_path} has none; pass --base with a FLUX.2 [klein] folder or repo id")
+        raise FluxKleinError(
+            f"a single transformer file needs the text encoder, VAE and tokenizer of a diffusers snapshot, "
+            f"and {base_path} has none; pass --base with a FLUX.2 [klein] folder or repo id"
+        )
     folders = {n: _part_folder(base_path / n) for n in ("text_encoder", "vae")}
     configs = {"transformer": _bfl_transformer_config(file, base_path)}
     configs.update({n: read_json(folders[n] / "config.json") for n in folders})
@@ -309,9 +319,10 @@ def _vae_files(path: Path) -> tuple[dict | None, list[Path], str]:
     folder = path / "vae" if (path / "vae").is_dir() else path
     config = _optional_json(folder / "config.json")
     if not isinstance(config, dict) or "block_out_channels" not in config:
-        raise FluxKleinError(f"{path} has no VAE: expected a config.json with block_out_channels and its weights (a "
-                             "VAE repo such as black-forest-labs/FLUX.2-small-decoder, a vae/ folder, or a model "
-                             "folder with one), or a .safetensors file")
+        raise FluxKleinError(
+            f"{path} has no VAE: expected a config.json with block_out_channels and its weights (a VAE repo such as "
+            "black-forest-labs/FLUX.2-small-decoder, a vae/ folder, or a model folder with one), or a .safetensors file"
+        )
     single = folder / "diffusion_pytorch_model.safetensors"
     indexed = any(folder.glob("*.safetensors.index.json"))
     return config, [single] if single.is_file() and not indexed else component_files(folder), str(folder)

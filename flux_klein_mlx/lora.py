@@ -99,11 +99,15 @@ def load_lora(source, params, scale: float = 1.0, partial: bool = False) -> Lora
     n, miss = parsed.n_modules, parsed.unmatched
     head = ", ".join(miss[:3]) + (", ..." if len(miss) > 3 else "")
     if not parsed.terms:
-        raise FluxKleinError(f"LoRA {what} matches no layer of the model: none of its {n} modules ({head}) is a klein "
-                             "transformer layer; it was made for another model")
+        raise FluxKleinError(
+            f"LoRA {what} matches no layer of the model: none of its {n} modules ({head}) is a klein "
+            "transformer layer; it was made for another model"
+        )
     if miss and not partial:
-        raise FluxKleinError(f"LoRA {what}: {len(miss)} of its {n} modules match no layer of {params.describe()} "
-                             f"({head}); load the rest anyway with --lora-partial (partial=True)")
+        raise FluxKleinError(
+            f"LoRA {what}: {len(miss)} of its {n} modules match no layer of {params.describe()} ({head}); "
+            "load the rest anyway with --lora-partial (partial=True)"
+        )
     check_magnitude(parsed.terms, scale, what)
     _warn_about_alpha(parsed.terms, what)
     return Lora(path.name, sha[:12], scale, parsed.format, parsed.terms, str(path))
@@ -144,9 +148,10 @@ def check_magnitude(terms: list[Term], scale: float, what: str) -> None:
             exact = (t.up.astype(mx.float32) / mu) @ (t.down.astype(mx.float32) / md)
             peak = mx.abs(exact).max().item() * mu * md * factor
         if peak > MAX_UPDATE:
-            raise FluxKleinError(f"LoRA {what}: its update of {t.key} reaches {peak:.3g} (scale {scale:g} x "
-                                 f"alpha/rank {t.factor:g} x its factors), beyond {MAX_UPDATE:g}, which no weight "
-                                 "survives; the file, its alpha or the scale is wrong")
+            raise FluxKleinError(
+                f"LoRA {what}: its update of {t.key} reaches {peak:.3g} (scale {scale:g} x alpha/rank {t.factor:g} x "
+                f"its factors), beyond {MAX_UPDATE:g}, which no weight survives; the file, its alpha or the scale is wrong"
+            )
 
 
 def _warn_about_alpha(terms: list[Term], what: str) -> None:
@@ -168,8 +173,9 @@ def pair_scales(sources, scales) -> list[tuple[object, float]]:
     """
     sources, scales = list(sources), list(scales)
     if len(scales) > len(sources):
-        raise FluxKleinError(f"--lora-scale is given {len(scales)} times but --lora {len(sources)} times; give one "
-                             "scale per LoRA, in order")
+        raise FluxKleinError(
+            f"--lora-scale is given {len(scales)} times but --lora {len(sources)} times; give one scale per LoRA, in order"
+        )
     return [(s, scales[i] if i < len(scales) else 1.0) for i, s in enumerate(sources)]
 
 

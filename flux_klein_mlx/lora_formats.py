@@ -146,8 +146,10 @@ def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str,
             continue
         if m.group("other"):
             what_ = "DoRA" if "dora" in key or "magnitude" in key else "LoRA bias / LoHa / full-diff"
-            raise FluxKleinError(f"LoRA {what} holds {what_} weights ({key}), which flux_klein_mlx does not apply; "
-                                 "use a plain LoRA or LoKr")
+            raise FluxKleinError(
+                f"LoRA {what} holds {what_} weights ({key}), which flux_klein_mlx does not apply; "
+                "use a plain LoRA or LoKr"
+            )
         name = m.group("module")
         lora = m.group("lora")
         role = ("down" if lora in _DOWN else "up") if lora else m.group("lokr") or "alpha"
@@ -159,15 +161,18 @@ def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str,
                 name, kind = name[len(p) :], letter
         kinds.add("E" if m.group("lokr") else kind)
         if (name, role) in keys:  # e.g. `transformer.x.lora_A.weight` beside `x.lora_A.default.weight`
-            raise FluxKleinError(f"LoRA {what} holds {name}'s {role} "
-                                 f"{'matrix' if role in ('down', 'up') else 'value'} twice ({keys[name, role]} and "
-                                 f"{key}); the file mixes two namings of one module: keep one")
+            raise FluxKleinError(
+                f"LoRA {what} holds {name}'s {role} {'matrix' if role in ('down', 'up') else 'value'} twice "
+                f"({keys[name, role]} and {key}); "
+                "the file mixes two namings of one module: keep one"
+            )
         keys[name, role] = key
         modules.setdefault(name, {})[role] = value
     if unknown:
-        raise FluxKleinError(f"LoRA {what} has {len(unknown)} key(s) that are not LoRA/LoKr weights "
-                             f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}); is it a model "
-                             "checkpoint?")
+        raise FluxKleinError(
+            f"LoRA {what} has {len(unknown)} key(s) that are not LoRA/LoKr weights "
+            f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}); is it a model checkpoint?"
+        )
     letters = kinds - {None}
     unprefixed = "B" if any(n.startswith(("double_blocks", "single_blocks")) for n in modules) else "A"
     return modules, "E" if "E" in letters else min(letters, default=unprefixed)
@@ -234,8 +239,9 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
     flux1 = next((n for n in names if flux1_marker(n)), None)
     for hit, family in ((unet, "an SDXL / Stable Diffusion UNet"), (flux1, "FLUX.1")):
         if hit:
-            raise FluxKleinError(f"LoRA {what} was made for {family}, not FLUX.2 [klein] (module {hit}); use a LoRA "
-                                 "trained for klein")
+            raise FluxKleinError(
+                f"LoRA {what} was made for {family}, not FLUX.2 [klein] (module {hit}); use a LoRA trained for klein"
+            )
     bare = [n for n, parts in modules.items() if set(parts) == {"alpha"}]
     if bare:
         head = (f"{len(bare)} `.alpha` keys and no LoRA weights" if len(bare) == len(modules)
@@ -268,8 +274,10 @@ def _check_overlaps(terms: list[Term], what: str) -> None:
     ts = sorted(terms, key=lambda t: (t.layer, t.rows))
     for a, b in zip(ts, ts[1:]):
         if a.layer == b.layer and b.rows[0] < a.rows[1]:
-            raise FluxKleinError(f"LoRA {what} updates {a.layer} twice: {a.key} and {b.key} name the same weights "
-                                 "(two namings of one module in one file); keep one of them")
+            raise FluxKleinError(
+                f"LoRA {what} updates {a.layer} twice: {a.key} and {b.key} name the same weights (two namings "
+                "of one module in one file); keep one of them"
+            )
 
 
 def _term(name: str, parts: dict[str, mx.array], target: Target, meta_alpha, what: str) -> Term:
@@ -283,9 +291,10 @@ def _term(name: str, parts: dict[str, mx.array], target: Target, meta_alpha, wha
             raise FluxKleinError(f"LoRA {what} is incomplete: {name} has a {have} matrix but no {miss} matrix")
         down, up = parts["down"], parts["up"]
         if down.ndim != 2 or up.ndim != 2 or down.shape[0] != up.shape[1]:
-            raise FluxKleinError(f"LoRA {what}: {name} has down {tuple(down.shape)} and up {tuple(up.shape)}, which "
-                                 "do not form a rank-r pair (convolution LoRAs do not apply to klein); the file is "
-                                 "damaged")
+            raise FluxKleinError(
+                f"LoRA {what}: {name} has down {tuple(down.shape)} and up {tuple(up.shape)}, which do not form "
+                "a rank-r pair (convolution LoRAs do not apply to klein); the file is damaged"
+            )
         rank = down.shape[0]
         if rank == 0 or down.size == 0 or up.size == 0:
             raise FluxKleinError(f"LoRA {what}: {name} has rank 0 (empty down/up matrices); the file is damaged")

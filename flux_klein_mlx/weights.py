@@ -27,8 +27,10 @@ def read_safetensors(path: str | Path) -> dict[str, mx.array]:
     try:
         return mx.load(str(path))
     except Exception as e:  # mlx raises RuntimeError/ValueError with its own wording
-        raise FluxKleinError(f"{path} is damaged or not a safetensors file ({str(e).splitlines()[0][:120]}); download "
-                             "or convert it again") from None
+        raise FluxKleinError(
+            f"{path} is damaged or not a safetensors file ({str(e).splitlines()[0][:120]}); "
+            "download or convert it again"
+        ) from None
 
 
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
@@ -67,8 +69,9 @@ def check_safetensors_file(path: str | Path) -> dict[str, tuple[str, tuple[int, 
             raise FluxKleinError(f"{damaged} (tensor {name!r} has no dtype/shape/offsets); download it again") from None
         tensors[name] = (dtype, shape)
     if 8 + len(raw) + end > size:
-        raise FluxKleinError(f"{path} is truncated: {size} bytes, its header needs {8 + len(raw) + end}; download or "
-                             "convert it again")
+        raise FluxKleinError(
+            f"{path} is truncated: {size} bytes, its header needs {8 + len(raw) + end}; download or convert it again"
+        )
     return tensors
 
 
@@ -164,8 +167,9 @@ def load_into(model, weights: dict[str, mx.array], what: str, dtype=None) -> Non
         raise FluxKleinError(f"{what} weights do not match the model: {'; '.join(parts)}")
     for k, v in weights.items():
         if v.shape != expected[k].shape:
-            raise FluxKleinError(f"{what} weight {k} has shape {tuple(v.shape)}, the model expects "
-                                 f"{tuple(expected[k].shape)}")
+            raise FluxKleinError(
+                f"{what} weight {k} has shape {tuple(v.shape)}, the model expects {tuple(expected[k].shape)}"
+            )
     if dtype is not None:
         # Floating tensors (incl. quantization scales/biases) take the compute dtype; packed
         # integer weights keep theirs.
@@ -331,11 +335,15 @@ def resolve_model(model: str | Path, allow_patterns: list[str] | None = None, ca
     try:
         return Path(snapshot_download(repo_id=text, allow_patterns=patterns, cache_dir=cache_dir))
     except GatedRepoError:
-        raise FluxKleinError(f"model '{text}' is gated on Hugging Face: accept its licence on the model page, log in "
-                             "with `hf auth login`, and retry") from None
+        raise FluxKleinError(
+            f"model '{text}' is gated on Hugging Face: accept its licence on the model page, log in with "
+            "`hf auth login`, and retry"
+        ) from None
     except RepositoryNotFoundError:
-        raise FluxKleinError(f"there is no model '{text}' on the Hugging Face hub (or it is private): check the repo "
-                             "id's spelling; a private repo needs `hf auth login`") from None
+        raise FluxKleinError(
+            f"there is no model '{text}' on the Hugging Face hub (or it is private): check the repo id's spelling; "
+            "a private repo needs `hf auth login`"
+        ) from None
     except LocalEntryNotFoundError as e:
         if offline:
             raise FluxKleinError(
@@ -346,12 +354,16 @@ def resolve_model(model: str | Path, allow_patterns: list[str] | None = None, ca
         size = size_hint() if size_hint is not None else None
         about = f"about {size / 1e9:.0f} GB, " if size else ""
         why = type(e.__cause__).__name__ if e.__cause__ is not None else "no connection"
-        raise FluxKleinError(f"cannot reach the Hugging Face hub ({why}) to download '{text}' ({about}into {cache}), "
-                             "and no complete copy is cached there: check your network (proxy, HF_ENDPOINT), or "
-                             "download it elsewhere and give its folder instead (--model DIR)") from None
+        raise FluxKleinError(
+            f"cannot reach the Hugging Face hub ({why}) to download '{text}' ({about}into {cache}), and no complete "
+            "copy is cached there: check your network (proxy, HF_ENDPOINT), or download it elsewhere and give its "
+            "folder instead (--model DIR)"
+        ) from None
     except (HFValidationError, EntryNotFoundError, ValueError, OSError) as e:
-        raise FluxKleinError(f"model '{text}' is neither a local folder nor a downloadable Hugging Face repo id "
-                             f"({type(e).__name__}); check the path or the repo id, and your network") from None
+        raise FluxKleinError(
+            f"model '{text}' is neither a local folder nor a downloadable Hugging Face repo id ({type(e).__name__}); "
+            "check the path or the repo id, and your network"
+        ) from None
 
 
 def announce_download(repo: str, patterns: list[str], cache: str) -> None:
@@ -394,8 +406,10 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str
         header = {}  # damaged: mx.load below says so in the LoRA's own words
     fp8 = next(((k, d) for k, (d, _) in header.items() if d.upper().startswith("F8")), None)
     if fp8:
-        raise FluxKleinError(f"LoRA {path.name} stores fp8 tensors ({fp8[1]}, e.g. {fp8[0]}), which flux_klein_mlx "
-                             "does not read; use a bf16, fp16 or fp32 export of it")
+        raise FluxKleinError(
+            f"LoRA {path.name} stores fp8 tensors ({fp8[1]}, e.g. {fp8[0]}), which flux_klein_mlx does not read; "
+            "use a bf16, fp16 or fp32 export of it"
+        )
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -404,8 +418,10 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str
         tensors, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
         mx.eval(tensors)
     except Exception as e:  # mlx words its parse errors itself
-        raise FluxKleinError(f"LoRA {path.name} is damaged or not a safetensors file "
-                             f"({str(e).splitlines()[0][:120]}); download it again") from None
+        raise FluxKleinError(
+            f"LoRA {path.name} is damaged or not a safetensors file ({str(e).splitlines()[0][:120]}); "
+            "download it again"
+        ) from None
     return tensors, dict(metadata or {}), digest.hexdigest()
 
 
@@ -441,8 +457,10 @@ def resolve_lora(spec: str | Path) -> Path:
             names = sorted(n for n in list_repo_files(repo) if n.endswith(".safetensors"))
         if len(names) != 1:
             listed = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-            raise FluxKleinError(f"LoRA repo {repo} has {len(names)} .safetensors files ({listed or 'none'}); name "
-                                 f"one as {repo}:FILE.safetensors")
+            raise FluxKleinError(
+                f"LoRA repo {repo} has {len(names)} .safetensors files ({listed or 'none'}); "
+                f"name one as {repo}:FILE.safetensors"
+            )
         return Path(hf_hub_download(repo_id=repo, filename=names[0]))
     except GatedRepoError:
         raise FluxKleinError(f"LoRA repo {repo} is gated: accept its licence on Hugging Face and `hf auth login`") from None
