@@ -125,11 +125,9 @@ def read_record(path: str | Path) -> dict | None:
         xmp = im.info.get("xmp")
     if not raw and xmp:
         try:
-            node = ElementTree.fromstring(xmp.decode("utf-8") if isinstance(xmp, bytes) else xmp)
-        except (ElementTree.ParseError, UnicodeDecodeError):
+            raw = ElementTree.fromstring(xmp).findtext(f".//{{{XMP_NS}}}record")
+        except ElementTree.ParseError:
             return None
-        found = node.find(f".//{{{XMP_NS}}}record")
-        raw = found.text if found is not None else None
     return json.loads(raw) if raw else None
 
 
@@ -150,13 +148,11 @@ def write_image(image: Image.Image, target, fmt: str, record: dict | None) -> No
         image = image.convert("RGB")  # JPEG has no alpha
     while True:
         try:
-            image.save(target, format=fmt, quality=QUALITY, **extra)
-            return
+            return image.save(target, format=fmt, quality=QUALITY, **extra)
         except ValueError as e:  # "EXIF data is too long" / "XMP data is too long" (JPEG)
             if not extra or "too long" not in str(e):
                 raise
-            dropped = "xmp" if "xmp" in extra else "exif"
-            extra.pop(dropped)
+            dropped, _ = extra.popitem()  # the JSON record (XMP) first, then the A1111 text (EXIF)
             warnings.warn(f"the {'JSON record (XMP)' if dropped == 'xmp' else 'A1111 text (EXIF)'} does not fit "
                           f"in a {fmt} file (64 KB); the image is written without it: use .png to keep it")
 
@@ -189,7 +185,7 @@ def save_image(image: Image.Image, path: str | Path, record: dict | None = None,
 
 # --- files that are never written twice ---------------------------------------------------------------
 
-# Room left in a file name for the "-N" that `free_name` may add.
+# Room left in a file name for the "-N" that `write_exclusive` may add.
 _SUFFIX_ROOM = 8
 
 
@@ -321,21 +317,18 @@ def _writer_alive(folder: Path) -> bool:
     return True
 
 
-def remove_stale_temporaries(output: Path) -> list[Path]:
+def remove_stale_temporaries(output: Path) -> None:
     """Remove `<output>.tmp-XXXXXXXX` folders left by an earlier run that was killed (SIGKILL, power loss).
 
     Only folders that are ours are removed: empty ones, and ones whose marker file names a process
-    that no longer runs (a write still running keeps its folder). Returns the folders removed.
+    that no longer runs (a write still running keeps its folder).
     """
-    removed = []
     for cand in output.parent.glob(f"{glob.escape(output.name)}.tmp-*"):
         if not _TMP_NAME.search(cand.name[len(output.name):]) or cand.is_symlink() or not cand.is_dir():
             continue
         if any(cand.iterdir()) and (not (cand / TMP_MARKER).is_file() or _writer_alive(cand)):
             continue  # not ours, or its writer still runs
         shutil.rmtree(cand, ignore_errors=True)
-        removed.append(cand)
-    return removed
 
 
 def _fresh_sibling(output: Path, tag: str) -> Path:
