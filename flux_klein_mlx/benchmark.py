@@ -63,12 +63,8 @@ def _timed_load(pipe: FluxKleinPipeline, name: str) -> tuple[object, dict]:
     t0 = time.perf_counter()
     model = pipe.component(name)
     mx.eval(model.parameters())
-    seconds = time.perf_counter() - t0
-    return model, {
-        "seconds": seconds,
-        "weights_gb": sum(v.nbytes for _, v in tree_flatten(model.parameters())) / GB,
-        "peak_memory_gb": mx.get_peak_memory() / GB,
-    }
+    return model, {"seconds": time.perf_counter() - t0, "peak_memory_gb": mx.get_peak_memory() / GB,
+                   "weights_gb": sum(v.nbytes for _, v in tree_flatten(model.parameters())) / GB}
 
 
 def _repeat(run, warmup: int, trials: int) -> tuple[list[float], object]:
@@ -192,7 +188,6 @@ def _denoise_stage(run: Run):
 
 
 def _decode_stage(run: Run, job) -> None:
-    """Time the pipeline's decode stage on the final latents of `job`."""
     pipe = run.pipe
     run.log(f"{run.verb} the VAE")
     vae, run.stages["vae_load"] = _timed_load(pipe, "vae")
@@ -284,9 +279,7 @@ def format_report(result: dict) -> str:
     c, m, st = result["config"], result["machine"], result["stages"]
     quant = f", {c['quantize']}-bit transformer" if c["quantize"] else ""
     weights = "random weights" if c["weights"] == "random" else c["model"]
-    chip = m["chip"] or m["cpu"]
-    if m["gpu_cores"]:
-        chip += f" ({m['gpu_cores']}-core GPU)"
+    chip = (m["chip"] or m["cpu"]) + (f" ({m['gpu_cores']}-core GPU)" if m["gpu_cores"] else "")
     peak = f"{m['peak_tflops']:.1f} TFLOPS peak" if m["peak_tflops"] else "peak unknown here: TFLOPS only"
     lines = [
         f"flux_klein_mlx {m['flux_klein_mlx']} benchmark: {c['variant']} ({weights}), {c['width']}x{c['height']} "
@@ -329,16 +322,13 @@ def format_report(result: dict) -> str:
     if len(per) > 1:
         lines.append("per step (median): " + ", ".join(_fmt_s(t) for t in per))
     loads = [k for k in ("text_encoder_load", "transformer_load", "vae_load") if k in st]
-    if loads:
-        lines.append(
-            "resident weights: "
-            + ", ".join(f"{k.replace('_load', '').replace('_', ' ')} {st[k]['weights_gb']:.2f} GB" for k in loads)
-        )
+    lines.append(  # the transformer always loads
+        "resident weights: "
+        + ", ".join(f"{k.replace('_load', '').replace('_', ' ')} {st[k]['weights_gb']:.2f} GB" for k in loads)
+    )
     skipped = [n for k, n in (("text_encoding", "text encoding"), ("vae_decode", "VAE decode")) if k not in st]
-    note = "image = sum of stage medians: " + " + ".join(st["image"]["includes"])
-    if skipped:
-        note += f" ({' and '.join(skipped)} skipped)"
-    lines.append(note)
+    note = f" ({' and '.join(skipped)} skipped)" if skipped else ""
+    lines.append("image = sum of stage medians: " + " + ".join(st["image"]["includes"]) + note)
     return "\n".join(lines)
 
 
