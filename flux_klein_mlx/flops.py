@@ -82,11 +82,8 @@ def lora_training_flops(forward: Flops, adapter_forward: float = 0.0, checkpoint
     So a step is ~2x a forward, ~3x with checkpointing.
     """
     again = 1 if checkpoint else 0
-    return Flops(
-        linear=forward.linear * (2 + again) + adapter_forward * (3 + again),
-        attention=forward.attention * (3 + again),
-        other=forward.other * (2 + again),
-    )
+    return Flops(linear=forward.linear * (2 + again) + adapter_forward * (3 + again),
+                 attention=forward.attention * (3 + again), other=forward.other * (2 + again))
 
 
 def reference_pass_flops(params: FluxKleinParams, reference_tokens: int) -> Flops:
@@ -169,25 +166,13 @@ def flops_of_vae_decoder(config, width: int, height: int) -> Flops:
 # unpublished: their % of peak counts the shader ALUs only and may exceed 100.
 # ---------------------------------------------------------------------------------------------
 
-# (name, GPU cores, peak TFLOPS fp16 = fp32, memory bandwidth GB/s)
+# (name, GPU cores, peak TFLOPS fp16 = fp32, memory bandwidth GB/s), one generation per line
 APPLE_CHIPS: tuple[tuple[str, int, float, int], ...] = (
-    ("M1", 8, 2.6, 68),
-    ("M1 Pro", 16, 5.2, 200),
-    ("M1 Max", 32, 10.4, 400),
-    ("M1 Ultra", 64, 21.0, 800),
-    ("M2", 10, 3.6, 100),
-    ("M2 Pro", 19, 6.8, 200),
-    ("M2 Max", 38, 13.6, 400),
-    ("M2 Ultra", 76, 27.2, 800),
-    ("M3", 10, 4.1, 100),
-    ("M3 Pro", 18, 7.4, 150),
-    ("M3 Max", 40, 14.2, 400),
-    ("M3 Ultra", 80, 28.4, 819),
-    ("M4", 10, 4.6, 120),
-    ("M4 Pro", 20, 9.2, 273),
-    ("M4 Max", 40, 18.4, 546),
-    ("M5", 10, 5.7, 153),
-    ("M5 Max", 40, 22.8, 614),
+    ("M1", 8, 2.6, 68), ("M1 Pro", 16, 5.2, 200), ("M1 Max", 32, 10.4, 400), ("M1 Ultra", 64, 21.0, 800),
+    ("M2", 10, 3.6, 100), ("M2 Pro", 19, 6.8, 200), ("M2 Max", 38, 13.6, 400), ("M2 Ultra", 76, 27.2, 800),
+    ("M3", 10, 4.1, 100), ("M3 Pro", 18, 7.4, 150), ("M3 Max", 40, 14.2, 400), ("M3 Ultra", 80, 28.4, 819),
+    ("M4", 10, 4.6, 120), ("M4 Pro", 20, 9.2, 273), ("M4 Max", 40, 18.4, 546),
+    ("M5", 10, 5.7, 153), ("M5 Max", 40, 22.8, 614),
 )
 
 # For the lower-bound table only (MLX also runs on CUDA); dense bf16 tensor-core peaks.
@@ -235,10 +220,7 @@ def machine_info() -> dict:
         "device": "gpu" if mx.default_device() == mx.gpu else "cpu",
         "cpu": platform.processor() or platform.machine(),
         "cpu_cores": os.cpu_count(),
-        "memory_gb": None,
-        "chip": None,
-        "gpu_cores": None,
-        "peak_tflops": None,
+        **dict.fromkeys(("memory_gb", "chip", "gpu_cores", "peak_tflops")),  # filled in below where known
     }
     try:
         info["memory_gb"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)
