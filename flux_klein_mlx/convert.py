@@ -218,17 +218,11 @@ def write_folder(
                      "the converted model")
 
     config = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "flux_klein_mlx_version": __version__,
-        "variant": meta["variant"],
-        "is_distilled": bool(meta["is_distilled"]),
-        "reference_kv": bool(meta.get("reference_kv", False)),
-        "dtype": meta["dtype"],
-        "source": meta["source"],
+        "format": FORMAT, "format_version": FORMAT_VERSION, "flux_klein_mlx_version": __version__,
+        "variant": meta["variant"], "is_distilled": bool(meta["is_distilled"]),
+        "reference_kv": bool(meta.get("reference_kv", False)), "dtype": meta["dtype"], "source": meta["source"],
         **{p.name: {"config": p.config, "quantization": p.quantization} for p in parts},
-        "tokenizer": "tokenizer",
-        "scheduler": meta.get("scheduler"),
+        "tokenizer": "tokenizer", "scheduler": meta.get("scheduler"),
         **({"loras": meta["loras"]} if meta.get("loras") else {}),  # LoRAs baked into the transformer
     }
     with folder_transaction(output) as tmp:
@@ -242,7 +236,6 @@ def write_folder(
 
 
 def _write_part(part: Part, folder: Path, output: Path, max_shard_bytes: int, progress: Progress) -> None:
-    """One component's tensors into `folder`, streamed, reporting bytes written."""
     total, done = part.nbytes, 0
 
     def on_tensor(_name: str, nbytes: int) -> None:
@@ -321,12 +314,10 @@ def interrupt_on_termination():
 @click.option("--vae", default=None, help="Write this VAE instead of the model's: folder, .safetensors or repo id (e.g. black-forest-labs/FLUX.2-small-decoder); a decoder-only file replaces just the decoder.")
 def convert(model, output, dtype, bits, group_size, base, overwrite, loras, lora_scales, lora_partial, vae):
     """Convert a FLUX.2 [klein] model into an MLX folder (optionally 4/8-bit, optionally with LoRAs baked in)."""
-    specs = pair_scales(loras, lora_scales)
     with interrupt_on_termination(), progress_bars() as bars:
-        config = convert_model(
-            model, output, dtype=dtype, bits=bits, group_size=group_size, base=base, overwrite=overwrite, progress=bars,
-            loras=specs, lora_partial=lora_partial, vae=vae,
-        )
+        config = convert_model(model, output, dtype=dtype, bits=bits, group_size=group_size, base=base,
+                               overwrite=overwrite, progress=bars, loras=pair_scales(loras, lora_scales),
+                               lora_partial=lora_partial, vae=vae)
     click.echo(summary(output, config))
 
 
