@@ -14,6 +14,7 @@ import dataclasses
 import json
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -62,23 +63,20 @@ def _timed_load(pipe: FluxKleinPipeline, name: str) -> tuple[object, dict]:
     t0 = time.perf_counter()
     model = pipe.component(name)
     mx.eval(model.parameters())
-    seconds = time.perf_counter() - t0
-    return model, {
-        "seconds": seconds,
-        "weights_gb": sum(v.nbytes for _, v in tree_flatten(model.parameters())) / GB,
-        "peak_memory_gb": mx.get_peak_memory() / GB,
-    }
+    return model, {"seconds": time.perf_counter() - t0, "peak_memory_gb": mx.get_peak_memory() / GB,
+                   "weights_gb": sum(v.nbytes for _, v in tree_flatten(model.parameters())) / GB}
 
 
-def _repeat(run, warmup: int, trials: int) -> list[float]:
-    """Wall times of `trials` calls of `run()` after `warmup` untimed ones (run evaluates its output)."""
+def _repeat(run, warmup: int, trials: int) -> tuple[list[float], object]:
+    """Wall times of `trials` calls of `run()` after `warmup` untimed ones (run evaluates its output),
+    and the last output."""
     times = []
     for i in range(warmup + trials):
         t0 = time.perf_counter()
-        run()
+        out = run()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return times
+    return times, out
 
 
 def reference_pictures(n: int, width: int, height: int, seed: int = 0) -> list[Image.Image]:
@@ -133,20 +131,20 @@ def _text_encoder_stage(run: Run) -> mx.array:
     encoder, run.stages["text_encoder_load"] = _timed_load(pipe, "text_encoder")
     tokenizer = pipe.component("tokenizer")
     run.flops["text_encoder"] = flops_of_text_encoder(encoder.config, layers=max(OUT_LAYERS), tokens=TEXT_TOKENS).total
-    box = {}
 
     def encode():
-        box["ctx"] = encode_prompts(encoder, tokenizer, [DEFAULT_PROMPT]).astype(pipe.dtype)
-        mx.eval(box["ctx"])
+        ctx = encode_prompts(encoder, tokenizer, [DEFAULT_PROMPT]).astype(pipe.dtype)
+        mx.eval(ctx)
+        return ctx
 
     mx.reset_peak_memory()
-    times = _repeat(encode, run.warmup, run.trials)
+    times, ctx = _repeat(encode, run.warmup, run.trials)
     run.stages["text_encoding"] = _summary(times, run.flops["text_encoder"], run.peak) | {
         "peak_memory_gb": mx.get_peak_memory() / GB}
     run.log(f"text encoding: {run.stages['text_encoding']['median_s']:.3f} s")
     encoder = None  # drop this reference before releasing the slot's
     pipe.release("text_encoder")
-    return box["ctx"]
+    return ctx
 
 
 def _denoise_stage(run: Run):
@@ -159,20 +157,20 @@ def _denoise_stage(run: Run):
     ref_pass = reference_pass_flops(params, ref_tokens).total if run.kv else 0.0
     run.flops.update(step=step, denoise=step.total * run.steps + ref_pass)
     images = reference_pictures(run.references, run.width, run.height, run.seed)
-    per_index, denoise_times, peaks, ref_times = [[] for _ in range(run.steps)], [], [], []
+    step_times, denoise_times, peaks, ref_times = [], [], [], []
     for trial in range(run.warmup + run.trials):
         job = pipe.prepare(DEFAULT_PROMPT, width=run.width, height=run.height, steps=run.steps, seed=run.seed,
                            images=images)  # fmt: skip
         seconds = [event.seconds for event in pipe.denoise(job)]
         if trial >= run.warmup:
-            for i, t in enumerate(seconds):
-                per_index[i].append(t)
+            step_times.append(seconds)
             denoise_times.append(job.stats.denoise.seconds)
             peaks.append(job.stats.denoise.peak_memory / GB)
             ref_times += [job.stats.reference_kv_seconds] if run.kv else []
         what = f"warm-up {trial + 1}" if trial < run.warmup else f"trial {trial - run.warmup + 1}"
         run.log(f"denoising {what}: {job.stats.denoise.seconds:.2f} s")
     memory = {"peak_memory_gb": max(peaks)}
+    per_index = list(zip(*step_times))  # (steps, trials)
     # KV steps are not alike (the first one also runs the reference pass): no one FLOP count for all.
     run.stages["denoise_step"] = _summary([t for ts in per_index for t in ts], None if run.kv else step.total,
                                           run.peak) | {"per_step_median_s": [statistics.median(t) for t in per_index],
@@ -190,7 +188,6 @@ def _denoise_stage(run: Run):
 
 
 def _decode_stage(run: Run, job) -> None:
-    """Time the pipeline's decode stage on the final latents of `job`."""
     pipe = run.pipe
     run.log(f"{run.verb} the VAE")
     vae, run.stages["vae_load"] = _timed_load(pipe, "vae")
@@ -201,7 +198,7 @@ def _decode_stage(run: Run, job) -> None:
         pipe.decode(job, "np")
         peaks.append(job.stats.decode.peak_memory / GB)
 
-    times = _repeat(decode, run.warmup, run.trials)
+    times, _ = _repeat(decode, run.warmup, run.trials)
     run.stages["vae_decode"] = _summary(times, run.flops["vae_decode"], run.peak) | {"peak_memory_gb": max(peaks)}
     run.log(f"VAE decode: {run.stages['vae_decode']['median_s']:.3f} s")
     del vae
@@ -209,17 +206,8 @@ def _decode_stage(run: Run, job) -> None:
 
 
 def run_benchmark(
-    pipe: FluxKleinPipeline,
-    width: int = 1024,
-    height: int = 1024,
-    steps: int = 4,
-    warmup: int = 1,
-    trials: int = 3,
-    text_encoder: bool = True,
-    decode: bool = True,
-    seed: int = 0,
-    log=None,
-    references: int = 0,
+    pipe: FluxKleinPipeline, width: int = 1024, height: int = 1024, steps: int = 4, warmup: int = 1, trials: int = 3,
+    text_encoder: bool = True, decode: bool = True, seed: int = 0, log=None, references: int = 0,
 ) -> dict:
     """Time every stage of one image on `pipe` and return the results (the structure `--json` writes).
 
@@ -291,9 +279,7 @@ def format_report(result: dict) -> str:
     c, m, st = result["config"], result["machine"], result["stages"]
     quant = f", {c['quantize']}-bit transformer" if c["quantize"] else ""
     weights = "random weights" if c["weights"] == "random" else c["model"]
-    chip = m["chip"] or m["cpu"]
-    if m["gpu_cores"]:
-        chip += f" ({m['gpu_cores']}-core GPU)"
+    chip = (m["chip"] or m["cpu"]) + (f" ({m['gpu_cores']}-core GPU)" if m["gpu_cores"] else "")
     peak = f"{m['peak_tflops']:.1f} TFLOPS peak" if m["peak_tflops"] else "peak unknown here: TFLOPS only"
     lines = [
         f"flux_klein_mlx {m['flux_klein_mlx']} benchmark: {c['variant']} ({weights}), {c['width']}x{c['height']} "
@@ -307,10 +293,10 @@ def format_report(result: dict) -> str:
         f"{'stage':<24}{'median':>10}{'min':>10}{'max':>10}{'TFLOP':>9}{'TFLOPS':>9}{'% peak':>8}{'peak mem':>11}",
     ]
 
-    def row(label, s, median=None):
+    def row(label, s):
         if s is None:
             return
-        med = s.get("median_s", median if median is not None else s.get("seconds"))
+        med = s.get("median_s", s.get("seconds"))
         lo, hi = s.get("min_s"), s.get("max_s")
         tf, tfs, pct = s.get("tflop"), s.get("tflops"), s.get("pct_of_peak")
         lines.append(
@@ -336,16 +322,13 @@ def format_report(result: dict) -> str:
     if len(per) > 1:
         lines.append("per step (median): " + ", ".join(_fmt_s(t) for t in per))
     loads = [k for k in ("text_encoder_load", "transformer_load", "vae_load") if k in st]
-    if loads:
-        lines.append(
-            "resident weights: "
-            + ", ".join(f"{k.replace('_load', '').replace('_', ' ')} {st[k]['weights_gb']:.2f} GB" for k in loads)
-        )
+    lines.append(  # the transformer always loads
+        "resident weights: "
+        + ", ".join(f"{k.replace('_load', '').replace('_', ' ')} {st[k]['weights_gb']:.2f} GB" for k in loads)
+    )
     skipped = [n for k, n in (("text_encoding", "text encoding"), ("vae_decode", "VAE decode")) if k not in st]
-    note = "image = sum of stage medians: " + " + ".join(st["image"]["includes"])
-    if skipped:
-        note += f" ({' and '.join(skipped)} skipped)"
-    lines.append(note)
+    note = f" ({' and '.join(skipped)} skipped)" if skipped else ""
+    lines.append("image = sum of stage medians: " + " + ".join(st["image"]["includes"]) + note)
     return "\n".join(lines)
 
 
@@ -358,9 +341,7 @@ def write_json(result: dict, path: str | Path) -> Path:
     return write_exclusive(path, lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"))
 
 
-# ---------------------------------------------------------------------------------------------
-# The command.
-# ---------------------------------------------------------------------------------------------
+# --- the command ------------------------------------------------------------------------------------
 
 
 def parse_blocks(text: str) -> dict:
@@ -419,35 +400,25 @@ def benchmark(model, random_weights, variant, width, height, steps, quantize, dt
         raise click.UsageError("--cold and --vae need --model (a folder to read; benchmarks/cold_start.py make writes "
                                "one with random weights)")
     dtype = dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
-    bits = int(quantize) if quantize else None
+    bits, log = int(quantize) if quantize else None, partial(click.echo, err=True)
     if cold:
         result = measure_cold(model, width=width, height=height, steps=steps, dtype=dtype, quantize=bits, vae=vae,
-                              log=lambda msg: click.echo(msg, err=True))  # fmt: skip
+                              log=log)
         click.echo(format_cold(result))
-        _write_json(result, json_path)
-        return
-    if model:
-        pipe = load(model, dtype=dtype, quantize=bits, vae=vae)
     else:
-        pipe = random_pipeline(row, DTYPES[dtype], bits, seed)
-    if references is None:  # the KV model exists for editing: time what it is for
-        references = 1 if pipe.info.reference_kv else 0
-    result = run_benchmark(
-        pipe, width=width, height=height, steps=steps, warmup=warmup, trials=trials,
-        text_encoder=not skip_text_encoder, decode=not skip_decode, seed=seed,
-        log=lambda msg: click.echo(msg, err=True), references=references,
-    )  # fmt: skip
-    click.echo(format_report(result))
-    _write_json(result, json_path)
-
-
-def _write_json(result: dict, json_path: str | None) -> None:
+        if model:
+            pipe = load(model, dtype=dtype, quantize=bits, vae=vae)
+        else:
+            pipe = random_pipeline(row, DTYPES[dtype], bits, seed)
+        if references is None:  # the KV model exists for editing: time what it is for
+            references = 1 if pipe.info.reference_kv else 0
+        result = run_benchmark(pipe, width=width, height=height, steps=steps, warmup=warmup, trials=trials,
+                               text_encoder=not skip_text_encoder, decode=not skip_decode, seed=seed, log=log,
+                               references=references)
+        click.echo(format_report(result))
     if json_path:
         final = write_json(result, json_path)
-        if final != Path(json_path):
-            click.echo(f"{json_path} exists; wrote {final} instead", err=True)
-        else:
-            click.echo(f"wrote {final}", err=True)
+        log(f"wrote {final}" if final == Path(json_path) else f"{json_path} exists; wrote {final} instead")
 
 
 def main(argv=None) -> int:

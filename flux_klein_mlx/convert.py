@@ -28,7 +28,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import click
 import mlx.core as mx
@@ -82,31 +82,20 @@ def make_part(
     """One component of a described model, strictly checked, cast and quantized, all lazily: no
     tensor is read from disk here. `loras` (transformer only, from `lora.load_loras`) are fused
     into the float weights before quantization."""
-    weights = read_component(info, name)
     bits = None if name == "vae" else bits
-    if not loras:
-        module, record = assemble(name, info.configs[name], weights, dtype, info.quantization[name], bits, group_size)
-        return Part(name, info.configs[name], dict(tree_flatten(module.parameters())), record)
-    module, record = assemble(name, info.configs[name], weights, dtype, info.quantization[name], None, group_size)
-    apply_loras(module, loras, keep_originals=False, evaluate=False)  # lazy: each fused weight computed as written
-    if bits:
-        record = quantize_model(module, bits, group_size)
+    module, record = assemble(name, info.configs[name], read_component(info, name), dtype, info.quantization[name],
+                              None if loras else bits, group_size)  # with LoRAs: quantized once they are fused
+    if loras:
+        apply_loras(module, loras, keep_originals=False, evaluate=False)  # lazy: each fused weight computed as written
+        if bits:
+            record = quantize_model(module, bits, group_size)
     return Part(name, info.configs[name], dict(tree_flatten(module.parameters())), record)
 
 
 def convert_model(
-    model: str | Path,
-    output: str | Path,
-    *,
-    dtype: str = "bfloat16",
-    bits: int | None = None,
-    group_size: int = 64,
-    base: str | Path | None = None,
-    overwrite: bool = False,
-    max_shard_bytes: int = MAX_SHARD_BYTES,
-    progress: Progress | None = None,
-    loras: list | None = None,
-    lora_partial: bool = False,
+    model: str | Path, output: str | Path, *, dtype: str = "bfloat16", bits: int | None = None, group_size: int = 64,
+    base: str | Path | None = None, overwrite: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES,
+    progress: Progress | None = None, loras: list | None = None, lora_partial: bool = False,
     vae: str | Path | None = None,
 ) -> dict:
     """Convert a FLUX.2 [klein] model into an MLX folder at `output`; returns its config.
@@ -154,14 +143,8 @@ def convert_model(
 
 
 def quantize_folder(
-    model: str | Path,
-    output: str | Path,
-    bits: int,
-    group_size: int = 64,
-    *,
-    overwrite: bool = False,
-    max_shard_bytes: int = MAX_SHARD_BYTES,
-    progress: Progress | None = None,
+    model: str | Path, output: str | Path, bits: int, group_size: int = 64, *, overwrite: bool = False,
+    max_shard_bytes: int = MAX_SHARD_BYTES, progress: Progress | None = None,
 ) -> dict:
     """Quantize a converted MLX folder into a new one (transformer and text encoder; the VAE is copied)."""
     check_quantization(bits, group_size)
@@ -179,15 +162,10 @@ def quantize_folder(
         )
     check_weights(info)
     parts = [make_part(info, name, None, bits, group_size) for name in COMPONENTS]
-    meta = {
-        "variant": info.variant,
-        "is_distilled": info.is_distilled,
-        "reference_kv": info.reference_kv,
-        "dtype": info.stored_dtype,
-        "source": {"model": str(model), "path": str(info.path), "format": FORMAT, "original": info.original},
-        "scheduler": info.scheduler,
-        "tokenizer_source": info.tokenizer,
-    }
+    source = {"model": str(model), "path": str(info.path), "format": FORMAT, "original": info.original}
+    meta = {"variant": info.variant, "is_distilled": info.is_distilled, "reference_kv": info.reference_kv,
+            "dtype": info.stored_dtype, "source": source, "scheduler": info.scheduler,
+            "tokenizer_source": info.tokenizer}
     return write_folder(
         output, parts, meta, overwrite=overwrite, sources=[info.path], max_shard_bytes=max_shard_bytes, progress=progress
     )
@@ -218,14 +196,8 @@ def _check_paths(sources: list[Path], output: Path, overwrite: bool) -> None:
 
 
 def write_folder(
-    output: str | Path,
-    parts: list[Part],
-    meta: dict,
-    *,
-    overwrite: bool = False,
-    sources: list[Path] = (),
-    max_shard_bytes: int = MAX_SHARD_BYTES,
-    progress: Progress | None = None,
+    output: str | Path, parts: list[Part], meta: dict, *, overwrite: bool = False, sources: list[Path] = (),
+    max_shard_bytes: int = MAX_SHARD_BYTES, progress: Progress | None = None,
 ) -> dict:
     """Write an MLX folder atomically: into `<output>.tmp-XXXX`, renamed into place at the end.
 
@@ -246,22 +218,16 @@ def write_folder(
                      "the converted model")
 
     config = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "flux_klein_mlx_version": __version__,
-        "variant": meta["variant"],
-        "is_distilled": bool(meta["is_distilled"]),
-        "reference_kv": bool(meta.get("reference_kv", False)),
-        "dtype": meta["dtype"],
-        "source": meta["source"],
+        "format": FORMAT, "format_version": FORMAT_VERSION, "flux_klein_mlx_version": __version__,
+        "variant": meta["variant"], "is_distilled": bool(meta["is_distilled"]),
+        "reference_kv": bool(meta.get("reference_kv", False)), "dtype": meta["dtype"], "source": meta["source"],
         **{p.name: {"config": p.config, "quantization": p.quantization} for p in parts},
-        "tokenizer": "tokenizer",
-        "scheduler": meta.get("scheduler"),
+        "tokenizer": "tokenizer", "scheduler": meta.get("scheduler"),
         **({"loras": meta["loras"]} if meta.get("loras") else {}),  # LoRAs baked into the transformer
     }
     with folder_transaction(output) as tmp:
         for part in parts:
-            _write_part(part, tmp, output, max_shard_bytes, progress)
+            _write_part(part, tmp, output, max_shard_bytes, progress or (lambda *_: None))
         (tmp / "tokenizer").mkdir()
         for f in tokenizer_files:
             shutil.copy2(f, tmp / "tokenizer" / f.name)
@@ -269,18 +235,15 @@ def write_folder(
     return config
 
 
-def _write_part(part: Part, folder: Path, output: Path, max_shard_bytes: int, progress: Progress | None) -> None:
-    """One component's tensors into `folder`, streamed, reporting bytes written."""
+def _write_part(part: Part, folder: Path, output: Path, max_shard_bytes: int, progress: Progress) -> None:
     total, done = part.nbytes, 0
 
     def on_tensor(_name: str, nbytes: int) -> None:
         nonlocal done
         done += nbytes
-        if progress is not None:
-            progress(part.name, done, total)
+        progress(part.name, done, total)
 
-    if progress is not None:
-        progress(part.name, 0, total)
+    progress(part.name, 0, total)
     try:
         save_safetensors_sharded(part.weights, folder, part.name, max_shard_bytes, on_tensor=on_tensor)
     except (OSError, RuntimeError) as e:  # disk full, unreadable source bytes, ...
@@ -290,30 +253,20 @@ def _write_part(part: Part, folder: Path, output: Path, max_shard_bytes: int, pr
     mx.clear_cache()
 
 
-class ProgressBars:
-    """One click progress bar per component on stderr (the `progress` callback of the commands)."""
+@contextlib.contextmanager
+def progress_bars() -> Iterator[Progress]:
+    """One click progress bar per component on stderr: the `progress` callback of the commands."""
+    stack, bars = contextlib.ExitStack(), {}
 
-    def __init__(self):
-        self.name, self.bar = None, None
+    def update(name: str, done: int, total: int) -> None:
+        if name not in bars:
+            stack.close()  # the previous component's bar ends
+            bar = click.progressbar(length=max(total, 1), label=f"{name:<12}", file=sys.stderr, show_pos=False)
+            bars[name] = stack.enter_context(bar)
+        bars[name].update(done - bars[name].pos)
 
-    def __call__(self, name: str, done: int, total: int) -> None:
-        if name != self.name:
-            self.close()
-            self.name = name
-            self.bar = click.progressbar(length=max(total, 1), label=f"{name:<12}", file=sys.stderr, show_pos=False)
-            self.bar.__enter__()
-        self.bar.update(done - self.bar.pos)
-
-    def __enter__(self) -> "ProgressBars":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
-            self.bar = None
+    with stack:
+        yield update
 
 
 def summary(output: str | Path, config: dict) -> str:
@@ -337,11 +290,9 @@ def interrupt_on_termination():
     def handler(signum, _frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    wanted = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, handler) for s in wanted}
+    # Handlers can only be set in the main thread; elsewhere the caller's handling stays.
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP) if main}
     try:
         yield
     finally:
@@ -363,12 +314,10 @@ def interrupt_on_termination():
 @click.option("--vae", default=None, help="Write this VAE instead of the model's: folder, .safetensors or repo id (e.g. black-forest-labs/FLUX.2-small-decoder); a decoder-only file replaces just the decoder.")
 def convert(model, output, dtype, bits, group_size, base, overwrite, loras, lora_scales, lora_partial, vae):
     """Convert a FLUX.2 [klein] model into an MLX folder (optionally 4/8-bit, optionally with LoRAs baked in)."""
-    specs = pair_scales(loras, lora_scales)
-    with interrupt_on_termination(), ProgressBars() as bars:
-        config = convert_model(
-            model, output, dtype=dtype, bits=bits, group_size=group_size, base=base, overwrite=overwrite, progress=bars,
-            loras=specs, lora_partial=lora_partial, vae=vae,
-        )
+    with interrupt_on_termination(), progress_bars() as bars:
+        config = convert_model(model, output, dtype=dtype, bits=bits, group_size=group_size, base=base,
+                               overwrite=overwrite, progress=bars, loras=pair_scales(loras, lora_scales),
+                               lora_partial=lora_partial, vae=vae)
     click.echo(summary(output, config))
 
 
@@ -380,6 +329,6 @@ def convert(model, output, dtype, bits, group_size, base, overwrite, loras, lora
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 def quantize_command(model, bits, group_size, output, overwrite):
     """Quantize a converted MLX folder's transformer and text encoder to 4 or 8 bits."""
-    with interrupt_on_termination(), ProgressBars() as bars:
+    with interrupt_on_termination(), progress_bars() as bars:
         config = quantize_folder(model, output, bits, group_size, overwrite=overwrite, progress=bars)
     click.echo(summary(output, config))

@@ -11,7 +11,6 @@ import click
 
 from .cli import run_command, vae_and_cache_options
 from .embedding_cache import parse_size
-from .errors import FluxKleinError
 from .inputs import RunSettings, check_prompt_given, prepare_inputs
 from .lora import pair_scales
 from .output import check_output_file, image_format, numbered_name, save_image, write_exclusive
@@ -34,9 +33,8 @@ def _gb(nbytes: int) -> str:
     return f"{nbytes / 1e9:.2f} GB"
 
 
-def summary(stats, seed, index: int, count: int) -> str:
-    """One line per image: model loading apart from the stages it happened in, then the total."""
-    st = stats
+def summary(st, seed, index: int, count: int) -> str:
+    """One line per image (`st`: its Stats): model loading apart from the stages it happened in, then the total."""
     head = f"image {index + 1}/{count}, " if count > 1 else ""
     return (
         f"{head}seed {seed}: load {st.load_seconds:.1f} s, encode {st.encode.seconds - st.encode.load_seconds:.1f} s "
@@ -91,9 +89,7 @@ def generate(prompt, model, width, height, steps, guidance, seed, noise, init_im
                            images=list(images), negative_prompt=negative_prompt, noise=noise, init_image=init_image,
                            strength=strength, mask=mask).check()  # fmt: skip
     paths = output_paths(output, num_images)
-    if preview_dir is not None and not Path(preview_dir).is_dir():
-        raise FluxKleinError(f"--preview-dir {preview_dir} is not an existing folder; create it first")
-    if preview_dir is not None:
+    if preview_dir is not None:  # a missing folder or a file: one-line errors
         check_output_file(Path(preview_dir) / f"{paths[-1].stem}-step00.png", "--preview-dir")
     lora_specs = pair_scales(loras, lora_scales)
     cache_bytes = parse_size(cache_size)

@@ -24,7 +24,6 @@ import os
 import re
 import secrets
 import shutil
-import stat
 import struct
 import tempfile
 import warnings
@@ -94,14 +93,6 @@ def a1111_parameters(record: dict) -> str:
     return "\n".join(lines)
 
 
-def png_info(record: dict) -> PngInfo:
-    """PNG text chunks: `parameters` (A1111 text) and `flux_klein_mlx` (the record as JSON)."""
-    info = PngInfo()
-    info.add_text("parameters", a1111_parameters(record))
-    info.add_text(RECORD_KEY, json.dumps(record, ensure_ascii=False))
-    return info
-
-
 def exif_parameters(record: dict) -> bytes:
     """EXIF whose UserComment is the A1111 text, as A1111 writes JPEG and WebP (piexif's dump: a
     big-endian TIFF, IFD0 pointing to an Exif IFD holding UserComment as UNDEFINED bytes, "UNICODE\\0"
@@ -134,11 +125,9 @@ def read_record(path: str | Path) -> dict | None:
         xmp = im.info.get("xmp")
     if not raw and xmp:
         try:
-            node = ElementTree.fromstring(xmp.decode("utf-8") if isinstance(xmp, bytes) else xmp)
-        except (ElementTree.ParseError, UnicodeDecodeError):
+            raw = ElementTree.fromstring(xmp).findtext(f".//{{{XMP_NS}}}record")
+        except ElementTree.ParseError:
             return None
-        found = node.find(f".//{{{XMP_NS}}}record")
-        raw = found.text if found is not None else None
     return json.loads(raw) if raw else None
 
 
@@ -149,20 +138,21 @@ def write_image(image: Image.Image, target, fmt: str, record: dict | None) -> No
     left out with a warning rather than failing the image.
     """
     if fmt == "PNG":
-        image.save(target, format=fmt, pnginfo=png_info(record) if record else None)
-        return
+        info = PngInfo()
+        if record:  # text chunks: `parameters` (A1111 text) and `flux_klein_mlx` (the record as JSON)
+            info.add_text("parameters", a1111_parameters(record))
+            info.add_text(RECORD_KEY, json.dumps(record, ensure_ascii=False))
+        return image.save(target, format=fmt, pnginfo=info)
     extra = {"exif": exif_parameters(record), "xmp": record_xmp(record)} if record else {}
     if fmt == "JPEG" and image.mode not in ("RGB", "L"):
         image = image.convert("RGB")  # JPEG has no alpha
     while True:
         try:
-            image.save(target, format=fmt, quality=QUALITY, **extra)
-            return
+            return image.save(target, format=fmt, quality=QUALITY, **extra)
         except ValueError as e:  # "EXIF data is too long" / "XMP data is too long" (JPEG)
             if not extra or "too long" not in str(e):
                 raise
-            dropped = "xmp" if "xmp" in extra else "exif"
-            extra.pop(dropped)
+            dropped, _ = extra.popitem()  # the JSON record (XMP) first, then the A1111 text (EXIF)
             warnings.warn(f"the {'JSON record (XMP)' if dropped == 'xmp' else 'A1111 text (EXIF)'} does not fit "
                           f"in a {fmt} file (64 KB); the image is written without it: use .png to keep it")
 
@@ -170,7 +160,7 @@ def write_image(image: Image.Image, target, fmt: str, record: dict | None) -> No
 def image_bytes(image: Image.Image, record: dict | None = None) -> bytes:
     """A PNG in memory, with `record` in its text chunks when given."""
     buf = io.BytesIO()
-    image.save(buf, format="PNG", pnginfo=png_info(record) if record else None)
+    write_image(image, buf, "PNG", record)
     return buf.getvalue()
 
 
@@ -195,7 +185,7 @@ def save_image(image: Image.Image, path: str | Path, record: dict | None = None,
 
 # --- files that are never written twice ---------------------------------------------------------------
 
-# Room left in a file name for the "-N" that `free_name` may add.
+# Room left in a file name for the "-N" that `write_exclusive` may add.
 _SUFFIX_ROOM = 8
 
 
@@ -204,8 +194,7 @@ def check_output_file(path: str | Path, option: str = "--output") -> Path:
     path = Path(path).expanduser()
     parent = path.parent
     for p in (parent, path):
-        trouble = broken_link(p)
-        if trouble:
+        if trouble := broken_link(p):
             raise FluxKleinError(f"{option} {path}: {p} is a symbolic link that {trouble}; remove it or choose another path")
     if parent.exists() and not parent.is_dir():
         raise FluxKleinError(f"{option} {path}: {parent} is a file, not a folder; choose another path")
@@ -235,21 +224,13 @@ def check_output_file(path: str | Path, option: str = "--output") -> Path:
 def broken_link(path: Path) -> str | None:
     """What is wrong with `path` when it is a symbolic link that leads nowhere ("loops" or "points to
     nothing"), else None (we never write through a link, so such a name would only be skipped)."""
-    try:
-        if not stat.S_ISLNK(os.lstat(path).st_mode):
-            return None
-    except OSError:  # no such name (or one too long: said below)
+    if not os.path.islink(path):  # also no such name (or one too long: said below)
         return None
     try:
         os.stat(path)
     except OSError as e:
         return "loops" if e.errno == errno.ELOOP else "points to nothing"
     return None
-
-
-def free_name(path: Path, n: int) -> Path:
-    """`path` for n = 0, else `stem-n.suffix`."""
-    return path if n == 0 else path.with_name(f"{path.stem}-{n}{path.suffix}")
 
 
 def numbered_name(path: Path, n: int) -> Path:
@@ -260,9 +241,9 @@ def numbered_name(path: Path, n: int) -> Path:
 def _link_to_free_name(tmp: Path, path: Path, first: int | None) -> Path:
     """Give the finished `tmp` the first free name `path`, `stem-1.suffix`, ... (or `stem-first.suffix`,
     `stem-(first+1).suffix`, ...); never replaces a file."""
-    n = 0 if first is None else first
+    n = first or 0
     while True:
-        final = free_name(path, n) if first is None else numbered_name(path, n)
+        final = path if first is None and n == 0 else numbered_name(path, n)
         try:
             os.link(tmp, final)
             return final
@@ -329,45 +310,34 @@ def _writer_alive(folder: Path) -> bool:
         pid = int((folder / TMP_MARKER).read_text().strip())
     except (OSError, ValueError):
         return False
-    if pid == os.getpid():
-        return True
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
+    except OSError as e:  # PermissionError: it runs, as another user
+        return not isinstance(e, ProcessLookupError)
     return True
 
 
-def remove_stale_temporaries(output: Path) -> list[Path]:
+def remove_stale_temporaries(output: Path) -> None:
     """Remove `<output>.tmp-XXXXXXXX` folders left by an earlier run that was killed (SIGKILL, power loss).
 
     Only folders that are ours are removed: empty ones, and ones whose marker file names a process
-    that no longer runs (a write still running keeps its folder). Returns the folders removed.
+    that no longer runs (a write still running keeps its folder).
     """
-    removed = []
-    if not output.parent.is_dir():
-        return removed
     for cand in output.parent.glob(f"{glob.escape(output.name)}.tmp-*"):
         if not _TMP_NAME.search(cand.name[len(output.name):]) or cand.is_symlink() or not cand.is_dir():
             continue
         if any(cand.iterdir()) and (not (cand / TMP_MARKER).is_file() or _writer_alive(cand)):
             continue  # not ours, or its writer still runs
         shutil.rmtree(cand, ignore_errors=True)
-        removed.append(cand)
-    return removed
 
 
 def _fresh_sibling(output: Path, tag: str) -> Path:
     """Create and return an empty folder `<output>.<tag>-XXXXXXXX` next to `output` (umask permissions)."""
     while True:
         path = output.with_name(f"{output.name}.{tag}-{secrets.token_hex(4)}")
-        try:
+        with contextlib.suppress(FileExistsError):
             path.mkdir()
             return path
-        except FileExistsError:
-            continue
 
 
 def _move_into_place(tmp: Path, output: Path) -> None:
@@ -497,8 +467,7 @@ def flux2_preview() -> LatentPreview:
 def unpatchify_tokens(tokens: np.ndarray, h: int, w: int) -> np.ndarray:
     """Tokens (1, h*w, 4C) -> (2h, 2w, C); packed channel index c*4 + py*2 + px (vae.patchify)."""
     t = tokens.reshape(h, w, -1, 2, 2)  # (y, x, c, py, px)
-    C = t.shape[2]
-    return t.transpose(0, 3, 1, 4, 2).reshape(2 * h, 2 * w, C)  # (y, py, x, px, c)
+    return t.transpose(0, 3, 1, 4, 2).reshape(2 * h, 2 * w, -1)  # (y, py, x, px, c)
 
 
 def fit_preview(latents: np.ndarray, images: np.ndarray, source: str = "fitted") -> LatentPreview:
@@ -520,24 +489,16 @@ def fit_preview(latents: np.ndarray, images: np.ndarray, source: str = "fitted")
     return LatentPreview(solution[:C].astype(np.float32), solution[C].astype(np.float32), source)
 
 
-def fit_to_decoder(vae, *, grid: int = 8, samples: int = 4, seed: int = 0) -> LatentPreview:
-    """Fit a map for an MLX `AutoEncoder` (ours) on prior-distributed random tokens.
-
-    Used for VAEs without a published map (the tiny test models): a few decodes of
-    grid x grid-token latents, which is cheap for small VAEs.
-    """
-    C4 = vae.config.token_channels
-    rng = np.random.default_rng(seed)
-    tokens = rng.standard_normal((samples, grid * grid, C4)).astype(np.float32)  # (N, L, 4C)
-    x = mx.array(tokens)  # the decoder casts to its own dtype
+def preview_for(vae) -> LatentPreview:
+    """The preview map for a loaded MLX VAE: the published one for 32 channels, else one fitted on
+    prior-distributed random tokens (VAEs without a published map, such as the tiny test models: a
+    few decodes of 8x8-token latents, cheap for small VAEs)."""
+    if vae.config.latent_channels == len(FLUX2_RGB_FACTORS):
+        return flux2_preview()
+    C4, grid, samples = vae.config.token_channels, 8, 4
+    # (N, L, 4C); the decoder casts to its own dtype
+    x = mx.array(np.random.default_rng(0).standard_normal((samples, grid * grid, C4)).astype(np.float32))
     images = vae.decode_tokens(x, grid, grid).astype(mx.float32)  # (N, 16g, 16g, 3)
     feats = unpatchify(x.reshape(samples, grid, grid, C4)).astype(mx.float32)  # (N, 2g, 2g, C)
     mx.eval(images, feats)
     return fit_preview(np.array(feats), np.array(images), "fitted at load to this model's VAE decoder")
-
-
-def preview_for(vae) -> LatentPreview:
-    """The preview map for a loaded MLX VAE: the published one for 32 channels, else fitted."""
-    if vae.config.latent_channels == len(FLUX2_RGB_FACTORS):
-        return flux2_preview()
-    return fit_to_decoder(vae)

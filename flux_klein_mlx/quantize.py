@@ -1,12 +1,12 @@
 """Group-wise affine weight quantization (4 or 8 bits) and the record that rebuilds it.
 
 This is the only module that calls `nn.quantize` (the `quantize` command lives in convert.py).
-`quantize_model` turns the `nn.Linear` layers
-whose input width is a multiple of the group size into `nn.QuantizedLinear` (all other layers,
-norm scales and every VAE convolution stay as they are) and returns a JSON-able record of what it
-did. A converted folder stores that record in its config.json; `apply_quantization` replays it on
-a freshly built (unquantized) model so that the stored quantized tensors load strictly, with
-every name and shape checked, like mlx-lm's `quantize_model` / `load_model`.
+`quantize_model` turns the `nn.Linear` layers whose input width is a multiple of the group size
+into `nn.QuantizedLinear` (all other layers, norm scales and every VAE convolution stay as they
+are) and returns a JSON-able record of what it did. A converted folder stores that record in its
+config.json; `apply_quantization` replays it on a freshly built (unquantized) model so that the
+stored quantized tensors load strictly, with every name and shape checked, like mlx-lm's
+`quantize_model` / `load_model`.
 
 Storage per quantized weight: `bits` per value plus one scale and one bias (16-bit in a bf16
 model) per `group_size` values, i.e. bits + 32 / group_size bits per weight: 4.5 for 4-bit g64,
@@ -35,18 +35,15 @@ def check_quantization(bits: int, group_size: int) -> None:
 
 
 def is_quantized(model: nn.Module) -> bool:
-    """Whether any layer of `model` is already quantized."""
     return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
 
 
 def quantize_model(model: nn.Module, bits: int, group_size: int = 64) -> dict:
-    """Quantize `model` in place and return the record of what was quantized.
+    """Quantize `model` in place (affine mode, the layers the module docstring names) and return the
+    record `{"bits", "group_size", "mode", "layers": [module paths]}`.
 
-    Every `nn.Linear` whose input width is a multiple of `group_size` becomes an
-    `nn.QuantizedLinear` (affine mode); other layers stay as they are. Lazy: weights that are not
-    evaluated yet are quantized when they are evaluated, so a caller can quantize a model whose
-    weights are still on disk and evaluate it layer by layer. The record is
-    `{"bits", "group_size", "mode", "layers": [module paths]}`.
+    Lazy: weights that are not evaluated yet are quantized when they are evaluated, so a caller can
+    quantize a model whose weights are still on disk and evaluate it layer by layer.
     """
     check_quantization(bits, group_size)
     if is_quantized(model):
@@ -121,12 +118,11 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     layers = []
     for path, module in model.named_modules():
         if isinstance(module, nn.QuantizedLinear):
-            out_dims = module.weight.shape[0]
-            in_dims = module.weight.shape[1] * 32 // module.bits
-            linear = nn.Linear(in_dims, out_dims, bias="bias" in module)
-            linear.weight = mx.dequantize(
+            weight = mx.dequantize(
                 module.weight, module.scales, module.biases, module.group_size, module.bits, mode=module.mode
-            )
+            )  # (out, in)
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
+            linear.weight = weight
             if "bias" in module:
                 linear.bias = module.bias
             layers.append((path, linear))
