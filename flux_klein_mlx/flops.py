@@ -31,7 +31,9 @@ def count_parameters(params: FluxKleinParams) -> int:
     return embed + modulation + params.depth * double + params.depth_single * single + final
 
 
-# --- FLOP model (performance.md section 4). 1 multiply-add = 2 FLOPs, batch 1. ------------------
+# ---------------------------------------------------------------------------------------------
+# FLOP model (performance.md section 4). 1 multiply-add = 2 FLOPs, batch 1.
+# ---------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,16 @@ class Flops:
 
 
 def transformer_step_flops(
-    hidden: int, depth: int, depth_single: int, image_tokens: int, text_tokens: int = 512, mlp_ratio: float = 3.0,
-    context_dim: int = 7680, in_channels: int = 128, reference_tokens: int = 0, cached_references: bool = False,
+    hidden: int,
+    depth: int,
+    depth_single: int,
+    image_tokens: int,
+    text_tokens: int = 512,
+    mlp_ratio: float = 3.0,
+    context_dim: int = 7680,
+    in_channels: int = 128,
+    reference_tokens: int = 0,
+    cached_references: bool = False,
 ) -> Flops:
     """FLOPs of one transformer forward (one denoising step of distilled klein, no CFG).
 
@@ -90,14 +100,21 @@ def reference_pass_flops(params: FluxKleinParams, reference_tokens: int) -> Flop
     """FLOPs of klein 9B-KV's reference pass (`FluxKlein.reference_kv`): the reference tokens
     alone through every block, attending only to themselves (counted whole; MLX skips the last
     block's MLP, 1-2 % of it)."""
-    p = params
-    f = transformer_step_flops(p.hidden_size, p.depth, p.depth_single, reference_tokens, 0, p.mlp_ratio,
-                               p.context_in_dim, p.in_channels)
+    f = transformer_step_flops(
+        params.hidden_size, params.depth, params.depth_single, reference_tokens, 0, params.mlp_ratio,
+        params.context_in_dim, params.in_channels,
+    )  # fmt: skip
     return Flops(f.linear, f.attention, 2.0 * reference_tokens * params.in_channels * params.hidden_size)
 
 
 def text_encoder_flops(
-    hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, layers: int = 27, tokens: int = 512
+    hidden: int,
+    intermediate: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    layers: int = 27,
+    tokens: int = 512,
 ) -> Flops:
     """FLOPs of the Qwen3 prompt encoder: `layers` decoder layers (27 for klein) on `tokens`."""
     q, kv = heads * head_dim, kv_heads * head_dim
@@ -108,7 +125,10 @@ def text_encoder_flops(
 
 
 def vae_decoder_flops(
-    width: int, height: int, block_out_channels: tuple[int, ...] = (128, 256, 512, 512), layers_per_block: int = 2,
+    width: int,
+    height: int,
+    block_out_channels: tuple[int, ...] = (128, 256, 512, 512),
+    layers_per_block: int = 2,
     latent_channels: int = 32,
 ) -> Flops:
     """FLOPs of the FLUX.2 VAE decoder producing a width×height image (convs + mid attention)."""
@@ -141,22 +161,42 @@ def flops_of_transformer(
     params, width: int, height: int, text_tokens: int = 512, reference_tokens: int = 0, cached_references: bool = False
 ) -> Flops:
     """`transformer_step_flops` for a `FluxKleinParams` at a width×height image."""
-    p = params
-    return transformer_step_flops(p.hidden_size, p.depth, p.depth_single, (width // 16) * (height // 16), text_tokens,
-                                  p.mlp_ratio, p.context_in_dim, p.in_channels, reference_tokens, cached_references)
+    return transformer_step_flops(
+        hidden=params.hidden_size,
+        depth=params.depth,
+        depth_single=params.depth_single,
+        image_tokens=(width // 16) * (height // 16),
+        text_tokens=text_tokens,
+        mlp_ratio=params.mlp_ratio,
+        context_dim=params.context_in_dim,
+        in_channels=params.in_channels,
+        reference_tokens=reference_tokens,
+        cached_references=cached_references,
+    )
 
 
 def flops_of_text_encoder(config, layers: int = 27, tokens: int = 512) -> Flops:
     """`text_encoder_flops` for a `Qwen3Config`."""
-    c = config
-    return text_encoder_flops(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
-                              c.head_dim, layers, tokens)
+    return text_encoder_flops(
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        layers=layers,
+        tokens=tokens,
+    )
 
 
 def flops_of_vae_decoder(config, width: int, height: int) -> Flops:
-    """`vae_decoder_flops` for an `AutoEncoderConfig` (its decoder's channels where they differ)."""
-    channels = tuple(getattr(config, "decoder_block_out_channels", None) or config.block_out_channels)
-    return vae_decoder_flops(width, height, channels, config.layers_per_block, config.latent_channels)
+    """`vae_decoder_flops` for an `AutoEncoderConfig`."""
+    return vae_decoder_flops(
+        width,
+        height,
+        block_out_channels=tuple(getattr(config, "decoder_block_out_channels", None) or config.block_out_channels),
+        layers_per_block=config.layers_per_block,
+        latent_channels=config.latent_channels,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +229,9 @@ def chip_peak_tflops(chip: str | None, gpu_cores: int | None = None) -> float | 
     A binned part (fewer GPU cores than the table's configuration, e.g. the 30-core M3 Max)
     scales linearly with the core count.
     """
-    name = re.sub(r"^Apple\s+", "", (chip or "").strip())
+    if not chip:
+        return None
+    name = re.sub(r"^Apple\s+", "", chip.strip())
     for entry, cores, tflops, _ in APPLE_CHIPS:
         if entry == name:
             return tflops * gpu_cores / cores if gpu_cores else tflops
