@@ -59,13 +59,6 @@ def attend(q: mx.array, k: mx.array, v: mx.array, ref_kv: KV | None = None) -> m
     return out.transpose(0, 2, 1, 3).reshape(B, L, H * hd)
 
 
-def attention(
-    q: mx.array, k: mx.array, v: mx.array, cos: mx.array, sin: mx.array, ref_kv: KV | None = None
-) -> mx.array:
-    """RoPE on q, k (B, H, L, hd), then `attend`."""
-    return attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, ref_kv)
-
-
 def linear_part(layer: nn.Module, x: mx.array, rows: slice = slice(None), cols: tuple = (0, None)) -> mx.array:
     """x @ W[rows, c0:c1].T for an nn.Linear or nn.QuantizedLinear with weight (out, in), no bias.
 
@@ -176,30 +169,28 @@ class DoubleStreamBlock(nn.Module):
         self.txt_mlp = _mlp(p.hidden_size, p.mlp_hidden)
 
     def __call__(self, img, txt, mod_img, mod_txt, cos, sin, ref_kv: KV | None = None):
-        i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = mod_img
-        t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = mod_txt
-        img_qkv = self.img_attn.qkv_heads(modulate(img, i_sh1, i_sc1, self.eps))
-        txt_qkv = self.txt_attn.qkv_heads(modulate(txt, t_sh1, t_sc1, self.eps))
+        # mod_*: shift, scale, gate of the attention, then of the MLP, each (B, 1, D)
+        img_qkv = self.img_attn.qkv_heads(modulate(img, *mod_img[:2], self.eps))
+        txt_qkv = self.txt_attn.qkv_heads(modulate(txt, *mod_txt[:2], self.eps))
         Lt = txt.shape[1]
         # Joint sequence is text first: q, k, v each (B, H, Lt + Li, hd)
         q, k, v = (mx.concatenate([t, i], axis=2) for t, i in zip(txt_qkv, img_qkv))
-        out = attention(q, k, v, cos, sin, ref_kv)
-        txt_out, img_out = out[:, :Lt], out[:, Lt:]
-        img = img + i_g1 * self.img_attn.proj(img_out)
-        img = img + i_g2 * _run(self.img_mlp, modulate(img, i_sh2, i_sc2, self.eps))
-        txt = txt + t_g1 * self.txt_attn.proj(txt_out)
-        txt = txt + t_g2 * _run(self.txt_mlp, modulate(txt, t_sh2, t_sc2, self.eps))
-        return img, txt
+        out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, ref_kv)
+        img = self._residuals(img, out[:, Lt:], self.img_attn, self.img_mlp, mod_img)
+        return img, self._residuals(txt, out[:, :Lt], self.txt_attn, self.txt_mlp, mod_txt)
+
+    def _residuals(self, x, attn_out, attn: SelfAttention, mlp: list[nn.Module], mod) -> mx.array:
+        """One stream after attention: + gated output projection, then + gated MLP."""
+        g1, sh2, sc2, g2 = mod[2:]
+        x = x + g1 * attn.proj(attn_out)
+        return x + g2 * _run(mlp, modulate(x, sh2, sc2, self.eps))
 
     def reference(self, ref, mod_ref, cos, sin) -> tuple[mx.array, KV]:
         """Reference tokens (B, Lr, D) alone through the image stream, attending only to themselves
         (KV variant): (updated tokens, their rotated (k, v)). `cos`/`sin` cover the Lr tokens."""
-        sh1, sc1, g1, sh2, sc2, g2 = mod_ref
-        q, k, v = self.img_attn.qkv_heads(modulate(ref, sh1, sc1, self.eps))
+        q, k, v = self.img_attn.qkv_heads(modulate(ref, *mod_ref[:2], self.eps))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        ref = ref + g1 * self.img_attn.proj(attend(q, k, v))
-        ref = ref + g2 * _run(self.img_mlp, modulate(ref, sh2, sc2, self.eps))
-        return ref, (k, v)
+        return self._residuals(ref, attend(q, k, v), self.img_attn, self.img_mlp, mod_ref), (k, v)
 
 
 class SingleStreamBlock(nn.Module):
@@ -222,7 +213,8 @@ class SingleStreamBlock(nn.Module):
             return x + gate * self._halves(y, cos, sin, ref_kv)[0]
         z = self.linear1(y)
         qkv, mlp = z[..., : 3 * self.hidden_size], z[..., 3 * self.hidden_size :]
-        out = attention(*self.norm(qkv, self.num_heads), cos, sin, ref_kv)
+        q, k, v = self.norm(qkv, self.num_heads)
+        out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, ref_kv)
         return x + gate * self.linear2(mx.concatenate([out, swiglu(mlp)], axis=-1))
 
     def _halves(self, y, cos, sin, ref_kv: KV | None = None, evaluate: bool = True) -> tuple[mx.array, KV]:
@@ -486,16 +478,12 @@ def _rename_diffusers(k: str) -> str:
     for theirs, ours in DIFFUSERS_TOP.items():
         if k.startswith(theirs + "."):
             return ours + k[len(theirs) :]
-    for prefix, ours_prefix, table in (
-        ("transformer_blocks", "double_blocks", DIFFUSERS_DOUBLE),
-        ("single_transformer_blocks", "single_blocks", DIFFUSERS_SINGLE),
-    ):
-        m = re.match(rf"{prefix}\.(\d+)\.(.+)$", k)
-        if m:
-            rest = m.group(2)
-            for theirs, ours in table.items():
-                if rest == theirs or rest.startswith(theirs + "."):
-                    return f"{ours_prefix}.{m.group(1)}.{ours}{rest[len(theirs):]}"
+    if m := re.match(r"(single_)?transformer_blocks\.(\d+)\.(.+)$", k):
+        blocks, table = ("single_blocks", DIFFUSERS_SINGLE) if m[1] else ("double_blocks", DIFFUSERS_DOUBLE)
+        rest = m[3]
+        for theirs, ours in table.items():
+            if rest == theirs or rest.startswith(theirs + "."):
+                return f"{blocks}.{m[2]}.{ours}{rest[len(theirs) :]}"
     return k
 
 
@@ -510,9 +498,7 @@ def sanitize_flux2_klein_weights(weights: dict[str, mx.array]) -> dict[str, mx.a
     _reject_foreign(stripped)
     diffusers_roots = ("transformer_blocks.", "single_transformer_blocks.", "x_embedder.", "time_guidance_embed.",
                        "norm_out.", "proj_out.", "context_embedder.")  # fmt: skip
-    if any(k.startswith(diffusers_roots) for k in stripped):
-        return _from_diffusers(stripped)
-    return stripped
+    return _from_diffusers(stripped) if any(k.startswith(diffusers_roots) for k in stripped) else stripped
 
 
 def infer_params(weights: dict[str, mx.array]) -> FluxKleinParams:
