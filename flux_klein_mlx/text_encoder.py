@@ -33,12 +33,6 @@ def _qwen3():
     return qwen3
 
 
-def model_args(config: Qwen3Config):
-    """The same hyper-parameters as mlx-lm's Qwen3 `ModelArgs` (our field names are theirs)."""
-    fields = dataclasses.asdict(config) | {"model_type": "qwen3", "rope_theta": float(config.rope_theta)}
-    return _qwen3().ModelArgs.from_dict(fields)
-
-
 def causal_padding_mask(mask: mx.array) -> mx.array:
     """Causal AND key-padding mask, as transformers builds it: (B, L) 0/1 -> bool (B, 1, L, L).
 
@@ -56,10 +50,12 @@ class Qwen3Trunk(nn.Module):
 
     def __init__(self, config: Qwen3Config, num_layers: int):
         super().__init__()
-        args = model_args(config)
+        qwen3 = _qwen3()
+        # mlx-lm's ModelArgs has our config's field names
+        fields = dataclasses.asdict(config) | {"model_type": "qwen3", "rope_theta": float(config.rope_theta)}
+        args = qwen3.ModelArgs.from_dict(fields)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        block = _qwen3().TransformerBlock
-        self.layers = [block(args) for _ in range(num_layers)]
+        self.layers = [qwen3.TransformerBlock(args) for _ in range(num_layers)]
 
 
 class Qwen3TextEncoder(nn.Module):
