@@ -262,8 +262,7 @@ def _conv_tiled(
     """
     B, H, W, C = x.shape
     Hout, Wout = (2 * H, 2 * W) if upsample else (H, W)
-    k = conv.weight.shape[1]
-    halo = k // 2
+    halo = conv.weight.shape[1] // 2  # k // 2 of the (O, k, k, I) kernel
     band = max(1, tile_pixels // Wout)
     if norm is not None:
         mean, rstd = _norm_stats(norm, x, band)
