@@ -20,11 +20,6 @@ import mlx.nn as nn
 from .config import AutoEncoderConfig
 from .errors import FluxKleinError
 
-FLUX1_MESSAGE = (
-    "this is a FLUX.1 VAE (16 latent channels); FLUX.2 [klein] needs the FLUX.2 VAE (32 channels)"
-)
-
-
 # ---------------------------------------------------------------------------- building blocks
 
 
@@ -420,9 +415,7 @@ class AutoEncoder(nn.Module):
     ) -> mx.array:
         """Tokens (B, h*w, 128) on an h x w grid -> images (B, 16h, 16w, 3), nominally in [-1, 1].
 
-        `tiled=True` computes the same image in full-width row tiles of at most `tile_pixels`
-        pixels per conv, bounding peak memory at large sizes (see `Decoder.decode_tiled`); it
-        evaluates as it goes.
+        `tiled=True` bounds peak memory and evaluates as it goes (see `Decoder.decode_tiled`).
         """
         return self.decode(self.tokens_to_latents(tokens, h, w), tiled=tiled, tile_pixels=tile_pixels)
 
@@ -503,9 +496,8 @@ def sanitize_vae_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 
 def check_flux2(config: AutoEncoderConfig | None, weights: dict[str, mx.array] | None) -> None:
     """A FLUX.1 VAE (16 latent channels, no latent statistics) has the same blocks: refuse it by name."""
-    if config is not None and config.latent_channels == 16:
-        raise FluxKleinError(FLUX1_MESSAGE)
-    if weights is not None and "bn.running_mean" not in weights:
-        w = weights.get("decoder.conv_in.weight")
-        if w is not None and w.ndim == 4 and w.shape[-1] == 16:
-            raise FluxKleinError(FLUX1_MESSAGE)
+    w = None if weights is None or "bn.running_mean" in weights else weights.get("decoder.conv_in.weight")
+    if (config is not None and config.latent_channels == 16) or (w is not None and w.ndim == 4 and w.shape[-1] == 16):
+        raise FluxKleinError(
+            "this is a FLUX.1 VAE (16 latent channels); FLUX.2 [klein] needs the FLUX.2 VAE (32 channels)"
+        )
