@@ -30,12 +30,11 @@ class ReferenceKV:
     @property
     def num_tokens(self) -> int:
         """Reference tokens held (the sum over all references)."""
-        k = (self.double or self.single)[0][0]
-        return k.shape[2]
+        return (self.double or self.single)[0][0].shape[2]  # keys (B, H, Lr, hd)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for kv in self.double + self.single for a in kv)
+        return sum(a.nbytes for a in self.arrays())
 
     def arrays(self) -> list[mx.array]:
         """Every cached array (for `mx.eval`)."""

@@ -12,6 +12,8 @@ attention takes the boolean (B, 1, L, L) mask we build for right-padded prompts.
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -31,24 +33,6 @@ def _qwen3():
     return qwen3
 
 
-def model_args(config: Qwen3Config):
-    """The same hyper-parameters as mlx-lm's Qwen3 `ModelArgs`."""
-    return _qwen3().ModelArgs(
-        model_type="qwen3",
-        hidden_size=config.hidden_size,
-        num_hidden_layers=config.num_hidden_layers,
-        intermediate_size=config.intermediate_size,
-        num_attention_heads=config.num_attention_heads,
-        rms_norm_eps=config.rms_norm_eps,
-        vocab_size=config.vocab_size,
-        num_key_value_heads=config.num_key_value_heads,
-        max_position_embeddings=config.max_position_embeddings,
-        head_dim=config.head_dim,
-        tie_word_embeddings=config.tie_word_embeddings,
-        rope_theta=float(config.rope_theta),
-    )
-
-
 def causal_padding_mask(mask: mx.array) -> mx.array:
     """Causal AND key-padding mask, as transformers builds it: (B, L) 0/1 -> bool (B, 1, L, L).
 
@@ -66,10 +50,12 @@ class Qwen3Trunk(nn.Module):
 
     def __init__(self, config: Qwen3Config, num_layers: int):
         super().__init__()
-        args = model_args(config)
+        qwen3 = _qwen3()
+        # mlx-lm's ModelArgs has our config's field names
+        fields = dataclasses.asdict(config) | {"model_type": "qwen3", "rope_theta": float(config.rope_theta)}
+        args = qwen3.ModelArgs.from_dict(fields)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        block = _qwen3().TransformerBlock
-        self.layers = [block(args) for _ in range(num_layers)]
+        self.layers = [qwen3.TransformerBlock(args) for _ in range(num_layers)]
 
 
 class Qwen3TextEncoder(nn.Module):
@@ -116,13 +102,13 @@ class Qwen3TextEncoder(nn.Module):
 
 def _canonical_key(key: str) -> str:
     # A bare `Qwen3Model` checkpoint has no "model." prefix; `Qwen3ForCausalLM` has it.
-    if key.startswith(("embed_tokens.", "layers.", "norm.")):
-        return "model." + key
-    return key
+    return "model." + key if key.startswith(("embed_tokens.", "layers.", "norm.")) else key
 
 
-def _wanted(key: str, num_layers: int) -> bool:
-    """Whether the encoder uses a (canonical) checkpoint key: embedding and layers < num_layers."""
+def keeps_key(key: str, num_layers: int = max(OUT_LAYERS)) -> bool:
+    """Whether a checkpoint key (any prefix style) is read at all: the embedding and layers < `num_layers`.
+    Filtering on the lazy dict means layers above, the final norm and the lm_head never leave the file."""
+    key = _canonical_key(key)
     if key.startswith("model.embed_tokens."):
         return True
     if key.startswith("model.layers."):
@@ -133,12 +119,6 @@ def _wanted(key: str, num_layers: int) -> bool:
     return False
 
 
-def keeps_key(key: str, num_layers: int = max(OUT_LAYERS)) -> bool:
-    """Whether a checkpoint key (any prefix style) is read at all: filtering on the lazy dict means
-    layers above `num_layers`, the final norm and the lm_head never leave the file."""
-    return _wanted(_canonical_key(key), num_layers)
-
-
 def sanitize_qwen3_weights(weights: dict[str, mx.array], num_layers: int = max(OUT_LAYERS)) -> dict[str, mx.array]:
     """Keep the weights the encoder uses, under its module names.
 
@@ -146,12 +126,7 @@ def sanitize_qwen3_weights(weights: dict[str, mx.array], num_layers: int = max(O
     `lm_head` (present when embeddings are untied, as in Qwen3-8B). Works on lazy arrays: the
     dropped tensors are never evaluated, hence never read from disk.
     """
-    out = {}
-    for k, v in weights.items():
-        k = _canonical_key(k)
-        if _wanted(k, num_layers):
-            out[k] = v
-    return out
+    return {_canonical_key(k): v for k, v in weights.items() if keeps_key(k, num_layers)}
 
 
 def encode_prompts(encoder: Qwen3TextEncoder, tokenizer, prompts: str | list[str], max_length: int = 512) -> mx.array:

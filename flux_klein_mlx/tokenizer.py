@@ -9,6 +9,7 @@ The token ids are then right-padded with `<|endoftext|>` (or truncated from the 
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -67,9 +68,7 @@ class PromptTokenizer:
     def __init__(self, hf_tokenizer):
         self.hf_tokenizer = hf_tokenizer
         pad_id = hf_tokenizer.pad_token_id
-        if pad_id is None:
-            pad_id = hf_tokenizer.convert_tokens_to_ids("<|endoftext|>")
-        self.pad_token_id = int(pad_id)
+        self.pad_token_id = int(hf_tokenizer.convert_tokens_to_ids("<|endoftext|>") if pad_id is None else pad_id)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "PromptTokenizer":
@@ -114,12 +113,12 @@ class PromptTokenizer:
         for i, prompt in enumerate(prompts):
             if not isinstance(prompt, str):
                 raise FluxKleinError(f"prompt {i} is a {type(prompt).__name__}, not text")
-            check_text(prompt, f"prompt {i}" if len(prompts) > 1 else "the prompt")
+            label = f"prompt {i}" if len(prompts) > 1 else "the prompt"
+            check_text(prompt, label)
             ids = list(self.hf_tokenizer(self.format(prompt))["input_ids"])
             if len(ids) > max_length:
-                which = f"prompt {i}" if len(prompts) > 1 else "prompt"
                 warnings.warn(
-                    f"{which} is {len(ids)} tokens; the last {len(ids) - max_length} were dropped "
+                    f"{label} is {len(ids)} tokens; the last {len(ids) - max_length} were dropped "
                     f"(the model reads {max_length})",
                     stacklevel=2,
                 )
@@ -138,8 +137,6 @@ def chat_template_source(folder: str | Path) -> str:
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text()
-    import json
-
     try:
         template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
     except (OSError, ValueError, AttributeError):

@@ -45,33 +45,18 @@ def swiglu(x: mx.array) -> mx.array:
     return nn.silu(a) * b
 
 
-def attend(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
-    """Full softmax attention of q (B, H, L, hd) over k, v (B, H, Lk, hd), heads merged -> (B, L, H·hd)."""
-    B, H, L, hd = q.shape
-    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=hd**-0.5)
-    return out.transpose(0, 2, 1, 3).reshape(B, L, H * hd)
-
-
-def attention(
-    q: mx.array, k: mx.array, v: mx.array, cos: mx.array, sin: mx.array, ref_kv: KV | None = None
-) -> mx.array:
-    """RoPE on q, k (B, H, L, hd), full softmax attention, heads merged -> (B, L, H·hd).
+def attend(q: mx.array, k: mx.array, v: mx.array, ref_kv: KV | None = None) -> mx.array:
+    """Full softmax attention of q (B, H, L, hd) over k, v (B, H, Lk, hd), heads merged -> (B, L, H·hd).
 
     `ref_kv`: cached reference keys/values (B, H, Lr, hd), already rotated, that every query also
     attends to (the KV variant's cached steps); key order does not change softmax attention.
     """
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if ref_kv is not None:
         k = mx.concatenate([k, ref_kv[0]], axis=2)  # (B, H, L + Lr, hd)
         v = mx.concatenate([v, ref_kv[1]], axis=2)
-    return attend(q, k, v)
-
-
-def split_heads(qkv: mx.array, num_heads: int) -> tuple[mx.array, mx.array, mx.array]:
-    """(B, L, 3·D) laid out [q | k | v], each head-major -> three (B, H, L, hd)."""
-    B, L, _ = qkv.shape
-    qkv = qkv.reshape(B, L, 3, num_heads, -1).transpose(2, 0, 3, 1, 4)  # (3, B, H, L, hd)
-    return qkv[0], qkv[1], qkv[2]
+    B, H, L, hd = q.shape
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=hd**-0.5)
+    return out.transpose(0, 2, 1, 3).reshape(B, L, H * hd)
 
 
 def linear_part(layer: nn.Module, x: mx.array, rows: slice = slice(None), cols: tuple = (0, None)) -> mx.array:
@@ -111,6 +96,12 @@ class QKNorm(nn.Module):
         super().__init__()
         self.query_norm = RMSNorm(dim, eps)
         self.key_norm = RMSNorm(dim, eps)
+
+    def __call__(self, qkv: mx.array, num_heads: int) -> tuple[mx.array, mx.array, mx.array]:
+        """(B, L, 3·D) laid out [q | k | v], each head-major -> normed q, k and v, each (B, H, L, hd)."""
+        B, L, _ = qkv.shape
+        q, k, v = qkv.reshape(B, L, 3, num_heads, -1).transpose(2, 0, 3, 1, 4)  # (3, B, H, L, hd)
+        return self.query_norm(q), self.key_norm(k), v
 
 
 class SwiGLU(nn.Module):
@@ -153,8 +144,7 @@ class SelfAttention(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=False)
 
     def qkv_heads(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        q, k, v = split_heads(self.qkv(x), self.num_heads)
-        return self.norm.query_norm(q), self.norm.key_norm(k), v
+        return self.norm(self.qkv(x), self.num_heads)
 
 
 def _mlp(dim: int, hidden: int) -> list[nn.Module]:
@@ -179,36 +169,28 @@ class DoubleStreamBlock(nn.Module):
         self.txt_mlp = _mlp(p.hidden_size, p.mlp_hidden)
 
     def __call__(self, img, txt, mod_img, mod_txt, cos, sin, ref_kv: KV | None = None):
-        i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = mod_img
-        t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = mod_txt
-        iq, ik, iv = self.img_attn.qkv_heads(modulate(img, i_sh1, i_sc1, self.eps))
-        tq, tk, tv = self.txt_attn.qkv_heads(modulate(txt, t_sh1, t_sc1, self.eps))
+        # mod_*: shift, scale, gate of the attention, then of the MLP, each (B, 1, D)
+        img_qkv = self.img_attn.qkv_heads(modulate(img, *mod_img[:2], self.eps))
+        txt_qkv = self.txt_attn.qkv_heads(modulate(txt, *mod_txt[:2], self.eps))
         Lt = txt.shape[1]
-        # Joint sequence is text first: (B, H, Lt + Li, hd)
-        out = attention(
-            mx.concatenate([tq, iq], axis=2),
-            mx.concatenate([tk, ik], axis=2),
-            mx.concatenate([tv, iv], axis=2),
-            cos,
-            sin,
-            ref_kv,
-        )
-        txt_out, img_out = out[:, :Lt], out[:, Lt:]
-        img = img + i_g1 * self.img_attn.proj(img_out)
-        img = img + i_g2 * _run(self.img_mlp, modulate(img, i_sh2, i_sc2, self.eps))
-        txt = txt + t_g1 * self.txt_attn.proj(txt_out)
-        txt = txt + t_g2 * _run(self.txt_mlp, modulate(txt, t_sh2, t_sc2, self.eps))
-        return img, txt
+        # Joint sequence is text first: q, k, v each (B, H, Lt + Li, hd)
+        q, k, v = (mx.concatenate([t, i], axis=2) for t, i in zip(txt_qkv, img_qkv))
+        out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, ref_kv)
+        img = self._residuals(img, out[:, Lt:], self.img_attn, self.img_mlp, mod_img)
+        return img, self._residuals(txt, out[:, :Lt], self.txt_attn, self.txt_mlp, mod_txt)
+
+    def _residuals(self, x, attn_out, attn: SelfAttention, mlp: list[nn.Module], mod) -> mx.array:
+        """One stream after attention: + gated output projection, then + gated MLP."""
+        g1, sh2, sc2, g2 = mod[2:]
+        x = x + g1 * attn.proj(attn_out)
+        return x + g2 * _run(mlp, modulate(x, sh2, sc2, self.eps))
 
     def reference(self, ref, mod_ref, cos, sin) -> tuple[mx.array, KV]:
         """Reference tokens (B, Lr, D) alone through the image stream, attending only to themselves
         (KV variant): (updated tokens, their rotated (k, v)). `cos`/`sin` cover the Lr tokens."""
-        sh1, sc1, g1, sh2, sc2, g2 = mod_ref
-        q, k, v = self.img_attn.qkv_heads(modulate(ref, sh1, sc1, self.eps))
+        q, k, v = self.img_attn.qkv_heads(modulate(ref, *mod_ref[:2], self.eps))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        ref = ref + g1 * self.img_attn.proj(attend(q, k, v))
-        ref = ref + g2 * _run(self.img_mlp, modulate(ref, sh2, sc2, self.eps))
-        return ref, (k, v)
+        return self._residuals(ref, attend(q, k, v), self.img_attn, self.img_mlp, mod_ref), (k, v)
 
 
 class SingleStreamBlock(nn.Module):
@@ -228,38 +210,33 @@ class SingleStreamBlock(nn.Module):
         shift, scale, gate = mod
         y = modulate(x, shift, scale, self.eps)
         if low_memory:
-            return x + gate * self._halves(y, cos, sin, ref_kv)
+            return x + gate * self._halves(y, cos, sin, ref_kv)[0]
         z = self.linear1(y)
         qkv, mlp = z[..., : 3 * self.hidden_size], z[..., 3 * self.hidden_size :]
-        q, k, v = split_heads(qkv, self.num_heads)
-        out = attention(self.norm.query_norm(q), self.norm.key_norm(k), v, cos, sin, ref_kv)
+        q, k, v = self.norm(qkv, self.num_heads)
+        out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, ref_kv)
         return x + gate * self.linear2(mx.concatenate([out, swiglu(mlp)], axis=-1))
 
-    def _halves(self, y: mx.array, cos: mx.array, sin: mx.array, ref_kv: KV | None = None) -> mx.array:
+    def _halves(self, y, cos, sin, ref_kv: KV | None = None, evaluate: bool = True) -> tuple[mx.array, KV]:
         """linear2([attn | mlp]) as attention half, evaluated, then MLP half: the same sum, but
-        neither the (L, 3D + 2M) projection nor the (L, D + M) concatenation is ever alive."""
+        neither the (L, 3D + 2M) projection nor the (L, D + M) concatenation is ever alive.
+        Also returns the rotated (k, v) of these tokens (the reference pass caches them)."""
         D = self.hidden_size
-        q, k, v = split_heads(linear_part(self.linear1, y, rows=slice(0, 3 * D)), self.num_heads)
-        attn = attention(self.norm.query_norm(q), self.norm.key_norm(k), v, cos, sin, ref_kv)  # (B, L, D)
-        h = linear_part(self.linear2, attn, cols=(0, D))
-        mx.eval(h)
+        q, k, v = self.norm(linear_part(self.linear1, y, rows=slice(0, 3 * D)), self.num_heads)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        h = linear_part(self.linear2, attend(q, k, v, ref_kv), cols=(0, D))
+        if evaluate:
+            mx.eval(h, k, v)
         mlp = swiglu(linear_part(self.linear1, y, rows=slice(3 * D, None)))  # (B, L, M)
-        return h + linear_part(self.linear2, mlp, cols=(D, None))
+        return h + linear_part(self.linear2, mlp, cols=(D, None)), (k, v)
 
     def reference(self, x, mod, cos, sin, low_memory: bool = False) -> tuple[mx.array, KV]:
         """Reference tokens (B, Lr, D) alone, attending only to themselves (KV variant):
-        (updated tokens, their rotated (k, v)). Computed in halves like `_halves`; MLX computes
-        the MLP half only if the returned tokens are used (not after the last block)."""
+        (updated tokens, their rotated (k, v)). Computed in halves; MLX computes the MLP half
+        only if the returned tokens are used (not after the last block)."""
         shift, scale, gate = mod
-        y = modulate(x, shift, scale, self.eps)
-        D = self.hidden_size
-        q, k, v = split_heads(linear_part(self.linear1, y, rows=slice(0, 3 * D)), self.num_heads)
-        q, k = apply_rope(self.norm.query_norm(q), cos, sin), apply_rope(self.norm.key_norm(k), cos, sin)
-        h = linear_part(self.linear2, attend(q, k, v), cols=(0, D))
-        if low_memory:
-            mx.eval(h, k, v)
-        mlp = swiglu(linear_part(self.linear1, y, rows=slice(3 * D, None)))  # (B, Lr, M)
-        return x + gate * (h + linear_part(self.linear2, mlp, cols=(D, None))), (k, v)
+        h, kv = self._halves(modulate(x, shift, scale, self.eps), cos, sin, evaluate=low_memory)
+        return x + gate * h, kv
 
 
 class LastLayer(nn.Module):
@@ -303,9 +280,7 @@ class FluxKlein(nn.Module):
 
     def compute_rope(self, txt_ids: mx.array, img_ids: mx.array) -> tuple[mx.array, mx.array]:
         """cos/sin tables (Lt + Li, hd/2) for the joint [txt ; img] sequence; build once per shape."""
-        txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids
-        img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
-        ids = mx.concatenate([txt_ids.astype(mx.float32), img_ids.astype(mx.float32)], axis=0)
+        ids = mx.concatenate([i[0] if i.ndim == 3 else i for i in (txt_ids, img_ids)], axis=0)  # (Lt + Li, 4)
         return rope_tables(ids, self.params.axes_dim, self.params.theta)
 
     def embed_text(self, txt: mx.array) -> mx.array:
@@ -354,9 +329,8 @@ class FluxKlein(nn.Module):
         mod_img = self.double_stream_modulation_img(vec)
         mod_txt = self.double_stream_modulation_txt(vec)
         mod_single = self.single_stream_modulation(vec)
-        ref_double = reference_kv.double if reference_kv is not None else [None] * len(self.double_blocks)
-        ref_single = reference_kv.single if reference_kv is not None else [None] * len(self.single_blocks)
-        for block, ref_kv in zip(self.double_blocks, ref_double):
+        refs = reference_kv or ReferenceKV([None] * len(self.double_blocks), [None] * len(self.single_blocks))
+        for block, ref_kv in zip(self.double_blocks, refs.double):
             if checkpoint:
                 img, txt = checkpointed(block)(img, txt, mod_img, mod_txt, cos, sin)
             else:
@@ -364,7 +338,7 @@ class FluxKlein(nn.Module):
             if low_memory:
                 mx.eval(img, txt)
         h = mx.concatenate([txt, img], axis=1)  # (B, Lt + Li, D)
-        for block, ref_kv in zip(self.single_blocks, ref_single):
+        for block, ref_kv in zip(self.single_blocks, refs.single):
             if checkpoint:
                 h = checkpointed(block)(h, mod_single, cos, sin)
                 continue
@@ -384,8 +358,7 @@ class FluxKlein(nn.Module):
         (then evaluated block by block).
         """
         dtype = self.dtype
-        ref_ids = ref_ids[0] if ref_ids.ndim == 3 else ref_ids
-        cos, sin = rope_tables(ref_ids.astype(mx.float32), self.params.axes_dim, self.params.theta)  # (Lr, hd/2)
+        cos, sin = rope_tables(ref_ids, self.params.axes_dim, self.params.theta)  # (Lr, hd/2)
         x = self.img_in(ref.astype(dtype))  # (B, Lr, D)
         t0 = mx.zeros((x.shape[0],), dtype=mx.float32)  # the fixed reference timestep
         vec = self.time_in(timestep_embedding(t0, self.params.time_channels).astype(dtype))
@@ -421,8 +394,6 @@ def linear_shapes(params: FluxKleinParams) -> dict[str, tuple[int, int]]:
 
 
 # --- checkpoints -------------------------------------------------------------------------------------
-
-_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
 # diffusers name -> ours (BFL), applied to whole dotted segments; q/k/v and the final layer are special.
 DIFFUSERS_TOP = {
@@ -464,11 +435,10 @@ def _count_blocks(keys, prefix: str) -> int:
 
 def _reject_foreign(weights: dict[str, mx.array]) -> None:
     """Raise for FLUX.1 and FLUX.2-dev checkpoints, which share many names with klein."""
-    keys = list(weights)
-    n_double = max(_count_blocks(keys, "double_blocks"), _count_blocks(keys, "transformer_blocks"))
-    n_single = max(_count_blocks(keys, "single_blocks"), _count_blocks(keys, "single_transformer_blocks"))
+    n_double = max(_count_blocks(weights, "double_blocks"), _count_blocks(weights, "transformer_blocks"))
+    n_single = max(_count_blocks(weights, "single_blocks"), _count_blocks(weights, "single_transformer_blocks"))
     img_in = weights.get("img_in.weight", weights.get("x_embedder.weight"))
-    marked = next((k for k in keys if flux1_marker(k)), None)
+    marked = next((k for k in weights if flux1_marker(k)), None)
     flux1_shape = img_in is not None and tuple(img_in.shape) == FLUX1_IMG_IN
     if marked or flux1_shape or (n_double, n_single) == FLUX1_BLOCKS:
         why = f"key {marked}" if marked else f"{n_double} double / {n_single} single blocks"
@@ -476,7 +446,7 @@ def _reject_foreign(weights: dict[str, mx.array]) -> None:
             f"not a FLUX.2 [klein] checkpoint: it is a FLUX.1 transformer checkpoint ({why}); "
             "use a FLUX.2 [klein] 4B or 9B transformer"
         )
-    dev_marker = next((k for k in keys for m in DEV_MARKERS if k.startswith(m) or m in k), None)
+    dev_marker = next((k for k in weights for m in DEV_MARKERS if k.startswith(m) or m in k), None)
     if dev_marker or (img_in is not None and img_in.shape[0] == DEV_HIDDEN):
         why = f"key {dev_marker}" if dev_marker else f"hidden size {DEV_HIDDEN}"
         raise FluxKleinError(
@@ -489,22 +459,16 @@ def _from_diffusers(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     out: dict[str, mx.array] = {}
     rest = dict(weights)
     # Fused qkv: rows of q, k, v concatenated in that order, for every tensor kind (weight, scales, ...).
-    for n in range(_count_blocks(weights, "transformer_blocks")):
+    for k in weights:
         for ours, parts in QKV.items():
-            pre = f"transformer_blocks.{n}."
-            suffixes = {k[len(pre + parts[0]) + 1 :] for k in weights if k.startswith(pre + parts[0] + ".")}
-            for suf in suffixes:
-                names = [f"{pre}{p}.{suf}" for p in parts]
-                if all(name in rest for name in names):
-                    out[f"double_blocks.{n}.{ours}.{suf}"] = mx.concatenate([rest.pop(x) for x in names], axis=0)
+            m = re.match(rf"transformer_blocks\.(\d+)\.{re.escape(parts[0])}\.(.+)$", k)
+            names = [f"transformer_blocks.{m[1]}.{p}.{m[2]}" for p in parts] if m else []
+            if names and all(name in rest for name in names):
+                out[f"double_blocks.{m[1]}.{ours}.{m[2]}"] = mx.concatenate([rest.pop(x) for x in names], axis=0)
     for k, v in rest.items():
-        if k.startswith("norm_out.linear."):
-            # diffusers rows are [scale ; shift], ours [shift ; scale]
-            half = v.shape[0] // 2
-            out["final_layer.adaLN_modulation.1." + k[len("norm_out.linear.") :]] = mx.concatenate(
-                [v[half:], v[:half]], axis=0
-            )
-            continue
+        if k.startswith("norm_out.linear."):  # diffusers rows are [scale ; shift], ours [shift ; scale]
+            k = "final_layer.adaLN_modulation.1." + k.removeprefix("norm_out.linear.")
+            v = mx.concatenate(mx.split(v, 2)[::-1], axis=0)
         out[_rename_diffusers(k)] = v
     return out
 
@@ -514,16 +478,12 @@ def _rename_diffusers(k: str) -> str:
     for theirs, ours in DIFFUSERS_TOP.items():
         if k.startswith(theirs + "."):
             return ours + k[len(theirs) :]
-    for prefix, ours_prefix, table in (
-        ("transformer_blocks", "double_blocks", DIFFUSERS_DOUBLE),
-        ("single_transformer_blocks", "single_blocks", DIFFUSERS_SINGLE),
-    ):
-        m = re.match(rf"{prefix}\.(\d+)\.(.+)$", k)
-        if m:
-            rest = m.group(2)
-            for theirs, ours in table.items():
-                if rest == theirs or rest.startswith(theirs + "."):
-                    return f"{ours_prefix}.{m.group(1)}.{ours}{rest[len(theirs):]}"
+    if m := re.match(r"(single_)?transformer_blocks\.(\d+)\.(.+)$", k):
+        blocks, table = ("single_blocks", DIFFUSERS_SINGLE) if m[1] else ("double_blocks", DIFFUSERS_DOUBLE)
+        rest = m[3]
+        for theirs, ours in table.items():
+            if rest == theirs or rest.startswith(theirs + "."):
+                return f"{blocks}.{m[2]}.{ours}{rest[len(theirs) :]}"
     return k
 
 
@@ -534,31 +494,22 @@ def sanitize_flux2_klein_weights(weights: dict[str, mx.array]) -> dict[str, mx.a
     prefixed `model.diffusion_model.`), and our own naming (= BFL's, also for quantized tensors), which passes
     through. FLUX.1 and FLUX.2-dev checkpoints raise FluxKleinError.
     """
-    stripped = {}
-    for k, v in weights.items():
-        for p in _PREFIXES:
-            if k.startswith(p):
-                k = k[len(p) :]
-                break
-        stripped[k] = v
+    stripped = {re.sub(r"^(model\.)?diffusion_model\.", "", k): v for k, v in weights.items()}
     _reject_foreign(stripped)
     diffusers_roots = ("transformer_blocks.", "single_transformer_blocks.", "x_embedder.", "time_guidance_embed.",
                        "norm_out.", "proj_out.", "context_embedder.")  # fmt: skip
-    if any(k.startswith(diffusers_roots) for k in stripped):
-        return _from_diffusers(stripped)
-    return stripped
+    return _from_diffusers(stripped) if any(k.startswith(diffusers_roots) for k in stripped) else stripped
 
 
 def infer_params(weights: dict[str, mx.array]) -> FluxKleinParams:
     """Hyper-parameters implied by sanitized weights' shapes (klein presets when hidden size and depths match)."""
-    keys = list(weights)
     if "img_in.weight" not in weights:
         raise FluxKleinError(
             "no img_in / x_embedder weight: this is not a FLUX.2 [klein] transformer checkpoint "
             "(is it the text encoder or the VAE?)"
         )
     D = weights["img_in.weight"].shape[0]
-    depth, depth_single = _count_blocks(keys, "double_blocks"), _count_blocks(keys, "single_blocks")
+    depth, depth_single = _count_blocks(weights, "double_blocks"), _count_blocks(weights, "single_blocks")
     for preset in (FluxKleinParams.klein_4b(), FluxKleinParams.klein_9b()):
         if (D, depth, depth_single) == (preset.hidden_size, preset.depth, preset.depth_single):
             return preset

@@ -20,11 +20,6 @@ import mlx.nn as nn
 from .config import AutoEncoderConfig
 from .errors import FluxKleinError
 
-FLUX1_MESSAGE = (
-    "this is a FLUX.1 VAE (16 latent channels); FLUX.2 [klein] needs the FLUX.2 VAE (32 channels)"
-)
-
-
 # ---------------------------------------------------------------------------- building blocks
 
 
@@ -73,17 +68,9 @@ class Attention(nn.Module):
         h = self.group_norm(x).reshape(B, 1, H * W, C)  # (B, heads=1, L, C)
         q, k, v = self.to_q(h), self.to_k(h), self.to_v(h)
         scale = 1.0 / math.sqrt(C)
-        L = H * W
-        if L <= self.query_chunk:
-            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
-        else:
-            o = mx.concatenate(
-                [
-                    mx.fast.scaled_dot_product_attention(q[:, :, i : i + self.query_chunk], k, v, scale=scale)
-                    for i in range(0, L, self.query_chunk)
-                ],
-                axis=2,
-            )
+        chunks = range(0, H * W, self.query_chunk)
+        o = [mx.fast.scaled_dot_product_attention(q[:, :, i : i + self.query_chunk], k, v, scale=scale) for i in chunks]
+        o = o[0] if len(o) == 1 else mx.concatenate(o, axis=2)  # (B, 1, L, C)
         return x + self.to_out[0](o).reshape(B, H, W, C)
 
 
@@ -94,8 +81,7 @@ class Downsample2D(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         # Asymmetric padding, right and bottom only (as the references), then a stride-2 conv.
-        x = mx.pad(x, [(0, 0), (0, 1), (0, 1), (0, 0)])  # (B, H+1, W+1, C)
-        return self.conv(x)
+        return self.conv(mx.pad(x, [(0, 0), (0, 1), (0, 1), (0, 0)]))  # conv of (B, H+1, W+1, C)
 
 
 class Upsample2D(nn.Module):
@@ -111,37 +97,29 @@ class Upsample2D(nn.Module):
 
 
 class DownEncoderBlock2D(nn.Module):
-    def __init__(self, in_channels: int, out_channels: int, layers: int, groups: int, downsample: bool):
+    """ResBlocks, then (if `resample`) one 2x resampler under the checkpoint's name for it; the
+    decoder's `UpDecoderBlock2D` is the same with `upsamplers`."""
+
+    resampler = ("downsamplers", Downsample2D)
+
+    def __init__(self, in_channels: int, out_channels: int, layers: int, groups: int, resample: bool):
         super().__init__()
         self.resnets = [
             ResnetBlock2D(in_channels if i == 0 else out_channels, out_channels, groups) for i in range(layers)
         ]
-        if downsample:
-            self.downsamplers = [Downsample2D(out_channels)]
+        if resample:
+            name, cls = self.resampler
+            self[name] = [cls(out_channels)]
 
     def __call__(self, x: mx.array) -> mx.array:
         for r in self.resnets:
             x = r(x)
-        if "downsamplers" in self:
-            x = self.downsamplers[0](x)
-        return x
+        name = self.resampler[0]
+        return self[name][0](x) if name in self else x
 
 
-class UpDecoderBlock2D(nn.Module):
-    def __init__(self, in_channels: int, out_channels: int, layers: int, groups: int, upsample: bool):
-        super().__init__()
-        self.resnets = [
-            ResnetBlock2D(in_channels if i == 0 else out_channels, out_channels, groups) for i in range(layers)
-        ]
-        if upsample:
-            self.upsamplers = [Upsample2D(out_channels)]
-
-    def __call__(self, x: mx.array) -> mx.array:
-        for r in self.resnets:
-            x = r(x)
-        if "upsamplers" in self:
-            x = self.upsamplers[0](x)
-        return x
+class UpDecoderBlock2D(DownEncoderBlock2D):
+    resampler = ("upsamplers", Upsample2D)
 
 
 class UNetMidBlock2D(nn.Module):
@@ -171,7 +149,7 @@ class Encoder(nn.Module):
         self.latent_channels = config.latent_channels
         self.conv_in = nn.Conv2d(config.in_channels, ch[0], 3, padding=1)
         self.down_blocks = [
-            DownEncoderBlock2D(ch[max(i - 1, 0)], ch[i], config.layers_per_block, g, downsample=i < len(ch) - 1)
+            DownEncoderBlock2D(ch[max(i - 1, 0)], ch[i], config.layers_per_block, g, resample=i < len(ch) - 1)
             for i in range(len(ch))
         ]
         self.mid_block = UNetMidBlock2D(ch[-1], g, config.mid_block_add_attention)
@@ -200,7 +178,6 @@ class Decoder(nn.Module):
         super().__init__()
         ch = config.decoder_block_out_channels or config.block_out_channels
         g = config.norm_num_groups
-        self.downscale = 2 ** (len(ch) - 1)
         if config.use_post_quant_conv:
             self.post_quant_conv = nn.Conv2d(config.latent_channels, config.latent_channels, 1)
         self.conv_in = nn.Conv2d(config.latent_channels, ch[-1], 3, padding=1)
@@ -208,17 +185,20 @@ class Decoder(nn.Module):
         rev = list(reversed(ch))
         # One more ResBlock per level than the encoder; no upsample after the last level.
         self.up_blocks = [
-            UpDecoderBlock2D(rev[max(i - 1, 0)], rev[i], config.layers_per_block + 1, g, upsample=i < len(ch) - 1)
+            UpDecoderBlock2D(rev[max(i - 1, 0)], rev[i], config.layers_per_block + 1, g, resample=i < len(ch) - 1)
             for i in range(len(ch))
         ]
         self.conv_norm_out = _group_norm(g, ch[0])
         self.conv_out = nn.Conv2d(ch[0], config.out_channels, 3, padding=1)
 
-    def __call__(self, z: mx.array) -> mx.array:
+    def _mid(self, z: mx.array) -> mx.array:
         z = z.astype(self.conv_in.weight.dtype)
         if "post_quant_conv" in self:
             z = self.post_quant_conv(z)
-        x = self.mid_block(self.conv_in(z))
+        return self.mid_block(self.conv_in(z))
+
+    def __call__(self, z: mx.array) -> mx.array:
+        x = self._mid(z)
         for block in self.up_blocks:
             x = block(x)
         return self.conv_out(nn.silu(self.conv_norm_out(x)))
@@ -237,10 +217,7 @@ class Decoder(nn.Module):
         What remains at full size is a few activations per layer; each layer is evaluated before
         the next. It differs from `self(z)` only by float rounding.
         """
-        z = z.astype(self.conv_in.weight.dtype)
-        if "post_quant_conv" in self:
-            z = self.post_quant_conv(z)
-        x = self.mid_block(self.conv_in(z))
+        x = self._mid(z)
         for block in self.up_blocks:
             for r in block.resnets:
                 x = _resnet_tiled(r, x, tile_pixels)
@@ -280,8 +257,7 @@ def _conv_tiled(
     """
     B, H, W, C = x.shape
     Hout, Wout = (2 * H, 2 * W) if upsample else (H, W)
-    k = conv.weight.shape[1]
-    halo = k // 2
+    halo = conv.weight.shape[1] // 2  # k // 2 of the (O, k, k, I) kernel
     band = max(1, tile_pixels // Wout)
     if norm is not None:
         mean, rstd = _norm_stats(norm, x, band)
@@ -439,9 +415,7 @@ class AutoEncoder(nn.Module):
     ) -> mx.array:
         """Tokens (B, h*w, 128) on an h x w grid -> images (B, 16h, 16w, 3), nominally in [-1, 1].
 
-        `tiled=True` computes the same image in full-width row tiles of at most `tile_pixels`
-        pixels per conv, bounding peak memory at large sizes (see `Decoder.decode_tiled`); it
-        evaluates as it goes.
+        `tiled=True` bounds peak memory and evaluates as it goes (see `Decoder.decode_tiled`).
         """
         return self.decode(self.tokens_to_latents(tokens, h, w), tiled=tiled, tile_pixels=tile_pixels)
 
@@ -499,17 +473,14 @@ def sanitize_vae_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     conv weights (O, I, kh, kw) become (O, kh, kw, I); `num_batches_tracked` is dropped.
     Idempotent: weights already in our names and layout pass through unchanged.
     """
-    ups = [int(m.group(1)) for k in weights if (m := _BFL_UP.match(k))]
-    levels = max(ups) + 1 if ups else 0
+    levels = 1 + max((int(m.group(1)) for k in weights if (m := _BFL_UP.match(k))), default=-1)
     out: dict[str, mx.array] = {}
     for k, v in weights.items():
         if k.endswith("num_batches_tracked"):
             continue
-        m = _BFL_UP.match(k)
-        if m:
-            i, kind = int(m.group(1)), m.group(2)
-            new = "resnets" if kind == "block" else "upsamplers.0"
-            k = f"decoder.up_blocks.{levels - 1 - i}.{new}." + k[m.end() :]
+        if m := _BFL_UP.match(k):
+            new = "resnets" if m.group(2) == "block" else "upsamplers.0"
+            k = f"decoder.up_blocks.{levels - 1 - int(m.group(1))}.{new}." + k[m.end() :]
         for pattern, repl in _BFL_RENAMES:
             k = pattern.sub(repl, k)
         if _ATTN_LINEAR.search(k) and v.ndim == 4:
@@ -525,9 +496,8 @@ def sanitize_vae_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 
 def check_flux2(config: AutoEncoderConfig | None, weights: dict[str, mx.array] | None) -> None:
     """A FLUX.1 VAE (16 latent channels, no latent statistics) has the same blocks: refuse it by name."""
-    if config is not None and config.latent_channels == 16:
-        raise FluxKleinError(FLUX1_MESSAGE)
-    if weights is not None and "bn.running_mean" not in weights:
-        w = weights.get("decoder.conv_in.weight")
-        if w is not None and w.ndim == 4 and w.shape[-1] == 16:
-            raise FluxKleinError(FLUX1_MESSAGE)
+    w = None if weights is None or "bn.running_mean" in weights else weights.get("decoder.conv_in.weight")
+    if (config is not None and config.latent_channels == 16) or (w is not None and w.ndim == 4 and w.shape[-1] == 16):
+        raise FluxKleinError(
+            "this is a FLUX.1 VAE (16 latent channels); FLUX.2 [klein] needs the FLUX.2 VAE (32 channels)"
+        )
