@@ -68,12 +68,13 @@ def _timed_load(pipe: FluxKleinPipeline, name: str) -> tuple[object, dict]:
 
 
 def _repeat(run, warmup: int, trials: int) -> tuple[list[float], object]:
-    """Wall times of `trials` calls of `run()` after `warmup` untimed ones (run evaluates its output),
-    and the last output."""
+    """Wall times of `trials` calls of `run()`, its output evaluated, after `warmup` untimed ones, and the
+    last output."""
     times = []
     for i in range(warmup + trials):
         t0 = time.perf_counter()
         out = run()
+        mx.eval(out)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times, out
@@ -131,14 +132,9 @@ def _text_encoder_stage(run: Run) -> mx.array:
     encoder, run.stages["text_encoder_load"] = _timed_load(pipe, "text_encoder")
     tokenizer = pipe.component("tokenizer")
     run.flops["text_encoder"] = flops_of_text_encoder(encoder.config, layers=max(OUT_LAYERS), tokens=TEXT_TOKENS).total
-
-    def encode():
-        ctx = encode_prompts(encoder, tokenizer, [DEFAULT_PROMPT]).astype(pipe.dtype)
-        mx.eval(ctx)
-        return ctx
-
     mx.reset_peak_memory()
-    times, ctx = _repeat(encode, run.warmup, run.trials)
+    times, ctx = _repeat(lambda: encode_prompts(encoder, tokenizer, [DEFAULT_PROMPT]).astype(pipe.dtype),
+                         run.warmup, run.trials)
     run.stages["text_encoding"] = _summary(times, run.flops["text_encoder"], run.peak) | {
         "peak_memory_gb": mx.get_peak_memory() / GB}
     run.log(f"text encoding: {run.stages['text_encoding']['median_s']:.3f} s")
@@ -157,26 +153,25 @@ def _denoise_stage(run: Run):
     ref_pass = reference_pass_flops(params, ref_tokens).total if run.kv else 0.0
     run.flops.update(step=step, denoise=step.total * run.steps + ref_pass)
     images = reference_pictures(run.references, run.width, run.height, run.seed)
-    step_times, denoise_times, peaks, ref_times = [], [], [], []
+    step_times, stats = [], []  # of the timed trials
     for trial in range(run.warmup + run.trials):
         job = pipe.prepare(DEFAULT_PROMPT, width=run.width, height=run.height, steps=run.steps, seed=run.seed,
                            images=images)  # fmt: skip
         seconds = [event.seconds for event in pipe.denoise(job)]
         if trial >= run.warmup:
             step_times.append(seconds)
-            denoise_times.append(job.stats.denoise.seconds)
-            peaks.append(job.stats.denoise.peak_memory / GB)
-            ref_times += [job.stats.reference_kv_seconds] if run.kv else []
+            stats.append(job.stats)
         what = f"warm-up {trial + 1}" if trial < run.warmup else f"trial {trial - run.warmup + 1}"
         run.log(f"denoising {what}: {job.stats.denoise.seconds:.2f} s")
-    memory = {"peak_memory_gb": max(peaks)}
+    memory = {"peak_memory_gb": max(st.denoise.peak_memory for st in stats) / GB}
     per_index = list(zip(*step_times))  # (steps, trials)
     # KV steps are not alike (the first one also runs the reference pass): no one FLOP count for all.
     run.stages["denoise_step"] = _summary([t for ts in per_index for t in ts], None if run.kv else step.total,
                                           run.peak) | {"per_step_median_s": [statistics.median(t) for t in per_index],
                                                        **memory}  # fmt: skip
-    run.stages["denoise"] = _summary(denoise_times, run.flops["denoise"], run.peak) | memory
+    run.stages["denoise"] = _summary([st.denoise.seconds for st in stats], run.flops["denoise"], run.peak) | memory
     if run.kv:
+        ref_times = [st.reference_kv_seconds for st in stats]
         run.stages["kv_reference_pass"] = _summary(ref_times, ref_pass, run.peak) | memory | {
             "cache_gb": job.stats.reference_kv_bytes / GB}
         run.stages["kv_first_step"] = _summary(per_index[0], step.total + ref_pass, run.peak) | memory
@@ -270,8 +265,8 @@ def _result(run: Run, machine: dict, text_encoder: bool, decode: bool) -> dict:
     }  # fmt: skip
 
 
-def _fmt_s(s: float) -> str:
-    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+def _fmt_s(s: float | None) -> str:
+    return "" if s is None else f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
 def format_report(result: dict) -> str:
@@ -297,12 +292,10 @@ def format_report(result: dict) -> str:
         if s is None:
             return
         med = s.get("median_s", s.get("seconds"))
-        lo, hi = s.get("min_s"), s.get("max_s")
         tf, tfs, pct = s.get("tflop"), s.get("tflops"), s.get("pct_of_peak")
         lines.append(
-            f"{label:<24}{_fmt_s(med):>10}{_fmt_s(lo) if lo is not None else '':>10}"
-            f"{_fmt_s(hi) if hi is not None else '':>10}{f'{tf:.3g}' if tf else '':>9}"
-            f"{f'{tfs:.3g}' if tfs else '':>9}{f'{pct:.0f} %' if pct else '':>8}"
+            f"{label:<24}{_fmt_s(med):>10}{_fmt_s(s.get('min_s')):>10}{_fmt_s(s.get('max_s')):>10}"
+            f"{f'{tf:.3g}' if tf else '':>9}{f'{tfs:.3g}' if tfs else '':>9}{f'{pct:.0f} %' if pct else '':>8}"
             f"{s['peak_memory_gb']:>8.2f} GB"
         )
 
@@ -334,9 +327,7 @@ def format_report(result: dict) -> str:
 
 def write_json(result: dict, path: str | Path) -> Path:
     """Write `result` as JSON to `path`, or to a new name if `path` exists; returns where it went."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise FluxKleinError(f"folder {path.parent} does not exist; create it or choose another --json path")
+    path = check_output_file(path, "--json")
     # Created exclusively under the first free name: never clobbers a file that appeared meanwhile.
     return write_exclusive(path, lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"))
 
@@ -418,7 +409,7 @@ def benchmark(model, random_weights, variant, width, height, steps, quantize, dt
         click.echo(format_report(result))
     if json_path:
         final = write_json(result, json_path)
-        log(f"wrote {final}" if final == Path(json_path) else f"{json_path} exists; wrote {final} instead")
+        log(f"wrote {final}" if final == Path(json_path).expanduser() else f"{json_path} exists; wrote {final} instead")
 
 
 def main(argv=None) -> int:

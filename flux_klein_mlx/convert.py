@@ -154,10 +154,9 @@ def quantize_folder(
             f"{info.path} is not a folder written by `flux_klein_mlx convert`; convert it first "
             f"(convert --quantize {bits} does both)"
         )
-    done = [(n, r["bits"]) for n, r in info.quantization.items() if r]
-    if done:
+    if done := [f"{r['bits']}-bit {WHAT[n]}" for n, r in info.quantization.items() if r]:
         raise FluxKleinError(
-            f"{info.path} is already quantized ({done[0][1]}-bit {WHAT[done[0][0]]}); quantize the unquantized "
+            f"{info.path} is already quantized ({done[0]}); quantize the unquantized "
             "folder, or convert the original model again with --quantize"
         )
     check_weights(info)

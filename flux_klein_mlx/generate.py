@@ -108,15 +108,13 @@ def generate(prompt, model, width, height, steps, guidance, seed, noise, init_im
     for lora in pipe.loras:
         click.echo(f"LoRA {lora.name} ({lora.sha256}) at scale {lora.scale:g}: {len({t.layer for t in lora.terms})} "
                    f"layers, {lora.nbytes / 1e6:.1f} MB", err=True)
-    next_number = 0  # a batch continues its numbering after names that are taken
+    next_number = None if num_images == 1 else 0  # a batch continues its numbering after names that are taken
     for n, path in enumerate(paths):
         label = "denoising" if num_images == 1 else f"image {n + 1}/{num_images}: denoising"
-        previews = None if preview_dir is None else (Path(preview_dir), path.stem)
+        previews = None if preview_dir is None else Path(preview_dir) / path.stem
         event = _run(pipe, prepared.for_image(n), previews, label)
-        if num_images == 1:
-            final = save_image(event.image, path, event.metadata)
-        else:
-            final = save_image(event.image, Path(output).expanduser(), event.metadata, first=next_number)
+        final = save_image(event.image, output, event.metadata, first=next_number)
+        if num_images > 1:
             next_number = int(final.stem.rsplit("-", 1)[1]) + 1
         if final != path:
             click.echo(f"{path} exists; wrote {final} instead", err=True)
@@ -126,13 +124,12 @@ def generate(prompt, model, width, height, steps, guidance, seed, noise, init_im
 
 def _run(pipe, prepared, previews=None, label="denoising"):
     """One image with progress on stderr: a bar with seconds per step on a terminal, else one line per
-    step (logs, pipes). `previews`: (folder, name stem) to write a latent preview after every step."""
+    step (logs, pipes). `previews`: folder / name stem, to write a latent preview after every step."""
     stream = pipe.stream(prepared)
-    first = next(stream)  # prompt encoded, references encoded
+    event = next(stream)  # prompt encoded, references encoded
     tty = sys.stderr.isatty()
-    bar = click.progressbar(length=first.total, label=label, file=sys.stderr, show_eta=True,
+    bar = click.progressbar(length=event.total, label=label, file=sys.stderr, show_eta=True,
                             item_show_func=lambda s: s) if tty else contextlib.nullcontext()  # fmt: skip
-    event = first
     with bar:
         for event in stream:
             if event.stage != "denoise":
@@ -142,9 +139,8 @@ def _run(pipe, prepared, previews=None, label="denoising"):
             else:
                 click.echo(f"{label} step {event.step}/{event.total}: {event.seconds:.2f} s", err=True)
             if previews is not None:
-                folder, stem = previews
                 small = pipe.preview_map().image(event.denoised, *event.grid)
-                write_exclusive(folder / f"{stem}-step{event.step:02d}.png", lambda tmp: small.save(tmp, format="PNG"))
+                write_exclusive(f"{previews}-step{event.step:02d}.png", lambda tmp: small.save(tmp, format="PNG"))
     return event
 
 

@@ -100,11 +100,10 @@ def exif_parameters(record: dict) -> bytes:
     comment = UNICODE_COMMENT + a1111_parameters(record).encode("utf-16-be")
     exif_ifd = 8 + 18  # header, then IFD0: count (2) + one entry (12) + next-IFD offset (4)
     data = exif_ifd + 18  # the Exif IFD is one entry too; the comment's bytes follow it
-    tiff = (b"MM\x00\x2a" + struct.pack(">I", 8)
-            + struct.pack(">HHHII", 1, EXIF_IFD, 4, 1, exif_ifd) + struct.pack(">I", 0)  # LONG offset
-            + struct.pack(">HHHII", 1, USER_COMMENT, 7, len(comment), data) + struct.pack(">I", 0)  # UNDEFINED
-            + comment)  # fmt: skip
-    return b"Exif\x00\x00" + tiff
+    header = struct.pack(">2sHI", b"MM", 42, 8)  # big-endian TIFF, IFD0 at offset 8
+    ifd0 = struct.pack(">HHHIII", 1, EXIF_IFD, 4, 1, exif_ifd, 0)  # one entry: the Exif IFD's offset (LONG)
+    exif = struct.pack(">HHHIII", 1, USER_COMMENT, 7, len(comment), data, 0)  # one entry: the comment (UNDEFINED)
+    return b"Exif\x00\x00" + header + ifd0 + exif + comment
 
 
 def record_xmp(record: dict) -> bytes:
@@ -224,12 +223,11 @@ def check_output_file(path: str | Path, option: str = "--output") -> Path:
 def broken_link(path: Path) -> str | None:
     """What is wrong with `path` when it is a symbolic link that leads nowhere ("loops" or "points to
     nothing"), else None (we never write through a link, so such a name would only be skipped)."""
-    if not os.path.islink(path):  # also no such name (or one too long: said below)
-        return None
     try:
         os.stat(path)
     except OSError as e:
-        return "loops" if e.errno == errno.ELOOP else "points to nothing"
+        if os.path.islink(path):  # not for no such name (or one too long: said below)
+            return "loops" if e.errno == errno.ELOOP else "points to nothing"
     return None
 
 
@@ -250,18 +248,15 @@ def _link_to_free_name(tmp: Path, path: Path, first: int | None) -> Path:
         except FileExistsError:
             n += 1
         except OSError:  # no hard links here (some network/FAT volumes): exclusive create + copy
-            try:
-                dst = open(final, "xb")
-            except FileExistsError:
-                n += 1
-                continue
-            try:
-                with dst, open(tmp, "rb") as src:
-                    shutil.copyfileobj(src, dst)
-            except BaseException:
-                os.unlink(final)  # never a half-written file under the final name
-                raise
-            return final
+            with contextlib.suppress(FileExistsError), open(final, "xb") as dst:
+                try:
+                    with open(tmp, "rb") as src:
+                        shutil.copyfileobj(src, dst)
+                except BaseException:
+                    os.unlink(final)  # never a half-written file under the final name
+                    raise
+                return final
+            n += 1
 
 
 def write_exclusive(path: str | Path, write: Callable[[Path], None], first: int | None = None) -> Path:

@@ -48,17 +48,16 @@ def quantize_model(model: nn.Module, bits: int, group_size: int = 64) -> dict:
     check_quantization(bits, group_size)
     if is_quantized(model):
         raise FluxKleinError("the model is already quantized; quantize the unquantized weights instead")
-    layers: list[str] = []
 
-    def predicate(path: str, module: nn.Module) -> bool:
-        # (out, in) weight; groups run along the input axis.
-        if isinstance(module, nn.Linear) and module.weight.shape[-1] % group_size == 0:
-            layers.append(path)
-            return True
-        return False
+    def fits(_, module: nn.Module) -> bool:  # (out, in) weight; groups run along the input axis
+        return isinstance(module, nn.Linear) and module.weight.shape[-1] % group_size == 0
 
-    nn.quantize(model, group_size, bits, mode=MODE, class_predicate=predicate)
-    return {"bits": bits, "group_size": group_size, "mode": MODE, "layers": sorted(layers)}
+    nn.quantize(model, group_size, bits, mode=MODE, class_predicate=fits)
+    return {"bits": bits, "group_size": group_size, "mode": MODE, "layers": sorted(_quantized_layers(model))}
+
+
+def _quantized_layers(model: nn.Module) -> set[str]:
+    return {path for path, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
 
 
 def check_record(record: dict, what: str = "model") -> None:
@@ -80,17 +79,13 @@ def apply_quantization(model: nn.Module, record: dict, what: str = "model") -> n
     is not a Linear) raises FluxKleinError.
     """
     check_record(record, what)
-    wanted, found = set(record["layers"]), set()
+    wanted = set(record["layers"])
 
-    def predicate(path: str, module: nn.Module) -> bool:
-        if path in wanted and isinstance(module, nn.Linear):
-            found.add(path)
-            return True
-        return False
+    def named(path: str, module: nn.Module) -> bool:
+        return path in wanted and isinstance(module, nn.Linear)
 
-    nn.quantize(model, record["group_size"], record["bits"], mode=MODE, class_predicate=predicate)
-    if found != wanted:
-        missing = sorted(wanted - found)
+    nn.quantize(model, record["group_size"], record["bits"], mode=MODE, class_predicate=named)
+    if missing := sorted(wanted - _quantized_layers(model)):
         raise FluxKleinError(
             f"the {what} quantization record names {len(missing)} layer(s) the model does not have "
             f"({', '.join(missing[:3])}); the folder does not match its config.json, convert again"
@@ -126,6 +121,5 @@ def dequantize_model(model: nn.Module) -> nn.Module:
             if "bias" in module:
                 linear.bias = module.bias
             layers.append((path, linear))
-    if layers:
-        model.update_modules(tree_unflatten(layers))
+    model.update_modules(tree_unflatten(layers))
     return model
