@@ -39,6 +39,7 @@ from .lora import parse_lora_spec
 from .output import write_exclusive
 
 MB = 1 << 20
+PNG = {"output_format": "png", "background": "opaque"}  # what every result is
 
 
 @dataclass
@@ -257,8 +258,7 @@ class Server:
                 try:
                     event = await asyncio.wait_for(queue.get(), 0.25)
                 except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        job.cancel()  # the worker stops at the next step
+                    if await request.is_disconnected():  # `finally` cancels: the worker stops at the next step
                         return Response(status_code=499)
                     continue
                 if isinstance(event, ImageEvent):
@@ -272,8 +272,7 @@ class Server:
                     break
         finally:
             job.cancel()  # no-op when finished; stops the job when this handler is torn down
-        return JSONResponse({"created": int(time.time()), "data": data, "output_format": "png", "size": entry.size,
-                             "background": "opaque"})
+        return JSONResponse({"created": int(time.time()), "data": data, "size": entry.size, **PNG})
 
     async def events(self, job, queue, opts, req: ImageRequest, entry: RequestLog):
         """Server-sent events in OpenAI's image streaming shape: progress after every step, the partial
@@ -283,7 +282,7 @@ class Server:
             return f"event: {name}\ndata: {json.dumps({'type': name, **payload})}\n\n".encode()
 
         kind, size = opts["kind"], entry.size  # the size asked for ("auto" or WxH)
-        png = {"output_format": "png", "background": "opaque", "quality": "auto"}
+        png = {**PNG, "quality": "auto"}
         partials: dict[int, int] = {}  # image index -> partial images sent
         outcome = "client went away (cancelled)"
         try:
@@ -382,12 +381,10 @@ class Server:
             raise ApiError(400, f"mask is {mask.size[0]}x{mask.size[1]} but the image is "
                                 f"{images[0].size[0]}x{images[0].size[1]}; they must be the same size", "mask")
         strength = float_field(body, "strength", 0.0, 1.0)
-        if mask is not None or strength is not None:
-            # Inpainting / image-to-image: the first upload is the image being repainted, the rest references.
-            req.settings = dataclasses.replace(req.settings, init_image=images[0], images=images[1:] or None,
-                                               mask=mask, strength=strength)
-        else:
-            req.settings = dataclasses.replace(req.settings, images=images)
+        # Inpainting / image-to-image: the first upload is the image being repainted, the rest references.
+        init_image = images.pop(0) if mask is not None or strength is not None else None
+        req.settings = dataclasses.replace(req.settings, init_image=init_image, images=images or None, mask=mask,
+                                           strength=strength)
         return req, opts
 
     async def file(self, request: Request):

@@ -102,10 +102,8 @@ class FluxKleinParams:
     @property
     def variant(self) -> str:
         """"klein-4b", "klein-9b" or "other", judged from the shape-deciding fields."""
-        for v in VARIANTS.values():
-            if v.distilled and self.shape_key() == v.transformer.shape_key():
-                return v.family
-        return "other"
+        row = variant_for(self, True)
+        return row.family if row is not None else "other"
 
     def describe(self) -> str:
         """E.g. "klein-4B (hidden 3072, 5 double / 20 single blocks)"."""
@@ -143,8 +141,7 @@ class Qwen3Config:
         """Build from a config dict; unknown keys are ignored, missing required ones named."""
         d = dict(d)
         # transformers >= 5 nests rope_theta under rope_parameters; older configs use rope_scaling.
-        for nested in ("rope_parameters", "rope_scaling"):
-            rope = d.get(nested)
+        for rope in (d.get("rope_parameters"), d.get("rope_scaling")):
             if not isinstance(rope, dict):
                 continue
             kind = rope.get("rope_type", rope.get("type", "default"))
@@ -189,8 +186,7 @@ class AutoEncoderConfig:
 
     @classmethod
     def flux2(cls) -> "AutoEncoderConfig":
-        """The VAE shared by every FLUX.2 [klein] model."""
-        return cls()
+        return cls()  # the defaults
 
     from_dict = classmethod(from_dict)
 

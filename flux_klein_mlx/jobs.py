@@ -148,11 +148,10 @@ class Worker:
 
     def _run(self) -> None:
         try:
-            pipe = self._loader()
+            self.pipe = self._loader()
+            self.base_loras = tuple((lora.path, lora.scale) for lora in self.pipe.loras)
         except Exception as e:  # noqa: BLE001: any load failure is reported as 503 with its message
             self.error = str(e) if isinstance(e, FluxKleinError) else f"{type(e).__name__}: {e}"
-        else:
-            self.pipe, self.base_loras = pipe, tuple((lora.path, lora.scale) for lora in pipe.loras)
         with self._lock:  # the pipe is set before the state says so
             self.state = "failed" if self.pipe is None else "ready"
             self._lock.notify_all()

@@ -139,12 +139,6 @@ def is_mlx_folder(path: str | Path) -> bool:
         return False
 
 
-def _part_folder(folder: Path) -> Path:
-    if not folder.is_dir():
-        raise FluxKleinError(f"missing {folder.name}/ in {folder.parent}: the snapshot is incomplete, download it again")
-    return folder
-
-
 def _bfl_transformer_config(file: Path, base: Path) -> dict:
     """Hyper-parameters of a BFL single file: the base snapshot's when its shapes agree (it also
     carries theta/eps/axes), else the file's own shapes."""
@@ -217,8 +211,8 @@ def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
             f"{path} holds a {kind} model; flux_klein_mlx runs FLUX.2 [klein] 4B/9B (Flux2KleinPipeline), distilled or "
             f"Base, and klein 9B-KV ({KV_PIPELINE_CLASS})"
         )
-    folders = {n: _part_folder(path / n) for n in COMPONENTS}
-    configs = {n: read_json(folders[n] / "config.json") for n in COMPONENTS}
+    folders = {n: path / n for n in COMPONENTS}
+    configs = {n: read_json(folders[n] / "config.json") for n in COMPONENTS}  # a missing folder: its config is missing
     if configs["transformer"].get("guidance_embeds"):
         raise FluxKleinError(
             f"not a klein checkpoint: it is FLUX.2-dev ({folders['transformer'] / 'config.json'} has guidance_embeds); "
@@ -231,12 +225,12 @@ def _describe_bfl(model, file: Path, base) -> ModelInfo:
     if file.suffix != ".safetensors":
         raise FluxKleinError(f"{file} is not a .safetensors file; pass a model folder, a repo id or a BFL .safetensors file")
     base_path = resolve_model(base) if base is not None else file.parent
-    if not (base_path / "text_encoder").is_dir() or not (base_path / "vae").is_dir():
+    folders = {n: base_path / n for n in ("text_encoder", "vae")}
+    if not all(f.is_dir() for f in folders.values()):
         raise FluxKleinError(
             f"a single transformer file needs the text encoder, VAE and tokenizer of a diffusers snapshot, "
             f"and {base_path} has none; pass --base with a FLUX.2 [klein] folder or repo id"
         )
-    folders = {n: _part_folder(base_path / n) for n in ("text_encoder", "vae")}
     configs = {"transformer": _bfl_transformer_config(file, base_path)}
     configs.update({n: read_json(folders[n] / "config.json") for n in folders})
     info = _snapshot_info(model, file, "bfl", base_path, _optional_json(base_path / "model_index.json") or {},

@@ -38,10 +38,10 @@ from .transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, DIFFUSERS_TOP, QKV,
 
 # Module-name prefixes, longest first, and the format they say.
 _PREFIXES = (
+    ("lora_unet_", "D"), ("lora_transformer_", "D"), ("lycoris_", "D"),
     ("base_model.model.diffusion_model.", "C"), ("base_model.model.", "C"), ("model.diffusion_model.", "B"),
     ("diffusion_model.", "B"), ("transformer.", "A"),
 )  # fmt: skip
-_UNDERSCORE_PREFIXES = ("lora_unet_", "lora_transformer_", "lycoris_")
 # Key endings -> the role of the tensor. PEFT's adapter name (".default") is optional.
 _ROLE = re.compile(
     r"^(?P<module>.+?)\.(?:(?P<lora>lora_[AB]|lora_down|lora_up|lora\.down|lora\.up)(?:\.[A-Za-z0-9_]+)?\.weight"
@@ -135,15 +135,17 @@ def target_table(params) -> dict[str, Target]:
 
 def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str, mx.array]], str]:
     """Keys -> {module name (prefix stripped): {role: tensor}}, and the format letter."""
+    unknown = [key for key in tensors if not _ROLE.match(key)]
+    if unknown:
+        raise FluxKleinError(
+            f"LoRA {what} has {len(unknown)} key(s) that are not LoRA/LoKr weights "
+            f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}); is it a model checkpoint?"
+        )
     modules: dict[str, dict[str, mx.array]] = {}
     keys: dict[tuple[str, str], str] = {}  # (module, role) -> the key that gave it
     kinds = set()
-    unknown = []
     for key, value in tensors.items():
         m = _ROLE.match(key)
-        if m is None:
-            unknown.append(key)
-            continue
         if m.group("other"):
             what_ = "DoRA" if "dora" in key or "magnitude" in key else "LoRA bias / LoHa / full-diff"
             raise FluxKleinError(
@@ -153,12 +155,8 @@ def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str,
         name = m.group("module")
         lora = m.group("lora")
         role = ("down" if lora in _DOWN else "up") if lora else m.group("lokr") or "alpha"
-        kind = "D" if name.startswith(_UNDERSCORE_PREFIXES) else None
-        for p in _UNDERSCORE_PREFIXES:
-            name = name.removeprefix(p)
-        for p, letter in _PREFIXES:  # the first (longest) that matches
-            if kind is None and name.startswith(p):
-                name, kind = name[len(p) :], letter
+        prefix, kind = next(((p, letter) for p, letter in _PREFIXES if name.startswith(p)), ("", None))
+        name = name[len(prefix) :]
         kinds.add("E" if m.group("lokr") else kind)
         if (name, role) in keys:  # e.g. `transformer.x.lora_A.weight` beside `x.lora_A.default.weight`
             raise FluxKleinError(
@@ -168,11 +166,6 @@ def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str,
             )
         keys[name, role] = key
         modules.setdefault(name, {})[role] = value
-    if unknown:
-        raise FluxKleinError(
-            f"LoRA {what} has {len(unknown)} key(s) that are not LoRA/LoKr weights "
-            f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}); is it a model checkpoint?"
-        )
     letters = kinds - {None}
     unprefixed = "B" if any(n.startswith(("double_blocks", "single_blocks")) for n in modules) else "A"
     return modules, "E" if "E" in letters else min(letters, default=unprefixed)
@@ -188,8 +181,7 @@ def _metadata_alpha(metadata: dict | None, what: str):
     raw = metadata.get("lora_adapter_metadata")
     try:
         if raw:
-            config = json.loads(raw)
-            config = {k.removeprefix("transformer."): v for k, v in config.items()}
+            config = {k.removeprefix("transformer."): v for k, v in json.loads(raw).items()}
             alpha = float(config.get("lora_alpha", 8))  # PEFT's LoraConfig default, as diffusers would build it
             patterns = {str(k).lstrip("^"): float(v) for k, v in (config.get("alpha_pattern") or {}).items()}
             rslora, per_rank = bool(config.get("use_rslora", False)), None
@@ -258,10 +250,10 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
             continue
         term = _term(name, parts, target, meta_alpha, what)
         want = (target.rows[1] - target.rows[0], shapes[target.layer][1])
-        if term.shape != want:
+        if term.shape == want:
+            terms.append(term)
+        else:
             foreign.append((name, term, want))
-            continue
-        terms.append(term)
     if foreign:
         raise FluxKleinError(_foreign_message(foreign, params, what))
     _check_overlaps(terms, what)

@@ -44,30 +44,26 @@ def check_safetensors_file(path: str | Path) -> dict[str, tuple[str, tuple[int, 
     path = Path(path)
     if not path.is_file():
         raise FluxKleinError(f"weight file not found: {path}")
-    size = path.stat().st_size
     damaged = f"{path} is damaged or not a safetensors file"
     try:
         raw = safetensors_header_bytes(path)
-    except ValueError:
-        raise FluxKleinError(f"{damaged} (no valid header); download or convert it again") from None
+        header = json.loads(raw)
     except OSError as e:
         raise FluxKleinError(f"cannot read {path} ({e.strerror}); check the file's permissions") from None
-    try:
-        header = json.loads(raw)
-    except ValueError:  # UnicodeDecodeError included
-        raise FluxKleinError(f"{damaged} (its header is not JSON); download or convert it again") from None
+    except ValueError:  # no header, or not JSON (UnicodeDecodeError included)
+        header = None
     if not isinstance(header, dict):
-        raise FluxKleinError(f"{damaged} (its header is not a table of tensors); download or convert it again")
+        raise FluxKleinError(f"{damaged} (no valid JSON header); download or convert it again")
+    header.pop("__metadata__", None)
     tensors, end = {}, 0
     for name, entry in header.items():
-        if name == "__metadata__":
-            continue
         try:
             dtype, shape, (_, hi) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
             end = max(end, int(hi))
         except (TypeError, KeyError, ValueError):
             raise FluxKleinError(f"{damaged} (tensor {name!r} has no dtype/shape/offsets); download it again") from None
         tensors[name] = (dtype, shape)
+    size = path.stat().st_size
     if 8 + len(raw) + end > size:
         raise FluxKleinError(
             f"{path} is truncated: {size} bytes, its header needs {8 + len(raw) + end}; download or convert it again"
@@ -213,9 +209,7 @@ def save_safetensors_streaming(
     """
     header: dict = {"__metadata__": dict(metadata or {"format": "mlx"})}
     offset = 0
-    names = list(tensors)
-    for name in names:
-        a = tensors[name]
+    for name, a in tensors.items():
         if a.dtype not in _ST_DTYPES:
             raise FluxKleinError(f"cannot store {name}: dtype {a.dtype} has no safetensors equivalent")
         header[name] = {"dtype": _ST_DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
@@ -225,13 +219,12 @@ def save_safetensors_streaming(
     with open(path, "wb") as f:
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
-        for name in names:
-            a = tensors.pop(name)
+        for name in list(tensors):
+            a = tensors.pop(name)  # the last reference: the next one replaces it before its own evaluation
             mx.eval(a)
             f.write(_tensor_bytes(a))
-            del a
             if on_tensor is not None:
-                on_tensor(name, header[name]["data_offsets"][1] - header[name]["data_offsets"][0])
+                on_tensor(name, a.nbytes)
 
 
 def plan_shards(tensors: dict[str, mx.array], max_shard_bytes: int) -> list[list[str]]:
@@ -261,19 +254,16 @@ def save_safetensors_sharded(
     """
     folder = Path(folder)
     total = sum(a.nbytes for a in weights.values())
-    shards = plan_shards(weights, max_shard_bytes)
-    if len(shards) <= 1:
-        path = folder / f"{prefix}.safetensors"
-        save_safetensors_streaming(path, weights, on_tensor=on_tensor)
-        return [path]
+    shards = plan_shards(weights, max_shard_bytes) or [[]]  # no tensors: one empty file
     files, weight_map = [], {}
     for i, names in enumerate(shards, start=1):
-        path = folder / f"{prefix}-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_safetensors_streaming(path, {n: weights.pop(n) for n in names}, on_tensor=on_tensor)
-        weight_map.update({n: path.name for n in names})
-        files.append(path)
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (folder / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        stem = prefix if len(shards) == 1 else f"{prefix}-{i:05d}-of-{len(shards):05d}"
+        files.append(folder / f"{stem}.safetensors")
+        save_safetensors_streaming(files[-1], {n: weights.pop(n) for n in names}, on_tensor=on_tensor)
+        weight_map.update(dict.fromkeys(names, files[-1].name))
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (folder / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return files
 
 
@@ -307,7 +297,7 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
-def resolve_model(model: str | Path, allow_patterns: list[str] | None = None, cache_dir: str | Path | None = None,
+def resolve_model(model: str | Path, allow_patterns: list[str] = HUB_PATTERNS, cache_dir: str | Path | None = None,
                   size_hint: Callable[[], int | None] | None = None) -> Path:  # fmt: skip
     """A local folder or file as a Path; otherwise a Hugging Face repo id, downloaded into (or found
     in) the hub cache with `allow_patterns` (default: the files the pipeline needs).
@@ -327,13 +317,12 @@ def resolve_model(model: str | Path, allow_patterns: list[str] | None = None, ca
     from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, HFValidationError, LocalEntryNotFoundError
     from huggingface_hub.errors import RepositoryNotFoundError
 
-    patterns = allow_patterns or HUB_PATTERNS
     offline = hub_offline()
     cache = str(cache_dir or constants.HF_HUB_CACHE)  # the folder huggingface_hub downloads into
     if not offline:
-        announce_download(text, patterns, cache)
+        announce_download(text, allow_patterns, cache)
     try:
-        return Path(snapshot_download(repo_id=text, allow_patterns=patterns, cache_dir=cache_dir))
+        return Path(snapshot_download(repo_id=text, allow_patterns=allow_patterns, cache_dir=cache_dir))
     except GatedRepoError:
         raise FluxKleinError(
             f"model '{text}' is gated on Hugging Face: accept its licence on the model page, log in with "
@@ -351,7 +340,7 @@ def resolve_model(model: str | Path, allow_patterns: list[str] | None = None, ca
                 "to download, check the repo id, or give a local folder instead"
             ) from None
         # The hub was not reached (no network, a proxy, the hub down) and the cache lacks the repo.
-        size = size_hint() if size_hint is not None else None
+        size = size_hint and size_hint()
         about = f"about {size / 1e9:.0f} GB, " if size else ""
         why = type(e.__cause__).__name__ if e.__cause__ is not None else "no connection"
         raise FluxKleinError(
