@@ -8,6 +8,7 @@ that `generate` runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from pathlib import Path
@@ -44,8 +45,7 @@ def randomize(model: nn.Module, dtype, seed: int) -> None:
             if not mx.issubdtype(v.dtype, mx.floating):
                 continue
             if v.ndim >= 2:
-                fan_in = math.prod(v.shape[1:])
-                new.append((name, mx.random.normal(v.shape, dtype=dtype, key=k) * (fan_in**-0.5)))
+                new.append((name, mx.random.normal(v.shape, dtype=dtype, key=k) * math.prod(v.shape[1:]) ** -0.5))
             else:
                 new.append((name, mx.ones(v.shape, dtype=dtype)))
         model.load_weights(new, strict=False)
@@ -70,29 +70,23 @@ def random_pipeline(
 ) -> FluxKleinPipeline:
     """The pipeline of `variant` with random weights (`quantize` 4/8: transformer and text encoder,
     quantized from the random weights as `convert` would)."""
-    configs = {
-        "transformer": dataclasses.asdict(variant.transformer),
-        "text_encoder": dataclasses.asdict(variant.text_encoder),
-        "vae": dataclasses.asdict(variant.vae),
-    }
+    configs = {name: dataclasses.asdict(getattr(variant, name)) for name in COMPONENTS}
 
-    def component(name: str, offset: int):
-        def make():
-            module = build_module(name, configs[name])
-            randomize(module, dtype, seed + offset)
-            if quantize and name != "vae":
-                quantize_model(module, quantize)
-                evaluate_by_layer(module)
-            return module
-
-        return make
+    def make(name: str, offset: int):
+        module = build_module(name, configs[name])
+        randomize(module, dtype, seed + offset)
+        if quantize and name != "vae":
+            quantize_model(module, quantize)
+            evaluate_by_layer(module)
+        return module
 
     info = ModelInfo(
         source=f"random weights ({variant.name})", path=Path("."), format="random", is_distilled=variant.distilled,
         configs=configs, files={}, quantization={n: None for n in COMPONENTS}, tokenizer=Path("."),
         reference_kv=variant.reference_kv,
     )  # fmt: skip
-    loaders = {"transformer": component("transformer", 1), "text_encoder": component("text_encoder", 0),
-               "tokenizer": lambda: RandomTokens(variant.text_encoder.vocab_size, seed), "vae": component("vae", 2)}
+    # Seeds: text encoder + 0, transformer + 1, VAE + 2.
+    loaders = {name: functools.partial(make, name, i) for i, name in enumerate(("text_encoder", "transformer", "vae"))}
+    loaders["tokenizer"] = lambda: RandomTokens(variant.text_encoder.vocab_size, seed)
     return FluxKleinPipeline(loaders, info, dtype=dtype, low_memory=low_memory,
                              quantization={"bits": quantize, "group_size": 64} if quantize else None)  # fmt: skip
