@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import numbers
 import os
 import time
 from collections import OrderedDict, deque
@@ -34,7 +33,7 @@ from PIL import Image
 
 from .embedding_cache import DEFAULT_MAX_BYTES, EmbeddingCache, cached_embeddings, open_cache, prompt_keys
 from .errors import FluxKleinError
-from .inputs import PreparedInputs, RunSettings, prepare_inputs
+from .inputs import PreparedInputs, RunSettings, is_int, prepare_inputs
 from .loading import COMPONENTS, ModelInfo, as_dtype, check_weights, describe, dtype_name, load_component
 from .loading import read_component
 from .lora import apply_loras, load_loras
@@ -173,7 +172,6 @@ class FluxKleinPipeline:
         self.memory = MemoryPlan.of(low_memory)
         self.quantization = quantization  # {"bits", "group_size", ...} or None
         self.loras = list(loras or [])  # lora.Lora, applied whenever the transformer (re)loads
-        # Models load on first use and can be released to free their memory.
         self._loaders = dict(loaders, transformer=functools.partial(self._with_loras, loaders["transformer"]))
         self._models: dict[str, object] = {}
         self._load_seconds = 0.0  # all loads so far (stages take differences)
@@ -336,7 +334,6 @@ class FluxKleinPipeline:
         return "the weights may be damaged, or the values overflow this dtype: try --dtype float32 (dtype='float32')"
 
     def _check_finite(self, x: mx.array, stage: str) -> None:
-        """End the run, naming the stage, when `x` holds NaN or infinity."""
         if not mx.all(mx.isfinite(x)).item():
             raise FluxKleinError(f"non-finite values in {stage}: {self._nan_hint()}")
 
@@ -487,9 +484,8 @@ def _check_load_options(model, vae, dtype, quantize, group_size) -> None:
             raise FluxKleinError(f"{what} must be a repo id or a path (str or Path), not {value!r}")
     if not isinstance(dtype, (str, mx.Dtype)):
         raise FluxKleinError(f"dtype must be one of 'bfloat16', 'float16', 'float32', not {dtype!r}")
-    for what, value in (("quantize", quantize), ("group_size", group_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-            choices = "4, 8 or None" if what == "quantize" else "32, 64 or 128"
+    for what, value, choices in (("quantize", quantize, "4, 8 or None"), ("group_size", group_size, "32, 64 or 128")):
+        if value is not None and not is_int(value):
             raise FluxKleinError(f"{what} must be a whole number ({choices}), not {value!r}")
     if quantize is not None:
         check_quantization(int(quantize), int(group_size))
