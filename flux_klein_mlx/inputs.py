@@ -97,7 +97,7 @@ class RunSettings:
             raise FluxKleinError(f"the prompt must be a string, not {type(self.prompt).__name__}")
         if neg is not None and not isinstance(neg, str):
             raise FluxKleinError(f"negative_prompt must be a string or None, not {type(neg).__name__}")
-        check_text(self.prompt)  # lone surrogates (undecodable argv bytes, JSON "\ud800") end here, not in the tokenizer
+        check_text(self.prompt)  # lone surrogates (argv bytes not UTF-8, JSON "\ud800") end here, not in the tokenizer
         if neg is not None:
             check_text(neg, "the negative prompt")
         if self.width is not None or self.height is not None:
@@ -151,9 +151,8 @@ def check_image_size(width: int, height: int) -> None:
             use = f"{MIN_SIDE} or more" if v < MIN_SIDE else f"at most {MAX_SIDE}"
             raise FluxKleinError(f"{name} {v} is {limit} px; use {use}, a multiple of {MULTIPLE}")
         if v % MULTIPLE:
-            lo, hi = v // MULTIPLE * MULTIPLE, (v // MULTIPLE + 1) * MULTIPLE
-            options = " or ".join(str(s) for s in (lo, hi) if MIN_SIDE <= s <= MAX_SIDE)
-            raise FluxKleinError(f"{name} {v} is not a multiple of {MULTIPLE}; use e.g. {options}")
+            lo = v // MULTIPLE * MULTIPLE  # v is inside [64, 4096], so are both neighbours
+            raise FluxKleinError(f"{name} {v} is not a multiple of {MULTIPLE}; use e.g. {lo} or {lo + MULTIPLE}")
 
 
 def check_image_shape(w: int, h: int, what: str) -> None:
@@ -266,12 +265,12 @@ def prepare_init_image(image, strength: float = DEFAULT_STRENGTH, mask=None) -> 
     """Validate and preprocess an init image (path or PIL) and optional mask as diffusers does."""
     strength = check_strength(strength)
     img = open_image(image, "init image")
-    raw_w, raw_h = img.size
-    check_image_shape(raw_w, raw_h, "init image")
+    check_image_shape(*img.size, "init image")
     m = None if mask is None else open_image(mask, "mask")
-    if m is not None and m.size != (raw_w, raw_h):
+    if m is not None and m.size != img.size:
         raise FluxKleinError(
-            f"the mask is {m.size[0]}x{m.size[1]} but the init image is {raw_w}x{raw_h}; they must be the same size"
+            f"the mask is {m.width}x{m.height} but the init image is {img.width}x{img.height}; "
+            "they must be the same size"
         )
     # Resizes happen in the file's own mode, colour conversion after (diffusers' order).
     img = _shrink_to_area(img)
@@ -436,5 +435,4 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
 
 
 def content_hash(pixels: np.ndarray) -> str:
-    """12 hex digits of the sha256 of an array's shape and bytes."""
     return hashlib.sha256(str(pixels.shape).encode() + pixels.tobytes()).hexdigest()[:12]
