@@ -146,10 +146,8 @@ def _box_muller_blocks(u: np.ndarray) -> np.ndarray:
     radius = np.sqrt(np.float32(-2.0) * np.log(one_minus.astype(np.float64))).astype(np.float32)
     # theta = 2.0f * pi<double> * u: the product is double, stored as float.
     theta = (2.0 * np.pi * u[:, 8:].astype(np.float64)).astype(np.float32)
-    out = np.empty_like(u)
-    out[:, :8] = radius * np.cos(theta.astype(np.float64)).astype(np.float32)
-    out[:, 8:] = radius * np.sin(theta.astype(np.float64)).astype(np.float32)
-    return out
+    cos, sin = np.cos(theta.astype(np.float64)).astype(np.float32), np.sin(theta.astype(np.float64)).astype(np.float32)
+    return np.concatenate([radius * cos, radius * sin], axis=1)  # elements j and j + 8 of each block
 
 
 def _torch_normal_small(seed: int, n: int) -> np.ndarray:
