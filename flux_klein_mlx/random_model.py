@@ -52,17 +52,12 @@ def randomize(model: nn.Module, dtype, seed: int) -> None:
         mx.eval([v for _, v in new])
 
 
-class RandomTokens:
+def random_tokens(vocab_size: int, seed: int, prompts, max_length: int = 512) -> tuple[mx.array, mx.array]:
     """Stands in for the tokenizer: random ids, `REAL_PROMPT_TOKENS` real ones and the rest padding."""
-
-    def __init__(self, vocab_size: int, seed: int):
-        self.vocab_size, self.seed = vocab_size, seed
-
-    def __call__(self, prompts, max_length: int = 512) -> tuple[mx.array, mx.array]:
-        n = 1 if isinstance(prompts, str) else len(prompts)
-        ids = mx.random.randint(0, self.vocab_size, (n, max_length), key=mx.random.key(self.seed))
-        mask = mx.broadcast_to((mx.arange(max_length) < REAL_PROMPT_TOKENS).astype(mx.int32), (n, max_length))
-        return ids.astype(mx.int32), mask
+    n = 1 if isinstance(prompts, str) else len(prompts)
+    ids = mx.random.randint(0, vocab_size, (n, max_length), key=mx.random.key(seed))
+    mask = mx.broadcast_to((mx.arange(max_length) < REAL_PROMPT_TOKENS).astype(mx.int32), (n, max_length))
+    return ids.astype(mx.int32), mask
 
 
 def random_pipeline(
@@ -87,6 +82,6 @@ def random_pipeline(
     )  # fmt: skip
     # Seeds: text encoder + 0, transformer + 1, VAE + 2.
     loaders = {name: functools.partial(make, name, i) for i, name in enumerate(("text_encoder", "transformer", "vae"))}
-    loaders["tokenizer"] = lambda: RandomTokens(variant.text_encoder.vocab_size, seed)
+    loaders["tokenizer"] = lambda: functools.partial(random_tokens, variant.text_encoder.vocab_size, seed)
     return FluxKleinPipeline(loaders, info, dtype=dtype, low_memory=low_memory,
                              quantization={"bits": quantize, "group_size": 64} if quantize else None)  # fmt: skip
