@@ -85,8 +85,7 @@ class RunSettings:
     def from_keywords(cls, prompt, keywords: dict) -> "RunSettings":
         """`RunSettings(prompt, **keywords)` with a one-line error for an unknown keyword."""
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(keywords) - names)
-        if unknown:
+        if unknown := sorted(set(keywords) - names):
             raise FluxKleinError(f"unknown setting {unknown[0]!r}; the settings are {', '.join(sorted(names))}")
         return cls(prompt, **keywords)
 
@@ -383,8 +382,9 @@ def _resolve_guidance(s: RunSettings, info) -> tuple[float | None, str | None]:
     return guidance, s.negative_prompt if guidance > 1.0 else None
 
 
-def _latents(value, shape: tuple[int, ...], width: int, height: int) -> np.ndarray:
+def _latents(value, channels: int, width: int, height: int) -> np.ndarray:
     """Given noise as float32 numpy (MLX arrays of any float dtype, numpy, nested lists), checked."""
+    shape = (1, channels, height // MULTIPLE, width // MULTIPLE)
     if isinstance(value, mx.array) and value.dtype in (mx.bool_, mx.complex64):
         raise FluxKleinError(f"latents must be a float array (numpy or MLX), not MLX {value.dtype}")
     if isinstance(value, np.ndarray) and value.dtype.kind not in "fiu":
@@ -418,12 +418,9 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
     references = [preprocess_reference(im) for im in images]
     if references:  # a side left out is the first reference's (a given side is never 0: checked above)
         width, height = width or references[0].shape[1], height or references[0].shape[0]
-    width, height = width or DEFAULT_SIZE, height or DEFAULT_SIZE
-    check_image_size(width, height)
+    width, height = width or DEFAULT_SIZE, height or DEFAULT_SIZE  # all valid: given ones checked, images' made so
     t_start = 0 if init is None else start_step(steps, init.strength)
-    latents = None
-    if s.latents is not None:
-        latents = _latents(s.latents, (1, info.in_channels, height // MULTIPLE, width // MULTIPLE), width, height)
+    latents = None if s.latents is None else _latents(s.latents, info.in_channels, width, height)
     seed = random.randrange(2**31) if s.seed is None and latents is None else s.seed
     resolved = dataclasses.replace(s, width=width, height=height, steps=steps, guidance=guidance, seed=seed,
                                    negative_prompt=negative, images=None)  # fmt: skip
