@@ -16,42 +16,26 @@ import importlib
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "load": "pipeline",
-    "FluxKleinPipeline": "pipeline",
-    "Progress": "pipeline",
-    "Event": "pipeline",
-    "Stats": "pipeline",
-    "MemoryPlan": "pipeline",
-    "RunSettings": "inputs",
-    "PreparedInputs": "inputs",
-    "prepare_inputs": "inputs",
-    "EmbeddingCache": "embedding_cache",
-    "save_image": "output",
-    "image_metadata": "output",
-    "describe": "loading",
-    "load_component": "loading",
-    "ModelInfo": "loading",
-    "VARIANTS": "config",
-    "FluxKleinParams": "config",
-    "Qwen3Config": "config",
-    "AutoEncoderConfig": "config",
-    "FluxKlein": "transformer",
-    "sanitize_flux2_klein_weights": "transformer",
-    "ReferenceKV": "kv_cache",
-    "Qwen3TextEncoder": "text_encoder",
-    "sanitize_qwen3_weights": "text_encoder",
-    "PromptTokenizer": "tokenizer",
-    "AutoEncoder": "vae",
-    "Encoder": "vae",
-    "Decoder": "vae",
-    "sanitize_vae_weights": "vae",
-    "quantize_model": "quantize",
-    "count_parameters": "flops",
-    "FluxKleinError": "errors",
-    "train_lora": "train",
-    "TrainSettings": "train_settings",
+# module -> the public names it holds (imported on first use)
+_MODULES = {
+    "pipeline": ("load", "FluxKleinPipeline", "Progress", "Event", "Stats", "MemoryPlan"),
+    "inputs": ("RunSettings", "PreparedInputs", "prepare_inputs"),
+    "embedding_cache": ("EmbeddingCache",),
+    "output": ("save_image", "image_metadata"),
+    "loading": ("describe", "load_component", "ModelInfo"),
+    "config": ("VARIANTS", "FluxKleinParams", "Qwen3Config", "AutoEncoderConfig"),
+    "transformer": ("FluxKlein", "sanitize_flux2_klein_weights"),
+    "kv_cache": ("ReferenceKV",),
+    "text_encoder": ("Qwen3TextEncoder", "sanitize_qwen3_weights"),
+    "tokenizer": ("PromptTokenizer",),
+    "vae": ("AutoEncoder", "Encoder", "Decoder", "sanitize_vae_weights"),
+    "quantize": ("quantize_model",),
+    "flops": ("count_parameters",),
+    "errors": ("FluxKleinError",),
+    "train": ("train_lora",),
+    "train_settings": ("TrainSettings",),
 }
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = ["__version__", "preload_openblas", *_EXPORTS]
 

@@ -30,10 +30,9 @@ class LazyGroup(click.Group):
         return list(COMMANDS)
 
     def get_command(self, ctx, name):
-        if name not in COMMANDS:
-            return None
-        module, attr = COMMANDS[name]
-        return getattr(importlib.import_module(module), attr)
+        if name in COMMANDS:  # else None: click's "No such command"
+            module, attr = COMMANDS[name]
+            return getattr(importlib.import_module(module), attr)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -36,24 +36,20 @@ def run_command(command: click.Command, argv=None) -> int:
         # A library warning is one line too ("warning: ..."), never a file/line dump.
         warnings.showwarning = lambda msg, category, *a, **k: click.echo(
             str(msg) if issubclass(category, Notice) else f"warning: {msg}", err=True)
-        return _run(command, argv)
-
-
-def _run(command: click.Command, argv) -> int:
-    try:
-        command.main(args=argv, prog_name="python -m flux_klein_mlx", standalone_mode=False)
-    except FluxKleinError as e:
-        click.echo(f"error: {e}", err=True)
-        return 1
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        return 130
-    except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
-        return 130
-    except click.ClickException as e:
-        e.show()
-        return e.exit_code
-    except click.exceptions.Exit as e:
-        return e.exit_code
+        try:
+            command.main(args=argv, prog_name="python -m flux_klein_mlx", standalone_mode=False)
+        except FluxKleinError as e:
+            click.echo(f"error: {e}", err=True)
+            return 1
+        except click.exceptions.Abort:
+            click.echo("aborted", err=True)
+            return 130
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            return 130
+        except click.ClickException as e:
+            e.show()
+            return e.exit_code
+        except click.exceptions.Exit as e:
+            return e.exit_code
     return 0

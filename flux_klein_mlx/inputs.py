@@ -85,14 +85,20 @@ class RunSettings:
     def from_keywords(cls, prompt, keywords: dict) -> "RunSettings":
         """`RunSettings(prompt, **keywords)` with a one-line error for an unknown keyword."""
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(keywords) - names)
-        if unknown:
+        if unknown := sorted(set(keywords) - names):
             raise FluxKleinError(f"unknown setting {unknown[0]!r}; the settings are {', '.join(sorted(names))}")
         return cls(prompt, **keywords)
 
     def check(self) -> "RunSettings":
         """Types and ranges, checked without reading an image or a model; returns self."""
-        _check_text(self.prompt, self.negative_prompt)
+        neg = self.negative_prompt
+        if not isinstance(self.prompt, str):
+            raise FluxKleinError(f"the prompt must be a string, not {type(self.prompt).__name__}")
+        if neg is not None and not isinstance(neg, str):
+            raise FluxKleinError(f"negative_prompt must be a string or None, not {type(neg).__name__}")
+        check_text(self.prompt)  # lone surrogates (argv bytes not UTF-8, JSON "\ud800") end here, not in the tokenizer
+        if neg is not None:
+            check_text(neg, "the negative prompt")
         if self.width is not None or self.height is not None:
             check_image_size(DEFAULT_SIZE if self.width is None else self.width,
                              DEFAULT_SIZE if self.height is None else self.height)  # fmt: skip
@@ -125,16 +131,6 @@ def check_prompt_given(prompt) -> None:
         raise FluxKleinError('the prompt is empty: describe the image to make (e.g. "a red fox in fresh snow")')
 
 
-def _check_text(prompt, negative_prompt) -> None:
-    if not isinstance(prompt, str):
-        raise FluxKleinError(f"the prompt must be a string, not {type(prompt).__name__}")
-    if negative_prompt is not None and not isinstance(negative_prompt, str):
-        raise FluxKleinError(f"negative_prompt must be a string or None, not {type(negative_prompt).__name__}")
-    check_text(prompt)  # lone surrogates (undecodable argv bytes, JSON "\ud800") end here, not in the tokenizer
-    if negative_prompt is not None:
-        check_text(negative_prompt, "the negative prompt")
-
-
 def check_strength(strength) -> float:
     if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0.0 < strength <= 1.0:
         raise FluxKleinError(
@@ -149,18 +145,13 @@ def check_image_size(width: int, height: int) -> None:
     for name, v in (("width", width), ("height", height)):
         if not is_int(v):
             raise FluxKleinError(f"{name} must be a whole number of pixels, not {v!r}")
-        if v < MIN_SIDE:
-            raise FluxKleinError(
-                f"{name} {v} is below the minimum of {MIN_SIDE} px; use {MIN_SIDE} or more, a multiple of {MULTIPLE}"
-            )
-        if v > MAX_SIDE:
-            raise FluxKleinError(
-                f"{name} {v} is above the maximum of {MAX_SIDE} px; use at most {MAX_SIDE}, a multiple of {MULTIPLE}"
-            )
+        if not MIN_SIDE <= v <= MAX_SIDE:
+            limit = f"below the minimum of {MIN_SIDE}" if v < MIN_SIDE else f"above the maximum of {MAX_SIDE}"
+            use = f"{MIN_SIDE} or more" if v < MIN_SIDE else f"at most {MAX_SIDE}"
+            raise FluxKleinError(f"{name} {v} is {limit} px; use {use}, a multiple of {MULTIPLE}")
         if v % MULTIPLE:
-            lo, hi = v // MULTIPLE * MULTIPLE, (v // MULTIPLE + 1) * MULTIPLE
-            options = " or ".join(str(s) for s in (lo, hi) if MIN_SIDE <= s <= MAX_SIDE)
-            raise FluxKleinError(f"{name} {v} is not a multiple of {MULTIPLE}; use e.g. {options}")
+            lo = v // MULTIPLE * MULTIPLE  # v is inside [64, 4096], so are both neighbours
+            raise FluxKleinError(f"{name} {v} is not a multiple of {MULTIPLE}; use e.g. {lo} or {lo + MULTIPLE}")
 
 
 def check_image_shape(w: int, h: int, what: str) -> None:
@@ -192,12 +183,11 @@ def open_image(image, what: str) -> Image.Image:
     if not isinstance(image, (str, Path)):
         raise FluxKleinError(f"the {what} must be a PIL image or a file path, not {type(image).__name__}")
     path = Path(image).expanduser()
-    if path.is_dir():
-        raise FluxKleinError(f"{what} {path} is a folder, not an image; give an image file")
-    if path.exists() and not path.is_file():
-        raise FluxKleinError(f"{what} {path} is not a regular file (a device or pipe); give an image file")
-    if not path.is_file():
+    if not path.exists():
         raise FluxKleinError(f"{what} not found: {path}")
+    if not path.is_file():
+        kind = "a folder, not an image" if path.is_dir() else "not a regular file (a device or pipe)"
+        raise FluxKleinError(f"{what} {path} is {kind}; give an image file")
     try:
         with warnings.catch_warnings():
             # 89-179 MP: PIL warns; such a picture is shrunk to 1 MP right after, so it is fine.
@@ -269,25 +259,17 @@ class InitImage:
     mask: np.ndarray | None  # (h*w, 1) float32 in [0, 1] on the token grid, 1 = repaint; None = img2img
     strength: float
 
-    @property
-    def width(self) -> int:
-        return self.pixels.shape[1]
-
-    @property
-    def height(self) -> int:
-        return self.pixels.shape[0]
-
 
 def prepare_init_image(image, strength: float = DEFAULT_STRENGTH, mask=None) -> InitImage:
     """Validate and preprocess an init image (path or PIL) and optional mask as diffusers does."""
     strength = check_strength(strength)
     img = open_image(image, "init image")
-    raw_w, raw_h = img.size
-    check_image_shape(raw_w, raw_h, "init image")
+    check_image_shape(*img.size, "init image")
     m = None if mask is None else open_image(mask, "mask")
-    if m is not None and m.size != (raw_w, raw_h):
+    if m is not None and m.size != img.size:
         raise FluxKleinError(
-            f"the mask is {m.size[0]}x{m.size[1]} but the init image is {raw_w}x{raw_h}; they must be the same size"
+            f"the mask is {m.width}x{m.height} but the init image is {img.width}x{img.height}; "
+            "they must be the same size"
         )
     # Resizes happen in the file's own mode, colour conversion after (diffusers' order).
     img = _shrink_to_area(img)
@@ -327,9 +309,7 @@ def bilinear_resize(x: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
         scale = n_in / n_out
         src = np.maximum((np.arange(n_out) + 0.5) * scale - 0.5, 0.0)
         i0 = np.minimum(np.floor(src).astype(np.int64), n_in - 1)
-        i1 = np.minimum(i0 + 1, n_in - 1)
-        frac = (src - i0).astype(np.float32)
-        return i0, i1, frac
+        return i0, np.minimum(i0 + 1, n_in - 1), (src - i0).astype(np.float32)  # taps and weight of the second
 
     y0, y1, fy = taps(x.shape[0], out_h)
     x0, x1, fx = taps(x.shape[1], out_w)
@@ -402,13 +382,13 @@ def _resolve_guidance(s: RunSettings, info) -> tuple[float | None, str | None]:
     return guidance, s.negative_prompt if guidance > 1.0 else None
 
 
-def _latents(value, shape: tuple[int, ...], width: int, height: int) -> np.ndarray:
+def _latents(value, channels: int, width: int, height: int) -> np.ndarray:
     """Given noise as float32 numpy (MLX arrays of any float dtype, numpy, nested lists), checked."""
-    kind = getattr(value, "dtype", None)
+    shape = (1, channels, height // MULTIPLE, width // MULTIPLE)
     if isinstance(value, mx.array) and value.dtype in (mx.bool_, mx.complex64):
         raise FluxKleinError(f"latents must be a float array (numpy or MLX), not MLX {value.dtype}")
-    if isinstance(value, np.ndarray) and kind.kind not in "fiu":
-        raise FluxKleinError(f"latents must be a float array (numpy or MLX), not numpy dtype {kind}")
+    if isinstance(value, np.ndarray) and value.dtype.kind not in "fiu":
+        raise FluxKleinError(f"latents must be a float array (numpy or MLX), not numpy dtype {value.dtype}")
     try:
         x = np.array(value.astype(mx.float32)) if isinstance(value, mx.array) else np.asarray(value, dtype=np.float32)
     except (TypeError, ValueError):
@@ -429,21 +409,18 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
     init = None
     if s.init_image is not None:
         init = prepare_init_image(s.init_image, DEFAULT_STRENGTH if s.strength is None else s.strength, s.mask)
-        if (width or init.width, height or init.height) != (init.width, init.height):
-            raise FluxKleinError(f"the output takes the init image's size ({init.width}x{init.height}); leave "
+        ih, iw = init.pixels.shape[:2]
+        if (width or iw, height or ih) != (iw, ih):
+            raise FluxKleinError(f"the output takes the init image's size ({iw}x{ih}); leave "
                                  "--width/--height (width=, height=) out")
-        width, height = init.width, init.height
+        width, height = iw, ih
     images = [s.images] if isinstance(s.images, (str, Path, Image.Image)) else list(s.images or [])
     references = [preprocess_reference(im) for im in images]
-    if references:  # a side left out is the first reference's
-        rh, rw = references[0].shape[:2]
-        width, height = rw if width is None else width, rh if height is None else height
-    width, height = width or DEFAULT_SIZE, height or DEFAULT_SIZE
-    check_image_size(width, height)
+    if references:  # a side left out is the first reference's (a given side is never 0: checked above)
+        width, height = width or references[0].shape[1], height or references[0].shape[0]
+    width, height = width or DEFAULT_SIZE, height or DEFAULT_SIZE  # all valid: given ones checked, images' made so
     t_start = 0 if init is None else start_step(steps, init.strength)
-    latents = None
-    if s.latents is not None:
-        latents = _latents(s.latents, (1, info.in_channels, height // MULTIPLE, width // MULTIPLE), width, height)
+    latents = None if s.latents is None else _latents(s.latents, info.in_channels, width, height)
     seed = random.randrange(2**31) if s.seed is None and latents is None else s.seed
     resolved = dataclasses.replace(s, width=width, height=height, steps=steps, guidance=guidance, seed=seed,
                                    negative_prompt=negative, images=None)  # fmt: skip
@@ -455,5 +432,4 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
 
 
 def content_hash(pixels: np.ndarray) -> str:
-    """12 hex digits of the sha256 of an array's shape and bytes."""
     return hashlib.sha256(str(pixels.shape).encode() + pixels.tobytes()).hexdigest()[:12]

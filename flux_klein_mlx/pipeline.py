@@ -20,10 +20,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import numbers
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -34,8 +33,9 @@ from PIL import Image
 
 from .embedding_cache import DEFAULT_MAX_BYTES, EmbeddingCache, cached_embeddings, open_cache, prompt_keys
 from .errors import FluxKleinError
-from .inputs import PreparedInputs, RunSettings, prepare_inputs
-from .loading import ModelInfo, as_dtype, check_weights, describe, dtype_name, load_component, read_component
+from .inputs import PreparedInputs, RunSettings, is_int, prepare_inputs
+from .loading import COMPONENTS, ModelInfo, as_dtype, check_weights, describe, dtype_name, load_component
+from .loading import read_component
 from .lora import apply_loras, load_loras
 from .output import LatentPreview, image_metadata, preview_for
 from .quantize import check_quantization
@@ -47,7 +47,6 @@ from .text_encoder import encode_prompts
 from .tokenizer import load_tokenizer
 
 DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-4B"
-SLOTS = ("transformer", "text_encoder", "tokenizer", "vae")
 PROMPTS_KEPT = 8  # embeddings of recent prompts (each (1, 512, C): 7.5 MB for klein-4B in bf16)
 IMAGE_SETS_KEPT = 4  # reference-token sets (each (1, L, 128): 1 MB per 1024^2 reference in bf16)
 
@@ -141,40 +140,15 @@ class Job:
     stats: Stats = field(default_factory=Stats)
 
     @property
-    def h(self) -> int:
-        return self.inputs.settings.height // 16
-
-    @property
-    def w(self) -> int:
-        return self.inputs.settings.width // 16
-
-
-class _Slot:
-    """A model that is loaded on first use and can be released to free its memory."""
-
-    def __init__(self, loader: Callable[[], object]):
-        self.loader = loader
-        self.model = None
-        self.load_seconds = 0.0  # all loads so far (stages take differences)
-
-    def get(self):
-        if self.model is None:
-            t0 = time.perf_counter()
-            self.model = self.loader()
-            self.load_seconds += time.perf_counter() - t0
-        return self.model
-
-    def release(self) -> None:
-        self.model = None
-        mx.clear_cache()
+    def grid(self) -> tuple[int, int]:
+        """(h, w) of the latent token grid: image size / 16."""
+        return self.inputs.settings.height // 16, self.inputs.settings.width // 16
 
 
 def to_output(images: mx.array, output_type: str):
     """Decoded images (1, H, W, 3), nominally [-1, 1] -> PIL (rounded) or float32 [0, 1] array."""
     x = np.array(mx.clip(images[0].astype(mx.float32) / 2 + 0.5, 0.0, 1.0))
-    if output_type == "np":
-        return x
-    return Image.fromarray(np.round(x * 255).astype(np.uint8))
+    return x if output_type == "np" else Image.fromarray(np.round(x * 255).astype(np.uint8))
 
 
 def model_name(source) -> str:
@@ -198,8 +172,9 @@ class FluxKleinPipeline:
         self.memory = MemoryPlan.of(low_memory)
         self.quantization = quantization  # {"bits", "group_size", ...} or None
         self.loras = list(loras or [])  # lora.Lora, applied whenever the transformer (re)loads
-        self._slots = {name: _Slot(loaders[name]) for name in SLOTS}
-        self._slots["transformer"].loader = self._with_loras(loaders["transformer"])
+        self._loaders = dict(loaders, transformer=functools.partial(self._with_loras, loaders["transformer"]))
+        self._models: dict[str, object] = {}
+        self._load_seconds = 0.0  # all loads so far (stages take differences)
         self._prompts: OrderedDict[str, mx.array] = OrderedDict()  # prompt -> (1, 512, C)
         self._image_sets: OrderedDict[tuple, tuple] = OrderedDict()  # key -> (tokens, ids)
         self._preview: LatentPreview | None = None
@@ -217,9 +192,12 @@ class FluxKleinPipeline:
 
     def component(self, name: str):
         """The loaded `name` ("transformer", "text_encoder", "tokenizer" or "vae"), loading it if needed."""
-        model = self._slots[name].get()
+        if name not in self._models:
+            t0 = time.perf_counter()
+            self._models[name] = self._loaders[name]()
+            self._load_seconds += time.perf_counter() - t0
         self.prefetch.finish(name)  # loaded: what was not read ahead the load has read itself
-        return model
+        return self._models[name]
 
     def _read_ahead(self, name: str) -> None:
         """Read `name`'s files into the page cache on a background thread while something computes. Safe
@@ -230,15 +208,16 @@ class FluxKleinPipeline:
             self.prefetch.start(name, mx.get_active_memory())
 
     def is_loaded(self, name: str) -> bool:
-        return self._slots[name].model is not None
+        return name in self._models
 
     def release(self, name: str) -> None:
         """Drop a model to free its memory; it loads again when next needed."""
-        self._slots[name].release()
+        self._models.pop(name, None)
+        mx.clear_cache()
 
     def load_seconds(self) -> float:
         """Seconds spent loading models since this pipeline was made (stages report their part)."""
-        return sum(slot.load_seconds for slot in self._slots.values())
+        return self._load_seconds
 
     def preview_map(self) -> LatentPreview:
         """The latent -> RGB map of step previews for this model's VAE (output.preview_for)."""
@@ -246,16 +225,12 @@ class FluxKleinPipeline:
             self._preview = preview_for(self.component("vae"))
         return self._preview
 
-    def _with_loras(self, loader: Callable[[], object]) -> Callable[[], object]:
-        def load_and_apply():
-            model = loader()
-            if self.loras:
-                # Kept originals are lazy arrays of the model's files: a LoRA costs its own size either way.
-                apply_loras(model, self.loras, keep_originals=not self.memory.drop_lora_originals,
-                            reread=self._reread())  # fmt: skip
-            return model
-
-        return load_and_apply
+    def _with_loras(self, loader: Callable[[], object]):
+        model = loader()
+        if self.loras:
+            # Kept originals are lazy arrays of the model's files: a LoRA costs its own size either way.
+            apply_loras(model, self.loras, keep_originals=not self.memory.drop_lora_originals, reread=self._reread())
+        return model
 
     def _reread(self) -> Callable[[str], mx.array] | None:
         """Original float weights of transformer layers, lazily from the files (None: no files)."""
@@ -319,11 +294,9 @@ class FluxKleinPipeline:
         prompts = [] if inputs is None else inputs.prompts
         missing = [p for p in dict.fromkeys(prompts) if p not in self._prompts]
         for p, key in self._cache_keys(missing).items():
-            hit = None if key is None else self.cache.get(key)
-            if hit is not None:
+            if key is not None and (hit := self.cache.get(key)) is not None:
                 self.remember_prompt(p, hit)
-        needed = inputs is None or any(p not in self._prompts for p in prompts)
-        if needed:
+        if needed := inputs is None or any(p not in self._prompts for p in prompts):
             self._check_files()
         return needed
 
@@ -344,10 +317,8 @@ class FluxKleinPipeline:
         cache_key = (key, first_t, str(self.dtype))
         if cache_key not in self._image_sets:
             vae = self.component("vae")
-            tokens, ids = [], []
-            for k, p in enumerate(pixels):
-                tokens.append(vae.encode_to_tokens(mx.array(p)[None].astype(self.dtype)))  # (1, H/16*W/16, 128)
-                ids.append(image_ids(p.shape[0] // 16, p.shape[1] // 16, t=first_t + 10 * k))
+            tokens = [vae.encode_to_tokens(mx.array(p)[None].astype(self.dtype)) for p in pixels]  # (1, H/16*W/16, 128)
+            ids = [image_ids(p.shape[0] // 16, p.shape[1] // 16, t=first_t + 10 * k) for k, p in enumerate(pixels)]
             out = mx.concatenate(tokens, axis=1), mx.concatenate(ids, axis=0)
             mx.eval(out)
             self._check_finite(out[0], f"the VAE encoding of {what}")
@@ -363,7 +334,6 @@ class FluxKleinPipeline:
         return "the weights may be damaged, or the values overflow this dtype: try --dtype float32 (dtype='float32')"
 
     def _check_finite(self, x: mx.array, stage: str) -> None:
-        """End the run, naming the stage, when `x` holds NaN or infinity."""
         if not mx.all(mx.isfinite(x)).item():
             raise FluxKleinError(f"non-finite values in {stage}: {self._nan_hint()}")
 
@@ -375,10 +345,9 @@ class FluxKleinPipeline:
             if settings:
                 raise FluxKleinError("give settings either in PreparedInputs or as keywords, not both")
             return prompt
-        run = prompt if isinstance(prompt, RunSettings) else RunSettings.from_keywords(prompt, settings)
-        if isinstance(prompt, RunSettings) and settings:
-            run = dataclasses.replace(run, **settings)
-        return prepare_inputs(run, self.info)
+        if isinstance(prompt, RunSettings):
+            return prepare_inputs(dataclasses.replace(prompt, **settings), self.info)
+        return prepare_inputs(RunSettings.from_keywords(prompt, settings), self.info)
 
     def stream(self, prompt, **settings) -> Iterator[Event]:
         """Run a generation, yielding an `Event` after encoding, after every step and at the end.
@@ -404,10 +373,7 @@ class FluxKleinPipeline:
         negative_prompt=, latents=, output_type=, noise=, init_image=, strength=, mask=)`, each
         explained in `inputs.RunSettings`. Returns a PIL image (or a float32 array for
         output_type="np"); `last_stats` and `last_metadata` describe it."""
-        event = None
-        for event in self.stream(prompt, **settings):
-            pass
-        return event.image
+        return deque(self.stream(prompt, **settings), maxlen=1).pop().image  # run to the end, keep the last event
 
     def prepare(self, prompt, **settings) -> Job:
         """Stage 1: encode the prompt(s), the init image and references, and draw the noise."""
@@ -417,22 +383,20 @@ class FluxKleinPipeline:
         t0, loads = time.perf_counter(), self.load_seconds()
         ctx = self.encode_prompts(inputs.prompts)  # (1 or 2, 512, C): [cond, uncond] with CFG
         self._read_ahead("transformer")  # prompts cached: read while the references are encoded
+        h, w = s.height // 16, s.width // 16
         ref_tokens = ref_ids = x0 = None
         # The init image is x0 and the first reference (t = 10); other references follow at 20, 30, ...
         pixels = ([init.pixels] if init is not None else []) + inputs.references
         if pixels:
             what = "the init image" if init is not None else "the reference image(s)"
             ref_tokens, ref_ids = self.encode_images(pixels, 10, inputs.images_key, what)
-            if init is not None:
-                x0 = ref_tokens[:, : (s.height // 16) * (s.width // 16)]
+            x0 = ref_tokens[:, : h * w] if init is not None else None
         stats = Stats(encode=StageStats(time.perf_counter() - t0, mx.get_peak_memory(), self.load_seconds() - loads))
         # Noise in the normalised, patchified latent space: (1, C, h, w) -> tokens (1, h*w, C).
-        h, w = s.height // 16, s.width // 16
-        if inputs.latents is not None:
-            noise = mx.array(inputs.latents)
+        if inputs.latents is None:
+            prior = pack_latents(initial_noise((1, self.info.in_channels, h, w), s.seed, s.noise))  # float32
         else:
-            noise = initial_noise((1, self.info.in_channels, h, w), s.seed, s.noise)  # float32
-        prior = pack_latents(noise)
+            prior = pack_latents(mx.array(inputs.latents))
         # The schedule (and its mu) is built for all steps; img2img starts t_start steps in (diffusers' get_timesteps).
         sigmas = schedule(h * w, s.steps)[inputs.t_start :]
         x = prior if init is None else scale_noise(x0, prior, sigmas[0])  # the init image noised to the first sigma
@@ -444,10 +408,8 @@ class FluxKleinPipeline:
         mx.reset_peak_memory()
         t_stage, loads = time.perf_counter(), self.load_seconds()
         model = self.component("transformer")
-        inputs, blockwise = job.inputs, self.memory.blockwise
-        h, w, n = job.h, job.w, inputs.steps_run
+        (h, w), n, sigmas, blockwise = job.grid, job.inputs.steps_run, job.sigmas, self.memory.blockwise
         # Everything that depends only on shapes is built once, outside the loop.
-        sigmas = job.sigmas
         # KV variant with references: the references leave the sequence; their K/V come from a cache
         # filled at the first step and dropped with this image (other variants never cache).
         use_kv = self.info.reference_kv and job.ref_tokens is not None
@@ -457,7 +419,7 @@ class FluxKleinPipeline:
         txt = model.embed_text(job.ctx)  # step-invariant text projection, hoisted out of the loop
         B = job.ctx.shape[0]
         ref = None if job.ref_tokens is None else mx.broadcast_to(job.ref_tokens, (B,) + job.ref_tokens.shape[1:])
-        kv_cache, x, scale = None, job.x, inputs.cfg_scale
+        kv_cache, x, scale = None, job.x, job.inputs.cfg_scale
         for i in range(n):
             t_step = time.perf_counter()
             if i == n - 1:
@@ -466,7 +428,8 @@ class FluxKleinPipeline:
             if use_kv and kv_cache is None:
                 kv_cache = model.reference_kv(ref, job.ref_ids, low_memory=blockwise)  # the extract step
                 mx.eval(kv_cache.arrays())
-                job.stats.reference_kv_seconds, job.stats.reference_kv_bytes = time.perf_counter() - t_step, kv_cache.nbytes
+                job.stats.reference_kv_seconds = time.perf_counter() - t_step
+                job.stats.reference_kv_bytes = kv_cache.nbytes
             elif plain_refs:
                 x_in = mx.concatenate([x_in, ref], axis=1)  # [target; refs]
             t = model_timestep(sigmas[i], B, self.dtype)
@@ -482,7 +445,7 @@ class FluxKleinPipeline:
             if not finite.item():
                 raise FluxKleinError(f"non-finite values appeared at denoising step {i + 1}: {self._nan_hint()}")
             job.x = x
-            yield Event("denoise", i + 1, n, time.perf_counter() - t_step, job.stats, denoised=denoised, grid=(h, w))
+            yield Event("denoise", i + 1, n, time.perf_counter() - t_step, job.stats, denoised=denoised, grid=job.grid)
         seconds, loaded = time.perf_counter() - t_stage, self.load_seconds() - loads
         job.stats.denoise = StageStats(seconds, mx.get_peak_memory(), loaded)
         job.stats.seconds_per_step = (seconds - loaded) / n  # the steps' own rate, without the model's load
@@ -494,7 +457,7 @@ class FluxKleinPipeline:
         """Stage 3: denormalise -> unpatchify -> VAE decoder -> PIL image or float array."""
         mx.reset_peak_memory()
         t0, loads = time.perf_counter(), self.load_seconds()
-        decoded = self.component("vae").decode_tokens(job.x, job.h, job.w, tiled=self.memory.tiled_decode)
+        decoded = self.component("vae").decode_tokens(job.x, *job.grid, tiled=self.memory.tiled_decode)
         self._check_finite(decoded, "the VAE decode")  # never a black or garbage PNG from NaN
         image = to_output(decoded, output_type)
         job.stats.decode = StageStats(time.perf_counter() - t0, mx.get_peak_memory(), self.load_seconds() - loads)
@@ -515,14 +478,14 @@ class FluxKleinPipeline:
         )  # fmt: skip
 
 
-def _check_load_options(model, dtype, quantize, group_size) -> None:
-    if not isinstance(model, (str, os.PathLike)) or not str(model):
-        raise FluxKleinError(f"model must be a repo id or a path (str or Path), not {model!r}")
+def _check_load_options(model, vae, dtype, quantize, group_size) -> None:
+    for what, value in (("model", model), ("vae", model if vae is None else vae)):
+        if not isinstance(value, (str, os.PathLike)) or not str(value):
+            raise FluxKleinError(f"{what} must be a repo id or a path (str or Path), not {value!r}")
     if not isinstance(dtype, (str, mx.Dtype)):
         raise FluxKleinError(f"dtype must be one of 'bfloat16', 'float16', 'float32', not {dtype!r}")
-    for what, value in (("quantize", quantize), ("group_size", group_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-            choices = "4, 8 or None" if what == "quantize" else "32, 64 or 128"
+    for what, value, choices in (("quantize", quantize, "4, 8 or None"), ("group_size", group_size, "32, 64 or 128")):
+        if value is not None and not is_int(value):
             raise FluxKleinError(f"{what} must be a whole number ({choices}), not {value!r}")
     if quantize is not None:
         check_quantization(int(quantize), int(group_size))
@@ -566,11 +529,9 @@ def load(
 
     The variant (4B/9B, distilled/Base, 9B-KV) is read from the files. Models load on first use.
     """
-    _check_load_options(model, dtype, quantize, group_size)
+    _check_load_options(model, vae, dtype, quantize, group_size)
     dt, plan = as_dtype(dtype), MemoryPlan.of(low_memory)
     prompt_cache = open_cache(cache, cache_size)
-    if vae is not None and (not isinstance(vae, (str, os.PathLike)) or not str(vae)):
-        raise FluxKleinError(f"vae must be a repo id or a path (str or Path), not {vae!r}")
     info = describe(model, vae=vae)
     if info.format == "bfl":
         raise FluxKleinError(
@@ -587,13 +548,8 @@ def load(
     # it first loads (it is the first model to run), so that a run whose prompts are cached never opens them.
     check_weights(info, ("transformer", "vae"))
     parsed = load_loras(loras, info.params, lora_partial)  # every LoRA checked before any model loads
-
-    def component(name):
-        return lambda: load_component(info, name, dt, quantize, group_size)
-
-    loaders = {name: component(name) for name in ("transformer", "text_encoder", "vae")}
+    loaders = {n: (lambda n=n: load_component(info, n, dt, quantize, group_size)) for n in COMPONENTS}
     loaders["tokenizer"] = lambda: load_tokenizer(info.tokenizer)
     quantization = stored or ({"bits": quantize, "group_size": group_size} if quantize else None)
     return FluxKleinPipeline(loaders, info, dtype=dt, low_memory=plan, quantization=quantization, loras=parsed,
                              cache=prompt_cache, check_files=lambda: check_weights(info, ("text_encoder",)))  # fmt: skip
-

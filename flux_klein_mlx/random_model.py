@@ -8,6 +8,7 @@ that `generate` runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from pathlib import Path
@@ -44,25 +45,19 @@ def randomize(model: nn.Module, dtype, seed: int) -> None:
             if not mx.issubdtype(v.dtype, mx.floating):
                 continue
             if v.ndim >= 2:
-                fan_in = math.prod(v.shape[1:])
-                new.append((name, mx.random.normal(v.shape, dtype=dtype, key=k) * (fan_in**-0.5)))
+                new.append((name, mx.random.normal(v.shape, dtype=dtype, key=k) * math.prod(v.shape[1:]) ** -0.5))
             else:
                 new.append((name, mx.ones(v.shape, dtype=dtype)))
         model.load_weights(new, strict=False)
         mx.eval([v for _, v in new])
 
 
-class RandomTokens:
+def random_tokens(vocab_size: int, seed: int, prompts, max_length: int = 512) -> tuple[mx.array, mx.array]:
     """Stands in for the tokenizer: random ids, `REAL_PROMPT_TOKENS` real ones and the rest padding."""
-
-    def __init__(self, vocab_size: int, seed: int):
-        self.vocab_size, self.seed = vocab_size, seed
-
-    def __call__(self, prompts, max_length: int = 512) -> tuple[mx.array, mx.array]:
-        n = 1 if isinstance(prompts, str) else len(prompts)
-        ids = mx.random.randint(0, self.vocab_size, (n, max_length), key=mx.random.key(self.seed))
-        mask = mx.broadcast_to((mx.arange(max_length) < REAL_PROMPT_TOKENS).astype(mx.int32), (n, max_length))
-        return ids.astype(mx.int32), mask
+    n = 1 if isinstance(prompts, str) else len(prompts)
+    ids = mx.random.randint(0, vocab_size, (n, max_length), key=mx.random.key(seed))
+    mask = mx.broadcast_to((mx.arange(max_length) < REAL_PROMPT_TOKENS).astype(mx.int32), (n, max_length))
+    return ids.astype(mx.int32), mask
 
 
 def random_pipeline(
@@ -70,29 +65,23 @@ def random_pipeline(
 ) -> FluxKleinPipeline:
     """The pipeline of `variant` with random weights (`quantize` 4/8: transformer and text encoder,
     quantized from the random weights as `convert` would)."""
-    configs = {
-        "transformer": dataclasses.asdict(variant.transformer),
-        "text_encoder": dataclasses.asdict(variant.text_encoder),
-        "vae": dataclasses.asdict(variant.vae),
-    }
+    configs = {name: dataclasses.asdict(getattr(variant, name)) for name in COMPONENTS}
 
-    def component(name: str, offset: int):
-        def make():
-            module = build_module(name, configs[name])
-            randomize(module, dtype, seed + offset)
-            if quantize and name != "vae":
-                quantize_model(module, quantize)
-                evaluate_by_layer(module)
-            return module
-
-        return make
+    def make(name: str, offset: int):
+        module = build_module(name, configs[name])
+        randomize(module, dtype, seed + offset)
+        if quantize and name != "vae":
+            quantize_model(module, quantize)
+            evaluate_by_layer(module)
+        return module
 
     info = ModelInfo(
         source=f"random weights ({variant.name})", path=Path("."), format="random", is_distilled=variant.distilled,
         configs=configs, files={}, quantization={n: None for n in COMPONENTS}, tokenizer=Path("."),
         reference_kv=variant.reference_kv,
     )  # fmt: skip
-    loaders = {"transformer": component("transformer", 1), "text_encoder": component("text_encoder", 0),
-               "tokenizer": lambda: RandomTokens(variant.text_encoder.vocab_size, seed), "vae": component("vae", 2)}
+    # Seeds: text encoder + 0, transformer + 1, VAE + 2.
+    loaders = {name: functools.partial(make, name, i) for i, name in enumerate(("text_encoder", "transformer", "vae"))}
+    loaders["tokenizer"] = lambda: functools.partial(random_tokens, variant.text_encoder.vocab_size, seed)
     return FluxKleinPipeline(loaders, info, dtype=dtype, low_memory=low_memory,
                              quantization={"bits": quantize, "group_size": 64} if quantize else None)  # fmt: skip

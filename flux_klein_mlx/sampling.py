@@ -53,31 +53,22 @@ def empirical_mu(image_seq_len: int, num_steps: int) -> float:
     return m200 + (m200 - m10) / 190.0 * (num_steps - 200)
 
 
-def time_shift(mu: float, sigma: float) -> float:
-    """Exponential time shift: sigma' = e^mu / (e^mu + (1/sigma - 1)); sigma = 0 stays 0."""
-    if sigma <= 0.0:
-        return 0.0
-    return math.exp(mu) / (math.exp(mu) + (1.0 / sigma - 1.0))
-
-
 def schedule(image_seq_len: int, num_steps: int) -> list[float]:
     """The n + 1 sigmas from 1.0 (pure noise) to 0.0 (clean) for `image_seq_len` target tokens.
 
     Values are rounded to float32, as the reference scheduler stores them, so that the model sees
     the same timesteps.
     """
-    if num_steps < 1:
-        raise ValueError("num_steps must be at least 1")
-    mu = empirical_mu(image_seq_len, num_steps)
+    e_mu = math.exp(empirical_mu(image_seq_len, num_steps))
     grid = [1.0 - i / num_steps for i in range(num_steps)]  # 1, ..., 1/n; the final 0 is appended
-    return [float(np.float32(time_shift(mu, s))) for s in grid] + [0.0]
+    # The exponential time shift sigma' = e^mu / (e^mu + (1/sigma - 1)).
+    return [float(np.float32(e_mu / (e_mu + (1.0 / s - 1.0)))) for s in grid] + [0.0]
 
 
 def start_step(steps: int, strength: float) -> int:
     """Index of the first schedule step that runs for img2img (diffusers' `get_timesteps`, truncating)."""
-    init_timestep = min(steps * strength, steps)
-    t_start = int(max(steps - init_timestep, 0))
-    if steps - t_start < 1:
+    t_start = int(steps - steps * strength)  # strength in (0, 1]: init_timestep = steps * strength
+    if t_start == steps:
         raise FluxKleinError(
             f"strength {strength} is so small that none of the {steps} steps runs; raise --strength or --steps"
         )
@@ -95,8 +86,7 @@ def model_timestep(sigma: float, batch: int, dtype) -> mx.array:
 
 def euler_step(x: mx.array, v: mx.array, sigma: float, sigma_next: float) -> mx.array:
     """x <- x + (sigma_next - sigma) * v, computed in float32, returned in x's dtype."""
-    out = x.astype(mx.float32) + (sigma_next - sigma) * v.astype(mx.float32)
-    return out.astype(x.dtype)
+    return (x.astype(mx.float32) + (sigma_next - sigma) * v.astype(mx.float32)).astype(x.dtype)
 
 
 def cfg(v: mx.array, scale: float) -> mx.array:
@@ -119,8 +109,7 @@ def blend(x: mx.array, x0: mx.array, noise: mx.array, mask: mx.array, sigma_next
     x0) where mask = 0, the denoised x where mask = 1; float32 math, x's dtype out. Shapes (1, L, C),
     mask (1, L, 1)."""
     known = x0.astype(mx.float32) if sigma_next is None else scale_noise(x0, noise, sigma_next)
-    out = (1.0 - mask) * known + mask * x.astype(mx.float32)
-    return out.astype(x.dtype)
+    return ((1.0 - mask) * known + mask * x.astype(mx.float32)).astype(x.dtype)
 
 
 def pack_latents(latents: mx.array) -> mx.array:
@@ -153,15 +142,12 @@ def _mt_words(seed: int, count: int) -> np.ndarray:
 
 def _box_muller_blocks(u: np.ndarray) -> np.ndarray:
     """torch's `normal_fill_16` on (n, 16) float32 uniforms -> (n, 16) float32 normals."""
-    u = u.astype(np.float32)
-    one_minus = (np.float32(1.0) - u[:, :8]).astype(np.float32)  # [0, 1) -> (0, 1] for the log
+    one_minus = np.float32(1.0) - u[:, :8]  # float32 [0, 1) -> (0, 1] for the log
     radius = np.sqrt(np.float32(-2.0) * np.log(one_minus.astype(np.float64))).astype(np.float32)
     # theta = 2.0f * pi<double> * u: the product is double, stored as float.
     theta = (2.0 * np.pi * u[:, 8:].astype(np.float64)).astype(np.float32)
-    out = np.empty_like(u)
-    out[:, :8] = radius * np.cos(theta.astype(np.float64)).astype(np.float32)
-    out[:, 8:] = radius * np.sin(theta.astype(np.float64)).astype(np.float32)
-    return out
+    cos, sin = np.cos(theta.astype(np.float64)).astype(np.float32), np.sin(theta.astype(np.float64)).astype(np.float32)
+    return np.concatenate([radius * cos, radius * sin], axis=1)  # elements j and j + 8 of each block
 
 
 def _torch_normal_small(seed: int, n: int) -> np.ndarray:
@@ -179,8 +165,6 @@ def _torch_normal_small(seed: int, n: int) -> np.ndarray:
 def torch_randn(shape: tuple[int, ...], seed: int) -> np.ndarray:
     """`torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed))` (float32) in numpy."""
     n = int(np.prod(shape, dtype=np.int64))
-    if n == 0:
-        return np.zeros(shape, np.float32)
     if n < 16:
         return _torch_normal_small(seed, n).reshape(shape)
     tail = n % 16
@@ -198,8 +182,7 @@ def torch_randn(shape: tuple[int, ...], seed: int) -> np.ndarray:
 
 def initial_noise(shape: tuple[int, ...], seed: int, noise: str = "torch") -> mx.array:
     """The prior of a generation as an MLX float32 array of `shape` (diffusers' (1, C, h, w) layout)."""
-    check_noise_kind(noise)
-    if noise == "torch":
+    if check_noise_kind(noise) == "torch":
         return mx.array(torch_randn(shape, seed))
     # mflux: MLX's RNG in float32, stored as bf16 (the precision its latents start from).
     x = mx.random.normal(shape, dtype=mx.float32, key=mx.random.key(int(seed) % 2**64))
