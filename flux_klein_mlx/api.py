@@ -93,7 +93,9 @@ class Server:
 
     def resolve_loras(self, value) -> tuple:
         """LoRA names (optionally "name:scale") -> ((path in --lora-dir, scale), ...)."""
-        items = value if isinstance(value, list) else [value] if value not in (None, "") else []
+        if value in (None, ""):
+            return ()
+        items = value if isinstance(value, list) else [value]
         if len(items) > MAX_LORAS:
             raise ApiError(400, f"{len(items)} LoRAs named; a request may name at most {MAX_LORAS}", "loras")
         out = {}  # name -> (path, scale)

@@ -479,7 +479,9 @@ class FluxKleinPipeline:
 
 
 def _check_load_options(model, vae, dtype, quantize, group_size) -> None:
-    for what, value in (("model", model), ("vae", model if vae is None else vae)):
+    for what, value in (("model", model), ("vae", vae)):
+        if what == "vae" and value is None:
+            continue  # the model's own VAE
         if not isinstance(value, (str, os.PathLike)) or not str(value):
             raise FluxKleinError(f"{what} must be a repo id or a path (str or Path), not {value!r}")
     if not isinstance(dtype, (str, mx.Dtype)):
