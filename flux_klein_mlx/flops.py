@@ -5,6 +5,7 @@ achieved TFLOPS and % of peak. Used by the `benchmark` command and the scripts i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import re
@@ -31,9 +32,7 @@ def count_parameters(params: FluxKleinParams) -> int:
     return embed + modulation + params.depth * double + params.depth_single * single + final
 
 
-# ---------------------------------------------------------------------------------------------
-# FLOP model (performance.md section 4). 1 multiply-add = 2 FLOPs, batch 1.
-# ---------------------------------------------------------------------------------------------
+# --- FLOP model (performance.md section 4). 1 multiply-add = 2 FLOPs, batch 1. ----------------
 
 
 @dataclass(frozen=True)
@@ -77,8 +76,7 @@ def transformer_step_flops(
     single = (D * (3 * D + 2 * F) + (D + F) * D) * Lq
     linear = 2 * (depth * double + depth_single * single)
     attention = (depth + depth_single) * 4 * Lq * Lk * D  # QK^T and AV, bidirectional
-    n_img = Lq - T
-    other = 2 * (n_img * in_channels * D + T * context_dim * D + n_img * D * in_channels)
+    other = 2 * D * (2 * (Lq - T) * in_channels + T * context_dim)  # image tokens in and out, text tokens in
     return Flops(float(linear), float(attention), float(other))
 
 
@@ -91,20 +89,17 @@ def lora_training_flops(forward: Flops, adapter_forward: float = 0.0, checkpoint
     (`adapter_forward`: their forward FLOPs). Gradient checkpointing recomputes the forward once.
     So a step is ~2x a forward, ~3x with checkpointing.
     """
-    again = 1 if checkpoint else 0
-    return Flops(linear=forward.linear * (2 + again) + adapter_forward * (3 + again),
-                 attention=forward.attention * (3 + again), other=forward.other * (2 + again))
+    k = 3 if checkpoint else 2  # forward, input gradients (and the recomputed forward)
+    return Flops(forward.linear * k + adapter_forward * (k + 1), forward.attention * (k + 1), forward.other * k)
 
 
 def reference_pass_flops(params: FluxKleinParams, reference_tokens: int) -> Flops:
     """FLOPs of klein 9B-KV's reference pass (`FluxKlein.reference_kv`): the reference tokens
     alone through every block, attending only to themselves (counted whole; MLX skips the last
     block's MLP, 1-2 % of it)."""
-    f = transformer_step_flops(
-        params.hidden_size, params.depth, params.depth_single, reference_tokens, 0, params.mlp_ratio,
-        params.context_in_dim, params.in_channels,
-    )  # fmt: skip
-    return Flops(f.linear, f.attention, 2.0 * reference_tokens * params.in_channels * params.hidden_size)
+    D, R = params.hidden_size, reference_tokens
+    f = transformer_step_flops(D, params.depth, params.depth_single, R, text_tokens=0, mlp_ratio=params.mlp_ratio)
+    return Flops(f.linear, f.attention, 2.0 * R * params.in_channels * D)  # input projection only
 
 
 def text_encoder_flops(
@@ -199,12 +194,10 @@ def flops_of_vae_decoder(config, width: int, height: int) -> Flops:
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Chip peaks (performance.md section 3: huggingface.js hardware.ts, Apple bandwidth figures).
+# --- Chip peaks (performance.md section 3: huggingface.js hardware.ts, Apple bandwidth figures). ---
 # Apple GPUs up to M4 run fp16 at the fp32 rate and bf16 at most at that rate, so this one number
 # is the peak for every dtype we run. M5 chips add GPU neural accelerators whose matmul peak is
 # unpublished: their % of peak counts the shader ALUs only and may exceed 100.
-# ---------------------------------------------------------------------------------------------
 
 # (name, GPU cores, peak TFLOPS fp16 = fp32, memory bandwidth GB/s), one generation per line
 APPLE_CHIPS: tuple[tuple[str, int, float, int], ...] = (
@@ -229,9 +222,7 @@ def chip_peak_tflops(chip: str | None, gpu_cores: int | None = None) -> float | 
     A binned part (fewer GPU cores than the table's configuration, e.g. the 30-core M3 Max)
     scales linearly with the core count.
     """
-    if not chip:
-        return None
-    name = re.sub(r"^Apple\s+", "", chip.strip())
+    name = re.sub(r"^Apple\s+", "", (chip or "").strip())
     for entry, cores, tflops, _ in APPLE_CHIPS:
         if entry == name:
             return tflops * gpu_cores / cores if gpu_cores else tflops
@@ -264,10 +255,8 @@ def machine_info() -> dict:
         "cpu_cores": os.cpu_count(),
         **dict.fromkeys(("memory_gb", "chip", "gpu_cores", "peak_tflops")),  # filled in below where known
     }
-    try:
+    with contextlib.suppress(ValueError, OSError, AttributeError):  # no sysconf (Windows) or no such name
         info["memory_gb"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)
-    except (ValueError, OSError, AttributeError):
-        pass
     if sys.platform == "darwin":
         brand = _command_output(["sysctl", "-n", "machdep.cpu.brand_string"]).strip()
         info["cpu"] = brand or info["cpu"]
@@ -276,11 +265,9 @@ def machine_info() -> dict:
             info["gpu_cores"] = _apple_gpu_cores()
     elif sys.platform == "linux":
         info["blas"] = preload_openblas()  # says which BLAS is mapped (mlx is imported by now)
-        try:
+        with contextlib.suppress(OSError):
             m = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
             info["cpu"] = m.group(1).strip() if m else info["cpu"]
-        except OSError:
-            pass
     # The table holds GPU peaks; a CPU run (Linux, or a Mac forced onto the CPU) gets no percentage.
     if mx.default_device() == mx.gpu:
         info["peak_tflops"] = chip_peak_tflops(info["chip"], info["gpu_cores"])
