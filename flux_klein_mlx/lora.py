@@ -17,13 +17,14 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, replace
+from functools import reduce
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import FluxKleinError
 from .lora_formats import Term, parse_lora
@@ -60,8 +61,8 @@ def parse_lora_spec(item, files: bool = True) -> tuple[object, float]:
     """
     if isinstance(item, (str, Path)):
         source, scale = item, 1.0
-        head, sep, tail = str(item).rpartition(":")
-        if isinstance(item, str) and sep and head and not (files and Path(item).expanduser().is_file()):
+        head, _, tail = str(item).rpartition(":")  # head is "" without a colon
+        if isinstance(item, str) and head and not (files and Path(item).expanduser().is_file()):
             try:
                 source, scale = head, float(tail)
             except ValueError:
@@ -110,7 +111,7 @@ def load_lora(source, params, scale: float = 1.0, partial: bool = False) -> Lora
         )
     check_magnitude(parsed.terms, scale, what)
     _warn_about_alpha(parsed.terms, what)
-    return Lora(path.name, sha[:12], scale, parsed.format, parsed.terms, str(path))
+    return Lora(what, sha[:12], scale, parsed.format, parsed.terms, str(path))
 
 
 # The largest update a LoRA may make to one weight: float16's largest number. Weights are about 0.1 and
@@ -195,13 +196,12 @@ def _term_output(t: Term, x: mx.array, cols: tuple[int, int], rows: tuple[int, i
     if t.down is not None:
         h = x @ t.down[:, c0:c1].astype(x.dtype).T  # (..., r)
         return (h @ t.up[r0:r1].astype(x.dtype).T) * t.factor
-    a, b = t.w1.shape
-    c, d = t.w2.shape
+    d = t.w2.shape[1]
     if c0 % d == 0 and c1 % d == 0 and not t.swap:
-        # kron(w1, w2) x = vec(w1 · X · w2.T) with X = x reshaped (b, d): never builds the (a·c, b·d) matrix
+        # kron(w1 (a, b), w2 (c, d)) x = vec(w1 · X · w2.T), X = x reshaped (b, d): no (a·c, b·d) matrix
         X = x.reshape(*x.shape[:-1], (c1 - c0) // d, d)
         y = mx.einsum("ij,...jl,kl->...ik", t.w1[:, c0 // d : c1 // d].astype(x.dtype), X, t.w2.astype(x.dtype))
-        return y.reshape(*x.shape[:-1], a * c)[..., r0:r1] * t.factor
+        return y.reshape(*x.shape[:-1], -1)[..., r0:r1] * t.factor  # (..., a, c) -> (..., a·c)
     return (x @ _delta(t)[r0:r1, c0:c1].astype(x.dtype).T) * t.factor
 
 
@@ -234,32 +234,28 @@ class LoRAQuantizedLinear(nn.QuantizedLinear):
     def base(self) -> nn.QuantizedLinear:
         return self._hidden.base
 
-    @property
-    def out_dims(self) -> int:
-        return self["weight"].shape[0]
-
     def __call__(self, x: mx.array) -> mx.array:
         return super().__call__(x) + self.side_path(x)
 
     def side_path(self, x: mx.array, rows: slice = slice(None), cols: tuple = (0, None)) -> mx.array:
         """The LoRA share of `x @ W[rows, c0:c1].T` (x holds only columns c0:c1); zeros where no term lands."""
-        r0, r1, _ = rows.indices(self.out_dims)
+        r0, r1, _ = rows.indices(self["weight"].shape[0])
         c0, c1 = cols[0], x.shape[-1] + cols[0]
-        whole, pieces = [], {}  # outputs of terms over all rows r0:r1; of terms over row blocks
+        outputs: dict[tuple[int, int], list[mx.array]] = {}  # rows lo:hi -> outputs of the terms on them
         for t in self._hidden.terms:
             lo, hi = max(t.rows[0], r0), min(t.rows[1], r1)
             if lo < hi:
-                y = _term_output(t, x, (c0, c1), (lo - t.rows[0], hi - t.rows[0]))
-                (whole if (lo, hi) == (r0, r1) else pieces.setdefault((lo, hi), [])).append(y)
-        if pieces:
+                outputs.setdefault((lo, hi), []).append(_term_output(t, x, (c0, c1), (lo - t.rows[0], hi - t.rows[0])))
+        whole = outputs.pop((r0, r1), [])  # terms over all rows r0:r1
+        if outputs:
             # Row blocks (q, k, v of a fused qkv) are disjoint: concatenate them with zeros in the gaps.
             parts, at = [], r0
-            for (lo, hi), ys in sorted(pieces.items()):
-                parts += [mx.zeros((*x.shape[:-1], lo - at), dtype=x.dtype), sum(ys[1:], ys[0])]
+            for (lo, hi), ys in sorted(outputs.items()):
+                parts += [mx.zeros((*x.shape[:-1], lo - at), dtype=x.dtype), reduce(mx.add, ys)]
                 at = hi
             parts.append(mx.zeros((*x.shape[:-1], r1 - at), dtype=x.dtype))
             whole.append(mx.concatenate(parts, axis=-1))
-        return sum(whole[1:], whole[0]) if whole else mx.zeros((*x.shape[:-1], r1 - r0), dtype=x.dtype)
+        return reduce(mx.add, whole) if whole else mx.zeros((*x.shape[:-1], r1 - r0), dtype=x.dtype)
 
 
 # --- applying and removing ------------------------------------------------------------------------------
@@ -275,11 +271,9 @@ class LoraState:
         self.wrapped: list[str] = []  # layer paths now LoRAQuantizedLinear
 
 
-def _get(model: nn.Module, path: str):
-    obj = model
-    for p in path.split("."):
-        obj = obj[int(p)] if isinstance(obj, list) else getattr(obj, p)
-    return obj
+def _layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's leaf modules (the layers LoRAs land on) by dotted path, as `tree_unflatten` takes them."""
+    return dict(tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module))
 
 
 def applied_loras(model: nn.Module) -> list[Lora]:
@@ -295,9 +289,10 @@ def remove_loras(model: nn.Module) -> None:
         return
     if state.fused and not state.originals:  # fused with keep_originals=False
         raise FluxKleinError("these LoRAs were fused without keeping the original weights; reload the model to remove them")
+    layers = _layers(model)
     for path, weight in state.originals.items():
-        _get(model, path).weight = weight
-    model.update_modules(tree_unflatten([(path, _get(model, path).base) for path in state.wrapped]))
+        layers[path].weight = weight
+    model.update_modules(tree_unflatten([(path, layers[path].base) for path in state.wrapped]))
     model.lora_state = None
 
 
@@ -324,18 +319,17 @@ def apply_loras(
         for t in lora.terms:
             by_layer.setdefault(t.layer, []).append(replace(t, factor=t.factor * lora.scale))
     remove_loras(model)
+    layers = _layers(model)
     for path, terms in by_layer.items():  # check every layer before changing one
-        try:
-            layer = _get(model, path)
-        except (AttributeError, IndexError, KeyError, ValueError):
-            raise FluxKleinError(f"the model has no layer {path}; the LoRA was read for another model") from None
-        out = layer.weight.shape[0]
+        if path not in layers:
+            raise FluxKleinError(f"the model has no layer {path}; the LoRA was read for another model")
+        out = layers[path].weight.shape[0]
         if any(t.rows[1] > out for t in terms):
             raise FluxKleinError(f"layer {path} has {out} outputs; the LoRA was read for another model")
     state = LoraState(list(loras))
-    new_weights, wrapped = [], []
+    wrapped = []
     for path, terms in by_layer.items():
-        layer = _get(model, path)
+        layer = layers[path]
         if isinstance(layer, nn.QuantizedLinear):
             wrapped.append((path, LoRAQuantizedLinear(layer, terms)))
             state.wrapped.append(path)
@@ -348,8 +342,7 @@ def apply_loras(
         if keep_originals:
             state.originals[path] = W if reread is None else reread(path)
         layer.weight = (W.astype(mx.float32) + delta).astype(W.dtype)  # one rounding
-        new_weights.append(layer.weight)
     model.update_modules(tree_unflatten(wrapped))
     if evaluate:
-        mx.eval(new_weights)
+        mx.eval([layers[path].weight for path in state.fused])
     model.lora_state = state if loras else None
