@@ -271,7 +271,7 @@ class LoraState:
         self.wrapped: list[str] = []  # layer paths now LoRAQuantizedLinear
 
 
-def _layers(model: nn.Module) -> dict[str, nn.Module]:
+def layers_by_path(model: nn.Module) -> dict[str, nn.Module]:
     """The model's leaf modules (the layers LoRAs land on) by dotted path, as `tree_unflatten` takes them."""
     return dict(tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module))
 
@@ -289,7 +289,7 @@ def remove_loras(model: nn.Module) -> None:
         return
     if state.fused and not state.originals:  # fused with keep_originals=False
         raise FluxKleinError("these LoRAs were fused without keeping the original weights; reload the model to remove them")
-    layers = _layers(model)
+    layers = layers_by_path(model)
     for path, weight in state.originals.items():
         layers[path].weight = weight
     model.update_modules(tree_unflatten([(path, layers[path].base) for path in state.wrapped]))
@@ -319,7 +319,7 @@ def apply_loras(
         for t in lora.terms:
             by_layer.setdefault(t.layer, []).append(replace(t, factor=t.factor * lora.scale))
     remove_loras(model)
-    layers = _layers(model)
+    layers = layers_by_path(model)
     for path, terms in by_layer.items():  # check every layer before changing one
         if path not in layers:
             raise FluxKleinError(f"the model has no layer {path}; the LoRA was read for another model")

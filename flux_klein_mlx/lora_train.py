@@ -35,6 +35,7 @@ import numpy as np
 from mlx.utils import tree_unflatten
 
 from .errors import FluxKleinError
+from .lora import layers_by_path
 from .lora_formats import target_table
 from .transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, QKV, linear_shapes
 from .weights import save_safetensors_streaming
@@ -221,13 +222,6 @@ def write_lora_file(path: Path, lora: TrainableLoRA, dtype) -> None:
     save_safetensors_streaming(path, lora.file_arrays(dtype), metadata=lora.metadata())
 
 
-def _get(model: nn.Module, path: str) -> nn.Module:
-    obj = model
-    for p in path.split("."):
-        obj = obj[int(p)] if isinstance(obj, list) else getattr(obj, p)
-    return obj
-
-
 def attach_lora(model: nn.Module, slots: list[Slot], rank: int, alpha: float, rng: np.random.Generator) -> TrainableLoRA:
     """Freeze `model` and put trainable adapters on `slots` (PEFT's init: A ~ N(0, (1/r)^2), B = 0).
 
@@ -237,10 +231,10 @@ def attach_lora(model: nn.Module, slots: list[Slot], rank: int, alpha: float, rn
     by_layer: dict[str, list[Slot]] = {}
     for s in slots:
         by_layer.setdefault(s.layer, []).append(s)
-    modules = {}
+    modules, layers = {}, layers_by_path(model)
     for layer, group in by_layer.items():
         group = sorted(group, key=lambda s: s.rows)
         init = [(rng.standard_normal((rank, s.in_dims)) / rank).astype(np.float32) for s in group]
-        modules[layer] = LoRALinear(_get(model, layer), [s.rows for s in group], init, rank, alpha / rank)
+        modules[layer] = LoRALinear(layers[layer], [s.rows for s in group], init, rank, alpha / rank)
     model.update_modules(tree_unflatten(list(modules.items())))
     return TrainableLoRA(slots, rank, alpha, modules)
