@@ -84,16 +84,19 @@ class Downsample2D(nn.Module):
         return self.conv(mx.pad(x, [(0, 0), (0, 1), (0, 1), (0, 0)]))  # conv of (B, H+1, W+1, C)
 
 
+def _nearest2x(x: mx.array) -> mx.array:
+    """Nearest-neighbour x2, (B, H, W, C) -> (B, 2H, 2W, C): each pixel repeated into a 2x2 block."""
+    B, H, W, C = x.shape
+    return mx.broadcast_to(x[:, :, None, :, None, :], (B, H, 2, W, 2, C)).reshape(B, 2 * H, 2 * W, C)
+
+
 class Upsample2D(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
         self.conv = nn.Conv2d(channels, channels, 3, padding=1)
 
     def __call__(self, x: mx.array) -> mx.array:
-        # Nearest-neighbour x2: repeat each pixel into a 2x2 block.
-        B, H, W, C = x.shape
-        x = mx.broadcast_to(x[:, :, None, :, None, :], (B, H, 2, W, 2, C)).reshape(B, 2 * H, 2 * W, C)
-        return self.conv(x)
+        return self.conv(_nearest2x(x))
 
 
 class DownEncoderBlock2D(nn.Module):
@@ -266,10 +269,7 @@ def _conv_tiled(
     def rows(a: int, b: int) -> mx.array:  # input rows [a, b) of what the conv reads, (B, b-a, Wout, C)
         if upsample:
             lo, hi = a // 2, (b - 1) // 2 + 1  # source rows covering upsampled rows a..b-1
-            t = x[:, lo:hi]
-            t = mx.broadcast_to(t[:, :, None, :, None, :], (B, hi - lo, 2, W, 2, C))
-            t = t.reshape(B, 2 * (hi - lo), 2 * W, C)  # (B, rows, 2W, C), nearest x2
-            return t[:, a - 2 * lo : b - 2 * lo]
+            return _nearest2x(x[:, lo:hi])[:, a - 2 * lo : b - 2 * lo]  # (B, b-a, 2W, C)
         t = x[:, a:b]
         if norm is None:
             return t
@@ -456,10 +456,8 @@ def _conv_layout_is_torch(weights: dict[str, mx.array]) -> bool:
 def sanitize_vae_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """Map a diffusers `vae/` or BFL `ae.safetensors` state dict to our names and NHWC layout.
 
-    Our names are diffusers' with `quant_conv`/`post_quant_conv` moved into the encoder/decoder.
-    BFL names are renamed (reversed decoder up-block indices, nin_shortcut, mid.block_1,
-    attn_1.q/k/v/proj_out, norm_out); BFL attention 1x1 convs (C, C, 1, 1) become linear (C, C);
-    conv weights (O, I, kh, kw) become (O, kh, kw, I); `num_batches_tracked` is dropped.
+    BFL names are renamed (`_BFL_RENAMES`, decoder up-block indices reversed); BFL attention 1x1
+    convs (C, C, 1, 1) become linear (C, C); conv weights (O, I, kh, kw) become (O, kh, kw, I).
     Idempotent: weights already in our names and layout pass through unchanged.
     """
     levels = 1 + max((int(m.group(1)) for k in weights if (m := _BFL_UP.match(k))), default=-1)
