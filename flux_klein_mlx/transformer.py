@@ -341,8 +341,8 @@ class FluxKlein(nn.Module):
         for block, ref_kv in zip(self.single_blocks, refs.single):
             if checkpoint:
                 h = checkpointed(block)(h, mod_single, cos, sin)
-                continue
-            h = block(h, mod_single, cos, sin, low_memory, ref_kv)
+            else:
+                h = block(h, mod_single, cos, sin, low_memory, ref_kv)
             if low_memory:
                 mx.eval(h)
         return self.final_layer(h[:, Lt:], vec)
@@ -438,21 +438,19 @@ def _reject_foreign(weights: dict[str, mx.array]) -> None:
     n_double = max(_count_blocks(weights, "double_blocks"), _count_blocks(weights, "transformer_blocks"))
     n_single = max(_count_blocks(weights, "single_blocks"), _count_blocks(weights, "single_transformer_blocks"))
     img_in = weights.get("img_in.weight", weights.get("x_embedder.weight"))
-    marked = next((k for k in weights if flux1_marker(k)), None)
+    flux1_key = next((k for k in weights if flux1_marker(k)), None)
+    dev_key = next((k for k in weights if any(m in k for m in DEV_MARKERS)), None)
     flux1_shape = img_in is not None and tuple(img_in.shape) == FLUX1_IMG_IN
-    if marked or flux1_shape or (n_double, n_single) == FLUX1_BLOCKS:
-        why = f"key {marked}" if marked else f"{n_double} double / {n_single} single blocks"
-        raise FluxKleinError(
-            f"not a FLUX.2 [klein] checkpoint: it is a FLUX.1 transformer checkpoint ({why}); "
-            "use a FLUX.2 [klein] 4B or 9B transformer"
-        )
-    dev_marker = next((k for k in weights for m in DEV_MARKERS if k.startswith(m) or m in k), None)
-    if dev_marker or (img_in is not None and img_in.shape[0] == DEV_HIDDEN):
-        why = f"key {dev_marker}" if dev_marker else f"hidden size {DEV_HIDDEN}"
-        raise FluxKleinError(
-            f"not a klein checkpoint: it is FLUX.2-dev ({why}, {n_double} double / {n_single} single blocks); "
-            "use a FLUX.2 [klein] 4B or 9B transformer"
-        )
+    blocks = f"{n_double} double / {n_single} single blocks"
+    if flux1_key or flux1_shape or (n_double, n_single) == FLUX1_BLOCKS:
+        why = f"key {flux1_key}" if flux1_key else blocks
+        what = f"not a FLUX.2 [klein] checkpoint: it is a FLUX.1 transformer checkpoint ({why})"
+    elif dev_key or (img_in is not None and img_in.shape[0] == DEV_HIDDEN):
+        why = f"key {dev_key}" if dev_key else f"hidden size {DEV_HIDDEN}"
+        what = f"not a klein checkpoint: it is FLUX.2-dev ({why}, {blocks})"
+    else:
+        return
+    raise FluxKleinError(f"{what}; use a FLUX.2 [klein] 4B or 9B transformer")
 
 
 def _from_diffusers(weights: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -461,9 +459,10 @@ def _from_diffusers(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     # Fused qkv: rows of q, k, v concatenated in that order, for every tensor kind (weight, scales, ...).
     for k in weights:
         for ours, parts in QKV.items():
-            m = re.match(rf"transformer_blocks\.(\d+)\.{re.escape(parts[0])}\.(.+)$", k)
-            names = [f"transformer_blocks.{m[1]}.{p}.{m[2]}" for p in parts] if m else []
-            if names and all(name in rest for name in names):
+            if not (m := re.match(rf"transformer_blocks\.(\d+)\.{re.escape(parts[0])}\.(.+)$", k)):
+                continue
+            names = [f"transformer_blocks.{m[1]}.{p}.{m[2]}" for p in parts]
+            if all(name in rest for name in names):
                 out[f"double_blocks.{m[1]}.{ours}.{m[2]}"] = mx.concatenate([rest.pop(x) for x in names], axis=0)
     for k, v in rest.items():
         if k.startswith("norm_out.linear."):  # diffusers rows are [scale ; shift], ours [shift ; scale]
@@ -515,11 +514,11 @@ def infer_params(weights: dict[str, mx.array]) -> FluxKleinParams:
             return preset
     # A custom size: read each dimension from an unquantized weight.
     try:
-        norm = "double_blocks.0.img_attn.norm.query_norm.scale" if depth else "single_blocks.0.norm.query_norm.scale"
-        hd = weights[norm].shape[0]
         if depth:
+            hd = weights["double_blocks.0.img_attn.norm.query_norm.scale"].shape[0]
             mlp_hidden = weights["double_blocks.0.img_mlp.2.weight"].shape[1]
         else:
+            hd = weights["single_blocks.0.norm.query_norm.scale"].shape[0]
             mlp_hidden = weights["single_blocks.0.linear2.weight"].shape[1] - D
         return FluxKleinParams(
             in_channels=weights["img_in.weight"].shape[1],

@@ -70,7 +70,7 @@ class Attention(nn.Module):
         scale = 1.0 / math.sqrt(C)
         chunks = range(0, H * W, self.query_chunk)
         o = [mx.fast.scaled_dot_product_attention(q[:, :, i : i + self.query_chunk], k, v, scale=scale) for i in chunks]
-        o = o[0] if len(o) == 1 else mx.concatenate(o, axis=2)  # (B, 1, L, C)
+        o = mx.concatenate(o, axis=2)  # (B, 1, L, C)
         return x + self.to_out[0](o).reshape(B, H, W, C)
 
 
@@ -84,16 +84,19 @@ class Downsample2D(nn.Module):
         return self.conv(mx.pad(x, [(0, 0), (0, 1), (0, 1), (0, 0)]))  # conv of (B, H+1, W+1, C)
 
 
+def _nearest2x(x: mx.array) -> mx.array:
+    """Nearest-neighbour x2, (B, H, W, C) -> (B, 2H, 2W, C): each pixel repeated into a 2x2 block."""
+    B, H, W, C = x.shape
+    return mx.broadcast_to(x[:, :, None, :, None, :], (B, H, 2, W, 2, C)).reshape(B, 2 * H, 2 * W, C)
+
+
 class Upsample2D(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
         self.conv = nn.Conv2d(channels, channels, 3, padding=1)
 
     def __call__(self, x: mx.array) -> mx.array:
-        # Nearest-neighbour x2: repeat each pixel into a 2x2 block.
-        B, H, W, C = x.shape
-        x = mx.broadcast_to(x[:, :, None, :, None, :], (B, H, 2, W, 2, C)).reshape(B, 2 * H, 2 * W, C)
-        return self.conv(x)
+        return self.conv(_nearest2x(x))
 
 
 class DownEncoderBlock2D(nn.Module):
@@ -266,10 +269,7 @@ def _conv_tiled(
     def rows(a: int, b: int) -> mx.array:  # input rows [a, b) of what the conv reads, (B, b-a, Wout, C)
         if upsample:
             lo, hi = a // 2, (b - 1) // 2 + 1  # source rows covering upsampled rows a..b-1
-            t = x[:, lo:hi]
-            t = mx.broadcast_to(t[:, :, None, :, None, :], (B, hi - lo, 2, W, 2, C))
-            t = t.reshape(B, 2 * (hi - lo), 2 * W, C)  # (B, rows, 2W, C), nearest x2
-            return t[:, a - 2 * lo : b - 2 * lo]
+            return _nearest2x(x[:, lo:hi])[:, a - 2 * lo : b - 2 * lo]  # (B, b-a, 2W, C)
         t = x[:, a:b]
         if norm is None:
             return t
@@ -343,16 +343,6 @@ def unpatchify(z: mx.array, patch: tuple[int, int] = (2, 2)) -> mx.array:
     return z.reshape(B, h * ph, w * pw, C)
 
 
-def normalize(z: mx.array, mean: mx.array, var: mx.array, eps: float) -> mx.array:
-    """Frozen BatchNorm over the last axis: (z - mean) / sqrt(var + eps)."""
-    return (z - mean.astype(z.dtype)) * mx.rsqrt(var + eps).astype(z.dtype)
-
-
-def denormalize(z: mx.array, mean: mx.array, var: mx.array, eps: float) -> mx.array:
-    """The inverse of `normalize`: z * sqrt(var + eps) + mean."""
-    return z * mx.sqrt(var + eps).astype(z.dtype) + mean.astype(z.dtype)
-
-
 def pack(z: mx.array) -> mx.array:
     """(B, h, w, C) -> tokens (B, h*w, C), token index y*w + x (row-major)."""
     B, h, w, C = z.shape
@@ -392,12 +382,15 @@ class AutoEncoder(nn.Module):
     def latents_to_tokens(self, z: mx.array) -> mx.array:
         """Posterior mean (B, H/8, W/8, 32) -> normalised tokens (B, H/16*W/16, 128)."""
         z = patchify(z, self.config.patch_size)  # (B, H/16, W/16, 128)
-        return pack(normalize(z, self.bn.running_mean, self.bn.running_var, self.config.batch_norm_eps))
+        # frozen BatchNorm over the channels: (z - mean) / sqrt(var + eps)
+        rstd = mx.rsqrt(self.bn.running_var + self.config.batch_norm_eps).astype(z.dtype)
+        return pack((z - self.bn.running_mean.astype(z.dtype)) * rstd)
 
     def tokens_to_latents(self, tokens: mx.array, h: int, w: int) -> mx.array:
         """Normalised tokens (B, h*w, 128) -> VAE latents (B, 2h, 2w, 32), the inverse of `latents_to_tokens`."""
-        z = denormalize(unpack(tokens, h, w), self.bn.running_mean, self.bn.running_var, self.config.batch_norm_eps)
-        return unpatchify(z, self.config.patch_size)
+        z = unpack(tokens, h, w)
+        std = mx.sqrt(self.bn.running_var + self.config.batch_norm_eps).astype(z.dtype)
+        return unpatchify(z * std + self.bn.running_mean.astype(z.dtype), self.config.patch_size)
 
     def encode_to_tokens(self, images: mx.array) -> mx.array:
         """Images (B, H, W, 3) in [-1, 1], sides multiples of 16 -> tokens (B, H/16*W/16, 128)."""
@@ -449,28 +442,22 @@ def _conv_layout_is_torch(weights: dict[str, mx.array]) -> bool:
     in PyTorch and 1-2 in MLX. Only a weight like encoder.conv_in (128, 3, 3, 3) can't tell, and
     every VAE has many that can. A file of only such weights is taken as PyTorch (the sources).
     """
-    torch_votes = mlx_votes = 0
-    for v in weights.values():
-        if v.ndim != 4:
-            continue
-        t = v.shape[2] == v.shape[3] and v.shape[2] in (1, 3)
-        m = v.shape[1] == v.shape[2] and v.shape[1] in (1, 3)
-        torch_votes += t and not m
-        mlx_votes += m and not t
-    if torch_votes and mlx_votes:
+    square = ((1, 1), (3, 3))
+    convs = [tuple(v.shape) for v in weights.values() if v.ndim == 4]  # (O, I, kh, kw) or (O, kh, kw, I)
+    torch_like = any(s[2:] in square and s[1:3] not in square for s in convs)
+    mlx_like = any(s[1:3] in square and s[2:] not in square for s in convs)
+    if torch_like and mlx_like:
         raise FluxKleinError(
             "the VAE weights mix PyTorch and MLX conv layouts; convert them again from the original files"
         )
-    return mlx_votes == 0
+    return not mlx_like
 
 
 def sanitize_vae_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """Map a diffusers `vae/` or BFL `ae.safetensors` state dict to our names and NHWC layout.
 
-    Our names are diffusers' with `quant_conv`/`post_quant_conv` moved into the encoder/decoder.
-    BFL names are renamed (reversed decoder up-block indices, nin_shortcut, mid.block_1,
-    attn_1.q/k/v/proj_out, norm_out); BFL attention 1x1 convs (C, C, 1, 1) become linear (C, C);
-    conv weights (O, I, kh, kw) become (O, kh, kw, I); `num_batches_tracked` is dropped.
+    BFL names are renamed (`_BFL_RENAMES`, decoder up-block indices reversed); BFL attention 1x1
+    convs (C, C, 1, 1) become linear (C, C); conv weights (O, I, kh, kw) become (O, kh, kw, I).
     Idempotent: weights already in our names and layout pass through unchanged.
     """
     levels = 1 + max((int(m.group(1)) for k in weights if (m := _BFL_UP.match(k))), default=-1)
