@@ -81,12 +81,13 @@ class Qwen3TextEncoder(nn.Module):
         if attention_mask is None:
             attention_mask = mx.ones(input_ids.shape, dtype=mx.int32)
         mask = causal_padding_mask(attention_mask)
-        hidden = []  # hidden[i - 1]: the residual stream after layer i
-        for layer in self.model.layers:
+        taps = {}
+        for i, layer in enumerate(self.model.layers, start=1):
             h = layer(h, mask)
-            hidden.append(h)
+            if i in self.out_layers:
+                taps[i] = h
         # channel = slot * hidden + d, slot in out_layers order
-        return mx.concatenate([hidden[i - 1] for i in self.out_layers], axis=-1)  # (B, L, n * hidden)
+        return mx.concatenate([taps[i] for i in self.out_layers], axis=-1)  # (B, L, n * hidden)
 
 
 def _canonical_key(key: str) -> str:
