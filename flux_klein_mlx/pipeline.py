@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import os
 import time
 from collections import OrderedDict, deque
@@ -306,19 +305,17 @@ class FluxKleinPipeline:
         while len(self._prompts) > PROMPTS_KEPT:
             self._prompts.popitem(last=False)
 
-    def encode_images(self, pixels: list[np.ndarray], first_t: int = 10, key: str = "",
-                      what: str = "the reference image(s)") -> tuple[mx.array, mx.array]:  # fmt: skip
+    def encode_images(self, pixels: list[np.ndarray], key: str, what: str) -> tuple[mx.array, mx.array]:
         """VAE-encode images (each (H, W, 3) in [-1, 1]) -> tokens (1, sum h_k*w_k, 128) and RoPE ids.
 
-        Image k gets time coordinate first_t + 10 k. Results are kept by `key` (a content hash of the
-        pixels; "" to compute one), so the images of a batch are encoded once.
+        Image k gets time coordinate 10 (k + 1). Results are kept by `key` (the pixels' content hashes),
+        so the images of a batch are encoded once.
         """
-        key = key or hashlib.sha1(b"".join(p.tobytes() + str(p.shape).encode() for p in pixels)).hexdigest()
-        cache_key = (key, first_t, str(self.dtype))
+        cache_key = (key, str(self.dtype))
         if cache_key not in self._image_sets:
             vae = self.component("vae")
             tokens = [vae.encode_to_tokens(mx.array(p)[None].astype(self.dtype)) for p in pixels]  # (1, H/16*W/16, 128)
-            ids = [image_ids(p.shape[0] // 16, p.shape[1] // 16, t=first_t + 10 * k) for k, p in enumerate(pixels)]
+            ids = [image_ids(p.shape[0] // 16, p.shape[1] // 16, t=10 * (k + 1)) for k, p in enumerate(pixels)]
             out = mx.concatenate(tokens, axis=1), mx.concatenate(ids, axis=0)
             mx.eval(out)
             self._check_finite(out[0], f"the VAE encoding of {what}")
@@ -389,7 +386,7 @@ class FluxKleinPipeline:
         pixels = ([init.pixels] if init is not None else []) + inputs.references
         if pixels:
             what = "the init image" if init is not None else "the reference image(s)"
-            ref_tokens, ref_ids = self.encode_images(pixels, 10, inputs.images_key, what)
+            ref_tokens, ref_ids = self.encode_images(pixels, inputs.images_key, what)
             x0 = ref_tokens[:, : h * w] if init is not None else None
         stats = Stats(encode=StageStats(time.perf_counter() - t0, mx.get_peak_memory(), self.load_seconds() - loads))
         # Noise in the normalised, patchified latent space: (1, C, h, w) -> tokens (1, h*w, C).

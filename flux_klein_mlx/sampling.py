@@ -171,12 +171,10 @@ def torch_randn(shape: tuple[int, ...], seed: int) -> np.ndarray:
     words = _mt_words(seed, n + (16 if tail else 0))
     # 24-bit uniforms in [0, 1), exact in float32.
     u = ((words & np.uint64(0xFFFFFF)).astype(np.float64) / 2.0**24).astype(np.float32)
-    full = n - tail
-    out = np.empty(n, np.float32)
-    out[:full] = _box_muller_blocks(u[:full].reshape(-1, 16)).reshape(-1)
+    out = _box_muller_blocks(u[: n - tail].reshape(-1, 16)).reshape(-1)
     if tail:
         # The last 16 elements are recomputed from 16 new draws (they overlap the last full block).
-        out[n - 16 :] = _box_muller_blocks(u[n:].reshape(1, 16)).reshape(-1)
+        out = np.concatenate([out[: n - 16], _box_muller_blocks(u[n:].reshape(1, 16)).reshape(-1)])
     return out.reshape(shape)
 
 

@@ -23,16 +23,6 @@ from .errors import FluxKleinError
 OUT_LAYERS = (9, 18, 27)
 
 
-def _qwen3():
-    """mlx-lm's Qwen3 module, imported when an encoder is first built: importing anything of mlx_lm
-    runs its package __init__, which imports transformers and torch (3.9 s of the 4.2 s that
-    `import flux_klein_mlx.generate` took on our Linux VM), and a run whose prompts are cached
-    never builds the encoder."""
-    from mlx_lm.models import qwen3
-
-    return qwen3
-
-
 def causal_padding_mask(mask: mx.array) -> mx.array:
     """Causal AND key-padding mask, as transformers builds it: (B, L) 0/1 -> bool (B, 1, L, L).
 
@@ -50,7 +40,11 @@ class Qwen3Trunk(nn.Module):
 
     def __init__(self, config: Qwen3Config, num_layers: int):
         super().__init__()
-        qwen3 = _qwen3()
+        # Imported when an encoder is first built: importing anything of mlx_lm runs its package
+        # __init__, which imports transformers and torch (3.9 s of the 4.2 s that `import
+        # flux_klein_mlx.generate` took on our Linux VM), and a run whose prompts are cached never builds it.
+        from mlx_lm.models import qwen3
+
         # mlx-lm's ModelArgs has our config's field names
         fields = dataclasses.asdict(config) | {"model_type": "qwen3", "rope_theta": float(config.rope_theta)}
         args = qwen3.ModelArgs.from_dict(fields)
@@ -79,10 +73,6 @@ class Qwen3TextEncoder(nn.Module):
         self.model = Qwen3Trunk(config, max(out_layers))
 
     @property
-    def num_layers(self) -> int:
-        return max(self.out_layers)
-
-    @property
     def output_dim(self) -> int:
         return len(self.out_layers) * self.config.hidden_size
 
@@ -109,14 +99,12 @@ def keeps_key(key: str, num_layers: int = max(OUT_LAYERS)) -> bool:
     """Whether a checkpoint key (any prefix style) is read at all: the embedding and layers < `num_layers`.
     Filtering on the lazy dict means layers above, the final norm and the lm_head never leave the file."""
     key = _canonical_key(key)
-    if key.startswith("model.embed_tokens."):
-        return True
     if key.startswith("model.layers."):
         index = key.split(".")[2]
         # Old checkpoints store RoPE frequencies as buffers; they are recomputed.
         return index.isdigit() and int(index) < num_layers and not key.endswith("rotary_emb.inv_freq")
     # model.norm.weight and lm_head.weight (tied or not) are never used.
-    return False
+    return key.startswith("model.embed_tokens.")
 
 
 def sanitize_qwen3_weights(weights: dict[str, mx.array], num_layers: int = max(OUT_LAYERS)) -> dict[str, mx.array]:

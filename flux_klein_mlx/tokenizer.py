@@ -45,12 +45,11 @@ def _tokenizer_folder(folder: str | Path) -> Path:
             f"missing tokenizer folder: looked for {folder}; point to a FLUX.2 [klein] snapshot "
             "that has a tokenizer/ folder"
         )
+    present = {p.name for p in folder.iterdir() if p.is_file()}
     missing = []
-    if not (folder / "tokenizer.json").is_file() and not (
-        (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file()
-    ):
+    if "tokenizer.json" not in present and not {"vocab.json", "merges.txt"} <= present:
         missing.append("tokenizer.json (or vocab.json + merges.txt)")
-    if not (folder / "tokenizer_config.json").is_file():
+    if "tokenizer_config.json" not in present:
         missing.append("tokenizer_config.json")
     if missing:
         raise FluxKleinError(
