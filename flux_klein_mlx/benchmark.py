@@ -46,25 +46,29 @@ DEFAULT_PROMPT = "a red fox in fresh snow at dawn, soft light, 35 mm photograph"
 GB = 1e9
 
 
-def _summary(times: list[float], flops: float | None, peak_tflops: float | None) -> dict:
-    """Median, min, max of `times` and the efficiency at the median."""
+def _summary(run: Run, times: list[float], flops: float | None, peak_memory_gb: float) -> dict:
+    """Median, min, max of `times`, the efficiency at the median and the stage's peak memory."""
     med = statistics.median(times)
     out = {"times_s": [round(t, 6) for t in times], "median_s": med, "min_s": min(times), "max_s": max(times)}
     if flops:
         out["tflop"] = flops / 1e12
         out["tflops"] = flops / med / 1e12
-        out["pct_of_peak"] = 100 * out["tflops"] / peak_tflops if peak_tflops else None
+        out["pct_of_peak"] = 100 * out["tflops"] / run.peak if run.peak else None
+    out["peak_memory_gb"] = peak_memory_gb
     return out
 
 
-def _timed_load(pipe: FluxKleinPipeline, name: str) -> tuple[object, dict]:
-    """Load one of the pipeline's models (evaluated), with its time, resident size and peak."""
+def _timed_load(run: Run, name: str):
+    """Load one of the pipeline's models (evaluated); its time, size and peak go to `<name>_load`."""
+    verb = "making random weights for" if run.pipe.info.format == "random" else "loading"
+    run.log(f"{verb} the {name.replace('_', ' ').replace('vae', 'VAE')}")
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    model = pipe.component(name)
+    model = run.pipe.component(name)
     mx.eval(model.parameters())
-    return model, {"seconds": time.perf_counter() - t0, "peak_memory_gb": mx.get_peak_memory() / GB,
-                   "weights_gb": sum(v.nbytes for _, v in tree_flatten(model.parameters())) / GB}
+    run.stages[f"{name}_load"] = {"seconds": time.perf_counter() - t0, "peak_memory_gb": mx.get_peak_memory() / GB,
+                                  "weights_gb": sum(v.nbytes for _, v in tree_flatten(model.parameters())) / GB}
+    return model
 
 
 def _repeat(run, warmup: int, trials: int) -> tuple[list[float], object]:
@@ -105,10 +109,6 @@ class Run:
     flops: dict = dataclasses.field(default_factory=dict)
 
     @property
-    def verb(self) -> str:
-        return "making random weights for" if self.pipe.info.format == "random" else "loading"
-
-    @property
     def kv(self) -> bool:
         """klein 9B-KV with references: the first step differs from the others."""
         return self.pipe.info.reference_kv and self.references > 0
@@ -128,15 +128,13 @@ def _check_run(width: int, height: int, steps: int, warmup: int, trials: int, re
 def _text_encoder_stage(run: Run) -> mx.array:
     """Time 512 tokens through layers 1..27 (the pipeline's encode function); the embeddings (1, 512, C)."""
     pipe = run.pipe
-    run.log(f"{run.verb} the text encoder")
-    encoder, run.stages["text_encoder_load"] = _timed_load(pipe, "text_encoder")
+    encoder = _timed_load(run, "text_encoder")
     tokenizer = pipe.component("tokenizer")
     run.flops["text_encoder"] = flops_of_text_encoder(encoder.config, layers=max(OUT_LAYERS), tokens=TEXT_TOKENS).total
     mx.reset_peak_memory()
     times, ctx = _repeat(lambda: encode_prompts(encoder, tokenizer, [DEFAULT_PROMPT]).astype(pipe.dtype),
                          run.warmup, run.trials)
-    run.stages["text_encoding"] = _summary(times, run.flops["text_encoder"], run.peak) | {
-        "peak_memory_gb": mx.get_peak_memory() / GB}
+    run.stages["text_encoding"] = _summary(run, times, run.flops["text_encoder"], mx.get_peak_memory() / GB)
     run.log(f"text encoding: {run.stages['text_encoding']['median_s']:.3f} s")
     encoder = None  # drop this reference before releasing the slot's
     pipe.release("text_encoder")
@@ -146,8 +144,7 @@ def _text_encoder_stage(run: Run) -> mx.array:
 def _denoise_stage(run: Run):
     """Time the pipeline's denoising stage, every step on its own; returns the last job (for the decode)."""
     pipe, params = run.pipe, run.pipe.info.params
-    run.log(f"{run.verb} the transformer")
-    _, run.stages["transformer_load"] = _timed_load(pipe, "transformer")
+    _timed_load(run, "transformer")
     ref_tokens = run.references * (run.width // 16) * (run.height // 16)
     step = flops_of_transformer(params, run.width, run.height, TEXT_TOKENS, ref_tokens, cached_references=run.kv)
     ref_pass = reference_pass_flops(params, ref_tokens).total if run.kv else 0.0
@@ -163,29 +160,27 @@ def _denoise_stage(run: Run):
             stats.append(job.stats)
         what = f"warm-up {trial + 1}" if trial < run.warmup else f"trial {trial - run.warmup + 1}"
         run.log(f"denoising {what}: {job.stats.denoise.seconds:.2f} s")
-    memory = {"peak_memory_gb": max(st.denoise.peak_memory for st in stats) / GB}
+    memory = max(st.denoise.peak_memory for st in stats) / GB
     per_index = list(zip(*step_times))  # (steps, trials)
+    all_steps = [t for ts in per_index for t in ts]
     # KV steps are not alike (the first one also runs the reference pass): no one FLOP count for all.
-    run.stages["denoise_step"] = _summary([t for ts in per_index for t in ts], None if run.kv else step.total,
-                                          run.peak) | {"per_step_median_s": [statistics.median(t) for t in per_index],
-                                                       **memory}  # fmt: skip
-    run.stages["denoise"] = _summary([st.denoise.seconds for st in stats], run.flops["denoise"], run.peak) | memory
+    run.stages["denoise_step"] = _summary(run, all_steps, None if run.kv else step.total, memory)
+    run.stages["denoise_step"]["per_step_median_s"] = [statistics.median(t) for t in per_index]
+    run.stages["denoise"] = _summary(run, [st.denoise.seconds for st in stats], run.flops["denoise"], memory)
     if run.kv:
         ref_times = [st.reference_kv_seconds for st in stats]
-        run.stages["kv_reference_pass"] = _summary(ref_times, ref_pass, run.peak) | memory | {
-            "cache_gb": job.stats.reference_kv_bytes / GB}
-        run.stages["kv_first_step"] = _summary(per_index[0], step.total + ref_pass, run.peak) | memory
-        if run.steps > 1:
-            cached = [t for ts in per_index[1:] for t in ts]
-            run.stages["kv_cached_step"] = _summary(cached, step.total, run.peak) | memory
+        run.stages["kv_reference_pass"] = _summary(run, ref_times, ref_pass, memory)
+        run.stages["kv_reference_pass"]["cache_gb"] = job.stats.reference_kv_bytes / GB
+        run.stages["kv_first_step"] = _summary(run, per_index[0], step.total + ref_pass, memory)
+        if run.steps > 1:  # steps 2.. of every trial
+            run.stages["kv_cached_step"] = _summary(run, all_steps[run.trials:], step.total, memory)
     pipe.release("transformer")
     return job
 
 
 def _decode_stage(run: Run, job) -> None:
     pipe = run.pipe
-    run.log(f"{run.verb} the VAE")
-    vae, run.stages["vae_load"] = _timed_load(pipe, "vae")
+    vae = _timed_load(run, "vae")
     run.flops["vae_decode"] = flops_of_vae_decoder(vae.config, run.width, run.height).total
     peaks = []
 
@@ -194,7 +189,7 @@ def _decode_stage(run: Run, job) -> None:
         peaks.append(job.stats.decode.peak_memory / GB)
 
     times, _ = _repeat(decode, run.warmup, run.trials)
-    run.stages["vae_decode"] = _summary(times, run.flops["vae_decode"], run.peak) | {"peak_memory_gb": max(peaks)}
+    run.stages["vae_decode"] = _summary(run, times, run.flops["vae_decode"], max(peaks))
     run.log(f"VAE decode: {run.stages['vae_decode']['median_s']:.3f} s")
     del vae
     pipe.release("vae")
@@ -225,15 +220,15 @@ def run_benchmark(
     job = _denoise_stage(run)
     if decode:
         _decode_stage(run, job)
-    return _result(run, machine, text_encoder, decode)
+    return _result(run, machine)
 
 
-def _result(run: Run, machine: dict, text_encoder: bool, decode: bool) -> dict:
+def _result(run: Run, machine: dict) -> dict:
     """The whole-image row (sum of the stage medians, loads excluded) and the JSON structure."""
     stages, flops, pipe, info = run.stages, run.flops, run.pipe, run.pipe.info
     parts = ["denoise"] + [s for s in ("text_encoding", "vae_decode") if s in stages]
     image_s = sum(stages[s]["median_s"] for s in parts)
-    image_flops = flops["denoise"] + flops.get("text_encoder", 0.0) + flops.get("vae_decode", 0.0)
+    image_flops = sum(flops.get(k, 0.0) for k in ("denoise", "text_encoder", "vae_decode"))
     stages["image"] = {
         "seconds": image_s, "includes": parts, "tflop": image_flops / 1e12, "tflops": image_flops / image_s / 1e12,
         "pct_of_peak": 100 * image_flops / image_s / 1e12 / run.peak if run.peak else None,
@@ -257,8 +252,8 @@ def _result(run: Run, machine: dict, text_encoder: bool, decode: bool) -> dict:
         "flops": {
             "step_tflop": step.total / 1e12, "step_linear_tflop": step.linear / 1e12,
             "step_attention_tflop": step.attention / 1e12,
-            "text_encoder_tflop": flops.get("text_encoder", 0.0) / 1e12 if text_encoder else None,
-            "vae_decode_tflop": flops.get("vae_decode", 0.0) / 1e12 if decode else None,
+            "text_encoder_tflop": flops["text_encoder"] / 1e12 if "text_encoder" in flops else None,
+            "vae_decode_tflop": flops["vae_decode"] / 1e12 if "vae_decode" in flops else None,
             "image_tflop": image_flops / 1e12,
         },
         "stages": stages,
@@ -266,7 +261,9 @@ def _result(run: Run, machine: dict, text_encoder: bool, decode: bool) -> dict:
 
 
 def _fmt_s(s: float | None) -> str:
-    return "" if s is None else f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+    if s is None:
+        return ""
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
 def format_report(result: dict) -> str:
@@ -279,8 +276,8 @@ def format_report(result: dict) -> str:
     lines = [
         f"flux_klein_mlx {m['flux_klein_mlx']} benchmark: {c['variant']} ({weights}), {c['width']}x{c['height']} "
         f"({c['image_tokens']} image + {c['text_tokens']} text tokens), {c['steps']} steps, {c['dtype']}{quant}",
-        f"{c.get('blocks', '?')} blocks; {c.get('references', 0)} reference(s), {c.get('reference_tokens', 0)} tokens"
-        + (" (reference K/V cached: the first step runs the reference pass)" if c.get("reference_kv") else ""),
+        f"{c['blocks']} blocks; {c['references']} reference(s), {c['reference_tokens']} tokens"
+        + (" (reference K/V cached: the first step runs the reference pass)" if c["reference_kv"] else ""),
         f"warm-up {c['warmup']}, trials {c['trials']}; {chip}, {m['cpu_cores']} CPU cores, "
         f"{m['memory_gb']} GB; {m['os']}; MLX {m['mlx']} on {m['device']}; {peak}"
         + (f"; BLAS: {m['blas']}" if m.get("blas") else ""),
@@ -391,7 +388,8 @@ def benchmark(model, random_weights, variant, width, height, steps, quantize, dt
         raise click.UsageError("--cold and --vae need --model (a folder to read; benchmarks/cold_start.py make writes "
                                "one with random weights)")
     dtype = dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
-    bits, log = int(quantize) if quantize else None, partial(click.echo, err=True)
+    bits = int(quantize) if quantize else None
+    log = partial(click.echo, err=True)
     if cold:
         result = measure_cold(model, width=width, height=height, steps=steps, dtype=dtype, quantize=bits, vae=vae,
                               log=log)

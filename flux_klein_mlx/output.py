@@ -381,8 +381,9 @@ def folder_transaction(output: Path, durable: bool = False) -> Iterator[Path]:
         (tmp / TMP_MARKER).write_text(f"{os.getpid()}\n")
         yield tmp
         (tmp / TMP_MARKER).unlink()
-        for f in tmp.iterdir() if durable else ():
-            fsync_path(f)
+        if durable:
+            for f in tmp.iterdir():
+                fsync_path(f)
         _move_into_place(tmp, output)
         if durable:
             fsync_path(output.parent)
