@@ -70,7 +70,7 @@ class Attention(nn.Module):
         scale = 1.0 / math.sqrt(C)
         chunks = range(0, H * W, self.query_chunk)
         o = [mx.fast.scaled_dot_product_attention(q[:, :, i : i + self.query_chunk], k, v, scale=scale) for i in chunks]
-        o = mx.concatenate(o, axis=2)  # (B, 1, L, C)
+        o = o[0] if len(o) == 1 else mx.concatenate(o, axis=2)  # (B, 1, L, C); one chunk needs no copy
         return x + self.to_out[0](o).reshape(B, H, W, C)
 
 
