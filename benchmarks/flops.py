@@ -26,9 +26,7 @@ from flux_klein_mlx.flops import (  # noqa: E402,F401  (re-exported)
     flops_of_text_encoder,
     flops_of_transformer,
     flops_of_vae_decoder,
-    text_encoder_flops,
     transformer_step_flops,
-    vae_decoder_flops,
 )
 from flux_klein_mlx.config import AutoEncoderConfig, FluxKleinParams, qwen3_4b, qwen3_8b  # noqa: E402
 from flux_klein_mlx.flops import count_parameters  # noqa: E402

@@ -102,31 +102,21 @@ def reference_pass_flops(params: FluxKleinParams, reference_tokens: int) -> Flop
     return Flops(f.linear, f.attention, 2.0 * R * params.in_channels * D)  # input projection only
 
 
-def text_encoder_flops(
-    hidden: int,
-    intermediate: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    layers: int = 27,
-    tokens: int = 512,
-) -> Flops:
-    """FLOPs of the Qwen3 prompt encoder: `layers` decoder layers (27 for klein) on `tokens`."""
-    q, kv = heads * head_dim, kv_heads * head_dim
+def flops_of_text_encoder(config, layers: int = 27, tokens: int = 512) -> Flops:
+    """FLOPs of the Qwen3 prompt encoder (a `Qwen3Config`): `layers` decoder layers (27 for klein) on `tokens`."""
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     per_token = hidden * q + 2 * hidden * kv + q * hidden + 3 * hidden * intermediate
     linear = 2 * per_token * tokens * layers
     attention = 2 * tokens * tokens * q * layers  # causal: half of the 4·T²·(H·hd) full count
     return Flops(float(linear), float(attention))
 
 
-def vae_decoder_flops(
-    width: int,
-    height: int,
-    block_out_channels: tuple[int, ...] = (128, 256, 512, 512),
-    layers_per_block: int = 2,
-    latent_channels: int = 32,
-) -> Flops:
-    """FLOPs of the FLUX.2 VAE decoder producing a width×height image (convs + mid attention)."""
+def flops_of_vae_decoder(config, width: int, height: int) -> Flops:
+    """FLOPs of the FLUX.2 VAE decoder (an `AutoEncoderConfig`, its decoder's channels where they differ)
+    producing a width×height image (convs + mid attention)."""
+    block_out_channels = tuple(getattr(config, "decoder_block_out_channels", None) or config.block_out_channels)
+    layers_per_block, latent_channels = config.layers_per_block, config.latent_channels
     down = 2 ** (len(block_out_channels) - 1)
     h, w = height // down, width // down
 
@@ -167,30 +157,6 @@ def flops_of_transformer(
         in_channels=params.in_channels,
         reference_tokens=reference_tokens,
         cached_references=cached_references,
-    )
-
-
-def flops_of_text_encoder(config, layers: int = 27, tokens: int = 512) -> Flops:
-    """`text_encoder_flops` for a `Qwen3Config`."""
-    return text_encoder_flops(
-        hidden=config.hidden_size,
-        intermediate=config.intermediate_size,
-        heads=config.num_attention_heads,
-        kv_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        layers=layers,
-        tokens=tokens,
-    )
-
-
-def flops_of_vae_decoder(config, width: int, height: int) -> Flops:
-    """`vae_decoder_flops` for an `AutoEncoderConfig`."""
-    return vae_decoder_flops(
-        width,
-        height,
-        block_out_channels=tuple(getattr(config, "decoder_block_out_channels", None) or config.block_out_channels),
-        layers_per_block=config.layers_per_block,
-        latent_channels=config.latent_channels,
     )
 
 
