@@ -140,7 +140,7 @@ def read_json(path: str | Path) -> dict:
     """Read a config file, with a clear error when it is missing or not JSON."""
     path = Path(path)
     if not path.is_file():
-        raise FluxKleinError(f"missing {path}: the model snapshot is incomplete")
+        raise FluxKleinError(f"missing {path}: the model snapshot is incomplete; download (or convert) it again")
     try:
         return json.loads(path.read_text())
     except ValueError as e:
