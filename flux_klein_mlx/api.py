@@ -335,8 +335,8 @@ class Server:
         o, pipe = self.options, self.worker.pipe
         info = pipe.info if pipe is not None else None
         return JSONResponse({
-            **self.worker.status(), "model": o.model_id, "variant": info and info.name,
-            "default_steps": info and info.default_steps, "distilled": info and info.is_distilled,
+            **self.worker.status(), "model": o.model_id, "variant": info.name if info else None,
+            "default_steps": info.default_steps if info else None, "distilled": info.is_distilled if info else None,
             "inpainting": True, "loras": sorted(p.stem for p in o.lora_dir.glob("*.safetensors")) if o.lora_dir else [],
             "preview": pipe.preview_map().source if pipe is not None else None,
             "fields": {"generations": sorted(GENERATION_FIELDS), "edits": sorted(EDIT_FIELDS)},

@@ -248,15 +248,18 @@ def _link_to_free_name(tmp: Path, path: Path, first: int | None) -> Path:
         except FileExistsError:
             n += 1
         except OSError:  # no hard links here (some network/FAT volumes): exclusive create + copy
-            with contextlib.suppress(FileExistsError), open(final, "xb") as dst:
-                try:
-                    with open(tmp, "rb") as src:
-                        shutil.copyfileobj(src, dst)
-                except BaseException:
-                    os.unlink(final)  # never a half-written file under the final name
-                    raise
-                return final
-            n += 1
+            try:
+                dst = open(final, "xb")
+            except FileExistsError:
+                n += 1
+                continue
+            try:
+                with dst, open(tmp, "rb") as src:
+                    shutil.copyfileobj(src, dst)
+            except BaseException:
+                os.unlink(final)  # never a half-written file under the final name
+                raise
+            return final
 
 
 def write_exclusive(path: str | Path, write: Callable[[Path], None], first: int | None = None) -> Path:

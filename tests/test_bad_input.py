@@ -184,6 +184,18 @@ def test_png_is_created_exclusively_never_replacing(tmp_path):
     assert read_record(tmp_path / "x-2.png")["seed"] == 2
 
 
+def test_volume_without_hard_links_copies_exclusively(tmp_path, monkeypatch):
+    def no_link(src, dst):
+        raise OSError(errno.EPERM, "hard links not supported")
+
+    monkeypatch.setattr(os, "link", no_link)  # some network / FAT volumes
+    img = Image.new("RGB", (8, 8), (10, 20, 30))
+    written = [save_image(img, tmp_path / "x.png", {"seed": i}) for i in range(2)]
+    assert written == [tmp_path / "x.png", tmp_path / "x-1.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x-1.png", "x.png"]  # no temporaries
+    assert [read_record(p)["seed"] for p in written] == [0, 1]
+
+
 # --- fail before the work -------------------------------------------------------------------------------
 
 
