@@ -34,11 +34,11 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from flux_klein_mlx.benchmark import write_json  # noqa: E402
-from flux_klein_mlx.config import FluxKleinParams  # noqa: E402
-from flux_klein_mlx.flops import flops_of_transformer, machine_info  # noqa: E402
-from flux_klein_mlx.rope import image_ids, text_ids  # noqa: E402
-from flux_klein_mlx.transformer import FluxKlein, sanitize_flux2_klein_weights  # noqa: E402
+from flux_klein_mlx.bench.command import write_json  # noqa: E402
+from flux_klein_mlx.models.config import FluxKleinParams  # noqa: E402
+from flux_klein_mlx.bench.flops import flops_of_transformer, machine_info  # noqa: E402
+from flux_klein_mlx.models.rope import image_ids, text_ids  # noqa: E402
+from flux_klein_mlx.models.transformer import FluxKlein, sanitize_flux2_klein_weights  # noqa: E402
 from flux_klein_mlx.weights import load_into  # noqa: E402
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -63,13 +63,13 @@ def make(folder: Path, bits: int = 4, blocks: str | None = None) -> None:
     `bits` (0: bf16), the transformer with `blocks` ("D+S") double + single blocks (default all)."""
     from mlx.utils import tree_flatten
 
-    from flux_klein_mlx.config import VARIANTS
+    from flux_klein_mlx.models.config import VARIANTS
     from flux_klein_mlx.convert import Part, write_folder
     from flux_klein_mlx.loading import build_module
-    from flux_klein_mlx.quantize import evaluate_by_layer, quantize_model
-    from flux_klein_mlx.random_model import randomize
+    from flux_klein_mlx.models.quantize import evaluate_by_layer, quantize_model
+    from flux_klein_mlx.bench.random_model import randomize
 
-    from flux_klein_mlx.benchmark import parse_blocks
+    from flux_klein_mlx.bench.command import parse_blocks
 
     variant, parts = VARIANTS["klein-4b"], []
     if blocks:
@@ -166,7 +166,7 @@ def child_cache(model: str) -> dict:
     """The prompt cache's costs on the real files and a real-size entry."""
     from flux_klein_mlx.embedding_cache import EmbeddingCache
     from flux_klein_mlx.loading import describe
-    from flux_klein_mlx.tokenizer import chat_template_source, load_tokenizer
+    from flux_klein_mlx.models.tokenizer import chat_template_source, load_tokenizer
 
     info, out = describe(model), {}
     t0 = time.perf_counter()
@@ -207,7 +207,7 @@ def run_child(task: str, **kwargs) -> dict:
 
 def measure(model: str) -> dict:
     """Every measurement of the module docstring; returns them (and prints progress)."""
-    from flux_klein_mlx.flops import flops_of_text_encoder, flops_of_transformer, flops_of_vae_decoder, machine_info
+    from flux_klein_mlx.bench.flops import flops_of_text_encoder, flops_of_transformer, flops_of_vae_decoder, machine_info
     from flux_klein_mlx.loading import describe
     from flux_klein_mlx.readahead import bytes_to_load, component_spans, drop_from_page_cache, sequential_read_rate
 
@@ -241,13 +241,13 @@ def measure(model: str) -> dict:
 
 
 def _qwen(info):
-    from flux_klein_mlx.config import Qwen3Config
+    from flux_klein_mlx.models.config import Qwen3Config
 
     return Qwen3Config.from_dict(info.configs["text_encoder"])
 
 
 def _vae(info):
-    from flux_klein_mlx.config import AutoEncoderConfig
+    from flux_klein_mlx.models.config import AutoEncoderConfig
 
     return AutoEncoderConfig.from_dict(info.configs["vae"])
 
@@ -337,7 +337,7 @@ def overlap(model: str, width: int, height: int, steps: int, dtype: str, pairs: 
     from flux_klein_mlx.inputs import RunSettings
     from flux_klein_mlx.loading import describe
     from flux_klein_mlx.readahead import drop_from_page_cache
-    from flux_klein_mlx.time_to_image import one_run
+    from flux_klein_mlx.bench.time_to_image import one_run
 
     info = describe(model)
     files = [f for n in COMPONENTS for f in info.files[n]]

@@ -1,6 +1,6 @@
 """The analytic FLOP model of FLUX.2 [klein] and the lower bounds it implies, per chip.
 
-The formulas live in the package (`flux_klein_mlx.flops`, which the `benchmark` command
+The formulas live in the package (`flux_klein_mlx.bench.flops`, which the `benchmark` command
 uses to turn seconds into TFLOPS and % of peak); this module re-exports them and, when run,
 prints the tables of docs/performance.md sections 0, 4 and 5 from the model presets:
 
@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also when a test loads this file
 import common  # noqa: E402,F401  (this checkout on sys.path)
 
-from flux_klein_mlx.flops import (  # noqa: E402,F401  (re-exported)
+from flux_klein_mlx.bench.flops import (  # noqa: E402,F401  (re-exported)
     APPLE_CHIPS,
     OTHER_ACCELERATORS,
     Flops,
@@ -28,8 +28,8 @@ from flux_klein_mlx.flops import (  # noqa: E402,F401  (re-exported)
     flops_of_vae_decoder,
     transformer_step_flops,
 )
-from flux_klein_mlx.config import AutoEncoderConfig, FluxKleinParams, qwen3_4b, qwen3_8b  # noqa: E402
-from flux_klein_mlx.flops import count_parameters  # noqa: E402
+from flux_klein_mlx.models.config import AutoEncoderConfig, FluxKleinParams, qwen3_4b, qwen3_8b  # noqa: E402
+from flux_klein_mlx.bench.flops import count_parameters  # noqa: E402
 
 SIZES = (1024, 512)
 

@@ -33,11 +33,11 @@ import time  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
-from flux_klein_mlx.config import FluxKleinParams  # noqa: E402
-from flux_klein_mlx.flops import flops_of_transformer, machine_info, reference_pass_flops  # noqa: E402
-from flux_klein_mlx.random_model import randomize  # noqa: E402
-from flux_klein_mlx.rope import image_ids, text_ids  # noqa: E402
-from flux_klein_mlx.transformer import FluxKlein  # noqa: E402
+from flux_klein_mlx.models.config import FluxKleinParams  # noqa: E402
+from flux_klein_mlx.bench.flops import flops_of_transformer, machine_info, reference_pass_flops  # noqa: E402
+from flux_klein_mlx.bench.random_model import randomize  # noqa: E402
+from flux_klein_mlx.models.rope import image_ids, text_ids  # noqa: E402
+from flux_klein_mlx.models.transformer import FluxKlein  # noqa: E402
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 TEXT_TOKENS = 512  # the pipelines always pad prompts to 512 tokens
@@ -45,7 +45,7 @@ TEXT_TOKENS = 512  # the pipelines always pad prompts to 512 tokens
 
 def step_tflop(params, width: int, height: int, refs: int) -> dict:
     """TFLOP in the blocks of the three kinds of step, from the package's FLOP model
-    (`flux_klein_mlx.flops`); the embeddings are left out (the text projection is hoisted here)."""
+    (`flux_klein_mlx.bench.flops`); the embeddings are left out (the text projection is hoisted here)."""
     r = refs * (width // 16) * (height // 16)
 
     def blocks(f):

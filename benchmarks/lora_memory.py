@@ -25,12 +25,12 @@ import mlx.core as mx  # noqa: E402
 
 from mlx.utils import tree_flatten  # noqa: E402
 
-from flux_klein_mlx.config import FluxKleinParams  # noqa: E402
-from flux_klein_mlx.lora import apply_loras, load_loras  # noqa: E402
-from flux_klein_mlx.random_model import randomize  # noqa: E402
-from flux_klein_mlx.transformer import FluxKlein  # noqa: E402
+from flux_klein_mlx.models.config import FluxKleinParams  # noqa: E402
+from flux_klein_mlx.lora.apply import apply_loras, load_loras  # noqa: E402
+from flux_klein_mlx.bench.random_model import randomize  # noqa: E402
+from flux_klein_mlx.models.transformer import FluxKlein  # noqa: E402
 from flux_klein_mlx.weights import load_into, read_weight_files  # noqa: E402
-from flux_klein_mlx.transformer import linear_shapes  # noqa: E402
+from flux_klein_mlx.models.transformer import linear_shapes  # noqa: E402
 from flux_klein_mlx.weights import save_safetensors_streaming  # noqa: E402
 
 

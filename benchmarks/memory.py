@@ -61,7 +61,7 @@ from common import (  # noqa: E402  (puts this checkout on sys.path, preloads Op
 
 import mlx.core as mx  # noqa: E402
 
-from flux_klein_mlx.config import AutoEncoderConfig, FluxKleinParams, qwen3_4b  # noqa: E402
+from flux_klein_mlx.models.config import AutoEncoderConfig, FluxKleinParams, qwen3_4b  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "memory.json"
 
@@ -286,7 +286,7 @@ def child_stage(stage: str, size: int, dtype: str = "bfloat16", bits: int | None
     Matmuls, attention and convs are output-only stand-ins (see the `emulate_*` functions) unless
     `stand_in_matmul` is False (real float32 matmuls: the check of the stand-in). `block_eval`
     "low_memory" runs the denoise step through `forward_with_rope(..., low_memory=True)`."""
-    from flux_klein_mlx.quantize import quantize_model
+    from flux_klein_mlx.models.quantize import quantize_model
 
     if block_eval not in (False, "low_memory"):
         raise SystemExit(f"block_eval is False or 'low_memory', not {block_eval!r}")
@@ -300,18 +300,18 @@ def child_stage(stage: str, size: int, dtype: str = "bfloat16", bits: int | None
     mx.random.seed(0)
     mx.reset_peak_memory()
     if stage == "encode":
-        from flux_klein_mlx.text_encoder import Qwen3TextEncoder
+        from flux_klein_mlx.models.text_encoder import Qwen3TextEncoder
 
         cfg = qwen3_4b() if depth is None else dataclasses.replace(qwen3_4b(), num_hidden_layers=depth)
         layers = (9, 18, 27) if depth is None else (depth,)
         model = Qwen3TextEncoder(cfg, out_layers=layers)
     elif stage == "denoise":
-        from flux_klein_mlx.transformer import FluxKlein
+        from flux_klein_mlx.models.transformer import FluxKlein
 
         p = FluxKleinParams.klein_4b() if depth is None else FluxKleinParams(depth=depth, depth_single=depth)
         model = FluxKlein(p)
     else:
-        from flux_klein_mlx.vae import AutoEncoder
+        from flux_klein_mlx.models.vae import AutoEncoder
 
         model = AutoEncoder(AutoEncoderConfig.flux2())
     model.update(model.parameters())  # (lazy random init is never evaluated)
@@ -322,7 +322,7 @@ def child_stage(stage: str, size: int, dtype: str = "bfloat16", bits: int | None
         quantize_model(model, bits)
     _zero_params(model)
     if not stand_in_matmul:  # real compute needs real values
-        from flux_klein_mlx.random_model import randomize  # (imports the pipeline: seconds)
+        from flux_klein_mlx.bench.random_model import randomize  # (imports the pipeline: seconds)
 
         randomize(model, dt, seed=0)
     resident = mx.get_active_memory()
@@ -333,7 +333,7 @@ def child_stage(stage: str, size: int, dtype: str = "bfloat16", bits: int | None
         mx.eval(ids, mask)
         res = _measure(lambda: model(ids, mask).astype(dt))
     elif stage == "denoise":
-        from flux_klein_mlx.rope import image_ids, text_ids
+        from flux_klein_mlx.models.rope import image_ids, text_ids
 
         h = w = size // 16
         ctx = mx.random.normal((1, 512, model.params.context_in_dim)).astype(dt)
@@ -376,7 +376,7 @@ def child_activation(
     """One stage's activation peak with real float32 compute (`width` "full": the real widths, `depth`
     blocks/layers) at a `size`² image (512 text tokens); attention is the fused-kernel stand-in.
     `tiled` decodes with the VAE's banded decoder; `metal_conv` swaps convs for stand-ins too."""
-    from flux_klein_mlx.random_model import randomize
+    from flux_klein_mlx.bench.random_model import randomize
 
     emulate_fused_attention()
     if metal_conv:
@@ -384,7 +384,7 @@ def child_activation(
     dt = getattr(mx, dtype)
     mx.random.seed(0)
     if stage == "encode":
-        from flux_klein_mlx.text_encoder import Qwen3TextEncoder
+        from flux_klein_mlx.models.text_encoder import Qwen3TextEncoder
 
         cfg = dataclasses.replace(qwen3_4b(), num_hidden_layers=depth)
         model = Qwen3TextEncoder(cfg, out_layers=tuple(sorted({max(1, depth // 3), max(1, 2 * depth // 3), depth})))
@@ -394,8 +394,8 @@ def child_activation(
         mx.eval(ids, mask)
         res = _measure(lambda: model(ids, mask))
     elif stage == "denoise":
-        from flux_klein_mlx.rope import image_ids, text_ids
-        from flux_klein_mlx.transformer import FluxKlein
+        from flux_klein_mlx.models.rope import image_ids, text_ids
+        from flux_klein_mlx.models.transformer import FluxKlein
 
         p = FluxKleinParams(depth=depth, depth_single=depth)
         model = FluxKlein(p)
@@ -409,7 +409,7 @@ def child_activation(
         t = mx.array([0.9], dtype=dt)
         res = _measure(lambda: x + (-0.05) * model.forward_with_rope(x, ctx, t, rope, txt_embedded=txt))
     elif stage == "decode":
-        from flux_klein_mlx.vae import AutoEncoder
+        from flux_klein_mlx.models.vae import AutoEncoder
 
         cfg = AutoEncoderConfig.flux2()
         model = AutoEncoder(cfg)

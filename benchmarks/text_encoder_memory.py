@@ -35,8 +35,8 @@ from common import GB, max_rss_bytes, qwen3_hf_config, qwen_tokenizer_dir, run_j
 
 import mlx.core as mx  # noqa: E402
 
-from flux_klein_mlx.config import FluxKleinParams, qwen3_4b  # noqa: E402
-from flux_klein_mlx.text_encoder import OUT_LAYERS  # noqa: E402
+from flux_klein_mlx.models.config import FluxKleinParams, qwen3_4b  # noqa: E402
+from flux_klein_mlx.models.text_encoder import OUT_LAYERS  # noqa: E402
 from flux_klein_mlx.weights import save_safetensors_sharded  # noqa: E402
 
 
@@ -108,7 +108,7 @@ def write_checkpoint(root: Path) -> list[str]:
 def measure(root: Path, dtype_name: str, encode: bool) -> dict:
     """Runs in a fresh process: load (and encode), report peak memory and RSS."""
     from flux_klein_mlx.loading import describe, load_component
-    from flux_klein_mlx.text_encoder import encode_prompts
+    from flux_klein_mlx.models.text_encoder import encode_prompts
 
     dtype = getattr(mx, dtype_name)
     out = {"dtype": dtype_name, "rss_before_load": max_rss_bytes()}
@@ -122,7 +122,7 @@ def measure(root: Path, dtype_name: str, encode: bool) -> dict:
     out["peak_after_load"] = mx.get_peak_memory()
     out["rss_after_load"] = max_rss_bytes()
     if encode:
-        from flux_klein_mlx.tokenizer import load_tokenizer
+        from flux_klein_mlx.models.tokenizer import load_tokenizer
 
         tok = load_tokenizer(root)
         t = time.perf_counter()

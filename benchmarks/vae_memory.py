@@ -24,9 +24,9 @@ import common  # noqa: E402,F401  (this checkout on sys.path, OpenBLAS preloaded
 
 import mlx.core as mx  # noqa: E402
 
-from flux_klein_mlx.config import AutoEncoderConfig  # noqa: E402
-from flux_klein_mlx.flops import flops_of_vae_decoder  # noqa: E402
-from flux_klein_mlx.vae import AutoEncoder  # noqa: E402
+from flux_klein_mlx.models.config import AutoEncoderConfig  # noqa: E402
+from flux_klein_mlx.bench.flops import flops_of_vae_decoder  # noqa: E402
+from flux_klein_mlx.models.vae import AutoEncoder  # noqa: E402
 
 
 def main() -> None:

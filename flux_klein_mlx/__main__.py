@@ -19,9 +19,9 @@ COMMANDS = {
     "generate": ("flux_klein_mlx.generate", "generate"),
     "convert": ("flux_klein_mlx.convert", "convert"),
     "quantize": ("flux_klein_mlx.convert", "quantize_command"),
-    "benchmark": ("flux_klein_mlx.benchmark", "benchmark"),
-    "serve": ("flux_klein_mlx.serve", "serve"),
-    "train": ("flux_klein_mlx.train_cli", "train"),
+    "benchmark": ("flux_klein_mlx.bench.command", "benchmark"),
+    "serve": ("flux_klein_mlx.serve.command", "serve"),
+    "train": ("flux_klein_mlx.train.command", "train"),
 }
 
 

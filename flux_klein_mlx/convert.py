@@ -36,7 +36,7 @@ from mlx.utils import tree_flatten
 
 from . import __version__
 from .errors import FluxKleinError
-from .lora import apply_loras, load_loras, pair_scales
+from .lora.apply import apply_loras, load_loras, pair_scales
 from .loading import (
     COMPONENTS,
     DTYPES,
@@ -53,7 +53,7 @@ from .loading import (
     read_component,
 )
 from .output import check_disk_space, folder_transaction
-from .quantize import check_quantization, quantize_model
+from .models.quantize import check_quantization, quantize_model
 from .weights import save_safetensors_sharded
 
 MAX_SHARD_BYTES = 5 << 30

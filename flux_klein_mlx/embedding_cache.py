@@ -50,7 +50,7 @@ import numpy as np
 
 from . import __version__
 from .errors import FluxKleinError
-from .tokenizer import MAX_LENGTH, chat_template_source
+from .models.tokenizer import MAX_LENGTH, chat_template_source
 from .weights import safetensors_header_bytes
 
 DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB: ~130 klein-4B prompts in bf16 (7.9 MB each), ~80 for klein-9B

@@ -12,7 +12,7 @@ import click
 from .cli import run_command, vae_and_cache_options
 from .embedding_cache import parse_size
 from .inputs import RunSettings, check_prompt_given, prepare_inputs
-from .lora import pair_scales
+from .lora.apply import pair_scales
 from .output import check_output_file, image_format, numbered_name, save_image, write_exclusive
 from .pipeline import DEFAULT_MODEL, load
 

@@ -35,7 +35,7 @@ from PIL import Image, ImageOps
 
 from .errors import FluxKleinError
 from .sampling import check_noise_kind, seed_for_image, start_step
-from .tokenizer import check_text
+from .models.tokenizer import check_text
 
 MIN_SIDE = 64  # input images (spec 8.1)
 MAX_ASPECT = 8

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .config import (
+from .models.config import (
     KV_PIPELINE_CLASS,
     PIPELINE_CLASSES,
     VARIANTS,
@@ -35,10 +35,10 @@ from .config import (
     variant_for,
 )
 from .errors import FluxKleinError
-from .quantize import apply_quantization, check_record, evaluate_by_layer, quantize_model
-from .text_encoder import OUT_LAYERS, Qwen3TextEncoder, keeps_key, sanitize_qwen3_weights
-from .transformer import FluxKlein, infer_params, sanitize_flux2_klein_weights
-from .vae import AutoEncoder, check_flux2, sanitize_vae_weights
+from .models.quantize import apply_quantization, check_record, evaluate_by_layer, quantize_model
+from .models.text_encoder import OUT_LAYERS, Qwen3TextEncoder, keeps_key, sanitize_qwen3_weights
+from .models.transformer import FluxKlein, infer_params, sanitize_flux2_klein_weights
+from .models.vae import AutoEncoder, check_flux2, sanitize_vae_weights
 from .vae_source import decoder_config, decoder_only, infer_vae_config, merge_decoder
 from .weights import check_safetensors_file, component_files, load_into, prefixed_files, read_json, read_safetensors, read_weight_files, resolve_model
 

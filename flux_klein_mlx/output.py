@@ -40,7 +40,7 @@ from PIL.PngImagePlugin import PngInfo
 
 from . import __version__
 from .errors import FluxKleinError
-from .vae import unpatchify
+from .models.vae import unpatchify
 
 RECORD_KEY = "flux_klein_mlx"  # PNG text chunk holding the JSON record
 FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}

@@ -35,15 +35,15 @@ from .errors import FluxKleinError
 from .inputs import PreparedInputs, RunSettings, is_int, prepare_inputs
 from .loading import COMPONENTS, ModelInfo, as_dtype, check_weights, describe, dtype_name, load_component
 from .loading import read_component
-from .lora import apply_loras, load_loras
+from .lora.apply import apply_loras, load_loras
 from .output import LatentPreview, image_metadata, preview_for
-from .quantize import check_quantization
+from .models.quantize import check_quantization
 from .readahead import Prefetch
-from .rope import image_ids, text_ids
+from .models.rope import image_ids, text_ids
 from .sampling import blend, cfg, euler_step, initial_noise, model_timestep, pack_latents, scale_noise, schedule
 from .sampling import x0_estimate
-from .text_encoder import encode_prompts
-from .tokenizer import load_tokenizer
+from .models.text_encoder import encode_prompts
+from .models.tokenizer import load_tokenizer
 
 DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-4B"
 PROMPTS_KEPT = 8  # embeddings of recent prompts (each (1, 512, C): 7.5 MB for klein-4B in bf16)

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from .text_encoder import keeps_key
+from .models.text_encoder import keeps_key
 from .vae_source import is_decoder_key
 from .weights import safetensors_tensor_spans
 

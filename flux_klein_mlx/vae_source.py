@@ -27,7 +27,7 @@ import re
 
 import mlx.core as mx
 
-from .config import AutoEncoderConfig
+from .models.config import AutoEncoderConfig
 from .errors import FluxKleinError
 
 def is_decoder_key(key: str) -> bool:

@@ -104,9 +104,9 @@ def load_one(name: str, source, dtype=None, config: dict | None = None):
     import dataclasses
 
     from flux_klein_mlx import loading  # read through loading's names, so that tests can watch the reads
-    from flux_klein_mlx.quantize import evaluate_by_layer
-    from flux_klein_mlx.text_encoder import keeps_key
-    from flux_klein_mlx.transformer import infer_params
+    from flux_klein_mlx.models.quantize import evaluate_by_layer
+    from flux_klein_mlx.models.text_encoder import keeps_key
+    from flux_klein_mlx.models.transformer import infer_params
     from flux_klein_mlx.weights import component_files, read_json
 
     source = Path(source)

@@ -14,11 +14,11 @@ import pytest
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from flux_klein_mlx import benchmark as bm
-from flux_klein_mlx import flops
-from flux_klein_mlx.config import AutoEncoderConfig, FluxKleinParams, Qwen3Config, Variant, qwen3_4b, qwen3_8b
-from flux_klein_mlx.random_model import randomize, random_pipeline
-from flux_klein_mlx.transformer import FluxKlein
+from flux_klein_mlx.bench import command as bm
+from flux_klein_mlx.bench import flops
+from flux_klein_mlx.models.config import AutoEncoderConfig, FluxKleinParams, Qwen3Config, Variant, qwen3_4b, qwen3_8b
+from flux_klein_mlx.bench.random_model import randomize, random_pipeline
+from flux_klein_mlx.models.transformer import FluxKlein
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -24,7 +24,7 @@ from flux_klein_mlx.convert import convert_model
 from flux_klein_mlx.loading import COMPONENTS, FORMAT, describe
 from flux_klein_mlx.loading import read_mlx_config as read_config
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.tokenizer import PromptTokenizer
+from flux_klein_mlx.models.tokenizer import PromptTokenizer
 from flux_klein_mlx.weights import (
     read_safetensors,
     read_weight_files,

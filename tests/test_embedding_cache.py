@@ -39,7 +39,7 @@ def snapshot(tmp_path_factory):
 def encoder(snapshot):
     """{dtype name: (text encoder, tokenizer)} for the tiny snapshot."""
     from flux_klein_mlx.loading import describe, load_component
-    from flux_klein_mlx.tokenizer import load_tokenizer
+    from flux_klein_mlx.models.tokenizer import load_tokenizer
 
     tok, info = load_tokenizer(snapshot), describe(snapshot)
     return {n: (load_component(info, "text_encoder", d), tok) for n, d in (("bfloat16", mx.bfloat16), ("float32", mx.float32))}
@@ -61,7 +61,7 @@ def entry_array(seed: int = 0, dtype=mx.bfloat16, width: int = 96) -> mx.array:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_hit_is_bit_identical_to_the_encoders_output(snapshot, encoder, tmp_path, dtype):
     from flux_klein_mlx.loading import describe
-    from flux_klein_mlx.text_encoder import encode_prompts
+    from flux_klein_mlx.models.text_encoder import encode_prompts
 
     model, tok = encoder[dtype]
     files = describe(snapshot).files["text_encoder"]
@@ -109,7 +109,7 @@ def test_a_cached_run_opens_no_weight_file(snapshot, tmp_path, monkeypatch):
 def test_template_is_read_without_building_the_tokenizer(snapshot, encoder, tmp_path):
     import shutil
 
-    from flux_klein_mlx.tokenizer import chat_template_source
+    from flux_klein_mlx.models.tokenizer import chat_template_source
 
     _, tok = encoder["float32"]
     assert chat_template_source(snapshot) == tok.hf_tokenizer.chat_template

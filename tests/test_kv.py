@@ -14,8 +14,8 @@ import pytest
 import torch
 from refs import diffusers_pipeline, load_one, noise, picture, rel_err, to_mx, to_np
 
-from flux_klein_mlx.kv_cache import cache_nbytes
-from flux_klein_mlx.rope import image_ids, text_ids
+from flux_klein_mlx.models.kv_cache import cache_nbytes
+from flux_klein_mlx.models.rope import image_ids, text_ids
 from tiny_kv_model import shared_tiny_kv_snapshot
 from tiny_model import LATENT_CHANNELS, QWEN_HIDDEN
 
@@ -166,7 +166,7 @@ def test_kv_model_is_recognised_as_distilled(kv_pipe):
 
 
 def test_variant_table_row():
-    from flux_klein_mlx.config import KV_PIPELINE_CLASS, PIPELINE_CLASSES, VARIANTS, FluxKleinParams, variant_for
+    from flux_klein_mlx.models.config import KV_PIPELINE_CLASS, PIPELINE_CLASSES, VARIANTS, FluxKleinParams, variant_for
 
     row = VARIANTS["klein-9b-kv"]
     assert row.reference_kv and row.distilled and row.steps == 4 and row.guidance is None
@@ -196,7 +196,7 @@ class _Spy:
     """Counts `reference_kv` calls and records which cache each forward received."""
 
     def __init__(self, monkeypatch):
-        from flux_klein_mlx.transformer import FluxKlein
+        from flux_klein_mlx.models.transformer import FluxKlein
 
         self.extracts, self.forwards = 0, []
         real_ref, real_fwd = FluxKlein.reference_kv, FluxKlein.forward_with_rope
@@ -306,7 +306,7 @@ def test_quantize_at_load_kv_bf16_stays_close(kv_snapshot, kv_pipe):
 def _tiny_variant(kv: bool):
     import dataclasses
 
-    from flux_klein_mlx.config import VARIANTS, AutoEncoderConfig, FluxKleinParams, Qwen3Config
+    from flux_klein_mlx.models.config import VARIANTS, AutoEncoderConfig, FluxKleinParams, Qwen3Config
 
     return dataclasses.replace(
         VARIANTS["klein-9b-kv" if kv else "klein-9b"], name="tiny",
@@ -319,9 +319,9 @@ def _tiny_variant(kv: bool):
 
 
 def test_benchmark_reports_the_kv_first_and_cached_steps_apart():
-    from flux_klein_mlx import benchmark as bm
-    from flux_klein_mlx import flops
-    from flux_klein_mlx.random_model import random_pipeline
+    from flux_klein_mlx.bench import command as bm
+    from flux_klein_mlx.bench import flops
+    from flux_klein_mlx.bench.random_model import random_pipeline
 
     row = _tiny_variant(kv=True)
     r = bm.run_benchmark(random_pipeline(row), width=64, height=64, steps=3, warmup=0, trials=2,
@@ -350,8 +350,8 @@ def test_benchmark_reports_the_kv_first_and_cached_steps_apart():
 
 
 def test_kv_flop_model():
-    from flux_klein_mlx import flops
-    from flux_klein_mlx.config import FluxKleinParams
+    from flux_klein_mlx.bench import flops
+    from flux_klein_mlx.models.config import FluxKleinParams
 
     p = FluxKleinParams.klein_9b()
     plain = flops.flops_of_transformer(p, 1024, 1024)
@@ -377,8 +377,7 @@ def test_kv_flop_model():
     ],
 )
 def test_benchmark_bad_kv_options_are_one_line_errors(args, message, capsys):
-    from flux_klein_mlx import benchmark as bm
-
+    from flux_klein_mlx.bench import command as bm
     assert bm.main(args) != 0
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err

@@ -25,9 +25,9 @@ from tiny_model import LATENT_CHANNELS, TRANSFORMER
 
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.lora import LoRAQuantizedLinear, apply_loras, applied_loras, load_loras, remove_loras
-from flux_klein_mlx.quantize import dequantize_model
-from flux_klein_mlx.config import FluxKleinParams
+from flux_klein_mlx.lora.apply import LoRAQuantizedLinear, apply_loras, applied_loras, load_loras, remove_loras
+from flux_klein_mlx.models.quantize import dequantize_model
+from flux_klein_mlx.models.config import FluxKleinParams
 
 C = 4 * LATENT_CHANNELS
 PARAMS = FluxKleinParams.from_dict(TRANSFORMER)
@@ -255,7 +255,7 @@ def single_split_file(path, rng):
 
 
 def _shape(layer):
-    from flux_klein_mlx.transformer import linear_shapes
+    from flux_klein_mlx.models.transformer import linear_shapes
 
     return linear_shapes(PARAMS)[layer]
 
@@ -464,7 +464,7 @@ def test_quantized_side_path(snapshot, our_pipe, lat, tmp_path, bits, tolerance)
     apply_loras(ref, pipe.loras)
     rng = np.random.default_rng(0)
     img_tok, txt = mx.array(rng.standard_normal((1, 16, C), np.float32)), mx.array(rng.standard_normal((1, 7, 96), np.float32))
-    from flux_klein_mlx.rope import image_ids, text_ids
+    from flux_klein_mlx.models.rope import image_ids, text_ids
 
     rope = model.compute_rope(text_ids(7), image_ids(4, 4))
     t = mx.array([0.6])

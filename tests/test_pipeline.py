@@ -176,7 +176,7 @@ def test_quantize_at_load(distilled, tmp_path, bits, tolerance):
     """`load(..., quantize=b)` quantizes transformer and text encoder in memory; a converted
     quantized folder gives the same image as quantizing the snapshot at load."""
     from flux_klein_mlx.convert import convert_model
-    from flux_klein_mlx.quantize import is_quantized
+    from flux_klein_mlx.models.quantize import is_quantized
 
     lat = noise(64, 64)
     plain = flux_klein_mlx.load(distilled, dtype="float32").generate("a boat", width=64, height=64, latents=lat,
@@ -199,7 +199,7 @@ def test_references_are_read_and_encoded_once_per_batch(distilled, tmp_path, mon
     """`generate -n 2 --image R`: R is decoded once (before any model runs) and VAE-encoded once."""
     import flux_klein_mlx.inputs as inputs_module
     from flux_klein_mlx.__main__ import main
-    from flux_klein_mlx.vae import AutoEncoder
+    from flux_klein_mlx.models.vae import AutoEncoder
 
     ref = tmp_path / "ref.png"
     picture(64, 64, 3).save(ref)

@@ -21,7 +21,7 @@ from flux_klein_mlx.convert import convert_model
 from flux_klein_mlx.loading import COMPONENTS
 from flux_klein_mlx.loading import read_mlx_config as read_config
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.quantize import (
+from flux_klein_mlx.models.quantize import (
     apply_quantization,
     dequantize_model,
     quantize_model,

@@ -288,7 +288,7 @@ def test_client_disconnect_cancels_between_steps(server):
 
 def test_worker_refuses_while_loading_and_when_full(snapshot):
     from flux_klein_mlx.inputs import RunSettings
-    from flux_klein_mlx.jobs import ImageRequest, NotReady, QueueFull, Worker
+    from flux_klein_mlx.serve.jobs import ImageRequest, NotReady, QueueFull, Worker
 
     gate = threading.Event()
 
@@ -495,8 +495,8 @@ def test_a_lost_save_dir_costs_a_warning_never_the_image(server, monkeypatch, tm
     """--save-dir removed while serving: the client still gets its image, the log a warning, the folder
     nothing; a full disk (ENOSPC half-way through the write) leaves no partial file. The log says
     "model loaded in X s" and one line per request (id, size, steps, n, outcome, seconds)."""
-    from flux_klein_mlx.api import Server as App
-    from flux_klein_mlx.api import ServerOptions
+    from flux_klein_mlx.serve.api import Server as App
+    from flux_klein_mlx.serve.api import ServerOptions
 
     away = server.save_dir.with_name(server.save_dir.name + "-away")
     server.save_dir.rename(away)
@@ -523,7 +523,7 @@ def test_a_lost_save_dir_costs_a_warning_never_the_image(server, monkeypatch, tm
 
 
 def test_error_bodies_show_no_server_path():
-    from flux_klein_mlx.forms import ApiError
+    from flux_klein_mlx.serve.forms import ApiError
 
     body = ApiError(400, "LoRA /Users/me/loras/x.safetensors: cannot read /private/tmp/m/vae/w.safetensors, "
                          "see GET /v1/status").body()

@@ -20,9 +20,9 @@ from refs import randomize_, rel_err, to_bfl, to_mx, vae_reference_decode, vae_r
 from safetensors.torch import save_file
 from tiny_model import VAE, shared_tiny_snapshot
 
-from flux_klein_mlx.config import AutoEncoderConfig
+from flux_klein_mlx.models.config import AutoEncoderConfig
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.flops import flops_of_vae_decoder
+from flux_klein_mlx.bench.flops import flops_of_vae_decoder
 from flux_klein_mlx.loading import describe, load_component, read_component, with_vae
 from flux_klein_mlx.readahead import bytes_to_load
 

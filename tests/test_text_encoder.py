@@ -15,10 +15,10 @@ from transformers import AutoTokenizer, Qwen3Config as HFQwen3Config, Qwen3ForCa
 
 import flux_klein_mlx.loading as loading
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.config import FluxKleinParams, Qwen3Config, qwen3_4b, qwen3_8b
+from flux_klein_mlx.models.config import FluxKleinParams, Qwen3Config, qwen3_4b, qwen3_8b
 from flux_klein_mlx.loading import describe
-from flux_klein_mlx.text_encoder import Qwen3TextEncoder, encode_prompts, sanitize_qwen3_weights
-from flux_klein_mlx.tokenizer import PromptTokenizer
+from flux_klein_mlx.models.text_encoder import Qwen3TextEncoder, encode_prompts, sanitize_qwen3_weights
+from flux_klein_mlx.models.tokenizer import PromptTokenizer
 
 PROMPTS = {
     "short": ["a red fox in the snow"],

@@ -10,7 +10,7 @@ from refs import qwen_tokenizer_dir, reference_tokens
 from transformers import AutoTokenizer
 
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.tokenizer import PromptTokenizer
+from flux_klein_mlx.models.tokenizer import PromptTokenizer
 
 LONG = " ".join(f"word{i} and a fox" for i in range(150))  # well over 512 tokens
 PROMPTS = [

@@ -30,13 +30,13 @@ from tiny_model import SCHEDULER
 
 import flux_klein_mlx
 from flux_klein_mlx.loading import describe, load_component
-from flux_klein_mlx.lora_train import attach_lora, parse_targets, write_lora_file
-from flux_klein_mlx.rope import image_ids, text_ids
-from flux_klein_mlx.train import (
+from flux_klein_mlx.train.adapters import attach_lora, parse_targets, write_lora_file
+from flux_klein_mlx.models.rope import image_ids, text_ids
+from flux_klein_mlx.train.trainer import (
     StepFinished, TrainFinished, Trainer, flow_loss, make_optimizer, optimizer_step, plan_run, shift_mu,
     sigmas_from_draws,
 )  # fmt: skip
-from flux_klein_mlx.train_settings import TrainSettings
+from flux_klein_mlx.train.settings import TrainSettings
 
 RANK, ALPHA = 4, 8.0  # scale 2: a wrong alpha/rank factor shows
 CAPTION = "a striped test card"
@@ -219,7 +219,7 @@ def test_targets_presets_enumerate_the_model_and_refuse_what_matches_nothing(pai
 def test_qlora_side_path_on_quantized_layers_matches_the_dequantized_model(snap):
     """QLoRA: the quantized matmul runs as it is (never dequantized) with the adapters beside it; the
     loss and gradients equal those of the same adapters on the dequantized weights (kernel rounding only)."""
-    from flux_klein_mlx.quantize import dequantize_model
+    from flux_klein_mlx.models.quantize import dequantize_model
 
     x0, noise, ctx, u, _, _ = batch(False)
     out = []
@@ -310,7 +310,7 @@ def ref_pipe(snap):
 def test_cached_latents_equal_diffusers_vae_patchify_and_batchnorm(snap, data, ref_pipe, tmp_path):
     from diffusers import Flux2KleinPipeline as P
 
-    from flux_klein_mlx.train_data import load_pixels
+    from flux_klein_mlx.train.data import load_pixels
 
     plan = plan_run(TrainSettings(model=snap, data=data[0], output=tmp_path / "x.safetensors", resolution=64, dtype="float32"))
     trainer = Trainer(plan)
@@ -359,7 +359,7 @@ def test_short_training_lowers_diffusers_own_objective(snap, data, ref_pipe, tmp
     (sigma, noise) draws, with the base model and with the written LoRA loaded."""
     from diffusers import Flux2KleinPipeline as P
 
-    from flux_klein_mlx.train_data import load_pixels
+    from flux_klein_mlx.train.data import load_pixels
 
     one = tmp_path / "one"
     one.mkdir()
@@ -472,9 +472,9 @@ def test_benchmark_attention_stand_in_allocates_what_mlx_unfused_attention_does(
 def test_low_memory_checkpointing_frees_each_block():
     """--low-memory keeps one block's activations at a time: the peak grows with depth far less than
     without checkpointing (MLX's nn.utils.checkpoint did not achieve this on the single blocks)."""
-    from flux_klein_mlx.config import FluxKleinParams
-    from flux_klein_mlx.random_model import randomize
-    from flux_klein_mlx.transformer import FluxKlein
+    from flux_klein_mlx.models.config import FluxKleinParams
+    from flux_klein_mlx.bench.random_model import randomize
+    from flux_klein_mlx.models.transformer import FluxKlein
 
     def peak(n_single: int, checkpoint: bool) -> int:
         p = FluxKleinParams(hidden_size=128, num_heads=1, axes_dim=(32, 32, 32, 32), context_in_dim=64, depth=0,

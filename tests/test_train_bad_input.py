@@ -22,14 +22,14 @@ import pytest
 from PIL import Image
 
 import flux_klein_mlx
-import flux_klein_mlx.train as train_module
-from flux_klein_mlx import train_state
+import flux_klein_mlx.train.trainer as train_module
+from flux_klein_mlx.train import state as train_state
 from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.loading import describe
-from flux_klein_mlx.train import CheckpointSaved, TrainFinished, data_key, plan_run, run_key
-from flux_klein_mlx.train_data import bucket_size, scan_data
-from flux_klein_mlx.train_settings import TrainSettings
+from flux_klein_mlx.train.trainer import CheckpointSaved, TrainFinished, data_key, plan_run, run_key
+from flux_klein_mlx.train.data import bucket_size, scan_data
+from flux_klein_mlx.train.settings import TrainSettings
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,10 @@ from refs import config_snapshot, load_one, randomize_, rel_err, to_mx
 from safetensors.torch import save_file
 
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.rope import image_ids, rope_tables, text_ids
-from flux_klein_mlx.config import FluxKleinParams
-from flux_klein_mlx.flops import count_parameters
-from flux_klein_mlx.transformer import FluxKlein, infer_params, sanitize_flux2_klein_weights
+from flux_klein_mlx.models.rope import image_ids, rope_tables, text_ids
+from flux_klein_mlx.models.config import FluxKleinParams
+from flux_klein_mlx.bench.flops import count_parameters
+from flux_klein_mlx.models.transformer import FluxKlein, infer_params, sanitize_flux2_klein_weights
 from flux_klein_mlx.loading import describe
 from flux_klein_mlx.weights import read_safetensors
 
@@ -198,7 +198,7 @@ def test_low_memory_forward_matches_diffusers(reference, ours):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_low_memory_forward_on_a_quantized_model(bits):
     """The halves slice quantized weights on group boundaries: same output as the fused layers."""
-    from flux_klein_mlx.quantize import quantize_model
+    from flux_klein_mlx.models.quantize import quantize_model
 
     p = FluxKleinParams(in_channels=32, hidden_size=64, context_in_dim=24, num_heads=2, depth=1, depth_single=2,
                         axes_dim=(8, 8, 8, 8))

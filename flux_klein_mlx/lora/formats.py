@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .config import HIDDEN_SIZES, flux1_marker
-from .errors import FluxKleinError
-from .transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, DIFFUSERS_TOP, QKV, linear_shapes
+from ..models.config import HIDDEN_SIZES, flux1_marker
+from ..errors import FluxKleinError
+from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, DIFFUSERS_TOP, QKV, linear_shapes
 
 # Module-name prefixes, longest first, and the format they say.
 _PREFIXES = (

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import click
 
-from .cli import run_command, vae_and_cache_options
-from .errors import FluxKleinError
-from .pipeline import DEFAULT_MODEL, load
+from ..cli import run_command, vae_and_cache_options
+from ..errors import FluxKleinError
+from ..pipeline import DEFAULT_MODEL, load
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .errors import FluxKleinError
+from ..errors import FluxKleinError
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)

@@ -17,10 +17,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .config import Variant
-from .loading import COMPONENTS, ModelInfo, build_module
-from .pipeline import FluxKleinPipeline
-from .quantize import evaluate_by_layer, quantize_model
+from ..models.config import Variant
+from ..loading import COMPONENTS, ModelInfo, build_module
+from ..pipeline import FluxKleinPipeline
+from ..models.quantize import evaluate_by_layer, quantize_model
 
 REAL_PROMPT_TOKENS = 40  # a typical prompt plus the chat template; the rest of the 512 is padding
 

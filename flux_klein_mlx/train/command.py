@@ -11,9 +11,9 @@ import time
 
 import click
 
-from .cli import run_command
-from .train import CheckpointSaved, SamplesSaved, StageFinished, StepFinished, TrainFinished, TrainStarted, train_lora
-from .train_settings import DEFAULT_MODEL, TIMESTEPS, TrainSettings
+from ..cli import run_command
+from .trainer import CheckpointSaved, SamplesSaved, StageFinished, StepFinished, TrainFinished, TrainStarted, train_lora
+from .settings import DEFAULT_MODEL, TIMESTEPS, TrainSettings
 
 _D = TrainSettings()  # the defaults, shown in --help
 

@@ -24,9 +24,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 from PIL import Image
 
-from .cli import run_command
-from .config import VARIANTS
-from .errors import FluxKleinError
+from ..cli import run_command
+from ..models.config import VARIANTS
+from ..errors import FluxKleinError
 from .flops import (
     flops_of_text_encoder,
     flops_of_transformer,
@@ -34,11 +34,11 @@ from .flops import (
     machine_info,
     reference_pass_flops,
 )
-from .loading import DTYPES, dtype_name
-from .output import check_output_file, write_exclusive
-from .pipeline import FluxKleinPipeline, load
+from ..loading import DTYPES, dtype_name
+from ..output import check_output_file, write_exclusive
+from ..pipeline import FluxKleinPipeline, load
 from .random_model import random_pipeline
-from .text_encoder import OUT_LAYERS, encode_prompts
+from ..models.text_encoder import OUT_LAYERS, encode_prompts
 from .time_to_image import format_cold, measure_cold
 
 TEXT_TOKENS = 512

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .errors import FluxKleinError
+from ..errors import FluxKleinError
 
 MAX_LENGTH = 512
 

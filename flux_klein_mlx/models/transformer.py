@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import DEV_HIDDEN, DEV_MARKERS, FLUX1_BLOCKS, FLUX1_IMG_IN, FluxKleinParams, flux1_marker
-from .errors import FluxKleinError
+from ..errors import FluxKleinError
 from .kv_cache import KV, ReferenceKV
 from .recompute import checkpointed
 from .rope import apply_rope, rope_tables

@@ -12,8 +12,8 @@ import re
 
 from starlette.responses import JSONResponse
 
-from .errors import FluxKleinError
-from .inputs import check_image_size
+from ..errors import FluxKleinError
+from ..inputs import check_image_size
 
 
 class ApiError(Exception):

@@ -50,17 +50,17 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
-from . import __version__
-from .errors import FluxKleinError
-from .loading import as_dtype, check_weights, describe, load_component
-from .lora_train import attach_lora, parse_targets, write_lora_file
-from .output import check_output_file, write_exclusive
-from .rope import image_ids, text_ids
-from .text_encoder import encode_prompts
-from .tokenizer import load_tokenizer
-from .train_data import bucket_counts, epoch_batches, load_pixels, scan_data
-from .train_settings import TrainSettings, differences
-from .train_state import (
+from .. import __version__
+from ..errors import FluxKleinError
+from ..loading import as_dtype, check_weights, describe, load_component
+from .adapters import attach_lora, parse_targets, write_lora_file
+from ..output import check_output_file, write_exclusive
+from ..models.rope import image_ids, text_ids
+from ..models.text_encoder import encode_prompts
+from ..models.tokenizer import load_tokenizer
+from .data import bucket_counts, epoch_batches, load_pixels, scan_data
+from .settings import TrainSettings, differences
+from .state import (
     checkpoints, read_checkpoint, read_state, remove_temporaries, write_atomic, write_checkpoint, write_json,
     write_loss_plot,
 )  # fmt: skip
@@ -461,7 +461,7 @@ class Trainer:
     def samples(self) -> SamplesSaved:
         """Images from the sample prompts with the current LoRA, through the public pipeline (which
         loads its own, low-memory copy of the model; the training model stays as it is)."""
-        from .pipeline import load
+        from ..pipeline import load
 
         s, wd = self.s, self.s.work_dir
         lora_file = wd / f".sample-lora.{secrets.token_hex(4)}.tmp"

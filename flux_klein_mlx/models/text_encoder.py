@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import Qwen3Config
-from .errors import FluxKleinError
+from ..errors import FluxKleinError
 
 OUT_LAYERS = (9, 18, 27)
 

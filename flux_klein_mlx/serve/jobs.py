@@ -20,9 +20,9 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .errors import FluxKleinError
-from .inputs import RunSettings, prepare_inputs
-from .output import image_bytes
+from ..errors import FluxKleinError
+from ..inputs import RunSettings, prepare_inputs
+from ..output import image_bytes
 
 
 class QueueFull(Exception):

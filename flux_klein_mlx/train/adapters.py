@@ -34,11 +34,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from .errors import FluxKleinError
-from .lora import layers_by_path
-from .lora_formats import target_table
-from .transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, QKV, linear_shapes
-from .weights import save_safetensors_streaming
+from ..errors import FluxKleinError
+from ..lora.apply import layers_by_path
+from ..lora.formats import target_table
+from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, QKV, linear_shapes
+from ..weights import save_safetensors_streaming
 
 PRESETS = ("all", "attention", "double", "single")
 # diffusers module names (within a block) of the attention projections, for the `attention` preset

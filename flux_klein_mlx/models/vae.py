@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import AutoEncoderConfig
-from .errors import FluxKleinError
+from ..errors import FluxKleinError
 
 # ---------------------------------------------------------------------------- building blocks
 

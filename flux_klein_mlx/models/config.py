@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, fields
 
-from .errors import FluxKleinError
+from ..errors import FluxKleinError
 
 
 def from_dict(cls, d: dict, renames: dict[str, str] | None = None):

@@ -45,14 +45,14 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .config import AutoEncoderConfig, Qwen3Config
-from .embedding_cache import EmbeddingCache
+from ..models.config import AutoEncoderConfig, Qwen3Config
+from ..embedding_cache import EmbeddingCache
 from .flops import flops_of_text_encoder, flops_of_transformer, flops_of_vae_decoder, machine_info
-from .inputs import RunSettings, prepare_inputs
-from .loading import as_dtype, describe
-from .pipeline import load
-from .readahead import StageMeter, bytes_to_load, component_spans, drop_from_page_cache, sequential_read_rate
-from .tokenizer import load_tokenizer
+from ..inputs import RunSettings, prepare_inputs
+from ..loading import as_dtype, describe
+from ..pipeline import load
+from ..readahead import StageMeter, bytes_to_load, component_spans, drop_from_page_cache, sequential_read_rate
+from ..models.tokenizer import load_tokenizer
 
 PROMPT = "a red fox in fresh snow at dawn, soft light, 35 mm photograph"
 COMPONENTS = ("text_encoder", "transformer", "vae")

@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from .errors import FluxKleinError
-from .inputs import check_image_shape, open_image
+from ..errors import FluxKleinError
+from ..inputs import check_image_shape, open_image
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 SIZE_MULTIPLE = 16

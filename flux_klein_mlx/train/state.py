@@ -25,9 +25,9 @@ from typing import Callable
 import mlx.core as mx
 from PIL import Image, ImageDraw
 
-from .errors import FluxKleinError
-from .output import folder_transaction, write_replacing
-from .weights import read_lora_file, read_safetensors, save_safetensors_streaming
+from ..errors import FluxKleinError
+from ..output import folder_transaction, write_replacing
+from ..weights import read_lora_file, read_safetensors, save_safetensors_streaming
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d{6,})$")
 # The temporary names of output.folder_transaction (checkpoints) and output.write_replacing (files).

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import __version__, preload_openblas
-from .config import FluxKleinParams
+from .. import __version__, preload_openblas
+from ..models.config import FluxKleinParams
 
 
 def count_parameters(params: FluxKleinParams) -> int:

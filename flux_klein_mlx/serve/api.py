@@ -30,13 +30,13 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .errors import FluxKleinError
+from ..errors import FluxKleinError
 from .forms import EDIT_FIELDS, GENERATION_FIELDS, LORA_NAME_RE, MAX_LORAS, ApiError, bool_field, float_field
 from .forms import int_field, parse_json, parse_size, str_field
-from .inputs import RunSettings, check_prompt_given
+from ..inputs import RunSettings, check_prompt_given
 from .jobs import EndEvent, ImageEvent, ImageRequest, NotReady, QueueFull, StepEvent, Worker
-from .lora import parse_lora_spec
-from .output import write_exclusive
+from ..lora.apply import parse_lora_spec
+from ..output import write_exclusive
 
 MB = 1 << 20
 PNG = {"output_format": "png", "background": "opaque"}  # what every result is
@@ -319,7 +319,7 @@ class Server:
     # ---- routes ---------------------------------------------------------------------------------
 
     async def index(self, request: Request):
-        html = resources.files("flux_klein_mlx").joinpath("static/index.html").read_text(encoding="utf-8")
+        html = resources.files("flux_klein_mlx.serve").joinpath("static/index.html").read_text(encoding="utf-8")
         return HTMLResponse(html, headers={"Cache-Control": "no-cache"})
 
     async def models(self, request: Request):

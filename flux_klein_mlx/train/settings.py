@@ -14,9 +14,9 @@ import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import FluxKleinError
-from .loading import DTYPES
-from .quantize import check_quantization
+from ..errors import FluxKleinError
+from ..loading import DTYPES
+from ..models.quantize import check_quantization
 
 TIMESTEPS = ("shift", "logit-normal", "uniform")
 DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-base-4B"

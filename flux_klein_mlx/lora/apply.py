@@ -26,9 +26,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .errors import FluxKleinError
-from .lora_formats import Term, parse_lora
-from .weights import read_lora_file, resolve_lora
+from ..errors import FluxKleinError
+from .formats import Term, parse_lora
+from ..weights import read_lora_file, resolve_lora
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""LoRA files from every trainer read onto our layers (`formats`), parsed, checked and applied (`apply`)."""
