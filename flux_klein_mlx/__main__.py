@@ -22,6 +22,7 @@ COMMANDS = {
     "benchmark": ("flux_klein_mlx.bench.command", "benchmark"),
     "serve": ("flux_klein_mlx.serve.command", "serve"),
     "train": ("flux_klein_mlx.train.command", "train"),
+    "lora": ("flux_klein_mlx.lora.command", "lora"),
 }
 
 

@@ -75,6 +75,12 @@ def _a1111_value(v) -> str:
     return json.dumps(s, ensure_ascii=False) if any(c in s for c in ',:"') else s
 
 
+def _a1111_lora_name(name: str) -> str:
+    """A1111 names a LoRA by its file name without the extension, less the ':' and ',' its infotext cannot hold."""
+    stem = name[: -len(".safetensors")] if name.lower().endswith(".safetensors") else name
+    return stem.replace(":", "").replace(",", "")
+
+
 def a1111_parameters(record: dict) -> str:
     """The A1111 / Forge `parameters` text: prompt, `Negative prompt: ...`, then `Steps: 4, Sampler: ...`."""
     r = record.get
@@ -86,7 +92,8 @@ def a1111_parameters(record: dict) -> str:
         "CFG scale": r("guidance") if r("guidance") is not None else 1, "Seed": r("seed"),
         "Size": f"{r('width')}x{r('height')}" if r("width") else None, "Model": r("model"),
         "VAE": r("vae"), "Denoising strength": r("strength") if r("init_image") else None,
-        "Lora hashes": ", ".join(f"{lora['name']}: {lora['sha256']}" for lora in r("loras") or []) or None,
+        "Lora hashes": ", ".join(f"{_a1111_lora_name(lora['name'])}: {lora.get('autov3') or lora['sha256']}"
+                                 for lora in r("loras") or []) or None,  # A1111's own hash (AutoV3): Civitai links it
         "Version": r("software", f"flux_klein_mlx {__version__}"),
     }  # fmt: skip
     lines.append(", ".join(f"{k}: {_a1111_value(v)}" for k, v in fields.items() if v is not None))

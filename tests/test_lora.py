@@ -700,6 +700,14 @@ def test_a_refused_lora_leaves_the_model_as_it_was(snapshot, our_pipe, tmp_path)
 # --- the CLI ------------------------------------------------------------------------------------------
 
 
+def autov3(path) -> str:
+    """A1111's LoRA hash (`addnet_hash_safetensors`): sha256 of the file after its header, 12 hex digits."""
+    import hashlib
+
+    blob = path.read_bytes()
+    return hashlib.sha256(blob[8 + int.from_bytes(blob[:8], "little") :]).hexdigest()[:12]
+
+
 def cli(args, capsys):
     from flux_klein_mlx.__main__ import main
 
@@ -734,9 +742,13 @@ def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snapshot, tmp_
     assert code == 0, err
     params = json.loads(Image.open(out).text["flux_klein_mlx"])
     assert params["loras"] == [
-        {"name": "style.safetensors", "sha256": hashlib.sha256(a.read_bytes()).hexdigest()[:12], "scale": 0.7},
-        {"name": "kohya.safetensors", "sha256": hashlib.sha256(k.read_bytes()).hexdigest()[:12], "scale": 1.0},
+        {"name": "style.safetensors", "sha256": hashlib.sha256(a.read_bytes()).hexdigest()[:12], "scale": 0.7,
+         "autov3": autov3(a)},
+        {"name": "kohya.safetensors", "sha256": hashlib.sha256(k.read_bytes()).hexdigest()[:12], "scale": 1.0,
+         "autov3": autov3(k)},
     ]
+    # A1111's `Lora hashes` name each LoRA by its file stem and A1111's own hash (AutoV3), as Civitai links them
+    assert f'Lora hashes: "style: {autov3(a)}, kohya: {autov3(k)}"' in Image.open(out).text["parameters"]
     assert "LoRA style.safetensors" in err
     # `owner/name:file` names the file; a repo with two .safetensors must be told which
     from flux_klein_mlx.weights import resolve_lora
@@ -794,8 +806,10 @@ def test_convert_bakes_loras_and_records_them(snapshot, our_pipe, lat, tmp_path,
     out = tmp_path / "baked"
     config = convert_model(snapshot, out, dtype="float32", bits=bits, loras=[(a, 0.7), k])
     assert config["loras"] == [
-        {"name": "a.safetensors", "sha256": hashlib.sha256(a.read_bytes()).hexdigest()[:12], "scale": 0.7},
-        {"name": "k.safetensors", "sha256": hashlib.sha256(k.read_bytes()).hexdigest()[:12], "scale": 1.0},
+        {"name": "a.safetensors", "sha256": hashlib.sha256(a.read_bytes()).hexdigest()[:12], "scale": 0.7,
+         "autov3": autov3(a)},
+        {"name": "k.safetensors", "sha256": hashlib.sha256(k.read_bytes()).hexdigest()[:12], "scale": 1.0,
+         "autov3": autov3(k)},
     ]
     assert json.loads((out / "config.json").read_text())["loras"] == config["loras"]
     want, _ = ours(our_pipe, lat, [(a, 0.7), k])

@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import FluxKleinError
 from .formats import Term, parse_lora
+from .layouts import autov3
 from ..weights import read_lora_file, resolve_lora
 
 
@@ -41,6 +42,7 @@ class Lora:
     format: str  # "A" diffusers/PEFT, "B" BFL, "C" PEFT-wrapped BFL, "D" kohya, "E" LoKr
     terms: list[Term]
     path: str = ""
+    autov3: str = ""  # A1111's / Civitai's hash of the file (its tensor data), first 12 hex digits
 
     @property
     def nbytes(self) -> int:
@@ -49,7 +51,8 @@ class Lora:
 
     def record(self) -> dict:
         """What PNG metadata and config.json store about this LoRA."""
-        return {"name": self.name, "sha256": self.sha256, "scale": self.scale}
+        record = {"name": self.name, "sha256": self.sha256, "scale": self.scale}
+        return {**record, "autov3": self.autov3} if self.autov3 else record
 
 
 def parse_lora_spec(item, files: bool = True) -> tuple[object, float]:
@@ -111,7 +114,7 @@ def load_lora(source, params, scale: float = 1.0, partial: bool = False) -> Lora
         )
     check_magnitude(parsed.terms, scale, what)
     _warn_about_alpha(parsed.terms, what)
-    return Lora(what, sha[:12], scale, parsed.format, parsed.terms, str(path))
+    return Lora(what, sha[:12], scale, parsed.format, parsed.terms, str(path), autov3(path))
 
 
 # The largest update a LoRA may make to one weight: float16's largest number. Weights are about 0.1 and

@@ -24,8 +24,10 @@ Blocks are counted from the model (klein-4B has 5 + 20, klein-9B 8 + 24).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,9 +36,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
+from .. import __version__
 from ..errors import FluxKleinError
 from ..lora.apply import layers_by_path
-from ..lora.formats import target_table
+from ..lora.formats import Term, target_table
+from ..lora.layouts import file_metadata, layout_pairs, layout_tensors, training_header
 from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, QKV, linear_shapes
 from ..weights import save_safetensors_streaming
 
@@ -217,9 +221,42 @@ class TrainableLoRA:
         return {"format": "pt", "lora_adapter_metadata": json.dumps(prefixed, indent=2, sort_keys=True)}
 
 
-def write_lora_file(path: Path, lora: TrainableLoRA, dtype) -> None:
-    """The diffusers/PEFT LoRA file of `lora` at `path` (tensors in `dtype`, header metadata)."""
-    save_safetensors_streaming(path, lora.file_arrays(dtype), metadata=lora.metadata())
+def lora_terms(lora: TrainableLoRA) -> list[Term]:
+    """The adapters as updates of our layers (`factor · B @ A` on each slot's rows), as `parse_lora` reads files."""
+    terms = []
+    for s in lora.slots:
+        a, b = lora.pair(s.name)
+        terms.append(Term(s.layer, s.rows, lora.alpha / lora.rank, down=a, up=b, key=s.name))
+    return terms
+
+
+def file_header(s, info, items, steps: int, started_at: float) -> dict[str, str]:
+    """The LoRA file's header for run settings `s` on model `info` with data `items`, after `steps` steps:
+    our keys, kohya's `ss_*` and `modelspec.*` (lora/layouts.py). The base model by repo id when given
+    one, else by its name (a local path would name the user's folders). The settings hash is over the
+    run key (the settings that decide the numbers) with the model as given."""
+    key = json.dumps(s.run_key(), sort_keys=True, default=str).encode()
+    base = str(s.model) if not Path(str(s.model)).expanduser().exists() else info.name
+    return training_header(
+        name=s.output.stem, rank=s.rank, alpha=s.alpha, base_model=base, variant=info.variant,
+        trigger=getattr(s, "trigger", None), settings_hash=hashlib.sha256(key).hexdigest(), resolution=s.resolution,
+        max_steps=s.steps, steps=steps, lr=s.lr, captions=[it.caption for it in items], dataset=Path(s.data).name,
+        seed=s.seed, batch_size=s.batch_size, grad_accum=s.grad_accum, dtype=s.dtype, started=started_at,
+        finished=time.time(), version=__version__,
+    )  # fmt: skip
+
+
+def write_lora_file(path: Path, lora: TrainableLoRA, dtype, layout: str = "diffusers", params=None,
+                    header: dict[str, str] | None = None) -> None:  # fmt: skip
+    """The LoRA file of `lora` at `path` in `layout` (lora/layouts.py; tensors in `dtype`), its header
+    `header` (the training's keys) plus the layout's own. diffusers is the file diffusers' trainer writes
+    (PEFT's LoraConfig in `lora_adapter_metadata`); comfyui and kohya need the model's `params`."""
+    if layout == "diffusers":
+        metadata = {**(header or {}), **lora.metadata(), "flux_klein_mlx.format": "diffusers"}
+        save_safetensors_streaming(path, lora.file_arrays(dtype), metadata=metadata)
+        return
+    pairs = layout_pairs(lora_terms(lora), layout, params, Path(path).name)
+    save_safetensors_streaming(path, layout_tensors(pairs, layout, dtype), metadata=file_metadata(pairs, layout, header))
 
 
 def attach_lora(model: nn.Module, slots: list[Slot], rank: int, alpha: float, rng: np.random.Generator) -> TrainableLoRA:

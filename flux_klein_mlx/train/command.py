@@ -80,7 +80,9 @@ def describe_event(ev) -> str | None:
 
 @click.command("train")
 @click.option("--data", "-d", required=True, help="Folder of images (.png .jpg .jpeg .webp), each with a <name>.txt caption.")
-@click.option("--output", "-o", required=True, help="The LoRA file to write (.safetensors, diffusers format); never overwritten.")
+@click.option("--output", "-o", required=True, help="The LoRA file to write (.safetensors, in --format's layout); never overwritten.")
+@click.option("--format", default=_D.format, show_default=True,
+              help="The LoRA file's layout: diffusers, comfyui (ComfyUI, ai-toolkit; diffusers loads it too) or kohya.")
 @click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help="A klein Base repo id or folder.")
 @click.option("--caption", default=None, help="Caption of images without a .txt (e.g. a trigger word).")
 @click.option("--control", "controls", multiple=True,

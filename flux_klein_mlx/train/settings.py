@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import FluxKleinError
 from ..loading import DTYPES
+from ..lora.layouts import check_layout
 from ..models.quantize import check_quantization
 
 TIMESTEPS = ("shift", "logit-normal", "uniform")
@@ -55,6 +56,7 @@ class TrainSettings:
     sample_prompts: tuple = ()
     sample_steps: int | None = None  # default: the model's (50 for Base)
     sample_seed: int = 0
+    format: str = "diffusers"  # the output file's layout: diffusers, comfyui or kohya (lora/layouts.py)
 
     def check(self) -> "TrainSettings":
         """Types and ranges of every setting (FluxKleinError, one line); fills derived defaults."""
@@ -78,6 +80,7 @@ class TrainSettings:
         _number(self, "alpha", 0.0, 1e6, open_low=True)
         if self.timesteps not in TIMESTEPS:
             raise FluxKleinError(f"timesteps must be one of {', '.join(TIMESTEPS)}, not {self.timesteps!r}")
+        check_layout(self.format)
         if self.dtype not in DTYPES:
             raise FluxKleinError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.quantize is not None:

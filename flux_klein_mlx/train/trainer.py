@@ -53,7 +53,7 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 from .. import __version__
 from ..errors import FluxKleinError
 from ..loading import as_dtype, check_weights, describe, load_component
-from .adapters import attach_lora, parse_targets, write_lora_file
+from .adapters import attach_lora, file_header, parse_targets, write_lora_file
 from ..output import check_output_file, write_exclusive
 from ..models.rope import image_ids, text_ids
 from ..models.text_encoder import encode_prompts
@@ -299,6 +299,7 @@ class Trainer:
         self.losses: list[float] = []
         self.sample_pipe = None
         self.started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self.started_at = time.time()  # unix time, for the LoRA file's header
 
     def run(self) -> Iterator:
         t_run = time.perf_counter()
@@ -500,7 +501,9 @@ class Trainer:
 
     def finish(self, seconds: float) -> TrainFinished:
         s = self.s
-        final = write_exclusive(s.output, lambda tmp: write_lora_file(tmp, self.lora, self.dtype))
+        header = file_header(s, self.info, self.items, self.step_no, self.started_at)
+        final = write_exclusive(s.output, lambda tmp: write_lora_file(tmp, self.lora, self.dtype, s.format,
+                                                                      self.info.params, header))  # fmt: skip
         finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
         write_json(s.work_dir / "train.json", self.record(output=str(final), finished=finished, steps=self.step_no,
                                                           final_loss=self.losses[-1] if self.losses else None))  # fmt: skip

@@ -1,0 +1,63 @@
+"""`python -m flux_klein_mlx lora convert | info`: a LoRA file into the layout another tool loads, and
+what a LoRA file is. Thin wrappers over `lora.files`; every refusal is one line (cli.run_command)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..cli import run_command
+from .files import convert_lora, describe_lora, describe_number
+from .layouts import LAYOUTS
+
+
+@click.group("lora")
+def lora():
+    """Convert LoRA files between layouts, or describe one."""
+
+
+@lora.command("convert")
+@click.argument("source")
+@click.option("--output", "-o", required=True, help="The file to write (.safetensors); never overwritten.")
+@click.option("--format", "layout", default="comfyui", show_default=True,
+              help=f"The layout to write: {', '.join(LAYOUTS)} (comfyui also loads in diffusers and ai-toolkit; "
+                   "kohya is musubi-tuner's and A1111's).")  # fmt: skip
+def convert(source, output, layout):
+    """Write SOURCE (any LoRA --lora reads: diffusers/PEFT, kohya, ai-toolkit/ComfyUI, LyCORIS, mflux,
+    flux-2-swift-mlx) in another layout, with the same effect."""
+    written = convert_lora(source, output, layout)
+    click.echo(f"wrote {written} ({layout})")
+
+
+@lora.command("info")
+@click.argument("path")
+def info(path):
+    """Describe a LoRA file: format, modules, rank, alpha, trainer, base model, klein size, hashes."""
+    d = describe_lora(path)
+    alphas = ", ".join(describe_number(a) for a in d["alphas"])
+    lines = [
+        ("file", d["file"]),
+        ("format", d["format"]),
+        ("modules", f"{d['modules']} (on {d['layers']} layers)"),
+        ("rank", "LoKr" if d["lokr"] and not d["alphas"] else ", ".join(str(r) for r in d["ranks"] if r)),
+        ("alpha", alphas or None),
+        ("model", d["model"]),
+        ("dtype", d["dtype"]),
+        ("trainer", d["trainer"]),
+        ("base model", d["base_model"]),
+        ("trigger", d["trigger"]),
+        ("sha256", d["sha256"]),
+        ("AutoV3", f"{d['autov3']} (A1111 / Civitai)"),
+    ]
+    for key, value in lines:
+        if value is not None:
+            click.echo(f"{key + ':':<12}{value}")
+
+
+def main(argv=None) -> int:
+    return run_command(lora, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

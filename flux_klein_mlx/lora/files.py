@@ -1,0 +1,151 @@
+"""LoRA files as wholes, without a model: which klein they fit (from their shapes), what their header
+says (trainer, base model, trigger), and converting one into another layout (`lora convert`, `lora info`).
+
+A LoRA file does not name its model, but its shapes do: the input width of most modules is the
+hidden size D (3072 klein-4B, 4096 klein-9B), block indices give the block counts, and `img_in`,
+`txt_in` and `time_in` give their own widths when present. From those a `FluxKleinParams` is built
+and the file is read exactly as `--lora` reads it (formats.parse_lora), so a file converts only
+when every module lands on a layer.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..errors import FluxKleinError
+from ..models.config import HIDDEN_SIZES, FluxKleinParams
+from ..output import check_output_file, write_exclusive
+from ..weights import read_lora_file, save_safetensors_streaming
+from .formats import ParsedLora, parse_lora
+from .layouts import FORMAT_NAMES, autov3, check_layout, file_metadata, layout_pairs, layout_tensors
+
+_DOWN = re.compile(r"\.(?:lora_A|lora_down|lora\.down)(?:\.[A-Za-z0-9_]+)?\.weight$")
+_DOUBLE = re.compile(r"(?<!single_)(?:double_blocks|transformer_blocks)[._](\d+)[._]")
+_SINGLE = re.compile(r"(?:single_blocks|single_transformer_blocks)[._](\d+)[._]")
+# module-name endings whose input width is a model setting, not the hidden size
+_WIDTHS = {"in_channels": ("img_in", "x_embedder"), "context_in_dim": ("txt_in", "context_embedder"),
+           "time_channels": ("time_in.in_layer", "time_in_in_layer", "timestep_embedder.linear_1",
+                             "timestep_embedder_linear_1", "time_guidance_embed.linear_1")}  # fmt: skip
+_VARIANTS = {3072: FluxKleinParams.klein_4b, 4096: FluxKleinParams.klein_9b}
+
+
+def _input_widths(tensors: dict[str, mx.array]) -> dict[str, int]:
+    """Module key -> input width of its down matrix (LoKr: w1's columns x w2's columns)."""
+    widths = {k: v.shape[1] for k, v in tensors.items() if _DOWN.search(k) and v.ndim == 2}
+    for k, v in tensors.items():
+        m = re.match(r"(.+)\.lokr_w1(_b)?$", k)
+        w2 = tensors.get(f"{m.group(1)}.lokr_w2", tensors.get(f"{m.group(1)}.lokr_w2_b")) if m else None
+        if w2 is not None and v.ndim == 2 and w2.ndim == 2:
+            widths[m.group(1)] = v.shape[1] * w2.shape[1]
+    return widths
+
+
+def guess_params(tensors: dict[str, mx.array]) -> list[FluxKleinParams]:
+    """The transformers a LoRA may be for, most likely first: one per candidate hidden size (the most
+    common input width first), klein-4B/9B's own settings for their hidden sizes."""
+    widths = _input_widths(tensors)
+    blocks = [max((int(m.group(1)) + 1 for k in tensors if (m := rx.search(k))), default=0) for rx in (_DOUBLE, _SINGLE)]
+    extra = {}
+    for field, ends in _WIDTHS.items():
+        hit = next((w for k, w in widths.items() if re.sub(_DOWN, "", k).endswith(ends)), None)
+        if hit is not None:
+            extra[field] = hit
+    candidates = []
+    for hidden, _ in collections.Counter(widths.values()).most_common(4):
+        if hidden in _VARIANTS and blocks[0] <= _VARIANTS[hidden]().depth and blocks[1] <= _VARIANTS[hidden]().depth_single:
+            candidates.append(dataclasses.replace(_VARIANTS[hidden](), **extra))
+        elif hidden % 2 == 0:  # any width: one head, one RoPE axis (neither changes a weight's shape)
+            candidates.append(FluxKleinParams(hidden_size=hidden, num_heads=1, axes_dim=(hidden,), depth=blocks[0],
+                                              depth_single=blocks[1], **extra))  # fmt: skip
+    return candidates or [FluxKleinParams.klein_4b()]
+
+
+@dataclass
+class LoraFile:
+    """A LoRA file read and mapped onto the transformer its shapes describe."""
+
+    path: Path
+    metadata: dict[str, str]
+    sha256: str  # of the whole file
+    parsed: ParsedLora
+    params: FluxKleinParams
+    dtype: mx.Dtype  # of its matrices
+
+
+def read_any_lora(path: str | Path) -> LoraFile:
+    """Read any LoRA file `--lora` reads; one FluxKleinError line for a damaged, foreign or partly matching file."""
+    path = Path(path).expanduser()
+    tensors, metadata, sha = read_lora_file(path)
+    what = path.name
+    bad = next((k for k, v in tensors.items() if mx.issubdtype(v.dtype, mx.floating) and not mx.all(mx.isfinite(v)).item()), None)
+    if bad:
+        raise FluxKleinError(f"LoRA {what} holds non-finite values (in {bad}); the file is damaged")
+    first_error = None
+    for params in guess_params(tensors):
+        try:
+            parsed = parse_lora(tensors, metadata, params, what)
+        except FluxKleinError as e:  # shapes of another candidate, or a foreign / damaged file
+            first_error = first_error or e
+            continue
+        if parsed.terms and not parsed.unmatched:
+            dtype = next((v.dtype for v in tensors.values() if v.ndim == 2), mx.float32)
+            return LoraFile(path, metadata, sha, parsed, params, dtype)
+        first_error = first_error or FluxKleinError(
+            f"LoRA {what}: {len(parsed.unmatched)} of its {parsed.n_modules} modules match no FLUX.2 [klein] layer "
+            f"({', '.join(parsed.unmatched[:3])}); it is not a klein LoRA, or not one flux_klein_mlx can convert"
+        )
+    raise first_error
+
+
+def convert_lora(source: str | Path, output: str | Path, layout: str) -> Path:
+    """Write LoRA `source` (any format `--lora` reads) at `output` in `layout`, exactly (the same update
+    on every layer, to the source dtype's rounding where alpha is folded). Never overwrites; atomic."""
+    check_layout(layout)
+    output = Path(output).expanduser()
+    if output.suffix.lower() != ".safetensors":
+        raise FluxKleinError(f"--output must be a .safetensors file name, not {str(output)!r}")
+    if output.exists() or output.is_symlink():
+        raise FluxKleinError(f"--output {output} exists and is never overwritten; choose another name")
+    check_output_file(output)
+    lora = read_any_lora(source)
+    pairs = layout_pairs(lora.parsed.terms, layout, lora.params, lora.path.name)
+    header = {**lora.metadata, "flux_klein_mlx.converted_from": f"{lora.path.name} ({FORMAT_NAMES[lora.parsed.format]})"}
+    metadata = file_metadata(pairs, layout, header)
+    return write_exclusive(output, lambda tmp: save_safetensors_streaming(tmp, layout_tensors(pairs, layout, lora.dtype), metadata))
+
+
+_TRAINERS = (("flux_klein_mlx.version", "flux_klein_mlx {}"), ("mflux_version", "mflux {}"),
+             ("ss_network_module", "kohya sd-scripts / musubi-tuner ({})"), ("lora_adapter_metadata", "diffusers / PEFT"),
+             ("modelspec.implementation", "{}"))  # fmt: skip
+_BASE = ("flux_klein_mlx.base_model", "ss_sd_model_name", "ss_base_model_version", "modelspec.architecture", "model")
+
+
+def describe_lora(path: str | Path) -> dict:
+    """What `lora info` prints: format, modules, ranks, alphas, trainer / base model / trigger from the
+    header, the model its shapes fit, and the file's hashes."""
+    lora = read_any_lora(path)
+    terms, meta, p = lora.parsed.terms, lora.metadata, lora.params
+    ranks = sorted({t.down.shape[0] if t.down is not None else 0 for t in terms})
+    alphas = sorted({round(t.factor * t.down.shape[0], 6) for t in terms if t.down is not None})
+    trainer = next((fmt.format(meta[k]) if "{}" in fmt else fmt for k, fmt in _TRAINERS if meta.get(k)), None)
+    size = HIDDEN_SIZES.get(p.hidden_size, f"a FLUX.2 transformer of hidden size {p.hidden_size} (not a released klein)")
+    return {
+        "file": str(lora.path), "format": FORMAT_NAMES[lora.parsed.format], "modules": lora.parsed.n_modules,
+        "layers": len({t.layer for t in terms}), "ranks": ranks, "alphas": alphas,
+        "lokr": any(t.down is None for t in terms), "model": size, "dtype": str(lora.dtype).removeprefix("mlx.core."),
+        "trainer": trainer, "base_model": next((meta[k] for k in _BASE if meta.get(k)), None),
+        "trigger": meta.get("flux_klein_mlx.trigger") or meta.get("modelspec.trigger_phrase") or None,
+        "sha256": lora.sha256, "autov3": autov3(lora.path),
+    }  # fmt: skip
+
+
+def describe_number(x: float) -> str:
+    """6.0 -> "6", 0.25 -> "0.25"."""
+    return str(int(x)) if math.isfinite(x) and float(x).is_integer() else f"{x:g}"

@@ -1,0 +1,371 @@
+"""LoRA files that work where they are used (issue 28): `train --format diffusers|comfyui|kohya`,
+`lora convert`, `lora info`, and A1111's LoRA hash. diffusers is the judge.
+
+One LoRA with random non-zero up matrices on every block layer of the tiny model (rank 4, alpha 8:
+a factor 2 that a wrong alpha shows) is written in the three layouts. The comfyui and kohya files
+must load in diffusers' `Flux2KleinPipeline.load_lora_weights` with every key used (its BFL converter
+refuses leftovers; its kohya converter is called directly and must consume every key) and give the
+image of the diffusers-format file; our `--lora` must read all three the same way; every comfyui key
+must be `diffusion_model.` + a 2-D weight of the BFL checkpoint (tiny_model.diffusers_to_bfl).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import math
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from refs import diffusers_pipeline, diffusers_prompt_embeds
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tiny_model import diffusers_to_bfl
+
+import flux_klein_mlx
+from flux_klein_mlx.__main__ import main
+from flux_klein_mlx.loading import describe, load_component
+from flux_klein_mlx.lora.layouts import LAYOUTS
+from flux_klein_mlx.output import a1111_parameters
+from flux_klein_mlx.train.adapters import attach_lora, parse_targets, write_lora_file
+
+RANK, ALPHA = 4, 8.0
+H = W = 64
+STEPS = 2
+PROMPT = "a lighthouse at dusk"
+
+
+@pytest.fixture(scope="module")
+def trained(snapshot, tmp_path_factory):
+    """The LoRA (random non-zero B, as after training) on every block layer, written in each layout, float32."""
+    model = load_component(describe(snapshot), "transformer", mx.float32)
+    slots = parse_targets("all", model.params)
+    lora = attach_lora(model, slots, RANK, ALPHA, np.random.default_rng(1))
+    g = np.random.default_rng(2)
+    values = {}
+    for s in slots:
+        values[f"{s.name}.lora_A.weight"] = mx.array((g.standard_normal((RANK, s.in_dims)) / math.sqrt(s.in_dims)).astype(np.float32))
+        values[f"{s.name}.lora_B.weight"] = mx.array((0.3 * g.standard_normal((s.out_dims, RANK)) / 2).astype(np.float32))
+    lora.load(values, "test values")
+    folder = tmp_path_factory.mktemp("layouts")
+    files = {layout: folder / f"{layout}.safetensors" for layout in LAYOUTS}
+    for layout, path in files.items():
+        write_lora_file(path, lora, mx.float32, layout, model.params, header={"flux_klein_mlx.trigger": "sks"})
+    return files
+
+
+@pytest.fixture(scope="module")
+def ref(snapshot):
+    """The session's diffusers pipeline with a transformer of our own (LoRAs are loaded into it), the prompt encoded once."""
+    from diffusers import Flux2KleinPipeline
+
+    shared = diffusers_pipeline(snapshot, "plain")
+    pipe = Flux2KleinPipeline(**{**shared.components, "transformer": copy.deepcopy(shared.transformer)}, is_distilled=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, diffusers_prompt_embeds(shared, PROMPT), shared.transformer.state_dict(), {}
+
+
+@pytest.fixture(scope="module")
+def ours(snapshot):
+    return flux_klein_mlx.load(snapshot, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def lat():
+    return np.random.default_rng(5).standard_normal((1, 32, H // 16, W // 16)).astype(np.float32)
+
+
+def theirs(ref, lat, path=None):
+    """diffusers' image with the LoRA file `path` loaded (None: the base model); memoised by the file's bytes."""
+    pipe, embeds, _, memo = ref
+    key = hashlib.sha256(path.read_bytes()).hexdigest() if path else None
+    if key not in memo:
+        if path:
+            pipe.load_lora_weights(str(path), adapter_name="x")
+        try:
+            with torch.no_grad():
+                memo[key] = pipe(prompt_embeds=embeds, height=H, width=W, num_inference_steps=STEPS, output_type="np",
+                                 latents=torch.from_numpy(lat)).images[0]  # fmt: skip
+        finally:
+            if path:
+                pipe.delete_adapters("x")
+    return memo[key]
+
+
+def ours_image(pipe, lat, path):
+    pipe.set_loras([path])
+    return pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
+
+
+def modules(state_dict) -> set[str]:
+    return {k.rsplit(".lora_", 1)[0] for k in state_dict}
+
+
+def test_comfyui_and_kohya_load_in_diffusers_with_every_key_and_give_the_diffusers_files_image(trained, ref, ours, lat, caplog):
+    from diffusers import Flux2KleinPipeline
+    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux2_lora_to_diffusers
+
+    want = modules(load_file(str(trained["diffusers"])))
+    for layout in ("comfyui", "kohya"):  # diffusers' converters give every module of the diffusers file
+        assert modules(Flux2KleinPipeline.lora_state_dict(str(trained[layout]))) == want, layout
+    kohya = load_file(str(trained["kohya"]))
+    _convert_kohya_flux2_lora_to_diffusers(kohya)  # pops what it converts
+    assert kohya == {}
+    caplog.set_level(logging.WARNING)
+    images = {layout: theirs(ref, lat, trained[layout]) for layout in LAYOUTS}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "key" in r.getMessage().lower()]
+    base = theirs(ref, lat)
+    assert np.abs(images["diffusers"] - base).max() > 0.02  # the LoRA changes the image: not vacuous
+    for layout in ("comfyui", "kohya"):
+        err = np.abs(images[layout] - images["diffusers"]).max()
+        print(f"diffusers: {layout} vs diffusers file {err:.2e}")
+        assert err <= 1e-4, (layout, err)
+    mine = {}
+    for layout, letter in zip(LAYOUTS, "ABD"):  # our --lora reads all three the same way
+        mine[layout] = ours_image(ours, lat, trained[layout])
+        assert ours.loras[0].format == letter
+        assert np.abs(mine[layout] - mine["diffusers"]).max() <= 1e-4, layout
+    assert np.abs(mine["diffusers"] - images["diffusers"]).max() <= 1e-3
+
+
+def test_every_comfyui_key_is_a_bfl_weight_and_kohya_has_the_same_modules_with_alpha(trained, ref):
+    bfl = diffusers_to_bfl(ref[2])
+    comfy = load_file(str(trained["comfyui"]))
+    assert not [k for k in comfy if k.endswith(".alpha")]
+    names = set()
+    for key, value in comfy.items():
+        m = re.fullmatch(r"diffusion_model\.(.+)\.lora_([AB])\.weight", key)
+        assert m, key
+        weight = bfl.get(f"{m.group(1)}.weight")
+        assert weight is not None and weight.ndim == 2, key
+        assert value.shape[1 if m.group(2) == "A" else 0] == weight.shape[1 if m.group(2) == "A" else 0], key
+        names.add(m.group(1))
+    assert "double_blocks.0.img_attn.qkv" in names and "single_blocks.1.linear1" in names and len(names) == 2 * 8 + 2 * 2
+    assert comfy["diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight"].shape[0] == 3 * RANK  # q, k, v stacked
+    kohya = load_file(str(trained["kohya"]))
+    assert modules(kohya) == {"lora_unet_" + n.replace(".", "_") for n in names} | {
+        "lora_unet_" + n.replace(".", "_") + ".alpha" for n in names}  # fmt: skip
+    for n in names:  # alpha / rank = 2 whatever the fused rank
+        stem = "lora_unet_" + n.replace(".", "_")
+        assert kohya[f"{stem}.alpha"].item() / kohya[f"{stem}.lora_down.weight"].shape[0] == ALPHA / RANK
+    with safe_open(str(trained["comfyui"]), "pt") as f:
+        meta = f.metadata()
+    assert meta["flux_klein_mlx.format"] == "comfyui" and meta["flux_klein_mlx.trigger"] == "sks"
+    assert "lora_adapter_metadata" not in meta  # diffusers would take it as this file's PEFT config
+
+
+def kohya_file(path, g):
+    """A musubi-style file: `.alpha` 1 (musubi's default) on a dense rank-6 fused qkv, 3 on a block-diagonal one."""
+    sd = {}
+
+    def put(name, out, inp, r, alpha, mask=None):
+        down = torch.from_numpy(g.standard_normal((r, inp)).astype(np.float32)) / math.sqrt(inp)
+        up = torch.from_numpy(g.standard_normal((out, r)).astype(np.float32)) * 0.5
+        sd[f"lora_unet_{name}.lora_down.weight"] = down
+        sd[f"lora_unet_{name}.lora_up.weight"] = up if mask is None else up * mask
+        sd[f"lora_unet_{name}.alpha"] = torch.tensor(alpha)
+
+    D, M = 64, 192
+    put("double_blocks_0_img_attn_qkv", 3 * D, D, 6, 1.0)
+    mask = torch.zeros(3 * D, 6)
+    for j in range(3):
+        mask[j * D : (j + 1) * D, 2 * j : 2 * j + 2] = 1
+    put("double_blocks_1_txt_attn_qkv", 3 * D, D, 6, 3.0, mask)
+    put("double_blocks_0_img_mlp_0", 2 * M, D, 4, 1.0)
+    put("single_blocks_0_linear1", 3 * D + 2 * M, D, 4, 2.0)
+    put("single_blocks_1_linear2", D, D + M, 4, 4.0)
+    save_file(sd, str(path), metadata={"ss_network_module": "networks.lora_flux_2", "ss_network_dim": "6"})
+    return path
+
+
+def convert(capsys, *args):
+    rc = main(["lora", "convert", *map(str, args)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return out
+
+
+def test_convert_round_trips_give_the_same_image_in_diffusers(trained, ref, lat, tmp_path, capsys):
+    """diffusers -> comfyui -> diffusers (exact: alpha/rank 2 folds without rounding), kohya -> diffusers,
+    and a musubi-style kohya file -> comfyui and diffusers."""
+    comfy, back, from_kohya = (tmp_path / f"{n}.safetensors" for n in ("comfy", "back", "from-kohya"))
+    assert str(comfy) in convert(capsys, trained["diffusers"], "--output", comfy, "--format", "comfyui")
+    convert(capsys, comfy, "--output", back, "--format", "diffusers")
+    convert(capsys, trained["kohya"], "--output", from_kohya, "--format", "diffusers")
+    a, b = load_file(str(trained["diffusers"])), load_file(str(back))
+    assert a.keys() == b.keys()  # q, k, v back at rank 4; alpha/rank (2) folded into B, exactly
+    assert all(torch.equal(b[k], a[k] * (ALPHA / RANK if ".lora_B." in k else 1)) for k in a)
+    with safe_open(str(back), "pt") as f:
+        config = json.loads(f.metadata()["lora_adapter_metadata"])
+    assert config["transformer.r"] == config["transformer.lora_alpha"] == RANK and not config["transformer.rank_pattern"]
+    want = theirs(ref, lat, trained["diffusers"])
+    for path in (comfy, back, from_kohya):
+        assert np.abs(theirs(ref, lat, path) - want).max() <= 1e-4, path.name
+    musubi = kohya_file(tmp_path / "musubi.safetensors", np.random.default_rng(7))
+    source = theirs(ref, lat, musubi)
+    assert np.abs(source - theirs(ref, lat)).max() > 0.02
+    for layout in ("comfyui", "diffusers"):
+        out = tmp_path / f"musubi-{layout}.safetensors"
+        convert(capsys, musubi, "--output", out, "--format", layout)
+        err = np.abs(theirs(ref, lat, out) - source).max()
+        print(f"musubi kohya -> {layout}: {err:.2e}")
+        assert err <= 1e-4, layout
+    with safe_open(str(tmp_path / "musubi-comfyui.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert meta["ss_network_dim"] == "6" and "musubi.safetensors (kohya" in meta["flux_klein_mlx.converted_from"]
+
+
+def info(capsys, path) -> dict[str, str]:
+    rc = main(["lora", "info", str(path)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return dict(re.match(r"([^:]+):\s+(.*)", line).groups() for line in out.splitlines())
+
+
+def test_lora_info_names_format_ranks_alpha_trainer_and_klein_size(trained, tmp_path, capsys):
+    d = info(capsys, trained["kohya"])
+    assert d["format"] == "kohya / musubi-tuner" and d["rank"] == "4, 12" and d["alpha"] == "8, 24"
+    assert d["modules"] == "20 (on 20 layers)" and d["trigger"] == "sks" and "hidden size 64" in d["model"]
+    blob = trained["kohya"].read_bytes()
+    n = int.from_bytes(blob[:8], "little")
+    assert d["AutoV3"].startswith(hashlib.sha256(blob[8 + n :]).hexdigest()[:12])
+    d = info(capsys, kohya_file(tmp_path / "m.safetensors", np.random.default_rng(3)))
+    assert d["trainer"] == "kohya sd-scripts / musubi-tuner (networks.lora_flux_2)" and d["rank"] == "4, 6"
+    assert d["alpha"] == "1, 2, 3, 4"
+    for hidden, name in ((3072, "FLUX.2 [klein] 4B"), (4096, "FLUX.2 [klein] 9B")):
+        path = tmp_path / f"{hidden}.safetensors"
+        save_file({"diffusion_model.double_blocks.1.img_attn.proj.lora_A.weight": torch.zeros(1, hidden),
+                   "diffusion_model.double_blocks.1.img_attn.proj.lora_B.weight": torch.zeros(hidden, 1)}, str(path))  # fmt: skip
+        d = info(capsys, path)
+        assert d["model"] == name and d["format"] == "BFL names (ComfyUI / ai-toolkit)" and d["rank"] == "1"
+
+
+def test_a1111_lora_hash_is_autov3_of_the_tensor_data(trained, ours, tmp_path):
+    """A1111's `addnet_hash_safetensors`: sha256 of the bytes after the header; a changed header keeps it."""
+    path = trained["comfyui"]
+    blob = path.read_bytes()
+    n = int.from_bytes(blob[:8], "little")
+    autov3 = hashlib.sha256(blob[8 + n :]).hexdigest()[:12]
+    ours.set_loras([path])
+    record = ours.loras[0].record()
+    assert record["autov3"] == autov3 and record["sha256"] == hashlib.sha256(blob).hexdigest()[:12]
+    assert f'Lora hashes: "comfyui: {autov3}"' in a1111_parameters({"prompt": "x", "loras": [record]})
+    header = json.loads(blob[8 : 8 + n])
+    header["__metadata__"]["note"] = "the same tensors under another header"
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    other = tmp_path / "renamed.safetensors"
+    other.write_bytes(len(raw).to_bytes(8, "little") + raw + blob[8 + n :])
+    ours.set_loras([other])
+    assert ours.loras[0].record()["autov3"] == autov3 and ours.loras[0].sha256 != record["sha256"]
+
+
+# --- bad input -----------------------------------------------------------------------------------------
+
+
+def one_line_refusal(capsys, args, match):
+    rc = main(args)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    assert re.search(match, lines[0]), lines[0]
+
+
+def lokr(path):
+    save_file({"double_blocks.0.img_attn.qkv.lokr_w1": torch.ones(4, 4),
+               "double_blocks.0.img_attn.qkv.lokr_w2": torch.ones(48, 16)}, str(path))  # fmt: skip
+    return path
+
+
+@pytest.mark.parametrize("case, match", [
+    ("format", r"--format must be one of diffusers, comfyui, kohya, not 'safetensors'"),
+    ("exists", r"exists and is never overwritten"),
+    ("truncated", r"truncated|damaged"),
+    ("not-safetensors", r"damaged or not a safetensors file"),
+    ("checkpoint", r"not LoRA/LoKr weights .*model checkpoint"),
+    ("sdxl", r"made for an SDXL / Stable Diffusion UNet"),
+    ("lokr", r"is a LoKr .*cannot hold"),
+    ("info-truncated", r"truncated|damaged"),
+])  # fmt: skip
+def test_lora_convert_and_info_refuse_with_one_line_and_write_nothing(trained, tmp_path, capsys, case, match):
+    src, out = trained["diffusers"], tmp_path / "out.safetensors"
+    if case == "exists":
+        out.write_bytes(b"keep me")
+    elif case in ("truncated", "info-truncated"):
+        src = tmp_path / "cut.safetensors"
+        src.write_bytes(trained["comfyui"].read_bytes()[:-100])
+    elif case == "not-safetensors":
+        src = tmp_path / "notes.safetensors"
+        src.write_text("hello")
+    elif case == "checkpoint":
+        src = tmp_path / "model.safetensors"
+        save_file({"double_blocks.0.img_attn.qkv.weight": torch.zeros(192, 64)}, str(src))
+    elif case == "sdxl":
+        src = tmp_path / "sdxl.safetensors"
+        save_file({"lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.zeros(4, 320),
+                   "lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight": torch.zeros(320, 4)}, str(src))  # fmt: skip
+    elif case == "lokr":
+        src = lokr(tmp_path / "lokr.safetensors")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    layout = "safetensors" if case == "format" else "kohya"
+    args = ["lora", "info", str(src)] if case.startswith("info") else \
+        ["lora", "convert", str(src), "--output", str(out), "--format", layout]  # fmt: skip
+    one_line_refusal(capsys, args, match)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    if case == "exists":
+        assert out.read_bytes() == b"keep me"
+
+
+# --- training in each layout --------------------------------------------------------------------------
+
+
+def test_train_format_bad_value_is_one_line_before_any_model_loads(base, tmp_path, capsys, monkeypatch):
+    import flux_klein_mlx.train.trainer as train_module
+
+    monkeypatch.setattr(train_module, "load_component", lambda *a, **k: pytest.fail("a model was loaded"))
+    data = tmp_path / "data"
+    data.mkdir()
+    from PIL import Image
+
+    Image.fromarray(np.zeros((64, 64, 3), np.uint8)).save(data / "a.png")
+    (data / "a.txt").write_text("a card")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    one_line_refusal(capsys, ["train", "--model", str(base), "--data", str(data), "--output", str(tmp_path / "o.safetensors"),
+                              "--format", "ckpt"], r"--format must be one of diffusers, comfyui, kohya, not 'ckpt'")  # fmt: skip
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+    with pytest.raises(flux_klein_mlx.FluxKleinError, match="--format must be one of"):
+        flux_klein_mlx.train_lora(model=base, data=data, output=tmp_path / "o.safetensors", format="peft")
+
+
+def test_train_writes_a_comfyui_file_with_kohya_training_metadata_in_bfloat16(base, tmp_path, capsys):
+    """The command at its default dtype (bfloat16): the file is the comfyui layout, carries kohya's ss_* keys,
+    and loads in our pipeline and in diffusers' converter."""
+    from diffusers import Flux2KleinPipeline
+    from PIL import Image
+
+    data = tmp_path / "photos"
+    data.mkdir()
+    g = np.random.default_rng(0)
+    for i in range(2):  # one caption text: each distinct caption costs a text-encoder run
+        Image.fromarray((g.random((64, 64, 3)) * 255).astype(np.uint8)).save(data / f"im{i}.png")
+        (data / f"im{i}.txt").write_text("sks, a fox, sks")
+    out = tmp_path / "fox.safetensors"
+    rc = main(["train", "--model", str(base), "--data", str(data), "--output", str(out), "--steps", "1", "--rank", "4",
+               "--alpha", "2", "--resolution", "64", "--format", "comfyui"])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    tensors = mx.load(str(out))
+    assert all(k.startswith("diffusion_model.") for k in tensors) and {v.dtype for v in tensors.values()} == {mx.bfloat16}
+    with safe_open(str(out), "pt") as f:
+        meta = f.metadata()
+    assert meta["flux_klein_mlx.format"] == "comfyui" and meta["ss_network_dim"] == "4" and meta["ss_network_alpha"] == "2.0"
+    assert json.loads(meta["ss_tag_frequency"]) == {"photos": {"sks": 2, "a fox": 2}}  # once per caption
+    assert meta["ss_num_train_images"] == "2" and meta["ss_max_train_steps"] == "1" and meta["ss_resolution"] == "(64, 64)"
+    assert meta["ss_base_model_version"] == "flux_2_klein" and len(meta["flux_klein_mlx.settings_sha256"]) == 64
+    assert json.loads((tmp_path / "fox.train" / "train.json").read_text())["settings"]["format"] == "comfyui"
+    assert flux_klein_mlx.load(base, loras=[out]).loras[0].format == "B"
+    assert modules(Flux2KleinPipeline.lora_state_dict(str(out)))  # the converter takes every key (it raises otherwise)
