@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "flux_klein_mlx"
 MODEL_FILES = {"models.transformer", "models.kv_cache", "models.recompute", "models.text_encoder", "models.vae", "models.rope"}
 # The applications: CLI commands and the server (its HTTP app and worker).
 CLI_MODULES = {"__main__", "cli", "generate", "convert", "bench.command", "serve.command", "serve.api", "serve.forms",
-               "serve.jobs", "train.command"}
+               "serve.jobs", "train.command", "lora.command"}
 IO_MODULES = {"weights", "loading", "pipeline"}
 
 

@@ -369,3 +369,36 @@ def test_train_writes_a_comfyui_file_with_kohya_training_metadata_in_bfloat16(ba
     assert json.loads((tmp_path / "fox.train" / "train.json").read_text())["settings"]["format"] == "comfyui"
     assert flux_klein_mlx.load(base, loras=[out]).loras[0].format == "B"
     assert modules(Flux2KleinPipeline.lora_state_dict(str(out)))  # the converter takes every key (it raises otherwise)
+
+
+def dense_updates(path) -> dict[str, np.ndarray]:
+    """Our layer -> the file's summed update `factor · up @ down` on its rows, float64 (LoRA terms only)."""
+    from flux_klein_mlx.lora.files import read_any_lora
+    from flux_klein_mlx.models.transformer import linear_shapes
+
+    lora = read_any_lora(path)
+    shapes = linear_shapes(lora.params)
+    out = {}
+    for t in lora.parsed.terms:
+        full = out.setdefault(t.layer, np.zeros(shapes[t.layer]))
+        up, down = (np.asarray(a.astype(mx.float32), np.float64) for a in (t.up, t.down))
+        full[t.rows[0] : t.rows[1]] += t.factor * up @ down
+    return out
+
+
+@pytest.mark.parametrize("writer", ["lora_a", "lora_bfl", "lora_kohya", "mflux_file", "swift_file", "single_split_file"])
+def test_convert_keeps_every_update_of_every_format_read(tmp_path, writer):
+    """Every trainer's file (test_lora.py's writers, each checked against diffusers there) into each layout:
+    the same update on every layer, q/k/v and split single-block rows, globals and the final layer included."""
+    import test_lora
+
+    from flux_klein_mlx.lora.files import convert_lora
+
+    source = tmp_path / "source.safetensors"
+    getattr(test_lora, writer)(source, test_lora.Rand(21))
+    want = dense_updates(source)
+    for layout in LAYOUTS:
+        got = dense_updates(convert_lora(source, tmp_path / f"{layout}.safetensors", layout))
+        assert got.keys() == want.keys(), layout
+        for layer, delta in want.items():
+            assert np.abs(got[layer] - delta).max() <= 1e-6 * max(1.0, np.abs(delta).max()), (layout, layer)

@@ -84,7 +84,8 @@ def read_any_lora(path: str | Path) -> LoraFile:
     path = Path(path).expanduser()
     tensors, metadata, sha = read_lora_file(path)
     what = path.name
-    bad = next((k for k, v in tensors.items() if mx.issubdtype(v.dtype, mx.floating) and not mx.all(mx.isfinite(v)).item()), None)
+    floats = {k: v for k, v in tensors.items() if mx.issubdtype(v.dtype, mx.floating)}
+    bad = next((k for k, v in floats.items() if not mx.all(mx.isfinite(v)).item()), None)
     if bad:
         raise FluxKleinError(f"LoRA {what} holds non-finite values (in {bad}); the file is damaged")
     first_error = None
@@ -118,7 +119,8 @@ def convert_lora(source: str | Path, output: str | Path, layout: str) -> Path:
     pairs = layout_pairs(lora.parsed.terms, layout, lora.params, lora.path.name)
     header = {**lora.metadata, "flux_klein_mlx.converted_from": f"{lora.path.name} ({FORMAT_NAMES[lora.parsed.format]})"}
     metadata = file_metadata(pairs, layout, header)
-    return write_exclusive(output, lambda tmp: save_safetensors_streaming(tmp, layout_tensors(pairs, layout, lora.dtype), metadata))
+    tensors = layout_tensors(pairs, layout, lora.dtype)
+    return write_exclusive(output, lambda tmp: save_safetensors_streaming(tmp, dict(tensors), metadata))
 
 
 _TRAINERS = (("flux_klein_mlx.version", "flux_klein_mlx {}"), ("mflux_version", "mflux {}"),
