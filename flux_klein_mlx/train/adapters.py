@@ -7,8 +7,9 @@ modules: `img_attn.qkv` is diffusers' `attn.to_q`, `to_k`, `to_v` (row blocks [0
 `single_blocks.j.linear1` is diffusers' single `attn.to_qkv_mlp_proj` and gets one. The mapping is
 read off `transformer.py`'s public name tables (through `lora_formats.target_table`), never restated.
 
-The frozen layer is kept as it is, an `nn.Linear` or an `nn.QuantizedLinear` (QLoRA: its quantized
-matmul runs unchanged and the adapters are a side path; the weights are never dequantized).
+The adapters are trainable terms of the one LoRA layer (`lora.layers.LoRALinear`, the layer inference
+uses too): the frozen layer is kept as it is, an `nn.Linear` or an `nn.QuantizedLinear` (QLoRA: its
+quantized matmul runs unchanged and the adapters are a side path; the weights are never dequantized).
 Adapters are float32 master weights; the side path runs in the activation dtype.
 
 Targets (`--targets`, comma-separated; see `parse_targets`):
@@ -36,6 +37,7 @@ from mlx.utils import tree_unflatten
 
 from ..errors import FluxKleinError
 from ..lora.apply import layers_by_path
+from ..lora.layers import LoRALinear, TrainableTerm
 from ..lora.formats import target_table
 from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, QKV, linear_shapes
 from ..weights import save_safetensors_streaming
@@ -123,46 +125,12 @@ def parse_targets(targets, params) -> list[Slot]:
     return [s for s in slots if s.name in chosen]
 
 
-class LoRALinear(nn.Module):
-    """A frozen Linear / QuantizedLinear plus trainable adapters on row blocks of its output.
-
-    `blocks` are disjoint row ranges in increasing order (q, k, v of a fused qkv, or all rows);
-    rows no adapter covers get nothing added.
-    """
-
-    def __init__(self, base: nn.Module, blocks: list[tuple[int, int]], init_a: list[np.ndarray], rank: int, scale: float):
-        super().__init__()
-        self.base = base
-        self.base.freeze()
-        self.blocks = tuple(tuple(b) for b in blocks)
-        self.scale = scale
-        self.lora_A = [mx.array(a, dtype=mx.float32) for a in init_a]  # (r, in) each
-        self.lora_B = [mx.zeros((r1 - r0, rank), dtype=mx.float32) for r0, r1 in self.blocks]  # (rows, r)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        y = self.base(x)  # (..., out)
-        out = y.shape[-1]
-        parts, at = [], 0
-        for (r0, r1), a, b in zip(self.blocks, self.lora_A, self.lora_B):
-            if r0 > at:
-                parts.append(mx.zeros((*x.shape[:-1], r0 - at), dtype=x.dtype))
-            parts.append((x @ a.astype(x.dtype).T) @ b.astype(x.dtype).T)  # (..., r) -> (..., rows)
-            at = r1
-        if at < out:
-            parts.append(mx.zeros((*x.shape[:-1], out - at), dtype=x.dtype))
-        side = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
-        return y + self.scale * side
-
-
 class TrainableLoRA:
     """The adapters attached to a model: which slot each (A, B) pair is, and the file they make."""
 
-    def __init__(self, slots: list[Slot], rank: int, alpha: float, modules: dict[str, LoRALinear]):
-        self.slots, self.rank, self.alpha, self.modules = slots, rank, alpha, modules
-        self._where = {}  # slot name -> (module, index of its pair)
-        for slot in slots:
-            module = modules[slot.layer]
-            self._where[slot.name] = (module, module.blocks.index(slot.rows))
+    def __init__(self, slots: list[Slot], rank: int, alpha: float, where: dict[str, tuple[LoRALinear, TrainableTerm]]):
+        self.slots, self.rank, self.alpha = slots, rank, alpha
+        self._where = where  # slot name -> (its layer, its term there)
 
     @property
     def num_parameters(self) -> int:
@@ -170,14 +138,15 @@ class TrainableLoRA:
 
     def paths(self) -> dict[str, tuple[str, str]]:
         """slot name -> the paths of its A and B in the model's parameter tree (as `tree_flatten` spells them)."""
-        return {
-            s.name: (f"{s.layer}.lora_A.{self._where[s.name][1]}", f"{s.layer}.lora_B.{self._where[s.name][1]}")
-            for s in self.slots
-        }
+        out = {}
+        for s in self.slots:
+            layer, term = self._where[s.name]
+            out[s.name] = (f"{s.layer}.{layer.factor_path(term, 'down')}", f"{s.layer}.{layer.factor_path(term, 'up')}")
+        return out
 
     def pair(self, name: str) -> tuple[mx.array, mx.array]:
-        module, i = self._where[name]
-        return module.lora_A[i], module.lora_B[i]
+        layer, term = self._where[name]
+        return layer.lora_A[term.places["down"]], layer.lora_B[term.places["up"]]
 
     def arrays(self, dtype=mx.float32) -> dict[str, mx.array]:
         """`{slot}.lora_A.weight` (r, in) and `{slot}.lora_B.weight` (out, r), diffusers' names without the prefix."""
@@ -195,8 +164,9 @@ class TrainableLoRA:
             missing = sorted(set(want) - set(arrays)) or sorted(set(arrays) - set(want))
             raise FluxKleinError(f"{what} does not hold this run's adapters ({missing[0]}, ...); it is from another run")
         for s in self.slots:
-            module, i = self._where[s.name]
-            for key, dest in (("lora_A", module.lora_A), ("lora_B", module.lora_B)):
+            layer, term = self._where[s.name]
+            for key, role in (("lora_A", "down"), ("lora_B", "up")):
+                dest, i = layer[key], term.places[role]
                 value = arrays[f"{s.name}.{key}.weight"]
                 if value.shape != dest[i].shape:
                     raise FluxKleinError(f"{what}: {s.name}.{key} has shape {value.shape}, not {dest[i].shape}")
@@ -231,10 +201,12 @@ def attach_lora(model: nn.Module, slots: list[Slot], rank: int, alpha: float, rn
     by_layer: dict[str, list[Slot]] = {}
     for s in slots:
         by_layer.setdefault(s.layer, []).append(s)
-    modules, layers = {}, layers_by_path(model)
-    for layer, group in by_layer.items():
-        group = sorted(group, key=lambda s: s.rows)
-        init = [(rng.standard_normal((rank, s.in_dims)) / rank).astype(np.float32) for s in group]
-        modules[layer] = LoRALinear(layers[layer], [s.rows for s in group], init, rank, alpha / rank)
-    model.update_modules(tree_unflatten(list(modules.items())))
-    return TrainableLoRA(slots, rank, alpha, modules)
+    layers, wrapped, where = layers_by_path(model), {}, {}
+    for path, group in by_layer.items():
+        layer = wrapped[path] = LoRALinear(layers[path])
+        for s in sorted(group, key=lambda s: s.rows):
+            down = mx.array((rng.standard_normal((rank, s.in_dims)) / rank).astype(np.float32))  # (r, in)
+            up = mx.zeros((s.out_dims, rank), dtype=mx.float32)  # (rows, r)
+            where[s.name] = (layer, layer.add_trainable(s.rows, alpha / rank, {"down": down, "up": up}))
+    model.update_modules(tree_unflatten(list(wrapped.items())))
+    return TrainableLoRA(slots, rank, alpha, where)
