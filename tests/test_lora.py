@@ -25,7 +25,8 @@ from tiny_model import LATENT_CHANNELS, TRANSFORMER
 
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.lora.apply import LoRAQuantizedLinear, apply_loras, applied_loras, load_loras, remove_loras
+from flux_klein_mlx.lora.apply import apply_loras, applied_loras, load_loras, remove_loras
+from flux_klein_mlx.lora.layers import LoRALinear
 from flux_klein_mlx.models.quantize import dequantize_model
 from flux_klein_mlx.models.config import FluxKleinParams
 
@@ -456,7 +457,7 @@ def test_quantized_side_path(snapshot, our_pipe, lat, tmp_path, bits, tolerance)
     print(f"{bits}-bit + LoRA image vs float32 fused: max abs {err:.2e}")
     assert err < tolerance
     model = pipe.component("transformer")
-    wrapped = [p for p, m in model.named_modules() if isinstance(m, LoRAQuantizedLinear)]
+    wrapped = [p for p, m in model.named_modules() if isinstance(m, LoRALinear)]
     assert len(wrapped) >= 10 and not any(type(m).__name__ == "Linear" and p in wrapped for p, m in model.named_modules())
     ref = copy.deepcopy(model)
     remove_loras(ref)
@@ -504,7 +505,7 @@ def test_unfuse_restores_weights_bit_for_bit_and_set_loras_does_not_reload(snaps
     pipe = flux_klein_mlx.load(snapshot, dtype="float32", quantize=8, loras=[a])
     model = pipe.component("transformer")
     pipe.set_loras([])
-    assert not any(isinstance(m, LoRAQuantizedLinear) for _, m in model.named_modules())
+    assert not any(isinstance(m, LoRALinear) for _, m in model.named_modules())
 
 
 def test_low_memory_reapplies_loras_after_reload(snapshot, our_pipe, lat, tmp_path):
@@ -846,5 +847,5 @@ def test_side_path_on_a_converted_quantized_folder(snapshot, our_pipe, lat, tmp_
         pipe = flux_klein_mlx.load(model, dtype="float32", loras=[(a, 1.2)], **kw)
         pipe.remember_prompt(PROMPT, our_pipe.encode_prompts([PROMPT]))
         images.append(pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np"))
-        assert any(isinstance(m, LoRAQuantizedLinear) for _, m in pipe.component("transformer").named_modules())
+        assert any(isinstance(m, LoRALinear) for _, m in pipe.component("transformer").named_modules())
     assert np.abs(images[0] - images[1]).max() <= 1e-5

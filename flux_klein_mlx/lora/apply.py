@@ -4,7 +4,7 @@ The effective update of one LoRA on one layer is `scale · (alpha / rank) · up 
 `scale · factor · kron(w1, w2)`); several LoRAs add. On a float layer (nn.Linear, bf16/fp16/fp32)
 the sum is fused into the weight once (computed in float32, rounded once) and the original weight is
 kept, so removing or changing LoRAs restores it bit for bit. A quantized layer (nn.QuantizedLinear)
-is never dequantized: it becomes a `LoRAQuantizedLinear`, the same packed weights plus a low-rank
+is never dequantized: it becomes a `layers.LoRALinear`, the same packed weights plus a low-rank
 side path `x @ down.T @ up.T` per update (LoKr: `w1 · X · w2.T` on x reshaped to (b, d)), so the
 memory added is the LoRA's own tensors.
 
@@ -17,9 +17,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, replace
-from functools import reduce
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable
 
 import mlx.core as mx
@@ -29,6 +27,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..errors import FluxKleinError
 from .formats import Term, parse_lora
 from .layouts import autov3
+from .layers import LoRALinear, dense_update
 from ..weights import read_lora_file, resolve_lora
 
 
@@ -189,78 +188,6 @@ def load_loras(loras, params, partial: bool = False) -> list[Lora]:
     return [load_lora(source, params, scale, partial) for source, scale in map(parse_lora_spec, loras)]
 
 
-# --- the side path ------------------------------------------------------------------------------------
-
-
-def _term_output(t: Term, x: mx.array, cols: tuple[int, int], rows: tuple[int, int]) -> mx.array:
-    """factor · x @ delta[rows, cols].T for one term, x (..., cols width) -> (..., rows width), in x's dtype."""
-    c0, c1 = cols
-    r0, r1 = rows
-    if t.down is not None:
-        h = x @ t.down[:, c0:c1].astype(x.dtype).T  # (..., r)
-        return (h @ t.up[r0:r1].astype(x.dtype).T) * t.factor
-    d = t.w2.shape[1]
-    if c0 % d == 0 and c1 % d == 0 and not t.swap:
-        # kron(w1 (a, b), w2 (c, d)) x = vec(w1 · X · w2.T), X = x reshaped (b, d): no (a·c, b·d) matrix
-        X = x.reshape(*x.shape[:-1], (c1 - c0) // d, d)
-        y = mx.einsum("ij,...jl,kl->...ik", t.w1[:, c0 // d : c1 // d].astype(x.dtype), X, t.w2.astype(x.dtype))
-        return y.reshape(*x.shape[:-1], -1)[..., r0:r1] * t.factor  # (..., a, c) -> (..., a·c)
-    return (x @ _delta(t)[r0:r1, c0:c1].astype(x.dtype).T) * t.factor
-
-
-def _delta(t: Term) -> mx.array:
-    """The term's dense update (rows, in) in float32, without its factor."""
-    if t.down is not None:
-        return t.up.astype(mx.float32) @ t.down.astype(mx.float32)
-    d = mx.kron(t.w1.astype(mx.float32), t.w2.astype(mx.float32))
-    return mx.roll(d, d.shape[0] // 2, axis=0) if t.swap else d  # rows [2D]: [scale ; shift] -> [shift ; scale]
-
-
-class LoRAQuantizedLinear(nn.QuantizedLinear):
-    """A QuantizedLinear with LoRA updates beside it: `quantized(x) + sum of low-rank terms`.
-
-    The packed weight, scales and biases are the original layer's arrays (same names, so the
-    model's parameters do not change); `base` gives the original layer back.
-    """
-
-    def __init__(self, base: nn.QuantizedLinear, terms: list[Term]):
-        nn.Module.__init__(self)
-        self.group_size, self.bits, self.mode = base.group_size, base.bits, base.mode
-        for k, v in base.items():
-            self[k] = v
-        # In a plain holder, not a parameter or child of this module: saving, strict loads and `parameters()`
-        # never see the LoRA tensors or the wrapped layer.
-        self._hidden = SimpleNamespace(base=base, terms=terms)
-        self.freeze()
-
-    @property
-    def base(self) -> nn.QuantizedLinear:
-        return self._hidden.base
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return super().__call__(x) + self.side_path(x)
-
-    def side_path(self, x: mx.array, rows: slice = slice(None), cols: tuple = (0, None)) -> mx.array:
-        """The LoRA share of `x @ W[rows, c0:c1].T` (x holds only columns c0:c1); zeros where no term lands."""
-        r0, r1, _ = rows.indices(self["weight"].shape[0])
-        c0, c1 = cols[0], x.shape[-1] + cols[0]
-        outputs: dict[tuple[int, int], list[mx.array]] = {}  # rows lo:hi -> outputs of the terms on them
-        for t in self._hidden.terms:
-            lo, hi = max(t.rows[0], r0), min(t.rows[1], r1)
-            if lo < hi:
-                outputs.setdefault((lo, hi), []).append(_term_output(t, x, (c0, c1), (lo - t.rows[0], hi - t.rows[0])))
-        whole = outputs.pop((r0, r1), [])  # terms over all rows r0:r1
-        if outputs:
-            # Row blocks (q, k, v of a fused qkv) are disjoint: concatenate them with zeros in the gaps.
-            parts, at = [], r0
-            for (lo, hi), ys in sorted(outputs.items()):
-                parts += [mx.zeros((*x.shape[:-1], lo - at), dtype=x.dtype), reduce(mx.add, ys)]
-                at = hi
-            parts.append(mx.zeros((*x.shape[:-1], r1 - at), dtype=x.dtype))
-            whole.append(mx.concatenate(parts, axis=-1))
-        return reduce(mx.add, whole) if whole else mx.zeros((*x.shape[:-1], r1 - r0), dtype=x.dtype)
-
-
 # --- applying and removing ------------------------------------------------------------------------------
 
 
@@ -271,7 +198,7 @@ class LoraState:
         self.loras = loras
         self.originals: dict[str, mx.array] = {}  # layer path -> original float weight
         self.fused: list[str] = []  # float layers with updates fused in
-        self.wrapped: list[str] = []  # layer paths now LoRAQuantizedLinear
+        self.wrapped: list[str] = []  # layer paths now LoRALinear (quantized base, side path)
 
 
 def layers_by_path(model: nn.Module) -> dict[str, nn.Module]:
@@ -334,13 +261,13 @@ def apply_loras(
     for path, terms in by_layer.items():
         layer = layers[path]
         if isinstance(layer, nn.QuantizedLinear):
-            wrapped.append((path, LoRAQuantizedLinear(layer, terms)))
+            wrapped.append((path, LoRALinear(layer, terms)))
             state.wrapped.append(path)
             continue
         W = layer.weight  # (out, in)
         delta = mx.zeros(W.shape, dtype=mx.float32)
         for t in terms:
-            delta = delta.at[t.rows[0] : t.rows[1]].add(t.factor * _delta(t))
+            delta = delta.at[t.rows[0] : t.rows[1]].add(t.factor * dense_update(t))
         state.fused.append(path)
         if keep_originals:
             state.originals[path] = W if reread is None else reread(path)

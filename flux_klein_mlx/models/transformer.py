@@ -63,10 +63,11 @@ def linear_part(layer: nn.Module, x: mx.array, rows: slice = slice(None), cols: 
     """x @ W[rows, c0:c1].T for an nn.Linear or nn.QuantizedLinear with weight (out, in), no bias.
 
     Lets a fused projection be applied piece by piece without copying it. For a quantized layer
-    the column bounds must fall on group boundaries (D = 3072 does for every group size).
+    the column bounds must fall on group boundaries (D = 3072 does for every group size). A layer
+    with a `side_path` (the LoRA layer, lora/layers.py) adds its share of the same piece.
     """
     c0, c1 = cols
-    if isinstance(layer, nn.QuantizedLinear):
+    if "scales" in layer:  # packed weights: an nn.QuantizedLinear, or the LoRA layer over one
         per_word, g = 32 // layer.bits, layer.group_size  # packed values per uint32, group size
 
         def part(a, per):
@@ -76,9 +77,10 @@ def linear_part(layer: nn.Module, x: mx.array, rows: slice = slice(None), cols: 
             x, part(layer.weight, per_word), part(layer.scales, g), part(layer.biases, g),
             transpose=True, group_size=g, bits=layer.bits,
         )  # fmt: skip
-        side = getattr(layer, "side_path", None)  # a LoRA beside the quantized weights (lora.py)
-        return out if side is None else out + side(x, rows, cols)
-    return x @ layer.weight[rows, c0:c1].T
+    else:
+        out = x @ layer.weight[rows, c0:c1].T
+    side = getattr(layer, "side_path", None)
+    return out if side is None else out + side(x, rows, cols)
 
 
 class RMSNorm(nn.Module):

@@ -7,8 +7,9 @@ modules: `img_attn.qkv` is diffusers' `attn.to_q`, `to_k`, `to_v` (row blocks [0
 `single_blocks.j.linear1` is diffusers' single `attn.to_qkv_mlp_proj` and gets one. The mapping is
 read off `transformer.py`'s public name tables (through `lora_formats.target_table`), never restated.
 
-The frozen layer is kept as it is, an `nn.Linear` or an `nn.QuantizedLinear` (QLoRA: its quantized
-matmul runs unchanged and the adapters are a side path; the weights are never dequantized).
+The adapters are trainable terms of the one LoRA layer (`lora.layers.LoRALinear`, the layer inference
+uses too): the frozen layer is kept as it is, an `nn.Linear` or an `nn.QuantizedLinear` (QLoRA: its
+quantized matmul runs unchanged and the adapters are a side path; the weights are never dequantized).
 Adapters are float32 master weights; the side path runs in the activation dtype.
 
 Targets (`--targets`, comma-separated; see `parse_targets`):
@@ -40,6 +41,7 @@ from .. import __version__
 from ..errors import FluxKleinError
 from ..lora.apply import layers_by_path
 from ..lora.formats import Term, target_table
+from ..lora.layers import ROLE_LISTS, LoRALinear, TrainableTerm
 from ..lora.layouts import file_metadata, layout_pairs, layout_tensors, training_header
 from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, QKV, linear_shapes
 from ..weights import save_safetensors_streaming
@@ -127,46 +129,17 @@ def parse_targets(targets, params) -> list[Slot]:
     return [s for s in slots if s.name in chosen]
 
 
-class LoRALinear(nn.Module):
-    """A frozen Linear / QuantizedLinear plus trainable adapters on row blocks of its output.
-
-    `blocks` are disjoint row ranges in increasing order (q, k, v of a fused qkv, or all rows);
-    rows no adapter covers get nothing added.
-    """
-
-    def __init__(self, base: nn.Module, blocks: list[tuple[int, int]], init_a: list[np.ndarray], rank: int, scale: float):
-        super().__init__()
-        self.base = base
-        self.base.freeze()
-        self.blocks = tuple(tuple(b) for b in blocks)
-        self.scale = scale
-        self.lora_A = [mx.array(a, dtype=mx.float32) for a in init_a]  # (r, in) each
-        self.lora_B = [mx.zeros((r1 - r0, rank), dtype=mx.float32) for r0, r1 in self.blocks]  # (rows, r)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        y = self.base(x)  # (..., out)
-        out = y.shape[-1]
-        parts, at = [], 0
-        for (r0, r1), a, b in zip(self.blocks, self.lora_A, self.lora_B):
-            if r0 > at:
-                parts.append(mx.zeros((*x.shape[:-1], r0 - at), dtype=x.dtype))
-            parts.append((x @ a.astype(x.dtype).T) @ b.astype(x.dtype).T)  # (..., r) -> (..., rows)
-            at = r1
-        if at < out:
-            parts.append(mx.zeros((*x.shape[:-1], out - at), dtype=x.dtype))
-        side = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
-        return y + self.scale * side
-
-
 class TrainableLoRA:
     """The adapters attached to a model: which slot each (A, B) pair is, and the file they make."""
 
-    def __init__(self, slots: list[Slot], rank: int, alpha: float, modules: dict[str, LoRALinear]):
-        self.slots, self.rank, self.alpha, self.modules = slots, rank, alpha, modules
-        self._where = {}  # slot name -> (module, index of its pair)
-        for slot in slots:
-            module = modules[slot.layer]
-            self._where[slot.name] = (module, module.blocks.index(slot.rows))
+    def __init__(self, slots: list[Slot], rank: int, alpha: float, where: dict[str, tuple[LoRALinear, TrainableTerm]]):
+        self.slots, self.rank, self.alpha = slots, rank, alpha
+        self._where = where  # slot name -> (its layer, its term there)
+
+    @property
+    def count(self) -> int:
+        """How many adapters: one per diffusers module."""
+        return len(self.slots)
 
     @property
     def num_parameters(self) -> int:
@@ -174,14 +147,15 @@ class TrainableLoRA:
 
     def paths(self) -> dict[str, tuple[str, str]]:
         """slot name -> the paths of its A and B in the model's parameter tree (as `tree_flatten` spells them)."""
-        return {
-            s.name: (f"{s.layer}.lora_A.{self._where[s.name][1]}", f"{s.layer}.lora_B.{self._where[s.name][1]}")
-            for s in self.slots
-        }
+        out = {}
+        for s in self.slots:
+            layer, term = self._where[s.name]
+            out[s.name] = (f"{s.layer}.{layer.factor_path(term, 'down')}", f"{s.layer}.{layer.factor_path(term, 'up')}")
+        return out
 
     def pair(self, name: str) -> tuple[mx.array, mx.array]:
-        module, i = self._where[name]
-        return module.lora_A[i], module.lora_B[i]
+        layer, term = self._where[name]
+        return layer.lora_A[term.places["down"]], layer.lora_B[term.places["up"]]
 
     def arrays(self, dtype=mx.float32) -> dict[str, mx.array]:
         """`{slot}.lora_A.weight` (r, in) and `{slot}.lora_B.weight` (out, r), diffusers' names without the prefix."""
@@ -199,8 +173,9 @@ class TrainableLoRA:
             missing = sorted(set(want) - set(arrays)) or sorted(set(arrays) - set(want))
             raise FluxKleinError(f"{what} does not hold this run's adapters ({missing[0]}, ...); it is from another run")
         for s in self.slots:
-            module, i = self._where[s.name]
-            for key, dest in (("lora_A", module.lora_A), ("lora_B", module.lora_B)):
+            layer, term = self._where[s.name]
+            for key, role in (("lora_A", "down"), ("lora_B", "up")):
+                dest, i = layer[key], term.places[role]
                 value = arrays[f"{s.name}.{key}.weight"]
                 if value.shape != dest[i].shape:
                     raise FluxKleinError(f"{what}: {s.name}.{key} has shape {value.shape}, not {dest[i].shape}")
@@ -237,20 +212,30 @@ def file_header(s, info, items, steps: int, started_at: float) -> dict[str, str]
     run key (the settings that decide the numbers) with the model as given."""
     key = json.dumps(s.run_key(), sort_keys=True, default=str).encode()
     base = str(s.model) if not Path(str(s.model)).expanduser().exists() else info.name
-    return training_header(
+    header = training_header(
         name=s.output.stem, rank=s.rank, alpha=s.alpha, base_model=base, variant=info.variant,
         trigger=getattr(s, "trigger", None), settings_hash=hashlib.sha256(key).hexdigest(), resolution=s.resolution,
         max_steps=s.steps, steps=steps, lr=s.lr, captions=[it.caption for it in items], dataset=Path(s.data).name,
         seed=s.seed, batch_size=s.batch_size, grad_accum=s.grad_accum, dtype=s.dtype, started=started_at,
         finished=time.time(), version=__version__,
     )  # fmt: skip
+    if s.adapter == "lokr":  # kohya's way of naming a LyCORIS network (what A1111's cards read)
+        header["ss_network_module"] = "lycoris.kohya"
+        header["ss_network_args"] = json.dumps({"algo": "lokr", "factor": str(s.lokr_factor)})
+    return header
 
 
-def write_lora_file(path: Path, lora: TrainableLoRA, dtype, layout: str = "diffusers", params=None,
-                    header: dict[str, str] | None = None) -> None:  # fmt: skip
+def write_lora_file(
+    path: Path, lora, dtype, layout: str = "diffusers", params=None, header: dict[str, str] | None = None
+) -> None:
     """The LoRA file of `lora` at `path` in `layout` (lora/layouts.py; tensors in `dtype`), its header
     `header` (the training's keys) plus the layout's own. diffusers is the file diffusers' trainer writes
-    (PEFT's LoraConfig in `lora_adapter_metadata`); comfyui and kohya need the model's `params`."""
+    (PEFT's LoraConfig in `lora_adapter_metadata`); comfyui and kohya need the model's `params`.
+    A `TrainableLoKr` writes itself, in the comfyui or diffusers layout."""
+    if isinstance(lora, TrainableLoKr):
+        metadata = {**(header or {}), **lora.metadata(), "flux_klein_mlx.format": layout}
+        save_safetensors_streaming(path, lora.file_arrays(dtype, layout), metadata=metadata)
+        return
     if layout == "diffusers":
         metadata = {**(header or {}), **lora.metadata(), "flux_klein_mlx.format": "diffusers"}
         save_safetensors_streaming(path, lora.file_arrays(dtype), metadata=metadata)
@@ -268,10 +253,185 @@ def attach_lora(model: nn.Module, slots: list[Slot], rank: int, alpha: float, rn
     by_layer: dict[str, list[Slot]] = {}
     for s in slots:
         by_layer.setdefault(s.layer, []).append(s)
-    modules, layers = {}, layers_by_path(model)
-    for layer, group in by_layer.items():
-        group = sorted(group, key=lambda s: s.rows)
-        init = [(rng.standard_normal((rank, s.in_dims)) / rank).astype(np.float32) for s in group]
-        modules[layer] = LoRALinear(layers[layer], [s.rows for s in group], init, rank, alpha / rank)
-    model.update_modules(tree_unflatten(list(modules.items())))
-    return TrainableLoRA(slots, rank, alpha, modules)
+    layers, wrapped, where = layers_by_path(model), {}, {}
+    for path, group in by_layer.items():
+        layer = wrapped[path] = LoRALinear(layers[path])
+        for s in sorted(group, key=lambda s: s.rows):
+            down = mx.array((rng.standard_normal((rank, s.in_dims)) / rank).astype(np.float32))  # (r, in)
+            up = mx.zeros((s.out_dims, rank), dtype=mx.float32)  # (rows, r)
+            where[s.name] = (layer, layer.add_trainable(s.rows, alpha / rank, {"down": down, "up": up}))
+    model.update_modules(tree_unflatten(list(wrapped.items())))
+    return TrainableLoRA(slots, rank, alpha, where)
+
+
+# --- LoKr: LyCORIS' Kronecker adapters on whole layers -------------------------------------------------
+
+# diffusers' names for our fused layers once `fuse_qkv_projections` has run (its LoKr loader fuses them)
+FUSED_QKV_NAMES = {"img_attn.qkv": "attn.to_qkv", "txt_attn.qkv": "attn.to_added_qkv"}
+
+
+def factorization(dimension: int, factor: int = -1) -> tuple[int, int]:
+    """LyCORIS' split of a width into m · n with m <= n: m = `factor` where it divides the width, else
+    the most nearly square split whose smaller side is at most `factor` (any side for -1)."""
+    if factor > 0 and dimension % factor == 0:
+        m, n = factor, dimension // factor
+    else:
+        limit = dimension if factor < 0 else factor
+        m, n = 1, dimension
+        while m < n:
+            next_m = m + 1
+            while dimension % next_m:
+                next_m += 1
+            next_n = dimension // next_m
+            if next_m + next_n > m + n or next_m > limit:
+                break
+            m, n = next_m, next_n
+    return (m, n) if m <= n else (n, m)
+
+
+def kaiming_uniform(rng: np.random.Generator, shape: tuple[int, int]) -> mx.array:
+    """torch's `kaiming_uniform_(a=sqrt(5))`, LyCORIS' init of w1 and w2_a: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    bound = 1.0 / np.sqrt(shape[1])
+    return mx.array(rng.uniform(-bound, bound, size=shape).astype(np.float32))
+
+
+@dataclass(frozen=True)
+class LoKrShape:
+    """One layer's factorization: (out, in) = (a·c, b·d), w1 (a, b), w2 (c, d) whole or (c, r) @ (r, d)."""
+
+    w1: tuple[int, int]
+    w2: tuple[int, int]
+    rank: int | None  # the rank of w2's low-rank pair; None: w2 whole
+
+    @classmethod
+    def of(cls, out_dims: int, in_dims: int, rank: int, factor: int) -> "LoKrShape":
+        (a, c), (b, d) = factorization(out_dims, factor), factorization(in_dims, factor)
+        # LyCORIS (and peft) keep w2 whole when the rank is not well below its sides
+        return cls((a, b), (c, d), None if rank >= max(c, d) / 2 else rank)
+
+    def scale(self, alpha: float) -> float:
+        """LyCORIS applies alpha / rank only to a low-rank factor; whole factors are used as they are."""
+        return 1.0 if self.rank is None else alpha / self.rank
+
+
+def lokr_layers(slots: list[Slot], params) -> list[str]:
+    """The layers a LoKr run trains, in model order. LoKr factorizes a whole layer (a fused qkv's q, k
+    and v together: a Kronecker product does not split into row blocks), so each must be chosen whole."""
+    widths = {path: out for path, (out, _) in linear_shapes(params).items()}
+    covered: dict[str, list[Slot]] = {}
+    for s in slots:
+        covered.setdefault(s.layer, []).append(s)
+    for layer, group in covered.items():
+        if sum(s.out_dims for s in group) < widths[layer]:
+            raise FluxKleinError(
+                f"--adapter lokr trains whole layers, and --targets names only part of {layer} "
+                f"({', '.join(s.name for s in group)}); name the whole layer ({layer.split('.', 2)[-1]}) "
+                "or use all, attention, double or single"
+            )
+    return list(covered)
+
+
+def diffusers_layer_name(layer: str, slots: list[Slot]) -> str:
+    """Our layer -> diffusers' module of the same rows: its one slot, or the fused `to_qkv` / `to_added_qkv`."""
+    block, _, inner = layer.partition(".")[2].partition(".")
+    if inner in FUSED_QKV_NAMES:
+        return f"transformer_blocks.{block}.{FUSED_QKV_NAMES[inner]}"
+    (slot,) = [s for s in slots if s.layer == layer]
+    return slot.name
+
+
+class TrainableLoKr:
+    """LoKr adapters attached to a model: per layer w1 and w2 (or w2's pair), and the files they make.
+
+    Checkpoints hold the factors as trained (`diffusion_model.<layer>.lokr_w1`, ..., `.alpha`): the
+    ComfyUI/ai-toolkit layout, which resumes bit for bit and loads anywhere.
+    """
+
+    def __init__(self, slots, rank: int, alpha: float, where: dict[str, tuple[LoRALinear, TrainableTerm, LoKrShape]]):
+        self.slots, self.rank, self.alpha = slots, rank, alpha
+        self.where = where  # our layer -> (its LoRA layer, its term, its factorization)
+
+    @property
+    def count(self) -> int:
+        """How many adapters: one per layer."""
+        return len(self.where)
+
+    @property
+    def num_parameters(self) -> int:
+        total = 0
+        for _, _, shape in self.where.values():
+            (a, b), (c, d) = shape.w1, shape.w2
+            total += a * b + (c * d if shape.rank is None else shape.rank * (c + d))
+        return total
+
+    def arrays(self, dtype=mx.float32) -> dict[str, mx.array]:
+        """`<layer>.lokr_w1` (a, b), `.lokr_w2` (c, d) or `.lokr_w2_a` (c, r) + `.lokr_w2_b` (r, d), as trained."""
+        out = {}
+        for path, (layer, term, _) in self.where.items():
+            for role in term.places:
+                out[f"{path}.{ROLE_LISTS[role]}"] = layer[ROLE_LISTS[role]][term.places[role]].astype(dtype)
+        return out
+
+    def load(self, arrays: dict[str, mx.array], what: str) -> None:
+        """Set every factor from a checkpoint's tensors (the keys of `file_arrays`); shapes and names checked."""
+        arrays = {k.removeprefix("diffusion_model."): v for k, v in arrays.items() if not k.endswith(".alpha")}
+        want = self.arrays()
+        if set(arrays) != set(want):
+            odd = sorted(set(want) ^ set(arrays))
+            raise FluxKleinError(f"{what} does not hold this run's LoKr adapters ({odd[0]}, ...); it is from another run")
+        for path, (layer, term, _) in self.where.items():
+            for role, i in term.places.items():
+                key, dest = f"{path}.{ROLE_LISTS[role]}", layer[ROLE_LISTS[role]]
+                if arrays[key].shape != dest[i].shape:
+                    raise FluxKleinError(f"{what}: {key} has shape {arrays[key].shape}, not {dest[i].shape}")
+                dest[i] = arrays[key].astype(mx.float32)
+
+    def file_arrays(self, dtype, layout: str = "comfyui") -> dict[str, mx.array]:
+        """The LoKr file's tensors in `layout`:
+        comfyui    `diffusion_model.<BFL layer>.lokr_*` (+ `.alpha` where w2 is a low-rank pair): what
+                   ComfyUI, ai-toolkit and diffusers' BFL LoKr converter read;
+        diffusers  `transformer.<diffusers module>.lokr_*` on diffusers' fused `to_qkv` / `to_added_qkv`,
+                   the scale folded into w1 (diffusers runs peft's LoKr with alpha = rank: scale 1)."""
+        out = {}
+        for path, (layer, term, shape) in self.where.items():
+            factors = {ROLE_LISTS[r]: layer[ROLE_LISTS[r]][i] for r, i in term.places.items()}
+            if layout == "comfyui":
+                out.update({f"diffusion_model.{path}.{k}": v.astype(dtype) for k, v in factors.items()})
+                if shape.rank is not None:
+                    out[f"diffusion_model.{path}.alpha"] = mx.array(self.alpha, dtype=dtype)
+                continue
+            name = diffusers_layer_name(path, self.slots)
+            factors["lokr_w1"] = factors["lokr_w1"] * term.factor  # float32 masters, one rounding below
+            out.update({f"transformer.{name}.{k}": v.astype(dtype) for k, v in factors.items()})
+        return out
+
+    def metadata(self) -> dict[str, str]:
+        return {"format": "pt"}
+
+
+def add_lokr_term(layer: LoRALinear, shape: LoKrShape, alpha: float, rng: np.random.Generator) -> TrainableTerm:
+    """A trainable LoKr term over all of `layer`'s rows, initialised as LyCORIS does: w1 and w2_a
+    kaiming-uniform, w2 or w2_b zero, so training starts from the model itself."""
+    factors = {"w1": kaiming_uniform(rng, shape.w1)}
+    if shape.rank is None:
+        factors["w2"] = mx.zeros(shape.w2, dtype=mx.float32)
+    else:
+        factors["w2_a"] = kaiming_uniform(rng, (shape.w2[0], shape.rank))
+        factors["w2_b"] = mx.zeros((shape.rank, shape.w2[1]), dtype=mx.float32)
+    rows = (0, shape.w1[0] * shape.w2[0])
+    return layer.add_trainable(rows, shape.scale(alpha), factors)
+
+
+def attach_lokr(
+    model: nn.Module, slots: list[Slot], params, rank: int, alpha: float, factor: int, rng: np.random.Generator
+) -> TrainableLoKr:
+    """Freeze `model` and put a trainable LoKr term on each whole layer `slots` cover, drawn from `rng`
+    layer by layer in model order, so a seed gives the same start every time."""
+    model.freeze()
+    layers, shapes, wrapped, where = layers_by_path(model), linear_shapes(params), {}, {}
+    for path in lokr_layers(slots, params):
+        shape = LoKrShape.of(*shapes[path], rank, factor)
+        layer = wrapped[path] = LoRALinear(layers[path])
+        where[path] = (layer, add_lokr_term(layer, shape, alpha, rng), shape)
+    model.update_modules(tree_unflatten(list(wrapped.items())))
+    return TrainableLoKr(slots, rank, alpha, where)

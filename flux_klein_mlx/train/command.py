@@ -87,6 +87,10 @@ def describe_event(ev) -> str | None:
 @click.option("--caption", default=None, help="Caption of images without a .txt (e.g. a trigger word).")
 @click.option("--control", "controls", multiple=True,
               help="Edit LoRAs: folder of reference images, same names as --data; repeat for more references.")
+@click.option("--adapter", default=_D.adapter, show_default=True,
+              help="lora, or lokr: LyCORIS' Kronecker adapters on whole layers (the fused qkv included).")
+@click.option("--lokr-factor", type=int, default=_D.lokr_factor, show_default=True,
+              help="LoKr: split each width as FACTOR x rest (-1: the most nearly square split).")
 @click.option("--rank", type=int, default=_D.rank, show_default=True)
 @click.option("--alpha", type=float, default=None, help="LoRA alpha; scale = alpha / rank [default: rank].")
 @click.option("--targets", default=_D.targets, show_default=True,

@@ -20,6 +20,7 @@ from ..lora.layouts import check_layout
 from ..models.quantize import check_quantization
 
 TIMESTEPS = ("shift", "logit-normal", "uniform")
+ADAPTERS = ("lora", "lokr")  # LoRA pairs per diffusers module, or LoKr per layer
 DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-base-4B"
 
 
@@ -32,6 +33,8 @@ class TrainSettings:
     model: str | Path = DEFAULT_MODEL
     caption: str | None = None  # caption of images without a .txt
     controls: tuple = ()  # control folders (edit LoRAs), in reference order
+    adapter: str = "lora"  # or "lokr": LyCORIS' Kronecker adapters on whole layers
+    lokr_factor: int = -1  # LoKr: the split of each width (-1: near square, LyCORIS' default)
     rank: int = 16
     alpha: float | None = None  # default: rank (scale 1)
     targets: str | tuple = "all"
@@ -78,9 +81,16 @@ class TrainSettings:
         if self.alpha is None:
             self.alpha = float(self.rank)
         _number(self, "alpha", 0.0, 1e6, open_low=True)
+        if self.adapter not in ADAPTERS:
+            raise FluxKleinError(f"adapter must be one of {', '.join(ADAPTERS)}, not {self.adapter!r}")
+        _whole(self, "lokr_factor", -1, 65536)
+        if self.lokr_factor == 0:
+            raise FluxKleinError("lokr-factor must be -1 (the most nearly square split) or a whole number from 1, not 0")
         if self.timesteps not in TIMESTEPS:
             raise FluxKleinError(f"timesteps must be one of {', '.join(TIMESTEPS)}, not {self.timesteps!r}")
         check_layout(self.format)
+        if self.adapter == "lokr" and self.format == "kohya":
+            raise FluxKleinError("a LoKr is written as --format comfyui or diffusers; kohya's layout holds LoRA pairs only")
         if self.dtype not in DTYPES:
             raise FluxKleinError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.quantize is not None:
@@ -110,8 +120,8 @@ class TrainSettings:
 
     def run_key(self) -> dict:
         """The settings that decide what a step computes (resume needs them equal)."""
-        keep = ("model", "rank", "alpha", "targets", "lr", "batch_size", "grad_accum", "resolution", "timesteps",
-                "seed", "weight_decay", "max_grad_norm", "dtype", "quantize", "group_size", "caption")  # fmt: skip
+        keep = ("model", "adapter", "lokr_factor", "rank", "alpha", "targets", "lr", "batch_size", "grad_accum",
+                "resolution", "timesteps", "seed", "weight_decay", "max_grad_norm", "dtype", "quantize", "group_size", "caption")  # fmt: skip
         key = {k: getattr(self, k) for k in keep}
         key["model"] = str(self.model)
         key["targets"] = self.targets if isinstance(self.targets, str) else ",".join(self.targets)

@@ -53,7 +53,7 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 from .. import __version__
 from ..errors import FluxKleinError
 from ..loading import as_dtype, check_weights, describe, load_component
-from .adapters import attach_lora, file_header, parse_targets, write_lora_file
+from .adapters import attach_lokr, attach_lora, file_header, lokr_layers, parse_targets, write_lora_file
 from ..output import check_output_file, write_exclusive
 from ..models.rope import image_ids, text_ids
 from ..models.text_encoder import encode_prompts
@@ -262,6 +262,8 @@ def plan_run(settings: TrainSettings) -> RunPlan:
     check_output_file(s.output)
     info = _check_model(s)
     slots = parse_targets(s.targets, info.params)
+    if s.adapter == "lokr":
+        lokr_layers(slots, info.params)  # whole layers only: refused here, before any model loads
     items = scan_data(s.data, s.caption, s.controls, s.resolution)
     return RunPlan(s, info, slots, items, _check_resume(s, info, items))
 
@@ -313,7 +315,7 @@ class Trainer:
         if self.plan.resume_from is not None:
             self.restore(self.plan.resume_from)
         yield TrainStarted(s.steps, self.step_no + 1, self.plan.resume_from, len(self.items), bucket_counts(self.items),
-                           len(self.lora.slots), self.lora.num_parameters, wd)  # fmt: skip
+                           self.lora.count, self.lora.num_parameters, wd)  # fmt: skip
         while self.step_no < s.steps:
             yield self.train_step()
             if self.step_no == s.steps or (s.save_every and self.step_no % s.save_every == 0):
@@ -369,7 +371,11 @@ class Trainer:
         t0 = time.perf_counter()
         s = self.s
         self.model = load_component(self.info, "transformer", self.dtype, s.quantize, s.group_size)
-        self.lora = attach_lora(self.model, self.plan.slots, s.rank, s.alpha, self.rng)
+        if s.adapter == "lokr":
+            params = self.plan.info.params
+            self.lora = attach_lokr(self.model, self.plan.slots, params, s.rank, s.alpha, s.lokr_factor, self.rng)
+        else:
+            self.lora = attach_lora(self.model, self.plan.slots, s.rank, s.alpha, self.rng)
         self.optimizer = make_optimizer(s)
         mx.eval(self.model.trainable_parameters())
 
@@ -378,7 +384,7 @@ class Trainer:
 
         self.loss_and_grad = nn.value_and_grad(self.model, loss)
         q = f", {s.quantize}-bit base" if s.quantize else ""
-        return StageFinished("model", time.perf_counter() - t0, f"{len(self.lora.slots)} adapters of rank {s.rank}{q}")
+        return StageFinished("model", time.perf_counter() - t0, f"{self.lora.count} {s.adapter} adapters of rank {s.rank}{q}")
 
     # ---- one optimizer step -------------------------------------------------------------------
 
