@@ -652,3 +652,68 @@ def test_convert_base_that_would_be_ignored_and_a_kv_flag_from_the_base(capsys, 
     assert code == 0, err
     assert f"reference KV because its base {kv_base} is a Flux2KleinKVPipeline" in out
     assert json.loads((tmp_path / "kv" / "config.json").read_text())["reference_kv"] is True
+
+
+# --- FLUX 3 Image Klein (issue 30) -------------------------------------------------------------------------
+
+
+def flux3_folder(snapshot, folder: Path, index: str) -> Path:
+    """A diffusers FLUX 3 Image Klein folder as diffusers writes one: the pipeline's index and the transformer's
+    config (Flux3Transformer2DModel, 24 heads x 128 = 3072 wide, as klein-4B); the text encoder, VAE and
+    tokenizer folders are the tiny snapshot's so that nothing else is missing."""
+    shutil.copytree(snapshot, folder, ignore=shutil.ignore_patterns("model_index.json", "transformer"))
+    if index == "modular":  # a modular pipeline's own index (Flux3DistilledModularPipeline)
+        (folder / "modular_model_index.json").write_text(json.dumps({"_class_name": "Flux3DistilledModularPipeline"}))
+    else:  # an index that claims klein: only the transformer's class tells
+        (folder / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline", "is_distilled": True}))
+    (folder / "transformer").mkdir()
+    (folder / "transformer" / "config.json").write_text(json.dumps({
+        "_class_name": "Flux3Transformer2DModel", "in_channels": 128, "cond_in_channels": 128, "num_layers": 5,
+        "num_single_layers": 28, "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 20480,
+        "flow_map": True}))
+    return folder
+
+
+def flux3_file(path: Path) -> Path:
+    """A BFL FLUX 3 Image Klein transformer file: BFL's key names (the ones diffusers' single-file loader tells
+    FLUX 3 by), the image embedding klein-4B's width (3072); the other tensors cut down to stay small."""
+    from safetensors.numpy import save_file
+
+    small = np.zeros((4, 4), np.float16)
+    save_file({"emb_in.image.weight": np.zeros((3072, 128), np.float16),
+               "early_stream_modulations.image.lin.weight": small, "ref_time_in.in_layer.weight": small,
+               "content_mode_blocks.image.0.q_proj.weight": small, "single_blocks.0.q_proj.weight": small,
+               "txt_in.weight": small}, str(path))  # fmt: skip
+    return path
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_flux3_image_klein_is_named_and_refused_by_every_command(capsys, snapshot, tmp_path, no_models):
+    """A FLUX 3 Image Klein folder (modular index, or a klein index with a FLUX 3 transformer) and a BFL file:
+    `generate`, `convert`, `train`, `benchmark` and `serve` each say it is FLUX 3 Image Klein in one line (never
+    "FLUX.2 [klein] 4B", which its hidden size matches), exit 1, load no model and write nothing."""
+    sources = [flux3_folder(snapshot, tmp_path / "flux3-modular", "modular"),
+               flux3_folder(snapshot, tmp_path / "flux3-indexed", "klein"),
+               flux3_file(tmp_path / "flux-3-image-klein.safetensors")]  # fmt: skip
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("RGB", (64, 64), (20, 40, 60)).save(data / "a.png")
+    (data / "a.txt").write_text("a card")
+    before = tree_hash(tmp_path)
+    for src in sources:
+        commands = [gen_args(src, tmp_path / "x.png"), ["convert", "-m", src, "-o", tmp_path / "out"],
+                    ["train", "--model", src, "--data", data, "--output", tmp_path / "l.safetensors"],
+                    ["benchmark", "--model", src, "--steps", "1", "-W", "64", "-H", "64"],
+                    ["serve", "--model", src, "--port", free_port()]]  # fmt: skip
+        for args in commands:
+            code, _, err = run(capsys, *args)
+            assert_one_line_error(code, err, "is FLUX 3 Image Klein", "not FLUX.2 [klein]")
+            assert src.name in err and "[klein] 4B" not in err.replace("FLUX.2 [klein] 4B/9B", ""), (args[0], err)
+    assert no_models == [] and tree_hash(tmp_path) == before
