@@ -459,6 +459,79 @@ def test_bad_edit_requests(server, case):
     assert server.status()["state"] == "ready"
 
 
+def wait_for_log(server, pattern: str, timeout: float = 20) -> str:
+    deadline = time.monotonic() + timeout
+    while not re.search(pattern, log := server.log.read_text(), re.M):
+        assert time.monotonic() < deadline, f"no log line {pattern!r}: {log[-2000:]}"
+        time.sleep(0.1)
+    return log
+
+
+def test_multipart_cut_short_is_a_400_logged_as_such(server):
+    """A multipart body without its closing boundary, or cut in the middle of a part, would parse as the
+    parts before the cut (a field silently dropped): 400, and the log says 400 (as for a body python-multipart
+    refuses), never 500."""
+    body, ctype = multipart({"prompt": "x", "seed": "3"}, [("image", "a.png", png(picture(64, 64)), "image/png")])
+    closing = b"------flux-klein-test-boundary--\r\n"
+    assert body.endswith(closing)
+    for cut in (body[: -len(closing)], body[: len(body) // 2]):
+        code, reply = http("POST", server.url + "/v1/images/edits", cut, {**server.auth, "Content-Type": ctype})
+        assert code == 400 and "ends before its closing boundary" in reply["error"]["message"], reply
+        assert "\n" not in reply["error"]["message"]
+    nameless = body.replace(b'name="seed"', b"", 1)  # complete, but a part without a name: python-multipart refuses
+    code, reply = http("POST", server.url + "/v1/images/edits", nameless, {**server.auth, "Content-Type": ctype})
+    assert code == 400 and "the multipart body is malformed" in reply["error"]["message"], reply
+    log = wait_for_log(server, r"-> 400 the multipart body is malformed")
+    assert len(re.findall(r"-> 400 the multipart body ends before its closing boundary", log)) >= 2
+    assert not re.search(r"edits .* -> 500", log) and "Traceback" not in log
+
+
+def test_a_client_gone_before_its_body_is_one_log_line(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 5000\r\n\r\n{\"prompt\":")
+        time.sleep(0.3)
+    log = wait_for_log(server, r"^request [0-9a-f]{8}: generations .* -> 499 client disconnected before sending its "
+                               r"whole body in \d+\.\d\d s$")
+    assert "Traceback" not in log and "Exception in ASGI application" not in log
+    assert server.status()["state"] == "ready"
+
+
+def test_the_model_may_be_named_by_its_path_or_repo_id(server, snapshot, tmp_path):
+    """`model` is --model-id, --model as given (a path or a repo id), the folder it resolved to, or the repo a
+    converted folder came from; any other name is a 404."""
+    from flux_klein_mlx.convert import convert_model
+    from flux_klein_mlx.loading import describe
+    from flux_klein_mlx.serve.command import model_aliases
+
+    client = server.client()
+    res = client.images.generate(model=str(snapshot), prompt="a fox", size="64x64", extra_body={"seed": 1, "steps": 1})
+    assert decode(res.data[0].b64_json).size == (64, 64)
+    assert client.models.retrieve(str(snapshot)).id == "klein-tiny"
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        client.images.generate(model=str(snapshot) + "-other", prompt="a fox", size="64x64")
+    out = tmp_path / "conv"
+    convert_model(snapshot, out, dtype="float32")
+    names = model_aliases("conv", describe(out))
+    assert str(snapshot) in names and str(out) in names  # the converted folder's source, its own path
+
+
+@pytest.mark.parametrize("key, words", [("", "--api-key is empty"), ("clé-1", "holds 'é' (U+00E9)"),
+                                        ("two words", "holds ' ' (U+0020)")])
+def test_an_empty_or_non_ascii_api_key_is_refused_at_start(snapshot, capsys, monkeypatch, key, words):
+    from flux_klein_mlx.__main__ import main
+
+    for args, env in ((["--api-key", key], None), ([], key)):
+        if env is None:
+            monkeypatch.delenv("FLUX_KLEIN_API_KEY", raising=False)
+        else:
+            monkeypatch.setenv("FLUX_KLEIN_API_KEY", env)
+        code = main(["serve", "--model", str(snapshot), "--port", str(free_port()), *args])
+        err = capsys.readouterr().err
+        assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+        assert words in err and "serving" not in err
+
+
 def test_openai_client_sees_errors_as_exceptions(server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
