@@ -717,3 +717,40 @@ def test_flux3_image_klein_is_named_and_refused_by_every_command(capsys, snapsho
             assert_one_line_error(code, err, "is FLUX 3 Image Klein", "not FLUX.2 [klein]")
             assert src.name in err and "[klein] 4B" not in err.replace("FLUX.2 [klein] 4B/9B", ""), (args[0], err)
     assert no_models == [] and tree_hash(tmp_path) == before
+
+
+def test_convert_into_a_link_loop_benchmark_json_into_a_folder_and_a_full_disk(capsys, snapshot, tmp_path, no_models,
+                                                                              monkeypatch):
+    """`convert`/`quantize --output` into a symbolic-link loop (itself or the folder it is in), `benchmark --json`
+    naming a folder (the suggestion is a JSON name, not an image's), and a full disk under `--output`,
+    `--preview-dir` or `--json`: one line each, before any model, nothing written (issue 30)."""
+    import shutil as shutil_module
+
+    from flux_klein_mlx import output as output_module
+
+    loop, converted = tmp_path / "loop", tmp_path / "conv"
+    loop.symlink_to(loop)
+    reports, full = tmp_path / "reports", tmp_path / "full"
+    reports.mkdir()
+    full.mkdir()
+    cases = [(["convert", "-m", snapshot, "-o", loop], f"--output {loop}: {loop} is a symbolic link that loops"),
+             (["convert", "-m", snapshot, "-o", loop / "inner"], f"{loop} is a symbolic link that loops"),
+             (["quantize", "-m", snapshot, "-b", "4", "-o", loop], f"{loop} is a symbolic link that loops"),
+             (["benchmark", "--model", snapshot, "--json", reports],
+              f"--json {reports} is a folder; give a file name inside it, e.g. {reports / 'benchmark.json'}"),
+             (default_args(snapshot, full / "x.png"), f"the disk of {full} is full (0 bytes free)"),
+             (default_args(snapshot, tmp_path / "x.png", "--preview-dir", full), f"the disk of {full} is full"),
+             (["benchmark", "--model", snapshot, "--json", full / "b.json"], f"the disk of {full} is full")]  # fmt: skip
+    real = shutil_module.disk_usage
+
+    def usage(path):  # the volume of `full` has no byte left, as a full disk reports it
+        got = real(path)
+        return got._replace(free=0) if Path(path) == full else got
+
+    monkeypatch.setattr(output_module.shutil, "disk_usage", usage)
+    before = tree_hash(tmp_path)
+    for args, words in cases:
+        code, _, err = run(capsys, *args)
+        assert_one_line_error(code, err, words)
+        assert "Traceback" not in err
+    assert no_models == [] and tree_hash(tmp_path) == before and not converted.exists()
