@@ -665,7 +665,8 @@ def flux3_folder(snapshot, folder: Path, index: str) -> Path:
     if index == "modular":  # a modular pipeline's own index (Flux3DistilledModularPipeline)
         (folder / "modular_model_index.json").write_text(json.dumps({"_class_name": "Flux3DistilledModularPipeline"}))
     else:  # an index that claims klein: only the transformer's class tells
-        (folder / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline", "is_distilled": True}))
+        index = {"_class_name": "Flux2KleinPipeline", "is_distilled": True}
+        (folder / "model_index.json").write_text(json.dumps(index))
     (folder / "transformer").mkdir()
     (folder / "transformer" / "config.json").write_text(json.dumps({
         "_class_name": "Flux3Transformer2DModel", "in_channels": 128, "cond_in_channels": 128, "num_layers": 5,
@@ -740,7 +741,8 @@ def test_convert_into_a_link_loop_benchmark_json_into_a_folder_and_a_full_disk(c
               f"--json {reports} is a folder; give a file name inside it, e.g. {reports / 'benchmark.json'}"),
              (default_args(snapshot, full / "x.png"), f"the disk of {full} is full (0 bytes free)"),
              (default_args(snapshot, tmp_path / "x.png", "--preview-dir", full), f"the disk of {full} is full"),
-             (["benchmark", "--model", snapshot, "--json", full / "b.json"], f"the disk of {full} is full")]  # fmt: skip
+             (["benchmark", "--model", snapshot, "--json", full / "b.json"],
+              f"the disk of {full} is full")]  # fmt: skip
     real = shutil_module.disk_usage
 
     def usage(path):  # the volume of `full` has no byte left, as a full disk reports it

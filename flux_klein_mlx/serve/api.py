@@ -31,8 +31,8 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from ..errors import FluxKleinError
-from .forms import EDIT_FIELDS, GENERATION_FIELDS, LORA_NAME_RE, MAX_LORAS, ApiError, bool_field, check_multipart_complete
-from .forms import float_field
+from .forms import EDIT_FIELDS, GENERATION_FIELDS, LORA_NAME_RE, MAX_LORAS, ApiError, bool_field
+from .forms import check_multipart_complete, float_field
 from .forms import int_field, parse_json, parse_size, str_field
 from ..inputs import RunSettings, check_prompt_given
 from .jobs import EndEvent, ImageEvent, ImageRequest, NotReady, QueueFull, StageEvent, StepEvent, Worker
@@ -346,7 +346,8 @@ class Server:
         return JSONResponse({
             **self.worker.status(), "model": o.model_id, "variant": info.name if info else None,
             "default_steps": info.default_steps if info else None, "distilled": info.is_distilled if info else None,
-            "inpainting": True, "server_loras": list(o.server_loras), "loras": sorted(p.stem for p in o.lora_dir.glob("*.safetensors")) if o.lora_dir else [],
+            "inpainting": True, "server_loras": list(o.server_loras),
+            "loras": sorted(p.stem for p in o.lora_dir.glob("*.safetensors")) if o.lora_dir else [],
             "preview": pipe.preview_map().source if pipe is not None else None,
             "fields": {"generations": sorted(GENERATION_FIELDS), "edits": sorted(EDIT_FIELDS)},
             "limits": {"max_upload_mb": o.max_upload_bytes / MB, "max_megapixels": o.max_pixels / 1e6,
