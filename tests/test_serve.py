@@ -280,6 +280,8 @@ def test_client_disconnect_cancels_between_steps(server):
                                  headers={**server.auth, "Content-Type": "application/json"})
     t0 = time.monotonic()
     with urllib.request.urlopen(req, timeout=60) as r:
+        stage = [r.readline() for _ in range(3)]  # what runs before the first step: event, data, blank line
+        assert stage[0] == b"event: image_generation.stage\n" and b'"stage": ' in stage[1], stage
         assert r.readline().startswith(b"event: image_generation.progress")
     # connection closed after the first step; the worker must stop long before step 200
     st = server.wait_idle(timeout=60)
