@@ -67,6 +67,17 @@ def model_aliases(model: str, info) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n.rstrip("/") for n in names if n))
 
 
+def check_options(host: str, api_key: str | None, save_dir: str | None, lora_dir: str | None) -> None:
+    """The key, the host it must guard, the folders: one line each before anything is bound or loaded."""
+    check_api_key(api_key if api_key is not None else os.environ.get(KEY_VARIABLE))  # click reads "" as unset
+    if not is_loopback(host) and not api_key:
+        raise FluxKleinError(f"--host {host} exposes the server beyond this machine; set --api-key KEY too "
+                             "(clients then send 'Authorization: Bearer KEY')")
+    for name, folder in (("--save-dir", save_dir), ("--lora-dir", lora_dir)):
+        if folder is not None and not Path(folder).is_dir():
+            raise FluxKleinError(f"{name} {folder} is not an existing folder; create it first")
+
+
 def is_loopback(host: str) -> bool:
     try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
@@ -107,13 +118,7 @@ def serve(model, quantize, dtype, low_memory, loras, lora_dir, host, port, api_k
             import multipart  # noqa: F401
     except ImportError as e:
         raise FluxKleinError(f"serve needs the serve extra ({e.name} is missing): pip install -e \".[serve]\"") from None
-    check_api_key(api_key if api_key is not None else os.environ.get(KEY_VARIABLE))  # click reads "" as unset
-    if not is_loopback(host) and not api_key:
-        raise FluxKleinError(f"--host {host} exposes the server beyond this machine; set --api-key KEY too "
-                             "(clients then send 'Authorization: Bearer KEY')")
-    for name, folder in (("--save-dir", save_dir), ("--lora-dir", lora_dir)):
-        if folder is not None and not Path(folder).is_dir():
-            raise FluxKleinError(f"{name} {folder} is not an existing folder; create it first")
+    check_options(host, api_key, save_dir, lora_dir)
 
     # The server modules import the serve extra (checked above), so they are imported only here.
     from .api import MB, ServerOptions, create_app
