@@ -710,9 +710,10 @@ def test_flux3_image_klein_is_named_and_refused_by_every_command(capsys, snapsho
     before = tree_hash(tmp_path)
     for src in sources:
         commands = [gen_args(src, tmp_path / "x.png"), ["convert", "-m", src, "-o", tmp_path / "out"],
-                    ["train", "--model", src, "--data", data, "--output", tmp_path / "l.safetensors"],
                     ["benchmark", "--model", src, "--steps", "1", "-W", "64", "-H", "64"],
                     ["serve", "--model", src, "--port", free_port()]]  # fmt: skip
+        if src.is_dir():  # `train --model FILE` is refused for being a file (train needs a Base folder or repo id)
+            commands.append(["train", "--model", src, "--data", data, "--output", tmp_path / "l.safetensors"])
         for args in commands:
             code, _, err = run(capsys, *args)
             assert_one_line_error(code, err, "is FLUX 3 Image Klein", "not FLUX.2 [klein]")
