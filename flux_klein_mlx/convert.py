@@ -52,7 +52,7 @@ from .loading import (
     is_mlx_folder,
     read_component,
 )
-from .output import check_disk_space, folder_transaction
+from .output import broken_link, check_disk_space, folder_transaction
 from .models.quantize import check_quantization, quantize_model
 from .weights import save_safetensors_sharded
 
@@ -112,6 +112,7 @@ def convert_model(
     cast = as_dtype(dtype)
     if bits is not None:
         check_quantization(bits, group_size)
+    check_output_link(output)
     info = describe(model, base, vae)
     if info.format == "mlx":
         raise FluxKleinError(
@@ -148,6 +149,7 @@ def quantize_folder(
 ) -> dict:
     """Quantize a converted MLX folder into a new one (transformer and text encoder; the VAE is copied)."""
     check_quantization(bits, group_size)
+    check_output_link(output)
     info = describe(model)
     if info.format != "mlx":
         raise FluxKleinError(
@@ -171,6 +173,16 @@ def quantize_folder(
 
 
 # --- writing the folder ----------------------------------------------------------------------------------
+
+
+def check_output_link(output: str | Path) -> None:
+    """--output, or the folder it is in, as a symbolic link that loops or leads nowhere: one line before
+    anything is read (`Path.resolve` would raise RuntimeError on a loop)."""
+    out = Path(output).expanduser()
+    for p in (out.parent, out):
+        if trouble := broken_link(p):
+            raise FluxKleinError(f"--output {output}: {p} is a symbolic link that {trouble}; remove it or choose "
+                                 "another path")
 
 
 def _check_paths(sources: list[Path], output: Path, overwrite: bool) -> None:

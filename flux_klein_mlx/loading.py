@@ -25,12 +25,15 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .models.config import (
+    FLUX3_CLASS_PREFIX,
+    FLUX3_NAME,
     KV_PIPELINE_CLASS,
     PIPELINE_CLASSES,
     VARIANTS,
     AutoEncoderConfig,
     FluxKleinParams,
     Qwen3Config,
+    flux3_marker,
     sampling_defaults,
     variant_for,
 )
@@ -199,6 +202,7 @@ def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
             stored_dtype=config.get("dtype"), original=config.get("source"),
             reference_kv=bool(config.get("reference_kv", False)),
         )  # fmt: skip
+    _refuse_flux3_folder(path)
     if not (path / "model_index.json").is_file():
         raise FluxKleinError(
             f"{path} is not a FLUX.2 [klein] snapshot or model folder: no model_index.json (diffusers layout) and no "
@@ -221,9 +225,29 @@ def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
     return _snapshot_info(model, path, "diffusers", path, index, configs, folders, {})
 
 
+def _refuse_flux3(what: str, why: str) -> None:
+    raise FluxKleinError(f"{what} is {FLUX3_NAME} ({why}), not FLUX.2 [klein]; flux_klein_mlx runs FLUX.2 [klein] "
+                         "4B/9B only: use one of those models")
+
+
+def _refuse_flux3_folder(path: Path) -> None:
+    """A diffusers FLUX 3 Image Klein folder, told by its class names (its sizes are klein-4B's)."""
+    for name in ("model_index.json", "modular_model_index.json", "transformer/config.json"):
+        try:
+            config = _optional_json(path / name)
+        except FluxKleinError:  # unreadable: the checks below say so where the file is needed
+            continue
+        kind = config.get("_class_name") if isinstance(config, dict) else None
+        if isinstance(kind, str) and kind.startswith(FLUX3_CLASS_PREFIX):
+            _refuse_flux3(str(path), f"{name} names {kind}")
+
+
 def _describe_bfl(model, file: Path, base) -> ModelInfo:
     if file.suffix != ".safetensors":
         raise FluxKleinError(f"{file} is not a .safetensors file; pass a model folder, a repo id or a BFL .safetensors file")
+    key = flux3_marker(check_safetensors_file(file))  # the header's names, before any base folder is needed
+    if key is not None:
+        _refuse_flux3(str(file), f"key {key}")
     base_path = resolve_model(base) if base is not None else file.parent
     folders = {n: base_path / n for n in ("text_encoder", "vae")}
     if not all(f.is_dir() for f in folders.values()):

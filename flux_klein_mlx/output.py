@@ -195,6 +195,9 @@ def save_image(image: Image.Image, path: str | Path, record: dict | None = None,
 _SUFFIX_ROOM = 8
 
 
+MIN_FREE_BYTES = 1 << 20  # below this a disk counts as full: one small image (or JSON, or preview) must fit
+
+
 def check_output_file(path: str | Path, option: str = "--output") -> Path:
     """Raise FluxKleinError unless a new file can be created at `path` (or next to it, if taken)."""
     path = Path(path).expanduser()
@@ -224,6 +227,10 @@ def check_output_file(path: str | Path, option: str = "--output") -> Path:
         raise FluxKleinError(
             f"{option} {path}: cannot write in {parent} ({e.strerror}); choose a folder you can write to"
         ) from None
+    free = shutil.disk_usage(parent).free  # an empty probe fits on a full disk; an image does not
+    if free < MIN_FREE_BYTES:
+        raise FluxKleinError(f"{option} {path}: the disk of {parent} is full ({free} bytes free); free some space "
+                             "or choose a folder on another disk")
     return path
 
 

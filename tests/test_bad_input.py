@@ -652,3 +652,108 @@ def test_convert_base_that_would_be_ignored_and_a_kv_flag_from_the_base(capsys, 
     assert code == 0, err
     assert f"reference KV because its base {kv_base} is a Flux2KleinKVPipeline" in out
     assert json.loads((tmp_path / "kv" / "config.json").read_text())["reference_kv"] is True
+
+
+# --- FLUX 3 Image Klein (issue 30) -------------------------------------------------------------------------
+
+
+def flux3_folder(snapshot, folder: Path, index: str) -> Path:
+    """A diffusers FLUX 3 Image Klein folder as diffusers writes one: the pipeline's index and the transformer's
+    config (Flux3Transformer2DModel, 24 heads x 128 = 3072 wide, as klein-4B); the text encoder, VAE and
+    tokenizer folders are the tiny snapshot's so that nothing else is missing."""
+    shutil.copytree(snapshot, folder, ignore=shutil.ignore_patterns("model_index.json", "transformer"))
+    if index == "modular":  # a modular pipeline's own index (Flux3DistilledModularPipeline)
+        (folder / "modular_model_index.json").write_text(json.dumps({"_class_name": "Flux3DistilledModularPipeline"}))
+    else:  # an index that claims klein: only the transformer's class tells
+        index = {"_class_name": "Flux2KleinPipeline", "is_distilled": True}
+        (folder / "model_index.json").write_text(json.dumps(index))
+    (folder / "transformer").mkdir()
+    (folder / "transformer" / "config.json").write_text(json.dumps({
+        "_class_name": "Flux3Transformer2DModel", "in_channels": 128, "cond_in_channels": 128, "num_layers": 5,
+        "num_single_layers": 28, "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 20480,
+        "flow_map": True}))
+    return folder
+
+
+def flux3_file(path: Path) -> Path:
+    """A BFL FLUX 3 Image Klein transformer file: BFL's key names (the ones diffusers' single-file loader tells
+    FLUX 3 by), the image embedding klein-4B's width (3072); the other tensors cut down to stay small."""
+    from safetensors.numpy import save_file
+
+    small = np.zeros((4, 4), np.float16)
+    save_file({"emb_in.image.weight": np.zeros((3072, 128), np.float16),
+               "early_stream_modulations.image.lin.weight": small, "ref_time_in.in_layer.weight": small,
+               "content_mode_blocks.image.0.q_proj.weight": small, "single_blocks.0.q_proj.weight": small,
+               "txt_in.weight": small}, str(path))  # fmt: skip
+    return path
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_flux3_image_klein_is_named_and_refused_by_every_command(capsys, snapshot, tmp_path, no_models):
+    """A FLUX 3 Image Klein folder (modular index, or a klein index with a FLUX 3 transformer) and a BFL file:
+    `generate`, `convert`, `train`, `benchmark` and `serve` each say it is FLUX 3 Image Klein in one line (never
+    "FLUX.2 [klein] 4B", which its hidden size matches), exit 1, load no model and write nothing."""
+    sources = [flux3_folder(snapshot, tmp_path / "flux3-modular", "modular"),
+               flux3_folder(snapshot, tmp_path / "flux3-indexed", "klein"),
+               flux3_file(tmp_path / "flux-3-image-klein.safetensors")]  # fmt: skip
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("RGB", (64, 64), (20, 40, 60)).save(data / "a.png")
+    (data / "a.txt").write_text("a card")
+    before = tree_hash(tmp_path)
+    for src in sources:
+        commands = [gen_args(src, tmp_path / "x.png"), ["convert", "-m", src, "-o", tmp_path / "out"],
+                    ["benchmark", "--model", src, "--steps", "1", "-W", "64", "-H", "64"],
+                    ["serve", "--model", src, "--port", free_port()]]  # fmt: skip
+        if src.is_dir():  # `train --model FILE` is refused for being a file (train needs a Base folder or repo id)
+            commands.append(["train", "--model", src, "--data", data, "--output", tmp_path / "l.safetensors"])
+        for args in commands:
+            code, _, err = run(capsys, *args)
+            assert_one_line_error(code, err, "is FLUX 3 Image Klein", "not FLUX.2 [klein]")
+            assert src.name in err and "[klein] 4B" not in err.replace("FLUX.2 [klein] 4B/9B", ""), (args[0], err)
+    assert no_models == [] and tree_hash(tmp_path) == before
+
+
+def test_convert_into_a_link_loop_benchmark_json_into_a_folder_and_a_full_disk(capsys, snapshot, tmp_path, no_models,
+                                                                              monkeypatch):
+    """`convert`/`quantize --output` into a symbolic-link loop (itself or the folder it is in), `benchmark --json`
+    naming a folder (the suggestion is a JSON name, not an image's), and a full disk under `--output`,
+    `--preview-dir` or `--json`: one line each, before any model, nothing written (issue 30)."""
+    import shutil as shutil_module
+
+    from flux_klein_mlx import output as output_module
+
+    loop, converted = tmp_path / "loop", tmp_path / "conv"
+    loop.symlink_to(loop)
+    reports, full = tmp_path / "reports", tmp_path / "full"
+    reports.mkdir()
+    full.mkdir()
+    cases = [(["convert", "-m", snapshot, "-o", loop], f"--output {loop}: {loop} is a symbolic link that loops"),
+             (["convert", "-m", snapshot, "-o", loop / "inner"], f"{loop} is a symbolic link that loops"),
+             (["quantize", "-m", snapshot, "-b", "4", "-o", loop], f"{loop} is a symbolic link that loops"),
+             (["benchmark", "--model", snapshot, "--json", reports],
+              f"--json {reports} is a folder; give a file name inside it, e.g. {reports / 'benchmark.json'}"),
+             (default_args(snapshot, full / "x.png"), f"the disk of {full} is full (0 bytes free)"),
+             (default_args(snapshot, tmp_path / "x.png", "--preview-dir", full), f"the disk of {full} is full"),
+             (["benchmark", "--model", snapshot, "--json", full / "b.json"],
+              f"the disk of {full} is full")]  # fmt: skip
+    real = shutil_module.disk_usage
+
+    def usage(path):  # the volume of `full` has no byte left, as a full disk reports it
+        got = real(path)
+        return got._replace(free=0) if Path(path) == full else got
+
+    monkeypatch.setattr(output_module.shutil, "disk_usage", usage)
+    before = tree_hash(tmp_path)
+    for args, words in cases:
+        code, _, err = run(capsys, *args)
+        assert_one_line_error(code, err, words)
+        assert "Traceback" not in err
+    assert no_models == [] and tree_hash(tmp_path) == before and not converted.exists()

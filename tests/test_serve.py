@@ -36,6 +36,7 @@ pytest.importorskip("multipart")
 
 import flux_klein_mlx  # noqa: E402
 from flux_klein_mlx.output import a1111_parameters  # noqa: E402
+from flux_klein_mlx.inputs import preprocess_reference  # noqa: E402
 from refs import picture  # noqa: E402
 
 KEY = "test-key-123"
@@ -279,6 +280,8 @@ def test_client_disconnect_cancels_between_steps(server):
                                  headers={**server.auth, "Content-Type": "application/json"})
     t0 = time.monotonic()
     with urllib.request.urlopen(req, timeout=60) as r:
+        stage = [r.readline() for _ in range(3)]  # what runs before the first step: event, data, blank line
+        assert stage[0] == b"event: image_generation.stage\n" and b'"stage": ' in stage[1], stage
         assert r.readline().startswith(b"event: image_generation.progress")
     # connection closed after the first step; the worker must stop long before step 200
     st = server.wait_idle(timeout=60)
@@ -459,6 +462,79 @@ def test_bad_edit_requests(server, case):
     assert server.status()["state"] == "ready"
 
 
+def wait_for_log(server, pattern: str, timeout: float = 20) -> str:
+    deadline = time.monotonic() + timeout
+    while not re.search(pattern, log := server.log.read_text(), re.M):
+        assert time.monotonic() < deadline, f"no log line {pattern!r}: {log[-2000:]}"
+        time.sleep(0.1)
+    return log
+
+
+def test_multipart_cut_short_is_a_400_logged_as_such(server):
+    """A multipart body without its closing boundary, or cut in the middle of a part, would parse as the
+    parts before the cut (a field silently dropped): 400, and the log says 400 (as for a body python-multipart
+    refuses), never 500."""
+    body, ctype = multipart({"prompt": "x", "seed": "3"}, [("image", "a.png", png(picture(64, 64)), "image/png")])
+    closing = b"------flux-klein-test-boundary--\r\n"
+    assert body.endswith(closing)
+    for cut in (body[: -len(closing)], body[: len(body) // 2]):
+        code, reply = http("POST", server.url + "/v1/images/edits", cut, {**server.auth, "Content-Type": ctype})
+        assert code == 400 and "ends before its closing boundary" in reply["error"]["message"], reply
+        assert "\n" not in reply["error"]["message"]
+    nameless = body.replace(b'name="seed"', b"", 1)  # complete, but a part without a name: python-multipart refuses
+    code, reply = http("POST", server.url + "/v1/images/edits", nameless, {**server.auth, "Content-Type": ctype})
+    assert code == 400 and "the multipart body is malformed" in reply["error"]["message"], reply
+    log = wait_for_log(server, r"-> 400 the multipart body is malformed")
+    assert len(re.findall(r"-> 400 the multipart body ends before its closing boundary", log)) >= 2
+    assert not re.search(r"edits .* -> 500", log) and "Traceback" not in log
+
+
+def test_a_client_gone_before_its_body_is_one_log_line(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 5000\r\n\r\n{\"prompt\":")
+        time.sleep(0.3)
+    log = wait_for_log(server, r"^request [0-9a-f]{8}: generations .* -> 499 client disconnected before sending its "
+                               r"whole body in \d+\.\d\d s$")
+    assert "Traceback" not in log and "Exception in ASGI application" not in log
+    assert server.status()["state"] == "ready"
+
+
+def test_the_model_may_be_named_by_its_path_or_repo_id(server, snapshot, tmp_path):
+    """`model` is --model-id, --model as given (a path or a repo id), the folder it resolved to, or the repo a
+    converted folder came from; any other name is a 404."""
+    from flux_klein_mlx.convert import convert_model
+    from flux_klein_mlx.loading import describe
+    from flux_klein_mlx.serve.command import model_aliases
+
+    client = server.client()
+    res = client.images.generate(model=str(snapshot), prompt="a fox", size="64x64", extra_body={"seed": 1, "steps": 1})
+    assert decode(res.data[0].b64_json).size == (64, 64)
+    assert client.models.retrieve(str(snapshot)).id == "klein-tiny"
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        client.images.generate(model=str(snapshot) + "-other", prompt="a fox", size="64x64")
+    out = tmp_path / "conv"
+    convert_model(snapshot, out, dtype="float32")
+    names = model_aliases("conv", describe(out))
+    assert str(snapshot) in names and str(out) in names  # the converted folder's source, its own path
+
+
+@pytest.mark.parametrize("key, words", [("", "--api-key is empty"), ("clé-1", "holds 'é' (U+00E9)"),
+                                        ("two words", "holds ' ' (U+0020)")])
+def test_an_empty_or_non_ascii_api_key_is_refused_at_start(snapshot, capsys, monkeypatch, key, words):
+    from flux_klein_mlx.__main__ import main
+
+    for args, env in ((["--api-key", key], None), ([], key)):
+        if env is None:
+            monkeypatch.delenv("FLUX_KLEIN_API_KEY", raising=False)
+        else:
+            monkeypatch.setenv("FLUX_KLEIN_API_KEY", env)
+        code = main(["serve", "--model", str(snapshot), "--port", str(free_port()), *args])
+        err = capsys.readouterr().err
+        assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+        assert words in err and "serving" not in err
+
+
 def test_openai_client_sees_errors_as_exceptions(server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
@@ -603,13 +679,19 @@ def fill(driver, **fields):
         el.send_keys(str(value))
 
 
-# Records every text the step label and the header's busy mark show, for assertions after the run.
+# Records every text the step label and the header's busy mark show, the header as a whole (status, and the
+# busy mark when shown) at each change, and where the live preview is each time it changes.
 RECORD = """
-window.__labels = []; window.__busy = [];
-new MutationObserver(() => window.__labels.push(document.getElementById("step-label").textContent))
-  .observe(document.getElementById("step-label"), {childList: true, characterData: true, subtree: true});
-new MutationObserver(() => window.__busy.push(document.getElementById("busy").textContent))
-  .observe(document.getElementById("busy"), {childList: true, characterData: true, subtree: true});
+const $ = (id) => document.getElementById(id), watch = {childList: true, characterData: true, subtree: true,
+                                                      attributes: true};
+window.__labels = []; window.__busy = []; window.__headers = []; window.__previewTops = [];
+new MutationObserver(() => window.__labels.push($("step-label").textContent)).observe($("step-label"), watch);
+new MutationObserver(() => window.__busy.push($("busy").textContent)).observe($("busy"), watch);
+new MutationObserver(() => window.__headers.push([$("status").textContent,
+                                                  $("busy").classList.contains("hidden") ? "" : $("busy").textContent]))
+  .observe(document.querySelector("header"), watch);
+new MutationObserver(() => window.__previewTops.push($("preview-fig").getBoundingClientRect().top))
+  .observe($("preview"), {attributes: true, attributeFilter: ["src"]});
 """
 
 
@@ -639,20 +721,57 @@ def test_page_on_a_distilled_model_with_a_key(server, tmp_path):
         driver.find_element(By.ID, "refs-file").send_keys(str(ref))
         wait.until(lambda d: d.find_element(By.ID, "mode-note").text.startswith("inpainting: the first image"))
         assert driver.find_element(By.ID, "strength").is_enabled()
+        assert driver.find_element(By.ID, "status").text.endswith(") ready")  # idle
+        icon = driver.execute_script("return document.querySelector('link[rel=icon]').href")
+        assert icon.startswith("data:image/svg+xml,") and driver.execute_async_script(
+            "const i = new Image(); i.onload = () => arguments[1](i.naturalWidth > 0); i.onerror = () => arguments[1]"
+            "(false); i.src = arguments[0];", icon)  # a favicon that decodes, and no request for /favicon.ico
+
+        # Uploads that are not images are refused at the drop, by name, and never become thumbnails.
+        notes, broken = tmp_path / "notes.txt", tmp_path / "broken.png"
+        notes.write_text("not an image")
+        broken.write_bytes(b"\x89PNG\r\n\x1a\n not really")
+        for bad, words in ((notes, "notes.txt is not an image"), (broken, "broken.png is not a readable image")):
+            driver.find_element(By.ID, "refs-file").send_keys(str(bad))
+            wait.until(lambda d: words in d.find_element(By.ID, "error").text)
+            assert len(driver.find_elements(By.CSS_SELECTOR, "#refs img")) == 1  # the one good image only
+
+        # "auto" shows the size the server will use: the first image's, as the pipeline prepares it.
+        from selenium.webdriver.support.ui import Select
+
+        driver.execute_script("for (const b of document.querySelectorAll('#refs button')) b.click()")
+        Select(driver.find_element(By.ID, "size-preset")).select_by_value("auto")
+        assert driver.find_element(By.ID, "size-note").text == "auto: 1024 × 1024 (no image: the default)"
+        for w, h in ((100, 72), (2000, 1000), (1000, 3000)):
+            path = tmp_path / f"ref-{w}x{h}.png"
+            picture(w, h, 3).save(path)
+            driver.execute_script("for (const b of document.querySelectorAll('#refs button')) b.click()")
+            driver.find_element(By.ID, "refs-file").send_keys(str(path))
+            shape = preprocess_reference(path).shape  # the judge: (H, W, 3) as the server prepares it
+            expected = f"auto: {shape[1]} × {shape[0]} (the first image's size)"
+            wait.until(lambda d: d.find_element(By.ID, "size-note").text == expected)
+            assert driver.find_element(By.ID, "width").get_attribute("value") == str(shape[1])
 
 
 @pytest.fixture(scope="module")
 def page_server(tmp_path_factory, lora_dir, base):
-    """A Base model served in the default dtype (bfloat16), no key: what `serve` gives a new user."""
-    yield from start_server(base, ["--lora-dir", str(lora_dir), "--model-id", "klein-base-tiny"], tmp_path_factory)
+    """A Base model served in the default dtype (bfloat16), no key: what `serve` gives a new user; with a
+    server-wide LoRA (`light`, at 0.5) under the ones requests pick from --lora-dir."""
+    folder = tmp_path_factory.mktemp("server-lora")
+    light = write_style_lora(folder).rename(folder / "light.safetensors")
+    yield from start_server(base, ["--lora-dir", str(lora_dir), "--model-id", "klein-base-tiny",
+                                   "--lora", f"{light}:0.5"], tmp_path_factory)
 
 
 @needs_chromium
 def test_page_runs_in_the_default_dtype_on_a_phone(page_server, tmp_path):
     """On a phone-sized window, bfloat16: an inpainting run with every control (guidance, negative prompt, a
-    LoRA, strength, two images) shows "loading the model" (never "queued"), the header busy, step / elapsed /
-    ETA, previews, both results scrolled into view; a failed run clears the results; Cancel stops a run on the
-    server; the history survives a reload with downloads of the server's PNGs."""
+    LoRA, strength, two images) shows what happens before the first step ("applying the LoRAs", "loading the
+    text encoder", never "queued"), the header busy and never "ready" meanwhile, step / elapsed / ETA, then
+    "decoding" (never "0.0 s left"), the live preview and the first result scrolled into view, each image's
+    record beside it; the server's own LoRA in the header; a failed run clears the results; Cancel stops a run
+    on the server; the history survives a reload with downloads of the server's PNGs, opens an image large,
+    and "reuse" restores every setting the record holds (and says the images must be added again)."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
@@ -666,6 +785,8 @@ def test_page_runs_in_the_default_dtype_on_a_phone(page_server, tmp_path):
         wait = WebDriverWait(driver, 90, poll_frequency=0.1)
         wait.until(lambda d: d.find_element(By.ID, "base-only").is_displayed())  # a Base model: CFG controls
         wait.until(lambda d: d.find_element(By.ID, "lora-box").is_displayed())
+        assert driver.find_element(By.ID, "server-loras").text == "server LoRAs: light:0.5"
+        assert page_server.status()["server_loras"] == ["light:0.5"]
         driver.execute_script(RECORD)
         Select(driver.find_element(By.ID, "size-preset")).select_by_value("512x512")
         assert driver.find_element(By.ID, "width").get_attribute("value") == "512"
@@ -682,9 +803,15 @@ def test_page_runs_in_the_default_dtype_on_a_phone(page_server, tmp_path):
         wait.until(lambda d: d.find_element(By.ID, "step-label").text.startswith(("done", "failed")))
         assert driver.find_element(By.ID, "error").text == ""
         labels = driver.execute_script("return window.__labels")
-        assert "loading the model…" in labels and not any("queued" in t for t in labels), labels
+        assert "applying the LoRAs…" in labels and "loading the text encoder…" in labels, labels
+        assert not any("queued" in t or "0.0 s left" in t for t in labels), labels
         assert any(re.fullmatch(r"image 2/2 · step \d / \d · \d+\.\d s · about \d+\.\d s left", t) for t in labels), labels
+        assert any(re.fullmatch(r"image 2/2 · decoding… · \d+\.\d s", t) for t in labels), labels
         assert any(t.startswith("● generating") for t in driver.execute_script("return window.__busy"))
+        headers = driver.execute_script("return window.__headers")
+        assert any(busy.startswith("● generating") for _, busy in headers), headers
+        assert not any(status.endswith("ready") and busy for status, busy in headers), headers
+        assert any(0 <= top < 844 for top in driver.execute_script("return window.__previewTops"))  # in view
         assert not driver.find_element(By.ID, "busy").is_displayed()  # not busy any more
         results = driver.find_elements(By.CSS_SELECTOR, "#results img.result")
         assert len(results) == 2 and all(driver.execute_script("return arguments[0].naturalWidth", r) == 64
@@ -692,11 +819,13 @@ def test_page_runs_in_the_default_dtype_on_a_phone(page_server, tmp_path):
         top = driver.execute_script("return arguments[0].getBoundingClientRect().top", results[0])
         assert driver.execute_script("return window.scrollY") > 0 and 0 <= top < 844  # brought into view
         assert driver.find_element(By.ID, "preview").get_attribute("src").startswith("data:image/png;base64,")
-        meta = driver.find_element(By.ID, "meta").text
-        for fact in ("guidance: 2.5", "negative_prompt: blurry", "loras: style:0.8", "strength: 0.7",
-                     "dtype: bfloat16", "prompt: a fox on a phone"):
-            assert fact in meta, (fact, meta)
-        assert re.search(r"^mask: [0-9a-f]{12}$", meta, re.M), meta  # the mask, named by its content hash
+        metas = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#results figure .meta")]
+        assert len(metas) == 2 and "seed: 7" in metas[0].splitlines() and "seed: 8" in metas[1].splitlines(), metas
+        for meta in metas:  # each image's record sits with that image
+            for fact in ("guidance: 2.5", "negative_prompt: blurry", "loras: light:0.5, style:0.8", "strength: 0.7",
+                         "dtype: bfloat16", "prompt: a fox on a phone"):
+                assert fact in meta, (fact, meta)
+            assert re.search(r"^mask: [0-9a-f]{12}$", meta, re.M), meta  # the mask, named by its content hash
 
         # A failed run (steps over the server's limit): one message, no result left beside "failed".
         driver.execute_script("document.getElementById('steps').max = 100000")
@@ -704,7 +833,7 @@ def test_page_runs_in_the_default_dtype_on_a_phone(page_server, tmp_path):
         driver.find_element(By.ID, "generate").click()
         wait.until(lambda d: d.find_element(By.ID, "step-label").text == "failed")
         assert "steps must be between 1 and 200" in driver.find_element(By.ID, "error").text
-        assert driver.find_elements(By.CSS_SELECTOR, "#results img") == [] and driver.find_element(By.ID, "meta").text == ""
+        assert driver.find_elements(By.CSS_SELECTOR, "#results img") == []
 
         # Cancel a long text-to-image run: the server stops it (disconnect) and counts it cancelled.
         before = page_server.status()
@@ -726,9 +855,27 @@ def test_page_runs_in_the_default_dtype_on_a_phone(page_server, tmp_path):
             "fetch(arguments[0]).then(r => r.arrayBuffer()).then(b => arguments[1](Array.from(new Uint8Array(b, 0, 8))))",
             link.get_attribute("href"))
         assert bytes(head) == b"\x89PNG\r\n\x1a\n"
-        driver.find_elements(By.CSS_SELECTOR, "#history .reuse")[0].click()
-        assert driver.find_element(By.ID, "prompt").get_attribute("value") == "a fox on a phone"
-        assert driver.find_element(By.ID, "negative").get_attribute("value") == "blurry"
+        driver.find_elements(By.CSS_SELECTOR, "#history img")[0].click()  # opens large
+        wait.until(lambda d: d.execute_script("return document.getElementById('viewer').open"))
+        large = driver.find_element(By.ID, "viewer-img")
+        assert large.size["width"] > 300 and driver.execute_script("return arguments[0].naturalWidth", large) == 64
+        large.click()
+        wait.until(lambda d: not d.execute_script("return document.getElementById('viewer').open"))
+
+        # "reuse" puts back everything the record holds, into a form set to other values.
+        Select(driver.find_element(By.ID, "size-preset")).select_by_value("512x512")
+        fill(driver, prompt="other", count=1, guidance=7, negative="other", steps=9, seed=1)
+        driver.execute_script("document.getElementById('strength').value = ''")
+        driver.find_elements(By.CSS_SELECTOR, "#history .reuse")[0].click()  # the newest: image 2, seed 8
+        value = lambda field: driver.find_element(By.ID, field).get_attribute("value")  # noqa: E731
+        assert (value("prompt"), value("negative"), value("guidance"), value("count")) == ("a fox on a phone", "blurry",
+                                                                                        "2.5", "2")
+        assert (value("seed"), value("steps"), value("strength"), value("width"), value("height")) == ("8", "3", "0.7",
+                                                                                                       "64", "64")
+        assert driver.find_element(By.ID, "lora-style").is_selected()
+        assert driver.find_element(By.CSS_SELECTOR, "#loras input[type=number]").get_attribute("value") == "0.8"
+        note = driver.find_element(By.ID, "reuse-note").text
+        assert "1 image(s) and a mask" in note and "add them again" in note, note
 
 
 def test_api_in_the_default_dtype_partial_images_and_an_openai_mask(page_server):

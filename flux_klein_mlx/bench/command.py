@@ -322,9 +322,17 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def check_json_path(path: str | Path) -> Path:
+    """`check_output_file` for --json; a folder is answered with a JSON name inside it (not an image's)."""
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        raise FluxKleinError(f"--json {path} is a folder; give a file name inside it, e.g. {folder / 'benchmark.json'}")
+    return check_output_file(path, "--json")
+
+
 def write_json(result: dict, path: str | Path) -> Path:
     """Write `result` as JSON to `path`, or to a new name if `path` exists; returns where it went."""
-    path = check_output_file(path, "--json")
+    path = check_json_path(path)
     # Created exclusively under the first free name: never clobbers a file that appeared meanwhile.
     return write_exclusive(path, lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"))
 
@@ -376,7 +384,7 @@ def benchmark(model, random_weights, variant, width, height, steps, quantize, dt
     if not model and not random_weights:
         raise click.UsageError("give --model ID|DIR for real weights, or --random-weights [--variant ...]")
     if json_path:  # before any work: a read-only, missing or mistyped folder must not cost the run
-        check_output_file(json_path, "--json")
+        check_json_path(json_path)
     if blocks and model:
         raise click.UsageError("--blocks only applies to --random-weights")
     if model and click.get_current_context().get_parameter_source("variant").name != "DEFAULT":

@@ -289,12 +289,24 @@ DEV_MARKERS = ("guidance_in.", ".guidance_embedder.")  # FLUX.2-dev's guidance e
 # Transformers by hidden size (klein-4B and FLUX.1 share 3072; their MLPs differ: 2 x 3D SwiGLU vs 4D GELU).
 HIDDEN_SIZES = {3072: "FLUX.2 [klein] 4B", 4096: "FLUX.2 [klein] 9B", 6144: "FLUX.2-dev"}
 DEV_HIDDEN = 6144
+# FLUX 3 Image Klein: diffusers' Flux3Transformer2DModel (pipelines Flux3ModularPipeline and
+# Flux3DistilledModularPipeline); BFL's file has per-mode blocks and, distilled, a second timestep embedder
+# (the keys diffusers' single-file loader tells it by). Its hidden size is klein-4B's (24 heads x 128 = 3072),
+# so it is told apart by these names, never by its shapes.
+FLUX3_CLASS_PREFIX = "Flux3"
+FLUX3_MARKERS = ("early_stream_modulations.", "single_stream_modulations.", "mode_blocks.", "ref_time_in.")
+FLUX3_NAME = "FLUX 3 Image Klein"
 
 
 def flux1_marker(name: str) -> str | None:
     """The FLUX.1-only marker that module or key `name` carries (dotted or underscored), or None."""
     dotted, underscored = f".{name}.", f"_{name}_"
     return next((m for m in FLUX1_MARKERS if m in dotted or m.replace(".", "_") in underscored), None)
+
+
+def flux3_marker(names) -> str | None:
+    """The first of `names` (checkpoint keys or module names) that only FLUX 3 Image Klein has, or None."""
+    return next((n for n in names if any(m in f".{n}" for m in FLUX3_MARKERS)), None)
 
 
 def qwen3_4b() -> Qwen3Config:

@@ -26,15 +26,16 @@ from typing import Callable
 from PIL import Image
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import FluxKleinError
-from .forms import EDIT_FIELDS, GENERATION_FIELDS, LORA_NAME_RE, MAX_LORAS, ApiError, bool_field, float_field
+from .forms import EDIT_FIELDS, GENERATION_FIELDS, LORA_NAME_RE, MAX_LORAS, ApiError, bool_field
+from .forms import check_multipart_complete, float_field
 from .forms import int_field, parse_json, parse_size, str_field
 from ..inputs import RunSettings, check_prompt_given
-from .jobs import EndEvent, ImageEvent, ImageRequest, NotReady, QueueFull, StepEvent, Worker
+from .jobs import EndEvent, ImageEvent, ImageRequest, NotReady, QueueFull, StageEvent, StepEvent, Worker
 from ..lora.apply import parse_lora_spec
 from ..output import write_exclusive
 
@@ -47,6 +48,8 @@ class ServerOptions:
     """What the operator chose at start; nothing here comes from a request."""
 
     model_id: str = "flux-klein"
+    model_aliases: tuple = ()  # other names of the served model a request's "model" may give: its path, its repo id
+    server_loras: tuple = ()  # "name:scale" of the --lora files loaded with the model (shown in /v1/status)
     api_key: str | None = None
     lora_dir: Path | None = None  # LoRAs a request may name: <lora_dir>/<name>.safetensors
     save_dir: Path | None = None  # every result is also written here under a server-chosen name
@@ -127,7 +130,7 @@ class Server:
         (`kind`: the route's event type prefix, "image_generation" or "image_edit")."""
         o = self.options
         model = body.get("model")
-        if model not in (None, "", o.model_id):
+        if model not in (None, "", o.model_id, *o.model_aliases):
             raise ApiError(404, f"model {model!r} is not served here; this server serves {o.model_id!r} "
                                 "(GET /v1/models)", "model", "model_not_found")
         prompt = str_field(body, "prompt")
@@ -190,7 +193,11 @@ class Server:
         ctype = request.headers.get("content-type", "")
         if not ctype.startswith("multipart/form-data"):
             raise ApiError(400, "POST /v1/images/edits takes multipart/form-data with image file(s) and a prompt")
-        form = await request.form(max_files=self.options.max_images + 1, max_fields=200, max_part_size=64 * 1024)
+        check_multipart_complete(ctype, await request.body())  # the whole body (capped), kept for form()
+        try:
+            form = await request.form(max_files=self.options.max_images + 1, max_fields=200, max_part_size=64 * 1024)
+        except HTTPException as e:  # python-multipart's refusal of a malformed body
+            raise ApiError(400, f"the multipart body is malformed: {e.detail}") from None
         body, uploads, mask = {}, [], None
         try:
             for key, value in form.multi_items():
@@ -290,7 +297,9 @@ class Server:
         try:
             while True:
                 event = await queue.get()
-                if isinstance(event, StepEvent):
+                if isinstance(event, StageEvent):  # before the first step: what the wait is
+                    yield sse(f"{kind}.stage", stage=event.stage, image_index=event.index)
+                elif isinstance(event, StepEvent):
                     step = {"image_index": event.index, "step": event.step, "total_steps": event.total}
                     yield sse(f"{kind}.progress", **step)
                     if event.preview is not None:
@@ -326,7 +335,7 @@ class Server:
         """GET /v1/models (the list of one) or /v1/models/{model}."""
         card = {"id": self.options.model_id, "object": "model", "created": 0, "owned_by": "flux_klein_mlx"}
         name = request.path_params.get("model")
-        if name is not None and name != card["id"]:
+        if name is not None and name not in (card["id"], *self.options.model_aliases):
             raise ApiError(404, f"model {name!r} is not served here; this server serves {card['id']!r}", "model",
                            "model_not_found")
         return JSONResponse(card if name is not None else {"object": "list", "data": [card]})
@@ -337,7 +346,8 @@ class Server:
         return JSONResponse({
             **self.worker.status(), "model": o.model_id, "variant": info.name if info else None,
             "default_steps": info.default_steps if info else None, "distilled": info.is_distilled if info else None,
-            "inpainting": True, "loras": sorted(p.stem for p in o.lora_dir.glob("*.safetensors")) if o.lora_dir else [],
+            "inpainting": True, "server_loras": list(o.server_loras),
+            "loras": sorted(p.stem for p in o.lora_dir.glob("*.safetensors")) if o.lora_dir else [],
             "preview": pipe.preview_map().source if pipe is not None else None,
             "fields": {"generations": sorted(GENERATION_FIELDS), "edits": sorted(EDIT_FIELDS)},
             "limits": {"max_upload_mb": o.max_upload_bytes / MB, "max_megapixels": o.max_pixels / 1e6,
@@ -353,9 +363,11 @@ class Server:
             req, opts = await parse(request)
             entry.describe(req)
             response = await self.run(request, req, opts, entry)
+        except ClientDisconnect:  # gone before its body arrived: nobody to answer, nothing to run
+            entry.finish(self.options.log, "499 client disconnected before sending its whole body")
+            return Response(status_code=499)
         except Exception as e:
-            entry.finish(self.options.log, f"{e.status} {e.message}" if isinstance(e, ApiError) else
-                         f"500 {type(e).__name__}: {e}")
+            entry.finish(self.options.log, outcome_of(e))
             raise
         if not isinstance(response, StreamingResponse):
             entry.finish(self.options.log, str(response.status_code))
@@ -395,6 +407,15 @@ class Server:
             raise ApiError(404, "no such image: results are kept in memory for the most recent "
                                 f"{self.options.url_cache} images only")
         return Response(png, media_type="image/png")
+
+
+def outcome_of(error: Exception) -> str:
+    """The log's words for a request that failed with `error`: the status the client gets, and why."""
+    if isinstance(error, ApiError):
+        return f"{error.status} {error.message}"
+    if isinstance(error, HTTPException):  # answered with its own status by on_http_error
+        return f"{error.status_code} {error.detail}"
+    return f"500 {type(error).__name__}: {error}"
 
 
 def create_app(worker: Worker, options: ServerOptions) -> Starlette:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import os
 import socket
 import time
 from pathlib import Path
@@ -37,6 +38,46 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+KEY_VARIABLE = "FLUX_KLEIN_API_KEY"
+
+
+def check_api_key(api_key: str | None) -> None:
+    """An empty key would silently mean "no key"; a key of other than printable ASCII cannot travel in an
+    HTTP header (browsers refuse it, other clients send other bytes): both are refused at start."""
+    if api_key is None:
+        return
+    if not api_key.strip():
+        raise FluxKleinError(f"--api-key is empty (or {KEY_VARIABLE} is set to nothing); give a key, or leave both "
+                             "out (unset the variable) for a server without one (loopback only)")
+    bad = next((c for c in api_key if not " " < c < "\x7f"), None)
+    if bad is not None:
+        raise FluxKleinError(f"--api-key holds {bad!r} (U+{ord(bad):04X}); HTTP headers carry printable ASCII only, "
+                             "so use letters, digits and punctuation (e.g. from `openssl rand -hex 16`)")
+
+
+def model_aliases(model: str, info) -> tuple[str, ...]:
+    """The names a request's "model" may use besides --model-id: --model as given (a repo id or a path), the
+    folder it resolved to, and the repo a converted folder came from."""
+    names = [str(model), str(info.path)]
+    if Path(str(model)).expanduser().exists():
+        names.append(str(Path(str(model)).expanduser().resolve()))
+    original = info.original.get("model") if isinstance(info.original, dict) else None
+    if isinstance(original, str):
+        names.append(original)
+    return tuple(dict.fromkeys(n.rstrip("/") for n in names if n))
+
+
+def check_options(host: str, api_key: str | None, save_dir: str | None, lora_dir: str | None) -> None:
+    """The key, the host it must guard, the folders: one line each before anything is bound or loaded."""
+    check_api_key(api_key if api_key is not None else os.environ.get(KEY_VARIABLE))  # click reads "" as unset
+    if not is_loopback(host) and not api_key:
+        raise FluxKleinError(f"--host {host} exposes the server beyond this machine; set --api-key KEY too "
+                             "(clients then send 'Authorization: Bearer KEY')")
+    for name, folder in (("--save-dir", save_dir), ("--lora-dir", lora_dir)):
+        if folder is not None and not Path(folder).is_dir():
+            raise FluxKleinError(f"{name} {folder} is not an existing folder; create it first")
+
+
 def is_loopback(host: str) -> bool:
     try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
@@ -56,7 +97,7 @@ def is_loopback(host: str) -> bool:
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; anything but loopback requires --api-key.")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
-@click.option("--api-key", envvar="FLUX_KLEIN_API_KEY", default=None,
+@click.option("--api-key", envvar=KEY_VARIABLE, default=None,
               help="Require 'Authorization: Bearer KEY' on /v1 (or set FLUX_KLEIN_API_KEY).")
 @click.option("--queue", "queue_size", type=click.IntRange(0, 1000), default=8, show_default=True,
               help="Requests that may wait behind the running one; more get HTTP 429.")
@@ -77,12 +118,7 @@ def serve(model, quantize, dtype, low_memory, loras, lora_dir, host, port, api_k
             import multipart  # noqa: F401
     except ImportError as e:
         raise FluxKleinError(f"serve needs the serve extra ({e.name} is missing): pip install -e \".[serve]\"") from None
-    if not is_loopback(host) and not api_key:
-        raise FluxKleinError(f"--host {host} exposes the server beyond this machine; set --api-key KEY too "
-                             "(clients then send 'Authorization: Bearer KEY')")
-    for name, folder in (("--save-dir", save_dir), ("--lora-dir", lora_dir)):
-        if folder is not None and not Path(folder).is_dir():
-            raise FluxKleinError(f"{name} {folder} is not an existing folder; create it first")
+    check_options(host, api_key, save_dir, lora_dir)
 
     # The server modules import the serve extra (checked above), so they are imported only here.
     from .api import MB, ServerOptions, create_app
@@ -98,7 +134,9 @@ def serve(model, quantize, dtype, low_memory, loras, lora_dir, host, port, api_k
         sock.close()
         raise
     model_id = model_id or Path(str(model).rstrip("/")).name
-    options = ServerOptions(model_id=model_id, api_key=api_key, lora_dir=Path(lora_dir) if lora_dir else None,
+    server_loras = tuple(f"{Path(lora.name).stem}:{lora.scale:g}" for lora in pipe.loras)
+    options = ServerOptions(model_id=model_id, model_aliases=model_aliases(model, pipe.info), server_loras=server_loras,
+                            api_key=api_key, lora_dir=Path(lora_dir) if lora_dir else None,
                             save_dir=Path(save_dir) if save_dir else None, max_upload_bytes=int(max_upload_mb * MB),
                             log=lambda line: click.echo(line, err=True))  # fmt: skip
 

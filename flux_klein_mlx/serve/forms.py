@@ -60,6 +60,19 @@ def parse_json(data: bytes | bytearray) -> dict:
     return body
 
 
+def check_multipart_complete(content_type: str, body: bytes) -> None:
+    """A multipart body must end with its closing delimiter (`--BOUNDARY--`). One cut short (a dropped
+    upload, a client bug) would otherwise parse as the parts before the cut, the rest silently missing:
+    a 400 instead."""
+    m = re.search(r'boundary=(?:"([^"]+)"|([^;\s]+))', content_type)
+    if m is None:
+        raise ApiError(400, "the multipart Content-Type has no boundary; let the HTTP client build the form")
+    close = b"--" + (m.group(1) or m.group(2)).encode("latin-1") + b"--"
+    if not (body.startswith(close) or b"\r\n" + close in body):
+        raise ApiError(400, f"the multipart body ends before its closing boundary ({len(body)} bytes received): "
+                            "the upload was cut short; send the request again")
+
+
 # ---- field parsing: values are JSON types (generations) or strings (multipart edits) -------------
 
 

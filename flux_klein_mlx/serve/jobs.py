@@ -1,7 +1,8 @@
 """The server's single worker: one model resident, one generation at a time, a bounded queue.
 
 MLX work never runs concurrently: one thread loads the pipeline and then runs jobs in order. A
-job reports through a callback (called on the worker thread) with typed events: a `StepEvent`
+job reports through a callback (called on the worker thread) with typed events: `StageEvent`s
+before its first step (LoRAs applied, text encoder loaded or prompt cached), a `StepEvent`
 after every denoising step (with a small preview PNG when asked), an `ImageEvent` for each
 finished image, then exactly one `EndEvent` ("done", "error" or "cancelled"). A cancelled job
 stops between steps (`FluxKleinPipeline.stream` yields after every step, so the worker just stops
@@ -50,6 +51,16 @@ class StepEvent:
     total: int
     preview: bytes | None = None  # PNG
     kind: str = "step"
+
+
+@dataclass
+class StageEvent:
+    """What the job does before its first step: "loras" (applying a change of LoRAs), "text_encoder" (loading
+    the text encoder to encode a new prompt) or "cached" (the prompt's embeddings are cached: no encoder)."""
+
+    stage: str
+    index: int = 0
+    kind: str = "stage"
 
 
 @dataclass
@@ -184,10 +195,12 @@ class Worker:
         req, pipe = job.request, self.pipe
         loras = self.base_loras + tuple(req.loras)
         if loras != tuple((lora.path, lora.scale) for lora in pipe.loras):
+            job.on_event(StageEvent("loras"))
             pipe.set_loras(list(loras))  # checked first: on error the pipeline keeps its LoRAs
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # guidance on distilled models etc.: noted in the metadata
             prepared = prepare_inputs(req.settings, pipe.info)  # uploads decoded once for all n images
+        job.on_event(StageEvent("text_encoder" if pipe.check_text_encoder(prepared) else "cached"))
         wanted = preview_steps(prepared.steps_run, req.partial_images)
         for index in range(req.n):
             with contextlib.closing(pipe.stream(prepared.for_image(index))) as stream:  # cleanup now, on this thread
