@@ -213,3 +213,20 @@ def test_python_api_refuses_bad_sample_quantize(base, tmp_path, no_models):  # n
             flux_klein_mlx.train_lora(model=base, data=data, output=tmp_path / "o.safetensors", resolution=64,
                                       sample_quantize=value)  # fmt: skip
     assert list(tmp_path.iterdir()) == [data]
+
+
+def test_sample_quantize_is_recorded_and_a_lora_that_changes_nothing_is_warned_about(base, distilled, tmp_path):
+    """--sample-quantize 4: the record and its generate command say 4 bits; a LoRA trained with a
+    negligible learning rate barely moves the samples, and the run says so."""
+    data = captioned(tmp_path / "data", ["a striped test card"])
+    with pytest.warns(UserWarning, match="barely changes the samples"):
+        events = list(flux_klein_mlx.train_lora(
+            model=base, data=data, output=tmp_path / "q.safetensors", steps=1, rank=4, lr=1e-8, resolution=64,
+            save_every=None, sample_every=1, sample_prompts=[PROMPT], sample_model=distilled, sample_quantize=4,
+            sample_steps=1, sample_size=80,
+        ))  # fmt: skip
+    last = [e for e in events if isinstance(e, SamplesSaved)][-1]
+    assert last.step == 1 and last.changes[0] < 1.0
+    rec = record_of(tmp_path / "q.train" / "samples" / "step-000001-0.png")
+    assert rec["quantize"] == 4 and rec["width"] == 80 and rec["steps"] == 1
+    assert "--quantize 4" in rec["training_sample"]["generate"] and "--width 80" in rec["training_sample"]["generate"]
