@@ -99,7 +99,7 @@ def test_the_walker_sees_relative_and_absolute_imports(tmp_path):
     assert "loading" in graph["pipeline"]  # from .loading import ...
     assert "models.config" in graph["models.transformer"]  # from .config import ... inside a folder
     assert "errors" in graph["models.transformer"]  # from ..errors import ...
-    assert "pipeline" in graph["train.trainer"]  # a function-local from ..pipeline import load
+    assert "pipeline" in graph["train.samples"]  # a function-local from ..pipeline import MemoryPlan, load
     assert "cli" in graph["generate"]
 
 

@@ -186,6 +186,7 @@ def test_lokr_files_load_in_diffusers_and_give_our_image(base, trained, lokr_pip
     (["--adapter", "lokr", "--lokr-factor", "0"], ["lokr-factor", "-1"]),
     (["--adapter", "lokr", "--lokr-factor", "-2"], ["lokr-factor"]),
     (["--adapter", "lokr", "--targets", "to_q"], ["whole layers", "img_attn.qkv"]),
+    (["--adapter", "lokr", "--format", "kohya"], ["comfyui or diffusers", "kohya"]),
 ])  # fmt: skip
 def test_bad_lokr_options_are_one_line_before_any_model_loads(base, data, tmp_path, capsys, monkeypatch, args, words):
     import flux_klein_mlx.train.trainer as trainer

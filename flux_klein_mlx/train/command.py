@@ -72,10 +72,22 @@ def describe_event(ev) -> str | None:
     if isinstance(ev, CheckpointSaved):
         return f"checkpoint: {ev.path}"
     if isinstance(ev, SamplesSaved):
-        return "samples: " + ", ".join(str(p) for p in ev.paths)
+        return describe_samples(ev)
     if isinstance(ev, TrainFinished):
         return f"wrote {ev.output} ({ev.steps} steps, {_clock(ev.seconds)}); loss plot and train.json in {ev.work_dir}"
     return None
+
+
+def describe_samples(ev: SamplesSaved) -> str:
+    """Where the samples are, how much the LoRA changes each baseline, what sampling adds to the peak."""
+    if ev.step == 0:
+        head = f"baseline samples (no LoRA) on {ev.model}: " + ", ".join(str(p) for p in ev.paths)
+    else:
+        parts = [f"{p.name} {c:.1f}" for p, c in zip(ev.paths, ev.changes)]
+        where = f"samples at step {ev.step} on {ev.model} in {ev.paths[0].parent}"
+        head = f"{where}, change from the baseline (mean |pixel difference|, of 255): " + ", ".join(parts)
+    added = "" if ev.added_memory is None else f", {ev.added_memory / 1e9:.2f} GB over training's peak"
+    return f"{head}; sampling peak {ev.peak_memory / 1e9:.2f} GB{added}"
 
 
 @click.command("train")
@@ -117,9 +129,20 @@ def describe_event(ev) -> str | None:
 @click.option("--sample-prompt", "sample_prompts", multiple=True, help="Prompt of the sample images; repeatable.")
 @click.option("--sample-steps", type=int, default=None, help="Denoising steps of the samples [default: the model's].")
 @click.option("--sample-seed", type=int, default=_D.sample_seed, show_default=True)
+@click.option("--sample-model", default=None,
+              help="Model the samples are drawn on [default: the distilled sibling of a Base repo id, e.g. "
+              "FLUX.2-klein-4B for FLUX.2-klein-base-4B; else --model].")
+@click.option("--sample-size", type=int, default=None, help="Sample width = height in px, multiple of 16 [default: --resolution].")
+@click.option("--sample-strengths", default="1", show_default=True, help="LoRA strengths of each sample, e.g. 0.5,1,1.5.")
+@click.option("--sample-quantize", type=click.Choice(["4", "8"]), default=None,
+              help="Quantize the sample model (to fit beside training) [default: none, as generate].")
+@click.option("--trigger", default=None, help="Replaces [trigger] in each caption, else is prepended: 'sks, a fox'.")
+@click.option("--caption-dropout", type=float, default=_D.caption_dropout, show_default=True,
+              help="Probability of training an example with the empty caption.")
 def train(**options):
     """Train a LoRA on FLUX.2 [klein] Base from a folder of captioned images."""
     options["quantize"] = int(options["quantize"]) if options["quantize"] else None
+    options["sample_quantize"] = int(options["sample_quantize"]) if options["sample_quantize"] else None
     events = train_lora(**options)  # everything is checked here, before any model loads
     progress = ProgressLine()
     t0 = time.perf_counter()

@@ -8,7 +8,10 @@ Layout (the kohya / ai-toolkit convention):
     before/ink_01.png   before/ink_02.jpg     --control before/: the reference image of each stem
 
 An image without a caption takes `--caption`; without it, missing captions are an error naming the
-images. Every image (and control) is opened and decoded here, so an unreadable file is named before
+images. `--trigger WORD` replaces `[trigger]` in a caption, or else is prepended as `WORD, ` ("a fox"
+trains as "sks, a fox"); `--caption-dropout P` trains an example with the empty caption with
+probability P, drawn per batch from the run's seed and the batch's place in the run (the same on
+resume, and without touching the run's other random numbers). Every image (and control) is opened and decoded here, so an unreadable file is named before
 the first model loads.
 
 Buckets. An image of w x h pixels trains at W x H with W·H close to `resolution`², the aspect ratio
@@ -125,11 +128,38 @@ def _caption(image: Path, fallback: str | None) -> tuple[str, str] | None:
     return (fallback, "--caption") if fallback else None
 
 
-def scan_data(data, caption: str | None = None, controls=(), resolution: int = 512) -> list[TrainItem]:
+TRIGGER_SLOT = "[trigger]"
+
+
+def with_trigger(caption: str, trigger: str | None) -> str:
+    """The caption as trained: `[trigger]` replaced by `trigger`, or `trigger, ` prepended (None: as written)."""
+    if trigger is None:
+        return caption
+    if TRIGGER_SLOT in caption:
+        return caption.replace(TRIGGER_SLOT, trigger)
+    return f"{trigger}, {caption}"
+
+
+def dropped_captions(seed: int, epoch: int, position: int, n: int, p: float) -> list[bool]:
+    """Which of a batch's `n` examples train with the empty caption (probability `p` each).
+
+    The draw comes from its own generator keyed by the run's seed and the batch's (epoch, position),
+    so it is the same on resume and leaves the run's main random stream (order, sigma, noise) as
+    it is: p = 0 and p = 1 runs draw the same noise."""
+    if p <= 0.0:
+        return [False] * n
+    u = np.random.default_rng([seed, 0x64726F70, epoch, position]).random(n)  # 0x64726F70: "drop"
+    return [bool(x < p) for x in u]
+
+
+def scan_data(
+    data, caption: str | None = None, controls=(), resolution: int = 512, trigger: str | None = None
+) -> list[TrainItem]:
     """The training examples of `data` (and its `controls` folders), every file opened and checked.
 
     Raises FluxKleinError (one line) for a missing or empty folder, unreadable or corrupt images,
     images without a caption (and no `caption`), and control folders missing a counterpart.
+    Captions are as trained (`trigger` applied).
     """
     folder = Path(data).expanduser()
     images = _images_by_stem(folder, "--data")
@@ -159,7 +189,8 @@ def scan_data(data, caption: str | None = None, controls=(), resolution: int = 5
         text, source = _caption(path, caption)
         picture = _check_picture(path, "training image")
         pics = [_check_picture(cmap[stem], "control image") for _, cmap in control_maps]
-        items.append(TrainItem(stem, picture, text, source, pics, bucket_size(*picture.size, resolution)))
+        bucket = bucket_size(*picture.size, resolution)
+        items.append(TrainItem(stem, picture, with_trigger(text, trigger), source, pics, bucket))
     return items
 
 

@@ -60,6 +60,12 @@ class TrainSettings:
     sample_steps: int | None = None  # default: the model's (50 for Base)
     sample_seed: int = 0
     format: str = "diffusers"  # the output file's layout: diffusers, comfyui or kohya (lora/layouts.py)
+    sample_model: str | Path | None = None  # default: the distilled sibling of a Base repo id, else `model`
+    sample_size: int | None = None  # px, square; default: `resolution` (a multiple of 16)
+    sample_strengths: tuple | str = (1.0,)  # LoRA strengths each sample is drawn at ("0.5,1,1.5")
+    sample_quantize: int | None = None  # 4 or 8: the sample model quantized (default: as generate, none)
+    trigger: str | None = None  # replaces "[trigger]" in each caption, else is prepended as "WORD, "
+    caption_dropout: float = 0.0  # probability that an example trains with the empty caption
 
     def check(self) -> "TrainSettings":
         """Types and ranges of every setting (FluxKleinError, one line); fills derived defaults."""
@@ -98,6 +104,7 @@ class TrainSettings:
                 raise FluxKleinError(f"quantize must be 4, 8 or None, not {self.quantize!r}")
             check_quantization(int(self.quantize), int(self.group_size))
         self._check_paths_and_text()
+        self._check_samples_and_captions()
         return self
 
     def _check_paths_and_text(self) -> None:
@@ -118,6 +125,25 @@ class TrainSettings:
         if self.caption is not None and (not isinstance(self.caption, str) or not self.caption.strip()):
             raise FluxKleinError("--caption must be a non-empty text (e.g. a trigger word)")
 
+    def _check_samples_and_captions(self) -> None:
+        """--sample-size, --sample-strengths, --sample-quantize, --sample-model, --trigger, --caption-dropout."""
+        if self.sample_size is not None:
+            _whole(self, "sample_size", 64, 4096)
+            if self.sample_size % 16:
+                raise FluxKleinError(f"sample-size must be a multiple of 16 (e.g. 512), not {self.sample_size}")
+        self.sample_strengths = parse_strengths(self.sample_strengths)
+        if self.sample_quantize is not None:
+            if isinstance(self.sample_quantize, bool) or self.sample_quantize not in (4, 8):
+                raise FluxKleinError(f"sample-quantize must be 4, 8 or None, not {self.sample_quantize!r}")
+            self.sample_quantize = int(self.sample_quantize)
+        if self.sample_model is not None and (not isinstance(self.sample_model, (str, Path)) or not str(self.sample_model)):
+            raise FluxKleinError(f"--sample-model must be a repo id or a folder, not {self.sample_model!r}")
+        if self.trigger is not None:
+            if not isinstance(self.trigger, str) or not self.trigger.strip() or "\n" in self.trigger:
+                raise FluxKleinError(f"--trigger must be a word or phrase on one line (e.g. sks), not {self.trigger!r}")
+            self.trigger = self.trigger.strip()
+        _number(self, "caption_dropout", 0.0, 1.0)
+
     def run_key(self) -> dict:
         """The settings that decide what a step computes (resume needs them equal)."""
         keep = ("model", "adapter", "lokr_factor", "rank", "alpha", "targets", "lr", "batch_size", "grad_accum",
@@ -125,6 +151,11 @@ class TrainSettings:
         key = {k: getattr(self, k) for k in keep}
         key["model"] = str(self.model)
         key["targets"] = self.targets if isinstance(self.targets, str) else ",".join(self.targets)
+        # Caption settings only when set, so that checkpoints from before they existed still resume.
+        if self.trigger is not None:
+            key["trigger"] = self.trigger
+        if self.caption_dropout:
+            key["caption_dropout"] = self.caption_dropout
         return key
 
     def record(self) -> dict:
@@ -147,6 +178,30 @@ def _number(s: TrainSettings, name: str, low: float, high: float, open_low: bool
         bound = f"({low}, {high}]" if open_low else f"[{low}, {high}]"
         raise FluxKleinError(f"{name.replace('_', '-')} must be a number in {bound}, not {v!r}")
     setattr(s, name, float(v))
+
+
+def parse_strengths(value) -> tuple[float, ...]:
+    """--sample-strengths: "0.5,1,1.5" or numbers -> a tuple of distinct LoRA strengths in (0, 8]."""
+    if isinstance(value, str):
+        items = [v.strip() for v in value.split(",")]
+    elif isinstance(value, (tuple, list)):
+        items = list(value)
+    else:
+        items = [value]
+    out = []
+    for v in items:
+        try:
+            x = float(v) if not isinstance(v, bool) else math.nan
+        except (TypeError, ValueError):
+            x = math.nan
+        if not math.isfinite(x) or not 0.0 < x <= 8.0 or x in out:
+            raise FluxKleinError(
+                f"sample-strengths must be distinct numbers in (0, 8] separated by commas (e.g. 0.5,1,1.5), not {value!r}"
+            )
+        out.append(x)
+    if not out:
+        raise FluxKleinError("sample-strengths is empty; give at least one strength (e.g. 1)")
+    return tuple(out)
 
 
 def differences(old: dict, new: dict) -> list[str]:

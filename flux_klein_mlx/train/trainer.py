@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import math
 import platform
-import secrets
 import time
 import warnings
 from dataclasses import dataclass
@@ -54,11 +53,12 @@ from .. import __version__
 from ..errors import FluxKleinError
 from ..loading import as_dtype, check_weights, describe, load_component
 from .adapters import attach_lokr, attach_lora, file_header, lokr_layers, parse_targets, write_lora_file
+from .samples import Sampler, SamplesSaved, check_sample_model
 from ..output import check_output_file, write_exclusive
 from ..models.rope import image_ids, text_ids
 from ..models.text_encoder import encode_prompts
 from ..models.tokenizer import load_tokenizer
-from .data import bucket_counts, epoch_batches, load_pixels, scan_data
+from .data import bucket_counts, dropped_captions, epoch_batches, load_pixels, scan_data
 from .settings import TrainSettings, differences
 from .state import (
     checkpoints, read_checkpoint, read_state, remove_temporaries, write_atomic, write_checkpoint, write_json,
@@ -85,7 +85,7 @@ class TrainStarted:
 
 @dataclass
 class StageFinished:
-    stage: str  # "captions" | "latents" | "model"
+    stage: str  # "captions" | "sample model" | "latents" | "model"
     seconds: float
     detail: str = ""
 
@@ -105,12 +105,6 @@ class StepFinished:
 class CheckpointSaved:
     step: int
     path: Path
-
-
-@dataclass
-class SamplesSaved:
-    step: int
-    paths: list[Path]
 
 
 @dataclass
@@ -188,6 +182,7 @@ class RunPlan:
     slots: list
     items: list
     resume_from: Path | None
+    sample_info: object = None  # loading.ModelInfo of the sample model (None: no samples)
 
 
 def _check_model(s: TrainSettings):
@@ -264,8 +259,9 @@ def plan_run(settings: TrainSettings) -> RunPlan:
     slots = parse_targets(s.targets, info.params)
     if s.adapter == "lokr":
         lokr_layers(slots, info.params)  # whole layers only: refused here, before any model loads
-    items = scan_data(s.data, s.caption, s.controls, s.resolution)
-    return RunPlan(s, info, slots, items, _check_resume(s, info, items))
+    items = scan_data(s.data, s.caption, s.controls, s.resolution, trigger=s.trigger)
+    sample_info = check_sample_model(s, info)
+    return RunPlan(s, info, slots, items, _check_resume(s, info, items), sample_info)
 
 
 def train_lora(model=None, data=None, output=None, **settings) -> Iterator:
@@ -299,7 +295,8 @@ class Trainer:
         self.ropes: dict = {}
         self.step_no, self.epoch, self.batches, self.position = 0, 0, [], 0
         self.losses: list[float] = []
-        self.sample_pipe = None
+        self.sampler = Sampler(self.s, plan.sample_info) if plan.sample_info is not None else None
+        self.trained_peak = 0  # the highest training-step memory peak so far (bytes)
         self.started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self.started_at = time.time()  # unix time, for the LoRA file's header
 
@@ -310,10 +307,14 @@ class Trainer:
         remove_temporaries(wd)
         write_json(wd / "train.json", self.record())
         yield self.cache_captions()
+        if self.sampler is not None:  # its text encoder runs while no training model is resident
+            yield StageFinished("sample model", *self.sampler.load())
         yield self.cache_latents()
         yield self.load_model()
         if self.plan.resume_from is not None:
             self.restore(self.plan.resume_from)
+        if self.sampler is not None:
+            yield self.sampler.baseline()  # no LoRA: what each sample is compared with
         yield TrainStarted(s.steps, self.step_no + 1, self.plan.resume_from, len(self.items), bucket_counts(self.items),
                            self.lora.count, self.lora.num_parameters, wd)  # fmt: skip
         while self.step_no < s.steps:
@@ -330,7 +331,7 @@ class Trainer:
         t0 = time.perf_counter()
         s, info = self.s, self.info
         texts = list(dict.fromkeys([it.caption for it in self.items]))
-        extra = list(s.sample_prompts) + ([""] if s.sample_prompts and not info.is_distilled else [])
+        extra = [""] if s.caption_dropout > 0 else []  # the caption a dropped example trains with
         texts += [t for t in dict.fromkeys(extra) if t not in texts]
         tokenizer = load_tokenizer(info.tokenizer)
         encoder = load_component(info, "text_encoder", self.dtype, s.quantize, s.group_size)
@@ -409,7 +410,9 @@ class Trainer:
         B, L, C = x0.shape
         sigma = mx.array(draw_sigmas(self.s.timesteps, B, L, self.rng))
         noise = mx.array(self.rng.standard_normal((B, L, C), dtype=np.float32))
-        ctx = mx.concatenate([self.ctx[self.items[i].caption] for i in indices], axis=0)
+        dropped = dropped_captions(self.s.seed, self.epoch, self.position, len(indices), self.s.caption_dropout)
+        captions = ["" if drop else self.items[i].caption for i, drop in zip(indices, dropped)]
+        ctx = mx.concatenate([self.ctx[c] for c in captions], axis=0)
         refs = None if self.refs[indices[0]] is None else mx.concatenate([self.refs[i] for i in indices], axis=0)
         cos, sin = self.rope(self.items[indices[0]], len(self.items[indices[0]].controls))
         return x0, noise, sigma, ctx, refs, cos, sin
@@ -434,6 +437,7 @@ class Trainer:
                 f"the loss became non-finite at step {self.step_no}; lower --lr, or train with --dtype float32"
             )
         self.losses.append(loss)
+        self.trained_peak = max(self.trained_peak, mx.get_peak_memory())
         return StepFinished(self.step_no, s.steps, loss, time.perf_counter() - t0, s.lr, norm.item(), mx.get_peak_memory())
 
     # ---- checkpoints, samples, the end ----------------------------------------------------------
@@ -466,33 +470,8 @@ class Trainer:
         mx.eval(self.model.trainable_parameters(), self.optimizer.state)
 
     def samples(self) -> SamplesSaved:
-        """Images from the sample prompts with the current LoRA, through the public pipeline (which
-        loads its own, low-memory copy of the model; the training model stays as it is)."""
-        from ..pipeline import load
-
-        s, wd = self.s, self.s.work_dir
-        lora_file = wd / f".sample-lora.{secrets.token_hex(4)}.tmp"
-        write_lora_file(lora_file, self.lora, self.dtype)
-        try:
-            if self.sample_pipe is None:
-                self.sample_pipe = load(s.model, dtype=s.dtype, quantize=s.quantize, group_size=s.group_size,
-                                        low_memory=True, loras=[lora_file])  # fmt: skip
-                for text, emb in self.ctx.items():
-                    if text in s.sample_prompts or text == "":
-                        self.sample_pipe.remember_prompt(text, emb)
-            else:
-                self.sample_pipe.set_loras([lora_file])
-            (wd / "samples").mkdir(exist_ok=True)
-            size = max(64, 16 * round(s.resolution / 16))
-            paths = []
-            for k, prompt in enumerate(s.sample_prompts):
-                image = self.sample_pipe.generate(prompt, width=size, height=size, steps=s.sample_steps, seed=s.sample_seed)
-                path = wd / "samples" / f"step-{self.step_no:06d}-{k}.png"
-                write_atomic(path, lambda tmp: image.save(tmp, format="PNG"))
-                paths.append(path)
-        finally:
-            lora_file.unlink(missing_ok=True)
-        return SamplesSaved(self.step_no, paths)
+        """Each sample prompt with the LoRA as it is now, on the sample model (train/samples.py)."""
+        return self.sampler.sample(self.step_no, self.lora, self.trained_peak)
 
     def record(self, **extra) -> dict:
         """train.json: every setting, the data with hashes, the adapters, versions."""

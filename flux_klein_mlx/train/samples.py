@@ -1,0 +1,209 @@
+"""Sample images while a LoRA trains, on the model it will run on, exactly as `generate` makes them.
+
+    samples/step-000000-K.png        sample prompt K without the LoRA (the baseline), before step 1
+    samples/step-000100-K.png        prompt K with the LoRA as it is at step 100 (strength 1)
+    samples/step-000100-K-x0.5.png   the same at strength 0.5 (--sample-strengths 0.5,1)
+
+The sample model (`--sample-model`) defaults to the distilled sibling of a published Base repo id
+(FLUX.2-klein-base-4B -> FLUX.2-klein-4B, the 4-step model LoRAs are run on), else the training
+model. Samples go through the public `pipeline.load` at `generate`'s defaults: bfloat16, no
+quantization (unless --sample-quantize), the sample model's own steps and guidance, the torch noise
+of --sample-seed, --resolution² pixels (or --sample-size²). The LoRA is written from the in-memory
+adapters into a file byte-identical to the checkpoint's `lora.safetensors` at that step (float32,
+the same header), so a sample is what
+
+    generate --model M --lora <work>/checkpoint-N/lora.safetensors --prompt P --seed S --width W --height W
+
+gives; each PNG's record carries that command and the LoRA's sha256 (`training_sample`).
+
+The pipeline computes as `generate` does (whole-model evaluation, untiled decode: low_memory's
+blockwise evaluation and tiled decode round bfloat16 differently, several /255 on a tiny model),
+but holds one model at a time: its text encoder runs once (before the training model loads), its
+transformer and VAE are released after each image; the training model stays as it is. Each
+sample point reports how much the LoRA changes each baseline image (mean |pixel difference|, 0-255)
+and the memory peak of its images, with what that adds over the training steps' peak.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shlex
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import FluxKleinError
+from ..loading import ModelInfo, check_weights, describe
+from ..models.config import VARIANTS
+from ..output import write_image
+from ..weights import save_safetensors_streaming
+from .state import write_atomic
+
+# A LoRA whose samples differ from the baseline by less than this mean |pixel difference| (of 255)
+# changes almost nothing: at strength 1 a LoRA that has learned anything moves far more pixels.
+WEAK_CHANGE = 1.0
+
+
+@dataclass
+class SamplesSaved:
+    step: int
+    paths: list[Path]
+    changes: list[float | None]  # per image: mean |pixel - its baseline| in 0-255 (None: a baseline)
+    strengths: list[float | None]  # per image: the LoRA strength (None: a baseline)
+    peak_memory: int  # bytes: the highest stage peak of these images (the training model resident)
+    added_memory: int | None  # bytes over the training steps' peak so far (None: before step 1)
+    model: str  # the sample model's name
+
+
+def sibling_model(model) -> str | None:
+    """The distilled repo id of a published klein Base repo id (FLUX.2-klein-base-4B -> FLUX.2-klein-4B), else None."""
+    name = str(model).lower()
+    for v in VARIANTS.values():
+        if not v.distilled and v.repo.lower() == name:
+            return VARIANTS[v.family].repo
+    return None
+
+
+def sample_source(s) -> str:
+    """Where samples are drawn: --sample-model, else the distilled sibling of a Base repo id, else --model."""
+    if s.sample_model is not None:
+        return str(s.sample_model)
+    return sibling_model(s.model) or str(s.model)
+
+
+def check_sample_model(s, trained: ModelInfo) -> ModelInfo | None:
+    """The sample model, described and checked (configs and headers only; no model loads); None: no samples."""
+    if not s.sample_every:
+        return None
+    source = sample_source(s)
+    try:
+        info = describe(source)
+    except FluxKleinError as e:
+        raise FluxKleinError(f"--sample-model {source}: {e}") from None
+    if info.format == "bfl":
+        raise FluxKleinError(f"--sample-model {source} is a single weight file; convert it into a model folder first")
+    if info.params.shape_key() != trained.params.shape_key():
+        raise FluxKleinError(
+            f"--sample-model {source} is {info.params.describe()}, but the LoRA trains on {trained.params.describe()}; "
+            "give a klein model of the same size (the distilled model of the same family)"
+        )
+    stored = next((r for r in info.quantization.values() if r), None)
+    if stored and s.sample_quantize is not None and s.sample_quantize != stored["bits"]:
+        raise FluxKleinError(f"--sample-model {source} is already quantized to {stored['bits']} bits; leave --sample-quantize out")
+    try:
+        check_weights(info)
+    except FluxKleinError as e:
+        raise FluxKleinError(f"--sample-model {source}: {e}") from None
+    return info
+
+
+def generate_command(record: dict, source: str, lora: Path | None, strength: float | None) -> str:
+    """The `generate` command line that makes the image of `record` (a sample's own settings)."""
+    args = ["python", "-m", "flux_klein_mlx", "generate", "--model", source, "--prompt", record["prompt"],
+            "--seed", str(record["seed"]), "--width", str(record["width"]), "--height", str(record["height"]),
+            "--steps", str(record["steps"])]  # fmt: skip
+    if record["quantize"]:
+        args += ["--quantize", str(record["quantize"])]
+    if lora is not None:
+        args += ["--lora", str(lora)] + (["--lora-scale", f"{strength:g}"] if strength != 1.0 else [])
+    return shlex.join(args)
+
+
+def sample_name(step: int, k: int, strength: float | None) -> str:
+    tail = "" if strength in (None, 1.0) else f"-x{strength:g}"
+    return f"step-{step:06d}-{k}{tail}.png"
+
+
+class Sampler:
+    """The sample pipeline of a run: loaded once, its prompts encoded once, then an image per prompt
+    (and strength) at each sample point; the baseline images are kept for the comparisons."""
+
+    def __init__(self, settings, info: ModelInfo):
+        self.s, self.info, self.source = settings, info, sample_source(settings)
+        self.size = settings.sample_size or max(64, 16 * round(settings.resolution / 16))
+        self.folder = Path(settings.work_dir) / "samples"
+        self.pipe = None
+        self.baselines: list[np.ndarray] = []  # per prompt, (H, W, 3) float32 in 0-255
+
+    def settings(self) -> dict:
+        return {"width": self.size, "height": self.size, "steps": self.s.sample_steps, "seed": self.s.sample_seed}
+
+    def load(self) -> tuple[float, str]:
+        """Load the sample pipeline (headers only) and encode its prompts with its own text encoder,
+        released after: run while no training model is resident. (seconds, what was done)."""
+        from ..pipeline import MemoryPlan, load
+
+        t0 = time.perf_counter()
+        self.pipe = load(self.source, dtype="bfloat16", quantize=self.s.sample_quantize,
+                         low_memory=MemoryPlan(release_models=True, drop_lora_originals=True))  # fmt: skip
+        prompts = [p for prompt in self.s.sample_prompts for p in self.pipe.inputs(prompt, self.settings()).prompts]
+        mx.eval(self.pipe.encode_prompts(list(dict.fromkeys(prompts))))
+        q = f", {self.s.sample_quantize}-bit" if self.s.sample_quantize else ""
+        detail = f"{self.info.name} from {self.source} (bfloat16{q}), {len(self.s.sample_prompts)} prompt(s) encoded"
+        return time.perf_counter() - t0, detail
+
+    def _image(self, prompt: str):
+        """One image at the sample settings with the pipeline's current LoRAs: (PIL image, record, peak bytes)."""
+        image = self.pipe.generate(prompt, **self.settings())
+        st = self.pipe.last_stats
+        peak = max(st.encode.peak_memory, st.denoise.peak_memory, st.decode.peak_memory)
+        return image, dict(self.pipe.last_metadata), peak
+
+    def _save(self, name: str, image, record: dict) -> Path:
+        self.folder.mkdir(exist_ok=True)
+        path = self.folder / name
+        write_atomic(path, lambda tmp: write_image(image, tmp, "PNG", record))
+        return path
+
+    def baseline(self) -> SamplesSaved:
+        """samples/step-000000-K.png: each prompt without the LoRA (rendered again on resume)."""
+        self.pipe.set_loras([])
+        paths, self.baselines, peak = [], [], 0
+        for k, prompt in enumerate(self.s.sample_prompts):
+            image, record, p = self._image(prompt)
+            record["training_sample"] = {"step": 0, "strength": None, "baseline": True,
+                                         "generate": generate_command(record, self.source, None, None)}  # fmt: skip
+            paths.append(self._save(sample_name(0, k, None), image, record))
+            self.baselines.append(np.asarray(image, dtype=np.float32))
+            peak = max(peak, p)
+        n = len(paths)
+        return SamplesSaved(0, paths, [None] * n, [None] * n, peak, None, self.info.name)
+
+    def sample(self, step: int, lora, trained_peak: int) -> SamplesSaved:
+        """Each prompt at each strength with `lora` (a train.adapters.TrainableLoRA) as it is at `step`."""
+        checkpoint = Path(self.s.work_dir) / f"checkpoint-{step:06d}" / "lora.safetensors"
+        tmp = Path(self.s.work_dir) / f".sample-lora.{secrets.token_hex(4)}.tmp"
+        # The bytes of the checkpoint's LoRA file at this step (state.write_checkpoint): float32, same header.
+        save_safetensors_streaming(tmp, dict(lora.file_arrays(mx.float32)), metadata=lora.metadata())
+        paths, changes, strengths, peak = [], [], [], 0
+        try:
+            for strength in self.s.sample_strengths:
+                self.pipe.set_loras([(tmp, strength)])
+                for k, prompt in enumerate(self.s.sample_prompts):
+                    image, record, p = self._image(prompt)
+                    record["loras"] = [{**r, "name": f"{checkpoint.parent.name}/{checkpoint.name}"} for r in record["loras"]]
+                    record["training_sample"] = {
+                        "step": step, "strength": strength, "baseline": False, "checkpoint": str(checkpoint),
+                        "checkpoint_written": checkpoint.is_file(),
+                        "generate": generate_command(record, self.source, checkpoint, strength),
+                    }  # fmt: skip
+                    paths.append(self._save(sample_name(step, k, strength), image, record))
+                    changes.append(float(np.abs(np.asarray(image, dtype=np.float32) - self.baselines[k]).mean()))
+                    strengths.append(strength)
+                    peak = max(peak, p)
+        finally:
+            tmp.unlink(missing_ok=True)
+            self.pipe.set_loras([])
+        self._warn_if_weak(step, changes)
+        return SamplesSaved(step, paths, changes, strengths, peak, max(0, peak - trained_peak), self.info.name)
+
+    def _warn_if_weak(self, step: int, changes: list[float]) -> None:
+        if changes and max(changes) < WEAK_CHANGE:
+            warnings.warn(
+                f"the LoRA at step {step} barely changes the samples on {self.info.name} (at most {max(changes):.2f}/255 "
+                "mean pixel difference from the baseline); if this lasts, raise --lr or --steps, or check --targets"
+            )
