@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from PIL import Image
@@ -27,7 +28,8 @@ from flux_klein_mlx.train import state as train_state
 from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.loading import describe
-from flux_klein_mlx.train.trainer import CheckpointSaved, TrainFinished, data_key, plan_run, run_key
+from flux_klein_mlx.train.adapters import parse_targets
+from flux_klein_mlx.train.trainer import CheckpointSaved, TrainFinished, data_key, lora_file_shapes, plan_run, run_key
 from flux_klein_mlx.train.data import bucket_size, scan_data
 from flux_klein_mlx.train.settings import TrainSettings
 
@@ -140,13 +142,21 @@ def test_output_name_and_folder_checked(capsys, snap, tmp_path, no_models, name,
 
 
 def fake_checkpoint(work: Path, settings: TrainSettings, step: int = 2) -> Path:
-    """A checkpoint folder whose state.json says what run it belongs to (all that --resume reads first)."""
-    folder = work / f"checkpoint-{step:06d}"
-    folder.mkdir(parents=True)
-    items = scan_data(settings.data, settings.caption, settings.controls, settings.resolution)
-    state = {"step": step, "run_key": run_key(settings.check(), describe(settings.model)), "data": data_key(items)}
-    (folder / "state.json").write_text(json.dumps(state))
-    return folder
+    """A whole checkpoint of `settings`' run (zero adapters and moments, a real RNG state), written by
+    the trainer's own writer: all that --resume checks before any model loads."""
+    s = settings.check()
+    info = describe(s.model)
+    items = scan_data(s.data, s.caption, s.controls, s.resolution)
+    shapes = lora_file_shapes(parse_targets(s.targets, info.params), s.rank)
+    lora = {k: mx.zeros(shape) for k, shape in shapes.items()}
+    optimizer = {"step": mx.array(step), "learning_rate": mx.array(s.lr)}
+    for i, shape in enumerate(shapes.values()):
+        optimizer[f"p{i}.m"], optimizer[f"p{i}.v"] = mx.zeros(shape), mx.zeros(shape)
+    state = {"step": step, "epoch": 1, "batches": [[i] for i in range(len(items))], "position": 1,
+             "rng": np.random.default_rng(0).bit_generator.state, "losses": [0.5] * step,
+             "run_key": run_key(s, info), "data": data_key(items)}  # fmt: skip
+    work.mkdir(parents=True, exist_ok=True)
+    return train_state.write_checkpoint(work, step, (lora, {"format": "pt"}), optimizer, state, keep=100)
 
 
 def test_resume_refuses_another_runs_checkpoints_naming_the_differences(capsys, snap, tmp_path, no_models):
