@@ -141,7 +141,7 @@ def train(**options):
     except KeyboardInterrupt:
         events.close()  # the run's own cleanup (its lock) before the line
         progress.say(interrupted(step, checkpoint))
-        raise click.exceptions.Exit(130) from None
+        click.get_current_context().exit(130)  # the exit status of an interrupted program
     click.echo(f"done in {_clock(time.perf_counter() - t0)}", err=True)
 
 

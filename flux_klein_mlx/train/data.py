@@ -173,13 +173,12 @@ def scan_data(data, caption: str | None = None, controls=(), resolution: int = 5
             f"--data {folder} holds no images ({', '.join(IMAGE_SUFFIXES)}); put the training images there, "
             "each with a .txt caption"
         )
-    _say_what_is_not_read(folder, images, caption_extension)
     uncaptioned = [p.name for p in images.values() if _caption(p, caption, caption_extension) is None]
     if uncaptioned:
         head = ", ".join(uncaptioned[:3]) + (", ..." if len(uncaptioned) > 3 else "")
         raise FluxKleinError(
             f"{len(uncaptioned)} image(s) in {folder} have no caption ({head}); write <name>{caption_extension} next to each "
-            "or give --caption for them"
+            f"or give --caption for them{_other_captions_hint(folder, images, caption_extension)}"
         )
     control_maps = [(Path(c).expanduser(), _images_by_stem(Path(c).expanduser(), "--control")) for c in controls]
     for cfolder, cmap in control_maps:
@@ -196,7 +195,15 @@ def scan_data(data, caption: str | None = None, controls=(), resolution: int = 5
         picture = _check_picture(path, "training image")
         pics = [_check_picture(cmap[stem], "control image") for _, cmap in control_maps]
         items.append(TrainItem(stem, picture, text, source, pics, bucket_size(*picture.size, resolution)))
+    _say_what_is_not_read(folder, images, caption_extension)  # once the data passed: a refusal stays one line
     return items
+
+
+def _other_captions_hint(folder: Path, images: dict[str, Path], extension: str) -> str:
+    for other in CAPTION_SUFFIXES:
+        if other != extension and any(p.with_suffix(other).is_file() for p in images.values()):
+            return f" (the {other} files there are read with --caption-extension {other})"
+    return ""
 
 
 def load_pixels(path: Path, size: tuple[int, int]) -> np.ndarray:
