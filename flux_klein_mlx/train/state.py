@@ -331,6 +331,15 @@ def _optimizer_problem(table: dict, lora_shapes: list[tuple[int, ...]]) -> str |
     return None
 
 
+def lora_file_shapes(slots, rank: int) -> dict[str, tuple[int, int]]:
+    """The tensors of this run's LoRA file (a checkpoint's lora.safetensors): name -> shape."""
+    shapes = {}
+    for sl in slots:
+        shapes[f"transformer.{sl.name}.lora_A.weight"] = (rank, sl.in_dims)
+        shapes[f"transformer.{sl.name}.lora_B.weight"] = (sl.out_dims, rank)
+    return shapes
+
+
 def checkpoint_problem(folder: Path, step: int, lora_shapes: dict[str, tuple[int, ...]], n_items: int) -> str | None:
     """What is wrong with checkpoint `folder` (state.json, lora.safetensors, optimizer.safetensors:
     present, whole, of the types and shapes this run needs; `lora_shapes` is the file's name ->

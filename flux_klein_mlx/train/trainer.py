@@ -62,8 +62,8 @@ from ..models.tokenizer import load_tokenizer
 from .data import bucket_counts, epoch_batches, load_pixels, scan_data
 from .settings import DEFAULT_MODEL, TrainSettings
 from .state import (
-    acquire_lock, average_window, check_not_locked, check_work_dir, moving_average, read_checkpoint, remove_temporaries, resume_point,
-    write_atomic, write_checkpoint, write_json, write_loss_plot,
+    acquire_lock, average_window, check_not_locked, check_work_dir, lora_file_shapes, moving_average, read_checkpoint,
+    remove_temporaries, resume_point, write_atomic, write_checkpoint, write_json, write_loss_plot,
 )  # fmt: skip
 
 TRAIN_TIMESTEPS = 1000  # the scheduler's num_train_timesteps: sigma lives on a grid of 1/1000
@@ -236,15 +236,6 @@ def data_key(items) -> list:
     return [[it.stem, it.image.sha256, it.caption, [c.sha256 for c in it.controls], list(it.bucket)] for it in items]
 
 
-def lora_file_shapes(slots, rank: int) -> dict[str, tuple[int, int]]:
-    """The tensors of this run's LoRA file (a checkpoint's lora.safetensors): name -> shape."""
-    shapes = {}
-    for sl in slots:
-        shapes[f"transformer.{sl.name}.lora_A.weight"] = (rank, sl.in_dims)
-        shapes[f"transformer.{sl.name}.lora_B.weight"] = (sl.out_dims, rank)
-    return shapes
-
-
 def plan_run(settings: TrainSettings) -> RunPlan:
     """Every check of a run, before any model loads: settings, model files, output, data, work folder."""
     s = settings.check()
@@ -339,17 +330,16 @@ class Trainer:
         extra = list(s.sample_prompts) + ([""] if s.sample_prompts and not info.is_distilled else [])
         extra = [t for t in dict.fromkeys(extra) if t not in captions]
         self.texts, self.cache = captions + extra, open_cache(True)
-        self.keys = {t: None for t in self.texts}
-        if self.cache is not None:
-            quantization = {"bits": s.quantize, "group_size": s.group_size} if s.quantize else None
-            settings = {"dtype": s.dtype, "quantization": quantization, "for": "train"}
-            self.keys = prompt_keys(self.cache, info.files["text_encoder"], info.tokenizer, self.texts, settings)
+        quantization = {"bits": s.quantize, "group_size": s.group_size} if s.quantize else None
+        settings = {"dtype": s.dtype, "quantization": quantization, "for": "train"}
+        self.keys = {t: None for t in self.texts} if self.cache is None else \
+            prompt_keys(self.cache, info.files["text_encoder"], info.tokenizer, self.texts, settings)  # fmt: skip
         for text, key in self.keys.items():
             if key is not None and (hit := self.cache.get(key)) is not None:
                 self.ctx[text] = hit
-        what = f"{len(captions)} caption{'s' if len(captions) != 1 else ''}"
-        prompts = len(s.sample_prompts)
-        what += f" + {prompts} sample prompt{'s' if prompts != 1 else ''}" if prompts else ""
+        what = f"{len(captions)} caption" + ("s" if len(captions) != 1 else "")
+        if s.sample_prompts:
+            what += f" + {len(s.sample_prompts)} sample prompt" + ("s" if len(s.sample_prompts) != 1 else "")
         missing = sum(t not in self.ctx for t in self.texts)
         if not missing:
             return StageStarted("captions", f"{what}: all in the prompt cache, the text encoder is not loaded")
