@@ -546,3 +546,18 @@ def test_the_run_talks_ctrl_c_says_how_to_continue_and_one_loss_average_spans_th
     for step, loss, avg in printed:
         assert loss == pytest.approx(losses[step - 1], abs=5e-5) and avg == pytest.approx(plotted[step - 1], abs=5e-5)
     assert average_window(40) == 2 and Image.open(work / "loss.png").size == (900, 440)
+
+
+def test_loss_plot_has_round_ticks_and_shows_a_varying_lr():
+    from flux_klein_mlx.train.state import loss_plot, nice_ticks
+
+    assert nice_ticks(0.3123, 1.05, 5) == pytest.approx([0.4, 0.6, 0.8, 1.0])
+    assert nice_ticks(1, 500, 8, whole=True) == [100, 200, 300, 400, 500]
+    assert nice_ticks(1, 3, 8, whole=True) == [1, 2, 3]  # whole steps, never 1.5
+    losses = list(np.linspace(1.0, 0.4, 120))
+    orange = lambda img: int(np.all(np.asarray(img) == (230, 120, 20), axis=-1).sum())  # noqa: E731
+    assert orange(loss_plot(losses, 6, [1e-4] * 120)) == 0
+    assert orange(loss_plot(losses, 6, [1e-4 * (1 - i / 120) for i in range(120)])) > 100
+    image = np.asarray(loss_plot(losses, 6, [1e-4] * 120).convert("L"))
+    assert (image[44:392, :70] < 128).sum() > 50  # loss tick labels left of the axis
+    assert (image[398:420, 78:816] < 128).sum() > 50  # step tick labels under it

@@ -144,11 +144,11 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _try_flock(fd: int, holder: dict | None) -> bool:
+def _try_flock(fd: int, holder: dict | None, mode: int = fcntl.LOCK_EX) -> bool:
     """Take the lock on `fd` without waiting: True when no live run holds it. Where the volume has
     no locks (some network shares), the pid decides, on this host; another host's lock is kept."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
         return True
     except BlockingIOError:
         return False
@@ -177,7 +177,7 @@ def check_not_locked(work_dir: Path) -> None:
         return  # no lock (or one we cannot read: acquire_lock says so)
     try:
         holder = _holder(os.read(fd, 4096).decode("utf-8", "replace"))
-        if not _try_flock(fd, holder):
+        if not _try_flock(fd, holder, fcntl.LOCK_SH):  # shared: a read-only descriptor may take it anywhere
             raise _busy(path, holder)
     finally:
         os.close(fd)  # also releases the probe's flock
@@ -444,14 +444,16 @@ def loss_plot(losses: list[float], window: int, lrs: list[float] | None = None, 
     draw = ImageDraw.Draw(img)
     font = ImageFont.load_default(size=13)
     varying = bool(lrs) and max(lrs) > min(lrs)
-    lr_text = "" if not lrs else ", lr (orange, right axis)" if varying else f", lr {lrs[0]:g}"
-    title = f"training loss per step (grey) and its average over the last {window} steps (blue){lr_text}"
+    lr_text = "" if not lrs else ", lr (orange, right axis)" if varying else f", lr {lrs[0]:g} (constant)"
+    steps_text = f"the last {window} steps" if window > 1 else "1 step"
+    title = f"training loss per step (grey) and its average over {steps_text} (blue){lr_text}"
     draw.text((left, 10), title, fill="black", font=font)
     if not losses:
         return img
     n, smooth = len(losses), moving_average(losses, window)
     lo, hi = min(losses), max(losses)
     hi = hi if hi > lo else lo + max(abs(lo) * 1e-3, 1e-6)
+    lo, hi = lo - 0.04 * (hi - lo), hi + 0.04 * (hi - lo)  # the lines clear the frame
     x0, x1, y0, y1 = left, W - right, top, H - bottom
 
     def x_of(step: float) -> float:

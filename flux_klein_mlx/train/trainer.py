@@ -301,9 +301,9 @@ class Trainer:
         write_json(wd / "train.json", self.record())
         yield self.caption_plan()
         yield self.cache_captions()
-        controls = sum(len(it.controls) for it in self.items)
-        also = f" + {controls} control images" if controls else ""
-        yield StageStarted("latents", f"encoding {len(self.items)} images{also} with the VAE ...")
+        n, controls = len(self.items), sum(len(it.controls) for it in self.items)
+        also = f" + {controls} control image{'s' if controls != 1 else ''}" if controls else ""
+        yield StageStarted("latents", f"encoding {n} image{'s' if n != 1 else ''}{also} with the VAE ...")
         yield self.cache_latents()
         yield StageStarted("model", f"loading the transformer{f' ({s.quantize}-bit)' if s.quantize else ''} ...")
         yield self.load_model()
@@ -330,10 +330,13 @@ class Trainer:
         extra = list(s.sample_prompts) + ([""] if s.sample_prompts and not info.is_distilled else [])
         extra = [t for t in dict.fromkeys(extra) if t not in captions]
         self.texts, self.cache = captions + extra, open_cache(True)
+        # Training's own entries ("for"): it encodes up to 4 texts a batch, the pipeline all at once, and
+        # the two need not agree to the bit; a resume reads back exactly what the first run trained on.
         quantization = {"bits": s.quantize, "group_size": s.group_size} if s.quantize else None
         settings = {"dtype": s.dtype, "quantization": quantization, "for": "train"}
-        self.keys = {t: None for t in self.texts} if self.cache is None else \
-            prompt_keys(self.cache, info.files["text_encoder"], info.tokenizer, self.texts, settings)  # fmt: skip
+        self.keys = {t: None for t in self.texts}
+        if self.cache is not None:
+            self.keys = prompt_keys(self.cache, info.files["text_encoder"], info.tokenizer, self.texts, settings)
         for text, key in self.keys.items():
             if key is not None and (hit := self.cache.get(key)) is not None:
                 self.ctx[text] = hit
@@ -347,6 +350,7 @@ class Trainer:
         return StageStarted("captions", f"encoding {what} with the text encoder{cached} ...")
 
     def cache_captions(self) -> StageFinished:
+        """Encode the texts `caption_plan` did not find in the prompt cache, and store them there."""
         t0 = time.perf_counter()
         s, info = self.s, self.info
         texts = [t for t in self.texts if t not in self.ctx]
