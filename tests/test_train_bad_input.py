@@ -491,8 +491,9 @@ def test_python_api_wrong_types_name_the_argument_and_leave_nothing(snap, tmp_pa
             flux_klein_mlx.train_lora(**args)
     assert sorted(tmp_path.rglob("*")) == before
     plan = plan_run(TrainSettings(model=snap, data=data, output=out, resolution=np.int64(64), rank=np.int32(4),
-                                  steps=np.uint16(3), lr=np.float32(1e-4)))  # fmt: skip
+                                  steps=np.uint16(3), lr=np.float32(1e-4), quantize=np.int8(8)))  # fmt: skip
     assert type(plan.settings.rank) is int and type(plan.settings.steps) is int and type(plan.settings.lr) is float
+    assert type(plan.settings.quantize) is int
     json.dumps(plan.settings.record())  # train.json can hold them
 
 

@@ -88,7 +88,8 @@ class TrainSettings:
         if self.quantize is not None:
             if isinstance(self.quantize, bool) or not isinstance(self.quantize, numbers.Integral):
                 raise FluxKleinError(f"quantize must be 4, 8 or None, not {self.quantize!r}")
-            check_quantization(int(self.quantize), int(self.group_size))
+            self.quantize = int(self.quantize)  # a numpy integer too
+            check_quantization(self.quantize, int(self.group_size))
         self._check_paths_and_text()
         if warning := lr_underflow(self.lr, self.rank):
             warnings.warn(warning)
