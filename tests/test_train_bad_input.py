@@ -344,15 +344,29 @@ def test_two_runs_never_share_a_work_folder_and_a_stale_lock_is_taken_over(capsy
         flux_klein_mlx.train_lora(**kw, work_dir=tmp_path / "out.train" / ".." / "out.train")
     first.close()  # the run ends: the folder is free, no lock stays
     assert not (tmp_path / "out.train" / "train.lock").exists()
-    # a run killed with SIGKILL leaves its lock file; its pid no longer runs, and the kernel dropped the flock
-    stale = {"pid": dead_pid(), "host": socket.gethostname(), "started": "2026-01-01T00:00:00+00:00"}
-    (tmp_path / "out.train" / "train.lock").write_text(json.dumps(stale))
+    # another process holds the folder; killed (SIGKILL), it leaves its lock file behind, and the kernel drops its flock
+    code = ("import sys; from pathlib import Path; from flux_klein_mlx.train.state import acquire_lock; "
+            "acquire_lock(Path(sys.argv[1])); print('held', flush=True); sys.stdin.read()")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(flux_klein_mlx.__file__).parents[1])}
+    with subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "out.train")], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True, env=env) as holder:  # fmt: skip
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            refused(capsys, tmp_path, base_args(snap, data, out), "in use by another training run", f"pid {holder.pid}")
+        finally:
+            holder.kill()
+            holder.wait()
+    assert json.loads((tmp_path / "out.train" / "train.lock").read_text())["pid"] == holder.pid
     plan_run(TrainSettings(**kw))  # the check before the run leaves the stale lock as it is
-    with pytest.warns(Notice, match=f"taking over the lock of an earlier run.*pid {stale['pid']}"):
+    with pytest.warns(Notice, match=f"taking over the lock of an earlier run.*pid {holder.pid}"):
         held = train_state.acquire_lock(tmp_path / "out.train")
     assert json.loads((tmp_path / "out.train" / "train.lock").read_text())["pid"] == os.getpid()
     held.release()
     assert not (tmp_path / "out.train" / "train.lock").exists()
+    # where the volume has no locks, the pid decides: a pid that no longer runs on this host is stale
+    stale = {"pid": dead_pid(), "host": socket.gethostname(), "started": "2026-01-01T00:00:00+00:00"}
+    assert train_state.holder_gone(stale) and not train_state.holder_gone({**stale, "pid": os.getpid()})
+    assert not train_state.holder_gone({**stale, "host": "another-mac.local"})  # cannot be checked from here
 
 
 def damage(folder: Path, kind: str, other: Path) -> None:

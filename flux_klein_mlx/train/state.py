@@ -155,6 +155,12 @@ def _try_flock(fd: int, holder: dict | None, mode: int = fcntl.LOCK_EX) -> bool:
     except OSError as e:
         if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             raise
+    return holder_gone(holder)
+
+
+def holder_gone(holder: dict | None) -> bool:
+    """Whether the run a lock names is known to be gone (on a volume without locks): it ran on this
+    host and its pid no longer runs (or the lock names no run). Another host's run cannot be checked."""
     if holder is None:
         return True
     return holder["host"] == socket.gethostname() and not _pid_alive(holder["pid"])
