@@ -13,7 +13,9 @@ written crash-safe and checked whole before a resume, train.json, loss.png.
 
 A checkpoint is written into a temporary folder, flushed and renamed into place when complete
 (output.folder_transaction; a rename is atomic), so a crash or a full disk leaves the earlier
-checkpoints as they were. Only the newest `keep` checkpoints are kept.
+checkpoints as they were. Only the newest `keep` checkpoints are kept. Before a resume the newest
+one is checked whole from its headers and state.json (`checkpoint_problem`), so a damaged one is
+named, with what to do, before any model loads.
 
 The lock: a second run on the same folder (the same --output twice, say) refuses with one line
 instead of mixing its checkpoints into the first one's. The file is held with flock(2) while the
