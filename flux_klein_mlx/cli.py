@@ -37,7 +37,7 @@ def run_command(command: click.Command, argv=None) -> int:
         warnings.showwarning = lambda msg, category, *a, **k: click.echo(
             str(msg) if issubclass(category, Notice) else f"warning: {msg}", err=True)
         try:
-            command.main(args=argv, prog_name="python -m flux_klein_mlx", standalone_mode=False)
+            result = command.main(args=argv, prog_name="python -m flux_klein_mlx", standalone_mode=False)
         except FluxKleinError as e:
             click.echo(f"error: {e}", err=True)
             return 1
@@ -52,4 +52,5 @@ def run_command(command: click.Command, argv=None) -> int:
             return e.exit_code
         except click.exceptions.Exit as e:
             return e.exit_code
-    return 0
+    # A command that ends with ctx.exit(n): click returns n here (standalone_mode=False), not raises.
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0

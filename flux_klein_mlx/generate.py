@@ -106,8 +106,8 @@ def generate(prompt, model, width, height, steps, guidance, seed, noise, init_im
                f"{time.perf_counter() - t0:.1f} s, {'' if encode else 'prompt embeddings cached, '}"
                "models load on first use", err=True)
     for lora in pipe.loras:
-        click.echo(f"LoRA {lora.name} ({lora.sha256}) at scale {lora.scale:g}: {len({t.layer for t in lora.terms})} "
-                   f"layers, {lora.nbytes / 1e6:.1f} MB", err=True)
+        click.echo(f"LoRA {lora.name} ({lora.sha256}) at scale {lora.scale:g}: {len(lora.terms)} adapters on "
+                   f"{len({t.layer for t in lora.terms})} layers, {lora.nbytes / 1e6:.1f} MB", err=True)
     next_number = None if num_images == 1 else 0  # a batch continues its numbering after names that are taken
     for n, path in enumerate(paths):
         label = "denoising" if num_images == 1 else f"image {n + 1}/{num_images}: denoising"

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from PIL import Image
@@ -27,6 +28,8 @@ from flux_klein_mlx.train import state as train_state
 from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.loading import describe
+from flux_klein_mlx.train.adapters import parse_targets
+from flux_klein_mlx.train.state import lora_file_shapes
 from flux_klein_mlx.train.trainer import CheckpointSaved, TrainFinished, data_key, plan_run, run_key
 from flux_klein_mlx.train.data import bucket_size, scan_data
 from flux_klein_mlx.train.settings import TrainSettings
@@ -140,13 +143,21 @@ def test_output_name_and_folder_checked(capsys, snap, tmp_path, no_models, name,
 
 
 def fake_checkpoint(work: Path, settings: TrainSettings, step: int = 2) -> Path:
-    """A checkpoint folder whose state.json says what run it belongs to (all that --resume reads first)."""
-    folder = work / f"checkpoint-{step:06d}"
-    folder.mkdir(parents=True)
-    items = scan_data(settings.data, settings.caption, settings.controls, settings.resolution)
-    state = {"step": step, "run_key": run_key(settings.check(), describe(settings.model)), "data": data_key(items)}
-    (folder / "state.json").write_text(json.dumps(state))
-    return folder
+    """A whole checkpoint of `settings`' run (zero adapters and moments, a real RNG state), written by
+    the trainer's own writer: all that --resume checks before any model loads."""
+    s = settings.check()
+    info = describe(s.model)
+    items = scan_data(s.data, s.caption, s.controls, s.resolution)
+    shapes = lora_file_shapes(parse_targets(s.targets, info.params), s.rank)
+    lora = {k: mx.zeros(shape) for k, shape in shapes.items()}
+    optimizer = {"step": mx.array(step), "learning_rate": mx.array(s.lr)}
+    for i, shape in enumerate(shapes.values()):
+        optimizer[f"p{i}.m"], optimizer[f"p{i}.v"] = mx.zeros(shape), mx.zeros(shape)
+    state = {"step": step, "epoch": 1, "batches": [[i] for i in range(len(items))], "position": 1,
+             "rng": np.random.default_rng(0).bit_generator.state, "losses": [0.5] * step,
+             "run_key": run_key(s, info), "data": data_key(items)}  # fmt: skip
+    work.mkdir(parents=True, exist_ok=True)
+    return train_state.write_checkpoint(work, step, (lora, {"format": "pt"}), optimizer, state, keep=100)
 
 
 def test_resume_refuses_another_runs_checkpoints_naming_the_differences(capsys, snap, tmp_path, no_models):
@@ -263,3 +274,305 @@ def test_a_disk_that_fills_keeps_the_last_good_checkpoint_and_resume_continues(s
     finally:
         if real:
             subprocess.run(["umount", str(work)], capture_output=True)
+
+
+# --- issue 30: the work folder, the lock, damaged checkpoints, what is not read --------------------
+
+
+@pytest.mark.parametrize("where", ["data", "inside-data", "control", "output-in-data"])
+def test_work_folder_in_the_dataset_refused(capsys, snap, tmp_path, no_models, where):
+    data = make_images(tmp_path / "data")
+    control = make_images(tmp_path / "control", captions=False)
+    out, extra = tmp_path / "out.safetensors", ["--control", str(control)]
+    if where == "data":
+        extra += ["--work-dir", str(data)]
+    elif where == "inside-data":
+        extra += ["--work-dir", str(data / "run")]
+    elif where == "control":
+        extra += ["--work-dir", str(control)]
+    else:
+        out = data / "out.safetensors"  # the default work folder data/out.train
+    option = "--control" if where == "control" else "--data"
+    refused(capsys, tmp_path, base_args(snap, data, out) + extra, f"inside the {option} folder", "--work-dir")
+
+
+def test_unusable_work_folder_refused(capsys, snap, tmp_path, no_models):
+    data = make_images(tmp_path / "data")
+    out = tmp_path / "out.safetensors"
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    refused(capsys, tmp_path, base_args(snap, data, out) + ["--work-dir", str(loop)], "symbolic link that loops")
+    (tmp_path / "afile").write_text("x")
+    refused(capsys, tmp_path, base_args(snap, data, out) + ["--work-dir", str(tmp_path / "afile")], "is a file")
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    if os.geteuid() == 0:  # root writes through permissions: a read-only volume instead
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)], capture_output=True)
+        if r.returncode != 0:
+            pytest.skip("no read-only volume to test with")
+    else:
+        read_only.chmod(0o555)
+    try:
+        refused(capsys, tmp_path, base_args(snap, data, out) + ["--work-dir", str(read_only / "run")],
+                "cannot write in", "choose a folder you can write to")  # fmt: skip
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", str(read_only)], capture_output=True)
+        read_only.chmod(0o755)
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", ""])
+    p.wait()
+    return p.pid
+
+
+def test_two_runs_never_share_a_work_folder_and_a_stale_lock_is_taken_over(capsys, snap, tmp_path):
+    import socket
+
+    from flux_klein_mlx.errors import Notice
+
+    data = make_images(tmp_path / "data")
+    out = tmp_path / "out.safetensors"
+    kw = dict(model=snap, data=data, output=out, rank=4, resolution=64, steps=1)
+    first = flux_klein_mlx.train_lora(**kw)
+    assert type(next(first)).__name__ == "StageStarted"  # the first run holds out.train now
+    lock = json.loads((tmp_path / "out.train" / "train.lock").read_text())
+    assert lock["pid"] == os.getpid() and lock["host"] == socket.gethostname() and lock["started"]
+    refused(capsys, tmp_path, base_args(snap, data, out), "in use by another training run", f"pid {os.getpid()}")
+    with pytest.raises(FluxKleinError, match="in use by another training run"):
+        flux_klein_mlx.train_lora(**kw, work_dir=tmp_path / "out.train" / ".." / "out.train")
+    first.close()  # the run ends: the folder is free, no lock stays
+    assert not (tmp_path / "out.train" / "train.lock").exists()
+    # another process holds the folder; killed (SIGKILL), it leaves its lock file behind, and the kernel drops its flock
+    code = ("import sys; from pathlib import Path; from flux_klein_mlx.train.state import acquire_lock; "
+            "acquire_lock(Path(sys.argv[1])); print('held', flush=True); sys.stdin.read()")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(flux_klein_mlx.__file__).parents[1])}
+    with subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "out.train")], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True, env=env) as holder:  # fmt: skip
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            refused(capsys, tmp_path, base_args(snap, data, out), "in use by another training run", f"pid {holder.pid}")
+        finally:
+            holder.kill()
+            holder.wait()
+    assert json.loads((tmp_path / "out.train" / "train.lock").read_text())["pid"] == holder.pid
+    plan_run(TrainSettings(**kw))  # the check before the run leaves the stale lock as it is
+    with pytest.warns(Notice, match=f"taking over the lock of an earlier run.*pid {holder.pid}"):
+        held = train_state.acquire_lock(tmp_path / "out.train")
+    assert json.loads((tmp_path / "out.train" / "train.lock").read_text())["pid"] == os.getpid()
+    held.release()
+    assert not (tmp_path / "out.train" / "train.lock").exists()
+    # where the volume has no locks, the pid decides: a pid that no longer runs on this host is stale
+    stale = {"pid": dead_pid(), "host": socket.gethostname(), "started": "2026-01-01T00:00:00+00:00"}
+    assert train_state.holder_gone(stale) and not train_state.holder_gone({**stale, "pid": os.getpid()})
+    assert not train_state.holder_gone({**stale, "host": "another-mac.local"})  # cannot be checked from here
+
+
+def damage(folder: Path, kind: str, other: Path) -> None:
+    """Damage checkpoint `folder` one way; `other` is a checkpoint of another run (rank 8)."""
+    state = json.loads((folder / "state.json").read_text())
+    if kind == "truncated-lora":
+        data = (folder / "lora.safetensors").read_bytes()
+        (folder / "lora.safetensors").write_bytes(data[: len(data) - 100])
+    elif kind == "missing-optimizer":
+        (folder / "optimizer.safetensors").unlink()
+    elif kind == "missing-state":
+        (folder / "state.json").unlink()
+    elif kind == "state-types":
+        (folder / "state.json").write_text(json.dumps({**state, "position": "1"}))
+    elif kind == "state-values":
+        (folder / "state.json").write_text(json.dumps({**state, "losses": [0.5]}))
+    elif kind == "state-not-json":
+        (folder / "state.json").write_text('{"step": 4, ')
+    elif kind == "another-runs-lora":
+        shutil.copy(other / "lora.safetensors", folder / "lora.safetensors")
+    elif kind == "another-runs-optimizer":
+        shutil.copy(other / "optimizer.safetensors", folder / "optimizer.safetensors")
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("truncated-lora", "lora.safetensors is cut short"), ("missing-optimizer", "optimizer.safetensors is missing"),
+    ("missing-state", "state.json is missing"), ("state-types", "position is '1'"),
+    ("state-values", "losses is not a list of 4 numbers"), ("state-not-json", "state.json cannot be read"),
+    ("another-runs-lora", "another run's file"), ("another-runs-optimizer", "this run's adapters need"),
+])  # fmt: skip
+def test_damaged_checkpoint_named_before_any_model_loads(capsys, snap, tmp_path, no_models, kind, why):
+    data = make_images(tmp_path / "data")
+    out = tmp_path / "out.safetensors"
+    settings = dict(model=str(snap), data=data, output=out, resolution=64, rank=4)
+    fake_checkpoint(tmp_path / "out.train", TrainSettings(**settings), step=2)
+    latest = fake_checkpoint(tmp_path / "out.train", TrainSettings(**settings), step=4)
+    other = fake_checkpoint(tmp_path / "other", TrainSettings(**{**settings, "rank": 8}), step=4)
+    damage(latest, kind, other)
+    err = refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume"], "checkpoint-000004", "is damaged", why,
+                  "delete that folder to continue from checkpoint-000002 with --resume")  # fmt: skip
+    assert "download" not in err
+    shutil.rmtree(tmp_path / "out.train" / "checkpoint-000002")  # no earlier one: start anew
+    refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume"], "is damaged", "start anew without --resume")
+
+
+def test_resume_of_a_finished_run_says_so_and_writes_nothing(capsys, snap, tmp_path, no_models):
+    data = make_images(tmp_path / "data")
+    out = tmp_path / "out.safetensors"
+    fake_checkpoint(tmp_path / "out.train", TrainSettings(model=str(snap), data=data, output=out, resolution=64, rank=4))
+    refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume", "--steps", "2"],
+            "already at step 2 of 2", "raise --steps")  # fmt: skip
+
+
+def test_model_file_refused_with_what_train_needs(capsys, snap, tmp_path, no_models):
+    data = make_images(tmp_path / "data")
+    transformer = next((snap / "transformer").glob("*.safetensors"))
+    lora = tmp_path / "a_lora.safetensors"
+    mx.save_safetensors(str(lora), {"transformer.x.lora_A.weight": mx.zeros((4, 8))})
+    for file in (transformer, lora):
+        args = base_args(snap, data, tmp_path / "out.safetensors")
+        args[1] = str(file)
+        refused(capsys, tmp_path, args, "single file", "klein Base model folder or repo id")
+
+
+def test_control_folder_that_is_the_data_folder_refused(capsys, snap, tmp_path, no_models):
+    data = make_images(tmp_path / "data")
+    args = base_args(snap, data, tmp_path / "out.safetensors")
+    refused(capsys, tmp_path, args + ["--control", str(tmp_path / "data" / ".." / "data")], "--control", "is the --data folder")
+
+
+def test_captions_bom_extension_and_what_is_not_read(capsys, snap, tmp_path, no_models):
+    data = make_images(tmp_path / "data", n=3)
+    (data / "im0.txt").write_bytes("\ufeffa card with a BOM".encode("utf-8"))
+    plan = plan_run(TrainSettings(model=snap, data=data, output=tmp_path / "o.safetensors", resolution=64))
+    assert plan.items[0].caption == "a card with a BOM"
+    # kohya's .caption files: not read by default (said), read with --caption-extension .caption
+    for i in range(3):
+        (data / f"im{i}.caption").write_text(f"caption {i}")
+    make_images(data / "more", n=1)
+    with pytest.warns(UserWarning) as said:
+        plan_run(TrainSettings(model=snap, data=data, output=tmp_path / "o.safetensors", resolution=64))
+    text = " | ".join(str(w.message) for w in said)
+    assert "sub-folder(s) more are not read" in text and "3 .caption caption file(s) are not read" in text
+    assert "--caption-extension .caption" in text
+    with pytest.warns(UserWarning) as said:
+        plan = plan_run(TrainSettings(model=snap, data=data, output=tmp_path / "o.safetensors", resolution=64,
+                                      caption_extension=".caption"))  # fmt: skip
+    assert "3 .txt caption file(s) are not read" in " | ".join(str(w.message) for w in said)
+    assert [it.caption for it in plan.items] == ["caption 0", "caption 1", "caption 2"]
+    for i in range(3):
+        (data / f"im{i}.txt").unlink()
+    refused(capsys, tmp_path, base_args(snap, data, tmp_path / "o.safetensors"), "no caption", "<name>.txt",
+            "the .caption files there are read with --caption-extension .caption")  # fmt: skip
+    for bad in ("txt", ".", ".png", "a/b"):
+        refused(capsys, tmp_path, base_args(snap, data, tmp_path / "o.safetensors") + ["--caption-extension", bad],
+                "--caption-extension")  # fmt: skip
+
+
+def test_learning_rate_that_underflows_in_the_adapters_is_warned():
+    """The warning's bound is the real one: below it, one AdamW step (gradients of 1: the largest
+    step, lr) leaves most adapter values of a fresh LoRA as they were; at 1e-4 it moves them all."""
+    import mlx.nn as nn
+
+    from flux_klein_mlx.train.settings import lr_underflow
+    from flux_klein_mlx.train.trainer import make_optimizer
+
+    rank = 16
+    a0 = (np.random.default_rng(0).standard_normal((rank, 4096)) / rank).astype(np.float32)  # PEFT's init of A
+    bound = float(lr_underflow(1e-30, rank).split("at least ")[1].split(")")[0])
+    for lr, warned in ((bound / 2, True), (1e-4, False)):
+        assert (lr_underflow(lr, rank) is not None) == warned
+
+        class Params(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = mx.array(a0)
+
+        model = Params()
+        make_optimizer(TrainSettings(lr=lr)).update(model, {"a": mx.ones(a0.shape)})
+        unchanged = float(np.mean(np.array(model.a) == a0))
+        assert unchanged >= 0.5 if warned else unchanged == 0.0, (lr, unchanged)
+    with pytest.warns(UserWarning, match="too small to change the float32 adapters"):
+        TrainSettings(data="d", output="o.safetensors", lr=1e-12).check()
+
+
+def test_python_api_wrong_types_name_the_argument_and_leave_nothing(snap, tmp_path, no_models):
+    data = make_images(tmp_path / "data")
+    out = tmp_path / "o.safetensors"
+    before = sorted(tmp_path.rglob("*"))
+    for kw, words in (({"data": 123}, "data must be a path"), ({"output": 5}, "output must be a path"),
+                      ({"targets": 3}, "targets must be"), ({"model": 3.5}, "model must be a path"),
+                      ({"controls": 7}, "controls must be"), ({"work_dir": 1}, "work_dir must be a path"),
+                      ({"resume": "yes"}, "resume must be True or False"), ({"caption_extension": 1}, "caption_extension")):  # fmt: skip
+        args = {"model": snap, "data": data, "output": out, "resolution": 64, **kw}
+        with pytest.raises(FluxKleinError, match=words):
+            flux_klein_mlx.train_lora(**args)
+    assert sorted(tmp_path.rglob("*")) == before
+    plan = plan_run(TrainSettings(model=snap, data=data, output=out, resolution=np.int64(64), rank=np.int32(4),
+                                  steps=np.uint16(3), lr=np.float32(1e-4), quantize=np.int8(8)))  # fmt: skip
+    assert type(plan.settings.rank) is int and type(plan.settings.steps) is int and type(plan.settings.lr) is float
+    assert type(plan.settings.quantize) is int
+    json.dumps(plan.settings.record())  # train.json can hold them
+
+
+# --- issue 30: the run talks ---------------------------------------------------------------------
+
+
+def test_the_run_talks_ctrl_c_says_how_to_continue_and_one_loss_average_spans_the_resume(capsys, snap, tmp_path, monkeypatch):
+    """The command at its default dtype (bfloat16): what it is about to do before each heavy stage,
+    Ctrl-C at step 3 names checkpoint-000002, and --resume reads the captions from the prompt cache
+    (no text encoder) and prints the same loss average as loss.png draws, across both runs (a window
+    of 3 steps here: a 4-step run would otherwise average 1)."""
+    import re
+
+    from flux_klein_mlx.train.state import average_window, moving_average
+
+    data = make_images(tmp_path / "data")
+    out, work = tmp_path / "ink.safetensors", tmp_path / "ink.train"
+    args = ["train", *base_args(snap, data, out), "--steps", "4", "--save-every", "2"]
+    real_step = train_module.Trainer.train_step
+
+    def stop_at_3(self):
+        if self.step_no == 3:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(train_module.Trainer, "train_step", stop_at_3)
+    monkeypatch.setattr(train_module, "average_window", lambda steps: 3)
+    assert main(args) == 130
+    first = capsys.readouterr().err.splitlines()
+    assert first[-1] == (f"stopped at step 3; last checkpoint {work / 'checkpoint-000002'}: continue with the same "
+                         "command and --resume")  # fmt: skip
+    talk = [line for line in first if not line.startswith("step ")]
+    assert talk[0] == "encoding 1 caption with the text encoder ..." and talk[1].startswith("captions: ")
+    assert talk[2] == "encoding 2 images with the VAE ..." and talk[4] == "loading the transformer ..."
+    lora = flux_klein_mlx.load(snap, loras=[work / "checkpoint-000002" / "lora.safetensors"]).loras[0]
+    counted = f"{len(lora.terms)} adapters on {len({t.layer for t in lora.terms})} layers"  # as generate counts
+    assert counted in talk[6] and "trainable parameters" in talk[6], talk[6]
+    assert not (work / "train.lock").exists() and not out.exists()
+    monkeypatch.setattr(train_module.Trainer, "train_step", real_step)
+    loaded, real_load = [], train_module.load_component
+    monkeypatch.setattr(train_module, "load_component", lambda info, name, *a, **k: loaded.append(name) or real_load(info, name, *a, **k))
+    assert main(args + ["--resume"]) == 0
+    second = capsys.readouterr().err.splitlines()
+    assert "1 caption: all in the prompt cache, the text encoder is not loaded" in second
+    assert "text_encoder" not in loaded and loaded == ["vae", "transformer"]
+    losses = json.loads((work / "checkpoint-000004" / "state.json").read_text())["losses"]
+    plotted = moving_average(losses, 3)
+    printed = [re.match(r"step (\d+)/4  loss (\S+) \(avg (\S+)\)", line) for line in first + second]
+    printed = [(int(m[1]), float(m[2]), float(m[3])) for m in printed if m]
+    assert [p[0] for p in printed] == [1, 2, 3, 3, 4]
+    for step, loss, avg in printed:
+        assert loss == pytest.approx(losses[step - 1], abs=5e-5) and avg == pytest.approx(plotted[step - 1], abs=5e-5)
+    assert average_window(40) == 2 and Image.open(work / "loss.png").size == (900, 440)
+
+
+def test_loss_plot_has_round_ticks_and_shows_a_varying_lr():
+    from flux_klein_mlx.train.state import loss_plot, nice_ticks
+
+    assert nice_ticks(0.3123, 1.05, 5) == pytest.approx([0.4, 0.6, 0.8, 1.0])
+    assert nice_ticks(1, 500, 8, whole=True) == [100, 200, 300, 400, 500]
+    assert nice_ticks(1, 3, 8, whole=True) == [1, 2, 3]  # whole steps, never 1.5
+    losses = list(np.linspace(1.0, 0.4, 120))
+    orange = lambda img: int(np.all(np.asarray(img) == (230, 120, 20), axis=-1).sum())  # noqa: E731
+    assert orange(loss_plot(losses, 6, [1e-4] * 120)) == 0
+    assert orange(loss_plot(losses, 6, [1e-4 * (1 - i / 120) for i in range(120)])) > 100
+    image = np.asarray(loss_plot(losses, 6, [1e-4] * 120).convert("L"))
+    assert (image[44:392, :70] < 128).sum() > 50  # loss tick labels left of the axis
+    assert (image[398:420, 78:816] < 128).sum() > 50  # step tick labels under it

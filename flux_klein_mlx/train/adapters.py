@@ -409,6 +409,21 @@ class TrainableLoKr:
         return {"format": "pt"}
 
 
+def lokr_file_shapes(slots: list[Slot], params, rank: int, factor: int) -> dict[str, tuple[int, ...]]:
+    """The tensors of a LoKr run's checkpoint file (the ComfyUI layout, `file_arrays`): name -> shape."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in lokr_layers(slots, params):
+        shape, key = LoKrShape.of(*linear_shapes(params)[path], rank, factor), f"diffusion_model.{path}"
+        shapes[f"{key}.lokr_w1"] = shape.w1
+        if shape.rank is None:
+            shapes[f"{key}.lokr_w2"] = shape.w2
+        else:
+            shapes[f"{key}.lokr_w2_a"] = (shape.w2[0], shape.rank)
+            shapes[f"{key}.lokr_w2_b"] = (shape.rank, shape.w2[1])
+            shapes[f"{key}.alpha"] = ()
+    return shapes
+
+
 def add_lokr_term(layer: LoRALinear, shape: LoKrShape, alpha: float, rng: np.random.Generator) -> TrainableTerm:
     """A trainable LoKr term over all of `layer`'s rows, initialised as LyCORIS does: w1 and w2_a
     kaiming-uniform, w2 or w2_b zero, so training starts from the model itself."""

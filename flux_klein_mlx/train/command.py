@@ -12,7 +12,9 @@ import time
 import click
 
 from ..cli import run_command
-from .trainer import CheckpointSaved, SamplesSaved, StageFinished, StepFinished, TrainFinished, TrainStarted, train_lora
+from .trainer import (
+    CheckpointSaved, SamplesSaved, StageFinished, StageStarted, StepFinished, TrainFinished, TrainStarted, train_lora,
+)  # fmt: skip
 from .settings import DEFAULT_MODEL, TIMESTEPS, TrainSettings
 
 _D = TrainSettings()  # the defaults, shown in --help
@@ -25,21 +27,20 @@ def _clock(seconds: float) -> str:
 
 
 class ProgressLine:
-    """step, loss, s/step and ETA: redrawn in place on a terminal, one line per step otherwise (logs)."""
+    """step, loss (and the average loss.png draws), s/step and ETA: redrawn in place on a terminal,
+    one line per step otherwise (logs)."""
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.avg = None  # moving average of seconds per step
-        self.smooth = None  # moving average of the loss
         self.open = False
 
     def step(self, ev: StepFinished) -> None:
         k = 0.1
         self.avg = ev.seconds if self.avg is None else (1 - k) * self.avg + k * ev.seconds
-        self.smooth = ev.loss if self.smooth is None else (1 - k) * self.smooth + k * ev.loss
         eta = _clock(self.avg * (ev.total - ev.step))
-        line = (f"step {ev.step}/{ev.total}  loss {ev.loss:.4f} (avg {self.smooth:.4f})  {ev.seconds:.2f} s/step  "
+        line = (f"step {ev.step}/{ev.total}  loss {ev.loss:.4f} (avg {ev.average:.4f})  {ev.seconds:.2f} s/step  "
                 f"ETA {eta}  peak {ev.peak_memory / 1e9:.2f} GB")  # fmt: skip
         if self.tty:
             self.stream.write("\r" + line.ljust(100))
@@ -62,13 +63,15 @@ class ProgressLine:
 
 def describe_event(ev) -> str | None:
     """The line an event prints (steps are drawn by `ProgressLine`)."""
+    if isinstance(ev, StageStarted):
+        return ev.detail
     if isinstance(ev, StageFinished):
         return f"{ev.stage}: {ev.detail} ({ev.seconds:.1f} s)"
     if isinstance(ev, TrainStarted):
         where = f"resuming from {ev.resumed_from} at step {ev.first_step}" if ev.resumed_from else "starting"
         buckets = ", ".join(f"{k} x{v}" for k, v in ev.buckets.items())
-        return (f"{where}: {ev.images} image(s) ({buckets}), {ev.adapters} adapters, "
-                f"{ev.parameters / 1e6:.2f} M trainable values, {ev.total_steps} steps; work folder {ev.work_dir}")  # fmt: skip
+        return (f"{where}: {ev.images} image(s) ({buckets}), {ev.adapters} adapters on {ev.layers} layers, "
+                f"{ev.parameters / 1e6:.2f} M trainable parameters, {ev.total_steps} steps; work folder {ev.work_dir}")  # fmt: skip
     if isinstance(ev, CheckpointSaved):
         return f"checkpoint: {ev.path}"
     if isinstance(ev, SamplesSaved):
@@ -97,6 +100,8 @@ def describe_samples(ev: SamplesSaved) -> str:
               help="The LoRA file's layout: diffusers, comfyui (ComfyUI, ai-toolkit; diffusers loads it too) or kohya.")
 @click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help="A klein Base repo id or folder.")
 @click.option("--caption", default=None, help="Caption of images without a .txt (e.g. a trigger word).")
+@click.option("--caption-extension", default=_D.caption_extension, show_default=True,
+              help="Suffix of the caption files (.caption for kohya-style datasets).")
 @click.option("--control", "controls", multiple=True,
               help="Edit LoRAs: folder of reference images, same names as --data; repeat for more references.")
 @click.option("--adapter", default=_D.adapter, show_default=True,
@@ -146,17 +151,34 @@ def train(**options):
     events = train_lora(**options)  # everything is checked here, before any model loads
     progress = ProgressLine()
     t0 = time.perf_counter()
-    for ev in events:
-        if isinstance(ev, StepFinished):
-            progress.step(ev)
-            continue
-        text = describe_event(ev)
-        if isinstance(ev, TrainFinished):
-            progress.close()
-            click.echo(text)  # the result, on stdout
-        elif text:
-            progress.say(text)
+    step, checkpoint = 0, None
+    try:
+        for ev in events:
+            if isinstance(ev, StepFinished):
+                step = ev.step
+                progress.step(ev)
+                continue
+            if isinstance(ev, TrainStarted) and ev.resumed_from is not None:
+                step, checkpoint = ev.first_step - 1, ev.resumed_from
+            checkpoint = ev.path if isinstance(ev, CheckpointSaved) else checkpoint
+            text = describe_event(ev)
+            if isinstance(ev, TrainFinished):
+                progress.close()
+                click.echo(text)  # the result, on stdout
+            elif text:
+                progress.say(text)
+    except KeyboardInterrupt:
+        events.close()  # the run's own cleanup (its lock) before the line
+        progress.say(interrupted(step, checkpoint))
+        click.get_current_context().exit(130)  # the exit status of an interrupted program
     click.echo(f"done in {_clock(time.perf_counter() - t0)}", err=True)
+
+
+def interrupted(step: int, checkpoint) -> str:
+    """The line after Ctrl-C: where the run stopped and how to go on."""
+    if checkpoint is None:
+        return f"stopped at step {step}; no checkpoint yet: run the same command again to start over"
+    return f"stopped at step {step}; last checkpoint {checkpoint}: continue with the same command and --resume"
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,10 @@ An image without a caption takes `--caption`; without it, missing captions are a
 images. `--trigger WORD` replaces `[trigger]` in a caption, or else is prepended as `WORD, ` ("a fox"
 trains as "sks, a fox"); `--caption-dropout P` trains an example with the empty caption with
 probability P, drawn per batch from the run's seed and the batch's place in the run (the same on
-resume, and without touching the run's other random numbers). Every image (and control) is opened and decoded here, so an unreadable file is named before
+resume, and without touching the run's other random numbers). Captions are UTF-8 (a byte-order
+mark, as Windows' Notepad writes, is dropped); their suffix is `--caption-extension` (.txt; kohya's
+.caption works too). What is not read is said: sub-folders with images, caption files of the other
+suffix. Every image (and control) is opened and decoded here, so an unreadable file is named before
 the first model loads.
 
 Buckets. An image of w x h pixels trains at W x H with W·H close to `resolution`², the aspect ratio
@@ -40,6 +43,7 @@ from ..errors import FluxKleinError
 from ..inputs import check_image_shape, open_image
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+CAPTION_SUFFIXES = (".txt", ".caption")  # the ones trainers use; the other one is named when found unread
 SIZE_MULTIPLE = 16
 
 
@@ -114,12 +118,12 @@ def _images_by_stem(folder: Path, option: str) -> dict[str, Path]:
     return found
 
 
-def _caption(image: Path, fallback: str | None) -> tuple[str, str] | None:
+def _caption(image: Path, fallback: str | None, extension: str = ".txt") -> tuple[str, str] | None:
     """(caption, where from) for an image, or None when it has none."""
-    txt = image.with_suffix(".txt")
+    txt = image.with_suffix(extension)
     if txt.is_file():
         try:
-            text = txt.read_text(encoding="utf-8").strip()
+            text = txt.read_text(encoding="utf-8-sig").strip()  # -sig: a leading BOM is not caption text
         except (OSError, UnicodeDecodeError) as e:
             why = getattr(e, "strerror", None) or e
             raise FluxKleinError(f"cannot read caption {txt} ({why}); save it as UTF-8 text") from None
@@ -152,28 +156,60 @@ def dropped_captions(seed: int, epoch: int, position: int, n: int, p: float) -> 
     return [bool(x < p) for x in u]
 
 
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except (OSError, RuntimeError):
+        return False
+
+
+def _say_what_is_not_read(folder: Path, images: dict[str, Path], extension: str) -> None:
+    """Warn about sub-folders holding images and caption files of another suffix (never silent)."""
+    subs = []
+    for p in sorted(folder.iterdir()):
+        if p.is_dir() and not p.name.startswith(".") and any(q.suffix.lower() in IMAGE_SUFFIXES for q in p.rglob("*")):
+            subs.append(p.name)
+    if subs:
+        head = ", ".join(subs[:3]) + (", ..." if len(subs) > 3 else "")
+        warnings.warn(f"--data {folder}: the images in its sub-folder(s) {head} are not read; move them into {folder} "
+                      "to train on them")  # fmt: skip
+    for other in CAPTION_SUFFIXES:
+        unread = [p for p in images.values() if other != extension and p.with_suffix(other).is_file()]
+        if unread:
+            warnings.warn(f"--data {folder}: {len(unread)} {other} caption file(s) are not read (captions come from "
+                          f"{extension} files); give --caption-extension {other} to use them")  # fmt: skip
+
+
 def scan_data(
-    data, caption: str | None = None, controls=(), resolution: int = 512, trigger: str | None = None
+    data, caption: str | None = None, controls=(), resolution: int = 512, trigger: str | None = None,
+    caption_extension: str = ".txt",
 ) -> list[TrainItem]:
     """The training examples of `data` (and its `controls` folders), every file opened and checked.
 
     Raises FluxKleinError (one line) for a missing or empty folder, unreadable or corrupt images,
-    images without a caption (and no `caption`), and control folders missing a counterpart.
-    Captions are as trained (`trigger` applied).
+    images without a caption (and no `caption`), a control folder that is the data folder, and
+    control folders missing a counterpart; warns about what it does not read. Captions are as
+    trained (`trigger` applied).
     """
     folder = Path(data).expanduser()
     images = _images_by_stem(folder, "--data")
+    for c in controls:
+        if _same_folder(Path(c).expanduser(), folder):
+            raise FluxKleinError(
+                f"--control {c} is the --data folder itself; give the folder of the reference images "
+                "(one per training image, same names)"
+            )
     if not images:
         raise FluxKleinError(
             f"--data {folder} holds no images ({', '.join(IMAGE_SUFFIXES)}); put the training images there, "
             "each with a .txt caption"
         )
-    uncaptioned = [p.name for p in images.values() if _caption(p, caption) is None]
+    uncaptioned = [p.name for p in images.values() if _caption(p, caption, caption_extension) is None]
     if uncaptioned:
         head = ", ".join(uncaptioned[:3]) + (", ..." if len(uncaptioned) > 3 else "")
         raise FluxKleinError(
-            f"{len(uncaptioned)} image(s) in {folder} have no caption ({head}); write <name>.txt next to each "
-            "or give --caption for them"
+            f"{len(uncaptioned)} image(s) in {folder} have no caption ({head}); write <name>{caption_extension} next to each "
+            f"or give --caption for them{_other_captions_hint(folder, images, caption_extension)}"
         )
     control_maps = [(Path(c).expanduser(), _images_by_stem(Path(c).expanduser(), "--control")) for c in controls]
     for cfolder, cmap in control_maps:
@@ -186,12 +222,20 @@ def scan_data(
             )
     items = []
     for stem, path in images.items():
-        text, source = _caption(path, caption)
+        text, source = _caption(path, caption, caption_extension)
         picture = _check_picture(path, "training image")
         pics = [_check_picture(cmap[stem], "control image") for _, cmap in control_maps]
         bucket = bucket_size(*picture.size, resolution)
         items.append(TrainItem(stem, picture, with_trigger(text, trigger), source, pics, bucket))
+    _say_what_is_not_read(folder, images, caption_extension)  # once the data passed: a refusal stays one line
     return items
+
+
+def _other_captions_hint(folder: Path, images: dict[str, Path], extension: str) -> str:
+    for other in CAPTION_SUFFIXES:
+        if other != extension and any(p.with_suffix(other).is_file() for p in images.values()):
+            return f" (the {other} files there are read with --caption-extension {other})"
+    return ""
 
 
 def load_pixels(path: Path, size: tuple[int, int]) -> np.ndarray:

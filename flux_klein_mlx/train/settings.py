@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from ..errors import FluxKleinError
 from ..loading import DTYPES
 from ..lora.layouts import check_layout
 from ..models.quantize import check_quantization
+from .data import IMAGE_SUFFIXES
 
 TIMESTEPS = ("shift", "logit-normal", "uniform")
 ADAPTERS = ("lora", "lokr")  # LoRA pairs per diffusers module, or LoKr per layer
@@ -32,6 +35,7 @@ class TrainSettings:
     output: str | Path = ""  # the LoRA file to write (.safetensors); never overwritten
     model: str | Path = DEFAULT_MODEL
     caption: str | None = None  # caption of images without a .txt
+    caption_extension: str = ".txt"  # the caption files' suffix (kohya's .caption works too)
     controls: tuple = ()  # control folders (edit LoRAs), in reference order
     adapter: str = "lora"  # or "lokr": LyCORIS' Kronecker adapters on whole layers
     lokr_factor: int = -1  # LoKr: the split of each width (-1: near square, LyCORIS' default)
@@ -69,6 +73,7 @@ class TrainSettings:
 
     def check(self) -> "TrainSettings":
         """Types and ranges of every setting (FluxKleinError, one line); fills derived defaults."""
+        self._check_types()
         _whole(self, "rank", 1, 1024)
         _whole(self, "steps", 1, 10_000_000)
         _whole(self, "batch_size", 1, 1024)
@@ -102,10 +107,37 @@ class TrainSettings:
         if self.quantize is not None:
             if isinstance(self.quantize, bool) or not isinstance(self.quantize, numbers.Integral):
                 raise FluxKleinError(f"quantize must be 4, 8 or None, not {self.quantize!r}")
-            check_quantization(int(self.quantize), int(self.group_size))
+            self.quantize = int(self.quantize)  # a numpy integer too
+            check_quantization(self.quantize, int(self.group_size))
         self._check_paths_and_text()
         self._check_samples_and_captions()
+        if warning := lr_underflow(self.lr, self.rank):
+            warnings.warn(warning)
         return self
+
+    def _check_types(self) -> None:
+        """The paths, texts and switches are of a usable type (the Python API takes anything)."""
+        for name in ("data", "output", "model", "work_dir"):
+            v = getattr(self, name)
+            if not (isinstance(v, (str, os.PathLike)) or (name == "work_dir" and v is None)):
+                raise FluxKleinError(f"{name} must be a path (str or Path), not {v!r}")
+        controls = [self.controls] if isinstance(self.controls, (str, os.PathLike)) else self.controls
+        if not isinstance(controls, (list, tuple)) or not all(isinstance(c, (str, os.PathLike)) for c in controls):
+            raise FluxKleinError(f"controls must be a folder path or a list of them, not {self.controls!r}")
+        targets_ok = isinstance(self.targets, str) or (
+            isinstance(self.targets, (list, tuple)) and all(isinstance(t, str) for t in self.targets)
+        )
+        if not targets_ok:
+            raise FluxKleinError(f"targets must be a text (e.g. 'all', 'double') or a list of module names, not {self.targets!r}")
+        for name in ("resume", "low_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise FluxKleinError(f"{name} must be True or False, not {getattr(self, name)!r}")
+        for name in ("timesteps", "dtype", "caption_extension"):
+            if not isinstance(getattr(self, name), str):
+                raise FluxKleinError(f"{name} must be a text, not {getattr(self, name)!r}")
+        ext = self.caption_extension
+        if not ext.startswith(".") or len(ext) < 2 or "/" in ext or "\\" in ext or ext.lower() in IMAGE_SUFFIXES:
+            raise FluxKleinError(f"--caption-extension must be a file suffix such as .txt or .caption, not {ext!r}")
 
     def _check_paths_and_text(self) -> None:
         if not str(self.data):
@@ -168,6 +200,7 @@ def _whole(s: TrainSettings, name: str, low: int, high: int) -> None:
     v = getattr(s, name)
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not low <= v <= high:
         raise FluxKleinError(f"{name.replace('_', '-')} must be a whole number in [{low}, {high}], not {v!r}")
+    setattr(s, name, int(v))  # a numpy integer becomes a Python int (train.json, state.json)
 
 
 def _number(s: TrainSettings, name: str, low: float, high: float, open_low: bool = False) -> None:
@@ -207,3 +240,17 @@ def parse_strengths(value) -> tuple[float, ...]:
 def differences(old: dict, new: dict) -> list[str]:
     """"name: old -> new" for every run-key setting that differs (the data list included)."""
     return [f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def lr_underflow(lr: float, rank: int) -> str | None:
+    """A warning when `lr` is too small to change the adapters at all: they are float32 master weights
+    (A starts at N(0, 1/rank^2), mean |A| = 0.8 / rank), an AdamW step moves a value by about lr, and
+    a change under half a float32 ulp of |A| (|A| * 2^-24) rounds away."""
+    typical = math.sqrt(2 / math.pi) / rank
+    if lr >= typical * 2.0**-24:
+        return None
+    return (
+        f"--lr {lr:g} is too small to change the float32 adapters: an update of {lr:g} on values of about "
+        f"{typical:.2g} rounds away (it needs at least {typical * 2.0**-24:.1g}), so the LoRA would stay as it "
+        "starts; raise --lr (1e-4 is usual)"
+    )

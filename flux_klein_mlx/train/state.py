@@ -1,8 +1,10 @@
-"""The work folder of a training run: checkpoints written crash-safe, train.json, loss.png.
+"""The work folder of a training run: checked up front, locked while a run uses it, checkpoints
+written crash-safe and checked whole before a resume, train.json, loss.png.
 
     ink.train/                      (default: <output stem>.train/ next to the output)
+        train.lock                  while a run uses the folder: its pid, host and start time
         train.json                  every setting, the data list with hashes, versions
-        loss.png                    the loss of every step and its moving average
+        loss.png                    the loss of every step and its moving average, with the lr
         checkpoint-000250/
             lora.safetensors        diffusers/PEFT format, float32: loads with --lora as it is
             optimizer.safetensors   AdamW's moments and step count
@@ -11,37 +13,223 @@
 
 A checkpoint is written into a temporary folder, flushed and renamed into place when complete
 (output.folder_transaction; a rename is atomic), so a crash or a full disk leaves the earlier
-checkpoints as they were. Only the newest `keep` checkpoints are kept.
+checkpoints as they were. Only the newest `keep` checkpoints are kept. Before a resume the newest
+one is checked whole from its headers and state.json (`checkpoint_problem`), so a damaged one is
+named, with what to do, before any model loads.
+
+The lock: a second run on the same folder (the same --output twice, say) refuses with one line
+instead of mixing its checkpoints into the first one's. The file is held with flock(2) while the
+run lasts, so the kernel releases it when the process dies however it dies; the next run finds
+the file (pid, host, start time), takes the lock, and says that it took over a stale lock.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import math
+import os
 import re
 import shutil
+import socket
+import tempfile
+import warnings
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
-from PIL import Image, ImageDraw
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
 
-from ..errors import FluxKleinError
-from ..output import folder_transaction, write_replacing
-from ..weights import read_lora_file, read_safetensors, save_safetensors_streaming
+from ..errors import FluxKleinError, Notice
+from ..output import broken_link, folder_transaction, write_replacing
+from .settings import differences
+from ..weights import read_lora_file, read_safetensors, safetensors_header_bytes, save_safetensors_streaming
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d{6,})$")
 # The temporary names of output.folder_transaction (checkpoints) and output.write_replacing (files).
 _TEMPORARY = re.compile(r"^(checkpoint-\d+\.(tmp|old)-[0-9a-f]{8}|\..+\.[0-9a-f]{8}\.tmp)$")
+LOCK_NAME = "train.lock"
+
+
+# --- the work folder, checked before anything runs --------------------------------------------------
+
+
+def check_work_dir(work_dir: Path, data, controls=()) -> None:
+    """Refuse a work folder that cannot hold the run's files (FluxKleinError, one line): a symbolic
+    link that loops or leads nowhere, a file, a missing parent, the data or a control folder (or a
+    folder inside one: a dataset never gains loss.png or train.json), a folder that cannot be written.
+    Writes nothing that stays (a probe file is created and removed)."""
+    wd = Path(work_dir)
+    for p in (wd.parent, wd):
+        if trouble := broken_link(p):
+            raise FluxKleinError(f"--work-dir {wd}: {p} is a symbolic link that {trouble}; remove it or choose another --work-dir")
+    if wd.exists() and not wd.is_dir():
+        raise FluxKleinError(f"--work-dir {wd} is a file; give a folder (it is created if missing)")
+    if not wd.parent.is_dir():
+        raise FluxKleinError(f"--work-dir {wd}: its parent folder {wd.parent} does not exist; create it first")
+    _refuse_inside_data(wd, [("--data", data)] + [("--control", c) for c in controls])
+    probe_in = wd if wd.is_dir() else wd.parent
+    try:  # the real test of permissions (read-only folder or volume, ACLs, root squash): create and remove a file
+        with tempfile.NamedTemporaryFile(dir=probe_in, prefix=".flux_klein_mlx-probe-"):
+            pass
+    except OSError as e:
+        raise FluxKleinError(
+            f"--work-dir {wd}: cannot write in {probe_in} ({e.strerror}); choose a folder you can write to"
+        ) from None
+
+
+def _refuse_inside_data(wd: Path, folders: list[tuple[str, object]]) -> None:
+    try:
+        where = wd.resolve()
+    except (OSError, RuntimeError):  # a loop further up: the probe write says what is wrong
+        return
+    for option, folder in folders:
+        try:
+            f = Path(folder).expanduser().resolve()
+        except (OSError, RuntimeError, TypeError):
+            continue
+        if where == f or f in where.parents:
+            raise FluxKleinError(
+                f"the work folder {wd} is inside the {option} folder {folder}: its checkpoints, loss.png and "
+                "train.json would mix with the images; give --work-dir outside it (or an --output outside it)"
+            )
+
+
+# --- the lock: one run per work folder ------------------------------------------------------------
+
+
+@dataclass
+class RunLock:
+    """The work folder's lock, held (flock) by this process until `release()`."""
+
+    path: Path
+    fd: int
+
+    def release(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            os.unlink(self.path)  # first: a run that opens the name from now on makes a new file
+        except OSError:
+            pass
+        os.close(self.fd)  # releases the flock
+        self.fd = -1
+
+
+def _holder(text: str) -> dict | None:
+    """The run a lock file names ({"pid", "host", "started"}), or None (empty or not ours)."""
+    try:
+        h = json.loads(text)
+    except ValueError:
+        return None
+    ok = isinstance(h, dict) and isinstance(h.get("pid"), int) and isinstance(h.get("host"), str)
+    return h if ok else None
+
+
+def _describe_holder(h: dict | None) -> str:
+    if h is None:
+        return "a run that left no details"
+    return f"pid {h['pid']} on {h['host']}, started {h.get('started', '?')}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it runs, as another user
+        return True
+    return True
+
+
+def _try_flock(fd: int, holder: dict | None, mode: int = fcntl.LOCK_EX) -> bool:
+    """Take the lock on `fd` without waiting: True when no live run holds it. Where the volume has
+    no locks (some network shares), the pid decides, on this host; another host's lock is kept."""
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+    return holder_gone(holder)
+
+
+def holder_gone(holder: dict | None) -> bool:
+    """Whether the run a lock names is known to be gone (on a volume without locks): it ran on this
+    host and its pid no longer runs (or the lock names no run). Another host's run cannot be checked."""
+    if holder is None:
+        return True
+    return holder["host"] == socket.gethostname() and not _pid_alive(holder["pid"])
+
+
+def _busy(path: Path, holder: dict | None) -> FluxKleinError:
+    return FluxKleinError(
+        f"the work folder {path.parent} is in use by another training run ({_describe_holder(holder)}); "
+        f"wait for it to end, or give this run another --output or --work-dir (if that run is gone, delete {path})"
+    )
+
+
+def check_not_locked(work_dir: Path) -> None:
+    """Refuse (one line) when a live run holds `work_dir`'s lock; changes nothing (a stale lock is
+    taken over by `acquire_lock` when the run starts)."""
+    path = Path(work_dir) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # no lock (or one we cannot read: acquire_lock says so)
+    try:
+        holder = _holder(os.read(fd, 4096).decode("utf-8", "replace"))
+        if not _try_flock(fd, holder, fcntl.LOCK_SH):  # shared: a read-only descriptor may take it anywhere
+            raise _busy(path, holder)
+    finally:
+        os.close(fd)  # also releases the probe's flock
+
+
+def acquire_lock(work_dir: Path) -> RunLock:
+    """Lock `work_dir` for this run (FluxKleinError when a live run holds it); a lock left by a run
+    that was killed is taken over with a `Notice` naming it."""
+    path = Path(work_dir) / LOCK_NAME
+    for _ in range(10):  # a run releasing the lock between our open and flock: try the new file
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise FluxKleinError(f"cannot create the lock {path} ({e.strerror}); choose another --work-dir") from None
+        holder = _holder(os.read(fd, 4096).decode("utf-8", "replace"))
+        if not _try_flock(fd, holder):
+            os.close(fd)
+            raise _busy(path, holder)
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except OSError:
+            same = False
+        if not same:  # the name was unlinked by the run that held it: lock the file there now
+            os.close(fd)
+            continue
+        if holder is not None:
+            warnings.warn(f"taking over the lock of an earlier run in {path.parent} that no longer runs "
+                          f"({_describe_holder(holder)})", Notice)  # fmt: skip
+        started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        me = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (me + "\n").encode(), 0)
+        return RunLock(path, fd)
+    raise _busy(path, None)
 
 
 def checkpoints(work_dir: Path) -> list[tuple[int, Path]]:
-    """The complete checkpoints in `work_dir`, oldest first, as (step, folder)."""
+    """The checkpoint folders in `work_dir`, oldest first, as (step, folder) (`checkpoint_problem` checks one)."""
     if not work_dir.is_dir():
         return []
     found = []
     for p in work_dir.iterdir():
         m = _CHECKPOINT.match(p.name)
-        if m and (p / "state.json").is_file():
+        if m and p.is_dir():  # written whole or not at all: a folder here with a file missing is damaged
             found.append((int(m.group(1)), p))
     return sorted(found)
 
@@ -80,6 +268,120 @@ def write_checkpoint(
     return final
 
 
+# --- a checkpoint checked whole before a resume (no model loaded) ---------------------------------
+
+
+def _tensor_table(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape) of a safetensors file from its header; ValueError says what is wrong."""
+    if not path.is_file():
+        raise ValueError(f"{path.name} is missing")
+    try:
+        raw = safetensors_header_bytes(path)
+        header = json.loads(raw)
+    except OSError as e:
+        raise ValueError(f"{path.name} cannot be read ({e.strerror})") from None
+    except ValueError:
+        raise ValueError(f"{path.name} has no valid safetensors header") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path.name} has no valid safetensors header")
+    header.pop("__metadata__", None)
+    table, end = {}, 0
+    for name, entry in header.items():
+        try:
+            table[name] = (str(entry["dtype"]), tuple(int(d) for d in entry["shape"]))
+            end = max(end, int(entry["data_offsets"][1]))
+        except (TypeError, KeyError, ValueError, IndexError):
+            raise ValueError(f"{path.name} lists tensor {name!r} without dtype, shape or offsets") from None
+    size = path.stat().st_size
+    if 8 + len(raw) + end > size:
+        raise ValueError(f"{path.name} is cut short ({size} bytes of {8 + len(raw) + end})")
+    return table
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _state_problem(state, step: int, n_items: int) -> str | None:
+    """What is wrong with a checkpoint's state.json (types and values), or None."""
+    if not isinstance(state, dict):
+        return "state.json is not a JSON object"
+    for key in ("step", "epoch", "position"):
+        if not _is_int(state.get(key)) or state[key] < 0:
+            return f"state.json's {key} is {state.get(key)!r}, not a whole number"
+    if state["step"] != step:
+        return f"state.json says step {state['step']}, its folder name step {step}"
+    batches, losses = state.get("batches"), state.get("losses")
+    if not isinstance(batches, list) or not all(isinstance(b, list) and b for b in batches):
+        return "state.json's batches is not a list of batches"
+    if not all(_is_int(i) and 0 <= i < n_items for b in batches for i in b):
+        return f"state.json's batches name examples outside the {n_items} of --data"
+    if state["position"] > len(batches):
+        return f"state.json's position {state['position']} is past its {len(batches)} batches"
+    if not isinstance(losses, list) or len(losses) != step or not all(isinstance(v, (int, float)) for v in losses):
+        return f"state.json's losses is not a list of {step} numbers"
+    try:
+        np.random.default_rng().bit_generator.state = state.get("rng")
+    except (TypeError, ValueError, KeyError):
+        return "state.json's rng is not a random generator's state"
+    if not isinstance(state.get("run_key"), dict) or not isinstance(state.get("data"), list):
+        return "state.json has no run key or data list"
+    return None
+
+
+def _optimizer_problem(table: dict, lora_shapes: list[tuple[int, ...]]) -> str | None:
+    """AdamW's state: its step count and two moments (m, v) shaped like each adapter tensor."""
+    if "step" not in table:
+        return "optimizer.safetensors has no step count"
+    moments = sorted(shape for name, (_, shape) in table.items() if name.rsplit(".", 1)[-1] in ("m", "v"))
+    if moments != sorted(lora_shapes * 2):
+        return f"optimizer.safetensors holds {len(moments)} moments, this run's adapters need {2 * len(lora_shapes)}"
+    return None
+
+
+def lora_file_shapes(slots, rank: int) -> dict[str, tuple[int, int]]:
+    """The tensors of this run's LoRA file (a checkpoint's lora.safetensors): name -> shape."""
+    shapes = {}
+    for sl in slots:
+        shapes[f"transformer.{sl.name}.lora_A.weight"] = (rank, sl.in_dims)
+        shapes[f"transformer.{sl.name}.lora_B.weight"] = (sl.out_dims, rank)
+    return shapes
+
+
+def checkpoint_problem(folder: Path, step: int, lora_shapes: dict[str, tuple[int, ...]], n_items: int) -> str | None:
+    """What is wrong with checkpoint `folder` (state.json, lora.safetensors, optimizer.safetensors:
+    present, whole, of the types and shapes this run needs; `lora_shapes` is the file's name ->
+    shape), or None when it can be resumed. Reads headers and state.json only."""
+    try:
+        state = json.loads((folder / "state.json").read_text())
+    except FileNotFoundError:
+        return "state.json is missing"
+    except (OSError, ValueError) as e:
+        return f"state.json cannot be read ({getattr(e, 'strerror', None) or e})"
+    if why := _state_problem(state, step, n_items):
+        return why
+    try:
+        lora = _tensor_table(folder / "lora.safetensors")
+        optimizer = _tensor_table(folder / "optimizer.safetensors")
+    except ValueError as e:
+        return str(e)
+    if {k: shape for k, (_, shape) in lora.items()} != lora_shapes:
+        other = sorted(set(lora) ^ set(lora_shapes))
+        detail = other[0] if other else "tensor shapes"
+        return f"lora.safetensors holds other adapters than this run's ({detail} differs): another run's file"
+    trained = [shape for name, shape in lora_shapes.items() if not name.endswith(".alpha")]  # LoKr's alpha: a constant
+    return _optimizer_problem(optimizer, trained)
+
+
+def damaged(folder: Path, why: str, earlier: list[tuple[int, Path]]) -> FluxKleinError:
+    """The one line for a damaged checkpoint: which, why, and what to do (never "download it again")."""
+    if earlier:
+        todo = f"delete that folder to continue from {earlier[-1][1].name} with --resume"
+    else:
+        todo = "delete that folder and start anew without --resume"
+    return FluxKleinError(f"{folder.name} in {folder.parent} is damaged: {why}; {todo}")
+
+
 def read_checkpoint(folder: Path) -> tuple[dict[str, mx.array], dict[str, mx.array], dict]:
     """(LoRA tensors without the `transformer.` prefix, optimizer tensors, state) of one checkpoint."""
     try:
@@ -91,14 +393,6 @@ def read_checkpoint(folder: Path) -> tuple[dict[str, mx.array], dict[str, mx.arr
     optimizer = read_safetensors(folder / "optimizer.safetensors")
     mx.eval(optimizer)
     return lora, optimizer, state
-
-
-def read_state(folder: Path) -> dict:
-    """A checkpoint's state.json alone (for the resume checks, before any model loads)."""
-    try:
-        return json.loads((folder / "state.json").read_text())
-    except (OSError, ValueError) as e:
-        raise FluxKleinError(f"checkpoint {folder} is damaged ({e}); resume from another or start anew") from None
 
 
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
@@ -113,46 +407,137 @@ def write_json(path: Path, obj: dict) -> None:
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2) + "\n"))
 
 
+def average_window(total_steps: int) -> int:
+    """The loss average's window: ~1/20 of the run (1 to 100 steps). The console's "avg" and the
+    plot's blue line are the same numbers: the trailing mean of this many step losses."""
+    return max(1, min(100, total_steps // 20))
+
+
 def moving_average(values: list[float], window: int) -> list[float]:
-    """Trailing mean over up to `window` values (the first ones average what exists)."""
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
+    """Trailing mean over up to `window` values (the first ones average what exists). Each mean is
+    summed afresh, so the mean at a step is the same number however long the list is."""
+    out = []
+    for i in range(len(values)):
+        last = values[max(0, i + 1 - window) : i + 1]
+        out.append(sum(last) / len(last))
     return out
 
 
-def loss_plot(losses: list[float], first_step: int = 1, size: tuple[int, int] = (800, 400)) -> Image.Image:
-    """The loss per step (grey) and its moving average (blue) over a window of ~1/20 of the run."""
+def nice_ticks(lo: float, hi: float, count: int = 6, whole: bool = False) -> list[float]:
+    """Round tick values (1, 2, 2.5 or 5 times a power of ten apart) covering [lo, hi]."""
+    if not hi > lo:
+        return [lo]
+    raw = (hi - lo) / count
+    if whole:
+        raw = max(raw, 1.0)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step - 1e-9)
+    ticks = []
+    k = first
+    while k * step <= hi + 1e-9 * step:
+        ticks.append(k * step)
+        k += 1
+    return ticks
+
+
+_GREY, _BLUE, _ORANGE, _GRID = (170, 170, 170), (30, 80, 220), (230, 120, 20), (232, 232, 232)
+
+
+def loss_plot(losses: list[float], window: int, lrs: list[float] | None = None, size=(900, 440)) -> Image.Image:
+    """Loss per step (grey) and its average (blue) against the step, with tick labels on both axes;
+    the learning rate in the title when constant, as an orange line on a right-hand axis when not."""
     W, H = size
-    left, right, top, bottom = 70, 20, 34, 40
+    left, right, top, bottom = 78, 84, 44, 48
     img = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(img)
-    window = max(1, len(losses) // 20)
-    draw.text((left, 8), f"training loss: per step (grey), moving average over {window} steps (blue)", fill="black")
+    font = ImageFont.load_default(size=13)
+    varying = bool(lrs) and max(lrs) > min(lrs)
+    lr_text = "" if not lrs else ", lr (orange, right axis)" if varying else f", lr {lrs[0]:g} (constant)"
+    steps_text = f"the last {window} steps" if window > 1 else "1 step"
+    title = f"training loss per step (grey) and its average over {steps_text} (blue){lr_text}"
+    draw.text((left, 10), title, fill="black", font=font)
     if not losses:
         return img
-    smooth = moving_average(losses, window)
+    n, smooth = len(losses), moving_average(losses, window)
     lo, hi = min(losses), max(losses)
-    hi = hi if hi > lo else lo + 1e-6
-    n = len(losses)
+    hi = hi if hi > lo else lo + max(abs(lo) * 1e-3, 1e-6)
+    lo, hi = lo - 0.04 * (hi - lo), hi + 0.04 * (hi - lo)  # the lines clear the frame
+    x0, x1, y0, y1 = left, W - right, top, H - bottom
 
-    def xy(i: int, v: float) -> tuple[float, float]:
-        x = left + (W - left - right) * (i / max(n - 1, 1))
-        return x, top + (H - top - bottom) * (1 - (v - lo) / (hi - lo))
+    def x_of(step: float) -> float:
+        return x0 + (x1 - x0) * ((step - 1) / max(n - 1, 1))
 
-    draw.rectangle([left, top, W - right, H - bottom], outline="black")
-    draw.line([xy(i, v) for i, v in enumerate(losses)] if n > 1 else [xy(0, losses[0])] * 2, fill=(190, 190, 190))
-    draw.line([xy(i, v) for i, v in enumerate(smooth)] if n > 1 else [xy(0, smooth[0])] * 2, fill=(30, 80, 220), width=2)
-    draw.text((4, top - 6), f"{hi:.4g}", fill="black")
-    draw.text((4, H - bottom - 6), f"{lo:.4g}", fill="black")
-    draw.text((left, H - bottom + 6), f"step {first_step}", fill="black")
-    last = f"step {first_step + n - 1}"
-    draw.text((W - right - 7 * len(last), H - bottom + 6), last, fill="black")
+    def y_of(v: float, a: float = lo, b: float = hi) -> float:
+        return y1 - (y1 - y0) * (v - a) / (b - a)
+
+    for t in nice_ticks(lo, hi, 5):
+        draw.line([(x0, y_of(t)), (x1, y_of(t))], fill=_GRID)
+        draw.text((x0 - 6, y_of(t)), f"{t:.4g}", fill="black", font=font, anchor="rm")
+    for t in nice_ticks(1, max(n, 2), 8, whole=True):
+        if t <= n:
+            draw.line([(x_of(t), y0), (x_of(t), y1)], fill=_GRID)
+            draw.text((x_of(t), y1 + 6), f"{int(t)}", fill="black", font=font, anchor="mt")
+    draw.text(((x0 + x1) / 2, H - 14), "step", fill="black", font=font, anchor="mm")
+    draw.text((x0 - 6, y0 - 16), "loss", fill="black", font=font, anchor="rm")
+    draw.rectangle([x0, y0, x1, y1], outline="black")
+    steps = range(1, n + 1)
+    for values, colour, width in ((losses, _GREY, 1), (smooth, _BLUE, 2)):
+        points = [(x_of(s), y_of(v)) for s, v in zip(steps, values)]
+        draw.line(points if n > 1 else points * 2, fill=colour, width=width)
+    if varying:
+        top_lr = max(lrs)
+        for t in nice_ticks(0.0, top_lr, 4):
+            draw.text((x1 + 6, y_of(t, 0.0, top_lr)), f"{t:.2g}", fill=_ORANGE, font=font, anchor="lm")
+        draw.text((x1 + 6, y0 - 16), "lr", fill=_ORANGE, font=font, anchor="lm")
+        draw.line([(x_of(s), y_of(v, 0.0, top_lr)) for s, v in zip(steps, lrs)], fill=_ORANGE, width=1)
     return img
 
 
-def write_loss_plot(path: Path, losses: list[float]) -> None:
-    write_atomic(path, lambda tmp: loss_plot(losses).save(tmp, format="PNG"))
+def write_loss_plot(path: Path, losses: list[float], window: int, lrs: list[float] | None = None) -> None:
+    write_atomic(path, lambda tmp: loss_plot(losses, window, lrs).save(tmp, format="PNG"))
+
+
+def resume_point(wd: Path, resume: bool, steps: int, key: dict, data: list, lora_shapes: dict, n_items: int) -> Path | None:
+    """The checkpoint a run continues from (None: a new run), checked whole and against this run's
+    run `key` and `data` key; refuses mixing runs in one work folder and a run that is already done."""
+    done = checkpoints(wd)
+    if not resume:
+        if done:
+            raise FluxKleinError(
+                f"{wd} holds checkpoints of a run (latest: step {done[-1][0]}); continue it with --resume, "
+                "or choose another --work-dir"
+            )
+        return None
+    if not done:
+        raise FluxKleinError(f"--resume: no checkpoint in {wd}; run without --resume to start training")
+    step, folder = done[-1]
+    _refuse_other_settings(folder, key, data)
+    if why := checkpoint_problem(folder, step, lora_shapes, n_items):
+        raise damaged(folder, why, done[:-1])
+    if step == steps:
+        raise FluxKleinError(
+            f"--resume: {wd} is already at step {step} of {steps} (its LoRA: {folder.name}/lora.safetensors); "
+            "raise --steps to train on"
+        )
+    if step > steps:
+        raise FluxKleinError(f"--resume: {folder} is at step {step}, past --steps {steps}; raise --steps")
+    return folder
+
+
+def _refuse_other_settings(folder: Path, key: dict, data: list) -> None:
+    """A checkpoint whose state.json names another run (settings or data): say what differs."""
+    try:
+        state = json.loads((folder / "state.json").read_text())
+    except (OSError, ValueError):
+        return  # damaged: checkpoint_problem says how
+    if not isinstance(state, dict) or not isinstance(state.get("run_key"), dict):
+        return
+    diffs = differences(state["run_key"], key)
+    if state.get("data") != data:
+        diffs.append("data: the images, captions or controls differ from the checkpoint's")
+    if diffs:
+        raise FluxKleinError(
+            f"--resume: {folder} is from a run with other settings ({'; '.join(diffs[:3])}); give the same "
+            "settings, or start anew in another --work-dir"
+        )

@@ -50,19 +50,21 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
 from .. import __version__
+from ..embedding_cache import open_cache, prompt_keys
 from ..errors import FluxKleinError
 from ..loading import as_dtype, check_weights, describe, load_component
-from .adapters import attach_lokr, attach_lora, file_header, lokr_layers, parse_targets, write_lora_file
+from .adapters import attach_lokr, attach_lora, file_header, lokr_file_shapes, lokr_layers, parse_targets
+from .adapters import write_lora_file
 from .samples import Sampler, SamplesSaved, check_sample_model
 from ..output import check_output_file, write_exclusive
 from ..models.rope import image_ids, text_ids
 from ..models.text_encoder import encode_prompts
 from ..models.tokenizer import load_tokenizer
 from .data import bucket_counts, dropped_captions, epoch_batches, load_pixels, scan_data
-from .settings import TrainSettings, differences
+from .settings import DEFAULT_MODEL, TrainSettings
 from .state import (
-    checkpoints, read_checkpoint, read_state, remove_temporaries, write_atomic, write_checkpoint, write_json,
-    write_loss_plot,
+    acquire_lock, average_window, check_not_locked, check_work_dir, lora_file_shapes, moving_average, read_checkpoint,
+    remove_temporaries, resume_point, write_atomic, write_checkpoint, write_json, write_loss_plot,
 )  # fmt: skip
 
 TRAIN_TIMESTEPS = 1000  # the scheduler's num_train_timesteps: sigma lives on a grid of 1/1000
@@ -78,9 +80,16 @@ class TrainStarted:
     resumed_from: Path | None
     images: int
     buckets: dict  # "WxH" -> images
-    adapters: int  # (A, B) pairs
-    parameters: int  # trainable values
+    adapters: int  # (A, B) pairs: q, k and v of a fused layer are three, as `generate` counts a LoRA's
+    parameters: int  # trainable parameters
     work_dir: Path
+    layers: int = 0  # the model's layers they sit on
+
+
+@dataclass
+class StageStarted:
+    stage: str  # "captions" | "latents" | "model", before the work: what is about to happen
+    detail: str
 
 
 @dataclass
@@ -99,6 +108,7 @@ class StepFinished:
     lr: float
     grad_norm: float  # before clipping
     peak_memory: int  # bytes, this step
+    average: float = math.nan  # the trailing mean the loss plot draws (state.average_window steps)
 
 
 @dataclass
@@ -186,6 +196,11 @@ class RunPlan:
 
 
 def _check_model(s: TrainSettings):
+    if Path(s.model).expanduser().is_file():
+        raise FluxKleinError(
+            f"--model {s.model} is a single file (a transformer or a LoRA); train needs a klein Base model "
+            f"folder or repo id, e.g. {DEFAULT_MODEL}"
+        )
     info = describe(s.model)
     if info.reference_kv:
         raise FluxKleinError(
@@ -217,51 +232,27 @@ def data_key(items) -> list:
     return [[it.stem, it.image.sha256, it.caption, [c.sha256 for c in it.controls], list(it.bucket)] for it in items]
 
 
-def _check_resume(s: TrainSettings, info, items) -> Path | None:
-    """The checkpoint to continue from (None: a new run); refuses mixing runs in one work folder."""
-    wd = s.work_dir
-    if wd.exists() and not wd.is_dir():
-        raise FluxKleinError(f"--work-dir {wd} is a file; give a folder (it is created if missing)")
-    if not wd.parent.is_dir():
-        raise FluxKleinError(f"--work-dir {wd}: its parent folder {wd.parent} does not exist; create it first")
-    done = checkpoints(wd)
-    if not s.resume:
-        if done:
-            raise FluxKleinError(
-                f"{wd} holds checkpoints of a run (latest: step {done[-1][0]}); continue it with --resume, "
-                "or choose another --work-dir"
-            )
-        return None
-    if not done:
-        raise FluxKleinError(f"--resume: no checkpoint in {wd}; run without --resume to start training")
-    step, folder = done[-1]
-    state = read_state(folder)
-    diffs = differences(state.get("run_key", {}), run_key(s, info))
-    if state.get("data") != data_key(items):
-        diffs.append("data: the images, captions or controls differ from the checkpoint's")
-    if diffs:
-        raise FluxKleinError(
-            f"--resume: {folder} is from a run with other settings ({'; '.join(diffs[:3])}); give the same "
-            "settings, or start anew in another --work-dir"
-        )
-    if step > s.steps:
-        raise FluxKleinError(f"--resume: {folder} is at step {step}, past --steps {s.steps}; raise --steps")
-    return folder
-
-
 def plan_run(settings: TrainSettings) -> RunPlan:
     """Every check of a run, before any model loads: settings, model files, output, data, work folder."""
     s = settings.check()
     if s.output.exists() or s.output.is_symlink():
         raise FluxKleinError(f"--output {s.output} exists and is never overwritten; choose another name")
     check_output_file(s.output)
+    check_work_dir(s.work_dir, s.data, s.controls)
     info = _check_model(s)
     slots = parse_targets(s.targets, info.params)
     if s.adapter == "lokr":
         lokr_layers(slots, info.params)  # whole layers only: refused here, before any model loads
-    items = scan_data(s.data, s.caption, s.controls, s.resolution, trigger=s.trigger)
+    items = scan_data(s.data, s.caption, s.controls, s.resolution, trigger=s.trigger,
+                      caption_extension=s.caption_extension)  # fmt: skip
     sample_info = check_sample_model(s, info)
-    return RunPlan(s, info, slots, items, _check_resume(s, info, items), sample_info)
+    check_not_locked(s.work_dir)
+    if s.adapter == "lokr":
+        shapes = lokr_file_shapes(slots, info.params, s.rank, s.lokr_factor)
+    else:
+        shapes = lora_file_shapes(slots, s.rank)
+    resume = resume_point(s.work_dir, s.resume, s.steps, run_key(s, info), data_key(items), shapes, len(items))
+    return RunPlan(s, info, slots, items, resume, sample_info)
 
 
 def train_lora(model=None, data=None, output=None, **settings) -> Iterator:
@@ -301,22 +292,35 @@ class Trainer:
         self.started_at = time.time()  # unix time, for the LoRA file's header
 
     def run(self) -> Iterator:
-        t_run = time.perf_counter()
-        s, wd = self.s, self.s.work_dir
+        wd = self.s.work_dir
         wd.mkdir(exist_ok=True)
+        lock = acquire_lock(wd)  # a second run on this folder refuses here, before any model loads
+        try:
+            yield from self._run(time.perf_counter())
+        finally:  # also on Ctrl-C or an error: the folder is free again
+            lock.release()
+
+    def _run(self, t_run: float) -> Iterator:
+        s, wd = self.s, self.s.work_dir
         remove_temporaries(wd)
         write_json(wd / "train.json", self.record())
+        yield self.caption_plan()
         yield self.cache_captions()
         if self.sampler is not None:  # its text encoder runs while no training model is resident
             yield StageFinished("sample model", *self.sampler.load())
+        n, controls = len(self.items), sum(len(it.controls) for it in self.items)
+        also = f" + {controls} control image{'s' if controls != 1 else ''}" if controls else ""
+        yield StageStarted("latents", f"encoding {n} image{'s' if n != 1 else ''}{also} with the VAE ...")
         yield self.cache_latents()
+        yield StageStarted("model", f"loading the transformer{f' ({s.quantize}-bit)' if s.quantize else ''} ...")
         yield self.load_model()
         if self.plan.resume_from is not None:
             self.restore(self.plan.resume_from)
         if self.sampler is not None:
             yield self.sampler.baseline()  # no LoRA: what each sample is compared with
+        layers = len({sl.layer for sl in self.lora.slots})
         yield TrainStarted(s.steps, self.step_no + 1, self.plan.resume_from, len(self.items), bucket_counts(self.items),
-                           self.lora.count, self.lora.num_parameters, wd)  # fmt: skip
+                           self.lora.count, self.lora.num_parameters, wd, layers)  # fmt: skip
         while self.step_no < s.steps:
             yield self.train_step()
             if self.step_no == s.steps or (s.save_every and self.step_no % s.save_every == 0):
@@ -327,12 +331,38 @@ class Trainer:
 
     # ---- caches (the text encoder and the VAE are released before the first step) ----
 
+    def caption_plan(self) -> StageStarted:
+        """The texts of the run (captions; sample prompts and, on Base, the empty negative prompt of their
+        guidance): those in the prompt cache (the pipeline's, on disk) are read now; says what is left."""
+        s, info = self.s, self.info
+        captions = list(dict.fromkeys(it.caption for it in self.items))
+        # the caption a dropped example trains with (the sample prompts are the sample model's: samples.py)
+        extra = [""] if s.caption_dropout > 0 and "" not in captions else []
+        self.texts, self.cache = captions + extra, open_cache(True)
+        # Training's own entries ("for"): it encodes up to 4 texts a batch, the pipeline all at once, and
+        # the two need not agree to the bit; a resume reads back exactly what the first run trained on.
+        quantization = {"bits": s.quantize, "group_size": s.group_size} if s.quantize else None
+        settings = {"dtype": s.dtype, "quantization": quantization, "for": "train"}
+        self.keys = {t: None for t in self.texts}
+        if self.cache is not None:
+            self.keys = prompt_keys(self.cache, info.files["text_encoder"], info.tokenizer, self.texts, settings)
+        for text, key in self.keys.items():
+            if key is not None and (hit := self.cache.get(key)) is not None:
+                self.ctx[text] = hit
+        what = f"{len(captions)} caption" + ("s" if len(captions) != 1 else "")
+        missing = sum(t not in self.ctx for t in self.texts)
+        if not missing:
+            return StageStarted("captions", f"{what}: all in the prompt cache, the text encoder is not loaded")
+        cached = f" ({len(self.texts) - missing} of {len(self.texts)} texts from the prompt cache)" if missing < len(self.texts) else ""
+        return StageStarted("captions", f"encoding {what} with the text encoder{cached} ...")
+
     def cache_captions(self) -> StageFinished:
+        """Encode the texts `caption_plan` did not find in the prompt cache, and store them there."""
         t0 = time.perf_counter()
         s, info = self.s, self.info
-        texts = list(dict.fromkeys([it.caption for it in self.items]))
-        extra = [""] if s.caption_dropout > 0 else []  # the caption a dropped example trains with
-        texts += [t for t in dict.fromkeys(extra) if t not in texts]
+        texts = [t for t in self.texts if t not in self.ctx]
+        if not texts:
+            return StageFinished("captions", time.perf_counter() - t0, "read from the prompt cache")
         tokenizer = load_tokenizer(info.tokenizer)
         encoder = load_component(info, "text_encoder", self.dtype, s.quantize, s.group_size)
         for k in range(0, len(texts), 4):  # a few prompts at a time bounds the activations
@@ -341,7 +371,10 @@ class Trainer:
             mx.eval(emb)
             if not mx.all(mx.isfinite(emb)).item():
                 raise FluxKleinError(f"non-finite prompt embeddings for {chunk[0]!r}: try --dtype float32")
-            self.ctx.update({t: emb[i : i + 1] for i, t in enumerate(chunk)})
+            for i, t in enumerate(chunk):
+                self.ctx[t] = emb[i : i + 1]
+                if self.keys[t] is not None:  # the resumed run reads them back, bit for bit
+                    self.cache.put(self.keys[t], self.ctx[t])
         del encoder
         mx.clear_cache()
         return StageFinished("captions", time.perf_counter() - t0, f"{len(texts)} texts encoded, text encoder released")
@@ -438,7 +471,10 @@ class Trainer:
             )
         self.losses.append(loss)
         self.trained_peak = max(self.trained_peak, mx.get_peak_memory())
-        return StepFinished(self.step_no, s.steps, loss, time.perf_counter() - t0, s.lr, norm.item(), mx.get_peak_memory())
+        window = average_window(s.steps)
+        average = moving_average(self.losses[-window:], window)[-1]  # the plot's number for this step
+        return StepFinished(self.step_no, s.steps, loss, time.perf_counter() - t0, s.lr, norm.item(), mx.get_peak_memory(),
+                            average)  # fmt: skip
 
     # ---- checkpoints, samples, the end ----------------------------------------------------------
 
@@ -453,8 +489,13 @@ class Trainer:
         lora = (self.lora.file_arrays(mx.float32), self.lora.metadata())
         opt = dict(tree_flatten(self.optimizer.state))
         path = write_checkpoint(self.s.work_dir, self.step_no, lora, opt, self.state(), self.s.keep_checkpoints)
-        write_loss_plot(self.s.work_dir / "loss.png", self.losses)
+        self.plot_loss()
         return CheckpointSaved(self.step_no, path)
+
+    def plot_loss(self) -> None:
+        """loss.png: every step's loss since step 1 (a resume continues the list), the lr beside it."""
+        lrs = [self.s.lr] * len(self.losses)  # constant
+        write_loss_plot(self.s.work_dir / "loss.png", self.losses, average_window(self.s.steps), lrs)
 
     def restore(self, folder: Path) -> None:
         """Continue exactly where `folder` left off: adapters, AdamW moments, data order, RNG."""
@@ -493,5 +534,5 @@ class Trainer:
         write_json(s.work_dir / "train.json", self.record(output=str(final), finished=finished, steps=self.step_no,
                                                           final_loss=self.losses[-1] if self.losses else None))  # fmt: skip
         if self.losses:
-            write_loss_plot(s.work_dir / "loss.png", self.losses)
+            self.plot_loss()
         return TrainFinished(final, self.step_no, seconds, s.work_dir)
