@@ -52,7 +52,7 @@ from .loading import (
     is_mlx_folder,
     read_component,
 )
-from .output import check_disk_space, folder_transaction
+from .files import check_disk_space, folder_transaction
 from .models.quantize import check_quantization, quantize_model
 from .weights import save_safetensors_sharded
 

@@ -13,14 +13,15 @@ from .cli import run_command, vae_and_cache_options
 from .embedding_cache import parse_size
 from .inputs import RunSettings, check_prompt_given, prepare_inputs
 from .lora.apply import pair_scales
-from .output import check_output_file, image_format, numbered_name, save_image, write_exclusive
+from .files import check_output_file, numbered_name, write_exclusive
+from .output import image_format, save_image
 from .pipeline import DEFAULT_MODEL, load
 
 
 def output_paths(output: str, count: int) -> list[Path]:
     """The names a run asks for: `output`, or `stem-0.png` ... for several images; checked before any work.
 
-    An existing file is never replaced: a taken name moves on to the next free number (`output.write_exclusive`).
+    An existing file is never replaced: a taken name moves on to the next free number (`files.write_exclusive`).
     """
     base = Path(output).expanduser()
     image_format(base, "--output")

@@ -29,7 +29,8 @@ from flux_klein_mlx import convert as convert_module
 from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.inputs import open_image, preprocess_reference
-from flux_klein_mlx.output import TMP_MARKER, read_record, save_image
+from flux_klein_mlx.files import TMP_MARKER
+from flux_klein_mlx.output import read_record, save_image
 from flux_klein_mlx.pipeline import load
 
 REPO = Path(__file__).resolve().parents[1]

@@ -35,7 +35,7 @@ from .flops import (
     reference_pass_flops,
 )
 from ..loading import DTYPES, dtype_name
-from ..output import check_output_file, write_exclusive
+from ..files import check_output_file, write_exclusive
 from ..pipeline import FluxKleinPipeline, load
 from .random_model import random_pipeline
 from ..models.text_encoder import OUT_LAYERS, encode_prompts

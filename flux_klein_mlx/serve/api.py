@@ -36,7 +36,7 @@ from .forms import int_field, parse_json, parse_size, str_field
 from ..inputs import RunSettings, check_prompt_given
 from .jobs import EndEvent, ImageEvent, ImageRequest, NotReady, QueueFull, StepEvent, Worker
 from ..lora.apply import parse_lora_spec
-from ..output import write_exclusive
+from ..files import write_exclusive
 
 MB = 1 << 20
 PNG = {"output_format": "png", "background": "opaque"}  # what every result is

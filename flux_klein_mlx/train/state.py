@@ -10,7 +10,7 @@
         samples/step-000250-0.png
 
 A checkpoint is written into a temporary folder, flushed and renamed into place when complete
-(output.folder_transaction; a rename is atomic), so a crash or a full disk leaves the earlier
+(files.folder_transaction; a rename is atomic), so a crash or a full disk leaves the earlier
 checkpoints as they were. Only the newest `keep` checkpoints are kept.
 """
 
@@ -26,12 +26,12 @@ import mlx.core as mx
 from PIL import Image, ImageDraw
 
 from ..errors import FluxKleinError
-from ..output import folder_transaction, write_replacing
+from ..files import folder_transaction, is_temporary_file, write_replacing
 from ..weights import read_lora_file, read_safetensors, save_safetensors_streaming
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d{6,})$")
-# The temporary names of output.folder_transaction (checkpoints) and output.write_replacing (files).
-_TEMPORARY = re.compile(r"^(checkpoint-\d+\.(tmp|old)-[0-9a-f]{8}|\..+\.[0-9a-f]{8}\.tmp)$")
+# The temporary folders of files.folder_transaction for checkpoints (files: files.is_temporary_file).
+_TEMPORARY_CHECKPOINT = re.compile(r"^checkpoint-\d+\.(tmp|old)-[0-9a-f]{8}$")
 
 
 def checkpoints(work_dir: Path) -> list[tuple[int, Path]]:
@@ -49,8 +49,10 @@ def checkpoints(work_dir: Path) -> list[tuple[int, Path]]:
 def remove_temporaries(work_dir: Path) -> None:
     """Delete what an interrupted write of ours left behind (our own temporary names only)."""
     for p in work_dir.iterdir() if work_dir.is_dir() else []:
-        if _TEMPORARY.match(p.name):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        if _TEMPORARY_CHECKPOINT.match(p.name):
+            shutil.rmtree(p, ignore_errors=True)
+        elif is_temporary_file(p.name):
+            p.unlink(missing_ok=True)
 
 
 def write_checkpoint(

@@ -54,7 +54,7 @@ from .. import __version__
 from ..errors import FluxKleinError
 from ..loading import as_dtype, check_weights, describe, load_component
 from .adapters import attach_lora, parse_targets, write_lora_file
-from ..output import check_output_file, write_exclusive
+from ..files import check_output_file, write_exclusive
 from ..models.rope import image_ids, text_ids
 from ..models.text_encoder import encode_prompts
 from ..models.tokenizer import load_tokenizer
