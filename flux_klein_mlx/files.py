@@ -14,7 +14,8 @@ Three ways to write, each named for what a reader of the disk may see:
 
 Temporary names: a file's is `.NAME.XXXXXXXX.tmp` beside it (`temporary_name`, recognised by
 `is_temporary_file`), a folder's `NAME.tmp-XXXXXXXX` holding a marker with its writer's pid (a
-later run removes it once that process is gone). This module imports only `errors`.
+later run removes it once that process is gone). `file_sha256` is the one hash of a whole file.
+This module imports only `errors`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
+import hashlib
 import os
 import re
 import secrets
@@ -37,6 +39,18 @@ _SUFFIX_ROOM = 8
 _TEMPORARY_FILE = re.compile(r"^\..+\.[0-9a-f]{8}\.tmp$")
 TMP_MARKER = ".flux_klein_mlx-writing"  # in `<output>.tmp-XXXXXXXX` while it is written: the writer's pid
 _TMP_NAME = re.compile(r"\.tmp-[0-9a-f]{8}$")
+
+
+# --- reading --------------------------------------------------------------------------------------------
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 (hex) of a file's bytes, read 1 MiB at a time (LoRAs in records, training images)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 # --- temporary files ----------------------------------------------------------------------------------

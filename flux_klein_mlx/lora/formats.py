@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..models.config import HIDDEN_SIZES, flux1_marker
-from ..errors import FluxKleinError
+from ..errors import FluxKleinError, first_few
 from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, DIFFUSERS_TOP, QKV, linear_shapes
 
 # Module-name prefixes, longest first, and the format they say.
@@ -139,7 +139,7 @@ def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str,
     if unknown:
         raise FluxKleinError(
             f"LoRA {what} has {len(unknown)} key(s) that are not LoRA/LoKr weights "
-            f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}); is it a model checkpoint?"
+            f"({first_few(unknown)}); is it a model checkpoint?"
         )
     modules: dict[str, dict[str, mx.array]] = {}
     keys: dict[tuple[str, str], str] = {}  # (module, role) -> the key that gave it
