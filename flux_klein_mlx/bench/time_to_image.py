@@ -2,7 +2,7 @@
 
 `measure_cold(model, ...)` measures, in one call on a model folder (real or random weights):
 
-- the bytes each component's load reads (`readahead.bytes_to_load`, from the headers);
+- the bytes each component's load reads (`measure.bytes_to_load`, from the headers);
 - the disk's sequential read rate on those very byte ranges, read cold (`sequential_read_rate`);
 - one image in each of these runs, each through a fresh `load()` as a new `generate` would:
 
@@ -23,7 +23,7 @@
 
 Process start and imports are outside a run here; `import_seconds` measures them in a child process.
 
-Cold starts: `readahead.drop_from_page_cache`. Where it cannot evict (macOS), the result says so, and
+Cold starts: `measure.drop_from_page_cache`. Where it cannot evict (macOS), the result says so, and
 a cold start is approximated by running `sudo purge` right before the benchmark (the first run is
 then cold; the later "cold" runs are labelled as not dropped).
 """
@@ -51,7 +51,8 @@ from .flops import flops_of_text_encoder, flops_of_transformer, flops_of_vae_dec
 from ..inputs import RunSettings, prepare_inputs
 from ..loading import as_dtype, describe
 from ..pipeline import load
-from ..readahead import StageMeter, bytes_to_load, component_spans, drop_from_page_cache, sequential_read_rate
+from ..readahead import component_spans
+from .measure import StageMeter, bytes_to_load, drop_from_page_cache, sequential_read_rate
 from ..models.tokenizer import load_tokenizer
 
 PROMPT = "a red fox in fresh snow at dawn, soft light, 35 mm photograph"
