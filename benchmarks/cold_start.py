@@ -348,11 +348,11 @@ def overlap(model: str, width: int, height: int, steps: int, dtype: str, pairs: 
     for i in range(pairs):
         for mode in (("read-ahead", "none") if i % 2 == 0 else ("none", "read-ahead")):
             drop_from_page_cache(files)
-            r = one_run(model, settings, cache=False, read_ahead=mode == "read-ahead", dtype=dtype)
-            runs[mode].append(r)
-            st = r["stages"]
-            print(f"  {mode}: {r['seconds']:.2f} s (encode {st['encode']['seconds']:.2f}, transformer load "
-                  f"{st['transformer load']['seconds']:.2f}, peak RSS {r['peak_rss'] / 1e9:.2f} GB)", flush=True)
+            run = one_run(model, settings, cache=False, read_ahead=mode == "read-ahead", dtype=dtype)
+            st = run.stages
+            print(f"  {mode}: {run.seconds:.2f} s (encode {st['encode'].seconds:.2f}, transformer load "
+                  f"{st['transformer load'].seconds:.2f}, peak RSS {run.peak_rss / 1e9:.2f} GB)", flush=True)
+            runs[mode].append(dataclasses.asdict(run))
     med = lambda xs: statistics.median(xs)  # noqa: E731
     summary = {mode: {"seconds": med([r["seconds"] for r in rs]),
                       **{k: med([r["stages"][k]["seconds"] for r in rs]) for k in ("encode", "transformer load", "VAE load")},

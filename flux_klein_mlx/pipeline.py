@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import os
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -370,7 +370,9 @@ class FluxKleinPipeline:
         negative_prompt=, latents=, output_type=, noise=, init_image=, strength=, mask=)`, each
         explained in `inputs.RunSettings`. Returns a PIL image (or a float32 array for
         output_type="np"); `last_stats` and `last_metadata` describe it."""
-        return deque(self.stream(prompt, **settings), maxlen=1).pop().image  # run to the end, keep the last event
+        for event in self.stream(prompt, **settings):  # run to the end: the last event carries the image
+            pass
+        return event.image
 
     def prepare(self, prompt, **settings) -> Job:
         """Stage 1: encode the prompt(s), the init image and references, and draw the noise."""

@@ -391,9 +391,10 @@ def benchmark(model, random_weights, variant, width, height, steps, quantize, dt
     bits = int(quantize) if quantize else None
     log = partial(click.echo, err=True)
     if cold:
-        result = measure_cold(model, width=width, height=height, steps=steps, dtype=dtype, quantize=bits, vae=vae,
-                              log=log)
-        click.echo(format_cold(result))
+        measured = measure_cold(model, width=width, height=height, steps=steps, dtype=dtype, quantize=bits, vae=vae,
+                                log=log)
+        click.echo(format_cold(measured))
+        result = measured.to_json()
     else:
         if model:
             pipe = load(model, dtype=dtype, quantize=bits, vae=vae)

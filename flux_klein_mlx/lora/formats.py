@@ -166,9 +166,24 @@ def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str,
             )
         keys[name, role] = key
         modules.setdefault(name, {})[role] = value
-    letters = kinds - {None}
-    unprefixed = "B" if any(n.startswith(("double_blocks", "single_blocks")) for n in modules) else "A"
-    return modules, "E" if "E" in letters else min(letters, default=unprefixed)
+    return modules, _format_of(kinds, modules)
+
+
+def _format_of(kinds: set[str | None], modules: dict) -> str:
+    """The format letter of a file from the kinds its keys say (`_PREFIXES`; "E" for a LoKr tensor)
+    and its module names: the first rule that holds, in this order."""
+    rules = (
+        ("E", "E" in kinds),  # any LoKr tensor: the file needs the LoKr reading
+        ("A", "A" in kinds),  # then the prefixes; a file that mixes them is named by the first here
+        ("B", "B" in kinds),
+        ("C", "C" in kinds),
+        ("D", "D" in kinds),
+        ("B", any(n.startswith(("double_blocks", "single_blocks")) for n in modules)),  # our names, no prefix
+    )
+    for letter, holds in rules:
+        if holds:
+            return letter
+    return "A"  # diffusers' names without a prefix
 
 
 def _metadata_alpha(metadata: dict | None, what: str):
