@@ -125,7 +125,7 @@ def convert_model(
     check_weights(info)  # every file's header, keys and shapes, before anything is written
     baked = load_loras(loras, info.params, lora_partial)  # all checked before anything is written
     parts = [make_part(info, name, cast, bits, group_size, baked if name == "transformer" else None)
-             for name in COMPONENTS]  # fmt: skip
+             for name in COMPONENTS]
     source = {"model": str(model), "path": str(info.path), "format": info.format}
     if info.format == "bfl":
         source["base"] = str(info.tokenizer.parent)
@@ -135,11 +135,11 @@ def convert_model(
         vae_folders = [f.parent for f in info.decoder_files or info.files["vae"]]
     meta = {"variant": info.variant, "is_distilled": info.is_distilled, "reference_kv": info.reference_kv,
             "dtype": dtype_name(cast), "source": source, "scheduler": info.scheduler,
-            "tokenizer_source": info.tokenizer, "loras": [lora.record() for lora in baked] or None}  # fmt: skip
+            "tokenizer_source": info.tokenizer, "loras": [lora.record() for lora in baked] or None}
     return write_folder(
         output, parts, meta, overwrite=overwrite, sources=[info.path, info.tokenizer.parent, *vae_folders],
         max_shard_bytes=max_shard_bytes, progress=progress,
-    )  # fmt: skip
+    )
 
 
 def quantize_folder(

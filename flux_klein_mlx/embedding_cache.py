@@ -325,7 +325,7 @@ def open_cache(cache, size: int | str = DEFAULT_MAX_BYTES) -> EmbeddingCache | N
 
 
 def prompt_keys(cache: EmbeddingCache, encoder_files: Sequence[str | Path], tokenizer: str | Path,
-                prompts: Sequence[str], settings: Mapping) -> dict[str, str | None]:  # fmt: skip
+                prompts: Sequence[str], settings: Mapping) -> dict[str, str | None]:
     """prompt -> key for a model's text encoder (`encoder_files`), its tokenizer folder's chat template
     (read without building the tokenizer), the 512-token length and `settings` (dtype, quantization).
 
@@ -334,7 +334,7 @@ def prompt_keys(cache: EmbeddingCache, encoder_files: Sequence[str | Path], toke
     template = chat_template_source(tokenizer)
     try:
         return {p: cache.key(encoder_files, template=template, max_length=MAX_LENGTH, prompt=p, settings=settings)
-                for p in prompts}  # fmt: skip
+                for p in prompts}
     except OSError:
         return {p: None for p in prompts}
 

@@ -46,7 +46,7 @@ XMP_NS = "urn:flux_klein_mlx:record:1"  # the XMP namespace of our record (JPEG,
 
 def image_metadata(settings, *, model: str, variant: str, dtype: str, quantize: int | None, loras: list[dict],
                    references: list[str], init_image: str | None = None, mask: str | None = None,
-                   steps_run: int | None = None, vae: str | None = None) -> dict:  # fmt: skip
+                   steps_run: int | None = None, vae: str | None = None) -> dict:
     """The record of one image: `settings` is the run's resolved `inputs.RunSettings`; images are named
     by the content hash of their pixels (the same whichever door they came through)."""
     return {
@@ -57,7 +57,7 @@ def image_metadata(settings, *, model: str, variant: str, dtype: str, quantize: 
         "model": model, "variant": variant, "dtype": dtype, "quantize": quantize, "loras": loras,
         "references": references, "init_image": init_image, "strength": settings.strength if init_image else None,
         "mask": mask, "vae": vae, "software": f"flux_klein_mlx {__version__}",
-    }  # fmt: skip
+    }
 
 
 def _a1111_value(v) -> str:

@@ -298,7 +298,7 @@ def hub_offline() -> bool:
 
 
 def resolve_model(model: str | Path, allow_patterns: list[str] = HUB_PATTERNS, cache_dir: str | Path | None = None,
-                  size_hint: Callable[[], int | None] | None = None) -> Path:  # fmt: skip
+                  size_hint: Callable[[], int | None] | None = None) -> Path:
     """A local folder or file as a Path; otherwise a Hugging Face repo id, downloaded into (or found
     in) the hub cache with `allow_patterns` (default: the files the pipeline needs).
 

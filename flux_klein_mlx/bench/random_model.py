@@ -87,8 +87,8 @@ def random_pipeline(
         source=f"random weights ({variant.name})", path=Path("."), format="random", is_distilled=variant.distilled,
         configs=configs, files={}, quantization={n: None for n in COMPONENTS}, tokenizer=Path("."),
         reference_kv=variant.reference_kv,
-    )  # fmt: skip
+    )
     loaders = {name: functools.partial(make, name) for name in SEED_OFFSETS}
     loaders["tokenizer"] = functools.partial(RandomTokens, variant.text_encoder.vocab_size, seed)
     return FluxKleinPipeline(loaders, info, dtype=dtype, low_memory=low_memory,
-                             quantization={"bits": quantize, "group_size": 64} if quantize else None)  # fmt: skip
+                             quantization={"bits": quantize, "group_size": 64} if quantize else None)

@@ -252,7 +252,7 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
     bare = [n for n, parts in modules.items() if set(parts) == {"alpha"}]
     if bare:
         head = (f"{len(bare)} `.alpha` keys and no LoRA weights" if len(bare) == len(modules)
-                else f"an alpha for {bare[0]} but no weights")  # fmt: skip
+                else f"an alpha for {bare[0]} but no weights")
         raise FluxKleinError(f"LoRA {what} is incomplete: it holds {head}; export or download it again")
     table = target_table(params)
     shapes = linear_shapes(params)

@@ -75,7 +75,7 @@ def linear_part(layer: nn.Module, x: mx.array, rows: slice = slice(None), cols: 
         out = mx.quantized_matmul(
             x, part(layer.weight, per_word), part(layer.scales, g), part(layer.biases, g),
             transpose=True, group_size=g, bits=layer.bits,
-        )  # fmt: skip
+        )
         side = getattr(layer, "side_path", None)  # a LoRA beside the quantized weights (lora.py)
         return out if side is None else out + side(x, rows, cols)
     return x @ layer.weight[rows, c0:c1].T

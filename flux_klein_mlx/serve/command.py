@@ -37,6 +37,26 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_before_start(host: str, api_key: str | None, save_dir, lora_dir) -> None:
+    """Refuse, before anything binds or loads, a server that cannot start as asked: the serve extra
+    missing, a non-loopback address without a key, a --save-dir or --lora-dir that is not a folder."""
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+        try:  # python-multipart (uploads), under this name since 0.0.13; the old `multipart` name warns there
+            import python_multipart  # noqa: F401
+        except ImportError:
+            import multipart  # noqa: F401
+    except ImportError as e:
+        raise FluxKleinError(f"serve needs the serve extra ({e.name} is missing): pip install -e \".[serve]\"") from None
+    if not is_loopback(host) and not api_key:
+        raise FluxKleinError(f"--host {host} exposes the server beyond this machine; set --api-key KEY too "
+                             "(clients then send 'Authorization: Bearer KEY')")
+    for name, folder in (("--save-dir", save_dir), ("--lora-dir", lora_dir)):
+        if folder is not None and not Path(folder).is_dir():
+            raise FluxKleinError(f"{name} {folder} is not an existing folder; create it first")
+
+
 def is_loopback(host: str) -> bool:
     try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
@@ -68,23 +88,10 @@ def is_loopback(host: str) -> bool:
 def serve(model, quantize, dtype, low_memory, loras, lora_dir, host, port, api_key, queue_size, save_dir,
           max_upload_mb, model_id, vae, no_cache, cache_size):
     """Serve the OpenAI Images API and a web page with live step previews."""
-    try:
-        import starlette  # noqa: F401
-        import uvicorn
-        try:  # python-multipart (uploads), under this name since 0.0.13; the old `multipart` name warns there
-            import python_multipart  # noqa: F401
-        except ImportError:
-            import multipart  # noqa: F401
-    except ImportError as e:
-        raise FluxKleinError(f"serve needs the serve extra ({e.name} is missing): pip install -e \".[serve]\"") from None
-    if not is_loopback(host) and not api_key:
-        raise FluxKleinError(f"--host {host} exposes the server beyond this machine; set --api-key KEY too "
-                             "(clients then send 'Authorization: Bearer KEY')")
-    for name, folder in (("--save-dir", save_dir), ("--lora-dir", lora_dir)):
-        if folder is not None and not Path(folder).is_dir():
-            raise FluxKleinError(f"{name} {folder} is not an existing folder; create it first")
-
+    check_before_start(host, api_key, save_dir, lora_dir)
     # The server modules import the serve extra (checked above), so they are imported only here.
+    import uvicorn
+
     from .api import MB, ServerOptions, create_app
     from .jobs import Worker
 
@@ -100,7 +107,7 @@ def serve(model, quantize, dtype, low_memory, loras, lora_dir, host, port, api_k
     model_id = model_id or Path(str(model).rstrip("/")).name
     options = ServerOptions(model_id=model_id, api_key=api_key, lora_dir=Path(lora_dir) if lora_dir else None,
                             save_dir=Path(save_dir) if save_dir else None, max_upload_bytes=int(max_upload_mb * MB),
-                            log=lambda line: click.echo(line, err=True))  # fmt: skip
+                            log=lambda line: click.echo(line, err=True))
 
     def loader():  # on the worker thread, while the server already answers (503 until ready)
         try:

@@ -142,7 +142,7 @@ class Worker:
             return {"state": self.state, "error": self.error, "waiting": len(self._waiting),
                     "running": self._running is not None, "max_queue": self.max_queue,
                     "completed": self.completed, "cancelled": self.cancelled_jobs,
-                    "mlx_active_bytes": self.active_memory}  # fmt: skip
+                    "mlx_active_bytes": self.active_memory}
 
     # ---- the worker thread ----------------------------------------------------------------------
 

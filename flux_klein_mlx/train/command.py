@@ -40,7 +40,7 @@ class ProgressLine:
         self.smooth = ev.loss if self.smooth is None else (1 - k) * self.smooth + k * ev.loss
         eta = _clock(self.avg * (ev.total - ev.step))
         line = (f"step {ev.step}/{ev.total}  loss {ev.loss:.4f} (avg {self.smooth:.4f})  {ev.seconds:.2f} s/step  "
-                f"ETA {eta}  peak {ev.peak_memory / 1e9:.2f} GB")  # fmt: skip
+                f"ETA {eta}  peak {ev.peak_memory / 1e9:.2f} GB")
         if self.tty:
             self.stream.write("\r" + line.ljust(100))
             self.open = True
@@ -68,7 +68,7 @@ def describe_event(ev) -> str | None:
         where = f"resuming from {ev.resumed_from} at step {ev.first_step}" if ev.resumed_from else "starting"
         buckets = ", ".join(f"{k} x{v}" for k, v in ev.buckets.items())
         return (f"{where}: {ev.images} image(s) ({buckets}), {ev.adapters} adapters, "
-                f"{ev.parameters / 1e6:.2f} M trainable values, {ev.total_steps} steps; work folder {ev.work_dir}")  # fmt: skip
+                f"{ev.parameters / 1e6:.2f} M trainable values, {ev.total_steps} steps; work folder {ev.work_dir}")
     if isinstance(ev, CheckpointSaved):
         return f"checkpoint: {ev.path}"
     if isinstance(ev, SamplesSaved):

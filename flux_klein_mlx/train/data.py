@@ -67,7 +67,7 @@ class TrainItem:
             "size": list(self.image.size), "bucket": list(self.bucket), "caption": self.caption,
             "caption_from": self.caption_from,
             "controls": [{"image": str(c.path), "sha256": c.sha256} for c in self.controls],
-        }  # fmt: skip
+        }
 
 
 def bucket_size(w: int, h: int, resolution: int) -> tuple[int, int]:

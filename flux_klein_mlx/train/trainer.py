@@ -63,7 +63,7 @@ from .settings import TrainSettings, differences
 from .state import (
     checkpoints, read_checkpoint, read_state, remove_temporaries, write_atomic, write_checkpoint, write_json,
     write_loss_plot,
-)  # fmt: skip
+)
 
 TRAIN_TIMESTEPS = 1000  # the scheduler's num_train_timesteps: sigma lives on a grid of 1/1000
 
@@ -312,7 +312,7 @@ class Trainer:
         if self.plan.resume_from is not None:
             self.restore(self.plan.resume_from)
         yield TrainStarted(s.steps, self.step_no + 1, self.plan.resume_from, len(self.items), bucket_counts(self.items),
-                           len(self.lora.slots), self.lora.num_parameters, wd)  # fmt: skip
+                           len(self.lora.slots), self.lora.num_parameters, wd)
         while self.step_no < s.steps:
             yield self.train_step()
             if self.step_no == s.steps or (s.save_every and self.step_no % s.save_every == 0):
@@ -436,7 +436,7 @@ class Trainer:
             "step": self.step_no, "epoch": self.epoch, "batches": self.batches, "position": self.position,
             "rng": self.rng.bit_generator.state, "losses": self.losses, "run_key": run_key(self.s, self.info),
             "data": data_key(self.items), "flux_klein_mlx": __version__,
-        }  # fmt: skip
+        }
 
     def save(self) -> CheckpointSaved:
         lora = (self.lora.file_arrays(mx.float32), self.lora.metadata())
@@ -469,7 +469,7 @@ class Trainer:
         try:
             if self.sample_pipe is None:
                 self.sample_pipe = load(s.model, dtype=s.dtype, quantize=s.quantize, group_size=s.group_size,
-                                        low_memory=True, loras=[lora_file])  # fmt: skip
+                                        low_memory=True, loras=[lora_file])
                 for text, emb in self.ctx.items():
                     if text in s.sample_prompts or text == "":
                         self.sample_pipe.remember_prompt(text, emb)
@@ -496,14 +496,14 @@ class Trainer:
             "settings": self.s.record(), "data": [it.record() for it in self.items], "buckets": bucket_counts(self.items),
             "targets": [sl.name for sl in self.plan.slots], "resumed_from": str(self.plan.resume_from or "") or None,
             "started": self.started, **extra,
-        }  # fmt: skip
+        }
 
     def finish(self, seconds: float) -> TrainFinished:
         s = self.s
         final = write_exclusive(s.output, lambda tmp: write_lora_file(tmp, self.lora, self.dtype))
         finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
         write_json(s.work_dir / "train.json", self.record(output=str(final), finished=finished, steps=self.step_no,
-                                                          final_loss=self.losses[-1] if self.losses else None))  # fmt: skip
+                                                          final_loss=self.losses[-1] if self.losses else None))
         if self.losses:
             write_loss_plot(s.work_dir / "loss.png", self.losses)
         return TrainFinished(final, self.step_no, seconds, s.work_dir)
