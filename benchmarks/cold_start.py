@@ -10,7 +10,7 @@
 klein-4B's true shapes: 4-bit transformer and Qwen3-4B (layers 1-27), bf16 VAE, the real tokenizer.
 
 `run` measures, each load in a fresh process, the page cache dropped before every cold one
-(`readahead.drop_from_page_cache`: posix_fadvise, no root; on a Mac it says it cannot, and a cold
+(`bench.measure.drop_from_page_cache`: posix_fadvise, no root; on a Mac it says it cannot, and a cold
 start needs `sudo purge`):
 
 1. the disk's sequential read rate on the very bytes the loads read (`sequential_read_rate`);
@@ -144,7 +144,8 @@ def child_load(model: str, name: str, readahead: str | None = None, overlap: flo
     """Load one component; `readahead` "alone" (read it all first) or "overlap" (read during `overlap`
     seconds of stand-in compute, then stop it and load)."""
     from flux_klein_mlx.loading import describe, load_component
-    from flux_klein_mlx.readahead import ReadAhead, StageMeter, bytes_to_load
+    from flux_klein_mlx.bench.measure import StageMeter, bytes_to_load
+    from flux_klein_mlx.readahead import ReadAhead
 
     info = describe(model)
     meter, out = StageMeter(), {"component": name, "readahead": readahead}
@@ -209,7 +210,8 @@ def measure(model: str) -> dict:
     """Every measurement of the module docstring; returns them (and prints progress)."""
     from flux_klein_mlx.bench.flops import flops_of_text_encoder, flops_of_transformer, flops_of_vae_decoder, machine_info
     from flux_klein_mlx.loading import describe
-    from flux_klein_mlx.readahead import bytes_to_load, component_spans, drop_from_page_cache, sequential_read_rate
+    from flux_klein_mlx.bench.measure import bytes_to_load, drop_from_page_cache, sequential_read_rate
+    from flux_klein_mlx.readahead import component_spans
 
     info = describe(model)
     files = {n: list(info.files[n]) for n in COMPONENTS}
@@ -298,7 +300,7 @@ def second_generate(model: str, width: int, height: int, steps: int, dtype: str)
     import subprocess
 
     from flux_klein_mlx.loading import describe
-    from flux_klein_mlx.readahead import drop_from_page_cache
+    from flux_klein_mlx.bench.measure import drop_from_page_cache
 
     info = describe(model)
     files = [f for n in COMPONENTS for f in info.files[n]]
@@ -336,7 +338,7 @@ def overlap(model: str, width: int, height: int, steps: int, dtype: str, pairs: 
 
     from flux_klein_mlx.inputs import RunSettings
     from flux_klein_mlx.loading import describe
-    from flux_klein_mlx.readahead import drop_from_page_cache
+    from flux_klein_mlx.bench.measure import drop_from_page_cache
     from flux_klein_mlx.bench.time_to_image import one_run
 
     info = describe(model)
@@ -346,11 +348,11 @@ def overlap(model: str, width: int, height: int, steps: int, dtype: str, pairs: 
     for i in range(pairs):
         for mode in (("read-ahead", "none") if i % 2 == 0 else ("none", "read-ahead")):
             drop_from_page_cache(files)
-            r = one_run(model, settings, cache=False, read_ahead=mode == "read-ahead", dtype=dtype)
-            runs[mode].append(r)
-            st = r["stages"]
-            print(f"  {mode}: {r['seconds']:.2f} s (encode {st['encode']['seconds']:.2f}, transformer load "
-                  f"{st['transformer load']['seconds']:.2f}, peak RSS {r['peak_rss'] / 1e9:.2f} GB)", flush=True)
+            run = one_run(model, settings, cache=False, read_ahead=mode == "read-ahead", dtype=dtype)
+            st = run.stages
+            print(f"  {mode}: {run.seconds:.2f} s (encode {st['encode'].seconds:.2f}, transformer load "
+                  f"{st['transformer load'].seconds:.2f}, peak RSS {run.peak_rss / 1e9:.2f} GB)", flush=True)
+            runs[mode].append(dataclasses.asdict(run))
     med = lambda xs: statistics.median(xs)  # noqa: E731
     summary = {mode: {"seconds": med([r["seconds"] for r in rs]),
                       **{k: med([r["stages"][k]["seconds"] for r in rs]) for k in ("encode", "transformer load", "VAE load")},

@@ -52,7 +52,7 @@ from .loading import (
     is_mlx_folder,
     read_component,
 )
-from .output import broken_link, check_disk_space, folder_transaction
+from .files import broken_link, check_disk_space, folder_transaction
 from .models.quantize import check_quantization, quantize_model
 from .weights import save_safetensors_sharded
 
@@ -126,7 +126,7 @@ def convert_model(
     check_weights(info)  # every file's header, keys and shapes, before anything is written
     baked = load_loras(loras, info.params, lora_partial)  # all checked before anything is written
     parts = [make_part(info, name, cast, bits, group_size, baked if name == "transformer" else None)
-             for name in COMPONENTS]  # fmt: skip
+             for name in COMPONENTS]
     source = {"model": str(model), "path": str(info.path), "format": info.format}
     if info.format == "bfl":
         source["base"] = str(info.tokenizer.parent)
@@ -136,11 +136,11 @@ def convert_model(
         vae_folders = [f.parent for f in info.decoder_files or info.files["vae"]]
     meta = {"variant": info.variant, "is_distilled": info.is_distilled, "reference_kv": info.reference_kv,
             "dtype": dtype_name(cast), "source": source, "scheduler": info.scheduler,
-            "tokenizer_source": info.tokenizer, "loras": [lora.record() for lora in baked] or None}  # fmt: skip
+            "tokenizer_source": info.tokenizer, "loras": [lora.record() for lora in baked] or None}
     return write_folder(
         output, parts, meta, overwrite=overwrite, sources=[info.path, info.tokenizer.parent, *vae_folders],
         max_shard_bytes=max_shard_bytes, progress=progress,
-    )  # fmt: skip
+    )
 
 
 def quantize_folder(

@@ -18,9 +18,9 @@ Entries live in the `embeddings/` subfolder of `default_folder()`. Deleting the 
 cache; nothing else refers to it.
 
 Robustness, by design rather than by luck:
-- an entry is written to a temporary file in the same folder and renamed into place, so readers
-  see a whole entry or none; two processes writing the same entry each rename a whole file, the
-  last one wins and both are valid;
+- an entry is written to a temporary file in the same folder and renamed into place
+  (`files.write_replacing`), so readers see a whole entry or none; two processes writing the same
+  entry each rename a whole file, the last one wins and both are valid;
 - every entry carries its key and a digest of its bytes: a damaged, truncated or foreign file is
   ignored (and removed), never used, never a traceback; the next `put` writes it again;
 - bounded: least recently used entries (a hit refreshes the mtime) are removed before a write so
@@ -39,7 +39,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -50,6 +49,7 @@ import numpy as np
 
 from . import __version__
 from .errors import FluxKleinError
+from .files import is_temporary_file, write_replacing
 from .models.tokenizer import MAX_LENGTH, chat_template_source
 from .weights import safetensors_header_bytes
 
@@ -215,7 +215,7 @@ class EmbeddingCache:
                 if e.name.endswith(".safetensors") and not e.name.startswith("."):
                     st = e.stat()
                     out.append(_Entry(Path(e.path), st.st_size, st.st_mtime_ns))
-                elif e.name.startswith(".tmp-") and time.time() - e.stat().st_mtime > STALE_TEMP_SECONDS:
+                elif is_temporary_file(e.name) and time.time() - e.stat().st_mtime > STALE_TEMP_SECONDS:
                     os.unlink(e.path)  # a temporary file of a writer that died
         return sorted(out, key=lambda e: (e.mtime_ns, e.path.name))
 
@@ -242,16 +242,15 @@ class EmbeddingCache:
     # ---- writing --------------------------------------------------------------------------------
 
     def _write_atomic(self, path: Path, parts: Iterable[bytes]) -> bool:
-        tmp = None
-        try:
-            fd, tmp = open_temporary(self.folder)
-            with os.fdopen(fd, "wb") as f:
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as f:
                 f.writelines(parts)
-            os.replace(tmp, path)
+
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            write_replacing(path, write)
             return True
         except OSError as e:
-            if tmp is not None:
-                _remove(Path(tmp))
             if self.writable:  # the first failure turns writing off, with one warning
                 self.writable = False
                 why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
@@ -303,13 +302,6 @@ def decode_entry(blob: bytes, key: str) -> mx.array | None:
     return mx.array(np.frombuffer(data, dtype=_CARRIER[dtype.size][1]).reshape(shape)).view(dtype)
 
 
-def open_temporary(folder: Path) -> tuple[int, str]:
-    """A new temporary file in `folder` (created if needed): (fd, path). Same folder as the entry,
-    so that the final rename is atomic (one file system)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    return tempfile.mkstemp(prefix=".tmp-", dir=folder)
-
-
 def _remove(path: Path) -> bool:
     """Remove a file; True when it is gone (also when someone else removed it first)."""
     try:
@@ -333,7 +325,7 @@ def open_cache(cache, size: int | str = DEFAULT_MAX_BYTES) -> EmbeddingCache | N
 
 
 def prompt_keys(cache: EmbeddingCache, encoder_files: Sequence[str | Path], tokenizer: str | Path,
-                prompts: Sequence[str], settings: Mapping) -> dict[str, str | None]:  # fmt: skip
+                prompts: Sequence[str], settings: Mapping) -> dict[str, str | None]:
     """prompt -> key for a model's text encoder (`encoder_files`), its tokenizer folder's chat template
     (read without building the tokenizer), the 512-token length and `settings` (dtype, quantization).
 
@@ -342,7 +334,7 @@ def prompt_keys(cache: EmbeddingCache, encoder_files: Sequence[str | Path], toke
     template = chat_template_source(tokenizer)
     try:
         return {p: cache.key(encoder_files, template=template, max_length=MAX_LENGTH, prompt=p, settings=settings)
-                for p in prompts}  # fmt: skip
+                for p in prompts}
     except OSError:
         return {p: None for p in prompts}
 

@@ -13,14 +13,15 @@ from .cli import run_command, vae_and_cache_options
 from .embedding_cache import parse_size
 from .inputs import RunSettings, check_prompt_given, prepare_inputs
 from .lora.apply import pair_scales
-from .output import check_output_file, image_format, numbered_name, save_image, write_exclusive
+from .files import check_output_file, numbered_name, write_exclusive
+from .output import image_format, save_image
 from .pipeline import DEFAULT_MODEL, load
 
 
 def output_paths(output: str, count: int) -> list[Path]:
     """The names a run asks for: `output`, or `stem-0.png` ... for several images; checked before any work.
 
-    An existing file is never replaced: a taken name moves on to the next free number (`output.write_exclusive`).
+    An existing file is never replaced: a taken name moves on to the next free number (`files.write_exclusive`).
     """
     base = Path(output).expanduser()
     image_format(base, "--output")
@@ -87,7 +88,7 @@ def generate(prompt, model, width, height, steps, guidance, seed, noise, init_im
     check_prompt_given(prompt)
     settings = RunSettings(prompt, width=width, height=height, steps=steps, guidance=guidance, seed=seed,
                            images=list(images), negative_prompt=negative_prompt, noise=noise, init_image=init_image,
-                           strength=strength, mask=mask).check()  # fmt: skip
+                           strength=strength, mask=mask).check()
     paths = output_paths(output, num_images)
     if preview_dir is not None:  # a missing folder or a file: one-line errors
         check_output_file(Path(preview_dir) / f"{paths[-1].stem}-step00.png", "--preview-dir")
@@ -129,7 +130,7 @@ def _run(pipe, prepared, previews=None, label="denoising"):
     event = next(stream)  # prompt encoded, references encoded
     tty = sys.stderr.isatty()
     bar = click.progressbar(length=event.total, label=label, file=sys.stderr, show_eta=True,
-                            item_show_func=lambda s: s) if tty else contextlib.nullcontext()  # fmt: skip
+                            item_show_func=lambda s: s) if tty else contextlib.nullcontext()
     with bar:
         for event in stream:
             if event.stage != "denoise":

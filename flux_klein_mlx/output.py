@@ -7,30 +7,20 @@
   text chunk is named `prompt`: ComfyUI parses that key as a workflow). JPEG and WebP files carry
   the same text where A1111 puts it, in the EXIF UserComment ("UNICODE" + UTF-16BE in big-endian
   EXIF, as piexif writes it), and the JSON record in XMP (`flux_klein_mlx:record`).
-- Files are never written twice: `check_output_file` runs before the work, `write_exclusive`
-  writes into a temporary file and hard-links it to the first free name, and `folder_transaction`
-  writes a whole folder next to its destination and renames it into place (crash-safe).
+- `save_image` writes a new image file through `files.write_exclusive`: never a file replaced,
+  never half an image under its name.
 - `LatentPreview` maps latent tokens to a small RGB picture after every step, without the VAE.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import glob
 import io
 import json
-import os
-import re
-import secrets
-import shutil
 import struct
-import tempfile
 import warnings
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 from xml.sax.saxutils import escape
 
 import mlx.core as mx
@@ -40,6 +30,7 @@ from PIL.PngImagePlugin import PngInfo
 
 from . import __version__
 from .errors import FluxKleinError
+from .files import write_exclusive
 from .models.vae import unpatchify
 
 RECORD_KEY = "flux_klein_mlx"  # PNG text chunk holding the JSON record
@@ -55,7 +46,7 @@ XMP_NS = "urn:flux_klein_mlx:record:1"  # the XMP namespace of our record (JPEG,
 
 def image_metadata(settings, *, model: str, variant: str, dtype: str, quantize: int | None, loras: list[dict],
                    references: list[str], init_image: str | None = None, mask: str | None = None,
-                   steps_run: int | None = None, vae: str | None = None) -> dict:  # fmt: skip
+                   steps_run: int | None = None, vae: str | None = None) -> dict:
     """The record of one image: `settings` is the run's resolved `inputs.RunSettings`; images are named
     by the content hash of their pixels (the same whichever door they came through)."""
     return {
@@ -66,7 +57,7 @@ def image_metadata(settings, *, model: str, variant: str, dtype: str, quantize: 
         "model": model, "variant": variant, "dtype": dtype, "quantize": quantize, "loras": loras,
         "references": references, "init_image": init_image, "strength": settings.strength if init_image else None,
         "mask": mask, "vae": vae, "software": f"flux_klein_mlx {__version__}",
-    }  # fmt: skip
+    }
 
 
 def _a1111_value(v) -> str:
@@ -187,239 +178,6 @@ def save_image(image: Image.Image, path: str | Path, record: dict | None = None,
     path = Path(path).expanduser()
     fmt = image_format(path)
     return write_exclusive(path, lambda tmp: write_image(image, tmp, fmt, record), first)
-
-
-# --- files that are never written twice ---------------------------------------------------------------
-
-# Room left in a file name for the "-N" that `write_exclusive` may add.
-_SUFFIX_ROOM = 8
-
-
-MIN_FREE_BYTES = 1 << 20  # below this a disk counts as full: one small image (or JSON, or preview) must fit
-
-
-def check_output_file(path: str | Path, option: str = "--output") -> Path:
-    """Raise FluxKleinError unless a new file can be created at `path` (or next to it, if taken)."""
-    path = Path(path).expanduser()
-    parent = path.parent
-    for p in (parent, path):
-        if trouble := broken_link(p):
-            raise FluxKleinError(f"{option} {path}: {p} is a symbolic link that {trouble}; remove it or choose another path")
-    if parent.exists() and not parent.is_dir():
-        raise FluxKleinError(f"{option} {path}: {parent} is a file, not a folder; choose another path")
-    if not parent.is_dir():
-        raise FluxKleinError(f"{option} {path}: output folder {parent} does not exist; create it first")
-    try:
-        name_max = os.pathconf(parent, "PC_NAME_MAX")
-    except (OSError, ValueError, AttributeError):
-        name_max = 255
-    if len(os.fsencode(path.name)) + _SUFFIX_ROOM > name_max:
-        raise FluxKleinError(
-            f"{option} file name is {len(os.fsencode(path.name))} bytes; this file system allows {name_max} "
-            f"(keep it under {name_max - _SUFFIX_ROOM}); choose a shorter name"
-        )
-    if path.is_dir():
-        raise FluxKleinError(f"{option} {path} is a folder; give a file name inside it, e.g. {path / 'image.png'}")
-    try:  # the real test of permissions (read-only folder or volume, ACLs): create and remove a file
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".flux_klein_mlx-probe-"):
-            pass
-    except OSError as e:
-        raise FluxKleinError(
-            f"{option} {path}: cannot write in {parent} ({e.strerror}); choose a folder you can write to"
-        ) from None
-    free = shutil.disk_usage(parent).free  # an empty probe fits on a full disk; an image does not
-    if free < MIN_FREE_BYTES:
-        raise FluxKleinError(f"{option} {path}: the disk of {parent} is full ({free} bytes free); free some space "
-                             "or choose a folder on another disk")
-    return path
-
-
-def broken_link(path: Path) -> str | None:
-    """What is wrong with `path` when it is a symbolic link that leads nowhere ("loops" or "points to
-    nothing"), else None (we never write through a link, so such a name would only be skipped)."""
-    try:
-        os.stat(path)
-    except OSError as e:
-        if os.path.islink(path):  # not for no such name (or one too long: said below)
-            return "loops" if e.errno == errno.ELOOP else "points to nothing"
-    return None
-
-
-def numbered_name(path: Path, n: int) -> Path:
-    """`stem-n.suffix`: the name of image n of a batch."""
-    return path.with_name(f"{path.stem}-{n}{path.suffix}")
-
-
-def _link_to_free_name(tmp: Path, path: Path, first: int | None) -> Path:
-    """Give the finished `tmp` the first free name `path`, `stem-1.suffix`, ... (or `stem-first.suffix`,
-    `stem-(first+1).suffix`, ...); never replaces a file."""
-    n = first or 0
-    while True:
-        final = path if first is None and n == 0 else numbered_name(path, n)
-        try:
-            os.link(tmp, final)
-            return final
-        except FileExistsError:
-            n += 1
-        except OSError:  # no hard links here (some network/FAT volumes): exclusive create + copy
-            try:
-                dst = open(final, "xb")
-            except FileExistsError:
-                n += 1
-                continue
-            try:
-                with dst, open(tmp, "rb") as src:
-                    shutil.copyfileobj(src, dst)
-            except BaseException:
-                os.unlink(final)  # never a half-written file under the final name
-                raise
-            return final
-
-
-def write_exclusive(path: str | Path, write: Callable[[Path], None], first: int | None = None) -> Path:
-    """Write a new file at `path`, or at the first free `stem-N.suffix`; never replaces a file.
-
-    `write(tmp)` writes the whole content to `tmp` (a name in the same folder); it is then
-    hard-linked to the final name, which fails if the name exists, so a name is taken by exactly
-    one writer and is complete when it appears. With `first`, only numbered names are used: the
-    first free `stem-N.suffix` with N >= first (the images of a batch continue the numbering
-    after files that exist, so no name ever carries two numbers). Returns the name written; any
-    error (a full disk, a removed or read-only folder) is one FluxKleinError and leaves no file.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        write(tmp)
-        return _link_to_free_name(tmp, path, first)
-    except OSError as e:
-        raise FluxKleinError(f"cannot write {path} ({e.strerror}); nothing was written") from None
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-
-
-# --- whole folders, crash-safe ------------------------------------------------------------------------
-
-TMP_MARKER = ".flux_klein_mlx-writing"  # in `<output>.tmp-XXXXXXXX` while it is written: the writer's pid
-_TMP_NAME = re.compile(r"\.tmp-[0-9a-f]{8}$")
-
-
-def check_disk_space(output: Path, needed: int, what: str = "the output") -> None:
-    """Refuse before writing when the volume of `output` lacks `needed` bytes (plus 1 % + 64 MB)."""
-    probe = output.parent
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if free < needed * 1.01 + (64 << 20):
-        raise FluxKleinError(
-            f"not enough disk space for {output}: {what} needs about {needed / 1e9:.2f} GB "
-            f"and {free / 1e9:.2f} GB are free; free some space or choose another --output"
-        )
-
-
-def _writer_alive(folder: Path) -> bool:
-    try:
-        pid = int((folder / TMP_MARKER).read_text().strip())
-    except (OSError, ValueError):
-        return False
-    try:
-        os.kill(pid, 0)
-    except OSError as e:  # PermissionError: it runs, as another user
-        return not isinstance(e, ProcessLookupError)
-    return True
-
-
-def remove_stale_temporaries(output: Path) -> None:
-    """Remove `<output>.tmp-XXXXXXXX` folders left by an earlier run that was killed (SIGKILL, power loss).
-
-    Only folders that are ours are removed: empty ones, and ones whose marker file names a process
-    that no longer runs (a write still running keeps its folder).
-    """
-    for cand in output.parent.glob(f"{glob.escape(output.name)}.tmp-*"):
-        if not _TMP_NAME.search(cand.name[len(output.name):]) or cand.is_symlink() or not cand.is_dir():
-            continue
-        if any(cand.iterdir()) and (not (cand / TMP_MARKER).is_file() or _writer_alive(cand)):
-            continue  # not ours, or its writer still runs
-        shutil.rmtree(cand, ignore_errors=True)
-
-
-def _fresh_sibling(output: Path, tag: str) -> Path:
-    """Create and return an empty folder `<output>.<tag>-XXXXXXXX` next to `output` (umask permissions)."""
-    while True:
-        path = output.with_name(f"{output.name}.{tag}-{secrets.token_hex(4)}")
-        with contextlib.suppress(FileExistsError):
-            path.mkdir()
-            return path
-
-
-def _move_into_place(tmp: Path, output: Path) -> None:
-    """Rename the finished folder to `output`; an existing output is moved aside first and deleted
-    only once the new one is in place (restored if the rename fails)."""
-    if not output.exists():
-        os.rename(tmp, output)
-        return
-    old = _fresh_sibling(output, "old")
-    os.rmdir(old)
-    os.rename(output, old)
-    try:
-        os.rename(tmp, output)
-    except BaseException:
-        os.rename(old, output)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file's (or a folder's entries') bytes to the disk, so a power loss cannot undo a rename."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def folder_transaction(output: Path, durable: bool = False) -> Iterator[Path]:
-    """Write a folder whole or not at all: yields an empty `<output>.tmp-XXXXXXXX` next to `output`,
-    renamed to `output` when the block ends (an existing `output` is replaced only then); on any error
-    or interruption the temporary folder is removed and `output` is as it was. Folders of earlier
-    writers that were killed are cleaned up first (only ours, see `remove_stale_temporaries`).
-    `durable`: the files are flushed to the disk before the rename, and the rename after it."""
-    if output.parent.exists() and not output.parent.is_dir():
-        raise FluxKleinError(f"{output}: {output.parent} is a file, not a folder; choose another path")
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(output)
-        tmp = _fresh_sibling(output, "tmp")
-    except OSError as e:
-        raise FluxKleinError(f"cannot write next to {output} ({e.strerror}); choose another path") from None
-    try:
-        # Marks the folder as ours while it is being written: a later run removes it if this process is gone.
-        (tmp / TMP_MARKER).write_text(f"{os.getpid()}\n")
-        yield tmp
-        (tmp / TMP_MARKER).unlink()
-        if durable:
-            for f in tmp.iterdir():
-                fsync_path(f)
-        _move_into_place(tmp, output)
-        if durable:
-            fsync_path(output.parent)
-    except BaseException:  # also KeyboardInterrupt: never leave a partial folder behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def write_replacing(path: Path, write: Callable[[Path], None]) -> None:
-    """Write a file this program owns (a work folder's, a cache's) whole: `write(tmp)` to a temporary
-    name in the same folder, then a rename over `path`. OSError passes to the caller; no temporary stays."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 # --- step previews ------------------------------------------------------------------------------------

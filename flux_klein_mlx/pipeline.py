@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import os
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -165,7 +165,7 @@ class FluxKleinPipeline:
 
     def __init__(self, loaders: dict[str, Callable[[], object]], info: ModelInfo, *, dtype=mx.bfloat16,
                  low_memory=False, quantization: dict | None = None, loras: list | None = None,
-                 cache: EmbeddingCache | None = None, check_files: Callable[[], None] | None = None):  # fmt: skip
+                 cache: EmbeddingCache | None = None, check_files: Callable[[], None] | None = None):
         self.info = info
         self.dtype = dtype
         self.memory = MemoryPlan.of(low_memory)
@@ -370,7 +370,9 @@ class FluxKleinPipeline:
         negative_prompt=, latents=, output_type=, noise=, init_image=, strength=, mask=)`, each
         explained in `inputs.RunSettings`. Returns a PIL image (or a float32 array for
         output_type="np"); `last_stats` and `last_metadata` describe it."""
-        return deque(self.stream(prompt, **settings), maxlen=1).pop().image  # run to the end, keep the last event
+        for event in self.stream(prompt, **settings):  # run to the end: the last event carries the image
+            pass
+        return event.image
 
     def prepare(self, prompt, **settings) -> Job:
         """Stage 1: encode the prompt(s), the init image and references, and draw the noise."""
@@ -431,7 +433,7 @@ class FluxKleinPipeline:
                 x_in = mx.concatenate([x_in, ref], axis=1)  # [target; refs]
             t = model_timestep(sigmas[i], B, self.dtype)
             v = model.forward_with_rope(x_in, job.ctx, t, rope, txt_embedded=txt, low_memory=blockwise,
-                                        reference_kv=kv_cache)[:, : h * w]  # target tokens only  # fmt: skip
+                                        reference_kv=kv_cache)[:, : h * w]  # target tokens only
             v = cfg(v, scale) if scale is not None else v
             denoised = x0_estimate(x, v, sigmas[i])
             x = euler_step(x, v, sigmas[i], sigmas[i + 1])
@@ -472,7 +474,7 @@ class FluxKleinPipeline:
             loras=[lora.record() for lora in self.loras], references=hashes["references"],
             init_image=hashes.get("init_image"), mask=hashes.get("mask"), steps_run=inputs.steps_run,
             vae=self.info.vae_source and model_name(self.info.vae_source),
-        )  # fmt: skip
+        )
 
 
 def _check_load_options(model, vae, dtype, quantize, group_size) -> None:
@@ -532,6 +534,21 @@ def load(
     dt, plan = as_dtype(dtype), MemoryPlan.of(low_memory)
     prompt_cache = open_cache(cache, cache_size)
     info = describe(model, vae=vae)
+    stored = _refuse_unloadable(info, quantize)
+    # Every weight file's header, keys and shapes, before any model runs; the text encoder's just before
+    # it first loads (it is the first model to run), so that a run whose prompts are cached never opens them.
+    check_weights(info, ("transformer", "vae"))
+    parsed = load_loras(loras, info.params, lora_partial)  # every LoRA checked before any model loads
+    loaders = {n: (lambda n=n: load_component(info, n, dt, quantize, group_size)) for n in COMPONENTS}
+    loaders["tokenizer"] = lambda: load_tokenizer(info.tokenizer)
+    quantization = stored or ({"bits": quantize, "group_size": group_size} if quantize else None)
+    return FluxKleinPipeline(loaders, info, dtype=dt, low_memory=plan, quantization=quantization, loras=parsed,
+                             cache=prompt_cache, check_files=lambda: check_weights(info, ("text_encoder",)))
+
+
+def _refuse_unloadable(info, quantize: int | None) -> dict | None:
+    """Refuse a model `load()` cannot run as asked (a single BFL file; another quantization than the
+    folder's own); returns the folder's stored quantization record, if any."""
     if info.format == "bfl":
         raise FluxKleinError(
             f"{info.path} is a single weight file; convert it into a model folder first: "
@@ -543,12 +560,4 @@ def load(
             f"{info.path} is already quantized to {stored['bits']} bits; leave --quantize out, or quantize the "
             f"unquantized folder to {quantize} bits"
         )
-    # Every weight file's header, keys and shapes, before any model runs; the text encoder's just before
-    # it first loads (it is the first model to run), so that a run whose prompts are cached never opens them.
-    check_weights(info, ("transformer", "vae"))
-    parsed = load_loras(loras, info.params, lora_partial)  # every LoRA checked before any model loads
-    loaders = {n: (lambda n=n: load_component(info, n, dt, quantize, group_size)) for n in COMPONENTS}
-    loaders["tokenizer"] = lambda: load_tokenizer(info.tokenizer)
-    quantization = stored or ({"bits": quantize, "group_size": group_size} if quantize else None)
-    return FluxKleinPipeline(loaders, info, dtype=dt, low_memory=plan, quantization=quantization, loras=parsed,
-                             cache=prompt_cache, check_files=lambda: check_weights(info, ("text_encoder",)))  # fmt: skip
+    return stored

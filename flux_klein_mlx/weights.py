@@ -6,7 +6,6 @@ evaluated, so tensors that a caller drops (e.g. Qwen3 layers above 27) are never
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import warnings
@@ -16,7 +15,8 @@ from typing import Callable, Iterable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .errors import FluxKleinError, Notice
+from .errors import FluxKleinError, Notice, first_few
+from .files import file_sha256
 
 
 def read_safetensors(path: str | Path) -> dict[str, mx.array]:
@@ -131,7 +131,7 @@ def index_shards(index: Path, fix: str) -> list[Path]:
         raise FluxKleinError(f"{index} is damaged ({e}); {fix}") from None
     missing = [n for n in names if not (index.parent / n).is_file()]
     if missing:
-        raise FluxKleinError(f"{index.parent} is incomplete: missing shard(s) {', '.join(missing[:3])} named in "
+        raise FluxKleinError(f"{index.parent} is incomplete: missing shard(s) {first_few(missing)} named in "
                              f"{index.name}; {fix}")
     return [index.parent / n for n in names]
 
@@ -157,7 +157,7 @@ def load_into(model, weights: dict[str, mx.array], what: str, dtype=None) -> Non
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
-    parts = [f"{len(keys)} {kind} ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})"
+    parts = [f"{len(keys)} {kind} ({first_few(keys, 4)})"
              for kind, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
     if parts:
         raise FluxKleinError(f"{what} weights do not match the model: {'; '.join(parts)}")
@@ -298,7 +298,7 @@ def hub_offline() -> bool:
 
 
 def resolve_model(model: str | Path, allow_patterns: list[str] = HUB_PATTERNS, cache_dir: str | Path | None = None,
-                  size_hint: Callable[[], int | None] | None = None) -> Path:  # fmt: skip
+                  size_hint: Callable[[], int | None] | None = None) -> Path:
     """A local folder or file as a Path; otherwise a Hugging Face repo id, downloaded into (or found
     in) the hub cache with `allow_patterns` (default: the files the pipeline needs).
 
@@ -399,10 +399,6 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str
             f"LoRA {path.name} stores fp8 tensors ({fp8[1]}, e.g. {fp8[0]}), which flux_klein_mlx does not read; "
             "use a bf16, fp16 or fp32 export of it"
         )
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
     try:
         tensors, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
         mx.eval(tensors)
@@ -411,7 +407,7 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str
             f"LoRA {path.name} is damaged or not a safetensors file ({str(e).splitlines()[0][:120]}); "
             "download it again"
         ) from None
-    return tensors, dict(metadata or {}), digest.hexdigest()
+    return tensors, dict(metadata or {}), file_sha256(path)
 
 
 def resolve_lora(spec: str | Path) -> Path:
@@ -427,7 +423,7 @@ def resolve_lora(spec: str | Path) -> Path:
         raise FluxKleinError("a LoRA was given as an empty name; give a .safetensors file or a Hugging Face repo id")
     if path.is_dir():
         found = sorted(p.name for p in path.glob("*.safetensors"))
-        inside = f"it holds {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}" if found else "it holds no LoRA"
+        inside = f"it holds {first_few(found)}" if found else "it holds no LoRA"
         raise FluxKleinError(f"LoRA '{text}' is a folder, not a LoRA file ({inside}); give the .safetensors file itself")
     repo, _, filename = text.partition(":")
     if path.exists() or text.startswith((".", "/", "~")) or repo.count("/") != 1 or (not filename and text.endswith(".safetensors")):
@@ -445,7 +441,7 @@ def resolve_lora(spec: str | Path) -> Path:
         else:
             names = sorted(n for n in list_repo_files(repo) if n.endswith(".safetensors"))
         if len(names) != 1:
-            listed = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            listed = first_few(names, 4)
             raise FluxKleinError(
                 f"LoRA repo {repo} has {len(names)} .safetensors files ({listed or 'none'}); "
                 f"name one as {repo}:FILE.safetensors"

@@ -29,7 +29,8 @@ from flux_klein_mlx import convert as convert_module
 from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.inputs import open_image, preprocess_reference
-from flux_klein_mlx.output import TMP_MARKER, read_record, save_image
+from flux_klein_mlx.files import TMP_MARKER
+from flux_klein_mlx.output import read_record, save_image
 from flux_klein_mlx.pipeline import load
 
 REPO = Path(__file__).resolve().parents[1]
@@ -728,7 +729,7 @@ def test_convert_into_a_link_loop_benchmark_json_into_a_folder_and_a_full_disk(c
     `--preview-dir` or `--json`: one line each, before any model, nothing written (issue 30)."""
     import shutil as shutil_module
 
-    from flux_klein_mlx import output as output_module
+    from flux_klein_mlx import files as files_module
 
     loop, converted = tmp_path / "loop", tmp_path / "conv"
     loop.symlink_to(loop)
@@ -750,7 +751,7 @@ def test_convert_into_a_link_loop_benchmark_json_into_a_folder_and_a_full_disk(c
         got = real(path)
         return got._replace(free=0) if Path(path) == full else got
 
-    monkeypatch.setattr(output_module.shutil, "disk_usage", usage)
+    monkeypatch.setattr(files_module.shutil, "disk_usage", usage)
     before = tree_hash(tmp_path)
     for args, words in cases:
         code, _, err = run(capsys, *args)

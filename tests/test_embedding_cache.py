@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from flux_klein_mlx import embedding_cache as ec
+from flux_klein_mlx import files
 from flux_klein_mlx.embedding_cache import CacheWarning, EmbeddingCache, cached_embeddings, default_folder, parse_size
 from flux_klein_mlx.errors import FluxKleinError
 
@@ -257,14 +258,14 @@ def test_unwritable_folder_degrades_with_one_warning(tmp_path, monkeypatch, err)
     assert cache.put("a" * 64, entry_array())
     dev_full = Path("/dev/full")
 
-    def failing_temporary(folder):
+    def failing_temporary(path):
         if err == errno.ENOSPC and dev_full.exists():
-            path = folder / ".tmp-full"
-            path.write_bytes(b"")  # what mkstemp would leave; must be cleaned up
-            return os.open(dev_full, os.O_WRONLY), str(path)
+            tmp = path.with_name(".tmp-full")
+            tmp.symlink_to(dev_full)  # writes through it fail with ENOSPC; the link must be cleaned up
+            return tmp
         raise OSError(err, os.strerror(err))
 
-    monkeypatch.setattr(ec, "open_temporary", failing_temporary)
+    monkeypatch.setattr(files, "temporary_name", failing_temporary)
     with pytest.warns(CacheWarning) as record:
         assert not cache.put("b" * 64, entry_array(1))
         assert not cache.put("c" * 64, entry_array(2))

@@ -143,3 +143,18 @@ def test_no_function_over_80_lines():
 def test_no_file_over_600_lines():
     big = {p.name: n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
     assert not big, big
+
+
+def test_every_safe_write_lives_in_files_which_imports_only_errors():
+    """files.py is the one home of temporary names, renames and links (issue 27): it imports only `errors`,
+    and no other module renames, replaces or links a file itself."""
+    assert package_imports()["files"] == {"errors"}
+    writers = []
+    for module, tree in sources().items():
+        for node in ast.walk(tree):
+            if (module != "files" and isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id == "os" and node.attr in ("replace", "rename", "link", "symlink")):
+                writers.append(f"{module}: os.{node.attr}")
+            if module != "files" and isinstance(node, ast.Attribute) and node.attr == "mkstemp":
+                writers.append(f"{module}: mkstemp")
+    assert not writers, writers

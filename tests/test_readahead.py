@@ -11,7 +11,9 @@ import warnings
 import pytest
 
 from flux_klein_mlx import readahead as ra
-from flux_klein_mlx.readahead import ReadAhead, Span, StageMeter, drop_from_page_cache, merge_spans, storage_read_bytes
+from flux_klein_mlx.bench import measure
+from flux_klein_mlx.bench.measure import StageMeter, drop_from_page_cache, storage_read_bytes
+from flux_klein_mlx.readahead import ReadAhead, Span, merge_spans
 
 
 def data_file(folder, name="w.bin", size=(24 << 20) + 123):
@@ -48,11 +50,11 @@ def test_read_ahead_fills_the_page_cache_and_drop_empties_it(tmp_path):
         pytest.skip("this file system does not count reads from storage (tmpfs?)")
     assert cold >= 0.9 * size  # the read-ahead fetched the file from the disk...
     before = storage_read_bytes()
-    assert ra.sequential_read_rate([Span(f, 0, size)]).bytes == size
+    assert measure.sequential_read_rate([Span(f, 0, size)]).bytes == size
     assert storage_read_bytes() - before < 0.05 * size  # ...so a following read finds it cached
     drop_from_page_cache([f])
     before = storage_read_bytes()
-    ra.sequential_read_rate([Span(f, 0, size)])
+    measure.sequential_read_rate([Span(f, 0, size)])
     assert storage_read_bytes() - before >= 0.9 * size  # dropped: read from the disk again
 
 
@@ -96,18 +98,18 @@ def test_component_spans_are_exactly_what_the_loader_reads(tmp_path_factory):
     info = describe(shared_tiny_snapshot(tmp_path_factory))
     for name in ("transformer", "text_encoder", "vae"):
         loaded = sum(v.nbytes for v in read_component(info, name).values())  # lazy: headers only
-        assert ra.bytes_to_load(info, name) == loaded, name
+        assert measure.bytes_to_load(info, name) == loaded, name
     files = sum(f.stat().st_size for f in info.files["text_encoder"])
-    assert ra.bytes_to_load(info, "text_encoder") < files  # layer 28 of 28 is never read
+    assert measure.bytes_to_load(info, "text_encoder") < files  # layer 28 of 28 is never read
 
 
 def test_stage_meter_counts_time_and_bytes(tmp_path):
     meter = StageMeter()
-    ra.sequential_read_rate([Span(data_file(tmp_path, size=1 << 20), 0, 1 << 20)])
+    measure.sequential_read_rate([Span(data_file(tmp_path, size=1 << 20), 0, 1 << 20)])
     stage = meter.mark("read")
     assert stage["seconds"] > 0 and set(meter.stages) == {"read"}
     assert (stage["read_bytes"] is None) == (storage_read_bytes() is None)
-    assert ra.limit_seconds(2e9, 1e9, 3e12, 1e12) == pytest.approx(5.0)
+    assert measure.limit_seconds(2e9, 1e9, 3e12, 1e12) == pytest.approx(5.0)
 
 
 def test_cold_start_script_runs_on_the_tiny_snapshot(tmp_path_factory):

@@ -24,7 +24,7 @@ from flux_klein_mlx.models.config import AutoEncoderConfig
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.bench.flops import flops_of_vae_decoder
 from flux_klein_mlx.loading import describe, load_component, read_component, with_vae
-from flux_klein_mlx.readahead import bytes_to_load
+from flux_klein_mlx.bench.measure import bytes_to_load
 
 SMALL = dict(VAE, block_out_channels=(32, 32, 64, 64), decoder_block_out_channels=(24, 24, 48, 48))
 NARROW_DECODER = dict(VAE, decoder_block_out_channels=(8, 8, 24, 24))  # the tiny snapshot's encoder (16, 16, 32, 32)

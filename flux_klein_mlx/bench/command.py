@@ -35,7 +35,7 @@ from .flops import (
     reference_pass_flops,
 )
 from ..loading import DTYPES, dtype_name
-from ..output import check_output_file, write_exclusive
+from ..files import check_output_file, write_exclusive
 from ..pipeline import FluxKleinPipeline, load
 from .random_model import random_pipeline
 from ..models.text_encoder import OUT_LAYERS, encode_prompts
@@ -153,7 +153,7 @@ def _denoise_stage(run: Run):
     step_times, stats = [], []  # of the timed trials
     for trial in range(run.warmup + run.trials):
         job = pipe.prepare(DEFAULT_PROMPT, width=run.width, height=run.height, steps=run.steps, seed=run.seed,
-                           images=images)  # fmt: skip
+                           images=images)
         seconds = [event.seconds for event in pipe.denoise(job)]
         if trial >= run.warmup:
             step_times.append(seconds)
@@ -209,7 +209,7 @@ def run_benchmark(
     _check_run(width, height, steps, warmup, trials, references)
     machine = machine_info()
     run = Run(pipe, width, height, steps, warmup, trials, references, seed, log or (lambda msg: None),
-              machine["peak_tflops"])  # fmt: skip
+              machine["peak_tflops"])
     info = pipe.info
     run.log(f"benchmark: {info.name}, {width}x{height}, {steps} steps, warm-up {warmup}, trials {trials}")
     if text_encoder:
@@ -233,7 +233,7 @@ def _result(run: Run, machine: dict) -> dict:
         "seconds": image_s, "includes": parts, "tflop": image_flops / 1e12, "tflops": image_flops / image_s / 1e12,
         "pct_of_peak": 100 * image_flops / image_s / 1e12 / run.peak if run.peak else None,
         "peak_memory_gb": max(stages[s]["peak_memory_gb"] for s in parts),
-    }  # fmt: skip
+    }
     random = info.format == "random"
     params, step = info.params, flops["step"]
     return {
@@ -257,7 +257,7 @@ def _result(run: Run, machine: dict) -> dict:
             "image_tflop": image_flops / 1e12,
         },
         "stages": stages,
-    }  # fmt: skip
+    }
 
 
 def _fmt_s(s: float | None) -> str:
@@ -377,7 +377,7 @@ def parse_blocks(text: str) -> dict:
               help="With --model: time to first image cold and warm (page cache dropped where possible), prompt "
                    "cached or not, each stage, against bytes / disk rate + compute (one run of each kind).")
 def benchmark(model, random_weights, variant, width, height, steps, quantize, dtype, warmup, trials,
-              skip_text_encoder, skip_decode, references, blocks, seed, json_path, vae, cold):  # fmt: skip
+              skip_text_encoder, skip_decode, references, blocks, seed, json_path, vae, cold):
     """Time load, text encoding, each denoising step and VAE decode; report TFLOPS and % of peak."""
     if model and random_weights:
         raise click.UsageError("give either --model or --random-weights, not both")
@@ -399,9 +399,10 @@ def benchmark(model, random_weights, variant, width, height, steps, quantize, dt
     bits = int(quantize) if quantize else None
     log = partial(click.echo, err=True)
     if cold:
-        result = measure_cold(model, width=width, height=height, steps=steps, dtype=dtype, quantize=bits, vae=vae,
-                              log=log)
-        click.echo(format_cold(result))
+        measured = measure_cold(model, width=width, height=height, steps=steps, dtype=dtype, quantize=bits, vae=vae,
+                                log=log)
+        click.echo(format_cold(measured))
+        result = measured.to_json()
     else:
         if model:
             pipe = load(model, dtype=dtype, quantize=bits, vae=vae)

@@ -23,6 +23,9 @@ from ..pipeline import FluxKleinPipeline
 from ..models.quantize import evaluate_by_layer, quantize_model
 
 REAL_PROMPT_TOKENS = 40  # a typical prompt plus the chat template; the rest of the 512 is padding
+# Each component's weights are drawn from `seed` plus its own offset, named here rather than taken
+# from the position of a name in a tuple.
+SEED_OFFSETS = {"text_encoder": 0, "transformer": 1, "vae": 2}
 
 
 def randomize(model: nn.Module, dtype, seed: int) -> None:
@@ -52,12 +55,17 @@ def randomize(model: nn.Module, dtype, seed: int) -> None:
         mx.eval([v for _, v in new])
 
 
-def random_tokens(vocab_size: int, seed: int, prompts, max_length: int = 512) -> tuple[mx.array, mx.array]:
+class RandomTokens:
     """Stands in for the tokenizer: random ids, `REAL_PROMPT_TOKENS` real ones and the rest padding."""
-    n = 1 if isinstance(prompts, str) else len(prompts)
-    ids = mx.random.randint(0, vocab_size, (n, max_length), key=mx.random.key(seed))
-    mask = mx.broadcast_to((mx.arange(max_length) < REAL_PROMPT_TOKENS).astype(mx.int32), (n, max_length))
-    return ids.astype(mx.int32), mask
+
+    def __init__(self, vocab_size: int, seed: int):
+        self.vocab_size, self.seed = vocab_size, seed
+
+    def __call__(self, prompts, max_length: int = 512) -> tuple[mx.array, mx.array]:
+        n = 1 if isinstance(prompts, str) else len(prompts)
+        ids = mx.random.randint(0, self.vocab_size, (n, max_length), key=mx.random.key(self.seed))
+        mask = mx.broadcast_to((mx.arange(max_length) < REAL_PROMPT_TOKENS).astype(mx.int32), (n, max_length))
+        return ids.astype(mx.int32), mask
 
 
 def random_pipeline(
@@ -67,9 +75,9 @@ def random_pipeline(
     quantized from the random weights as `convert` would)."""
     configs = {name: dataclasses.asdict(getattr(variant, name)) for name in COMPONENTS}
 
-    def make(name: str, offset: int):
+    def make(name: str):
         module = build_module(name, configs[name])
-        randomize(module, dtype, seed + offset)
+        randomize(module, dtype, seed + SEED_OFFSETS[name])
         if quantize and name != "vae":
             quantize_model(module, quantize)
             evaluate_by_layer(module)
@@ -79,9 +87,8 @@ def random_pipeline(
         source=f"random weights ({variant.name})", path=Path("."), format="random", is_distilled=variant.distilled,
         configs=configs, files={}, quantization={n: None for n in COMPONENTS}, tokenizer=Path("."),
         reference_kv=variant.reference_kv,
-    )  # fmt: skip
-    # Seeds: text encoder + 0, transformer + 1, VAE + 2.
-    loaders = {name: functools.partial(make, name, i) for i, name in enumerate(("text_encoder", "transformer", "vae"))}
-    loaders["tokenizer"] = lambda: functools.partial(random_tokens, variant.text_encoder.vocab_size, seed)
+    )
+    loaders = {name: functools.partial(make, name) for name in SEED_OFFSETS}
+    loaders["tokenizer"] = functools.partial(RandomTokens, variant.text_encoder.vocab_size, seed)
     return FluxKleinPipeline(loaders, info, dtype=dtype, low_memory=low_memory,
-                             quantization={"bits": quantize, "group_size": 64} if quantize else None)  # fmt: skip
+                             quantization={"bits": quantize, "group_size": 64} if quantize else None)

@@ -2,7 +2,7 @@
 
 `measure_cold(model, ...)` measures, in one call on a model folder (real or random weights):
 
-- the bytes each component's load reads (`readahead.bytes_to_load`, from the headers);
+- the bytes each component's load reads (`measure.bytes_to_load`, from the headers);
 - the disk's sequential read rate on those very byte ranges, read cold (`sequential_read_rate`);
 - one image in each of these runs, each through a fresh `load()` as a new `generate` would:
 
@@ -23,7 +23,7 @@
 
 Process start and imports are outside a run here; `import_seconds` measures them in a child process.
 
-Cold starts: `readahead.drop_from_page_cache`. Where it cannot evict (macOS), the result says so, and
+Cold starts: `measure.drop_from_page_cache`. Where it cannot evict (macOS), the result says so, and
 a cold start is approximated by running `sudo purge` right before the benchmark (the first run is
 then cold; the later "cold" runs are labelled as not dropped).
 """
@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 import timeit
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -51,21 +52,136 @@ from .flops import flops_of_text_encoder, flops_of_transformer, flops_of_vae_dec
 from ..inputs import RunSettings, prepare_inputs
 from ..loading import as_dtype, describe
 from ..pipeline import load
-from ..readahead import StageMeter, bytes_to_load, component_spans, drop_from_page_cache, sequential_read_rate
+from ..readahead import component_spans
+from .measure import StageMeter, bytes_to_load, drop_from_page_cache, sequential_read_rate
 from ..models.tokenizer import load_tokenizer
 
 PROMPT = "a red fox in fresh snow at dawn, soft light, 35 mm photograph"
 COMPONENTS = ("text_encoder", "transformer", "vae")
-RUNS = (  # name, drop the page cache, use the run's prompt cache (else none), read ahead, seed
-    ("cold", True, True, True, 1),
-    ("cold, no read-ahead", True, False, False, 1),
-    ("warm", False, False, True, 1),
-    ("second", False, True, True, 2),
-    ("cold, cached", True, True, True, 3),
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One of the runs of the module docstring's table."""
+
+    name: str
+    drop_page_cache: bool
+    prompt_cache: bool  # use the benchmark's own prompt cache (else none)
+    read_ahead: bool
+    seed: int
+
+
+RUNS = (
+    RunPlan("cold", drop_page_cache=True, prompt_cache=True, read_ahead=True, seed=1),
+    RunPlan("cold, no read-ahead", drop_page_cache=True, prompt_cache=False, read_ahead=False, seed=1),
+    RunPlan("warm", drop_page_cache=False, prompt_cache=False, read_ahead=True, seed=1),
+    RunPlan("second", drop_page_cache=False, prompt_cache=True, read_ahead=True, seed=2),
+    RunPlan("cold, cached", drop_page_cache=True, prompt_cache=True, read_ahead=True, seed=3),
 )
+# A cold run, the warm run whose compute it is held against, and whether it encodes its prompt.
+LIMITED = (("cold", "warm", True), ("cold, no read-ahead", "warm", True), ("cold, cached", "second", False))
 
 
-def one_run(model, settings: RunSettings, *, cache, read_ahead: bool = True, **load_args) -> dict:
+@dataclass
+class Stage:
+    seconds: float
+    read_bytes: int | None  # fetched from storage (Linux `/proc/self/io`), None where not counted
+    peak_memory: int  # MLX peak during the stage
+
+
+@dataclass
+class BytesRead:
+    bytes: int
+    seconds: float
+
+
+@dataclass
+class Run:
+    """One image through a fresh pipeline (`one_run`)."""
+
+    seconds: float
+    stages: dict[str, Stage]  # in the order they ran
+    read_ahead: dict[str, BytesRead]  # component -> what was read ahead of its load
+    io_source: str  # where `Stage.read_bytes` come from
+    peak_memory: int
+    peak_rss: int
+    peak_rss_of_run: bool  # peak_rss counts this run only (Linux), else the process so far
+    page_cache: str = ""  # "dropped", "warm" or "not dropped", set by `measure_cold`
+
+
+@dataclass
+class Settings:
+    width: int
+    height: int
+    steps: int
+    dtype: str
+    quantize: int | None
+    vae: str | None
+
+
+@dataclass
+class SequentialRead:
+    bytes: int
+    seconds: float
+    rate: float  # bytes per second
+    cold: bool  # the page cache was dropped first
+
+
+@dataclass
+class Peak:
+    flops: float  # FLOP/s
+    source: str
+
+
+@dataclass
+class Flops:
+    text_encoder: float
+    denoise: float
+    decode: float
+
+
+@dataclass
+class Limit:
+    """A cold run against `bytes / rate + compute`, compute two ways; a ratio is measured / limit."""
+
+    bytes: int
+    read_seconds: float
+    warm_compute_seconds: float
+    limit_seconds: float
+    ratio: float
+    flops: float
+    physics_seconds: float
+    physics_ratio: float
+
+
+@dataclass
+class SecondRun:
+    vs_cold: float  # the second run's time over the cold first run's
+    vs_warm: float
+
+
+@dataclass
+class ColdResult:
+    """Every measurement of the module docstring (`to_json()` for `--json`)."""
+
+    model: str
+    machine: dict  # flops.machine_info()
+    imports: dict[str, float]  # what is imported -> seconds
+    settings: Settings
+    bytes: dict[str, int]  # component -> bytes its load reads
+    page_cache: str  # how the page cache was dropped, or why not
+    read: SequentialRead
+    runs: dict[str, Run]
+    peak: Peak
+    flops: Flops
+    limits: dict[str, Limit]  # cold run -> its limit
+    second: SecondRun
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def one_run(model, settings: RunSettings, *, cache, read_ahead: bool = True, **load_args) -> Run:
     """One image through a fresh pipeline, each stage timed on its own, in the order `generate` runs
     them (the loads `prepare`/`denoise`/`decode` would make are made just before, and timed)."""
     rss_reset = reset_peak_rss()
@@ -94,13 +210,13 @@ def one_run(model, settings: RunSettings, *, cache, read_ahead: bool = True, **l
     stage("VAE load", lambda: pipe.component("vae"))
     stage("decode", lambda: pipe.decode(job))
     total = time.perf_counter() - t0
-    ahead = {k: {"bytes": v.bytes, "seconds": v.seconds} for k, v in pipe.prefetch.finished.items()}
+    ahead = {name: BytesRead(stats.bytes, stats.seconds) for name, stats in pipe.prefetch.finished.items()}
     pipe = prepared = job = None  # the models go before the next run loads its own
     gc.collect()
     mx.clear_cache()
-    stages = {k: dict(v, peak_memory=peaks[k]) for k, v in meter.stages.items()}
-    return {"seconds": total, "stages": stages, "read_ahead": ahead, "io_source": meter.source,
-            "peak_memory": max(peaks.values()), "peak_rss": peak_rss(), "peak_rss_of_run": rss_reset}  # fmt: skip
+    stages = {name: Stage(v["seconds"], v["read_bytes"], peaks[name]) for name, v in meter.stages.items()}
+    return Run(total, stages, ahead, meter.source, peak_memory=max(peaks.values()), peak_rss=peak_rss(),
+               peak_rss_of_run=rss_reset)
 
 
 def reset_peak_rss() -> bool:
@@ -131,12 +247,15 @@ def matmul_rate(dtype, n: int = 2048, trials: int = 3) -> float:
     return 2 * n**3 / min(timeit.repeat(lambda: mx.eval(a @ a), number=1, repeat=trials))
 
 
-def import_seconds() -> dict:
+def import_seconds() -> dict[str, float]:
     """Wall time of a fresh Python importing what `generate` imports, and what a run of the text
     encoder adds (mlx_lm, which imports transformers and torch)."""
+    imports = {
+        "generate": "import flux_klein_mlx.generate",
+        "+ the text encoder's": "import flux_klein_mlx.generate, mlx_lm.models.qwen3, transformers",
+    }
     out = {}
-    for name, code in (("generate", "import flux_klein_mlx.generate"),
-                       ("+ the text encoder's", "import flux_klein_mlx.generate, mlx_lm.models.qwen3, transformers")):  # fmt: skip
+    for name, code in imports.items():
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
         out[name] = time.perf_counter() - t0
@@ -144,113 +263,122 @@ def import_seconds() -> dict:
 
 
 def measure_cold(model, *, width: int = 256, height: int = 256, steps: int = 1, dtype: str = "bfloat16",
-                 quantize: int | None = None, vae=None, log: Callable[[str], None] = lambda msg: None) -> dict:  # fmt: skip
-    """Every measurement of the module docstring, as a JSON-able dict (`format_cold` prints it)."""
+                 quantize: int | None = None, vae=None, log: Callable[[str], None] = lambda msg: None) -> ColdResult:
+    """Every measurement of the module docstring (`format_cold` prints it)."""
     settings = RunSettings(PROMPT, width=width, height=height, steps=steps).check()  # before any work
     info = describe(model, vae=vae)
     files = sorted({f for n in COMPONENTS for f in info.files[n]} | set(info.decoder_files or []))
     files += sorted(p for p in Path(info.tokenizer).glob("*") if p.is_file())
-    machine = machine_info()
-    result = {"model": str(model), "machine": machine, "imports": import_seconds(),
-              "settings": {"width": width, "height": height, "steps": steps, "dtype": dtype, "quantize": quantize,
-                           "vae": None if vae is None else str(vae)},
-              "bytes": {n: bytes_to_load(info, n) for n in COMPONENTS}}  # fmt: skip
-    result["page_cache"] = drop_from_page_cache(files)
-    dropped = result["page_cache"].startswith("dropped")
+    machine, imports = machine_info(), import_seconds()
+    page_cache = drop_from_page_cache(files)
+    dropped = page_cache.startswith("dropped")
     rate = sequential_read_rate([s for n in COMPONENTS for s in component_spans(info, n)])
-    result["read"] = {"bytes": rate.bytes, "seconds": rate.seconds, "rate": rate.rate, "cold": dropped}
-    log(f"sequential read: {rate.bytes / 1e9:.2f} GB at {rate.rate / 1e9:.2f} GB/s ({result['page_cache']})")
+    log(f"sequential read: {rate.bytes / 1e9:.2f} GB at {rate.rate / 1e9:.2f} GB/s ({page_cache})")
     # Imports happen once per process, not once per run here (`import_seconds` has their cost): made
     # now, so that no run below pays them and the runs compare what a run does.
     importlib.import_module("mlx_lm.models.qwen3")
     load_tokenizer(info.tokenizer)
-    load_args = {"dtype": dtype, "quantize": quantize, "vae": vae}
-    result["runs"] = {}
+    runs = {}
     with tempfile.TemporaryDirectory(prefix="flux-klein-cold-") as folder:
         shared = EmbeddingCache(folder)
-        for name, cold, cache, read_ahead, seed in RUNS:
-            if cold:
+        for plan in RUNS:
+            if plan.drop_page_cache:
                 drop_from_page_cache(files)
-            run = one_run(model, dataclasses.replace(settings, seed=seed), cache=shared if cache else False,
-                          read_ahead=read_ahead, **load_args)  # fmt: skip
-            run["page_cache"] = "dropped" if cold and dropped else "warm" if not cold else "not dropped"
-            result["runs"][name] = run
-            log(f"{name}: {run['seconds']:.2f} s")
-    peak = machine["peak_tflops"] * 1e12 if machine["peak_tflops"] else None
-    result["peak"] = {"flops": peak or matmul_rate(as_dtype(dtype)),
-                      "source": "published peak of this chip" if peak else f"measured {dtype} matmul (2048^3) here"}  # fmt: skip
-    result["flops"] = {
-        "text_encoder": flops_of_text_encoder(Qwen3Config.from_dict(info.configs["text_encoder"])).total,
-        "denoise": flops_of_transformer(info.params, width, height).total * steps,
-        "decode": flops_of_vae_decoder(AutoEncoderConfig.from_dict(info.configs["vae"]), width, height).total,
-    }
-    result["limits"] = limits(result)
-    return result
+            cache = shared if plan.prompt_cache else False
+            run = one_run(model, dataclasses.replace(settings, seed=plan.seed), cache=cache, read_ahead=plan.read_ahead,
+                          dtype=dtype, quantize=quantize, vae=vae)
+            if not plan.drop_page_cache:
+                run.page_cache = "warm"
+            else:
+                run.page_cache = "dropped" if dropped else "not dropped"
+            runs[plan.name] = run
+            log(f"{plan.name}: {run.seconds:.2f} s")
+    published = machine["peak_tflops"] * 1e12 if machine["peak_tflops"] else None
+    if published:
+        peak = Peak(published, "published peak of this chip")
+    else:
+        peak = Peak(matmul_rate(as_dtype(dtype)), f"measured {dtype} matmul (2048^3) here")
+    flops = Flops(
+        text_encoder=flops_of_text_encoder(Qwen3Config.from_dict(info.configs["text_encoder"])).total,
+        denoise=flops_of_transformer(info.params, width, height).total * steps,
+        decode=flops_of_vae_decoder(AutoEncoderConfig.from_dict(info.configs["vae"]), width, height).total,
+    )
+    load_bytes = {n: bytes_to_load(info, n) for n in COMPONENTS}
+    return ColdResult(
+        model=str(model), machine=machine, imports=imports,
+        settings=Settings(width, height, steps, dtype, quantize, None if vae is None else str(vae)),
+        bytes=load_bytes, page_cache=page_cache, read=SequentialRead(rate.bytes, rate.seconds, rate.rate, dropped),
+        runs=runs, peak=peak, flops=flops, limits=limits(runs, load_bytes, rate.rate, peak.flops, flops),
+        second=SecondRun(runs["second"].seconds / runs["cold"].seconds, runs["second"].seconds / runs["warm"].seconds),
+    )
 
 
 LOADS = ("load() + checks", "text encoder load", "tokenizer load", "transformer load", "VAE load")
 
 
-def limits(r: dict) -> dict:
+def limits(runs: dict[str, Run], load_bytes: dict[str, int], rate: float, peak: float, f: Flops) -> dict[str, Limit]:
     """Each cold run against `bytes / rate + compute` (compute: the warm twin's measured compute, and
-    FLOPs / peak); `ratio` = measured / limit."""
-    rate, peak, b, f = r["read"]["rate"], r["peak"]["flops"], r["bytes"], r["flops"]
+    FLOPs / peak)."""
     out = {}
-    for cold, warm, encodes in (("cold", "warm", True), ("cold, no read-ahead", "warm", True),
-                                ("cold, cached", "second", False)):  # fmt: skip
+    for cold, warm, encodes in LIMITED:
         parts = COMPONENTS if encodes else COMPONENTS[1:]
-        read = sum(b[n] for n in parts) / rate
-        flops = f["denoise"] + f["decode"] + (f["text_encoder"] if encodes else 0.0)
-        measured = r["runs"][cold]["seconds"]
+        nbytes = sum(load_bytes[n] for n in parts)
+        read = nbytes / rate
+        flops = f.denoise + f.decode + (f.text_encoder if encodes else 0.0)
+        measured = runs[cold].seconds
         # the warm run's time less its loads and checks: encode, denoise and decode
-        warm_compute = sum(v["seconds"] for k, v in r["runs"][warm]["stages"].items() if k not in LOADS)
-        out[cold] = {"bytes": sum(b[n] for n in parts), "read_seconds": read, "warm_compute_seconds": warm_compute,
-                     "limit_seconds": read + warm_compute, "ratio": measured / (read + warm_compute),
-                     "flops": flops, "physics_seconds": read + flops / peak, "physics_ratio": measured / (read + flops / peak)}  # fmt: skip
-    second, first = r["runs"]["second"]["seconds"], r["runs"]["cold"]["seconds"]
-    out["second vs first"] = {"vs_cold": second / first, "vs_warm": second / r["runs"]["warm"]["seconds"]}
+        warm_compute = sum(v.seconds for k, v in runs[warm].stages.items() if k not in LOADS)
+        physics = read + flops / peak
+        out[cold] = Limit(bytes=nbytes, read_seconds=read, warm_compute_seconds=warm_compute,
+                          limit_seconds=read + warm_compute, ratio=measured / (read + warm_compute), flops=flops,
+                          physics_seconds=physics, physics_ratio=measured / physics)
     return out
 
 
-def format_cold(r: dict) -> str:
+def format_cold(r: ColdResult) -> str:
     """The result as tables for people (the JSON has every number)."""
-    gb, s, m = 1e9, r["settings"], r["machine"]
+    gb, s, m = 1e9, r.settings, r.machine
+    title = f"time to first image: {r.model}, {s.width}x{s.height}, {s.steps} step(s), {s.dtype}"
+    title += (f", {s.quantize}-bit" if s.quantize else "") + (f", VAE {s.vae}" if s.vae else "")
     lines = [
-        f"time to first image: {r['model']}, {s['width']}x{s['height']}, {s['steps']} step(s), {s['dtype']}"
-        + (f", {s['quantize']}-bit" if s["quantize"] else "") + (f", VAE {s['vae']}" if s["vae"] else ""),
-        f"{m['cpu']} ({m['cpu_cores']} cores, {m['memory_gb']} GB), MLX {m['mlx']} on {m['device']}; page cache: {r['page_cache']}",
-        "bytes each load reads: " + ", ".join(f"{n.replace('_', ' ')} {v / gb:.2f} GB" for n, v in r["bytes"].items()),
-        f"sequential read of those bytes{' (cold)' if r['read']['cold'] else ' (NOT cold)'}: {r['read']['bytes'] / gb:.2f} GB in "
-        f"{r['read']['seconds']:.2f} s = {r['read']['rate'] / gb:.2f} GB/s",
-        "process start + imports (child process): " + ", ".join(f"{k} {v:.2f} s" for k, v in r["imports"].items()),
+        title,
+        f"{m['cpu']} ({m['cpu_cores']} cores, {m['memory_gb']} GB), MLX {m['mlx']} on {m['device']}; "
+        f"page cache: {r.page_cache}",
+        "bytes each load reads: " + ", ".join(f"{n.replace('_', ' ')} {v / gb:.2f} GB" for n, v in r.bytes.items()),
+        f"sequential read of those bytes{' (cold)' if r.read.cold else ' (NOT cold)'}: {r.read.bytes / gb:.2f} GB in "
+        f"{r.read.seconds:.2f} s = {r.read.rate / gb:.2f} GB/s",
+        "process start + imports (child process): " + ", ".join(f"{k} {v:.2f} s" for k, v in r.imports.items()),
         "",
-    ]  # fmt: skip
-    names = list(r["runs"])
-    lines += ["| stage | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-    for st in dict.fromkeys(k for run in r["runs"].values() for k in run["stages"]):
+    ]
+    lines += stage_table(r.runs)
+    lines.append("")
+    for name, lim in r.limits.items():
+        lines.append(
+            f"{name}: {r.runs[name].seconds:.2f} s = {lim.ratio:.2f}x (bytes / rate + warm compute = "
+            f"{lim.read_seconds:.2f} + {lim.warm_compute_seconds:.2f} s), {lim.physics_ratio:.2f}x "
+            f"(bytes / rate + FLOPs / peak = {lim.read_seconds:.2f} + {lim.flops / r.peak.flops:.2f} s; "
+            f"peak {r.peak.flops / 1e9:.0f} GFLOPS, {r.peak.source})"
+        )
+    lines.append(f"second run (same prompt, another seed): {r.second.vs_cold:.2f}x the cold first run, "
+                 f"{r.second.vs_warm:.2f}x the warm one")
+    return "\n".join(lines)
+
+
+def stage_table(runs: dict[str, Run]) -> list[str]:
+    """A markdown table: a row per stage, a column per run, then totals, peaks and what was read ahead."""
+    gb, names = 1e9, list(runs)
+    lines = ["| stage | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for stage in dict.fromkeys(k for run in runs.values() for k in run.stages):
         cells = []
         for n in names:
-            v = r["runs"][n]["stages"].get(st)
-            read = "" if v is None or v["read_bytes"] is None else f" ({v['read_bytes'] / gb:.2f} GB read)"
-            cells.append("-" if v is None else f"{v['seconds']:.2f} s{read}")
-        lines.append(f"| {st} | " + " | ".join(cells) + " |")
-    lines.append("| **total** | " + " | ".join(f"**{r['runs'][n]['seconds']:.2f} s**" for n in names) + " |")
-    lines.append("| peak MLX memory | " + " | ".join(f"{r['runs'][n]['peak_memory'] / gb:.2f} GB" for n in names) + " |")
-    lines.append("| peak RSS" + ("" if r["runs"][names[0]]["peak_rss_of_run"] else " (process, so far)") + " | "
-                 + " | ".join(f"{r['runs'][n]['peak_rss'] / gb:.2f} GB" for n in names) + " |")
-    lines.append("| read ahead | " + " | ".join(
-        ", ".join(f"{k} {v['bytes'] / gb:.2f} GB" for k, v in r["runs"][n]["read_ahead"].items()) or "-" for n in names) + " |")
-    lines.append("")
-    peak = r["peak"]
-    for name, lim in r["limits"].items():
-        if name == "second vs first":
-            lines.append(f"second run (same prompt, another seed): {lim['vs_cold']:.2f}x the cold first run, "
-                         f"{lim['vs_warm']:.2f}x the warm one")  # fmt: skip
-            continue
-        lines.append(
-            f"{name}: {r['runs'][name]['seconds']:.2f} s = {lim['ratio']:.2f}x (bytes / rate + warm compute = "
-            f"{lim['read_seconds']:.2f} + {lim['warm_compute_seconds']:.2f} s), {lim['physics_ratio']:.2f}x "
-            f"(bytes / rate + FLOPs / peak = {lim['read_seconds']:.2f} + {lim['flops'] / peak['flops']:.2f} s; "
-            f"peak {peak['flops'] / 1e9:.0f} GFLOPS, {peak['source']})"
-        )
-    return "\n".join(lines)
+            v = runs[n].stages.get(stage)
+            read = "" if v is None or v.read_bytes is None else f" ({v.read_bytes / gb:.2f} GB read)"
+            cells.append("-" if v is None else f"{v.seconds:.2f} s{read}")
+        lines.append(f"| {stage} | " + " | ".join(cells) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{runs[n].seconds:.2f} s**" for n in names) + " |")
+    lines.append("| peak MLX memory | " + " | ".join(f"{runs[n].peak_memory / gb:.2f} GB" for n in names) + " |")
+    lines.append("| peak RSS" + ("" if runs[names[0]].peak_rss_of_run else " (process, so far)") + " | "
+                 + " | ".join(f"{runs[n].peak_rss / gb:.2f} GB" for n in names) + " |")
+    ahead = [", ".join(f"{k} {v.bytes / gb:.2f} GB" for k, v in runs[n].read_ahead.items()) or "-" for n in names]
+    lines.append("| read ahead | " + " | ".join(ahead) + " |")
+    return lines

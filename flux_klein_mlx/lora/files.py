@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from ..errors import FluxKleinError
 from ..models.config import HIDDEN_SIZES, FluxKleinParams
-from ..output import check_output_file, write_exclusive
+from ..files import check_output_file, write_exclusive
 from ..weights import read_lora_file, save_safetensors_streaming
 from .formats import ParsedLora, parse_lora
 from .layouts import FORMAT_NAMES, autov3, check_layout, file_metadata, layout_pairs, layout_tensors

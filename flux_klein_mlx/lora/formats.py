@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..models.config import HIDDEN_SIZES, flux1_marker
-from ..errors import FluxKleinError
+from ..errors import FluxKleinError, first_few
 from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, DIFFUSERS_TOP, QKV, linear_shapes
 
 # Module-name prefixes, longest first, and the format they say.
@@ -139,7 +139,7 @@ def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str,
     if unknown:
         raise FluxKleinError(
             f"LoRA {what} has {len(unknown)} key(s) that are not LoRA/LoKr weights "
-            f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}); is it a model checkpoint?"
+            f"({first_few(unknown)}); is it a model checkpoint?"
         )
     modules: dict[str, dict[str, mx.array]] = {}
     keys: dict[tuple[str, str], str] = {}  # (module, role) -> the key that gave it
@@ -166,9 +166,24 @@ def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str,
             )
         keys[name, role] = key
         modules.setdefault(name, {})[role] = value
-    letters = kinds - {None}
-    unprefixed = "B" if any(n.startswith(("double_blocks", "single_blocks")) for n in modules) else "A"
-    return modules, "E" if "E" in letters else min(letters, default=unprefixed)
+    return modules, _format_of(kinds, modules)
+
+
+def _format_of(kinds: set[str | None], modules: dict) -> str:
+    """The format letter of a file from the kinds its keys say (`_PREFIXES`; "E" for a LoKr tensor)
+    and its module names: the first rule that holds, in this order."""
+    rules = (
+        ("E", "E" in kinds),  # any LoKr tensor: the file needs the LoKr reading
+        ("A", "A" in kinds),  # then the prefixes; a file that mixes them is named by the first here
+        ("B", "B" in kinds),
+        ("C", "C" in kinds),
+        ("D", "D" in kinds),
+        ("B", any(n.startswith(("double_blocks", "single_blocks")) for n in modules)),  # our names, no prefix
+    )
+    for letter, holds in rules:
+        if holds:
+            return letter
+    return "A"  # diffusers' names without a prefix
 
 
 def _metadata_alpha(metadata: dict | None, what: str):
@@ -237,7 +252,7 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
     bare = [n for n, parts in modules.items() if set(parts) == {"alpha"}]
     if bare:
         head = (f"{len(bare)} `.alpha` keys and no LoRA weights" if len(bare) == len(modules)
-                else f"an alpha for {bare[0]} but no weights")  # fmt: skip
+                else f"an alpha for {bare[0]} but no weights")
         raise FluxKleinError(f"LoRA {what} is incomplete: it holds {head}; export or download it again")
     table = target_table(params)
     shapes = linear_shapes(params)

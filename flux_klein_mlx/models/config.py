@@ -97,7 +97,7 @@ class FluxKleinParams:
         return (
             self.in_channels, self.hidden_size, self.context_in_dim, self.num_heads,
             self.mlp_hidden, self.depth, self.depth_single, self.time_channels,
-        )  # fmt: skip
+        )
 
     @property
     def variant(self) -> str:
@@ -240,7 +240,7 @@ _KLEIN_9B = FluxKleinParams(hidden_size=4096, context_in_dim=12288, num_heads=32
 def _rows() -> dict[str, Variant]:
     rows = {}
     for family, size, transformer, qwen in (("klein-4b", "4B", _KLEIN_4B, _QWEN3_4B),
-                                            ("klein-9b", "9B", _KLEIN_9B, _QWEN3_8B)):  # fmt: skip
+                                            ("klein-9b", "9B", _KLEIN_9B, _QWEN3_8B)):
         for distilled in (True, False):
             name = family if distilled else f"{family}-base"
             rows[name] = Variant(
@@ -248,13 +248,13 @@ def _rows() -> dict[str, Variant]:
                 distilled=distilled, transformer=transformer, text_encoder=qwen, vae=AutoEncoderConfig(),
                 steps=4 if distilled else 50, guidance=None if distilled else 4.0,
                 repo=f"black-forest-labs/FLUX.2-klein-{'' if distilled else 'base-'}{size}",
-            )  # fmt: skip
+            )
     # klein 9B-KV (black-forest-labs/FLUX.2-klein-9b-kv): klein-9B's shapes, distilled for the reference
     # K/V cache. Its model_index.json has no is_distilled key; the pipeline class tells it apart.
     rows["klein-9b-kv"] = dataclasses.replace(
         rows["klein-9b"], name="klein-9b-kv", title="FLUX.2 [klein] 9B-KV", pipeline_class=KV_PIPELINE_CLASS,
         reference_kv=True, repo="black-forest-labs/FLUX.2-klein-9b-kv",
-    )  # fmt: skip
+    )
     return rows
 
 
@@ -269,7 +269,7 @@ def variant_for(params: FluxKleinParams, distilled: bool, reference_kv: bool = F
         (v for v in VARIANTS.values() if v.distilled == distilled and v.reference_kv == reference_kv
          and v.transformer.shape_key() == params.shape_key()),
         None,
-    )  # fmt: skip
+    )
 
 
 def sampling_defaults(distilled: bool) -> tuple[int, float | None]:

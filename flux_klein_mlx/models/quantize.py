@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..errors import FluxKleinError
+from ..errors import FluxKleinError, first_few
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -88,7 +88,7 @@ def apply_quantization(model: nn.Module, record: dict, what: str = "model") -> n
     if missing := sorted(wanted - _quantized_layers(model)):
         raise FluxKleinError(
             f"the {what} quantization record names {len(missing)} layer(s) the model does not have "
-            f"({', '.join(missing[:3])}); the folder does not match its config.json, convert again"
+            f"({first_few(missing)}); the folder does not match its config.json, convert again"
         )
     return model
 

@@ -76,7 +76,7 @@ def linear_part(layer: nn.Module, x: mx.array, rows: slice = slice(None), cols: 
         out = mx.quantized_matmul(
             x, part(layer.weight, per_word), part(layer.scales, g), part(layer.biases, g),
             transpose=True, group_size=g, bits=layer.bits,
-        )  # fmt: skip
+        )
     else:
         out = x @ layer.weight[rows, c0:c1].T
     side = getattr(layer, "side_path", None)

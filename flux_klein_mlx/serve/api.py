@@ -37,7 +37,7 @@ from .forms import int_field, parse_json, parse_size, str_field
 from ..inputs import RunSettings, check_prompt_given
 from .jobs import EndEvent, ImageEvent, ImageRequest, NotReady, QueueFull, StageEvent, StepEvent, Worker
 from ..lora.apply import parse_lora_spec
-from ..output import write_exclusive
+from ..files import write_exclusive
 
 MB = 1 << 20
 PNG = {"output_format": "png", "background": "opaque"}  # what every result is
@@ -60,6 +60,16 @@ class ServerOptions:
     max_steps: int = 200
     url_cache: int = 64  # results kept in memory for `response_format: "url"`
     log: Callable[[str], None] = field(default=lambda line: None)  # one line per request, warnings
+
+
+@dataclass
+class Answer:
+    """How a request wants its answer (not what it makes): set by its route and its fields."""
+
+    kind: str  # the route's event type prefix: "image_generation" or "image_edit"
+    response_format: str = "b64_json"  # or "url": results kept in memory and linked
+    stream: bool = False  # server-sent events instead of one JSON body
+    base_url: str = ""  # where `url` results are served, set when the job is submitted
 
 
 @dataclass
@@ -125,8 +135,8 @@ class Server:
             out[name] = (str(path.resolve()), scale)
         return tuple(out.values())
 
-    def common(self, body: dict, kind: str) -> tuple[ImageRequest, dict]:
-        """The fields both routes share -> a request (images added by the edit route) and response options
+    def common(self, body: dict, kind: str) -> tuple[ImageRequest, Answer]:
+        """The fields both routes share -> a request (images added by the edit route) and how to answer it
         (`kind`: the route's event type prefix, "image_generation" or "image_edit")."""
         o = self.options
         model = body.get("model")
@@ -158,7 +168,7 @@ class Server:
         req = ImageRequest(settings, n=int_field(body, "n", 1, o.max_n, default=1),
                            loras=self.resolve_loras(body.get("loras", body.get("loras[]"))),
                            partial_images=partial if stream else 0)
-        return req, {"response_format": response_format, "stream": stream, "kind": kind}
+        return req, Answer(kind, response_format, stream)
 
     def decode_upload(self, name: str, data: bytes, mode: str | None) -> Image.Image:
         """An upload, size-checked from its header, decoded; converted to `mode` (None: kept, e.g. a mask's alpha)."""
@@ -225,17 +235,17 @@ class Server:
 
     # ---- running a job from an async handler ----------------------------------------------------
 
-    def keep(self, event: ImageEvent, response_format: str, base_url: str) -> dict:
+    def keep(self, event: ImageEvent, answer: Answer) -> dict:
         """A finished image -> its OpenAI `data` item; saved to --save-dir when set."""
         file_id = uuid.uuid4().hex
         if self.options.save_dir is not None:
             self.save(event.png, file_id)
         item = {"revised_prompt": None, "metadata": event.metadata}
-        if response_format == "url":
+        if answer.response_format == "url":
             self.files[file_id] = event.png
             while len(self.files) > self.options.url_cache:
                 self.files.popitem(last=False)
-            item["url"] = f"{base_url}/v1/images/files/{file_id}.png"
+            item["url"] = f"{answer.base_url}/v1/images/files/{file_id}.png"
         else:
             item["b64_json"] = base64.b64encode(event.png).decode()
         return item
@@ -249,7 +259,7 @@ class Server:
         except FluxKleinError as e:
             self.options.log(f"warning: a result was not saved to --save-dir: {e}")
 
-    async def run(self, request: Request, req: ImageRequest, opts: dict, entry: RequestLog):
+    async def run(self, request: Request, req: ImageRequest, answer: Answer, entry: RequestLog):
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         try:  # events go from the worker thread to this event loop
             job = self.worker.submit(req, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
@@ -257,9 +267,9 @@ class Server:
             raise ApiError(429, str(e), code="queue_full") from None
         except NotReady as e:
             raise ApiError(503, str(e), code="model_loading") from None
-        opts["base_url"] = str(request.base_url).rstrip("/")
-        if opts["stream"]:
-            return StreamingResponse(self.events(job, queue, opts, req, entry), media_type="text/event-stream",
+        answer.base_url = str(request.base_url).rstrip("/")
+        if answer.stream:
+            return StreamingResponse(self.events(job, queue, answer, req, entry), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         data = []
         try:
@@ -272,7 +282,7 @@ class Server:
                     continue
                 if isinstance(event, ImageEvent):
                     entry.describe(req, event.metadata)
-                    data.append(self.keep(event, opts["response_format"], opts["base_url"]))
+                    data.append(self.keep(event, answer))
                 elif isinstance(event, EndEvent):
                     if event.kind == "cancelled":
                         raise ApiError(503, "the request was cancelled (server shutting down)")
@@ -283,14 +293,14 @@ class Server:
             job.cancel()  # no-op when finished; stops the job when this handler is torn down
         return JSONResponse({"created": int(time.time()), "data": data, "size": entry.size, **PNG})
 
-    async def events(self, job, queue, opts, req: ImageRequest, entry: RequestLog):
+    async def events(self, job, queue, answer: Answer, req: ImageRequest, entry: RequestLog):
         """Server-sent events in OpenAI's image streaming shape: progress after every step, the partial
         images asked for (`partial_images`; one per step when left out), each finished image."""
 
         def sse(name: str, **payload) -> bytes:
             return f"event: {name}\ndata: {json.dumps({'type': name, **payload})}\n\n".encode()
 
-        kind, size = opts["kind"], entry.size  # the size asked for ("auto" or WxH)
+        kind, size = answer.kind, entry.size  # the size asked for ("auto" or WxH)
         png = {**PNG, "quality": "auto"}
         partials: dict[int, int] = {}  # image index -> partial images sent
         outcome = "client went away (cancelled)"
@@ -313,7 +323,7 @@ class Server:
                               image_index=event.index, seconds=event.seconds,
                               usage={"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
                                      "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}},
-                              **self.keep(event, opts["response_format"], opts["base_url"]))
+                              **self.keep(event, answer))
                 elif event.kind == "error":
                     outcome = f"{event.status} {event.message} (streamed)"
                     yield sse("error", **ApiError(event.status, event.message).body())
@@ -360,9 +370,9 @@ class Server:
         entry = RequestLog(request.url.path.rsplit("/", 1)[1])  # "generations" | "edits"
         try:
             parse = self.generation_request if entry.route == "generations" else self.edit_request
-            req, opts = await parse(request)
+            req, answer = await parse(request)
             entry.describe(req)
-            response = await self.run(request, req, opts, entry)
+            response = await self.run(request, req, answer, entry)
         except ClientDisconnect:  # gone before its body arrived: nobody to answer, nothing to run
             entry.finish(self.options.log, "499 client disconnected before sending its whole body")
             return Response(status_code=499)
@@ -388,7 +398,7 @@ class Server:
             raise ApiError(400, "upload at least one image (field 'image' or 'image[]')", "image")
         if len(uploads) > self.options.max_images:
             raise ApiError(400, f"{len(uploads)} images uploaded; the limit is {self.options.max_images}", "image")
-        req, opts = self.common(body, "image_edit")
+        req, answer = self.common(body, "image_edit")
         images = [self.decode_upload(name, data, "RGB") for name, data in uploads]
         mask = None if mask_data is None else self.decode_upload("mask", mask_data, None)  # alpha: transparent = repaint
         if mask is not None and mask.size != images[0].size:
@@ -399,7 +409,7 @@ class Server:
         init_image = images.pop(0) if mask is not None or strength is not None else None
         req.settings = dataclasses.replace(req.settings, init_image=init_image, images=images or None, mask=mask,
                                            strength=strength)
-        return req, opts
+        return req, answer
 
     async def file(self, request: Request):
         png = self.files.get(request.path_params["file_id"])

@@ -67,8 +67,19 @@ def model_aliases(model: str, info) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n.rstrip("/") for n in names if n))
 
 
-def check_options(host: str, api_key: str | None, save_dir: str | None, lora_dir: str | None) -> None:
-    """The key, the host it must guard, the folders: one line each before anything is bound or loaded."""
+def check_before_start(host: str, api_key: str | None, save_dir, lora_dir) -> None:
+    """Refuse, before anything binds or loads, a server that cannot start as asked: the serve extra
+    missing, an empty or non-ASCII key, a non-loopback address without a key, a --save-dir or
+    --lora-dir that is not a folder."""
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+        try:  # python-multipart (uploads), under this name since 0.0.13; the old `multipart` name warns there
+            import python_multipart  # noqa: F401
+        except ImportError:
+            import multipart  # noqa: F401
+    except ImportError as e:
+        raise FluxKleinError(f"serve needs the serve extra ({e.name} is missing): pip install -e \".[serve]\"") from None
     check_api_key(api_key if api_key is not None else os.environ.get(KEY_VARIABLE))  # click reads "" as unset
     if not is_loopback(host) and not api_key:
         raise FluxKleinError(f"--host {host} exposes the server beyond this machine; set --api-key KEY too "
@@ -109,18 +120,10 @@ def is_loopback(host: str) -> bool:
 def serve(model, quantize, dtype, low_memory, loras, lora_dir, host, port, api_key, queue_size, save_dir,
           max_upload_mb, model_id, vae, no_cache, cache_size):
     """Serve the OpenAI Images API and a web page with live step previews."""
-    try:
-        import starlette  # noqa: F401
-        import uvicorn
-        try:  # python-multipart (uploads), under this name since 0.0.13; the old `multipart` name warns there
-            import python_multipart  # noqa: F401
-        except ImportError:
-            import multipart  # noqa: F401
-    except ImportError as e:
-        raise FluxKleinError(f"serve needs the serve extra ({e.name} is missing): pip install -e \".[serve]\"") from None
-    check_options(host, api_key, save_dir, lora_dir)
-
+    check_before_start(host, api_key, save_dir, lora_dir)
     # The server modules import the serve extra (checked above), so they are imported only here.
+    import uvicorn
+
     from .api import MB, ServerOptions, create_app
     from .jobs import Worker
 
@@ -138,7 +141,7 @@ def serve(model, quantize, dtype, low_memory, loras, lora_dir, host, port, api_k
     options = ServerOptions(model_id=model_id, model_aliases=model_aliases(model, pipe.info), server_loras=server_loras,
                             api_key=api_key, lora_dir=Path(lora_dir) if lora_dir else None,
                             save_dir=Path(save_dir) if save_dir else None, max_upload_bytes=int(max_upload_mb * MB),
-                            log=lambda line: click.echo(line, err=True))  # fmt: skip
+                            log=lambda line: click.echo(line, err=True))
 
     def loader():  # on the worker thread, while the server already answers (503 until ready)
         try:

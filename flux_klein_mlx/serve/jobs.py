@@ -153,7 +153,7 @@ class Worker:
             return {"state": self.state, "error": self.error, "waiting": len(self._waiting),
                     "running": self._running is not None, "max_queue": self.max_queue,
                     "completed": self.completed, "cancelled": self.cancelled_jobs,
-                    "mlx_active_bytes": self.active_memory}  # fmt: skip
+                    "mlx_active_bytes": self.active_memory}
 
     # ---- the worker thread ----------------------------------------------------------------------
 
@@ -175,8 +175,12 @@ class Worker:
                     return
                 job = self._running = self._waiting.popleft()
             try:
-                finished = not job.cancelled.is_set() and self._generate(job)  # cancelled while waiting: never starts
-                self.cancelled_jobs += not finished
+                if job.cancelled.is_set():  # cancelled while waiting: never starts
+                    finished = False
+                else:
+                    finished = self._generate(job)
+                if not finished:
+                    self.cancelled_jobs += 1
                 job.on_event(EndEvent("done" if finished else "cancelled"))
             except FluxKleinError as e:
                 job.on_event(EndEvent("error", 400, str(e)))

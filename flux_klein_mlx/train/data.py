@@ -30,7 +30,6 @@ buckets.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -39,7 +38,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from ..errors import FluxKleinError
+from ..errors import FluxKleinError, first_few
+from ..files import file_sha256
 from ..inputs import check_image_shape, open_image
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -74,7 +74,7 @@ class TrainItem:
             "size": list(self.image.size), "bucket": list(self.bucket), "caption": self.caption,
             "caption_from": self.caption_from,
             "controls": [{"image": str(c.path), "sha256": c.sha256} for c in self.controls],
-        }  # fmt: skip
+        }
 
 
 def bucket_size(w: int, h: int, resolution: int) -> tuple[int, int]:
@@ -82,14 +82,6 @@ def bucket_size(w: int, h: int, resolution: int) -> tuple[int, int]:
     r = math.sqrt(w / h)
     side = lambda v: max(SIZE_MULTIPLE, SIZE_MULTIPLE * round(v / SIZE_MULTIPLE))  # noqa: E731
     return side(resolution * r), side(resolution / r)
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _check_picture(path: Path, what: str) -> Picture:
@@ -206,7 +198,7 @@ def scan_data(
         )
     uncaptioned = [p.name for p in images.values() if _caption(p, caption, caption_extension) is None]
     if uncaptioned:
-        head = ", ".join(uncaptioned[:3]) + (", ..." if len(uncaptioned) > 3 else "")
+        head = first_few(uncaptioned)
         raise FluxKleinError(
             f"{len(uncaptioned)} image(s) in {folder} have no caption ({head}); write <name>{caption_extension} next to each "
             f"or give --caption for them{_other_captions_hint(folder, images, caption_extension)}"
@@ -215,7 +207,7 @@ def scan_data(
     for cfolder, cmap in control_maps:
         missing = [s for s in images if s not in cmap]
         if missing:
-            head = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+            head = first_few(missing)
             raise FluxKleinError(
                 f"--control {cfolder} has no image for {len(missing)} training image(s) ({head}); "
                 "each control folder needs one image per training image, with the same name"

@@ -12,7 +12,7 @@ written crash-safe and checked whole before a resume, train.json, loss.png.
         samples/step-000250-0.png
 
 A checkpoint is written into a temporary folder, flushed and renamed into place when complete
-(output.folder_transaction; a rename is atomic), so a crash or a full disk leaves the earlier
+(files.folder_transaction; a rename is atomic), so a crash or a full disk leaves the earlier
 checkpoints as they were. Only the newest `keep` checkpoints are kept. Before a resume the newest
 one is checked whole from its headers and state.json (`checkpoint_problem`), so a damaged one is
 named, with what to do, before any model loads.
@@ -45,13 +45,13 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from ..errors import FluxKleinError, Notice
-from ..output import broken_link, folder_transaction, write_replacing
+from ..files import broken_link, folder_transaction, is_temporary_file, write_replacing
 from .settings import differences
 from ..weights import read_lora_file, read_safetensors, safetensors_header_bytes, save_safetensors_streaming
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d{6,})$")
-# The temporary names of output.folder_transaction (checkpoints) and output.write_replacing (files).
-_TEMPORARY = re.compile(r"^(checkpoint-\d+\.(tmp|old)-[0-9a-f]{8}|\..+\.[0-9a-f]{8}\.tmp)$")
+# The temporary folders of files.folder_transaction for checkpoints (files: files.is_temporary_file).
+_TEMPORARY_CHECKPOINT = re.compile(r"^checkpoint-\d+\.(tmp|old)-[0-9a-f]{8}$")
 LOCK_NAME = "train.lock"
 
 
@@ -237,8 +237,10 @@ def checkpoints(work_dir: Path) -> list[tuple[int, Path]]:
 def remove_temporaries(work_dir: Path) -> None:
     """Delete what an interrupted write of ours left behind (our own temporary names only)."""
     for p in work_dir.iterdir() if work_dir.is_dir() else []:
-        if _TEMPORARY.match(p.name):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        if _TEMPORARY_CHECKPOINT.match(p.name):
+            shutil.rmtree(p, ignore_errors=True)
+        elif is_temporary_file(p.name):
+            p.unlink(missing_ok=True)
 
 
 def write_checkpoint(

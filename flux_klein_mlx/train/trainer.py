@@ -56,7 +56,7 @@ from ..loading import as_dtype, check_weights, describe, load_component
 from .adapters import attach_lokr, attach_lora, file_header, lokr_file_shapes, lokr_layers, parse_targets
 from .adapters import write_lora_file
 from .samples import Sampler, SamplesSaved, check_sample_model
-from ..output import check_output_file, write_exclusive
+from ..files import check_output_file, write_exclusive
 from ..models.rope import image_ids, text_ids
 from ..models.text_encoder import encode_prompts
 from ..models.tokenizer import load_tokenizer
@@ -483,7 +483,7 @@ class Trainer:
             "step": self.step_no, "epoch": self.epoch, "batches": self.batches, "position": self.position,
             "rng": self.rng.bit_generator.state, "losses": self.losses, "run_key": run_key(self.s, self.info),
             "data": data_key(self.items), "flux_klein_mlx": __version__,
-        }  # fmt: skip
+        }
 
     def save(self) -> CheckpointSaved:
         lora = (self.lora.file_arrays(mx.float32), self.lora.metadata())
@@ -523,7 +523,7 @@ class Trainer:
             "settings": self.s.record(), "data": [it.record() for it in self.items], "buckets": bucket_counts(self.items),
             "targets": [sl.name for sl in self.plan.slots], "resumed_from": str(self.plan.resume_from or "") or None,
             "started": self.started, **extra,
-        }  # fmt: skip
+        }
 
     def finish(self, seconds: float) -> TrainFinished:
         s = self.s
@@ -532,7 +532,7 @@ class Trainer:
                                                                       self.info.params, header))  # fmt: skip
         finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
         write_json(s.work_dir / "train.json", self.record(output=str(final), finished=finished, steps=self.step_no,
-                                                          final_loss=self.losses[-1] if self.losses else None))  # fmt: skip
+                                                          final_loss=self.losses[-1] if self.losses else None))
         if self.losses:
             self.plot_loss()
         return TrainFinished(final, self.step_no, seconds, s.work_dir)
