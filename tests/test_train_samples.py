@@ -26,6 +26,7 @@ from test_train_bad_input import base_args, linked_snapshot, make_images, no_mod
 
 import flux_klein_mlx
 from flux_klein_mlx.__main__ import main
+from flux_klein_mlx.lora.layouts import autov3
 from flux_klein_mlx.output import RECORD_KEY
 from flux_klein_mlx.train.data import dropped_captions, with_trigger
 from flux_klein_mlx.train.samples import SamplesSaved, sample_source, sibling_model
@@ -87,7 +88,8 @@ def test_sample_at_step_n_is_generate_on_the_sample_model_with_the_checkpoint(ba
     sha = hashlib.sha256(checkpoint.read_bytes()).hexdigest()[:12]
     for name, strength in (("step-000002-0.png", 1.0), ("step-000002-0-x0.5.png", 0.5)):
         rec = record_of(work / name)
-        assert rec["loras"] == [{"name": "checkpoint-000002/lora.safetensors", "sha256": sha, "scale": strength}]
+        assert rec["loras"] == [{"name": "checkpoint-000002/lora.safetensors", "sha256": sha, "scale": strength,
+                                 "autov3": autov3(checkpoint)}]
         assert rec["steps"] == 4 and rec["guidance"] is None and rec["dtype"] == "bfloat16" and rec["quantize"] is None
         assert rec["training_sample"]["checkpoint_written"] and rec["width"] == rec["height"] == 64
         ours, theirs = pixels(work / name), run_recorded_command(rec, tmp_path / f"gen-{strength}.png", capsys)
