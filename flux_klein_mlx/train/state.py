@@ -124,8 +124,11 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
-def loss_plot(losses: list[float], first_step: int = 1, size: tuple[int, int] = (800, 400)) -> Image.Image:
-    """The loss per step (grey) and its moving average (blue) over a window of ~1/20 of the run."""
+def loss_plot(
+    losses: list[float], first_step: int = 1, size: tuple[int, int] = (800, 400), lrs: list[float] | None = None
+) -> Image.Image:
+    """The loss per step (grey) and its moving average (blue) over a window of ~1/20 of the run; with
+    `lrs` (one per step) the learning rate too (green, on its own scale from 0 to its largest value)."""
     W, H = size
     left, right, top, bottom = 70, 20, 34, 40
     img = Image.new("RGB", size, "white")
@@ -146,6 +149,12 @@ def loss_plot(losses: list[float], first_step: int = 1, size: tuple[int, int] = 
     draw.rectangle([left, top, W - right, H - bottom], outline="black")
     draw.line([xy(i, v) for i, v in enumerate(losses)] if n > 1 else [xy(0, losses[0])] * 2, fill=(190, 190, 190))
     draw.line([xy(i, v) for i, v in enumerate(smooth)] if n > 1 else [xy(0, smooth[0])] * 2, fill=(30, 80, 220), width=2)
+    if lrs and max(lrs) > 0:
+        top_lr = max(lrs)
+        ys = [top + (H - top - bottom) * (1 - v / top_lr) for v in lrs]
+        xs = [xy(i, lo)[0] for i in range(len(lrs))]
+        draw.line(list(zip(xs, ys)) if n > 1 else [(xs[0], ys[0])] * 2, fill=(20, 150, 60))
+        draw.text((left, H - 14), f"learning rate (green): 0 to {top_lr:.3g}", fill=(20, 150, 60))
     draw.text((4, top - 6), f"{hi:.4g}", fill="black")
     draw.text((4, H - bottom - 6), f"{lo:.4g}", fill="black")
     draw.text((left, H - bottom + 6), f"step {first_step}", fill="black")
@@ -154,5 +163,5 @@ def loss_plot(losses: list[float], first_step: int = 1, size: tuple[int, int] = 
     return img
 
 
-def write_loss_plot(path: Path, losses: list[float]) -> None:
-    write_atomic(path, lambda tmp: loss_plot(losses).save(tmp, format="PNG"))
+def write_loss_plot(path: Path, losses: list[float], lrs: list[float] | None = None) -> None:
+    write_atomic(path, lambda tmp: loss_plot(losses, lrs=lrs).save(tmp, format="PNG"))

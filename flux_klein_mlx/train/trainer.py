@@ -28,7 +28,7 @@ Sigma sampling (`timesteps`):
 
 Optimizer: AdamW with torch's semantics (bias correction, decoupled weight decay 1e-4 as diffusers,
 eps 1e-8), gradients averaged over `grad_accum` micro-batches and clipped to a global norm of 1.0,
-constant learning rate. Every random number (data order, sigmas, noise, adapter init) comes from one
+at the learning rate of `lr_scheduler` (diffusers' schedules, train/schedule.py). Every random number (data order, sigmas, noise, adapter init) comes from one
 numpy generator seeded with `seed`, whose state each checkpoint stores: a resumed run is bit-exact.
 """
 
@@ -59,6 +59,8 @@ from ..models.rope import image_ids, text_ids
 from ..models.text_encoder import encode_prompts
 from ..models.tokenizer import load_tokenizer
 from .data import bucket_counts, epoch_batches, load_pixels, scan_data
+from .memory import MemoryPlanned, describe_plan, plan_memory
+from .schedule import lr_at_step
 from .settings import TrainSettings, differences
 from .state import (
     checkpoints, read_checkpoint, read_state, remove_temporaries, write_atomic, write_checkpoint, write_json,
@@ -188,6 +190,7 @@ class RunPlan:
     slots: list
     items: list
     resume_from: Path | None
+    memory: MemoryPlanned | None = None
 
 
 def _check_model(s: TrainSettings):
@@ -263,12 +266,25 @@ def plan_run(settings: TrainSettings) -> RunPlan:
     info = _check_model(s)
     slots = parse_targets(s.targets, info.params)
     items = scan_data(s.data, s.caption, s.controls, s.resolution)
-    return RunPlan(s, info, slots, items, _check_resume(s, info, items))
+    resume_from = _check_resume(s, info, items)
+    return RunPlan(s, info, slots, items, resume_from, _check_memory(s, info, slots))
+
+
+def _check_memory(s: TrainSettings, info, slots) -> MemoryPlanned:
+    """The planned peak of a step (train/memory.py); refuses a run that will not fit unless --force."""
+    stored = (info.quantization.get("transformer") or {}).get("bits")
+    bits = s.quantize if s.quantize is not None else stored
+    trainable = sum(s.rank * (sl.in_dims + sl.out_dims) for sl in slots)
+    plan = plan_memory(s, info.params, trainable, len(s.controls), bits)
+    if not plan.fits and not s.force:
+        fix = "; ".join(plan.remedies) if plan.remedies else "no setting of --quantize, --low-memory, --resolution fits"
+        raise FluxKleinError(f"{describe_plan(plan)}: it will not fit. It fits with: {fix}; or give --force to try anyway")
+    return plan
 
 
 def train_lora(model=None, data=None, output=None, **settings) -> Iterator:
     """Train a LoRA; returns a generator of events (`TrainStarted`, `StageFinished`, `StepFinished`,
-    `CheckpointSaved`, `SamplesSaved`, `TrainFinished`). The keyword arguments are the fields of
+    `CheckpointSaved`, `SamplesSaved`, `TrainFinished`; first `MemoryPlanned`). The keyword arguments are the fields of
     `TrainSettings`. Every setting, the model files, the output path and every image are checked
     here, before the generator is returned (FluxKleinError, one line); nothing is written until the
     first event is asked for.
@@ -306,6 +322,8 @@ class Trainer:
         wd.mkdir(exist_ok=True)
         remove_temporaries(wd)
         write_json(wd / "train.json", self.record())
+        if self.plan.memory is not None:
+            yield self.plan.memory  # before any model loads
         yield self.cache_captions()
         yield self.cache_latents()
         yield self.load_model()
@@ -418,6 +436,8 @@ class Trainer:
             total += loss.item()
         if s.grad_accum > 1:
             grads = tree_map(lambda g: g / s.grad_accum, grads)
+        lr = self.lr_of(self.step_no + 1)
+        self.optimizer.learning_rate = lr  # the schedule's value for this step (train/schedule.py)
         norm = optimizer_step(self.optimizer, self.model, grads, s.max_grad_norm)
         mx.eval(self.model.trainable_parameters(), self.optimizer.state, norm)
         self.step_no += 1
@@ -427,7 +447,16 @@ class Trainer:
                 f"the loss became non-finite at step {self.step_no}; lower --lr, or train with --dtype float32"
             )
         self.losses.append(loss)
-        return StepFinished(self.step_no, s.steps, loss, time.perf_counter() - t0, s.lr, norm.item(), mx.get_peak_memory())
+        return StepFinished(self.step_no, s.steps, loss, time.perf_counter() - t0, lr, norm.item(), mx.get_peak_memory())
+
+    def lr_of(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (1-based) under --lr-scheduler / --warmup-steps."""
+        s = self.s
+        return lr_at_step(s.lr_scheduler, s.lr, step, s.warmup_steps, s.steps)
+
+    def lrs(self) -> list[float]:
+        """The learning rate of every step done (for loss.png)."""
+        return [self.lr_of(k) for k in range(1, len(self.losses) + 1)]
 
     # ---- checkpoints, samples, the end ----------------------------------------------------------
 
@@ -442,7 +471,7 @@ class Trainer:
         lora = (self.lora.file_arrays(mx.float32), self.lora.metadata())
         opt = dict(tree_flatten(self.optimizer.state))
         path = write_checkpoint(self.s.work_dir, self.step_no, lora, opt, self.state(), self.s.keep_checkpoints)
-        write_loss_plot(self.s.work_dir / "loss.png", self.losses)
+        write_loss_plot(self.s.work_dir / "loss.png", self.losses, self.lrs())
         return CheckpointSaved(self.step_no, path)
 
     def restore(self, folder: Path) -> None:
@@ -476,7 +505,7 @@ class Trainer:
             else:
                 self.sample_pipe.set_loras([lora_file])
             (wd / "samples").mkdir(exist_ok=True)
-            size = max(64, 16 * round(s.resolution / 16))
+            size = max(s.resolutions)  # several: the largest
             paths = []
             for k, prompt in enumerate(s.sample_prompts):
                 image = self.sample_pipe.generate(prompt, width=size, height=size, steps=s.sample_steps, seed=s.sample_seed)
@@ -505,5 +534,5 @@ class Trainer:
         write_json(s.work_dir / "train.json", self.record(output=str(final), finished=finished, steps=self.step_no,
                                                           final_loss=self.losses[-1] if self.losses else None))  # fmt: skip
         if self.losses:
-            write_loss_plot(s.work_dir / "loss.png", self.losses)
+            write_loss_plot(s.work_dir / "loss.png", self.losses, self.lrs())
         return TrainFinished(final, self.step_no, seconds, s.work_dir)
