@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..errors import FluxKleinError
 from ..models.config import FluxKleinParams
 from ..models.transformer import FluxKlein
 
@@ -150,3 +151,16 @@ def describe_plan(plan: MemoryPlanned) -> str:
     """One line: the planned peak against the machine's memory."""
     return (f"memory plan: a step peaks at about {plan.peak / GB:.1f} GB (weights {plan.weights / GB:.1f} GB) of "
             f"{plan.available / GB:.1f} GB ({plan.available_from})")  # fmt: skip
+
+
+def check_memory(s, info, slots) -> MemoryPlanned:
+    """The plan of a run (settings `s`, `info` a loading.ModelInfo, the adapter slots); refuses a step
+    that will not fit (FluxKleinError naming what would), unless `s.force`."""
+    stored = (info.quantization.get("transformer") or {}).get("bits")
+    bits = s.quantize if s.quantize is not None else stored
+    trainable = sum(s.rank * (slot.in_dims + slot.out_dims) for slot in slots)
+    plan = plan_memory(s, info.params, trainable, len(s.controls), bits)
+    if not plan.fits and not s.force:
+        fix = "; ".join(plan.remedies) if plan.remedies else "no setting of --quantize, --low-memory, --resolution fits"
+        raise FluxKleinError(f"{describe_plan(plan)}: it will not fit. It fits with: {fix}; or give --force to try anyway")
+    return plan

@@ -17,9 +17,9 @@ from pathlib import Path
 from ..errors import FluxKleinError
 from ..loading import DTYPES
 from ..models.quantize import check_quantization
+from .data import SIZE_MULTIPLE
 from .schedule import check_schedule
 
-SIZE_MULTIPLE = 16  # the sides of every bucket (train/data.py)
 TIMESTEPS = ("shift", "logit-normal", "uniform")
 DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-base-4B"
 

@@ -59,7 +59,7 @@ from ..models.rope import image_ids, text_ids
 from ..models.text_encoder import encode_prompts
 from ..models.tokenizer import load_tokenizer
 from .data import bucket_counts, epoch_batches, load_pixels, scan_data
-from .memory import MemoryPlanned, describe_plan, plan_memory
+from .memory import MemoryPlanned, check_memory
 from .schedule import lr_at_step
 from .settings import TrainSettings, differences
 from .state import (
@@ -267,19 +267,7 @@ def plan_run(settings: TrainSettings) -> RunPlan:
     slots = parse_targets(s.targets, info.params)
     items = scan_data(s.data, s.caption, s.controls, s.resolution)
     resume_from = _check_resume(s, info, items)
-    return RunPlan(s, info, slots, items, resume_from, _check_memory(s, info, slots))
-
-
-def _check_memory(s: TrainSettings, info, slots) -> MemoryPlanned:
-    """The planned peak of a step (train/memory.py); refuses a run that will not fit unless --force."""
-    stored = (info.quantization.get("transformer") or {}).get("bits")
-    bits = s.quantize if s.quantize is not None else stored
-    trainable = sum(s.rank * (sl.in_dims + sl.out_dims) for sl in slots)
-    plan = plan_memory(s, info.params, trainable, len(s.controls), bits)
-    if not plan.fits and not s.force:
-        fix = "; ".join(plan.remedies) if plan.remedies else "no setting of --quantize, --low-memory, --resolution fits"
-        raise FluxKleinError(f"{describe_plan(plan)}: it will not fit. It fits with: {fix}; or give --force to try anyway")
-    return plan
+    return RunPlan(s, info, slots, items, resume_from, check_memory(s, info, slots))
 
 
 def train_lora(model=None, data=None, output=None, **settings) -> Iterator:
