@@ -28,8 +28,9 @@ Sigma sampling (`timesteps`):
 
 Optimizer: AdamW with torch's semantics (bias correction, decoupled weight decay 1e-4 as diffusers,
 eps 1e-8), gradients averaged over `grad_accum` micro-batches and clipped to a global norm of 1.0,
-at the learning rate of `lr_scheduler` (diffusers' schedules, train/schedule.py). Every random number (data order, sigmas, noise, adapter init) comes from one
-numpy generator seeded with `seed`, whose state each checkpoint stores: a resumed run is bit-exact.
+at the learning rate of `lr_scheduler` (diffusers' schedules, train/schedule.py). Every random
+number (data order, sigmas, noise, adapter init) comes from one numpy generator seeded with `seed`,
+whose state each checkpoint stores: a resumed run is bit-exact.
 """
 
 from __future__ import annotations
@@ -271,8 +272,8 @@ def plan_run(settings: TrainSettings) -> RunPlan:
 
 
 def train_lora(model=None, data=None, output=None, **settings) -> Iterator:
-    """Train a LoRA; returns a generator of events (`TrainStarted`, `StageFinished`, `StepFinished`,
-    `CheckpointSaved`, `SamplesSaved`, `TrainFinished`; first `MemoryPlanned`). The keyword arguments are the fields of
+    """Train a LoRA; returns a generator of events (`MemoryPlanned`, `TrainStarted`, `StageFinished`,
+    `StepFinished`, `CheckpointSaved`, `SamplesSaved`, `TrainFinished`). The keyword arguments are the fields of
     `TrainSettings`. Every setting, the model files, the output path and every image are checked
     here, before the generator is returned (FluxKleinError, one line); nothing is written until the
     first event is asked for.
