@@ -122,7 +122,7 @@ def test_resume_bit_exact_with_several_resolutions_and_a_cosine_schedule(snap, p
     assert steps(first) + steps(second) == steps(straight)
     assert [lr for _, _, lr in steps(straight)] == pytest.approx(diffusers_lrs("cosine", 1e-3, 1, 4), abs=1e-12)
     started = next(e for e in straight if isinstance(e, TrainStarted))
-    assert started.buckets == {"64x64": 2, "96x96": 2, "48x80": 1, "80x112": 1}
+    assert started.buckets == {"64x64": 2, "96x96": 2, "48x80": 1, "80x112": 1} and started.images == 3
     a, b = (mx.load(str(tmp_path / f"{n}.safetensors")) for n in "sb")
     f32 = lambda v: np.array(v.astype(mx.float32))  # noqa: E731  (bf16 files; float32 is exact for them)
     assert a.keys() == b.keys() and all(np.array_equal(f32(a[k]), f32(b[k])) for k in a)
@@ -210,3 +210,17 @@ def test_memory_plan_names_what_makes_it_fit(monkeypatch):
     assert plan.remedies == ["--quantize 4 --low-memory (4.2 GB)", "--resolution 384 --quantize 4 --low-memory (3.7 GB)"]
     plan = memory.plan_memory(TrainSettings(resolution=(512, 768, 1024), low_memory=True), params, trainable)
     assert plan.remedies == ["--resolution 512,768 --quantize 4 --low-memory (5.7 GB)"]
+
+
+def test_loss_plot_draws_the_learning_rate_and_config_keys_are_the_long_option_names():
+    from flux_klein_mlx.train.command import train
+    from flux_klein_mlx.train.config_file import option_names
+    from flux_klein_mlx.train.state import loss_plot
+
+    losses = [1.0 - 0.01 * k for k in range(40)]
+    lrs = [lr_at_step("cosine", 1e-4, k, 5, 40) for k in range(1, 41)]
+    green = lambda img: int(np.sum(np.all(np.array(img) == (20, 150, 60), axis=-1)))  # noqa: E731
+    assert green(loss_plot(losses)) == 0 and green(loss_plot(losses, lrs=lrs)) > 300
+    names = option_names(train)
+    assert names["control"] == "controls" and names["sample_prompt"] == "sample_prompts"
+    assert names["lr_scheduler"] == "lr_scheduler" and names["low_memory"] == "low_memory" and "config" not in names

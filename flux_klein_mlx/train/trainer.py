@@ -318,7 +318,8 @@ class Trainer:
         yield self.load_model()
         if self.plan.resume_from is not None:
             self.restore(self.plan.resume_from)
-        yield TrainStarted(s.steps, self.step_no + 1, self.plan.resume_from, len(self.items), bucket_counts(self.items),
+        images = len({it.stem for it in self.items})  # several resolutions: one item per image and size
+        yield TrainStarted(s.steps, self.step_no + 1, self.plan.resume_from, images, bucket_counts(self.items),
                            len(self.lora.slots), self.lora.num_parameters, wd)  # fmt: skip
         while self.step_no < s.steps:
             yield self.train_step()
