@@ -27,6 +27,7 @@ depth is measured too (the `full` rows), as a check of the fit.
 
     .venv/bin/python benchmarks/train_step.py speed --size 512 --trials 2
     .venv/bin/python benchmarks/train_step.py memory [--full]
+    .venv/bin/python benchmarks/train_step.py multires      # --resolution 256,512: a step at each size
     .venv/bin/python benchmarks/train_step.py report
 """
 
@@ -89,7 +90,6 @@ class Setup:
         from flux_klein_mlx.train.adapters import attach_lora, parse_targets
         from flux_klein_mlx.models.quantize import quantize_model
         from flux_klein_mlx.bench.random_model import randomize
-        from flux_klein_mlx.models.rope import image_ids, text_ids
         from flux_klein_mlx.train.trainer import make_optimizer
         from flux_klein_mlx.train.settings import TrainSettings
         from flux_klein_mlx.models.transformer import FluxKlein
@@ -102,9 +102,16 @@ class Setup:
         if bits:
             quantize_model(model, bits)
         mx.eval(model.parameters())
-        self.model = model
+        self.model, self.params, self.dtype = model, params, dtype
         self.lora = attach_lora(model, parse_targets("all", params), RANK, float(RANK), np.random.default_rng(0))
         self.optimizer = make_optimizer(TrainSettings(lr=1e-4))
+        self.set_size(size)
+
+    def set_size(self, size: int) -> None:
+        """The batch of one size x size image (a run with several resolutions changes it between steps)."""
+        from flux_klein_mlx.models.rope import image_ids, text_ids
+
+        model, params, dtype = self.model, self.params, self.dtype
         h = w = size // 16
         g = np.random.default_rng(1)
         self.x0 = mx.array(g.standard_normal((1, h * w, params.in_channels)).astype(np.float32)).astype(dtype)
@@ -194,6 +201,31 @@ def emulate_unfused_training_attention() -> None:
     mx.fast.scaled_dot_product_attention = unfused
 
 
+def child_memory_multires(sizes: list[int], dtype: str, bits: int | None, checkpoint: bool, depth: int,
+                          depth_single: int) -> dict:  # fmt: skip
+    """A run with several resolutions (`--resolution 256,512`): one model, a step at each size in turn
+    (a batch never mixes sizes), the peak of each step and of them all, with the stand-ins of `child_memory`."""
+    from memory import emulate_fused_norms, emulate_matmul_kernels
+
+    emulate_matmul_kernels()
+    emulate_fused_norms()
+    emulate_unfused_training_attention()
+    s = Setup(params_for(depth, depth_single), sizes[0], getattr(mx, dtype), bits, random_weights=False)
+    s.optimizer.init(s.model.trainable_parameters())
+    mx.eval(s.optimizer.state)
+    mx.synchronize()
+    mx.clear_cache()
+    resident = mx.get_active_memory()
+    peaks = []
+    for size in sizes + sizes[::-1]:  # up and down again: what one size leaves behind must not add to the next
+        s.set_size(size)
+        mx.reset_peak_memory()
+        mx.eval(s.step(checkpoint))
+        peaks.append(mx.get_peak_memory())
+    return {"sizes": sizes, "dtype": dtype, "bits": bits, "checkpoint": checkpoint, "depth": depth,
+            "depth_single": depth_single, "resident": resident, "peaks": peaks, "peak": max(peaks)}  # fmt: skip
+
+
 def child_memory(size: int, dtype: str, bits: int | None, checkpoint: bool, depth: int, depth_single: int) -> dict:
     """Peak memory of a training step with Metal-like stand-ins (the AdamW moments allocated first, as after step 1)."""
     from memory import emulate_fused_norms, emulate_matmul_kernels
@@ -261,6 +293,35 @@ def part_memory(results: dict, full: bool) -> None:
             save_results(results)
 
 
+MULTIRES = ([256, 512], "bfloat16", 4, True)  # small sizes: measurable on this machine in minutes
+
+
+def part_multires(results: dict) -> None:
+    """The multi-resolution rows at 1+1, 2+1, 1+2 blocks (fitted to full depth as the others)."""
+    rows = results.setdefault("memory_multires", [])
+    sizes, dtype, bits, ckpt = MULTIRES
+    for d, s in DEPTHS:
+        if not any((r["sizes"], r["bits"], r["checkpoint"], r["depth"], r["depth_single"]) == (sizes, bits, ckpt, d, s)
+                   for r in rows):  # fmt: skip
+            rows.append(run_child("memory_multires", sizes=sizes, dtype=dtype, bits=bits, checkpoint=ckpt, depth=d,
+                                  depth_single=s))  # fmt: skip
+            save_results(results)
+
+
+def multires_report(results: dict) -> list[str]:
+    """The multi-resolution row: its fitted full-depth peak against the largest size's own."""
+    sizes, dtype, bits, ckpt = MULTIRES
+    pts = {(r["depth"], r["depth_single"]): r for r in results.get("memory_multires", [])}
+    if not all(d in pts for d in DEPTHS):
+        return []
+    a11, a21, a12 = (pts[d]["peak"] for d in DEPTHS)
+    full = a11 + (a21 - a11) * 4 + (a12 - a11) * 19
+    single = fitted_peak(results, max(sizes), dtype, bits, ckpt)
+    label = f"{','.join(map(str, sizes))}, {'4-bit' if bits else 'bf16'}{', --low-memory' if ckpt else ''}"
+    same = f"{single[0] / GB:.2f} GB at {max(sizes)}² alone" if single else "–"
+    return [f"| --resolution {label} (steps at each size, up and down) | | {full / GB:.2f} GB | {same} | – |"]
+
+
 def fitted_peak(results: dict, size, dtype, bits, ckpt, depth=5, depth_single=20) -> tuple[float, float] | None:
     """(peak, resident) at `depth` + `depth_single` blocks from the exact fit over DEPTHS (None if missing)."""
     pts = {(r["depth"], r["depth_single"]): r for r in results.get("memory", [])
@@ -315,6 +376,7 @@ def report(results: dict) -> str:
         peak = full["peak"] if full else (fit[0] if fit else None)
         verdict = "–" if target is None or peak is None else f"≤ {target / GB:.0f} GB: " + ("met" if peak <= target else "missed")
         lines.append(f"| {label} | {g(fit and fit[1])} | {g(fit and fit[0])} | {g(full and full['peak'])} | {verdict} |")
+    lines += multires_report(results)
     probs = 25 * 24 * ((1024 // 16) ** 2 + TEXT) ** 2 * 2  # 25 blocks x 24 heads x L x L, bf16
     lines.append(f"| 1024², no checkpointing | | each block keeps its attention probabilities: > {probs / GB:.1f} GB "
                  "of them alone | not measured | – |")
@@ -323,7 +385,7 @@ def report(results: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=["speed", "memory", "report"], nargs="?", default="report")
+    p.add_argument("part", choices=["speed", "memory", "multires", "report"], nargs="?", default="report")
     p.add_argument("--size", type=int, default=512)
     p.add_argument("--blocks", default="1+1", help="double+single blocks of the speed measurement")
     p.add_argument("--warmup", type=int, default=1)
@@ -336,7 +398,7 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         job = json.loads(args.child)
-        fn = {"speed": child_speed, "memory": child_memory}[job.pop("task")]
+        fn = {"speed": child_speed, "memory": child_memory, "memory_multires": child_memory_multires}[job.pop("task")]
         print(json.dumps(fn(**job)))
         return
     results = load_results()
@@ -351,6 +413,8 @@ def main() -> None:
         save_results(results)
     elif args.part == "memory":
         part_memory(results, args.full)
+    elif args.part == "multires":
+        part_multires(results)
     print(report(results))
 
 

@@ -576,3 +576,75 @@ def test_loss_plot_has_round_ticks_and_shows_a_varying_lr():
     image = np.asarray(loss_plot(losses, 6, [1e-4] * 120).convert("L"))
     assert (image[44:392, :70] < 128).sum() > 50  # loss tick labels left of the axis
     assert (image[398:420, 78:816] < 128).sum() > 50  # step tick labels under it
+# --- issue 29: schedules, several resolutions, config files, the memory plan --------------------------
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--lr-scheduler", "cosmap"], ["lr-scheduler", "constant, constant_with_warmup, linear, cosine", "'cosmap'"]),
+    (["--lr-scheduler", "cosine", "--warmup-steps", "-1"], ["warmup-steps", ">= 0"]),
+    (["--lr-scheduler", "cosine", "--warmup-steps", "11", "--steps", "10"], ["--warmup-steps 11", "past --steps 10"]),
+    (["--warmup-steps", "5"], ["no effect", "constant_with_warmup"]),
+    (["--resolution", "512,500"], ["resolution", "multiple of 16", "500"]),
+    (["--resolution", "512,x"], ["resolution", "'x'"]),
+    (["--resolution", "64,64"], ["resolution", "each size once"]),
+    (["--resolution", "32,64"], ["resolution", "[64, 4096]"]),
+])  # fmt: skip
+def test_bad_schedule_and_resolution_list_refused(capsys, snap, tmp_path, no_models, args, words):
+    data = make_images(tmp_path / "data")
+    refused(capsys, tmp_path, base_args(snap, data, tmp_path / "out.safetensors") + args, *words)
+
+
+@pytest.mark.parametrize("name, text, words", [
+    ("run.toml", "rank = 4\nlr_schedule = 'cosine'\nwarmup = 3\n", ["unknown key(s) lr_schedule, warmup", "underscores"]),
+    ("run.toml", "rank = 4\nlr = [\n", ["not valid TOML"]),
+    ("run.toml", "[rank]\nvalue = 4\n", ["rank is a table"]),
+    ("run.toml", None, ["is not a file"]),
+    ("run.yaml", "rank: 4\n", [".toml file", ".yaml"]),
+    ("train.json", "{\"steps\": 3}", ["no \"settings\""]),
+    ("train.json", "{\"settings\": {\"rank\": 4, \"warmup\": 1}}", ["unknown setting(s) warmup"]),
+    ("train.json", "{not json", ["not valid JSON"]),
+    ("run.toml", "lr_scheduler = 'cosine'\nwarmup_steps = 9999\n", ["--warmup-steps 9999", "past --steps 500"]),
+])  # fmt: skip
+def test_bad_config_refused(capsys, snap, tmp_path, no_models, name, text, words):
+    data = make_images(tmp_path / "data")
+    config = tmp_path / name
+    if text is not None:
+        config.write_text(text)
+    refused(capsys, tmp_path, base_args(snap, data, tmp_path / "out.safetensors") + ["--config", str(config)], *words)
+
+
+def recorded_run(snap, data: Path, tmp_path: Path) -> Path:
+    """A train.json as a finished run writes it (the settings and data record of Trainer.record)."""
+    plan = plan_run(TrainSettings(model=str(snap), data=data, output=tmp_path / "old.safetensors", resolution=64, rank=4))
+    record = {"settings": plan.settings.record(), "data": [it.record() for it in plan.items]}
+    path = tmp_path / "old.train" / "train.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(record))
+    (tmp_path / "old.safetensors").write_bytes(b"the LoRA of that run")
+    return path
+
+
+def test_config_from_train_json_names_a_changed_or_added_image(capsys, snap, tmp_path, no_models):
+    data = make_images(tmp_path / "data")
+    record = recorded_run(snap, data, tmp_path)
+    args = ["--config", str(record), "--output", str(tmp_path / "new.safetensors")]
+    refused(capsys, tmp_path, ["--config", str(record)], "old.safetensors exists and is never overwritten")
+    Image.new("RGB", (64, 64), "red").save(data / "im1.png")
+    refused(capsys, tmp_path, args, "im1.png changed since", "sha256")
+    make_images(tmp_path / "data", n=3)  # im0, im1 as recorded; im2 added
+    refused(capsys, tmp_path, args, "im2.png", "did not train on")
+    (data / "im2.png").unlink()
+    (data / "im0.png").unlink()
+    refused(capsys, tmp_path, args, "im0.png is gone")
+
+
+def test_a_step_that_will_not_fit_is_refused_naming_the_remedies_unless_forced(capsys, snap, tmp_path, no_models,
+                                                                                monkeypatch):  # fmt: skip
+    from flux_klein_mlx.train import memory
+
+    data = make_images(tmp_path / "data")
+    monkeypatch.setattr(memory, "machine_memory", lambda: (1000, "a test machine"))
+    refused(capsys, tmp_path, base_args(snap, data, tmp_path / "out.safetensors"),
+            "memory plan: a step peaks at about", "of 0.0 GB (a test machine)", "will not fit", "--force")  # fmt: skip
+    plan = plan_run(TrainSettings(model=str(snap), data=data, output=tmp_path / "o.safetensors", resolution=64, force=True))
+    assert not plan.memory.fits and plan.memory.peak > 1000

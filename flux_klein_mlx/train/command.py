@@ -10,8 +10,12 @@ import sys
 import time
 
 import click
+from click.core import ParameterSource
 
 from ..cli import run_command
+from .config_file import check_recorded_data, option_names, read_config
+from .memory import MemoryPlanned, describe_plan
+from .schedule import SCHEDULES
 from .trainer import (
     CheckpointSaved, SamplesSaved, StageFinished, StageStarted, StepFinished, TrainFinished, TrainStarted, train_lora,
 )  # fmt: skip
@@ -40,8 +44,8 @@ class ProgressLine:
         k = 0.1
         self.avg = ev.seconds if self.avg is None else (1 - k) * self.avg + k * ev.seconds
         eta = _clock(self.avg * (ev.total - ev.step))
-        line = (f"step {ev.step}/{ev.total}  loss {ev.loss:.4f} (avg {ev.average:.4f})  {ev.seconds:.2f} s/step  "
-                f"ETA {eta}  peak {ev.peak_memory / 1e9:.2f} GB")  # fmt: skip
+        line = (f"step {ev.step}/{ev.total}  loss {ev.loss:.4f} (avg {ev.average:.4f})  lr {ev.lr:.3g}  "
+                f"{ev.seconds:.2f} s/step  ETA {eta}  peak {ev.peak_memory / 1e9:.2f} GB")
         if self.tty:
             self.stream.write("\r" + line.ljust(100))
             self.open = True
@@ -65,6 +69,8 @@ def describe_event(ev) -> str | None:
     """The line an event prints (steps are drawn by `ProgressLine`)."""
     if isinstance(ev, StageStarted):
         return ev.detail
+    if isinstance(ev, MemoryPlanned):
+        return describe_plan(ev) + ("" if ev.fits else "; it may not fit (--force)")
     if isinstance(ev, StageFinished):
         return f"{ev.stage}: {ev.detail} ({ev.seconds:.1f} s)"
     if isinstance(ev, TrainStarted):
@@ -94,8 +100,11 @@ def describe_samples(ev: SamplesSaved) -> str:
 
 
 @click.command("train")
-@click.option("--data", "-d", required=True, help="Folder of images (.png .jpg .jpeg .webp), each with a <name>.txt caption.")
-@click.option("--output", "-o", required=True, help="The LoRA file to write (.safetensors, in --format's layout); never overwritten.")
+@click.option("--config", default=None,
+              help="Settings from a .toml file (keys: the long option names with underscores) or a run's train.json; "
+                   "options given here override it.")
+@click.option("--data", "-d", default="", help="Folder of images (.png .jpg .jpeg .webp), each with a <name>.txt caption.")
+@click.option("--output", "-o", default="", help="The LoRA file to write (.safetensors, in --format's layout); never overwritten.")
 @click.option("--format", default=_D.format, show_default=True,
               help="The LoRA file's layout: diffusers, comfyui (ComfyUI, ai-toolkit; diffusers loads it too) or kohya.")
 @click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help="A klein Base repo id or folder.")
@@ -113,11 +122,16 @@ def describe_samples(ev: SamplesSaved) -> str:
 @click.option("--targets", default=_D.targets, show_default=True,
               help="all, attention, double (style), single:0-12 (structure), or module names; comma-separated.")
 @click.option("--steps", type=int, default=_D.steps, show_default=True, help="Optimizer steps.")
-@click.option("--lr", type=float, default=_D.lr, show_default=True, help="Learning rate (constant).")
+@click.option("--lr", type=float, default=_D.lr, show_default=True, help="Learning rate (the schedule's peak).")
+@click.option("--lr-scheduler", default=_D.lr_scheduler, show_default=True,
+              help=f"{'|'.join(SCHEDULES)}: diffusers' get_scheduler schedules.")
+@click.option("--warmup-steps", type=int, default=_D.warmup_steps, show_default=True,
+              help="Steps of linear warmup from 0 (the *_with_warmup, linear and cosine schedules).")
 @click.option("--batch-size", type=int, default=_D.batch_size, show_default=True)
 @click.option("--grad-accum", type=int, default=_D.grad_accum, show_default=True, help="Micro-batches per step.")
-@click.option("--resolution", type=int, default=_D.resolution, show_default=True,
-              help="Train at about this many px squared, aspect ratio kept, sides multiples of 16.")
+@click.option("--resolution", default=str(_D.resolution), show_default=True,
+              help="Train at about this many px squared, aspect ratio kept, sides multiples of 16; several "
+                   "(512,768,1024): every image at each.")
 @click.option("--timesteps", type=click.Choice(TIMESTEPS), default=_D.timesteps, show_default=True,
               help="Noise-level sampling: musubi's flux2_shift, diffusers' logit-normal, or uniform.")
 @click.option("--seed", type=int, default=_D.seed, show_default=True)
@@ -144,8 +158,10 @@ def describe_samples(ev: SamplesSaved) -> str:
 @click.option("--trigger", default=None, help="Replaces [trigger] in each caption, else is prepended: 'sks, a fox'.")
 @click.option("--caption-dropout", type=float, default=_D.caption_dropout, show_default=True,
               help="Probability of training an example with the empty caption.")
+@click.option("--force", is_flag=True, help="Train even when the memory plan says a step will not fit.")
 def train(**options):
     """Train a LoRA on FLUX.2 [klein] Base from a folder of captioned images."""
+    options = with_config(click.get_current_context(), options)
     options["quantize"] = int(options["quantize"]) if options["quantize"] else None
     options["sample_quantize"] = int(options["sample_quantize"]) if options["sample_quantize"] else None
     events = train_lora(**options)  # everything is checked here, before any model loads
@@ -179,6 +195,18 @@ def interrupted(step: int, checkpoint) -> str:
     if checkpoint is None:
         return f"stopped at step {step}; no checkpoint yet: run the same command again to start over"
     return f"stopped at step {step}; last checkpoint {checkpoint}: continue with the same command and --resume"
+def with_config(ctx: click.Context, options: dict) -> dict:
+    """The options with those of --config filled in where the command line gave none."""
+    path = options.pop("config")
+    if not path:
+        return options
+    config = read_config(path, option_names(ctx.command))
+    for name, value in config.settings.items():
+        if ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE:
+            options[name] = value
+    if config.recorded_data is not None and ctx.get_parameter_source("data") != ParameterSource.COMMANDLINE:
+        check_recorded_data(config, options["data"])  # the same images as the recorded run, byte for byte
+    return options
 
 
 def main(argv=None) -> int:

@@ -22,7 +22,9 @@ kept, both sides multiples of 16:
 
     W = 16 · round(resolution · sqrt(w / h) / 16),   H = 16 · round(resolution · sqrt(h / w) / 16)
 
-(at least 16 each). The image is resized (Lanczos) to cover W x H and centre-cropped to it; its
+(at least 16 each). With several resolutions (`--resolution 512,768,1024`) every image is an
+example at each of them: an epoch visits each (image, size) once, in an order drawn from the seed,
+and as batches never mix buckets, never mixes sizes. The image is resized (Lanczos) to cover W x H and centre-cropped to it; its
 control images get the same W x H, as diffusers' img2img trainer does, so a reference costs as
 many tokens as the target. Images that land on the same W x H form a bucket; a batch never mixes
 buckets.
@@ -173,10 +175,11 @@ def _say_what_is_not_read(folder: Path, images: dict[str, Path], extension: str)
 
 
 def scan_data(
-    data, caption: str | None = None, controls=(), resolution: int = 512, trigger: str | None = None,
+    data, caption: str | None = None, controls=(), resolution: int | tuple = 512, trigger: str | None = None,
     caption_extension: str = ".txt",
 ) -> list[TrainItem]:
-    """The training examples of `data` (and its `controls` folders), every file opened and checked.
+    """The training examples of `data` (and its `controls` folders), every file opened and checked;
+    with several resolutions, one example per image and resolution (in the order listed).
 
     Raises FluxKleinError (one line) for a missing or empty folder, unreadable or corrupt images,
     images without a caption (and no `caption`), a control folder that is the data folder, and
@@ -212,13 +215,15 @@ def scan_data(
                 f"--control {cfolder} has no image for {len(missing)} training image(s) ({head}); "
                 "each control folder needs one image per training image, with the same name"
             )
+    sizes = (resolution,) if isinstance(resolution, int) else tuple(resolution)
     items = []
     for stem, path in images.items():
         text, source = _caption(path, caption, caption_extension)
         picture = _check_picture(path, "training image")
         pics = [_check_picture(cmap[stem], "control image") for _, cmap in control_maps]
-        bucket = bucket_size(*picture.size, resolution)
-        items.append(TrainItem(stem, picture, with_trigger(text, trigger), source, pics, bucket))
+        for size in sizes:  # several resolutions: one example per image and size
+            bucket = bucket_size(*picture.size, size)
+            items.append(TrainItem(stem, picture, with_trigger(text, trigger), source, pics, bucket))
     _say_what_is_not_read(folder, images, caption_extension)  # once the data passed: a refusal stays one line
     return items
 

@@ -8,7 +8,7 @@ The sample model (`--sample-model`) defaults to the distilled sibling of a publi
 (FLUX.2-klein-base-4B -> FLUX.2-klein-4B, the 4-step model LoRAs are run on), else the training
 model. Samples go through the public `pipeline.load` at `generate`'s defaults: bfloat16, no
 quantization (unless --sample-quantize), the sample model's own steps and guidance, the torch noise
-of --sample-seed, --resolution² pixels (or --sample-size²). The LoRA is written from the in-memory
+of --sample-seed, --resolution² pixels (the largest of several; or --sample-size²). The LoRA is written from the in-memory
 adapters into a file byte-identical to the checkpoint's `lora.safetensors` at that step (float32,
 the same header), so a sample is what
 
@@ -124,7 +124,7 @@ class Sampler:
 
     def __init__(self, settings, info: ModelInfo):
         self.s, self.info, self.source = settings, info, sample_source(settings)
-        self.size = settings.sample_size or max(64, 16 * round(settings.resolution / 16))
+        self.size = settings.sample_size or max(settings.resolutions)  # several: the largest
         self.folder = Path(settings.work_dir) / "samples"
         self.pipe = None
         self.baselines: list[np.ndarray] = []  # per prompt, (H, W, 3) float32 in 0-255

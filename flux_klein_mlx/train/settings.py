@@ -21,6 +21,8 @@ from ..loading import DTYPES
 from ..lora.layouts import check_layout
 from ..models.quantize import check_quantization
 from .data import IMAGE_SUFFIXES
+from .data import SIZE_MULTIPLE
+from .schedule import check_schedule
 
 TIMESTEPS = ("shift", "logit-normal", "uniform")
 ADAPTERS = ("lora", "lokr")  # LoRA pairs per diffusers module, or LoKr per layer
@@ -46,7 +48,7 @@ class TrainSettings:
     lr: float = 1e-4
     batch_size: int = 1
     grad_accum: int = 1
-    resolution: int = 512
+    resolution: int | tuple = 512  # one size, or several ("512,768,1024" / [512, 768]): each image at each
     timesteps: str = "shift"
     seed: int = 0
     weight_decay: float = 1e-4  # diffusers' trainer; torch/MLX default 0.01 (G9)
@@ -70,6 +72,9 @@ class TrainSettings:
     sample_quantize: int | None = None  # 4 or 8: the sample model quantized (default: as generate, none)
     trigger: str | None = None  # replaces "[trigger]" in each caption, else is prepended as "WORD, "
     caption_dropout: float = 0.0  # probability that an example trains with the empty caption
+    lr_scheduler: str = "constant"  # diffusers' get_scheduler names (train/schedule.py)
+    warmup_steps: int = 0
+    force: bool = False  # train even when the memory plan says the step will not fit
 
     def check(self) -> "TrainSettings":
         """Types and ranges of every setting (FluxKleinError, one line); fills derived defaults."""
@@ -78,7 +83,7 @@ class TrainSettings:
         _whole(self, "steps", 1, 10_000_000)
         _whole(self, "batch_size", 1, 1024)
         _whole(self, "grad_accum", 1, 1024)
-        _whole(self, "resolution", 64, 4096)
+        self.resolution = parse_resolutions(self.resolution)
         _whole(self, "group_size", 1, 1024)
         _whole(self, "keep_checkpoints", 1, 1_000_000)
         _whole(self, "sample_seed", -(2**63), 2**64)
@@ -87,6 +92,7 @@ class TrainSettings:
             if getattr(self, name) is not None:
                 _whole(self, name, 1, 10_000_000)
         _number(self, "lr", 0.0, 1.0, open_low=True)
+        check_schedule(self.lr_scheduler, self.warmup_steps, self.steps)
         _number(self, "weight_decay", 0.0, 1.0)
         _number(self, "max_grad_norm", 0.0, 1e6, open_low=True)
         if self.alpha is None:
@@ -178,11 +184,18 @@ class TrainSettings:
 
     def run_key(self) -> dict:
         """The settings that decide what a step computes (resume needs them equal)."""
-        keep = ("model", "adapter", "lokr_factor", "rank", "alpha", "targets", "lr", "batch_size", "grad_accum",
-                "resolution", "timesteps", "seed", "weight_decay", "max_grad_norm", "dtype", "quantize", "group_size", "caption")  # fmt: skip
+        keep = ("model", "rank", "alpha", "targets", "lr", "batch_size", "grad_accum", "resolution", "timesteps",
+                "seed", "weight_decay", "max_grad_norm", "dtype", "quantize", "group_size", "caption")  # fmt: skip
         key = {k: getattr(self, k) for k in keep}
+        key["resolution"] = self.resolution if isinstance(self.resolution, int) else list(self.resolution)
+        if self.lr_scheduler != "constant":  # absent for constant: older checkpoints stay resumable
+            key.update(lr_scheduler=self.lr_scheduler, warmup_steps=self.warmup_steps)
+        if self.lr_scheduler in ("linear", "cosine"):  # a decay's every value depends on the run's length
+            key["schedule_steps"] = self.steps
         key["model"] = str(self.model)
         key["targets"] = self.targets if isinstance(self.targets, str) else ",".join(self.targets)
+        if self.adapter == "lokr":  # absent for LoRA, as before LoKr existed
+            key.update(adapter=self.adapter, lokr_factor=self.lokr_factor)
         # Caption settings only when set, so that checkpoints from before they existed still resume.
         if self.trigger is not None:
             key["trigger"] = self.trigger
@@ -190,10 +203,34 @@ class TrainSettings:
             key["caption_dropout"] = self.caption_dropout
         return key
 
+    @property
+    def resolutions(self) -> tuple[int, ...]:
+        """The training sizes, as a tuple (one or several)."""
+        return (self.resolution,) if isinstance(self.resolution, int) else tuple(self.resolution)
+
     def record(self) -> dict:
         """Every setting, JSON-able (train.json)."""
         d = dataclasses.asdict(self)
         return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
+
+
+def parse_resolutions(value) -> int | tuple[int, ...]:
+    """One size (an int) or several (a tuple), from an int, "512,768,1024" or a list; each a multiple
+    of 16 in [64, 4096], none repeated."""
+    parts = value.split(",") if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else [value]
+    sizes = []
+    for v in parts:
+        if isinstance(v, str) and v.strip().isdigit():
+            v = int(v.strip())
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 64 <= v <= 4096 or v % SIZE_MULTIPLE:
+            raise FluxKleinError(
+                f"resolution must be whole numbers in [64, 4096], each a multiple of {SIZE_MULTIPLE} "
+                f"(e.g. 512,768,1024), not {v!r}"
+            )
+        sizes.append(int(v))
+    if not sizes or len(set(sizes)) != len(sizes):
+        raise FluxKleinError(f"resolution must list each size once (e.g. 512,768,1024), not {value!r}")
+    return sizes[0] if len(sizes) == 1 else tuple(sizes)
 
 
 def _whole(s: TrainSettings, name: str, low: int, high: int) -> None:

@@ -28,8 +28,9 @@ Sigma sampling (`timesteps`):
 
 Optimizer: AdamW with torch's semantics (bias correction, decoupled weight decay 1e-4 as diffusers,
 eps 1e-8), gradients averaged over `grad_accum` micro-batches and clipped to a global norm of 1.0,
-constant learning rate. Every random number (data order, sigmas, noise, adapter init) comes from one
-numpy generator seeded with `seed`, whose state each checkpoint stores: a resumed run is bit-exact.
+at the learning rate of `lr_scheduler` (diffusers' schedules, train/schedule.py). Every random
+number (data order, sigmas, noise, adapter init) comes from one numpy generator seeded with `seed`,
+whose state each checkpoint stores: a resumed run is bit-exact.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ from ..models.rope import image_ids, text_ids
 from ..models.text_encoder import encode_prompts
 from ..models.tokenizer import load_tokenizer
 from .data import bucket_counts, dropped_captions, epoch_batches, load_pixels, scan_data
+from .memory import MemoryPlanned, check_memory
+from .schedule import lr_at_step
 from .settings import DEFAULT_MODEL, TrainSettings
 from .state import (
     acquire_lock, average_window, check_not_locked, check_work_dir, lora_file_shapes, moving_average, read_checkpoint,
@@ -193,6 +196,7 @@ class RunPlan:
     items: list
     resume_from: Path | None
     sample_info: object = None  # loading.ModelInfo of the sample model (None: no samples)
+    memory: MemoryPlanned | None = None
 
 
 def _check_model(s: TrainSettings):
@@ -252,12 +256,12 @@ def plan_run(settings: TrainSettings) -> RunPlan:
     else:
         shapes = lora_file_shapes(slots, s.rank)
     resume = resume_point(s.work_dir, s.resume, s.steps, run_key(s, info), data_key(items), shapes, len(items))
-    return RunPlan(s, info, slots, items, resume, sample_info)
+    return RunPlan(s, info, slots, items, resume, sample_info, check_memory(s, info, slots))
 
 
 def train_lora(model=None, data=None, output=None, **settings) -> Iterator:
-    """Train a LoRA; returns a generator of events (`TrainStarted`, `StageFinished`, `StepFinished`,
-    `CheckpointSaved`, `SamplesSaved`, `TrainFinished`). The keyword arguments are the fields of
+    """Train a LoRA; returns a generator of events (`MemoryPlanned`, `TrainStarted`, `StageFinished`,
+    `StepFinished`, `CheckpointSaved`, `SamplesSaved`, `TrainFinished`). The keyword arguments are the fields of
     `TrainSettings`. Every setting, the model files, the output path and every image are checked
     here, before the generator is returned (FluxKleinError, one line); nothing is written until the
     first event is asked for.
@@ -304,6 +308,8 @@ class Trainer:
         s, wd = self.s, self.s.work_dir
         remove_temporaries(wd)
         write_json(wd / "train.json", self.record())
+        if self.plan.memory is not None:
+            yield self.plan.memory  # before any model loads
         yield self.caption_plan()
         yield self.cache_captions()
         if self.sampler is not None:  # its text encoder runs while no training model is resident
@@ -318,8 +324,9 @@ class Trainer:
             self.restore(self.plan.resume_from)
         if self.sampler is not None:
             yield self.sampler.baseline()  # no LoRA: what each sample is compared with
+        images = len({it.stem for it in self.items})  # several resolutions: one item per image and size
         layers = len({sl.layer for sl in self.lora.slots})
-        yield TrainStarted(s.steps, self.step_no + 1, self.plan.resume_from, len(self.items), bucket_counts(self.items),
+        yield TrainStarted(s.steps, self.step_no + 1, self.plan.resume_from, images, bucket_counts(self.items),
                            self.lora.count, self.lora.num_parameters, wd, layers)  # fmt: skip
         while self.step_no < s.steps:
             yield self.train_step()
@@ -461,6 +468,8 @@ class Trainer:
             total += loss.item()
         if s.grad_accum > 1:
             grads = tree_map(lambda g: g / s.grad_accum, grads)
+        lr = self.lr_of(self.step_no + 1)
+        self.optimizer.learning_rate = lr  # the schedule's value for this step (train/schedule.py)
         norm = optimizer_step(self.optimizer, self.model, grads, s.max_grad_norm)
         mx.eval(self.model.trainable_parameters(), self.optimizer.state, norm)
         self.step_no += 1
@@ -473,8 +482,17 @@ class Trainer:
         self.trained_peak = max(self.trained_peak, mx.get_peak_memory())
         window = average_window(s.steps)
         average = moving_average(self.losses[-window:], window)[-1]  # the plot's number for this step
-        return StepFinished(self.step_no, s.steps, loss, time.perf_counter() - t0, s.lr, norm.item(), mx.get_peak_memory(),
+        return StepFinished(self.step_no, s.steps, loss, time.perf_counter() - t0, lr, norm.item(), mx.get_peak_memory(),
                             average)  # fmt: skip
+
+    def lr_of(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (1-based) under --lr-scheduler / --warmup-steps."""
+        s = self.s
+        return lr_at_step(s.lr_scheduler, s.lr, step, s.warmup_steps, s.steps)
+
+    def lrs(self) -> list[float]:
+        """The learning rate of every step done (for loss.png)."""
+        return [self.lr_of(k) for k in range(1, len(self.losses) + 1)]
 
     # ---- checkpoints, samples, the end ----------------------------------------------------------
 
@@ -494,8 +512,7 @@ class Trainer:
 
     def plot_loss(self) -> None:
         """loss.png: every step's loss since step 1 (a resume continues the list), the lr beside it."""
-        lrs = [self.s.lr] * len(self.losses)  # constant
-        write_loss_plot(self.s.work_dir / "loss.png", self.losses, average_window(self.s.steps), lrs)
+        write_loss_plot(self.s.work_dir / "loss.png", self.losses, average_window(self.s.steps), self.lrs())
 
     def restore(self, folder: Path) -> None:
         """Continue exactly where `folder` left off: adapters, AdamW moments, data order, RNG."""
