@@ -33,7 +33,8 @@ from PIL import Image
 from .embedding_cache import DEFAULT_MAX_BYTES, EmbeddingCache, cached_embeddings, open_cache, prompt_keys
 from .errors import FluxKleinError
 from .inputs import PreparedInputs, RunSettings, is_int, prepare_inputs
-from .loading import COMPONENTS, ModelInfo, as_dtype, check_weights, describe, dtype_name, load_component
+from .loading import COMPONENTS, ModelInfo, as_dtype, check_for_loading, check_weights, describe, dtype_name
+from .loading import load_component
 from .loading import read_component
 from .lora.apply import apply_loras, load_loras
 from .output import LatentPreview, image_metadata, preview_for
@@ -532,23 +533,13 @@ def load(
     dt, plan = as_dtype(dtype), MemoryPlan.of(low_memory)
     prompt_cache = open_cache(cache, cache_size)
     info = describe(model, vae=vae)
-    if info.format == "bfl":
-        raise FluxKleinError(
-            f"{info.path} is a single weight file; convert it into a model folder first: "
-            f"python -m flux_klein_mlx convert --model {info.path} --output DIR"
-        )
-    stored = next((r for r in info.quantization.values() if r), None)
-    if stored and quantize is not None and quantize != stored["bits"]:
-        raise FluxKleinError(
-            f"{info.path} is already quantized to {stored['bits']} bits; leave --quantize out, or quantize the "
-            f"unquantized folder to {quantize} bits"
-        )
+    check_for_loading(info, quantize)
     # Every weight file's header, keys and shapes, before any model runs; the text encoder's just before
     # it first loads (it is the first model to run), so that a run whose prompts are cached never opens them.
     check_weights(info, ("transformer", "vae"))
     parsed = load_loras(loras, info.params, lora_partial)  # every LoRA checked before any model loads
     loaders = {n: (lambda n=n: load_component(info, n, dt, quantize, group_size)) for n in COMPONENTS}
     loaders["tokenizer"] = lambda: load_tokenizer(info.tokenizer)
-    quantization = stored or ({"bits": quantize, "group_size": group_size} if quantize else None)
+    quantization = info.stored_quantization or ({"bits": quantize, "group_size": group_size} if quantize else None)
     return FluxKleinPipeline(loaders, info, dtype=dt, low_memory=plan, quantization=quantization, loras=parsed,
                              cache=prompt_cache, check_files=lambda: check_weights(info, ("text_encoder",)))  # fmt: skip

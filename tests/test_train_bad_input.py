@@ -186,6 +186,20 @@ def test_kv_model_refused_and_distilled_model_warned(capsys, snap, tmp_path, no_
         plan_run(TrainSettings(model=distilled, data=data, output=tmp_path / "o.safetensors", resolution=64))
 
 
+def test_train_and_load_refuse_a_single_file_in_the_same_words(snap, tmp_path, no_models):
+    """The model refusals have one home (loading.check_for_loading): `train` says what `load()` says."""
+    from tiny_model import write_bfl_transformer
+
+    bfl = write_bfl_transformer(linked_snapshot(snap, tmp_path / "snap"))
+    data = make_images(tmp_path / "data")
+    with pytest.raises(FluxKleinError) as trained:
+        plan_run(TrainSettings(model=bfl, data=data, output=tmp_path / "o.safetensors", resolution=64))
+    with pytest.raises(FluxKleinError) as loaded:
+        flux_klein_mlx.load(bfl)
+    assert str(trained.value) == str(loaded.value)
+    assert "single weight file; convert it into a model folder first" in str(trained.value)
+
+
 def test_python_api_refuses_alike_before_anything_runs(snap, tmp_path, no_models):
     data = make_images(tmp_path / "data", captions=False)
     out = tmp_path / "o.safetensors"

@@ -38,7 +38,6 @@ import math
 import platform
 import secrets
 import time
-import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -52,7 +51,7 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
 from .. import __version__
 from ..errors import FluxKleinError
-from ..loading import as_dtype, check_weights, describe, load_component
+from ..loading import as_dtype, check_for_training, describe, load_component
 from .adapters import attach_lora, parse_targets, write_lora_file
 from ..output import check_output_file, write_exclusive
 from ..models.rope import image_ids, text_ids
@@ -192,23 +191,7 @@ class RunPlan:
 
 def _check_model(s: TrainSettings):
     info = describe(s.model)
-    if info.reference_kv:
-        raise FluxKleinError(
-            f"{info.name} caches reference keys/values and cannot be trained; train on "
-            "black-forest-labs/FLUX.2-klein-base-9B and use the LoRA with the KV model"
-        )
-    if info.format == "bfl":
-        raise FluxKleinError(f"{info.path} is a single weight file; convert it into a model folder first (convert --model ...)")
-    stored = next((r for r in info.quantization.values() if r), None)
-    if stored and s.quantize is not None and s.quantize != stored["bits"]:
-        raise FluxKleinError(f"{info.path} is already quantized to {stored['bits']} bits; leave --quantize out")
-    check_weights(info)
-    if info.is_distilled:
-        size = {"klein-4b": "4B", "klein-9b": "9B"}.get(info.variant, "4B")
-        warnings.warn(
-            f"{info.name} is a distilled model: training a LoRA on it is not recommended (it breaks the "
-            f"distillation); train on the Base model black-forest-labs/FLUX.2-klein-base-{size} instead"
-        )
+    check_for_training(info, s.quantize)
     return info
 
 
