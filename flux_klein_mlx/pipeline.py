@@ -42,7 +42,7 @@ from .models.quantize import check_quantization
 from .readahead import Prefetch
 from .models.rope import image_ids, text_ids
 from .sampling import blend, cfg, euler_step, initial_noise, model_timestep, pack_latents, scale_noise, schedule
-from .sampling import x0_estimate
+from .sampling import reference_time, x0_estimate
 from .models.text_encoder import encode_prompts
 from .models.tokenizer import load_tokenizer
 
@@ -309,14 +309,14 @@ class FluxKleinPipeline:
     def encode_images(self, pixels: list[np.ndarray], key: str, what: str) -> tuple[mx.array, mx.array]:
         """VAE-encode images (each (H, W, 3) in [-1, 1]) -> tokens (1, sum h_k*w_k, 128) and RoPE ids.
 
-        Image k gets time coordinate 10 (k + 1). Results are kept by `key` (the pixels' content hashes),
-        so the images of a batch are encoded once.
+        Image k gets time coordinate `reference_time(k)` = 10 (k + 1). Results are kept by `key` (the
+        pixels' content hashes), so the images of a batch are encoded once.
         """
         cache_key = (key, str(self.dtype))
         if cache_key not in self._image_sets:
             vae = self.component("vae")
             tokens = [vae.encode_to_tokens(mx.array(p)[None].astype(self.dtype)) for p in pixels]  # (1, H/16*W/16, 128)
-            ids = [image_ids(p.shape[0] // 16, p.shape[1] // 16, t=10 * (k + 1)) for k, p in enumerate(pixels)]
+            ids = [image_ids(p.shape[0] // 16, p.shape[1] // 16, t=reference_time(k)) for k, p in enumerate(pixels)]
             out = mx.concatenate(tokens, axis=1), mx.concatenate(ids, axis=0)
             mx.eval(out)
             self._check_finite(out[0], f"the VAE encoding of {what}")

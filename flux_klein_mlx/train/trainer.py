@@ -55,6 +55,7 @@ from ..loading import as_dtype, check_for_training, describe, load_component
 from .adapters import attach_lora, parse_targets, write_lora_file
 from ..output import check_output_file, write_exclusive
 from ..models.rope import image_ids, text_ids
+from ..sampling import reference_time, scale_noise
 from ..models.text_encoder import encode_prompts
 from ..models.tokenizer import load_tokenizer
 from .data import bucket_counts, epoch_batches, load_pixels, scan_data
@@ -155,7 +156,7 @@ def flow_loss(model, x0, noise, sigma, ctx, rope, refs=None, checkpoint: bool = 
     """
     dtype = model.dtype
     s = sigma.astype(mx.float32)[:, None, None]
-    xt = (1.0 - s) * x0.astype(mx.float32) + s * noise.astype(mx.float32)  # (B, L, C)
+    xt = scale_noise(x0, noise, s)  # (B, L, C) float32
     x_in = xt.astype(dtype) if refs is None else mx.concatenate([xt.astype(dtype), refs.astype(dtype)], axis=1)
     t = sigma.astype(dtype)  # the transformer sees sigma rounded to the activation dtype
     pred = model.forward_with_rope(x_in, ctx, t, rope, checkpoint=checkpoint)[:, : x0.shape[1]]
@@ -375,7 +376,7 @@ class Trainer:
         key = (it.bucket, n_refs)
         if key not in self.ropes:
             W, H = it.bucket
-            ids = [image_ids(H // 16, W // 16)] + [image_ids(H // 16, W // 16, t=10 * (k + 1)) for k in range(n_refs)]
+            ids = [image_ids(H // 16, W // 16)] + [image_ids(H // 16, W // 16, t=reference_time(k)) for k in range(n_refs)]
             self.ropes[key] = self.model.compute_rope(text_ids(512), mx.concatenate(ids, axis=0))
         return self.ropes[key]
 
