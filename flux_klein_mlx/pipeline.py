@@ -33,7 +33,7 @@ from PIL import Image
 from .embedding_cache import DEFAULT_MAX_BYTES, EmbeddingCache, cached_embeddings, open_cache, prompt_keys
 from .errors import FluxKleinError
 from .inputs import PreparedInputs, RunSettings, is_int, prepare_inputs
-from .loading import COMPONENTS, ModelInfo, as_dtype, check_for_loading, check_weights, describe, dtype_name
+from .loading import COMPONENTS, DTYPES, ModelInfo, as_dtype, check_for_loading, check_weights, describe, dtype_name
 from .loading import load_component
 from .loading import read_component
 from .lora.apply import apply_loras, load_loras
@@ -483,7 +483,7 @@ def _check_load_options(model, vae, dtype, quantize, group_size) -> None:
         if not isinstance(value, (str, os.PathLike)) or not str(value):
             raise FluxKleinError(f"{what} must be a repo id or a path (str or Path), not {value!r}")
     if not isinstance(dtype, (str, mx.Dtype)):
-        raise FluxKleinError(f"dtype must be one of 'bfloat16', 'float16', 'float32', not {dtype!r}")
+        raise FluxKleinError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     for what, value, choices in (("quantize", quantize, "4, 8 or None"), ("group_size", group_size, "32, 64 or 128")):
         if value is not None and not is_int(value):
             raise FluxKleinError(f"{what} must be a whole number ({choices}), not {value!r}")

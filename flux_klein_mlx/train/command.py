@@ -12,6 +12,7 @@ import time
 import click
 
 from ..cli import run_command
+from ..loading import DTYPES
 from .trainer import CheckpointSaved, SamplesSaved, StageFinished, StepFinished, TrainFinished, TrainStarted, train_lora
 from .settings import DEFAULT_MODEL, TIMESTEPS, TrainSettings
 
@@ -100,7 +101,7 @@ def describe_event(ev) -> str | None:
 @click.option("--seed", type=int, default=_D.seed, show_default=True)
 @click.option("--weight-decay", type=float, default=_D.weight_decay, show_default=True)
 @click.option("--max-grad-norm", type=float, default=_D.max_grad_norm, show_default=True)
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=_D.dtype, show_default=True)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=_D.dtype, show_default=True)
 @click.option("--quantize", "-q", type=click.Choice(["4", "8"]), default=None, help="Quantize the frozen model (QLoRA).")
 @click.option("--low-memory", is_flag=True, help="Gradient checkpointing per block: much less memory, 1.2-1.5x the time per step.")
 @click.option("--save-every", type=int, default=_D.save_every, show_default=True, help="Checkpoint every N steps.")
