@@ -1,25 +1,34 @@
 """Every setting of a LoRA training run, with its default, checked once before anything runs.
 
 `TrainSettings` is what `train_lora(...)` takes as keyword arguments and what the `train` command
-fills from its options; `check()` refuses bad values with one line each and fills the derived
-defaults (alpha = rank, the work folder next to the output). `run_key()` is the subset that decides
-the numbers a run computes: a checkpoint may only be resumed under the same run key.
+fills from its options; `check()` refuses bad values with one line each (the checkers of
+`inputs.RunSettings`) and returns a copy with the derived defaults filled (alpha = rank, the work
+folder next to the output). `run_key()` is the subset that decides the numbers a run computes: a
+checkpoint may only be resumed under the same run key.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FluxKleinError
+from ..inputs import check_choice, check_number, check_whole, is_int
 from ..loading import DTYPES
 from ..models.quantize import check_quantization
 
 TIMESTEPS = ("shift", "logit-normal", "uniform")
 DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-base-4B"
+# (setting, low, high) of the whole-number settings, checked in this order
+WHOLE = (
+    ("rank", 1, 1024), ("steps", 1, 10_000_000), ("batch_size", 1, 1024), ("grad_accum", 1, 1024),
+    ("resolution", 64, 4096), ("group_size", 1, 1024), ("keep_checkpoints", 1, 1_000_000),
+    ("sample_seed", -(2**63), 2**64), ("seed", 0, 2**63 - 1),
+)  # fmt: skip
+# (setting, low, high, low excluded) of the real-number settings, checked after the whole numbers
+NUMBERS = (("lr", 0.0, 1.0, True), ("weight_decay", 0.0, 1.0, False), ("max_grad_norm", 0.0, 1e6, True),
+           ("alpha", 0.0, 1e6, True))  # fmt: skip
 
 
 @dataclass
@@ -57,53 +66,52 @@ class TrainSettings:
     sample_seed: int = 0
 
     def check(self) -> "TrainSettings":
-        """Types and ranges of every setting (FluxKleinError, one line); fills derived defaults."""
-        _whole(self, "rank", 1, 1024)
-        _whole(self, "steps", 1, 10_000_000)
-        _whole(self, "batch_size", 1, 1024)
-        _whole(self, "grad_accum", 1, 1024)
-        _whole(self, "resolution", 64, 4096)
-        _whole(self, "group_size", 1, 1024)
-        _whole(self, "keep_checkpoints", 1, 1_000_000)
-        _whole(self, "sample_seed", -(2**63), 2**64)
-        _whole(self, "seed", 0, 2**63 - 1)
+        """Types and ranges of every setting (FluxKleinError, one line), checked with the same checkers as
+        `RunSettings` and without changing this object; returns a copy with the derived defaults filled
+        (alpha = rank, the work folder next to the output) and every value in its canonical type."""
+        for name, low, high in WHOLE:
+            check_whole(_label(name), getattr(self, name), low, high)
         for name in ("save_every", "sample_every", "sample_steps"):
             if getattr(self, name) is not None:
-                _whole(self, name, 1, 10_000_000)
-        _number(self, "lr", 0.0, 1.0, open_low=True)
-        _number(self, "weight_decay", 0.0, 1.0)
-        _number(self, "max_grad_norm", 0.0, 1e6, open_low=True)
-        if self.alpha is None:
-            self.alpha = float(self.rank)
-        _number(self, "alpha", 0.0, 1e6, open_low=True)
-        if self.timesteps not in TIMESTEPS:
-            raise FluxKleinError(f"timesteps must be one of {', '.join(TIMESTEPS)}, not {self.timesteps!r}")
-        if self.dtype not in DTYPES:
-            raise FluxKleinError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+                check_whole(_label(name), getattr(self, name), 1, 10_000_000)
+        for name, low, high, open_low in NUMBERS:
+            if name != "alpha" or self.alpha is not None:  # no alpha: rank's, which is valid
+                check_number(_label(name), getattr(self, name), low, high, open_low)
+        check_choice("timesteps", self.timesteps, TIMESTEPS)
+        check_choice("dtype", self.dtype, DTYPES)
         if self.quantize is not None:
-            if isinstance(self.quantize, bool) or not isinstance(self.quantize, numbers.Integral):
+            if not is_int(self.quantize):
                 raise FluxKleinError(f"quantize must be 4, 8 or None, not {self.quantize!r}")
             check_quantization(int(self.quantize), int(self.group_size))
-        self._check_paths_and_text()
-        return self
+        prompts = _prompts(self.sample_prompts)  # listed once: a one-shot iterable stays usable
+        self._check_paths_and_text(prompts)
+        return self._resolved(prompts)
 
-    def _check_paths_and_text(self) -> None:
+    def _check_paths_and_text(self, prompts: list) -> None:
         if not str(self.data):
             raise FluxKleinError("no --data folder given; point it at a folder of images with .txt captions")
-        out = Path(self.output).expanduser() if str(self.output) else None
-        if out is None or out.suffix.lower() != ".safetensors":
+        if not str(self.output) or Path(self.output).suffix.lower() != ".safetensors":
             raise FluxKleinError(f"--output must be a .safetensors file name, not {str(self.output)!r}")
-        self.output = out
-        self.work_dir = Path(self.work_dir).expanduser() if self.work_dir else out.with_name(out.stem + ".train")
-        self.controls = tuple(str(c) for c in ([self.controls] if isinstance(self.controls, (str, Path)) else self.controls))
-        prompts = [self.sample_prompts] if isinstance(self.sample_prompts, str) else list(self.sample_prompts)
         if any(not isinstance(p, str) or not p.strip() for p in prompts):
             raise FluxKleinError("each --sample-prompt must be a non-empty text")
-        self.sample_prompts = tuple(prompts)
         if self.sample_every is not None and not prompts:
             raise FluxKleinError("--sample-every needs at least one --sample-prompt")
         if self.caption is not None and (not isinstance(self.caption, str) or not self.caption.strip()):
             raise FluxKleinError("--caption must be a non-empty text (e.g. a trigger word)")
+
+    def _resolved(self, prompts: list) -> "TrainSettings":
+        """A copy of checked settings with the derived defaults and canonical types (floats, paths, tuples)."""
+        out = Path(self.output).expanduser()
+        controls = [self.controls] if isinstance(self.controls, (str, Path)) else self.controls
+        return dataclasses.replace(
+            self,
+            **{name: float(getattr(self, name)) for name, *_ in NUMBERS if name != "alpha"},
+            alpha=float(self.rank if self.alpha is None else self.alpha),
+            output=out,
+            work_dir=Path(self.work_dir).expanduser() if self.work_dir else out.with_name(out.stem + ".train"),
+            controls=tuple(str(c) for c in controls),
+            sample_prompts=tuple(prompts),
+        )
 
     def run_key(self) -> dict:
         """The settings that decide what a step computes (resume needs them equal)."""
@@ -120,20 +128,14 @@ class TrainSettings:
         return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
 
 
-def _whole(s: TrainSettings, name: str, low: int, high: int) -> None:
-    v = getattr(s, name)
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not low <= v <= high:
-        raise FluxKleinError(f"{name.replace('_', '-')} must be a whole number in [{low}, {high}], not {v!r}")
+def _label(name: str) -> str:
+    """A setting as its option is spelled in messages: batch_size -> batch-size."""
+    return name.replace("_", "-")
 
 
-def _number(s: TrainSettings, name: str, low: float, high: float, open_low: bool = False) -> None:
-    v = getattr(s, name)
-    ok = not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v)
-    ok = ok and (low < v if open_low else low <= v) and v <= high
-    if not ok:
-        bound = f"({low}, {high}]" if open_low else f"[{low}, {high}]"
-        raise FluxKleinError(f"{name.replace('_', '-')} must be a number in {bound}, not {v!r}")
-    setattr(s, name, float(v))
+def _prompts(prompts) -> list:
+    """`sample_prompts` as a list: one text, or a sequence of them."""
+    return [prompts] if isinstance(prompts, str) else list(prompts)
 
 
 def differences(old: dict, new: dict) -> list[str]:
