@@ -14,7 +14,7 @@ import click
 from ..cli import run_command
 from ..loading import DTYPES
 from .trainer import CheckpointSaved, SamplesSaved, StageFinished, StepFinished, TrainFinished, TrainStarted, train_lora
-from .settings import DEFAULT_MODEL, TIMESTEPS, TrainSettings
+from .settings import DEFAULT_BASE_MODEL, TIMESTEPS, TrainSettings
 
 _D = TrainSettings()  # the defaults, shown in --help
 
@@ -82,7 +82,7 @@ def describe_event(ev) -> str | None:
 @click.command("train")
 @click.option("--data", "-d", required=True, help="Folder of images (.png .jpg .jpeg .webp), each with a <name>.txt caption.")
 @click.option("--output", "-o", required=True, help="The LoRA file to write (.safetensors, diffusers format); never overwritten.")
-@click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help="A klein Base repo id or folder.")
+@click.option("--model", "-m", default=DEFAULT_BASE_MODEL, show_default=True, help="A klein Base repo id or folder.")
 @click.option("--caption", default=None, help="Caption of images without a .txt (e.g. a trigger word).")
 @click.option("--control", "controls", multiple=True,
               help="Edit LoRAs: folder of reference images, same names as --data; repeat for more references.")

@@ -19,7 +19,8 @@ from ..loading import DTYPES
 from ..models.quantize import check_quantization
 
 TIMESTEPS = ("shift", "logit-normal", "uniform")
-DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-base-4B"
+# The model `train` starts from: a Base model (generation's default, pipeline.DEFAULT_MODEL, is distilled).
+DEFAULT_BASE_MODEL = "black-forest-labs/FLUX.2-klein-base-4B"
 # (setting, low, high) of the whole-number settings, checked in this order
 WHOLE = (
     ("rank", 1, 1024), ("steps", 1, 10_000_000), ("batch_size", 1, 1024), ("grad_accum", 1, 1024),
@@ -37,7 +38,7 @@ class TrainSettings:
 
     data: str | Path = ""  # folder of images + .txt captions
     output: str | Path = ""  # the LoRA file to write (.safetensors); never overwritten
-    model: str | Path = DEFAULT_MODEL
+    model: str | Path = DEFAULT_BASE_MODEL
     caption: str | None = None  # caption of images without a .txt
     controls: tuple = ()  # control folders (edit LoRAs), in reference order
     rank: int = 16
