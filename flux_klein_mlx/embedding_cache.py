@@ -51,7 +51,7 @@ from . import __version__
 from .errors import FluxKleinError
 from .files import is_temporary_file, write_replacing
 from .models.tokenizer import MAX_LENGTH, chat_template_source
-from .weights import safetensors_header_bytes
+from .weights import SAFETENSORS_DTYPES, safetensors_header_bytes
 
 DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB: ~130 klein-4B prompts in bf16 (7.9 MB each), ~80 for klein-9B
 ENTRY_FORMAT = "flux_klein_mlx.embeddings"
@@ -61,9 +61,9 @@ HEADERS_FILE = "headers.json"  # stat identity -> header digest of the encoder's
 MAX_REMEMBERED_HEADERS = 256
 STALE_TEMP_SECONDS = 3600  # a temporary file this old belongs to a writer that died
 
-# dtype <-> safetensors name, and the unsigned integer of the same width that carries its bits.
-_DTYPES = {mx.float32: "F32", mx.bfloat16: "BF16", mx.float16: "F16"}
-_BY_NAME = {v: k for k, v in _DTYPES.items()}
+# safetensors name -> dtype of the embeddings an entry may hold, and the unsigned integer of the same
+# width that carries their bits.
+_BY_NAME = {SAFETENSORS_DTYPES[d]: d for d in (mx.float32, mx.bfloat16, mx.float16)}
 _CARRIER = {2: (mx.uint16, np.uint16), 4: (mx.uint32, np.uint32)}
 
 
@@ -267,14 +267,14 @@ class EmbeddingCache:
 def encode_entry(embeddings: mx.array, key: str) -> list[bytes]:
     """(header, data) of an entry: safetensors layout, one tensor "embeddings", the key and a
     blake2b digest of the data in `__metadata__` (so any safetensors reader can open it)."""
-    if embeddings.dtype not in _DTYPES:
+    if embeddings.dtype not in _BY_NAME.values():
         raise TypeError(f"embeddings must be float32, bfloat16 or float16, not {embeddings.dtype}")
     mx.eval(embeddings)
     data = np.ascontiguousarray(np.asarray(embeddings.view(_CARRIER[embeddings.dtype.size][0]))).tobytes()
     digest = hashlib.blake2b(data, digest_size=16).hexdigest()
     header = {
         "__metadata__": {"format": ENTRY_FORMAT, "key": key, "blake2b": digest},
-        "embeddings": {"dtype": _DTYPES[embeddings.dtype], "shape": list(embeddings.shape), "data_offsets": [0, len(data)]},
+        "embeddings": {"dtype": SAFETENSORS_DTYPES[embeddings.dtype], "shape": list(embeddings.shape), "data_offsets": [0, len(data)]},
     }
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned

@@ -12,6 +12,7 @@ import click
 from .cli import run_command, vae_and_cache_options
 from .embedding_cache import parse_size
 from .inputs import RunSettings, check_prompt_given, prepare_inputs
+from .loading import DTYPES
 from .lora.apply import pair_scales
 from .files import check_output_file, numbered_name, write_exclusive
 from .output import image_format, save_image
@@ -68,7 +69,7 @@ def summary(st, seed, index: int, count: int) -> str:
               help="Images to make; seeds count up from --seed.")
 @click.option("--quantize", "-q", type=click.Choice(["4", "8"]), default=None,
               help="Quantize transformer and text encoder at load (not needed for a quantized folder).")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="bfloat16", show_default=True)
 @click.option("--low-memory", is_flag=True, help="Release the transformer before decoding and decode in tiles (for small-memory Macs).")
 @click.option("--output", "-o", default="image.png", show_default=True,
               help="A .png, .jpg or .webp path; an existing file is kept and the next free number used.")

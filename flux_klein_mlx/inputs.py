@@ -27,7 +27,7 @@ import random
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -102,13 +102,12 @@ class RunSettings:
         if self.width is not None or self.height is not None:
             check_image_size(DEFAULT_SIZE if self.width is None else self.width,
                              DEFAULT_SIZE if self.height is None else self.height)  # fmt: skip
-        if self.steps is not None and (not is_int(self.steps) or self.steps < 1):
-            raise FluxKleinError(f"steps must be a whole number of at least 1, not {self.steps!r}")
-        g = self.guidance
-        if g is not None and (isinstance(g, bool) or not isinstance(g, numbers.Real) or not math.isfinite(g) or g < 0):
-            raise FluxKleinError(f"guidance must be a finite number >= 0 (e.g. 4.0; at most 1 turns CFG off), not {g!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise FluxKleinError(f"seed must be a whole number, not {self.seed!r}")
+        if self.steps is not None:
+            check_whole("steps", self.steps, 1)
+        if self.guidance is not None:
+            check_number("guidance", self.guidance, 0, hint=" (e.g. 4.0; at most 1 turns CFG off)")
+        if self.seed is not None:
+            check_whole("seed", self.seed)
         if self.output_type not in ("pil", "np"):
             raise FluxKleinError(f"output_type must be 'pil' or 'np', not {self.output_type!r}")
         check_noise_kind(self.noise)
@@ -120,8 +119,41 @@ class RunSettings:
         return self
 
 
+# --- the checkers of settings (RunSettings here, TrainSettings in train/settings.py) -------------------
+# Each refuses one value with one line (FluxKleinError) and changes nothing.
+
+
 def is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def check_whole(name: str, value, low: int | None = None, high: int | None = None) -> None:
+    """A whole number (not a bool) in [low, high]; either bound may be left out."""
+    if is_int(value) and (low is None or low <= value) and (high is None or value <= high):
+        return
+    if low is not None and high is not None:
+        raise FluxKleinError(f"{name} must be a whole number in [{low}, {high}], not {value!r}")
+    if low is not None:
+        raise FluxKleinError(f"{name} must be a whole number of at least {low}, not {value!r}")
+    raise FluxKleinError(f"{name} must be a whole number, not {value!r}")
+
+
+def check_number(name: str, value, low: float, high: float | None = None, open_low: bool = False, hint: str = "") -> None:
+    """A finite real number (not a bool) from `low` (excluded if `open_low`) to `high` (no bound if None)."""
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+    ok = ok and (low < value if open_low else low <= value) and (high is None or value <= high)
+    if ok:
+        return
+    if high is None:
+        raise FluxKleinError(f"{name} must be a finite number {'>' if open_low else '>='} {low}{hint}, not {value!r}")
+    bound = f"({low}, {high}]" if open_low else f"[{low}, {high}]"
+    raise FluxKleinError(f"{name} must be a number in {bound}{hint}, not {value!r}")
+
+
+def check_choice(name: str, value, choices) -> None:
+    """One of `choices` (named in the message in their order)."""
+    if not isinstance(value, Hashable) or value not in choices:  # a list is no choice (nor a key of a dict)
+        raise FluxKleinError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
 
 
 def check_prompt_given(prompt) -> None:

@@ -8,7 +8,8 @@ quantize, benchmark) goes through them:
 
 `describe` resolves a repo id / folder / file, classifies it (diffusers snapshot, BFL single-file
 transformer with a base snapshot, or a folder written by `convert`), refuses FLUX.1 / FLUX.2-dev,
-and checks that the three components fit together. `load_component` is config -> module ->
+and checks that the three components fit together. What a described model may be used for is
+decided here too, worded once: `check_for_loading` (`load()` and `train`) and `check_for_training`. `load_component` is config -> module ->
 sanitize -> quantization record -> strict load. Model files only build modules and sanitize
 names; all reading happens here and in `weights.py`.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,6 +96,11 @@ class ModelInfo:
     def variant(self) -> str:
         """"klein-4b", "klein-9b" or "other" (a custom size), from the transformer's shapes."""
         return self.params.variant
+
+    @property
+    def stored_quantization(self) -> dict | None:
+        """The quantization record a converted folder was written with (the first quantized component's), or None."""
+        return next((r for r in self.quantization.values() if r), None)
 
     @property
     def in_channels(self) -> int:
@@ -344,6 +351,43 @@ def _vae_files(path: Path) -> tuple[dict | None, list[Path], str]:
     single = folder / "diffusion_pytorch_model.safetensors"
     indexed = any(folder.glob("*.safetensors.index.json"))
     return config, [single] if single.is_file() and not indexed else component_files(folder), str(folder)
+
+
+# --- what a described model may be used for --------------------------------------------------------
+
+
+def check_for_loading(info: ModelInfo, quantize: int | None) -> None:
+    """The refusals every user of a described model shares (`load()` and `train`), before any weight is read."""
+    if info.format == "bfl":
+        raise FluxKleinError(
+            f"{info.path} is a single weight file; convert it into a model folder first: "
+            f"python -m flux_klein_mlx convert --model {info.path} --output DIR"
+        )
+    stored = info.stored_quantization
+    if stored and quantize is not None and quantize != stored["bits"]:
+        raise FluxKleinError(
+            f"{info.path} is already quantized to {stored['bits']} bits; leave --quantize out, or quantize the "
+            f"unquantized folder to {quantize} bits"
+        )
+
+
+def check_for_training(info: ModelInfo, quantize: int | None) -> None:
+    """`train`'s checks of a model: the 9B-KV model is refused, then `check_for_loading` and every weight
+    file (`check_weights`); a distilled model is trained but warned about (its Base model is named)."""
+    if info.reference_kv:
+        raise FluxKleinError(
+            f"{info.name} caches reference keys/values and cannot be trained; train on "
+            "black-forest-labs/FLUX.2-klein-base-9B and use the LoRA with the KV model"
+        )
+    check_for_loading(info, quantize)
+    check_weights(info)
+    if info.is_distilled:
+        size = {"klein-4b": "4B", "klein-9b": "9B"}.get(info.variant, "4B")
+        warnings.warn(
+            f"{info.name} is a distilled model: training a LoRA on it is not recommended (it breaks the "
+            f"distillation); train on the Base model black-forest-labs/FLUX.2-klein-base-{size} instead",
+            stacklevel=2,
+        )
 
 
 # --- load ----------------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ from PIL import Image
 from .embedding_cache import DEFAULT_MAX_BYTES, EmbeddingCache, cached_embeddings, open_cache, prompt_keys
 from .errors import FluxKleinError
 from .inputs import PreparedInputs, RunSettings, is_int, prepare_inputs
-from .loading import COMPONENTS, ModelInfo, as_dtype, check_weights, describe, dtype_name, load_component
+from .loading import COMPONENTS, DTYPES, ModelInfo, as_dtype, check_for_loading, check_weights, describe, dtype_name
+from .loading import load_component
 from .loading import read_component
 from .lora.apply import apply_loras, load_loras
 from .output import LatentPreview, image_metadata, preview_for
@@ -41,7 +42,7 @@ from .models.quantize import check_quantization
 from .readahead import Prefetch
 from .models.rope import image_ids, text_ids
 from .sampling import blend, cfg, euler_step, initial_noise, model_timestep, pack_latents, scale_noise, schedule
-from .sampling import x0_estimate
+from .sampling import reference_time, x0_estimate
 from .models.text_encoder import encode_prompts
 from .models.tokenizer import load_tokenizer
 
@@ -308,14 +309,14 @@ class FluxKleinPipeline:
     def encode_images(self, pixels: list[np.ndarray], key: str, what: str) -> tuple[mx.array, mx.array]:
         """VAE-encode images (each (H, W, 3) in [-1, 1]) -> tokens (1, sum h_k*w_k, 128) and RoPE ids.
 
-        Image k gets time coordinate 10 (k + 1). Results are kept by `key` (the pixels' content hashes),
-        so the images of a batch are encoded once.
+        Image k gets time coordinate `reference_time(k)` = 10 (k + 1). Results are kept by `key` (the
+        pixels' content hashes), so the images of a batch are encoded once.
         """
         cache_key = (key, str(self.dtype))
         if cache_key not in self._image_sets:
             vae = self.component("vae")
             tokens = [vae.encode_to_tokens(mx.array(p)[None].astype(self.dtype)) for p in pixels]  # (1, H/16*W/16, 128)
-            ids = [image_ids(p.shape[0] // 16, p.shape[1] // 16, t=10 * (k + 1)) for k, p in enumerate(pixels)]
+            ids = [image_ids(p.shape[0] // 16, p.shape[1] // 16, t=reference_time(k)) for k, p in enumerate(pixels)]
             out = mx.concatenate(tokens, axis=1), mx.concatenate(ids, axis=0)
             mx.eval(out)
             self._check_finite(out[0], f"the VAE encoding of {what}")
@@ -484,7 +485,7 @@ def _check_load_options(model, vae, dtype, quantize, group_size) -> None:
         if not isinstance(value, (str, os.PathLike)) or not str(value):
             raise FluxKleinError(f"{what} must be a repo id or a path (str or Path), not {value!r}")
     if not isinstance(dtype, (str, mx.Dtype)):
-        raise FluxKleinError(f"dtype must be one of 'bfloat16', 'float16', 'float32', not {dtype!r}")
+        raise FluxKleinError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     for what, value, choices in (("quantize", quantize, "4, 8 or None"), ("group_size", group_size, "32, 64 or 128")):
         if value is not None and not is_int(value):
             raise FluxKleinError(f"{what} must be a whole number ({choices}), not {value!r}")
@@ -534,30 +535,13 @@ def load(
     dt, plan = as_dtype(dtype), MemoryPlan.of(low_memory)
     prompt_cache = open_cache(cache, cache_size)
     info = describe(model, vae=vae)
-    stored = _refuse_unloadable(info, quantize)
+    check_for_loading(info, quantize)
     # Every weight file's header, keys and shapes, before any model runs; the text encoder's just before
     # it first loads (it is the first model to run), so that a run whose prompts are cached never opens them.
     check_weights(info, ("transformer", "vae"))
     parsed = load_loras(loras, info.params, lora_partial)  # every LoRA checked before any model loads
     loaders = {n: (lambda n=n: load_component(info, n, dt, quantize, group_size)) for n in COMPONENTS}
     loaders["tokenizer"] = lambda: load_tokenizer(info.tokenizer)
-    quantization = stored or ({"bits": quantize, "group_size": group_size} if quantize else None)
+    quantization = info.stored_quantization or ({"bits": quantize, "group_size": group_size} if quantize else None)
     return FluxKleinPipeline(loaders, info, dtype=dt, low_memory=plan, quantization=quantization, loras=parsed,
                              cache=prompt_cache, check_files=lambda: check_weights(info, ("text_encoder",)))
-
-
-def _refuse_unloadable(info, quantize: int | None) -> dict | None:
-    """Refuse a model `load()` cannot run as asked (a single BFL file; another quantization than the
-    folder's own); returns the folder's stored quantization record, if any."""
-    if info.format == "bfl":
-        raise FluxKleinError(
-            f"{info.path} is a single weight file; convert it into a model folder first: "
-            f"python -m flux_klein_mlx convert --model {info.path} --output DIR"
-        )
-    stored = next((r for r in info.quantization.values() if r), None)
-    if stored and quantize is not None and quantize != stored["bits"]:
-        raise FluxKleinError(
-            f"{info.path} is already quantized to {stored['bits']} bits; leave --quantize out, or quantize the "
-            f"unquantized folder to {quantize} bits"
-        )
-    return stored

@@ -75,6 +75,12 @@ def start_step(steps: int, strength: float) -> int:
     return t_start
 
 
+def reference_time(k: int) -> int:
+    """The RoPE time coordinate of reference image k (0-based): 10 (k + 1), where BFL and diffusers put
+    it (the target image is at 0), in generation and in training alike."""
+    return 10 * (k + 1)
+
+
 def model_timestep(sigma: float, batch: int, dtype) -> mx.array:
     """The (B,) timestep the transformer sees: sigma*1000 in the activation dtype, then /1000
     (diffusers' path; bf16-coarse, spec 2.3)."""
@@ -99,8 +105,11 @@ def x0_estimate(x: mx.array, v: mx.array, sigma: float) -> mx.array:
     return x - sigma * v
 
 
-def scale_noise(x0: mx.array, noise: mx.array, sigma: float) -> mx.array:
-    """The forward process x = sigma * noise + (1 - sigma) * x0, in float32 (the scheduler's `scale_noise`)."""
+def scale_noise(x0: mx.array, noise: mx.array, sigma: float | mx.array) -> mx.array:
+    """The forward process x = sigma * noise + (1 - sigma) * x0, in float32 (the scheduler's `scale_noise`).
+
+    `sigma` is one number (a run's step), or float32 sigmas that broadcast against x0, e.g. (B, 1, 1)
+    for a training batch (the objective's x_t)."""
     return sigma * noise.astype(mx.float32) + (1.0 - sigma) * x0.astype(mx.float32)
 
 

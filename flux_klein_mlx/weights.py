@@ -175,8 +175,9 @@ def load_into(model, weights: dict[str, mx.array], what: str, dtype=None) -> Non
 
 # --- writing ---------------------------------------------------------------------------------------
 
-# safetensors dtype names; the bytes of every dtype are written through an unsigned view of equal width.
-_ST_DTYPES = {
+# safetensors dtype names (the one table of them: the prompt cache's entries use it too); the bytes of
+# every dtype are written through an unsigned view of equal width.
+SAFETENSORS_DTYPES = {
     mx.bool_: "BOOL", mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16", mx.int16: "I16",
     mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32", mx.int32: "I32", mx.float32: "F32",
     mx.uint64: "U64", mx.int64: "I64",
@@ -210,9 +211,9 @@ def save_safetensors_streaming(
     header: dict = {"__metadata__": dict(metadata or {"format": "mlx"})}
     offset = 0
     for name, a in tensors.items():
-        if a.dtype not in _ST_DTYPES:
+        if a.dtype not in SAFETENSORS_DTYPES:
             raise FluxKleinError(f"cannot store {name}: dtype {a.dtype} has no safetensors equivalent")
-        header[name] = {"dtype": _ST_DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        header[name] = {"dtype": SAFETENSORS_DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned

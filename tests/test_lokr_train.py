@@ -20,12 +20,10 @@ import torch
 from refs import diffusers_pipeline, to_np
 
 import flux_klein_mlx
-from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.loading import describe, load_component
 from flux_klein_mlx.lora.layers import ROLE_LISTS, LoRALinear
 from flux_klein_mlx.train.adapters import LoKrShape, add_lokr_term, attach_lokr, factorization, parse_targets, write_lora_file
-from flux_klein_mlx.train.trainer import StepFinished, plan_run
-from flux_klein_mlx.train.settings import TrainSettings
+from flux_klein_mlx.train.trainer import StepFinished
 from flux_klein_mlx.train.state import read_checkpoint
 
 CAPTION = "a striped test card"

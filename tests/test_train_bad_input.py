@@ -197,6 +197,32 @@ def test_kv_model_refused_and_distilled_model_warned(capsys, snap, tmp_path, no_
         plan_run(TrainSettings(model=distilled, data=data, output=tmp_path / "o.safetensors", resolution=64))
 
 
+def test_train_and_load_refuse_a_single_file_in_the_same_words(snap, tmp_path, no_models):
+    """The model refusals have one home (loading.check_for_loading): `train` says what `load()` says."""
+    from tiny_model import write_bfl_transformer
+
+    bfl = write_bfl_transformer(linked_snapshot(snap, tmp_path / "snap"))
+    data = make_images(tmp_path / "data")
+    with pytest.raises(FluxKleinError) as trained:
+        plan_run(TrainSettings(model=bfl, data=data, output=tmp_path / "o.safetensors", resolution=64))
+    with pytest.raises(FluxKleinError) as loaded:
+        flux_klein_mlx.load(bfl)
+    assert str(trained.value) == str(loaded.value)
+    assert "single weight file; convert it into a model folder first" in str(trained.value)
+
+
+def test_check_changes_nothing_and_returns_the_resolved_copy(tmp_path):
+    """TrainSettings.check, like RunSettings.check, only checks: derived values go into a copy."""
+    s = TrainSettings(data="d", output="~/o.safetensors", rank=8, lr=1, controls="c", sample_prompts="a fox")
+    before = repr(s)
+    c = s.check()
+    assert repr(s) == before and c is not s
+    assert (c.alpha, c.lr, c.controls, c.sample_prompts) == (8.0, 1.0, ("c",), ("a fox",))
+    assert c.output == Path("~/o.safetensors").expanduser() and c.work_dir == c.output.with_name("o.train")
+    with pytest.raises(FluxKleinError, match=r"batch-size must be a whole number in \[1, 1024\], not 0"):
+        TrainSettings(data="d", output="o.safetensors", batch_size=0).check()
+
+
 def test_python_api_refuses_alike_before_anything_runs(snap, tmp_path, no_models):
     data = make_images(tmp_path / "data", captions=False)
     out = tmp_path / "o.safetensors"

@@ -1,9 +1,9 @@
 """4-axis rotary position embedding of the FLUX.2 transformer: position ids and cos/sin tables.
 
 Every token carries 4 integer coordinates (t, y, x, l): text token j is (0, 0, 0, j), a target latent
-at row y, column x is (0, y, x, 0), the k-th reference image uses t = 10·(k+1). Each axis owns a
-slice of the head dimension (32 dims each for klein) and rotates interleaved pairs (2j, 2j+1) by
-`pos · theta^(-2j/dim)`. The tables depend only on the ids, so a denoising loop builds them once.
+at row y, column x is (0, y, x, 0), the k-th reference image uses t = 10·(k+1) (`sampling.reference_time`).
+Each axis owns a slice of the head dimension (32 dims each for klein) and rotates interleaved pairs
+(2j, 2j+1) by `pos · theta^(-2j/dim)`. The tables depend only on the ids, so a denoising loop builds them once.
 """
 
 from __future__ import annotations

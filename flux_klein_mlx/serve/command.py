@@ -19,6 +19,7 @@ import click
 
 from ..cli import run_command, vae_and_cache_options
 from ..errors import FluxKleinError
+from ..loading import DTYPES
 from ..pipeline import DEFAULT_MODEL, load
 
 
@@ -101,7 +102,7 @@ def is_loopback(host: str) -> bool:
               help="Hugging Face repo id, diffusers folder, or a folder written by `convert`.")
 @click.option("--quantize", "-q", type=click.Choice(["4", "8"]), default=None,
               help="Quantize transformer and text encoder at load.")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="bfloat16", show_default=True)
 @click.option("--low-memory", is_flag=True, help="Release the transformer before decoding (small-memory Macs).")
 @click.option("--lora", "loras", multiple=True, help="LoRA loaded with the model: a file, owner/name or owner/name:FILE, optionally :SCALE; repeatable.")
 @click.option("--lora-dir", default=None, help="Folder of .safetensors LoRAs that requests may name (\"loras\").")

@@ -13,13 +13,14 @@ import click
 from click.core import ParameterSource
 
 from ..cli import run_command
+from ..loading import DTYPES
 from .config_file import check_recorded_data, option_names, read_config
 from .memory import MemoryPlanned, describe_plan
 from .schedule import SCHEDULES
 from .trainer import (
     CheckpointSaved, SamplesSaved, StageFinished, StageStarted, StepFinished, TrainFinished, TrainStarted, train_lora,
 )  # fmt: skip
-from .settings import DEFAULT_MODEL, TIMESTEPS, TrainSettings
+from .settings import DEFAULT_BASE_MODEL, TIMESTEPS, TrainSettings
 
 _D = TrainSettings()  # the defaults, shown in --help
 
@@ -107,7 +108,7 @@ def describe_samples(ev: SamplesSaved) -> str:
 @click.option("--output", "-o", default="", help="The LoRA file to write (.safetensors, in --format's layout); never overwritten.")
 @click.option("--format", default=_D.format, show_default=True,
               help="The LoRA file's layout: diffusers, comfyui (ComfyUI, ai-toolkit; diffusers loads it too) or kohya.")
-@click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help="A klein Base repo id or folder.")
+@click.option("--model", "-m", default=DEFAULT_BASE_MODEL, show_default=True, help="A klein Base repo id or folder.")
 @click.option("--caption", default=None, help="Caption of images without a .txt (e.g. a trigger word).")
 @click.option("--caption-extension", default=_D.caption_extension, show_default=True,
               help="Suffix of the caption files (.caption for kohya-style datasets).")
@@ -137,7 +138,7 @@ def describe_samples(ev: SamplesSaved) -> str:
 @click.option("--seed", type=int, default=_D.seed, show_default=True)
 @click.option("--weight-decay", type=float, default=_D.weight_decay, show_default=True)
 @click.option("--max-grad-norm", type=float, default=_D.max_grad_norm, show_default=True)
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=_D.dtype, show_default=True)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=_D.dtype, show_default=True)
 @click.option("--quantize", "-q", type=click.Choice(["4", "8"]), default=None, help="Quantize the frozen model (QLoRA).")
 @click.option("--low-memory", is_flag=True, help="Gradient checkpointing per block: much less memory, 1.2-1.5x the time per step.")
 @click.option("--save-every", type=int, default=_D.save_every, show_default=True, help="Checkpoint every N steps.")

@@ -1,9 +1,10 @@
 """Every setting of a LoRA training run, with its default, checked once before anything runs.
 
 `TrainSettings` is what `train_lora(...)` takes as keyword arguments and what the `train` command
-fills from its options; `check()` refuses bad values with one line each and fills the derived
-defaults (alpha = rank, the work folder next to the output). `run_key()` is the subset that decides
-the numbers a run computes: a checkpoint may only be resumed under the same run key.
+fills from its options; `check()` refuses bad values with one line each (the checkers of
+`inputs.RunSettings`) and returns a copy with the derived defaults filled (alpha = rank, the work
+folder next to the output) and every value in its canonical type. `run_key()` is the subset that
+decides the numbers a run computes: a checkpoint may only be resumed under the same run key.
 """
 
 from __future__ import annotations
@@ -17,16 +18,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FluxKleinError
+from ..inputs import check_choice, check_number, check_whole, is_int
 from ..loading import DTYPES
 from ..lora.layouts import check_layout
 from ..models.quantize import check_quantization
-from .data import IMAGE_SUFFIXES
-from .data import SIZE_MULTIPLE
+from .data import IMAGE_SUFFIXES, SIZE_MULTIPLE
 from .schedule import check_schedule
 
 TIMESTEPS = ("shift", "logit-normal", "uniform")
 ADAPTERS = ("lora", "lokr")  # LoRA pairs per diffusers module, or LoKr per layer
-DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-base-4B"
+# The model `train` starts from: a Base model (generation's default, pipeline.DEFAULT_MODEL, is distilled).
+DEFAULT_BASE_MODEL = "black-forest-labs/FLUX.2-klein-base-4B"
+# (setting, low, high) of the whole-number settings, checked in this order
+WHOLE = (
+    ("rank", 1, 1024), ("steps", 1, 10_000_000), ("batch_size", 1, 1024), ("grad_accum", 1, 1024),
+    ("group_size", 1, 1024), ("keep_checkpoints", 1, 1_000_000), ("sample_seed", -(2**63), 2**64),
+    ("seed", 0, 2**63 - 1), ("lokr_factor", -1, 65536),
+)  # fmt: skip
+# whole-number settings that may be None (not asked for), with their (low, high)
+OPTIONAL_WHOLE = {"save_every": (1, 10_000_000), "sample_every": (1, 10_000_000), "sample_steps": (1, 10_000_000),
+                  "sample_size": (64, 4096)}  # fmt: skip
+# (setting, low, high, low excluded) of the real-number settings, checked after the whole numbers
+NUMBERS = (("lr", 0.0, 1.0, True), ("weight_decay", 0.0, 1.0, False), ("max_grad_norm", 0.0, 1e6, True),
+           ("alpha", 0.0, 1e6, True), ("caption_dropout", 0.0, 1.0, False))  # fmt: skip
 
 
 @dataclass
@@ -35,7 +49,7 @@ class TrainSettings:
 
     data: str | Path = ""  # folder of images + .txt captions
     output: str | Path = ""  # the LoRA file to write (.safetensors); never overwritten
-    model: str | Path = DEFAULT_MODEL
+    model: str | Path = DEFAULT_BASE_MODEL
     caption: str | None = None  # caption of images without a .txt
     caption_extension: str = ".txt"  # the caption files' suffix (kohya's .caption works too)
     controls: tuple = ()  # control folders (edit LoRAs), in reference order
@@ -77,49 +91,33 @@ class TrainSettings:
     force: bool = False  # train even when the memory plan says the step will not fit
 
     def check(self) -> "TrainSettings":
-        """Types and ranges of every setting (FluxKleinError, one line); fills derived defaults."""
+        """Types and ranges of every setting (FluxKleinError, one line), checked with the same checkers as
+        `RunSettings` and without changing this object; returns a copy with the derived defaults filled
+        (alpha = rank, the work folder next to the output) and every value in its canonical type."""
         self._check_types()
-        _whole(self, "rank", 1, 1024)
-        _whole(self, "steps", 1, 10_000_000)
-        _whole(self, "batch_size", 1, 1024)
-        _whole(self, "grad_accum", 1, 1024)
-        self.resolution = parse_resolutions(self.resolution)
-        _whole(self, "group_size", 1, 1024)
-        _whole(self, "keep_checkpoints", 1, 1_000_000)
-        _whole(self, "sample_seed", -(2**63), 2**64)
-        _whole(self, "seed", 0, 2**63 - 1)
-        for name in ("save_every", "sample_every", "sample_steps"):
+        for name, low, high in WHOLE:
+            check_whole(_label(name), getattr(self, name), low, high)
+        for name, (low, high) in OPTIONAL_WHOLE.items():
             if getattr(self, name) is not None:
-                _whole(self, name, 1, 10_000_000)
-        _number(self, "lr", 0.0, 1.0, open_low=True)
+                check_whole(_label(name), getattr(self, name), low, high)
+        parse_resolutions(self.resolution)
+        for name, low, high, open_low in NUMBERS:
+            if name != "alpha" or self.alpha is not None:  # no alpha: rank's, which is valid
+                check_number(_label(name), getattr(self, name), low, high, open_low)
         check_schedule(self.lr_scheduler, self.warmup_steps, self.steps)
-        _number(self, "weight_decay", 0.0, 1.0)
-        _number(self, "max_grad_norm", 0.0, 1e6, open_low=True)
-        if self.alpha is None:
-            self.alpha = float(self.rank)
-        _number(self, "alpha", 0.0, 1e6, open_low=True)
-        if self.adapter not in ADAPTERS:
-            raise FluxKleinError(f"adapter must be one of {', '.join(ADAPTERS)}, not {self.adapter!r}")
-        _whole(self, "lokr_factor", -1, 65536)
-        if self.lokr_factor == 0:
-            raise FluxKleinError("lokr-factor must be -1 (the most nearly square split) or a whole number from 1, not 0")
-        if self.timesteps not in TIMESTEPS:
-            raise FluxKleinError(f"timesteps must be one of {', '.join(TIMESTEPS)}, not {self.timesteps!r}")
-        check_layout(self.format)
-        if self.adapter == "lokr" and self.format == "kohya":
-            raise FluxKleinError("a LoKr is written as --format comfyui or diffusers; kohya's layout holds LoRA pairs only")
-        if self.dtype not in DTYPES:
-            raise FluxKleinError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        check_choice("timesteps", self.timesteps, TIMESTEPS)
+        check_choice("dtype", self.dtype, DTYPES)
+        self._check_adapter()
         if self.quantize is not None:
-            if isinstance(self.quantize, bool) or not isinstance(self.quantize, numbers.Integral):
+            if not is_int(self.quantize):
                 raise FluxKleinError(f"quantize must be 4, 8 or None, not {self.quantize!r}")
-            self.quantize = int(self.quantize)  # a numpy integer too
-            check_quantization(self.quantize, int(self.group_size))
-        self._check_paths_and_text()
+            check_quantization(int(self.quantize), int(self.group_size))
+        prompts = _prompts(self.sample_prompts)  # listed once: a one-shot iterable stays usable
+        self._check_paths_and_text(prompts)
         self._check_samples_and_captions()
         if warning := lr_underflow(self.lr, self.rank):
             warnings.warn(warning)
-        return self
+        return self._resolved(prompts)
 
     def _check_types(self) -> None:
         """The paths, texts and switches are of a usable type (the Python API takes anything)."""
@@ -135,7 +133,7 @@ class TrainSettings:
         )
         if not targets_ok:
             raise FluxKleinError(f"targets must be a text (e.g. 'all', 'double') or a list of module names, not {self.targets!r}")
-        for name in ("resume", "low_memory"):
+        for name in ("resume", "low_memory", "force"):
             if not isinstance(getattr(self, name), bool):
                 raise FluxKleinError(f"{name} must be True or False, not {getattr(self, name)!r}")
         for name in ("timesteps", "dtype", "caption_extension"):
@@ -145,42 +143,65 @@ class TrainSettings:
         if not ext.startswith(".") or len(ext) < 2 or "/" in ext or "\\" in ext or ext.lower() in IMAGE_SUFFIXES:
             raise FluxKleinError(f"--caption-extension must be a file suffix such as .txt or .caption, not {ext!r}")
 
-    def _check_paths_and_text(self) -> None:
+    def _check_adapter(self) -> None:
+        """--adapter, --lokr-factor and --format, and the pairs of them that cannot be written."""
+        check_choice("adapter", self.adapter, ADAPTERS)
+        if self.lokr_factor == 0:
+            raise FluxKleinError("lokr-factor must be -1 (the most nearly square split) or a whole number from 1, not 0")
+        check_layout(self.format)
+        if self.adapter == "lokr" and self.format == "kohya":
+            raise FluxKleinError("a LoKr is written as --format comfyui or diffusers; kohya's layout holds LoRA pairs only")
+
+    def _check_paths_and_text(self, prompts: list) -> None:
         if not str(self.data):
             raise FluxKleinError("no --data folder given; point it at a folder of images with .txt captions")
-        out = Path(self.output).expanduser() if str(self.output) else None
-        if out is None or out.suffix.lower() != ".safetensors":
+        if not str(self.output) or Path(self.output).suffix.lower() != ".safetensors":
             raise FluxKleinError(f"--output must be a .safetensors file name, not {str(self.output)!r}")
-        self.output = out
-        self.work_dir = Path(self.work_dir).expanduser() if self.work_dir else out.with_name(out.stem + ".train")
-        self.controls = tuple(str(c) for c in ([self.controls] if isinstance(self.controls, (str, Path)) else self.controls))
-        prompts = [self.sample_prompts] if isinstance(self.sample_prompts, str) else list(self.sample_prompts)
         if any(not isinstance(p, str) or not p.strip() for p in prompts):
             raise FluxKleinError("each --sample-prompt must be a non-empty text")
-        self.sample_prompts = tuple(prompts)
         if self.sample_every is not None and not prompts:
             raise FluxKleinError("--sample-every needs at least one --sample-prompt")
         if self.caption is not None and (not isinstance(self.caption, str) or not self.caption.strip()):
             raise FluxKleinError("--caption must be a non-empty text (e.g. a trigger word)")
 
     def _check_samples_and_captions(self) -> None:
-        """--sample-size, --sample-strengths, --sample-quantize, --sample-model, --trigger, --caption-dropout."""
-        if self.sample_size is not None:
-            _whole(self, "sample_size", 64, 4096)
-            if self.sample_size % 16:
-                raise FluxKleinError(f"sample-size must be a multiple of 16 (e.g. 512), not {self.sample_size}")
-        self.sample_strengths = parse_strengths(self.sample_strengths)
-        if self.sample_quantize is not None:
-            if isinstance(self.sample_quantize, bool) or self.sample_quantize not in (4, 8):
-                raise FluxKleinError(f"sample-quantize must be 4, 8 or None, not {self.sample_quantize!r}")
-            self.sample_quantize = int(self.sample_quantize)
+        """--sample-size, --sample-strengths, --sample-quantize, --sample-model, --trigger (their ranges
+        checked with the other whole numbers and --caption-dropout with the other numbers)."""
+        if self.sample_size is not None and self.sample_size % 16:
+            raise FluxKleinError(f"sample-size must be a multiple of 16 (e.g. 512), not {self.sample_size}")
+        parse_strengths(self.sample_strengths)
+        if self.sample_quantize is not None and (not is_int(self.sample_quantize) or self.sample_quantize not in (4, 8)):
+            raise FluxKleinError(f"sample-quantize must be 4, 8 or None, not {self.sample_quantize!r}")
         if self.sample_model is not None and (not isinstance(self.sample_model, (str, Path)) or not str(self.sample_model)):
             raise FluxKleinError(f"--sample-model must be a repo id or a folder, not {self.sample_model!r}")
         if self.trigger is not None:
             if not isinstance(self.trigger, str) or not self.trigger.strip() or "\n" in self.trigger:
                 raise FluxKleinError(f"--trigger must be a word or phrase on one line (e.g. sks), not {self.trigger!r}")
-            self.trigger = self.trigger.strip()
-        _number(self, "caption_dropout", 0.0, 1.0)
+
+    def _resolved(self, prompts: list) -> "TrainSettings":
+        """A copy of checked settings with the derived defaults and canonical types (ints, floats, paths,
+        tuples: a numpy integer becomes a Python int, for train.json and state.json)."""
+        out = Path(self.output).expanduser()
+        controls = [self.controls] if isinstance(self.controls, (str, os.PathLike)) else self.controls
+        wholes = {name: int(getattr(self, name)) for name, *_ in WHOLE}
+        optional = {name: int(getattr(self, name)) for name in OPTIONAL_WHOLE if getattr(self, name) is not None}
+        for name in ("quantize", "sample_quantize"):
+            if getattr(self, name) is not None:
+                optional[name] = int(getattr(self, name))
+        return dataclasses.replace(
+            self,
+            **wholes,
+            **optional,
+            **{name: float(getattr(self, name)) for name, *_ in NUMBERS if name != "alpha"},
+            alpha=float(self.rank if self.alpha is None else self.alpha),
+            resolution=parse_resolutions(self.resolution),
+            sample_strengths=parse_strengths(self.sample_strengths),
+            trigger=self.trigger.strip() if self.trigger is not None else None,
+            output=out,
+            work_dir=Path(self.work_dir).expanduser() if self.work_dir else out.with_name(out.stem + ".train"),
+            controls=tuple(str(c) for c in controls),
+            sample_prompts=tuple(prompts),
+        )
 
     def run_key(self) -> dict:
         """The settings that decide what a step computes (resume needs them equal)."""
@@ -214,6 +235,11 @@ class TrainSettings:
         return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
 
 
+def _label(name: str) -> str:
+    """A setting as its option is spelled in messages: batch_size -> batch-size."""
+    return name.replace("_", "-")
+
+
 def parse_resolutions(value) -> int | tuple[int, ...]:
     """One size (an int) or several (a tuple), from an int, "512,768,1024" or a list; each a multiple
     of 16 in [64, 4096], none repeated."""
@@ -233,21 +259,9 @@ def parse_resolutions(value) -> int | tuple[int, ...]:
     return sizes[0] if len(sizes) == 1 else tuple(sizes)
 
 
-def _whole(s: TrainSettings, name: str, low: int, high: int) -> None:
-    v = getattr(s, name)
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not low <= v <= high:
-        raise FluxKleinError(f"{name.replace('_', '-')} must be a whole number in [{low}, {high}], not {v!r}")
-    setattr(s, name, int(v))  # a numpy integer becomes a Python int (train.json, state.json)
-
-
-def _number(s: TrainSettings, name: str, low: float, high: float, open_low: bool = False) -> None:
-    v = getattr(s, name)
-    ok = not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v)
-    ok = ok and (low < v if open_low else low <= v) and v <= high
-    if not ok:
-        bound = f"({low}, {high}]" if open_low else f"[{low}, {high}]"
-        raise FluxKleinError(f"{name.replace('_', '-')} must be a number in {bound}, not {v!r}")
-    setattr(s, name, float(v))
+def _prompts(prompts) -> list:
+    """`sample_prompts` as a list: one text, or a sequence of them."""
+    return [prompts] if isinstance(prompts, str) else list(prompts)
 
 
 def parse_strengths(value) -> tuple[float, ...]:

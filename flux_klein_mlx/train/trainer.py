@@ -38,7 +38,6 @@ from __future__ import annotations
 import math
 import platform
 import time
-import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -53,21 +52,22 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 from .. import __version__
 from ..embedding_cache import open_cache, prompt_keys
 from ..errors import FluxKleinError
-from ..loading import as_dtype, check_weights, describe, load_component
+from ..loading import as_dtype, check_for_training, describe, load_component
 from .adapters import attach_lokr, attach_lora, file_header, lokr_file_shapes, lokr_layers, parse_targets
 from .adapters import write_lora_file
 from .samples import Sampler, SamplesSaved, check_sample_model
 from ..files import check_output_file, write_exclusive
 from ..models.rope import image_ids, text_ids
+from ..sampling import reference_time, scale_noise
 from ..models.text_encoder import encode_prompts
 from ..models.tokenizer import load_tokenizer
 from .data import bucket_counts, dropped_captions, epoch_batches, load_pixels, scan_data
 from .memory import MemoryPlanned, check_memory
 from .schedule import lr_at_step
-from .settings import DEFAULT_MODEL, TrainSettings
+from .settings import DEFAULT_BASE_MODEL, TrainSettings
 from .state import (
     acquire_lock, average_window, check_not_locked, check_work_dir, lora_file_shapes, moving_average, read_checkpoint,
-    remove_temporaries, resume_point, write_atomic, write_checkpoint, write_json, write_loss_plot,
+    remove_temporaries, resume_point, write_checkpoint, write_json, write_loss_plot,
 )  # fmt: skip
 
 TRAIN_TIMESTEPS = 1000  # the scheduler's num_train_timesteps: sigma lives on a grid of 1/1000
@@ -163,7 +163,7 @@ def flow_loss(model, x0, noise, sigma, ctx, rope, refs=None, checkpoint: bool = 
     """
     dtype = model.dtype
     s = sigma.astype(mx.float32)[:, None, None]
-    xt = (1.0 - s) * x0.astype(mx.float32) + s * noise.astype(mx.float32)  # (B, L, C)
+    xt = scale_noise(x0, noise, s)  # (B, L, C) float32
     x_in = xt.astype(dtype) if refs is None else mx.concatenate([xt.astype(dtype), refs.astype(dtype)], axis=1)
     t = sigma.astype(dtype)  # the transformer sees sigma rounded to the activation dtype
     pred = model.forward_with_rope(x_in, ctx, t, rope, checkpoint=checkpoint)[:, : x0.shape[1]]
@@ -203,26 +203,10 @@ def _check_model(s: TrainSettings):
     if Path(s.model).expanduser().is_file():
         raise FluxKleinError(
             f"--model {s.model} is a single file (a transformer or a LoRA); train needs a klein Base model "
-            f"folder or repo id, e.g. {DEFAULT_MODEL}"
+            f"folder or repo id, e.g. {DEFAULT_BASE_MODEL}"
         )
     info = describe(s.model)
-    if info.reference_kv:
-        raise FluxKleinError(
-            f"{info.name} caches reference keys/values and cannot be trained; train on "
-            "black-forest-labs/FLUX.2-klein-base-9B and use the LoRA with the KV model"
-        )
-    if info.format == "bfl":
-        raise FluxKleinError(f"{info.path} is a single weight file; convert it into a model folder first (convert --model ...)")
-    stored = next((r for r in info.quantization.values() if r), None)
-    if stored and s.quantize is not None and s.quantize != stored["bits"]:
-        raise FluxKleinError(f"{info.path} is already quantized to {stored['bits']} bits; leave --quantize out")
-    check_weights(info)
-    if info.is_distilled:
-        size = {"klein-4b": "4B", "klein-9b": "9B"}.get(info.variant, "4B")
-        warnings.warn(
-            f"{info.name} is a distilled model: training a LoRA on it is not recommended (it breaks the "
-            f"distillation); train on the Base model black-forest-labs/FLUX.2-klein-base-{size} instead"
-        )
+    check_for_training(info, s.quantize)
     return info
 
 
@@ -440,7 +424,7 @@ class Trainer:
         key = (it.bucket, n_refs)
         if key not in self.ropes:
             W, H = it.bucket
-            ids = [image_ids(H // 16, W // 16)] + [image_ids(H // 16, W // 16, t=10 * (k + 1)) for k in range(n_refs)]
+            ids = [image_ids(H // 16, W // 16)] + [image_ids(H // 16, W // 16, t=reference_time(k)) for k in range(n_refs)]
             self.ropes[key] = self.model.compute_rope(text_ids(512), mx.concatenate(ids, axis=0))
         return self.ropes[key]
 
