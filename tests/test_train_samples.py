@@ -121,8 +121,11 @@ def lora_tensors(path: Path) -> tuple[dict, dict]:
 
 
 def same_lora(a: Path, b: Path) -> bool:
+    """The same adapters: tensors bit for bit and the same PEFT config (the rest of the header records the
+    run itself: its times, output name, captions' tag counts)."""
     (ta, ma), (tb, mb) = lora_tensors(a), lora_tensors(b)
-    return ma == mb and ta.keys() == tb.keys() and all(np.array_equal(ta[k], tb[k]) for k in ta)
+    same_config = ma.get("lora_adapter_metadata") == mb.get("lora_adapter_metadata")
+    return same_config and ta.keys() == tb.keys() and all(np.array_equal(ta[k], tb[k]) for k in ta)
 
 
 def short_run(base, data, out, **kw) -> list:
