@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 
 import click
 
 from ..cli import run_command
+from ..errors import FluxKleinError
+from .distributed import PeerLost, world
+from .evaluation import ValidationFinished
 from .trainer import CheckpointSaved, SamplesSaved, StageFinished, StepFinished, TrainFinished, TrainStarted, train_lora
 from .settings import DEFAULT_MODEL, TIMESTEPS, TrainSettings
 
@@ -73,6 +77,9 @@ def describe_event(ev) -> str | None:
         return f"checkpoint: {ev.path}"
     if isinstance(ev, SamplesSaved):
         return "samples: " + ", ".join(str(p) for p in ev.paths)
+    if isinstance(ev, ValidationFinished):
+        levels = ", ".join(f"{k} {v:.4f}" for k, v in ev.by_sigma.items())
+        return f"validation at step {ev.step}: loss {ev.loss:.4f} (by noise level: {levels})"
     if isinstance(ev, TrainFinished):
         return f"wrote {ev.output} ({ev.steps} steps, {_clock(ev.seconds)}); loss plot and train.json in {ev.work_dir}"
     return None
@@ -111,9 +118,17 @@ def describe_event(ev) -> str | None:
 @click.option("--sample-prompt", "sample_prompts", multiple=True, help="Prompt of the sample images; repeatable.")
 @click.option("--sample-steps", type=int, default=None, help="Denoising steps of the samples [default: the model's].")
 @click.option("--sample-seed", type=int, default=_D.sample_seed, show_default=True)
+@click.option("--ema", type=float, default=None,
+              help="Write an exponential moving average of the adapters (decay in (0, 1), e.g. 0.999) as the output.")
+@click.option("--validation", default=None, help="Folder of held-out images + captions: their loss at each checkpoint.")
 def train(**options):
-    """Train a LoRA on FLUX.2 [klein] Base from a folder of captioned images."""
+    """Train a LoRA on FLUX.2 [klein] Base from a folder of captioned images.
+
+    Under mlx.launch (several Macs) every process runs this command; rank 0 alone prints and writes."""
     options["quantize"] = int(options["quantize"]) if options["quantize"] else None
+    if not world().is_main:
+        _follow(options)
+        return
     events = train_lora(**options)  # everything is checked here, before any model loads
     progress = ProgressLine()
     t0 = time.perf_counter()
@@ -128,6 +143,18 @@ def train(**options):
         elif text:
             progress.say(text)
     click.echo(f"done in {_clock(time.perf_counter() - t0)}", err=True)
+
+
+def _follow(options: dict) -> None:
+    """A process other than rank 0: train silently; rank 0 says what went wrong, except that it stopped."""
+    warnings.simplefilter("ignore")
+    try:
+        for _ in train_lora(**options):
+            pass
+    except PeerLost:
+        raise  # rank 0 may be the process that stopped: this one says so
+    except FluxKleinError:
+        raise click.exceptions.Exit(1) from None
 
 
 def main(argv=None) -> int:

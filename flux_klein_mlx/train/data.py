@@ -125,17 +125,17 @@ def _caption(image: Path, fallback: str | None) -> tuple[str, str] | None:
     return (fallback, "--caption") if fallback else None
 
 
-def scan_data(data, caption: str | None = None, controls=(), resolution: int = 512) -> list[TrainItem]:
+def scan_data(data, caption: str | None = None, controls=(), resolution: int = 512, option: str = "--data") -> list[TrainItem]:
     """The training examples of `data` (and its `controls` folders), every file opened and checked.
 
     Raises FluxKleinError (one line) for a missing or empty folder, unreadable or corrupt images,
     images without a caption (and no `caption`), and control folders missing a counterpart.
     """
     folder = Path(data).expanduser()
-    images = _images_by_stem(folder, "--data")
+    images = _images_by_stem(folder, option)
     if not images:
         raise FluxKleinError(
-            f"--data {folder} holds no images ({', '.join(IMAGE_SUFFIXES)}); put the training images there, "
+            f"{option} {folder} holds no images ({', '.join(IMAGE_SUFFIXES)}); put the training images there, "
             "each with a .txt caption"
         )
     uncaptioned = [p.name for p in images.values() if _caption(p, caption) is None]

@@ -55,6 +55,8 @@ class TrainSettings:
     sample_prompts: tuple = ()
     sample_steps: int | None = None  # default: the model's (50 for Base)
     sample_seed: int = 0
+    ema: float | None = None  # decay of the adapters' moving average, written as the output (train/evaluation.py)
+    validation: str | Path | None = None  # folder of held-out images + captions, measured at each checkpoint
 
     def check(self) -> "TrainSettings":
         """Types and ranges of every setting (FluxKleinError, one line); fills derived defaults."""
@@ -85,7 +87,17 @@ class TrainSettings:
                 raise FluxKleinError(f"quantize must be 4, 8 or None, not {self.quantize!r}")
             check_quantization(int(self.quantize), int(self.group_size))
         self._check_paths_and_text()
+        self._check_ema_and_validation()
         return self
+
+    def _check_ema_and_validation(self) -> None:
+        v = self.ema
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < 1:
+                raise FluxKleinError(f"ema must be a decay in (0, 1) such as 0.999, not {v!r}")
+            self.ema = float(v)
+        if self.validation is not None and self.controls:
+            raise FluxKleinError("--validation does not measure edit LoRAs (--control) yet; leave one of the two out")
 
     def _check_paths_and_text(self) -> None:
         if not str(self.data):
@@ -112,6 +124,7 @@ class TrainSettings:
         key = {k: getattr(self, k) for k in keep}
         key["model"] = str(self.model)
         key["targets"] = self.targets if isinstance(self.targets, str) else ",".join(self.targets)
+        key["ema"] = self.ema  # a checkpoint's EMA continues only under the same decay
         return key
 
     def record(self) -> dict:

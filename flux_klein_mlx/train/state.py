@@ -54,9 +54,11 @@ def remove_temporaries(work_dir: Path) -> None:
 
 
 def write_checkpoint(
-    work_dir: Path, step: int, lora: tuple[dict, dict], optimizer: dict[str, mx.array], state: dict, keep: int
+    work_dir: Path, step: int, lora: tuple[dict, dict], optimizer: dict[str, mx.array], state: dict, keep: int,
+    extra: dict | None = None,
 ) -> Path:
-    """Write checkpoint `step` (lora = (tensors, header metadata)) and drop all but the newest `keep`.
+    """Write checkpoint `step` (lora = (tensors, header metadata)) and drop all but the newest `keep`;
+    `extra` maps more file names to (tensors, metadata) (ema.safetensors).
 
     On an OSError (a full disk, say) nothing of the new checkpoint remains and the earlier ones are
     untouched; the FluxKleinError names the last good one.
@@ -66,6 +68,8 @@ def write_checkpoint(
         with folder_transaction(final, durable=True) as tmp:  # the same step written before is replaced whole
             save_safetensors_streaming(tmp / "lora.safetensors", dict(lora[0]), metadata=lora[1])
             save_safetensors_streaming(tmp / "optimizer.safetensors", dict(optimizer), metadata={"format": "mlx"})
+            for name, (tensors, metadata) in (extra or {}).items():
+                save_safetensors_streaming(tmp / name, dict(tensors), metadata=metadata)
             (tmp / "state.json").write_text(json.dumps(state))
     except (OSError, FluxKleinError) as e:
         done = checkpoints(work_dir)
@@ -124,8 +128,9 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
-def loss_plot(losses: list[float], first_step: int = 1, size: tuple[int, int] = (800, 400)) -> Image.Image:
-    """The loss per step (grey) and its moving average (blue) over a window of ~1/20 of the run."""
+def loss_plot(losses: list[float], first_step: int = 1, size: tuple[int, int] = (800, 400), validation=()) -> Image.Image:
+    """The loss per step (grey) and its moving average (blue) over a window of ~1/20 of the run;
+    `validation` (step, loss) pairs as red dots."""
     W, H = size
     left, right, top, bottom = 70, 20, 34, 40
     img = Image.new("RGB", size, "white")
@@ -135,7 +140,7 @@ def loss_plot(losses: list[float], first_step: int = 1, size: tuple[int, int] = 
     if not losses:
         return img
     smooth = moving_average(losses, window)
-    lo, hi = min(losses), max(losses)
+    lo, hi = min(losses + [v for _, v in validation]), max(losses + [v for _, v in validation])
     hi = hi if hi > lo else lo + 1e-6
     n = len(losses)
 
@@ -146,6 +151,11 @@ def loss_plot(losses: list[float], first_step: int = 1, size: tuple[int, int] = 
     draw.rectangle([left, top, W - right, H - bottom], outline="black")
     draw.line([xy(i, v) for i, v in enumerate(losses)] if n > 1 else [xy(0, losses[0])] * 2, fill=(190, 190, 190))
     draw.line([xy(i, v) for i, v in enumerate(smooth)] if n > 1 else [xy(0, smooth[0])] * 2, fill=(30, 80, 220), width=2)
+    for step, v in validation:
+        x, y = xy(step - first_step, v)
+        draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=(220, 40, 40))
+    if validation:
+        draw.text((W - right - 150, 8), "validation loss (red)", fill=(220, 40, 40))
     draw.text((4, top - 6), f"{hi:.4g}", fill="black")
     draw.text((4, H - bottom - 6), f"{lo:.4g}", fill="black")
     draw.text((left, H - bottom + 6), f"step {first_step}", fill="black")
@@ -154,5 +164,5 @@ def loss_plot(losses: list[float], first_step: int = 1, size: tuple[int, int] = 
     return img
 
 
-def write_loss_plot(path: Path, losses: list[float]) -> None:
-    write_atomic(path, lambda tmp: loss_plot(losses).save(tmp, format="PNG"))
+def write_loss_plot(path: Path, losses: list[float], validation=()) -> None:
+    write_atomic(path, lambda tmp: loss_plot(losses, validation=list(validation)).save(tmp, format="PNG"))

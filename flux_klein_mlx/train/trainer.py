@@ -28,8 +28,10 @@ Sigma sampling (`timesteps`):
 
 Optimizer: AdamW with torch's semantics (bias correction, decoupled weight decay 1e-4 as diffusers,
 eps 1e-8), gradients averaged over `grad_accum` micro-batches and clipped to a global norm of 1.0,
-constant learning rate. Every random number (data order, sigmas, noise, adapter init) comes from one
-numpy generator seeded with `seed`, whose state each checkpoint stores: a resumed run is bit-exact.
+constant learning rate. The data order and the adapter init come from one numpy generator seeded
+with `seed`, whose state each checkpoint stores; each example's noise level and noise come from
+(seed, step, example index) (`distributed.example_draws`): a resumed run is bit-exact, and N processes
+under `mlx.launch` (train/distributed.py) train what one process does with N times the batch.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import platform
 import secrets
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
@@ -59,6 +61,8 @@ from ..models.rope import image_ids, text_ids
 from ..models.text_encoder import encode_prompts
 from ..models.tokenizer import load_tokenizer
 from .data import bucket_counts, epoch_batches, load_pixels, scan_data
+from .distributed import PeerLost, World, check_processes, example_draws, world
+from .evaluation import EMA_FILE, AdapterEMA, Validation
 from .settings import TrainSettings, differences
 from .state import (
     checkpoints, read_checkpoint, read_state, remove_temporaries, write_atomic, write_checkpoint, write_json,
@@ -143,11 +147,6 @@ def sigmas_from_draws(scheme: str, draws: np.ndarray, tokens: int) -> np.ndarray
     return (np.float32(TRAIN_TIMESTEPS) - idx.astype(np.float32)) / np.float32(TRAIN_TIMESTEPS)
 
 
-def draw_sigmas(scheme: str, n: int, tokens: int, rng: np.random.Generator) -> np.ndarray:
-    draws = rng.random(n, dtype=np.float32) if scheme == "uniform" else rng.standard_normal(n, dtype=np.float32)
-    return sigmas_from_draws(scheme, draws, tokens)
-
-
 def flow_loss(model, x0, noise, sigma, ctx, rope, refs=None, checkpoint: bool = False) -> mx.array:
     """The flow-matching loss of one batch, float32.
 
@@ -188,6 +187,8 @@ class RunPlan:
     slots: list
     items: list
     resume_from: Path | None
+    validation: list = field(default_factory=list)  # held-out TrainItems (--validation)
+    world: World = field(default_factory=World)  # the processes of an mlx.launch run
 
 
 def _check_model(s: TrainSettings):
@@ -212,9 +213,9 @@ def _check_model(s: TrainSettings):
     return info
 
 
-def run_key(s: TrainSettings, info) -> dict:
+def run_key(s: TrainSettings, info, processes: int = 1) -> dict:
     """The settings a checkpoint must share with a run that resumes it; the model by its resolved path."""
-    return {**s.run_key(), "model": str(info.path)}
+    return {**s.run_key(), "model": str(info.path), "processes": processes}
 
 
 def data_key(items) -> list:
@@ -222,7 +223,7 @@ def data_key(items) -> list:
     return [[it.stem, it.image.sha256, it.caption, [c.sha256 for c in it.controls], list(it.bucket)] for it in items]
 
 
-def _check_resume(s: TrainSettings, info, items) -> Path | None:
+def _check_resume(s: TrainSettings, info, items, processes: int = 1) -> Path | None:
     """The checkpoint to continue from (None: a new run); refuses mixing runs in one work folder."""
     wd = s.work_dir
     if wd.exists() and not wd.is_dir():
@@ -241,7 +242,8 @@ def _check_resume(s: TrainSettings, info, items) -> Path | None:
         raise FluxKleinError(f"--resume: no checkpoint in {wd}; run without --resume to start training")
     step, folder = done[-1]
     state = read_state(folder)
-    diffs = differences(state.get("run_key", {}), run_key(s, info))
+    check_processes(folder, state.get("run_key", {}).get("processes", processes), processes)
+    diffs = differences(state.get("run_key", {}), run_key(s, info, processes))
     if state.get("data") != data_key(items):
         diffs.append("data: the images, captions or controls differ from the checkpoint's")
     if diffs:
@@ -254,8 +256,14 @@ def _check_resume(s: TrainSettings, info, items) -> Path | None:
     return folder
 
 
-def plan_run(settings: TrainSettings) -> RunPlan:
-    """Every check of a run, before any model loads: settings, model files, output, data, work folder."""
+def plan_run(settings: TrainSettings, processes: World | None = None) -> RunPlan:
+    """Every check of a run, before any model loads: settings, model files, output, data, work folder.
+    Under mlx.launch every process checks its own view and they agree (distributed.World.agree)."""
+    w = processes or world()
+    return w.agree(lambda: _plan(settings, w), lambda plan: (plan.settings.run_key(), data_key(plan.items)))
+
+
+def _plan(settings: TrainSettings, w: World) -> RunPlan:
     s = settings.check()
     if s.output.exists() or s.output.is_symlink():
         raise FluxKleinError(f"--output {s.output} exists and is never overwritten; choose another name")
@@ -263,7 +271,9 @@ def plan_run(settings: TrainSettings) -> RunPlan:
     info = _check_model(s)
     slots = parse_targets(s.targets, info.params)
     items = scan_data(s.data, s.caption, s.controls, s.resolution)
-    return RunPlan(s, info, slots, items, _check_resume(s, info, items))
+    held_out = scan_data(s.validation, s.caption, (), s.resolution, option="--validation") if s.validation else []
+    resume = _check_resume(s, info, items, w.size) if w.is_main else None  # rank 0 alone has the work folder
+    return RunPlan(s, info, slots, items, resume, held_out, w)
 
 
 def train_lora(model=None, data=None, output=None, **settings) -> Iterator:
@@ -298,27 +308,36 @@ class Trainer:
         self.step_no, self.epoch, self.batches, self.position = 0, 0, [], 0
         self.losses: list[float] = []
         self.sample_pipe = None
+        self.world, self.ema = plan.world, None  # the EMA lives on rank 0, which writes the files
+        self.validation = Validation(plan.validation) if plan.validation else None
         self.started = datetime.now(timezone.utc).isoformat(timespec="seconds")
 
     def run(self) -> Iterator:
         t_run = time.perf_counter()
-        s, wd = self.s, self.s.work_dir
-        wd.mkdir(exist_ok=True)
-        remove_temporaries(wd)
-        write_json(wd / "train.json", self.record())
+        s, wd, main = self.s, self.s.work_dir, self.world.is_main
+        if main:
+            wd.mkdir(exist_ok=True)
+            remove_temporaries(wd)
+            write_json(wd / "train.json", self.record())
         yield self.cache_captions()
         yield self.cache_latents()
         yield self.load_model()
-        if self.plan.resume_from is not None:
-            self.restore(self.plan.resume_from)
-        yield TrainStarted(s.steps, self.step_no + 1, self.plan.resume_from, len(self.items), bucket_counts(self.items),
-                           len(self.lora.slots), self.lora.num_parameters, wd)  # fmt: skip
-        while self.step_no < s.steps:
-            yield self.train_step()
-            if self.step_no == s.steps or (s.save_every and self.step_no % s.save_every == 0):
-                yield self.save()
-            if s.sample_every and self.step_no % s.sample_every == 0:
-                yield self.samples()
+        try:
+            if self.plan.resume_from is not None:
+                self.restore(self.plan.resume_from)
+            self.synchronize()
+            yield TrainStarted(s.steps, self.step_no + 1, self.plan.resume_from, len(self.items), bucket_counts(self.items),
+                               len(self.lora.slots), self.lora.num_parameters, wd)  # fmt: skip
+            while self.step_no < s.steps:
+                yield self.train_step()
+                if main and (self.step_no == s.steps or (s.save_every and self.step_no % s.save_every == 0)):
+                    if self.validation:
+                        yield self.validate()
+                    yield self.save()
+                if main and s.sample_every and self.step_no % s.sample_every == 0:
+                    yield self.samples()
+        except PeerLost as e:
+            raise e.at(self.step_no + 1, checkpoints(wd)) from None
         yield self.finish(time.perf_counter() - t_run)
 
     # ---- caches (the text encoder and the VAE are released before the first step) ----
@@ -326,7 +345,7 @@ class Trainer:
     def cache_captions(self) -> StageFinished:
         t0 = time.perf_counter()
         s, info = self.s, self.info
-        texts = list(dict.fromkeys([it.caption for it in self.items]))
+        texts = list(dict.fromkeys([it.caption for it in self.items] + (self.validation.captions() if self.validation else [])))
         extra = list(s.sample_prompts) + ([""] if s.sample_prompts and not info.is_distilled else [])
         texts += [t for t in dict.fromkeys(extra) if t not in texts]
         tokenizer = load_tokenizer(info.tokenizer)
@@ -356,6 +375,8 @@ class Trainer:
                 raise FluxKleinError(f"non-finite VAE latents for {it.image.path}: try --dtype float32")
             self.latents.append(x0)
             self.refs.append(refs)
+        if self.validation:
+            self.validation.encode(lambda path, bucket: self._encode(vae, path, bucket))
         del vae
         mx.clear_cache()
         return StageFinished("latents", time.perf_counter() - t0, f"{len(self.items)} images encoded, VAE released")
@@ -371,9 +392,11 @@ class Trainer:
         self.lora = attach_lora(self.model, self.plan.slots, s.rank, s.alpha, self.rng)
         self.optimizer = make_optimizer(s)
         mx.eval(self.model.trainable_parameters())
+        if s.ema is not None and self.world.is_main:
+            self.ema = AdapterEMA(s.ema, self.lora)
 
-        def loss(x0, noise, sigma, ctx, refs, cos, sin):
-            return flow_loss(self.model, x0, noise, sigma, ctx, (cos, sin), refs, checkpoint=s.low_memory)
+        def loss(weight, x0, noise, sigma, ctx, refs, cos, sin):  # weight: this process's share of the batch
+            return flow_loss(self.model, x0, noise, sigma, ctx, (cos, sin), refs, checkpoint=s.low_memory) * weight
 
         self.loss_and_grad = nn.value_and_grad(self.model, loss)
         q = f", {s.quantize}-bit base" if s.quantize else ""
@@ -382,8 +405,8 @@ class Trainer:
     # ---- one optimizer step -------------------------------------------------------------------
 
     def next_batch(self) -> list[int]:
-        if self.position >= len(self.batches):
-            self.batches = epoch_batches(self.items, self.s.batch_size, self.rng)
+        if self.position >= len(self.batches):  # global batches: every process draws the same order
+            self.batches = epoch_batches(self.items, self.s.batch_size * self.world.size, self.rng)
             self.epoch, self.position = self.epoch + 1, 0
         self.position += 1
         return self.batches[self.position - 1]
@@ -396,12 +419,12 @@ class Trainer:
             self.ropes[key] = self.model.compute_rope(text_ids(512), mx.concatenate(ids, axis=0))
         return self.ropes[key]
 
-    def micro_batch(self, indices: list[int]) -> tuple:
-        """(x0, noise, sigma, ctx, refs, cos, sin) of one batch; draws its sigmas, then its noise."""
+    def micro_batch(self, indices: list[int], first: int) -> tuple:
+        """(x0, noise, sigma, ctx, refs, cos, sin) of one batch; example j's draws are keyed (seed, step, first + j)."""
         x0 = mx.concatenate([self.latents[i] for i in indices], axis=0)  # (B, L, C)
         B, L, C = x0.shape
-        sigma = mx.array(draw_sigmas(self.s.timesteps, B, L, self.rng))
-        noise = mx.array(self.rng.standard_normal((B, L, C), dtype=np.float32))
+        draws, noise = example_draws(self.s.seed, self.step_no + 1, range(first, first + B), self.s.timesteps != "uniform", (L, C))
+        sigma, noise = mx.array(sigmas_from_draws(self.s.timesteps, draws, L)), mx.array(noise)
         ctx = mx.concatenate([self.ctx[self.items[i].caption] for i in indices], axis=0)
         refs = None if self.refs[indices[0]] is None else mx.concatenate([self.refs[i] for i in indices], axis=0)
         cos, sin = self.rope(self.items[indices[0]], len(self.items[indices[0]].controls))
@@ -411,11 +434,19 @@ class Trainer:
         t0 = time.perf_counter()
         mx.reset_peak_memory()
         s, total, grads = self.s, 0.0, None
-        for _ in range(s.grad_accum):
-            loss, g = self.loss_and_grad(*self.micro_batch(self.next_batch()))
+        for k in range(s.grad_accum):
+            batch = self.next_batch()
+            part = self.world.share(len(batch))
+            if len(part):
+                first = k * s.batch_size * self.world.size + part.start  # the example's index in the step
+                args = self.micro_batch([batch[i] for i in part], first)
+                loss, g = self.loss_and_grad(len(part) / len(batch), *args)
+            else:  # a bucket's last global batch can leave a process without examples
+                loss, g = mx.array(0.0), tree_map(mx.zeros_like, self.model.trainable_parameters())
             grads = g if grads is None else tree_map(mx.add, grads, g)
             mx.eval(loss, grads)
             total += loss.item()
+        grads, total = self.world.sum_grads(grads, total)  # several processes: the sum of their shares
         if s.grad_accum > 1:
             grads = tree_map(lambda g: g / s.grad_accum, grads)
         norm = optimizer_step(self.optimizer, self.model, grads, s.max_grad_norm)
@@ -427,6 +458,8 @@ class Trainer:
                 f"the loss became non-finite at step {self.step_no}; lower --lr, or train with --dtype float32"
             )
         self.losses.append(loss)
+        if self.ema is not None:
+            self.ema.update(self.lora, self.step_no)
         return StepFinished(self.step_no, s.steps, loss, time.perf_counter() - t0, s.lr, norm.item(), mx.get_peak_memory())
 
     # ---- checkpoints, samples, the end ----------------------------------------------------------
@@ -434,16 +467,28 @@ class Trainer:
     def state(self) -> dict:
         return {
             "step": self.step_no, "epoch": self.epoch, "batches": self.batches, "position": self.position,
-            "rng": self.rng.bit_generator.state, "losses": self.losses, "run_key": run_key(self.s, self.info),
+            "rng": self.rng.bit_generator.state, "losses": self.losses, "run_key": run_key(self.s, self.info, self.world.size),
             "data": data_key(self.items), "flux_klein_mlx": __version__,
+            "validation": self.validation.history if self.validation else [],
         }  # fmt: skip
 
     def save(self) -> CheckpointSaved:
         lora = (self.lora.file_arrays(mx.float32), self.lora.metadata())
         opt = dict(tree_flatten(self.optimizer.state))
-        path = write_checkpoint(self.s.work_dir, self.step_no, lora, opt, self.state(), self.s.keep_checkpoints)
-        write_loss_plot(self.s.work_dir / "loss.png", self.losses)
+        extra = {EMA_FILE: (self.ema.file_arrays(mx.float32), self.lora.metadata())} if self.ema else {}
+        path = write_checkpoint(self.s.work_dir, self.step_no, lora, opt, self.state(), self.s.keep_checkpoints, extra)
+        write_loss_plot(self.s.work_dir / "loss.png", self.losses, self.validation.points() if self.validation else ())
         return CheckpointSaved(self.step_no, path)
+
+    def validate(self):
+        """The held-out loss of the current weights (evaluation.Validation), before the checkpoint records it."""
+        loss = lambda x0, noise, sigma, ctx, rope: flow_loss(self.model, x0, noise, sigma, ctx, rope)  # noqa: E731
+        return self.validation.measure(self.step_no, loss, self.ctx, lambda it: self.rope(it, 0))
+
+    def synchronize(self) -> None:
+        """Several processes: rank 0's adapters, AdamW moments, data position and RNG on every process."""
+        if self.world.group is not None:
+            self.apply_state(self.world.share_state(self.state(), self.lora, self.model, self.optimizer))
 
     def restore(self, folder: Path) -> None:
         """Continue exactly where `folder` left off: adapters, AdamW moments, data order, RNG."""
@@ -453,9 +498,17 @@ class Trainer:
         if set(opt) != {k for k, _ in tree_flatten(self.optimizer.state)}:
             raise FluxKleinError(f"checkpoint {folder} holds another run's optimizer state; start anew in another --work-dir")
         self.optimizer.state = tree_map_with_path(lambda path, _: opt[path], self.optimizer.state)
+        self.apply_state(state)
+        if self.ema is not None:
+            self.ema.load(folder)
+
+    def apply_state(self, state: dict) -> None:
+        """The data position, RNG and histories of a checkpoint's (or rank 0's) state."""
         self.rng.bit_generator.state = state["rng"]
         self.step_no, self.epoch, self.position = state["step"], state["epoch"], state["position"]
         self.batches, self.losses = state["batches"], list(state["losses"])
+        if self.validation:
+            self.validation.history = list(state.get("validation", []))
         mx.eval(self.model.trainable_parameters(), self.optimizer.state)
 
     def samples(self) -> SamplesSaved:
@@ -495,15 +548,19 @@ class Trainer:
                                                        "path": str(self.info.path)},
             "settings": self.s.record(), "data": [it.record() for it in self.items], "buckets": bucket_counts(self.items),
             "targets": [sl.name for sl in self.plan.slots], "resumed_from": str(self.plan.resume_from or "") or None,
-            "started": self.started, **extra,
+            "started": self.started, "processes": self.world.size,
+            "validation": self.validation.history if self.validation else None, **extra,
         }  # fmt: skip
 
     def finish(self, seconds: float) -> TrainFinished:
         s = self.s
-        final = write_exclusive(s.output, lambda tmp: write_lora_file(tmp, self.lora, self.dtype))
+        if not self.world.is_main:  # rank 0 writes the output
+            return TrainFinished(s.output, self.step_no, seconds, s.work_dir)
+        write = (lambda tmp: write_lora_file(tmp, self.lora, self.dtype)) if self.ema is None else self.ema.writer(self.lora, self.dtype)
+        final = write_exclusive(s.output, write)
         finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
         write_json(s.work_dir / "train.json", self.record(output=str(final), finished=finished, steps=self.step_no,
                                                           final_loss=self.losses[-1] if self.losses else None))  # fmt: skip
         if self.losses:
-            write_loss_plot(s.work_dir / "loss.png", self.losses)
+            write_loss_plot(s.work_dir / "loss.png", self.losses, self.validation.points() if self.validation else ())
         return TrainFinished(final, self.step_no, seconds, s.work_dir)
