@@ -6,6 +6,7 @@ the command and the Python API refuse the same things with the same words.
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 import warnings
@@ -126,7 +127,10 @@ def train(**options):
 
     Under mlx.launch (several Macs) every process runs this command; rank 0 alone prints and writes."""
     options["quantize"] = int(options["quantize"]) if options["quantize"] else None
-    if not world().is_main:
+    w = world()
+    if w.size > 1:  # mlx.launch ends the others with SIGTERM when one process fails: say so, in one line
+        signal.signal(signal.SIGTERM, lambda *_: _stopped(w.size))
+    if not w.is_main:
         _follow(options)
         return
     events = train_lora(**options)  # everything is checked here, before any model loads
@@ -143,6 +147,10 @@ def train(**options):
         elif text:
             progress.say(text)
     click.echo(f"done in {_clock(time.perf_counter() - t0)}", err=True)
+
+
+def _stopped(size: int):
+    raise PeerLost(f"another process of this {size}-process run ended, and mlx.launch stopped this one")
 
 
 def _follow(options: dict) -> None:
