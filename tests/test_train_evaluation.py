@@ -44,17 +44,20 @@ def lora_arrays(path) -> dict[str, np.ndarray]:
     return {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(path)).items()}
 
 
-def test_ema_equals_diffusers_emamodel_and_validation_equals_diffusers_loss(base, folders, tmp_path):
-    from diffusers import Flux2KleinPipeline as P
-    from diffusers.training_utils import EMAModel
-
-    from flux_klein_mlx.train.data import bucket_size, load_pixels
-
-    out = tmp_path / "ema.safetensors"
+@pytest.fixture(scope="module")
+def ema_run(base, folders, tmp_path_factory):
+    """3 steps in float32 with --ema 0.9 and --validation, a checkpoint after every step: (events, output, work folder)."""
+    out = tmp_path_factory.mktemp("ema-run") / "ema.safetensors"
     events = list(flux_klein_mlx.train_lora(
         model=base, data=folders[0], output=out, steps=3, rank=4, resolution=64, dtype="float32", lr=3e-3,
         save_every=1, keep_checkpoints=5, ema=0.9, validation=folders[1]))  # fmt: skip
-    work = tmp_path / "ema.train"
+    return events, out, out.with_name("ema.train")
+
+
+def test_ema_equals_diffusers_emamodel_and_numpy_on_every_checkpoint(base, ema_run):
+    from diffusers.training_utils import EMAModel
+
+    _, out, work = ema_run
     raw = [lora_arrays(work / f"checkpoint-00000{k}" / "lora.safetensors") for k in (1, 2, 3)]
     ema = [lora_arrays(work / f"checkpoint-00000{k}" / "ema.safetensors") for k in (1, 2, 3)]
     keys = sorted(raw[0])
@@ -76,31 +79,34 @@ def test_ema_equals_diffusers_emamodel_and_validation_equals_diffusers_loss(base
     assert all(np.array_equal(written[k], ema[2][k]) for k in keys)  # float32 run: the EMA itself is the output
     assert flux_klein_mlx.load(base, loras=[out]).loras[0].format == "A"
 
-    # validation: diffusers recomputes the step-3 numbers from the step-3 LoRA
+
+def test_validation_equals_diffusers_loss_with_the_checkpoints_lora_and_fixed_noise(base, folders, ema_run):
+    from diffusers import Flux2KleinPipeline as P
+
+    from flux_klein_mlx.train.data import bucket_size, load_pixels
+
+    events, _, work = ema_run
     measured = [ev for ev in events if isinstance(ev, ValidationFinished)]
     assert [ev.step for ev in measured] == [1, 2, 3]
     shared = diffusers_pipeline(base, "plain", distilled=False)  # its weights stay as they are: a copy takes the LoRA
     pipe = P(**{**shared.components, "transformer": copy.deepcopy(shared.transformer)}, is_distilled=False)
     pipe.load_lora_weights(work / "checkpoint-000003" / "lora.safetensors", adapter_name="v")
-    transformer = pipe.transformer
-    sums = np.zeros(5)
+    vae, sums = pipe.vae, np.zeros(5)
     with torch.no_grad():
         for i in range(2):
             path = folders[1] / f"im{i}.png"
-            W, H = bucket_size(*Image.open(path).size, 64)
-            px = torch.from_numpy(load_pixels(path, (W, H))).permute(2, 0, 1)[None]
-            z = P._patchify_latents(pipe.vae.encode(px).latent_dist.mode())
-            bn = pipe.vae.bn
-            x0 = (z - bn.running_mean.view(1, -1, 1, 1)) / torch.sqrt(bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps)
+            px = torch.from_numpy(load_pixels(path, bucket_size(*Image.open(path).size, 64))).permute(2, 0, 1)[None]
+            z = P._patchify_latents(vae.encode(px).latent_dist.mode())
+            std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+            x0 = (z - vae.bn.running_mean.view(1, -1, 1, 1)) / std
             C, h, w = x0.shape[1:]
             noise = np.random.default_rng([29, i]).standard_normal((5, h * w, C), dtype=np.float32)
             ctx = diffusers_prompt_embeds(shared, f"held out picture {i}")
             for k, sigma in enumerate((0.1, 0.3, 0.5, 0.7, 0.9)):
-                eps = torch.from_numpy(noise[k].T.reshape(1, C, h, w).copy())
+                eps = torch.from_numpy(noise[k].T.reshape(1, C, h, w).copy())  # tokens (L, C) -> (1, C, h, w)
                 idx = torch.tensor([1000 - round(sigma * 1000)])  # the scheduler's sigma (1000 - idx) / 1000
-                sums[k] += diffusers_loss(transformer, x0, eps, idx, ctx).item()
-    ref = sums / 2
-    ours = measured[-1]
+                sums[k] += diffusers_loss(pipe.transformer, x0, eps, idx, ctx).item()
+    ref, ours = sums / 2, measured[-1]
     assert np.allclose([ours.by_sigma[str(s)] for s in (0.1, 0.3, 0.5, 0.7, 0.9)], ref, rtol=1e-4)
     assert ours.loss == pytest.approx(ref.mean(), rel=1e-4)
     record = json.loads((work / "train.json").read_text())

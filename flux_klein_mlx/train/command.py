@@ -154,13 +154,12 @@ def _stopped(size: int):
 
 
 def _follow(options: dict) -> None:
-    """A process other than rank 0: train silently; rank 0 says what went wrong, except that it stopped."""
+    """A process other than rank 0: train silently and end with status 1 on an error, which rank 0 (or,
+    when rank 0 itself stopped, mlx.launch) reports: the run ends with one line, not one per process."""
     warnings.simplefilter("ignore")
     try:
         for _ in train_lora(**options):
             pass
-    except PeerLost:
-        raise  # rank 0 may be the process that stopped: this one says so
     except FluxKleinError:
         raise click.exceptions.Exit(1) from None
 

@@ -11,7 +11,8 @@ N processes, each with `--batch-size B`, train what one process trains with `--b
 - a share's loss is weighted by (its size / the global batch's size): the shares' gradients then
   sum to the gradient of the global batch's mean loss, and `mx.distributed.all_sum` (one flat
   float32 buffer per step) sums them before clipping; every process applies the same update;
-- rank 0 alone checks the work folder, reads and writes files and prints; at the start it sends
+- rank 0 alone checks the work folder, reads and writes files and prints (the others end silently
+  with status 1 on an error, so that a run ends with one line); at the start it sends
   its weights, AdamW moments and data position to the others (`broadcast_*`), so a resumed run
   needs its checkpoint on rank 0 only;
 - a process that stops (killed, out of memory, a cable pulled) ends the collective on the others
@@ -46,13 +47,14 @@ class PeerLost(FluxKleinError):
                         "mlx.launch command and --resume")  # fmt: skip
 
 
-def example_draws(seed: int, step: int, indices, normal: bool, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+def example_draws(seed: int, step: int, indices, scheme: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     """The random numbers of some examples of step `step`: (draws (B,), noise (B, L, C)), float32.
 
     Example `index` (micro-batch k, position j in the global batch of size G: k*G + j) takes its own
-    generator seeded (seed, step, index): first the draw its noise level comes from, U(0, 1) or N(0, 1)
-    (`normal`) as `trainer.sigmas_from_draws` wants, then its noise of `shape` (L, C).
+    generator seeded (seed, step, index): first the draw its noise level comes from, U(0, 1) for the
+    `uniform` scheme, else N(0, 1), as `trainer.sigmas_from_draws` wants; then its noise of `shape` (L, C).
     """
+    normal = scheme != "uniform"
     draws, noise = [], []
     for index in indices:
         rng = np.random.default_rng([seed, step, index])  # numpy's SeedSequence mixes the three words
@@ -89,12 +91,11 @@ class World:
         return range(start, start + base + (1 if self.rank < extra else 0))
 
     def _evaluate(self, x: mx.array) -> None:
+        """Run a collective (its inputs are already computed: an error here is the backend's)."""
         try:
             mx.eval(x)
         except RuntimeError as e:
-            if "ring" in str(e) or "peer" in str(e) or "connection" in str(e):
-                raise PeerLost(f"another process of this {self.size}-process run stopped ({e})") from None
-            raise
+            raise PeerLost(f"another process of this {self.size}-process run stopped ({e})") from None
 
     def sum_grads(self, grads, loss: float):
         """(gradient tree, loss) summed over the processes, through one float32 buffer; each leaf keeps its dtype."""
@@ -140,7 +141,9 @@ class World:
 
     def share_state(self, state: dict, lora, model, optimizer) -> dict:
         """Rank 0's run state on every process: adapters, AdamW's moments (once resumed; a new run starts
-        them at zero everywhere), and `state` (data position, RNG, histories), which it returns."""
+        them at zero everywhere), and `state` (data position, RNG, histories), which it returns. Alone: `state`."""
+        if self.group is None:
+            return state
         state = self.broadcast_json(state)
         arrays = lora.arrays()  # names hold dots: sent as a list, not as a tree
         lora.load(dict(zip(arrays, self.broadcast_tree(list(arrays.values())))), "rank 0's adapters")

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..errors import FluxKleinError
 from ..weights import read_lora_file, save_safetensors_streaming
+from .adapters import write_lora_file
 
 VALIDATION_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)  # midpoints of five equal bins of sigma in [0, 1]
 VALIDATION_SEED = 29  # fixed for every run: the noise does not follow --seed
@@ -89,6 +90,13 @@ class AdapterEMA:
         mx.eval(list(self.values.values()))
 
 
+def output_writer(ema: AdapterEMA | None, lora, dtype) -> Callable[[Path], None]:
+    """What writes the run's LoRA file: the EMA with --ema, else the trained weights (in `dtype`)."""
+    if ema is None:
+        return lambda path: write_lora_file(path, lora, dtype)
+    return ema.writer(lora, dtype)
+
+
 def validation_noise(index: int, tokens: int, channels: int) -> np.ndarray:
     """The fixed noise of validation image `index`: (levels, L, C) float32 (module docstring)."""
     rng = np.random.default_rng([VALIDATION_SEED, index])
@@ -103,6 +111,9 @@ class Validation:
         self.latents: list[mx.array] = []  # per item (1, L, C)
         self.history: list[dict] = []  # {"step", "loss", "by_sigma"} per checkpoint
 
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
     def captions(self) -> list[str]:
         return [it.caption for it in self.items]
 
@@ -115,12 +126,14 @@ class Validation:
 
     def measure(self, step: int, loss_fn: Callable, ctx: dict, rope: Callable) -> ValidationFinished:
         """The loss at every (image, level): `loss_fn(x0, noise, sigma, ctx, rope)` is the run's objective,
-        called without gradients; `ctx` maps captions to (1, Lt, E); `rope(item)` gives the item's tables."""
+        called without gradients; `ctx` maps captions to (1, Lt, E); `rope(item, 0)` gives the item's tables
+        (no control images)."""
         sums = np.zeros(len(VALIDATION_SIGMAS))
         for i, (it, x0) in enumerate(zip(self.items, self.latents)):
             noise = validation_noise(i, x0.shape[1], x0.shape[2])
             for k, sigma in enumerate(VALIDATION_SIGMAS):
-                loss = loss_fn(x0, mx.array(noise[k : k + 1]), mx.array([sigma], dtype=mx.float32), ctx[it.caption], rope(it))
+                sigma_k = mx.array([sigma], dtype=mx.float32)
+                loss = loss_fn(x0, mx.array(noise[k : k + 1]), sigma_k, ctx[it.caption], rope(it, 0))
                 sums[k] += loss.item()
         by_sigma = {str(sigma): float(v / len(self.items)) for sigma, v in zip(VALIDATION_SIGMAS, sums)}
         result = ValidationFinished(step, float(np.mean(list(by_sigma.values()))), by_sigma)

@@ -28,10 +28,9 @@ Sigma sampling (`timesteps`):
 
 Optimizer: AdamW with torch's semantics (bias correction, decoupled weight decay 1e-4 as diffusers,
 eps 1e-8), gradients averaged over `grad_accum` micro-batches and clipped to a global norm of 1.0,
-constant learning rate. The data order and the adapter init come from one numpy generator seeded
-with `seed`, whose state each checkpoint stores; each example's noise level and noise come from
-(seed, step, example index) (`distributed.example_draws`): a resumed run is bit-exact, and N processes
-under `mlx.launch` (train/distributed.py) train what one process does with N times the batch.
+constant learning rate. Data order and adapter init come from a numpy generator seeded with `seed`
+(its state is in each checkpoint: resume is bit-exact); each example's noise level and noise come from
+(seed, step, example index), so N processes under mlx.launch equal one with N times the batch (distributed.py).
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Iterator
 
@@ -62,7 +62,7 @@ from ..models.text_encoder import encode_prompts
 from ..models.tokenizer import load_tokenizer
 from .data import bucket_counts, epoch_batches, load_pixels, scan_data
 from .distributed import PeerLost, World, check_processes, example_draws, world
-from .evaluation import EMA_FILE, AdapterEMA, Validation
+from .evaluation import EMA_FILE, AdapterEMA, Validation, output_writer
 from .settings import TrainSettings, differences
 from .state import (
     checkpoints, read_checkpoint, read_state, remove_temporaries, write_atomic, write_checkpoint, write_json,
@@ -257,9 +257,8 @@ def _check_resume(s: TrainSettings, info, items, processes: int = 1) -> Path | N
 
 
 def plan_run(settings: TrainSettings, processes: World | None = None) -> RunPlan:
-    """Every check of a run, before any model loads: settings, model files, output, data, work folder.
-    Under mlx.launch every process checks its own view and they agree (distributed.World.agree)."""
-    w = processes or world()
+    """Every check of a run, before any model loads: settings, model files, output, data, work folder."""
+    w = processes or world()  # under mlx.launch every process checks its own view, then they agree
     return w.agree(lambda: _plan(settings, w), lambda plan: (plan.settings.run_key(), data_key(plan.items)))
 
 
@@ -308,8 +307,7 @@ class Trainer:
         self.step_no, self.epoch, self.batches, self.position = 0, 0, [], 0
         self.losses: list[float] = []
         self.sample_pipe = None
-        self.world, self.ema = plan.world, None  # the EMA lives on rank 0, which writes the files
-        self.validation = Validation(plan.validation) if plan.validation else None
+        self.world, self.validation = plan.world, Validation(plan.validation)  # validation: empty without --validation
         self.started = datetime.now(timezone.utc).isoformat(timespec="seconds")
 
     def run(self) -> Iterator:
@@ -325,14 +323,14 @@ class Trainer:
         try:
             if self.plan.resume_from is not None:
                 self.restore(self.plan.resume_from)
-            self.synchronize()
+            self.apply_state(self.world.share_state(self.state(), self.lora, self.model, self.optimizer))  # from rank 0
             yield TrainStarted(s.steps, self.step_no + 1, self.plan.resume_from, len(self.items), bucket_counts(self.items),
                                len(self.lora.slots), self.lora.num_parameters, wd)  # fmt: skip
             while self.step_no < s.steps:
                 yield self.train_step()
                 if main and (self.step_no == s.steps or (s.save_every and self.step_no % s.save_every == 0)):
-                    if self.validation:
-                        yield self.validate()
+                    if self.validation:  # the held-out loss of these weights, recorded by the checkpoint
+                        yield self.validation.measure(self.step_no, partial(flow_loss, self.model), self.ctx, self.rope)
                     yield self.save()
                 if main and s.sample_every and self.step_no % s.sample_every == 0:
                     yield self.samples()
@@ -345,7 +343,7 @@ class Trainer:
     def cache_captions(self) -> StageFinished:
         t0 = time.perf_counter()
         s, info = self.s, self.info
-        texts = list(dict.fromkeys([it.caption for it in self.items] + (self.validation.captions() if self.validation else [])))
+        texts = list(dict.fromkeys([it.caption for it in self.items] + self.validation.captions()))
         extra = list(s.sample_prompts) + ([""] if s.sample_prompts and not info.is_distilled else [])
         texts += [t for t in dict.fromkeys(extra) if t not in texts]
         tokenizer = load_tokenizer(info.tokenizer)
@@ -375,8 +373,7 @@ class Trainer:
                 raise FluxKleinError(f"non-finite VAE latents for {it.image.path}: try --dtype float32")
             self.latents.append(x0)
             self.refs.append(refs)
-        if self.validation:
-            self.validation.encode(lambda path, bucket: self._encode(vae, path, bucket))
+        self.validation.encode(lambda path, bucket: self._encode(vae, path, bucket))
         del vae
         mx.clear_cache()
         return StageFinished("latents", time.perf_counter() - t0, f"{len(self.items)} images encoded, VAE released")
@@ -392,8 +389,7 @@ class Trainer:
         self.lora = attach_lora(self.model, self.plan.slots, s.rank, s.alpha, self.rng)
         self.optimizer = make_optimizer(s)
         mx.eval(self.model.trainable_parameters())
-        if s.ema is not None and self.world.is_main:
-            self.ema = AdapterEMA(s.ema, self.lora)
+        self.ema = AdapterEMA(s.ema, self.lora) if s.ema is not None and self.world.is_main else None  # rank 0 writes it
 
         def loss(weight, x0, noise, sigma, ctx, refs, cos, sin):  # weight: this process's share of the batch
             return flow_loss(self.model, x0, noise, sigma, ctx, (cos, sin), refs, checkpoint=s.low_memory) * weight
@@ -420,10 +416,10 @@ class Trainer:
         return self.ropes[key]
 
     def micro_batch(self, indices: list[int], first: int) -> tuple:
-        """(x0, noise, sigma, ctx, refs, cos, sin) of one batch; example j's draws are keyed (seed, step, first + j)."""
+        """(x0, noise, sigma, ctx, refs, cos, sin) of one batch; example j's draws keyed (seed, step, first + j)."""
         x0 = mx.concatenate([self.latents[i] for i in indices], axis=0)  # (B, L, C)
         B, L, C = x0.shape
-        draws, noise = example_draws(self.s.seed, self.step_no + 1, range(first, first + B), self.s.timesteps != "uniform", (L, C))
+        draws, noise = example_draws(self.s.seed, self.step_no + 1, range(first, first + B), self.s.timesteps, (L, C))
         sigma, noise = mx.array(sigmas_from_draws(self.s.timesteps, draws, L)), mx.array(noise)
         ctx = mx.concatenate([self.ctx[self.items[i].caption] for i in indices], axis=0)
         refs = None if self.refs[indices[0]] is None else mx.concatenate([self.refs[i] for i in indices], axis=0)
@@ -438,7 +434,7 @@ class Trainer:
             batch = self.next_batch()
             part = self.world.share(len(batch))
             if len(part):
-                first = k * s.batch_size * self.world.size + part.start  # the example's index in the step
+                first = k * s.batch_size * self.world.size + part.start  # counted over the step's global batches
                 args = self.micro_batch([batch[i] for i in part], first)
                 loss, g = self.loss_and_grad(len(part) / len(batch), *args)
             else:  # a bucket's last global batch can leave a process without examples
@@ -468,8 +464,7 @@ class Trainer:
         return {
             "step": self.step_no, "epoch": self.epoch, "batches": self.batches, "position": self.position,
             "rng": self.rng.bit_generator.state, "losses": self.losses, "run_key": run_key(self.s, self.info, self.world.size),
-            "data": data_key(self.items), "flux_klein_mlx": __version__,
-            "validation": self.validation.history if self.validation else [],
+            "data": data_key(self.items), "flux_klein_mlx": __version__, "validation": self.validation.history,
         }  # fmt: skip
 
     def save(self) -> CheckpointSaved:
@@ -477,18 +472,8 @@ class Trainer:
         opt = dict(tree_flatten(self.optimizer.state))
         extra = {EMA_FILE: (self.ema.file_arrays(mx.float32), self.lora.metadata())} if self.ema else {}
         path = write_checkpoint(self.s.work_dir, self.step_no, lora, opt, self.state(), self.s.keep_checkpoints, extra)
-        write_loss_plot(self.s.work_dir / "loss.png", self.losses, self.validation.points() if self.validation else ())
+        write_loss_plot(self.s.work_dir / "loss.png", self.losses, self.validation.points())
         return CheckpointSaved(self.step_no, path)
-
-    def validate(self):
-        """The held-out loss of the current weights (evaluation.Validation), before the checkpoint records it."""
-        loss = lambda x0, noise, sigma, ctx, rope: flow_loss(self.model, x0, noise, sigma, ctx, rope)  # noqa: E731
-        return self.validation.measure(self.step_no, loss, self.ctx, lambda it: self.rope(it, 0))
-
-    def synchronize(self) -> None:
-        """Several processes: rank 0's adapters, AdamW moments, data position and RNG on every process."""
-        if self.world.group is not None:
-            self.apply_state(self.world.share_state(self.state(), self.lora, self.model, self.optimizer))
 
     def restore(self, folder: Path) -> None:
         """Continue exactly where `folder` left off: adapters, AdamW moments, data order, RNG."""
@@ -507,8 +492,7 @@ class Trainer:
         self.rng.bit_generator.state = state["rng"]
         self.step_no, self.epoch, self.position = state["step"], state["epoch"], state["position"]
         self.batches, self.losses = state["batches"], list(state["losses"])
-        if self.validation:
-            self.validation.history = list(state.get("validation", []))
+        self.validation.history = list(state.get("validation", []))
         mx.eval(self.model.trainable_parameters(), self.optimizer.state)
 
     def samples(self) -> SamplesSaved:
@@ -549,18 +533,17 @@ class Trainer:
             "settings": self.s.record(), "data": [it.record() for it in self.items], "buckets": bucket_counts(self.items),
             "targets": [sl.name for sl in self.plan.slots], "resumed_from": str(self.plan.resume_from or "") or None,
             "started": self.started, "processes": self.world.size,
-            "validation": self.validation.history if self.validation else None, **extra,
+            "validation": self.validation.history or None, **extra,
         }  # fmt: skip
 
     def finish(self, seconds: float) -> TrainFinished:
         s = self.s
         if not self.world.is_main:  # rank 0 writes the output
             return TrainFinished(s.output, self.step_no, seconds, s.work_dir)
-        write = (lambda tmp: write_lora_file(tmp, self.lora, self.dtype)) if self.ema is None else self.ema.writer(self.lora, self.dtype)
-        final = write_exclusive(s.output, write)
+        final = write_exclusive(s.output, output_writer(self.ema, self.lora, self.dtype))
         finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
         write_json(s.work_dir / "train.json", self.record(output=str(final), finished=finished, steps=self.step_no,
                                                           final_loss=self.losses[-1] if self.losses else None))  # fmt: skip
         if self.losses:
-            write_loss_plot(s.work_dir / "loss.png", self.losses, self.validation.points() if self.validation else ())
+            write_loss_plot(s.work_dir / "loss.png", self.losses, self.validation.points())
         return TrainFinished(final, self.step_no, seconds, s.work_dir)
