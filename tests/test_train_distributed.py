@@ -2,7 +2,7 @@
 (CPU, this machine) with --batch-size 1 train what one process trains with --batch-size 2.
 
 One story, three runs: one process straight through 4 steps (batch 2, 2 micro-batches per step);
-two processes that lose rank 1 at step 3 (one line, the step-2 checkpoint kept, nothing else
+two processes that lose rank 1 at step 4 (one line, the step-2 checkpoint kept, nothing else
 written); the same two processes resuming to step 4. The two-process file equals the one-process
 file to float tolerance, and only rank 0 printed and wrote.
 """
@@ -95,11 +95,11 @@ def test_two_processes_equal_one_with_twice_the_batch_survive_a_dead_rank_and_re
     two, work = tmp_path / "two.safetensors", tmp_path / "two.train"
     args = common + ["--batch-size", "1", "--output", str(two), "--work-dir", str(work)]
 
-    died = launch(args, die_at=3)
+    died = launch(args, die_at=4)  # rank 0 has written checkpoint 2 and its plot before step 3 could end
     ours = [line for line in (died.stdout + died.stderr).splitlines() if not line.startswith(("[ring]", "\x1b[33m[WARN]"))]
     errors = [line for line in ours if line.startswith("error:")]
     assert len(errors) == 1, died.stderr
-    assert "stopped" in errors[0] and "step 3" in errors[0] and "checkpoint-000002" in errors[0] and "--resume" in errors[0]
+    assert "stopped" in errors[0] and "step 4" in errors[0] and "checkpoint-000002" in errors[0] and "--resume" in errors[0]
     assert sum(line.startswith("captions:") for line in ours) == 1  # rank 0 alone prints
     assert sorted(p.name for p in work.iterdir()) == ["checkpoint-000002", "loss.png", "train.json"]
     assert not two.exists()
@@ -120,3 +120,19 @@ def test_two_processes_equal_one_with_twice_the_batch_survive_a_dead_rank_and_re
     lb = json.loads((work / "checkpoint-000004" / "state.json").read_text())["losses"]
     assert np.allclose(la, lb, rtol=1e-5, atol=0)
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".safetensors") == ["one.safetensors", "two.safetensors"]
+
+
+def test_two_processes_refuse_a_one_process_checkpoint_in_one_line(base, data, tmp_path):
+    """The real two-process path of the refusal (rank 0 checks the work folder, rank 1 agrees): one line,
+    before any model loads, nothing written."""
+    out = tmp_path / "one.safetensors"
+    list(flux_klein_mlx.train_lora(model=base, data=data, output=out, resolution=64, rank=4, steps=1, batch_size=2))
+    before = sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+    args = ["--model", str(base), "--data", str(data), "--resolution", "64", "--rank", "4", "--steps", "2",
+            "--batch-size", "1", "--output", str(tmp_path / "two.safetensors"), "--work-dir", str(tmp_path / "one.train"),
+            "--resume"]  # fmt: skip
+    refused = launch(args)
+    ours = [line for line in (refused.stdout + refused.stderr).splitlines() if not line.startswith("\x1b[33m[WARN]")]
+    assert len(ours) == 1 and ours[0].startswith("error: --resume:"), ours
+    assert "trained by 1 process(es), this run has 2" in ours[0]
+    assert sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == before
