@@ -674,3 +674,43 @@ def test_a_step_that_will_not_fit_is_refused_naming_the_remedies_unless_forced(c
             "memory plan: a step peaks at about", "of 0.0 GB (a test machine)", "will not fit", "--force")  # fmt: skip
     plan = plan_run(TrainSettings(model=str(snap), data=data, output=tmp_path / "o.safetensors", resolution=64, force=True))
     assert not plan.memory.fits and plan.memory.peak > 1000
+
+
+# --- issue 29: --ema, --validation, the process count of a checkpoint ----------------------------
+
+
+@pytest.mark.parametrize("value", ["0", "1", "1.5", "-0.5", "nan"])
+def test_ema_outside_zero_one_refused(capsys, snap, tmp_path, no_models, value):
+    data = make_images(tmp_path / "data")
+    refused(capsys, tmp_path, base_args(snap, data, tmp_path / "out.safetensors") + ["--ema", value], "ema", "(0, 1)")
+
+
+@pytest.mark.parametrize("layout, words", [
+    ("empty", ["--validation", "holds no images"]), ("missing", ["--validation", "does not exist"]),
+    ("uncaptioned", ["no caption", "im0.png"]), ("control", ["--validation", "--control"]),
+])  # fmt: skip
+def test_bad_validation_folder_refused(capsys, snap, tmp_path, no_models, layout, words):
+    data = make_images(tmp_path / "data")
+    held_out, extra = tmp_path / "held_out", []
+    if layout == "empty":
+        held_out.mkdir()
+        (held_out / "notes.txt").write_text("no images here")
+    elif layout == "uncaptioned":
+        make_images(held_out, n=1, captions=False)
+    elif layout == "control":
+        make_images(held_out, n=1)
+        extra = ["--control", str(make_images(tmp_path / "control", captions=False))]
+    args = base_args(snap, data, tmp_path / "out.safetensors") + ["--validation", str(held_out)] + extra
+    refused(capsys, tmp_path, args, *words)
+
+
+def test_resume_with_another_process_count_refused(capsys, snap, tmp_path, no_models):
+    """A checkpoint written by 2 processes (mlx.launch -n 2) continues only with 2: here 1 asks."""
+    data = make_images(tmp_path / "data")
+    out = tmp_path / "out.safetensors"
+    folder = fake_checkpoint(tmp_path / "out.train", TrainSettings(model=str(snap), data=data, output=out, resolution=64, rank=4))
+    state = json.loads((folder / "state.json").read_text())
+    state["run_key"]["processes"] = 2
+    (folder / "state.json").write_text(json.dumps(state))
+    refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume"], "trained by 2 process(es)", "this run has 1", "mlx.launch")
+    refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume", "--ema", "0.9"], "trained by 2")

@@ -6,20 +6,25 @@ the command and the Python API refuse the same things with the same words.
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
+import warnings
 
 import click
 from click.core import ParameterSource
 
 from ..cli import run_command
+from ..errors import FluxKleinError
 from ..loading import DTYPES
 from .config_file import check_recorded_data, option_names, read_config
+from .distributed import PeerLost, world
+from .evaluation import ValidationFinished
 from .memory import MemoryPlanned, describe_plan
 from .schedule import SCHEDULES
 from .trainer import (
     CheckpointSaved, SamplesSaved, StageFinished, StageStarted, StepFinished, TrainFinished, TrainStarted, train_lora,
-)  # fmt: skip
+)
 from .settings import DEFAULT_BASE_MODEL, TIMESTEPS, TrainSettings
 
 _D = TrainSettings()  # the defaults, shown in --help
@@ -83,6 +88,9 @@ def describe_event(ev) -> str | None:
         return f"checkpoint: {ev.path}"
     if isinstance(ev, SamplesSaved):
         return describe_samples(ev)
+    if isinstance(ev, ValidationFinished):
+        levels = ", ".join(f"{k} {v:.4f}" for k, v in ev.by_sigma.items())
+        return f"validation at step {ev.step}: loss {ev.loss:.4f} (by noise level: {levels})"
     if isinstance(ev, TrainFinished):
         return f"wrote {ev.output} ({ev.steps} steps, {_clock(ev.seconds)}); loss plot and train.json in {ev.work_dir}"
     return None
@@ -160,11 +168,22 @@ def describe_samples(ev: SamplesSaved) -> str:
 @click.option("--caption-dropout", type=float, default=_D.caption_dropout, show_default=True,
               help="Probability of training an example with the empty caption.")
 @click.option("--force", is_flag=True, help="Train even when the memory plan says a step will not fit.")
+@click.option("--ema", type=float, default=None,
+              help="Write an exponential moving average of the adapters (decay in (0, 1), e.g. 0.999) as the output.")
+@click.option("--validation", default=None, help="Folder of held-out images + captions: their loss at each checkpoint.")
 def train(**options):
-    """Train a LoRA on FLUX.2 [klein] Base from a folder of captioned images."""
+    """Train a LoRA on FLUX.2 [klein] Base from a folder of captioned images.
+
+    Under mlx.launch (several Macs) every process runs this command; rank 0 alone prints and writes."""
     options = with_config(click.get_current_context(), options)
     options["quantize"] = int(options["quantize"]) if options["quantize"] else None
     options["sample_quantize"] = int(options["sample_quantize"]) if options["sample_quantize"] else None
+    w = world()
+    if w.size > 1:  # mlx.launch ends the others with SIGTERM when one process fails: say so, in one line
+        signal.signal(signal.SIGTERM, lambda *_: _stopped(w.size))
+    if not w.is_main:
+        _follow(options)
+        return
     events = train_lora(**options)  # everything is checked here, before any model loads
     progress = ProgressLine()
     t0 = time.perf_counter()
@@ -196,6 +215,8 @@ def interrupted(step: int, checkpoint) -> str:
     if checkpoint is None:
         return f"stopped at step {step}; no checkpoint yet: run the same command again to start over"
     return f"stopped at step {step}; last checkpoint {checkpoint}: continue with the same command and --resume"
+
+
 def with_config(ctx: click.Context, options: dict) -> dict:
     """The options with those of --config filled in where the command line gave none."""
     path = options.pop("config")
@@ -208,6 +229,21 @@ def with_config(ctx: click.Context, options: dict) -> dict:
     if config.recorded_data is not None and ctx.get_parameter_source("data") != ParameterSource.COMMANDLINE:
         check_recorded_data(config, options["data"])  # the same images as the recorded run, byte for byte
     return options
+
+
+def _stopped(size: int):
+    raise PeerLost(f"another process of this {size}-process run ended, and mlx.launch stopped this one")
+
+
+def _follow(options: dict) -> None:
+    """A process other than rank 0: train silently and end with status 1 on an error, which rank 0 (or,
+    when rank 0 itself stopped, mlx.launch) reports: the run ends with one line, not one per process."""
+    warnings.simplefilter("ignore")
+    try:
+        for _ in train_lora(**options):
+            pass
+    except FluxKleinError:
+        raise click.exceptions.Exit(1) from None
 
 
 def main(argv=None) -> int:

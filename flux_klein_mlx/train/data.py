@@ -176,7 +176,7 @@ def _say_what_is_not_read(folder: Path, images: dict[str, Path], extension: str)
 
 def scan_data(
     data, caption: str | None = None, controls=(), resolution: int | tuple = 512, trigger: str | None = None,
-    caption_extension: str = ".txt",
+    caption_extension: str = ".txt", option: str = "--data",
 ) -> list[TrainItem]:
     """The training examples of `data` (and its `controls` folders), every file opened and checked;
     with several resolutions, one example per image and resolution (in the order listed).
@@ -187,7 +187,7 @@ def scan_data(
     trained (`trigger` applied).
     """
     folder = Path(data).expanduser()
-    images = _images_by_stem(folder, "--data")
+    images = _images_by_stem(folder, option)
     for c in controls:
         if _same_folder(Path(c).expanduser(), folder):
             raise FluxKleinError(
@@ -196,7 +196,7 @@ def scan_data(
             )
     if not images:
         raise FluxKleinError(
-            f"--data {folder} holds no images ({', '.join(IMAGE_SUFFIXES)}); put the training images there, "
+            f"{option} {folder} holds no images ({', '.join(IMAGE_SUFFIXES)}); put the training images there, "
             "each with a .txt caption"
         )
     uncaptioned = [p.name for p in images.values() if _caption(p, caption, caption_extension) is None]

@@ -89,6 +89,8 @@ class TrainSettings:
     lr_scheduler: str = "constant"  # diffusers' get_scheduler names (train/schedule.py)
     warmup_steps: int = 0
     force: bool = False  # train even when the memory plan says the step will not fit
+    ema: float | None = None  # decay of the adapters' moving average, written as the output (train/evaluation.py)
+    validation: str | Path | None = None  # folder of held-out images + captions, measured at each checkpoint
 
     def check(self) -> "TrainSettings":
         """Types and ranges of every setting (FluxKleinError, one line), checked with the same checkers as
@@ -115,6 +117,7 @@ class TrainSettings:
         prompts = _prompts(self.sample_prompts)  # listed once: a one-shot iterable stays usable
         self._check_paths_and_text(prompts)
         self._check_samples_and_captions()
+        self._check_ema_and_validation()
         if warning := lr_underflow(self.lr, self.rank):
             warnings.warn(warning)
         return self._resolved(prompts)
@@ -151,6 +154,13 @@ class TrainSettings:
         check_layout(self.format)
         if self.adapter == "lokr" and self.format == "kohya":
             raise FluxKleinError("a LoKr is written as --format comfyui or diffusers; kohya's layout holds LoRA pairs only")
+
+    def _check_ema_and_validation(self) -> None:
+        v = self.ema
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < 1):
+            raise FluxKleinError(f"ema must be a decay in (0, 1) such as 0.999, not {v!r}")
+        if self.validation is not None and self.controls:
+            raise FluxKleinError("--validation does not measure edit LoRAs (--control) yet; leave one of the two out")
 
     def _check_paths_and_text(self, prompts: list) -> None:
         if not str(self.data):
@@ -197,6 +207,7 @@ class TrainSettings:
             resolution=parse_resolutions(self.resolution),
             sample_strengths=parse_strengths(self.sample_strengths),
             trigger=self.trigger.strip() if self.trigger is not None else None,
+            ema=float(self.ema) if self.ema is not None else None,
             output=out,
             work_dir=Path(self.work_dir).expanduser() if self.work_dir else out.with_name(out.stem + ".train"),
             controls=tuple(str(c) for c in controls),
@@ -222,6 +233,8 @@ class TrainSettings:
             key["trigger"] = self.trigger
         if self.caption_dropout:
             key["caption_dropout"] = self.caption_dropout
+        if self.ema is not None:  # a checkpoint's EMA continues only under the same decay
+            key["ema"] = self.ema
         return key
 
     @property

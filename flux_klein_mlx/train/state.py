@@ -244,9 +244,11 @@ def remove_temporaries(work_dir: Path) -> None:
 
 
 def write_checkpoint(
-    work_dir: Path, step: int, lora: tuple[dict, dict], optimizer: dict[str, mx.array], state: dict, keep: int
+    work_dir: Path, step: int, lora: tuple[dict, dict], optimizer: dict[str, mx.array], state: dict, keep: int,
+    extra: dict | None = None,
 ) -> Path:
-    """Write checkpoint `step` (lora = (tensors, header metadata)) and drop all but the newest `keep`.
+    """Write checkpoint `step` (lora = (tensors, header metadata)) and drop all but the newest `keep`;
+    `extra` maps more file names to (tensors, metadata) (ema.safetensors).
 
     On an OSError (a full disk, say) nothing of the new checkpoint remains and the earlier ones are
     untouched; the FluxKleinError names the last good one.
@@ -256,6 +258,8 @@ def write_checkpoint(
         with folder_transaction(final, durable=True) as tmp:  # the same step written before is replaced whole
             save_safetensors_streaming(tmp / "lora.safetensors", dict(lora[0]), metadata=lora[1])
             save_safetensors_streaming(tmp / "optimizer.safetensors", dict(optimizer), metadata={"format": "mlx"})
+            for name, (tensors, metadata) in (extra or {}).items():
+                save_safetensors_streaming(tmp / name, dict(tensors), metadata=metadata)
             (tmp / "state.json").write_text(json.dumps(state))
     except (OSError, FluxKleinError) as e:
         done = checkpoints(work_dir)
@@ -443,12 +447,15 @@ def nice_ticks(lo: float, hi: float, count: int = 6, whole: bool = False) -> lis
     return ticks
 
 
-_GREY, _BLUE, _ORANGE, _GRID = (170, 170, 170), (30, 80, 220), (230, 120, 20), (232, 232, 232)
+_GREY, _BLUE, _ORANGE, _GRID, _RED = (170, 170, 170), (30, 80, 220), (230, 120, 20), (232, 232, 232), (220, 40, 40)
 
 
-def loss_plot(losses: list[float], window: int, lrs: list[float] | None = None, size=(900, 440)) -> Image.Image:
+def loss_plot(
+    losses: list[float], window: int, lrs: list[float] | None = None, validation=(), size=(900, 440)
+) -> Image.Image:
     """Loss per step (grey) and its average (blue) against the step, with tick labels on both axes;
-    the learning rate in the title when constant, as an orange line on a right-hand axis when not."""
+    the learning rate in the title when constant, as an orange line on a right-hand axis when not;
+    `validation` (step, loss) pairs as red dots."""
     W, H = size
     left, right, top, bottom = 78, 84, 44, 48
     img = Image.new("RGB", size, "white")
@@ -462,7 +469,8 @@ def loss_plot(losses: list[float], window: int, lrs: list[float] | None = None, 
     if not losses:
         return img
     n, smooth = len(losses), moving_average(losses, window)
-    lo, hi = min(losses), max(losses)
+    measured = losses + [v for _, v in validation]
+    lo, hi = min(measured), max(measured)
     hi = hi if hi > lo else lo + max(abs(lo) * 1e-3, 1e-6)
     lo, hi = lo - 0.04 * (hi - lo), hi + 0.04 * (hi - lo)  # the lines clear the frame
     x0, x1, y0, y1 = left, W - right, top, H - bottom
@@ -493,11 +501,16 @@ def loss_plot(losses: list[float], window: int, lrs: list[float] | None = None, 
             draw.text((x1 + 6, y_of(t, 0.0, top_lr)), f"{t:.2g}", fill=_ORANGE, font=font, anchor="lm")
         draw.text((x1 + 6, y0 - 16), "lr", fill=_ORANGE, font=font, anchor="lm")
         draw.line([(x_of(s), y_of(v, 0.0, top_lr)) for s, v in zip(steps, lrs)], fill=_ORANGE, width=1)
+    for step, v in validation:
+        x, y = x_of(step), y_of(v)
+        draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=_RED)
+    if validation:
+        draw.text((x1 - 150, y0 - 16), "validation loss (red)", fill=_RED, font=font)
     return img
 
 
-def write_loss_plot(path: Path, losses: list[float], window: int, lrs: list[float] | None = None) -> None:
-    write_atomic(path, lambda tmp: loss_plot(losses, window, lrs).save(tmp, format="PNG"))
+def write_loss_plot(path: Path, losses: list[float], window: int, lrs: list[float] | None = None, validation=()) -> None:
+    write_atomic(path, lambda tmp: loss_plot(losses, window, lrs, list(validation)).save(tmp, format="PNG"))
 
 
 def resume_point(wd: Path, resume: bool, steps: int, key: dict, data: list, lora_shapes: dict, n_items: int) -> Path | None:

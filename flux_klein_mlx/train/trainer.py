@@ -28,9 +28,10 @@ Sigma sampling (`timesteps`):
 
 Optimizer: AdamW with torch's semantics (bias correction, decoupled weight decay 1e-4 as diffusers,
 eps 1e-8), gradients averaged over `grad_accum` micro-batches and clipped to a global norm of 1.0,
-at the learning rate of `lr_scheduler` (diffusers' schedules, train/schedule.py). Every random
-number (data order, sigmas, noise, adapter init) comes from one numpy generator seeded with `seed`,
-whose state each checkpoint stores: a resumed run is bit-exact.
+at the learning rate of `lr_scheduler` (diffusers' schedules, train/schedule.py). Data order and
+adapter init come from a numpy generator seeded with `seed` (its state is in each checkpoint: resume
+is bit-exact); each example's noise level and noise come from (seed, step, example index), so N
+processes under mlx.launch equal one with N times the batch (distributed.py).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from __future__ import annotations
 import math
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Iterator
 
@@ -62,13 +64,15 @@ from ..sampling import reference_time, scale_noise
 from ..models.text_encoder import encode_prompts
 from ..models.tokenizer import load_tokenizer
 from .data import bucket_counts, dropped_captions, epoch_batches, load_pixels, scan_data
+from .distributed import PeerLost, World, check_processes, example_draws, world
+from .evaluation import EMA_FILE, AdapterEMA, Validation
 from .memory import MemoryPlanned, check_memory
 from .schedule import lr_at_step
 from .settings import DEFAULT_BASE_MODEL, TrainSettings
 from .state import (
-    acquire_lock, average_window, check_not_locked, check_work_dir, lora_file_shapes, moving_average, read_checkpoint,
-    remove_temporaries, resume_point, write_checkpoint, write_json, write_loss_plot,
-)  # fmt: skip
+    acquire_lock, average_window, check_not_locked, check_work_dir, checkpoints, lora_file_shapes, moving_average,
+    read_checkpoint, remove_temporaries, resume_point, write_checkpoint, write_json, write_loss_plot,
+)
 
 TRAIN_TIMESTEPS = 1000  # the scheduler's num_train_timesteps: sigma lives on a grid of 1/1000
 
@@ -150,11 +154,6 @@ def sigmas_from_draws(scheme: str, draws: np.ndarray, tokens: int) -> np.ndarray
     return (np.float32(TRAIN_TIMESTEPS) - idx.astype(np.float32)) / np.float32(TRAIN_TIMESTEPS)
 
 
-def draw_sigmas(scheme: str, n: int, tokens: int, rng: np.random.Generator) -> np.ndarray:
-    draws = rng.random(n, dtype=np.float32) if scheme == "uniform" else rng.standard_normal(n, dtype=np.float32)
-    return sigmas_from_draws(scheme, draws, tokens)
-
-
 def flow_loss(model, x0, noise, sigma, ctx, rope, refs=None, checkpoint: bool = False) -> mx.array:
     """The flow-matching loss of one batch, float32.
 
@@ -197,6 +196,8 @@ class RunPlan:
     resume_from: Path | None
     sample_info: object = None  # loading.ModelInfo of the sample model (None: no samples)
     memory: MemoryPlanned | None = None
+    validation: list = field(default_factory=list)  # held-out TrainItems (--validation)
+    world: World = field(default_factory=World)  # the processes of an mlx.launch run
 
 
 def _check_model(s: TrainSettings):
@@ -210,9 +211,12 @@ def _check_model(s: TrainSettings):
     return info
 
 
-def run_key(s: TrainSettings, info) -> dict:
+def run_key(s: TrainSettings, info, processes: int = 1) -> dict:
     """The settings a checkpoint must share with a run that resumes it; the model by its resolved path."""
-    return {**s.run_key(), "model": str(info.path)}
+    key = {**s.run_key(), "model": str(info.path)}
+    if processes != 1:  # absent for one process, as before mlx.launch runs existed
+        key["processes"] = processes
+    return key
 
 
 def data_key(items) -> list:
@@ -220,8 +224,13 @@ def data_key(items) -> list:
     return [[it.stem, it.image.sha256, it.caption, [c.sha256 for c in it.controls], list(it.bucket)] for it in items]
 
 
-def plan_run(settings: TrainSettings) -> RunPlan:
+def plan_run(settings: TrainSettings, processes: World | None = None) -> RunPlan:
     """Every check of a run, before any model loads: settings, model files, output, data, work folder."""
+    w = processes or world()  # under mlx.launch every process checks its own view, then they agree
+    return w.agree(lambda: _plan(settings, w), lambda plan: (plan.settings.run_key(), data_key(plan.items)))
+
+
+def _plan(settings: TrainSettings, w: World) -> RunPlan:
     s = settings.check()
     if s.output.exists() or s.output.is_symlink():
         raise FluxKleinError(f"--output {s.output} exists and is never overwritten; choose another name")
@@ -232,15 +241,25 @@ def plan_run(settings: TrainSettings) -> RunPlan:
     if s.adapter == "lokr":
         lokr_layers(slots, info.params)  # whole layers only: refused here, before any model loads
     items = scan_data(s.data, s.caption, s.controls, s.resolution, trigger=s.trigger,
-                      caption_extension=s.caption_extension)  # fmt: skip
+                      caption_extension=s.caption_extension)
+    held_out = scan_data(s.validation, s.caption, (), s.resolution, option="--validation") if s.validation else []
     sample_info = check_sample_model(s, info)
+    resume = _resume_point(s, info, slots, items, w.size) if w.is_main else None  # rank 0 alone has the work folder
+    return RunPlan(s, info, slots, items, resume, sample_info, check_memory(s, info, slots), held_out, w)
+
+
+def _resume_point(s: TrainSettings, info, slots, items, processes: int) -> Path | None:
+    """The checkpoint to continue from (state.resume_point), after the lock and the process count."""
     check_not_locked(s.work_dir)
+    done = checkpoints(s.work_dir) if s.resume and s.work_dir.is_dir() else []
+    if done:  # another process count is named as such, before the settings' general comparison
+        check_processes(done[-1][1], processes)
     if s.adapter == "lokr":
         shapes = lokr_file_shapes(slots, info.params, s.rank, s.lokr_factor)
     else:
         shapes = lora_file_shapes(slots, s.rank)
-    resume = resume_point(s.work_dir, s.resume, s.steps, run_key(s, info), data_key(items), shapes, len(items))
-    return RunPlan(s, info, slots, items, resume, sample_info, check_memory(s, info, slots))
+    key, data = run_key(s, info, processes), data_key(items)
+    return resume_point(s.work_dir, s.resume, s.steps, key, data, shapes, len(items))
 
 
 def train_lora(model=None, data=None, output=None, **settings) -> Iterator:
@@ -276,11 +295,15 @@ class Trainer:
         self.losses: list[float] = []
         self.sampler = Sampler(self.s, plan.sample_info) if plan.sample_info is not None else None
         self.trained_peak = 0  # the highest training-step memory peak so far (bytes)
+        self.world, self.validation = plan.world, Validation(plan.validation)  # validation: empty without --validation
         self.started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self.started_at = time.time()  # unix time, for the LoRA file's header
 
     def run(self) -> Iterator:
         wd = self.s.work_dir
+        if not self.world.is_main:  # rank 0 alone has the work folder
+            yield from self._run(time.perf_counter())
+            return
         wd.mkdir(exist_ok=True)
         lock = acquire_lock(wd)  # a second run on this folder refuses here, before any model loads
         try:
@@ -289,11 +312,12 @@ class Trainer:
             lock.release()
 
     def _run(self, t_run: float) -> Iterator:
-        s, wd = self.s, self.s.work_dir
-        remove_temporaries(wd)
-        write_json(wd / "train.json", self.record())
-        if self.plan.memory is not None:
-            yield self.plan.memory  # before any model loads
+        s, wd, main = self.s, self.s.work_dir, self.world.is_main
+        if main:
+            remove_temporaries(wd)
+            write_json(wd / "train.json", self.record())
+            if self.plan.memory is not None:
+                yield self.plan.memory  # before any model loads
         yield self.caption_plan()
         yield self.cache_captions()
         if self.sampler is not None:  # its text encoder runs while no training model is resident
@@ -304,29 +328,39 @@ class Trainer:
         yield self.cache_latents()
         yield StageStarted("model", f"loading the transformer{f' ({s.quantize}-bit)' if s.quantize else ''} ...")
         yield self.load_model()
-        if self.plan.resume_from is not None:
-            self.restore(self.plan.resume_from)
-        if self.sampler is not None:
-            yield self.sampler.baseline()  # no LoRA: what each sample is compared with
-        images = len({it.stem for it in self.items})  # several resolutions: one item per image and size
-        layers = len({sl.layer for sl in self.lora.slots})
-        yield TrainStarted(s.steps, self.step_no + 1, self.plan.resume_from, images, bucket_counts(self.items),
-                           self.lora.count, self.lora.num_parameters, wd, layers)  # fmt: skip
-        while self.step_no < s.steps:
-            yield self.train_step()
-            if self.step_no == s.steps or (s.save_every and self.step_no % s.save_every == 0):
-                yield self.save()
-            if s.sample_every and self.step_no % s.sample_every == 0:
-                yield self.samples()
+        try:
+            if self.plan.resume_from is not None:
+                self.restore(self.plan.resume_from)
+            self.apply_state(self.world.share_state(self.state(), self.lora, self.model, self.optimizer))  # from rank 0
+            if main and self.sampler is not None:
+                yield self.sampler.baseline()  # no LoRA: what each sample is compared with
+            yield self.started_event()
+            while self.step_no < s.steps:
+                yield self.train_step()
+                if main and (self.step_no == s.steps or (s.save_every and self.step_no % s.save_every == 0)):
+                    if self.validation:  # the held-out loss of these weights, recorded by the checkpoint
+                        yield self.validation.measure(self.step_no, partial(flow_loss, self.model), self.ctx, self.rope)
+                    yield self.save()
+                if main and s.sample_every and self.step_no % s.sample_every == 0:
+                    yield self.samples()
+        except PeerLost as e:
+            raise e.at(self.step_no + 1, checkpoints(wd)) from None
         yield self.finish(time.perf_counter() - t_run)
 
     # ---- caches (the text encoder and the VAE are released before the first step) ----
+
+    def started_event(self) -> TrainStarted:
+        s = self.s
+        images = len({it.stem for it in self.items})  # several resolutions: one item per image and size
+        layers = len({sl.layer for sl in self.lora.slots})
+        return TrainStarted(s.steps, self.step_no + 1, self.plan.resume_from, images, bucket_counts(self.items),
+                            self.lora.count, self.lora.num_parameters, s.work_dir, layers)
 
     def caption_plan(self) -> StageStarted:
         """The texts of the run (captions; sample prompts and, on Base, the empty negative prompt of their
         guidance): those in the prompt cache (the pipeline's, on disk) are read now; says what is left."""
         s, info = self.s, self.info
-        captions = list(dict.fromkeys(it.caption for it in self.items))
+        captions = list(dict.fromkeys([it.caption for it in self.items] + self.validation.captions()))
         # the caption a dropped example trains with (the sample prompts are the sample model's: samples.py)
         extra = [""] if s.caption_dropout > 0 and "" not in captions else []
         self.texts, self.cache = captions + extra, open_cache(True)
@@ -384,6 +418,7 @@ class Trainer:
                 raise FluxKleinError(f"non-finite VAE latents for {it.image.path}: try --dtype float32")
             self.latents.append(x0)
             self.refs.append(refs)
+        self.validation.encode(partial(self._encode, vae))  # (path, bucket) -> tokens
         del vae
         mx.clear_cache()
         return StageFinished("latents", time.perf_counter() - t0, f"{len(self.items)} images encoded, VAE released")
@@ -403,9 +438,10 @@ class Trainer:
             self.lora = attach_lora(self.model, self.plan.slots, s.rank, s.alpha, self.rng)
         self.optimizer = make_optimizer(s)
         mx.eval(self.model.trainable_parameters())
+        self.ema = AdapterEMA(s.ema, self.lora) if s.ema is not None and self.world.is_main else None  # rank 0 writes it
 
-        def loss(x0, noise, sigma, ctx, refs, cos, sin):
-            return flow_loss(self.model, x0, noise, sigma, ctx, (cos, sin), refs, checkpoint=s.low_memory)
+        def loss(weight, x0, noise, sigma, ctx, refs, cos, sin):  # weight: this process's share of the batch
+            return flow_loss(self.model, x0, noise, sigma, ctx, (cos, sin), refs, checkpoint=s.low_memory) * weight
 
         self.loss_and_grad = nn.value_and_grad(self.model, loss)
         q = f", {s.quantize}-bit base" if s.quantize else ""
@@ -414,8 +450,8 @@ class Trainer:
     # ---- one optimizer step -------------------------------------------------------------------
 
     def next_batch(self) -> list[int]:
-        if self.position >= len(self.batches):
-            self.batches = epoch_batches(self.items, self.s.batch_size, self.rng)
+        if self.position >= len(self.batches):  # global batches: every process draws the same order
+            self.batches = epoch_batches(self.items, self.s.batch_size * self.world.size, self.rng)
             self.epoch, self.position = self.epoch + 1, 0
         self.position += 1
         return self.batches[self.position - 1]
@@ -428,12 +464,12 @@ class Trainer:
             self.ropes[key] = self.model.compute_rope(text_ids(512), mx.concatenate(ids, axis=0))
         return self.ropes[key]
 
-    def micro_batch(self, indices: list[int]) -> tuple:
-        """(x0, noise, sigma, ctx, refs, cos, sin) of one batch; draws its sigmas, then its noise."""
+    def micro_batch(self, indices: list[int], first: int) -> tuple:
+        """(x0, noise, sigma, ctx, refs, cos, sin) of one batch; example j's draws keyed (seed, step, first + j)."""
         x0 = mx.concatenate([self.latents[i] for i in indices], axis=0)  # (B, L, C)
         B, L, C = x0.shape
-        sigma = mx.array(draw_sigmas(self.s.timesteps, B, L, self.rng))
-        noise = mx.array(self.rng.standard_normal((B, L, C), dtype=np.float32))
+        draws, noise = example_draws(self.s.seed, self.step_no + 1, range(first, first + B), self.s.timesteps, (L, C))
+        sigma, noise = mx.array(sigmas_from_draws(self.s.timesteps, draws, L)), mx.array(noise)
         dropped = dropped_captions(self.s.seed, self.epoch, self.position, len(indices), self.s.caption_dropout)
         captions = ["" if drop else self.items[i].caption for i, drop in zip(indices, dropped)]
         ctx = mx.concatenate([self.ctx[c] for c in captions], axis=0)
@@ -445,11 +481,19 @@ class Trainer:
         t0 = time.perf_counter()
         mx.reset_peak_memory()
         s, total, grads = self.s, 0.0, None
-        for _ in range(s.grad_accum):
-            loss, g = self.loss_and_grad(*self.micro_batch(self.next_batch()))
+        for k in range(s.grad_accum):
+            batch = self.next_batch()
+            part = self.world.share(len(batch))
+            if len(part):
+                first = k * s.batch_size * self.world.size + part.start  # counted over the step's global batches
+                args = self.micro_batch([batch[i] for i in part], first)
+                loss, g = self.loss_and_grad(len(part) / len(batch), *args)
+            else:  # a bucket's last global batch can leave a process without examples
+                loss, g = mx.array(0.0), tree_map(mx.zeros_like, self.model.trainable_parameters())
             grads = g if grads is None else tree_map(mx.add, grads, g)
             mx.eval(loss, grads)
             total += loss.item()
+        grads, total = self.world.sum_grads(grads, total)  # several processes: the sum of their shares
         if s.grad_accum > 1:
             grads = tree_map(lambda g: g / s.grad_accum, grads)
         lr = self.lr_of(self.step_no + 1)
@@ -464,10 +508,12 @@ class Trainer:
             )
         self.losses.append(loss)
         self.trained_peak = max(self.trained_peak, mx.get_peak_memory())
+        if self.ema is not None:
+            self.ema.update(self.lora, self.step_no)
         window = average_window(s.steps)
         average = moving_average(self.losses[-window:], window)[-1]  # the plot's number for this step
-        return StepFinished(self.step_no, s.steps, loss, time.perf_counter() - t0, lr, norm.item(), mx.get_peak_memory(),
-                            average)  # fmt: skip
+        peak = mx.get_peak_memory()
+        return StepFinished(self.step_no, s.steps, loss, time.perf_counter() - t0, lr, norm.item(), peak, average)
 
     def lr_of(self, step: int) -> float:
         """The learning rate of optimizer step `step` (1-based) under --lr-scheduler / --warmup-steps."""
@@ -483,20 +529,23 @@ class Trainer:
     def state(self) -> dict:
         return {
             "step": self.step_no, "epoch": self.epoch, "batches": self.batches, "position": self.position,
-            "rng": self.rng.bit_generator.state, "losses": self.losses, "run_key": run_key(self.s, self.info),
-            "data": data_key(self.items), "flux_klein_mlx": __version__,
+            "rng": self.rng.bit_generator.state, "losses": self.losses,
+            "run_key": run_key(self.s, self.info, self.world.size), "data": data_key(self.items),
+            "flux_klein_mlx": __version__, "validation": self.validation.history,
         }
 
     def save(self) -> CheckpointSaved:
         lora = (self.lora.file_arrays(mx.float32), self.lora.metadata())
         opt = dict(tree_flatten(self.optimizer.state))
-        path = write_checkpoint(self.s.work_dir, self.step_no, lora, opt, self.state(), self.s.keep_checkpoints)
+        extra = {EMA_FILE: (self.ema.file_arrays(mx.float32), self.lora.metadata())} if self.ema else {}
+        path = write_checkpoint(self.s.work_dir, self.step_no, lora, opt, self.state(), self.s.keep_checkpoints, extra)
         self.plot_loss()
         return CheckpointSaved(self.step_no, path)
 
     def plot_loss(self) -> None:
         """loss.png: every step's loss since step 1 (a resume continues the list), the lr beside it."""
-        write_loss_plot(self.s.work_dir / "loss.png", self.losses, average_window(self.s.steps), self.lrs())
+        path, window = self.s.work_dir / "loss.png", average_window(self.s.steps)
+        write_loss_plot(path, self.losses, window, self.lrs(), self.validation.points())
 
     def restore(self, folder: Path) -> None:
         """Continue exactly where `folder` left off: adapters, AdamW moments, data order, RNG."""
@@ -506,9 +555,16 @@ class Trainer:
         if set(opt) != {k for k, _ in tree_flatten(self.optimizer.state)}:
             raise FluxKleinError(f"checkpoint {folder} holds another run's optimizer state; start anew in another --work-dir")
         self.optimizer.state = tree_map_with_path(lambda path, _: opt[path], self.optimizer.state)
+        self.apply_state(state)
+        if self.ema is not None:
+            self.ema.load(folder)
+
+    def apply_state(self, state: dict) -> None:
+        """The data position, RNG and histories of a checkpoint's (or rank 0's) state."""
         self.rng.bit_generator.state = state["rng"]
         self.step_no, self.epoch, self.position = state["step"], state["epoch"], state["position"]
         self.batches, self.losses = state["batches"], list(state["losses"])
+        self.validation.history = list(state.get("validation", []))
         mx.eval(self.model.trainable_parameters(), self.optimizer.state)
 
     def samples(self) -> SamplesSaved:
@@ -523,14 +579,20 @@ class Trainer:
                                                        "path": str(self.info.path)},
             "settings": self.s.record(), "data": [it.record() for it in self.items], "buckets": bucket_counts(self.items),
             "targets": [sl.name for sl in self.plan.slots], "resumed_from": str(self.plan.resume_from or "") or None,
-            "started": self.started, **extra,
+            "started": self.started, "processes": self.world.size,
+            "validation": self.validation.history or None, **extra,
         }
 
     def finish(self, seconds: float) -> TrainFinished:
         s = self.s
+        if not self.world.is_main:  # rank 0 writes the output
+            return TrainFinished(s.output, self.step_no, seconds, s.work_dir)
         header = file_header(s, self.info, self.items, self.step_no, self.started_at)
-        final = write_exclusive(s.output, lambda tmp: write_lora_file(tmp, self.lora, self.dtype, s.format,
-                                                                      self.info.params, header))  # fmt: skip
+
+        def write(tmp: Path) -> None:
+            write_lora_file(tmp, self.lora, self.dtype, s.format, self.info.params, header)
+
+        final = write_exclusive(s.output, self.ema.writing(self.lora, write) if self.ema else write)
         finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
         write_json(s.work_dir / "train.json", self.record(output=str(final), finished=finished, steps=self.step_no,
                                                           final_loss=self.losses[-1] if self.losses else None))

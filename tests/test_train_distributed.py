@@ -1,0 +1,138 @@
+"""Training on several processes (issue 29): two processes under `mlx.launch --backend ring -n 2`
+(CPU, this machine) with --batch-size 1 train what one process trains with --batch-size 2.
+
+One story, three runs: one process straight through 4 steps (batch 2, 2 micro-batches per step);
+two processes that lose rank 1 at step 4 (one line, the step-2 checkpoint kept, nothing else
+written); the same two processes resuming to step 4. The two-process file equals the one-process
+file to float tolerance, and only rank 0 printed and wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from PIL import Image
+
+import flux_klein_mlx
+from flux_klein_mlx.train.distributed import World, example_draws
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# rank 1 dies (as a killed process would: no cleanup) when it starts step DIE_AT
+RANK_DIES = """
+import os, sys
+import flux_klein_mlx.train.trainer as t
+from flux_klein_mlx.__main__ import main
+step = t.Trainer.train_step
+def dying_step(self):
+    if self.world.rank == 1 and self.step_no + 1 == int(os.environ["DIE_AT"]):
+        os._exit(9)
+    return step(self)
+t.Trainer.train_step = dying_step
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def free_port() -> int:
+    """A port range for the ring (rank r listens on port + r), so that parallel sessions do not collide."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 65000:
+            return port
+
+
+def launch(args: list[str], die_at: int = 0) -> subprocess.CompletedProcess:
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    command = [str(launcher), "--backend", "ring", "-n", "2", "-p", str(free_port()), "--python", sys.executable]
+    command += ["-c", RANK_DIES] if die_at else ["-m", "flux_klein_mlx"]
+    # one BLAS thread per process: two processes share this machine's cores
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "DIE_AT": str(die_at), "OPENBLAS_NUM_THREADS": "1"}
+    return subprocess.run(command + ["train", *args], capture_output=True, text=True, env=env, timeout=500, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Three captioned images in two buckets at resolution 64 (64x64 x2, 48x80 x1): with a global batch
+    of 2, the 48x80 image makes a batch of one, which leaves rank 1 without an example."""
+    d = tmp_path_factory.mktemp("dist-data")
+    g = np.random.default_rng(0)
+    for i, (h, w) in enumerate([(64, 64), (64, 64), (96, 64)]):
+        Image.fromarray((g.random((h, w, 3)) * 255).astype(np.uint8)).save(d / f"im{i}.png")
+        (d / f"im{i}.txt").write_text("a striped test card")
+    return d
+
+
+def test_shares_cover_the_global_batch_and_draws_do_not_depend_on_the_split():
+    for n in range(0, 7):
+        for size in (1, 2, 3):
+            parts = [World(None, r, size).share(n) for r in range(size)]
+            assert [i for p in parts for i in p] == list(range(n))
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    whole = example_draws(5, 3, range(0, 4), "shift", (6, 2))
+    halves = [example_draws(5, 3, range(a, b), "shift", (6, 2)) for a, b in ((0, 2), (2, 4))]
+    assert np.array_equal(whole[0], np.concatenate([h[0] for h in halves]))
+    assert np.array_equal(whole[1], np.concatenate([h[1] for h in halves]))
+    assert not np.array_equal(whole[1], example_draws(5, 4, range(0, 4), "shift", (6, 2))[1])  # another step
+    uniform = example_draws(5, 3, range(0, 4), "uniform", (6, 2))[0]
+    assert ((uniform >= 0) & (uniform < 1)).all() and not np.array_equal(uniform, whole[0])
+
+
+def test_two_processes_equal_one_with_twice_the_batch_survive_a_dead_rank_and_resume(base, data, tmp_path):
+    common = ["--model", str(base), "--data", str(data), "--resolution", "64", "--rank", "4", "--dtype", "float32",
+              "--steps", "4", "--grad-accum", "2", "--lr", "1e-3", "--save-every", "2", "--keep-checkpoints", "5"]  # fmt: skip
+    one = tmp_path / "one.safetensors"
+    list(flux_klein_mlx.train_lora(model=base, data=data, output=one, resolution=64, rank=4, dtype="float32", steps=4,
+                                   grad_accum=2, lr=1e-3, save_every=2, keep_checkpoints=5, batch_size=2))  # fmt: skip
+    two, work = tmp_path / "two.safetensors", tmp_path / "two.train"
+    args = common + ["--batch-size", "1", "--output", str(two), "--work-dir", str(work)]
+
+    died = launch(args, die_at=4)  # rank 0 has written checkpoint 2 and its plot before step 3 could end
+    ours = [line for line in (died.stdout + died.stderr).splitlines() if not line.startswith(("[ring]", "\x1b[33m[WARN]"))]
+    errors = [line for line in ours if line.startswith("error:")]
+    assert len(errors) == 1, died.stderr
+    assert "stopped" in errors[0] and "step 4" in errors[0] and "checkpoint-000002" in errors[0] and "--resume" in errors[0]
+    assert sum(line.startswith("captions:") for line in ours) == 1  # rank 0 alone prints
+    assert sorted(p.name for p in work.iterdir()) == ["checkpoint-000002", "loss.png", "train.json"]
+    assert not two.exists()
+
+    resumed = launch(args + ["--resume"])
+    out = resumed.stdout + resumed.stderr
+    assert sum(line.startswith("wrote ") for line in out.splitlines()) == 1, out
+    assert "resuming from" in out and "at step 3" in out
+    a, b = mx.load(str(one)), mx.load(str(two))
+    assert a.keys() == b.keys()
+    scale = max(float(mx.abs(v).max()) for v in a.values())
+    # AdamW turns float noise in near-zero gradient entries into steps of up to lr: 1e-4 of the weights' scale
+    assert max(float(mx.abs(a[k] - b[k]).max()) for k in a) <= 1e-4 * scale
+    # the losses of every step (state.json) agree too: the same examples, noise and noise levels
+    import json
+
+    la = json.loads((tmp_path / "one.train" / "checkpoint-000004" / "state.json").read_text())["losses"]
+    lb = json.loads((work / "checkpoint-000004" / "state.json").read_text())["losses"]
+    assert np.allclose(la, lb, rtol=1e-5, atol=0)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".safetensors") == ["one.safetensors", "two.safetensors"]
+
+
+def test_two_processes_refuse_a_one_process_checkpoint_in_one_line(base, data, tmp_path):
+    """The real two-process path of the refusal (rank 0 checks the work folder, rank 1 agrees): one line,
+    before any model loads, nothing written."""
+    out = tmp_path / "one.safetensors"
+    list(flux_klein_mlx.train_lora(model=base, data=data, output=out, resolution=64, rank=4, steps=1, batch_size=2))
+    before = sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+    args = ["--model", str(base), "--data", str(data), "--resolution", "64", "--rank", "4", "--steps", "2",
+            "--batch-size", "1", "--output", str(tmp_path / "two.safetensors"), "--work-dir", str(tmp_path / "one.train"),
+            "--resume"]  # fmt: skip
+    refused = launch(args)
+    ours = [line for line in (refused.stdout + refused.stderr).splitlines() if not line.startswith("\x1b[33m[WARN]")]
+    assert len(ours) == 1 and ours[0].startswith("error: --resume:"), ours
+    assert "trained by 1 process(es), this run has 2" in ours[0]
+    assert sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == before
