@@ -101,7 +101,7 @@ class RunSettings:
             check_text(neg, "the negative prompt")
         if self.width is not None or self.height is not None:
             check_image_size(DEFAULT_SIZE if self.width is None else self.width,
-                             DEFAULT_SIZE if self.height is None else self.height)  # fmt: skip
+                             DEFAULT_SIZE if self.height is None else self.height)
         if self.steps is not None:
             check_whole("steps", self.steps, 1)
         if self.guidance is not None:
@@ -455,7 +455,7 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
     latents = None if s.latents is None else _latents(s.latents, info.in_channels, width, height)
     seed = random.randrange(2**31) if s.seed is None and latents is None else s.seed
     resolved = dataclasses.replace(s, width=width, height=height, steps=steps, guidance=guidance, seed=seed,
-                                   negative_prompt=negative, images=None)  # fmt: skip
+                                   negative_prompt=negative, images=None)
     hashes = {"references": [content_hash(r) for r in references]}
     if init is not None:
         hashes["init_image"] = content_hash(init.pixels)

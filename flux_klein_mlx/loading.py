@@ -208,7 +208,7 @@ def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
             tokenizer=path / config.get("tokenizer", "tokenizer"), scheduler=config.get("scheduler"),
             stored_dtype=config.get("dtype"), original=config.get("source"),
             reference_kv=bool(config.get("reference_kv", False)),
-        )  # fmt: skip
+        )
     _refuse_flux3_folder(path)
     if not (path / "model_index.json").is_file():
         raise FluxKleinError(
@@ -281,7 +281,7 @@ def _snapshot_info(model, path: Path, fmt: str, snapshot: Path, index: dict, con
         configs=configs, files={**files, **{n: component_files(f) for n, f in folders.items()}},
         quantization=dict.fromkeys(COMPONENTS), tokenizer=snapshot / "tokenizer",
         scheduler=_optional_json(snapshot / "scheduler" / "scheduler_config.json"), reference_kv=kv,
-    )  # fmt: skip
+    )
 
 
 def download_bytes(repo: str) -> int | None:
@@ -475,6 +475,6 @@ def load_component(
     # No name may hold the read weights while the layers are evaluated: a cast or quantized layer would
     # keep its source tensors alive (evaluated) until the load returns, the whole model twice at its end.
     module, _ = assemble(name, info.configs[name], read_component(info, name), dtype, info.quantization[name],
-                         quantize, group_size)  # fmt: skip
+                         quantize, group_size)
     evaluate_by_layer(module)
     return module

@@ -86,7 +86,7 @@ def a1111_parameters(record: dict) -> str:
         "Lora hashes": ", ".join(f"{_a1111_lora_name(lora['name'])}: {lora.get('autov3') or lora['sha256']}"
                                  for lora in r("loras") or []) or None,  # A1111's own hash (AutoV3): Civitai links it
         "Version": r("software", f"flux_klein_mlx {__version__}"),
-    }  # fmt: skip
+    }
     lines.append(", ".join(f"{k}: {_a1111_value(v)}" for k, v in fields.items() if v is not None))
     return "\n".join(lines)
 

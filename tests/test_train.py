@@ -30,12 +30,10 @@ from tiny_model import SCHEDULER
 
 import flux_klein_mlx
 from flux_klein_mlx.loading import describe, load_component
-from flux_klein_mlx.train.adapters import attach_lora, parse_targets, write_lora_file
+from flux_klein_mlx.train.loop.adapters import attach_lora, parse_targets, write_lora_file
 from flux_klein_mlx.models.rope import image_ids, text_ids
-from flux_klein_mlx.train.trainer import (
-    StepFinished, TrainFinished, Trainer, flow_loss, make_optimizer, optimizer_step, plan_run, shift_mu,
-    sigmas_from_draws,
-)  # fmt: skip
+from flux_klein_mlx.train.loop.objective import flow_loss, make_optimizer, optimizer_step, shift_mu, sigmas_from_draws
+from flux_klein_mlx.train.loop.trainer import StepFinished, TrainFinished, Trainer, plan_run
 from flux_klein_mlx.train.settings import TrainSettings
 
 RANK, ALPHA = 4, 8.0  # scale 2: a wrong alpha/rank factor shows

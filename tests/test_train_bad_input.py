@@ -23,14 +23,14 @@ import pytest
 from PIL import Image
 
 import flux_klein_mlx
-import flux_klein_mlx.train.trainer as train_module
+import flux_klein_mlx.train.loop.trainer as train_module
 from flux_klein_mlx.train import state as train_state
 from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.loading import describe
-from flux_klein_mlx.train.adapters import parse_targets
-from flux_klein_mlx.train.state import lora_file_shapes
-from flux_klein_mlx.train.trainer import CheckpointSaved, TrainFinished, data_key, plan_run, run_key
+from flux_klein_mlx.train.loop.adapters import parse_targets
+from flux_klein_mlx.train.loop.adapters import lora_file_shapes
+from flux_klein_mlx.train.loop.trainer import CheckpointSaved, TrainFinished, data_key, plan_run, run_key
 from flux_klein_mlx.train.data import bucket_size, scan_data
 from flux_klein_mlx.train.settings import TrainSettings
 
@@ -497,7 +497,7 @@ def test_learning_rate_that_underflows_in_the_adapters_is_warned():
     import mlx.nn as nn
 
     from flux_klein_mlx.train.settings import lr_underflow
-    from flux_klein_mlx.train.trainer import make_optimizer
+    from flux_klein_mlx.train.loop.objective import make_optimizer
 
     rank = 16
     a0 = (np.random.default_rng(0).standard_normal((rank, 4096)) / rank).astype(np.float32)  # PEFT's init of A

@@ -21,14 +21,14 @@ import pytest
 from PIL import Image
 
 import flux_klein_mlx
-from flux_klein_mlx.train.distributed import World, example_draws
+from flux_klein_mlx.train.loop.distributed import World, example_draws
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # rank 1 dies (as a killed process would: no cleanup) when it starts step DIE_AT
 RANK_DIES = """
 import os, sys
-import flux_klein_mlx.train.trainer as t
+import flux_klein_mlx.train.loop.trainer as t
 from flux_klein_mlx.__main__ import main
 step = t.Trainer.train_step
 def dying_step(self):

@@ -21,7 +21,7 @@ from refs import diffusers_pipeline, diffusers_prompt_embeds
 from test_train import diffusers_loss
 
 import flux_klein_mlx
-from flux_klein_mlx.train.evaluation import ValidationFinished
+from flux_klein_mlx.train.loop.evaluation import ValidationFinished
 
 CAPTION = "a striped test card"
 

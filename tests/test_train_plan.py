@@ -26,8 +26,8 @@ from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.models.config import FluxKleinParams
 from flux_klein_mlx.train import memory
 from flux_klein_mlx.train.data import epoch_batches, scan_data
-from flux_klein_mlx.train.schedule import SCHEDULES, lr_at_step
-from flux_klein_mlx.train.trainer import StepFinished, TrainStarted
+from flux_klein_mlx.train.loop.schedule import SCHEDULES, lr_at_step
+from flux_klein_mlx.train.loop.trainer import StepFinished, TrainStarted
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -178,7 +178,7 @@ def test_memory_model_reproduces_the_measured_training_rows():
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     results = measured()
-    from flux_klein_mlx.train.adapters import parse_targets
+    from flux_klein_mlx.train.loop.adapters import parse_targets
 
     params = FluxKleinParams()
     trainable = sum(16 * (s.in_dims + s.out_dims) for s in parse_targets("all", params))
@@ -194,7 +194,7 @@ def test_memory_model_reproduces_the_measured_training_rows():
 
 
 def test_memory_plan_names_what_makes_it_fit(monkeypatch):
-    from flux_klein_mlx.train.adapters import parse_targets
+    from flux_klein_mlx.train.loop.adapters import parse_targets
     from flux_klein_mlx.train.settings import TrainSettings
 
     params = FluxKleinParams()

@@ -161,7 +161,7 @@ def _warn_about_alpha(terms: list[Term], what: str) -> None:
     """An alpha of 0 makes a module do nothing; a negative one subtracts its update (as diffusers applies it)."""
     n = len(terms)
     for test, says in ((lambda f: f == 0, "alpha 0, which changes nothing"),
-                       (lambda f: f < 0, "a negative alpha, which subtracts its update")):  # fmt: skip
+                       (lambda f: f < 0, "a negative alpha, which subtracts its update")):
         hit = [t.key for t in terms if test(t.factor)]
         if hit:
             names = ", ".join(hit[:3]) + (", ..." if len(hit) > 3 else "")

@@ -63,7 +63,7 @@ def guess_params(tensors: dict[str, mx.array]) -> list[FluxKleinParams]:
             candidates.append(dataclasses.replace(_VARIANTS[hidden](), **extra))
         elif hidden % 2 == 0:  # any width: one head, one RoPE axis (neither changes a weight's shape)
             candidates.append(FluxKleinParams(hidden_size=hidden, num_heads=1, axes_dim=(hidden,), depth=blocks[0],
-                                              depth_single=blocks[1], **extra))  # fmt: skip
+                                              depth_single=blocks[1], **extra))
     return candidates or [FluxKleinParams.klein_4b()]
 
 
@@ -145,7 +145,7 @@ def describe_lora(path: str | Path) -> dict:
         "trainer": trainer, "base_model": next((meta[k] for k in _BASE if meta.get(k)), None),
         "trigger": meta.get("flux_klein_mlx.trigger") or meta.get("modelspec.trigger_phrase") or None,
         "sha256": lora.sha256, "autov3": autov3(lora.path),
-    }  # fmt: skip
+    }
 
 
 def describe_number(x: float) -> str:

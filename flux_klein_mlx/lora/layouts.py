@@ -168,7 +168,7 @@ def peft_metadata(pairs) -> str:
         "rank_pattern": {n: v for n, v in ranks.items() if v != r},
         "alpha_pattern": {n: v for n, v in alphas.items() if v != alpha},
         "use_dora": False, "use_rslora": False, "lora_dropout": 0.0, "fan_in_fan_out": False,
-    }  # fmt: skip
+    }
     return json.dumps({f"transformer.{k}": v for k, v in config.items()}, indent=2, sort_keys=True)
 
 
@@ -218,7 +218,7 @@ def tag_frequency(captions: list[str]) -> dict[str, int]:
 def training_header(*, name: str, rank: int, alpha: float, base_model: str, variant: str, trigger: str | None,
                     settings_hash: str, resolution: int, max_steps: int, steps: int, lr: float, captions: list[str],
                     dataset: str, seed: int, batch_size: int, grad_accum: int, dtype: str, started: float,
-                    finished: float, version: str) -> dict[str, str]:  # fmt: skip
+                    finished: float, version: str) -> dict[str, str]:
     """The header of a trained LoRA: our keys, kohya's `ss_*` training keys (A1111's LoRA cards, Civitai and
     ComfyUI's LoRA info read them) and the SAI model spec's `modelspec.*`, in every layout.
     `started`/`finished` are unix times; `captions` are the training captions, one per image."""
@@ -239,5 +239,5 @@ def training_header(*, name: str, rank: int, alpha: float, base_model: str, vari
         "modelspec.implementation": "https://github.com/black-forest-labs/flux2", "modelspec.title": name,
         "modelspec.resolution": f"{resolution}x{resolution}", "modelspec.trigger_phrase": trigger,
         "modelspec.date": datetime.fromtimestamp(int(finished), timezone.utc).isoformat(),
-    }  # fmt: skip
+    }
     return {k: str(v) for k, v in header.items() if v is not None}

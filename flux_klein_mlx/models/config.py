@@ -231,7 +231,7 @@ _QWEN3_4B = Qwen3Config(
     hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
     num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
     vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
-)  # fmt: skip
+)
 _QWEN3_8B = dataclasses.replace(_QWEN3_4B, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)
 _KLEIN_4B = FluxKleinParams()
 _KLEIN_9B = FluxKleinParams(hidden_size=4096, context_in_dim=12288, num_heads=32, depth=8, depth_single=24)

@@ -498,7 +498,7 @@ def sanitize_flux2_klein_weights(weights: dict[str, mx.array]) -> dict[str, mx.a
     stripped = {re.sub(r"^(model\.)?diffusion_model\.", "", k): v for k, v in weights.items()}
     _reject_foreign(stripped)
     diffusers_roots = ("transformer_blocks.", "single_transformer_blocks.", "x_embedder.", "time_guidance_embed.",
-                       "norm_out.", "proj_out.", "context_embedder.")  # fmt: skip
+                       "norm_out.", "proj_out.", "context_embedder.")
     return _from_diffusers(stripped) if any(k.startswith(diffusers_roots) for k in stripped) else stripped
 
 

@@ -18,11 +18,11 @@ from ..cli import run_command
 from ..errors import FluxKleinError
 from ..loading import DTYPES
 from .config_file import check_recorded_data, option_names, read_config
-from .distributed import PeerLost, world
-from .evaluation import ValidationFinished
+from .loop.distributed import PeerLost, world
+from .loop.evaluation import ValidationFinished
 from .memory import MemoryPlanned, describe_plan
-from .schedule import SCHEDULES
-from .trainer import (
+from .loop.schedule import SCHEDULES
+from .loop.trainer import (
     CheckpointSaved, SamplesSaved, StageFinished, StageStarted, StepFinished, TrainFinished, TrainStarted, train_lora,
 )
 from .settings import DEFAULT_BASE_MODEL, TIMESTEPS, TrainSettings
@@ -83,7 +83,7 @@ def describe_event(ev) -> str | None:
         where = f"resuming from {ev.resumed_from} at step {ev.first_step}" if ev.resumed_from else "starting"
         buckets = ", ".join(f"{k} x{v}" for k, v in ev.buckets.items())
         return (f"{where}: {ev.images} image(s) ({buckets}), {ev.adapters} adapters on {ev.layers} layers, "
-                f"{ev.parameters / 1e6:.2f} M trainable parameters, {ev.total_steps} steps; work folder {ev.work_dir}")  # fmt: skip
+                f"{ev.parameters / 1e6:.2f} M trainable parameters, {ev.total_steps} steps; work folder {ev.work_dir}")
     if isinstance(ev, CheckpointSaved):
         return f"checkpoint: {ev.path}"
     if isinstance(ev, SamplesSaved):

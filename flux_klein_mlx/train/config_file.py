@@ -93,18 +93,18 @@ def check_recorded_data(config: ConfigFile, data_folder) -> None:
         for c in entry.get("controls", []):
             controls[c["image"]] = c["sha256"]
     present = sorted(q.name for q in folder.iterdir() if q.suffix.lower() in IMAGE_SUFFIXES and not q.name.startswith(".")) \
-        if folder.is_dir() else []  # fmt: skip
+        if folder.is_dir() else []
     added = [name for name in present if name not in recorded]
     if added:
         raise FluxKleinError(f"--data {folder} holds {added[0]}, which {config.path} did not train on; "
-                             "give --data to train on this folder as it is now")  # fmt: skip
+                             "give --data to train on this folder as it is now")
     for name, sha in list(recorded.items()) + list(controls.items()):
         image = Path(name) if Path(name).is_absolute() else folder / name
         if not image.is_file():
             raise FluxKleinError(f"{image} is gone since {config.path}; restore it, or give --data to train without it")
         if file_sha256(image) != sha:
             raise FluxKleinError(f"{image} changed since {config.path} (sha256 differs); restore it, or give --data "
-                                 "to train on the folder as it is now")  # fmt: skip
+                                 "to train on the folder as it is now")
 
 
 def option_names(command) -> dict[str, str]:

@@ -166,12 +166,12 @@ def _say_what_is_not_read(folder: Path, images: dict[str, Path], extension: str)
     if subs:
         head = ", ".join(subs[:3]) + (", ..." if len(subs) > 3 else "")
         warnings.warn(f"--data {folder}: the images in its sub-folder(s) {head} are not read; move them into {folder} "
-                      "to train on them")  # fmt: skip
+                      "to train on them")
     for other in CAPTION_SUFFIXES:
         unread = [p for p in images.values() if other != extension and p.with_suffix(other).is_file()]
         if unread:
             warnings.warn(f"--data {folder}: {len(unread)} {other} caption file(s) are not read (captions come from "
-                          f"{extension} files); give --caption-extension {other} to use them")  # fmt: skip
+                          f"{extension} files); give --caption-extension {other} to use them")
 
 
 def scan_data(

@@ -101,7 +101,7 @@ class MemoryPlanned:
 
 
 def step_peak(params: FluxKleinParams, trainable: int, resolution: int, bits: int | None, low_memory: bool,
-              batch: int = 1, controls: int = 0, group_size: int = 64) -> tuple[int, int]:  # fmt: skip
+              batch: int = 1, controls: int = 0, group_size: int = 64) -> tuple[int, int]:
     """(planned peak, weight bytes) of one step (module docstring)."""
     weights = weight_bytes(params, bits, group_size)
     L = (resolution // 16) ** 2 * (1 + controls) + TEXT_TOKENS
@@ -150,7 +150,7 @@ def plan_memory(s, params: FluxKleinParams, trainable: int, controls: int = 0, b
 def describe_plan(plan: MemoryPlanned) -> str:
     """One line: the planned peak against the machine's memory."""
     return (f"memory plan: a step peaks at about {plan.peak / GB:.1f} GB (weights {plan.weights / GB:.1f} GB) of "
-            f"{plan.available / GB:.1f} GB ({plan.available_from})")  # fmt: skip
+            f"{plan.available / GB:.1f} GB ({plan.available_from})")
 
 
 def check_memory(s, info, slots) -> MemoryPlanned:

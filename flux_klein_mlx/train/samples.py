@@ -105,7 +105,7 @@ def generate_command(record: dict, source: str, lora: Path | None, strength: flo
     """The `generate` command line that makes the image of `record` (a sample's own settings)."""
     args = ["python", "-m", "flux_klein_mlx", "generate", "--model", source, "--prompt", record["prompt"],
             "--seed", str(record["seed"]), "--width", str(record["width"]), "--height", str(record["height"]),
-            "--steps", str(record["steps"])]  # fmt: skip
+            "--steps", str(record["steps"])]
     if record["quantize"]:
         args += ["--quantize", str(record["quantize"])]
     if lora is not None:
@@ -139,7 +139,7 @@ class Sampler:
 
         t0 = time.perf_counter()
         self.pipe = load(self.source, dtype="bfloat16", quantize=self.s.sample_quantize,
-                         low_memory=MemoryPlan(release_models=True, drop_lora_originals=True))  # fmt: skip
+                         low_memory=MemoryPlan(release_models=True, drop_lora_originals=True))
         prompts = [p for prompt in self.s.sample_prompts for p in self.pipe.inputs(prompt, self.settings()).prompts]
         mx.eval(self.pipe.encode_prompts(list(dict.fromkeys(prompts))))
         q = f", {self.s.sample_quantize}-bit" if self.s.sample_quantize else ""
@@ -166,7 +166,7 @@ class Sampler:
         for k, prompt in enumerate(self.s.sample_prompts):
             image, record, p = self._image(prompt)
             record["training_sample"] = {"step": 0, "strength": None, "baseline": True,
-                                         "generate": generate_command(record, self.source, None, None)}  # fmt: skip
+                                         "generate": generate_command(record, self.source, None, None)}
             paths.append(self._save(sample_name(0, k, None), image, record))
             self.baselines.append(np.asarray(image, dtype=np.float32))
             peak = max(peak, p)
@@ -174,7 +174,7 @@ class Sampler:
         return SamplesSaved(0, paths, [None] * n, [None] * n, peak, None, self.info.name)
 
     def sample(self, step: int, lora, trained_peak: int) -> SamplesSaved:
-        """Each prompt at each strength with `lora` (a train.adapters.TrainableLoRA) as it is at `step`."""
+        """Each prompt at each strength with `lora` (a train.loop.adapters TrainableLoRA or TrainableLoKr) as it is at `step`."""
         checkpoint = Path(self.s.work_dir) / f"checkpoint-{step:06d}" / "lora.safetensors"
         tmp = Path(self.s.work_dir) / f".sample-lora.{secrets.token_hex(4)}.tmp"
         # The bytes of the checkpoint's LoRA file at this step (state.write_checkpoint): float32, same header.
@@ -190,7 +190,7 @@ class Sampler:
                         "step": step, "strength": strength, "baseline": False, "checkpoint": str(checkpoint),
                         "checkpoint_written": checkpoint.is_file(),
                         "generate": generate_command(record, self.source, checkpoint, strength),
-                    }  # fmt: skip
+                    }
                     paths.append(self._save(sample_name(step, k, strength), image, record))
                     changes.append(float(np.abs(np.asarray(image, dtype=np.float32) - self.baselines[k]).mean()))
                     strengths.append(strength)

@@ -23,7 +23,7 @@ from ..loading import DTYPES
 from ..lora.layouts import check_layout
 from ..models.quantize import check_quantization
 from .data import IMAGE_SUFFIXES, SIZE_MULTIPLE
-from .schedule import check_schedule
+from .loop.schedule import check_schedule
 
 TIMESTEPS = ("shift", "logit-normal", "uniform")
 ADAPTERS = ("lora", "lokr")  # LoRA pairs per diffusers module, or LoKr per layer
@@ -217,7 +217,7 @@ class TrainSettings:
     def run_key(self) -> dict:
         """The settings that decide what a step computes (resume needs them equal)."""
         keep = ("model", "rank", "alpha", "targets", "lr", "batch_size", "grad_accum", "resolution", "timesteps",
-                "seed", "weight_decay", "max_grad_norm", "dtype", "quantize", "group_size", "caption")  # fmt: skip
+                "seed", "weight_decay", "max_grad_norm", "dtype", "quantize", "group_size", "caption")
         key = {k: getattr(self, k) for k in keep}
         key["resolution"] = self.resolution if isinstance(self.resolution, int) else list(self.resolution)
         if self.lr_scheduler != "constant":  # absent for constant: older checkpoints stay resumable

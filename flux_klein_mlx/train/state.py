@@ -213,7 +213,7 @@ def acquire_lock(work_dir: Path) -> RunLock:
             continue
         if holder is not None:
             warnings.warn(f"taking over the lock of an earlier run in {path.parent} that no longer runs "
-                          f"({_describe_holder(holder)})", Notice)  # fmt: skip
+                          f"({_describe_holder(holder)})", Notice)
         started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         me = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started})
         os.ftruncate(fd, 0)
@@ -343,15 +343,6 @@ def _optimizer_problem(table: dict, lora_shapes: list[tuple[int, ...]]) -> str |
     if moments != sorted(lora_shapes * 2):
         return f"optimizer.safetensors holds {len(moments)} moments, this run's adapters need {2 * len(lora_shapes)}"
     return None
-
-
-def lora_file_shapes(slots, rank: int) -> dict[str, tuple[int, int]]:
-    """The tensors of this run's LoRA file (a checkpoint's lora.safetensors): name -> shape."""
-    shapes = {}
-    for sl in slots:
-        shapes[f"transformer.{sl.name}.lora_A.weight"] = (rank, sl.in_dims)
-        shapes[f"transformer.{sl.name}.lora_B.weight"] = (sl.out_dims, rank)
-    return shapes
 
 
 def checkpoint_problem(folder: Path, step: int, lora_shapes: dict[str, tuple[int, ...]], n_items: int) -> str | None:

@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..errors import FluxKleinError
+from ...errors import FluxKleinError
 
 _TEXT_BYTES = 2048  # room for one process's error line in `agree`
 
@@ -45,7 +45,7 @@ class PeerLost(FluxKleinError):
         """The one line for the user: where the run stopped, and the checkpoint to resume from."""
         last = f"{done[-1][1]} (step {done[-1][0]})" if done else "none yet"
         return PeerLost(f"{self} at step {step}; the last good checkpoint is {last}: continue with the same "
-                        "mlx.launch command and --resume")  # fmt: skip
+                        "mlx.launch command and --resume")
 
 
 def example_draws(seed: int, step: int, indices, scheme: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from ..errors import FluxKleinError
+from ...errors import FluxKleinError
 
 SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
 

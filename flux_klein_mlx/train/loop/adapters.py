@@ -37,14 +37,14 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from .. import __version__
-from ..errors import FluxKleinError
-from ..lora.apply import layers_by_path
-from ..lora.formats import Term, target_table
-from ..lora.layers import ROLE_LISTS, LoRALinear, TrainableTerm
-from ..lora.layouts import file_metadata, layout_pairs, layout_tensors, training_header
-from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, QKV, linear_shapes
-from ..weights import save_safetensors_streaming
+from ... import __version__
+from ...errors import FluxKleinError
+from ...lora.apply import layers_by_path
+from ...lora.formats import Term, target_table
+from ...lora.layers import ROLE_LISTS, LoRALinear, TrainableTerm
+from ...lora.layouts import file_metadata, layout_pairs, layout_tensors, training_header
+from ...models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, QKV, linear_shapes
+from ...weights import save_safetensors_streaming
 
 PRESETS = ("all", "attention", "double", "single")
 # diffusers module names (within a block) of the attention projections, for the `attention` preset
@@ -191,7 +191,7 @@ class TrainableLoRA:
             "r": self.rank, "lora_alpha": self.alpha, "target_modules": [s.name for s in self.slots],
             "init_lora_weights": "gaussian", "lora_dropout": 0.0, "bias": "none", "use_dora": False,
             "use_rslora": False, "fan_in_fan_out": False, "alpha_pattern": {}, "rank_pattern": {}, "peft_type": "LORA",
-        }  # fmt: skip
+        }
         prefixed = {f"transformer.{k}": v for k, v in config.items()}
         return {"format": "pt", "lora_adapter_metadata": json.dumps(prefixed, indent=2, sort_keys=True)}
 
@@ -218,7 +218,7 @@ def file_header(s, info, items, steps: int, started_at: float) -> dict[str, str]
         max_steps=s.steps, steps=steps, lr=s.lr, captions=[it.caption for it in items], dataset=Path(s.data).name,
         seed=s.seed, batch_size=s.batch_size, grad_accum=s.grad_accum, dtype=s.dtype, started=started_at,
         finished=time.time(), version=__version__,
-    )  # fmt: skip
+    )
     if s.adapter == "lokr":  # kohya's way of naming a LyCORIS network (what A1111's cards read)
         header["ss_network_module"] = "lycoris.kohya"
         header["ss_network_args"] = json.dumps({"algo": "lokr", "factor": str(s.lokr_factor)})
@@ -407,6 +407,15 @@ class TrainableLoKr:
 
     def metadata(self) -> dict[str, str]:
         return {"format": "pt"}
+
+
+def lora_file_shapes(slots, rank: int) -> dict[str, tuple[int, int]]:
+    """The tensors of a LoRA run's checkpoint file (its lora.safetensors): name -> shape."""
+    shapes = {}
+    for sl in slots:
+        shapes[f"transformer.{sl.name}.lora_A.weight"] = (rank, sl.in_dims)
+        shapes[f"transformer.{sl.name}.lora_B.weight"] = (sl.out_dims, rank)
+    return shapes
 
 
 def lokr_file_shapes(slots: list[Slot], params, rank: int, factor: int) -> dict[str, tuple[int, ...]]:

@@ -30,8 +30,8 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from ..errors import FluxKleinError
-from ..weights import read_lora_file
+from ...errors import FluxKleinError
+from ...weights import read_lora_file
 
 VALIDATION_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)  # midpoints of five equal bins of sigma in [0, 1]
 VALIDATION_SEED = 29  # fixed for every run: the noise does not follow --seed

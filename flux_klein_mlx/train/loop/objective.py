@@ -1,0 +1,89 @@
+"""The training objective of FLUX.2 [klein] LoRAs: diffusers' flow matching, sigma sampling, AdamW.
+
+The objective is that of diffusers' `train_dreambooth_lora_flux2_klein.py` (docs/training.md (a)),
+per batch of images that share a bucket:
+
+    x0     = the image's VAE posterior mean, 2x2-patchified, BatchNorm-normalised (cached once)
+    eps    ~ N(0, I);  sigma ~ --timesteps;  x_t = (1 - sigma) x0 + sigma eps
+    pred   = transformer(x_t tokens [+ clean control tokens], caption, timestep sigma)
+    loss   = mean over batch, tokens and channels of (pred[:, :L] - (eps - x0))^2, in float32
+
+The transformer rounds sigma to the activation dtype before it scales it by 1000 (as diffusers
+does). Edit LoRAs (`controls`): each control image's clean latent tokens follow the target tokens,
+with RoPE time coordinate 10, 20, ... as in our editing; only the target tokens carry loss.
+
+Sigma sampling (`timesteps`):
+    shift         (default) musubi-tuner's `flux2_shift`: t = sigmoid(N(0, 1)), s = e^mu with mu linear
+                  in the image's token count L (0.5 at L = 256, i.e. 256^2 px; 1.15 at L = 4096, 1024^2),
+                  sigma = s t / (1 + (s - 1) t). Mid-range noise, shifted toward noise for larger images,
+                  as klein's own sampling schedule is; musubi's FLUX.2 guide recommends it. diffusers'
+                  uniform default spends as many steps on sigma < 0.1, where the image is nearly clean
+                  and the loss says little. (musubi feeds the model sigma + 0.001; we feed sigma.)
+    logit-normal  diffusers' `logit_normal`: u = sigmoid(N(0, 1)), sigma = (1000 - floor(1000 u)) / 1000.
+    uniform       diffusers' default (`none`): u ~ U(0, 1) on the same grid, sigma uniform on {0.001 .. 1}.
+
+Optimizer: AdamW with torch's semantics (bias correction, decoupled weight decay 1e-4 as diffusers,
+eps 1e-8), gradients averaged over `grad_accum` micro-batches and clipped to a global norm of 1.0,
+at the learning rate of `lr_scheduler` (diffusers' schedules, schedule.py). The trainer (trainer.py)
+runs these on its batches; each is checked against diffusers and torch in tests/test_train.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+
+from ...sampling import scale_noise
+
+TRAIN_TIMESTEPS = 1000  # the scheduler's num_train_timesteps: sigma lives on a grid of 1/1000
+
+
+def shift_mu(tokens: int) -> float:
+    """musubi's flux2_shift mu: linear in the token count, 0.5 at 256 tokens, 1.15 at 4096."""
+    m = (1.15 - 0.5) / (4096 - 256)
+    return m * tokens + 0.5 - m * 256
+
+
+def sigmas_from_draws(scheme: str, draws: np.ndarray, tokens: int) -> np.ndarray:
+    """sigma (B,) float32 from the run's random numbers: U(0, 1) draws for `uniform`, N(0, 1) for the others."""
+    d = np.asarray(draws, dtype=np.float32)
+    if scheme == "shift":
+        t = (1.0 / (1.0 + np.exp(-d.astype(np.float64)))).astype(np.float32)
+        s = math.exp(shift_mu(tokens))
+        return ((t * np.float32(s)) / (np.float32(1) + np.float32(s - 1) * t)).astype(np.float32)
+    u = d if scheme == "uniform" else (1.0 / (1.0 + np.exp(-d.astype(np.float64)))).astype(np.float32)
+    idx = (u * np.float32(TRAIN_TIMESTEPS)).astype(np.int64)  # diffusers: (u * 1000).long()
+    # scheduler.sigmas[idx] for klein's config (dynamic shifting: no static shift): (1000 - idx) / 1000
+    return (np.float32(TRAIN_TIMESTEPS) - idx.astype(np.float32)) / np.float32(TRAIN_TIMESTEPS)
+
+
+def flow_loss(model, x0, noise, sigma, ctx, rope, refs=None, checkpoint: bool = False) -> mx.array:
+    """The flow-matching loss of one batch, float32.
+
+    x0, noise (B, L, C): clean target tokens and noise; sigma (B,) float32; ctx (B, Lt, E) caption
+    embeddings; rope the tables of [text; target; refs]; refs (B, Lr, C) clean control tokens or None.
+    """
+    dtype = model.dtype
+    s = sigma.astype(mx.float32)[:, None, None]
+    xt = scale_noise(x0, noise, s)  # (B, L, C) float32
+    x_in = xt.astype(dtype) if refs is None else mx.concatenate([xt.astype(dtype), refs.astype(dtype)], axis=1)
+    t = sigma.astype(dtype)  # the transformer sees sigma rounded to the activation dtype
+    pred = model.forward_with_rope(x_in, ctx, t, rope, checkpoint=checkpoint)[:, : x0.shape[1]]
+    target = noise.astype(mx.float32) - x0.astype(mx.float32)
+    return mx.mean(mx.square(pred.astype(mx.float32) - target))
+
+
+def make_optimizer(s) -> optim.AdamW:
+    """AdamW as torch.optim.AdamW: MLX's defaults differ (no bias correction, weight decay 0.01; G9)."""
+    return optim.AdamW(learning_rate=s.lr, betas=[0.9, 0.999], eps=1e-8, weight_decay=s.weight_decay, bias_correction=True)
+
+
+def optimizer_step(optimizer: optim.Optimizer, model: nn.Module, grads, max_grad_norm: float) -> mx.array:
+    """Clip the gradients to a global norm (torch's `clip_grad_norm_`) and update; returns the norm before clipping."""
+    grads, norm = optim.clip_grad_norm(grads, max_grad_norm)
+    optimizer.update(model, grads)
+    return norm
