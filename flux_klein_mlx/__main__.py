@@ -1,4 +1,4 @@
-"""`python -m flux_klein_mlx generate | convert | quantize | benchmark | serve | train`.
+"""`python -m flux_klein_mlx generate | convert | quantize | benchmark | serve | train | lora`.
 
 Each subcommand lives in its own module and is imported only when used, so `--help` is instant.
 Every user-fixable problem (`FluxKleinError`) ends as one line on stderr and exit status 1.

@@ -373,7 +373,7 @@ def test_train_writes_a_comfyui_file_with_kohya_training_metadata_in_bfloat16(ba
 
 def dense_updates(path) -> dict[str, np.ndarray]:
     """Our layer -> the file's summed update `factor · up @ down` on its rows, float64 (LoRA terms only)."""
-    from flux_klein_mlx.lora.files import read_any_lora
+    from flux_klein_mlx.lora.convert import read_any_lora
     from flux_klein_mlx.models.transformer import linear_shapes
 
     lora = read_any_lora(path)
@@ -392,7 +392,7 @@ def test_convert_keeps_every_update_of_every_format_read(tmp_path, writer):
     the same update on every layer, q/k/v and split single-block rows, globals and the final layer included."""
     import test_lora
 
-    from flux_klein_mlx.lora.files import convert_lora
+    from flux_klein_mlx.lora.convert import convert_lora
 
     source = tmp_path / "source.safetensors"
     getattr(test_lora, writer)(source, test_lora.Rand(21))

@@ -1,5 +1,5 @@
 """`python -m flux_klein_mlx lora convert | info`: a LoRA file into the layout another tool loads, and
-what a LoRA file is. Thin wrappers over `lora.files`; every refusal is one line (cli.run_command)."""
+what a LoRA file is. Thin wrappers over `lora.convert`; every refusal is one line (cli.run_command)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import click
 
 from ..cli import run_command
-from .files import convert_lora, describe_lora, describe_number
+from .convert import convert_lora, describe_lora, describe_number
 from .layouts import LAYOUTS
 
 
