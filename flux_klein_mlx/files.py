@@ -85,6 +85,16 @@ def write_replacing(path: Path, write: Callable[[Path], None]) -> None:
 MIN_FREE_BYTES = 1 << 20  # below this a disk counts as full: one small image (or JSON, or preview) must fit
 
 
+def check_writable(folder: Path, what: str) -> None:
+    """The real test of permissions (a read-only folder or volume, ACLs, root squash): create and remove
+    a file in `folder`; one line naming `what` (the option and its value) when that fails."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".flux_klein_mlx-probe-"):
+            pass
+    except OSError as e:
+        raise FluxKleinError(f"{what}: cannot write in {folder} ({e.strerror}); choose a folder you can write to") from None
+
+
 def check_output_file(path: str | Path, option: str = "--output") -> Path:
     """Raise FluxKleinError unless a new file can be created at `path` (or next to it, if taken)."""
     path = Path(path).expanduser()
@@ -107,13 +117,7 @@ def check_output_file(path: str | Path, option: str = "--output") -> Path:
         )
     if path.is_dir():
         raise FluxKleinError(f"{option} {path} is a folder; give a file name inside it, e.g. {path / 'image.png'}")
-    try:  # the real test of permissions (read-only folder or volume, ACLs): create and remove a file
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".flux_klein_mlx-probe-"):
-            pass
-    except OSError as e:
-        raise FluxKleinError(
-            f"{option} {path}: cannot write in {parent} ({e.strerror}); choose a folder you can write to"
-        ) from None
+    check_writable(parent, f"{option} {path}")
     free = shutil.disk_usage(parent).free  # an empty probe fits on a full disk; an image does not
     if free < MIN_FREE_BYTES:
         raise FluxKleinError(

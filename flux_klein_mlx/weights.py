@@ -36,6 +36,29 @@ def read_safetensors(path: str | Path) -> dict[str, mx.array]:
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
+def safetensors_table(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], int]:
+    """name -> (dtype, shape) of a safetensors file from its header alone (no tensor is read), and the
+    bytes the file needs to hold every tensor the header lists. OSError when the file cannot be read;
+    ValueError saying what is wrong with the header ("no valid JSON header", a tensor without offsets)."""
+    raw = safetensors_header_bytes(path)
+    try:
+        header = json.loads(raw)
+    except ValueError:  # not JSON (UnicodeDecodeError included)
+        header = None
+    if not isinstance(header, dict):
+        raise ValueError("no valid JSON header")
+    header.pop("__metadata__", None)
+    tensors, end = {}, 0
+    for name, entry in header.items():
+        try:
+            dtype, shape, (_, hi) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+            end = max(end, int(hi))
+        except (TypeError, KeyError, ValueError, IndexError):
+            raise ValueError(f"tensor {name!r} has no dtype/shape/offsets") from None
+        tensors[name] = (str(dtype), shape)
+    return tensors, 8 + len(raw) + end
+
+
 def check_safetensors_file(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Check one safetensors file from its header alone (no tensor is read): the 8-byte length and
     the JSON header parse, and the file is long enough for every tensor the header lists (a
@@ -44,30 +67,15 @@ def check_safetensors_file(path: str | Path) -> dict[str, tuple[str, tuple[int, 
     path = Path(path)
     if not path.is_file():
         raise FluxKleinError(f"weight file not found: {path}")
-    damaged = f"{path} is damaged or not a safetensors file"
     try:
-        raw = safetensors_header_bytes(path)
-        header = json.loads(raw)
+        tensors, needed = safetensors_table(path)
     except OSError as e:
         raise FluxKleinError(f"cannot read {path} ({e.strerror}); check the file's permissions") from None
-    except ValueError:  # no header, or not JSON (UnicodeDecodeError included)
-        header = None
-    if not isinstance(header, dict):
-        raise FluxKleinError(f"{damaged} (no valid JSON header); download or convert it again")
-    header.pop("__metadata__", None)
-    tensors, end = {}, 0
-    for name, entry in header.items():
-        try:
-            dtype, shape, (_, hi) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
-            end = max(end, int(hi))
-        except (TypeError, KeyError, ValueError):
-            raise FluxKleinError(f"{damaged} (tensor {name!r} has no dtype/shape/offsets); download it again") from None
-        tensors[name] = (dtype, shape)
+    except ValueError as e:  # no header, or a tensor without its entries
+        raise FluxKleinError(f"{path} is damaged or not a safetensors file ({e}); download or convert it again") from None
     size = path.stat().st_size
-    if 8 + len(raw) + end > size:
-        raise FluxKleinError(
-            f"{path} is truncated: {size} bytes, its header needs {8 + len(raw) + end}; download or convert it again"
-        )
+    if needed > size:
+        raise FluxKleinError(f"{path} is truncated: {size} bytes, its header needs {needed}; download or convert it again")
     return tensors
 
 

@@ -33,7 +33,6 @@ import os
 import re
 import shutil
 import socket
-import tempfile
 import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -45,9 +44,9 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from ..errors import FluxKleinError, Notice
-from ..files import broken_link, folder_transaction, is_temporary_file, write_replacing
+from ..files import broken_link, check_writable, folder_transaction, is_temporary_file, write_replacing
 from .settings import differences
-from ..weights import read_lora_file, read_safetensors, safetensors_header_bytes, save_safetensors_streaming
+from ..weights import read_lora_file, read_safetensors, safetensors_table, save_safetensors_streaming
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d{6,})$")
 # The temporary folders of files.folder_transaction for checkpoints (files: files.is_temporary_file).
@@ -73,13 +72,7 @@ def check_work_dir(work_dir: Path, data, controls=()) -> None:
         raise FluxKleinError(f"--work-dir {wd}: its parent folder {wd.parent} does not exist; create it first")
     _refuse_inside_data(wd, [("--data", data)] + [("--control", c) for c in controls])
     probe_in = wd if wd.is_dir() else wd.parent
-    try:  # the real test of permissions (read-only folder or volume, ACLs, root squash): create and remove a file
-        with tempfile.NamedTemporaryFile(dir=probe_in, prefix=".flux_klein_mlx-probe-"):
-            pass
-    except OSError as e:
-        raise FluxKleinError(
-            f"--work-dir {wd}: cannot write in {probe_in} ({e.strerror}); choose a folder you can write to"
-        ) from None
+    check_writable(probe_in, f"--work-dir {wd}")
 
 
 def _refuse_inside_data(wd: Path, folders: list[tuple[str, object]]) -> None:
@@ -282,25 +275,14 @@ def _tensor_table(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     if not path.is_file():
         raise ValueError(f"{path.name} is missing")
     try:
-        raw = safetensors_header_bytes(path)
-        header = json.loads(raw)
+        table, needed = safetensors_table(path)
     except OSError as e:
         raise ValueError(f"{path.name} cannot be read ({e.strerror})") from None
-    except ValueError:
-        raise ValueError(f"{path.name} has no valid safetensors header") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path.name} has no valid safetensors header")
-    header.pop("__metadata__", None)
-    table, end = {}, 0
-    for name, entry in header.items():
-        try:
-            table[name] = (str(entry["dtype"]), tuple(int(d) for d in entry["shape"]))
-            end = max(end, int(entry["data_offsets"][1]))
-        except (TypeError, KeyError, ValueError, IndexError):
-            raise ValueError(f"{path.name} lists tensor {name!r} without dtype, shape or offsets") from None
+    except ValueError as e:
+        raise ValueError(f"{path.name} is not a whole safetensors file ({e})") from None
     size = path.stat().st_size
-    if 8 + len(raw) + end > size:
-        raise ValueError(f"{path.name} is cut short ({size} bytes of {8 + len(raw) + end})")
+    if needed > size:
+        raise ValueError(f"{path.name} is cut short ({size} bytes of {needed})")
     return table
 
 
