@@ -222,3 +222,16 @@ def test_every_safe_write_lives_in_files_which_imports_only_errors():
             if module != "files" and isinstance(node, ast.Attribute) and node.attr == "mkstemp":
                 writers.append(f"{module}: mkstemp")
     assert not writers, writers
+
+
+def test_no_constant_is_assigned_in_two_modules():
+    """One home per fact: an upper-case module constant is defined once and imported where it is needed."""
+    homes: dict[str, list[str]] = {}
+    for module, tree in sources().items():
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            for target in targets:
+                if isinstance(target, ast.Name) and target.id.lstrip("_").isupper():
+                    homes.setdefault(target.id, []).append(module)
+    twice = {name: modules for name, modules in homes.items() if len(modules) > 1}
+    assert not twice, twice

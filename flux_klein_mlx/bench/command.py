@@ -40,10 +40,9 @@ from ..pipeline import FluxKleinPipeline, load
 from .random_model import random_pipeline
 from ..models.text_encoder import OUT_LAYERS, encode_prompts
 from .time_to_image import format_cold, measure_cold
+from ..models.tokenizer import MAX_LENGTH
 
-TEXT_TOKENS = 512
 DEFAULT_PROMPT = "a red fox in fresh snow at dawn, soft light, 35 mm photograph"
-GB = 1e9
 
 
 def _summary(run: Run, times: list[float], flops: float | None, peak_memory_gb: float) -> dict:
@@ -66,8 +65,8 @@ def _timed_load(run: Run, name: str):
     t0 = time.perf_counter()
     model = run.pipe.component(name)
     mx.eval(model.parameters())
-    run.stages[f"{name}_load"] = {"seconds": time.perf_counter() - t0, "peak_memory_gb": mx.get_peak_memory() / GB,
-                                  "weights_gb": sum(v.nbytes for _, v in tree_flatten(model.parameters())) / GB}
+    run.stages[f"{name}_load"] = {"seconds": time.perf_counter() - t0, "peak_memory_gb": mx.get_peak_memory() / 1e9,
+                                  "weights_gb": sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9}
     return model
 
 
@@ -130,11 +129,11 @@ def _text_encoder_stage(run: Run) -> mx.array:
     pipe = run.pipe
     encoder = _timed_load(run, "text_encoder")
     tokenizer = pipe.component("tokenizer")
-    run.flops["text_encoder"] = flops_of_text_encoder(encoder.config, layers=max(OUT_LAYERS), tokens=TEXT_TOKENS).total
+    run.flops["text_encoder"] = flops_of_text_encoder(encoder.config, layers=max(OUT_LAYERS), tokens=MAX_LENGTH).total
     mx.reset_peak_memory()
     times, ctx = _repeat(lambda: encode_prompts(encoder, tokenizer, [DEFAULT_PROMPT]).astype(pipe.dtype),
                          run.warmup, run.trials)
-    run.stages["text_encoding"] = _summary(run, times, run.flops["text_encoder"], mx.get_peak_memory() / GB)
+    run.stages["text_encoding"] = _summary(run, times, run.flops["text_encoder"], mx.get_peak_memory() / 1e9)
     run.log(f"text encoding: {run.stages['text_encoding']['median_s']:.3f} s")
     encoder = None  # drop this reference before releasing the slot's
     pipe.release("text_encoder")
@@ -146,7 +145,7 @@ def _denoise_stage(run: Run):
     pipe, params = run.pipe, run.pipe.info.params
     _timed_load(run, "transformer")
     ref_tokens = run.references * (run.width // 16) * (run.height // 16)
-    step = flops_of_transformer(params, run.width, run.height, TEXT_TOKENS, ref_tokens, cached_references=run.kv)
+    step = flops_of_transformer(params, run.width, run.height, MAX_LENGTH, ref_tokens, cached_references=run.kv)
     ref_pass = reference_pass_flops(params, ref_tokens).total if run.kv else 0.0
     run.flops.update(step=step, denoise=step.total * run.steps + ref_pass)
     images = reference_pictures(run.references, run.width, run.height, run.seed)
@@ -160,7 +159,7 @@ def _denoise_stage(run: Run):
             stats.append(job.stats)
         what = f"warm-up {trial + 1}" if trial < run.warmup else f"trial {trial - run.warmup + 1}"
         run.log(f"denoising {what}: {job.stats.denoise.seconds:.2f} s")
-    memory = max(st.denoise.peak_memory for st in stats) / GB
+    memory = max(st.denoise.peak_memory for st in stats) / 1e9
     per_index = list(zip(*step_times))  # (steps, trials)
     all_steps = [t for ts in per_index for t in ts]
     # KV steps are not alike (the first one also runs the reference pass): no one FLOP count for all.
@@ -170,7 +169,7 @@ def _denoise_stage(run: Run):
     if run.kv:
         ref_times = [st.reference_kv_seconds for st in stats]
         run.stages["kv_reference_pass"] = _summary(run, ref_times, ref_pass, memory)
-        run.stages["kv_reference_pass"]["cache_gb"] = job.stats.reference_kv_bytes / GB
+        run.stages["kv_reference_pass"]["cache_gb"] = job.stats.reference_kv_bytes / 1e9
         run.stages["kv_first_step"] = _summary(run, per_index[0], step.total + ref_pass, memory)
         if run.steps > 1:  # steps 2.. of every trial
             run.stages["kv_cached_step"] = _summary(run, all_steps[run.trials:], step.total, memory)
@@ -186,7 +185,7 @@ def _decode_stage(run: Run, job) -> None:
 
     def decode():
         pipe.decode(job, "np")
-        peaks.append(job.stats.decode.peak_memory / GB)
+        peaks.append(job.stats.decode.peak_memory / 1e9)
 
     times, _ = _repeat(decode, run.warmup, run.trials)
     run.stages["vae_decode"] = _summary(run, times, run.flops["vae_decode"], max(peaks))
@@ -215,7 +214,7 @@ def run_benchmark(
     if text_encoder:
         ctx = _text_encoder_stage(run)
     else:
-        ctx = mx.random.normal((1, TEXT_TOKENS, info.params.context_in_dim), key=mx.random.key(seed + 3)).astype(pipe.dtype)
+        ctx = mx.random.normal((1, MAX_LENGTH, info.params.context_in_dim), key=mx.random.key(seed + 3)).astype(pipe.dtype)
     pipe.remember_prompt(DEFAULT_PROMPT, ctx)
     job = _denoise_stage(run)
     if decode:
@@ -242,7 +241,7 @@ def _result(run: Run, machine: dict) -> dict:
         "config": {
             "model": None if random else info.source, "weights": "random" if random else "checkpoint",
             "variant": info.variant, "width": run.width, "height": run.height,
-            "image_tokens": (run.width // 16) * (run.height // 16), "text_tokens": TEXT_TOKENS,
+            "image_tokens": (run.width // 16) * (run.height // 16), "text_tokens": MAX_LENGTH,
             "blocks": f"{params.depth}+{params.depth_single}", "references": run.references,
             "reference_tokens": run.references * (run.width // 16) * (run.height // 16), "reference_kv": run.kv,
             "steps": run.steps, "dtype": dtype_name(pipe.dtype),

@@ -57,7 +57,7 @@ from .measure import StageMeter, bytes_to_load, drop_from_page_cache, sequential
 from ..models.tokenizer import load_tokenizer
 
 PROMPT = "a red fox in fresh snow at dawn, soft light, 35 mm photograph"
-COMPONENTS = ("text_encoder", "transformer", "vae")
+LOAD_ORDER = ("text_encoder", "transformer", "vae")  # the order a run loads its models
 
 
 @dataclass(frozen=True)
@@ -267,12 +267,12 @@ def measure_cold(model, *, width: int = 256, height: int = 256, steps: int = 1, 
     """Every measurement of the module docstring (`format_cold` prints it)."""
     settings = RunSettings(PROMPT, width=width, height=height, steps=steps).check()  # before any work
     info = describe(model, vae=vae)
-    files = sorted({f for n in COMPONENTS for f in info.files[n]} | set(info.decoder_files or []))
+    files = sorted({f for n in LOAD_ORDER for f in info.files[n]} | set(info.decoder_files or []))
     files += sorted(p for p in Path(info.tokenizer).glob("*") if p.is_file())
     machine, imports = machine_info(), import_seconds()
     page_cache = drop_from_page_cache(files)
     dropped = page_cache.startswith("dropped")
-    rate = sequential_read_rate([s for n in COMPONENTS for s in component_spans(info, n)])
+    rate = sequential_read_rate([s for n in LOAD_ORDER for s in component_spans(info, n)])
     log(f"sequential read: {rate.bytes / 1e9:.2f} GB at {rate.rate / 1e9:.2f} GB/s ({page_cache})")
     # Imports happen once per process, not once per run here (`import_seconds` has their cost): made
     # now, so that no run below pays them and the runs compare what a run does.
@@ -303,7 +303,7 @@ def measure_cold(model, *, width: int = 256, height: int = 256, steps: int = 1, 
         denoise=flops_of_transformer(info.params, width, height).total * steps,
         decode=flops_of_vae_decoder(AutoEncoderConfig.from_dict(info.configs["vae"]), width, height).total,
     )
-    load_bytes = {n: bytes_to_load(info, n) for n in COMPONENTS}
+    load_bytes = {n: bytes_to_load(info, n) for n in LOAD_ORDER}
     return ColdResult(
         model=str(model), machine=machine, imports=imports,
         settings=Settings(width, height, steps, dtype, quantize, None if vae is None else str(vae)),
@@ -321,7 +321,7 @@ def limits(runs: dict[str, Run], load_bytes: dict[str, int], rate: float, peak: 
     FLOPs / peak)."""
     out = {}
     for cold, warm, encodes in LIMITED:
-        parts = COMPONENTS if encodes else COMPONENTS[1:]
+        parts = LOAD_ORDER if encodes else LOAD_ORDER[1:]
         nbytes = sum(load_bytes[n] for n in parts)
         read = nbytes / rate
         flops = f.denoise + f.decode + (f.text_encoder if encodes else 0.0)

@@ -23,10 +23,11 @@ from ..errors import FluxKleinError
 from ..models.config import HIDDEN_SIZES, FluxKleinParams
 from ..files import check_output_file, write_exclusive
 from ..weights import read_lora_file, save_safetensors_streaming
-from .formats import ParsedLora, parse_lora
+from .formats import DOWN_ROLES, ParsedLora, parse_lora
 from .layouts import FORMAT_NAMES, autov3, check_layout, file_metadata, layout_pairs, layout_tensors
 
-_DOWN = re.compile(r"\.(?:lora_A|lora_down|lora\.down)(?:\.[A-Za-z0-9_]+)?\.weight$")
+# a LoRA down matrix's key ending (PEFT's adapter name optional): `.lora_A.weight`, `.lora_down.weight`, ...
+_DOWN = re.compile(rf"\.(?:{'|'.join(re.escape(r) for r in DOWN_ROLES)})(?:\.[A-Za-z0-9_]+)?\.weight$")
 _DOUBLE = re.compile(r"(?<!single_)(?:double_blocks|transformer_blocks)[._](\d+)[._]")
 _SINGLE = re.compile(r"(?:single_blocks|single_transformer_blocks)[._](\d+)[._]")
 # module-name endings whose input width is a model setting, not the hidden size

@@ -48,7 +48,7 @@ _ROLE = re.compile(
     r"|(?P<lokr>lokr_w[12](?:_[ab])?|lokr_t[12])|(?P<alpha>alpha)|(?P<other>dora_scale|lora_magnitude_vector.*|"
     r"(?:lora_[AB]|lora_down|lora_up)\.bias|diff|diff_b|hada_w[12]_[ab]))$"
 )
-_DOWN = {"lora_A", "lora_down", "lora.down"}
+DOWN_ROLES = ("lora_A", "lora_down", "lora.down")  # the names of a LoRA's down (A) matrix
 # Keys that only UNet models (SDXL, Stable Diffusion) have; FLUX.1's are config.FLUX1_MARKERS.
 _UNET_MARKERS = ("down_blocks", "up_blocks", "mid_block", "input_blocks", "output_blocks", "lora_te1_", "lora_te2_",
                  "text_model", "conditioner")  # fmt: skip
@@ -154,7 +154,7 @@ def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str,
             )
         name = m.group("module")
         lora = m.group("lora")
-        role = ("down" if lora in _DOWN else "up") if lora else m.group("lokr") or "alpha"
+        role = ("down" if lora in DOWN_ROLES else "up") if lora else m.group("lokr") or "alpha"
         prefix, kind = next(((p, letter) for p, letter in _PREFIXES if name.startswith(p)), ("", None))
         name = name[len(prefix) :]
         kinds.add("E" if m.group("lokr") else kind)

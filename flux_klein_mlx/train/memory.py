@@ -34,9 +34,8 @@ import mlx.nn as nn
 from ..errors import FluxKleinError
 from ..models.config import FluxKleinParams
 from ..models.transformer import FluxKlein
+from ..models.tokenizer import MAX_LENGTH
 
-TEXT_TOKENS = 512
-GB = 1e9
 # klein-4B's reference geometry (the model the coefficients were measured on)
 REF_HIDDEN, REF_BLOCKS, REF_HEADS = 3072, 25, 24
 # (quantized, low_memory) -> (b bytes per token, c bytes per token pair), from the measured rows above
@@ -104,7 +103,7 @@ def step_peak(params: FluxKleinParams, trainable: int, resolution: int, bits: in
               batch: int = 1, controls: int = 0, group_size: int = 64) -> tuple[int, int]:
     """(planned peak, weight bytes) of one step (module docstring)."""
     weights = weight_bytes(params, bits, group_size)
-    L = (resolution // 16) ** 2 * (1 + controls) + TEXT_TOKENS
+    L = (resolution // 16) ** 2 * (1 + controls) + MAX_LENGTH
     b, c = coefficients(bits is not None, low_memory)
     blocks = params.depth + params.depth_single
     kb = params.hidden_size * blocks / (REF_HIDDEN * REF_BLOCKS)
@@ -143,14 +142,14 @@ def plan_memory(s, params: FluxKleinParams, trainable: int, controls: int = 0, b
         for words, bits, low, res in tries:
             p = peak(bits, low, res)
             if p <= available:
-                remedies.append(f"{words} ({p / GB:.1f} GB)")
+                remedies.append(f"{words} ({p / 1e9:.1f} GB)")
     return MemoryPlanned(planned, weights, available, source, planned <= available, remedies)
 
 
 def describe_plan(plan: MemoryPlanned) -> str:
     """One line: the planned peak against the machine's memory."""
-    return (f"memory plan: a step peaks at about {plan.peak / GB:.1f} GB (weights {plan.weights / GB:.1f} GB) of "
-            f"{plan.available / GB:.1f} GB ({plan.available_from})")
+    return (f"memory plan: a step peaks at about {plan.peak / 1e9:.1f} GB (weights {plan.weights / 1e9:.1f} GB) of "
+            f"{plan.available / 1e9:.1f} GB ({plan.available_from})")
 
 
 def check_memory(s, info, slots) -> MemoryPlanned:
