@@ -28,6 +28,7 @@ depth is measured too (the `full` rows), as a check of the fit.
     .venv/bin/python benchmarks/train_step.py speed --size 512 --trials 2
     .venv/bin/python benchmarks/train_step.py memory [--full]
     .venv/bin/python benchmarks/train_step.py multires      # --resolution 256,512: a step at each size
+    .venv/bin/python benchmarks/train_step.py lokr          # --adapter lokr beside LoRA: time, parameters, peak
     .venv/bin/python benchmarks/train_step.py report
 """
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -84,10 +86,10 @@ def step_flops(params: FluxKleinParams, size: int, checkpoint: bool) -> tuple[fl
 class Setup:
     """A transformer with adapters, its optimizer and one batch, built as the trainer builds them."""
 
-    def __init__(self, params, size: int, dtype, bits: int | None, random_weights: bool):
+    def __init__(self, params, size: int, dtype, bits: int | None, random_weights: bool, adapter: str = "lora"):
         from mlx.utils import tree_map
 
-        from flux_klein_mlx.train.loop.adapters import attach_lora, parse_targets
+        from flux_klein_mlx.train.loop.adapters import attach_lokr, attach_lora, parse_targets
         from flux_klein_mlx.models.quantize import quantize_model
         from flux_klein_mlx.bench.random_model import randomize
         from flux_klein_mlx.train.loop.objective import make_optimizer
@@ -103,7 +105,11 @@ class Setup:
             quantize_model(model, bits)
         mx.eval(model.parameters())
         self.model, self.params, self.dtype = model, params, dtype
-        self.lora = attach_lora(model, parse_targets("all", params), RANK, float(RANK), np.random.default_rng(0))
+        slots, rng = parse_targets("all", params), np.random.default_rng(0)
+        if adapter == "lokr":  # LyCORIS' LoKr on every block Linear, factor -1 (the trainer's default)
+            self.lora = attach_lokr(model, slots, params, RANK, float(RANK), -1, rng)
+        else:
+            self.lora = attach_lora(model, slots, RANK, float(RANK), rng)
         self.optimizer = make_optimizer(TrainSettings(lr=1e-4))
         self.set_size(size)
 
@@ -147,10 +153,10 @@ def _timed(fn, warmup: int, trials: int) -> list[float]:
 
 
 def child_speed(size: int, depth: int, depth_single: int, warmup: int, trials: int, dtype: str = "float32",
-                bits: int | None = None) -> dict:
+                bits: int | None = None, adapter: str = "lora") -> dict:
     """Real compute (random weights): forward, step, step with checkpointing (interleaved trials)."""
     params = params_for(depth, depth_single)
-    s = Setup(params, size, getattr(mx, dtype), bits, random_weights=True)
+    s = Setup(params, size, getattr(mx, dtype), bits, random_weights=True, adapter=adapter)
     runs = {"forward": s.forward, "step": lambda: s.step(False), "step_checkpoint": lambda: s.step(True)}
     times = {k: [] for k in runs}
     for k, fn in runs.items():  # warm-up (and the optimizer's state allocated) before any timed trial
@@ -162,7 +168,7 @@ def child_speed(size: int, depth: int, depth_single: int, warmup: int, trials: i
     _, step_ckpt = step_flops(params, size, True)
     return {"size": size, "depth": depth, "depth_single": depth_single, "dtype": dtype, "bits": bits, "times": times,
             "flops": {"forward": fwd, "step": step, "step_checkpoint": step_ckpt},
-            "trainable": s.lora.num_parameters}  # fmt: skip
+            "trainable": s.lora.num_parameters, "adapter": adapter}  # fmt: skip
 
 
 def emulate_unfused_training_attention() -> None:
@@ -226,7 +232,8 @@ def child_memory_multires(sizes: list[int], dtype: str, bits: int | None, checkp
             "depth_single": depth_single, "resident": resident, "peaks": peaks, "peak": max(peaks)}  # fmt: skip
 
 
-def child_memory(size: int, dtype: str, bits: int | None, checkpoint: bool, depth: int, depth_single: int) -> dict:
+def child_memory(size: int, dtype: str, bits: int | None, checkpoint: bool, depth: int, depth_single: int,
+                 adapter: str = "lora") -> dict:
     """Peak memory of a training step with Metal-like stand-ins (the AdamW moments allocated first, as after step 1)."""
     from memory import emulate_fused_norms, emulate_matmul_kernels
 
@@ -234,7 +241,7 @@ def child_memory(size: int, dtype: str, bits: int | None, checkpoint: bool, dept
     emulate_fused_norms()
     emulate_unfused_training_attention()
     dt = getattr(mx, dtype)
-    s = Setup(params_for(depth, depth_single), size, dt, bits, random_weights=False)
+    s = Setup(params_for(depth, depth_single), size, dt, bits, random_weights=False, adapter=adapter)
     s.optimizer.init(s.model.trainable_parameters())  # the AdamW moments, as after the first step
     mx.eval(s.optimizer.state)
     mx.synchronize()
@@ -245,7 +252,7 @@ def child_memory(size: int, dtype: str, bits: int | None, checkpoint: bool, dept
     mx.eval(s.step(checkpoint))
     return {"size": size, "dtype": dtype, "bits": bits, "checkpoint": checkpoint, "depth": depth,
             "depth_single": depth_single, "resident": resident, "peak": mx.get_peak_memory(),
-            "trainable": s.lora.num_parameters, "seconds": time.perf_counter() - t0}  # fmt: skip
+            "trainable": s.lora.num_parameters, "seconds": time.perf_counter() - t0, "adapter": adapter}  # fmt: skip
 
 
 # --- driver -------------------------------------------------------------------------------------------
@@ -282,7 +289,7 @@ FULL_DEPTH = [(512, "bfloat16", 4, True), (512, "bfloat16", None, True)]  # meas
 def part_memory(results: dict, full: bool) -> None:
     rows = results.setdefault("memory", [])
     key = lambda r: (r["size"], r["dtype"], r["bits"], r["checkpoint"], r["depth"], r["depth_single"])  # noqa: E731
-    done = {key(r) for r in rows}
+    done = {key(r) for r in rows if r.get("adapter", "lora") == "lora"}
     plan = [(*c, d, s) for c in MEMORY_CONFIGS for d, s in DEPTHS]
     if full:
         plan = [(*c, 5, 20) for c in FULL_DEPTH] + plan
@@ -308,6 +315,56 @@ def part_multires(results: dict) -> None:
             save_results(results)
 
 
+LOKR_MEMORY = (512, "bfloat16", 4, True)  # the small-Mac configuration
+LOKR_SPEED = (512, 1, 1)  # size, double + single blocks (float32: the only meaningful times on a CPU)
+
+
+def part_lokr(results: dict) -> None:
+    """LoKr (factor -1, rank 16, every block Linear) beside LoRA: the step's time at 1+1 blocks (both
+    measured now, interleaved in one session) and its peak memory at 1+1, 2+1, 1+2 blocks."""
+    size, d, s = LOKR_SPEED
+    results["speed"] = [r for r in results.get("speed", []) if r.get("lokr_pair") is None]
+    for adapter in ("lora", "lokr"):
+        row = run_child("speed", size=size, depth=d, depth_single=s, warmup=1, trials=2, adapter=adapter)
+        results["speed"].append({**row, "lokr_pair": True})
+    rows = results.setdefault("memory", [])
+    size, dtype, bits, ckpt = LOKR_MEMORY
+    for d, s in DEPTHS:
+        if not any((r["size"], r["bits"], r["checkpoint"], r["depth"], r["depth_single"], r.get("adapter")) ==
+                   (size, bits, ckpt, d, s, "lokr") for r in rows):  # fmt: skip
+            rows.append(run_child("memory", size=size, dtype=dtype, bits=bits, checkpoint=ckpt, depth=d,
+                                  depth_single=s, adapter="lokr"))  # fmt: skip
+    save_results(results)
+
+
+def lokr_report(results: dict) -> list[str]:
+    """LoKr against LoRA: trainable parameters, the step's time (same session), the fitted peak."""
+    pair = {r["adapter"]: r for r in results.get("speed", []) if r.get("lokr_pair")}
+    lokr = fitted_peak(results, *LOKR_MEMORY, adapter="lokr")
+    lora = fitted_peak(results, *LOKR_MEMORY)
+    if len(pair) < 2 or lokr is None:
+        return []
+    step = {a: statistics.median(r["times"]["step"]) for a, r in pair.items()}
+    size, dtype, bits, ckpt = LOKR_MEMORY
+    lines = ["", f"| adapter (rank 16, every block Linear, klein-4B) | trainable parameters (5 + 20 blocks) | step, {LOKR_SPEED[1]} + "
+             f"{LOKR_SPEED[2]} blocks, {LOKR_SPEED[0]}², float32 (this machine) | peak, {size}², 4-bit, --low-memory, "
+             "fitted to 5 + 20 |", "|---|---|---|---|"]  # fmt: skip
+    for adapter, peak in (("lora", lora), ("lokr", lokr)):
+        lines.append(f"| {adapter} | {trainable(adapter) / 1e6:.2f} M | {step[adapter]:.2f} s | "
+                     f"{'–' if peak is None else f'{peak[0] / GB:.2f} GB'} |")
+    return lines
+
+
+def trainable(adapter: str) -> int:
+    """Trained values of rank-16 adapters on every block Linear of klein-4B (5 + 20 blocks), from the shapes."""
+    from flux_klein_mlx.train.loop.adapters import lokr_file_shapes, lora_file_shapes, parse_targets
+
+    params = params_for(5, 20)
+    slots = parse_targets("all", params)
+    shapes = lokr_file_shapes(slots, params, RANK, -1) if adapter == "lokr" else lora_file_shapes(slots, RANK)
+    return sum(math.prod(shape) for name, shape in shapes.items() if not name.endswith(".alpha"))
+
+
 def multires_report(results: dict) -> list[str]:
     """The multi-resolution row: its fitted full-depth peak against the largest size's own."""
     sizes, dtype, bits, ckpt = MULTIRES
@@ -322,10 +379,10 @@ def multires_report(results: dict) -> list[str]:
     return [f"| --resolution {label} (steps at each size, up and down) | | {full / GB:.2f} GB | {same} | – |"]
 
 
-def fitted_peak(results: dict, size, dtype, bits, ckpt, depth=5, depth_single=20) -> tuple[float, float] | None:
+def fitted_peak(results: dict, size, dtype, bits, ckpt, depth=5, depth_single=20, adapter="lora") -> tuple[float, float] | None:
     """(peak, resident) at `depth` + `depth_single` blocks from the exact fit over DEPTHS (None if missing)."""
     pts = {(r["depth"], r["depth_single"]): r for r in results.get("memory", [])
-           if (r["size"], r["dtype"], r["bits"], r["checkpoint"]) == (size, dtype, bits, ckpt)}  # fmt: skip
+           if (r["size"], r["dtype"], r["bits"], r["checkpoint"], r.get("adapter", "lora")) == (size, dtype, bits, ckpt, adapter)}  # fmt: skip
     if not all(d in pts for d in DEPTHS):
         return None
     out = []
@@ -342,6 +399,8 @@ def report(results: dict) -> str:
              "| step GFLOPS | full 5 + 20 blocks: step (checkpointing), scaled | TFLOP per step (checkpointing) |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results.get("speed", []):
+        if r.get("adapter", "lora") != "lora":  # LoKr's: lokr_report
+            continue
         med = {k: statistics.median(v) for k, v in r["times"].items()}
         f = r["flops"]
         full_fwd, full_step = step_flops(params_for(5, 20), r["size"], False)
@@ -370,7 +429,7 @@ def report(results: dict) -> str:
     for size, dtype, bits, ckpt in MEMORY_CONFIGS:
         fit = fitted_peak(results, size, dtype, bits, ckpt)
         full = next((r for r in results.get("memory", []) if (r["size"], r["dtype"], r["bits"], r["checkpoint"],
-                     r["depth"], r["depth_single"]) == (size, dtype, bits, ckpt, 5, 20)), None)  # fmt: skip
+                     r["depth"], r["depth_single"], r.get("adapter", "lora")) == (size, dtype, bits, ckpt, 5, 20, "lora")), None)  # fmt: skip
         label = f"{size}², {'4-bit' if bits else 'bf16'}{', --low-memory' if ckpt else ''}"
         target = targets.get((size, bits, ckpt))
         peak = full["peak"] if full else (fit[0] if fit else None)
@@ -380,12 +439,13 @@ def report(results: dict) -> str:
     probs = 25 * 24 * ((1024 // 16) ** 2 + TEXT) ** 2 * 2  # 25 blocks x 24 heads x L x L, bf16
     lines.append(f"| 1024², no checkpointing | | each block keeps its attention probabilities: > {probs / GB:.1f} GB "
                  "of them alone | not measured | – |")
+    lines += lokr_report(results)
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=["speed", "memory", "multires", "report"], nargs="?", default="report")
+    p.add_argument("part", choices=["speed", "memory", "multires", "lokr", "report"], nargs="?", default="report")
     p.add_argument("--size", type=int, default=512)
     p.add_argument("--blocks", default="1+1", help="double+single blocks of the speed measurement")
     p.add_argument("--warmup", type=int, default=1)
@@ -415,6 +475,8 @@ def main() -> None:
         part_memory(results, args.full)
     elif args.part == "multires":
         part_multires(results)
+    elif args.part == "lokr":
+        part_lokr(results)
     print(report(results))
 
 
