@@ -356,13 +356,20 @@ def _vae_files(path: Path) -> tuple[dict | None, list[Path], str]:
 # --- what a described model may be used for --------------------------------------------------------
 
 
+def single_file_refusal(path) -> FluxKleinError:
+    """The one wording for a single file given where a model is needed (a BFL checkpoint, a LoRA):
+    `load()`, `generate`, `serve` and `train` say the same."""
+    return FluxKleinError(
+        f"{path} is a single file, not a model folder; generate, serve and train need a klein model folder or "
+        "repo id (train: a klein Base model folder or repo id, e.g. black-forest-labs/FLUX.2-klein-base-4B); "
+        f"a klein checkpoint file becomes a folder with: python -m flux_klein_mlx convert --model {path} --output DIR"
+    )
+
+
 def check_for_loading(info: ModelInfo, quantize: int | None) -> None:
     """The refusals every user of a described model shares (`load()` and `train`), before any weight is read."""
     if info.format == "bfl":
-        raise FluxKleinError(
-            f"{info.path} is a single weight file; convert it into a model folder first: "
-            f"python -m flux_klein_mlx convert --model {info.path} --output DIR"
-        )
+        raise single_file_refusal(info.path)
     stored = info.stored_quantization
     if stored and quantize is not None and quantize != stored["bits"]:
         raise FluxKleinError(

@@ -208,7 +208,7 @@ def test_train_and_load_refuse_a_single_file_in_the_same_words(snap, tmp_path, n
     with pytest.raises(FluxKleinError) as loaded:
         flux_klein_mlx.load(bfl)
     assert str(trained.value) == str(loaded.value)
-    assert "single weight file; convert it into a model folder first" in str(trained.value)
+    assert "is a single file, not a model folder" in str(trained.value) and "convert --model" in str(trained.value)
 
 
 def test_check_changes_nothing_and_returns_the_resolved_copy(tmp_path):
@@ -362,7 +362,7 @@ def test_two_runs_never_share_a_work_folder_and_a_stale_lock_is_taken_over(capsy
     out = tmp_path / "out.safetensors"
     kw = dict(model=snap, data=data, output=out, rank=4, resolution=64, steps=1)
     first = flux_klein_mlx.train_lora(**kw)
-    assert type(next(first)).__name__ == "StageStarted"  # the first run holds out.train now
+    assert type(next(first)).__name__ == "MemoryPlanned"  # the first run holds out.train now
     lock = json.loads((tmp_path / "out.train" / "train.lock").read_text())
     assert lock["pid"] == os.getpid() and lock["host"] == socket.gethostname() and lock["started"]
     refused(capsys, tmp_path, base_args(snap, data, out), "in use by another training run", f"pid {os.getpid()}")
@@ -566,6 +566,7 @@ def test_the_run_talks_ctrl_c_says_how_to_continue_and_one_loss_average_spans_th
     assert first[-1] == (f"stopped at step 3; last checkpoint {work / 'checkpoint-000002'}: continue with the same "
                          "command and --resume")  # fmt: skip
     talk = [line for line in first if not line.startswith("step ")]
+    assert talk.pop(0).startswith("memory plan: a step peaks at about ")  # before any model loads
     assert talk[0] == "encoding 1 caption with the text encoder ..." and talk[1].startswith("captions: ")
     assert talk[2] == "encoding 2 images with the VAE ..." and talk[4] == "loading the transformer ..."
     lora = flux_klein_mlx.load(snap, loras=[work / "checkpoint-000002" / "lora.safetensors"]).loras[0]

@@ -122,12 +122,18 @@ def test_two_processes_equal_one_with_twice_the_batch_survive_a_dead_rank_and_re
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".safetensors") == ["one.safetensors", "two.safetensors"]
 
 
+def tree_state(root):
+    """Every path under `root`, and each file's modification time: nothing created, removed or written.
+    (A folder's own time moves when the work-folder check probes that it can write there.)"""
+    return sorted((p.relative_to(root), p.stat().st_mtime_ns if p.is_file() else None) for p in root.rglob("*"))
+
+
 def test_two_processes_refuse_a_one_process_checkpoint_in_one_line(base, data, tmp_path):
     """The real two-process path of the refusal (rank 0 checks the work folder, rank 1 agrees): one line,
     before any model loads, nothing written."""
     out = tmp_path / "one.safetensors"
     list(flux_klein_mlx.train_lora(model=base, data=data, output=out, resolution=64, rank=4, steps=1, batch_size=2))
-    before = sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+    before = tree_state(tmp_path)
     args = ["--model", str(base), "--data", str(data), "--resolution", "64", "--rank", "4", "--steps", "2",
             "--batch-size", "1", "--output", str(tmp_path / "two.safetensors"), "--work-dir", str(tmp_path / "one.train"),
             "--resume"]  # fmt: skip
@@ -135,4 +141,4 @@ def test_two_processes_refuse_a_one_process_checkpoint_in_one_line(base, data, t
     ours = [line for line in (refused.stdout + refused.stderr).splitlines() if not line.startswith("\x1b[33m[WARN]")]
     assert len(ours) == 1 and ours[0].startswith("error: --resume:"), ours
     assert "trained by 1 process(es), this run has 2" in ours[0]
-    assert sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == before
+    assert tree_state(tmp_path) == before

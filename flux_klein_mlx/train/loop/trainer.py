@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 from ... import __version__
 from ...embedding_cache import open_cache, prompt_keys
 from ...errors import FluxKleinError
-from ...loading import as_dtype, check_for_training, describe, load_component
+from ...loading import as_dtype, check_for_training, describe, load_component, single_file_refusal
 from .objective import flow_loss, make_optimizer, optimizer_step, sigmas_from_draws
 from .adapters import attach_lokr, attach_lora, file_header, lokr_file_shapes, lokr_layers, lora_file_shapes
 from .adapters import parse_targets, write_lora_file
@@ -47,7 +47,7 @@ from .distributed import PeerLost, World, check_processes, example_draws, world
 from .evaluation import EMA_FILE, AdapterEMA, Validation
 from ..memory import MemoryPlanned, check_memory
 from .schedule import lr_at_step
-from ..settings import DEFAULT_BASE_MODEL, TrainSettings
+from ..settings import TrainSettings
 from ..state import (
     acquire_lock, average_window, check_not_locked, check_work_dir, checkpoints, moving_average,
     read_checkpoint, remove_temporaries, resume_point, write_checkpoint, write_json, write_loss_plot,
@@ -129,11 +129,8 @@ class RunPlan:
 
 
 def _check_model(s: TrainSettings):
-    if Path(s.model).expanduser().is_file():
-        raise FluxKleinError(
-            f"--model {s.model} is a single file (a transformer or a LoRA); train needs a klein Base model "
-            f"folder or repo id, e.g. {DEFAULT_BASE_MODEL}"
-        )
+    if Path(s.model).expanduser().is_file():  # a transformer or a LoRA file: what train needs, in load()'s words
+        raise single_file_refusal(s.model)
     info = describe(s.model)
     check_for_training(info, s.quantize)
     return info
