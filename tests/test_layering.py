@@ -235,3 +235,12 @@ def test_no_constant_is_assigned_in_two_modules():
                     homes.setdefault(target.id, []).append(module)
     twice = {name: modules for name, modules in homes.items() if len(modules) > 1}
     assert not twice, twice
+
+
+def test_every_folder_is_a_package_the_wheel_holds():
+    """pyproject.toml names the packages one by one: a wing folder missing there is missing from a wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert folders == listed, sorted(folders ^ listed)
