@@ -239,7 +239,10 @@ def test_no_constant_is_assigned_in_two_modules():
 
 def test_every_folder_is_a_package_the_wheel_holds():
     """pyproject.toml names the packages one by one: a wing folder missing there is missing from a wheel."""
-    import tomllib
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: the same parser under its old name (a dependency there)
+        import tomli as tomllib
 
     listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("__init__.py")}
