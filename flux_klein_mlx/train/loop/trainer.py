@@ -218,7 +218,9 @@ class Trainer:
         self.ropes: dict = {}
         self.step_no, self.epoch, self.batches, self.position = 0, 0, [], 0
         self.losses: list[float] = []
-        self.sampler = Sampler(self.s, plan.sample_info) if plan.sample_info is not None else None
+        # samples are rank 0's, as every file: the other ranks of an mlx.launch run load no sample model
+        drawn_here = plan.sample_info is not None and plan.world.is_main
+        self.sampler = Sampler(self.s, plan.sample_info) if drawn_here else None
         self.trained_peak = 0  # the highest training-step memory peak so far (bytes)
         self.world, self.validation = plan.world, Validation(plan.validation)  # validation: empty without --validation
         self.started = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -257,7 +259,7 @@ class Trainer:
             if self.plan.resume_from is not None:
                 self.restore(self.plan.resume_from)
             self.apply_state(self.world.share_state(self.state(), self.lora, self.model, self.optimizer))  # from rank 0
-            if main and self.sampler is not None:
+            if self.sampler is not None:
                 yield self.sampler.baseline()  # no LoRA: what each sample is compared with
             yield self.started_event()
             while self.step_no < s.steps:
