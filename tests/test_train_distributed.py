@@ -10,6 +10,7 @@ file to float tolerance, and only rank 0 printed and wrote.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -99,7 +100,9 @@ def test_two_processes_equal_one_with_twice_the_batch_survive_a_dead_rank_and_re
     ours = [line for line in (died.stdout + died.stderr).splitlines() if not line.startswith(("[ring]", "\x1b[33m[WARN]"))]
     errors = [line for line in ours if line.startswith("error:")]
     assert len(errors) == 1, died.stderr
-    assert "stopped" in errors[0] and "step 4" in errors[0] and "checkpoint-000002" in errors[0] and "--resume" in errors[0]
+    # rank 0 is stopped in step 3's last work (after its all-reduce) or waiting in step 4: either is the truth
+    assert re.search(r"stopped this one at step [34];", errors[0]), errors[0]
+    assert "checkpoint-000002" in errors[0] and "--resume" in errors[0]
     assert sum(line.startswith("captions:") for line in ours) == 1  # rank 0 alone prints
     assert sorted(p.name for p in work.iterdir()) == ["checkpoint-000002", "loss.png", "train.json"]
     assert not two.exists()
