@@ -108,11 +108,11 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(base, data, tmp_path_factory):
-    """A LoKr of rank 8 (whole w2 on the qkv layers, low-rank pairs elsewhere) trained 2 steps in bfloat16,
-    straight and as 1 step + a resume to 2; returns the run's work folder, its adapters and both outputs."""
+    """A LoKr of rank 8 (whole w2 on the qkv layers, low-rank pairs elsewhere) trained 2 steps in bfloat16
+    with an EMA, straight and as 1 step + a resume to 2; returns the run's work folder and the events."""
     tmp = tmp_path_factory.mktemp("lokr-runs")
     common = dict(model=base, data=data, adapter="lokr", rank=8, alpha=4.0, resolution=64, lr=5e-2,
-                  save_every=1, keep_checkpoints=5)  # fmt: skip  (the default dtype, bfloat16)
+                  save_every=1, keep_checkpoints=5, ema=0.9)  # fmt: skip  (the default dtype, bfloat16)
     straight = list(flux_klein_mlx.train_lora(output=tmp / "straight.safetensors", steps=2, **common))
     first = list(flux_klein_mlx.train_lora(output=tmp / "first.safetensors", steps=1, work_dir=tmp / "resumed", **common))
     second = list(flux_klein_mlx.train_lora(output=tmp / "second.safetensors", steps=2, work_dir=tmp / "resumed",
@@ -128,6 +128,19 @@ def test_lokr_resume_is_bit_exact(trained):
     assert a.keys() == b.keys() and all(np.array_equal(to_np(a[k]), to_np(b[k])) for k in a)
     assert any(k.endswith(".lokr_w2") for k in a) and any(k.endswith(".lokr_w2_b") for k in a)  # both kinds
     assert all(np.abs(to_np(a[k])).max() > 0 for k in a if ".lokr_w2" in k)  # trained away from the zero init
+
+
+def test_lokr_ema_checkpoint_is_a_lokr_file_like_the_checkpoints_own(base, trained):
+    """ema.safetensors holds the average in lora.safetensors' layout (ComfyUI LoKr): it resumes exactly
+    and loads as a LoKr wherever the checkpoint's file does."""
+    tmp, *_ = trained
+    folders = [tmp / "straight.train" / "checkpoint-000002", tmp / "resumed" / "checkpoint-000002"]
+    raw = mx.load(str(folders[0] / "lora.safetensors"))
+    ema, resumed = (mx.load(str(f / "ema.safetensors")) for f in folders)
+    assert raw.keys() == ema.keys() == resumed.keys() and all(k.startswith("diffusion_model.") for k in ema)
+    assert all(np.array_equal(to_np(ema[k]), to_np(resumed[k])) for k in ema)
+    assert any(np.abs(to_np(ema[k]) - to_np(raw[k])).max() > 0 for k in ema)  # an average, not the last weights
+    assert flux_klein_mlx.load(base, loras=[folders[0] / "ema.safetensors"]).loras[0].format == "E"
 
 
 @pytest.fixture(scope="module")

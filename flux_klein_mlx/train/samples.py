@@ -41,7 +41,7 @@ from ..loading import ModelInfo, check_weights, describe
 from ..models.config import VARIANTS
 from ..output import write_image
 from ..weights import save_safetensors_streaming
-from .state import write_atomic
+from .state import adapter_file, write_atomic
 
 # A LoRA whose samples differ from the baseline by less than this mean |pixel difference| (of 255)
 # changes almost nothing: at strength 1 a LoRA that has learned anything moves far more pixels.
@@ -177,8 +177,8 @@ class Sampler:
         """Each prompt at each strength with `lora` (a train.loop.adapters TrainableLoRA or TrainableLoKr) as it is at `step`."""
         checkpoint = Path(self.s.work_dir) / f"checkpoint-{step:06d}" / "lora.safetensors"
         tmp = Path(self.s.work_dir) / f".sample-lora.{secrets.token_hex(4)}.tmp"
-        # The bytes of the checkpoint's LoRA file at this step (state.write_checkpoint): float32, same header.
-        save_safetensors_streaming(tmp, dict(lora.file_arrays(mx.float32)), metadata=lora.metadata())
+        tensors, header = adapter_file(lora)  # the bytes of this step's checkpoint file
+        save_safetensors_streaming(tmp, tensors, metadata=header)
         paths, changes, strengths, peak = [], [], [], 0
         try:
             for strength in self.s.sample_strengths:

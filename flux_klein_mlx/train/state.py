@@ -361,14 +361,26 @@ def damaged(folder: Path, why: str, earlier: list[tuple[int, Path]]) -> FluxKlei
     return FluxKleinError(f"{folder.name} in {folder.parent} is damaged: {why}; {todo}")
 
 
+def adapter_file(adapters) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """A checkpoint's lora.safetensors, as (tensors, header): the adapters' (train.loop.adapters) tensors
+    in their own file layout, float32, and their header. Samples write the same bytes to try it."""
+    return dict(adapters.file_arrays(mx.float32)), adapters.metadata()
+
+
+def read_adapter_file(path: Path) -> dict[str, mx.array]:
+    """A checkpoint's adapter file (lora.safetensors, ema.safetensors): its tensors without the
+    `transformer.` prefix, as the adapters' `load` takes them."""
+    tensors, _, _ = read_lora_file(path)
+    return {k.removeprefix("transformer."): v for k, v in tensors.items()}
+
+
 def read_checkpoint(folder: Path) -> tuple[dict[str, mx.array], dict[str, mx.array], dict]:
     """(LoRA tensors without the `transformer.` prefix, optimizer tensors, state) of one checkpoint."""
     try:
         state = json.loads((folder / "state.json").read_text())
     except (OSError, ValueError) as e:
         raise FluxKleinError(f"checkpoint {folder} is damaged ({e}); resume from another or start anew") from None
-    tensors, _, _ = read_lora_file(folder / "lora.safetensors")
-    lora = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    lora = read_adapter_file(folder / "lora.safetensors")
     optimizer = read_safetensors(folder / "optimizer.safetensors")
     mx.eval(optimizer)
     return lora, optimizer, state

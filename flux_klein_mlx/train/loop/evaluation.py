@@ -8,8 +8,9 @@ update_after_step 0) over the adapter weights, in float32. After optimizer step 
 
 The ramp k / (9 + k) keeps a short run's average from being mostly the (zero) starting LoRA: a plain
 0.999 average would still hold 0.999^500 = 61 % of it after 500 steps. The EMA is the run's output
-file, and `ema.safetensors` (the same diffusers/PEFT layout, float32) beside `lora.safetensors` in
-every checkpoint, so a resumed run continues it exactly.
+file, and `ema.safetensors` (the layout of `lora.safetensors`, float32: diffusers/PEFT for a LoRA,
+ComfyUI for a LoKr) beside `lora.safetensors` in every checkpoint, so a resumed run continues it
+exactly and the average of any checkpoint loads where its LoRA does.
 
 Validation (`--validation DIR`, images + captions as `--data`): at each checkpoint, the flow-matching
 loss of the current (raw) weights on each held-out image at the noise levels `VALIDATION_SIGMAS`,
@@ -23,6 +24,7 @@ The reported loss is the mean over images and levels; `by_sigma` keeps the mean 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -31,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import FluxKleinError
-from ...weights import read_lora_file
+from ..state import read_adapter_file
 
 VALIDATION_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)  # midpoints of five equal bins of sigma in [0, 1]
 VALIDATION_SEED = 29  # fixed for every run: the noise does not follow --seed
@@ -54,7 +56,7 @@ def ema_decay(decay: float, step: int) -> float:
 
 
 class AdapterEMA:
-    """The float32 moving average of every adapter tensor, keyed as `TrainableLoRA.arrays()`."""
+    """The float32 moving average of every adapter tensor, keyed as the adapters' `arrays()`."""
 
     def __init__(self, decay: float, lora):
         self.decay = decay
@@ -68,34 +70,42 @@ class AdapterEMA:
             self.values[key] = e - one_minus * (e - w)
         mx.eval(list(self.values.values()))
 
-    def file_arrays(self, dtype) -> dict[str, mx.array]:
-        """The diffusers/PEFT file's tensors, as `TrainableLoRA.file_arrays`."""
-        return {f"transformer.{k}": v.astype(dtype) for k, v in self.values.items()}
+    @contextmanager
+    def in_adapters(self, lora):
+        """The average in the adapters for the block; the trained weights are put back after it."""
+        trained = lora.arrays(mx.float32)
+        lora.load(self.values, "the EMA")
+        try:
+            yield
+        finally:
+            lora.load(trained, "the trained weights")
+
+    def file_arrays(self, lora, dtype) -> dict[str, mx.array]:
+        """The average as the adapters' own checkpoint file (`lora.file_arrays`: diffusers/PEFT for a LoRA,
+        ComfyUI for a LoKr), so that `ema.safetensors` loads wherever `lora.safetensors` does."""
+        with self.in_adapters(lora):
+            return lora.file_arrays(dtype)
 
     def writing(self, lora, write: Callable[[Path], None]) -> Callable[[Path], None]:
         """`write` (the run's own LoRA file writer: its layout and header) run with the average in the
-        adapters, the trained weights put back after: the EMA is the run's output file."""
+        adapters: the EMA is the run's output file."""
 
         def run(path: Path) -> None:
-            trained = lora.arrays(mx.float32)
-            lora.load(self.values, "the EMA")
-            try:
+            with self.in_adapters(lora):
                 write(path)
-            finally:
-                lora.load(trained, "the trained weights")
 
         return run
 
-    def load(self, folder: Path) -> None:
-        """The EMA of checkpoint `folder` (its ema.safetensors)."""
+    def load(self, folder: Path, lora) -> None:
+        """The EMA of checkpoint `folder` (its ema.safetensors), read through the adapters, which check
+        every name and shape."""
         path = folder / EMA_FILE
         if not path.is_file():
             raise FluxKleinError(f"checkpoint {folder} has no {EMA_FILE}; resume it without --ema or start anew")
-        tensors, _, _ = read_lora_file(path)
-        values = {k.removeprefix("transformer."): v.astype(mx.float32) for k, v in tensors.items()}
-        if set(values) != set(self.values):
-            raise FluxKleinError(f"{path} does not hold this run's adapters; it is from another run")
-        self.values = values
+        trained = lora.arrays(mx.float32)
+        lora.load(read_adapter_file(path), str(path))
+        self.values = lora.arrays(mx.float32)
+        lora.load(trained, "the trained weights")
         mx.eval(list(self.values.values()))
 
 

@@ -49,7 +49,7 @@ from ..memory import MemoryPlanned, check_memory
 from .schedule import lr_at_step
 from ..settings import TrainSettings
 from ..state import (
-    acquire_lock, average_window, check_not_locked, check_work_dir, checkpoints, moving_average,
+    acquire_lock, adapter_file, average_window, check_not_locked, check_work_dir, checkpoints, moving_average,
     read_checkpoint, remove_temporaries, resume_point, write_checkpoint, write_json, write_loss_plot,
 )
 
@@ -462,9 +462,9 @@ class Trainer:
         }
 
     def save(self) -> CheckpointSaved:
-        lora = (self.lora.file_arrays(mx.float32), self.lora.metadata())
+        lora = adapter_file(self.lora)
         opt = dict(tree_flatten(self.optimizer.state))
-        extra = {EMA_FILE: (self.ema.file_arrays(mx.float32), self.lora.metadata())} if self.ema else {}
+        extra = {EMA_FILE: (self.ema.file_arrays(self.lora, mx.float32), self.lora.metadata())} if self.ema else {}
         path = write_checkpoint(self.s.work_dir, self.step_no, lora, opt, self.state(), self.s.keep_checkpoints, extra)
         self.plot_loss()
         return CheckpointSaved(self.step_no, path)
@@ -484,7 +484,7 @@ class Trainer:
         self.optimizer.state = tree_map_with_path(lambda path, _: opt[path], self.optimizer.state)
         self.apply_state(state)
         if self.ema is not None:
-            self.ema.load(folder)
+            self.ema.load(folder, self.lora)
 
     def apply_state(self, state: dict) -> None:
         """The data position, RNG and histories of a checkpoint's (or rank 0's) state."""
