@@ -3,9 +3,11 @@ cache of each test's own (no test reads another's prompts, none touches the user
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +22,20 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
+
+# The files that take longest (pytest --durations, 2 cores), run first: the two workers of .ci/run then
+# end together, instead of one finishing a long file picked up last while the other waits.
+LONG_FILES = ("test_train_distributed.py", "test_serve.py", "test_train.py", "test_train_samples.py",
+              "test_check_real_weights.py", "test_train_evaluation.py", "test_pipeline.py", "test_kv.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        name = item.path.name
+        return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
+
+    items.sort(key=rank)  # stable: the order within a file, and among the other files, stays
 
 
 @pytest.fixture(autouse=True)
@@ -57,3 +73,30 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tokenizers_built_once():
+    """Each tokenizer is built once per session (transformers parses the 11 MB tokenizer.json in Python:
+    ~1.3 s a load, and the suite loads the same files from many folders: snapshots, converted and
+    quantized copies). Keyed by the folder's files' contents: a new or changed file runs the real
+    loader, as does every subprocess; a failed load is never remembered."""
+    from flux_klein_mlx.models.tokenizer import PromptTokenizer
+
+    build = PromptTokenizer.from_folder.__func__
+    built = {}
+
+    def from_folder(cls, folder):
+        files = Path(folder) / "tokenizer" if (Path(folder) / "tokenizer").is_dir() else Path(folder)
+        if not files.is_dir():
+            return build(cls, folder)  # the real loader's error
+        contents = [(p.name, hashlib.sha256(p.read_bytes()).hexdigest()) for p in sorted(files.iterdir()) if p.is_file()]
+        key = tuple(contents)
+        if key not in built:
+            built[key] = build(cls, folder)
+        return built[key]
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(PromptTokenizer, "from_folder", classmethod(from_folder))
+    yield
+    mp.undo()
