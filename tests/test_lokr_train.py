@@ -163,17 +163,25 @@ def adapters_like_the_run(base, arrays):
     return lokr
 
 
-@pytest.mark.parametrize("layout", ["comfyui", "diffusers"])
+@pytest.mark.parametrize("layout", ["comfyui", "diffusers", "converted"])
 def test_lokr_files_load_in_diffusers_and_give_our_image(base, trained, lokr_pipe, layout, tmp_path, caplog):
     """Each layout, written from the trained adapters, loads in diffusers' `load_lora_weights` with no key
-    left over and gives the image our pipeline gives with the same file (1e-3, float32)."""
+    left over and gives the image our pipeline gives with the same file (1e-3, float32). "converted" is
+    the diffusers-layout file through `lora convert --format comfyui` (w1 · alpha/rank, w2 whole)."""
+    from flux_klein_mlx.__main__ import main
+
     tmp, *_ = trained
     arrays, _, _ = read_checkpoint(tmp / "straight.train" / "checkpoint-000002")
     lokr = adapters_like_the_run(base, arrays)
     path = tmp_path / f"{layout}.safetensors"
-    write_lora_file(path, lokr, mx.float32, layout=layout)
+    if layout == "converted":
+        write_lora_file(tmp_path / "source.safetensors", lokr, mx.float32, layout="diffusers")
+        assert main(["lora", "convert", str(tmp_path / "source.safetensors"), "-o", str(path), "--format", "comfyui"]) == 0
+        assert not any(k.endswith((".alpha", "_a", "_b")) for k in mx.load(str(path)))  # factors whole, scale 1
+    else:
+        write_lora_file(path, lokr, mx.float32, layout=layout)
     keys = mx.load(str(path)).keys()
-    prefix = "diffusion_model." if layout == "comfyui" else "transformer."
+    prefix = "transformer." if layout == "diffusers" else "diffusion_model."
     assert all(k.startswith(prefix) for k in keys)
     lokr_pipe.load_lora_weights(str(path), adapter_name=layout)
     try:
@@ -188,6 +196,10 @@ def test_lokr_files_load_in_diffusers_and_give_our_image(base, trained, lokr_pip
         without = plain.generate("a lighthouse", width=64, height=64, steps=2, guidance=4.0, latents=lat, output_type="np")
         assert pipe.loras[0].format == "E" and np.abs(ours - theirs).max() <= 1e-3
         assert np.abs(ours - without).max() > 1e-2  # the LoKr changes the image: the comparison means something
+        if layout == "converted":  # the same update as the file it came from
+            source = flux_klein_mlx.load(base, dtype="float32", loras=[tmp_path / "source.safetensors"])
+            before = source.generate("a lighthouse", width=64, height=64, steps=2, guidance=4.0, latents=lat, output_type="np")
+            assert np.abs(ours - before).max() <= 1e-4
     finally:
         lokr_pipe.delete_adapters(layout)
 

@@ -276,9 +276,14 @@ def one_line_refusal(capsys, args, match):
     assert re.search(match, lines[0]), lines[0]
 
 
-def lokr(path):
-    save_file({"double_blocks.0.img_attn.qkv.lokr_w1": torch.ones(4, 4),
-               "double_blocks.0.img_attn.qkv.lokr_w2": torch.ones(48, 16)}, str(path))  # fmt: skip
+def lokr(path, part: bool = False):
+    """A LoKr on a double block's whole fused qkv (192 x 64), or (`part`) on diffusers' to_q alone (its rows 0-63)."""
+    if part:
+        save_file({"transformer.transformer_blocks.0.attn.to_q.lokr_w1": torch.ones(8, 8),
+                   "transformer.transformer_blocks.0.attn.to_q.lokr_w2": torch.ones(8, 8)}, str(path))  # fmt: skip
+    else:
+        save_file({"double_blocks.0.img_attn.qkv.lokr_w1": torch.ones(4, 4),
+                   "double_blocks.0.img_attn.qkv.lokr_w2": torch.ones(48, 16)}, str(path))  # fmt: skip
     return path
 
 
@@ -289,7 +294,8 @@ def lokr(path):
     ("not-safetensors", r"damaged or not a safetensors file"),
     ("checkpoint", r"not LoRA/LoKr weights .*model checkpoint"),
     ("sdxl", r"made for an SDXL / Stable Diffusion UNet"),
-    ("lokr", r"is a LoKr .*cannot hold"),
+    ("lokr", r"is a LoKr, which --format kohya cannot hold; --format comfyui writes it"),
+    ("lokr-part", r"the LoKr .*to_q updates part of layer double_blocks.0.img_attn.qkv \(rows 0-64\)"),
     ("info-truncated", r"truncated|damaged"),
 ])  # fmt: skip
 def test_lora_convert_and_info_refuse_with_one_line_and_write_nothing(trained, tmp_path, capsys, case, match):
@@ -309,10 +315,10 @@ def test_lora_convert_and_info_refuse_with_one_line_and_write_nothing(trained, t
         src = tmp_path / "sdxl.safetensors"
         save_file({"lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.zeros(4, 320),
                    "lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight": torch.zeros(320, 4)}, str(src))  # fmt: skip
-    elif case == "lokr":
-        src = lokr(tmp_path / "lokr.safetensors")
+    elif case.startswith("lokr"):
+        src = lokr(tmp_path / "lokr.safetensors", part=case == "lokr-part")
     before = sorted(p.name for p in tmp_path.iterdir())
-    layout = "safetensors" if case == "format" else "kohya"
+    layout = {"format": "safetensors", "lokr-part": "comfyui"}.get(case, "kohya")
     args = ["lora", "info", str(src)] if case.startswith("info") else \
         ["lora", "convert", str(src), "--output", str(out), "--format", layout]  # fmt: skip
     one_line_refusal(capsys, args, match)

@@ -24,7 +24,7 @@ from ..models.config import HIDDEN_SIZES, FluxKleinParams
 from ..files import check_output_file, write_exclusive
 from ..weights import read_lora_file, save_safetensors_streaming
 from .formats import DOWN_ROLES, ParsedLora, parse_lora
-from .layouts import FORMAT_NAMES, autov3, check_layout, file_metadata, layout_pairs, layout_tensors
+from .layouts import FORMAT_NAMES, autov3, check_layout, file_metadata, layout_pairs, layout_tensors, lokr_tensors
 
 # a LoRA down matrix's key ending (PEFT's adapter name optional): `.lora_A.weight`, `.lora_down.weight`, ...
 _DOWN = re.compile(rf"\.(?:{'|'.join(re.escape(r) for r in DOWN_ROLES)})(?:\.[A-Za-z0-9_]+)?\.weight$")
@@ -117,10 +117,13 @@ def convert_lora(source: str | Path, output: str | Path, layout: str) -> Path:
         raise FluxKleinError(f"--output {output} exists and is never overwritten; choose another name")
     check_output_file(output)
     lora = read_any_lora(source)
-    pairs = layout_pairs(lora.parsed.terms, layout, lora.params, lora.path.name)
     header = {**lora.metadata, "flux_klein_mlx.converted_from": f"{lora.path.name} ({FORMAT_NAMES[lora.parsed.format]})"}
-    metadata = file_metadata(pairs, layout, header)
-    tensors = layout_tensors(pairs, layout, lora.dtype)
+    terms, what = lora.parsed.terms, lora.path.name
+    if lora.parsed.format == "E":  # Kronecker factors, not low-rank pairs
+        tensors, metadata = lokr_tensors(terms, layout, lora.params, what, lora.dtype), file_metadata([], layout, header)
+    else:
+        pairs = layout_pairs(terms, layout, lora.params, what)
+        tensors, metadata = layout_tensors(pairs, layout, lora.dtype), file_metadata(pairs, layout, header)
     return write_exclusive(output, lambda tmp: save_safetensors_streaming(tmp, dict(tensors), metadata))
 
 

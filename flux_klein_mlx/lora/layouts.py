@@ -16,7 +16,8 @@ their up matrices placed block-diagonally at their rows (q, k, v: rows [0:D], [D
 diffusers) gives each unit its rows, with the rank columns that are zero there dropped (exact:
 those columns add nothing to these rows). ComfyUI and diffusers' converter of BFL names take alpha
 = rank (no `.alpha` keys), so the factor goes into B; kohya keeps the matrices and writes
-`.alpha` = factor · rank. LoKr terms are not low-rank pairs and are refused.
+`.alpha` = factor · rank. LoKr terms are not low-rank pairs: `lokr_tensors` writes them, in the
+ComfyUI layout only.
 """
 
 from __future__ import annotations
@@ -131,6 +132,36 @@ def layout_pairs(terms: list[Term], layout: str, params, what: str) -> list[tupl
                 up = mx.roll(up, up.shape[0] // 2, axis=0)
             pairs.append((name, down, up, factor))
     return pairs
+
+
+def lokr_tensors(terms: list[Term], layout: str, params, what: str, dtype) -> dict[str, mx.array]:
+    """A LoKr's `terms` as a ComfyUI LoKr file: `diffusion_model.<BFL layer>.lokr_w1` (a, b) and `.lokr_w2`
+    (c, d), with the factor folded into w1 and no `.alpha` (scale 1 in ComfyUI and in diffusers' BFL LoKr
+    converter): the same update to `dtype`'s rounding of factor · w1. A Kronecker product covers a whole
+    layer, so each term must (one per layer); a [shift ; scale] swap rolls w1's rows (kron's row blocks)."""
+    check_layout(layout)
+    if layout != "comfyui":
+        raise FluxKleinError(
+            f"LoRA {what} is a LoKr, which --format {layout} cannot hold; --format comfyui writes it "
+            "(ComfyUI, ai-toolkit and diffusers load that layout)"
+        )
+    shapes = linear_shapes(params)
+    out: dict[str, mx.array] = {}
+    for t in terms:
+        if t.down is not None:
+            raise FluxKleinError(f"LoRA {what} mixes LoKr factors and low-rank pairs ({t.key}); use it as it is (--lora reads it)")
+        whole = f"diffusion_model.{t.layer}.lokr_w1" not in out and t.rows == (0, shapes[t.layer][0])
+        w1 = t.w1.astype(mx.float32) * t.factor
+        if not whole or (t.swap and w1.shape[0] % 2):
+            raise FluxKleinError(
+                f"LoRA {what}: the LoKr {t.key} updates part of layer {t.layer} (rows {t.rows[0]}-{t.rows[1]}), "
+                "which a ComfyUI LoKr (one per whole layer) cannot hold; use it as it is (--lora reads it)"
+            )
+        if t.swap:  # our [shift ; scale] halves: rows i·c + j of kron(w1, w2) roll with w1's rows i
+            w1 = mx.roll(w1, w1.shape[0] // 2, axis=0)
+        out[f"diffusion_model.{t.layer}.lokr_w1"] = w1.astype(dtype)
+        out[f"diffusion_model.{t.layer}.lokr_w2"] = t.w2.astype(dtype)
+    return out
 
 
 # --- the files -----------------------------------------------------------------------------------
