@@ -688,7 +688,10 @@ def test_ema_outside_zero_one_refused(capsys, snap, tmp_path, no_models, value):
 
 @pytest.mark.parametrize("layout, words", [
     ("empty", ["--validation", "holds no images"]), ("missing", ["--validation", "does not exist"]),
-    ("uncaptioned", ["no caption", "im0.png"]), ("control", ["--validation", "--control"]),
+    ("uncaptioned", ["no caption", "im0.png"]),
+    ("control", ["--validation with 1 --control folder(s) needs as many --validation-control", "not 0"]),
+    ("control-short", ["--validation-control", "has no image for 1 image(s) of --validation (im1)"]),
+    ("control-alone", ["--validation-control needs --validation"]),
 ])  # fmt: skip
 def test_bad_validation_folder_refused(capsys, snap, tmp_path, no_models, layout, words):
     data = make_images(tmp_path / "data")
@@ -698,11 +701,13 @@ def test_bad_validation_folder_refused(capsys, snap, tmp_path, no_models, layout
         (held_out / "notes.txt").write_text("no images here")
     elif layout == "uncaptioned":
         make_images(held_out, n=1, captions=False)
-    elif layout == "control":
-        make_images(held_out, n=1)
+    elif layout.startswith("control"):
+        make_images(held_out, n=2)
         extra = ["--control", str(make_images(tmp_path / "control", captions=False))]
-    args = base_args(snap, data, tmp_path / "out.safetensors") + ["--validation", str(held_out)] + extra
-    refused(capsys, tmp_path, args, *words)
+    if layout in ("control-short", "control-alone"):  # references for one of the two held-out images
+        extra += ["--validation-control", str(make_images(tmp_path / "held_control", n=1, captions=False))]
+    validation = [] if layout == "control-alone" else ["--validation", str(held_out)]
+    refused(capsys, tmp_path, base_args(snap, data, tmp_path / "out.safetensors") + validation + extra, *words)
 
 
 def test_resume_with_another_process_count_refused(capsys, snap, tmp_path, no_models):

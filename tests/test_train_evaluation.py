@@ -80,33 +80,52 @@ def test_ema_equals_diffusers_emamodel_and_numpy_on_every_checkpoint(base, ema_r
     assert flux_klein_mlx.load(base, loras=[out]).loras[0].format == "A"
 
 
-def test_validation_equals_diffusers_loss_with_the_checkpoints_lora_and_fixed_noise(base, folders, ema_run):
+def diffusers_latents(vae, path, size) -> torch.Tensor:
+    """diffusers' trainer latents (1, C, h, w) of an image resized and cropped to `size` = (W, H) as ours are:
+    the VAE's mode, patchified, normalized by its batch-norm statistics."""
     from diffusers import Flux2KleinPipeline as P
 
-    from flux_klein_mlx.train.data import bucket_size, load_pixels
+    from flux_klein_mlx.train.data import load_pixels
 
-    events, _, work = ema_run
-    measured = [ev for ev in events if isinstance(ev, ValidationFinished)]
-    assert [ev.step for ev in measured] == [1, 2, 3]
+    px = torch.from_numpy(load_pixels(path, size)).permute(2, 0, 1)[None]
+    z = P._patchify_latents(vae.encode(px).latent_dist.mode())
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    return (z - vae.bn.running_mean.view(1, -1, 1, 1)) / std
+
+
+def diffusers_validation(base, lora, held, controls=None) -> np.ndarray:
+    """diffusers' loss of each validation level, averaged over the two held-out images, with `lora` loaded
+    into a copy of its transformer, our fixed noise and (with `controls`) each image's reference in the
+    sequence (D-ki's edit loss)."""
+    from diffusers import Flux2KleinPipeline as P
+
+    from flux_klein_mlx.train.data import bucket_size
+
     shared = diffusers_pipeline(base, "plain", distilled=False)  # its weights stay as they are: a copy takes the LoRA
     pipe = P(**{**shared.components, "transformer": copy.deepcopy(shared.transformer)}, is_distilled=False)
-    pipe.load_lora_weights(work / "checkpoint-000003" / "lora.safetensors", adapter_name="v")
-    vae, sums = pipe.vae, np.zeros(5)
+    pipe.load_lora_weights(lora, adapter_name="v")
+    sums = np.zeros(5)
     with torch.no_grad():
         for i in range(2):
-            path = folders[1] / f"im{i}.png"
-            px = torch.from_numpy(load_pixels(path, bucket_size(*Image.open(path).size, 64))).permute(2, 0, 1)[None]
-            z = P._patchify_latents(vae.encode(px).latent_dist.mode())
-            std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-            x0 = (z - vae.bn.running_mean.view(1, -1, 1, 1)) / std
+            path = held / f"im{i}.png"
+            size = bucket_size(*Image.open(path).size, 64)
+            x0 = diffusers_latents(pipe.vae, path, size)
+            cond = diffusers_latents(pipe.vae, controls / f"im{i}.png", size) if controls else None
             C, h, w = x0.shape[1:]
             noise = np.random.default_rng([29, i]).standard_normal((5, h * w, C), dtype=np.float32)
             ctx = diffusers_prompt_embeds(shared, f"held out picture {i}")
             for k, sigma in enumerate((0.1, 0.3, 0.5, 0.7, 0.9)):
                 eps = torch.from_numpy(noise[k].T.reshape(1, C, h, w).copy())  # tokens (L, C) -> (1, C, h, w)
                 idx = torch.tensor([1000 - round(sigma * 1000)])  # the scheduler's sigma (1000 - idx) / 1000
-                sums[k] += diffusers_loss(pipe.transformer, x0, eps, idx, ctx).item()
-    ref, ours = sums / 2, measured[-1]
+                sums[k] += diffusers_loss(pipe.transformer, x0, eps, idx, ctx, cond).item()
+    return sums / 2
+
+
+def test_validation_equals_diffusers_loss_with_the_checkpoints_lora_and_fixed_noise(base, folders, ema_run):
+    events, _, work = ema_run
+    measured = [ev for ev in events if isinstance(ev, ValidationFinished)]
+    assert [ev.step for ev in measured] == [1, 2, 3]
+    ref, ours = diffusers_validation(base, work / "checkpoint-000003" / "lora.safetensors", folders[1]), measured[-1]
     assert np.allclose([ours.by_sigma[str(s)] for s in (0.1, 0.3, 0.5, 0.7, 0.9)], ref, rtol=1e-4)
     assert ours.loss == pytest.approx(ref.mean(), rel=1e-4)
     record = json.loads((work / "train.json").read_text())
@@ -114,6 +133,29 @@ def test_validation_equals_diffusers_loss_with_the_checkpoints_lora_and_fixed_no
     assert json.loads((work / "checkpoint-000003" / "state.json").read_text())["validation"][-1]["loss"] == ours.loss
     plot = np.asarray(Image.open(work / "loss.png").convert("RGB"))
     assert ((plot == (220, 40, 40)).all(-1)).sum() > 20  # the validation points are drawn
+
+
+def test_validation_of_an_edit_lora_measures_each_image_with_its_reference_as_diffusers_does(base, folders, tmp_path):
+    """--control with --validation-control: each held-out image is measured with its own control image in
+    the sequence, as training puts it there (diffusers' edit loss, the run's LoRA, the fixed noise)."""
+    train, held = folders
+    before, held_before = tmp_path / "before", tmp_path / "held-before"
+    g = np.random.default_rng(7)
+    for images, references in ((train, before), (held, held_before)):
+        references.mkdir()
+        for path in sorted(images.glob("*.png")):
+            w, h = Image.open(path).size
+            Image.fromarray((g.random((h, w, 3)) * 255).astype(np.uint8)).save(references / path.name)
+    out = tmp_path / "edit.safetensors"
+    events = list(flux_klein_mlx.train_lora(
+        model=base, data=train, controls=[before], output=out, steps=1, rank=4, resolution=64, dtype="float32",
+        lr=3e-3, validation=held, validation_controls=[held_before]))  # fmt: skip
+    ours = [ev for ev in events if isinstance(ev, ValidationFinished)][-1]
+    ref = diffusers_validation(base, out, held, held_before)
+    assert np.allclose([ours.by_sigma[str(s)] for s in (0.1, 0.3, 0.5, 0.7, 0.9)], ref, rtol=1e-4)
+    without = diffusers_validation(base, out, held)  # the references change the loss: the comparison means something
+    assert np.abs(ref - without).max() > 1e-3 * np.abs(ref).max()
+    assert json.loads((out.with_name("edit.train") / "train.json").read_text())["settings"]["validation_controls"] == [str(held_before)]
 
 
 def test_resume_is_bit_exact_with_ema_and_validation_in_bfloat16(base, folders, tmp_path):

@@ -171,6 +171,8 @@ def describe_samples(ev: SamplesSaved) -> str:
 @click.option("--ema", type=float, default=None,
               help="Write an exponential moving average of the adapters (decay in (0, 1), e.g. 0.999) as the output.")
 @click.option("--validation", default=None, help="Folder of held-out images + captions: their loss at each checkpoint.")
+@click.option("--validation-control", "validation_controls", multiple=True,
+              help="With --control: the held-out images' reference folder, one per --control, same names.")
 def train(**options):
     """Train a LoRA on FLUX.2 [klein] Base from a folder of captioned images.
 

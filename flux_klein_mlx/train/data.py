@@ -176,7 +176,7 @@ def _say_what_is_not_read(folder: Path, images: dict[str, Path], extension: str)
 
 def scan_data(
     data, caption: str | None = None, controls=(), resolution: int | tuple = 512, trigger: str | None = None,
-    caption_extension: str = ".txt", option: str = "--data",
+    caption_extension: str = ".txt", option: str = "--data", control_option: str = "--control",
 ) -> list[TrainItem]:
     """The training examples of `data` (and its `controls` folders), every file opened and checked;
     with several resolutions, one example per image and resolution (in the order listed).
@@ -184,14 +184,14 @@ def scan_data(
     Raises FluxKleinError (one line) for a missing or empty folder, unreadable or corrupt images,
     images without a caption (and no `caption`), a control folder that is the data folder, and
     control folders missing a counterpart; warns about what it does not read. Captions are as
-    trained (`trigger` applied).
+    trained (`trigger` applied). `option` and `control_option` name the folders in messages.
     """
     folder = Path(data).expanduser()
     images = _images_by_stem(folder, option)
     for c in controls:
         if _same_folder(Path(c).expanduser(), folder):
             raise FluxKleinError(
-                f"--control {c} is the --data folder itself; give the folder of the reference images "
+                f"{control_option} {c} is the {option} folder itself; give the folder of the reference images "
                 "(one per training image, same names)"
             )
     if not images:
@@ -206,14 +206,14 @@ def scan_data(
             f"{len(uncaptioned)} image(s) in {folder} have no caption ({head}); write <name>{caption_extension} next to each "
             f"or give --caption for them{_other_captions_hint(folder, images, caption_extension)}"
         )
-    control_maps = [(Path(c).expanduser(), _images_by_stem(Path(c).expanduser(), "--control")) for c in controls]
+    control_maps = [(Path(c).expanduser(), _images_by_stem(Path(c).expanduser(), control_option)) for c in controls]
     for cfolder, cmap in control_maps:
         missing = [s for s in images if s not in cmap]
         if missing:
             head = first_few(missing)
             raise FluxKleinError(
-                f"--control {cfolder} has no image for {len(missing)} training image(s) ({head}); "
-                "each control folder needs one image per training image, with the same name"
+                f"{control_option} {cfolder} has no image for {len(missing)} image(s) of {option} ({head}); "
+                f"each control folder needs one image per image of {option}, with the same name"
             )
     sizes = (resolution,) if isinstance(resolution, int) else tuple(resolution)
     items = []

@@ -91,6 +91,7 @@ class TrainSettings:
     force: bool = False  # train even when the memory plan says the step will not fit
     ema: float | None = None  # decay of the adapters' moving average, written as the output (train/evaluation.py)
     validation: str | Path | None = None  # folder of held-out images + captions, measured at each checkpoint
+    validation_controls: tuple = ()  # with --control: the held-out images' control folders, one per --control
 
     def check(self) -> "TrainSettings":
         """Types and ranges of every setting (FluxKleinError, one line), checked with the same checkers as
@@ -128,9 +129,10 @@ class TrainSettings:
             v = getattr(self, name)
             if not (isinstance(v, (str, os.PathLike)) or (name == "work_dir" and v is None)):
                 raise FluxKleinError(f"{name} must be a path (str or Path), not {v!r}")
-        controls = [self.controls] if isinstance(self.controls, (str, os.PathLike)) else self.controls
-        if not isinstance(controls, (list, tuple)) or not all(isinstance(c, (str, os.PathLike)) for c in controls):
-            raise FluxKleinError(f"controls must be a folder path or a list of them, not {self.controls!r}")
+        for name in ("controls", "validation_controls"):
+            folders = folder_list(getattr(self, name))
+            if not isinstance(folders, (list, tuple)) or not all(isinstance(c, (str, os.PathLike)) for c in folders):
+                raise FluxKleinError(f"{name} must be a folder path or a list of them, not {getattr(self, name)!r}")
         targets_ok = isinstance(self.targets, str) or (
             isinstance(self.targets, (list, tuple)) and all(isinstance(t, str) for t in self.targets)
         )
@@ -159,8 +161,14 @@ class TrainSettings:
         v = self.ema
         if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < 1):
             raise FluxKleinError(f"ema must be a decay in (0, 1) such as 0.999, not {v!r}")
-        if self.validation is not None and self.controls:
-            raise FluxKleinError("--validation does not measure edit LoRAs (--control) yet; leave one of the two out")
+        controls, held_out = folder_list(self.controls), folder_list(self.validation_controls)
+        if self.validation is None and held_out:
+            raise FluxKleinError("--validation-control needs --validation: the held-out images it gives references for")
+        if self.validation is not None and len(held_out) != len(controls):
+            raise FluxKleinError(
+                f"--validation with {len(controls)} --control folder(s) needs as many --validation-control folders "
+                f"(the held-out images' references, same names, same order), not {len(held_out)}"
+            )
 
     def _check_paths_and_text(self, prompts: list) -> None:
         if not str(self.data):
@@ -192,7 +200,6 @@ class TrainSettings:
         """A copy of checked settings with the derived defaults and canonical types (ints, floats, paths,
         tuples: a numpy integer becomes a Python int, for train.json and state.json)."""
         out = Path(self.output).expanduser()
-        controls = [self.controls] if isinstance(self.controls, (str, os.PathLike)) else self.controls
         wholes = {name: int(getattr(self, name)) for name, *_ in WHOLE}
         optional = {name: int(getattr(self, name)) for name in OPTIONAL_WHOLE if getattr(self, name) is not None}
         for name in ("quantize", "sample_quantize"):
@@ -210,7 +217,8 @@ class TrainSettings:
             ema=float(self.ema) if self.ema is not None else None,
             output=out,
             work_dir=Path(self.work_dir).expanduser() if self.work_dir else out.with_name(out.stem + ".train"),
-            controls=tuple(str(c) for c in controls),
+            controls=tuple(str(c) for c in folder_list(self.controls)),
+            validation_controls=tuple(str(c) for c in folder_list(self.validation_controls)),
             sample_prompts=tuple(prompts),
         )
 
@@ -246,6 +254,11 @@ class TrainSettings:
         """Every setting, JSON-able (train.json)."""
         d = dataclasses.asdict(self)
         return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
+
+
+def folder_list(value) -> list | tuple:
+    """A folder path, or a list of them, as a list (a list as it is)."""
+    return [value] if isinstance(value, (str, os.PathLike)) else value
 
 
 def _label(name: str) -> str:

@@ -121,6 +121,7 @@ class Validation:
     def __init__(self, items: list):
         self.items = items
         self.latents: list[mx.array] = []  # per item (1, L, C)
+        self.refs: list[mx.array | None] = []  # per item (1, n_controls * L, C), or None without controls
         self.history: list[dict] = []  # {"step", "loss", "by_sigma"} per checkpoint
 
     def __bool__(self) -> bool:
@@ -130,22 +131,26 @@ class Validation:
         return [it.caption for it in self.items]
 
     def encode(self, encode: Callable) -> None:
-        """Cache each image's latent tokens with `encode(path, bucket)` -> (1, L, C) (the VAE is loaded then)."""
+        """Cache each image's latent tokens with `encode(path, bucket)` -> (1, L, C) (the VAE is loaded then),
+        and its control images' (clean references, one image after another), as training does."""
         for it in self.items:
             x0 = encode(it.image.path, it.bucket)
-            mx.eval(x0)
+            refs = mx.concatenate([encode(c.path, it.bucket) for c in it.controls], axis=1) if it.controls else None
+            mx.eval(x0 if refs is None else [x0, refs])
             self.latents.append(x0)
+            self.refs.append(refs)
 
     def measure(self, step: int, loss_fn: Callable, ctx: dict, rope: Callable) -> ValidationFinished:
-        """The loss at every (image, level): `loss_fn(x0, noise, sigma, ctx, rope)` is the run's objective,
-        called without gradients; `ctx` maps captions to (1, Lt, E); `rope(item, 0)` gives the item's tables
-        (no control images)."""
+        """The loss at every (image, level): `loss_fn(x0, noise, sigma, ctx, rope, refs)` is the run's objective,
+        called without gradients; `ctx` maps captions to (1, Lt, E); `rope(item, n)` gives the item's tables
+        with n control images."""
         sums = np.zeros(len(VALIDATION_SIGMAS))
-        for i, (it, x0) in enumerate(zip(self.items, self.latents)):
+        for i, (it, x0, refs) in enumerate(zip(self.items, self.latents, self.refs)):
             noise = validation_noise(i, x0.shape[1], x0.shape[2])
+            tables = rope(it, len(it.controls))
             for k, sigma in enumerate(VALIDATION_SIGMAS):
                 sigma_k = mx.array([sigma], dtype=mx.float32)
-                loss = loss_fn(x0, mx.array(noise[k : k + 1]), sigma_k, ctx[it.caption], rope(it, 0))
+                loss = loss_fn(x0, mx.array(noise[k : k + 1]), sigma_k, ctx[it.caption], tables, refs)
                 sums[k] += loss.item()
         by_sigma = {str(sigma): float(v / len(self.items)) for sigma, v in zip(VALIDATION_SIGMAS, sums)}
         result = ValidationFinished(step, float(np.mean(list(by_sigma.values()))), by_sigma)

@@ -167,7 +167,10 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
         lokr_layers(slots, info.params)  # whole layers only: refused here, before any model loads
     items = scan_data(s.data, s.caption, s.controls, s.resolution, trigger=s.trigger,
                       caption_extension=s.caption_extension)
-    held_out = scan_data(s.validation, s.caption, (), s.resolution, option="--validation") if s.validation else []
+    held_out = []
+    if s.validation:
+        held_out = scan_data(s.validation, s.caption, s.validation_controls, s.resolution, option="--validation",
+                             control_option="--validation-control")
     sample_info = check_sample_model(s, info)
     resume = _resume_point(s, info, slots, items, w.size) if w.is_main else None  # rank 0 alone has the work folder
     return RunPlan(s, info, slots, items, resume, sample_info, check_memory(s, info, slots), held_out, w)
