@@ -80,12 +80,6 @@ class AdapterEMA:
         finally:
             lora.load(trained, "the trained weights")
 
-    def file_arrays(self, lora, dtype) -> dict[str, mx.array]:
-        """The average as the adapters' own checkpoint file (`lora.file_arrays`: diffusers/PEFT for a LoRA,
-        ComfyUI for a LoKr), so that `ema.safetensors` loads wherever `lora.safetensors` does."""
-        with self.in_adapters(lora):
-            return lora.file_arrays(dtype)
-
     def writing(self, lora, write: Callable[[Path], None]) -> Callable[[Path], None]:
         """`write` (the run's own LoRA file writer: its layout and header) run with the average in the
         adapters: the EMA is the run's output file."""
@@ -103,9 +97,11 @@ class AdapterEMA:
         if not path.is_file():
             raise FluxKleinError(f"checkpoint {folder} has no {EMA_FILE}; resume it without --ema or start anew")
         trained = lora.arrays(mx.float32)
-        lora.load(read_adapter_file(path), str(path))
-        self.values = lora.arrays(mx.float32)
-        lora.load(trained, "the trained weights")
+        try:
+            lora.load(read_adapter_file(path), str(path))
+            self.values = lora.arrays(mx.float32)
+        finally:
+            lora.load(trained, "the trained weights")
         mx.eval(list(self.values.values()))
 
 

@@ -467,7 +467,10 @@ class Trainer:
     def save(self) -> CheckpointSaved:
         lora = adapter_file(self.lora)
         opt = dict(tree_flatten(self.optimizer.state))
-        extra = {EMA_FILE: (self.ema.file_arrays(self.lora, mx.float32), self.lora.metadata())} if self.ema else {}
+        extra = {}
+        if self.ema is not None:  # the average as a file of the same layout: it loads where lora.safetensors does
+            with self.ema.in_adapters(self.lora):
+                extra[EMA_FILE] = adapter_file(self.lora)
         path = write_checkpoint(self.s.work_dir, self.step_no, lora, opt, self.state(), self.s.keep_checkpoints, extra)
         self.plot_loss()
         return CheckpointSaved(self.step_no, path)
