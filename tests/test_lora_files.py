@@ -378,7 +378,8 @@ def test_train_writes_a_comfyui_file_with_kohya_training_metadata_in_bfloat16(ba
 
 
 def dense_updates(path) -> dict[str, np.ndarray]:
-    """Our layer -> the file's summed update `factor · up @ down` on its rows, float64 (LoRA terms only)."""
+    """Our layer -> the file's summed update on its rows, float64: `factor · up @ down`, or for a LoKr
+    `factor · kron(w1, w2)` with its output halves rolled where the file's order is [scale ; shift]."""
     from flux_klein_mlx.lora.convert import read_any_lora
     from flux_klein_mlx.models.transformer import linear_shapes
 
@@ -387,9 +388,45 @@ def dense_updates(path) -> dict[str, np.ndarray]:
     out = {}
     for t in lora.parsed.terms:
         full = out.setdefault(t.layer, np.zeros(shapes[t.layer]))
-        up, down = (np.asarray(a.astype(mx.float32), np.float64) for a in (t.up, t.down))
-        full[t.rows[0] : t.rows[1]] += t.factor * up @ down
+        if t.down is None:
+            w1, w2 = (np.asarray(a.astype(mx.float32), np.float64) for a in (t.w1, t.w2))
+            delta = t.factor * np.kron(w1, w2)
+            full[t.rows[0] : t.rows[1]] += np.roll(delta, delta.shape[0] // 2, axis=0) if t.swap else delta
+        else:
+            up, down = (np.asarray(a.astype(mx.float32), np.float64) for a in (t.up, t.down))
+            full[t.rows[0] : t.rows[1]] += t.factor * up @ down
     return out
+
+
+def test_lokr_convert_keeps_every_update_the_final_layers_half_order_included(tmp_path):
+    """A diffusers-layout LoKr on a fused qkv and on norm_out.linear (diffusers' [scale ; shift] halves, our
+    [shift ; scale]), and a LyCORIS one with a low-rank w2 and an alpha: the ComfyUI file holds the same update
+    on every layer. A w1 of odd height on those halves cannot be reordered: one line, nothing written."""
+    from flux_klein_mlx.errors import FluxKleinError
+    from flux_klein_mlx.lora.convert import convert_lora
+
+    g = torch.Generator().manual_seed(3)
+    rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    diffusers_lokr, lycoris = tmp_path / "diffusers.safetensors", tmp_path / "lycoris.safetensors"
+    save_file({"transformer.transformer_blocks.0.attn.to_qkv.lokr_w1": rand(4, 4),
+               "transformer.transformer_blocks.0.attn.to_qkv.lokr_w2": rand(48, 16),
+               "transformer.norm_out.linear.lokr_w1": rand(2, 4), "transformer.norm_out.linear.lokr_w2": rand(64, 16),
+               }, str(diffusers_lokr))  # fmt: skip
+    save_file({"lycoris_double_blocks_0_img_attn_qkv.lokr_w1": rand(4, 4),
+               "lycoris_double_blocks_0_img_attn_qkv.lokr_w2_a": rand(48, 2),
+               "lycoris_double_blocks_0_img_attn_qkv.lokr_w2_b": rand(2, 16),
+               "lycoris_double_blocks_0_img_attn_qkv.alpha": torch.tensor(1.0)}, str(lycoris))  # fmt: skip
+    for source in (diffusers_lokr, lycoris):
+        want = dense_updates(source)
+        got = dense_updates(convert_lora(source, tmp_path / f"{source.stem}-comfyui.safetensors", "comfyui"))
+        assert got.keys() == want.keys() and len(want) == (2 if source is diffusers_lokr else 1)
+        for layer, delta in want.items():
+            assert np.abs(got[layer] - delta).max() <= 1e-6 * np.abs(delta).max(), (source.name, layer)
+    odd = tmp_path / "odd.safetensors"
+    save_file({"transformer.norm_out.linear.lokr_w1": rand(1, 4), "transformer.norm_out.linear.lokr_w2": rand(128, 16)}, str(odd))
+    with pytest.raises(FluxKleinError, match=r"cannot be written on BFL's \[shift ; scale\] order .*1 rows"):
+        convert_lora(odd, tmp_path / "odd-comfyui.safetensors", "comfyui")
+    assert not (tmp_path / "odd-comfyui.safetensors").exists()
 
 
 @pytest.mark.parametrize("writer", ["lora_a", "lora_bfl", "lora_kohya", "mflux_file", "swift_file", "single_split_file"])

@@ -150,14 +150,16 @@ def lokr_tensors(terms: list[Term], layout: str, params, what: str, dtype) -> di
     for t in terms:
         if t.down is not None:
             raise FluxKleinError(f"LoRA {what} mixes LoKr factors and low-rank pairs ({t.key}); use it as it is (--lora reads it)")
-        whole = f"diffusion_model.{t.layer}.lokr_w1" not in out and t.rows == (0, shapes[t.layer][0])
-        w1 = t.w1.astype(mx.float32) * t.factor
-        if not whole or (t.swap and w1.shape[0] % 2):
+        if f"diffusion_model.{t.layer}.lokr_w1" in out or t.rows != (0, shapes[t.layer][0]):
             raise FluxKleinError(
                 f"LoRA {what}: the LoKr {t.key} updates part of layer {t.layer} (rows {t.rows[0]}-{t.rows[1]}), "
                 "which a ComfyUI LoKr (one per whole layer) cannot hold; use it as it is (--lora reads it)"
             )
+        w1 = t.w1.astype(mx.float32) * t.factor
         if t.swap:  # our [shift ; scale] halves: rows i·c + j of kron(w1, w2) roll with w1's rows i
+            if w1.shape[0] % 2:
+                raise FluxKleinError(f"LoRA {what}: the LoKr {t.key} cannot be written on BFL's [shift ; scale] order "
+                                     f"(its w1 has {w1.shape[0]} rows, not an even number); use it as it is")
             w1 = mx.roll(w1, w1.shape[0] // 2, axis=0)
         out[f"diffusion_model.{t.layer}.lokr_w1"] = w1.astype(dtype)
         out[f"diffusion_model.{t.layer}.lokr_w2"] = t.w2.astype(dtype)
