@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import re
 from pathlib import Path
@@ -178,6 +179,17 @@ def diffusers_pipeline(path, kind: str = "plain", distilled: bool = True):
         pipe.set_progress_bar_config(disable=True)
         _PIPELINES[key] = pipe
     return _PIPELINES[key]
+
+
+def diffusers_pipeline_for_loras(path, distilled: bool = True):
+    """The session's diffusers pipeline (`diffusers_pipeline(path, "plain", distilled)`) with a transformer of
+    its own, a deep copy: for tests that load LoRAs into it, so that the shared weights stay as they are."""
+    from diffusers import Flux2KleinPipeline
+
+    shared = diffusers_pipeline(path, "plain", distilled=distilled)
+    pipe = Flux2KleinPipeline(**{**shared.components, "transformer": copy.deepcopy(shared.transformer)}, is_distilled=distilled)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 def diffusers_prompt_embeds(pipe, prompt: str):

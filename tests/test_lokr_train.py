@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import mlx.core as mx
@@ -17,7 +16,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
-from refs import diffusers_pipeline, to_np
+from refs import diffusers_pipeline_for_loras, to_np
 
 import flux_klein_mlx
 from flux_klein_mlx.loading import describe, load_component
@@ -146,12 +145,7 @@ def test_lokr_ema_checkpoint_is_a_lokr_file_like_the_checkpoints_own(base, train
 @pytest.fixture(scope="module")
 def lokr_pipe(base):
     """A diffusers Base pipeline with its own transformer (loading a BFL LoKr fuses its q/k/v projections)."""
-    from diffusers import Flux2KleinPipeline
-
-    shared = diffusers_pipeline(base, "plain", distilled=False)
-    pipe = Flux2KleinPipeline(**{**shared.components, "transformer": copy.deepcopy(shared.transformer)}, is_distilled=False)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return diffusers_pipeline_for_loras(base, distilled=False)
 
 
 def adapters_like_the_run(base, arrays):

@@ -11,7 +11,6 @@ must be `diffusion_model.` + a 2-D weight of the BFL checkpoint (tiny_model.diff
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -22,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from refs import diffusers_pipeline, diffusers_prompt_embeds
+from refs import diffusers_pipeline, diffusers_pipeline_for_loras, diffusers_prompt_embeds
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tiny_model import diffusers_to_bfl
@@ -62,12 +61,8 @@ def trained(snapshot, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ref(snapshot):
     """The session's diffusers pipeline with a transformer of our own (LoRAs are loaded into it), the prompt encoded once."""
-    from diffusers import Flux2KleinPipeline
-
     shared = diffusers_pipeline(snapshot, "plain")
-    pipe = Flux2KleinPipeline(**{**shared.components, "transformer": copy.deepcopy(shared.transformer)}, is_distilled=True)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe, diffusers_prompt_embeds(shared, PROMPT), shared.transformer.state_dict(), {}
+    return diffusers_pipeline_for_loras(snapshot), diffusers_prompt_embeds(shared, PROMPT), shared.transformer.state_dict(), {}
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import pytest
 import torch
 from mlx.utils import tree_flatten
 from PIL import Image
-from refs import diffusers_pipeline, diffusers_prompt_embeds, rel_err, to_np
+from refs import diffusers_pipeline, diffusers_pipeline_for_loras, diffusers_prompt_embeds, rel_err, to_np
 from tiny_model import SCHEDULER
 
 import flux_klein_mlx
@@ -295,14 +295,7 @@ def test_sigma_sampling_equals_diffusers_scheduler_and_musubi_flux2_shift():
 @pytest.fixture(scope="module")
 def ref_pipe(snap):
     """The session's diffusers Base pipeline with a transformer of our own: these tests load LoRAs into it."""
-    import copy
-
-    from diffusers import Flux2KleinPipeline
-
-    shared = diffusers_pipeline(snap, "plain", distilled=False)
-    pipe = Flux2KleinPipeline(**{**shared.components, "transformer": copy.deepcopy(shared.transformer)}, is_distilled=False)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return diffusers_pipeline_for_loras(snap, distilled=False)
 
 
 def test_cached_latents_equal_diffusers_vae_patchify_and_batchnorm(snap, data, ref_pipe, tmp_path):

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 
 import mlx.core as mx
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from refs import diffusers_pipeline, diffusers_prompt_embeds
+from refs import diffusers_pipeline, diffusers_pipeline_for_loras, diffusers_prompt_embeds
 from test_train import diffusers_loss
 
 import flux_klein_mlx
@@ -97,12 +96,10 @@ def diffusers_validation(base, lora, held, controls=None) -> np.ndarray:
     """diffusers' loss of each validation level, averaged over the two held-out images, with `lora` loaded
     into a copy of its transformer, our fixed noise and (with `controls`) each image's reference in the
     sequence (D-ki's edit loss)."""
-    from diffusers import Flux2KleinPipeline as P
-
     from flux_klein_mlx.train.data import bucket_size
 
-    shared = diffusers_pipeline(base, "plain", distilled=False)  # its weights stay as they are: a copy takes the LoRA
-    pipe = P(**{**shared.components, "transformer": copy.deepcopy(shared.transformer)}, is_distilled=False)
+    shared = diffusers_pipeline(base, "plain", distilled=False)  # the prompt embeddings, computed once per session
+    pipe = diffusers_pipeline_for_loras(base, distilled=False)
     pipe.load_lora_weights(lora, adapter_name="v")
     sums = np.zeros(5)
     with torch.no_grad():
