@@ -192,6 +192,29 @@ def diffusers_pipeline_for_loras(path, distilled: bool = True):
     return pipe
 
 
+# "a lighthouse" at 64x64, 2 steps, guidance 4, from the same latents: how the training tests judge a
+# written LoRA file by the image diffusers and we make with it (float32 "np" images, (64, 64, 3)).
+def lighthouse_latents() -> np.ndarray:
+    return np.random.default_rng(5).standard_normal((1, 32, 4, 4)).astype(np.float32)
+
+
+def diffusers_lighthouse(ref_pipe) -> np.ndarray:
+    """diffusers' image from `ref_pipe` as it is (with whatever LoRA is loaded into it)."""
+    with torch.no_grad():
+        return ref_pipe(prompt="a lighthouse", height=64, width=64, num_inference_steps=2, guidance_scale=4.0,
+                        latents=torch.from_numpy(lighthouse_latents()), output_type="np").images[0]  # fmt: skip
+
+
+def our_lighthouse(model, loras=()) -> tuple[np.ndarray, object]:
+    """Our image from `load(model, loras=loras)`, and that pipeline."""
+    import flux_klein_mlx
+
+    pipe = flux_klein_mlx.load(model, dtype="float32", loras=list(loras))
+    image = pipe.generate("a lighthouse", width=64, height=64, steps=2, guidance=4.0, latents=lighthouse_latents(),
+                          output_type="np")
+    return image, pipe
+
+
 def diffusers_prompt_embeds(pipe, prompt: str):
     """diffusers' own prompt embeddings for `prompt`, computed once per pipeline (its text encoder is slow)."""
     cache = pipe.__dict__.setdefault("_test_prompt_cache", {})

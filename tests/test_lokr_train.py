@@ -16,7 +16,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
-from refs import diffusers_pipeline_for_loras, to_np
+from refs import diffusers_pipeline_for_loras, diffusers_lighthouse, our_lighthouse, to_np
 
 import flux_klein_mlx
 from flux_klein_mlx.loading import describe, load_component
@@ -180,19 +180,13 @@ def test_lokr_files_load_in_diffusers_and_give_our_image(base, trained, lokr_pip
     lokr_pipe.load_lora_weights(str(path), adapter_name=layout)
     try:
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "key" in r.getMessage().lower()]
-        lat = np.random.default_rng(5).standard_normal((1, 32, 4, 4)).astype(np.float32)
-        with torch.no_grad():
-            theirs = lokr_pipe(prompt="a lighthouse", height=64, width=64, num_inference_steps=2, guidance_scale=4.0,
-                               latents=torch.from_numpy(lat), output_type="np").images[0]  # fmt: skip
-        pipe = flux_klein_mlx.load(base, dtype="float32", loras=[path])
-        ours = pipe.generate("a lighthouse", width=64, height=64, steps=2, guidance=4.0, latents=lat, output_type="np")
-        plain = flux_klein_mlx.load(base, dtype="float32")
-        without = plain.generate("a lighthouse", width=64, height=64, steps=2, guidance=4.0, latents=lat, output_type="np")
+        theirs = diffusers_lighthouse(lokr_pipe)
+        ours, pipe = our_lighthouse(base, [path])
+        without, _ = our_lighthouse(base)
         assert pipe.loras[0].format == "E" and np.abs(ours - theirs).max() <= 1e-3
         assert np.abs(ours - without).max() > 1e-2  # the LoKr changes the image: the comparison means something
         if layout == "converted":  # the same update as the file it came from
-            source = flux_klein_mlx.load(base, dtype="float32", loras=[tmp_path / "source.safetensors"])
-            before = source.generate("a lighthouse", width=64, height=64, steps=2, guidance=4.0, latents=lat, output_type="np")
+            before, _ = our_lighthouse(base, [tmp_path / "source.safetensors"])
             assert np.abs(ours - before).max() <= 1e-4
     finally:
         lokr_pipe.delete_adapters(layout)

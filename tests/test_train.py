@@ -25,7 +25,10 @@ import pytest
 import torch
 from mlx.utils import tree_flatten
 from PIL import Image
-from refs import diffusers_pipeline, diffusers_pipeline_for_loras, diffusers_prompt_embeds, rel_err, to_np
+from refs import (
+    diffusers_lighthouse, diffusers_pipeline, diffusers_pipeline_for_loras, diffusers_prompt_embeds, our_lighthouse,
+    rel_err, to_np,
+)
 from tiny_model import SCHEDULER
 
 import flux_klein_mlx
@@ -327,12 +330,8 @@ def test_saved_file_loads_in_diffusers_without_missing_keys_and_gives_our_image(
             module, role = name.rsplit(".lora_", 1)
             loaded = getattr(ref_pipe.transformer.get_submodule(module), "lora_" + role.split(".")[0])["trained"].weight
             assert np.array_equal(loaded.detach().numpy(), to_np(a)), name
-        lat = np.random.default_rng(5).standard_normal((1, 32, 4, 4)).astype(np.float32)
-        with torch.no_grad():
-            theirs = ref_pipe(prompt="a lighthouse", height=64, width=64, num_inference_steps=2, guidance_scale=4.0,
-                              latents=torch.from_numpy(lat), output_type="np").images[0]  # fmt: skip
-        pipe = flux_klein_mlx.load(snap, dtype="float32", loras=[path])
-        ours = pipe.generate("a lighthouse", width=64, height=64, steps=2, guidance=4.0, latents=lat, output_type="np")
+        theirs = diffusers_lighthouse(ref_pipe)
+        ours, pipe = our_lighthouse(snap, [path])
         assert pipe.loras[0].format == "A" and np.abs(ours - theirs).max() <= 1e-3
     finally:
         ref_pipe.delete_adapters("trained")
