@@ -12,6 +12,11 @@ Three ways to write, each named for what a reader of the disk may see:
 - `folder_transaction(output)`: a whole folder (a converted model, a checkpoint) written next to
   its destination and renamed into place; an existing folder is replaced only then.
 
+A folder a command keeps writing into (a training run's work folder) is ours or refused:
+`check_owned_folder` refuses one that holds files we did not write (no marker file of ours) or a
+symbolic link under a name we write, and `claim_folder` marks a new or empty one as ours.
+`open_no_follow` opens a file we write in place (a lock) without following a link at its name.
+
 Temporary names: a file's is `.NAME.XXXXXXXX.tmp` beside it (`temporary_name`, recognised by
 `is_temporary_file`), a folder's `NAME.tmp-XXXXXXXX` holding a marker with its writer's pid (a
 later run removes it once that process is gone). `file_sha256` is the one hash of a whole file.
@@ -32,7 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .errors import FluxKleinError
+from .errors import FluxKleinError, first_few
 
 # Room left in a file name for the "-N" that `write_exclusive` may add.
 _SUFFIX_ROOM = 8
@@ -77,6 +82,58 @@ def write_replacing(path: Path, write: Callable[[Path], None]) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+# --- folders a command keeps writing into ------------------------------------------------------------
+
+
+def open_no_follow(path: Path, flags: int, mode: int = 0o644) -> int:
+    """`os.open(path, flags)` that refuses (FluxKleinError, one line) where `path` is a symbolic link, instead
+    of opening, truncating or writing the file it points to (O_NOFOLLOW)."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP or os.path.islink(path):
+            raise FluxKleinError(f"{path} is a symbolic link; nothing is ever written through a link: remove it "
+                                 "and run again") from None
+        raise
+
+
+def check_owned_folder(folder: Path, marker: str, is_ours: Callable[[str], bool], option: str) -> None:
+    """Refuse (FluxKleinError, one line naming them) a folder we would write into that holds entries we did
+    not write: all of them when `marker` (the file `claim_folder` writes) is missing, else those whose
+    names `is_ours` rejects; and any entry that is a symbolic link. Nothing is written; a missing or
+    empty folder passes."""
+    if not folder.is_dir():
+        return
+    names = sorted(os.listdir(folder))
+    links = [n for n in names if os.path.islink(folder / n)]
+    if links:
+        raise FluxKleinError(
+            f"{option} {folder}: {first_few(links)} {'is a symbolic link' if len(links) == 1 else 'are symbolic links'}"
+            f"; nothing is ever written through a link: remove {'it' if len(links) == 1 else 'them'} or choose "
+            f"another {option}"
+        )
+    foreign = [n for n in names if n != marker and not is_ours(n)] if marker in names else names
+    if foreign:
+        raise FluxKleinError(
+            f"{option} {folder} holds files this program did not write ({first_few(foreign)}); they are never "
+            f"written over: give a new or empty folder as {option}"
+        )
+
+
+def claim_folder(folder: Path, marker: str, text: str) -> None:
+    """Create `folder` if missing and mark it as ours: `marker` holding `text`, created once (an existing
+    marker is kept; a link at its name is refused, see `open_no_follow`). Call `check_owned_folder` first."""
+    folder.mkdir(exist_ok=True)
+    try:
+        fd = open_no_follow(folder / marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        return
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
 
 
 # --- files that are never written twice ---------------------------------------------------------------

@@ -156,7 +156,8 @@ def fake_checkpoint(work: Path, settings: TrainSettings, step: int = 2) -> Path:
     state = {"step": step, "epoch": 1, "batches": [[i] for i in range(len(items))], "position": 1,
              "rng": np.random.default_rng(0).bit_generator.state, "losses": [0.5] * step,
              "run_key": run_key(s, info), "data": data_key(items)}  # fmt: skip
-    work.mkdir(parents=True, exist_ok=True)
+    work.parent.mkdir(parents=True, exist_ok=True)
+    train_state.claim_work_dir(work)  # as a run does before its first checkpoint
     return train_state.write_checkpoint(work, step, (lora, {"format": "pt"}), optimizer, state, keep=100)
 
 
@@ -289,7 +290,8 @@ def test_a_disk_that_fills_keeps_the_last_good_checkpoint_and_resume_continues(s
             for ev in flux_klein_mlx.train_lora(**kw):
                 if isinstance(ev, CheckpointSaved) and ev.step == 1:
                     fill(work) if real else full.append(True)
-        assert sorted(p.name for p in work.iterdir() if p.name != "filler") == ["checkpoint-000001", "loss.png", "train.json"]
+        assert sorted(p.name for p in work.iterdir() if p.name != "filler") == [
+            train_state.WORK_MARKER, "checkpoint-000001", "loss.png", "train.json"]
         assert json.loads((work / "checkpoint-000001" / "state.json").read_text())["step"] == 1
         assert not out.exists()
         (work / "filler").unlink(missing_ok=True)
@@ -345,6 +347,43 @@ def test_unusable_work_folder_refused(capsys, snap, tmp_path, no_models):
         if os.geteuid() == 0:
             subprocess.run(["umount", str(read_only)], capture_output=True)
         read_only.chmod(0o755)
+
+
+def test_a_lock_that_is_a_link_is_refused_and_its_target_never_written(capsys, snap, tmp_path, no_models):
+    """Issue 38, case 1: a train.lock that links elsewhere is refused, never opened for writing or removed."""
+    data = make_images(tmp_path / "data")
+    out, work = tmp_path / "out.safetensors", tmp_path / "out.train"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's own file")
+    train_state.claim_work_dir(work)  # a folder an earlier run wrote
+    (work / "train.lock").symlink_to(victim)
+    refused(capsys, tmp_path, base_args(snap, data, out), "train.lock is a symbolic link", "remove it")
+    with pytest.raises(FluxKleinError, match="is a symbolic link; nothing is ever written through a link"):
+        train_state.acquire_lock(work)  # the lock itself never follows the link either (O_NOFOLLOW)
+    assert victim.read_text() == "the user's own file" and (work / "train.lock").is_symlink()
+    (work / "train.lock").unlink()  # the advice, followed: the run goes ahead
+    plan_run(TrainSettings(model=snap, data=data, output=out, rank=4, resolution=64))
+    train_state.acquire_lock(work).release()
+    assert victim.read_text() == "the user's own file"
+
+
+def test_a_work_folder_of_other_files_is_refused_naming_them(capsys, snap, tmp_path, no_models):
+    """Issue 38, case 2: an existing folder's own train.json and loss.png are never written over."""
+    data = make_images(tmp_path / "data")
+    out, theirs = tmp_path / "out.safetensors", tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "train.json").write_text('{"their": "record"}')
+    (theirs / "loss.png").write_bytes(b"their plot")
+    args = base_args(snap, data, out) + ["--work-dir", str(theirs)]
+    refused(capsys, tmp_path, args, f"--work-dir {theirs} holds files this program did not write (loss.png, train.json)",
+            "new or empty folder")  # fmt: skip
+    ours = tmp_path / "ours"  # a folder of ours holding a file of the user's: named too
+    train_state.claim_work_dir(ours)
+    (ours / "notes.txt").write_text("mine")
+    refused(capsys, tmp_path, base_args(snap, data, out) + ["--work-dir", str(ours)], "did not write (notes.txt)")
+    empty = tmp_path / "empty"  # the advice, followed
+    empty.mkdir()
+    plan_run(TrainSettings(model=snap, data=data, output=out, rank=4, resolution=64, work_dir=empty))
 
 
 def dead_pid() -> int:
@@ -547,7 +586,7 @@ def test_the_run_talks_ctrl_c_says_how_to_continue_and_one_loss_average_spans_th
     of 3 steps here: a 4-step run would otherwise average 1)."""
     import re
 
-    from flux_klein_mlx.train.state import average_window, moving_average
+    from flux_klein_mlx.train.loop.evaluation import average_window, moving_average
 
     data = make_images(tmp_path / "data")
     out, work = tmp_path / "ink.safetensors", tmp_path / "ink.train"
@@ -591,7 +630,7 @@ def test_the_run_talks_ctrl_c_says_how_to_continue_and_one_loss_average_spans_th
 
 
 def test_loss_plot_has_round_ticks_and_shows_a_varying_lr():
-    from flux_klein_mlx.train.state import loss_plot, nice_ticks
+    from flux_klein_mlx.train.loop.evaluation import loss_plot, nice_ticks
 
     assert nice_ticks(0.3123, 1.05, 5) == pytest.approx([0.4, 0.6, 0.8, 1.0])
     assert nice_ticks(1, 500, 8, whole=True) == [100, 200, 300, 400, 500]

@@ -231,7 +231,7 @@ def test_memory_plan_names_what_makes_it_fit(monkeypatch):
 def test_loss_plot_draws_the_learning_rate_and_config_keys_are_the_long_option_names():
     from flux_klein_mlx.train.command import train
     from flux_klein_mlx.train.config_file import option_names
-    from flux_klein_mlx.train.state import loss_plot
+    from flux_klein_mlx.train.loop.evaluation import loss_plot
 
     losses = [1.0 - 0.01 * k for k in range(40)]
     lrs = [lr_at_step("cosine", 1e-4, k, 5, 40) for k in range(1, 41)]

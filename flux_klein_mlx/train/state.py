@@ -2,6 +2,7 @@
 written crash-safe and checked whole before a resume, train.json, loss.png.
 
     ink.train/                      (default: <output stem>.train/ next to the output)
+        .flux_klein_mlx-train       the mark of a folder that runs of this program write
         train.lock                  while a run uses the folder: its pid, host and start time
         train.json                  every setting, the data list with hashes, versions
         loss.png                    the loss of every step and its moving average, with the lr
@@ -17,6 +18,11 @@ checkpoints as they were. Only the newest `keep` checkpoints are kept. Before a 
 one is checked whole from its headers and state.json (`checkpoint_problem`), so a damaged one is
 named, with what to do, before any model loads.
 
+The folder is ours or refused: a run writes only into a new or empty folder, or one an earlier run
+marked as ours (`WORK_MARKER`), and only under the names above; a folder holding other files (a
+train.json of some other program's, say) or a symbolic link is refused before any model loads, and
+the lock is opened without following a link (files.open_no_follow).
+
 The lock: a second run on the same folder (the same --output twice, say) refuses with one line
 instead of mixing its checkpoints into the first one's. The file is held with flock(2) while the
 run lasts, so the kernel releases it when the process dies however it dies; the next run finds
@@ -28,7 +34,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
-import math
 import os
 import re
 import shutil
@@ -41,10 +46,12 @@ from typing import Callable
 
 import mlx.core as mx
 import numpy as np
-from PIL import Image, ImageDraw, ImageFont
 
 from ..errors import FluxKleinError, Notice
-from ..files import broken_link, check_writable, folder_transaction, is_temporary_file, write_replacing
+from ..files import (
+    broken_link, check_owned_folder, check_writable, claim_folder, folder_transaction, is_temporary_file,
+    open_no_follow, write_replacing,
+)
 from .settings import differences
 from ..weights import read_lora_file, read_safetensors, safetensors_table, save_safetensors_streaming
 
@@ -52,6 +59,9 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d{6,})$")
 # The temporary folders of files.folder_transaction for checkpoints (files: files.is_temporary_file).
 _TEMPORARY_CHECKPOINT = re.compile(r"^checkpoint-\d+\.(tmp|old)-[0-9a-f]{8}$")
 LOCK_NAME = "train.lock"
+WORK_MARKER = ".flux_klein_mlx-train"
+# Every name a run writes at the top of its work folder (and its own temporaries).
+_WORK_FILES = {LOCK_NAME, "train.json", "loss.png", "samples"}
 
 
 # --- the work folder, checked before anything runs --------------------------------------------------
@@ -71,8 +81,25 @@ def check_work_dir(work_dir: Path, data, controls=()) -> None:
     if not wd.parent.is_dir():
         raise FluxKleinError(f"--work-dir {wd}: its parent folder {wd.parent} does not exist; create it first")
     _refuse_inside_data(wd, [("--data", data)] + [("--control", c) for c in controls])
+    check_owned_folder(wd, WORK_MARKER, is_work_file, "--work-dir")
     probe_in = wd if wd.is_dir() else wd.parent
     check_writable(probe_in, f"--work-dir {wd}")
+
+
+def is_work_file(name: str) -> bool:
+    """Whether `name` at the top of a work folder is one a run writes (a file, a checkpoint or a temporary)."""
+    return name in _WORK_FILES or bool(_CHECKPOINT.match(name) or _TEMPORARY_CHECKPOINT.match(name)) or (
+        is_temporary_file(name)
+    )
+
+
+def claim_work_dir(work_dir: Path) -> None:
+    """Create the work folder (if missing) and mark it as this program's, after `check_work_dir`."""
+    try:
+        claim_folder(work_dir, WORK_MARKER, "a work folder of flux_klein_mlx train: its runs write here\n")
+    except OSError as e:
+        raise FluxKleinError(f"cannot write in the work folder {work_dir} ({e.strerror}); free some space "
+                             "or choose another --work-dir") from None
 
 
 def _refuse_inside_data(wd: Path, folders: list[tuple[str, object]]) -> None:
@@ -190,7 +217,7 @@ def acquire_lock(work_dir: Path) -> RunLock:
     path = Path(work_dir) / LOCK_NAME
     for _ in range(10):  # a run releasing the lock between our open and flock: try the new file
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)
         except OSError as e:
             raise FluxKleinError(f"cannot create the lock {path} ({e.strerror}); choose another --work-dir") from None
         holder = _holder(os.read(fd, 4096).decode("utf-8", "replace"))
@@ -396,106 +423,6 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
 
 def write_json(path: Path, obj: dict) -> None:
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2) + "\n"))
-
-
-def average_window(total_steps: int) -> int:
-    """The loss average's window: ~1/20 of the run (1 to 100 steps). The console's "avg" and the
-    plot's blue line are the same numbers: the trailing mean of this many step losses."""
-    return max(1, min(100, total_steps // 20))
-
-
-def moving_average(values: list[float], window: int) -> list[float]:
-    """Trailing mean over up to `window` values (the first ones average what exists). Each mean is
-    summed afresh, so the mean at a step is the same number however long the list is."""
-    out = []
-    for i in range(len(values)):
-        last = values[max(0, i + 1 - window) : i + 1]
-        out.append(sum(last) / len(last))
-    return out
-
-
-def nice_ticks(lo: float, hi: float, count: int = 6, whole: bool = False) -> list[float]:
-    """Round tick values (1, 2, 2.5 or 5 times a power of ten apart) covering [lo, hi]."""
-    if not hi > lo:
-        return [lo]
-    raw = (hi - lo) / count
-    if whole:
-        raw = max(raw, 1.0)
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    first = math.ceil(lo / step - 1e-9)
-    ticks = []
-    k = first
-    while k * step <= hi + 1e-9 * step:
-        ticks.append(k * step)
-        k += 1
-    return ticks
-
-
-_GREY, _BLUE, _ORANGE, _GRID, _RED = (170, 170, 170), (30, 80, 220), (230, 120, 20), (232, 232, 232), (220, 40, 40)
-
-
-def loss_plot(
-    losses: list[float], window: int, lrs: list[float] | None = None, validation=(), size=(900, 440)
-) -> Image.Image:
-    """Loss per step (grey) and its average (blue) against the step, with tick labels on both axes;
-    the learning rate in the title when constant, as an orange line on a right-hand axis when not;
-    `validation` (step, loss) pairs as red dots."""
-    W, H = size
-    left, right, top, bottom = 78, 84, 44, 48
-    img = Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(img)
-    font = ImageFont.load_default(size=13)
-    varying = bool(lrs) and max(lrs) > min(lrs)
-    lr_text = "" if not lrs else ", lr (orange, right axis)" if varying else f", lr {lrs[0]:g} (constant)"
-    steps_text = f"the last {window} steps" if window > 1 else "1 step"
-    title = f"training loss per step (grey) and its average over {steps_text} (blue){lr_text}"
-    draw.text((left, 10), title, fill="black", font=font)
-    if not losses:
-        return img
-    n, smooth = len(losses), moving_average(losses, window)
-    measured = losses + [v for _, v in validation]
-    lo, hi = min(measured), max(measured)
-    hi = hi if hi > lo else lo + max(abs(lo) * 1e-3, 1e-6)
-    lo, hi = lo - 0.04 * (hi - lo), hi + 0.04 * (hi - lo)  # the lines clear the frame
-    x0, x1, y0, y1 = left, W - right, top, H - bottom
-
-    def x_of(step: float) -> float:
-        return x0 + (x1 - x0) * ((step - 1) / max(n - 1, 1))
-
-    def y_of(v: float, a: float = lo, b: float = hi) -> float:
-        return y1 - (y1 - y0) * (v - a) / (b - a)
-
-    for t in nice_ticks(lo, hi, 5):
-        draw.line([(x0, y_of(t)), (x1, y_of(t))], fill=_GRID)
-        draw.text((x0 - 6, y_of(t)), f"{t:.4g}", fill="black", font=font, anchor="rm")
-    for t in nice_ticks(1, max(n, 2), 8, whole=True):
-        if t <= n:
-            draw.line([(x_of(t), y0), (x_of(t), y1)], fill=_GRID)
-            draw.text((x_of(t), y1 + 6), f"{int(t)}", fill="black", font=font, anchor="mt")
-    draw.text(((x0 + x1) / 2, H - 14), "step", fill="black", font=font, anchor="mm")
-    draw.text((x0 - 6, y0 - 16), "loss", fill="black", font=font, anchor="rm")
-    draw.rectangle([x0, y0, x1, y1], outline="black")
-    steps = range(1, n + 1)
-    for values, colour, width in ((losses, _GREY, 1), (smooth, _BLUE, 2)):
-        points = [(x_of(s), y_of(v)) for s, v in zip(steps, values)]
-        draw.line(points if n > 1 else points * 2, fill=colour, width=width)
-    if varying:
-        top_lr = max(lrs)
-        for t in nice_ticks(0.0, top_lr, 4):
-            draw.text((x1 + 6, y_of(t, 0.0, top_lr)), f"{t:.2g}", fill=_ORANGE, font=font, anchor="lm")
-        draw.text((x1 + 6, y0 - 16), "lr", fill=_ORANGE, font=font, anchor="lm")
-        draw.line([(x_of(s), y_of(v, 0.0, top_lr)) for s, v in zip(steps, lrs)], fill=_ORANGE, width=1)
-    for step, v in validation:
-        x, y = x_of(step), y_of(v)
-        draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=_RED)
-    if validation:
-        draw.text((x1 - 150, y0 - 16), "validation loss (red)", fill=_RED, font=font)
-    return img
-
-
-def write_loss_plot(path: Path, losses: list[float], window: int, lrs: list[float] | None = None, validation=()) -> None:
-    write_atomic(path, lambda tmp: loss_plot(losses, window, lrs, list(validation)).save(tmp, format="PNG"))
 
 
 def resume_point(wd: Path, resume: bool, steps: int, key: dict, data: list, lora_shapes: dict, n_items: int) -> Path | None:

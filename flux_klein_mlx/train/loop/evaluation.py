@@ -1,4 +1,5 @@
-"""What a run keeps and measures beside its raw weights: an EMA of the adapters, a held-out loss.
+"""What a run keeps and measures beside its raw weights: an EMA of the adapters, a held-out loss, the
+loss average and loss.png.
 
 EMA (`--ema DECAY`): diffusers' `EMAModel` (training_utils.py, its defaults: no warmup,
 update_after_step 0) over the adapter weights, in float32. After optimizer step k (1-based):
@@ -24,6 +25,7 @@ The reported loss is the mean over images and levels; `by_sigma` keeps the mean 
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +33,10 @@ from typing import Callable
 
 import mlx.core as mx
 import numpy as np
+from PIL import Image, ImageDraw, ImageFont
 
 from ...errors import FluxKleinError
-from ..state import read_adapter_file
+from ..state import read_adapter_file, write_atomic
 
 VALIDATION_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)  # midpoints of five equal bins of sigma in [0, 1]
 VALIDATION_SEED = 29  # fixed for every run: the noise does not follow --seed
@@ -156,3 +159,106 @@ class Validation:
     def points(self) -> list[tuple[int, float]]:
         """(step, loss) of every measurement, for loss.png."""
         return [(h["step"], h["loss"]) for h in self.history]
+
+
+# --- the loss average and loss.png ------------------------------------------------------------------
+
+
+def average_window(total_steps: int) -> int:
+    """The loss average's window: ~1/20 of the run (1 to 100 steps). The console's "avg" and the
+    plot's blue line are the same numbers: the trailing mean of this many step losses."""
+    return max(1, min(100, total_steps // 20))
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to `window` values (the first ones average what exists). Each mean is
+    summed afresh, so the mean at a step is the same number however long the list is."""
+    out = []
+    for i in range(len(values)):
+        last = values[max(0, i + 1 - window) : i + 1]
+        out.append(sum(last) / len(last))
+    return out
+
+
+def nice_ticks(lo: float, hi: float, count: int = 6, whole: bool = False) -> list[float]:
+    """Round tick values (1, 2, 2.5 or 5 times a power of ten apart) covering [lo, hi]."""
+    if not hi > lo:
+        return [lo]
+    raw = (hi - lo) / count
+    if whole:
+        raw = max(raw, 1.0)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step - 1e-9)
+    ticks = []
+    k = first
+    while k * step <= hi + 1e-9 * step:
+        ticks.append(k * step)
+        k += 1
+    return ticks
+
+
+_GREY, _BLUE, _ORANGE, _GRID, _RED = (170, 170, 170), (30, 80, 220), (230, 120, 20), (232, 232, 232), (220, 40, 40)
+
+
+def loss_plot(
+    losses: list[float], window: int, lrs: list[float] | None = None, validation=(), size=(900, 440)
+) -> Image.Image:
+    """Loss per step (grey) and its average (blue) against the step, with tick labels on both axes;
+    the learning rate in the title when constant, as an orange line on a right-hand axis when not;
+    `validation` (step, loss) pairs as red dots."""
+    W, H = size
+    left, right, top, bottom = 78, 84, 44, 48
+    img = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(img)
+    font = ImageFont.load_default(size=13)
+    varying = bool(lrs) and max(lrs) > min(lrs)
+    lr_text = "" if not lrs else ", lr (orange, right axis)" if varying else f", lr {lrs[0]:g} (constant)"
+    steps_text = f"the last {window} steps" if window > 1 else "1 step"
+    title = f"training loss per step (grey) and its average over {steps_text} (blue){lr_text}"
+    draw.text((left, 10), title, fill="black", font=font)
+    if not losses:
+        return img
+    n, smooth = len(losses), moving_average(losses, window)
+    measured = losses + [v for _, v in validation]
+    lo, hi = min(measured), max(measured)
+    hi = hi if hi > lo else lo + max(abs(lo) * 1e-3, 1e-6)
+    lo, hi = lo - 0.04 * (hi - lo), hi + 0.04 * (hi - lo)  # the lines clear the frame
+    x0, x1, y0, y1 = left, W - right, top, H - bottom
+
+    def x_of(step: float) -> float:
+        return x0 + (x1 - x0) * ((step - 1) / max(n - 1, 1))
+
+    def y_of(v: float, a: float = lo, b: float = hi) -> float:
+        return y1 - (y1 - y0) * (v - a) / (b - a)
+
+    for t in nice_ticks(lo, hi, 5):
+        draw.line([(x0, y_of(t)), (x1, y_of(t))], fill=_GRID)
+        draw.text((x0 - 6, y_of(t)), f"{t:.4g}", fill="black", font=font, anchor="rm")
+    for t in nice_ticks(1, max(n, 2), 8, whole=True):
+        if t <= n:
+            draw.line([(x_of(t), y0), (x_of(t), y1)], fill=_GRID)
+            draw.text((x_of(t), y1 + 6), f"{int(t)}", fill="black", font=font, anchor="mt")
+    draw.text(((x0 + x1) / 2, H - 14), "step", fill="black", font=font, anchor="mm")
+    draw.text((x0 - 6, y0 - 16), "loss", fill="black", font=font, anchor="rm")
+    draw.rectangle([x0, y0, x1, y1], outline="black")
+    steps = range(1, n + 1)
+    for values, colour, width in ((losses, _GREY, 1), (smooth, _BLUE, 2)):
+        points = [(x_of(s), y_of(v)) for s, v in zip(steps, values)]
+        draw.line(points if n > 1 else points * 2, fill=colour, width=width)
+    if varying:
+        top_lr = max(lrs)
+        for t in nice_ticks(0.0, top_lr, 4):
+            draw.text((x1 + 6, y_of(t, 0.0, top_lr)), f"{t:.2g}", fill=_ORANGE, font=font, anchor="lm")
+        draw.text((x1 + 6, y0 - 16), "lr", fill=_ORANGE, font=font, anchor="lm")
+        draw.line([(x_of(s), y_of(v, 0.0, top_lr)) for s, v in zip(steps, lrs)], fill=_ORANGE, width=1)
+    for step, v in validation:
+        x, y = x_of(step), y_of(v)
+        draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=_RED)
+    if validation:
+        draw.text((x1 - 150, y0 - 16), "validation loss (red)", fill=_RED, font=font)
+    return img
+
+
+def write_loss_plot(path: Path, losses: list[float], window: int, lrs: list[float] | None = None, validation=()) -> None:
+    write_atomic(path, lambda tmp: loss_plot(losses, window, lrs, list(validation)).save(tmp, format="PNG"))

@@ -44,13 +44,13 @@ from ...models.text_encoder import encode_prompts
 from ...models.tokenizer import load_tokenizer
 from ..data import bucket_counts, dropped_captions, epoch_batches, load_pixels, scan_data
 from .distributed import PeerLost, World, check_processes, example_draws, world
-from .evaluation import EMA_FILE, AdapterEMA, Validation
+from .evaluation import EMA_FILE, AdapterEMA, Validation, average_window, moving_average, write_loss_plot
 from ..memory import MemoryPlanned, check_memory
 from .schedule import lr_at_step
 from ..settings import TrainSettings
 from ..state import (
-    acquire_lock, adapter_file, average_window, check_not_locked, check_work_dir, checkpoints, moving_average,
-    read_checkpoint, remove_temporaries, resume_point, write_checkpoint, write_json, write_loss_plot,
+    acquire_lock, adapter_file, check_not_locked, check_work_dir, claim_work_dir, checkpoints, read_checkpoint,
+    remove_temporaries, resume_point, write_checkpoint, write_json,
 )
 
 
@@ -93,7 +93,7 @@ class StepFinished:
     lr: float
     grad_norm: float  # before clipping
     peak_memory: int  # bytes, this step
-    average: float = math.nan  # the trailing mean the loss plot draws (state.average_window steps)
+    average: float = math.nan  # the trailing mean the loss plot draws (evaluation.average_window steps)
 
 
 @dataclass
@@ -234,7 +234,8 @@ class Trainer:
         if not self.world.is_main:  # rank 0 alone has the work folder
             yield from self._run(time.perf_counter())
             return
-        wd.mkdir(exist_ok=True)
+        check_work_dir(wd, self.s.data, self.s.controls)  # again: the folder may have changed since the plan
+        claim_work_dir(wd)
         lock = acquire_lock(wd)  # a second run on this folder refuses here, before any model loads
         try:
             yield from self._run(time.perf_counter())
