@@ -75,7 +75,7 @@ def adapter_flops(slots, image_tokens: int, text_tokens: int = TEXT) -> float:
 
 def step_flops(params: FluxKleinParams, size: int, checkpoint: bool) -> tuple[float, float]:
     """(forward FLOPs, training-step FLOPs) of `params` at size x size, rank-16 adapters on every block Linear."""
-    from flux_klein_mlx.train.loop.adapters import parse_targets
+    from flux_klein_mlx.train.adapters import parse_targets
 
     fwd = flops_of_transformer(params, size, size)
     lora = adapter_flops(parse_targets("all", params), (size // 16) ** 2)
@@ -89,10 +89,10 @@ class Setup:
     def __init__(self, params, size: int, dtype, bits: int | None, random_weights: bool, adapter: str = "lora"):
         from mlx.utils import tree_map
 
-        from flux_klein_mlx.train.loop.adapters import attach_lokr, attach_lora, parse_targets
+        from flux_klein_mlx.train.adapters import attach_lokr, attach_lora, parse_targets
         from flux_klein_mlx.models.quantize import quantize_model
         from flux_klein_mlx.bench.random_model import randomize
-        from flux_klein_mlx.train.loop.objective import make_optimizer
+        from flux_klein_mlx.train.objective import make_optimizer
         from flux_klein_mlx.train.settings import TrainSettings
         from flux_klein_mlx.models.transformer import FluxKlein
 
@@ -132,7 +132,7 @@ class Setup:
         return self.model.forward_with_rope(self.x0, self.ctx, t, self.rope)
 
     def step(self, checkpoint: bool):
-        from flux_klein_mlx.train.loop.objective import flow_loss, optimizer_step
+        from flux_klein_mlx.train.objective import flow_loss, optimizer_step
 
         def loss():
             return flow_loss(self.model, self.x0, self.noise, self.sigma, self.ctx, self.rope, checkpoint=checkpoint)
@@ -357,7 +357,7 @@ def lokr_report(results: dict) -> list[str]:
 
 def trainable(adapter: str) -> int:
     """Trained values of rank-16 adapters on every block Linear of klein-4B (5 + 20 blocks), from the shapes."""
-    from flux_klein_mlx.train.loop.adapters import lokr_file_shapes, lora_file_shapes, parse_targets
+    from flux_klein_mlx.train.adapters import lokr_file_shapes, lora_file_shapes, parse_targets
 
     params = params_for(5, 20)
     slots = parse_targets("all", params)

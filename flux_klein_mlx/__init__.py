@@ -32,7 +32,7 @@ _MODULES = {
     "models.quantize": ("quantize_model",),
     "bench.flops": ("count_parameters",),
     "errors": ("FluxKleinError",),
-    "train.loop.trainer": ("train_lora",),
+    "train.trainer": ("train_lora",),
     "train.settings": ("TrainSettings",),
 }
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}

@@ -6,12 +6,17 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from tiny_model import shared_tiny_snapshot
+# The support modules (tiny models, the references' runs, file-open tracing) import by their own names
+# from every test folder.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+
+from tiny_model import shared_tiny_snapshot  # noqa: E402
 
 _SESSION_CACHE = tempfile.mkdtemp(prefix="flux-klein-test-cache-")
 

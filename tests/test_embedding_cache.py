@@ -1,7 +1,7 @@
 """The prompt-embedding disk cache: exact hits, keys that change with what decides the numbers,
 damaged entries, unwritable folders, the size bound and concurrent writers.
 
-Hits are checked against the real text encoder of the tiny snapshot (tests/tiny_model.py);
+Hits are checked against the real text encoder of the tiny snapshot (tests/support/tiny_model.py);
 key tests use small safetensors files of their own, edited in place.
 """
 

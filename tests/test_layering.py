@@ -5,6 +5,7 @@ Who may import whom:
 - the wings `train/`, `serve/` and `bench/` are imported by nothing but `__main__` (and their own modules);
 - the library never imports a command module, and the server imports no other command;
 - no import cycles, counting function-local imports too; no `_private` name crosses modules.
+- a wing laid out along a flow (`train/`) has floors: its modules import only lower floors.
 How big a room may be: a file, a folder, a function; `# fmt: skip` only on a few data tables.
 """
 
@@ -26,6 +27,19 @@ MAX_FMT_SKIPS = 20
 # vae, text_encoder, tokenizer, rope, kv_cache, recompute, quantize): each is one component, and splitting
 # the folder would only separate a network from its own parts.
 FOLDER_MODULE_LIMITS = {"models": 9}
+# A wing laid out along a flow: each module on a floor, every import within the wing pointing to a
+# lower floor (ARCHITECTURE.md). Such a folder holds as many modules as its floors need.
+FLOORS = {
+    "train": {
+        "objective": 1, "adapters": 1, "data": 1, "memory": 1, "distributed": 1,  # pure pieces
+        "settings": 2,  # what a run asks for
+        "config_file": 3, "state": 3,  # settings from a file; the work folder
+        "evaluation": 4, "samples": 4,  # EMA, validation, loss.png; sample images
+        "plan": 5,  # everything checked before a model loads
+        "trainer": 6,  # the run, step by step
+        "command": 7,  # `train`
+    },
+}  # fmt: skip
 
 
 def module_name(path: Path) -> str:
@@ -193,7 +207,7 @@ def test_folders_stay_small():
     lines: dict[str, int] = {}
     for name, path in package_files().items():
         where = folder(name) if path.name != "__init__.py" else name
-        if not where:
+        if not where or where in FLOORS:  # the top level is the story; a floored wing, its floors
             continue
         lines[where] = lines.get(where, 0) + len(path.read_text().splitlines())
         if path.name != "__init__.py":
@@ -202,6 +216,22 @@ def test_folders_stay_small():
         limit = FOLDER_MODULE_LIMITS.get(where, MAX_FOLDER_MODULES)
         assert count <= limit, f"{where}/ holds {count} modules (at most {limit}): split the folder by what its files do"
         assert lines[where] <= MAX_FOLDER_LINES, f"{where}/ holds {lines[where]} lines (about {MAX_FOLDER_LINES} at most)"
+
+
+def test_every_arrow_in_a_floored_wing_points_down():
+    graph = package_imports()
+    for wing, floors in FLOORS.items():
+        modules = {m.removeprefix(wing + ".") for m in graph if folder(m) == wing}
+        assert modules == set(floors), f"{wing}/: modules without a floor or floors without a module: {sorted(modules ^ set(floors))}"
+        for module in modules:
+            for dep in graph[f"{wing}.{module}"]:
+                if folder(dep) != wing:
+                    continue
+                below = dep.removeprefix(wing + ".")
+                assert floors[below] < floors[module], (
+                    f"{wing}/{module}.py (floor {floors[module]}) imports {below} (floor {floors[below]}): "
+                    "a module imports only lower floors"
+                )
 
 
 def test_fmt_skip_only_on_a_few_tables():

@@ -10,7 +10,7 @@ dequantized: the memory added is the terms' own tensors.
 Inference and training use the same layer (`LoRALinear`); its terms are held in one of two ways:
 - frozen terms (inference: LoRA files beside quantized weights, `lora.apply`) sit outside the
   module tree, so `parameters()`, saving and strict loads see exactly the base layer's arrays;
-- trainable terms (training: `train.loop.adapters`) are float32 parameters in lists named after the
+- trainable terms (training: `train.adapters`) are float32 parameters in lists named after the
   file roles (`lora_A.i`, `lora_B.i`, `lokr_w1.i`, ...): the paths `trainable_parameters()`,
   AdamW's state and the checkpoints are keyed by.
 Either way the side path runs in the activation dtype. The base layer's arrays are this layer's

@@ -18,11 +18,11 @@ from ..cli import run_command
 from ..errors import FluxKleinError
 from ..loading import DTYPES
 from .config_file import check_recorded_data, option_names, read_config
-from .loop.distributed import PeerLost, world
-from .loop.evaluation import ValidationFinished
+from .distributed import PeerLost, world
+from .evaluation import ValidationFinished
 from .memory import MemoryPlanned, describe_plan
-from .loop.schedule import SCHEDULES
-from .loop.trainer import (
+from .objective import SCHEDULES
+from .trainer import (
     CheckpointSaved, SamplesSaved, StageFinished, StageStarted, StepFinished, TrainFinished, TrainStarted, train_lora,
 )
 from .settings import DEFAULT_BASE_MODEL, TIMESTEPS, TrainSettings

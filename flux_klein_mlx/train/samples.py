@@ -174,7 +174,7 @@ class Sampler:
         return SamplesSaved(0, paths, [None] * n, [None] * n, peak, None, self.info.name)
 
     def sample(self, step: int, lora, trained_peak: int) -> SamplesSaved:
-        """Each prompt at each strength with `lora` (a train.loop.adapters TrainableLoRA or TrainableLoKr) as it is at `step`."""
+        """Each prompt at each strength with `lora` (a train.adapters TrainableLoRA or TrainableLoKr) as it is at `step`."""
         checkpoint = Path(self.s.work_dir) / f"checkpoint-{step:06d}" / "lora.safetensors"
         tmp = Path(self.s.work_dir) / f".sample-lora.{secrets.token_hex(4)}.tmp"
         tensors, header = adapter_file(lora)  # the bytes of this step's checkpoint file

@@ -23,7 +23,7 @@ from ..loading import DTYPES
 from ..lora.layouts import check_layout
 from ..models.quantize import check_quantization
 from .data import IMAGE_SUFFIXES, SIZE_MULTIPLE
-from .loop.schedule import check_schedule
+from .objective import check_schedule
 
 TIMESTEPS = ("shift", "logit-normal", "uniform")
 ADAPTERS = ("lora", "lokr")  # LoRA pairs per diffusers module, or LoKr per layer

@@ -389,7 +389,7 @@ def damaged(folder: Path, why: str, earlier: list[tuple[int, Path]]) -> FluxKlei
 
 
 def adapter_file(adapters) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """A checkpoint's lora.safetensors, as (tensors, header): the adapters' (train.loop.adapters) tensors
+    """A checkpoint's lora.safetensors, as (tensors, header): the adapters' (train.adapters) tensors
     in their own file layout, float32, and their header. Samples write the same bytes to try it."""
     return dict(adapters.file_arrays(mx.float32)), adapters.metadata()
 

@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ...errors import FluxKleinError
+from ..errors import FluxKleinError
 
 _TEXT_BYTES = 2048  # room for one process's error line in `agree`
 

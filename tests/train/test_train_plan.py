@@ -26,10 +26,10 @@ from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.models.config import FluxKleinParams
 from flux_klein_mlx.train import memory
 from flux_klein_mlx.train.data import epoch_batches, scan_data
-from flux_klein_mlx.train.loop.schedule import SCHEDULES, lr_at_step
-from flux_klein_mlx.train.loop.trainer import StepFinished, TrainStarted
+from flux_klein_mlx.train.objective import SCHEDULES, lr_at_step
+from flux_klein_mlx.train.trainer import StepFinished, TrainStarted
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +194,7 @@ def test_memory_model_reproduces_the_measured_training_rows():
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     results = measured()
-    from flux_klein_mlx.train.loop.adapters import parse_targets
+    from flux_klein_mlx.train.adapters import parse_targets
 
     params = FluxKleinParams()
     trainable = sum(16 * (s.in_dims + s.out_dims) for s in parse_targets("all", params))
@@ -210,7 +210,7 @@ def test_memory_model_reproduces_the_measured_training_rows():
 
 
 def test_memory_plan_names_what_makes_it_fit(monkeypatch):
-    from flux_klein_mlx.train.loop.adapters import parse_targets
+    from flux_klein_mlx.train.adapters import parse_targets
     from flux_klein_mlx.train.settings import TrainSettings
 
     params = FluxKleinParams()
@@ -231,7 +231,7 @@ def test_memory_plan_names_what_makes_it_fit(monkeypatch):
 def test_loss_plot_draws_the_learning_rate_and_config_keys_are_the_long_option_names():
     from flux_klein_mlx.train.command import train
     from flux_klein_mlx.train.config_file import option_names
-    from flux_klein_mlx.train.loop.evaluation import loss_plot
+    from flux_klein_mlx.train.evaluation import loss_plot
 
     losses = [1.0 - 0.01 * k for k in range(40)]
     lrs = [lr_at_step("cosine", 1e-4, k, 5, 40) for k in range(1, 41)]

@@ -40,7 +40,7 @@ from flux_klein_mlx.inputs import preprocess_reference  # noqa: E402
 from refs import picture  # noqa: E402
 
 KEY = "test-key-123"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:

@@ -31,7 +31,7 @@ from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.loading import describe, load_component
 from flux_klein_mlx.lora.layouts import LAYOUTS
 from flux_klein_mlx.output import a1111_parameters
-from flux_klein_mlx.train.loop.adapters import attach_lora, parse_targets, write_lora_file
+from flux_klein_mlx.train.adapters import attach_lora, parse_targets, write_lora_file
 
 RANK, ALPHA = 4, 8.0
 H = W = 64
@@ -326,7 +326,7 @@ def test_lora_convert_and_info_refuse_with_one_line_and_write_nothing(trained, t
 
 
 def test_train_format_bad_value_is_one_line_before_any_model_loads(base, tmp_path, capsys, monkeypatch):
-    import flux_klein_mlx.train.loop.trainer as train_module
+    import flux_klein_mlx.train.trainer as train_module
 
     monkeypatch.setattr(train_module, "load_component", lambda *a, **k: pytest.fail("a model was loaded"))
     data = tmp_path / "data"

@@ -22,14 +22,14 @@ import pytest
 from PIL import Image
 
 import flux_klein_mlx
-from flux_klein_mlx.train.loop.distributed import World, example_draws
+from flux_klein_mlx.train.distributed import World, example_draws
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # rank 1 dies (as a killed process would: no cleanup) when it starts step DIE_AT
 RANK_DIES = """
 import os, sys
-import flux_klein_mlx.train.loop.trainer as t
+import flux_klein_mlx.train.trainer as t
 from flux_klein_mlx.__main__ import main
 step = t.Trainer.train_step
 def dying_step(self):
@@ -104,7 +104,7 @@ def test_two_processes_equal_one_with_twice_the_batch_survive_a_dead_rank_and_re
     assert re.search(r"stopped this one at step [34];", errors[0]), errors[0]
     assert "checkpoint-000002" in errors[0] and "--resume" in errors[0]
     assert sum(line.startswith("captions:") for line in ours) == 1  # rank 0 alone prints
-    assert sorted(p.name for p in work.iterdir()) == ["checkpoint-000002", "loss.png", "train.json"]
+    assert sorted(p.name for p in work.iterdir()) == [".flux_klein_mlx-train", "checkpoint-000002", "loss.png", "train.json"]
     assert not two.exists()
 
     resumed = launch(args + ["--resume"])

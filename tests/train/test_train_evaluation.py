@@ -20,7 +20,7 @@ from refs import diffusers_pipeline, diffusers_pipeline_for_loras, diffusers_pro
 from test_train import diffusers_loss
 
 import flux_klein_mlx
-from flux_klein_mlx.train.loop.evaluation import ValidationFinished
+from flux_klein_mlx.train.evaluation import ValidationFinished
 
 CAPTION = "a striped test card"
 

@@ -20,7 +20,7 @@ from flux_klein_mlx.models.config import AutoEncoderConfig, FluxKleinParams, Qwe
 from flux_klein_mlx.bench.random_model import randomize, random_pipeline
 from flux_klein_mlx.models.transformer import FluxKlein
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_script(name: str):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -29,28 +29,28 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
-from ... import __version__
-from ...embedding_cache import open_cache, prompt_keys
-from ...errors import FluxKleinError
-from ...loading import as_dtype, check_for_training, describe, load_component, single_file_refusal
+from .. import __version__
+from ..embedding_cache import open_cache, prompt_keys
+from ..errors import FluxKleinError
+from ..loading import as_dtype, load_component
 from .objective import flow_loss, make_optimizer, optimizer_step, sigmas_from_draws
-from .adapters import attach_lokr, attach_lora, file_header, lokr_file_shapes, lokr_layers, lora_file_shapes
-from .adapters import parse_targets, write_lora_file
-from ..samples import Sampler, SamplesSaved, check_sample_model
-from ...files import check_output_file, write_exclusive
-from ...models.rope import image_ids, text_ids
-from ...sampling import reference_time
-from ...models.text_encoder import encode_prompts
-from ...models.tokenizer import load_tokenizer
-from ..data import bucket_counts, dropped_captions, epoch_batches, load_pixels, scan_data
-from .distributed import PeerLost, World, check_processes, example_draws, world
+from .adapters import attach_lokr, attach_lora, file_header
+from .adapters import write_lora_file
+from .samples import Sampler, SamplesSaved
+from ..files import write_exclusive
+from ..models.rope import image_ids, text_ids
+from ..sampling import reference_time
+from ..models.text_encoder import encode_prompts
+from ..models.tokenizer import load_tokenizer
+from .plan import RunPlan, data_key, plan_run, run_key
+from .data import bucket_counts, dropped_captions, epoch_batches, load_pixels
+from .distributed import PeerLost, example_draws
 from .evaluation import EMA_FILE, AdapterEMA, Validation, average_window, moving_average, write_loss_plot
-from ..memory import MemoryPlanned, check_memory
-from .schedule import lr_at_step
-from ..settings import TrainSettings
-from ..state import (
-    acquire_lock, adapter_file, check_not_locked, check_work_dir, claim_work_dir, checkpoints, read_checkpoint,
-    remove_temporaries, resume_point, write_checkpoint, write_json,
+from .objective import lr_at_step
+from .settings import TrainSettings
+from .state import (
+    acquire_lock, adapter_file, check_work_dir, claim_work_dir, checkpoints, read_checkpoint,
+    remove_temporaries, write_checkpoint, write_json,
 )
 
 
@@ -108,86 +108,6 @@ class TrainFinished:
     steps: int
     seconds: float
     work_dir: Path
-
-
-# --- checks before anything runs -----------------------------------------------------------------
-
-
-@dataclass
-class RunPlan:
-    """A checked run: settings, the model as described, the adapters, the data, where to resume."""
-
-    settings: TrainSettings
-    info: object  # loading.ModelInfo
-    slots: list
-    items: list
-    resume_from: Path | None
-    sample_info: object = None  # loading.ModelInfo of the sample model (None: no samples)
-    memory: MemoryPlanned | None = None
-    validation: list = field(default_factory=list)  # held-out TrainItems (--validation)
-    world: World = field(default_factory=World)  # the processes of an mlx.launch run
-
-
-def _check_model(s: TrainSettings):
-    if Path(s.model).expanduser().is_file():  # a transformer or a LoRA file: what train needs, in load()'s words
-        raise single_file_refusal(s.model)
-    info = describe(s.model)
-    check_for_training(info, s.quantize)
-    return info
-
-
-def run_key(s: TrainSettings, info, processes: int = 1) -> dict:
-    """The settings a checkpoint must share with a run that resumes it; the model by its resolved path."""
-    key = {**s.run_key(), "model": str(info.path)}
-    if processes != 1:  # absent for one process, as before mlx.launch runs existed
-        key["processes"] = processes
-    return key
-
-
-def data_key(items) -> list:
-    """What a checkpoint records of the data: each example's name, hashes and caption."""
-    return [[it.stem, it.image.sha256, it.caption, [c.sha256 for c in it.controls], list(it.bucket)] for it in items]
-
-
-def plan_run(settings: TrainSettings, processes: World | None = None) -> RunPlan:
-    """Every check of a run, before any model loads: settings, model files, output, data, work folder."""
-    w = processes or world()  # under mlx.launch every process checks its own view, then they agree
-    return w.agree(lambda: _plan(settings, w), lambda plan: (plan.settings.run_key(), data_key(plan.items)))
-
-
-def _plan(settings: TrainSettings, w: World) -> RunPlan:
-    s = settings.check()
-    if s.output.exists() or s.output.is_symlink():
-        raise FluxKleinError(f"--output {s.output} exists and is never overwritten; choose another name")
-    check_output_file(s.output)
-    check_work_dir(s.work_dir, s.data, s.controls)
-    info = _check_model(s)
-    slots = parse_targets(s.targets, info.params)
-    if s.adapter == "lokr":
-        lokr_layers(slots, info.params)  # whole layers only: refused here, before any model loads
-    items = scan_data(s.data, s.caption, s.controls, s.resolution, trigger=s.trigger,
-                      caption_extension=s.caption_extension)
-    held_out = []
-    if s.validation:
-        held_out = scan_data(s.validation, s.caption, s.validation_controls, s.resolution, option="--validation",
-                             control_option="--validation-control")
-    sample_info = check_sample_model(s, info)
-    resume = _resume_point(s, info, slots, items, w.size) if w.is_main else None  # rank 0 alone has the work folder
-    return RunPlan(s, info, slots, items, resume, sample_info, check_memory(s, info, slots), held_out, w)
-
-
-def _resume_point(s: TrainSettings, info, slots, items, processes: int) -> Path | None:
-    """The checkpoint to continue from (state.resume_point), after the lock and the process count."""
-    check_not_locked(s.work_dir)
-    done = checkpoints(s.work_dir) if s.resume and s.work_dir.is_dir() else []
-    if done:  # another process count is named as such, before the settings' general comparison
-        check_processes(done[-1][1], processes)
-    if s.adapter == "lokr":
-        shapes = lokr_file_shapes(slots, info.params, s.rank, s.lokr_factor)
-    else:
-        shapes = lora_file_shapes(slots, s.rank)
-    key, data = run_key(s, info, processes), data_key(items)
-    return resume_point(s.work_dir, s.resume, s.steps, key, data, shapes, len(items))
 
 
 def train_lora(model=None, data=None, output=None, **settings) -> Iterator:

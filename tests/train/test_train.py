@@ -33,10 +33,11 @@ from tiny_model import SCHEDULER
 
 import flux_klein_mlx
 from flux_klein_mlx.loading import describe, load_component
-from flux_klein_mlx.train.loop.adapters import attach_lora, parse_targets, write_lora_file
+from flux_klein_mlx.train.adapters import attach_lora, parse_targets, write_lora_file
 from flux_klein_mlx.models.rope import image_ids, text_ids
-from flux_klein_mlx.train.loop.objective import flow_loss, make_optimizer, optimizer_step, shift_mu, sigmas_from_draws
-from flux_klein_mlx.train.loop.trainer import StepFinished, TrainFinished, Trainer, plan_run
+from flux_klein_mlx.train.objective import flow_loss, make_optimizer, optimizer_step, shift_mu, sigmas_from_draws
+from flux_klein_mlx.train.plan import plan_run
+from flux_klein_mlx.train.trainer import StepFinished, TrainFinished, Trainer
 from flux_klein_mlx.train.settings import TrainSettings
 
 RANK, ALPHA = 4, 8.0  # scale 2: a wrong alpha/rank factor shows
@@ -435,7 +436,7 @@ def test_benchmark_attention_stand_in_allocates_what_mlx_unfused_attention_does(
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "train_step.py"
     spec = importlib.util.spec_from_file_location("benchmarks_train_step", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -37,14 +37,14 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from ... import __version__
-from ...errors import FluxKleinError
-from ...lora.apply import layers_by_path
-from ...lora.formats import Term, target_table
-from ...lora.layers import ROLE_LISTS, LoRALinear, TrainableTerm
-from ...lora.layouts import file_metadata, layout_pairs, layout_tensors, training_header
-from ...models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, QKV, linear_shapes
-from ...weights import save_safetensors_streaming
+from .. import __version__
+from ..errors import FluxKleinError
+from ..lora.apply import layers_by_path
+from ..lora.formats import Term, target_table
+from ..lora.layers import ROLE_LISTS, LoRALinear, TrainableTerm
+from ..lora.layouts import file_metadata, layout_pairs, layout_tensors, training_header
+from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, QKV, linear_shapes
+from ..weights import save_safetensors_streaming
 
 PRESETS = ("all", "attention", "double", "single")
 # diffusers module names (within a block) of the attention projections, for the `attention` preset

@@ -31,7 +31,7 @@ from flux_klein_mlx.output import RECORD_KEY
 from flux_klein_mlx.train.data import dropped_captions, with_trigger
 from flux_klein_mlx.train.samples import SamplesSaved, sample_source, sibling_model
 from flux_klein_mlx.train.settings import TrainSettings
-from flux_klein_mlx.train.loop.trainer import StepFinished
+from flux_klein_mlx.train.trainer import StepFinished
 
 PROMPT = "a red lighthouse"
 

@@ -21,8 +21,8 @@ from refs import diffusers_pipeline_for_loras, diffusers_lighthouse, our_lightho
 import flux_klein_mlx
 from flux_klein_mlx.loading import describe, load_component
 from flux_klein_mlx.lora.layers import ROLE_LISTS, LoRALinear
-from flux_klein_mlx.train.loop.adapters import LoKrShape, add_lokr_term, attach_lokr, factorization, parse_targets, write_lora_file
-from flux_klein_mlx.train.loop.trainer import StepFinished
+from flux_klein_mlx.train.adapters import LoKrShape, add_lokr_term, attach_lokr, factorization, parse_targets, write_lora_file
+from flux_klein_mlx.train.trainer import StepFinished
 from flux_klein_mlx.train.state import read_checkpoint
 
 CAPTION = "a striped test card"
@@ -200,7 +200,7 @@ def test_lokr_files_load_in_diffusers_and_give_our_image(base, trained, lokr_pip
     (["--adapter", "lokr", "--format", "kohya"], ["comfyui or diffusers", "kohya"]),
 ])  # fmt: skip
 def test_bad_lokr_options_are_one_line_before_any_model_loads(base, data, tmp_path, capsys, monkeypatch, args, words):
-    import flux_klein_mlx.train.loop.trainer as trainer
+    import flux_klein_mlx.train.trainer as trainer
     from flux_klein_mlx.__main__ import main
 
     def no_model(*a, **k):

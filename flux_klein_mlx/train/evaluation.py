@@ -35,8 +35,8 @@ import mlx.core as mx
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from ...errors import FluxKleinError
-from ..state import read_adapter_file, write_atomic
+from ..errors import FluxKleinError
+from .state import read_adapter_file, write_atomic
 
 VALIDATION_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)  # midpoints of five equal bins of sigma in [0, 1]
 VALIDATION_SEED = 29  # fixed for every run: the noise does not follow --seed
