@@ -28,15 +28,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also when a test loads this file
-from common import diffusers_transformer_config, randomize_torch_  # noqa: E402  (preloads OpenBLAS)
-
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from common import diffusers_transformer_config, randomize_torch_  # noqa: E402  (preloads OpenBLAS)
 
 from flux_klein_mlx.bench.command import write_json  # noqa: E402
-from flux_klein_mlx.models.config import FluxKleinParams  # noqa: E402
 from flux_klein_mlx.bench.flops import flops_of_transformer, machine_info  # noqa: E402
+from flux_klein_mlx.models.config import FluxKleinParams  # noqa: E402
 from flux_klein_mlx.models.rope import image_ids, text_ids  # noqa: E402
 from flux_klein_mlx.models.transformer import FluxKlein, sanitize_flux2_klein_weights  # noqa: E402
 from flux_klein_mlx.weights import load_into  # noqa: E402
@@ -130,7 +129,7 @@ def compare_step(
         weights[name] = mx.array(p.detach().float().numpy()).astype(MX_DTYPES[dtype])
         mx.eval(weights[name])
         p.data = torch.empty(0, dtype=p.dtype)  # free the torch copy now: one copy resident at a time
-    del diffusers_model
+    diffusers_model = None  # drop our reference (`del` would make ruff flag torch_step's use: astral-sh/ruff#9858)
     ours_model = FluxKlein(params)
     load_into(ours_model, sanitize_flux2_klein_weights(weights), "transformer", dtype=MX_DTYPES[dtype])
     del weights
@@ -209,9 +208,16 @@ def main(argv=None) -> int:
     model = build_diffusers(params, args.dtype, args.seed)
     print(f"built and randomised diffusers model in {time.perf_counter() - t0:.1f} s", flush=True)
     result = compare_step(
-        model, args.width, args.height, args.text_tokens, args.dtype, args.warmup, args.trials, args.seed,
+        model,
+        args.width,
+        args.height,
+        args.text_tokens,
+        args.dtype,
+        args.warmup,
+        args.trials,
+        args.seed,
         log=lambda m: print(m, flush=True),
-    )  # fmt: skip
+    )
     result["machine"] = machine_info()
     result["versions"] = {"torch": torch.__version__, "diffusers": __import__("diffusers").__version__}
     result["blocks"] = args.blocks
@@ -224,8 +230,10 @@ def main(argv=None) -> int:
     print(f"{'':<10}{'median':>10}{'min':>10}{'max':>10}{'GFLOPS':>9}")
     for name, s in (("diffusers", d), ("MLX", m)):
         print(f"{name:<10}{s['median_s']:>9.2f}s{s['min_s']:>9.2f}s{s['max_s']:>9.2f}s{s['gflops']:>9.0f}")
-    print(f"ratio MLX / diffusers (median): {result['ratio_mlx_over_diffusers']:.3f}; "
-          f"outputs agree to rel err {result['rel_err']:.2e}")  # fmt: skip
+    print(
+        f"ratio MLX / diffusers (median): {result['ratio_mlx_over_diffusers']:.3f}; "
+        f"outputs agree to rel err {result['rel_err']:.2e}"
+    )
     if args.json:
         final = write_json(result, args.json)  # a new name if the file exists: results are never overwritten
         print(f"wrote {final}" + (f" ({args.json} exists)" if final != Path(args.json) else ""))

@@ -49,7 +49,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when a test loads the script by path
 import common  # noqa: E402
-
 import mlx.core as mx  # noqa: E402
 
 COMPONENTS = ("text_encoder", "transformer", "vae")
@@ -63,17 +62,18 @@ def make(folder: Path, bits: int = 4, blocks: str | None = None) -> None:
     `bits` (0: bf16), the transformer with `blocks` ("D+S") double + single blocks (default all)."""
     from mlx.utils import tree_flatten
 
-    from flux_klein_mlx.models.config import VARIANTS
+    from flux_klein_mlx.bench.command import parse_blocks
+    from flux_klein_mlx.bench.random_model import randomize
     from flux_klein_mlx.convert import Part, write_folder
     from flux_klein_mlx.loading import build_module
+    from flux_klein_mlx.models.config import VARIANTS
     from flux_klein_mlx.models.quantize import evaluate_by_layer, quantize_model
-    from flux_klein_mlx.bench.random_model import randomize
-
-    from flux_klein_mlx.bench.command import parse_blocks
 
     variant, parts = VARIANTS["klein-4b"], []
     if blocks:
-        variant = dataclasses.replace(variant, transformer=dataclasses.replace(variant.transformer, **parse_blocks(blocks)))
+        variant = dataclasses.replace(
+            variant, transformer=dataclasses.replace(variant.transformer, **parse_blocks(blocks))
+        )
     for seed, name in enumerate(COMPONENTS):
         t0 = time.perf_counter()
         config = dataclasses.asdict(getattr(variant, name))
@@ -83,8 +83,14 @@ def make(folder: Path, bits: int = 4, blocks: str | None = None) -> None:
         evaluate_by_layer(module)  # one component quantized at a time: the bf16 weights go before the next
         parts.append(Part(name, config, dict(tree_flatten(module.parameters())), record))
         print(f"  random {name}: {time.perf_counter() - t0:.0f} s", flush=True)
-    meta = {"variant": variant.family, "is_distilled": True, "dtype": "bfloat16", "scheduler": common.SCHEDULER,
-            "source": {"model": "random weights (benchmarks/cold_start.py)"}, "tokenizer_source": common.qwen_tokenizer_dir()}  # fmt: skip
+    meta = {
+        "variant": variant.family,
+        "is_distilled": True,
+        "dtype": "bfloat16",
+        "scheduler": common.SCHEDULER,
+        "source": {"model": "random weights (benchmarks/cold_start.py)"},
+        "tokenizer_source": common.qwen_tokenizer_dir(),
+    }
     write_folder(folder, parts, meta, overwrite=True)
     print(f"wrote {folder}: {common.folder_bytes(folder) / common.GB:.2f} GB")
 
@@ -143,8 +149,8 @@ def busy(seconds: float) -> float:
 def child_load(model: str, name: str, readahead: str | None = None, overlap: float = 0.0) -> dict:
     """Load one component; `readahead` "alone" (read it all first) or "overlap" (read during `overlap`
     seconds of stand-in compute, then stop it and load)."""
-    from flux_klein_mlx.loading import describe, load_component
     from flux_klein_mlx.bench.measure import StageMeter, bytes_to_load
+    from flux_klein_mlx.loading import describe, load_component
     from flux_klein_mlx.readahead import ReadAhead
 
     info = describe(model)
@@ -158,8 +164,12 @@ def child_load(model: str, name: str, readahead: str | None = None, overlap: flo
     mx.reset_peak_memory()
     load_component(info, name)
     out["load"] = meter.mark("load")
-    out.update(bytes_to_load=bytes_to_load(info, name), peak_memory=mx.get_peak_memory(), max_rss=common.max_rss_bytes(),
-               io_source=meter.source)  # fmt: skip
+    out.update(
+        bytes_to_load=bytes_to_load(info, name),
+        peak_memory=mx.get_peak_memory(),
+        max_rss=common.max_rss_bytes(),
+        io_source=meter.source,
+    )
     return out
 
 
@@ -182,7 +192,9 @@ def child_cache(model: str) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         for run in ("key_first", "key_remembered"):
             t0 = time.perf_counter()
-            key = EmbeddingCache(folder).key(files, template=template, max_length=512, prompt="a red fox", settings={"dtype": "bfloat16"})
+            key = EmbeddingCache(folder).key(
+                files, template=template, max_length=512, prompt="a red fox", settings={"dtype": "bfloat16"}
+            )
             out[run + "_seconds"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         EmbeddingCache(folder).put(key, emb)
@@ -208,9 +220,14 @@ def run_child(task: str, **kwargs) -> dict:
 
 def measure(model: str) -> dict:
     """Every measurement of the module docstring; returns them (and prints progress)."""
-    from flux_klein_mlx.bench.flops import flops_of_text_encoder, flops_of_transformer, flops_of_vae_decoder, machine_info
-    from flux_klein_mlx.loading import describe
+    from flux_klein_mlx.bench.flops import (
+        flops_of_text_encoder,
+        flops_of_transformer,
+        flops_of_vae_decoder,
+        machine_info,
+    )
     from flux_klein_mlx.bench.measure import bytes_to_load, drop_from_page_cache, sequential_read_rate
+    from flux_klein_mlx.loading import describe
     from flux_klein_mlx.readahead import component_spans
 
     info = describe(model)
@@ -233,12 +250,18 @@ def measure(model: str) -> dict:
         results["loads"].append(dict(r, cold=True))
     results["cache"] = run_child("cache", model=model)
     total = sum(bytes_to_load(info, n) for n in COMPONENTS)
-    flops = (flops_of_text_encoder(_qwen(info)).total
-             + flops_of_transformer(info.params, 1024, 1024).total * 4
-             + flops_of_vae_decoder(_vae(info), 1024, 1024).total)  # fmt: skip
+    flops = (
+        flops_of_text_encoder(_qwen(info)).total
+        + flops_of_transformer(info.params, 1024, 1024).total * 4
+        + flops_of_vae_decoder(_vae(info), 1024, 1024).total
+    )
     peak = results["machine"].get("peak_tflops")
-    results["limit"] = {"bytes": total, "read_seconds": total / rate.rate, "flops_1024_4_steps": flops,
-                        "compute_seconds_at_peak": flops / (peak * 1e12) if peak else None}  # fmt: skip
+    results["limit"] = {
+        "bytes": total,
+        "read_seconds": total / rate.rate,
+        "flops_1024_4_steps": flops,
+        "compute_seconds_at_peak": flops / (peak * 1e12) if peak else None,
+    }
     return results
 
 
@@ -266,8 +289,12 @@ def report(r: dict) -> str:
     ]
     for x in r["loads"]:
         ra = x["readahead"]
-        how = "-" if not ra else f"{ra['mode']}: {ra['bytes'] / gb:.2f} GB in {ra['seconds']:.2f} s" + (
-            f" during {x['busy_seconds']:.2f} s compute" if ra["mode"] == "overlap" else "")
+        how = (
+            "-"
+            if not ra
+            else f"{ra['mode']}: {ra['bytes'] / gb:.2f} GB in {ra['seconds']:.2f} s"
+            + (f" during {x['busy_seconds']:.2f} s compute" if ra["mode"] == "overlap" else "")
+        )
         read = x["load"]["read_bytes"]
         lines.append(
             f"| {x['component']} | {'cold' if x['cold'] else 'warm'} | {how} | {x['load']['seconds']:.2f} | "
@@ -279,12 +306,18 @@ def report(r: dict) -> str:
         "",
         f"prompt cache: chat template read {c['template_read_seconds'] * 1e3:.1f} ms (tokenizer load "
         f"{c['tokenizer_load_seconds']:.3f} s); key {c['key_first_seconds'] * 1e3:.1f} ms "
-        f"(headers read), {c['key_remembered_seconds'] * 1e3:.1f} ms (remembered); put {c['put_seconds'] * 1e3:.1f} ms, "
-        f"get {c['get_seconds'] * 1e3:.1f} ms for a {c['entry_bytes'] / 1e6:.1f} MB entry; hit bit-identical: {c['hit_equals']}",
+        f"(headers read), {c['key_remembered_seconds'] * 1e3:.1f} ms (remembered); "
+        f"put {c['put_seconds'] * 1e3:.1f} ms, "
+        f"get {c['get_seconds'] * 1e3:.1f} ms for a {c['entry_bytes'] / 1e6:.1f} MB entry; "
+        f"hit bit-identical: {c['hit_equals']}",
         f"floor: {lim['bytes'] / gb:.2f} GB / {seq['rate'] / gb:.2f} GB/s = {lim['read_seconds']:.2f} s of reading"
-        + (f" + {lim['compute_seconds_at_peak']:.2f} s of compute at peak (1024², 4 steps)" if lim["compute_seconds_at_peak"] else
-           f"; compute {lim['flops_1024_4_steps'] / 1e12:.1f} TFLOP at 1024², 4 steps (no peak known for this device)"),
-    ]  # fmt: skip
+        + (
+            f" + {lim['compute_seconds_at_peak']:.2f} s of compute at peak (1024², 4 steps)"
+            if lim["compute_seconds_at_peak"]
+            else f"; compute {lim['flops_1024_4_steps'] / 1e12:.1f} TFLOP at 1024², 4 steps "
+            "(no peak known for this device)"
+        ),
+    ]
     return "\n".join(lines)
 
 
@@ -299,8 +332,8 @@ def second_generate(model: str, width: int, height: int, steps: int, dtype: str)
     import shutil
     import subprocess
 
-    from flux_klein_mlx.loading import describe
     from flux_klein_mlx.bench.measure import drop_from_page_cache
+    from flux_klein_mlx.loading import describe
 
     info = describe(model)
     files = [f for n in COMPONENTS for f in info.files[n]]
@@ -312,17 +345,39 @@ def second_generate(model: str, width: int, height: int, steps: int, dtype: str)
             if start == "cold":
                 out["page_cache"] = drop_from_page_cache(files)
             for run, seed in (("first", 1), ("second", 2)):
-                cmd = [sys.executable, "-m", "flux_klein_mlx", "generate", "-m", str(model), "-p", "a red fox in fresh snow",
-                       "-W", str(width), "-H", str(height), "--steps", str(steps), "--dtype", dtype, "--seed", str(seed),
-                       "-o", str(Path(tmp) / f"{start}-{run}.png")]  # fmt: skip
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "flux_klein_mlx",
+                    "generate",
+                    "-m",
+                    str(model),
+                    "-p",
+                    "a red fox in fresh snow",
+                    "-W",
+                    str(width),
+                    "-H",
+                    str(height),
+                    "--steps",
+                    str(steps),
+                    "--dtype",
+                    dtype,
+                    "--seed",
+                    str(seed),
+                    "-o",
+                    str(Path(tmp) / f"{start}-{run}.png"),
+                ]
                 t0 = time.perf_counter()
                 r = subprocess.run(cmd, env=env, capture_output=True, text=True)
                 wall = time.perf_counter() - t0
                 if r.returncode:
                     raise SystemExit(f"generate failed: {r.stderr.strip()[-2000:]}")
                 lines = r.stderr.strip().splitlines()
-                out["runs"][f"{start} {run}"] = {"seconds": wall, "cached": "prompt embeddings cached" in r.stderr,
-                                                 "summary": [ln for ln in lines if ln.startswith("seed ")][-1:]}  # fmt: skip
+                out["runs"][f"{start} {run}"] = {
+                    "seconds": wall,
+                    "cached": "prompt embeddings cached" in r.stderr,
+                    "summary": [ln for ln in lines if ln.startswith("seed ")][-1:],
+                }
                 print(f"  {start} {run}: {wall:.1f} s; {out['runs'][f'{start} {run}']['summary']}", flush=True)
     return out
 
@@ -336,39 +391,53 @@ def overlap(model: str, width: int, height: int, steps: int, dtype: str, pairs: 
     and the VAE during the last step, saves or costs."""
     import statistics
 
-    from flux_klein_mlx.inputs import RunSettings
-    from flux_klein_mlx.loading import describe
     from flux_klein_mlx.bench.measure import drop_from_page_cache
     from flux_klein_mlx.bench.time_to_image import one_run
+    from flux_klein_mlx.inputs import RunSettings
+    from flux_klein_mlx.loading import describe
 
     info = describe(model)
     files = [f for n in COMPONENTS for f in info.files[n]]
     settings = RunSettings("a red fox in fresh snow", width=width, height=height, steps=steps, seed=1)
     runs = {"read-ahead": [], "none": []}
     for i in range(pairs):
-        for mode in (("read-ahead", "none") if i % 2 == 0 else ("none", "read-ahead")):
+        for mode in ("read-ahead", "none") if i % 2 == 0 else ("none", "read-ahead"):
             drop_from_page_cache(files)
             run = one_run(model, settings, cache=False, read_ahead=mode == "read-ahead", dtype=dtype)
             st = run.stages
-            print(f"  {mode}: {run.seconds:.2f} s (encode {st['encode'].seconds:.2f}, transformer load "
-                  f"{st['transformer load'].seconds:.2f}, peak RSS {run.peak_rss / 1e9:.2f} GB)", flush=True)
+            print(
+                f"  {mode}: {run.seconds:.2f} s (encode {st['encode'].seconds:.2f}, transformer load "
+                f"{st['transformer load'].seconds:.2f}, peak RSS {run.peak_rss / 1e9:.2f} GB)",
+                flush=True,
+            )
             runs[mode].append(dataclasses.asdict(run))
     med = lambda xs: statistics.median(xs)  # noqa: E731
-    summary = {mode: {"seconds": med([r["seconds"] for r in rs]),
-                      **{k: med([r["stages"][k]["seconds"] for r in rs]) for k in ("encode", "transformer load", "VAE load")},
-                      "peak_memory": max(r["peak_memory"] for r in rs), "peak_rss": max(r["peak_rss"] for r in rs)}
-               for mode, rs in runs.items()}  # fmt: skip
+    summary = {
+        mode: {
+            "seconds": med([r["seconds"] for r in rs]),
+            **{k: med([r["stages"][k]["seconds"] for r in rs]) for k in ("encode", "transformer load", "VAE load")},
+            "peak_memory": max(r["peak_memory"] for r in rs),
+            "peak_rss": max(r["peak_rss"] for r in rs),
+        }
+        for mode, rs in runs.items()
+    }
     return {"model": model, "pairs": pairs, "runs": runs, "median": summary}
 
 
 def report_second(r: dict) -> str:
     runs = r["runs"]
-    lines = [f"model {r['model']}, {r['settings']}; page cache before the cold pair: {r.get('page_cache')}", "",
-             "| run | wall s | prompt from the cache | generate's summary |", "|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"model {r['model']}, {r['settings']}; page cache before the cold pair: {r.get('page_cache')}",
+        "",
+        "| run | wall s | prompt from the cache | generate's summary |",
+        "|---|---|---|---|",
+    ]
     for name, x in runs.items():
         lines.append(f"| {name} | {x['seconds']:.1f} | {x['cached']} | {' '.join(x['summary'])} |")
     for start in ("cold", "warm"):
-        lines.append(f"{start}: second / first = {runs[f'{start} second']['seconds'] / runs[f'{start} first']['seconds']:.2f}")
+        lines.append(
+            f"{start}: second / first = {runs[f'{start} second']['seconds'] / runs[f'{start} first']['seconds']:.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -403,9 +472,12 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
         for mode, m in results["median"].items():
-            print(f"{mode}: median {m['seconds']:.2f} s; encode {m['encode']:.2f} s, transformer load "
-                  f"{m['transformer load']:.2f} s, VAE load {m['VAE load']:.2f} s; peak MLX {m['peak_memory'] / 1e9:.2f} GB, "
-                  f"peak RSS {m['peak_rss'] / 1e9:.2f} GB")  # fmt: skip
+            print(
+                f"{mode}: median {m['seconds']:.2f} s; encode {m['encode']:.2f} s, transformer load "
+                f"{m['transformer load']:.2f} s, VAE load {m['VAE load']:.2f} s; "
+                f"peak MLX {m['peak_memory'] / 1e9:.2f} GB, "
+                f"peak RSS {m['peak_rss'] / 1e9:.2f} GB"
+            )
         return
     if args.what == "second":
         results = second_generate(args.model, args.width, args.height, args.steps, args.dtype)

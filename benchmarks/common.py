@@ -33,9 +33,15 @@ GB = 1e9
 
 # scheduler/scheduler_config.json of the FLUX.2 [klein] repos (reference-spec section 7).
 SCHEDULER = dict(
-    num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-    base_image_seq_len=256, max_image_seq_len=4096, time_shift_type="exponential",
-)  # fmt: skip
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+    time_shift_type="exponential",
+)
 
 
 # --- measuring a process ---------------------------------------------------------------------------
@@ -81,26 +87,50 @@ def qwen_tokenizer_dir() -> Path:
 def diffusers_transformer_config(params) -> dict:
     """Constructor arguments of diffusers' Flux2Transformer2DModel for our `FluxKleinParams`."""
     return dict(
-        patch_size=1, in_channels=params.in_channels, out_channels=None, num_layers=params.depth,
-        num_single_layers=params.depth_single, attention_head_dim=params.head_dim,
-        num_attention_heads=params.num_heads, joint_attention_dim=params.context_in_dim,
-        timestep_guidance_channels=params.time_channels, mlp_ratio=params.mlp_ratio,
-        axes_dims_rope=tuple(params.axes_dim), rope_theta=params.theta, eps=params.eps, guidance_embeds=False,
-    )  # fmt: skip
+        patch_size=1,
+        in_channels=params.in_channels,
+        out_channels=None,
+        num_layers=params.depth,
+        num_single_layers=params.depth_single,
+        attention_head_dim=params.head_dim,
+        num_attention_heads=params.num_heads,
+        joint_attention_dim=params.context_in_dim,
+        timestep_guidance_channels=params.time_channels,
+        mlp_ratio=params.mlp_ratio,
+        axes_dims_rope=tuple(params.axes_dim),
+        rope_theta=params.theta,
+        eps=params.eps,
+        guidance_embeds=False,
+    )
 
 
 def qwen3_hf_config(c) -> dict:
     """A klein `text_encoder/config.json` (transformers 4.x layout) for our `Qwen3Config`."""
     return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
-        "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
-        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta, "rope_scaling": None, "vocab_size": c.vocab_size,
-        "tie_word_embeddings": c.tie_word_embeddings, "max_position_embeddings": c.max_position_embeddings,
-        "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "sliding_window": None,
-    }  # fmt: skip
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "hidden_act": "silu",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": None,
+        "vocab_size": c.vocab_size,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "max_position_embeddings": c.max_position_embeddings,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
 
 
 def randomize_torch_(module, seed: int = 0):

@@ -30,7 +30,7 @@ def pictures(n: int, size: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     out = []
     yy, xx = np.mgrid[0:size, 0:size] / size
-    for k in range(n):
+    for _ in range(n):
         cells = int(rng.integers(2, 9))
         field = (rng.random((cells, cells, 3)) * 255).astype(np.uint8)
         img = np.asarray(Image.fromarray(field).resize((size, size), Image.Resampling.BICUBIC), np.float32) / 127.5 - 1
@@ -96,8 +96,10 @@ def main(argv=None) -> int:
     preview = fit_preview(lat, img, f"fitted by benchmarks/fit_preview.py on {args.vae}")
     held_lat, held_img = latents_and_targets(vae, pictures(4, args.size, args.seed + 1), 0, args.seed + 1)
     print(f"# {preview.source}: {args.images} pictures + {args.noise} prior latents at {args.size}px")
-    print(f"# R^2 on the fit set {r_squared(preview, lat, img):.4f}, "
-          f"on 4 held-out pictures {r_squared(preview, held_lat, held_img):.4f}")
+    print(
+        f"# R^2 on the fit set {r_squared(preview, lat, img):.4f}, "
+        f"on 4 held-out pictures {r_squared(preview, held_lat, held_img):.4f}"
+    )
     print("RGB_FACTORS = (")
     for row in preview.factors:
         print("    (" + ", ".join(f"{v:.4f}" for v in row) + "),")

@@ -23,13 +23,13 @@ from flux_klein_mlx.bench.flops import (  # noqa: E402,F401  (re-exported)
     OTHER_ACCELERATORS,
     Flops,
     chip_peak_tflops,
+    count_parameters,  # noqa: E402
     flops_of_text_encoder,
     flops_of_transformer,
     flops_of_vae_decoder,
     transformer_step_flops,
 )
 from flux_klein_mlx.models.config import AutoEncoderConfig, FluxKleinParams, qwen3_4b, qwen3_8b  # noqa: E402
-from flux_klein_mlx.bench.flops import count_parameters  # noqa: E402
 
 SIZES = (1024, 512)
 
@@ -58,8 +58,10 @@ def image_flops(params, qwen, size: int, steps: int = 4) -> dict:
 def tables() -> str:
     out = []
     out.append("FLOPs per step (TFLOP), 512 text tokens")
-    out.append(f"{'':<10}{'size':>6}{'params':>10}{'linear':>9}{'attention':>11}{'step':>8}{'4 steps':>9}"
-               f"{'encoder':>9}{'VAE dec':>9}{'image':>8}")  # fmt: skip
+    out.append(
+        f"{'':<10}{'size':>6}{'params':>10}{'linear':>9}{'attention':>11}{'step':>8}{'4 steps':>9}"
+        f"{'encoder':>9}{'VAE dec':>9}{'image':>8}"
+    )
     flops = {}
     for name, (params, qwen) in variants().items():
         for size in SIZES:

@@ -23,19 +23,18 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also when a test loads this file
-import common  # noqa: E402, F401  (this checkout first on sys.path, OpenBLAS preloaded)
-
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
+import common  # noqa: E402, F401  (this checkout first on sys.path, OpenBLAS preloaded)
 import mlx.core as mx  # noqa: E402
 
-from flux_klein_mlx.models.config import FluxKleinParams  # noqa: E402
 from flux_klein_mlx.bench.flops import flops_of_transformer, machine_info, reference_pass_flops  # noqa: E402
 from flux_klein_mlx.bench.random_model import randomize  # noqa: E402
+from flux_klein_mlx.models.config import FluxKleinParams  # noqa: E402
 from flux_klein_mlx.models.rope import image_ids, text_ids  # noqa: E402
 from flux_klein_mlx.models.transformer import FluxKlein  # noqa: E402
 
@@ -70,8 +69,12 @@ def _time_interleaved(fns: dict, warmup: int, trials: int) -> dict[str, list[flo
 
 
 def _stats(times: list[float]) -> dict:
-    return {"times_s": [round(t, 4) for t in times], "median_s": statistics.median(times),
-            "min_s": min(times), "max_s": max(times)}  # fmt: skip
+    return {
+        "times_s": [round(t, 4) for t in times],
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+    }
 
 
 def kv_step(blocks=(1, 1), width=256, height=256, refs=1, dtype="float32", warmup=1, trials=3, seed=0, log=print):
@@ -93,8 +96,10 @@ def kv_step(blocks=(1, 1), width=256, height=256, refs=1, dtype="float32", warmu
     rope_kv = model.compute_rope(text_ids(TEXT_TOKENS), image_ids(h, w))
     mx.eval(txt, rope_plain, rope_kv)
     t = mx.array([0.7], dtype=dt)
-    log(f"kv_step: hidden {params.hidden_size}, {depth} double + {depth_single} single blocks, {width}x{height}, "
-        f"{refs} reference(s) of {h * w} tokens, {TEXT_TOKENS} text tokens, {dtype}")  # fmt: skip
+    log(
+        f"kv_step: hidden {params.hidden_size}, {depth} double + {depth_single} single blocks, {width}x{height}, "
+        f"{refs} reference(s) of {h * w} tokens, {TEXT_TOKENS} text tokens, {dtype}"
+    )
 
     def uncached():
         v = model.forward_with_rope(mx.concatenate([x, ref], axis=1), ctx, t, rope_plain, txt_embedded=txt)
@@ -114,24 +119,38 @@ def kv_step(blocks=(1, 1), width=256, height=256, refs=1, dtype="float32", warmu
     times = _time_interleaved(fns, warmup, trials)
     results = {name: _stats(t) for name, t in times.items()}
     # Paired within each round (same load): the steadier estimate on a shared machine.
-    paired = [c / u for c, u in zip(times["kv_cached"], times["uncached_klein_9b"])]
+    paired = [c / u for c, u in zip(times["kv_cached"], times["uncached_klein_9b"], strict=True)]
     for name, r in results.items():
         log(f"{name}: median {r['median_s']:.3f} s (min {r['min_s']:.3f}, max {r['max_s']:.3f})")
     ratio = results["kv_cached"]["median_s"] / results["uncached_klein_9b"]["median_s"]
     flop = step_tflop(params, width, height, refs)
     full = step_tflop(FluxKleinParams.klein_9b(), 1024, 1024, 1)
-    log(f"ratio cached / uncached: {ratio:.3f} (medians), {statistics.median(paired):.3f} (median of the "
-        f"per-round ratios {', '.join(f'{r:.3f}' for r in paired)}), {flop['cached'] / flop['uncached']:.3f} by FLOP count; "
+    log(
+        f"ratio cached / uncached: {ratio:.3f} (medians), {statistics.median(paired):.3f} (median of the "
+        f"per-round ratios {', '.join(f'{r:.3f}' for r in paired)}), "
+        f"{flop['cached'] / flop['uncached']:.3f} by FLOP count; "
         f"full klein-9B at 1024^2 with one 1024^2 reference by FLOP count: {full['cached'] / full['uncached']:.3f} "
-        f"(extract step {full['extract'] / full['uncached']:.3f})")  # fmt: skip
+        f"(extract step {full['extract'] / full['uncached']:.3f})"
+    )
     return {
         "benchmark": "klein 9B-KV cached step vs klein-9B uncached step",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine_info(),
-        "config": {"hidden": params.hidden_size, "double_blocks": depth, "single_blocks": depth_single,
-                   "width": width, "height": height, "references": refs, "reference_tokens": refs * h * w,
-                   "image_tokens": h * w, "text_tokens": TEXT_TOKENS, "dtype": dtype, "warmup": warmup,
-                   "trials": trials, "cache_bytes": cache.nbytes},  # fmt: skip
+        "config": {
+            "hidden": params.hidden_size,
+            "double_blocks": depth,
+            "single_blocks": depth_single,
+            "width": width,
+            "height": height,
+            "references": refs,
+            "reference_tokens": refs * h * w,
+            "image_tokens": h * w,
+            "text_tokens": TEXT_TOKENS,
+            "dtype": dtype,
+            "warmup": warmup,
+            "trials": trials,
+            "cache_bytes": cache.nbytes,
+        },
         "steps": results,
         "tflop": flop,
         "tflop_klein_9b_1024_one_reference": full,

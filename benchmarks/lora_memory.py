@@ -20,18 +20,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
 import common  # noqa: E402,F401  (this checkout on sys.path, OpenBLAS preloaded)
-
 import mlx.core as mx  # noqa: E402
-
 from mlx.utils import tree_flatten  # noqa: E402
 
-from flux_klein_mlx.models.config import FluxKleinParams  # noqa: E402
-from flux_klein_mlx.lora.apply import apply_loras, load_loras  # noqa: E402
 from flux_klein_mlx.bench.random_model import randomize  # noqa: E402
-from flux_klein_mlx.models.transformer import FluxKlein  # noqa: E402
-from flux_klein_mlx.weights import load_into, read_weight_files  # noqa: E402
-from flux_klein_mlx.models.transformer import linear_shapes  # noqa: E402
-from flux_klein_mlx.weights import save_safetensors_streaming  # noqa: E402
+from flux_klein_mlx.lora.apply import apply_loras, load_loras  # noqa: E402
+from flux_klein_mlx.models.config import FluxKleinParams  # noqa: E402
+from flux_klein_mlx.models.transformer import (
+    FluxKlein,  # noqa: E402
+    linear_shapes,  # noqa: E402
+)
+from flux_klein_mlx.weights import (  # noqa: E402
+    load_into,
+    read_weight_files,
+    save_safetensors_streaming,  # noqa: E402
+)
 
 
 def main() -> None:
@@ -42,8 +45,12 @@ def main() -> None:
     shapes = {k: v for k, v in linear_shapes(params).items() if k.startswith(("double_blocks", "single_blocks"))}
     tensors = {}
     for layer, (out, inp) in shapes.items():
-        tensors[f"diffusion_model.{layer}.lora_A.weight"] = (mx.random.normal((args.rank, inp)) * 0.01).astype(mx.bfloat16)
-        tensors[f"diffusion_model.{layer}.lora_B.weight"] = (mx.random.normal((out, args.rank)) * 0.01).astype(mx.bfloat16)
+        tensors[f"diffusion_model.{layer}.lora_A.weight"] = (mx.random.normal((args.rank, inp)) * 0.01).astype(
+            mx.bfloat16
+        )
+        tensors[f"diffusion_model.{layer}.lora_B.weight"] = (mx.random.normal((out, args.rank)) * 0.01).astype(
+            mx.bfloat16
+        )
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rank16.safetensors"
         save_safetensors_streaming(path, tensors)
@@ -55,8 +62,10 @@ def main() -> None:
     touched = {t.layer for t in lora.terms}
     originals = sum(shapes[k][0] * shapes[k][1] * 2 for k in touched)
     print(f"klein-4B, rank {args.rank}, {len(touched)} layers (every double/single block Linear)")
-    print(f"file {file_bytes / 1e6:.1f} MB; LoRA tensors held {lora.nbytes / 1e6:.1f} MB "
-          f"(active memory measured +{held / 1e6:.1f} MB)")
+    print(
+        f"file {file_bytes / 1e6:.1f} MB; LoRA tensors held {lora.nbytes / 1e6:.1f} MB "
+        f"(active memory measured +{held / 1e6:.1f} MB)"
+    )
     print(f"bf16 fused: the touched layers' original weights, if kept in memory: {originals / 1e9:.2f} GB")
     fused_cost(args.rank)
 
@@ -70,12 +79,19 @@ def fused_cost(rank: int) -> None:
         randomize(model, mx.bfloat16, seed=0)
         save_safetensors_streaming(Path(tmp) / "t.safetensors", dict(tree_flatten(model.parameters())))
         lora_file = Path(tmp) / "lora.safetensors"
-        save_safetensors_streaming(lora_file, {
-            **{f"diffusion_model.{k}.lora_A.weight": (mx.random.normal((rank, i)) * 0.01).astype(mx.bfloat16)
-               for k, (o, i) in shapes.items()},
-            **{f"diffusion_model.{k}.lora_B.weight": (mx.random.normal((o, rank)) * 0.01).astype(mx.bfloat16)
-               for k, (o, i) in shapes.items()},
-        })  # fmt: skip
+        save_safetensors_streaming(
+            lora_file,
+            {
+                **{
+                    f"diffusion_model.{k}.lora_A.weight": (mx.random.normal((rank, i)) * 0.01).astype(mx.bfloat16)
+                    for k, (o, i) in shapes.items()
+                },
+                **{
+                    f"diffusion_model.{k}.lora_B.weight": (mx.random.normal((o, rank)) * 0.01).astype(mx.bfloat16)
+                    for k, (o, i) in shapes.items()
+                },
+            },
+        )
         (lora,) = load_loras([lora_file], params)
         for how in ("originals in memory", "originals as lazy arrays of the file"):
             del model
@@ -89,11 +105,14 @@ def fused_cost(rank: int) -> None:
             before = mx.get_active_memory()
             # As the pipeline does: the file opened anew, so these arrays are not the (evaluated) loaded ones.
             fresh = read_weight_files([Path(tmp) / "t.safetensors"]) if "lazy" in how else None
-            reread = (lambda path: fresh[f"{path}.weight"]) if fresh else None
+            reread = (lambda path, fresh=fresh: fresh[f"{path}.weight"]) if fresh else None
             apply_loras(model, [lora], reread=reread)
             mx.clear_cache()
-            print(f"fused rank-{rank} LoRA into {len(shapes)} bf16 layers ({sum(o * i * 2 for o, i in shapes.values()) / 1e9:.2f} GB), "
-                  f"{how}: +{(mx.get_active_memory() - before) / 1e6:.1f} MB (LoRA tensors {lora.nbytes / 1e6:.1f} MB)")
+            print(
+                f"fused rank-{rank} LoRA into {len(shapes)} bf16 layers "
+                f"({sum(o * i * 2 for o, i in shapes.values()) / 1e9:.2f} GB), "
+                f"{how}: +{(mx.get_active_memory() - before) / 1e6:.1f} MB (LoRA tensors {lora.nbytes / 1e6:.1f} MB)"
+            )
 
 
 if __name__ == "__main__":

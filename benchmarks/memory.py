@@ -54,12 +54,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
-from common import (  # noqa: E402  (puts this checkout on sys.path, preloads OpenBLAS)
-    GB, ROOT, SCHEDULER, diffusers_transformer_config, folder_bytes, max_rss_bytes, qwen3_hf_config,
-    qwen_tokenizer_dir, run_json_child,
-)  # fmt: skip
-
 import mlx.core as mx  # noqa: E402
+from common import (  # noqa: E402  (puts this checkout on sys.path, preloads OpenBLAS)
+    GB,
+    ROOT,
+    SCHEDULER,
+    diffusers_transformer_config,
+    folder_bytes,
+    max_rss_bytes,
+    qwen3_hf_config,
+    qwen_tokenizer_dir,
+    run_json_child,
+)
 
 from flux_klein_mlx.models.config import AutoEncoderConfig, FluxKleinParams, qwen3_4b  # noqa: E402
 
@@ -111,11 +117,15 @@ def make_full_snapshot(dst: Path) -> dict:
         text_encoder = Qwen3ForCausalLM(Qwen3Config(**qwen3_hf_config(qwen3_4b())))
         vae = AutoencoderKLFlux2()
     index = {
-        "_class_name": "Flux2KleinPipeline", "_diffusers_version": "0.37.0.dev0", "is_distilled": True,
+        "_class_name": "Flux2KleinPipeline",
+        "_diffusers_version": "0.37.0.dev0",
+        "is_distilled": True,
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "Qwen3ForCausalLM"], "tokenizer": ["transformers", "Qwen2TokenizerFast"],
-        "transformer": ["diffusers", "Flux2Transformer2DModel"], "vae": ["diffusers", "AutoencoderKLFlux2"],
-    }  # fmt: skip
+        "text_encoder": ["transformers", "Qwen3ForCausalLM"],
+        "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+        "transformer": ["diffusers", "Flux2Transformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLFlux2"],
+    }
     (dst / "model_index.json").write_text(json.dumps(index, indent=2))
     FlowMatchEulerDiscreteScheduler(**SCHEDULER).save_config(dst / "scheduler")
     transformer.save_config(dst / "transformer")
@@ -155,11 +165,18 @@ def child_convert(src: str, out: str, bits: int | None) -> dict:
     files = {f.name: f.stat().st_size for f in sorted(Path(out).iterdir()) if f.is_file()}
     per = {c: marks.get(c + ":end", 0) - marks.get(c, 0) for c in ("transformer", "text_encoder", "vae")}
     return {
-        "bits": bits, "seconds": wall, "component_seconds": per, "peak_memory": mx.get_peak_memory(),
-        "max_rss": max_rss_bytes(), "files": files, "total_bytes": folder_bytes(Path(out)),
-        "quantized_layers": {c: len(config[c]["quantization"]["layers"]) if config[c]["quantization"] else 0
-                             for c in ("transformer", "text_encoder", "vae")},
-    }  # fmt: skip
+        "bits": bits,
+        "seconds": wall,
+        "component_seconds": per,
+        "peak_memory": mx.get_peak_memory(),
+        "max_rss": max_rss_bytes(),
+        "files": files,
+        "total_bytes": folder_bytes(Path(out)),
+        "quantized_layers": {
+            c: len(config[c]["quantization"]["layers"]) if config[c]["quantization"] else 0
+            for c in ("transformer", "text_encoder", "vae")
+        },
+    }
 
 
 def child_resident(folder: str, name: str) -> dict:
@@ -174,10 +191,13 @@ def child_resident(folder: str, name: str) -> dict:
     mx.synchronize()
     params = tree_flatten(model.parameters())
     return {
-        "component": name, "load_seconds": seconds, "active_memory": mx.get_active_memory(),
-        "parameter_bytes": sum(v.nbytes for _, v in params), "peak_memory": mx.get_peak_memory(),
+        "component": name,
+        "load_seconds": seconds,
+        "active_memory": mx.get_active_memory(),
+        "parameter_bytes": sum(v.nbytes for _, v in params),
+        "peak_memory": mx.get_peak_memory(),
         "max_rss": max_rss_bytes(),
-    }  # fmt: skip
+    }
 
 
 # --- part 3: activations ------------------------------------------------------------------------------
@@ -219,13 +239,16 @@ def emulate_implicit_gemm_conv() -> None:
         st = (stride, stride) if isinstance(stride, int) else tuple(stride)
         pad = (padding, padding) if isinstance(padding, int) else tuple(padding)
         B, H, W, _ = x.shape
-        O, kh, kw_ = w.shape[0], w.shape[1], w.shape[2]
+        Co, kh, kw_ = w.shape[0], w.shape[1], w.shape[2]
         Ho, Wo = (H + 2 * pad[0] - kh) // st[0] + 1, (W + 2 * pad[1] - kw_) // st[1] + 1
         # A strided view covering the output grid (rows/cols clipped), then one allocation of the output.
         view = x[:, : Ho * st[0] : st[0], : Wo * st[1] : st[1], :1]
-        view = mx.pad(view, [(0, 0), (0, Ho - view.shape[1]), (0, Wo - view.shape[2]), (0, 0)]) if (
-            view.shape[1] != Ho or view.shape[2] != Wo) else view  # fmt: skip
-        return mx.broadcast_to(view, (B, Ho, Wo, 1)) * w.sum() + mx.zeros((O,), dtype=x.dtype)
+        view = (
+            mx.pad(view, [(0, 0), (0, Ho - view.shape[1]), (0, Wo - view.shape[2]), (0, 0)])
+            if (view.shape[1] != Ho or view.shape[2] != Wo)
+            else view
+        )
+        return mx.broadcast_to(view, (B, Ho, Wo, 1)) * w.sum() + mx.zeros((Co,), dtype=x.dtype)
 
     mx.conv2d = conv_stand_in
 
@@ -278,8 +301,16 @@ def _zero_params(model) -> None:
     mx.eval(model.parameters())
 
 
-def child_stage(stage: str, size: int, dtype: str = "bfloat16", bits: int | None = 4, tiled: bool = False,
-                stand_in_matmul: bool = True, depth: int | None = None, block_eval: bool | str = False) -> dict:  # fmt: skip
+def child_stage(
+    stage: str,
+    size: int,
+    dtype: str = "bfloat16",
+    bits: int | None = 4,
+    tiled: bool = False,
+    stand_in_matmul: bool = True,
+    depth: int | None = None,
+    block_eval: bool | str = False,
+) -> dict:
     """A whole pipeline stage at full size: weights resident (zeros of the real shapes, `bits`-quantized
     like a converted folder), then the stage's work as the pipeline runs it, peak memory over both.
 
@@ -352,9 +383,20 @@ def child_stage(stage: str, size: int, dtype: str = "bfloat16", bits: int | None
         tokens = mx.random.normal((1, h * w, 128)).astype(dt)
         mx.eval(tokens)
         res = _measure(lambda: model.decode_tokens(tokens, h, w, tiled=tiled))
-    return {"stage": stage, "size": size, "dtype": dtype, "bits": bits, "tiled": tiled, "stand_in_matmul": stand_in_matmul,
-            "depth": depth, "block_eval": block_eval, "resident": resident, "load_peak": load_peak, **res,
-            "stage_peak": max(load_peak, res["peak"], res.get("setup_peak", 0))}  # fmt: skip
+    return {
+        "stage": stage,
+        "size": size,
+        "dtype": dtype,
+        "bits": bits,
+        "tiled": tiled,
+        "stand_in_matmul": stand_in_matmul,
+        "depth": depth,
+        "block_eval": block_eval,
+        "resident": resident,
+        "load_peak": load_peak,
+        **res,
+        "stage_peak": max(load_peak, res["peak"], res.get("setup_peak", 0)),
+    }
 
 
 def _measure(run) -> dict:
@@ -366,8 +408,12 @@ def _measure(run) -> dict:
     out = run()
     mx.eval(out)
     seconds = time.perf_counter() - t0
-    return {"resident_before": before, "peak": mx.get_peak_memory(), "activation_peak": mx.get_peak_memory() - before,
-            "seconds": seconds}  # fmt: skip
+    return {
+        "resident_before": before,
+        "peak": mx.get_peak_memory(),
+        "activation_peak": mx.get_peak_memory() - before,
+        "seconds": seconds,
+    }
 
 
 def child_activation(
@@ -420,8 +466,16 @@ def child_activation(
         res = _measure(lambda: model.decode_tokens(tokens, h, w, tiled=tiled))
     else:
         raise ValueError(stage)
-    return {"stage": stage, "size": size, "dtype": dtype, "width": width, "depth": depth, "tiled": tiled,
-            "metal_conv": metal_conv, **res}  # fmt: skip
+    return {
+        "stage": stage,
+        "size": size,
+        "dtype": dtype,
+        "width": width,
+        "depth": depth,
+        "tiled": tiled,
+        "metal_conv": metal_conv,
+        **res,
+    }
 
 
 # --- driver -------------------------------------------------------------------------------------------
@@ -429,7 +483,9 @@ def child_activation(
 
 def run_child(task: str, **kwargs) -> dict:
     """Run one measurement in a fresh process (clean peaks and RSS); returns its JSON result."""
-    result = run_json_child([sys.executable, __file__, "--child", json.dumps({"task": task, **kwargs})], f"{task} {kwargs}")
+    result = run_json_child(
+        [sys.executable, __file__, "--child", json.dumps({"task": task, **kwargs})], f"{task} {kwargs}"
+    )
     print(f"  {task} {kwargs}: {json.dumps(result)[:400]}", flush=True)
     return result
 
@@ -442,9 +498,12 @@ def save_results(results: dict) -> None:
     import mlx.core
 
     results["machine"] = {
-        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(), "mlx": mlx.core.__version__, "python": platform.python_version(),
-    }  # fmt: skip
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "mlx": mlx.core.__version__,
+        "python": platform.python_version(),
+    }
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
 
 
@@ -456,8 +515,9 @@ def part_convert(work: Path, results: dict, keep: bool) -> None:
     print("converting to 4-bit ...", flush=True)
     results["convert_q4"] = run_child("convert", src=str(src), out=str(out_q4), bits=4)
     print("loading the 4-bit components ...", flush=True)
-    results["resident_q4"] = {n: run_child("resident", folder=str(out_q4), name=n)
-                              for n in ("transformer", "text_encoder", "vae")}  # fmt: skip
+    results["resident_q4"] = {
+        n: run_child("resident", folder=str(out_q4), name=n) for n in ("transformer", "text_encoder", "vae")
+    }
     shutil.rmtree(out_q4)  # keep the disk under ~30 GB: source 16 GB + bf16 output 14 GB
     save_results(results)
     print("converting to bf16 ...", flush=True)
@@ -476,7 +536,7 @@ def run_plan(results: dict, key: str, task: str, fields: tuple, plan: list, defa
     done = {tuple(r.get(f, defaults.get(f)) for f in fields) for r in rows}
     for job in plan:
         if job not in done:
-            rows.append(run_child(task, **dict(zip(fields, job))))
+            rows.append(run_child(task, **dict(zip(fields, job, strict=True))))
             save_results(results)
 
 
@@ -484,13 +544,18 @@ def part_activations(results: dict) -> None:
     fields = ("stage", "size", "dtype", "width", "depth", "tiled", "metal_conv")
     plan = [
         # Real float32 compute (only attention is a stand-in): is the peak independent of depth?
-        ("encode", 1024, "float32", "full", 3, False, False), ("encode", 1024, "float32", "full", 6, False, False),
-        ("denoise", 256, "float32", "full", 1, False, False), ("denoise", 256, "float32", "full", 2, False, False),
-        ("denoise", 256, "float32", "full", 4, False, False), ("denoise", 512, "float32", "full", 2, False, False),
+        ("encode", 1024, "float32", "full", 3, False, False),
+        ("encode", 1024, "float32", "full", 6, False, False),
+        ("denoise", 256, "float32", "full", 1, False, False),
+        ("denoise", 256, "float32", "full", 2, False, False),
+        ("denoise", 256, "float32", "full", 4, False, False),
+        ("denoise", 512, "float32", "full", 2, False, False),
         # The decoder with the CPU's own convs (full unfold), whole and banded: what a Linux/CPU run needs.
-        ("decode", 256, "float32", "full", 1, False, False), ("decode", 512, "float32", "full", 1, False, False),
-        ("decode", 256, "float32", "full", 1, True, False), ("decode", 512, "float32", "full", 1, True, False),
-    ]  # fmt: skip
+        ("decode", 256, "float32", "full", 1, False, False),
+        ("decode", 512, "float32", "full", 1, False, False),
+        ("decode", 256, "float32", "full", 1, True, False),
+        ("decode", 512, "float32", "full", 1, True, False),
+    ]
     run_plan(results, "activations", "activation", fields, plan, dict.fromkeys(fields, False))
 
 
@@ -498,17 +563,23 @@ def part_stages(results: dict) -> None:
     fields = ("stage", "size", "dtype", "bits", "tiled", "stand_in_matmul", "depth", "block_eval")
     plan = [
         ("encode", 1024, "bfloat16", 4, False, True, None, False),
-        ("denoise", 256, "bfloat16", 4, False, True, None, False), ("denoise", 512, "bfloat16", 4, False, True, None, False),
-        ("denoise", 1024, "bfloat16", 4, False, True, None, False), ("denoise", 1024, "bfloat16", None, False, True, None, False),
-        ("decode", 256, "bfloat16", None, False, True, None, False), ("decode", 512, "bfloat16", None, False, True, None, False),
-        ("decode", 1024, "bfloat16", None, False, True, None, False), ("decode", 1024, "bfloat16", None, True, True, None, False),
+        ("denoise", 256, "bfloat16", 4, False, True, None, False),
+        ("denoise", 512, "bfloat16", 4, False, True, None, False),
+        ("denoise", 1024, "bfloat16", 4, False, True, None, False),
+        ("denoise", 1024, "bfloat16", None, False, True, None, False),
+        ("decode", 256, "bfloat16", None, False, True, None, False),
+        ("decode", 512, "bfloat16", None, False, True, None, False),
+        ("decode", 1024, "bfloat16", None, False, True, None, False),
+        ("decode", 1024, "bfloat16", None, True, True, None, False),
         # checks of the matmul stand-in against real float32 compute (unquantized, reduced depth)
-        ("encode", 1024, "float32", None, False, True, 3, False), ("encode", 1024, "float32", None, False, False, 3, False),
-        ("denoise", 512, "float32", None, False, True, 2, False), ("denoise", 512, "float32", None, False, False, 2, False),
+        ("encode", 1024, "float32", None, False, True, 3, False),
+        ("encode", 1024, "float32", None, False, False, 3, False),
+        ("denoise", 512, "float32", None, False, True, 2, False),
+        ("denoise", 512, "float32", None, False, False, 2, False),
         # the transformer's own low-memory forward: one block's intermediates at a time, single blocks in halves
         ("denoise", 512, "bfloat16", 4, False, True, None, "low_memory"),
         ("denoise", 1024, "bfloat16", 4, False, True, None, "low_memory"),
-    ]  # fmt: skip
+    ]
     run_plan(results, "stages", "stage", fields, plan, {"block_eval": False})
 
 
@@ -523,19 +594,31 @@ def _act(results: dict, **want) -> float | None:
 def report(results: dict) -> str:
     """Markdown tables of the measurements (pasted into benchmarks/MEMORY.md)."""
     g = lambda b: "–" if b is None else f"{b / GB:.2f} GB"  # noqa: E731
-    lines = ["| conversion (16.0 GB bf16 snapshot) | wall | peak MLX memory | max RSS | transformer | text encoder | VAE | folder |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| conversion (16.0 GB bf16 snapshot) | wall | peak MLX memory | max RSS "
+        "| transformer | text encoder | VAE | folder |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for key, label in (("convert_bf16", "bf16"), ("convert_q4", "4-bit g64")):
         c = results.get(key)
         if not c:
             continue
-        size = lambda prefix: sum(v for k, v in c["files"].items() if k.startswith(prefix) and k.endswith(".safetensors"))  # noqa: E731
-        lines.append(f"| {label} | {c['seconds']:.0f} s | {g(c['peak_memory'])} | {g(c['max_rss'])} | {g(size('transformer'))} | "
-                     f"{g(size('text_encoder'))} | {g(size('vae'))} | {g(c['total_bytes'])} |")  # fmt: skip
+
+        def size(prefix: str, files: dict = c["files"]) -> int:
+            return sum(v for k, v in files.items() if k.startswith(prefix) and k.endswith(".safetensors"))
+
+        lines.append(
+            f"| {label} | {c['seconds']:.0f} s | {g(c['peak_memory'])} | {g(c['max_rss'])} | "
+            f"{g(size('transformer'))} | {g(size('text_encoder'))} | {g(size('vae'))} | {g(c['total_bytes'])} |"
+        )
     lines += ["", "| loaded component | resident (mx.get_active_memory) | load peak | max RSS |", "|---|---|---|---|"]
     for key, label in (("resident_q4", "4-bit"), ("resident_bf16", "bf16")):
         for name, r in results.get(key, {}).items():
-            lines.append(f"| {name} ({label if name != 'vae' else 'bf16'}) | {g(r['active_memory'])} | {g(r['peak_memory'])} | {g(r['max_rss'])} |")
+            lines.append(
+                f"| {name} ({label if name != 'vae' else 'bf16'}) | {g(r['active_memory'])} | "
+                f"{g(r['peak_memory'])} | {g(r['max_rss'])} |"
+            )
+
     def stage(**want):
         want.setdefault("block_eval", False)
         for r in results.get("stages", []):
@@ -543,14 +626,22 @@ def report(results: dict) -> str:
                 return r
         return None
 
-    lines += ["", "| stage (bf16 activations, Metal-like kernels) | weights resident | 256² | 512² | 1024² |",
-              "|---|---|---|---|---|"]  # fmt: skip
-    rows = [("1. encode: Qwen3-4B 27 layers 4-bit, 512 tokens", dict(stage="encode", bits=4, dtype="bfloat16")),
-            ("2. denoise: transformer 4-bit, one step", dict(stage="denoise", bits=4, dtype="bfloat16", depth=None)),
-            ("2. denoise: transformer bf16, one step", dict(stage="denoise", bits=None, dtype="bfloat16", depth=None)),
-            ("2. denoise: transformer 4-bit, `low_memory=True`", dict(stage="denoise", bits=4, dtype="bfloat16", depth=None, block_eval="low_memory")),
-            ("3. decode: VAE bf16, whole image", dict(stage="decode", tiled=False, dtype="bfloat16")),
-            ("3. decode: VAE bf16, banded (`tiled=True`)", dict(stage="decode", tiled=True, dtype="bfloat16"))]  # fmt: skip
+    lines += [
+        "",
+        "| stage (bf16 activations, Metal-like kernels) | weights resident | 256² | 512² | 1024² |",
+        "|---|---|---|---|---|",
+    ]
+    rows = [
+        ("1. encode: Qwen3-4B 27 layers 4-bit, 512 tokens", dict(stage="encode", bits=4, dtype="bfloat16")),
+        ("2. denoise: transformer 4-bit, one step", dict(stage="denoise", bits=4, dtype="bfloat16", depth=None)),
+        ("2. denoise: transformer bf16, one step", dict(stage="denoise", bits=None, dtype="bfloat16", depth=None)),
+        (
+            "2. denoise: transformer 4-bit, `low_memory=True`",
+            dict(stage="denoise", bits=4, dtype="bfloat16", depth=None, block_eval="low_memory"),
+        ),
+        ("3. decode: VAE bf16, whole image", dict(stage="decode", tiled=False, dtype="bfloat16")),
+        ("3. decode: VAE bf16, banded (`tiled=True`)", dict(stage="decode", tiled=True, dtype="bfloat16")),
+    ]
     for label, want in rows:
         cells, resident = [], None
         for size in (256, 512, 1024):
@@ -561,26 +652,38 @@ def report(results: dict) -> str:
             cells = [cells[-1], "same", "same"]
         lines.append(f"| {label} | {g(resident)} | {' | '.join(cells)} |")
     lines += ["", "| check: float32, reduced depth | stand-in matmuls | real matmuls |", "|---|---|---|"]
-    for label, want in (("encode, 3 layers, 512 tokens", dict(stage="encode", depth=3, dtype="float32")),
-                        ("denoise 512², 2 + 2 blocks", dict(stage="denoise", depth=2, dtype="float32"))):  # fmt: skip
+    for label, want in (
+        ("encode, 3 layers, 512 tokens", dict(stage="encode", depth=3, dtype="float32")),
+        ("denoise 512², 2 + 2 blocks", dict(stage="denoise", depth=2, dtype="float32")),
+    ):
         a_, b_ = stage(stand_in_matmul=True, **want), stage(stand_in_matmul=False, **want)
         if a_ and b_:
             lines.append(f"| {label} | +{a_['activation_peak'] / GB:.3f} GB | +{b_['activation_peak'] / GB:.3f} GB |")
 
     lines += ["", "| float32, real compute (attention stand-in only) | 256² | 512² |", "|---|---|---|"]
-    rows = [("encode, 3 layers (6 layers)", dict(stage="encode", width="full")),
-            ("denoise, 1+1 / 2+2 / 4+4 blocks", dict(stage="denoise", width="full")),
-            ("decode, CPU convs, whole image", dict(stage="decode", width="full", metal_conv=False, tiled=False)),
-            ("decode, CPU convs, banded", dict(stage="decode", width="full", metal_conv=False, tiled=True))]  # fmt: skip
+    rows = [
+        ("encode, 3 layers (6 layers)", dict(stage="encode", width="full")),
+        ("denoise, 1+1 / 2+2 / 4+4 blocks", dict(stage="denoise", width="full")),
+        ("decode, CPU convs, whole image", dict(stage="decode", width="full", metal_conv=False, tiled=False)),
+        ("decode, CPU convs, banded", dict(stage="decode", width="full", metal_conv=False, tiled=True)),
+    ]
     for label, want in rows:
         if want["stage"] == "encode":
-            a3, a6 = _act(results, size=1024, dtype="float32", depth=3, **want), _act(results, size=1024, dtype="float32", depth=6, **want)
+            a3, a6 = (
+                _act(results, size=1024, dtype="float32", depth=3, **want),
+                _act(results, size=1024, dtype="float32", depth=6, **want),
+            )
             lines.append(f"| {label} | {g(a3)} ({g(a6)}) | |")
         elif want["stage"] == "denoise":
             d = [g(_act(results, size=256, dtype="float32", depth=k, **want)) for k in (1, 2, 4)]
-            lines.append(f"| {label} | {' / '.join(d)} | {g(_act(results, size=512, dtype='float32', depth=2, **want))} (2+2) |")
+            lines.append(
+                f"| {label} | {' / '.join(d)} | {g(_act(results, size=512, dtype='float32', depth=2, **want))} (2+2) |"
+            )
         else:
-            lines.append(f"| {label} | {g(_act(results, size=256, dtype='float32', **want))} | {g(_act(results, size=512, dtype='float32', **want))} |")
+            lines.append(
+                f"| {label} | {g(_act(results, size=256, dtype='float32', **want))} | "
+                f"{g(_act(results, size=512, dtype='float32', **want))} |"
+            )
     return "\n".join(lines)
 
 
@@ -594,8 +697,13 @@ def main() -> None:
     if args.child:
         job = json.loads(args.child)
         task = job.pop("task")
-        fn = {"snapshot": lambda dst: make_full_snapshot(Path(dst)), "convert": child_convert,
-              "resident": child_resident, "activation": child_activation, "stage": child_stage}[task]  # fmt: skip
+        fn = {
+            "snapshot": lambda dst: make_full_snapshot(Path(dst)),
+            "convert": child_convert,
+            "resident": child_resident,
+            "activation": child_activation,
+            "stage": child_stage,
+        }[task]
         print(json.dumps(fn(**job)))
         return
     results = load_results()

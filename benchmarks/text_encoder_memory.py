@@ -5,8 +5,8 @@ Writes a random Qwen3-4B checkpoint in the Hugging Face layout of FLUX.2-klein-4
 `model.safetensors.index.json`, ~8 GB; streamed tensor by tensor, so the writer needs well under
 1 GB), then measures in fresh processes:
 
-1. bf16 (the Mac path): `load_component(describe(root), "text_encoder")` + `mx.eval(model.parameters())`. The peak is the
-   bytes of what was read. bf16 matmuls run at ~5 GFLOPS on Linux CPUs, so no encode here by
+1. bf16 (the Mac path): `load_component(describe(root), "text_encoder")` + `mx.eval(model.parameters())`.
+   The peak is the bytes of what was read. bf16 matmuls run at ~5 GFLOPS on Linux CPUs, so no encode here by
    default (`--encode-bf16` runs one: ~2.8 TFLOP, about 10 minutes).
 2. float32 (fast on a Linux CPU): the same load cast to float32, then one prompt through
    `encode_prompts` (512 tokens, 27 layers, ~2.8 TFLOP).
@@ -31,9 +31,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
-from common import GB, max_rss_bytes, qwen3_hf_config, qwen_tokenizer_dir, run_json_child  # noqa: E402
-
 import mlx.core as mx  # noqa: E402
+from common import GB, max_rss_bytes, qwen3_hf_config, qwen_tokenizer_dir, run_json_child  # noqa: E402
 
 from flux_klein_mlx.models.config import FluxKleinParams, qwen3_4b  # noqa: E402
 from flux_klein_mlx.models.text_encoder import OUT_LAYERS  # noqa: E402
@@ -61,10 +60,14 @@ def lazy_checkpoint(seed: int = 0) -> dict[str, mx.array]:
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes = {
-            "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d), "self_attn.v_proj.weight": (kv, d),
-            "self_attn.o_proj.weight": (d, q), "mlp.gate_proj.weight": (m, d), "mlp.up_proj.weight": (m, d),
+            "self_attn.q_proj.weight": (q, d),
+            "self_attn.k_proj.weight": (kv, d),
+            "self_attn.v_proj.weight": (kv, d),
+            "self_attn.o_proj.weight": (d, q),
+            "mlp.gate_proj.weight": (m, d),
+            "mlp.up_proj.weight": (m, d),
             "mlp.down_proj.weight": (d, m),
-        }  # fmt: skip
+        }
         for j, (name, shape) in enumerate(shapes.items()):
             w[p + name] = rand(shape, 16 * i + j)
         for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
@@ -165,15 +168,21 @@ def wait_for_memory(need: float, timeout_s: float = 300) -> bool:
 
 
 def report(r: dict) -> None:
-    print(f"\n[{r['dtype']}] layers built: {r['layers_built']}, parameter bytes {r['param_bytes'] / GB:.2f} GB, "
-          f"load {r['load_s']:.1f} s")  # fmt: skip
+    print(
+        f"\n[{r['dtype']}] layers built: {r['layers_built']}, parameter bytes {r['param_bytes'] / GB:.2f} GB, "
+        f"load {r['load_s']:.1f} s"
+    )
     print(f"  max RSS after imports            {r['rss_before_load'] / GB:6.2f} GB")
-    print(f"  mx peak after load (params eval) {r['peak_after_load'] / GB:6.3f} GB   "
-          f"max RSS {r['rss_after_load'] / GB:6.2f} GB")  # fmt: skip
+    print(
+        f"  mx peak after load (params eval) {r['peak_after_load'] / GB:6.3f} GB   "
+        f"max RSS {r['rss_after_load'] / GB:6.2f} GB"
+    )
     if "encode_s" in r:
-        print(f"  mx peak after one encode         {r['peak_after_encode'] / GB:6.3f} GB   max RSS "
-              f"{r['rss_after_encode'] / GB:6.2f} GB   encode {r['encode_s']:.1f} s, shape {r['shape']}, "
-              f"finite {r['finite']}")  # fmt: skip
+        print(
+            f"  mx peak after one encode         {r['peak_after_encode'] / GB:6.3f} GB   max RSS "
+            f"{r['rss_after_encode'] / GB:6.2f} GB   encode {r['encode_s']:.1f} s, shape {r['shape']}, "
+            f"finite {r['finite']}"
+        )
 
 
 def main() -> None:
@@ -191,8 +200,10 @@ def main() -> None:
         print(json.dumps(measure(args.measure, args.dtype, args.encode)))
         return
 
-    print(f"machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs; mlx {mx.__version__}, "
-          f"device {mx.default_device()}")  # fmt: skip
+    print(
+        f"machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs; mlx {mx.__version__}, "
+        f"device {mx.default_device()}"
+    )
     try:
         if not (args.dir / "text_encoder" / "model.safetensors.index.json").is_file():
             print(f"writing a random Qwen3-4B checkpoint to {args.dir} ...", flush=True)
@@ -200,9 +211,11 @@ def main() -> None:
             files = write_checkpoint(args.dir)
             print(f"  wrote {', '.join(files)} in {time.perf_counter() - t:.0f} s", flush=True)
         sizes = checkpoint_sizes(lazy_checkpoint())  # shapes only: nothing is evaluated
-        print(f"checkpoint bytes: all 36 layers + embedding + norm {sizes['all'] / GB:.3f} GB; "
-              f"embedding + layers 1-27 {sizes['used'] / GB:.3f} GB (embedding {sizes['embed'] / GB:.3f} GB); "
-              f"never read: {(sizes['all'] - sizes['used']) / GB:.3f} GB")  # fmt: skip
+        print(
+            f"checkpoint bytes: all 36 layers + embedding + norm {sizes['all'] / GB:.3f} GB; "
+            f"embedding + layers 1-27 {sizes['used'] / GB:.3f} GB (embedding {sizes['embed'] / GB:.3f} GB); "
+            f"never read: {(sizes['all'] - sizes['used']) / GB:.3f} GB"
+        )
         results = [run_child(args.dir, "bfloat16", args.encode_bf16)]
         need = 2 * sizes["used"] * 1.15  # float32 weights plus the transient bf16 tensor and activations
         if args.no_float32:
@@ -214,8 +227,10 @@ def main() -> None:
         for r in results:
             report(r)
         if len(results) > 1:
-            print(f"\nfloat32 expectation: 2 x {sizes['used'] / GB:.2f} = {2 * sizes['used'] / GB:.2f} GB of weights "
-                  f"(the whole checkpoint would be {2 * sizes['all'] / GB:.2f} GB)")  # fmt: skip
+            print(
+                f"\nfloat32 expectation: 2 x {sizes['used'] / GB:.2f} = {2 * sizes['used'] / GB:.2f} GB of weights "
+                f"(the whole checkpoint would be {2 * sizes['all'] / GB:.2f} GB)"
+            )
     finally:
         if not args.keep and args.dir.exists():
             shutil.rmtree(args.dir)

@@ -45,14 +45,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, memory.py
-from common import GB, ROOT, run_json_child  # noqa: E402  (puts this checkout on sys.path, preloads OpenBLAS)
-
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
+from common import GB, ROOT, run_json_child  # noqa: E402  (puts this checkout on sys.path, preloads OpenBLAS)
 
-from flux_klein_mlx.models.config import FluxKleinParams  # noqa: E402
 from flux_klein_mlx.bench.flops import APPLE_CHIPS, flops_of_transformer, lora_training_flops  # noqa: E402
+from flux_klein_mlx.models.config import FluxKleinParams  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "train_step.json"
 RANK = 16
@@ -89,12 +88,12 @@ class Setup:
     def __init__(self, params, size: int, dtype, bits: int | None, random_weights: bool, adapter: str = "lora"):
         from mlx.utils import tree_map
 
-        from flux_klein_mlx.train.adapters import attach_lokr, attach_lora, parse_targets
-        from flux_klein_mlx.models.quantize import quantize_model
         from flux_klein_mlx.bench.random_model import randomize
+        from flux_klein_mlx.models.quantize import quantize_model
+        from flux_klein_mlx.models.transformer import FluxKlein
+        from flux_klein_mlx.train.adapters import attach_lokr, attach_lora, parse_targets
         from flux_klein_mlx.train.objective import make_optimizer
         from flux_klein_mlx.train.settings import TrainSettings
-        from flux_klein_mlx.models.transformer import FluxKlein
 
         model = FluxKlein(params)
         if random_weights:
@@ -152,23 +151,39 @@ def _timed(fn, warmup: int, trials: int) -> list[float]:
     return times
 
 
-def child_speed(size: int, depth: int, depth_single: int, warmup: int, trials: int, dtype: str = "float32",
-                bits: int | None = None, adapter: str = "lora") -> dict:
+def child_speed(
+    size: int,
+    depth: int,
+    depth_single: int,
+    warmup: int,
+    trials: int,
+    dtype: str = "float32",
+    bits: int | None = None,
+    adapter: str = "lora",
+) -> dict:
     """Real compute (random weights): forward, step, step with checkpointing (interleaved trials)."""
     params = params_for(depth, depth_single)
     s = Setup(params, size, getattr(mx, dtype), bits, random_weights=True, adapter=adapter)
     runs = {"forward": s.forward, "step": lambda: s.step(False), "step_checkpoint": lambda: s.step(True)}
     times = {k: [] for k in runs}
-    for k, fn in runs.items():  # warm-up (and the optimizer's state allocated) before any timed trial
+    for fn in runs.values():  # warm-up (and the optimizer's state allocated) before any timed trial
         _timed(fn, warmup, 0)
     for _ in range(trials):
         for k, fn in runs.items():
             times[k] += _timed(fn, 0, 1)
     fwd, step = step_flops(params, size, False)
     _, step_ckpt = step_flops(params, size, True)
-    return {"size": size, "depth": depth, "depth_single": depth_single, "dtype": dtype, "bits": bits, "times": times,
-            "flops": {"forward": fwd, "step": step, "step_checkpoint": step_ckpt},
-            "trainable": s.lora.num_parameters, "adapter": adapter}  # fmt: skip
+    return {
+        "size": size,
+        "depth": depth,
+        "depth_single": depth_single,
+        "dtype": dtype,
+        "bits": bits,
+        "times": times,
+        "flops": {"forward": fwd, "step": step, "step_checkpoint": step_ckpt},
+        "trainable": s.lora.num_parameters,
+        "adapter": adapter,
+    }
 
 
 def emulate_unfused_training_attention() -> None:
@@ -207,8 +222,9 @@ def emulate_unfused_training_attention() -> None:
     mx.fast.scaled_dot_product_attention = unfused
 
 
-def child_memory_multires(sizes: list[int], dtype: str, bits: int | None, checkpoint: bool, depth: int,
-                          depth_single: int) -> dict:  # fmt: skip
+def child_memory_multires(
+    sizes: list[int], dtype: str, bits: int | None, checkpoint: bool, depth: int, depth_single: int
+) -> dict:
     """A run with several resolutions (`--resolution 256,512`): one model, a step at each size in turn
     (a batch never mixes sizes), the peak of each step and of them all, with the stand-ins of `child_memory`."""
     from memory import emulate_fused_norms, emulate_matmul_kernels
@@ -228,12 +244,22 @@ def child_memory_multires(sizes: list[int], dtype: str, bits: int | None, checkp
         mx.reset_peak_memory()
         mx.eval(s.step(checkpoint))
         peaks.append(mx.get_peak_memory())
-    return {"sizes": sizes, "dtype": dtype, "bits": bits, "checkpoint": checkpoint, "depth": depth,
-            "depth_single": depth_single, "resident": resident, "peaks": peaks, "peak": max(peaks)}  # fmt: skip
+    return {
+        "sizes": sizes,
+        "dtype": dtype,
+        "bits": bits,
+        "checkpoint": checkpoint,
+        "depth": depth,
+        "depth_single": depth_single,
+        "resident": resident,
+        "peaks": peaks,
+        "peak": max(peaks),
+    }
 
 
-def child_memory(size: int, dtype: str, bits: int | None, checkpoint: bool, depth: int, depth_single: int,
-                 adapter: str = "lora") -> dict:
+def child_memory(
+    size: int, dtype: str, bits: int | None, checkpoint: bool, depth: int, depth_single: int, adapter: str = "lora"
+) -> dict:
     """Peak memory of a training step with Metal-like stand-ins (the AdamW moments allocated first, as after step 1)."""
     from memory import emulate_fused_norms, emulate_matmul_kernels
 
@@ -250,9 +276,19 @@ def child_memory(size: int, dtype: str, bits: int | None, checkpoint: bool, dept
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     mx.eval(s.step(checkpoint))
-    return {"size": size, "dtype": dtype, "bits": bits, "checkpoint": checkpoint, "depth": depth,
-            "depth_single": depth_single, "resident": resident, "peak": mx.get_peak_memory(),
-            "trainable": s.lora.num_parameters, "seconds": time.perf_counter() - t0, "adapter": adapter}  # fmt: skip
+    return {
+        "size": size,
+        "dtype": dtype,
+        "bits": bits,
+        "checkpoint": checkpoint,
+        "depth": depth,
+        "depth_single": depth_single,
+        "resident": resident,
+        "peak": mx.get_peak_memory(),
+        "trainable": s.lora.num_parameters,
+        "seconds": time.perf_counter() - t0,
+        "adapter": adapter,
+    }
 
 
 # --- driver -------------------------------------------------------------------------------------------
@@ -260,7 +296,9 @@ def child_memory(size: int, dtype: str, bits: int | None, checkpoint: bool, dept
 
 def run_child(task: str, **kwargs) -> dict:
     t0 = time.perf_counter()
-    result = run_json_child([sys.executable, __file__, "--child", json.dumps({"task": task, **kwargs})], f"{task} {kwargs}")
+    result = run_json_child(
+        [sys.executable, __file__, "--child", json.dumps({"task": task, **kwargs})], f"{task} {kwargs}"
+    )
     result["wall"] = time.perf_counter() - t0
     print(f"  {task} {kwargs}: {json.dumps(result)[:300]}", flush=True)
     return result
@@ -272,16 +310,25 @@ def load_results() -> dict:
 
 def save_results(results: dict) -> None:
     results["machine"] = {
-        "platform": platform.platform(), "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-        "mlx": mx.__version__, "python": platform.python_version(),
-    }  # fmt: skip
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "mlx": mx.__version__,
+        "python": platform.python_version(),
+    }
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
 
 
 # (size, dtype, bits, checkpointing). Without checkpointing at 1024² every block keeps its (24, L, L)
 # probabilities (L = 4608: 1.02 GB each in bf16), > 25 GB for 25 blocks: not measured, bounded in the report.
-MEMORY_CONFIGS = [(512, "bfloat16", None, False), (512, "bfloat16", None, True), (512, "bfloat16", 4, False),
-                  (512, "bfloat16", 4, True), (1024, "bfloat16", None, True), (1024, "bfloat16", 4, True)]  # fmt: skip
+MEMORY_CONFIGS = [
+    (512, "bfloat16", None, False),
+    (512, "bfloat16", None, True),
+    (512, "bfloat16", 4, False),
+    (512, "bfloat16", 4, True),
+    (1024, "bfloat16", None, True),
+    (1024, "bfloat16", 4, True),
+]
 DEPTHS = [(1, 1), (2, 1), (1, 2)]
 FULL_DEPTH = [(512, "bfloat16", 4, True), (512, "bfloat16", None, True)]  # measured whole, as a check of the fit
 
@@ -296,7 +343,9 @@ def part_memory(results: dict, full: bool) -> None:
     for job in plan:
         if job not in done:
             size, dtype, bits, ckpt, d, s = job
-            rows.append(run_child("memory", size=size, dtype=dtype, bits=bits, checkpoint=ckpt, depth=d, depth_single=s))
+            rows.append(
+                run_child("memory", size=size, dtype=dtype, bits=bits, checkpoint=ckpt, depth=d, depth_single=s)
+            )
             save_results(results)
 
 
@@ -308,10 +357,15 @@ def part_multires(results: dict) -> None:
     rows = results.setdefault("memory_multires", [])
     sizes, dtype, bits, ckpt = MULTIRES
     for d, s in DEPTHS:
-        if not any((r["sizes"], r["bits"], r["checkpoint"], r["depth"], r["depth_single"]) == (sizes, bits, ckpt, d, s)
-                   for r in rows):  # fmt: skip
-            rows.append(run_child("memory_multires", sizes=sizes, dtype=dtype, bits=bits, checkpoint=ckpt, depth=d,
-                                  depth_single=s))  # fmt: skip
+        if not any(
+            (r["sizes"], r["bits"], r["checkpoint"], r["depth"], r["depth_single"]) == (sizes, bits, ckpt, d, s)
+            for r in rows
+        ):
+            rows.append(
+                run_child(
+                    "memory_multires", sizes=sizes, dtype=dtype, bits=bits, checkpoint=ckpt, depth=d, depth_single=s
+                )
+            )
             save_results(results)
 
 
@@ -330,10 +384,23 @@ def part_lokr(results: dict) -> None:
     rows = results.setdefault("memory", [])
     size, dtype, bits, ckpt = LOKR_MEMORY
     for d, s in DEPTHS:
-        if not any((r["size"], r["bits"], r["checkpoint"], r["depth"], r["depth_single"], r.get("adapter")) ==
-                   (size, bits, ckpt, d, s, "lokr") for r in rows):  # fmt: skip
-            rows.append(run_child("memory", size=size, dtype=dtype, bits=bits, checkpoint=ckpt, depth=d,
-                                  depth_single=s, adapter="lokr"))  # fmt: skip
+        if not any(
+            (r["size"], r["bits"], r["checkpoint"], r["depth"], r["depth_single"], r.get("adapter"))
+            == (size, bits, ckpt, d, s, "lokr")
+            for r in rows
+        ):
+            rows.append(
+                run_child(
+                    "memory",
+                    size=size,
+                    dtype=dtype,
+                    bits=bits,
+                    checkpoint=ckpt,
+                    depth=d,
+                    depth_single=s,
+                    adapter="lokr",
+                )
+            )
     save_results(results)
 
 
@@ -346,12 +413,18 @@ def lokr_report(results: dict) -> list[str]:
         return []
     step = {a: statistics.median(r["times"]["step"]) for a, r in pair.items()}
     size, dtype, bits, ckpt = LOKR_MEMORY
-    lines = ["", f"| adapter (rank 16, every block Linear, klein-4B) | trainable parameters (5 + 20 blocks) | step, {LOKR_SPEED[1]} + "
-             f"{LOKR_SPEED[2]} blocks, {LOKR_SPEED[0]}², float32 (this machine) | peak, {size}², 4-bit, --low-memory, "
-             "fitted to 5 + 20 |", "|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "",
+        "| adapter (rank 16, every block Linear, klein-4B) | trainable parameters (5 + 20 blocks) | "
+        f"step, {LOKR_SPEED[1]} + {LOKR_SPEED[2]} blocks, {LOKR_SPEED[0]}², float32 (this machine) | "
+        f"peak, {size}², 4-bit, --low-memory, fitted to 5 + 20 |",
+        "|---|---|---|---|",
+    ]
     for adapter, peak in (("lora", lora), ("lokr", lokr)):
-        lines.append(f"| {adapter} | {trainable(adapter) / 1e6:.2f} M | {step[adapter]:.2f} s | "
-                     f"{'–' if peak is None else f'{peak[0] / GB:.2f} GB'} |")
+        lines.append(
+            f"| {adapter} | {trainable(adapter) / 1e6:.2f} M | {step[adapter]:.2f} s | "
+            f"{'–' if peak is None else f'{peak[0] / GB:.2f} GB'} |"
+        )
     return lines
 
 
@@ -379,10 +452,16 @@ def multires_report(results: dict) -> list[str]:
     return [f"| --resolution {label} (steps at each size, up and down) | | {full / GB:.2f} GB | {same} | – |"]
 
 
-def fitted_peak(results: dict, size, dtype, bits, ckpt, depth=5, depth_single=20, adapter="lora") -> tuple[float, float] | None:
+def fitted_peak(
+    results: dict, size, dtype, bits, ckpt, depth=5, depth_single=20, adapter="lora"
+) -> tuple[float, float] | None:
     """(peak, resident) at `depth` + `depth_single` blocks from the exact fit over DEPTHS (None if missing)."""
-    pts = {(r["depth"], r["depth_single"]): r for r in results.get("memory", [])
-           if (r["size"], r["dtype"], r["bits"], r["checkpoint"], r.get("adapter", "lora")) == (size, dtype, bits, ckpt, adapter)}  # fmt: skip
+    pts = {
+        (r["depth"], r["depth_single"]): r
+        for r in results.get("memory", [])
+        if (r["size"], r["dtype"], r["bits"], r["checkpoint"], r.get("adapter", "lora"))
+        == (size, dtype, bits, ckpt, adapter)
+    }
     if not all(d in pts for d in DEPTHS):
         return None
     out = []
@@ -395,9 +474,11 @@ def fitted_peak(results: dict, size, dtype, bits, ckpt, depth=5, depth_single=20
 
 def report(results: dict) -> str:
     g = lambda b: "–" if b is None else f"{b / GB:.2f} GB"  # noqa: E731
-    lines = ["| size | blocks measured | forward | step | step, checkpointing | step / forward | checkpointing / forward "
-             "| step GFLOPS | full 5 + 20 blocks: step (checkpointing), scaled | TFLOP per step (checkpointing) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| size | blocks measured | forward | step | step, checkpointing | step / forward | checkpointing / forward "
+        "| step GFLOPS | full 5 + 20 blocks: step (checkpointing), scaled | TFLOP per step (checkpointing) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results.get("speed", []):
         if r.get("adapter", "lora") != "lora":  # LoKr's: lokr_report
             continue
@@ -405,40 +486,78 @@ def report(results: dict) -> str:
         f = r["flops"]
         full_fwd, full_step = step_flops(params_for(5, 20), r["size"], False)
         _, full_ckpt = step_flops(params_for(5, 20), r["size"], True)
-        scale = lambda key, full_flops: med[key] * full_flops / f[key]  # noqa: E731
-        spread = lambda key: f"{med[key]:.1f} s ({min(r['times'][key]):.1f}–{max(r['times'][key]):.1f})"  # noqa: E731
+
+        def scale(key, full_flops, med=med, f=f):
+            return med[key] * full_flops / f[key]
+
+        def spread(key, med=med, r=r):
+            return f"{med[key]:.1f} s ({min(r['times'][key]):.1f}–{max(r['times'][key]):.1f})"
+
         kind = r.get("dtype", "float32") + (f", {r['bits']}-bit" if r.get("bits") else "")
         lines.append(
             f"| {r['size']}², {kind} | {r['depth']} + {r['depth_single']} | {spread('forward')} | {spread('step')} | "
-            f"{spread('step_checkpoint')} | {med['step'] / med['forward']:.2f} (FLOPs {f['step'] / f['forward']:.2f}) | "
+            f"{spread('step_checkpoint')} | "
+            f"{med['step'] / med['forward']:.2f} (FLOPs {f['step'] / f['forward']:.2f}) | "
             f"{med['step_checkpoint'] / med['forward']:.2f} (FLOPs {f['step_checkpoint'] / f['forward']:.2f}) | "
-            f"{f['step'] / med['step'] / 1e9:.0f} | {scale('step', full_step):.0f} s ({scale('step_checkpoint', full_ckpt):.0f} s) | "
+            f"{f['step'] / med['step'] / 1e9:.0f} | "
+            f"{scale('step', full_step):.0f} s ({scale('step_checkpoint', full_ckpt):.0f} s) | "
             f"{full_step / 1e12:.1f} ({full_ckpt / 1e12:.1f}) |"
         )
-    lines += ["", "| klein-4B step, rank 16 on all block Linears, at 100 % of the GPU's peak | TFLOP | M1 | M2 Pro | M3 Max "
-              "| M4 Max |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "| klein-4B step, rank 16 on all block Linears, at 100 % of the GPU's peak | TFLOP | M1 | M2 Pro | M3 Max "
+        "| M4 Max |",
+        "|---|---|---|---|---|---|",
+    ]
     peaks = {name: tflops for name, _, tflops, _ in APPLE_CHIPS}
     for size in (512, 1024):
         for ckpt in (False, True):
             flops = step_flops(params_for(5, 20), size, ckpt)[1]
             cells = " | ".join(f"{flops / (peaks[c] * 1e12):.2f} s" for c in ("M1", "M2 Pro", "M3 Max", "M4 Max"))
             lines.append(f"| {size}²{', checkpointing' if ckpt else ''} | {flops / 1e12:.1f} | {cells} |")
-    lines += ["", "| klein-4B Base, rank 16 on every block Linear | resident (weights + adapters + AdamW) | peak, fitted "
-              "| peak, measured at full depth | target |", "|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "| klein-4B Base, rank 16 on every block Linear | resident (weights + adapters + AdamW) | peak, fitted "
+        "| peak, measured at full depth | target |",
+        "|---|---|---|---|---|",
+    ]
     targets = {(512, 4, True): 6 * GB, (1024, None, True): 16 * GB}
     for size, dtype, bits, ckpt in MEMORY_CONFIGS:
         fit = fitted_peak(results, size, dtype, bits, ckpt)
-        full = next((r for r in results.get("memory", []) if (r["size"], r["dtype"], r["bits"], r["checkpoint"],
-                     r["depth"], r["depth_single"], r.get("adapter", "lora")) == (size, dtype, bits, ckpt, 5, 20, "lora")), None)  # fmt: skip
+        full = next(
+            (
+                r
+                for r in results.get("memory", [])
+                if (
+                    r["size"],
+                    r["dtype"],
+                    r["bits"],
+                    r["checkpoint"],
+                    r["depth"],
+                    r["depth_single"],
+                    r.get("adapter", "lora"),
+                )
+                == (size, dtype, bits, ckpt, 5, 20, "lora")
+            ),
+            None,
+        )
         label = f"{size}², {'4-bit' if bits else 'bf16'}{', --low-memory' if ckpt else ''}"
         target = targets.get((size, bits, ckpt))
         peak = full["peak"] if full else (fit[0] if fit else None)
-        verdict = "–" if target is None or peak is None else f"≤ {target / GB:.0f} GB: " + ("met" if peak <= target else "missed")
-        lines.append(f"| {label} | {g(fit and fit[1])} | {g(fit and fit[0])} | {g(full and full['peak'])} | {verdict} |")
+        verdict = (
+            "–"
+            if target is None or peak is None
+            else f"≤ {target / GB:.0f} GB: " + ("met" if peak <= target else "missed")
+        )
+        lines.append(
+            f"| {label} | {g(fit and fit[1])} | {g(fit and fit[0])} | {g(full and full['peak'])} | {verdict} |"
+        )
     lines += multires_report(results)
     probs = 25 * 24 * ((1024 // 16) ** 2 + TEXT) ** 2 * 2  # 25 blocks x 24 heads x L x L, bf16
-    lines.append(f"| 1024², no checkpointing | | each block keeps its attention probabilities: > {probs / GB:.1f} GB "
-                 "of them alone | not measured | – |")
+    lines.append(
+        f"| 1024², no checkpointing | | each block keeps its attention probabilities: > {probs / GB:.1f} GB "
+        "of them alone | not measured | – |"
+    )
     lines += lokr_report(results)
     return "\n".join(lines)
 
@@ -450,8 +569,9 @@ def main() -> None:
     p.add_argument("--blocks", default="1+1", help="double+single blocks of the speed measurement")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--trials", type=int, default=2)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="speed: weights and activations")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="speed: weights and activations"
+    )
     p.add_argument("--quantize", type=int, default=None, choices=[4, 8], help="speed: quantize the frozen weights")
     p.add_argument("--full", action="store_true", help="memory: also measure the full depth where it fits")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -464,10 +584,21 @@ def main() -> None:
     results = load_results()
     if args.part == "speed":
         d, s = (int(x) for x in args.blocks.split("+"))
-        row = run_child("speed", size=args.size, depth=d, depth_single=s, warmup=args.warmup, trials=args.trials,
-                        dtype=args.dtype, bits=args.quantize)  # fmt: skip
-        same = lambda r: (r["size"], r["depth"], r["depth_single"], r.get("dtype", "float32"), r.get("bits")) == (  # noqa: E731
-            args.size, d, s, args.dtype, args.quantize)
+        row = run_child(
+            "speed",
+            size=args.size,
+            depth=d,
+            depth_single=s,
+            warmup=args.warmup,
+            trials=args.trials,
+            dtype=args.dtype,
+            bits=args.quantize,
+        )
+
+        def same(r):
+            key = (r["size"], r["depth"], r["depth_single"], r.get("dtype", "float32"), r.get("bits"))
+            return key == (args.size, d, s, args.dtype, args.quantize)
+
         results["speed"] = [r for r in results.get("speed", []) if not same(r)]
         results["speed"].append(row)
         save_results(results)

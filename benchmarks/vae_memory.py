@@ -21,11 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
 import common  # noqa: E402,F401  (this checkout on sys.path, OpenBLAS preloaded)
-
 import mlx.core as mx  # noqa: E402
 
-from flux_klein_mlx.models.config import AutoEncoderConfig  # noqa: E402
 from flux_klein_mlx.bench.flops import flops_of_vae_decoder  # noqa: E402
+from flux_klein_mlx.models.config import AutoEncoderConfig  # noqa: E402
 from flux_klein_mlx.models.vae import AutoEncoder  # noqa: E402
 
 

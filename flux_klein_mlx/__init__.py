@@ -18,7 +18,8 @@ __version__ = "0.1.0"
 
 # module -> the public names it holds (imported on first use)
 _MODULES = {
-    "pipeline": ("load", "FluxKleinPipeline", "Progress", "Event", "Stats", "MemoryPlan"),
+    "pipeline": ("load", "FluxKleinPipeline"),
+    "events": ("Progress", "Event", "Stats", "MemoryPlan"),
     "inputs": ("RunSettings", "PreparedInputs", "prepare_inputs"),
     "embedding_cache": ("EmbeddingCache",),
     "output": ("save_image", "image_metadata"),

@@ -17,12 +17,21 @@ from .errors import FluxKleinError, Notice
 def vae_and_cache_options(command):
     """`--vae`, `--no-cache` and `--cache-size`, worded once for `generate` and `serve`."""
     options = [
-        click.option("--vae", default=None, help="Another VAE or decoder: repo id (e.g. "
-                     "black-forest-labs/FLUX.2-small-decoder), folder or .safetensors file."),
-        click.option("--no-cache", is_flag=True,
-                     help="Do not read or store prompt embeddings on disk (the text encoder runs)."),
-        click.option("--cache-size", default="1GiB", show_default=True,
-                     help="Bound of the prompt-embedding cache on disk (e.g. 500MB, 2GB; 0 = off)."),
+        click.option(
+            "--vae",
+            default=None,
+            help="Another VAE or decoder: repo id (e.g. "
+            "black-forest-labs/FLUX.2-small-decoder), folder or .safetensors file.",
+        ),
+        click.option(
+            "--no-cache", is_flag=True, help="Do not read or store prompt embeddings on disk (the text encoder runs)."
+        ),
+        click.option(
+            "--cache-size",
+            default="1GiB",
+            show_default=True,
+            help="Bound of the prompt-embedding cache on disk (e.g. 500MB, 2GB; 0 = off).",
+        ),
     ]
     for option in reversed(options):  # click lists options in the order their decorators are written
         command = option(command)
@@ -35,7 +44,8 @@ def run_command(command: click.Command, argv=None) -> int:
     with warnings.catch_warnings():
         # A library warning is one line too ("warning: ..."), never a file/line dump.
         warnings.showwarning = lambda msg, category, *a, **k: click.echo(
-            str(msg) if issubclass(category, Notice) else f"warning: {msg}", err=True)
+            str(msg) if issubclass(category, Notice) else f"warning: {msg}", err=True
+        )
         try:
             result = command.main(args=argv, prog_name="python -m flux_klein_mlx", standalone_mode=False)
         except FluxKleinError as e:

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import shutil
+import signal
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import click
 import mlx.core as mx
@@ -36,7 +36,7 @@ from mlx.utils import tree_flatten
 
 from . import __version__
 from .errors import FluxKleinError
-from .lora.apply import apply_loras, load_loras, pair_scales
+from .files import broken_link, check_disk_space, folder_transaction
 from .loading import (
     COMPONENTS,
     DTYPES,
@@ -52,7 +52,7 @@ from .loading import (
     is_mlx_folder,
     read_component,
 )
-from .files import broken_link, check_disk_space, folder_transaction
+from .lora.apply import apply_loras, load_loras, pair_scales
 from .models.quantize import check_quantization, quantize_model
 from .weights import save_safetensors_sharded
 
@@ -83,8 +83,15 @@ def make_part(
     tensor is read from disk here. `loras` (transformer only, from `lora.load_loras`) are fused
     into the float weights before quantization."""
     bits = None if name == "vae" else bits
-    module, record = assemble(name, info.configs[name], read_component(info, name), dtype, info.quantization[name],
-                              None if loras else bits, group_size)  # with LoRAs: quantized once they are fused
+    module, record = assemble(
+        name,
+        info.configs[name],
+        read_component(info, name),
+        dtype,
+        info.quantization[name],
+        None if loras else bits,
+        group_size,
+    )  # with LoRAs: quantized once they are fused
     if loras:
         apply_loras(module, loras, keep_originals=False, evaluate=False)  # lazy: each fused weight computed as written
         if bits:
@@ -92,10 +99,48 @@ def make_part(
     return Part(name, info.configs[name], dict(tree_flatten(module.parameters())), record)
 
 
+def _describe_source(model, base, vae):
+    """The model to convert, described; refused in one line when it is converted already, or when `base`
+    is given for a whole model."""
+    info = describe(model, base, vae)
+    if info.format == "mlx":
+        raise FluxKleinError(
+            f"{info.path} is already converted; use it as it is, or `quantize` it to make a 4- or 8-bit copy"
+        )
+    if base is not None and info.format != "bfl":
+        raise FluxKleinError(
+            f"--base is only for a single-file transformer; {model} is a whole model with its own text encoder "
+            "and VAE: leave --base out"
+        )
+    return info
+
+
+def _source_record(model, info, vae) -> tuple[dict, list[Path]]:
+    """Where the converted folder came from (config.json's "source"), and `vae=`'s folders (the output may
+    not be inside them either)."""
+    source = {"model": str(model), "path": str(info.path), "format": info.format}
+    if info.format == "bfl":
+        source["base"] = str(info.tokenizer.parent)
+    vae_folders = []
+    if vae is not None:
+        source["vae"] = str(vae)
+        vae_folders = [f.parent for f in info.decoder_files or info.files["vae"]]
+    return source, vae_folders
+
+
 def convert_model(
-    model: str | Path, output: str | Path, *, dtype: str = "bfloat16", bits: int | None = None, group_size: int = 64,
-    base: str | Path | None = None, overwrite: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES,
-    progress: Progress | None = None, loras: list | None = None, lora_partial: bool = False,
+    model: str | Path,
+    output: str | Path,
+    *,
+    dtype: str = "bfloat16",
+    bits: int | None = None,
+    group_size: int = 64,
+    base: str | Path | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    progress: Progress | None = None,
+    loras: list | None = None,
+    lora_partial: bool = False,
     vae: str | Path | None = None,
 ) -> dict:
     """Convert a FLUX.2 [klein] model into an MLX folder at `output`; returns its config.
@@ -113,39 +158,43 @@ def convert_model(
     if bits is not None:
         check_quantization(bits, group_size)
     check_output_link(output)
-    info = describe(model, base, vae)
-    if info.format == "mlx":
-        raise FluxKleinError(
-            f"{info.path} is already converted; use it as it is, or `quantize` it to make a 4- or 8-bit copy"
-        )
-    if base is not None and info.format != "bfl":
-        raise FluxKleinError(
-            f"--base is only for a single-file transformer; {model} is a whole model with its own text encoder "
-            "and VAE: leave --base out"
-        )
+    info = _describe_source(model, base, vae)
     check_weights(info)  # every file's header, keys and shapes, before anything is written
     baked = load_loras(loras, info.params, lora_partial)  # all checked before anything is written
-    parts = [make_part(info, name, cast, bits, group_size, baked if name == "transformer" else None)
-             for name in COMPONENTS]
-    source = {"model": str(model), "path": str(info.path), "format": info.format}
-    if info.format == "bfl":
-        source["base"] = str(info.tokenizer.parent)
-    vae_folders = []  # `vae=`'s folders: the output may not be inside them either
-    if vae is not None:
-        source["vae"] = str(vae)
-        vae_folders = [f.parent for f in info.decoder_files or info.files["vae"]]
-    meta = {"variant": info.variant, "is_distilled": info.is_distilled, "reference_kv": info.reference_kv,
-            "dtype": dtype_name(cast), "source": source, "scheduler": info.scheduler,
-            "tokenizer_source": info.tokenizer, "loras": [lora.record() for lora in baked] or None}
+    parts = [
+        make_part(info, name, cast, bits, group_size, baked if name == "transformer" else None) for name in COMPONENTS
+    ]
+    source, vae_folders = _source_record(model, info, vae)
+    meta = {
+        "variant": info.variant,
+        "is_distilled": info.is_distilled,
+        "reference_kv": info.reference_kv,
+        "dtype": dtype_name(cast),
+        "source": source,
+        "scheduler": info.scheduler,
+        "tokenizer_source": info.tokenizer,
+        "loras": [lora.record() for lora in baked] or None,
+    }
     return write_folder(
-        output, parts, meta, overwrite=overwrite, sources=[info.path, info.tokenizer.parent, *vae_folders],
-        max_shard_bytes=max_shard_bytes, progress=progress,
+        output,
+        parts,
+        meta,
+        overwrite=overwrite,
+        sources=[info.path, info.tokenizer.parent, *vae_folders],
+        max_shard_bytes=max_shard_bytes,
+        progress=progress,
     )
 
 
 def quantize_folder(
-    model: str | Path, output: str | Path, bits: int, group_size: int = 64, *, overwrite: bool = False,
-    max_shard_bytes: int = MAX_SHARD_BYTES, progress: Progress | None = None,
+    model: str | Path,
+    output: str | Path,
+    bits: int,
+    group_size: int = 64,
+    *,
+    overwrite: bool = False,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    progress: Progress | None = None,
 ) -> dict:
     """Quantize a converted MLX folder into a new one (transformer and text encoder; the VAE is copied)."""
     check_quantization(bits, group_size)
@@ -164,11 +213,23 @@ def quantize_folder(
     check_weights(info)
     parts = [make_part(info, name, None, bits, group_size) for name in COMPONENTS]
     source = {"model": str(model), "path": str(info.path), "format": FORMAT, "original": info.original}
-    meta = {"variant": info.variant, "is_distilled": info.is_distilled, "reference_kv": info.reference_kv,
-            "dtype": info.stored_dtype, "source": source, "scheduler": info.scheduler,
-            "tokenizer_source": info.tokenizer}
+    meta = {
+        "variant": info.variant,
+        "is_distilled": info.is_distilled,
+        "reference_kv": info.reference_kv,
+        "dtype": info.stored_dtype,
+        "source": source,
+        "scheduler": info.scheduler,
+        "tokenizer_source": info.tokenizer,
+    }
     return write_folder(
-        output, parts, meta, overwrite=overwrite, sources=[info.path], max_shard_bytes=max_shard_bytes, progress=progress
+        output,
+        parts,
+        meta,
+        overwrite=overwrite,
+        sources=[info.path],
+        max_shard_bytes=max_shard_bytes,
+        progress=progress,
     )
 
 
@@ -181,8 +242,9 @@ def check_output_link(output: str | Path) -> None:
     out = Path(output).expanduser()
     for p in (out.parent, out):
         if trouble := broken_link(p):
-            raise FluxKleinError(f"--output {output}: {p} is a symbolic link that {trouble}; remove it or choose "
-                                 "another path")
+            raise FluxKleinError(
+                f"--output {output}: {p} is a symbolic link that {trouble}; remove it or choose another path"
+            )
 
 
 def _check_paths(sources: list[Path], output: Path, overwrite: bool) -> None:
@@ -207,8 +269,14 @@ def _check_paths(sources: list[Path], output: Path, overwrite: bool) -> None:
 
 
 def write_folder(
-    output: str | Path, parts: list[Part], meta: dict, *, overwrite: bool = False, sources: list[Path] = (),
-    max_shard_bytes: int = MAX_SHARD_BYTES, progress: Progress | None = None,
+    output: str | Path,
+    parts: list[Part],
+    meta: dict,
+    *,
+    overwrite: bool = False,
+    sources: list[Path] = (),
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    progress: Progress | None = None,
 ) -> dict:
     """Write an MLX folder atomically: into `<output>.tmp-XXXX`, renamed into place at the end.
 
@@ -223,17 +291,26 @@ def write_folder(
     _check_paths(list(sources), output, overwrite)
     tokenizer_src = Path(meta["tokenizer_source"])
     if not tokenizer_src.is_dir():
-        raise FluxKleinError(f"missing tokenizer/ in {tokenizer_src.parent}: the snapshot is incomplete, download it again")
+        raise FluxKleinError(
+            f"missing tokenizer/ in {tokenizer_src.parent}: the snapshot is incomplete, download it again"
+        )
     tokenizer_files = [f for f in sorted(tokenizer_src.iterdir()) if f.is_file()]
-    check_disk_space(output, sum(p.nbytes for p in parts) + sum(f.stat().st_size for f in tokenizer_files),
-                     "the converted model")
+    check_disk_space(
+        output, sum(p.nbytes for p in parts) + sum(f.stat().st_size for f in tokenizer_files), "the converted model"
+    )
 
     config = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "flux_klein_mlx_version": __version__,
-        "variant": meta["variant"], "is_distilled": bool(meta["is_distilled"]),
-        "reference_kv": bool(meta.get("reference_kv", False)), "dtype": meta["dtype"], "source": meta["source"],
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "flux_klein_mlx_version": __version__,
+        "variant": meta["variant"],
+        "is_distilled": bool(meta["is_distilled"]),
+        "reference_kv": bool(meta.get("reference_kv", False)),
+        "dtype": meta["dtype"],
+        "source": meta["source"],
         **{p.name: {"config": p.config, "quantization": p.quantization} for p in parts},
-        "tokenizer": "tokenizer", "scheduler": meta.get("scheduler"),
+        "tokenizer": "tokenizer",
+        "scheduler": meta.get("scheduler"),
         **({"loras": meta["loras"]} if meta.get("loras") else {}),  # LoRAs baked into the transformer
     }
     with folder_transaction(output) as tmp:
@@ -288,10 +365,15 @@ def summary(output: str | Path, config: dict) -> str:
     baked = f", {len(config['loras'])} LoRA(s) baked in" if config.get("loras") else ""
     source = config.get("source") or {}
     # A single transformer file cannot say it is the 9B-KV model: the flag is its base snapshot's.
-    kv = f", reference KV because its base {source['base']} is a Flux2KleinKVPipeline" if config.get("reference_kv") \
-        and source.get("format") == "bfl" else ""
-    return (f"wrote {output} ({config['variant']}{kv}, {config['dtype']}{', ' + ', '.join(q) if q else ''}{baked}, "
-            f"{size / 1e9:.2f} GB)")
+    kv = (
+        f", reference KV because its base {source['base']} is a Flux2KleinKVPipeline"
+        if config.get("reference_kv") and source.get("format") == "bfl"
+        else ""
+    )
+    return (
+        f"wrote {output} ({config['variant']}{kv}, {config['dtype']}{', ' + ', '.join(q) if q else ''}{baked}, "
+        f"{size / 1e9:.2f} GB)"
+    )
 
 
 @contextlib.contextmanager
@@ -312,30 +394,69 @@ def interrupt_on_termination():
 
 
 @click.command("convert")
-@click.option("--model", "-m", required=True, help="Diffusers snapshot folder, Hugging Face repo id, or BFL single-file .safetensors.")
+@click.option(
+    "--model",
+    "-m",
+    required=True,
+    help="Diffusers snapshot folder, Hugging Face repo id, or BFL single-file .safetensors.",
+)
 @click.option("--output", "-o", required=True, type=click.Path(), help="The MLX folder to write.")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="bfloat16", show_default=True, help="Weight dtype.")
-@click.option("--quantize", "-q", "bits", type=int, default=None, help="Quantize transformer and text encoder to 4 or 8 bits.")
+@click.option(
+    "--quantize", "-q", "bits", type=int, default=None, help="Quantize transformer and text encoder to 4 or 8 bits."
+)
 @click.option("--group-size", type=int, default=64, show_default=True, help="Quantization group size (32, 64 or 128).")
-@click.option("--base", default=None, help="For a single-file transformer: folder or repo id with text_encoder/, vae/, tokenizer/.")
+@click.option(
+    "--base",
+    default=None,
+    help="For a single-file transformer: folder or repo id with text_encoder/, vae/, tokenizer/.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
-@click.option("--lora", "loras", multiple=True, help="Bake this LoRA (file, owner/name or owner/name:FILE) into the transformer; repeatable.")
-@click.option("--lora-scale", "lora_scales", type=float, multiple=True, help="Strength of each --lora, by position [default: 1.0].")
+@click.option(
+    "--lora",
+    "loras",
+    multiple=True,
+    help="Bake this LoRA (file, owner/name or owner/name:FILE) into the transformer; repeatable.",
+)
+@click.option(
+    "--lora-scale",
+    "lora_scales",
+    type=float,
+    multiple=True,
+    help="Strength of each --lora, by position [default: 1.0].",
+)
 @click.option("--lora-partial", is_flag=True, help="Bake a LoRA even when some of its modules match no layer.")
-@click.option("--vae", default=None, help="Write this VAE instead of the model's: folder, .safetensors or repo id (e.g. black-forest-labs/FLUX.2-small-decoder); a decoder-only file replaces just the decoder.")
+@click.option(
+    "--vae",
+    default=None,
+    help="Write this VAE instead of the model's: folder, .safetensors or repo id "
+    "(e.g. black-forest-labs/FLUX.2-small-decoder); a decoder-only file replaces just the decoder.",
+)
 def convert(model, output, dtype, bits, group_size, base, overwrite, loras, lora_scales, lora_partial, vae):
     """Convert a FLUX.2 [klein] model into an MLX folder (optionally 4/8-bit, optionally with LoRAs baked in)."""
     with interrupt_on_termination(), progress_bars() as bars:
-        config = convert_model(model, output, dtype=dtype, bits=bits, group_size=group_size, base=base,
-                               overwrite=overwrite, progress=bars, loras=pair_scales(loras, lora_scales),
-                               lora_partial=lora_partial, vae=vae)
+        config = convert_model(
+            model,
+            output,
+            dtype=dtype,
+            bits=bits,
+            group_size=group_size,
+            base=base,
+            overwrite=overwrite,
+            progress=bars,
+            loras=pair_scales(loras, lora_scales),
+            lora_partial=lora_partial,
+            vae=vae,
+        )
     click.echo(summary(output, config))
 
 
 @click.command("quantize")
 @click.option("--model", "-m", required=True, help="A folder written by `convert` (unquantized).")
 @click.option("--bits", "-b", type=int, required=True, help="4 or 8.")
-@click.option("--group-size", type=int, default=64, show_default=True, help="Values sharing one scale and bias: 32, 64 or 128.")
+@click.option(
+    "--group-size", type=int, default=64, show_default=True, help="Values sharing one scale and bias: 32, 64 or 128."
+)
 @click.option("--output", "-o", required=True, type=click.Path(), help="The quantized MLX folder to write.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 def quantize_command(model, bits, group_size, output, overwrite):

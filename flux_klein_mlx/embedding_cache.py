@@ -41,8 +41,9 @@ import os
 import re
 import time
 import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -94,7 +95,9 @@ def parse_size(text: str | int) -> int:
         return text
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise FluxKleinError(f"cache size must be a number of bytes with an optional unit (e.g. 1GB, 500MB, 0 for none), not {text!r}")
+        raise FluxKleinError(
+            f"cache size must be a number of bytes with an optional unit (e.g. 1GB, 500MB, 0 for none), not {text!r}"
+        )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -107,11 +110,11 @@ class _Entry(NamedTuple):
 class EmbeddingCache:
     """Prompt embeddings on disk under `folder`, at most `max_bytes` of entries, LRU.
 
-        cache = EmbeddingCache.open_default()
-        key = cache.key(info.files["text_encoder"], template=..., max_length=512, prompt=p,
-                        settings={"dtype": "bfloat16", "quantize": None})
-        emb = cache.get(key)              # (1, 512, C) mx.array, bit-identical, or None
-        if emb is None: cache.put(key, encode(p))
+    cache = EmbeddingCache.open_default()
+    key = cache.key(info.files["text_encoder"], template=..., max_length=512, prompt=p,
+                    settings={"dtype": "bfloat16", "quantize": None})
+    emb = cache.get(key)              # (1, 512, C) mx.array, bit-identical, or None
+    if emb is None: cache.put(key, encode(p))
     """
 
     def __init__(self, folder: str | Path, max_bytes: int = DEFAULT_MAX_BYTES):
@@ -123,19 +126,32 @@ class EmbeddingCache:
         self._headers: dict[str, str] | None = None  # the remembered header digests, loaded lazily
 
     @classmethod
-    def open_default(cls, max_bytes: int = DEFAULT_MAX_BYTES, env: Mapping[str, str] | None = None) -> "EmbeddingCache":
+    def open_default(cls, max_bytes: int = DEFAULT_MAX_BYTES, env: Mapping[str, str] | None = None) -> EmbeddingCache:
         return cls(default_folder(env) / SUBFOLDER, max_bytes)
 
     # ---- keys -----------------------------------------------------------------------------------
 
-    def key(self, weight_files: Sequence[str | Path], *, template: str, max_length: int, prompt: str,
-            settings: Mapping | None = None) -> str:
+    def key(
+        self,
+        weight_files: Sequence[str | Path],
+        *,
+        template: str,
+        max_length: int,
+        prompt: str,
+        settings: Mapping | None = None,
+    ) -> str:
         """The entry name (64 hex digits) for one prompt encoded by the encoder in `weight_files`;
         `template` is the chat template text, `settings` the rest (JSON-able): see the module docstring."""
-        recipe = {"version": KEY_VERSION, "encoder": [self._file_identity(Path(f)) for f in weight_files],
-                  "template": template, "max_length": int(max_length), "prompt": prompt,
-                  "settings": dict(settings or {}), "mlx": getattr(mx, "__version__", "?"),
-                  "flux_klein_mlx": __version__}
+        recipe = {
+            "version": KEY_VERSION,
+            "encoder": [self._file_identity(Path(f)) for f in weight_files],
+            "template": template,
+            "max_length": int(max_length),
+            "prompt": prompt,
+            "settings": dict(settings or {}),
+            "mlx": getattr(mx, "__version__", "?"),
+            "flux_klein_mlx": __version__,
+        }
         blob = json.dumps(recipe, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -253,11 +269,18 @@ class EmbeddingCache:
         except OSError as e:
             if self.writable:  # the first failure turns writing off, with one warning
                 self.writable = False
-                why = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
-                       errno.EROFS: "it is on a read-only file system"}.get(e.errno, e.strerror or type(e).__name__)
-                warnings.warn(f"prompt cache off for this run: cannot write to {self.folder} ({why}); prompts are "
-                              "encoded every time (free space, set FLUX_KLEIN_CACHE to a writable folder, or turn the "
-                              "cache off)", CacheWarning, stacklevel=2)
+                why = {
+                    errno.ENOSPC: "the disk is full",
+                    errno.EDQUOT: "the disk quota is exceeded",
+                    errno.EROFS: "it is on a read-only file system",
+                }.get(e.errno, e.strerror or type(e).__name__)
+                warnings.warn(
+                    f"prompt cache off for this run: cannot write to {self.folder} ({why}); prompts are "
+                    "encoded every time (free space, set FLUX_KLEIN_CACHE to a writable folder, or turn the "
+                    "cache off)",
+                    CacheWarning,
+                    stacklevel=2,
+                )
             return False
 
 
@@ -274,7 +297,11 @@ def encode_entry(embeddings: mx.array, key: str) -> list[bytes]:
     digest = hashlib.blake2b(data, digest_size=16).hexdigest()
     header = {
         "__metadata__": {"format": ENTRY_FORMAT, "key": key, "blake2b": digest},
-        "embeddings": {"dtype": SAFETENSORS_DTYPES[embeddings.dtype], "shape": list(embeddings.shape), "data_offsets": [0, len(data)]},
+        "embeddings": {
+            "dtype": SAFETENSORS_DTYPES[embeddings.dtype],
+            "shape": list(embeddings.shape),
+            "data_offsets": [0, len(data)],
+        },
     }
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
@@ -295,9 +322,13 @@ def decode_entry(blob: bytes, key: str) -> mx.array | None:
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         return None
     data = memoryview(blob)[8 + n :]
-    if (meta.get("format") != ENTRY_FORMAT or meta.get("key") != key or (lo, hi) != (0, len(data))
-            or int(np.prod(shape)) * dtype.size != len(data)
-            or hashlib.blake2b(data, digest_size=16).hexdigest() != meta.get("blake2b")):
+    if (
+        meta.get("format") != ENTRY_FORMAT
+        or meta.get("key") != key
+        or (lo, hi) != (0, len(data))
+        or int(np.prod(shape)) * dtype.size != len(data)
+        or hashlib.blake2b(data, digest_size=16).hexdigest() != meta.get("blake2b")
+    ):
         return None
     return mx.array(np.frombuffer(data, dtype=_CARRIER[dtype.size][1]).reshape(shape)).view(dtype)
 
@@ -324,8 +355,13 @@ def open_cache(cache, size: int | str = DEFAULT_MAX_BYTES) -> EmbeddingCache | N
     return EmbeddingCache.open_default(max_bytes) if cache and max_bytes > 0 else None
 
 
-def prompt_keys(cache: EmbeddingCache, encoder_files: Sequence[str | Path], tokenizer: str | Path,
-                prompts: Sequence[str], settings: Mapping) -> dict[str, str | None]:
+def prompt_keys(
+    cache: EmbeddingCache,
+    encoder_files: Sequence[str | Path],
+    tokenizer: str | Path,
+    prompts: Sequence[str],
+    settings: Mapping,
+) -> dict[str, str | None]:
     """prompt -> key for a model's text encoder (`encoder_files`), its tokenizer folder's chat template
     (read without building the tokenizer), the 512-token length and `settings` (dtype, quantization).
 
@@ -333,14 +369,17 @@ def prompt_keys(cache: EmbeddingCache, encoder_files: Sequence[str | Path], toke
     what is wrong."""
     template = chat_template_source(tokenizer)
     try:
-        return {p: cache.key(encoder_files, template=template, max_length=MAX_LENGTH, prompt=p, settings=settings)
-                for p in prompts}
+        return {
+            p: cache.key(encoder_files, template=template, max_length=MAX_LENGTH, prompt=p, settings=settings)
+            for p in prompts
+        }
     except OSError:
         return {p: None for p in prompts}
 
 
-def cached_embeddings(cache: EmbeddingCache | None, keys: Mapping[str, str | None],
-                      encode: Callable[[list[str]], mx.array]) -> dict[str, mx.array]:
+def cached_embeddings(
+    cache: EmbeddingCache | None, keys: Mapping[str, str | None], encode: Callable[[list[str]], mx.array]
+) -> dict[str, mx.array]:
     """prompt -> (1, L, C) embeddings for every prompt in `keys` (prompt -> cache key, None: not cached).
 
     Cached prompts are read; the others are encoded by `encode(missing)` -> (B, L, C) in one call

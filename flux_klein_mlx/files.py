@@ -34,8 +34,8 @@ import re
 import secrets
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from .errors import FluxKleinError, first_few
 
@@ -94,8 +94,9 @@ def open_no_follow(path: Path, flags: int, mode: int = 0o644) -> int:
         return os.open(path, flags | os.O_NOFOLLOW, mode)
     except OSError as e:
         if e.errno == errno.ELOOP or os.path.islink(path):
-            raise FluxKleinError(f"{path} is a symbolic link; nothing is ever written through a link: remove it "
-                                 "and run again") from None
+            raise FluxKleinError(
+                f"{path} is a symbolic link; nothing is ever written through a link: remove it and run again"
+            ) from None
         raise
 
 
@@ -149,7 +150,9 @@ def check_writable(folder: Path, what: str) -> None:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".flux_klein_mlx-probe-"):
             pass
     except OSError as e:
-        raise FluxKleinError(f"{what}: cannot write in {folder} ({e.strerror}); choose a folder you can write to") from None
+        raise FluxKleinError(
+            f"{what}: cannot write in {folder} ({e.strerror}); choose a folder you can write to"
+        ) from None
 
 
 def check_output_file(path: str | Path, option: str = "--output") -> Path:
@@ -158,7 +161,9 @@ def check_output_file(path: str | Path, option: str = "--output") -> Path:
     parent = path.parent
     for p in (parent, path):
         if trouble := broken_link(p):
-            raise FluxKleinError(f"{option} {path}: {p} is a symbolic link that {trouble}; remove it or choose another path")
+            raise FluxKleinError(
+                f"{option} {path}: {p} is a symbolic link that {trouble}; remove it or choose another path"
+            )
     if parent.exists() and not parent.is_dir():
         raise FluxKleinError(f"{option} {path}: {parent} is a file, not a folder; choose another path")
     if not parent.is_dir():
@@ -283,7 +288,7 @@ def remove_stale_temporaries(output: Path) -> None:
     that no longer runs (a write still running keeps its folder).
     """
     for cand in output.parent.glob(f"{glob.escape(output.name)}.tmp-*"):
-        if not _TMP_NAME.search(cand.name[len(output.name):]) or cand.is_symlink() or not cand.is_dir():
+        if not _TMP_NAME.search(cand.name[len(output.name) :]) or cand.is_symlink() or not cand.is_dir():
             continue
         if any(cand.iterdir()) and (not (cand / TMP_MARKER).is_file() or _writer_alive(cand)):
             continue  # not ours, or its writer still runs

@@ -5,16 +5,17 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import click
 
 from .cli import run_command, vae_and_cache_options
 from .embedding_cache import parse_size
+from .files import check_output_file, numbered_name, write_exclusive
 from .inputs import RunSettings, check_prompt_given, prepare_inputs
 from .loading import DTYPES
 from .lora.apply import pair_scales
-from .files import check_output_file, numbered_name, write_exclusive
 from .output import image_format, save_image
 from .pipeline import DEFAULT_MODEL, load
 
@@ -49,67 +50,187 @@ def summary(st, seed, index: int, count: int) -> str:
 
 @click.command("generate")
 @click.option("--prompt", "-p", required=True, help="What to draw.")
-@click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
-              help="Hugging Face repo id, diffusers folder, or a folder written by `convert`.")
-@click.option("--width", "-W", type=int, default=None, help="Width in px, multiple of 16 [default: 1024, or the first --image's].")
-@click.option("--height", "-H", type=int, default=None, help="Height in px, multiple of 16 [default: 1024, or the first --image's].")
+@click.option(
+    "--model",
+    "-m",
+    default=DEFAULT_MODEL,
+    show_default=True,
+    help="Hugging Face repo id, diffusers folder, or a folder written by `convert`.",
+)
+@click.option(
+    "--width", "-W", type=int, default=None, help="Width in px, multiple of 16 [default: 1024, or the first --image's]."
+)
+@click.option(
+    "--height",
+    "-H",
+    type=int,
+    default=None,
+    help="Height in px, multiple of 16 [default: 1024, or the first --image's].",
+)
 @click.option("--steps", type=int, default=None, help="Denoising steps [default: 4 distilled, 50 Base].")
 @click.option("--guidance", type=float, default=None, help="CFG scale, Base models only [default: 4.0].")
 @click.option("--seed", type=int, default=None, help="Noise seed [default: random, printed].")
-@click.option("--noise", type=click.Choice(["torch", "mlx"]), default="torch", show_default=True,
-              help="torch: the noise diffusers/ComfyUI draw for --seed on the CPU; mlx: mflux's.")
+@click.option(
+    "--noise",
+    type=click.Choice(["torch", "mlx"]),
+    default="torch",
+    show_default=True,
+    help="torch: the noise diffusers/ComfyUI draw for --seed on the CPU; mlx: mflux's.",
+)
 @click.option("--init-image", default=None, help="Image-to-image: start from this picture (sets the output size).")
-@click.option("--strength", type=float, default=None,
-              help="How much of --init-image to redraw, (0, 1]; 1 = from pure noise [default: 0.8].")
-@click.option("--mask", default=None, help="Inpainting: white = repaint, black = keep (or, with transparency, transparent "
-              "= repaint); the size of --init-image.")
+@click.option(
+    "--strength",
+    type=float,
+    default=None,
+    help="How much of --init-image to redraw, (0, 1]; 1 = from pure noise [default: 0.8].",
+)
+@click.option(
+    "--mask",
+    default=None,
+    help="Inpainting: white = repaint, black = keep (or, with transparency, transparent "
+    "= repaint); the size of --init-image.",
+)
 @click.option("--image", "-i", "images", multiple=True, help="Reference image to edit; repeat for multi-reference.")
 @click.option("--negative-prompt", default=None, help="Unconditional prompt for CFG (Base models).")
-@click.option("--num-images", "-n", type=click.IntRange(1, 1000), default=1, show_default=True,
-              help="Images to make; seeds count up from --seed.")
-@click.option("--quantize", "-q", type=click.Choice(["4", "8"]), default=None,
-              help="Quantize transformer and text encoder at load (not needed for a quantized folder).")
+@click.option(
+    "--num-images",
+    "-n",
+    type=click.IntRange(1, 1000),
+    default=1,
+    show_default=True,
+    help="Images to make; seeds count up from --seed.",
+)
+@click.option(
+    "--quantize",
+    "-q",
+    type=click.Choice(["4", "8"]),
+    default=None,
+    help="Quantize transformer and text encoder at load (not needed for a quantized folder).",
+)
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="bfloat16", show_default=True)
-@click.option("--low-memory", is_flag=True, help="Release the transformer before decoding and decode in tiles (for small-memory Macs).")
-@click.option("--output", "-o", default="image.png", show_default=True,
-              help="A .png, .jpg or .webp path; an existing file is kept and the next free number used.")
-@click.option("--preview-dir", default=None,
-              help="Also write a small latent preview PNG after every step into this existing folder.")
-@click.option("--lora", "loras", multiple=True,
-              help="LoRA .safetensors file, owner/name (its single .safetensors) or owner/name:FILE; repeat for several.")
-@click.option("--lora-scale", "lora_scales", type=float, multiple=True,
-              help="Strength of each --lora, by position [default: 1.0].")
+@click.option(
+    "--low-memory",
+    is_flag=True,
+    help="Release the transformer before decoding and decode in tiles (for small-memory Macs).",
+)
+@click.option(
+    "--output",
+    "-o",
+    default="image.png",
+    show_default=True,
+    help="A .png, .jpg or .webp path; an existing file is kept and the next free number used.",
+)
+@click.option(
+    "--preview-dir",
+    default=None,
+    help="Also write a small latent preview PNG after every step into this existing folder.",
+)
+@click.option(
+    "--lora",
+    "loras",
+    multiple=True,
+    help="LoRA .safetensors file, owner/name (its single .safetensors) or owner/name:FILE; repeat for several.",
+)
+@click.option(
+    "--lora-scale",
+    "lora_scales",
+    type=float,
+    multiple=True,
+    help="Strength of each --lora, by position [default: 1.0].",
+)
 @click.option("--lora-partial", is_flag=True, help="Apply a LoRA even when some of its modules match no layer.")
 @vae_and_cache_options
-def generate(prompt, model, width, height, steps, guidance, seed, noise, init_image, strength, mask, images,
-             negative_prompt, num_images, quantize, dtype, low_memory, output, preview_dir, loras, lora_scales,
-             lora_partial, vae, no_cache, cache_size):
+def generate(
+    prompt,
+    model,
+    width,
+    height,
+    steps,
+    guidance,
+    seed,
+    noise,
+    init_image,
+    strength,
+    mask,
+    images,
+    negative_prompt,
+    num_images,
+    quantize,
+    dtype,
+    low_memory,
+    output,
+    preview_dir,
+    loras,
+    lora_scales,
+    lora_partial,
+    vae,
+    no_cache,
+    cache_size,
+):
     """Generate images from a prompt (and optional reference images)."""
     # Cheap checks before loading gigabytes: the settings, the output paths, the LoRA options.
     check_prompt_given(prompt)
-    settings = RunSettings(prompt, width=width, height=height, steps=steps, guidance=guidance, seed=seed,
-                           images=list(images), negative_prompt=negative_prompt, noise=noise, init_image=init_image,
-                           strength=strength, mask=mask).check()
+    settings = RunSettings(
+        prompt,
+        width=width,
+        height=height,
+        steps=steps,
+        guidance=guidance,
+        seed=seed,
+        images=list(images),
+        negative_prompt=negative_prompt,
+        noise=noise,
+        init_image=init_image,
+        strength=strength,
+        mask=mask,
+    ).check()
     paths = output_paths(output, num_images)
     if preview_dir is not None:  # a missing folder or a file: one-line errors
         check_output_file(Path(preview_dir) / f"{paths[-1].stem}-step00.png", "--preview-dir")
-    lora_specs = pair_scales(loras, lora_scales)
-    cache_bytes = parse_size(cache_size)
+    load_settings = dict(
+        dtype=dtype,
+        quantize=int(quantize) if quantize else None,
+        low_memory=low_memory,
+        loras=pair_scales(loras, lora_scales),
+        lora_partial=lora_partial,
+        vae=vae,
+        cache=not no_cache,
+        cache_size=parse_size(cache_size),
+    )
+    pipe, prepared = _load_checked(model, settings, load_settings)
+    _generate_images(pipe, prepared, paths, output, preview_dir)
 
+
+def _load_checked(model, settings: RunSettings, load_settings: dict):
+    """The pipeline and the run's prepared inputs: every file and image checked before any model runs."""
     t0 = time.perf_counter()
-    pipe = load(model, dtype=dtype, quantize=int(quantize) if quantize else None, low_memory=low_memory,
-                loras=lora_specs, lora_partial=lora_partial, vae=vae, cache=not no_cache, cache_size=cache_bytes)
+    pipe = load(model, **load_settings)
     prepared = prepare_inputs(settings, pipe.info)  # every image read and checked before any model runs
     encode = pipe.check_text_encoder(prepared)  # its files too, unless the prompt is cached
+    _say_loaded(pipe, load_settings["dtype"], time.perf_counter() - t0, encode)
+    return pipe, prepared
+
+
+def _say_loaded(pipe, dtype: str, seconds: float, encode: bool) -> None:
+    """What load() did: it only reads configs and checks the files' headers; each model loads when first used."""
     info = pipe.info
-    # load() only reads configs and checks the files' headers; each model loads when first used.
-    click.echo(f"{info.name} from {info.source} ({dtype}"
-               f"{', %d-bit' % pipe.quantization['bits'] if pipe.quantization else ''}): files checked in "
-               f"{time.perf_counter() - t0:.1f} s, {'' if encode else 'prompt embeddings cached, '}"
-               "models load on first use", err=True)
+    bits = f", {pipe.quantization['bits']}-bit" if pipe.quantization else ""
+    click.echo(
+        f"{info.name} from {info.source} ({dtype}{bits}): files checked in {seconds:.1f} s, "
+        f"{'' if encode else 'prompt embeddings cached, '}models load on first use",
+        err=True,
+    )
     for lora in pipe.loras:
-        click.echo(f"LoRA {lora.name} ({lora.sha256}) at scale {lora.scale:g}: {len(lora.terms)} adapters on "
-                   f"{len({t.layer for t in lora.terms})} layers, {lora.nbytes / 1e6:.1f} MB", err=True)
+        click.echo(
+            f"LoRA {lora.name} ({lora.sha256}) at scale {lora.scale:g}: {len(lora.terms)} adapters on "
+            f"{len({t.layer for t in lora.terms})} layers, {lora.nbytes / 1e6:.1f} MB",
+            err=True,
+        )
+
+
+def _generate_images(pipe, prepared, paths: list[Path], output, preview_dir) -> None:
+    """Each image of the batch in turn, written as it is done (numbered after the names that are taken)."""
+    num_images = len(paths)
     next_number = None if num_images == 1 else 0  # a batch continues its numbering after names that are taken
     for n, path in enumerate(paths):
         label = "denoising" if num_images == 1 else f"image {n + 1}/{num_images}: denoising"
@@ -130,8 +251,11 @@ def _run(pipe, prepared, previews=None, label="denoising"):
     stream = pipe.stream(prepared)
     event = next(stream)  # prompt encoded, references encoded
     tty = sys.stderr.isatty()
-    bar = click.progressbar(length=event.total, label=label, file=sys.stderr, show_eta=True,
-                            item_show_func=lambda s: s) if tty else contextlib.nullcontext()
+    bar = (
+        click.progressbar(length=event.total, label=label, file=sys.stderr, show_eta=True, item_show_func=lambda s: s)
+        if tty
+        else contextlib.nullcontext()
+    )
     with bar:
         for event in stream:
             if event.stage != "denoise":
@@ -142,7 +266,7 @@ def _run(pipe, prepared, previews=None, label="denoising"):
                 click.echo(f"{label} step {event.step}/{event.total}: {event.seconds:.2f} s", err=True)
             if previews is not None:
                 small = pipe.preview_map().image(event.denoised, *event.grid)
-                write_exclusive(f"{previews}-step{event.step:02d}.png", lambda tmp: small.save(tmp, format="PNG"))
+                write_exclusive(f"{previews}-step{event.step:02d}.png", partial(small.save, format="PNG"))
     return event
 
 

@@ -25,17 +25,17 @@ import math
 import numbers
 import random
 import warnings
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Hashable, Sequence
 
 import mlx.core as mx
 import numpy as np
 from PIL import Image, ImageOps
 
 from .errors import FluxKleinError
-from .sampling import check_noise_kind, seed_for_image, start_step
 from .models.tokenizer import check_text
+from .sampling import check_noise_kind, seed_for_image, start_step
 
 MIN_SIDE = 64  # input images (spec 8.1)
 MAX_ASPECT = 8
@@ -82,14 +82,14 @@ class RunSettings:
     mask: object = None
 
     @classmethod
-    def from_keywords(cls, prompt, keywords: dict) -> "RunSettings":
+    def from_keywords(cls, prompt, keywords: dict) -> RunSettings:
         """`RunSettings(prompt, **keywords)` with a one-line error for an unknown keyword."""
         names = {f.name for f in dataclasses.fields(cls)}
         if unknown := sorted(set(keywords) - names):
             raise FluxKleinError(f"unknown setting {unknown[0]!r}; the settings are {', '.join(sorted(names))}")
         return cls(prompt, **keywords)
 
-    def check(self) -> "RunSettings":
+    def check(self) -> RunSettings:
         """Types and ranges, checked without reading an image or a model; returns self."""
         neg = self.negative_prompt
         if not isinstance(self.prompt, str):
@@ -100,8 +100,9 @@ class RunSettings:
         if neg is not None:
             check_text(neg, "the negative prompt")
         if self.width is not None or self.height is not None:
-            check_image_size(DEFAULT_SIZE if self.width is None else self.width,
-                             DEFAULT_SIZE if self.height is None else self.height)
+            check_image_size(
+                DEFAULT_SIZE if self.width is None else self.width, DEFAULT_SIZE if self.height is None else self.height
+            )
         if self.steps is not None:
             check_whole("steps", self.steps, 1)
         if self.guidance is not None:
@@ -138,7 +139,9 @@ def check_whole(name: str, value, low: int | None = None, high: int | None = Non
     raise FluxKleinError(f"{name} must be a whole number, not {value!r}")
 
 
-def check_number(name: str, value, low: float, high: float | None = None, open_low: bool = False, hint: str = "") -> None:
+def check_number(
+    name: str, value, low: float, high: float | None = None, open_low: bool = False, hint: str = ""
+) -> None:
     """A finite real number (not a bool) from `low` (excluded if `open_low`) to `high` (no bound if None)."""
     ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
     ok = ok and (low < value if open_low else low <= value) and (high is None or value <= high)
@@ -209,8 +212,10 @@ def open_image(image, what: str) -> Image.Image:
         try:
             image.load()  # a closed image fails here, not deep inside a resize
         except ValueError:
-            raise FluxKleinError(f"the {what} is a closed PIL image (used after close() or outside its `with` "
-                                 "block); pass it while it is open, or its file path") from None
+            raise FluxKleinError(
+                f"the {what} is a closed PIL image (used after close() or outside its `with` "
+                "block); pass it while it is open, or its file path"
+            ) from None
         return to_8bit(image)
     if not isinstance(image, (str, Path)):
         raise FluxKleinError(f"the {what} must be a PIL image or a file path, not {type(image).__name__}")
@@ -237,7 +242,7 @@ def open_image(image, what: str) -> Image.Image:
     except (OSError, ValueError, SyntaxError) as e:
         raise FluxKleinError(f"cannot read {what} {path}: {str(e).splitlines()[0][:160]}") from None
     if frames > 1:
-        warnings.warn(f"{what} {path} has {frames} frames; the first one is used")
+        warnings.warn(f"{what} {path} has {frames} frames; the first one is used", stacklevel=2)
     return to_8bit(img)
 
 
@@ -313,8 +318,10 @@ def prepare_init_image(image, strength: float = DEFAULT_STRENGTH, mask=None) -> 
         grey = _pixels(mask_as_grey(m).resize((W, H), Image.Resampling.LANCZOS).convert("L"), normalize=False)
         binary = (grey >= 0.5).astype(np.float32)  # (H, W)
         if not binary.any():
-            raise FluxKleinError("the mask has no white pixel: white marks what to repaint, black what to keep "
-                                 "(or, in a mask with transparency, transparent what to repaint)")
+            raise FluxKleinError(
+                "the mask has no white pixel: white marks what to repaint, black what to keep "
+                "(or, in a mask with transparency, transparent what to repaint)"
+            )
         packed = bilinear_resize(binary, H // MULTIPLE, W // MULTIPLE).reshape(-1, 1)  # (h*w, 1)
         if not packed.any():  # the model works on 16x16-px cells; this mask's white falls between their samples
             raise FluxKleinError(
@@ -391,7 +398,7 @@ class PreparedInputs:
         """The prompts the text encoder reads: [prompt], or [prompt, negative prompt] with CFG."""
         return [self.settings.prompt] + ([self.settings.negative_prompt or ""] if self.cfg_scale else [])
 
-    def for_image(self, index: int) -> "PreparedInputs":
+    def for_image(self, index: int) -> PreparedInputs:
         """Image `index` of a batch: the same inputs with seed + index (diffusers' generators N, N+1, ...)."""
         seed = self.settings.seed
         if index == 0 or seed is None:
@@ -404,13 +411,21 @@ def _resolve_guidance(s: RunSettings, info) -> tuple[float | None, str | None]:
     what is ignored. CFG runs only when guidance > 1, as in diffusers."""
     if info.is_distilled:
         if s.guidance is not None and s.guidance != 1.0:
-            warnings.warn(f"guidance {s.guidance} is ignored: {info.name} is guidance-distilled (use a Base model for CFG)")
+            warnings.warn(
+                f"guidance {s.guidance} is ignored: {info.name} is guidance-distilled (use a Base model for CFG)",
+                stacklevel=2,
+            )
         if s.negative_prompt:
-            warnings.warn(f"negative_prompt is ignored: {info.name} runs without classifier-free guidance")
+            warnings.warn(
+                f"negative_prompt is ignored: {info.name} runs without classifier-free guidance", stacklevel=2
+            )
         return None, None
     guidance = info.default_guidance if s.guidance is None else float(s.guidance)
     if guidance <= 1.0 and s.negative_prompt:
-        warnings.warn(f"negative_prompt is ignored: guidance {guidance:g} <= 1 runs without classifier-free guidance")
+        warnings.warn(
+            f"negative_prompt is ignored: guidance {guidance:g} <= 1 runs without classifier-free guidance",
+            stacklevel=2,
+        )
     return guidance, s.negative_prompt if guidance > 1.0 else None
 
 
@@ -424,7 +439,9 @@ def _latents(value, channels: int, width: int, height: int) -> np.ndarray:
     try:
         x = np.array(value.astype(mx.float32)) if isinstance(value, mx.array) else np.asarray(value, dtype=np.float32)
     except (TypeError, ValueError):
-        raise FluxKleinError(f"latents must be an array of numbers (numpy or MLX), not {type(value).__name__}") from None
+        raise FluxKleinError(
+            f"latents must be an array of numbers (numpy or MLX), not {type(value).__name__}"
+        ) from None
     if x.shape != shape:
         raise FluxKleinError(f"latents must have shape {shape} for {width}x{height}, not {tuple(x.shape)}")
     if not np.isfinite(x).all():
@@ -443,8 +460,9 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
         init = prepare_init_image(s.init_image, DEFAULT_STRENGTH if s.strength is None else s.strength, s.mask)
         ih, iw = init.pixels.shape[:2]
         if (width or iw, height or ih) != (iw, ih):
-            raise FluxKleinError(f"the output takes the init image's size ({iw}x{ih}); leave "
-                                 "--width/--height (width=, height=) out")
+            raise FluxKleinError(
+                f"the output takes the init image's size ({iw}x{ih}); leave --width/--height (width=, height=) out"
+            )
         width, height = iw, ih
     images = [s.images] if isinstance(s.images, (str, Path, Image.Image)) else list(s.images or [])
     references = [preprocess_reference(im) for im in images]
@@ -454,8 +472,9 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
     t_start = 0 if init is None else start_step(steps, init.strength)
     latents = None if s.latents is None else _latents(s.latents, info.in_channels, width, height)
     seed = random.randrange(2**31) if s.seed is None and latents is None else s.seed
-    resolved = dataclasses.replace(s, width=width, height=height, steps=steps, guidance=guidance, seed=seed,
-                                   negative_prompt=negative, images=None)
+    resolved = dataclasses.replace(
+        s, width=width, height=height, steps=steps, guidance=guidance, seed=seed, negative_prompt=negative, images=None
+    )
     hashes = {"references": [content_hash(r) for r in references]}
     if init is not None:
         hashes["init_image"] = content_hash(init.pixels)

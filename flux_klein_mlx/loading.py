@@ -9,8 +9,8 @@ quantize, benchmark) goes through them:
 `describe` resolves a repo id / folder / file, classifies it (diffusers snapshot, BFL single-file
 transformer with a base snapshot, or a folder written by `convert`), refuses FLUX.1 / FLUX.2-dev,
 and checks that the three components fit together. What a described model may be used for is
-decided here too, worded once: `check_for_loading` (`load()` and `train`) and `check_for_training`. `load_component` is config -> module ->
-sanitize -> quantization record -> strict load. Model files only build modules and sanitize
+decided here too, worded once: `check_for_loading` (`load()` and `train`) and `check_for_training`. `load_component` is
+config -> module -> sanitize -> quantization record -> strict load. Model files only build modules and sanitize
 names; all reading happens here and in `weights.py`.
 """
 
@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .errors import FluxKleinError
 from .models.config import (
     FLUX3_CLASS_PREFIX,
     FLUX3_NAME,
@@ -39,13 +40,21 @@ from .models.config import (
     sampling_defaults,
     variant_for,
 )
-from .errors import FluxKleinError
 from .models.quantize import apply_quantization, check_record, evaluate_by_layer, quantize_model
 from .models.text_encoder import OUT_LAYERS, Qwen3TextEncoder, keeps_key, sanitize_qwen3_weights
 from .models.transformer import FluxKlein, infer_params, sanitize_flux2_klein_weights
 from .models.vae import AutoEncoder, check_flux2, sanitize_vae_weights
 from .vae_source import decoder_config, decoder_only, infer_vae_config, merge_decoder
-from .weights import check_safetensors_file, component_files, load_into, prefixed_files, read_json, read_safetensors, read_weight_files, resolve_model
+from .weights import (
+    check_safetensors_file,
+    component_files,
+    load_into,
+    prefixed_files,
+    read_json,
+    read_safetensors,
+    read_weight_files,
+    resolve_model,
+)
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
 WHAT = {"transformer": "transformer", "text_encoder": "text encoder", "vae": "VAE"}
@@ -94,7 +103,7 @@ class ModelInfo:
 
     @property
     def variant(self) -> str:
-        """"klein-4b", "klein-9b" or "other" (a custom size), from the transformer's shapes."""
+        """ "klein-4b", "klein-9b" or "other" (a custom size), from the transformer's shapes."""
         return self.params.variant
 
     @property
@@ -129,9 +138,14 @@ def read_mlx_config(folder: str | Path) -> dict:
     path = Path(folder) / "config.json"
     config = read_json(path)
     if config.get("format") != FORMAT:
-        raise FluxKleinError(f"{folder} is not a folder written by `flux_klein_mlx convert` (no format marker in config.json)")
+        raise FluxKleinError(
+            f"{folder} is not a folder written by `flux_klein_mlx convert` (no format marker in config.json)"
+        )
     if int(config.get("format_version", 0)) > FORMAT_VERSION:
-        raise FluxKleinError(f"{folder} was written by a newer flux_klein_mlx (format {config['format_version']}); upgrade flux_klein_mlx")
+        raise FluxKleinError(
+            f"{folder} was written by a newer flux_klein_mlx (format {config['format_version']}); "
+            "upgrade flux_klein_mlx"
+        )
     for name in COMPONENTS:
         entry = config.get(name)
         if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
@@ -169,8 +183,11 @@ def _check_fit(configs: dict[str, dict], where: dict[str, Path]) -> None:
     if params.context_in_dim != width:
         encoder = {2560: "Qwen3-4B", 4096: "Qwen3-8B"}.get(te_width)
         dit = {7680: "klein-4B", 12288: "klein-9B"}.get(params.context_in_dim)
-        names = (f"the text encoder is {encoder}, the transformer {dit}" if encoder and dit
-                 else "use the text encoder from the same snapshot as the transformer")
+        names = (
+            f"the text encoder is {encoder}, the transformer {dit}"
+            if encoder and dit
+            else "use the text encoder from the same snapshot as the transformer"
+        )
         raise FluxKleinError(
             f"text encoder hidden size {te_width} ({where['text_encoder']}) gives {width}-wide embeddings but the "
             f"transformer expects {params.context_in_dim} (joint_attention_dim): {names}"
@@ -201,12 +218,17 @@ def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
     if is_mlx_folder(path):
         config = read_mlx_config(path)
         return ModelInfo(
-            source=str(model), path=path, format="mlx", is_distilled=bool(config.get("is_distilled")),
+            source=str(model),
+            path=path,
+            format="mlx",
+            is_distilled=bool(config.get("is_distilled")),
             configs={n: config[n]["config"] for n in COMPONENTS},
             files={n: prefixed_files(path, n) for n in COMPONENTS},
             quantization={n: config[n].get("quantization") for n in COMPONENTS},
-            tokenizer=path / config.get("tokenizer", "tokenizer"), scheduler=config.get("scheduler"),
-            stored_dtype=config.get("dtype"), original=config.get("source"),
+            tokenizer=path / config.get("tokenizer", "tokenizer"),
+            scheduler=config.get("scheduler"),
+            stored_dtype=config.get("dtype"),
+            original=config.get("source"),
             reference_kv=bool(config.get("reference_kv", False)),
         )
     _refuse_flux3_folder(path)
@@ -233,8 +255,10 @@ def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
 
 
 def _refuse_flux3(what: str, why: str) -> None:
-    raise FluxKleinError(f"{what} is {FLUX3_NAME} ({why}), not FLUX.2 [klein]; flux_klein_mlx runs FLUX.2 [klein] "
-                         "4B/9B only: use one of those models")
+    raise FluxKleinError(
+        f"{what} is {FLUX3_NAME} ({why}), not FLUX.2 [klein]; flux_klein_mlx runs FLUX.2 [klein] "
+        "4B/9B only: use one of those models"
+    )
 
 
 def _refuse_flux3_folder(path: Path) -> None:
@@ -251,7 +275,9 @@ def _refuse_flux3_folder(path: Path) -> None:
 
 def _describe_bfl(model, file: Path, base) -> ModelInfo:
     if file.suffix != ".safetensors":
-        raise FluxKleinError(f"{file} is not a .safetensors file; pass a model folder, a repo id or a BFL .safetensors file")
+        raise FluxKleinError(
+            f"{file} is not a .safetensors file; pass a model folder, a repo id or a BFL .safetensors file"
+        )
     key = flux3_marker(check_safetensors_file(file))  # the header's names, before any base folder is needed
     if key is not None:
         _refuse_flux3(str(file), f"key {key}")
@@ -264,23 +290,38 @@ def _describe_bfl(model, file: Path, base) -> ModelInfo:
         )
     configs = {"transformer": _bfl_transformer_config(file, base_path)}
     configs.update({n: read_json(folders[n] / "config.json") for n in folders})
-    info = _snapshot_info(model, file, "bfl", base_path, _optional_json(base_path / "model_index.json") or {},
-                          configs, folders, {"transformer": [file]})
+    info = _snapshot_info(
+        model,
+        file,
+        "bfl",
+        base_path,
+        _optional_json(base_path / "model_index.json") or {},
+        configs,
+        folders,
+        {"transformer": [file]},
+    )
     # A Base checkpoint next to (or based on) a distilled snapshot is still a Base model.
     info.is_distilled = info.is_distilled and "base" not in file.name.lower()
     return info
 
 
-def _snapshot_info(model, path: Path, fmt: str, snapshot: Path, index: dict, configs: dict, folders: dict,
-                   files: dict) -> ModelInfo:
+def _snapshot_info(
+    model, path: Path, fmt: str, snapshot: Path, index: dict, configs: dict, folders: dict, files: dict
+) -> ModelInfo:
     """A diffusers snapshot's ModelInfo (`snapshot` has the tokenizer, scheduler and `folders`), checked."""
     _check_fit(configs, folders)
     kv = index.get("_class_name") == KV_PIPELINE_CLASS  # distilled, although its index has no is_distilled key
     return ModelInfo(
-        source=str(model), path=path, format=fmt, is_distilled=kv or bool(index.get("is_distilled", False)),
-        configs=configs, files={**files, **{n: component_files(f) for n, f in folders.items()}},
-        quantization=dict.fromkeys(COMPONENTS), tokenizer=snapshot / "tokenizer",
-        scheduler=_optional_json(snapshot / "scheduler" / "scheduler_config.json"), reference_kv=kv,
+        source=str(model),
+        path=path,
+        format=fmt,
+        is_distilled=kv or bool(index.get("is_distilled", False)),
+        configs=configs,
+        files={**files, **{n: component_files(f) for n, f in folders.items()}},
+        quantization=dict.fromkeys(COMPONENTS),
+        tokenizer=snapshot / "tokenizer",
+        scheduler=_optional_json(snapshot / "scheduler" / "scheduler_config.json"),
+        reference_kv=kv,
     )
 
 
@@ -337,7 +378,9 @@ def _vae_files(path: Path) -> tuple[dict | None, list[Path], str]:
     """(config or None for a single file, weight files, name for messages) of a VAE source."""
     if path.is_file():
         if path.suffix != ".safetensors":
-            raise FluxKleinError(f"{path} is not a .safetensors file; pass a VAE folder, a .safetensors VAE or a repo id")
+            raise FluxKleinError(
+                f"{path} is not a .safetensors file; pass a VAE folder, a .safetensors VAE or a repo id"
+            )
         return None, [path], str(path)
     if is_mlx_folder(path):
         return read_mlx_config(path)["vae"]["config"], prefixed_files(path, "vae"), str(path)
@@ -481,7 +524,8 @@ def load_component(
         raise ValueError(f"unknown component {name!r}; expected one of {COMPONENTS}")
     # No name may hold the read weights while the layers are evaluated: a cast or quantized layer would
     # keep its source tensors alive (evaluated) until the load returns, the whole model twice at its end.
-    module, _ = assemble(name, info.configs[name], read_component(info, name), dtype, info.quantization[name],
-                         quantize, group_size)
+    module, _ = assemble(
+        name, info.configs[name], read_component(info, name), dtype, info.quantization[name], quantize, group_size
+    )
     evaluate_by_layer(module)
     return module

@@ -44,19 +44,43 @@ XMP_NS = "urn:flux_klein_mlx:record:1"  # the XMP namespace of our record (JPEG,
 # --- the record ---------------------------------------------------------------------------------------
 
 
-def image_metadata(settings, *, model: str, variant: str, dtype: str, quantize: int | None, loras: list[dict],
-                   references: list[str], init_image: str | None = None, mask: str | None = None,
-                   steps_run: int | None = None, vae: str | None = None) -> dict:
+def image_metadata(
+    settings,
+    *,
+    model: str,
+    variant: str,
+    dtype: str,
+    quantize: int | None,
+    loras: list[dict],
+    references: list[str],
+    init_image: str | None = None,
+    mask: str | None = None,
+    steps_run: int | None = None,
+    vae: str | None = None,
+) -> dict:
     """The record of one image: `settings` is the run's resolved `inputs.RunSettings`; images are named
     by the content hash of their pixels (the same whichever door they came through)."""
     return {
-        "prompt": settings.prompt, "negative_prompt": settings.negative_prompt, "seed": settings.seed,
-        "steps": settings.steps, "steps_run": steps_run if steps_run is not None else settings.steps,
-        "guidance": settings.guidance, "width": settings.width, "height": settings.height,
+        "prompt": settings.prompt,
+        "negative_prompt": settings.negative_prompt,
+        "seed": settings.seed,
+        "steps": settings.steps,
+        "steps_run": steps_run if steps_run is not None else settings.steps,
+        "guidance": settings.guidance,
+        "width": settings.width,
+        "height": settings.height,
         "noise": "latents" if settings.latents is not None else settings.noise,
-        "model": model, "variant": variant, "dtype": dtype, "quantize": quantize, "loras": loras,
-        "references": references, "init_image": init_image, "strength": settings.strength if init_image else None,
-        "mask": mask, "vae": vae, "software": f"flux_klein_mlx {__version__}",
+        "model": model,
+        "variant": variant,
+        "dtype": dtype,
+        "quantize": quantize,
+        "loras": loras,
+        "references": references,
+        "init_image": init_image,
+        "strength": settings.strength if init_image else None,
+        "mask": mask,
+        "vae": vae,
+        "software": f"flux_klein_mlx {__version__}",
     }
 
 
@@ -79,12 +103,19 @@ def a1111_parameters(record: dict) -> str:
     if r("negative_prompt"):
         lines.append(f"Negative prompt: {r('negative_prompt')}")
     fields = {
-        "Steps": r("steps"), "Sampler": "Euler", "Schedule type": "Simple",
-        "CFG scale": r("guidance") if r("guidance") is not None else 1, "Seed": r("seed"),
-        "Size": f"{r('width')}x{r('height')}" if r("width") else None, "Model": r("model"),
-        "VAE": r("vae"), "Denoising strength": r("strength") if r("init_image") else None,
-        "Lora hashes": ", ".join(f"{_a1111_lora_name(lora['name'])}: {lora.get('autov3') or lora['sha256']}"
-                                 for lora in r("loras") or []) or None,  # A1111's own hash (AutoV3): Civitai links it
+        "Steps": r("steps"),
+        "Sampler": "Euler",
+        "Schedule type": "Simple",
+        "CFG scale": r("guidance") if r("guidance") is not None else 1,
+        "Seed": r("seed"),
+        "Size": f"{r('width')}x{r('height')}" if r("width") else None,
+        "Model": r("model"),
+        "VAE": r("vae"),
+        "Denoising strength": r("strength") if r("init_image") else None,
+        "Lora hashes": ", ".join(
+            f"{_a1111_lora_name(lora['name'])}: {lora.get('autov3') or lora['sha256']}" for lora in r("loras") or []
+        )
+        or None,  # A1111's own hash (AutoV3): Civitai links it
         "Version": r("software", f"flux_klein_mlx {__version__}"),
     }
     lines.append(", ".join(f"{k}: {_a1111_value(v)}" for k, v in fields.items() if v is not None))
@@ -112,7 +143,7 @@ def record_xmp(record: dict) -> bytes:
         '<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
         f'<rdf:Description rdf:about="" xmlns:flux_klein_mlx="{XMP_NS}"><flux_klein_mlx:record>{text}'
         '</flux_klein_mlx:record></rdf:Description></rdf:RDF></x:xmpmeta><?xpacket end="w"?>'
-    ).encode("utf-8")
+    ).encode()
 
 
 def read_record(path: str | Path) -> dict | None:
@@ -150,8 +181,11 @@ def write_image(image: Image.Image, target, fmt: str, record: dict | None) -> No
             if not extra or "too long" not in str(e):
                 raise
             dropped, _ = extra.popitem()  # the JSON record (XMP) first, then the A1111 text (EXIF)
-            warnings.warn(f"the {'JSON record (XMP)' if dropped == 'xmp' else 'A1111 text (EXIF)'} does not fit "
-                          f"in a {fmt} file (64 KB); the image is written without it: use .png to keep it")
+            warnings.warn(
+                f"the {'JSON record (XMP)' if dropped == 'xmp' else 'A1111 text (EXIF)'} does not fit "
+                f"in a {fmt} file (64 KB); the image is written without it: use .png to keep it",
+                stacklevel=2,
+            )
 
 
 def image_bytes(image: Image.Image, record: dict | None = None) -> bytes:
@@ -191,14 +225,38 @@ def save_image(image: Image.Image, path: str | Path, record: dict | None = None,
 # real VAE weights are not available to this project's tests (benchmarks/fit_preview.py fits a
 # map for any diffusers VAE folder).
 FLUX2_RGB_FACTORS = (
-    (0.0058, 0.0113, 0.0073), (0.0495, 0.0443, 0.0836), (-0.0099, 0.0096, 0.0644), (0.2144, 0.3009, 0.3652),
-    (0.0166, -0.0039, -0.0054), (0.0157, 0.0103, -0.0160), (-0.0398, 0.0902, -0.0235), (-0.0052, 0.0095, 0.0109),
-    (-0.3527, -0.2712, -0.1666), (-0.0301, -0.0356, -0.0180), (-0.0107, 0.0078, 0.0013), (0.0746, 0.0090, -0.0941),
-    (0.0156, 0.0169, 0.0070), (-0.0034, -0.0040, -0.0114), (0.0032, 0.0181, 0.0080), (-0.0939, -0.0008, 0.0186),
-    (0.0018, 0.0043, 0.0104), (0.0284, 0.0056, -0.0127), (-0.0024, -0.0022, -0.0030), (0.1207, -0.0026, 0.0065),
-    (0.0128, 0.0101, 0.0142), (0.0137, -0.0072, -0.0007), (0.0095, 0.0092, -0.0059), (0.0000, -0.0077, -0.0049),
-    (-0.0465, -0.0204, -0.0312), (0.0095, 0.0012, -0.0066), (0.0290, -0.0034, 0.0025), (0.0220, 0.0169, -0.0048),
-    (-0.0332, -0.0457, -0.0468), (-0.0085, 0.0389, 0.0609), (-0.0076, 0.0003, -0.0043), (-0.0111, -0.0460, -0.0614),
+    (0.0058, 0.0113, 0.0073),
+    (0.0495, 0.0443, 0.0836),
+    (-0.0099, 0.0096, 0.0644),
+    (0.2144, 0.3009, 0.3652),
+    (0.0166, -0.0039, -0.0054),
+    (0.0157, 0.0103, -0.0160),
+    (-0.0398, 0.0902, -0.0235),
+    (-0.0052, 0.0095, 0.0109),
+    (-0.3527, -0.2712, -0.1666),
+    (-0.0301, -0.0356, -0.0180),
+    (-0.0107, 0.0078, 0.0013),
+    (0.0746, 0.0090, -0.0941),
+    (0.0156, 0.0169, 0.0070),
+    (-0.0034, -0.0040, -0.0114),
+    (0.0032, 0.0181, 0.0080),
+    (-0.0939, -0.0008, 0.0186),
+    (0.0018, 0.0043, 0.0104),
+    (0.0284, 0.0056, -0.0127),
+    (-0.0024, -0.0022, -0.0030),
+    (0.1207, -0.0026, 0.0065),
+    (0.0128, 0.0101, 0.0142),
+    (0.0137, -0.0072, -0.0007),
+    (0.0095, 0.0092, -0.0059),
+    (0.0000, -0.0077, -0.0049),
+    (-0.0465, -0.0204, -0.0312),
+    (0.0095, 0.0012, -0.0066),
+    (0.0290, -0.0034, 0.0025),
+    (0.0220, 0.0169, -0.0048),
+    (-0.0332, -0.0457, -0.0468),
+    (-0.0085, 0.0389, 0.0609),
+    (-0.0076, 0.0003, -0.0043),
+    (-0.0111, -0.0460, -0.0614),
 )
 FLUX2_RGB_BIAS = (-0.0329, -0.0718, -0.0851)
 
@@ -231,8 +289,11 @@ class LatentPreview:
 
 def flux2_preview() -> LatentPreview:
     """The published map for the real FLUX.2 VAE (32 latent channels)."""
-    return LatentPreview(np.array(FLUX2_RGB_FACTORS, np.float32), np.array(FLUX2_RGB_BIAS, np.float32),
-                         "ComfyUI comfy/latent_formats.py Flux2")
+    return LatentPreview(
+        np.array(FLUX2_RGB_FACTORS, np.float32),
+        np.array(FLUX2_RGB_BIAS, np.float32),
+        "ComfyUI comfy/latent_formats.py Flux2",
+    )
 
 
 def unpatchify_tokens(tokens: np.ndarray, h: int, w: int) -> np.ndarray:

@@ -22,9 +22,8 @@ import functools
 import os
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -32,117 +31,43 @@ from PIL import Image
 
 from .embedding_cache import DEFAULT_MAX_BYTES, EmbeddingCache, cached_embeddings, open_cache, prompt_keys
 from .errors import FluxKleinError
+from .events import Event, Job, MemoryPlan, StageStats, Stats
 from .inputs import PreparedInputs, RunSettings, is_int, prepare_inputs
-from .loading import COMPONENTS, DTYPES, ModelInfo, as_dtype, check_for_loading, check_weights, describe, dtype_name
-from .loading import load_component
-from .loading import read_component
+from .loading import (
+    COMPONENTS,
+    DTYPES,
+    ModelInfo,
+    as_dtype,
+    check_for_loading,
+    check_weights,
+    describe,
+    dtype_name,
+    load_component,
+    read_component,
+)
 from .lora.apply import apply_loras, load_loras
-from .output import LatentPreview, image_metadata, preview_for
 from .models.quantize import check_quantization
-from .readahead import Prefetch
 from .models.rope import image_ids, text_ids
-from .sampling import blend, cfg, euler_step, initial_noise, model_timestep, pack_latents, scale_noise, schedule
-from .sampling import reference_time, x0_estimate
 from .models.text_encoder import encode_prompts
 from .models.tokenizer import load_tokenizer
+from .output import LatentPreview, image_metadata, preview_for
+from .readahead import Prefetch
+from .sampling import (
+    blend,
+    cfg,
+    euler_step,
+    initial_noise,
+    model_timestep,
+    pack_latents,
+    reference_time,
+    scale_noise,
+    schedule,
+    x0_estimate,
+)
 
 DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-4B"
 PROMPTS_KEPT = 8  # embeddings of recent prompts (each (1, 512, C): 7.5 MB for klein-4B in bf16)
 IMAGE_SETS_KEPT = 4  # reference-token sets (each (1, L, 128): 1 MB per 1024^2 reference in bf16)
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """What a pipeline gives up for memory; `low_memory=True` is all four, `False` none.
-
-    blockwise: evaluate the transformer block by block (lower activation peak, one sync per block).
-    tiled_decode: decode in row bands (same image, bounded decoder activations).
-    release_models: release the transformer before the decode and the VAE after it (they reload
-        for the next image), so one big model is resident at a time.
-    drop_lora_originals: fuse LoRAs without keeping the original weights (a change of LoRAs then
-        reloads the transformer; with release_models it reloads for every image anyway).
-    """
-
-    blockwise: bool = False
-    tiled_decode: bool = False
-    release_models: bool = False
-    drop_lora_originals: bool = False
-
-    @classmethod
-    def of(cls, low_memory) -> "MemoryPlan":
-        if isinstance(low_memory, MemoryPlan):
-            return low_memory
-        if not isinstance(low_memory, bool):
-            raise FluxKleinError(f"low_memory must be True, False or a MemoryPlan, not {low_memory!r}")
-        return cls(True, True, True, True) if low_memory else cls()
-
-
-@dataclass
-class StageStats:
-    seconds: float = 0.0
-    peak_memory: int = 0  # bytes (mx.get_peak_memory over the stage)
-    load_seconds: float = 0.0  # the part of `seconds` spent loading models (first use, or after a release)
-
-
-@dataclass
-class Stats:
-    """Where one image's time and memory went."""
-
-    encode: StageStats = field(default_factory=StageStats)
-    denoise: StageStats = field(default_factory=StageStats)
-    decode: StageStats = field(default_factory=StageStats)
-    seconds_per_step: float = 0.0
-    reference_kv_seconds: float | None = None  # klein 9B-KV: the reference pass of the first step
-    reference_kv_bytes: int | None = None  # ... and the size of its cache
-
-    @property
-    def total_seconds(self) -> float:
-        return self.encode.seconds + self.denoise.seconds + self.decode.seconds
-
-    @property
-    def load_seconds(self) -> float:
-        """Time spent loading models while making this image (included in the stages' seconds)."""
-        return self.encode.load_seconds + self.denoise.load_seconds + self.decode.load_seconds
-
-
-@dataclass
-class Event:
-    """One event of `FluxKleinPipeline.stream`: a finished stage or denoising step."""
-
-    stage: str  # "encode" | "denoise" | "decode"
-    step: int = 0  # denoising step just finished (1-based); 0 outside the loop
-    total: int = 0  # number of denoising steps that run
-    seconds: float = 0.0  # wall time of this step or stage
-    stats: Stats = field(default_factory=Stats)
-    image: Image.Image | np.ndarray | None = None  # the final "decode" event's image
-    metadata: dict | None = None  # ... and its record (output.image_metadata)
-    # "denoise" events: the step's estimate of the clean latent tokens (1, h*w, C), lazy (for previews)
-    denoised: mx.array | None = None
-    grid: tuple[int, int] = (0, 0)  # (h, w) of the latent token grid: image size / 16
-
-
-Progress = Event  # the name earlier releases exported
-
-
-@dataclass
-class Job:
-    """One image in flight between the stages: its inputs, conditioning, latents and stats."""
-
-    inputs: PreparedInputs
-    x: mx.array  # (1, h*w, 128) packed latents; the denoise stage advances it
-    ctx: mx.array  # (1 or 2, 512, 3*hidden) prompt embeddings; [cond, uncond] with CFG
-    ref_tokens: mx.array | None  # (1, sum h_k*w_k, 128) init image + reference tokens, or None
-    ref_ids: mx.array | None  # (sum h_k*w_k, 4) their RoPE ids
-    prior: mx.array  # (1, h*w, 128) float32 noise, reused to re-noise the kept region (inpainting)
-    sigmas: list[float]  # the sigmas of the steps that run, then 0 (img2img: the first t_start skipped)
-    x0: mx.array | None = None  # (1, h*w, 128) init image tokens
-    mask: mx.array | None = None  # (1, h*w, 1) inpainting mask on the token grid, 1 = repaint
-    stats: Stats = field(default_factory=Stats)
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        """(h, w) of the latent token grid: image size / 16."""
-        return self.inputs.settings.height // 16, self.inputs.settings.width // 16
 
 
 def to_output(images: mx.array, output_type: str):
@@ -164,9 +89,18 @@ class FluxKleinPipeline:
     "tokenizer" and "vae" to functions that load them.
     """
 
-    def __init__(self, loaders: dict[str, Callable[[], object]], info: ModelInfo, *, dtype=mx.bfloat16,
-                 low_memory=False, quantization: dict | None = None, loras: list | None = None,
-                 cache: EmbeddingCache | None = None, check_files: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        loaders: dict[str, Callable[[], object]],
+        info: ModelInfo,
+        *,
+        dtype=mx.bfloat16,
+        low_memory=False,
+        quantization: dict | None = None,
+        loras: list | None = None,
+        cache: EmbeddingCache | None = None,
+        check_files: Callable[[], None] | None = None,
+    ):
         self.info = info
         self.dtype = dtype
         self.memory = MemoryPlan.of(low_memory)
@@ -371,7 +305,7 @@ class FluxKleinPipeline:
         negative_prompt=, latents=, output_type=, noise=, init_image=, strength=, mask=)`, each
         explained in `inputs.RunSettings`. Returns a PIL image (or a float32 array for
         output_type="np"); `last_stats` and `last_metadata` describe it."""
-        for event in self.stream(prompt, **settings):  # run to the end: the last event carries the image
+        for event in self.stream(prompt, **settings):  # noqa: B007  (run to the end: the last event carries the image)
             pass
         return event.image
 
@@ -433,8 +367,9 @@ class FluxKleinPipeline:
             elif plain_refs:
                 x_in = mx.concatenate([x_in, ref], axis=1)  # [target; refs]
             t = model_timestep(sigmas[i], B, self.dtype)
-            v = model.forward_with_rope(x_in, job.ctx, t, rope, txt_embedded=txt, low_memory=blockwise,
-                                        reference_kv=kv_cache)[:, : h * w]  # target tokens only
+            v = model.forward_with_rope(
+                x_in, job.ctx, t, rope, txt_embedded=txt, low_memory=blockwise, reference_kv=kv_cache
+            )[:, : h * w]  # target tokens only
             v = cfg(v, scale) if scale is not None else v
             denoised = x0_estimate(x, v, sigmas[i])
             x = euler_step(x, v, sigmas[i], sigmas[i + 1])
@@ -470,10 +405,16 @@ class FluxKleinPipeline:
         """The record of an image made from `inputs` by this pipeline (output.image_metadata)."""
         hashes = inputs.hashes
         return image_metadata(
-            inputs.settings, model=model_name(self.info.source), variant=self.info.name, dtype=dtype_name(self.dtype),
+            inputs.settings,
+            model=model_name(self.info.source),
+            variant=self.info.name,
+            dtype=dtype_name(self.dtype),
             quantize=self.quantization["bits"] if self.quantization else None,
-            loras=[lora.record() for lora in self.loras], references=hashes["references"],
-            init_image=hashes.get("init_image"), mask=hashes.get("mask"), steps_run=inputs.steps_run,
+            loras=[lora.record() for lora in self.loras],
+            references=hashes["references"],
+            init_image=hashes.get("init_image"),
+            mask=hashes.get("mask"),
+            steps_run=inputs.steps_run,
             vae=self.info.vae_source and model_name(self.info.vae_source),
         )
 
@@ -543,5 +484,13 @@ def load(
     loaders = {n: (lambda n=n: load_component(info, n, dt, quantize, group_size)) for n in COMPONENTS}
     loaders["tokenizer"] = lambda: load_tokenizer(info.tokenizer)
     quantization = info.stored_quantization or ({"bits": quantize, "group_size": group_size} if quantize else None)
-    return FluxKleinPipeline(loaders, info, dtype=dt, low_memory=plan, quantization=quantization, loras=parsed,
-                             cache=prompt_cache, check_files=lambda: check_weights(info, ("text_encoder",)))
+    return FluxKleinPipeline(
+        loaders,
+        info,
+        dtype=dt,
+        low_memory=plan,
+        quantization=quantization,
+        loras=parsed,
+        cache=prompt_cache,
+        check_files=lambda: check_weights(info, ("text_encoder",)),
+    )

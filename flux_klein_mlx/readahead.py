@@ -36,9 +36,9 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 from .models.text_encoder import keeps_key
 from .vae_source import is_decoder_key
@@ -73,11 +73,17 @@ def merge_spans(spans: Iterable[Span], gap: int = MERGE_GAP) -> list[Span]:
     return out
 
 
-def tensor_spans(files: Iterable[str | Path], keep: Callable[[str], bool] | None = None, merge: bool = True) -> list[Span]:
+def tensor_spans(
+    files: Iterable[str | Path], keep: Callable[[str], bool] | None = None, merge: bool = True
+) -> list[Span]:
     """The data of the tensors `keep(name)` selects (all by default), from the files' headers;
     merged (`merge_spans`) for reading, or one span per tensor."""
-    spans = [Span(Path(f), start, end) for f in files for name, (start, end) in safetensors_tensor_spans(f).items()
-             if keep is None or keep(name)]
+    spans = [
+        Span(Path(f), start, end)
+        for f in files
+        for name, (start, end) in safetensors_tensor_spans(f).items()
+        if keep is None or keep(name)
+    ]
     return merge_spans(spans) if merge else spans
 
 
@@ -124,8 +130,9 @@ class ReadStats:
         return self.bytes / self.seconds if self.seconds > 0 else 0.0
 
 
-def read_spans(spans: Sequence[Span], chunk_bytes: int = CHUNK_BYTES, stop: threading.Event | None = None,
-               readers: int = READERS) -> ReadStats:
+def read_spans(
+    spans: Sequence[Span], chunk_bytes: int = CHUNK_BYTES, stop: threading.Event | None = None, readers: int = READERS
+) -> ReadStats:
     """Read `spans` with `readers` threads taking the next chunk in file order, each into its own
     reused buffer; the bytes are dropped, the page cache keeps them. Several requests in flight
     (as MLX's own loader issues) are what an SSD needs for its rate: on our development VM one reader
@@ -149,7 +156,7 @@ def read_spans(spans: Sequence[Span], chunk_bytes: int = CHUNK_BYTES, stop: thre
             path, offset, length = chunk
             try:
                 n = _read_exactly(fds[path], view[:length], offset, path)
-            except Exception as e:  # noqa: BLE001  (a reader must never die silently: reported in stats.error)
+            except Exception as e:  # a reader must never die silently: reported in stats.error
                 failures.append(e)
                 stop.set()
                 return
@@ -159,7 +166,9 @@ def read_spans(spans: Sequence[Span], chunk_bytes: int = CHUNK_BYTES, stop: thre
     try:
         for path in dict.fromkeys(s.path for s in spans):
             fds[path] = os.open(path, os.O_RDONLY)
-        threads = [threading.Thread(target=reader, name="flux_klein_mlx-read", daemon=True) for _ in range(max(1, readers))]
+        threads = [
+            threading.Thread(target=reader, name="flux_klein_mlx-read", daemon=True) for _ in range(max(1, readers))
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -204,8 +213,12 @@ class ReadAhead:
     Nothing is raised or printed: a failed read ends the thread, and `stop()`/`wait()` warn once.
     """
 
-    def __init__(self, spans: Sequence[Span] | Callable[[], Sequence[Span]], chunk_bytes: int = CHUNK_BYTES,
-                 readers: int = READERS):
+    def __init__(
+        self,
+        spans: Sequence[Span] | Callable[[], Sequence[Span]],
+        chunk_bytes: int = CHUNK_BYTES,
+        readers: int = READERS,
+    ):
         self._spans = spans
         self.chunk_bytes, self.readers = chunk_bytes, readers
         self.stats = ReadStats()
@@ -214,15 +227,15 @@ class ReadAhead:
         self._reported = False
 
     @classmethod
-    def of_files(cls, files: Iterable[str | Path], **kwargs) -> "ReadAhead":
+    def of_files(cls, files: Iterable[str | Path], **kwargs) -> ReadAhead:
         files = [Path(f) for f in files]
         return cls(lambda: [Span(f, 0, f.stat().st_size) for f in files], **kwargs)
 
     @classmethod
-    def of_component(cls, info, name: str, **kwargs) -> "ReadAhead":
+    def of_component(cls, info, name: str, **kwargs) -> ReadAhead:
         return cls(lambda: component_spans(info, name), **kwargs)
 
-    def start(self) -> "ReadAhead":
+    def start(self) -> ReadAhead:
         self._thread.start()
         return self
 
@@ -243,8 +256,9 @@ class ReadAhead:
             self._thread.join(timeout)
         if self.done and self.stats.error and not self._reported:
             self._reported = True
-            warnings.warn(f"reading ahead stopped early ({self.stats.error}); loading reads the files itself",
-                          stacklevel=2)
+            warnings.warn(
+                f"reading ahead stopped early ({self.stats.error}); loading reads the files itself", stacklevel=2
+            )
         return self.stats
 
     def stop(self) -> ReadStats:
@@ -252,7 +266,7 @@ class ReadAhead:
         self._stop.set()
         return self.wait()
 
-    def __enter__(self) -> "ReadAhead":
+    def __enter__(self) -> ReadAhead:
         return self.start()
 
     def __exit__(self, *exc) -> None:

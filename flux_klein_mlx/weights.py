@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -72,10 +72,14 @@ def check_safetensors_file(path: str | Path) -> dict[str, tuple[str, tuple[int, 
     except OSError as e:
         raise FluxKleinError(f"cannot read {path} ({e.strerror}); check the file's permissions") from None
     except ValueError as e:  # no header, or a tensor without its entries
-        raise FluxKleinError(f"{path} is damaged or not a safetensors file ({e}); download or convert it again") from None
+        raise FluxKleinError(
+            f"{path} is damaged or not a safetensors file ({e}); download or convert it again"
+        ) from None
     size = path.stat().st_size
     if needed > size:
-        raise FluxKleinError(f"{path} is truncated: {size} bytes, its header needs {needed}; download or convert it again")
+        raise FluxKleinError(
+            f"{path} is truncated: {size} bytes, its header needs {needed}; download or convert it again"
+        )
     return tensors
 
 
@@ -106,9 +110,7 @@ def safetensors_tensor_spans(path: str | Path) -> dict[str, tuple[int, int]]:
     }
 
 
-def read_weight_files(
-    files: Iterable[str | Path], keep: Callable[[str], bool] | None = None
-) -> dict[str, mx.array]:
+def read_weight_files(files: Iterable[str | Path], keep: Callable[[str], bool] | None = None) -> dict[str, mx.array]:
     """Merge several (sharded) safetensors files into one lazy dict, keeping only `keep(key)`."""
     return {k: v for f in files for k, v in read_safetensors(f).items() if keep is None or keep(k)}
 
@@ -139,8 +141,9 @@ def index_shards(index: Path, fix: str) -> list[Path]:
         raise FluxKleinError(f"{index} is damaged ({e}); {fix}") from None
     missing = [n for n in names if not (index.parent / n).is_file()]
     if missing:
-        raise FluxKleinError(f"{index.parent} is incomplete: missing shard(s) {first_few(missing)} named in "
-                             f"{index.name}; {fix}")
+        raise FluxKleinError(
+            f"{index.parent} is incomplete: missing shard(s) {first_few(missing)} named in {index.name}; {fix}"
+        )
     return [index.parent / n for n in names]
 
 
@@ -165,8 +168,11 @@ def load_into(model, weights: dict[str, mx.array], what: str, dtype=None) -> Non
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
-    parts = [f"{len(keys)} {kind} ({first_few(keys, 4)})"
-             for kind, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
+    parts = [
+        f"{len(keys)} {kind} ({first_few(keys, 4)})"
+        for kind, keys in (("missing", missing), ("unexpected", unexpected))
+        if keys
+    ]
     if parts:
         raise FluxKleinError(f"{what} weights do not match the model: {'; '.join(parts)}")
     for k, v in weights.items():
@@ -221,7 +227,11 @@ def save_safetensors_streaming(
     for name, a in tensors.items():
         if a.dtype not in SAFETENSORS_DTYPES:
             raise FluxKleinError(f"cannot store {name}: dtype {a.dtype} has no safetensors equivalent")
-        header[name] = {"dtype": SAFETENSORS_DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[a.dtype],
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + a.nbytes],
+        }
         offset += a.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
@@ -306,8 +316,12 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
-def resolve_model(model: str | Path, allow_patterns: list[str] = HUB_PATTERNS, cache_dir: str | Path | None = None,
-                  size_hint: Callable[[], int | None] | None = None) -> Path:
+def resolve_model(
+    model: str | Path,
+    allow_patterns: list[str] = HUB_PATTERNS,
+    cache_dir: str | Path | None = None,
+    size_hint: Callable[[], int | None] | None = None,
+) -> Path:
     """A local folder or file as a Path; otherwise a Hugging Face repo id, downloaded into (or found
     in) the hub cache with `allow_patterns` (default: the files the pipeline needs).
 
@@ -321,10 +335,17 @@ def resolve_model(model: str | Path, allow_patterns: list[str] = HUB_PATTERNS, c
         return path
     text = str(model)
     if text.startswith((".", "/", "~")) or text.count("/") != 1 or text.endswith(".safetensors"):  # not owner/name
-        raise FluxKleinError(f"model '{text}' not found: no such folder or file, and it is not a Hugging Face repo id (owner/name)")
+        raise FluxKleinError(
+            f"model '{text}' not found: no such folder or file, and it is not a Hugging Face repo id (owner/name)"
+        )
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, HFValidationError, LocalEntryNotFoundError
-    from huggingface_hub.errors import RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     offline = hub_offline()
     cache = str(cache_dir or constants.HF_HUB_CACHE)  # the folder huggingface_hub downloads into
@@ -343,25 +364,30 @@ def resolve_model(model: str | Path, allow_patterns: list[str] = HUB_PATTERNS, c
             "a private repo needs `hf auth login`"
         ) from None
     except LocalEntryNotFoundError as e:
-        if offline:
-            raise FluxKleinError(
-                f"model '{text}' is not in the local Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set: unset it "
-                "to download, check the repo id, or give a local folder instead"
-            ) from None
-        # The hub was not reached (no network, a proxy, the hub down) and the cache lacks the repo.
-        size = size_hint and size_hint()
-        about = f"about {size / 1e9:.0f} GB, " if size else ""
-        why = type(e.__cause__).__name__ if e.__cause__ is not None else "no connection"
-        raise FluxKleinError(
-            f"cannot reach the Hugging Face hub ({why}) to download '{text}' ({about}into {cache}), and no complete "
-            "copy is cached there: check your network (proxy, HF_ENDPOINT), or download it elsewhere and give its "
-            "folder instead (--model DIR)"
-        ) from None
+        raise _not_found_locally(text, e, offline, cache, size_hint) from None
     except (HFValidationError, EntryNotFoundError, ValueError, OSError) as e:
         raise FluxKleinError(
             f"model '{text}' is neither a local folder nor a downloadable Hugging Face repo id ({type(e).__name__}); "
             "check the path or the repo id, and your network"
         ) from None
+
+
+def _not_found_locally(text: str, e: Exception, offline: bool, cache: str, size_hint) -> FluxKleinError:
+    """The one line for a repo that is not cached: offline on purpose, or the hub not reached."""
+    if offline:
+        return FluxKleinError(
+            f"model '{text}' is not in the local Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set: unset it "
+            "to download, check the repo id, or give a local folder instead"
+        )
+    # The hub was not reached (no network, a proxy, the hub down) and the cache lacks the repo.
+    size = size_hint and size_hint()
+    about = f"about {size / 1e9:.0f} GB, " if size else ""
+    why = type(e.__cause__).__name__ if e.__cause__ is not None else "no connection"
+    return FluxKleinError(
+        f"cannot reach the Hugging Face hub ({why}) to download '{text}' ({about}into {cache}), and no complete "
+        "copy is cached there: check your network (proxy, HF_ENDPOINT), or download it elsewhere and give its "
+        "folder instead (--model DIR)"
+    )
 
 
 def announce_download(repo: str, patterns: list[str], cache: str) -> None:
@@ -377,13 +403,20 @@ def announce_download(repo: str, patterns: list[str], cache: str) -> None:
         info = HfApi().model_info(repo, files_metadata=True)
         files = {s.rfilename: s.size or 0 for s in info.siblings or []}
         wanted = filter_repo_objects(list(files), allow_patterns=patterns)
-        need = sum(files[f] for f in wanted
-                   if not isinstance(try_to_load_from_cache(repo, f, cache_dir=cache, revision=info.sha), str))
-    except Exception:  # noqa: BLE001: unreachable, unknown, gated, an older huggingface_hub: the download says it
+        need = sum(
+            files[f]
+            for f in wanted
+            if not isinstance(try_to_load_from_cache(repo, f, cache_dir=cache, revision=info.sha), str)
+        )
+    except Exception:  # unreachable, unknown, gated, an older huggingface_hub: the download says it
         return
     if need >= LARGE_DOWNLOAD:
-        warnings.warn(f"downloading {repo}: {need / 1e9:.1f} GB into {cache} (once; Ctrl-C stops it, "
-                      "and --model DIR uses a copy you already have)", Notice)
+        warnings.warn(
+            f"downloading {repo}: {need / 1e9:.1f} GB into {cache} (once; Ctrl-C stops it, "
+            "and --model DIR uses a copy you already have)",
+            Notice,
+            stacklevel=2,
+        )
 
 
 # --- LoRA files ------------------------------------------------------------------------------------
@@ -413,8 +446,7 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str
         mx.eval(tensors)
     except Exception as e:  # mlx words its parse errors itself
         raise FluxKleinError(
-            f"LoRA {path.name} is damaged or not a safetensors file ({str(e).splitlines()[0][:120]}); "
-            "download it again"
+            f"LoRA {path.name} is damaged or not a safetensors file ({str(e).splitlines()[0][:120]}); download it again"
         ) from None
     return tensors, dict(metadata or {}), file_sha256(path)
 
@@ -433,10 +465,19 @@ def resolve_lora(spec: str | Path) -> Path:
     if path.is_dir():
         found = sorted(p.name for p in path.glob("*.safetensors"))
         inside = f"it holds {first_few(found)}" if found else "it holds no LoRA"
-        raise FluxKleinError(f"LoRA '{text}' is a folder, not a LoRA file ({inside}); give the .safetensors file itself")
+        raise FluxKleinError(
+            f"LoRA '{text}' is a folder, not a LoRA file ({inside}); give the .safetensors file itself"
+        )
     repo, _, filename = text.partition(":")
-    if path.exists() or text.startswith((".", "/", "~")) or repo.count("/") != 1 or (not filename and text.endswith(".safetensors")):
-        raise FluxKleinError(f"LoRA '{text}' not found: no such file, and not a Hugging Face repo id (owner/name[:file])")
+    if (
+        path.exists()
+        or text.startswith((".", "/", "~"))
+        or repo.count("/") != 1
+        or (not filename and text.endswith(".safetensors"))
+    ):
+        raise FluxKleinError(
+            f"LoRA '{text}' not found: no such file, and not a Hugging Face repo id (owner/name[:file])"
+        )
     from huggingface_hub import hf_hub_download, list_repo_files, snapshot_download
     from huggingface_hub.errors import GatedRepoError, HFValidationError
 
@@ -457,7 +498,11 @@ def resolve_lora(spec: str | Path) -> Path:
             )
         return Path(hf_hub_download(repo_id=repo, filename=names[0]))
     except GatedRepoError:
-        raise FluxKleinError(f"LoRA repo {repo} is gated: accept its licence on Hugging Face and `hf auth login`") from None
+        raise FluxKleinError(
+            f"LoRA repo {repo} is gated: accept its licence on Hugging Face and `hf auth login`"
+        ) from None
     except (HFValidationError, ValueError, OSError) as e:
         hint = "not in the local Hugging Face cache and HF_HUB_OFFLINE is set" if offline else type(e).__name__
-        raise FluxKleinError(f"LoRA '{text}' could not be found on the Hugging Face hub ({hint}); check the name") from None
+        raise FluxKleinError(
+            f"LoRA '{text}' could not be found on the Hugging Face hub ({hint}); check the name"
+        ) from None

@@ -31,8 +31,16 @@ def pytest_unconfigure(config):
 
 # The files that take longest (pytest --durations, 2 cores), run first: the two workers of .ci/run then
 # end together, instead of one finishing a long file picked up last while the other waits.
-LONG_FILES = ("test_train_distributed.py", "test_serve.py", "test_train.py", "test_train_samples.py",
-              "test_check_real_weights.py", "test_train_evaluation.py", "test_pipeline.py", "test_kv.py")
+LONG_FILES = (
+    "test_train_distributed.py",
+    "test_serve.py",
+    "test_train.py",
+    "test_train_samples.py",
+    "test_check_real_weights.py",
+    "test_train_evaluation.py",
+    "test_pipeline.py",
+    "test_kv.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -95,7 +103,9 @@ def tokenizers_built_once():
         files = Path(folder) / "tokenizer" if (Path(folder) / "tokenizer").is_dir() else Path(folder)
         if not files.is_dir():
             return build(cls, folder)  # the real loader's error
-        contents = [(p.name, hashlib.sha256(p.read_bytes()).hexdigest()) for p in sorted(files.iterdir()) if p.is_file()]
+        contents = [
+            (p.name, hashlib.sha256(p.read_bytes()).hexdigest()) for p in sorted(files.iterdir()) if p.is_file()
+        ]
         key = tuple(contents)
         if key not in built:
             built[key] = build(cls, folder)

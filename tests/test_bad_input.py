@@ -28,8 +28,8 @@ import flux_klein_mlx.pipeline as pipeline_module
 from flux_klein_mlx import convert as convert_module
 from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.inputs import open_image, preprocess_reference
 from flux_klein_mlx.files import TMP_MARKER
+from flux_klein_mlx.inputs import open_image, preprocess_reference
 from flux_klein_mlx.output import read_record, save_image
 from flux_klein_mlx.pipeline import load
 
@@ -85,8 +85,26 @@ def assert_one_line_error(code, err, *words):
 
 
 def gen_args(snapshot, out, *extra):
-    return ["generate", "--model", snapshot, "-p", "a fox", "--dtype", "float32", "-W", "64", "-H", "64",
-            "--steps", "1", "--seed", "1", "-o", out, *extra]
+    return [
+        "generate",
+        "--model",
+        snapshot,
+        "-p",
+        "a fox",
+        "--dtype",
+        "float32",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "1",
+        "--seed",
+        "1",
+        "-o",
+        out,
+        *extra,
+    ]
 
 
 # --- data loss ------------------------------------------------------------------------------------------
@@ -245,8 +263,7 @@ def damaged_copy(snapshot, tmp_path, how):
     return src
 
 
-@pytest.mark.parametrize("how,words", [("truncated", "is truncated"), ("garbage", "damaged"),
-                                       ("shape", "VAE weight")])
+@pytest.mark.parametrize("how,words", [("truncated", "is truncated"), ("garbage", "damaged"), ("shape", "VAE weight")])
 def test_damaged_vae_found_before_any_model(capsys, snapshot, tmp_path, no_models, how, words):
     src = damaged_copy(snapshot, tmp_path, how)
     before = tree_hash(src)
@@ -279,13 +296,16 @@ def test_load_message_says_what_is_true(capsys, snapshot, tmp_path):
 # --- no silent wrong results ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("extra,words", [
-    (["-W", "0"], "width 0 is below the minimum"),
-    (["--steps", "0"], "steps must be a whole number of at least 1"),
-    (["--guidance", "nan"], "guidance must be a finite number"),
-    (["--guidance", "-5"], "guidance must be a finite number >= 0"),
-    (["--guidance", "inf"], "guidance must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        (["-W", "0"], "width 0 is below the minimum"),
+        (["--steps", "0"], "steps must be a whole number of at least 1"),
+        (["--guidance", "nan"], "guidance must be a finite number"),
+        (["--guidance", "-5"], "guidance must be a finite number >= 0"),
+        (["--guidance", "inf"], "guidance must be a finite number"),
+    ],
+)
 def test_ranges_refused_by_cli_before_any_model(capsys, base, tmp_path, no_models, extra, words):
     code, _, err = run(capsys, *gen_args(base, tmp_path / "x.png", *extra))
     assert_one_line_error(code, err, words)
@@ -326,13 +346,19 @@ def test_prompt_that_is_not_text_refused_alike_by_cli_and_api(capsys, base, tmp_
     Python API and the server (JSON `\\ud800`) can pass lone surrogates themselves. One rule: an error that says
     so, before any model (the server's 400 is in test_serve)."""
     out = tmp_path / "x.png"
-    for extra, words in ((["-p", "caf\udce9"], "the prompt is not valid text: character 4 is a lone surrogate U+DCE9 "
-                                               "(byte 0xE9 that is not UTF-8"),
-                         (["--negative-prompt", "a\udcff", "--guidance", "4"], "the negative prompt is not valid text")):
+    for extra, words in (
+        (
+            ["-p", "caf\udce9"],
+            "the prompt is not valid text: character 4 is a lone surrogate U+DCE9 (byte 0xE9 that is not UTF-8",
+        ),
+        (["--negative-prompt", "a\udcff", "--guidance", "4"], "the negative prompt is not valid text"),
+    ):
         code, _, err = run(capsys, *gen_args(base, out, *extra))
         assert_one_line_error(code, err, words)
     pipe = load(base)
-    with pytest.raises(FluxKleinError, match=r"the prompt is not valid text: character 3 is a lone surrogate U\+D800; "):
+    with pytest.raises(
+        FluxKleinError, match=r"the prompt is not valid text: character 3 is a lone surrogate U\+D800; "
+    ):
         pipe.generate("a \ud800 fox", width=64, height=64)
     assert no_models == [] and not out.exists()
 
@@ -369,8 +395,9 @@ def nan_pipeline(snapshot, stage, dtype="float32"):
     return pipe
 
 
-@pytest.mark.parametrize("stage,dtype,words", [("decode", "float32", "VAE decode"),
-                                               ("encode", "bfloat16", "VAE encoding of the reference")])
+@pytest.mark.parametrize(
+    "stage,dtype,words", [("decode", "float32", "VAE decode"), ("encode", "bfloat16", "VAE encoding of the reference")]
+)
 def test_non_finite_values_end_the_run_naming_the_stage(snapshot, tmp_path, stage, dtype, words):
     ref = tmp_path / "ref.png"
     Image.new("RGB", (64, 64), (120, 30, 200)).save(ref)
@@ -496,8 +523,24 @@ def test_bad_lora_files_refused_by_the_cli_before_any_model(capsys, snapshot, tm
 
 def default_args(model, out, *extra):
     """`generate` in the default dtype (bfloat16), tiny and fast."""
-    return ["generate", "--model", model, "-p", "a fox", "-W", "64", "-H", "64", "--steps", "2", "--seed", "1",
-            "-o", out, *extra]
+    return [
+        "generate",
+        "--model",
+        model,
+        "-p",
+        "a fox",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "2",
+        "--seed",
+        "1",
+        "-o",
+        out,
+        *extra,
+    ]
 
 
 def test_jpeg_webp_progress_lines_summary_and_batch_names(capsys, snapshot, tmp_path):
@@ -520,8 +563,12 @@ def test_jpeg_webp_progress_lines_summary_and_batch_names(capsys, snapshot, tmp_
     assert taken.read_bytes() == b"mine"
     for i in (1, 2):
         assert f"image {i}/2: denoising step 1/2: " in err and f"image {i}/2: denoising step 2/2: " in err
-    sums = re.findall(r"^image (\d)/2, seed (\d): load \d+\.\d s, encode \d+\.\d s \(peak .*\), denoise \d+\.\d s = "
-                      r"\d+\.\d\d s/step .* total \d+\.\d s$", err, re.M)
+    sums = re.findall(
+        r"^image (\d)/2, seed (\d): load \d+\.\d s, encode \d+\.\d s \(peak .*\), denoise \d+\.\d s = "
+        r"\d+\.\d\d s/step .* total \d+\.\d s$",
+        err,
+        re.M,
+    )
     assert sums == [("1", "1"), ("2", "2")], err
     jpg = Path(out.split()[1])
     record = read_record(jpg)
@@ -602,8 +649,12 @@ def test_masks_in_openai_convention_and_masks_that_miss_every_cell(capsys, snaps
         prepare_init_image(init, 0.8, tiny)
     init.save(tmp_path / "init.png")
     tiny.save(tmp_path / "tiny.png")
-    code, _, err = run(capsys, *default_args(snapshot, tmp_path / "x.png", "--init-image", tmp_path / "init.png",
-                                             "--mask", tmp_path / "tiny.png"))
+    code, _, err = run(
+        capsys,
+        *default_args(
+            snapshot, tmp_path / "x.png", "--init-image", tmp_path / "init.png", "--mask", tmp_path / "tiny.png"
+        ),
+    )
     assert_one_line_error(code, err, "enlarge it")
     assert no_models == [] and not (tmp_path / "x.png").exists()
 
@@ -669,10 +720,21 @@ def flux3_folder(snapshot, folder: Path, index: str) -> Path:
         index = {"_class_name": "Flux2KleinPipeline", "is_distilled": True}
         (folder / "model_index.json").write_text(json.dumps(index))
     (folder / "transformer").mkdir()
-    (folder / "transformer" / "config.json").write_text(json.dumps({
-        "_class_name": "Flux3Transformer2DModel", "in_channels": 128, "cond_in_channels": 128, "num_layers": 5,
-        "num_single_layers": 28, "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 20480,
-        "flow_map": True}))
+    (folder / "transformer" / "config.json").write_text(
+        json.dumps(
+            {
+                "_class_name": "Flux3Transformer2DModel",
+                "in_channels": 128,
+                "cond_in_channels": 128,
+                "num_layers": 5,
+                "num_single_layers": 28,
+                "attention_head_dim": 128,
+                "num_attention_heads": 24,
+                "joint_attention_dim": 20480,
+                "flow_map": True,
+            }
+        )
+    )
     return folder
 
 
@@ -682,10 +744,17 @@ def flux3_file(path: Path) -> Path:
     from safetensors.numpy import save_file
 
     small = np.zeros((4, 4), np.float16)
-    save_file({"emb_in.image.weight": np.zeros((3072, 128), np.float16),
-               "early_stream_modulations.image.lin.weight": small, "ref_time_in.in_layer.weight": small,
-               "content_mode_blocks.image.0.q_proj.weight": small, "single_blocks.0.q_proj.weight": small,
-               "txt_in.weight": small}, str(path))  # fmt: skip
+    save_file(
+        {
+            "emb_in.image.weight": np.zeros((3072, 128), np.float16),
+            "early_stream_modulations.image.lin.weight": small,
+            "ref_time_in.in_layer.weight": small,
+            "content_mode_blocks.image.0.q_proj.weight": small,
+            "single_blocks.0.q_proj.weight": small,
+            "txt_in.weight": small,
+        },
+        str(path),
+    )
     return path
 
 
@@ -701,18 +770,23 @@ def test_flux3_image_klein_is_named_and_refused_by_every_command(capsys, snapsho
     """A FLUX 3 Image Klein folder (modular index, or a klein index with a FLUX 3 transformer) and a BFL file:
     `generate`, `convert`, `train`, `benchmark` and `serve` each say it is FLUX 3 Image Klein in one line (never
     "FLUX.2 [klein] 4B", which its hidden size matches), exit 1, load no model and write nothing."""
-    sources = [flux3_folder(snapshot, tmp_path / "flux3-modular", "modular"),
-               flux3_folder(snapshot, tmp_path / "flux3-indexed", "klein"),
-               flux3_file(tmp_path / "flux-3-image-klein.safetensors")]  # fmt: skip
+    sources = [
+        flux3_folder(snapshot, tmp_path / "flux3-modular", "modular"),
+        flux3_folder(snapshot, tmp_path / "flux3-indexed", "klein"),
+        flux3_file(tmp_path / "flux-3-image-klein.safetensors"),
+    ]
     data = tmp_path / "data"
     data.mkdir()
     Image.new("RGB", (64, 64), (20, 40, 60)).save(data / "a.png")
     (data / "a.txt").write_text("a card")
     before = tree_hash(tmp_path)
     for src in sources:
-        commands = [gen_args(src, tmp_path / "x.png"), ["convert", "-m", src, "-o", tmp_path / "out"],
-                    ["benchmark", "--model", src, "--steps", "1", "-W", "64", "-H", "64"],
-                    ["serve", "--model", src, "--port", free_port()]]  # fmt: skip
+        commands = [
+            gen_args(src, tmp_path / "x.png"),
+            ["convert", "-m", src, "-o", tmp_path / "out"],
+            ["benchmark", "--model", src, "--steps", "1", "-W", "64", "-H", "64"],
+            ["serve", "--model", src, "--port", free_port()],
+        ]
         if src.is_dir():  # `train --model FILE` is refused for being a file (train needs a Base folder or repo id)
             commands.append(["train", "--model", src, "--data", data, "--output", tmp_path / "l.safetensors"])
         for args in commands:
@@ -722,8 +796,9 @@ def test_flux3_image_klein_is_named_and_refused_by_every_command(capsys, snapsho
     assert no_models == [] and tree_hash(tmp_path) == before
 
 
-def test_convert_into_a_link_loop_benchmark_json_into_a_folder_and_a_full_disk(capsys, snapshot, tmp_path, no_models,
-                                                                              monkeypatch):
+def test_convert_into_a_link_loop_benchmark_json_into_a_folder_and_a_full_disk(
+    capsys, snapshot, tmp_path, no_models, monkeypatch
+):
     """`convert`/`quantize --output` into a symbolic-link loop (itself or the folder it is in), `benchmark --json`
     naming a folder (the suggestion is a JSON name, not an image's), and a full disk under `--output`,
     `--preview-dir` or `--json`: one line each, before any model, nothing written (issue 30)."""
@@ -736,15 +811,18 @@ def test_convert_into_a_link_loop_benchmark_json_into_a_folder_and_a_full_disk(c
     reports, full = tmp_path / "reports", tmp_path / "full"
     reports.mkdir()
     full.mkdir()
-    cases = [(["convert", "-m", snapshot, "-o", loop], f"--output {loop}: {loop} is a symbolic link that loops"),
-             (["convert", "-m", snapshot, "-o", loop / "inner"], f"{loop} is a symbolic link that loops"),
-             (["quantize", "-m", snapshot, "-b", "4", "-o", loop], f"{loop} is a symbolic link that loops"),
-             (["benchmark", "--model", snapshot, "--json", reports],
-              f"--json {reports} is a folder; give a file name inside it, e.g. {reports / 'benchmark.json'}"),
-             (default_args(snapshot, full / "x.png"), f"the disk of {full} is full (0 bytes free)"),
-             (default_args(snapshot, tmp_path / "x.png", "--preview-dir", full), f"the disk of {full} is full"),
-             (["benchmark", "--model", snapshot, "--json", full / "b.json"],
-              f"the disk of {full} is full")]  # fmt: skip
+    cases = [
+        (["convert", "-m", snapshot, "-o", loop], f"--output {loop}: {loop} is a symbolic link that loops"),
+        (["convert", "-m", snapshot, "-o", loop / "inner"], f"{loop} is a symbolic link that loops"),
+        (["quantize", "-m", snapshot, "-b", "4", "-o", loop], f"{loop} is a symbolic link that loops"),
+        (
+            ["benchmark", "--model", snapshot, "--json", reports],
+            f"--json {reports} is a folder; give a file name inside it, e.g. {reports / 'benchmark.json'}",
+        ),
+        (default_args(snapshot, full / "x.png"), f"the disk of {full} is full (0 bytes free)"),
+        (default_args(snapshot, tmp_path / "x.png", "--preview-dir", full), f"the disk of {full} is full"),
+        (["benchmark", "--model", snapshot, "--json", full / "b.json"], f"the disk of {full} is full"),
+    ]
     real = shutil_module.disk_usage
 
     def usage(path):  # the volume of `full` has no byte left, as a full disk reports it

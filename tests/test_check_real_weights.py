@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 from PIL import Image
-
 from tiny_model import shared_tiny_snapshot
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,16 +18,31 @@ REPO = Path(__file__).resolve().parents[1]
 def test_check_script_on_the_tiny_snapshot(tmp_path_factory, tmp_path):
     snapshot = shared_tiny_snapshot(tmp_path_factory, distilled=True)
     out = tmp_path / "pngs"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "check_real_weights.py"), "--model", str(snapshot),
-           "--size", "64", "--seed", "5", "--device", "cpu", "--output-dir", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "check_real_weights.py"),
+        "--model",
+        str(snapshot),
+        "--size",
+        "64",
+        "--seed",
+        "5",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(out),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ, HF_HUB_OFFLINE="1")
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout
     print(text)  # shown with -s: the report a user would see
     assert "machine:" in text and "versions:" in text and "diffusers float32 on cpu" in text
-    rows = {m[0]: [float(x) for x in m[1:]] for m in
-            re.findall(r"^(text-to-image|edit|img2img)\s+\d+x\d+\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)", text, re.M)}
+    rows = {
+        m[0]: [float(x) for x in m[1:]]
+        for m in re.findall(r"^(text-to-image|edit|img2img)\s+\d+x\d+\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)", text, re.M)
+    }
     assert set(rows) == {"text-to-image", "edit", "img2img"}, text
     for case, (emb, vel, lat, psnr) in rows.items():
         assert emb < 1e-4 and vel < 1e-3 and lat < 1e-3 and psnr > 50, (case, text)

@@ -29,8 +29,22 @@ def generate(args, capsys):
 
 def test_generate_writes_png_with_metadata_and_never_overwrites(snapshot, tmp_path, capsys):
     out = tmp_path / "fox.png"
-    args = ["--model", str(snapshot), "--prompt", "a red fox", "--seed", "42", "--width", "96", "--height", "64",
-            "--dtype", "float32", "--output", str(out)]
+    args = [
+        "--model",
+        str(snapshot),
+        "--prompt",
+        "a red fox",
+        "--seed",
+        "42",
+        "--width",
+        "96",
+        "--height",
+        "64",
+        "--dtype",
+        "float32",
+        "--output",
+        str(out),
+    ]
     code, stdout, stderr = generate(args, capsys)
     assert code == 0, stderr
     assert stdout.strip() == str(out) and out.is_file()
@@ -59,8 +73,27 @@ def test_generate_writes_png_with_metadata_and_never_overwrites(snapshot, tmp_pa
 
 def test_generate_num_images_counts_seeds_up(snapshot, tmp_path, capsys):
     out = tmp_path / "many.png"
-    code, stdout, _ = generate(["--model", str(snapshot), "-p", "x", "--seed", "5", "-n", "2", "-W", "64", "-H", "64",
-                                "--dtype", "float32", "-o", str(out)], capsys)
+    code, stdout, _ = generate(
+        [
+            "--model",
+            str(snapshot),
+            "-p",
+            "x",
+            "--seed",
+            "5",
+            "-n",
+            "2",
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--dtype",
+            "float32",
+            "-o",
+            str(out),
+        ],
+        capsys,
+    )
     assert code == 0
     paths = stdout.split()
     assert paths == [str(tmp_path / "many-0.png"), str(tmp_path / "many-1.png")]
@@ -72,8 +105,23 @@ def test_editing_with_reference_image(snapshot, tmp_path, capsys):
     ref = tmp_path / "ref.png"
     Image.fromarray((np.random.default_rng(0).random((72, 100, 3)) * 255).astype(np.uint8)).save(ref)
     out = tmp_path / "edit.png"
-    code, _, stderr = generate(["--model", str(snapshot), "-p", "make it blue", "--image", str(ref), "--seed", "1",
-                                "--dtype", "float32", "-o", str(out)], capsys)
+    code, _, stderr = generate(
+        [
+            "--model",
+            str(snapshot),
+            "-p",
+            "make it blue",
+            "--image",
+            str(ref),
+            "--seed",
+            "1",
+            "--dtype",
+            "float32",
+            "-o",
+            str(out),
+        ],
+        capsys,
+    )
     assert code == 0, stderr
     with Image.open(out) as im:
         assert im.size == (96, 64)  # the reference's size, floored to multiples of 16 and centre-cropped
@@ -109,8 +157,21 @@ def test_small_or_extreme_reference_and_unsupported_model(snapshot, tmp_path, ca
     wide = tmp_path / "wide.png"
     Image.new("RGB", (640, 64)).save(wide)
     for path, message in ((small, "both sides must be at least 64 px"), (wide, "the limit is 8:1")):
-        code, _, stderr = generate(["--model", str(snapshot), "-p", "x", "--image", str(path), "--dtype", "float32",
-                                    "-o", str(tmp_path / "o.png")], capsys)
+        code, _, stderr = generate(
+            [
+                "--model",
+                str(snapshot),
+                "-p",
+                "x",
+                "--image",
+                str(path),
+                "--dtype",
+                "float32",
+                "-o",
+                str(tmp_path / "o.png"),
+            ],
+            capsys,
+        )
         assert code == 1 and message in stderr and len(stderr.strip().splitlines()) == 1
     dev = tmp_path / "dev"
     shutil.copytree(snapshot, dev)
@@ -131,8 +192,10 @@ def test_non_finite_weights_stop_with_message_and_no_file(snapshot, tmp_path, ca
     w = mx.load(str(f))
     w["proj_out.weight"] = mx.full(w["proj_out.weight"].shape, float("inf"))
     mx.save_safetensors(str(f), w)
-    code, _, stderr = generate(["--model", str(bad), "-p", "x", "-W", "64", "-H", "64", "--dtype", "float32",
-                                "-o", str(tmp_path / "nan.png")], capsys)
+    code, _, stderr = generate(
+        ["--model", str(bad), "-p", "x", "-W", "64", "-H", "64", "--dtype", "float32", "-o", str(tmp_path / "nan.png")],
+        capsys,
+    )
     assert code == 1 and "non-finite values appeared at denoising step 1" in stderr
     assert not (tmp_path / "nan.png").exists()
 
@@ -153,18 +216,40 @@ def test_first_run_of_a_new_user_from_the_hub_cache_offline(snapshot, tmp_path):
     env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
     out = tmp_path / "first.png"
     # The default --model is the klein-4B repo id: exactly what a new user types.
-    cmd = [sys.executable, "-m", "flux_klein_mlx", "generate", "--prompt", "a lighthouse", "--seed", "3",
-           "--width", "64", "--height", "64", "--output", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flux_klein_mlx",
+        "generate",
+        "--prompt",
+        "a lighthouse",
+        "--seed",
+        "3",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--output",
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert out.is_file() and read_record(out)["model"] == "black-forest-labs/FLUX.2-klein-4B"
 
     # An id that is not in the cache: one line, exit 1, no traceback.
-    proc = subprocess.run(cmd[:-1] + [str(tmp_path / "second.png"), "--model", "someone/missing-model"], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        cmd[:-1] + [str(tmp_path / "second.png"), "--model", "someone/missing-model"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().startswith("error: model 'someone/missing-model' is not in the local Hugging Face "
-                                          f"cache ({cache}) and HF_HUB_OFFLINE is set")
+    assert proc.stderr.strip().startswith(
+        "error: model 'someone/missing-model' is not in the local Hugging Face "
+        f"cache ({cache}) and HF_HUB_OFFLINE is set"
+    )
     assert not (tmp_path / "second.png").exists()
 
 
@@ -184,21 +269,28 @@ def test_an_unreachable_hub_says_so_with_the_size_the_cache_and_the_way_out(tmp_
     offline_hub(monkeypatch, tmp_path / "hub")
     code, _, stderr = generate(["--prompt", "a fox", "-o", str(tmp_path / "x.png")], capsys)  # the default model
     assert code == 1 and len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
-    assert stderr.startswith("error: cannot reach the Hugging Face hub (ConnectError) to download "
-                             f"'black-forest-labs/FLUX.2-klein-4B' (about 16 GB, into {tmp_path / 'hub'})")
+    assert stderr.startswith(
+        "error: cannot reach the Hugging Face hub (ConnectError) to download "
+        f"'black-forest-labs/FLUX.2-klein-4B' (about 16 GB, into {tmp_path / 'hub'})"
+    )
     assert "--model DIR" in stderr and not (tmp_path / "x.png").exists()
 
 
 def test_a_large_download_is_announced_before_it_starts(snapshot, tmp_path, capsys, monkeypatch):
     """One line, before the download: its size (the files the pipeline reads, nothing cached yet), the
     cache folder, the way out. The hub's answers are stood in for (no network here)."""
-    import huggingface_hub
     from types import SimpleNamespace
 
+    import huggingface_hub
+
     offline_hub(monkeypatch, tmp_path / "hub")
-    sizes = {"transformer/diffusion_pytorch_model.safetensors": 7_750_000_000, "vae/config.json": 800,
-             "text_encoder/model-00001-of-00002.safetensors": 8_000_000_000, "README.md": 9_000,
-             "flux-2-klein-4b.safetensors": 7_750_000_000}  # the BFL single file is not downloaded
+    sizes = {
+        "transformer/diffusion_pytorch_model.safetensors": 7_750_000_000,
+        "vae/config.json": 800,
+        "text_encoder/model-00001-of-00002.safetensors": 8_000_000_000,
+        "README.md": 9_000,
+        "flux-2-klein-4b.safetensors": 7_750_000_000,
+    }  # the BFL single file is not downloaded
     info = SimpleNamespace(sha="0" * 40, siblings=[SimpleNamespace(rfilename=k, size=v) for k, v in sizes.items()])
     monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, repo, files_metadata=False: info)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda **kw: str(snapshot))
@@ -207,8 +299,10 @@ def test_a_large_download_is_announced_before_it_starts(snapshot, tmp_path, caps
     (foreign / "notes.txt").write_text("mine")
     code, _, stderr = main_cli(["convert", "-m", "black-forest-labs/FLUX.2-klein-4B", "-o", str(foreign)], capsys)
     lines = stderr.strip().splitlines()
-    assert lines[0] == (f"downloading black-forest-labs/FLUX.2-klein-4B: 15.8 GB into {tmp_path / 'hub'} (once; "
-                        "Ctrl-C stops it, and --model DIR uses a copy you already have)"), stderr
+    assert lines[0] == (
+        f"downloading black-forest-labs/FLUX.2-klein-4B: 15.8 GB into {tmp_path / 'hub'} (once; "
+        "Ctrl-C stops it, and --model DIR uses a copy you already have)"
+    ), stderr
     assert code == 1 and len(lines) == 2 and lines[1].startswith("error: ")  # the folder is not ours: refused
 
 

@@ -21,9 +21,9 @@ from tiny_model import LATENT_CHANNELS, QWEN_HIDDEN, TRANSFORMER, write_bfl_tran
 import flux_klein_mlx.weights as weights_module
 from flux_klein_mlx import __main__ as cli
 from flux_klein_mlx.convert import convert_model
+from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.loading import COMPONENTS, FORMAT, describe
 from flux_klein_mlx.loading import read_mlx_config as read_config
-from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.models.tokenizer import PromptTokenizer
 from flux_klein_mlx.weights import (
     read_safetensors,
@@ -80,7 +80,12 @@ def transformer_outputs(ours, reference, seed=0):
     t = torch.tensor([0.7])
     with torch.no_grad():
         theirs = reference(
-            hidden_states=img, encoder_hidden_states=txt, timestep=t, img_ids=img_ids, txt_ids=txt_ids, return_dict=False
+            hidden_states=img,
+            encoder_hidden_states=txt,
+            timestep=t,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            return_dict=False,
         )[0]
     mine = ours(to_mx(img), to_mx(txt), to_mx(t), to_mx(img_ids), to_mx(txt_ids))
     return mine, theirs
@@ -126,8 +131,9 @@ def test_folder_layout_and_config(converted, snapshot):
     assert "transformer.safetensors" in names and "vae.safetensors" in names
     assert "text_encoder.safetensors.index.json" in names  # split by the small shard size
     assert sorted(n for n in names if n.startswith("text_encoder-")) == [
-        "text_encoder-00001-of-00002.safetensors", "text_encoder-00002-of-00002.safetensors"
-    ]  # fmt: skip
+        "text_encoder-00001-of-00002.safetensors",
+        "text_encoder-00002-of-00002.safetensors",
+    ]
     assert sorted(p.name for p in (converted / "tokenizer").iterdir()) == sorted(
         p.name for p in (snapshot / "tokenizer").iterdir()
     )
@@ -232,8 +238,11 @@ def test_repo_id_through_the_hub_cache(snapshot, tmp_path, monkeypatch):
     assert resolve_model("acme/tiny-klein") == repo / "snapshots" / commit
     config = convert_model("acme/tiny-klein", tmp_path / "out", dtype="float32")
     assert config["source"]["model"] == "acme/tiny-klein"
-    with pytest.raises(FluxKleinError, match=r"'acme/not-cached' is not in the local Hugging Face cache \(.*\) and "
-                                             "HF_HUB_OFFLINE is set"):
+    with pytest.raises(
+        FluxKleinError,
+        match=r"'acme/not-cached' is not in the local Hugging Face cache \(.*\) and "
+        "HF_HUB_OFFLINE is set",
+    ):
         resolve_model("acme/not-cached")
     with pytest.raises(FluxKleinError, match="not found"):
         resolve_model("./no/such/folder")
@@ -391,7 +400,10 @@ def test_cli_subprocess_one_line_no_traceback(snapshot, tmp_path):
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run(
         [sys.executable, "-m", "flux_klein_mlx", "convert", "--model", str(snapshot), "--output", str(out)],
-        capture_output=True, text=True, env=env, cwd=root,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+    )
     assert r.returncode == 1
     assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr and "already exists" in r.stderr

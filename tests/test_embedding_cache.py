@@ -43,7 +43,10 @@ def encoder(snapshot):
     from flux_klein_mlx.models.tokenizer import load_tokenizer
 
     tok, info = load_tokenizer(snapshot), describe(snapshot)
-    return {n: (load_component(info, "text_encoder", d), tok) for n, d in (("bfloat16", mx.bfloat16), ("float32", mx.float32))}
+    return {
+        n: (load_component(info, "text_encoder", d), tok)
+        for n, d in (("bfloat16", mx.bfloat16), ("float32", mx.float32))
+    }
 
 
 def weight_file(folder: Path, name: str = "model.safetensors", value: float = 1.0) -> Path:
@@ -72,7 +75,9 @@ def test_hit_is_bit_identical_to_the_encoders_output(snapshot, encoder, tmp_path
     mx.eval(miss)
     cache = EmbeddingCache(tmp_path / "c")
     template = tok.hf_tokenizer.chat_template
-    keys = {p: cache.key(files, template=template, max_length=512, prompt=p, settings={"dtype": dtype}) for p in prompts}
+    keys = {
+        p: cache.key(files, template=template, max_length=512, prompt=p, settings={"dtype": dtype}) for p in prompts
+    }
     calls = []
 
     def encode(missing):
@@ -83,7 +88,9 @@ def test_hit_is_bit_identical_to_the_encoders_output(snapshot, encoder, tmp_path
     assert calls == [prompts]
     # A fresh cache object on the same folder (a new process): no encoder call, same bits.
     again = EmbeddingCache(tmp_path / "c")
-    keys2 = {p: again.key(files, template=template, max_length=512, prompt=p, settings={"dtype": dtype}) for p in prompts}
+    keys2 = {
+        p: again.key(files, template=template, max_length=512, prompt=p, settings={"dtype": dtype}) for p in prompts
+    }
     assert keys2 == keys
     second = cached_embeddings(again, keys2, encode)
     assert calls == [prompts]  # nothing encoded the second time
@@ -126,7 +133,9 @@ def test_template_is_read_without_building_the_tokenizer(snapshot, encoder, tmp_
 
 
 def test_cached_embeddings_without_a_cache_encodes_everything():
-    out = cached_embeddings(None, {"a": "", "b": ""}, lambda ps: mx.stack([mx.full((512, 3), float(len(p))) for p in ps]))
+    out = cached_embeddings(
+        None, {"a": "", "b": ""}, lambda ps: mx.stack([mx.full((512, 3), float(len(p))) for p in ps])
+    )
     assert set(out) == {"a", "b"} and out["a"].shape == (1, 512, 3)
 
 
@@ -190,7 +199,11 @@ def test_key_is_stable_and_follows_the_resolved_file(tmp_path):
     link = tmp_path / "link.safetensors"
     link.symlink_to(f)
     cache = EmbeddingCache(tmp_path / "c")
-    assert cache.key([f], **KEY_ARGS) == cache.key([link], **KEY_ARGS) == EmbeddingCache(tmp_path / "c").key([f], **KEY_ARGS)
+    assert (
+        cache.key([f], **KEY_ARGS)
+        == cache.key([link], **KEY_ARGS)
+        == EmbeddingCache(tmp_path / "c").key([f], **KEY_ARGS)
+    )
 
 
 # ---- damaged entries ----------------------------------------------------------------------------

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageDraw
+from refs import diffusers_pipeline, diffusers_prompt_embeds, picture
+from tiny_model import LATENT_CHANNELS
 
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.inputs import content_hash, prepare_init_image
-from refs import diffusers_pipeline, diffusers_prompt_embeds, picture
-from tiny_model import LATENT_CHANNELS
 
 
 @pytest.fixture(scope="module")
@@ -35,21 +35,45 @@ def ellipse_mask(w, h):
     return m
 
 
-def compare(ours_pipe, ref_pipe, *, init, steps, strength, seed, mask=None, reference=None, guidance=None,
-            prompt="a cat on a sofa"):
-    kw = dict(prompt_embeds=diffusers_prompt_embeds(ref_pipe, prompt), image=init,
-              mask_image=mask if mask is not None else Image.new("L", init.size, 255),
-              strength=strength, num_inference_steps=steps, output_type="np",
-              generator=torch.Generator("cpu").manual_seed(seed))
+def compare(
+    ours_pipe,
+    ref_pipe,
+    *,
+    init,
+    steps,
+    strength,
+    seed,
+    mask=None,
+    reference=None,
+    guidance=None,
+    prompt="a cat on a sofa",
+):
+    kw = dict(
+        prompt_embeds=diffusers_prompt_embeds(ref_pipe, prompt),
+        image=init,
+        mask_image=mask if mask is not None else Image.new("L", init.size, 255),
+        strength=strength,
+        num_inference_steps=steps,
+        output_type="np",
+        generator=torch.Generator("cpu").manual_seed(seed),
+    )
     if reference is not None:
         kw["image_reference"] = reference
     if guidance is not None:
         kw["guidance_scale"] = guidance
     with torch.no_grad():
         theirs = ref_pipe(**kw).images[0]
-    ours = ours_pipe.generate(prompt, init_image=init, strength=strength, mask=mask, steps=steps, seed=seed,
-                              images=None if reference is None else [reference], guidance=guidance,
-                              output_type="np")
+    ours = ours_pipe.generate(
+        prompt,
+        init_image=init,
+        strength=strength,
+        mask=mask,
+        steps=steps,
+        seed=seed,
+        images=None if reference is None else [reference],
+        guidance=guidance,
+        output_type="np",
+    )
     assert ours.shape == theirs.shape
     return float(np.abs(ours - theirs).max()), ours, theirs
 
@@ -67,8 +91,15 @@ def test_img2img_matches_diffusers(pipes, steps, strength, runs):
 
 def test_img2img_with_a_reference_matches_diffusers(pipes):
     ours_pipe, ref_pipe = pipes
-    err, _, _ = compare(ours_pipe, ref_pipe, init=picture(80, 64, seed=5), steps=4, strength=0.7, seed=3,
-                        reference=picture(100, 72, seed=6))
+    err, _, _ = compare(
+        ours_pipe,
+        ref_pipe,
+        init=picture(80, 64, seed=5),
+        steps=4,
+        strength=0.7,
+        seed=3,
+        reference=picture(100, 72, seed=6),
+    )
     print(f"img2img + reference: max abs {err:.2e}")
     assert err <= 1e-3
 
@@ -77,24 +108,41 @@ def test_img2img_with_a_reference_matches_diffusers(pipes):
 def test_inpainting_matches_diffusers(pipes, steps, strength):
     ours_pipe, ref_pipe = pipes
     init = picture(120, 88, seed=7)  # -> 112x80
-    err, ours, theirs = compare(ours_pipe, ref_pipe, init=init, mask=ellipse_mask(120, 88), steps=steps,
-                                strength=strength, seed=5)
+    err, ours, theirs = compare(
+        ours_pipe, ref_pipe, init=init, mask=ellipse_mask(120, 88), steps=steps, strength=strength, seed=5
+    )
     print(f"inpainting steps {steps} strength {strength}: max abs {err:.2e}")
     assert ours.shape == (80, 112, 3) and err <= 1e-3 and ours_pipe.last_metadata["mask"] is not None
 
 
 def test_inpainting_with_a_reference_matches_diffusers(pipes):
     ours_pipe, ref_pipe = pipes
-    err, _, _ = compare(ours_pipe, ref_pipe, init=picture(96, 64, seed=8), mask=ellipse_mask(96, 64), steps=4,
-                        strength=0.8, seed=9, reference=picture(64, 80, seed=10))
+    err, _, _ = compare(
+        ours_pipe,
+        ref_pipe,
+        init=picture(96, 64, seed=8),
+        mask=ellipse_mask(96, 64),
+        steps=4,
+        strength=0.8,
+        seed=9,
+        reference=picture(64, 80, seed=10),
+    )
     print(f"inpainting + reference: max abs {err:.2e}")
     assert err <= 1e-3
 
 
 def test_inpainting_on_base_with_cfg_matches_diffusers(base):
     ours_pipe = flux_klein_mlx.load(base, dtype="float32")
-    err, _, _ = compare(ours_pipe, diffusers_pipeline(base, "inpaint", False), init=picture(64, 64, seed=2),
-                        mask=ellipse_mask(64, 64), steps=3, strength=0.9, seed=1, guidance=4.0)
+    err, _, _ = compare(
+        ours_pipe,
+        diffusers_pipeline(base, "inpaint", False),
+        init=picture(64, 64, seed=2),
+        mask=ellipse_mask(64, 64),
+        steps=3,
+        strength=0.9,
+        seed=1,
+        guidance=4.0,
+    )
     print(f"inpainting Base + CFG: max abs {err:.2e}")
     assert err <= 1e-3
 
@@ -106,8 +154,9 @@ def test_latents_are_the_noise_that_strength_mixes_in(pipes):
     ours, _ = pipes
     init = picture(96, 64, seed=3)
     by_seed = ours.generate("x", init_image=init, strength=0.5, seed=8, output_type="np")
-    by_latents = ours.generate("x", init_image=init, strength=0.5, latents=torch_randn((1, 4 * LATENT_CHANNELS, 4, 6), 8),
-                               output_type="np")
+    by_latents = ours.generate(
+        "x", init_image=init, strength=0.5, latents=torch_randn((1, 4 * LATENT_CHANNELS, 4, 6), 8), output_type="np"
+    )
     assert np.array_equal(by_seed, by_latents)
 
 
@@ -125,8 +174,9 @@ def test_preprocessing_matches_diffusers_for_large_images(pipes):
     shrunk = ref.image_processor.resize(init, int(1000 * scale), int(1100 * scale))
     H, W = shrunk.height // 16 * 16, shrunk.width // 16 * 16
     pixels = ref.image_processor.preprocess(shrunk, H, W)[0].permute(1, 2, 0).numpy()
-    packed = ref.prepare_mask_latents(ref.mask_processor.preprocess(mask, height=H, width=W), 1, 1, H, W,
-                                      torch.float32, "cpu")[0].numpy()
+    packed = ref.prepare_mask_latents(
+        ref.mask_processor.preprocess(mask, height=H, width=W), 1, 1, H, W, torch.float32, "cpu"
+    )[0].numpy()
     assert ours.pixels.shape == pixels.shape == (H, W, 3) and (W, H) == (1072, 976)
     assert np.abs(ours.pixels - pixels).max() <= 1e-6
     assert ours.mask.shape == packed.shape and np.abs(ours.mask - packed).max() <= 1e-6
@@ -189,9 +239,27 @@ def test_cli_img2img_inpainting_and_noise_metadata(distilled, tmp_path, capsys):
     picture(100, 72, seed=4).save(init)
     ellipse_mask(100, 72).save(mask)
     out = tmp_path / "edit.png"
-    code, stdout, stderr = cli(["--model", str(distilled), "-p", "a cat", "--init-image", str(init), "--strength",
-                                "0.6", "--mask", str(mask), "--seed", "11", "--dtype", "float32", "-o", str(out)],
-                               capsys)
+    code, stdout, stderr = cli(
+        [
+            "--model",
+            str(distilled),
+            "-p",
+            "a cat",
+            "--init-image",
+            str(init),
+            "--strength",
+            "0.6",
+            "--mask",
+            str(mask),
+            "--seed",
+            "11",
+            "--dtype",
+            "float32",
+            "-o",
+            str(out),
+        ],
+        capsys,
+    )
     assert code == 0, stderr
     with Image.open(out) as im:
         assert im.size == (96, 64)
@@ -201,12 +269,32 @@ def test_cli_img2img_inpainting_and_noise_metadata(distilled, tmp_path, capsys):
     prepared = prepare_init_image(init, 0.6, mask)  # images are named by the content hash of their pixels
     assert meta["init_image"] == content_hash(prepared.pixels) and meta["mask"] == content_hash(prepared.mask)
     # The same run through the Python API gives the same pixels.
-    api = flux_klein_mlx.load(distilled, dtype="float32").generate("a cat", init_image=init, strength=0.6,
-                                                                   mask=mask, seed=11)
+    api = flux_klein_mlx.load(distilled, dtype="float32").generate(
+        "a cat", init_image=init, strength=0.6, mask=mask, seed=11
+    )
     assert np.array_equal(np.asarray(api), cli_pixels)
 
-    code, stdout, stderr = cli(["--model", str(distilled), "-p", "x", "-W", "64", "-H", "64", "--seed", "1",
-                                "--noise", "mlx", "--dtype", "float32", "-o", str(tmp_path / "mlx.png")], capsys)
+    code, stdout, stderr = cli(
+        [
+            "--model",
+            str(distilled),
+            "-p",
+            "x",
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--seed",
+            "1",
+            "--noise",
+            "mlx",
+            "--dtype",
+            "float32",
+            "-o",
+            str(tmp_path / "mlx.png"),
+        ],
+        capsys,
+    )
     assert code == 0, stderr
     assert json.loads(Image.open(tmp_path / "mlx.png").text["flux_klein_mlx"])["noise"] == "mlx"
 
@@ -229,9 +317,13 @@ def test_cli_img2img_inpainting_and_noise_metadata(distilled, tmp_path, capsys):
     ],
 )
 def test_cli_bad_input_one_line_exit_1_no_file(distilled, tmp_path, capsys, extra, message):
-    files = {"INIT": picture(100, 72), "MASK": Image.new("L", (100, 72), 255),
-             "SMALLMASK": Image.new("L", (64, 64), 255), "BLACKMASK": Image.new("L", (100, 72), 0),
-             "TINY": Image.new("RGB", (40, 80))}
+    files = {
+        "INIT": picture(100, 72),
+        "MASK": Image.new("L", (100, 72), 255),
+        "SMALLMASK": Image.new("L", (64, 64), 255),
+        "BLACKMASK": Image.new("L", (100, 72), 0),
+        "TINY": Image.new("RGB", (40, 80)),
+    }
     inputs = tmp_path / "in"
     inputs.mkdir()
     for name, im in files.items():

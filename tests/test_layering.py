@@ -16,8 +16,16 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "flux_klein_mlx"
 WINGS = ("train", "serve", "bench")  # the applications in folders: nothing but __main__ reaches in
-COMMAND_MODULES = {"__main__", "cli", "generate", "convert", "bench.command", "serve.command", "train.command",
-                   "lora.command"}
+COMMAND_MODULES = {
+    "__main__",
+    "cli",
+    "generate",
+    "convert",
+    "bench.command",
+    "serve.command",
+    "train.command",
+    "lora.command",
+}
 MAX_FILE_LINES = 550
 MAX_FUNCTION_LINES = 60
 MAX_FOLDER_MODULES = 7
@@ -76,7 +84,9 @@ def imported_modules(name: str, path: Path, modules: set[str]) -> set[str]:
             # `from . import x` / `from .lora import apply`: the names may be modules themselves
             found.update(f"{target}.{a.name}" if target else a.name for a in node.names)
         elif isinstance(node, ast.Import):
-            found.update(a.name.removeprefix("flux_klein_mlx.") for a in node.names if a.name.startswith("flux_klein_mlx."))
+            found.update(
+                a.name.removeprefix("flux_klein_mlx.") for a in node.names if a.name.startswith("flux_klein_mlx.")
+            )
     return {m for m in found if m in modules and m != name}
 
 
@@ -87,7 +97,7 @@ def package_imports() -> dict[str, set[str]]:
 
 
 def folder(module: str) -> str:
-    """"models.vae" -> "models"; a top-level module -> ""."""
+    """ "models.vae" -> "models"; a top-level module -> ""."""
     return module.rpartition(".")[0]
 
 
@@ -214,15 +224,21 @@ def test_folders_stay_small():
             modules[where] = modules.get(where, 0) + 1
     for where, count in modules.items():
         limit = FOLDER_MODULE_LIMITS.get(where, MAX_FOLDER_MODULES)
-        assert count <= limit, f"{where}/ holds {count} modules (at most {limit}): split the folder by what its files do"
-        assert lines[where] <= MAX_FOLDER_LINES, f"{where}/ holds {lines[where]} lines (about {MAX_FOLDER_LINES} at most)"
+        assert count <= limit, (
+            f"{where}/ holds {count} modules (at most {limit}): split the folder by what its files do"
+        )
+        assert lines[where] <= MAX_FOLDER_LINES, (
+            f"{where}/ holds {lines[where]} lines (about {MAX_FOLDER_LINES} at most)"
+        )
 
 
 def test_every_arrow_in_a_floored_wing_points_down():
     graph = package_imports()
     for wing, floors in FLOORS.items():
         modules = {m.removeprefix(wing + ".") for m in graph if folder(m) == wing}
-        assert modules == set(floors), f"{wing}/: modules without a floor or floors without a module: {sorted(modules ^ set(floors))}"
+        assert modules == set(floors), (
+            f"{wing}/: modules without a floor or floors without a module: {sorted(modules ^ set(floors))}"
+        )
         for module in modules:
             for dep in graph[f"{wing}.{module}"]:
                 if folder(dep) != wing:
@@ -246,8 +262,13 @@ def test_every_safe_write_lives_in_files_which_imports_only_errors():
     writers = []
     for module, tree in sources().items():
         for node in ast.walk(tree):
-            if (module != "files" and isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                    and node.value.id == "os" and node.attr in ("replace", "rename", "link", "symlink")):
+            if (
+                module != "files"
+                and isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "os"
+                and node.attr in ("replace", "rename", "link", "symlink")
+            ):
                 writers.append(f"{module}: os.{node.attr}")
             if module != "files" and isinstance(node, ast.Attribute) and node.attr == "mkstemp":
                 writers.append(f"{module}: mkstemp")
@@ -259,7 +280,13 @@ def test_no_constant_is_assigned_in_two_modules():
     homes: dict[str, list[str]] = {}
     for module, tree in sources().items():
         for node in tree.body:
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign)
+                else []
+            )
             for target in targets:
                 if isinstance(target, ast.Name) and target.id.lstrip("_").isupper():
                     homes.setdefault(target.id, []).append(module)

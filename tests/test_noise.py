@@ -6,15 +6,22 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from refs import diffusers_pipeline, picture
 
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.sampling import initial_noise, seed_for_image, torch_randn
-from refs import diffusers_pipeline, picture
 
 SEEDS = [0, 1, 42, 2**31 - 1, 2**32 + 5]
 # (1, 128, H/16, W/16) latents of 64x64 ... 1024x1024 px images and non-square ones.
-LATENT_SHAPES = [(1, 128, 4, 4), (1, 128, 16, 16), (1, 128, 32, 32), (1, 128, 64, 64), (1, 128, 48, 80),
-                 (1, 128, 5, 7), (1, 128, 64, 40)]
+LATENT_SHAPES = [
+    (1, 128, 4, 4),
+    (1, 128, 16, 16),
+    (1, 128, 32, 32),
+    (1, 128, 64, 64),
+    (1, 128, 48, 80),
+    (1, 128, 5, 7),
+    (1, 128, 64, 40),
+]
 # Fewer than 16 elements (torch's double-precision path) and sizes that are not multiples of 16
 # (the last 16 elements are redrawn).
 ODD_SHAPES = [(1,), (2,), (3,), (7,), (15,), (1, 1, 3, 5), (16,), (17,), (31,), (33,), (1, 8, 3, 3)]
@@ -85,10 +92,18 @@ def by_seed(path, seed, **kwargs):
     import flux_klein_mlx
 
     ref = diffusers_pipeline(path)
-    theirs_kw = dict(prompt=kwargs["prompt"], num_inference_steps=kwargs["steps"], output_type="np",
-                     generator=torch.Generator("cpu").manual_seed(seed))
-    for ours_name, their_name in (("width", "width"), ("height", "height"), ("images", "image"),
-                                  ("guidance", "guidance_scale")):
+    theirs_kw = dict(
+        prompt=kwargs["prompt"],
+        num_inference_steps=kwargs["steps"],
+        output_type="np",
+        generator=torch.Generator("cpu").manual_seed(seed),
+    )
+    for ours_name, their_name in (
+        ("width", "width"),
+        ("height", "height"),
+        ("images", "image"),
+        ("guidance", "guidance_scale"),
+    ):
         if kwargs.get(ours_name) is not None:
             theirs_kw[their_name] = kwargs[ours_name]
     with torch.no_grad():

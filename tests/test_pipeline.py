@@ -12,22 +12,29 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from refs import diffusers_pipeline, noise, picture
+from tiny_model import LATENT_CHANNELS
 
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
-from refs import diffusers_pipeline, noise, picture
-from tiny_model import LATENT_CHANNELS
 
 C = 4 * LATENT_CHANNELS  # transformer token channels
 
 
-def run_both(path, prompt, *, width=None, height=None, steps=4, images=None, guidance=None,
-             negative_prompt=None, out_hw=None):
+def run_both(
+    path, prompt, *, width=None, height=None, steps=4, images=None, guidance=None, negative_prompt=None, out_hw=None
+):
     ref = diffusers_pipeline(path)
     h, w = out_hw or (height, width)
     lat = noise(h, w)
-    kwargs = dict(prompt=prompt, height=height, width=width, num_inference_steps=steps, output_type="np",
-                  latents=torch.from_numpy(lat))
+    kwargs = dict(
+        prompt=prompt,
+        height=height,
+        width=width,
+        num_inference_steps=steps,
+        output_type="np",
+        latents=torch.from_numpy(lat),
+    )
     if images is not None:
         kwargs["image"] = images
     if guidance is not None:
@@ -38,8 +45,17 @@ def run_both(path, prompt, *, width=None, height=None, steps=4, images=None, gui
     with torch.no_grad():
         theirs = ref(**kwargs).images[0]
     pipe = flux_klein_mlx.load(path, dtype="float32")
-    ours = pipe.generate(prompt, width=width, height=height, steps=steps, images=images, guidance=guidance,
-                         negative_prompt=negative_prompt, latents=lat, output_type="np")
+    ours = pipe.generate(
+        prompt,
+        width=width,
+        height=height,
+        steps=steps,
+        images=images,
+        guidance=guidance,
+        negative_prompt=negative_prompt,
+        latents=lat,
+        output_type="np",
+    )
     return ours, theirs, pipe
 
 
@@ -60,14 +76,16 @@ def test_one_reference_image_matches_diffusers(distilled):
 
 def test_two_references_of_different_sizes_match_diffusers(distilled):
     refs = [picture(64, 80, seed=2), picture(112, 64, seed=3)]
-    ours, theirs, _ = run_both(distilled, "the cat from the first in the room of the second", images=refs,
-                               width=64, height=64)
+    ours, theirs, _ = run_both(
+        distilled, "the cat from the first in the room of the second", images=refs, width=64, height=64
+    )
     assert np.abs(ours - theirs).max() <= 1e-3
 
 
 def test_base_model_with_cfg_and_negative_prompt_matches_diffusers(base):
-    ours, theirs, pipe = run_both(base, "a lighthouse at dusk", width=64, height=64, steps=3, guidance=4.0,
-                                  negative_prompt="blurry, low quality")
+    ours, theirs, pipe = run_both(
+        base, "a lighthouse at dusk", width=64, height=64, steps=3, guidance=4.0, negative_prompt="blurry, low quality"
+    )
     assert np.abs(ours - theirs).max() <= 1e-3
     assert not pipe.info.is_distilled and pipe.info.default_steps == 50 and pipe.info.default_guidance == 4.0
 
@@ -101,10 +119,12 @@ def test_seed_reproducible_and_low_memory_staging(distilled):
 
 def test_bfloat16_close_to_float32(distilled):
     lat = noise(64, 64)
-    f32 = flux_klein_mlx.load(distilled, dtype="float32").generate("x", width=64, height=64, latents=lat,
-                                                                  output_type="np")
-    b16 = flux_klein_mlx.load(distilled, dtype="bfloat16").generate("x", width=64, height=64, latents=lat,
-                                                                     output_type="np")
+    f32 = flux_klein_mlx.load(distilled, dtype="float32").generate(
+        "x", width=64, height=64, latents=lat, output_type="np"
+    )
+    b16 = flux_klein_mlx.load(distilled, dtype="bfloat16").generate(
+        "x", width=64, height=64, latents=lat, output_type="np"
+    )
     assert np.abs(f32 - b16).max() < 0.1  # images in [0, 1]
 
 
@@ -163,8 +183,9 @@ def test_converted_folder_gives_the_same_image(distilled, tmp_path):
     out = tmp_path / "mlx"
     convert_model(distilled, out, dtype="float32")
     lat = noise(64, 64)
-    a = flux_klein_mlx.load(distilled, dtype="float32").generate("a boat", width=64, height=64, latents=lat,
-                                                                output_type="np")
+    a = flux_klein_mlx.load(distilled, dtype="float32").generate(
+        "a boat", width=64, height=64, latents=lat, output_type="np"
+    )
     pipe = flux_klein_mlx.load(out, dtype="float32")
     b = pipe.generate("a boat", width=64, height=64, latents=lat, output_type="np")
     assert np.abs(a - b).max() <= 1e-5
@@ -179,16 +200,18 @@ def test_quantize_at_load(distilled, tmp_path, bits, tolerance):
     from flux_klein_mlx.models.quantize import is_quantized
 
     lat = noise(64, 64)
-    plain = flux_klein_mlx.load(distilled, dtype="float32").generate("a boat", width=64, height=64, latents=lat,
-                                                                    output_type="np")
+    plain = flux_klein_mlx.load(distilled, dtype="float32").generate(
+        "a boat", width=64, height=64, latents=lat, output_type="np"
+    )
     pipe = flux_klein_mlx.load(distilled, dtype="float32", quantize=bits)
     at_load = pipe.generate("a boat", width=64, height=64, latents=lat, output_type="np")
     assert pipe.quantization["bits"] == bits and is_quantized(pipe.component("transformer"))
     assert 0 < np.abs(plain - at_load).max() < tolerance
     out = tmp_path / f"q{bits}"
     convert_model(distilled, out, dtype="float32", bits=bits)
-    stored = flux_klein_mlx.load(out, dtype="float32").generate("a boat", width=64, height=64, latents=lat,
-                                                               output_type="np")
+    stored = flux_klein_mlx.load(out, dtype="float32").generate(
+        "a boat", width=64, height=64, latents=lat, output_type="np"
+    )
     assert np.abs(stored - at_load).max() <= 1e-5
 
 
@@ -206,20 +229,40 @@ def test_references_are_read_and_encoded_once_per_batch(distilled, tmp_path, mon
     opened, encoded = [], []
     real_open, real_encode = inputs_module.open_image, AutoEncoder.encode_to_tokens
     monkeypatch.setattr(inputs_module, "open_image", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
-    monkeypatch.setattr(AutoEncoder, "encode_to_tokens", lambda self, x: encoded.append(x.shape) or real_encode(self, x))
-    args = ["generate", "-m", str(distilled), "-p", "x", "-i", str(ref), "-n", "2", "--seed", "1", "--steps", "1",
-            "--dtype", "float32", "-o", str(tmp_path / "out.png")]
+    monkeypatch.setattr(
+        AutoEncoder, "encode_to_tokens", lambda self, x: encoded.append(x.shape) or real_encode(self, x)
+    )
+    args = [
+        "generate",
+        "-m",
+        str(distilled),
+        "-p",
+        "x",
+        "-i",
+        str(ref),
+        "-n",
+        "2",
+        "--seed",
+        "1",
+        "--steps",
+        "1",
+        "--dtype",
+        "float32",
+        "-o",
+        str(tmp_path / "out.png"),
+    ]
     assert main(args) == 0
     assert opened == [str(ref)] and len(encoded) == 1
 
 
 def test_memory_plan_parts_can_be_chosen_alone(distilled):
-    from flux_klein_mlx.pipeline import MemoryPlan
+    from flux_klein_mlx.events import MemoryPlan
 
     assert MemoryPlan.of(True) == MemoryPlan(True, True, True, True) and MemoryPlan.of(False) == MemoryPlan()
     lat = noise(64, 64)
-    whole = flux_klein_mlx.load(distilled, dtype="float32").generate("x", width=64, height=64, latents=lat,
-                                                                      output_type="np")
+    whole = flux_klein_mlx.load(distilled, dtype="float32").generate(
+        "x", width=64, height=64, latents=lat, output_type="np"
+    )
     tiled = flux_klein_mlx.load(distilled, dtype="float32", low_memory=MemoryPlan(tiled_decode=True))
     image = tiled.generate("x", width=64, height=64, latents=lat, output_type="np")
     assert tiled.is_loaded("transformer") and tiled.is_loaded("vae")  # nothing released: only the decode is tiled

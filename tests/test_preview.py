@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tiny_model import LATENT_CHANNELS
 
 import flux_klein_mlx
 from flux_klein_mlx.output import FLUX2_RGB_FACTORS, LatentPreview, flux2_preview, preview_for, unpatchify_tokens
-from tiny_model import LATENT_CHANNELS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,8 +86,27 @@ def test_generate_writes_step_previews(snapshot, tmp_path):
     previews = tmp_path / "previews"
     previews.mkdir()
     out = tmp_path / "fox.png"
-    args = ["generate", "-p", "a fox", "-m", str(snapshot), "-W", "64", "-H", "64", "--steps", "3", "--seed", "1",
-            "--dtype", "float32", "-o", str(out), "--preview-dir", str(previews)]
+    args = [
+        "generate",
+        "-p",
+        "a fox",
+        "-m",
+        str(snapshot),
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "3",
+        "--seed",
+        "1",
+        "--dtype",
+        "float32",
+        "-o",
+        str(out),
+        "--preview-dir",
+        str(previews),
+    ]
     assert main(args) == 0
     files = sorted(p.name for p in previews.iterdir())
     assert files == ["fox-step01.png", "fox-step02.png", "fox-step03.png"]
@@ -97,8 +116,17 @@ def test_generate_writes_step_previews(snapshot, tmp_path):
 def test_generate_preview_dir_must_exist(snapshot, tmp_path, capsys):
     from flux_klein_mlx.__main__ import main
 
-    args = ["generate", "-p", "x", "-m", str(snapshot), "-o", str(tmp_path / "x.png"),
-            "--preview-dir", str(tmp_path / "missing")]
+    args = [
+        "generate",
+        "-p",
+        "x",
+        "-m",
+        str(snapshot),
+        "-o",
+        str(tmp_path / "x.png"),
+        "--preview-dir",
+        str(tmp_path / "missing"),
+    ]
     assert main(args) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: --preview-dir") and "create it first" in err and "Traceback" not in err

@@ -123,7 +123,9 @@ def test_cold_start_script_runs_on_the_tiny_snapshot(tmp_path_factory):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     model = str(shared_tiny_snapshot(tmp_path_factory))
-    loads = [dict(script.child_load(model, "vae", readahead=mode, overlap=0.05), cold=False) for mode in (None, "overlap")]
+    loads = [
+        dict(script.child_load(model, "vae", readahead=mode, overlap=0.05), cold=False) for mode in (None, "overlap")
+    ]
     # The load holds what it read, with or without read-ahead (in-process, the peak also counts
     # whatever earlier tests still hold; the script runs each load in a fresh process).
     assert all(x["peak_memory"] >= x["bytes_to_load"] for x in loads)
@@ -131,8 +133,13 @@ def test_cold_start_script_runs_on_the_tiny_snapshot(tmp_path_factory):
     assert loads[1]["readahead"]["bytes"] <= loads[1]["bytes_to_load"]
     cache = script.child_cache(model)
     assert cache["hit_equals"] and cache["entry_bytes"] > 512 * 7680 * 2
-    results = {"model": model, "drop": "not dropped", "sequential": {"bytes": 1e9, "seconds": 1.0, "rate": 1e9},
-               "loads": loads, "cache": cache,
-               "limit": {"bytes": 1e9, "read_seconds": 1.0, "flops_1024_4_steps": 1e12, "compute_seconds_at_peak": None}}  # fmt: skip
+    results = {
+        "model": model,
+        "drop": "not dropped",
+        "sequential": {"bytes": 1e9, "seconds": 1.0, "rate": 1e9},
+        "loads": loads,
+        "cache": cache,
+        "limit": {"bytes": 1e9, "read_seconds": 1.0, "flops_1024_4_steps": 1e12, "compute_seconds_at_peak": None},
+    }
     text = script.report(results)
     assert "| vae | warm | overlap:" in text and "hit bit-identical: True" in text

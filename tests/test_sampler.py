@@ -1,20 +1,26 @@
 """The klein schedule against diffusers' scheduler + pipeline mu, and the Euler step."""
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 
-import mlx.core as mx
 from flux_klein_mlx.sampling import empirical_mu, euler_step, initial_noise, schedule
 
 
 def reference_sigmas(seq_len: int, steps: int) -> np.ndarray:
     # Exactly what Flux2KleinPipeline does (spec 7.1 / 11 scheduler config).
     sched = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-        base_image_seq_len=256, max_image_seq_len=4096, time_shift_type="exponential",
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+        time_shift_type="exponential",
     )
     sigmas = np.linspace(1.0, 1 / steps, steps)
     sched.set_timesteps(sigmas=sigmas, mu=compute_empirical_mu(seq_len, steps))

@@ -20,11 +20,11 @@ from refs import randomize_, rel_err, to_bfl, to_mx, vae_reference_decode, vae_r
 from safetensors.torch import save_file
 from tiny_model import VAE, shared_tiny_snapshot
 
-from flux_klein_mlx.models.config import AutoEncoderConfig
-from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.bench.flops import flops_of_vae_decoder
-from flux_klein_mlx.loading import describe, load_component, read_component, with_vae
 from flux_klein_mlx.bench.measure import bytes_to_load
+from flux_klein_mlx.errors import FluxKleinError
+from flux_klein_mlx.loading import describe, load_component, read_component, with_vae
+from flux_klein_mlx.models.config import AutoEncoderConfig
 
 SMALL = dict(VAE, block_out_channels=(32, 32, 64, 64), decoder_block_out_channels=(24, 24, 48, 48))
 NARROW_DECODER = dict(VAE, decoder_block_out_channels=(8, 8, 24, 24))  # the tiny snapshot's encoder (16, 16, 32, 32)
@@ -44,7 +44,9 @@ def small(tmp_path_factory):
     ref.save_pretrained(root)  # config.json + diffusion_pytorch_model.safetensors
     save_file(to_bfl(ref.state_dict(), 4), str(root / "full_encoder_small_decoder.safetensors"))
     narrow = randomize_(AutoencoderKLFlux2(**NARROW_DECODER), seed=6).eval()
-    decoder = {k: v.contiguous() for k, v in narrow.state_dict().items() if k.startswith(("decoder.", "post_quant_conv."))}
+    decoder = {
+        k: v.contiguous() for k, v in narrow.state_dict().items() if k.startswith(("decoder.", "post_quant_conv."))
+    }
     save_file(decoder, str(root / "decoder_only.safetensors"))
     return SimpleNamespace(root=root, ref=ref, narrow=narrow, bfl=root / "full_encoder_small_decoder.safetensors")
 
@@ -66,8 +68,15 @@ def test_small_decoder_equals_diffusers(snapshot, small, source):
     vae = small.root if source == "folder" else small.bfl
     info = describe(snapshot, vae=vae)
     config = AutoEncoderConfig.from_dict(info.configs["vae"])
-    assert tuple(config.decoder_block_out_channels) == (24, 24, 48, 48) and tuple(config.block_out_channels) == (32, 32, 64, 64)
-    assert info.files["vae"] == ([small.root / "diffusion_pytorch_model.safetensors"] if source == "folder" else [small.bfl])
+    assert tuple(config.decoder_block_out_channels) == (24, 24, 48, 48) and tuple(config.block_out_channels) == (
+        32,
+        32,
+        64,
+        64,
+    )
+    assert info.files["vae"] == (
+        [small.root / "diffusion_pytorch_model.safetensors"] if source == "folder" else [small.bfl]
+    )
     assert info.vae_source == str(vae) and info.decoder_files is None
     model = load_component(info, "vae", mx.float32)
     assert model.decoder.conv_in.weight.shape == (48, 3, 3, 8)  # (O, kh, kw, I): the narrow decoder was built
@@ -82,7 +91,9 @@ def test_decoder_only_source_keeps_the_models_encoder_and_latent_statistics(snap
     own = AutoencoderKLFlux2.from_pretrained(snapshot / "vae").eval()
     ref = AutoencoderKLFlux2(**NARROW_DECODER).eval()
     merged = {k: v for k, v in own.state_dict().items() if not k.startswith(("decoder.", "post_quant_conv."))}
-    merged.update({k: v for k, v in small.narrow.state_dict().items() if k.startswith(("decoder.", "post_quant_conv."))})
+    merged.update(
+        {k: v for k, v in small.narrow.state_dict().items() if k.startswith(("decoder.", "post_quant_conv."))}
+    )
     ref.load_state_dict(merged)
     check_parity(load_component(info, "vae", mx.float32), ref, seed=2)
     # Read-ahead plans the bytes this load reads: the model's encoder + statistics, the file's decoder.
@@ -110,7 +121,9 @@ def test_repo_id_through_the_hub_cache(snapshot, small, tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     info = describe(snapshot, vae="black-forest-labs/FLUX.2-small-decoder")
     assert info.configs["vae"]["decoder_block_out_channels"] == [24, 24, 48, 48]
-    with pytest.raises(FluxKleinError, match="VAE: 'black-forest-labs/FLUX.2-nothing' is not in the local Hugging Face cache"):
+    with pytest.raises(
+        FluxKleinError, match="VAE: 'black-forest-labs/FLUX.2-nothing' is not in the local Hugging Face cache"
+    ):
         describe(snapshot, vae="black-forest-labs/FLUX.2-nothing")
 
 
@@ -140,16 +153,24 @@ def test_bad_vae_sources_are_one_clear_line(snapshot, small, tmp_path):
     flux1 = tmp_path / "flux1"
     randomize_(
         AutoencoderKL(
-            down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-            block_out_channels=(32, 32), layers_per_block=1, latent_channels=16, norm_num_groups=32,
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            block_out_channels=(32, 32),
+            layers_per_block=1,
+            latent_channels=16,
+            norm_num_groups=32,
         ),
         seed=1,
-    ).save_pretrained(flux1)  # fmt: skip
+    ).save_pretrained(flux1)
     other_latent = tmp_path / "latent4"
     AutoencoderKLFlux2(**dict(VAE, latent_channels=4)).save_pretrained(other_latent)
     deep = tmp_path / "deep.safetensors"
     save_file(
-        {k: v.contiguous() for k, v in AutoencoderKLFlux2(**dict(VAE, layers_per_block=2)).state_dict().items() if k.startswith("decoder.")},
+        {
+            k: v.contiguous()
+            for k, v in AutoencoderKLFlux2(**dict(VAE, layers_per_block=2)).state_dict().items()
+            if k.startswith("decoder.")
+        },
         str(deep),
     )
     cases = [
@@ -202,8 +223,25 @@ def test_generate_with_another_decoder_names_it_in_the_record(snapshot, small, t
     from flux_klein_mlx.output import read_record
 
     out = tmp_path / "x.png"
-    args = ["generate", "-m", str(snapshot), "--vae", str(small.root / "decoder_only.safetensors"), "-p", "a fox",
-            "-W", "64", "-H", "64", "--steps", "1", "--seed", "1", "-o", str(out)]  # fmt: skip
+    args = [
+        "generate",
+        "-m",
+        str(snapshot),
+        "--vae",
+        str(small.root / "decoder_only.safetensors"),
+        "-p",
+        "a fox",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "1",
+        "--seed",
+        "1",
+        "-o",
+        str(out),
+    ]
     assert main(args) == 0
     assert read_record(out)["vae"] == "decoder_only.safetensors"
     assert "VAE: decoder_only.safetensors" in Image.open(out).info["parameters"]

@@ -14,9 +14,9 @@ import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import click
 import mlx.core as mx
@@ -25,8 +25,13 @@ from mlx.utils import tree_flatten
 from PIL import Image
 
 from ..cli import run_command
-from ..models.config import VARIANTS
 from ..errors import FluxKleinError
+from ..files import check_output_file, write_exclusive
+from ..loading import DTYPES, dtype_name
+from ..models.config import VARIANTS
+from ..models.text_encoder import OUT_LAYERS, encode_prompts
+from ..models.tokenizer import MAX_LENGTH
+from ..pipeline import FluxKleinPipeline, load
 from .flops import (
     flops_of_text_encoder,
     flops_of_transformer,
@@ -34,13 +39,8 @@ from .flops import (
     machine_info,
     reference_pass_flops,
 )
-from ..loading import DTYPES, dtype_name
-from ..files import check_output_file, write_exclusive
-from ..pipeline import FluxKleinPipeline, load
 from .random_model import random_pipeline
-from ..models.text_encoder import OUT_LAYERS, encode_prompts
 from .time_to_image import format_cold, measure_cold
-from ..models.tokenizer import MAX_LENGTH
 
 DEFAULT_PROMPT = "a red fox in fresh snow at dawn, soft light, 35 mm photograph"
 
@@ -65,8 +65,11 @@ def _timed_load(run: Run, name: str):
     t0 = time.perf_counter()
     model = run.pipe.component(name)
     mx.eval(model.parameters())
-    run.stages[f"{name}_load"] = {"seconds": time.perf_counter() - t0, "peak_memory_gb": mx.get_peak_memory() / 1e9,
-                                  "weights_gb": sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9}
+    run.stages[f"{name}_load"] = {
+        "seconds": time.perf_counter() - t0,
+        "peak_memory_gb": mx.get_peak_memory() / 1e9,
+        "weights_gb": sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9,
+    }
     return model
 
 
@@ -131,8 +134,9 @@ def _text_encoder_stage(run: Run) -> mx.array:
     tokenizer = pipe.component("tokenizer")
     run.flops["text_encoder"] = flops_of_text_encoder(encoder.config, layers=max(OUT_LAYERS), tokens=MAX_LENGTH).total
     mx.reset_peak_memory()
-    times, ctx = _repeat(lambda: encode_prompts(encoder, tokenizer, [DEFAULT_PROMPT]).astype(pipe.dtype),
-                         run.warmup, run.trials)
+    times, ctx = _repeat(
+        lambda: encode_prompts(encoder, tokenizer, [DEFAULT_PROMPT]).astype(pipe.dtype), run.warmup, run.trials
+    )
     run.stages["text_encoding"] = _summary(run, times, run.flops["text_encoder"], mx.get_peak_memory() / 1e9)
     run.log(f"text encoding: {run.stages['text_encoding']['median_s']:.3f} s")
     encoder = None  # drop this reference before releasing the slot's
@@ -151,8 +155,9 @@ def _denoise_stage(run: Run):
     images = reference_pictures(run.references, run.width, run.height, run.seed)
     step_times, stats = [], []  # of the timed trials
     for trial in range(run.warmup + run.trials):
-        job = pipe.prepare(DEFAULT_PROMPT, width=run.width, height=run.height, steps=run.steps, seed=run.seed,
-                           images=images)
+        job = pipe.prepare(
+            DEFAULT_PROMPT, width=run.width, height=run.height, steps=run.steps, seed=run.seed, images=images
+        )
         seconds = [event.seconds for event in pipe.denoise(job)]
         if trial >= run.warmup:
             step_times.append(seconds)
@@ -160,7 +165,7 @@ def _denoise_stage(run: Run):
         what = f"warm-up {trial + 1}" if trial < run.warmup else f"trial {trial - run.warmup + 1}"
         run.log(f"denoising {what}: {job.stats.denoise.seconds:.2f} s")
     memory = max(st.denoise.peak_memory for st in stats) / 1e9
-    per_index = list(zip(*step_times))  # (steps, trials)
+    per_index = list(zip(*step_times, strict=True))  # (steps, trials)
     all_steps = [t for ts in per_index for t in ts]
     # KV steps are not alike (the first one also runs the reference pass): no one FLOP count for all.
     run.stages["denoise_step"] = _summary(run, all_steps, None if run.kv else step.total, memory)
@@ -172,7 +177,7 @@ def _denoise_stage(run: Run):
         run.stages["kv_reference_pass"]["cache_gb"] = job.stats.reference_kv_bytes / 1e9
         run.stages["kv_first_step"] = _summary(run, per_index[0], step.total + ref_pass, memory)
         if run.steps > 1:  # steps 2.. of every trial
-            run.stages["kv_cached_step"] = _summary(run, all_steps[run.trials:], step.total, memory)
+            run.stages["kv_cached_step"] = _summary(run, all_steps[run.trials :], step.total, memory)
     pipe.release("transformer")
     return job
 
@@ -195,8 +200,17 @@ def _decode_stage(run: Run, job) -> None:
 
 
 def run_benchmark(
-    pipe: FluxKleinPipeline, width: int = 1024, height: int = 1024, steps: int = 4, warmup: int = 1, trials: int = 3,
-    text_encoder: bool = True, decode: bool = True, seed: int = 0, log=None, references: int = 0,
+    pipe: FluxKleinPipeline,
+    width: int = 1024,
+    height: int = 1024,
+    steps: int = 4,
+    warmup: int = 1,
+    trials: int = 3,
+    text_encoder: bool = True,
+    decode: bool = True,
+    seed: int = 0,
+    log=None,
+    references: int = 0,
 ) -> dict:
     """Time every stage of one image on `pipe` and return the results (the structure `--json` writes).
 
@@ -207,14 +221,17 @@ def run_benchmark(
     """
     _check_run(width, height, steps, warmup, trials, references)
     machine = machine_info()
-    run = Run(pipe, width, height, steps, warmup, trials, references, seed, log or (lambda msg: None),
-              machine["peak_tflops"])
+    run = Run(
+        pipe, width, height, steps, warmup, trials, references, seed, log or (lambda msg: None), machine["peak_tflops"]
+    )
     info = pipe.info
     run.log(f"benchmark: {info.name}, {width}x{height}, {steps} steps, warm-up {warmup}, trials {trials}")
     if text_encoder:
         ctx = _text_encoder_stage(run)
     else:
-        ctx = mx.random.normal((1, MAX_LENGTH, info.params.context_in_dim), key=mx.random.key(seed + 3)).astype(pipe.dtype)
+        ctx = mx.random.normal((1, MAX_LENGTH, info.params.context_in_dim), key=mx.random.key(seed + 3)).astype(
+            pipe.dtype
+        )
     pipe.remember_prompt(DEFAULT_PROMPT, ctx)
     job = _denoise_stage(run)
     if decode:
@@ -229,27 +246,41 @@ def _result(run: Run, machine: dict) -> dict:
     image_s = sum(stages[s]["median_s"] for s in parts)
     image_flops = sum(flops.get(k, 0.0) for k in ("denoise", "text_encoder", "vae_decode"))
     stages["image"] = {
-        "seconds": image_s, "includes": parts, "tflop": image_flops / 1e12, "tflops": image_flops / image_s / 1e12,
+        "seconds": image_s,
+        "includes": parts,
+        "tflop": image_flops / 1e12,
+        "tflops": image_flops / image_s / 1e12,
         "pct_of_peak": 100 * image_flops / image_s / 1e12 / run.peak if run.peak else None,
         "peak_memory_gb": max(stages[s]["peak_memory_gb"] for s in parts),
     }
     random = info.format == "random"
     params, step = info.params, flops["step"]
     return {
-        "benchmark": "flux_klein_mlx per-stage latency", "schema": 1, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "benchmark": "flux_klein_mlx per-stage latency",
+        "schema": 1,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine,
         "config": {
-            "model": None if random else info.source, "weights": "random" if random else "checkpoint",
-            "variant": info.variant, "width": run.width, "height": run.height,
-            "image_tokens": (run.width // 16) * (run.height // 16), "text_tokens": MAX_LENGTH,
-            "blocks": f"{params.depth}+{params.depth_single}", "references": run.references,
-            "reference_tokens": run.references * (run.width // 16) * (run.height // 16), "reference_kv": run.kv,
-            "steps": run.steps, "dtype": dtype_name(pipe.dtype),
-            "quantize": pipe.quantization["bits"] if pipe.quantization else None, "warmup": run.warmup,
+            "model": None if random else info.source,
+            "weights": "random" if random else "checkpoint",
+            "variant": info.variant,
+            "width": run.width,
+            "height": run.height,
+            "image_tokens": (run.width // 16) * (run.height // 16),
+            "text_tokens": MAX_LENGTH,
+            "blocks": f"{params.depth}+{params.depth_single}",
+            "references": run.references,
+            "reference_tokens": run.references * (run.width // 16) * (run.height // 16),
+            "reference_kv": run.kv,
+            "steps": run.steps,
+            "dtype": dtype_name(pipe.dtype),
+            "quantize": pipe.quantization["bits"] if pipe.quantization else None,
+            "warmup": run.warmup,
             "trials": run.trials,
         },
         "flops": {
-            "step_tflop": step.total / 1e12, "step_linear_tflop": step.linear / 1e12,
+            "step_tflop": step.total / 1e12,
+            "step_linear_tflop": step.linear / 1e12,
             "step_attention_tflop": step.attention / 1e12,
             "text_encoder_tflop": flops["text_encoder"] / 1e12 if "text_encoder" in flops else None,
             "vae_decode_tflop": flops["vae_decode"] / 1e12 if "vae_decode" in flops else None,
@@ -340,66 +371,127 @@ def write_json(result: dict, path: str | Path) -> Path:
 
 
 def parse_blocks(text: str) -> dict:
-    """"1+2" -> {"depth": 1, "depth_single": 2}; FluxKleinError for anything else."""
+    """ "1+2" -> {"depth": 1, "depth_single": 2}; FluxKleinError for anything else."""
     parts = text.split("+")
     if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or sum(int(p) for p in parts) == 0:
-        raise FluxKleinError(f"--blocks must be DOUBLE+SINGLE block counts such as 1+2 (klein-9B has 8+24), not {text!r}")
+        raise FluxKleinError(
+            f"--blocks must be DOUBLE+SINGLE block counts such as 1+2 (klein-9B has 8+24), not {text!r}"
+        )
     return {"depth": int(parts[0]), "depth_single": int(parts[1])}
+
+
+def _check_sources(model, random_weights: bool, blocks, cold: bool, vae) -> None:
+    """Real weights (--model) or random ones (--random-weights), and the options that go with each."""
+    if model and random_weights:
+        raise click.UsageError("give either --model or --random-weights, not both")
+    if not model and not random_weights:
+        raise click.UsageError("give --model ID|DIR for real weights, or --random-weights [--variant ...]")
+    if blocks and model:
+        raise click.UsageError("--blocks only applies to --random-weights")
+    if model and click.get_current_context().get_parameter_source("variant").name != "DEFAULT":
+        raise FluxKleinError(
+            "--variant only applies to --random-weights; with --model the variant is read from its files"
+        )
+    if (cold or vae) and not model:
+        raise click.UsageError(
+            "--cold and --vae need --model (a folder to read; benchmarks/cold_start.py make writes "
+            "one with random weights)"
+        )
 
 
 @click.command("benchmark")
 @click.option("--model", "-m", default=None, help="Hugging Face repo id or local folder (real weights).")
 @click.option("--random-weights", is_flag=True, help="Build the model with random weights: nothing is downloaded.")
-@click.option("--variant", type=click.Choice(list(VARIANTS)), default="klein-4b", show_default=True,
-              help="Architecture for --random-weights.")
+@click.option(
+    "--variant",
+    type=click.Choice(list(VARIANTS)),
+    default="klein-4b",
+    show_default=True,
+    help="Architecture for --random-weights.",
+)
 @click.option("--width", "-W", type=int, default=1024, show_default=True, help="Image width in px, multiple of 16.")
 @click.option("--height", "-H", type=int, default=1024, show_default=True, help="Image height in px, multiple of 16.")
 @click.option("--steps", type=click.IntRange(1, 1000), default=4, show_default=True, help="Denoising steps per image.")
-@click.option("--quantize", "-q", type=click.Choice(["4", "8"]), default=None,
-              help="Quantize the transformer and text encoder (group 64) before timing, as generate does.")
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
-              help="Compute dtype [default: bfloat16 on a GPU, float32 on a CPU].")
+@click.option(
+    "--quantize",
+    "-q",
+    type=click.Choice(["4", "8"]),
+    default=None,
+    help="Quantize the transformer and text encoder (group 64) before timing, as generate does.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(list(DTYPES)),
+    default=None,
+    help="Compute dtype [default: bfloat16 on a GPU, float32 on a CPU].",
+)
 @click.option("--warmup", type=click.IntRange(0, 100), default=1, show_default=True, help="Untimed runs per stage.")
 @click.option("--trials", type=click.IntRange(1, 1000), default=3, show_default=True, help="Timed runs per stage.")
 @click.option("--skip-text-encoder", is_flag=True, help="Feed random text embeddings instead of running Qwen3.")
 @click.option("--skip-decode", is_flag=True, help="Do not run the VAE decoder.")
-@click.option("--references", type=click.IntRange(0, 10), default=None,
-              help="Edit with this many reference pictures of the output size; klein 9B-KV caches them "
-                   "[default: 1 for klein 9B-KV, else 0].")
-@click.option("--blocks", default=None, metavar="DOUBLE+SINGLE",
-              help="With --random-weights: fewer transformer blocks than the variant (e.g. 1+2), for slow machines.")
+@click.option(
+    "--references",
+    type=click.IntRange(0, 10),
+    default=None,
+    help="Edit with this many reference pictures of the output size; klein 9B-KV caches them "
+    "[default: 1 for klein 9B-KV, else 0].",
+)
+@click.option(
+    "--blocks",
+    default=None,
+    metavar="DOUBLE+SINGLE",
+    help="With --random-weights: fewer transformer blocks than the variant (e.g. 1+2), for slow machines.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights and inputs.")
-@click.option("--json", "json_path", default=None,
-              help="Also write the results as JSON here (an existing file is kept: a new name is chosen).")
-@click.option("--vae", default=None, help="With --model: another VAE or decoder (e.g. black-forest-labs/FLUX.2-small-decoder).")
-@click.option("--cold", is_flag=True,
-              help="With --model: time to first image cold and warm (page cache dropped where possible), prompt "
-                   "cached or not, each stage, against bytes / disk rate + compute (one run of each kind).")
-def benchmark(model, random_weights, variant, width, height, steps, quantize, dtype, warmup, trials,
-              skip_text_encoder, skip_decode, references, blocks, seed, json_path, vae, cold):
+@click.option(
+    "--json",
+    "json_path",
+    default=None,
+    help="Also write the results as JSON here (an existing file is kept: a new name is chosen).",
+)
+@click.option(
+    "--vae", default=None, help="With --model: another VAE or decoder (e.g. black-forest-labs/FLUX.2-small-decoder)."
+)
+@click.option(
+    "--cold",
+    is_flag=True,
+    help="With --model: time to first image cold and warm (page cache dropped where possible), prompt "
+    "cached or not, each stage, against bytes / disk rate + compute (one run of each kind).",
+)
+def benchmark(
+    model,
+    random_weights,
+    variant,
+    width,
+    height,
+    steps,
+    quantize,
+    dtype,
+    warmup,
+    trials,
+    skip_text_encoder,
+    skip_decode,
+    references,
+    blocks,
+    seed,
+    json_path,
+    vae,
+    cold,
+):
     """Time load, text encoding, each denoising step and VAE decode; report TFLOPS and % of peak."""
-    if model and random_weights:
-        raise click.UsageError("give either --model or --random-weights, not both")
-    if not model and not random_weights:
-        raise click.UsageError("give --model ID|DIR for real weights, or --random-weights [--variant ...]")
+    _check_sources(model, random_weights, blocks, cold, vae)
     if json_path:  # before any work: a read-only, missing or mistyped folder must not cost the run
         check_json_path(json_path)
-    if blocks and model:
-        raise click.UsageError("--blocks only applies to --random-weights")
-    if model and click.get_current_context().get_parameter_source("variant").name != "DEFAULT":
-        raise FluxKleinError("--variant only applies to --random-weights; with --model the variant is read from its files")
     row = VARIANTS[variant]
     if blocks:
         row = dataclasses.replace(row, transformer=dataclasses.replace(row.transformer, **parse_blocks(blocks)))
-    if (cold or vae) and not model:
-        raise click.UsageError("--cold and --vae need --model (a folder to read; benchmarks/cold_start.py make writes "
-                               "one with random weights)")
     dtype = dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
     bits = int(quantize) if quantize else None
     log = partial(click.echo, err=True)
     if cold:
-        measured = measure_cold(model, width=width, height=height, steps=steps, dtype=dtype, quantize=bits, vae=vae,
-                                log=log)
+        measured = measure_cold(
+            model, width=width, height=height, steps=steps, dtype=dtype, quantize=bits, vae=vae, log=log
+        )
         click.echo(format_cold(measured))
         result = measured.to_json()
     else:
@@ -409,9 +501,19 @@ def benchmark(model, random_weights, variant, width, height, steps, quantize, dt
             pipe = random_pipeline(row, DTYPES[dtype], bits, seed)
         if references is None:  # the KV model exists for editing: time what it is for
             references = 1 if pipe.info.reference_kv else 0
-        result = run_benchmark(pipe, width=width, height=height, steps=steps, warmup=warmup, trials=trials,
-                               text_encoder=not skip_text_encoder, decode=not skip_decode, seed=seed, log=log,
-                               references=references)
+        result = run_benchmark(
+            pipe,
+            width=width,
+            height=height,
+            steps=steps,
+            warmup=warmup,
+            trials=trials,
+            text_encoder=not skip_text_encoder,
+            decode=not skip_decode,
+            seed=seed,
+            log=log,
+            references=references,
+        )
         click.echo(format_report(result))
     if json_path:
         final = write_json(result, json_path)

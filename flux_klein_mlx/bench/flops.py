@@ -167,11 +167,23 @@ def flops_of_transformer(
 
 # (name, GPU cores, peak TFLOPS fp16 = fp32, memory bandwidth GB/s), one generation per line
 APPLE_CHIPS: tuple[tuple[str, int, float, int], ...] = (
-    ("M1", 8, 2.6, 68), ("M1 Pro", 16, 5.2, 200), ("M1 Max", 32, 10.4, 400), ("M1 Ultra", 64, 21.0, 800),
-    ("M2", 10, 3.6, 100), ("M2 Pro", 19, 6.8, 200), ("M2 Max", 38, 13.6, 400), ("M2 Ultra", 76, 27.2, 800),
-    ("M3", 10, 4.1, 100), ("M3 Pro", 18, 7.4, 150), ("M3 Max", 40, 14.2, 400), ("M3 Ultra", 80, 28.4, 819),
-    ("M4", 10, 4.6, 120), ("M4 Pro", 20, 9.2, 273), ("M4 Max", 40, 18.4, 546),
-    ("M5", 10, 5.7, 153), ("M5 Max", 40, 22.8, 614),
+    ("M1", 8, 2.6, 68),
+    ("M1 Pro", 16, 5.2, 200),
+    ("M1 Max", 32, 10.4, 400),
+    ("M1 Ultra", 64, 21.0, 800),
+    ("M2", 10, 3.6, 100),
+    ("M2 Pro", 19, 6.8, 200),
+    ("M2 Max", 38, 13.6, 400),
+    ("M2 Ultra", 76, 27.2, 800),
+    ("M3", 10, 4.1, 100),
+    ("M3 Pro", 18, 7.4, 150),
+    ("M3 Max", 40, 14.2, 400),
+    ("M3 Ultra", 80, 28.4, 819),
+    ("M4", 10, 4.6, 120),
+    ("M4 Pro", 20, 9.2, 273),
+    ("M4 Max", 40, 18.4, 546),
+    ("M5", 10, 5.7, 153),
+    ("M5 Max", 40, 22.8, 614),
 )
 
 # For the lower-bound table only (MLX also runs on CUDA); dense bf16 tensor-core peaks.

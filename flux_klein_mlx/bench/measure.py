@@ -18,8 +18,8 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from ..readahead import ReadStats, Span, component_spans, read_spans
 
@@ -40,7 +40,10 @@ def drop_from_page_cache(files: Iterable[str | Path]) -> str:
     files = [Path(f) for f in files]
     if not hasattr(os, "posix_fadvise"):
         how = "sudo purge" if sys.platform == "darwin" else "dropping the page cache as root"
-        return f"not dropped: no per-file eviction on {sys.platform} without privileges (approximate a cold start with {how})"
+        return (
+            f"not dropped: no per-file eviction on {sys.platform} without privileges "
+            f"(approximate a cold start with {how})"
+        )
     for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:

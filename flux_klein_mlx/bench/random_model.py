@@ -17,10 +17,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..models.config import Variant
 from ..loading import COMPONENTS, ModelInfo, build_module
-from ..pipeline import FluxKleinPipeline
+from ..models.config import Variant
 from ..models.quantize import evaluate_by_layer, quantize_model
+from ..pipeline import FluxKleinPipeline
 
 REAL_PROMPT_TOKENS = 40  # a typical prompt plus the chat template; the rest of the 512 is padding
 # Each component's weights are drawn from `seed` plus its own offset, named here rather than taken
@@ -84,11 +84,22 @@ def random_pipeline(
         return module
 
     info = ModelInfo(
-        source=f"random weights ({variant.name})", path=Path("."), format="random", is_distilled=variant.distilled,
-        configs=configs, files={}, quantization={n: None for n in COMPONENTS}, tokenizer=Path("."),
+        source=f"random weights ({variant.name})",
+        path=Path("."),
+        format="random",
+        is_distilled=variant.distilled,
+        configs=configs,
+        files={},
+        quantization={n: None for n in COMPONENTS},
+        tokenizer=Path("."),
         reference_kv=variant.reference_kv,
     )
     loaders = {name: functools.partial(make, name) for name in SEED_OFFSETS}
     loaders["tokenizer"] = functools.partial(RandomTokens, variant.text_encoder.vocab_size, seed)
-    return FluxKleinPipeline(loaders, info, dtype=dtype, low_memory=low_memory,
-                             quantization={"bits": quantize, "group_size": 64} if quantize else None)
+    return FluxKleinPipeline(
+        loaders,
+        info,
+        dtype=dtype,
+        low_memory=low_memory,
+        quantization={"bits": quantize, "group_size": 64} if quantize else None,
+    )

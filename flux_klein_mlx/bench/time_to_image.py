@@ -40,21 +40,21 @@ import sys
 import tempfile
 import time
 import timeit
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 
-from ..models.config import AutoEncoderConfig, Qwen3Config
 from ..embedding_cache import EmbeddingCache
-from .flops import flops_of_text_encoder, flops_of_transformer, flops_of_vae_decoder, machine_info
 from ..inputs import RunSettings, prepare_inputs
 from ..loading import as_dtype, describe
+from ..models.config import AutoEncoderConfig, Qwen3Config
+from ..models.tokenizer import load_tokenizer
 from ..pipeline import load
 from ..readahead import component_spans
+from .flops import flops_of_text_encoder, flops_of_transformer, flops_of_vae_decoder, machine_info
 from .measure import StageMeter, bytes_to_load, drop_from_page_cache, sequential_read_rate
-from ..models.tokenizer import load_tokenizer
 
 PROMPT = "a red fox in fresh snow at dawn, soft light, 35 mm photograph"
 LOAD_ORDER = ("text_encoder", "transformer", "vae")  # the order a run loads its models
@@ -215,8 +215,15 @@ def one_run(model, settings: RunSettings, *, cache, read_ahead: bool = True, **l
     gc.collect()
     mx.clear_cache()
     stages = {name: Stage(v["seconds"], v["read_bytes"], peaks[name]) for name, v in meter.stages.items()}
-    return Run(total, stages, ahead, meter.source, peak_memory=max(peaks.values()), peak_rss=peak_rss(),
-               peak_rss_of_run=rss_reset)
+    return Run(
+        total,
+        stages,
+        ahead,
+        meter.source,
+        peak_memory=max(peaks.values()),
+        peak_rss=peak_rss(),
+        peak_rss_of_run=rss_reset,
+    )
 
 
 def reset_peak_rss() -> bool:
@@ -262,8 +269,50 @@ def import_seconds() -> dict[str, float]:
     return out
 
 
-def measure_cold(model, *, width: int = 256, height: int = 256, steps: int = 1, dtype: str = "bfloat16",
-                 quantize: int | None = None, vae=None, log: Callable[[str], None] = lambda msg: None) -> ColdResult:
+def _runs(model, settings: RunSettings, files: list[Path], dropped: bool, load_settings: dict, log) -> dict[str, Run]:
+    """The runs of `RUNS` in turn, each in a fresh pipeline, with the page cache dropped where the run asks."""
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="flux-klein-cold-") as folder:
+        shared = EmbeddingCache(folder)
+        for plan in RUNS:
+            if plan.drop_page_cache:
+                drop_from_page_cache(files)
+            cache = shared if plan.prompt_cache else False
+            run = one_run(
+                model,
+                dataclasses.replace(settings, seed=plan.seed),
+                cache=cache,
+                read_ahead=plan.read_ahead,
+                **load_settings,
+            )
+            if not plan.drop_page_cache:
+                run.page_cache = "warm"
+            else:
+                run.page_cache = "dropped" if dropped else "not dropped"
+            runs[plan.name] = run
+            log(f"{plan.name}: {run.seconds:.2f} s")
+    return runs
+
+
+def _peak(machine: dict, dtype: str) -> Peak:
+    """The chip's published peak where known, else a matmul measured here."""
+    published = machine["peak_tflops"] * 1e12 if machine["peak_tflops"] else None
+    if published:
+        return Peak(published, "published peak of this chip")
+    return Peak(matmul_rate(as_dtype(dtype)), f"measured {dtype} matmul (2048^3) here")
+
+
+def measure_cold(
+    model,
+    *,
+    width: int = 256,
+    height: int = 256,
+    steps: int = 1,
+    dtype: str = "bfloat16",
+    quantize: int | None = None,
+    vae=None,
+    log: Callable[[str], None] = lambda msg: None,
+) -> ColdResult:
     """Every measurement of the module docstring (`format_cold` prints it)."""
     settings = RunSettings(PROMPT, width=width, height=height, steps=steps).check()  # before any work
     info = describe(model, vae=vae)
@@ -278,26 +327,8 @@ def measure_cold(model, *, width: int = 256, height: int = 256, steps: int = 1, 
     # now, so that no run below pays them and the runs compare what a run does.
     importlib.import_module("mlx_lm.models.qwen3")
     load_tokenizer(info.tokenizer)
-    runs = {}
-    with tempfile.TemporaryDirectory(prefix="flux-klein-cold-") as folder:
-        shared = EmbeddingCache(folder)
-        for plan in RUNS:
-            if plan.drop_page_cache:
-                drop_from_page_cache(files)
-            cache = shared if plan.prompt_cache else False
-            run = one_run(model, dataclasses.replace(settings, seed=plan.seed), cache=cache, read_ahead=plan.read_ahead,
-                          dtype=dtype, quantize=quantize, vae=vae)
-            if not plan.drop_page_cache:
-                run.page_cache = "warm"
-            else:
-                run.page_cache = "dropped" if dropped else "not dropped"
-            runs[plan.name] = run
-            log(f"{plan.name}: {run.seconds:.2f} s")
-    published = machine["peak_tflops"] * 1e12 if machine["peak_tflops"] else None
-    if published:
-        peak = Peak(published, "published peak of this chip")
-    else:
-        peak = Peak(matmul_rate(as_dtype(dtype)), f"measured {dtype} matmul (2048^3) here")
+    runs = _runs(model, settings, files, dropped, dict(dtype=dtype, quantize=quantize, vae=vae), log)
+    peak = _peak(machine, dtype)
     flops = Flops(
         text_encoder=flops_of_text_encoder(Qwen3Config.from_dict(info.configs["text_encoder"])).total,
         denoise=flops_of_transformer(info.params, width, height).total * steps,
@@ -305,10 +336,17 @@ def measure_cold(model, *, width: int = 256, height: int = 256, steps: int = 1, 
     )
     load_bytes = {n: bytes_to_load(info, n) for n in LOAD_ORDER}
     return ColdResult(
-        model=str(model), machine=machine, imports=imports,
+        model=str(model),
+        machine=machine,
+        imports=imports,
         settings=Settings(width, height, steps, dtype, quantize, None if vae is None else str(vae)),
-        bytes=load_bytes, page_cache=page_cache, read=SequentialRead(rate.bytes, rate.seconds, rate.rate, dropped),
-        runs=runs, peak=peak, flops=flops, limits=limits(runs, load_bytes, rate.rate, peak.flops, flops),
+        bytes=load_bytes,
+        page_cache=page_cache,
+        read=SequentialRead(rate.bytes, rate.seconds, rate.rate, dropped),
+        runs=runs,
+        peak=peak,
+        flops=flops,
+        limits=limits(runs, load_bytes, rate.rate, peak.flops, flops),
         second=SecondRun(runs["second"].seconds / runs["cold"].seconds, runs["second"].seconds / runs["warm"].seconds),
     )
 
@@ -329,9 +367,16 @@ def limits(runs: dict[str, Run], load_bytes: dict[str, int], rate: float, peak: 
         # the warm run's time less its loads and checks: encode, denoise and decode
         warm_compute = sum(v.seconds for k, v in runs[warm].stages.items() if k not in LOADS)
         physics = read + flops / peak
-        out[cold] = Limit(bytes=nbytes, read_seconds=read, warm_compute_seconds=warm_compute,
-                          limit_seconds=read + warm_compute, ratio=measured / (read + warm_compute), flops=flops,
-                          physics_seconds=physics, physics_ratio=measured / physics)
+        out[cold] = Limit(
+            bytes=nbytes,
+            read_seconds=read,
+            warm_compute_seconds=warm_compute,
+            limit_seconds=read + warm_compute,
+            ratio=measured / (read + warm_compute),
+            flops=flops,
+            physics_seconds=physics,
+            physics_ratio=measured / physics,
+        )
     return out
 
 
@@ -359,8 +404,10 @@ def format_cold(r: ColdResult) -> str:
             f"(bytes / rate + FLOPs / peak = {lim.read_seconds:.2f} + {lim.flops / r.peak.flops:.2f} s; "
             f"peak {r.peak.flops / 1e9:.0f} GFLOPS, {r.peak.source})"
         )
-    lines.append(f"second run (same prompt, another seed): {r.second.vs_cold:.2f}x the cold first run, "
-                 f"{r.second.vs_warm:.2f}x the warm one")
+    lines.append(
+        f"second run (same prompt, another seed): {r.second.vs_cold:.2f}x the cold first run, "
+        f"{r.second.vs_warm:.2f}x the warm one"
+    )
     return "\n".join(lines)
 
 
@@ -377,8 +424,13 @@ def stage_table(runs: dict[str, Run]) -> list[str]:
         lines.append(f"| {stage} | " + " | ".join(cells) + " |")
     lines.append("| **total** | " + " | ".join(f"**{runs[n].seconds:.2f} s**" for n in names) + " |")
     lines.append("| peak MLX memory | " + " | ".join(f"{runs[n].peak_memory / gb:.2f} GB" for n in names) + " |")
-    lines.append("| peak RSS" + ("" if runs[names[0]].peak_rss_of_run else " (process, so far)") + " | "
-                 + " | ".join(f"{runs[n].peak_rss / gb:.2f} GB" for n in names) + " |")
+    lines.append(
+        "| peak RSS"
+        + ("" if runs[names[0]].peak_rss_of_run else " (process, so far)")
+        + " | "
+        + " | ".join(f"{runs[n].peak_rss / gb:.2f} GB" for n in names)
+        + " |"
+    )
     ahead = [", ".join(f"{k} {v.bytes / gb:.2f} GB" for k, v in runs[n].read_ahead.items()) or "-" for n in names]
     lines.append("| read ahead | " + " | ".join(ahead) + " |")
     return lines

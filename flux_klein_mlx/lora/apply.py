@@ -16,19 +16,19 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import FluxKleinError
-from .formats import Term, parse_lora
-from .layouts import autov3
-from .layers import LoRALinear, dense_update
 from ..weights import read_lora_file, resolve_lora
+from .formats import Term, parse_lora
+from .layers import LoRALinear, dense_update
+from .layouts import autov3
 
 
 @dataclass
@@ -97,7 +97,9 @@ def load_lora(source, params, scale: float = 1.0, partial: bool = False) -> Lora
     what = path.name
     bad = [k for k, v in tensors.items() if not mx.all(mx.isfinite(v)).item()]
     if bad:
-        raise FluxKleinError(f"LoRA {what} holds non-finite values (in {bad[0]}); the file is damaged, download it again")
+        raise FluxKleinError(
+            f"LoRA {what} holds non-finite values (in {bad[0]}); the file is damaged, download it again"
+        )
     parsed = parse_lora(tensors, metadata, params, what)
     n, miss = parsed.n_modules, parsed.unmatched
     head = ", ".join(miss[:3]) + (", ..." if len(miss) > 3 else "")
@@ -141,7 +143,7 @@ def check_magnitude(terms: list[Term], scale: float, what: str) -> None:
     exact float32 maximum only for the rare low-rank term whose bound is over the limit."""
     bounds = [_peak_bound(t) for t in terms]
     mx.eval(bounds)
-    for t, bound in zip(terms, bounds):
+    for t, bound in zip(terms, bounds, strict=True):
         factor = abs(scale * t.factor)
         peak = factor * bound.item()  # exact for LoKr
         if peak <= MAX_UPDATE or factor == 0:
@@ -153,15 +155,18 @@ def check_magnitude(terms: list[Term], scale: float, what: str) -> None:
         if peak > MAX_UPDATE:
             raise FluxKleinError(
                 f"LoRA {what}: its update of {t.key} reaches {peak:.3g} (scale {scale:g} x alpha/rank {t.factor:g} x "
-                f"its factors), beyond {MAX_UPDATE:g}, which no weight survives; the file, its alpha or the scale is wrong"
+                f"its factors), beyond {MAX_UPDATE:g}, which no weight survives; the file, its alpha or the scale "
+                "is wrong"
             )
 
 
 def _warn_about_alpha(terms: list[Term], what: str) -> None:
     """An alpha of 0 makes a module do nothing; a negative one subtracts its update (as diffusers applies it)."""
     n = len(terms)
-    for test, says in ((lambda f: f == 0, "alpha 0, which changes nothing"),
-                       (lambda f: f < 0, "a negative alpha, which subtracts its update")):
+    for test, says in (
+        (lambda f: f == 0, "alpha 0, which changes nothing"),
+        (lambda f: f < 0, "a negative alpha, which subtracts its update"),
+    ):
         hit = [t.key for t in terms if test(t.factor)]
         if hit:
             names = ", ".join(hit[:3]) + (", ..." if len(hit) > 3 else "")
@@ -177,7 +182,8 @@ def pair_scales(sources, scales) -> list[tuple[object, float]]:
     sources, scales = list(sources), list(scales)
     if len(scales) > len(sources):
         raise FluxKleinError(
-            f"--lora-scale is given {len(scales)} times but --lora {len(sources)} times; give one scale per LoRA, in order"
+            f"--lora-scale is given {len(scales)} times but --lora {len(sources)} times; give one scale per LoRA, "
+            "in order"
         )
     return [(s, scales[i] if i < len(scales) else 1.0) for i, s in enumerate(sources)]
 
@@ -218,7 +224,9 @@ def remove_loras(model: nn.Module) -> None:
     if state is None:
         return
     if state.fused and not state.originals:  # fused with keep_originals=False
-        raise FluxKleinError("these LoRAs were fused without keeping the original weights; reload the model to remove them")
+        raise FluxKleinError(
+            "these LoRAs were fused without keeping the original weights; reload the model to remove them"
+        )
     layers = layers_by_path(model)
     for path, weight in state.originals.items():
         layers[path].weight = weight
@@ -239,8 +247,8 @@ def apply_loras(
     `remove_loras`, unless `keep_originals` is False: then the LoRAs cost only their own size but can
     only be removed by reloading the model); quantized layers get a side path. `reread(path)` gives a
     layer's original weight as a lazy array read from the model's files: kept instead of the weight
-    itself, it costs no memory until the LoRAs are removed (the weight is then read from disk again). `evaluate=False` leaves
-    the fused weights lazy (conversion writes them one at a time). Shapes were checked against the model's
+    itself, it costs no memory until the LoRAs are removed (the weight is then read from disk again). `evaluate=False`
+    leaves the fused weights lazy (conversion writes them one at a time). Shapes were checked against the model's
     hyper-parameters when the LoRAs were read; a model with other shapes is refused here before
     anything changes.
     """

@@ -20,9 +20,14 @@ def lora():
 @lora.command("convert")
 @click.argument("source")
 @click.option("--output", "-o", required=True, help="The file to write (.safetensors); never overwritten.")
-@click.option("--format", "layout", default="comfyui", show_default=True,
-              help=f"The layout to write: {', '.join(LAYOUTS)} (comfyui: ComfyUI's and ai-toolkit's BFL names; "
-                   "kohya: musubi-tuner's; all three load in diffusers; a LoKr: comfyui only).")
+@click.option(
+    "--format",
+    "layout",
+    default="comfyui",
+    show_default=True,
+    help=f"The layout to write: {', '.join(LAYOUTS)} (comfyui: ComfyUI's and ai-toolkit's BFL names; "
+    "kohya: musubi-tuner's; all three load in diffusers; a LoKr: comfyui only).",
+)
 def convert(source, output, layout):
     """Write SOURCE (any LoRA --lora reads: diffusers/PEFT, kohya, ai-toolkit/ComfyUI, LyCORIS, mflux,
     flux-2-swift-mlx) in another layout, with the same effect."""

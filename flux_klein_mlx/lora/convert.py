@@ -20,8 +20,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import FluxKleinError
-from ..models.config import HIDDEN_SIZES, FluxKleinParams
 from ..files import check_output_file, write_exclusive
+from ..models.config import HIDDEN_SIZES, FluxKleinParams
 from ..weights import read_lora_file, save_safetensors_streaming
 from .formats import DOWN_ROLES, ParsedLora, parse_lora
 from .layouts import FORMAT_NAMES, autov3, check_layout, file_metadata, layout_pairs, layout_tensors, lokr_tensors
@@ -52,7 +52,9 @@ def guess_params(tensors: dict[str, mx.array]) -> list[FluxKleinParams]:
     """The transformers a LoRA may be for, most likely first: one per candidate hidden size (the most
     common input width first), klein-4B/9B's own settings for their hidden sizes."""
     widths = _input_widths(tensors)
-    blocks = [max((int(m.group(1)) + 1 for k in tensors if (m := rx.search(k))), default=0) for rx in (_DOUBLE, _SINGLE)]
+    blocks = [
+        max((int(m.group(1)) + 1 for k in tensors if (m := rx.search(k))), default=0) for rx in (_DOUBLE, _SINGLE)
+    ]
     extra = {}
     for field, ends in _WIDTHS.items():
         hit = next((w for k, w in widths.items() if re.sub(_DOWN, "", k).endswith(ends)), None)
@@ -60,11 +62,23 @@ def guess_params(tensors: dict[str, mx.array]) -> list[FluxKleinParams]:
             extra[field] = hit
     candidates = []
     for hidden, _ in collections.Counter(widths.values()).most_common(4):
-        if hidden in _VARIANTS and blocks[0] <= _VARIANTS[hidden]().depth and blocks[1] <= _VARIANTS[hidden]().depth_single:
+        if (
+            hidden in _VARIANTS
+            and blocks[0] <= _VARIANTS[hidden]().depth
+            and blocks[1] <= _VARIANTS[hidden]().depth_single
+        ):
             candidates.append(dataclasses.replace(_VARIANTS[hidden](), **extra))
         elif hidden % 2 == 0:  # any width: one head, one RoPE axis (neither changes a weight's shape)
-            candidates.append(FluxKleinParams(hidden_size=hidden, num_heads=1, axes_dim=(hidden,), depth=blocks[0],
-                                              depth_single=blocks[1], **extra))
+            candidates.append(
+                FluxKleinParams(
+                    hidden_size=hidden,
+                    num_heads=1,
+                    axes_dim=(hidden,),
+                    depth=blocks[0],
+                    depth_single=blocks[1],
+                    **extra,
+                )
+            )
     return candidates or [FluxKleinParams.klein_4b()]
 
 
@@ -117,10 +131,16 @@ def convert_lora(source: str | Path, output: str | Path, layout: str) -> Path:
         raise FluxKleinError(f"--output {output} exists and is never overwritten; choose another name")
     check_output_file(output)
     lora = read_any_lora(source)
-    header = {**lora.metadata, "flux_klein_mlx.converted_from": f"{lora.path.name} ({FORMAT_NAMES[lora.parsed.format]})"}
+    header = {
+        **lora.metadata,
+        "flux_klein_mlx.converted_from": f"{lora.path.name} ({FORMAT_NAMES[lora.parsed.format]})",
+    }
     terms, what = lora.parsed.terms, lora.path.name
     if lora.parsed.format == "E":  # Kronecker factors, not low-rank pairs
-        tensors, metadata = lokr_tensors(terms, layout, lora.params, what, lora.dtype), file_metadata([], layout, header)
+        tensors, metadata = (
+            lokr_tensors(terms, layout, lora.params, what, lora.dtype),
+            file_metadata([], layout, header),
+        )
     else:
         pairs = layout_pairs(terms, layout, lora.params, what)
         tensors, metadata = layout_tensors(pairs, layout, lora.dtype), file_metadata(pairs, layout, header)
@@ -128,8 +148,8 @@ def convert_lora(source: str | Path, output: str | Path, layout: str) -> Path:
 
 
 _TRAINERS = (("flux_klein_mlx.version", "flux_klein_mlx {}"), ("mflux_version", "mflux {}"),
-             ("ss_network_module", "kohya sd-scripts / musubi-tuner ({})"), ("lora_adapter_metadata", "diffusers / PEFT"),
-             ("modelspec.implementation", "{}"))  # fmt: skip
+             ("ss_network_module", "kohya sd-scripts / musubi-tuner ({})"),
+             ("lora_adapter_metadata", "diffusers / PEFT"), ("modelspec.implementation", "{}"))  # fmt: skip
 _BASE = ("flux_klein_mlx.base_model", "ss_sd_model_name", "ss_base_model_version", "modelspec.architecture", "model")
 
 
@@ -141,14 +161,24 @@ def describe_lora(path: str | Path) -> dict:
     ranks = sorted({t.down.shape[0] if t.down is not None else 0 for t in terms})
     alphas = sorted({round(t.factor * t.down.shape[0], 6) for t in terms if t.down is not None})
     trainer = next((fmt.format(meta[k]) if "{}" in fmt else fmt for k, fmt in _TRAINERS if meta.get(k)), None)
-    size = HIDDEN_SIZES.get(p.hidden_size, f"a FLUX.2 transformer of hidden size {p.hidden_size} (not a released klein)")
+    size = HIDDEN_SIZES.get(
+        p.hidden_size, f"a FLUX.2 transformer of hidden size {p.hidden_size} (not a released klein)"
+    )
     return {
-        "file": str(lora.path), "format": FORMAT_NAMES[lora.parsed.format], "modules": lora.parsed.n_modules,
-        "layers": len({t.layer for t in terms}), "ranks": ranks, "alphas": alphas,
-        "lokr": any(t.down is None for t in terms), "model": size, "dtype": str(lora.dtype).removeprefix("mlx.core."),
-        "trainer": trainer, "base_model": next((meta[k] for k in _BASE if meta.get(k)), None),
+        "file": str(lora.path),
+        "format": FORMAT_NAMES[lora.parsed.format],
+        "modules": lora.parsed.n_modules,
+        "layers": len({t.layer for t in terms}),
+        "ranks": ranks,
+        "alphas": alphas,
+        "lokr": any(t.down is None for t in terms),
+        "model": size,
+        "dtype": str(lora.dtype).removeprefix("mlx.core."),
+        "trainer": trainer,
+        "base_model": next((meta[k] for k in _BASE if meta.get(k)), None),
         "trigger": meta.get("flux_klein_mlx.trigger") or meta.get("modelspec.trigger_phrase") or None,
-        "sha256": lora.sha256, "autov3": autov3(lora.path),
+        "sha256": lora.sha256,
+        "autov3": autov3(lora.path),
     }
 
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..models.config import HIDDEN_SIZES, flux1_marker
 from ..errors import FluxKleinError, first_few
+from ..models.config import HIDDEN_SIZES, flux1_marker
 from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, DIFFUSERS_TOP, QKV, linear_shapes
 
 # Module-name prefixes, longest first, and the format they say.
@@ -124,7 +124,9 @@ def target_table(params) -> dict[str, Target]:
     for j in range(params.depth_single):
         # Separate q/k/v/MLP-in names for the fused linear1, rows [q | k | v | a | b]
         for n, part in enumerate(("to_q", "to_k", "to_v")):
-            table[f"single_transformer_blocks.{j}.attn.{part}"] = Target(f"single_blocks.{j}.linear1", (n * D, (n + 1) * D))
+            table[f"single_transformer_blocks.{j}.attn.{part}"] = Target(
+                f"single_blocks.{j}.linear1", (n * D, (n + 1) * D)
+            )
         table[f"single_transformer_blocks.{j}.proj_mlp"] = Target(f"single_blocks.{j}.linear1", (3 * D, 3 * D + 2 * M))
     table.update({name.replace(".", "_"): t for name, t in list(table.items())})
     return table
@@ -251,8 +253,11 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
             )
     bare = [n for n, parts in modules.items() if set(parts) == {"alpha"}]
     if bare:
-        head = (f"{len(bare)} `.alpha` keys and no LoRA weights" if len(bare) == len(modules)
-                else f"an alpha for {bare[0]} but no weights")
+        head = (
+            f"{len(bare)} `.alpha` keys and no LoRA weights"
+            if len(bare) == len(modules)
+            else f"an alpha for {bare[0]} but no weights"
+        )
         raise FluxKleinError(f"LoRA {what} is incomplete: it holds {head}; export or download it again")
     table = target_table(params)
     shapes = linear_shapes(params)
@@ -279,7 +284,7 @@ def _check_overlaps(terms: list[Term], what: str) -> None:
     """Refuse two modules of one file that update the same rows of a layer (one module under two namings:
     diffusers' `to_q` beside BFL's `img_attn.qkv`, mflux's `attn.to_out` beside `attn.to_out.0`)."""
     ts = sorted(terms, key=lambda t: (t.layer, t.rows))
-    for a, b in zip(ts, ts[1:]):
+    for a, b in zip(ts, ts[1:], strict=False):
         if a.layer == b.layer and b.rows[0] < a.rows[1]:
             raise FluxKleinError(
                 f"LoRA {what} updates {a.layer} twice: {a.key} and {b.key} name the same weights (two namings "
@@ -336,7 +341,7 @@ def _foreign_message(foreign: list, params, what: str) -> str:
     """Name the model a LoRA was made for, when its shapes tell; else name the first mismatch."""
     D = params.hidden_size
     hidden, flux1 = set(), False
-    for name, term, (rows, cols) in foreign:
+    for _name, term, (_rows, cols) in foreign:
         (out, width), layer = term.shape, term.layer
         if cols == D and not layer.endswith(("linear2", "_mlp.2")):  # layers whose input is the hidden state
             hidden.add(width)
@@ -352,7 +357,9 @@ def _foreign_message(foreign: list, params, what: str) -> str:
             "use a LoRA trained for this model"
         )
     if flux1:
-        return f"LoRA {what} was made for FLUX.1 (module {name}), but the model is {params.describe()}; use a klein LoRA"
+        return (
+            f"LoRA {what} was made for FLUX.1 (module {name}), but the model is {params.describe()}; use a klein LoRA"
+        )
     made = f"updates a {term.shape[0]}x{term.shape[1]} block"
     if term.w1 is not None:  # LoKr: name the factors, whose Kronecker product is what does not fit
         (a, b), (c, d) = term.w1.shape, term.w2.shape

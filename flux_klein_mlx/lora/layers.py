@@ -29,7 +29,14 @@ import mlx.nn as nn
 from .formats import Term
 
 # A trainable factor's role -> the list of the layer that holds it (the name a LoRA file gives it).
-ROLE_LISTS = {"down": "lora_A", "up": "lora_B", "w1": "lokr_w1", "w2": "lokr_w2", "w2_a": "lokr_w2_a", "w2_b": "lokr_w2_b"}
+ROLE_LISTS = {
+    "down": "lora_A",
+    "up": "lora_B",
+    "w1": "lokr_w1",
+    "w2": "lokr_w2",
+    "w2_a": "lokr_w2_a",
+    "w2_b": "lokr_w2_b",
+}
 # The roles a term may have: a LoRA pair, or a LoKr w1 with w2 whole or as a low-rank pair.
 TERM_ROLES = ({"down", "up"}, {"w1", "w2"}, {"w1", "w2_a", "w2_b"})
 

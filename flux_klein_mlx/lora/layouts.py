@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -120,7 +121,9 @@ def layout_pairs(terms: list[Term], layout: str, params, what: str) -> list[tupl
         if layer not in by_layer:
             continue
         for name, rows, swap in units.get(layer, [(layer, (0, shapes[layer][0]), False)]):
-            hit = sorted((t for t in by_layer[layer] if t.rows[0] < rows[1] and rows[0] < t.rows[1]), key=lambda t: t.rows)
+            hit = sorted(
+                (t for t in by_layer[layer] if t.rows[0] < rows[1] and rows[0] < t.rows[1]), key=lambda t: t.rows
+            )
             if not hit:
                 continue
             if len(hit) == 1 and hit[0].rows == rows:
@@ -149,7 +152,9 @@ def lokr_tensors(terms: list[Term], layout: str, params, what: str, dtype) -> di
     out: dict[str, mx.array] = {}
     for t in terms:
         if t.down is not None:
-            raise FluxKleinError(f"LoRA {what} mixes LoKr factors and low-rank pairs ({t.key}); use it as it is (--lora reads it)")
+            raise FluxKleinError(
+                f"LoRA {what} mixes LoKr factors and low-rank pairs ({t.key}); use it as it is (--lora reads it)"
+            )
         if f"diffusion_model.{t.layer}.lokr_w1" in out or t.rows != (0, shapes[t.layer][0]):
             raise FluxKleinError(
                 f"LoRA {what}: the LoKr {t.key} updates part of layer {t.layer} (rows {t.rows[0]}-{t.rows[1]}), "
@@ -158,8 +163,10 @@ def lokr_tensors(terms: list[Term], layout: str, params, what: str, dtype) -> di
         w1 = t.w1.astype(mx.float32) * t.factor
         if t.swap:  # our [shift ; scale] halves: rows i·c + j of kron(w1, w2) roll with w1's rows i
             if w1.shape[0] % 2:
-                raise FluxKleinError(f"LoRA {what}: the LoKr {t.key} cannot be written on BFL's [shift ; scale] order "
-                                     f"(its w1 has {w1.shape[0]} rows, not an even number); use it as it is")
+                raise FluxKleinError(
+                    f"LoRA {what}: the LoKr {t.key} cannot be written on BFL's [shift ; scale] order "
+                    f"(its w1 has {w1.shape[0]} rows, not an even number); use it as it is"
+                )
             w1 = mx.roll(w1, w1.shape[0] // 2, axis=0)
         out[f"diffusion_model.{t.layer}.lokr_w1"] = w1.astype(dtype)
         out[f"diffusion_model.{t.layer}.lokr_w2"] = t.w2.astype(dtype)
@@ -197,10 +204,17 @@ def peft_metadata(pairs) -> str:
     r = collections.Counter(ranks.values()).most_common(1)[0][0]
     alpha = collections.Counter(alphas.values()).most_common(1)[0][0]
     config = {
-        "r": r, "lora_alpha": alpha, "target_modules": sorted(ranks), "peft_type": "LORA", "bias": "none",
+        "r": r,
+        "lora_alpha": alpha,
+        "target_modules": sorted(ranks),
+        "peft_type": "LORA",
+        "bias": "none",
         "rank_pattern": {n: v for n, v in ranks.items() if v != r},
         "alpha_pattern": {n: v for n, v in alphas.items() if v != alpha},
-        "use_dora": False, "use_rslora": False, "lora_dropout": 0.0, "fan_in_fan_out": False,
+        "use_dora": False,
+        "use_rslora": False,
+        "lora_dropout": 0.0,
+        "fan_in_fan_out": False,
     }
     return json.dumps({f"transformer.{k}": v for k, v in config.items()}, indent=2, sort_keys=True)
 
@@ -248,29 +262,72 @@ def tag_frequency(captions: list[str]) -> dict[str, int]:
     return counts
 
 
-def training_header(*, name: str, rank: int, alpha: float, base_model: str, variant: str, trigger: str | None,
-                    settings_hash: str, resolution: int, max_steps: int, steps: int, lr: float, captions: list[str],
-                    dataset: str, seed: int, batch_size: int, grad_accum: int, dtype: str, started: float,
-                    finished: float, version: str) -> dict[str, str]:
+@dataclass(frozen=True, kw_only=True)
+class TrainedRun:
+    """What a trained LoRA's header records of its run. `started`/`finished` are unix times; `captions`
+    are the training captions, one per image."""
+
+    name: str
+    rank: int
+    alpha: float
+    base_model: str
+    variant: str
+    trigger: str | None
+    settings_hash: str
+    resolution: int
+    max_steps: int
+    steps: int
+    lr: float
+    captions: list[str]
+    dataset: str
+    seed: int
+    batch_size: int
+    grad_accum: int
+    dtype: str
+    started: float
+    finished: float
+    version: str
+
+
+def training_header(run: TrainedRun) -> dict[str, str]:
     """The header of a trained LoRA: our keys, kohya's `ss_*` training keys (A1111's LoRA cards, Civitai and
-    ComfyUI's LoRA info read them) and the SAI model spec's `modelspec.*`, in every layout.
-    `started`/`finished` are unix times; `captions` are the training captions, one per image."""
-    kohya_base, arch = _KOHYA_BASE.get(variant, ("flux_2_klein", "Flux.2-klein"))
+    ComfyUI's LoRA info read them) and the SAI model spec's `modelspec.*`, in every layout."""
+    kohya_base, arch = _KOHYA_BASE.get(run.variant, ("flux_2_klein", "Flux.2-klein"))
+    captions, resolution = run.captions, run.resolution
     header = {
-        "flux_klein_mlx.version": version, "flux_klein_mlx.rank": rank, "flux_klein_mlx.alpha": alpha,
-        "flux_klein_mlx.base_model": base_model, "flux_klein_mlx.trigger": trigger,
-        "flux_klein_mlx.settings_sha256": settings_hash,
-        "ss_base_model_version": kohya_base, "ss_sd_model_name": base_model, "ss_network_module": "networks.lora",
-        "ss_network_dim": rank, "ss_network_alpha": alpha, "ss_resolution": f"({resolution}, {resolution})",
-        "ss_max_train_steps": max_steps, "ss_steps": steps, "ss_learning_rate": lr, "ss_lr_scheduler": "constant",
-        "ss_optimizer": "AdamW", "ss_num_train_images": len(captions), "ss_batch_size_per_device": batch_size,
-        "ss_gradient_accumulation_steps": grad_accum, "ss_seed": seed, "ss_mixed_precision": dtype,
-        "ss_output_name": name, "ss_training_started_at": started, "ss_training_finished_at": finished,
-        "ss_tag_frequency": json.dumps({dataset: tag_frequency(captions)}),
-        "ss_dataset_dirs": json.dumps({dataset: {"n_repeats": 1, "img_count": len(captions)}}),
-        "modelspec.sai_model_spec": "1.0.0", "modelspec.architecture": f"{arch}/lora",
-        "modelspec.implementation": "https://github.com/black-forest-labs/flux2", "modelspec.title": name,
-        "modelspec.resolution": f"{resolution}x{resolution}", "modelspec.trigger_phrase": trigger,
-        "modelspec.date": datetime.fromtimestamp(int(finished), timezone.utc).isoformat(),
+        "flux_klein_mlx.version": run.version,
+        "flux_klein_mlx.rank": run.rank,
+        "flux_klein_mlx.alpha": run.alpha,
+        "flux_klein_mlx.base_model": run.base_model,
+        "flux_klein_mlx.trigger": run.trigger,
+        "flux_klein_mlx.settings_sha256": run.settings_hash,
+        "ss_base_model_version": kohya_base,
+        "ss_sd_model_name": run.base_model,
+        "ss_network_module": "networks.lora",
+        "ss_network_dim": run.rank,
+        "ss_network_alpha": run.alpha,
+        "ss_resolution": f"({resolution}, {resolution})",
+        "ss_max_train_steps": run.max_steps,
+        "ss_steps": run.steps,
+        "ss_learning_rate": run.lr,
+        "ss_lr_scheduler": "constant",
+        "ss_optimizer": "AdamW",
+        "ss_num_train_images": len(captions),
+        "ss_batch_size_per_device": run.batch_size,
+        "ss_gradient_accumulation_steps": run.grad_accum,
+        "ss_seed": run.seed,
+        "ss_mixed_precision": run.dtype,
+        "ss_output_name": run.name,
+        "ss_training_started_at": run.started,
+        "ss_training_finished_at": run.finished,
+        "ss_tag_frequency": json.dumps({run.dataset: tag_frequency(captions)}),
+        "ss_dataset_dirs": json.dumps({run.dataset: {"n_repeats": 1, "img_count": len(captions)}}),
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": f"{arch}/lora",
+        "modelspec.implementation": "https://github.com/black-forest-labs/flux2",
+        "modelspec.title": run.name,
+        "modelspec.resolution": f"{resolution}x{resolution}",
+        "modelspec.trigger_phrase": run.trigger,
+        "modelspec.date": datetime.fromtimestamp(int(run.finished), timezone.utc).isoformat(),
     }
     return {k: str(v) for k, v in header.items() if v is not None}

@@ -76,15 +76,15 @@ class FluxKleinParams:
         return int(self.hidden_size * self.mlp_ratio)
 
     @classmethod
-    def klein_4b(cls) -> "FluxKleinParams":
+    def klein_4b(cls) -> FluxKleinParams:
         return dataclasses.replace(VARIANTS["klein-4b"].transformer)
 
     @classmethod
-    def klein_9b(cls) -> "FluxKleinParams":
+    def klein_9b(cls) -> FluxKleinParams:
         return dataclasses.replace(VARIANTS["klein-9b"].transformer)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "FluxKleinParams":
+    def from_dict(cls, d: dict) -> FluxKleinParams:
         """From a diffusers `transformer/config.json` (or a dict of our own field names); unknown keys ignored."""
         d = dict(d)
         if "attention_head_dim" in d and "hidden_size" not in d:
@@ -95,13 +95,19 @@ class FluxKleinParams:
     def shape_key(self) -> tuple:
         """Everything that decides a weight's shape; theta/eps/axes do not."""
         return (
-            self.in_channels, self.hidden_size, self.context_in_dim, self.num_heads,
-            self.mlp_hidden, self.depth, self.depth_single, self.time_channels,
+            self.in_channels,
+            self.hidden_size,
+            self.context_in_dim,
+            self.num_heads,
+            self.mlp_hidden,
+            self.depth,
+            self.depth_single,
+            self.time_channels,
         )
 
     @property
     def variant(self) -> str:
-        """"klein-4b", "klein-9b" or "other", judged from the shape-deciding fields."""
+        """ "klein-4b", "klein-9b" or "other", judged from the shape-deciding fields."""
         row = variant_for(self, True)
         return row.family if row is not None else "other"
 
@@ -137,7 +143,7 @@ class Qwen3Config:
             self.head_dim = self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Qwen3Config":
+    def from_dict(cls, d: dict) -> Qwen3Config:
         """Build from a config dict; unknown keys are ignored, missing required ones named."""
         d = dict(d)
         # transformers >= 5 nests rope_theta under rope_parameters; older configs use rope_scaling.
@@ -155,9 +161,7 @@ class Qwen3Config:
         required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
         missing = [k for k in required if d.get(k) is None]
         if missing:
-            raise FluxKleinError(
-                f"the text encoder config lacks {', '.join(missing)}; it is not a Qwen3 config.json"
-            )
+            raise FluxKleinError(f"the text encoder config lacks {', '.join(missing)}; it is not a Qwen3 config.json")
         return from_dict(cls, d)
 
 
@@ -185,7 +189,7 @@ class AutoEncoderConfig:
     patch_size: tuple[int, int] = (2, 2)
 
     @classmethod
-    def flux2(cls) -> "AutoEncoderConfig":
+    def flux2(cls) -> AutoEncoderConfig:
         return cls()  # the defaults
 
     from_dict = classmethod(from_dict)
@@ -228,9 +232,17 @@ class Variant:
 
 
 _QWEN3_4B = Qwen3Config(
-    hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
-    vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=40960,
 )
 _QWEN3_8B = dataclasses.replace(_QWEN3_4B, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)
 _KLEIN_4B = FluxKleinParams()
@@ -239,21 +251,33 @@ _KLEIN_9B = FluxKleinParams(hidden_size=4096, context_in_dim=12288, num_heads=32
 
 def _rows() -> dict[str, Variant]:
     rows = {}
-    for family, size, transformer, qwen in (("klein-4b", "4B", _KLEIN_4B, _QWEN3_4B),
-                                            ("klein-9b", "9B", _KLEIN_9B, _QWEN3_8B)):
+    for family, size, transformer, qwen in (
+        ("klein-4b", "4B", _KLEIN_4B, _QWEN3_4B),
+        ("klein-9b", "9B", _KLEIN_9B, _QWEN3_8B),
+    ):
         for distilled in (True, False):
             name = family if distilled else f"{family}-base"
             rows[name] = Variant(
-                name=name, title=f"FLUX.2 [klein] {size}" + ("" if distilled else " Base"), family=family,
-                distilled=distilled, transformer=transformer, text_encoder=qwen, vae=AutoEncoderConfig(),
-                steps=4 if distilled else 50, guidance=None if distilled else 4.0,
+                name=name,
+                title=f"FLUX.2 [klein] {size}" + ("" if distilled else " Base"),
+                family=family,
+                distilled=distilled,
+                transformer=transformer,
+                text_encoder=qwen,
+                vae=AutoEncoderConfig(),
+                steps=4 if distilled else 50,
+                guidance=None if distilled else 4.0,
                 repo=f"black-forest-labs/FLUX.2-klein-{'' if distilled else 'base-'}{size}",
             )
     # klein 9B-KV (black-forest-labs/FLUX.2-klein-9b-kv): klein-9B's shapes, distilled for the reference
     # K/V cache. Its model_index.json has no is_distilled key; the pipeline class tells it apart.
     rows["klein-9b-kv"] = dataclasses.replace(
-        rows["klein-9b"], name="klein-9b-kv", title="FLUX.2 [klein] 9B-KV", pipeline_class=KV_PIPELINE_CLASS,
-        reference_kv=True, repo="black-forest-labs/FLUX.2-klein-9b-kv",
+        rows["klein-9b"],
+        name="klein-9b-kv",
+        title="FLUX.2 [klein] 9B-KV",
+        pipeline_class=KV_PIPELINE_CLASS,
+        reference_kv=True,
+        repo="black-forest-labs/FLUX.2-klein-9b-kv",
     )
     return rows
 
@@ -266,8 +290,13 @@ PIPELINE_CLASSES = tuple(dict.fromkeys(v.pipeline_class for v in VARIANTS.values
 def variant_for(params: FluxKleinParams, distilled: bool, reference_kv: bool = False) -> Variant | None:
     """The table row of a transformer shape and distillation, or None for a custom size."""
     return next(
-        (v for v in VARIANTS.values() if v.distilled == distilled and v.reference_kv == reference_kv
-         and v.transformer.shape_key() == params.shape_key()),
+        (
+            v
+            for v in VARIANTS.values()
+            if v.distilled == distilled
+            and v.reference_kv == reference_kv
+            and v.transformer.shape_key() == params.shape_key()
+        ),
         None,
     )
 

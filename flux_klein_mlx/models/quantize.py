@@ -65,7 +65,9 @@ def check_record(record: dict, what: str = "model") -> None:
     try:
         bits, group_size, mode, layers = record["bits"], record["group_size"], record["mode"], record["layers"]
     except (TypeError, KeyError) as e:
-        raise FluxKleinError(f"the {what} quantization record in config.json is damaged (no {e}); convert again") from None
+        raise FluxKleinError(
+            f"the {what} quantization record in config.json is damaged (no {e}); convert again"
+        ) from None
     if mode != MODE or not isinstance(layers, list):
         raise FluxKleinError(f"the {what} quantization record in config.json is not affine/by-layer; convert again")
     check_quantization(bits, group_size)

@@ -34,16 +34,16 @@ def checkpointed(module: nn.Module):
     @run.vjp
     def run_vjp(primals, cotangents, outputs):
         cots = list(cotangents) if isinstance(cotangents, (list, tuple)) else [cotangents]
-        keys, values = zip(*tree_flatten(list(primals)))  # the trainable parameters first
+        keys, values = zip(*tree_flatten(list(primals)), strict=True)  # the trainable parameters first
         n_params = len(tree_flatten(primals[0]))
 
         def flat(*arrays):
-            out = inner(*tree_unflatten(list(zip(keys, arrays))))
+            out = inner(*tree_unflatten(list(zip(keys, arrays, strict=True))))
             return list(out) if isinstance(out, (list, tuple)) else [out]
 
         _, vjps = mx.vjp(flat, mx.depends(list(values), cots), cots)
         if n_params:
             vjps = vjps[:n_params] + list(mx.depends(vjps[n_params:], vjps[:n_params]))
-        return tuple(tree_unflatten(list(zip(keys, vjps))))
+        return tuple(tree_unflatten(list(zip(keys, vjps, strict=True))))
 
     return lambda *args: run(module.trainable_parameters(), *args)

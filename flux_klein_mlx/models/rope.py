@@ -9,7 +9,7 @@ Each axis owns a slice of the head dimension (32 dims each for klein) and rotate
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 

@@ -17,8 +17,8 @@ import dataclasses
 import mlx.core as mx
 import mlx.nn as nn
 
-from .config import Qwen3Config
 from ..errors import FluxKleinError
+from .config import Qwen3Config
 
 OUT_LAYERS = (9, 18, 27)
 
@@ -64,9 +64,7 @@ class Qwen3TextEncoder(nn.Module):
         super().__init__()
         out_layers = tuple(int(i) for i in out_layers)
         if not out_layers or min(out_layers) < 1 or max(out_layers) > config.num_hidden_layers:
-            raise FluxKleinError(
-                f"text encoder output layers {out_layers} must lie in 1..{config.num_hidden_layers}"
-            )
+            raise FluxKleinError(f"text encoder output layers {out_layers} must lie in 1..{config.num_hidden_layers}")
         self.config = config
         self.out_layers = out_layers
         # Only the layers up to the deepest tap exist; the rest would never be used.

@@ -70,7 +70,7 @@ class PromptTokenizer:
         self.pad_token_id = int(hf_tokenizer.convert_tokens_to_ids("<|endoftext|>") if pad_id is None else pad_id)
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> "PromptTokenizer":
+    def from_folder(cls, folder: str | Path) -> PromptTokenizer:
         """Load from a model snapshot (its `tokenizer/` folder) or a tokenizer folder."""
         folder = _tokenizer_folder(folder)
         # transformers is a dependency of mlx-lm; imported here so importing us stays cheap.

@@ -16,12 +16,11 @@ import re
 import mlx.core as mx
 import mlx.nn as nn
 
-from .config import DEV_HIDDEN, DEV_MARKERS, FLUX1_BLOCKS, FLUX1_IMG_IN, FluxKleinParams, flux1_marker
 from ..errors import FluxKleinError
+from .config import DEV_HIDDEN, DEV_MARKERS, FLUX1_BLOCKS, FLUX1_IMG_IN, FluxKleinParams, flux1_marker
 from .kv_cache import KV, ReferenceKV
 from .recompute import checkpointed
 from .rope import apply_rope, rope_tables
-
 
 # --- building blocks ---------------------------------------------------------------------------------
 
@@ -74,8 +73,13 @@ def linear_part(layer: nn.Module, x: mx.array, rows: slice = slice(None), cols: 
             return a[rows, c0 // per : None if c1 is None else c1 // per]
 
         out = mx.quantized_matmul(
-            x, part(layer.weight, per_word), part(layer.scales, g), part(layer.biases, g),
-            transpose=True, group_size=g, bits=layer.bits,
+            x,
+            part(layer.weight, per_word),
+            part(layer.scales, g),
+            part(layer.biases, g),
+            transpose=True,
+            group_size=g,
+            bits=layer.bits,
         )
     else:
         out = x @ layer.weight[rows, c0:c1].T
@@ -176,7 +180,7 @@ class DoubleStreamBlock(nn.Module):
         txt_qkv = self.txt_attn.qkv_heads(modulate(txt, *mod_txt[:2], self.eps))
         Lt = txt.shape[1]
         # Joint sequence is text first: q, k, v each (B, H, Lt + Li, hd)
-        q, k, v = (mx.concatenate([t, i], axis=2) for t, i in zip(txt_qkv, img_qkv))
+        q, k, v = (mx.concatenate([t, i], axis=2) for t, i in zip(txt_qkv, img_qkv, strict=True))
         out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, ref_kv)
         img = self._residuals(img, out[:, Lt:], self.img_attn, self.img_mlp, mod_img)
         return img, self._residuals(txt, out[:, :Lt], self.txt_attn, self.txt_mlp, mod_txt)
@@ -332,7 +336,7 @@ class FluxKlein(nn.Module):
         mod_txt = self.double_stream_modulation_txt(vec)
         mod_single = self.single_stream_modulation(vec)
         refs = reference_kv or ReferenceKV([None] * len(self.double_blocks), [None] * len(self.single_blocks))
-        for block, ref_kv in zip(self.double_blocks, refs.double):
+        for block, ref_kv in zip(self.double_blocks, refs.double, strict=True):
             if checkpoint:
                 img, txt = checkpointed(block)(img, txt, mod_img, mod_txt, cos, sin)
             else:
@@ -340,7 +344,7 @@ class FluxKlein(nn.Module):
             if low_memory:
                 mx.eval(img, txt)
         h = mx.concatenate([txt, img], axis=1)  # (B, Lt + Li, D)
-        for block, ref_kv in zip(self.single_blocks, refs.single):
+        for block, ref_kv in zip(self.single_blocks, refs.single, strict=True):
             if checkpoint:
                 h = checkpointed(block)(h, mod_single, cos, sin)
             else:
@@ -497,8 +501,15 @@ def sanitize_flux2_klein_weights(weights: dict[str, mx.array]) -> dict[str, mx.a
     """
     stripped = {re.sub(r"^(model\.)?diffusion_model\.", "", k): v for k, v in weights.items()}
     _reject_foreign(stripped)
-    diffusers_roots = ("transformer_blocks.", "single_transformer_blocks.", "x_embedder.", "time_guidance_embed.",
-                       "norm_out.", "proj_out.", "context_embedder.")
+    diffusers_roots = (
+        "transformer_blocks.",
+        "single_transformer_blocks.",
+        "x_embedder.",
+        "time_guidance_embed.",
+        "norm_out.",
+        "proj_out.",
+        "context_embedder.",
+    )
     return _from_diffusers(stripped) if any(k.startswith(diffusers_roots) for k in stripped) else stripped
 
 

@@ -17,8 +17,8 @@ import re
 import mlx.core as mx
 import mlx.nn as nn
 
-from .config import AutoEncoderConfig
 from ..errors import FluxKleinError
+from .config import AutoEncoderConfig
 
 # ---------------------------------------------------------------------------- building blocks
 

@@ -11,17 +11,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-import hmac
 import io
 import json
 import time
 import uuid
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Callable
 
 from PIL import Image
 from starlette.applications import Starlette
@@ -31,15 +30,26 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from ..errors import FluxKleinError
-from .forms import EDIT_FIELDS, GENERATION_FIELDS, LORA_NAME_RE, MAX_LORAS, ApiError, bool_field
-from .forms import check_multipart_complete, float_field
-from .forms import int_field, parse_json, parse_size, str_field
-from ..inputs import RunSettings, check_prompt_given
-from .jobs import EndEvent, ImageEvent, ImageRequest, NotReady, QueueFull, StageEvent, StepEvent, Worker
-from ..lora.apply import parse_lora_spec
 from ..files import write_exclusive
+from ..inputs import RunSettings, check_prompt_given
+from ..lora.apply import parse_lora_spec
+from .forms import (
+    EDIT_FIELDS,
+    GENERATION_FIELDS,
+    LORA_NAME_RE,
+    MAX_LORAS,
+    ApiError,
+    bool_field,
+    check_multipart_complete,
+    float_field,
+    int_field,
+    parse_json,
+    parse_size,
+    str_field,
+)
+from .guard import MB, Guard
+from .jobs import EndEvent, ImageEvent, ImageRequest, NotReady, QueueFull, StageEvent, StepEvent, Worker
 
-MB = 1 << 20
 PNG = {"output_format": "png", "background": "opaque"}  # what every result is
 
 
@@ -91,8 +101,10 @@ class RequestLog:
             self.size, self.steps, self.n = f"{s.width}x{s.height}" if s.width else "auto", s.steps or "default", req.n
 
     def finish(self, log: Callable[[str], None], outcome: str) -> None:
-        log(f"request {self.id}: {self.route} {self.size}, {self.steps} steps, n={self.n} -> {outcome} "
-            f"in {time.perf_counter() - self.t0:.2f} s")
+        log(
+            f"request {self.id}: {self.route} {self.size}, {self.steps} steps, n={self.n} -> {outcome} "
+            f"in {time.perf_counter() - self.t0:.2f} s"
+        )
 
 
 class Server:
@@ -120,18 +132,25 @@ class Server:
             except FluxKleinError as e:
                 raise ApiError(400, str(e), "loras") from None
             if ".." in name or not LORA_NAME_RE.match(name):  # the pattern has no path separators
-                raise ApiError(400, f"LoRA {item!r} is not a name: give the name of a file in the server's "
-                                    "--lora-dir (without .safetensors), never a path", "loras")
+                raise ApiError(
+                    400,
+                    f"LoRA {item!r} is not a name: give the name of a file in the server's "
+                    "--lora-dir (without .safetensors), never a path",
+                    "loras",
+                )
             if self.options.lora_dir is None:
-                raise ApiError(400, "this server was started without --lora-dir, so requests cannot name LoRAs",
-                               "loras")
+                raise ApiError(
+                    400, "this server was started without --lora-dir, so requests cannot name LoRAs", "loras"
+                )
             if name in out:
-                raise ApiError(400, f"LoRA {name!r} is named twice; name each LoRA once (name:scale sets its "
-                                    "strength)", "loras")
+                raise ApiError(
+                    400, f"LoRA {name!r} is named twice; name each LoRA once (name:scale sets its strength)", "loras"
+                )
             path = self.options.lora_dir / f"{name}.safetensors"
             if not path.is_file():
-                raise ApiError(404, f"no LoRA named {name!r} in the server's LoRA folder; GET /v1/status lists them",
-                               "loras")
+                raise ApiError(
+                    404, f"no LoRA named {name!r} in the server's LoRA folder; GET /v1/status lists them", "loras"
+                )
             out[name] = (str(path.resolve()), scale)
         return tuple(out.values())
 
@@ -141,8 +160,12 @@ class Server:
         o = self.options
         model = body.get("model")
         if model not in (None, "", o.model_id, *o.model_aliases):
-            raise ApiError(404, f"model {model!r} is not served here; this server serves {o.model_id!r} "
-                                "(GET /v1/models)", "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"model {model!r} is not served here; this server serves {o.model_id!r} (GET /v1/models)",
+                "model",
+                "model_not_found",
+            )
         prompt = str_field(body, "prompt")
         if prompt is None:
             raise ApiError(400, "prompt is required: describe the image to make", "prompt")
@@ -152,30 +175,44 @@ class Server:
             raise ApiError(400, str(e), "prompt") from None
         response_format = body.get("response_format") or "b64_json"
         if response_format not in ("b64_json", "url"):
-            raise ApiError(400, f"response_format must be 'b64_json' or 'url', not {response_format!r}",
-                           "response_format")
+            raise ApiError(
+                400, f"response_format must be 'b64_json' or 'url', not {response_format!r}", "response_format"
+            )
         output_format = body.get("output_format") or "png"
         if output_format != "png":
-            raise ApiError(400, f"output_format must be 'png' (this server writes PNG only), not {output_format!r}",
-                           "output_format")
+            raise ApiError(
+                400,
+                f"output_format must be 'png' (this server writes PNG only), not {output_format!r}",
+                "output_format",
+            )
         width, height = parse_size(body.get("size"))
-        settings = RunSettings(prompt, width=width, height=height, negative_prompt=str_field(body, "negative_prompt"),
-                               steps=int_field(body, "steps", 1, o.max_steps), seed=int_field(body, "seed", 0, 2**53),
-                               guidance=float_field(body, "guidance", 0.0, 50.0))
+        settings = RunSettings(
+            prompt,
+            width=width,
+            height=height,
+            negative_prompt=str_field(body, "negative_prompt"),
+            steps=int_field(body, "steps", 1, o.max_steps),
+            seed=int_field(body, "seed", 0, 2**53),
+            guidance=float_field(body, "guidance", 0.0, 50.0),
+        )
         stream = bool_field(body, "stream")
         # OpenAI's meaning: how many partial images a stream sends (0-3); left out, one per step (the page).
         partial = int_field(body, "partial_images", 0, 3)
-        req = ImageRequest(settings, n=int_field(body, "n", 1, o.max_n, default=1),
-                           loras=self.resolve_loras(body.get("loras", body.get("loras[]"))),
-                           partial_images=partial if stream else 0)
+        req = ImageRequest(
+            settings,
+            n=int_field(body, "n", 1, o.max_n, default=1),
+            loras=self.resolve_loras(body.get("loras", body.get("loras[]"))),
+            partial_images=partial if stream else 0,
+        )
         return req, Answer(kind, response_format, stream)
 
     def decode_upload(self, name: str, data: bytes, mode: str | None) -> Image.Image:
         """An upload, size-checked from its header, decoded; converted to `mode` (None: kept, e.g. a mask's alpha)."""
         o = self.options
         if len(data) > o.max_upload_bytes:
-            raise ApiError(413, f"{name} is {len(data) / MB:.1f} MB; the limit is {o.max_upload_bytes / MB:.0f} MB",
-                           name)
+            raise ApiError(
+                413, f"{name} is {len(data) / MB:.1f} MB; the limit is {o.max_upload_bytes / MB:.0f} MB", name
+            )
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -186,7 +223,7 @@ class Server:
                     return im.convert(mode) if mode else im
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
             raise ApiError(413, f"{name} has too many pixels; the limit is {o.max_pixels / 1e6:.0f} MP", name) from None
-        except Exception:  # noqa: BLE001: PIL raises many types for bad data
+        except Exception:  # PIL raises many types for bad data
             raise ApiError(400, f"{name} is not a readable image; upload a PNG, JPEG or WebP file", name) from None
         raise ApiError(413, f"{name} is {w}x{h} = {w * h / 1e6:.0f} MP; the limit is {o.max_pixels / 1e6:.0f} MP", name)
 
@@ -216,8 +253,9 @@ class Server:
                 is_file = hasattr(value, "read")
                 if key in ("image", "image[]", "mask"):
                     if not is_file:
-                        raise ApiError(400, f"{key} must be an uploaded file; this server never reads files by path",
-                                       key)
+                        raise ApiError(
+                            400, f"{key} must be an uploaded file; this server never reads files by path", key
+                        )
                     data = await value.read(self.options.max_upload_bytes + 1)
                     if key == "mask":
                         mask = data
@@ -269,8 +307,11 @@ class Server:
             raise ApiError(503, str(e), code="model_loading") from None
         answer.base_url = str(request.base_url).rstrip("/")
         if answer.stream:
-            return StreamingResponse(self.events(job, queue, answer, req, entry), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                self.events(job, queue, answer, req, entry),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         data = []
         try:
             while True:
@@ -314,16 +355,32 @@ class Server:
                     yield sse(f"{kind}.progress", **step)
                     if event.preview is not None:
                         partials[event.index] = partials.get(event.index, -1) + 1
-                        yield sse(f"{kind}.partial_image", b64_json=base64.b64encode(event.preview).decode(),
-                                  partial_image_index=partials[event.index], created_at=int(time.time()), size=size,
-                                  **png, **step)
+                        yield sse(
+                            f"{kind}.partial_image",
+                            b64_json=base64.b64encode(event.preview).decode(),
+                            partial_image_index=partials[event.index],
+                            created_at=int(time.time()),
+                            size=size,
+                            **png,
+                            **step,
+                        )
                 elif isinstance(event, ImageEvent):
                     entry.describe(req, event.metadata)
-                    yield sse(f"{kind}.completed", created_at=int(time.time()), size=entry.size, **png,
-                              image_index=event.index, seconds=event.seconds,
-                              usage={"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
-                                     "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}},
-                              **self.keep(event, answer))
+                    yield sse(
+                        f"{kind}.completed",
+                        created_at=int(time.time()),
+                        size=entry.size,
+                        **png,
+                        image_index=event.index,
+                        seconds=event.seconds,
+                        usage={
+                            "input_tokens": 0,
+                            "output_tokens": 0,
+                            "total_tokens": 0,
+                            "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
+                        },
+                        **self.keep(event, answer),
+                    )
                 elif event.kind == "error":
                     outcome = f"{event.status} {event.message} (streamed)"
                     yield sse("error", **ApiError(event.status, event.message).body())
@@ -346,23 +403,35 @@ class Server:
         card = {"id": self.options.model_id, "object": "model", "created": 0, "owned_by": "flux_klein_mlx"}
         name = request.path_params.get("model")
         if name is not None and name not in (card["id"], *self.options.model_aliases):
-            raise ApiError(404, f"model {name!r} is not served here; this server serves {card['id']!r}", "model",
-                           "model_not_found")
+            raise ApiError(
+                404, f"model {name!r} is not served here; this server serves {card['id']!r}", "model", "model_not_found"
+            )
         return JSONResponse(card if name is not None else {"object": "list", "data": [card]})
 
     async def status(self, request: Request):
         o, pipe = self.options, self.worker.pipe
         info = pipe.info if pipe is not None else None
-        return JSONResponse({
-            **self.worker.status(), "model": o.model_id, "variant": info.name if info else None,
-            "default_steps": info.default_steps if info else None, "distilled": info.is_distilled if info else None,
-            "inpainting": True, "server_loras": list(o.server_loras),
-            "loras": sorted(p.stem for p in o.lora_dir.glob("*.safetensors")) if o.lora_dir else [],
-            "preview": pipe.preview_map().source if pipe is not None else None,
-            "fields": {"generations": sorted(GENERATION_FIELDS), "edits": sorted(EDIT_FIELDS)},
-            "limits": {"max_upload_mb": o.max_upload_bytes / MB, "max_megapixels": o.max_pixels / 1e6,
-                       "max_images": o.max_images, "max_n": o.max_n, "max_steps": o.max_steps},
-        })
+        return JSONResponse(
+            {
+                **self.worker.status(),
+                "model": o.model_id,
+                "variant": info.name if info else None,
+                "default_steps": info.default_steps if info else None,
+                "distilled": info.is_distilled if info else None,
+                "inpainting": True,
+                "server_loras": list(o.server_loras),
+                "loras": sorted(p.stem for p in o.lora_dir.glob("*.safetensors")) if o.lora_dir else [],
+                "preview": pipe.preview_map().source if pipe is not None else None,
+                "fields": {"generations": sorted(GENERATION_FIELDS), "edits": sorted(EDIT_FIELDS)},
+                "limits": {
+                    "max_upload_mb": o.max_upload_bytes / MB,
+                    "max_megapixels": o.max_pixels / 1e6,
+                    "max_images": o.max_images,
+                    "max_n": o.max_n,
+                    "max_steps": o.max_steps,
+                },
+            }
+        )
 
     async def images(self, request: Request) -> Response:
         """POST /v1/images/generations or /edits: parse and run one image request; one log line when it
@@ -387,8 +456,12 @@ class Server:
         body = await self.read_json(request)
         for key in (k for k in body if k not in GENERATION_FIELDS):
             if key in ("image", "images", "mask", "image[]"):
-                raise ApiError(400, f"{key} cannot be sent to /v1/images/generations: upload images with "
-                                    "POST /v1/images/edits (multipart); this server never reads files by path", key)
+                raise ApiError(
+                    400,
+                    f"{key} cannot be sent to /v1/images/generations: upload images with "
+                    "POST /v1/images/edits (multipart); this server never reads files by path",
+                    key,
+                )
             raise ApiError(400, f"unknown field {key!r}; see GET /v1/status for the supported fields", key)
         return self.common(body, "image_generation")
 
@@ -400,22 +473,31 @@ class Server:
             raise ApiError(400, f"{len(uploads)} images uploaded; the limit is {self.options.max_images}", "image")
         req, answer = self.common(body, "image_edit")
         images = [self.decode_upload(name, data, "RGB") for name, data in uploads]
-        mask = None if mask_data is None else self.decode_upload("mask", mask_data, None)  # alpha: transparent = repaint
+        mask = (
+            None if mask_data is None else self.decode_upload("mask", mask_data, None)
+        )  # alpha: transparent = repaint
         if mask is not None and mask.size != images[0].size:
-            raise ApiError(400, f"mask is {mask.size[0]}x{mask.size[1]} but the image is "
-                                f"{images[0].size[0]}x{images[0].size[1]}; they must be the same size", "mask")
+            raise ApiError(
+                400,
+                f"mask is {mask.size[0]}x{mask.size[1]} but the image is "
+                f"{images[0].size[0]}x{images[0].size[1]}; they must be the same size",
+                "mask",
+            )
         strength = float_field(body, "strength", 0.0, 1.0)
         # Inpainting / image-to-image: the first upload is the image being repainted, the rest references.
         init_image = images.pop(0) if mask is not None or strength is not None else None
-        req.settings = dataclasses.replace(req.settings, init_image=init_image, images=images or None, mask=mask,
-                                           strength=strength)
+        req.settings = dataclasses.replace(
+            req.settings, init_image=init_image, images=images or None, mask=mask, strength=strength
+        )
         return req, answer
 
     async def file(self, request: Request):
         png = self.files.get(request.path_params["file_id"])
         if png is None:
-            raise ApiError(404, "no such image: results are kept in memory for the most recent "
-                                f"{self.options.url_cache} images only")
+            raise ApiError(
+                404,
+                f"no such image: results are kept in memory for the most recent {self.options.url_cache} images only",
+            )
         return Response(png, media_type="image/png")
 
 
@@ -436,12 +518,16 @@ def create_app(worker: Worker, options: ServerOptions) -> Starlette:
         return exc.response()
 
     async def on_http_error(request: Request, exc: HTTPException):
-        message = {404: f"no route {request.method} {request.url.path}; see GET /v1/status",
-                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        message = {
+            404: f"no route {request.method} {request.url.path}; see GET /v1/status",
+            405: f"{request.method} is not allowed on {request.url.path}",
+        }.get(exc.status_code, str(exc.detail))
         return ApiError(exc.status_code, message).response()
 
     async def on_crash(request: Request, exc: Exception):  # a bug: JSON, no repr; the traceback goes to the log
-        return ApiError(500, f"internal server error ({type(exc).__name__}); the server's log has the details").response()
+        return ApiError(
+            500, f"internal server error ({type(exc).__name__}); the server's log has the details"
+        ).response()
 
     routes = [
         Route("/", server.index),  # the web page (static/index.html)
@@ -452,44 +538,7 @@ def create_app(worker: Worker, options: ServerOptions) -> Starlette:
         Route("/v1/images/edits", server.images, methods=["POST"]),  # multipart: image / image[] (1..8), optional mask
         Route("/v1/images/files/{file_id:str}.png", server.file),  # results of response_format "url" (unguessable ids)
     ]
-    app = Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
-                                                       Exception: on_crash})
-    return _Guard(app, options.api_key, (options.max_images + 2) * options.max_upload_bytes + MB)
-
-
-class _Guard:
-    """ASGI wrapper: bearer key on /v1/ (result files are capability URLs) and a body-size cap."""
-
-    def __init__(self, app, api_key: str | None, body_cap: int):
-        self.app, self.api_key, self.body_cap = app, api_key, body_cap
-
-    def refusal(self, headers: dict, path: str) -> ApiError | None:
-        if self.api_key and path.startswith("/v1/") and not path.startswith("/v1/images/files/"):
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            if not auth:
-                return ApiError(401, "missing API key: send the header 'Authorization: Bearer KEY'",
-                                code="invalid_api_key")
-            scheme, _, key = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
-                return ApiError(401, "invalid API key", code="invalid_api_key")
-        length = headers.get(b"content-length", b"")
-        return self.too_large() if length.isdigit() and int(length) > self.body_cap else None
-
-    def too_large(self) -> ApiError:
-        return ApiError(413, f"the request body is larger than {self.body_cap / MB:.0f} MB")
-
-    async def __call__(self, scope, receive, send):
-        error = self.refusal(dict(scope["headers"]), scope["path"]) if scope["type"] == "http" else None
-        if error is not None:
-            return await error.response()(scope, receive, send)
-        seen = 0
-
-        async def counted_receive():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))  # only "http.request" messages have a body
-            if seen > self.body_cap:
-                raise self.too_large()  # raised inside the app: its ApiError handler answers
-            return message
-
-        return await self.app(scope, counted_receive, send)
+    app = Starlette(
+        routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash}
+    )
+    return Guard(app, options.api_key, (options.max_images + 2) * options.max_upload_bytes + MB)

@@ -32,8 +32,9 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise FluxKleinError(f"port {port} on {host} is already in use (another server?); stop it or choose "
-                                 "another --port") from None
+            raise FluxKleinError(
+                f"port {port} on {host} is already in use (another server?); stop it or choose another --port"
+            ) from None
         reason = e.strerror or str(e)
         raise FluxKleinError(f"cannot listen on {host}:{port} ({reason}); choose another --host or --port") from None
     return sock
@@ -48,12 +49,16 @@ def check_api_key(api_key: str | None) -> None:
     if api_key is None:
         return
     if not api_key.strip():
-        raise FluxKleinError(f"--api-key is empty (or {KEY_VARIABLE} is set to nothing); give a key, or leave both "
-                             "out (unset the variable) for a server without one (loopback only)")
+        raise FluxKleinError(
+            f"--api-key is empty (or {KEY_VARIABLE} is set to nothing); give a key, or leave both "
+            "out (unset the variable) for a server without one (loopback only)"
+        )
     bad = next((c for c in api_key if not " " < c < "\x7f"), None)
     if bad is not None:
-        raise FluxKleinError(f"--api-key holds {bad!r} (U+{ord(bad):04X}); HTTP headers carry printable ASCII only, "
-                             "so use letters, digits and punctuation (e.g. from `openssl rand -hex 16`)")
+        raise FluxKleinError(
+            f"--api-key holds {bad!r} (U+{ord(bad):04X}); HTTP headers carry printable ASCII only, "
+            "so use letters, digits and punctuation (e.g. from `openssl rand -hex 16`)"
+        )
 
 
 def model_aliases(model: str, info) -> tuple[str, ...]:
@@ -75,16 +80,19 @@ def check_before_start(host: str, api_key: str | None, save_dir, lora_dir) -> No
     try:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
+
         try:  # python-multipart (uploads), under this name since 0.0.13; the old `multipart` name warns there
             import python_multipart  # noqa: F401
         except ImportError:
             import multipart  # noqa: F401
     except ImportError as e:
-        raise FluxKleinError(f"serve needs the serve extra ({e.name} is missing): pip install -e \".[serve]\"") from None
+        raise FluxKleinError(f'serve needs the serve extra ({e.name} is missing): pip install -e ".[serve]"') from None
     check_api_key(api_key if api_key is not None else os.environ.get(KEY_VARIABLE))  # click reads "" as unset
     if not is_loopback(host) and not api_key:
-        raise FluxKleinError(f"--host {host} exposes the server beyond this machine; set --api-key KEY too "
-                             "(clients then send 'Authorization: Bearer KEY')")
+        raise FluxKleinError(
+            f"--host {host} exposes the server beyond this machine; set --api-key KEY too "
+            "(clients then send 'Authorization: Bearer KEY')"
+        )
     for name, folder in (("--save-dir", save_dir), ("--lora-dir", lora_dir)):
         if folder is not None and not Path(folder).is_dir():
             raise FluxKleinError(f"{name} {folder} is not an existing folder; create it first")
@@ -97,54 +105,138 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-@click.command("serve")
-@click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
-              help="Hugging Face repo id, diffusers folder, or a folder written by `convert`.")
-@click.option("--quantize", "-q", type=click.Choice(["4", "8"]), default=None,
-              help="Quantize transformer and text encoder at load.")
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default="bfloat16", show_default=True)
-@click.option("--low-memory", is_flag=True, help="Release the transformer before decoding (small-memory Macs).")
-@click.option("--lora", "loras", multiple=True, help="LoRA loaded with the model: a file, owner/name or owner/name:FILE, optionally :SCALE; repeatable.")
-@click.option("--lora-dir", default=None, help="Folder of .safetensors LoRAs that requests may name (\"loras\").")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to listen on; anything but loopback requires --api-key.")
-@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
-@click.option("--api-key", envvar=KEY_VARIABLE, default=None,
-              help="Require 'Authorization: Bearer KEY' on /v1 (or set FLUX_KLEIN_API_KEY).")
-@click.option("--queue", "queue_size", type=click.IntRange(0, 1000), default=8, show_default=True,
-              help="Requests that may wait behind the running one; more get HTTP 429.")
-@click.option("--save-dir", default=None, help="Also save every result here (server-chosen file names).")
-@click.option("--max-upload-mb", type=click.FloatRange(0.1, 200), default=20, show_default=True,
-              help="Largest accepted image upload.")
-@click.option("--model-id", default=None, help="The model name clients use [default: the last part of --model].")
-@vae_and_cache_options
-def serve(model, quantize, dtype, low_memory, loras, lora_dir, host, port, api_key, queue_size, save_dir,
-          max_upload_mb, model_id, vae, no_cache, cache_size):
-    """Serve the OpenAI Images API and a web page with live step previews."""
-    check_before_start(host, api_key, save_dir, lora_dir)
-    # The server modules import the serve extra (checked above), so they are imported only here.
-    import uvicorn
-
-    from .api import MB, ServerOptions, create_app
-    from .jobs import Worker
-
-    sock = bind(host, port)
-    t0 = time.perf_counter()
-    try:  # the model's files and the LoRAs, checked before saying "serving" (one line and exit 1 if not)
-        pipe = load(model, dtype=dtype, quantize=int(quantize) if quantize else None, low_memory=low_memory,
-                    loras=loras, vae=vae, cache=not no_cache, cache_size=cache_size)
+def _load_checked(model, sock, load_settings: dict):
+    """The pipeline, its model's files and the LoRAs checked before saying "serving" (one line and exit 1 if
+    not; the socket is closed then)."""
+    try:
+        pipe = load(model, **load_settings)
         pipe.check_text_encoder()  # load() leaves it to the first prompt that is not cached; a server checks all
     except BaseException:
         sock.close()
         raise
-    model_id = model_id or Path(str(model).rstrip("/")).name
-    server_loras = tuple(f"{Path(lora.name).stem}:{lora.scale:g}" for lora in pipe.loras)
-    options = ServerOptions(model_id=model_id, model_aliases=model_aliases(model, pipe.info), server_loras=server_loras,
-                            api_key=api_key, lora_dir=Path(lora_dir) if lora_dir else None,
-                            save_dir=Path(save_dir) if save_dir else None, max_upload_bytes=int(max_upload_mb * MB),
-                            log=lambda line: click.echo(line, err=True))
+    return pipe
 
-    def loader():  # on the worker thread, while the server already answers (503 until ready)
+
+@click.command("serve")
+@click.option(
+    "--model",
+    "-m",
+    default=DEFAULT_MODEL,
+    show_default=True,
+    help="Hugging Face repo id, diffusers folder, or a folder written by `convert`.",
+)
+@click.option(
+    "--quantize",
+    "-q",
+    type=click.Choice(["4", "8"]),
+    default=None,
+    help="Quantize transformer and text encoder at load.",
+)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="bfloat16", show_default=True)
+@click.option("--low-memory", is_flag=True, help="Release the transformer before decoding (small-memory Macs).")
+@click.option(
+    "--lora",
+    "loras",
+    multiple=True,
+    help="LoRA loaded with the model: a file, owner/name or owner/name:FILE, optionally :SCALE; repeatable.",
+)
+@click.option("--lora-dir", default=None, help='Folder of .safetensors LoRAs that requests may name ("loras").')
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on; anything but loopback requires --api-key.",
+)
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option(
+    "--api-key",
+    envvar=KEY_VARIABLE,
+    default=None,
+    help="Require 'Authorization: Bearer KEY' on /v1 (or set FLUX_KLEIN_API_KEY).",
+)
+@click.option(
+    "--queue",
+    "queue_size",
+    type=click.IntRange(0, 1000),
+    default=8,
+    show_default=True,
+    help="Requests that may wait behind the running one; more get HTTP 429.",
+)
+@click.option("--save-dir", default=None, help="Also save every result here (server-chosen file names).")
+@click.option(
+    "--max-upload-mb",
+    type=click.FloatRange(0.1, 200),
+    default=20,
+    show_default=True,
+    help="Largest accepted image upload.",
+)
+@click.option("--model-id", default=None, help="The model name clients use [default: the last part of --model].")
+@vae_and_cache_options
+def serve(
+    model,
+    quantize,
+    dtype,
+    low_memory,
+    loras,
+    lora_dir,
+    host,
+    port,
+    api_key,
+    queue_size,
+    save_dir,
+    max_upload_mb,
+    model_id,
+    vae,
+    no_cache,
+    cache_size,
+):
+    """Serve the OpenAI Images API and a web page with live step previews."""
+    check_before_start(host, api_key, save_dir, lora_dir)
+    # The server modules import the serve extra (checked above), so they are imported only here.
+    from .api import ServerOptions
+    from .guard import MB
+
+    sock = bind(host, port)
+    t0 = time.perf_counter()
+    load_settings = dict(
+        dtype=dtype,
+        quantize=int(quantize) if quantize else None,
+        low_memory=low_memory,
+        loras=loras,
+        vae=vae,
+        cache=not no_cache,
+        cache_size=cache_size,
+    )
+    pipe = _load_checked(model, sock, load_settings)
+    model_id = model_id or Path(str(model).rstrip("/")).name
+    options = ServerOptions(
+        model_id=model_id,
+        model_aliases=model_aliases(model, pipe.info),
+        server_loras=tuple(f"{Path(lora.name).stem}:{lora.scale:g}" for lora in pipe.loras),
+        api_key=api_key,
+        lora_dir=Path(lora_dir) if lora_dir else None,
+        save_dir=Path(save_dir) if save_dir else None,
+        max_upload_bytes=int(max_upload_mb * MB),
+        log=lambda line: click.echo(line, err=True),
+    )
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(
+        f"{pipe.info.name} from {model}: serving {model_id!r} at http://{shown}:{port}/ "
+        f"(API: http://{shown}:{port}/v1); loading the model",
+        err=True,
+    )
+    _run_server(pipe, options, sock, queue_size, t0)
+
+
+def _run_server(pipe, options, sock, queue_size: int, t0: float) -> None:
+    """Answer on `sock` until stopped; the models load on the worker thread while the server already
+    answers (503 until ready). A model that fails to load ends the process with one line."""
+    import uvicorn
+
+    from .api import create_app
+    from .jobs import Worker
+
+    def loader():  # on the worker thread
         try:
             if not pipe.memory.release_models:
                 pipe.component("transformer")  # resident anyway: loaded now rather than in the first request
@@ -156,10 +248,9 @@ def serve(model, quantize, dtype, low_memory, loras, lora_dir, host, port, api_k
         return pipe
 
     worker = Worker(loader, max_queue=queue_size)
-    server = uvicorn.Server(uvicorn.Config(create_app(worker, options), log_level="warning", timeout_graceful_shutdown=5))
-    shown = f"[{host}]" if ":" in host else host
-    click.echo(f"{pipe.info.name} from {model}: serving {model_id!r} at http://{shown}:{port}/ "
-               f"(API: http://{shown}:{port}/v1); loading the model", err=True)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(worker, options), log_level="warning", timeout_graceful_shutdown=5)
+    )
     worker.start()
     try:
         server.run(sockets=[sock])

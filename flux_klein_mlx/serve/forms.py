@@ -24,8 +24,13 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        kind = ("rate_limit_error" if self.status == 429 else
-                "server_error" if self.status >= 500 else "invalid_request_error")
+        kind = (
+            "rate_limit_error"
+            if self.status == 429
+            else "server_error"
+            if self.status >= 500
+            else "invalid_request_error"
+        )
         message = PATH_RE.sub(r"\1", self.message)  # server-side paths shortened to their last part
         return {"error": {"message": message, "type": kind, "param": self.param, "code": self.code}}
 
@@ -36,8 +41,21 @@ class ApiError(Exception):
 
 # OpenAI fields we accept and ignore (they have no meaning for this model), and our extra fields.
 IGNORED = {"quality", "style", "user", "background", "moderation", "output_compression", "input_fidelity"}
-GENERATION_FIELDS = {"prompt", "n", "size", "response_format", "model", "seed", "steps", "guidance", "negative_prompt",
-                     "loras", "stream", "partial_images", "output_format"} | IGNORED
+GENERATION_FIELDS = {
+    "prompt",
+    "n",
+    "size",
+    "response_format",
+    "model",
+    "seed",
+    "steps",
+    "guidance",
+    "negative_prompt",
+    "loras",
+    "stream",
+    "partial_images",
+    "output_format",
+} | IGNORED
 EDIT_FIELDS = GENERATION_FIELDS | {"image", "image[]", "mask", "strength", "loras[]"}
 LORA_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_LORAS = 8  # LoRA names per request
@@ -54,9 +72,11 @@ def parse_json(data: bytes | bytearray) -> dict:
     except UnicodeDecodeError:
         raise ApiError(400, "the request body is not UTF-8 JSON") from None
     except RecursionError:
-        raise ApiError(400, "the request body nests JSON too deeply; send a flat object like {\"prompt\": \"...\"}") from None
+        raise ApiError(
+            400, 'the request body nests JSON too deeply; send a flat object like {"prompt": "..."}'
+        ) from None
     if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object like {\"prompt\": \"...\"}")
+        raise ApiError(400, 'the request body must be a JSON object like {"prompt": "..."}')
     return body
 
 
@@ -69,8 +89,11 @@ def check_multipart_complete(content_type: str, body: bytes) -> None:
         raise ApiError(400, "the multipart Content-Type has no boundary; let the HTTP client build the form")
     close = b"--" + (m.group(1) or m.group(2)).encode("latin-1") + b"--"
     if not (body.startswith(close) or b"\r\n" + close in body):
-        raise ApiError(400, f"the multipart body ends before its closing boundary ({len(body)} bytes received): "
-                            "the upload was cut short; send the request again")
+        raise ApiError(
+            400,
+            f"the multipart body ends before its closing boundary ({len(body)} bytes received): "
+            "the upload was cut short; send the request again",
+        )
 
 
 # ---- field parsing: values are JSON types (generations) or strings (multipart edits) -------------
@@ -128,8 +151,7 @@ def parse_size(size) -> tuple[int | None, int | None]:
         return None, None
     m = re.fullmatch(r"(\d{1,5})x(\d{1,5})", size) if isinstance(size, str) else None
     if not m:
-        raise ApiError(400, f"size must be 'WIDTHxHEIGHT' in pixels (e.g. '1024x1024') or 'auto', not {size!r}",
-                       "size")
+        raise ApiError(400, f"size must be 'WIDTHxHEIGHT' in pixels (e.g. '1024x1024') or 'auto', not {size!r}", "size")
     w, h = map(int, m.groups())
     try:
         check_image_size(w, h)

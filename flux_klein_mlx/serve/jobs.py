@@ -16,8 +16,8 @@ import contextlib
 import threading
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import mlx.core as mx
 
@@ -141,8 +141,10 @@ class Worker:
             if self.state == "failed":
                 raise NotReady(f"the model failed to load: {self.error}")
             if len(self._waiting) >= self.max_queue and (self._running or self._waiting):  # idle: one runs at --queue 0
-                raise QueueFull(f"the queue is full ({self.max_queue} waiting, one running); retry later or start "
-                                "the server with a larger --queue")
+                raise QueueFull(
+                    f"the queue is full ({self.max_queue} waiting, one running); retry later or start "
+                    "the server with a larger --queue"
+                )
             job = Job(request, on_event)
             self._waiting.append(job)
             self._lock.notify_all()
@@ -150,10 +152,16 @@ class Worker:
 
     def status(self) -> dict:
         with self._lock:
-            return {"state": self.state, "error": self.error, "waiting": len(self._waiting),
-                    "running": self._running is not None, "max_queue": self.max_queue,
-                    "completed": self.completed, "cancelled": self.cancelled_jobs,
-                    "mlx_active_bytes": self.active_memory}
+            return {
+                "state": self.state,
+                "error": self.error,
+                "waiting": len(self._waiting),
+                "running": self._running is not None,
+                "max_queue": self.max_queue,
+                "completed": self.completed,
+                "cancelled": self.cancelled_jobs,
+                "mlx_active_bytes": self.active_memory,
+            }
 
     # ---- the worker thread ----------------------------------------------------------------------
 
@@ -161,7 +169,7 @@ class Worker:
         try:
             self.pipe = self._loader()
             self.base_loras = tuple((lora.path, lora.scale) for lora in self.pipe.loras)
-        except Exception as e:  # noqa: BLE001: any load failure is reported as 503 with its message
+        except Exception as e:  # any load failure is reported as 503 with its message
             self.error = str(e) if isinstance(e, FluxKleinError) else f"{type(e).__name__}: {e}"
         with self._lock:  # the pipe is set before the state says so
             self.state = "failed" if self.pipe is None else "ready"
@@ -184,7 +192,7 @@ class Worker:
                 job.on_event(EndEvent("done" if finished else "cancelled"))
             except FluxKleinError as e:
                 job.on_event(EndEvent("error", 400, str(e)))
-            except Exception as e:  # noqa: BLE001: the server must outlive a failed job
+            except Exception as e:  # the server must outlive a failed job
                 traceback.print_exc()
                 job.on_event(EndEvent("error", 500, f"generation failed ({type(e).__name__})"))
             finally:
@@ -212,11 +220,15 @@ class Worker:
                     if job.cancelled.is_set():
                         return False
                     if event.stage == "denoise":
-                        preview = (image_bytes(pipe.preview_map().image(event.denoised, *event.grid))
-                                   if event.step in wanted else None)
+                        preview = (
+                            image_bytes(pipe.preview_map().image(event.denoised, *event.grid))
+                            if event.step in wanted
+                            else None
+                        )
                         job.on_event(StepEvent(index, event.step, event.total, preview))
-            job.on_event(ImageEvent(index, event.metadata, image_bytes(event.image, event.metadata),
-                                    event.stats.total_seconds))
+            job.on_event(
+                ImageEvent(index, event.metadata, image_bytes(event.image, event.metadata), event.stats.total_seconds)
+            )
         return True
 
 

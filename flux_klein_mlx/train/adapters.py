@@ -42,7 +42,7 @@ from ..errors import FluxKleinError
 from ..lora.apply import layers_by_path
 from ..lora.formats import Term, target_table
 from ..lora.layers import ROLE_LISTS, LoRALinear, TrainableTerm
-from ..lora.layouts import file_metadata, layout_pairs, layout_tensors, training_header
+from ..lora.layouts import TrainedRun, file_metadata, layout_pairs, layout_tensors, training_header
 from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, QKV, linear_shapes
 from ..weights import save_safetensors_streaming
 
@@ -171,7 +171,9 @@ class TrainableLoRA:
         want = self.arrays()
         if set(arrays) != set(want):
             missing = sorted(set(want) - set(arrays)) or sorted(set(arrays) - set(want))
-            raise FluxKleinError(f"{what} does not hold this run's adapters ({missing[0]}, ...); it is from another run")
+            raise FluxKleinError(
+                f"{what} does not hold this run's adapters ({missing[0]}, ...); it is from another run"
+            )
         for s in self.slots:
             layer, term = self._where[s.name]
             for key, role in (("lora_A", "down"), ("lora_B", "up")):
@@ -188,9 +190,18 @@ class TrainableLoRA:
     def metadata(self) -> dict[str, str]:
         """The safetensors header diffusers writes: `format` and PEFT's LoraConfig, keys prefixed `transformer.`."""
         config = {
-            "r": self.rank, "lora_alpha": self.alpha, "target_modules": [s.name for s in self.slots],
-            "init_lora_weights": "gaussian", "lora_dropout": 0.0, "bias": "none", "use_dora": False,
-            "use_rslora": False, "fan_in_fan_out": False, "alpha_pattern": {}, "rank_pattern": {}, "peft_type": "LORA",
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "target_modules": [s.name for s in self.slots],
+            "init_lora_weights": "gaussian",
+            "lora_dropout": 0.0,
+            "bias": "none",
+            "use_dora": False,
+            "use_rslora": False,
+            "fan_in_fan_out": False,
+            "alpha_pattern": {},
+            "rank_pattern": {},
+            "peft_type": "LORA",
         }
         prefixed = {f"transformer.{k}": v for k, v in config.items()}
         return {"format": "pt", "lora_adapter_metadata": json.dumps(prefixed, indent=2, sort_keys=True)}
@@ -213,11 +224,28 @@ def file_header(s, info, items, steps: int, started_at: float) -> dict[str, str]
     key = json.dumps(s.run_key(), sort_keys=True, default=str).encode()
     base = str(s.model) if not Path(str(s.model)).expanduser().exists() else info.name
     header = training_header(
-        name=s.output.stem, rank=s.rank, alpha=s.alpha, base_model=base, variant=info.variant,
-        trigger=getattr(s, "trigger", None), settings_hash=hashlib.sha256(key).hexdigest(), resolution=s.resolution,
-        max_steps=s.steps, steps=steps, lr=s.lr, captions=[it.caption for it in items], dataset=Path(s.data).name,
-        seed=s.seed, batch_size=s.batch_size, grad_accum=s.grad_accum, dtype=s.dtype, started=started_at,
-        finished=time.time(), version=__version__,
+        TrainedRun(
+            name=s.output.stem,
+            rank=s.rank,
+            alpha=s.alpha,
+            base_model=base,
+            variant=info.variant,
+            trigger=getattr(s, "trigger", None),
+            settings_hash=hashlib.sha256(key).hexdigest(),
+            resolution=s.resolution,
+            max_steps=s.steps,
+            steps=steps,
+            lr=s.lr,
+            captions=[it.caption for it in items],
+            dataset=Path(s.data).name,
+            seed=s.seed,
+            batch_size=s.batch_size,
+            grad_accum=s.grad_accum,
+            dtype=s.dtype,
+            started=started_at,
+            finished=time.time(),
+            version=__version__,
+        )
     )
     if s.adapter == "lokr":  # kohya's way of naming a LyCORIS network (what A1111's cards read)
         header["ss_network_module"] = "lycoris.kohya"
@@ -241,10 +269,14 @@ def write_lora_file(
         save_safetensors_streaming(path, lora.file_arrays(dtype), metadata=metadata)
         return
     pairs = layout_pairs(lora_terms(lora), layout, params, Path(path).name)
-    save_safetensors_streaming(path, layout_tensors(pairs, layout, dtype), metadata=file_metadata(pairs, layout, header))
+    save_safetensors_streaming(
+        path, layout_tensors(pairs, layout, dtype), metadata=file_metadata(pairs, layout, header)
+    )
 
 
-def attach_lora(model: nn.Module, slots: list[Slot], rank: int, alpha: float, rng: np.random.Generator) -> TrainableLoRA:
+def attach_lora(
+    model: nn.Module, slots: list[Slot], rank: int, alpha: float, rng: np.random.Generator
+) -> TrainableLoRA:
     """Freeze `model` and put trainable adapters on `slots` (PEFT's init: A ~ N(0, (1/r)^2), B = 0).
 
     A is drawn from `rng` slot by slot in model order, so a seed gives the same start every time.
@@ -304,7 +336,7 @@ class LoKrShape:
     rank: int | None  # the rank of w2's low-rank pair; None: w2 whole
 
     @classmethod
-    def of(cls, out_dims: int, in_dims: int, rank: int, factor: int) -> "LoKrShape":
+    def of(cls, out_dims: int, in_dims: int, rank: int, factor: int) -> LoKrShape:
         (a, c), (b, d) = factorization(out_dims, factor), factorization(in_dims, factor)
         # LyCORIS (and peft) keep w2 whole when the rank is not well below its sides
         return cls((a, b), (c, d), None if rank >= max(c, d) / 2 else rank)
@@ -378,7 +410,9 @@ class TrainableLoKr:
         want = self.arrays()
         if set(arrays) != set(want):
             odd = sorted(set(want) ^ set(arrays))
-            raise FluxKleinError(f"{what} does not hold this run's LoKr adapters ({odd[0]}, ...); it is from another run")
+            raise FluxKleinError(
+                f"{what} does not hold this run's LoKr adapters ({odd[0]}, ...); it is from another run"
+            )
         for path, (layer, term, _) in self.where.items():
             for role, i in term.places.items():
                 key, dest = f"{path}.{ROLE_LISTS[role]}", layer[ROLE_LISTS[role]]

@@ -22,10 +22,17 @@ from .distributed import PeerLost, world
 from .evaluation import ValidationFinished
 from .memory import MemoryPlanned, describe_plan
 from .objective import SCHEDULES
-from .trainer import (
-    CheckpointSaved, SamplesSaved, StageFinished, StageStarted, StepFinished, TrainFinished, TrainStarted, train_lora,
-)
 from .settings import DEFAULT_BASE_MODEL, TIMESTEPS, TrainSettings
+from .trainer import (
+    CheckpointSaved,
+    SamplesSaved,
+    StageFinished,
+    StageStarted,
+    StepFinished,
+    TrainFinished,
+    TrainStarted,
+    train_lora,
+)
 
 _D = TrainSettings()  # the defaults, shown in --help
 
@@ -50,8 +57,10 @@ class ProgressLine:
         k = 0.1
         self.avg = ev.seconds if self.avg is None else (1 - k) * self.avg + k * ev.seconds
         eta = _clock(self.avg * (ev.total - ev.step))
-        line = (f"step {ev.step}/{ev.total}  loss {ev.loss:.4f} (avg {ev.average:.4f})  lr {ev.lr:.3g}  "
-                f"{ev.seconds:.2f} s/step  ETA {eta}  peak {ev.peak_memory / 1e9:.2f} GB")
+        line = (
+            f"step {ev.step}/{ev.total}  loss {ev.loss:.4f} (avg {ev.average:.4f})  lr {ev.lr:.3g}  "
+            f"{ev.seconds:.2f} s/step  ETA {eta}  peak {ev.peak_memory / 1e9:.2f} GB"
+        )
         if self.tty:
             self.stream.write("\r" + line.ljust(100))
             self.open = True
@@ -82,8 +91,10 @@ def describe_event(ev) -> str | None:
     if isinstance(ev, TrainStarted):
         where = f"resuming from {ev.resumed_from} at step {ev.first_step}" if ev.resumed_from else "starting"
         buckets = ", ".join(f"{k} x{v}" for k, v in ev.buckets.items())
-        return (f"{where}: {ev.images} image(s) ({buckets}), {ev.adapters} adapters on {ev.layers} layers, "
-                f"{ev.parameters / 1e6:.2f} M trainable parameters, {ev.total_steps} steps; work folder {ev.work_dir}")
+        return (
+            f"{where}: {ev.images} image(s) ({buckets}), {ev.adapters} adapters on {ev.layers} layers, "
+            f"{ev.parameters / 1e6:.2f} M trainable parameters, {ev.total_steps} steps; work folder {ev.work_dir}"
+        )
     if isinstance(ev, CheckpointSaved):
         return f"checkpoint: {ev.path}"
     if isinstance(ev, SamplesSaved):
@@ -101,7 +112,7 @@ def describe_samples(ev: SamplesSaved) -> str:
     if ev.step == 0:
         head = f"baseline samples (no LoRA) on {ev.model}: " + ", ".join(str(p) for p in ev.paths)
     else:
-        parts = [f"{p.name} {c:.1f}" for p, c in zip(ev.paths, ev.changes)]
+        parts = [f"{p.name} {c:.1f}" for p, c in zip(ev.paths, ev.changes, strict=True)]
         where = f"samples at step {ev.step} on {ev.model} in {ev.paths[0].parent}"
         head = f"{where}, change from the baseline (mean |pixel difference|, of 255): " + ", ".join(parts)
     added = "" if ev.added_memory is None else f", {ev.added_memory / 1e9:.2f} GB over training's peak"
@@ -109,70 +120,150 @@ def describe_samples(ev: SamplesSaved) -> str:
 
 
 @click.command("train")
-@click.option("--config", default=None,
-              help="Settings from a .toml file (keys: the long option names with underscores) or a run's train.json; "
-                   "options given here override it.")
-@click.option("--data", "-d", default="", help="Folder of images (.png .jpg .jpeg .webp), each with a <name>.txt caption.")
-@click.option("--output", "-o", default="", help="The LoRA file to write (.safetensors, in --format's layout); never overwritten.")
-@click.option("--format", default=_D.format, show_default=True,
-              help="The LoRA file's layout: diffusers, comfyui (ComfyUI, ai-toolkit; diffusers loads it too) or kohya.")
+@click.option(
+    "--config",
+    default=None,
+    help="Settings from a .toml file (keys: the long option names with underscores) or a run's train.json; "
+    "options given here override it.",
+)
+@click.option(
+    "--data", "-d", default="", help="Folder of images (.png .jpg .jpeg .webp), each with a <name>.txt caption."
+)
+@click.option(
+    "--output", "-o", default="", help="The LoRA file to write (.safetensors, in --format's layout); never overwritten."
+)
+@click.option(
+    "--format",
+    default=_D.format,
+    show_default=True,
+    help="The LoRA file's layout: diffusers, comfyui (ComfyUI, ai-toolkit; diffusers loads it too) or kohya.",
+)
 @click.option("--model", "-m", default=DEFAULT_BASE_MODEL, show_default=True, help="A klein Base repo id or folder.")
 @click.option("--caption", default=None, help="Caption of images without a .txt (e.g. a trigger word).")
-@click.option("--caption-extension", default=_D.caption_extension, show_default=True,
-              help="Suffix of the caption files (.caption for kohya-style datasets).")
-@click.option("--control", "controls", multiple=True,
-              help="Edit LoRAs: folder of reference images, same names as --data; repeat for more references.")
-@click.option("--adapter", default=_D.adapter, show_default=True,
-              help="lora, or lokr: LyCORIS' Kronecker adapters on whole layers (the fused qkv included).")
-@click.option("--lokr-factor", type=int, default=_D.lokr_factor, show_default=True,
-              help="LoKr: split each width as FACTOR x rest (-1: the most nearly square split).")
+@click.option(
+    "--caption-extension",
+    default=_D.caption_extension,
+    show_default=True,
+    help="Suffix of the caption files (.caption for kohya-style datasets).",
+)
+@click.option(
+    "--control",
+    "controls",
+    multiple=True,
+    help="Edit LoRAs: folder of reference images, same names as --data; repeat for more references.",
+)
+@click.option(
+    "--adapter",
+    default=_D.adapter,
+    show_default=True,
+    help="lora, or lokr: LyCORIS' Kronecker adapters on whole layers (the fused qkv included).",
+)
+@click.option(
+    "--lokr-factor",
+    type=int,
+    default=_D.lokr_factor,
+    show_default=True,
+    help="LoKr: split each width as FACTOR x rest (-1: the most nearly square split).",
+)
 @click.option("--rank", type=int, default=_D.rank, show_default=True)
 @click.option("--alpha", type=float, default=None, help="LoRA alpha; scale = alpha / rank [default: rank].")
-@click.option("--targets", default=_D.targets, show_default=True,
-              help="all, attention, double (style), single:0-12 (structure), or module names; comma-separated.")
+@click.option(
+    "--targets",
+    default=_D.targets,
+    show_default=True,
+    help="all, attention, double (style), single:0-12 (structure), or module names; comma-separated.",
+)
 @click.option("--steps", type=int, default=_D.steps, show_default=True, help="Optimizer steps.")
 @click.option("--lr", type=float, default=_D.lr, show_default=True, help="Learning rate (the schedule's peak).")
-@click.option("--lr-scheduler", default=_D.lr_scheduler, show_default=True,
-              help=f"{'|'.join(SCHEDULES)}: diffusers' get_scheduler schedules.")
-@click.option("--warmup-steps", type=int, default=_D.warmup_steps, show_default=True,
-              help="Steps of linear warmup from 0 (the *_with_warmup, linear and cosine schedules).")
+@click.option(
+    "--lr-scheduler",
+    default=_D.lr_scheduler,
+    show_default=True,
+    help=f"{'|'.join(SCHEDULES)}: diffusers' get_scheduler schedules.",
+)
+@click.option(
+    "--warmup-steps",
+    type=int,
+    default=_D.warmup_steps,
+    show_default=True,
+    help="Steps of linear warmup from 0 (the *_with_warmup, linear and cosine schedules).",
+)
 @click.option("--batch-size", type=int, default=_D.batch_size, show_default=True)
 @click.option("--grad-accum", type=int, default=_D.grad_accum, show_default=True, help="Micro-batches per step.")
-@click.option("--resolution", default=str(_D.resolution), show_default=True,
-              help="Train at about this many px squared, aspect ratio kept, sides multiples of 16; several "
-                   "(512,768,1024): every image at each.")
-@click.option("--timesteps", type=click.Choice(TIMESTEPS), default=_D.timesteps, show_default=True,
-              help="Noise-level sampling: musubi's flux2_shift, diffusers' logit-normal, or uniform.")
+@click.option(
+    "--resolution",
+    default=str(_D.resolution),
+    show_default=True,
+    help="Train at about this many px squared, aspect ratio kept, sides multiples of 16; several "
+    "(512,768,1024): every image at each.",
+)
+@click.option(
+    "--timesteps",
+    type=click.Choice(TIMESTEPS),
+    default=_D.timesteps,
+    show_default=True,
+    help="Noise-level sampling: musubi's flux2_shift, diffusers' logit-normal, or uniform.",
+)
 @click.option("--seed", type=int, default=_D.seed, show_default=True)
 @click.option("--weight-decay", type=float, default=_D.weight_decay, show_default=True)
 @click.option("--max-grad-norm", type=float, default=_D.max_grad_norm, show_default=True)
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=_D.dtype, show_default=True)
-@click.option("--quantize", "-q", type=click.Choice(["4", "8"]), default=None, help="Quantize the frozen model (QLoRA).")
-@click.option("--low-memory", is_flag=True, help="Gradient checkpointing per block: much less memory, 1.2-1.5x the time per step.")
+@click.option(
+    "--quantize", "-q", type=click.Choice(["4", "8"]), default=None, help="Quantize the frozen model (QLoRA)."
+)
+@click.option(
+    "--low-memory", is_flag=True, help="Gradient checkpointing per block: much less memory, 1.2-1.5x the time per step."
+)
 @click.option("--save-every", type=int, default=_D.save_every, show_default=True, help="Checkpoint every N steps.")
 @click.option("--keep-checkpoints", type=int, default=_D.keep_checkpoints, show_default=True)
-@click.option("--work-dir", default=None, help="Checkpoints, samples, loss.png, train.json [default: <output stem>.train/].")
+@click.option(
+    "--work-dir", default=None, help="Checkpoints, samples, loss.png, train.json [default: <output stem>.train/]."
+)
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in the work folder.")
 @click.option("--sample-every", type=int, default=None, help="Write sample images every N steps.")
 @click.option("--sample-prompt", "sample_prompts", multiple=True, help="Prompt of the sample images; repeatable.")
 @click.option("--sample-steps", type=int, default=None, help="Denoising steps of the samples [default: the model's].")
 @click.option("--sample-seed", type=int, default=_D.sample_seed, show_default=True)
-@click.option("--sample-model", default=None,
-              help="Model the samples are drawn on [default: the distilled sibling of a Base repo id, e.g. "
-              "FLUX.2-klein-4B for FLUX.2-klein-base-4B; else --model].")
-@click.option("--sample-size", type=int, default=None, help="Sample width = height in px, multiple of 16 [default: --resolution].")
-@click.option("--sample-strengths", default="1", show_default=True, help="LoRA strengths of each sample, e.g. 0.5,1,1.5.")
-@click.option("--sample-quantize", type=click.Choice(["4", "8"]), default=None,
-              help="Quantize the sample model (to fit beside training) [default: none, as generate].")
+@click.option(
+    "--sample-model",
+    default=None,
+    help="Model the samples are drawn on [default: the distilled sibling of a Base repo id, e.g. "
+    "FLUX.2-klein-4B for FLUX.2-klein-base-4B; else --model].",
+)
+@click.option(
+    "--sample-size", type=int, default=None, help="Sample width = height in px, multiple of 16 [default: --resolution]."
+)
+@click.option(
+    "--sample-strengths", default="1", show_default=True, help="LoRA strengths of each sample, e.g. 0.5,1,1.5."
+)
+@click.option(
+    "--sample-quantize",
+    type=click.Choice(["4", "8"]),
+    default=None,
+    help="Quantize the sample model (to fit beside training) [default: none, as generate].",
+)
 @click.option("--trigger", default=None, help="Replaces [trigger] in each caption, else is prepended: 'sks, a fox'.")
-@click.option("--caption-dropout", type=float, default=_D.caption_dropout, show_default=True,
-              help="Probability of training an example with the empty caption.")
+@click.option(
+    "--caption-dropout",
+    type=float,
+    default=_D.caption_dropout,
+    show_default=True,
+    help="Probability of training an example with the empty caption.",
+)
 @click.option("--force", is_flag=True, help="Train even when the memory plan says a step will not fit.")
-@click.option("--ema", type=float, default=None,
-              help="Write an exponential moving average of the adapters (decay in (0, 1), e.g. 0.999) as the output.")
+@click.option(
+    "--ema",
+    type=float,
+    default=None,
+    help="Write an exponential moving average of the adapters (decay in (0, 1), e.g. 0.999) as the output.",
+)
 @click.option("--validation", default=None, help="Folder of held-out images + captions: their loss at each checkpoint.")
-@click.option("--validation-control", "validation_controls", multiple=True,
-              help="With --control: the held-out images' reference folder, one per --control, same names.")
+@click.option(
+    "--validation-control",
+    "validation_controls",
+    multiple=True,
+    help="With --control: the held-out images' reference folder, one per --control, same names.",
+)
 def train(**options):
     """Train a LoRA on FLUX.2 [klein] Base from a folder of captioned images.
 

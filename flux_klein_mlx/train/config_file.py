@@ -46,7 +46,9 @@ def read_config(path, names: dict[str, str]) -> ConfigFile:
     if p.suffix.lower() == ".json":
         return _from_record(p, text, names)
     if p.suffix.lower() != ".toml":
-        raise FluxKleinError(f"--config {p}: give a .toml file or a run's train.json, not a {p.suffix or 'suffix-less'} file")
+        raise FluxKleinError(
+            f"--config {p}: give a .toml file or a run's train.json, not a {p.suffix or 'suffix-less'} file"
+        )
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -72,7 +74,7 @@ def _from_record(p: Path, text: str, names: dict[str, str]) -> ConfigFile:
         raise FluxKleinError(f"--config {p} is not valid JSON ({e}); give a run's train.json or a .toml file") from None
     settings = record.get("settings") if isinstance(record, dict) else None
     if not isinstance(settings, dict):
-        raise FluxKleinError(f"--config {p} has no \"settings\"; give the train.json of a training run")
+        raise FluxKleinError(f'--config {p} has no "settings"; give the train.json of a training run')
     known = set(names.values()) | set(TrainSettings.__dataclass_fields__)
     unknown = sorted(k for k in settings if k not in known and k not in NOT_FROM_RECORD)
     if unknown:
@@ -92,19 +94,26 @@ def check_recorded_data(config: ConfigFile, data_folder) -> None:
         recorded[entry["image"]] = entry["sha256"]
         for c in entry.get("controls", []):
             controls[c["image"]] = c["sha256"]
-    present = sorted(q.name for q in folder.iterdir() if q.suffix.lower() in IMAGE_SUFFIXES and not q.name.startswith(".")) \
-        if folder.is_dir() else []
+    present = (
+        sorted(q.name for q in folder.iterdir() if q.suffix.lower() in IMAGE_SUFFIXES and not q.name.startswith("."))
+        if folder.is_dir()
+        else []
+    )
     added = [name for name in present if name not in recorded]
     if added:
-        raise FluxKleinError(f"--data {folder} holds {added[0]}, which {config.path} did not train on; "
-                             "give --data to train on this folder as it is now")
+        raise FluxKleinError(
+            f"--data {folder} holds {added[0]}, which {config.path} did not train on; "
+            "give --data to train on this folder as it is now"
+        )
     for name, sha in list(recorded.items()) + list(controls.items()):
         image = Path(name) if Path(name).is_absolute() else folder / name
         if not image.is_file():
             raise FluxKleinError(f"{image} is gone since {config.path}; restore it, or give --data to train without it")
         if file_sha256(image) != sha:
-            raise FluxKleinError(f"{image} changed since {config.path} (sha256 differs); restore it, or give --data "
-                                 "to train on the folder as it is now")
+            raise FluxKleinError(
+                f"{image} changed since {config.path} (sha256 differs); restore it, or give --data "
+                "to train on the folder as it is now"
+            )
 
 
 def option_names(command) -> dict[str, str]:

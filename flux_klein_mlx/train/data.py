@@ -24,8 +24,8 @@ kept, both sides multiples of 16:
 
 (at least 16 each). With several resolutions (`--resolution 512,768,1024`) every image is an
 example at each of them: an epoch visits each (image, size) once, in an order drawn from the seed,
-and as batches never mix buckets, never mixes sizes. The image is resized (Lanczos) to cover W x H and centre-cropped to it; its
-control images get the same W x H, as diffusers' img2img trainer does, so a reference costs as
+and as batches never mix buckets, never mixes sizes. The image is resized (Lanczos) to cover W x H and centre-cropped
+to it; its control images get the same W x H, as diffusers' img2img trainer does, so a reference costs as
 many tokens as the target. Images that land on the same W x H form a bucket; a batch never mixes
 buckets.
 """
@@ -72,8 +72,12 @@ class TrainItem:
     def record(self) -> dict:
         """What train.json says about this example."""
         return {
-            "stem": self.stem, "image": self.image.path.name, "sha256": self.image.sha256,
-            "size": list(self.image.size), "bucket": list(self.bucket), "caption": self.caption,
+            "stem": self.stem,
+            "image": self.image.path.name,
+            "sha256": self.image.sha256,
+            "size": list(self.image.size),
+            "bucket": list(self.bucket),
+            "caption": self.caption,
             "caption_from": self.caption_from,
             "controls": [{"image": str(c.path), "sha256": c.sha256} for c in self.controls],
         }
@@ -107,7 +111,9 @@ def _images_by_stem(folder: Path, option: str) -> dict[str, Path]:
         if p.suffix.lower() not in IMAGE_SUFFIXES or p.name.startswith("."):
             continue
         if p.stem in found:
-            raise FluxKleinError(f"{option} {folder} has two images named {p.stem} ({found[p.stem].name}, {p.name}); keep one")
+            raise FluxKleinError(
+                f"{option} {folder} has two images named {p.stem} ({found[p.stem].name}, {p.name}); keep one"
+            )
         found[p.stem] = p
     return found
 
@@ -165,18 +171,30 @@ def _say_what_is_not_read(folder: Path, images: dict[str, Path], extension: str)
             subs.append(p.name)
     if subs:
         head = ", ".join(subs[:3]) + (", ..." if len(subs) > 3 else "")
-        warnings.warn(f"--data {folder}: the images in its sub-folder(s) {head} are not read; move them into {folder} "
-                      "to train on them")
+        warnings.warn(
+            f"--data {folder}: the images in its sub-folder(s) {head} are not read; move them into {folder} "
+            "to train on them",
+            stacklevel=2,
+        )
     for other in CAPTION_SUFFIXES:
         unread = [p for p in images.values() if other != extension and p.with_suffix(other).is_file()]
         if unread:
-            warnings.warn(f"--data {folder}: {len(unread)} {other} caption file(s) are not read (captions come from "
-                          f"{extension} files); give --caption-extension {other} to use them")
+            warnings.warn(
+                f"--data {folder}: {len(unread)} {other} caption file(s) are not read (captions come from "
+                f"{extension} files); give --caption-extension {other} to use them",
+                stacklevel=2,
+            )
 
 
 def scan_data(
-    data, caption: str | None = None, controls=(), resolution: int | tuple = 512, trigger: str | None = None,
-    caption_extension: str = ".txt", option: str = "--data", control_option: str = "--control",
+    data,
+    caption: str | None = None,
+    controls=(),
+    resolution: int | tuple = 512,
+    trigger: str | None = None,
+    caption_extension: str = ".txt",
+    option: str = "--data",
+    control_option: str = "--control",
 ) -> list[TrainItem]:
     """The training examples of `data` (and its `controls` folders), every file opened and checked;
     with several resolutions, one example per image and resolution (in the order listed).
@@ -203,8 +221,8 @@ def scan_data(
     if uncaptioned:
         head = first_few(uncaptioned)
         raise FluxKleinError(
-            f"{len(uncaptioned)} image(s) in {folder} have no caption ({head}); write <name>{caption_extension} next to each "
-            f"or give --caption for them{_other_captions_hint(folder, images, caption_extension)}"
+            f"{len(uncaptioned)} image(s) in {folder} have no caption ({head}); write <name>{caption_extension} "
+            f"next to each or give --caption for them{_other_captions_hint(folder, images, caption_extension)}"
         )
     control_maps = [(Path(c).expanduser(), _images_by_stem(Path(c).expanduser(), control_option)) for c in controls]
     for cfolder, cmap in control_maps:
@@ -260,7 +278,7 @@ def epoch_batches(items: list[TrainItem], batch_size: int, rng: np.random.Genera
 
 
 def bucket_counts(items: list[TrainItem]) -> dict[str, int]:
-    """"WxH" -> number of images, for reports."""
+    """ "WxH" -> number of images, for reports."""
     counts: dict[str, int] = {}
     for it in items:
         key = f"{it.bucket[0]}x{it.bucket[1]}"

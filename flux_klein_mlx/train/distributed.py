@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -41,11 +41,13 @@ _TEXT_BYTES = 2048  # room for one process's error line in `agree`
 class PeerLost(FluxKleinError):
     """Another process of the run stopped: the collective it was part of cannot finish."""
 
-    def at(self, step: int, done: list[tuple[int, object]]) -> "PeerLost":
+    def at(self, step: int, done: list[tuple[int, object]]) -> PeerLost:
         """The one line for the user: where the run stopped, and the checkpoint to resume from."""
         last = f"{done[-1][1]} (step {done[-1][0]})" if done else "none yet"
-        return PeerLost(f"{self} at step {step}; the last good checkpoint is {last}: continue with the same "
-                        "mlx.launch command and --resume")
+        return PeerLost(
+            f"{self} at step {step}; the last good checkpoint is {last}: continue with the same "
+            "mlx.launch command and --resume"
+        )
 
 
 def example_draws(seed: int, step: int, indices, scheme: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -115,7 +117,7 @@ class World:
         for a in arrays:
             out.append(total[k : k + a.size].reshape(a.shape).astype(a.dtype))
             k += a.size
-        return tree_unflatten([(path, v) for (path, _), v in zip(leaves, out)]), out[-1].item()
+        return tree_unflatten([(path, v) for (path, _), v in zip(leaves, out, strict=False)]), out[-1].item()
 
     def broadcast_tree(self, tree):
         """Rank 0's values of `tree` on every process (the others give zeros to the sum), dtype by dtype, exact."""
@@ -151,7 +153,7 @@ class World:
             return state
         state = self.broadcast_json(state)
         arrays = lora.arrays()  # names hold dots: sent as a list, not as a tree
-        lora.load(dict(zip(arrays, self.broadcast_tree(list(arrays.values())))), "rank 0's adapters")
+        lora.load(dict(zip(arrays, self.broadcast_tree(list(arrays.values())), strict=True)), "rank 0's adapters")
         if state["step"] > 0:
             if not self.is_main:
                 optimizer.init(model.trainable_parameters())

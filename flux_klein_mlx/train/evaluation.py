@@ -26,10 +26,10 @@ The reported loss is the mean over images and levels; `by_sigma` keeps the mean 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -144,14 +144,14 @@ class Validation:
         called without gradients; `ctx` maps captions to (1, Lt, E); `rope(item, n)` gives the item's tables
         with n control images."""
         sums = np.zeros(len(VALIDATION_SIGMAS))
-        for i, (it, x0, refs) in enumerate(zip(self.items, self.latents, self.refs)):
+        for i, (it, x0, refs) in enumerate(zip(self.items, self.latents, self.refs, strict=True)):
             noise = validation_noise(i, x0.shape[1], x0.shape[2])
             tables = rope(it, len(it.controls))
             for k, sigma in enumerate(VALIDATION_SIGMAS):
                 sigma_k = mx.array([sigma], dtype=mx.float32)
                 loss = loss_fn(x0, mx.array(noise[k : k + 1]), sigma_k, ctx[it.caption], tables, refs)
                 sums[k] += loss.item()
-        by_sigma = {str(sigma): float(v / len(self.items)) for sigma, v in zip(VALIDATION_SIGMAS, sums)}
+        by_sigma = {str(sigma): float(v / len(self.items)) for sigma, v in zip(VALIDATION_SIGMAS, sums, strict=True)}
         result = ValidationFinished(step, float(np.mean(list(by_sigma.values()))), by_sigma)
         self.history = [h for h in self.history if h["step"] != step] + [vars(result).copy()]
         return result
@@ -244,14 +244,14 @@ def loss_plot(
     draw.rectangle([x0, y0, x1, y1], outline="black")
     steps = range(1, n + 1)
     for values, colour, width in ((losses, _GREY, 1), (smooth, _BLUE, 2)):
-        points = [(x_of(s), y_of(v)) for s, v in zip(steps, values)]
+        points = [(x_of(s), y_of(v)) for s, v in zip(steps, values, strict=False)]
         draw.line(points if n > 1 else points * 2, fill=colour, width=width)
     if varying:
         top_lr = max(lrs)
         for t in nice_ticks(0.0, top_lr, 4):
             draw.text((x1 + 6, y_of(t, 0.0, top_lr)), f"{t:.2g}", fill=_ORANGE, font=font, anchor="lm")
         draw.text((x1 + 6, y0 - 16), "lr", fill=_ORANGE, font=font, anchor="lm")
-        draw.line([(x_of(s), y_of(v, 0.0, top_lr)) for s, v in zip(steps, lrs)], fill=_ORANGE, width=1)
+        draw.line([(x_of(s), y_of(v, 0.0, top_lr)) for s, v in zip(steps, lrs, strict=False)], fill=_ORANGE, width=1)
     for step, v in validation:
         x, y = x_of(step), y_of(v)
         draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=_RED)
@@ -260,5 +260,7 @@ def loss_plot(
     return img
 
 
-def write_loss_plot(path: Path, losses: list[float], window: int, lrs: list[float] | None = None, validation=()) -> None:
+def write_loss_plot(
+    path: Path, losses: list[float], window: int, lrs: list[float] | None = None, validation=()
+) -> None:
     write_atomic(path, lambda tmp: loss_plot(losses, window, lrs, list(validation)).save(tmp, format="PNG"))

@@ -33,8 +33,8 @@ import mlx.nn as nn
 
 from ..errors import FluxKleinError
 from ..models.config import FluxKleinParams
-from ..models.transformer import FluxKlein
 from ..models.tokenizer import MAX_LENGTH
+from ..models.transformer import FluxKlein
 
 # klein-4B's reference geometry (the model the coefficients were measured on)
 REF_HIDDEN, REF_BLOCKS, REF_HEADS = 3072, 25, 24
@@ -79,7 +79,7 @@ def machine_memory() -> tuple[int, str]:
     the GPU (what Metal lets a process keep resident), else the physical memory."""
     try:
         info = mx.device_info()
-    except Exception:  # noqa: BLE001 - an MLX without device_info: fall back to the OS
+    except Exception:  # an MLX without device_info: fall back to the OS
         info = {}
     for key in ("max_recommended_working_set_size", "memory_size"):
         if info.get(key):
@@ -99,8 +99,16 @@ class MemoryPlanned:
     remedies: list[str]  # options that would make it fit, each with its planned peak
 
 
-def step_peak(params: FluxKleinParams, trainable: int, resolution: int, bits: int | None, low_memory: bool,
-              batch: int = 1, controls: int = 0, group_size: int = 64) -> tuple[int, int]:
+def step_peak(
+    params: FluxKleinParams,
+    trainable: int,
+    resolution: int,
+    bits: int | None,
+    low_memory: bool,
+    batch: int = 1,
+    controls: int = 0,
+    group_size: int = 64,
+) -> tuple[int, int]:
     """(planned peak, weight bytes) of one step (module docstring)."""
     weights = weight_bytes(params, bits, group_size)
     L = (resolution // 16) ** 2 * (1 + controls) + MAX_LENGTH
@@ -112,7 +120,9 @@ def step_peak(params: FluxKleinParams, trainable: int, resolution: int, bits: in
     return int(weights + 12 * trainable + batch * activations), weights
 
 
-def plan_memory(s, params: FluxKleinParams, trainable: int, controls: int = 0, bits: int | None = None) -> MemoryPlanned:
+def plan_memory(
+    s, params: FluxKleinParams, trainable: int, controls: int = 0, bits: int | None = None
+) -> MemoryPlanned:
     """The plan for settings `s` (TrainSettings; `bits`: the base's quantization, stored or asked), with
     the options that would make it fit when it does not."""
     available, source = machine_memory()
@@ -148,8 +158,10 @@ def plan_memory(s, params: FluxKleinParams, trainable: int, controls: int = 0, b
 
 def describe_plan(plan: MemoryPlanned) -> str:
     """One line: the planned peak against the machine's memory."""
-    return (f"memory plan: a step peaks at about {plan.peak / 1e9:.1f} GB (weights {plan.weights / 1e9:.1f} GB) of "
-            f"{plan.available / 1e9:.1f} GB ({plan.available_from})")
+    return (
+        f"memory plan: a step peaks at about {plan.peak / 1e9:.1f} GB (weights {plan.weights / 1e9:.1f} GB) of "
+        f"{plan.available / 1e9:.1f} GB ({plan.available_from})"
+    )
 
 
 def check_memory(s, info, slots) -> MemoryPlanned:
@@ -161,5 +173,7 @@ def check_memory(s, info, slots) -> MemoryPlanned:
     plan = plan_memory(s, info.params, trainable, len(s.controls), bits)
     if not plan.fits and not s.force:
         fix = "; ".join(plan.remedies) if plan.remedies else "no setting of --quantize, --low-memory, --resolution fits"
-        raise FluxKleinError(f"{describe_plan(plan)}: it will not fit. It fits with: {fix}; or give --force to try anyway")
+        raise FluxKleinError(
+            f"{describe_plan(plan)}: it will not fit. It fits with: {fix}; or give --force to try anyway"
+        )
     return plan

@@ -95,7 +95,9 @@ def flow_loss(model, x0, noise, sigma, ctx, rope, refs=None, checkpoint: bool = 
 
 def make_optimizer(s) -> optim.AdamW:
     """AdamW as torch.optim.AdamW: MLX's defaults differ (no bias correction, weight decay 0.01; G9)."""
-    return optim.AdamW(learning_rate=s.lr, betas=[0.9, 0.999], eps=1e-8, weight_decay=s.weight_decay, bias_correction=True)
+    return optim.AdamW(
+        learning_rate=s.lr, betas=[0.9, 0.999], eps=1e-8, weight_decay=s.weight_decay, bias_correction=True
+    )
 
 
 def optimizer_step(optimizer: optim.Optimizer, model: nn.Module, grads, max_grad_norm: float) -> mx.array:

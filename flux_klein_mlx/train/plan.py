@@ -19,7 +19,6 @@ from .samples import check_sample_model
 from .settings import TrainSettings
 from .state import check_not_locked, check_work_dir, checkpoints, resume_point
 
-
 # --- checks before anything runs -----------------------------------------------------------------
 
 
@@ -75,12 +74,19 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
     slots = parse_targets(s.targets, info.params)
     if s.adapter == "lokr":
         lokr_layers(slots, info.params)  # whole layers only: refused here, before any model loads
-    items = scan_data(s.data, s.caption, s.controls, s.resolution, trigger=s.trigger,
-                      caption_extension=s.caption_extension)
+    items = scan_data(
+        s.data, s.caption, s.controls, s.resolution, trigger=s.trigger, caption_extension=s.caption_extension
+    )
     held_out = []
     if s.validation:
-        held_out = scan_data(s.validation, s.caption, s.validation_controls, s.resolution, option="--validation",
-                             control_option="--validation-control")
+        held_out = scan_data(
+            s.validation,
+            s.caption,
+            s.validation_controls,
+            s.resolution,
+            option="--validation",
+            control_option="--validation-control",
+        )
     sample_info = check_sample_model(s, info)
     resume = _resume_point(s, info, slots, items, w.size) if w.is_main else None  # rank 0 alone has the work folder
     return RunPlan(s, info, slots, items, resume, sample_info, check_memory(s, info, slots), held_out, w)

@@ -8,8 +8,8 @@ The sample model (`--sample-model`) defaults to the distilled sibling of a publi
 (FLUX.2-klein-base-4B -> FLUX.2-klein-4B, the 4-step model LoRAs are run on), else the training
 model. Samples go through the public `pipeline.load` at `generate`'s defaults: bfloat16, no
 quantization (unless --sample-quantize), the sample model's own steps and guidance, the torch noise
-of --sample-seed, --resolution² pixels (the largest of several; or --sample-size²). The LoRA is written from the in-memory
-adapters into a file byte-identical to the checkpoint's `lora.safetensors` at that step (float32,
+of --sample-seed, --resolution² pixels (the largest of several; or --sample-size²). The LoRA is written from the
+in-memory adapters into a file byte-identical to the checkpoint's `lora.safetensors` at that step (float32,
 the same header), so a sample is what
 
     generate --model M --lora <work>/checkpoint-N/lora.safetensors --prompt P --seed S --width W --height W
@@ -93,7 +93,9 @@ def check_sample_model(s, trained: ModelInfo) -> ModelInfo | None:
         )
     stored = next((r for r in info.quantization.values() if r), None)
     if stored and s.sample_quantize is not None and s.sample_quantize != stored["bits"]:
-        raise FluxKleinError(f"--sample-model {source} is already quantized to {stored['bits']} bits; leave --sample-quantize out")
+        raise FluxKleinError(
+            f"--sample-model {source} is already quantized to {stored['bits']} bits; leave --sample-quantize out"
+        )
     try:
         check_weights(info)
     except FluxKleinError as e:
@@ -103,9 +105,24 @@ def check_sample_model(s, trained: ModelInfo) -> ModelInfo | None:
 
 def generate_command(record: dict, source: str, lora: Path | None, strength: float | None) -> str:
     """The `generate` command line that makes the image of `record` (a sample's own settings)."""
-    args = ["python", "-m", "flux_klein_mlx", "generate", "--model", source, "--prompt", record["prompt"],
-            "--seed", str(record["seed"]), "--width", str(record["width"]), "--height", str(record["height"]),
-            "--steps", str(record["steps"])]
+    args = [
+        "python",
+        "-m",
+        "flux_klein_mlx",
+        "generate",
+        "--model",
+        source,
+        "--prompt",
+        record["prompt"],
+        "--seed",
+        str(record["seed"]),
+        "--width",
+        str(record["width"]),
+        "--height",
+        str(record["height"]),
+        "--steps",
+        str(record["steps"]),
+    ]
     if record["quantize"]:
         args += ["--quantize", str(record["quantize"])]
     if lora is not None:
@@ -135,11 +152,16 @@ class Sampler:
     def load(self) -> tuple[float, str]:
         """Load the sample pipeline (headers only) and encode its prompts with its own text encoder,
         released after: run while no training model is resident. (seconds, what was done)."""
-        from ..pipeline import MemoryPlan, load
+        from ..events import MemoryPlan
+        from ..pipeline import load
 
         t0 = time.perf_counter()
-        self.pipe = load(self.source, dtype="bfloat16", quantize=self.s.sample_quantize,
-                         low_memory=MemoryPlan(release_models=True, drop_lora_originals=True))
+        self.pipe = load(
+            self.source,
+            dtype="bfloat16",
+            quantize=self.s.sample_quantize,
+            low_memory=MemoryPlan(release_models=True, drop_lora_originals=True),
+        )
         prompts = [p for prompt in self.s.sample_prompts for p in self.pipe.inputs(prompt, self.settings()).prompts]
         mx.eval(self.pipe.encode_prompts(list(dict.fromkeys(prompts))))
         q = f", {self.s.sample_quantize}-bit" if self.s.sample_quantize else ""
@@ -165,8 +187,12 @@ class Sampler:
         paths, self.baselines, peak = [], [], 0
         for k, prompt in enumerate(self.s.sample_prompts):
             image, record, p = self._image(prompt)
-            record["training_sample"] = {"step": 0, "strength": None, "baseline": True,
-                                         "generate": generate_command(record, self.source, None, None)}
+            record["training_sample"] = {
+                "step": 0,
+                "strength": None,
+                "baseline": True,
+                "generate": generate_command(record, self.source, None, None),
+            }
             paths.append(self._save(sample_name(0, k, None), image, record))
             self.baselines.append(np.asarray(image, dtype=np.float32))
             peak = max(peak, p)
@@ -174,7 +200,8 @@ class Sampler:
         return SamplesSaved(0, paths, [None] * n, [None] * n, peak, None, self.info.name)
 
     def sample(self, step: int, lora, trained_peak: int) -> SamplesSaved:
-        """Each prompt at each strength with `lora` (a train.adapters TrainableLoRA or TrainableLoKr) as it is at `step`."""
+        """Each prompt at each strength with `lora` (a train.adapters TrainableLoRA or TrainableLoKr) as it is at
+        `step`."""
         checkpoint = Path(self.s.work_dir) / f"checkpoint-{step:06d}" / "lora.safetensors"
         tmp = Path(self.s.work_dir) / f".sample-lora.{secrets.token_hex(4)}.tmp"
         tensors, header = adapter_file(lora)  # the bytes of this step's checkpoint file
@@ -185,9 +212,14 @@ class Sampler:
                 self.pipe.set_loras([(tmp, strength)])
                 for k, prompt in enumerate(self.s.sample_prompts):
                     image, record, p = self._image(prompt)
-                    record["loras"] = [{**r, "name": f"{checkpoint.parent.name}/{checkpoint.name}"} for r in record["loras"]]
+                    record["loras"] = [
+                        {**r, "name": f"{checkpoint.parent.name}/{checkpoint.name}"} for r in record["loras"]
+                    ]
                     record["training_sample"] = {
-                        "step": step, "strength": strength, "baseline": False, "checkpoint": str(checkpoint),
+                        "step": step,
+                        "strength": strength,
+                        "baseline": False,
+                        "checkpoint": str(checkpoint),
                         "checkpoint_written": checkpoint.is_file(),
                         "generate": generate_command(record, self.source, checkpoint, strength),
                     }
@@ -204,6 +236,8 @@ class Sampler:
     def _warn_if_weak(self, step: int, changes: list[float]) -> None:
         if changes and max(changes) < WEAK_CHANGE:
             warnings.warn(
-                f"the LoRA at step {step} barely changes the samples on {self.info.name} (at most {max(changes):.2f}/255 "
-                "mean pixel difference from the baseline); if this lasts, raise --lr or --steps, or check --targets"
+                f"the LoRA at step {step} barely changes the samples on {self.info.name} "
+                f"(at most {max(changes):.2f}/255 mean pixel difference from the baseline); if this lasts, raise "
+                "--lr or --steps, or check --targets",
+                stacklevel=2,
             )

@@ -93,7 +93,7 @@ class TrainSettings:
     validation: str | Path | None = None  # folder of held-out images + captions, measured at each checkpoint
     validation_controls: tuple = ()  # with --control: the held-out images' control folders, one per --control
 
-    def check(self) -> "TrainSettings":
+    def check(self) -> TrainSettings:
         """Types and ranges of every setting (FluxKleinError, one line), checked with the same checkers as
         `RunSettings` and without changing this object; returns a copy with the derived defaults filled
         (alpha = rank, the work folder next to the output) and every value in its canonical type."""
@@ -120,7 +120,7 @@ class TrainSettings:
         self._check_samples_and_captions()
         self._check_ema_and_validation()
         if warning := lr_underflow(self.lr, self.rank):
-            warnings.warn(warning)
+            warnings.warn(warning, stacklevel=2)
         return self._resolved(prompts)
 
     def _check_types(self) -> None:
@@ -137,7 +137,9 @@ class TrainSettings:
             isinstance(self.targets, (list, tuple)) and all(isinstance(t, str) for t in self.targets)
         )
         if not targets_ok:
-            raise FluxKleinError(f"targets must be a text (e.g. 'all', 'double') or a list of module names, not {self.targets!r}")
+            raise FluxKleinError(
+                f"targets must be a text (e.g. 'all', 'double') or a list of module names, not {self.targets!r}"
+            )
         for name in ("resume", "low_memory", "force"):
             if not isinstance(getattr(self, name), bool):
                 raise FluxKleinError(f"{name} must be True or False, not {getattr(self, name)!r}")
@@ -152,10 +154,14 @@ class TrainSettings:
         """--adapter, --lokr-factor and --format, and the pairs of them that cannot be written."""
         check_choice("adapter", self.adapter, ADAPTERS)
         if self.lokr_factor == 0:
-            raise FluxKleinError("lokr-factor must be -1 (the most nearly square split) or a whole number from 1, not 0")
+            raise FluxKleinError(
+                "lokr-factor must be -1 (the most nearly square split) or a whole number from 1, not 0"
+            )
         check_layout(self.format)
         if self.adapter == "lokr" and self.format == "kohya":
-            raise FluxKleinError("a LoKr is written as --format comfyui or diffusers; kohya's layout holds LoRA pairs only")
+            raise FluxKleinError(
+                "a LoKr is written as --format comfyui or diffusers; kohya's layout holds LoRA pairs only"
+            )
 
     def _check_ema_and_validation(self) -> None:
         v = self.ema
@@ -188,15 +194,19 @@ class TrainSettings:
         if self.sample_size is not None and self.sample_size % 16:
             raise FluxKleinError(f"sample-size must be a multiple of 16 (e.g. 512), not {self.sample_size}")
         parse_strengths(self.sample_strengths)
-        if self.sample_quantize is not None and (not is_int(self.sample_quantize) or self.sample_quantize not in (4, 8)):
+        if self.sample_quantize is not None and (
+            not is_int(self.sample_quantize) or self.sample_quantize not in (4, 8)
+        ):
             raise FluxKleinError(f"sample-quantize must be 4, 8 or None, not {self.sample_quantize!r}")
-        if self.sample_model is not None and (not isinstance(self.sample_model, (str, Path)) or not str(self.sample_model)):
+        if self.sample_model is not None and (
+            not isinstance(self.sample_model, (str, Path)) or not str(self.sample_model)
+        ):
             raise FluxKleinError(f"--sample-model must be a repo id or a folder, not {self.sample_model!r}")
         if self.trigger is not None:
             if not isinstance(self.trigger, str) or not self.trigger.strip() or "\n" in self.trigger:
                 raise FluxKleinError(f"--trigger must be a word or phrase on one line (e.g. sks), not {self.trigger!r}")
 
-    def _resolved(self, prompts: list) -> "TrainSettings":
+    def _resolved(self, prompts: list) -> TrainSettings:
         """A copy of checked settings with the derived defaults and canonical types (ints, floats, paths,
         tuples: a numpy integer becomes a Python int, for train.json and state.json)."""
         out = Path(self.output).expanduser()
@@ -224,8 +234,24 @@ class TrainSettings:
 
     def run_key(self) -> dict:
         """The settings that decide what a step computes (resume needs them equal)."""
-        keep = ("model", "rank", "alpha", "targets", "lr", "batch_size", "grad_accum", "resolution", "timesteps",
-                "seed", "weight_decay", "max_grad_norm", "dtype", "quantize", "group_size", "caption")
+        keep = (
+            "model",
+            "rank",
+            "alpha",
+            "targets",
+            "lr",
+            "batch_size",
+            "grad_accum",
+            "resolution",
+            "timesteps",
+            "seed",
+            "weight_decay",
+            "max_grad_norm",
+            "dtype",
+            "quantize",
+            "group_size",
+            "caption",
+        )
         key = {k: getattr(self, k) for k in keep}
         key["resolution"] = self.resolution if isinstance(self.resolution, int) else list(self.resolution)
         if self.lr_scheduler != "constant":  # absent for constant: older checkpoints stay resumable
@@ -306,7 +332,8 @@ def parse_strengths(value) -> tuple[float, ...]:
             x = math.nan
         if not math.isfinite(x) or not 0.0 < x <= 8.0 or x in out:
             raise FluxKleinError(
-                f"sample-strengths must be distinct numbers in (0, 8] separated by commas (e.g. 0.5,1,1.5), not {value!r}"
+                "sample-strengths must be distinct numbers in (0, 8] separated by commas (e.g. 0.5,1,1.5), "
+                f"not {value!r}"
             )
         out.append(x)
     if not out:
@@ -315,8 +342,12 @@ def parse_strengths(value) -> tuple[float, ...]:
 
 
 def differences(old: dict, new: dict) -> list[str]:
-    """"name: old -> new" for every run-key setting that differs (the data list included)."""
-    return [f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    """ "name: old -> new" for every run-key setting that differs (the data list included)."""
+    return [
+        f"{k}: {old.get(k)!r} there, {new.get(k)!r} now"
+        for k in sorted(set(old) | set(new))
+        if old.get(k) != new.get(k)
+    ]
 
 
 def lr_underflow(lr: float, rank: int) -> str | None:

@@ -39,21 +39,27 @@ import re
 import shutil
 import socket
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 
 from ..errors import FluxKleinError, Notice
 from ..files import (
-    broken_link, check_owned_folder, check_writable, claim_folder, folder_transaction, is_temporary_file,
-    open_no_follow, write_replacing,
+    broken_link,
+    check_owned_folder,
+    check_writable,
+    claim_folder,
+    folder_transaction,
+    is_temporary_file,
+    open_no_follow,
+    write_replacing,
 )
-from .settings import differences
 from ..weights import read_lora_file, read_safetensors, safetensors_table, save_safetensors_streaming
+from .settings import differences
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d{6,})$")
 # The temporary folders of files.folder_transaction for checkpoints (files: files.is_temporary_file).
@@ -75,7 +81,9 @@ def check_work_dir(work_dir: Path, data, controls=()) -> None:
     wd = Path(work_dir)
     for p in (wd.parent, wd):
         if trouble := broken_link(p):
-            raise FluxKleinError(f"--work-dir {wd}: {p} is a symbolic link that {trouble}; remove it or choose another --work-dir")
+            raise FluxKleinError(
+                f"--work-dir {wd}: {p} is a symbolic link that {trouble}; remove it or choose another --work-dir"
+            )
     if wd.exists() and not wd.is_dir():
         raise FluxKleinError(f"--work-dir {wd} is a file; give a folder (it is created if missing)")
     if not wd.parent.is_dir():
@@ -88,8 +96,10 @@ def check_work_dir(work_dir: Path, data, controls=()) -> None:
 
 def is_work_file(name: str) -> bool:
     """Whether `name` at the top of a work folder is one a run writes (a file, a checkpoint or a temporary)."""
-    return name in _WORK_FILES or bool(_CHECKPOINT.match(name) or _TEMPORARY_CHECKPOINT.match(name)) or (
-        is_temporary_file(name)
+    return (
+        name in _WORK_FILES
+        or bool(_CHECKPOINT.match(name) or _TEMPORARY_CHECKPOINT.match(name))
+        or (is_temporary_file(name))
     )
 
 
@@ -98,8 +108,9 @@ def claim_work_dir(work_dir: Path) -> None:
     try:
         claim_folder(work_dir, WORK_MARKER, "a work folder of flux_klein_mlx train: its runs write here\n")
     except OSError as e:
-        raise FluxKleinError(f"cannot write in the work folder {work_dir} ({e.strerror}); free some space "
-                             "or choose another --work-dir") from None
+        raise FluxKleinError(
+            f"cannot write in the work folder {work_dir} ({e.strerror}); free some space or choose another --work-dir"
+        ) from None
 
 
 def _refuse_inside_data(wd: Path, folders: list[tuple[str, object]]) -> None:
@@ -232,8 +243,12 @@ def acquire_lock(work_dir: Path) -> RunLock:
             os.close(fd)
             continue
         if holder is not None:
-            warnings.warn(f"taking over the lock of an earlier run in {path.parent} that no longer runs "
-                          f"({_describe_holder(holder)})", Notice)
+            warnings.warn(
+                f"taking over the lock of an earlier run in {path.parent} that no longer runs "
+                f"({_describe_holder(holder)})",
+                Notice,
+                stacklevel=2,
+            )
         started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         me = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started})
         os.ftruncate(fd, 0)
@@ -264,7 +279,12 @@ def remove_temporaries(work_dir: Path) -> None:
 
 
 def write_checkpoint(
-    work_dir: Path, step: int, lora: tuple[dict, dict], optimizer: dict[str, mx.array], state: dict, keep: int,
+    work_dir: Path,
+    step: int,
+    lora: tuple[dict, dict],
+    optimizer: dict[str, mx.array],
+    state: dict,
+    keep: int,
     extra: dict | None = None,
 ) -> Path:
     """Write checkpoint `step` (lora = (tensors, header metadata)) and drop all but the newest `keep`;
@@ -418,14 +438,18 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     try:
         write_replacing(path, write)
     except OSError as e:
-        raise FluxKleinError(f"cannot write {path} ({e.strerror or e}); free some space and continue with --resume") from None
+        raise FluxKleinError(
+            f"cannot write {path} ({e.strerror or e}); free some space and continue with --resume"
+        ) from None
 
 
 def write_json(path: Path, obj: dict) -> None:
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2) + "\n"))
 
 
-def resume_point(wd: Path, resume: bool, steps: int, key: dict, data: list, lora_shapes: dict, n_items: int) -> Path | None:
+def resume_point(
+    wd: Path, resume: bool, steps: int, key: dict, data: list, lora_shapes: dict, n_items: int
+) -> Path | None:
     """The checkpoint a run continues from (None: a new run), checked whole and against this run's
     run `key` and `data` key; refuses mixing runs in one work folder and a run that is already done."""
     done = checkpoints(wd)

@@ -18,11 +18,11 @@ from __future__ import annotations
 import math
 import platform
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
-from typing import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,28 +32,31 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 from .. import __version__
 from ..embedding_cache import open_cache, prompt_keys
 from ..errors import FluxKleinError
-from ..loading import as_dtype, load_component
-from .objective import flow_loss, make_optimizer, optimizer_step, sigmas_from_draws
-from .adapters import attach_lokr, attach_lora, file_header
-from .adapters import write_lora_file
-from .samples import Sampler, SamplesSaved
 from ..files import write_exclusive
+from ..loading import as_dtype, load_component
 from ..models.rope import image_ids, text_ids
-from ..sampling import reference_time
 from ..models.text_encoder import encode_prompts
 from ..models.tokenizer import load_tokenizer
-from .plan import RunPlan, data_key, plan_run, run_key
+from ..sampling import reference_time
+from .adapters import attach_lokr, attach_lora, file_header, write_lora_file
 from .data import bucket_counts, dropped_captions, epoch_batches, load_pixels
 from .distributed import PeerLost, example_draws
 from .evaluation import EMA_FILE, AdapterEMA, Validation, average_window, moving_average, write_loss_plot
-from .objective import lr_at_step
+from .objective import flow_loss, lr_at_step, make_optimizer, optimizer_step, sigmas_from_draws
+from .plan import RunPlan, data_key, plan_run, run_key
+from .samples import Sampler, SamplesSaved
 from .settings import TrainSettings
 from .state import (
-    acquire_lock, adapter_file, check_work_dir, claim_work_dir, checkpoints, read_checkpoint,
-    remove_temporaries, write_checkpoint, write_json,
+    acquire_lock,
+    adapter_file,
+    check_work_dir,
+    checkpoints,
+    claim_work_dir,
+    read_checkpoint,
+    remove_temporaries,
+    write_checkpoint,
+    write_json,
 )
-
-
 
 # --- events --------------------------------------------------------------------------------------
 
@@ -204,8 +207,17 @@ class Trainer:
         s = self.s
         images = len({it.stem for it in self.items})  # several resolutions: one item per image and size
         layers = len({sl.layer for sl in self.lora.slots})
-        return TrainStarted(s.steps, self.step_no + 1, self.plan.resume_from, images, bucket_counts(self.items),
-                            self.lora.count, self.lora.num_parameters, s.work_dir, layers)
+        return TrainStarted(
+            s.steps,
+            self.step_no + 1,
+            self.plan.resume_from,
+            images,
+            bucket_counts(self.items),
+            self.lora.count,
+            self.lora.num_parameters,
+            s.work_dir,
+            layers,
+        )
 
     def caption_plan(self) -> StageStarted:
         """The texts of the run (captions; sample prompts and, on Base, the empty negative prompt of their
@@ -229,7 +241,11 @@ class Trainer:
         missing = sum(t not in self.ctx for t in self.texts)
         if not missing:
             return StageStarted("captions", f"{what}: all in the prompt cache, the text encoder is not loaded")
-        cached = f" ({len(self.texts) - missing} of {len(self.texts)} texts from the prompt cache)" if missing < len(self.texts) else ""
+        cached = (
+            f" ({len(self.texts) - missing} of {len(self.texts)} texts from the prompt cache)"
+            if missing < len(self.texts)
+            else ""
+        )
         return StageStarted("captions", f"encoding {what} with the text encoder{cached} ...")
 
     def cache_captions(self) -> StageFinished:
@@ -289,14 +305,18 @@ class Trainer:
             self.lora = attach_lora(self.model, self.plan.slots, s.rank, s.alpha, self.rng)
         self.optimizer = make_optimizer(s)
         mx.eval(self.model.trainable_parameters())
-        self.ema = AdapterEMA(s.ema, self.lora) if s.ema is not None and self.world.is_main else None  # rank 0 writes it
+        self.ema = (
+            AdapterEMA(s.ema, self.lora) if s.ema is not None and self.world.is_main else None
+        )  # rank 0 writes it
 
         def loss(weight, x0, noise, sigma, ctx, refs, cos, sin):  # weight: this process's share of the batch
             return flow_loss(self.model, x0, noise, sigma, ctx, (cos, sin), refs, checkpoint=s.low_memory) * weight
 
         self.loss_and_grad = nn.value_and_grad(self.model, loss)
         q = f", {s.quantize}-bit base" if s.quantize else ""
-        return StageFinished("model", time.perf_counter() - t0, f"{self.lora.count} {s.adapter} adapters of rank {s.rank}{q}")
+        return StageFinished(
+            "model", time.perf_counter() - t0, f"{self.lora.count} {s.adapter} adapters of rank {s.rank}{q}"
+        )
 
     # ---- one optimizer step -------------------------------------------------------------------
 
@@ -311,7 +331,9 @@ class Trainer:
         key = (it.bucket, n_refs)
         if key not in self.ropes:
             W, H = it.bucket
-            ids = [image_ids(H // 16, W // 16)] + [image_ids(H // 16, W // 16, t=reference_time(k)) for k in range(n_refs)]
+            ids = [image_ids(H // 16, W // 16)] + [
+                image_ids(H // 16, W // 16, t=reference_time(k)) for k in range(n_refs)
+            ]
             self.ropes[key] = self.model.compute_rope(text_ids(512), mx.concatenate(ids, axis=0))
         return self.ropes[key]
 
@@ -322,7 +344,7 @@ class Trainer:
         draws, noise = example_draws(self.s.seed, self.step_no + 1, range(first, first + B), self.s.timesteps, (L, C))
         sigma, noise = mx.array(sigmas_from_draws(self.s.timesteps, draws, L)), mx.array(noise)
         dropped = dropped_captions(self.s.seed, self.epoch, self.position, len(indices), self.s.caption_dropout)
-        captions = ["" if drop else self.items[i].caption for i, drop in zip(indices, dropped)]
+        captions = ["" if drop else self.items[i].caption for i, drop in zip(indices, dropped, strict=True)]
         ctx = mx.concatenate([self.ctx[c] for c in captions], axis=0)
         refs = None if self.refs[indices[0]] is None else mx.concatenate([self.refs[i] for i in indices], axis=0)
         cos, sin = self.rope(self.items[indices[0]], len(self.items[indices[0]].controls))
@@ -379,10 +401,16 @@ class Trainer:
 
     def state(self) -> dict:
         return {
-            "step": self.step_no, "epoch": self.epoch, "batches": self.batches, "position": self.position,
-            "rng": self.rng.bit_generator.state, "losses": self.losses,
-            "run_key": run_key(self.s, self.info, self.world.size), "data": data_key(self.items),
-            "flux_klein_mlx": __version__, "validation": self.validation.history,
+            "step": self.step_no,
+            "epoch": self.epoch,
+            "batches": self.batches,
+            "position": self.position,
+            "rng": self.rng.bit_generator.state,
+            "losses": self.losses,
+            "run_key": run_key(self.s, self.info, self.world.size),
+            "data": data_key(self.items),
+            "flux_klein_mlx": __version__,
+            "validation": self.validation.history,
         }
 
     def save(self) -> CheckpointSaved:
@@ -407,7 +435,9 @@ class Trainer:
         self.lora.load(lora, f"checkpoint {folder}")
         self.optimizer.init(self.model.trainable_parameters())
         if set(opt) != {k for k, _ in tree_flatten(self.optimizer.state)}:
-            raise FluxKleinError(f"checkpoint {folder} holds another run's optimizer state; start anew in another --work-dir")
+            raise FluxKleinError(
+                f"checkpoint {folder} holds another run's optimizer state; start anew in another --work-dir"
+            )
         self.optimizer.state = tree_map_with_path(lambda path, _: opt[path], self.optimizer.state)
         self.apply_state(state)
         if self.ema is not None:
@@ -428,13 +458,20 @@ class Trainer:
     def record(self, **extra) -> dict:
         """train.json: every setting, the data with hashes, the adapters, versions."""
         return {
-            "flux_klein_mlx": __version__, "mlx": mx.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "model": {"source": str(self.s.model), "name": self.info.name,
-                                                       "path": str(self.info.path)},
-            "settings": self.s.record(), "data": [it.record() for it in self.items], "buckets": bucket_counts(self.items),
-            "targets": [sl.name for sl in self.plan.slots], "resumed_from": str(self.plan.resume_from or "") or None,
-            "started": self.started, "processes": self.world.size,
-            "validation": self.validation.history or None, **extra,
+            "flux_klein_mlx": __version__,
+            "mlx": mx.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "model": {"source": str(self.s.model), "name": self.info.name, "path": str(self.info.path)},
+            "settings": self.s.record(),
+            "data": [it.record() for it in self.items],
+            "buckets": bucket_counts(self.items),
+            "targets": [sl.name for sl in self.plan.slots],
+            "resumed_from": str(self.plan.resume_from or "") or None,
+            "started": self.started,
+            "processes": self.world.size,
+            "validation": self.validation.history or None,
+            **extra,
         }
 
     def finish(self, seconds: float) -> TrainFinished:
@@ -448,8 +485,15 @@ class Trainer:
 
         final = write_exclusive(s.output, self.ema.writing(self.lora, write) if self.ema else write)
         finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        write_json(s.work_dir / "train.json", self.record(output=str(final), finished=finished, steps=self.step_no,
-                                                          final_loss=self.losses[-1] if self.losses else None))
+        write_json(
+            s.work_dir / "train.json",
+            self.record(
+                output=str(final),
+                finished=finished,
+                steps=self.step_no,
+                final_loss=self.losses[-1] if self.losses else None,
+            ),
+        )
         if self.losses:
             self.plot_loss()
         return TrainFinished(final, self.step_no, seconds, s.work_dir)

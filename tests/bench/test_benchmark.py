@@ -9,15 +9,14 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-
 import mlx.core as mx
+import pytest
 from mlx.utils import tree_flatten
 
 from flux_klein_mlx.bench import command as bm
 from flux_klein_mlx.bench import flops
+from flux_klein_mlx.bench.random_model import random_pipeline, randomize
 from flux_klein_mlx.models.config import AutoEncoderConfig, FluxKleinParams, Qwen3Config, Variant, qwen3_4b, qwen3_8b
-from flux_klein_mlx.bench.random_model import randomize, random_pipeline
 from flux_klein_mlx.models.transformer import FluxKlein
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,14 +100,29 @@ def test_machine_info_on_this_machine():
 
 # --- The benchmark on a tiny random model ---------------------------------------------------------
 
-TINY_PARAMS = FluxKleinParams(hidden_size=64, num_heads=2, axes_dim=(8,) * 4, depth=1, depth_single=1, context_in_dim=96)
+TINY_PARAMS = FluxKleinParams(
+    hidden_size=64, num_heads=2, axes_dim=(8,) * 4, depth=1, depth_single=1, context_in_dim=96
+)
 TINY = Variant(
-    name="tiny", title="tiny random klein", family="other", distilled=True, transformer=TINY_PARAMS,
-    text_encoder=Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=27, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=8, rope_theta=1e6, vocab_size=1000),
+    name="tiny",
+    title="tiny random klein",
+    family="other",
+    distilled=True,
+    transformer=TINY_PARAMS,
+    text_encoder=Qwen3Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=27,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rope_theta=1e6,
+        vocab_size=1000,
+    ),
     vae=AutoEncoderConfig(block_out_channels=(32, 32, 32, 32), layers_per_block=1, latent_channels=32),
-    steps=4, guidance=None,
-)  # fmt: skip
+    steps=4,
+    guidance=None,
+)
 
 
 def test_tiny_random_pipeline_end_to_end(tmp_path):
@@ -118,8 +132,21 @@ def test_tiny_random_pipeline_end_to_end(tmp_path):
         assert label in table
     out = bm.write_json(r, tmp_path / "bench.json")
     r = json.loads(out.read_text())
-    assert r["config"] | {"width": 80, "height": 64, "image_tokens": 20, "text_tokens": 512, "steps": 2,
-                          "warmup": 1, "trials": 2, "weights": "random", "dtype": "float32"} == r["config"]  # fmt: skip
+    assert (
+        r["config"]
+        | {
+            "width": 80,
+            "height": 64,
+            "image_tokens": 20,
+            "text_tokens": 512,
+            "steps": 2,
+            "warmup": 1,
+            "trials": 2,
+            "weights": "random",
+            "dtype": "float32",
+        }
+        == r["config"]
+    )
     st = r["stages"]
     assert len(st["denoise_step"]["times_s"]) == 2 * 2  # trials x steps, warm-up excluded
     assert len(st["denoise_step"]["per_step_median_s"]) == 2
@@ -142,8 +169,24 @@ def test_tiny_random_pipeline_end_to_end(tmp_path):
 def test_cli_never_overwrites_json(snapshot, tmp_path, capsys):
     out = tmp_path / "bench.json"
     out.write_text("keep me")
-    args = ["--model", str(snapshot), "-W", "64", "-H", "64", "--steps", "1", "--warmup", "0",
-            "--trials", "1", "--skip-decode", "--skip-text-encoder", "--json", str(out)]  # fmt: skip
+    args = [
+        "--model",
+        str(snapshot),
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--trials",
+        "1",
+        "--skip-decode",
+        "--skip-text-encoder",
+        "--json",
+        str(out),
+    ]
     assert bm.main(args) == 0
     assert out.read_text() == "keep me"
     assert "wrote" in capsys.readouterr().err
@@ -153,8 +196,22 @@ def test_cli_never_overwrites_json(snapshot, tmp_path, capsys):
 
 
 def test_cli_quantized(snapshot, tmp_path):
-    base = ["--model", str(snapshot), "-W", "64", "-H", "64", "--steps", "1", "--warmup", "0",
-            "--trials", "1", "--skip-text-encoder", "--skip-decode"]  # fmt: skip
+    base = [
+        "--model",
+        str(snapshot),
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--trials",
+        "1",
+        "--skip-text-encoder",
+        "--skip-decode",
+    ]
     assert bm.main(base + ["--quantize", "4", "--json", str(tmp_path / "q.json")]) == 0
     assert bm.main(base + ["--json", str(tmp_path / "f.json")]) == 0
     q, f = (json.loads((tmp_path / n).read_text()) for n in ("q.json", "f.json"))
@@ -213,8 +270,12 @@ def test_random_weights_are_scaled_and_in_dtype():
 def test_flops_dataclass_total():
     f = flops.Flops(1.0, 2.0, 3.0)
     assert f.total == 6.0
-    assert flops.flops_of_vae_decoder(SimpleNamespace(block_out_channels=(32, 32), layers_per_block=1,
-                                                   latent_channels=4), 16, 16).total > 0  # fmt: skip
+    assert (
+        flops.flops_of_vae_decoder(
+            SimpleNamespace(block_out_channels=(32, 32), layers_per_block=1, latent_channels=4), 16, 16
+        ).total
+        > 0
+    )
 
 
 def test_cli_on_a_tiny_checkpoint_folder(tmp_path):

@@ -14,22 +14,24 @@ import threading
 
 import numpy as np
 import pytest
+from file_opens import FileOpens
+from refs import noise
 
 import flux_klein_mlx
 import flux_klein_mlx.pipeline as pipeline_module
-from file_opens import FileOpens
 from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.loading import describe
 from flux_klein_mlx.output import read_record
-from refs import noise
 
 
 @pytest.fixture
 def loads(monkeypatch):
     """The names of the components loaded (every load goes through pipeline.load_component)."""
     names, real = [], pipeline_module.load_component
-    monkeypatch.setattr(pipeline_module, "load_component", lambda info, name, *a, **k: names.append(name) or real(info, name, *a, **k))
+    monkeypatch.setattr(
+        pipeline_module, "load_component", lambda info, name, *a, **k: names.append(name) or real(info, name, *a, **k)
+    )
     return names
 
 
@@ -78,11 +80,30 @@ def test_second_generate_with_another_seed_skips_the_encoder_in_the_default_dtyp
     assert read_record(tmp_path / "b.png")["vae"] is None
 
 
-def test_a_changed_encoder_file_is_never_served_stale_and_a_damaged_one_is_refused_first(distilled, tmp_path, capsys, loads):
+def test_a_changed_encoder_file_is_never_served_stale_and_a_damaged_one_is_refused_first(
+    distilled, tmp_path, capsys, loads
+):
     snap = tmp_path / "snap"
     shutil.copytree(distilled, snap)
-    args = ["generate", "-m", str(snap), "-p", "a fox", "--dtype", "float32", "-W", "64", "-H", "64", "--steps", "1",
-            "--seed", "1", "-o", str(tmp_path / "x.png")]  # fmt: skip
+    args = [
+        "generate",
+        "-m",
+        str(snap),
+        "-p",
+        "a fox",
+        "--dtype",
+        "float32",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "1",
+        "--seed",
+        "1",
+        "-o",
+        str(tmp_path / "x.png"),
+    ]
     assert main(args) == 0
     capsys.readouterr()
     shard = encoder_files(snap)[0]
@@ -94,13 +115,16 @@ def test_a_changed_encoder_file_is_never_served_stale_and_a_damaged_one_is_refus
     assert loads == []  # refused before any model loaded, and the cached embeddings were not used
 
 
-@pytest.mark.parametrize("extra, words", [
-    (["--cache-size", "lots"], "cache size must be a number of bytes"),
-    (["--cache-size", "-1GB"], "cache size must be a number of bytes"),
-    (["--vae", "/no/such/vae"], "not found"),
-    (["--vae", "{vae_txt}"], "is not a .safetensors file"),
-    (["--vae", "{snapshot}/tokenizer"], "has no VAE"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--cache-size", "lots"], "cache size must be a number of bytes"),
+        (["--cache-size", "-1GB"], "cache size must be a number of bytes"),
+        (["--vae", "/no/such/vae"], "not found"),
+        (["--vae", "{vae_txt}"], "is not a .safetensors file"),
+        (["--vae", "{snapshot}/tokenizer"], "has no VAE"),
+    ],
+)
 def test_bad_cache_and_vae_options_are_one_line_before_any_model(distilled, tmp_path, capsys, loads, extra, words):
     txt = tmp_path / "vae.txt"
     txt.write_text("not a VAE")
@@ -121,9 +145,11 @@ def test_bad_cache_and_vae_options_are_one_line_before_any_model(distilled, tmp_
 
 
 def test_bad_load_arguments(distilled):
-    for kwargs, words in ((dict(cache="yes"), "cache must be True, False or an EmbeddingCache"),
-                          (dict(cache_size="huge"), "cache size must be a number of bytes"),
-                          (dict(vae=3), "vae must be a repo id or a path")):  # fmt: skip
+    for kwargs, words in (
+        (dict(cache="yes"), "cache must be True, False or an EmbeddingCache"),
+        (dict(cache_size="huge"), "cache size must be a number of bytes"),
+        (dict(vae=3), "vae must be a repo id or a path"),
+    ):
         with pytest.raises(FluxKleinError, match=words):
             flux_klein_mlx.load(distilled, **kwargs)
     assert flux_klein_mlx.load(distilled, cache_size=0).cache is None  # 0 turns it off
@@ -131,12 +157,34 @@ def test_bad_load_arguments(distilled):
 
 
 def test_benchmark_cold_reports_every_run_and_the_limit(distilled, capsys, tmp_path):
-    code = main(["benchmark", "--cold", "-m", str(distilled), "-W", "64", "-H", "64", "--steps", "1", "--dtype",
-                 "float32", "--json", str(tmp_path / "cold.json")])  # fmt: skip
+    code = main(
+        [
+            "benchmark",
+            "--cold",
+            "-m",
+            str(distilled),
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--steps",
+            "1",
+            "--dtype",
+            "float32",
+            "--json",
+            str(tmp_path / "cold.json"),
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
-    for words in ("sequential read of those bytes", "| text encoder load |", "| **total** |", "cold: ",
-                  "bytes / rate + warm compute", "second run (same prompt, another seed)"):  # fmt: skip
+    for words in (
+        "sequential read of those bytes",
+        "| text encoder load |",
+        "| **total** |",
+        "cold: ",
+        "bytes / rate + warm compute",
+        "second run (same prompt, another seed)",
+    ):
         assert words in out, (words, out)
     import json
 

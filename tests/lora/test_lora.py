@@ -25,10 +25,10 @@ from tiny_model import LATENT_CHANNELS, TRANSFORMER
 
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.lora.apply import apply_loras, applied_loras, load_loras, remove_loras
+from flux_klein_mlx.lora.apply import applied_loras, apply_loras, load_loras, remove_loras
 from flux_klein_mlx.lora.layers import LoRALinear
-from flux_klein_mlx.models.quantize import dequantize_model
 from flux_klein_mlx.models.config import FluxKleinParams
+from flux_klein_mlx.models.quantize import dequantize_model
 
 C = 4 * LATENT_CHANNELS
 PARAMS = FluxKleinParams.from_dict(TRANSFORMER)
@@ -99,13 +99,19 @@ def reference(ref_pipe, lat, files=(), weights=None, merge=()):
         for module, delta in merge:
             pipe.transformer.get_submodule(module).weight += torch.as_tensor(delta, dtype=torch.float32)
     names = [f"l{i}" for i in range(len(files))]
-    for f, name in zip(files, names):
+    for f, name in zip(files, names, strict=True):
         pipe.load_lora_weights(str(f), adapter_name=name)
     if weights is not None:
         pipe.set_adapters(names, weights)
     with torch.no_grad():
-        memo[key] = pipe(prompt_embeds=embeds, height=H, width=W, num_inference_steps=STEPS, output_type="np",
-                         latents=torch.from_numpy(lat)).images[0]
+        memo[key] = pipe(
+            prompt_embeds=embeds,
+            height=H,
+            width=W,
+            num_inference_steps=STEPS,
+            output_type="np",
+            latents=torch.from_numpy(lat),
+        ).images[0]
     return memo[key]
 
 
@@ -125,17 +131,24 @@ def swap_halves(x):
 def lora_a(path, rng, *, bare=False, r=4, alpha=8.0):
     """diffusers/PEFT names, alpha from `lora_adapter_metadata`; q/k/v split, fused single projection, globals."""
     shapes = {
-        "transformer_blocks.0.attn.to_q": (D, D), "transformer_blocks.0.attn.to_k": (D, D),
-        "transformer_blocks.0.attn.to_v": (D, D), "transformer_blocks.1.attn.add_k_proj": (D, D),
-        "transformer_blocks.0.attn.to_out.0": (D, D), "transformer_blocks.1.attn.to_add_out": (D, D),
-        "transformer_blocks.0.ff.linear_in": (2 * M, D), "transformer_blocks.1.ff_context.linear_out": (D, M),
+        "transformer_blocks.0.attn.to_q": (D, D),
+        "transformer_blocks.0.attn.to_k": (D, D),
+        "transformer_blocks.0.attn.to_v": (D, D),
+        "transformer_blocks.1.attn.add_k_proj": (D, D),
+        "transformer_blocks.0.attn.to_out.0": (D, D),
+        "transformer_blocks.1.attn.to_add_out": (D, D),
+        "transformer_blocks.0.ff.linear_in": (2 * M, D),
+        "transformer_blocks.1.ff_context.linear_out": (D, M),
         "single_transformer_blocks.0.attn.to_qkv_mlp_proj": (3 * D + 2 * M, D),
         "single_transformer_blocks.1.attn.to_out": (D, D + M),
-        "x_embedder": (D, C), "context_embedder": (D, 3 * 32),
+        "x_embedder": (D, C),
+        "context_embedder": (D, 3 * 32),
         "time_guidance_embed.timestep_embedder.linear_1": (D, 256),
-        "double_stream_modulation_img.linear": (6 * D, D), "single_stream_modulation.linear": (3 * D, D),
-        "norm_out.linear": (2 * D, D), "proj_out": (C, D),
-    }  # fmt: skip
+        "double_stream_modulation_img.linear": (6 * D, D),
+        "single_stream_modulation.linear": (3 * D, D),
+        "norm_out.linear": (2 * D, D),
+        "proj_out": (C, D),
+    }
     sd = {}
     for name, (out, inp) in shapes.items():
         down, up = rng.pair(out, inp, r)
@@ -151,14 +164,22 @@ def lora_a(path, rng, *, bare=False, r=4, alpha=8.0):
 def bfl_modules():
     """BFL module -> (out, in, rank): fused qkv with ranks 6 (divisible by 3, dense up) and 3, globals."""
     return {
-        "double_blocks.0.img_attn.qkv": (3 * D, D, 6), "double_blocks.1.txt_attn.qkv": (3 * D, D, 3),
-        "double_blocks.0.txt_attn.proj": (D, D, 4), "double_blocks.1.img_mlp.0": (2 * M, D, 4),
-        "double_blocks.0.txt_mlp.2": (D, M, 4), "single_blocks.0.linear1": (3 * D + 2 * M, D, 5),
-        "single_blocks.1.linear2": (D, D + M, 4), "img_in": (D, C, 4), "txt_in": (D, 96, 4),
-        "time_in.in_layer": (D, 256, 4), "time_in.out_layer": (D, D, 2),
-        "double_stream_modulation_txt.lin": (6 * D, D, 4), "single_stream_modulation.lin": (3 * D, D, 4),
-        "final_layer.linear": (C, D, 4), "final_layer.adaLN_modulation.1": (2 * D, D, 4),
-    }  # fmt: skip
+        "double_blocks.0.img_attn.qkv": (3 * D, D, 6),
+        "double_blocks.1.txt_attn.qkv": (3 * D, D, 3),
+        "double_blocks.0.txt_attn.proj": (D, D, 4),
+        "double_blocks.1.img_mlp.0": (2 * M, D, 4),
+        "double_blocks.0.txt_mlp.2": (D, M, 4),
+        "single_blocks.0.linear1": (3 * D + 2 * M, D, 5),
+        "single_blocks.1.linear2": (D, D + M, 4),
+        "img_in": (D, C, 4),
+        "txt_in": (D, 96, 4),
+        "time_in.in_layer": (D, 256, 4),
+        "time_in.out_layer": (D, D, 2),
+        "double_stream_modulation_txt.lin": (6 * D, D, 4),
+        "single_stream_modulation.lin": (3 * D, D, 4),
+        "final_layer.linear": (C, D, 4),
+        "final_layer.adaLN_modulation.1": (2 * D, D, 4),
+    }
 
 
 def lora_bfl(path, rng, *, prefix="diffusion_model.", names=("lora_A", "lora_B"), skip=()):
@@ -220,12 +241,19 @@ def lokr_file(path, rng):
         full[rows[0] : rows[1]] += delta
 
     w1, w2 = rng.mat(4, 4), rng.mat(48, 16, s=0.1)  # whole factors: no alpha scaling even with an alpha key
-    sd |= {"double_blocks.0.img_attn.qkv.lokr_w1": w1, "double_blocks.0.img_attn.qkv.lokr_w2": w2,
-           "double_blocks.0.img_attn.qkv.alpha": torch.tensor(2.0)}  # fmt: skip
+    sd |= {
+        "double_blocks.0.img_attn.qkv.lokr_w1": w1,
+        "double_blocks.0.img_attn.qkv.lokr_w2": w2,
+        "double_blocks.0.img_attn.qkv.alpha": torch.tensor(2.0),
+    }
     add("double_blocks.0.img_attn.qkv", (0, 3 * D), np.kron(w1.numpy(), w2.numpy()))
     a, b, w2 = rng.mat(8, 2), rng.mat(2, 8), rng.mat(72, 8, s=0.1)  # w1 = a @ b, rank 2, alpha 4 -> x2
-    sd |= {"single_blocks.0.linear1.lokr_w1_a": a, "single_blocks.0.linear1.lokr_w1_b": b,
-           "single_blocks.0.linear1.lokr_w2": w2, "single_blocks.0.linear1.alpha": torch.tensor(4.0)}  # fmt: skip
+    sd |= {
+        "single_blocks.0.linear1.lokr_w1_a": a,
+        "single_blocks.0.linear1.lokr_w1_b": b,
+        "single_blocks.0.linear1.lokr_w2": w2,
+        "single_blocks.0.linear1.alpha": torch.tensor(4.0),
+    }
     add("single_blocks.0.linear1", (0, 3 * D + 2 * M), 2.0 * np.kron((a @ b).numpy(), w2.numpy()))
     w1, w2 = rng.mat(2, 4), rng.mat(32, 16, s=0.1)  # diffusers' to_k: rows D..2D of our fused qkv
     sd |= {"transformer_blocks.1.attn.to_k.lokr_w1": w1, "transformer_blocks.1.attn.to_k.lokr_w2": w2}
@@ -290,10 +318,16 @@ def test_format_a_peft_matches_diffusers(ref_pipe, our_pipe, lat, tmp_path, base
 
 @pytest.mark.parametrize(
     "prefix, names",
-    [("diffusion_model.", ("lora_A", "lora_B")), ("", ("lora_down", "lora_up")), ("base_model.model.", ("lora_A", "lora_B"))],
+    [
+        ("diffusion_model.", ("lora_A", "lora_B")),
+        ("", ("lora_down", "lora_up")),
+        ("base_model.model.", ("lora_A", "lora_B")),
+    ],
     ids=["B-prefixed", "B-bare-down-up", "C-peft-wrapped"],
 )
-def test_bfl_names_match_diffusers_with_final_layer_swapped_right(ref_pipe, our_pipe, lat, tmp_path, base_image, prefix, names):
+def test_bfl_names_match_diffusers_with_final_layer_swapped_right(
+    ref_pipe, our_pipe, lat, tmp_path, base_image, prefix, names
+):
     """B and C: fused-qkv ranks 6 (dense up) and 3, single linear1/linear2, every global. The final layer's
     modulation goes into the reference by hand (diffusers' converter forgets the swap), as does the whole
     LoRA for bare down/up keys (diffusers loads nothing from them: its reference is the prefixed twin)."""
@@ -338,7 +372,10 @@ def with_twin(theirs, rng, prefix):
     for name, (diffusers_name, out, inp) in theirs.items():
         down, up = rng.pair(out, inp, 4)
         sd[f"{prefix}{name}.lora_A.weight"], sd[f"{prefix}{name}.lora_B.weight"] = down, up
-        twin[f"transformer.{diffusers_name}.lora_A.weight"], twin[f"transformer.{diffusers_name}.lora_B.weight"] = down, up
+        twin[f"transformer.{diffusers_name}.lora_A.weight"], twin[f"transformer.{diffusers_name}.lora_B.weight"] = (
+            down,
+            up,
+        )
     return sd, twin
 
 
@@ -353,12 +390,18 @@ def mflux_file(path, rng):
         "transformer_blocks.0.ff.linear_in": ("transformer_blocks.0.ff.linear_in", 2 * M, D),
         "time_guidance_embed.linear_1": ("time_guidance_embed.timestep_embedder.linear_1", D, 256),
         "norm_out.linear": ("norm_out.linear", 2 * D, D),
-        "single_transformer_blocks.1.attn.to_qkv_mlp_proj": ("single_transformer_blocks.1.attn.to_qkv_mlp_proj",
-                                                             3 * D + 2 * M, D),
-    }  # fmt: skip
+        "single_transformer_blocks.1.attn.to_qkv_mlp_proj": (
+            "single_transformer_blocks.1.attn.to_qkv_mlp_proj",
+            3 * D + 2 * M,
+            D,
+        ),
+    }
     sd, twin = with_twin(theirs, rng, "transformer.")
-    mx.save_safetensors(str(path), {k: mx.array(v.numpy()) for k, v in sd.items()},
-                        metadata={"mflux_version": "0.17.0", "model": "flux2-klein-4b"})
+    mx.save_safetensors(
+        str(path),
+        {k: mx.array(v.numpy()) for k, v in sd.items()},
+        metadata={"mflux_version": "0.17.0", "model": "flux2-klein-4b"},
+    )
     return twin, {}
 
 
@@ -370,15 +413,24 @@ def swift_file(path, rng):
         "transformer_blocks.1.attn.to_out.0": ("transformer_blocks.1.attn.to_out.0", D, D),
         "transformer_blocks.1.ff.activation.proj": ("transformer_blocks.1.ff.linear_in", 2 * M, D),
         "transformer_blocks.0.ff_context.activation.proj": ("transformer_blocks.0.ff_context.linear_in", 2 * M, D),
-        "single_transformer_blocks.0.attn.to_qkv_mlp": ("single_transformer_blocks.0.attn.to_qkv_mlp_proj",
-                                                        3 * D + 2 * M, D),
+        "single_transformer_blocks.0.attn.to_qkv_mlp": (
+            "single_transformer_blocks.0.attn.to_qkv_mlp_proj",
+            3 * D + 2 * M,
+            D,
+        ),
         "single_transformer_blocks.1.attn.to_out": ("single_transformer_blocks.1.attn.to_out", D, D + M),
-    }  # fmt: skip
+    }
     sd, twin = with_twin(theirs, rng, "")
-    save_file(sd, str(path), metadata={"lora_rank": "4", "lora_alpha": "6.0", "format": "diffusers",
-                                       "software": "flux2-swift-mlx"})
-    config = {"transformer.r": 4, "transformer.lora_alpha": 6.0,
-              "transformer.target_modules": sorted(d for d, _, _ in theirs.values())}
+    save_file(
+        sd,
+        str(path),
+        metadata={"lora_rank": "4", "lora_alpha": "6.0", "format": "diffusers", "software": "flux2-swift-mlx"},
+    )
+    config = {
+        "transformer.r": 4,
+        "transformer.lora_alpha": 6.0,
+        "transformer.target_modules": sorted(d for d, _, _ in theirs.values()),
+    }
     return twin, {"lora_adapter_metadata": json.dumps(config)}
 
 
@@ -390,8 +442,12 @@ def lycoris_file(path, rng):
     w = "lycoris_transformer_blocks_0_attn_to_q"
     sd |= {f"{w}.lokr_w1": rng.mat(4, 4), f"{w}.lokr_w2": rng.mat(16, 16, s=0.1), f"{w}.alpha": torch.tensor(3.0)}
     w = "lycoris_transformer_blocks_1_ff_linear_in"
-    sd |= {f"{w}.lokr_w1": rng.mat(4, 4), f"{w}.lokr_w2_a": rng.mat(96, 2, s=0.3), f"{w}.lokr_w2_b": rng.mat(2, 16, s=0.3),
-           f"{w}.alpha": torch.tensor(4.0)}  # fmt: skip
+    sd |= {
+        f"{w}.lokr_w1": rng.mat(4, 4),
+        f"{w}.lokr_w2_a": rng.mat(96, 2, s=0.3),
+        f"{w}.lokr_w2_b": rng.mat(2, 16, s=0.3),
+        f"{w}.alpha": torch.tensor(4.0),
+    }
     w = "lycoris_single_transformer_blocks_0_attn_to_qkv_mlp_proj"
     sd |= {f"{w}.lokr_w1": rng.mat(4, 4), f"{w}.lokr_w2": rng.mat(144, 16, s=0.1)}
     save_file(sd, str(path))
@@ -458,13 +514,18 @@ def test_quantized_side_path(snapshot, our_pipe, lat, tmp_path, bits, tolerance)
     assert err < tolerance
     model = pipe.component("transformer")
     wrapped = [p for p, m in model.named_modules() if isinstance(m, LoRALinear)]
-    assert len(wrapped) >= 10 and not any(type(m).__name__ == "Linear" and p in wrapped for p, m in model.named_modules())
+    assert len(wrapped) >= 10 and not any(
+        type(m).__name__ == "Linear" and p in wrapped for p, m in model.named_modules()
+    )
     ref = copy.deepcopy(model)
     remove_loras(ref)
     dequantize_model(ref)
     apply_loras(ref, pipe.loras)
     rng = np.random.default_rng(0)
-    img_tok, txt = mx.array(rng.standard_normal((1, 16, C), np.float32)), mx.array(rng.standard_normal((1, 7, 96), np.float32))
+    img_tok, txt = (
+        mx.array(rng.standard_normal((1, 16, C), np.float32)),
+        mx.array(rng.standard_normal((1, 7, 96), np.float32)),
+    )
     from flux_klein_mlx.models.rope import image_ids, text_ids
 
     rope = model.compute_rope(text_ids(7), image_ids(4, 4))
@@ -487,7 +548,11 @@ def test_unfuse_restores_weights_bit_for_bit_and_set_loras_does_not_reload(snaps
         base = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())}
         pipe.set_loras([a, (b, 0.5)])
         assert pipe.component("transformer") is model
-        changed = [k for k, v in tree_flatten(model.parameters()) if not np.array_equal(np.array(v.astype(mx.float32)), base[k])]
+        changed = [
+            k
+            for k, v in tree_flatten(model.parameters())
+            if not np.array_equal(np.array(v.astype(mx.float32)), base[k])
+        ]
         assert len(changed) >= 20
         pipe.set_loras([(b, 1.5)])
         pipe.set_loras([])
@@ -569,13 +634,17 @@ def test_lora_for_another_klein_size_or_flux1_names_that_model(tmp_path):
     refused([four], r"was made for FLUX.2 \[klein\] 4B \(hidden size 3072\), but the model is klein-9B", params=k9)
     refused([four], r"made for FLUX.2 \[klein\] 4B \(hidden size 3072\), but the model is a custom FLUX.2 transformer")
     # FLUX.1: told by its names, or by its 4x GELU MLP when the names are shared
-    flux1 = write(tmp_path / "f1.safetensors", pair("lora_unet_double_blocks_0_img_mod_lin", 6 * 3072, 3072,
-                                                    down="lora_down", up="lora_up"))
+    flux1 = write(
+        tmp_path / "f1.safetensors",
+        pair("lora_unet_double_blocks_0_img_mod_lin", 6 * 3072, 3072, down="lora_down", up="lora_up"),
+    )
     refused([flux1], r"was made for FLUX.1, not FLUX.2 \[klein\] \(module double_blocks_0_img_mod_lin\)", params=k4)
     mlp = write(tmp_path / "f1mlp.safetensors", pair("diffusion_model.double_blocks.0.img_mlp.0", 4 * 3072, 3072))
     refused([mlp], r"was made for FLUX.1 \(module double_blocks.0.img_mlp.0\), but the model is klein-4B", params=k4)
-    sdxl = write(tmp_path / "sdxl.safetensors", pair("lora_unet_down_blocks_0_attentions_0_proj_in", 320, 320,
-                                                     down="lora_down", up="lora_up"))
+    sdxl = write(
+        tmp_path / "sdxl.safetensors",
+        pair("lora_unet_down_blocks_0_attentions_0_proj_in", 320, 320, down="lora_down", up="lora_up"),
+    )
     refused([sdxl], r"was made for an SDXL / Stable Diffusion UNet, not FLUX.2 \[klein\]")
 
 
@@ -590,8 +659,13 @@ def test_damaged_incomplete_and_foreign_files(tmp_path):
     refused([tmp_path / "missing.safetensors"], r"LoRA '.*missing.safetensors' not found: no such file")
     half = write(tmp_path / "half.safetensors", {"transformer.proj_out.lora_A.weight": torch.zeros(4, D)})
     refused([half], r"LoRA half.safetensors is incomplete: proj_out has a down matrix but no up matrix")
-    odd = {"transformer.proj_out.lora_A.weight": torch.zeros(4, D), "transformer.proj_out.lora_B.weight": torch.zeros(C, 3)}
-    refused([write(tmp_path / "odd.safetensors", odd)], r"proj_out has down \(4, 64\) and up \(32, 3\), which do not form")
+    odd = {
+        "transformer.proj_out.lora_A.weight": torch.zeros(4, D),
+        "transformer.proj_out.lora_B.weight": torch.zeros(C, 3),
+    }
+    refused(
+        [write(tmp_path / "odd.safetensors", odd)], r"proj_out has down \(4, 64\) and up \(32, 3\), which do not form"
+    )
     nan = pair("transformer.proj_out", C, D)
     nan["transformer.proj_out.lora_B.weight"][0, 0] = float("nan")
     refused([write(tmp_path / "nan.safetensors", nan)], r"holds non-finite values \(in transformer.proj_out.lora_B")
@@ -619,41 +693,106 @@ def bad_lora_files(folder):
     meta = lambda alpha: {"lora_adapter_metadata": json.dumps({"transformer.lora_alpha": alpha})}  # noqa: E731
     fp8 = {k: v.to(torch.float8_e4m3fn) for k, v in pair("transformer.proj_out", C, D).items()}
     safetensors.torch.save_file(fp8, str(folder / "fp8.safetensors"))
-    zero = {"transformer.proj_out.lora_A.weight": torch.zeros(0, D), "transformer.proj_out.lora_B.weight": torch.zeros(C, 0)}
-    lokr = {"double_blocks.0.img_attn.qkv.lokr_w1": torch.ones(4, 4), "double_blocks.0.img_attn.qkv.lokr_w2": torch.ones(48, 17)}
+    zero = {
+        "transformer.proj_out.lora_A.weight": torch.zeros(0, D),
+        "transformer.proj_out.lora_B.weight": torch.zeros(C, 0),
+    }
+    lokr = {
+        "double_blocks.0.img_attn.qkv.lokr_w1": torch.ones(4, 4),
+        "double_blocks.0.img_attn.qkv.lokr_w2": torch.ones(48, 17),
+    }
     return [
         ("rank 0", write(folder / "r0.safetensors", zero), 1.0, r"r0.safetensors: proj_out has rank 0"),
-        ("alpha nan in metadata", write(folder / "an.safetensors", pair("transformer.proj_out", C, D), meta(float("nan"))),
-         1.0, r"an.safetensors: its metadata gives lora_alpha = nan"),
-        ("alpha inf in .alpha", write(folder / "ai.safetensors", kohya("img_in", D, C, alpha=float("inf"))), 1.0,
-         r"ai.safetensors holds non-finite values \(in lora_unet_img_in.alpha\)"),
-        ("overflow: factors", write(folder / "of.safetensors", kohya("img_in", D, C, up=1e20)), 1.0,
-         r"of.safetensors: its update of img_in reaches .*e\+19 \(scale 1 x alpha/rank 1 x its factors\)"),
-        ("overflow: alpha", write(folder / "oa.safetensors", kohya("img_in", D, C, alpha=4e30)), 1.0,
-         r"oa.safetensors: its update of img_in reaches .* alpha/rank 1e\+30"),
-        ("overflow: scale", write(folder / "os.safetensors", pair("transformer.proj_out", C, D)), 1e38,
-         r"os.safetensors: its update of proj_out reaches .*\(scale 1e\+38"),
-        ("two namings of one layer", write(folder / "two.safetensors", pair("transformer.transformer_blocks.0.attn.to_k", D, D)
-                                           | pair("diffusion_model.double_blocks.0.img_attn.qkv", 3 * D, D)), 1.0,
-         r"two.safetensors updates double_blocks.0.img_attn.qkv twice: double_blocks.0.img_attn.qkv and "
-         r"transformer_blocks.0.attn.to_k name the same weights"),
-        ("mflux and diffusers to_out", write(folder / "out.safetensors", pair("transformer.transformer_blocks.1.attn.to_out", D, D)
-                                             | pair("transformer.transformer_blocks.1.attn.to_out.0", D, D)), 1.0,
-         r"out.safetensors updates double_blocks.1.img_attn.proj twice"),
-        ("one key under two prefixes", write(folder / "dup.safetensors", pair("transformer.proj_out", C, D)
-                                             | pair("proj_out", C, D, down="lora_A.default", up="lora_B.default")), 1.0,
-         r"dup.safetensors holds proj_out's (down|up) matrix twice \(\S*proj_out.lora_[AB]\S* and \S*proj_out"),
+        (
+            "alpha nan in metadata",
+            write(folder / "an.safetensors", pair("transformer.proj_out", C, D), meta(float("nan"))),
+            1.0,
+            r"an.safetensors: its metadata gives lora_alpha = nan",
+        ),
+        (
+            "alpha inf in .alpha",
+            write(folder / "ai.safetensors", kohya("img_in", D, C, alpha=float("inf"))),
+            1.0,
+            r"ai.safetensors holds non-finite values \(in lora_unet_img_in.alpha\)",
+        ),
+        (
+            "overflow: factors",
+            write(folder / "of.safetensors", kohya("img_in", D, C, up=1e20)),
+            1.0,
+            r"of.safetensors: its update of img_in reaches .*e\+19 \(scale 1 x alpha/rank 1 x its factors\)",
+        ),
+        (
+            "overflow: alpha",
+            write(folder / "oa.safetensors", kohya("img_in", D, C, alpha=4e30)),
+            1.0,
+            r"oa.safetensors: its update of img_in reaches .* alpha/rank 1e\+30",
+        ),
+        (
+            "overflow: scale",
+            write(folder / "os.safetensors", pair("transformer.proj_out", C, D)),
+            1e38,
+            r"os.safetensors: its update of proj_out reaches .*\(scale 1e\+38",
+        ),
+        (
+            "two namings of one layer",
+            write(
+                folder / "two.safetensors",
+                pair("transformer.transformer_blocks.0.attn.to_k", D, D)
+                | pair("diffusion_model.double_blocks.0.img_attn.qkv", 3 * D, D),
+            ),
+            1.0,
+            r"two.safetensors updates double_blocks.0.img_attn.qkv twice: double_blocks.0.img_attn.qkv and "
+            r"transformer_blocks.0.attn.to_k name the same weights",
+        ),
+        (
+            "mflux and diffusers to_out",
+            write(
+                folder / "out.safetensors",
+                pair("transformer.transformer_blocks.1.attn.to_out", D, D)
+                | pair("transformer.transformer_blocks.1.attn.to_out.0", D, D),
+            ),
+            1.0,
+            r"out.safetensors updates double_blocks.1.img_attn.proj twice",
+        ),
+        (
+            "one key under two prefixes",
+            write(
+                folder / "dup.safetensors",
+                pair("transformer.proj_out", C, D) | pair("proj_out", C, D, down="lora_A.default", up="lora_B.default"),
+            ),
+            1.0,
+            r"dup.safetensors holds proj_out's (down|up) matrix twice \(\S*proj_out.lora_[AB]\S* and \S*proj_out",
+        ),
         ("fp8", folder / "fp8.safetensors", 1.0, r"LoRA fp8.safetensors stores fp8 tensors \(F8_E4M3"),
-        ("a folder", folder, 1.0, r"is a folder, not a LoRA file \(it holds ai.safetensors, al.safetensors, an.safetensors, ...\); give the"),
-        ("LoKr factors that do not fit", write(folder / "kr.safetensors", lokr), 1.0,
-         r"kr.safetensors: double_blocks.0.img_attn.qkv has LoKr factors 4x4 and 48x17, whose product is 192x68, "
-         r"but double_blocks.0.img_attn.qkv takes 192x64"),
-        ("a pair for an unknown width", write(folder / "w.safetensors", pair("transformer.transformer_blocks.0.attn.to_q",
-                                                                              D, 65)), 1.0,
-         r"w.safetensors: transformer_blocks.0.attn.to_q updates a 64x65 block, but rows 0-64 of double_blocks.0.img_attn.qkv take 64x64"),
-        ("only .alpha keys", write(folder / "al.safetensors", {"lora_unet_img_in.alpha": torch.tensor(4.0),
-                                                                "lora_unet_txt_in.alpha": torch.tensor(4.0)}), 1.0,
-         r"al.safetensors is incomplete: it holds 2 `.alpha` keys and no LoRA weights"),
+        (
+            "a folder",
+            folder,
+            1.0,
+            r"is a folder, not a LoRA file \(it holds ai.safetensors, al.safetensors, an.safetensors, ...\); give the",
+        ),
+        (
+            "LoKr factors that do not fit",
+            write(folder / "kr.safetensors", lokr),
+            1.0,
+            r"kr.safetensors: double_blocks.0.img_attn.qkv has LoKr factors 4x4 and 48x17, whose product is 192x68, "
+            r"but double_blocks.0.img_attn.qkv takes 192x64",
+        ),
+        (
+            "a pair for an unknown width",
+            write(folder / "w.safetensors", pair("transformer.transformer_blocks.0.attn.to_q", D, 65)),
+            1.0,
+            r"w.safetensors: transformer_blocks.0.attn.to_q updates a 64x65 block, "
+            r"but rows 0-64 of double_blocks.0.img_attn.qkv take 64x64",
+        ),
+        (
+            "only .alpha keys",
+            write(
+                folder / "al.safetensors",
+                {"lora_unet_img_in.alpha": torch.tensor(4.0), "lora_unet_txt_in.alpha": torch.tensor(4.0)},
+            ),
+            1.0,
+            r"al.safetensors is incomplete: it holds 2 `.alpha` keys and no LoRA weights",
+        ),
     ]
 
 
@@ -664,20 +803,32 @@ def test_bad_lora_files_refused_naming_the_file(tmp_path):
 
 
 def test_alpha_zero_or_negative_loads_with_a_warning(tmp_path):
-    zero = write(tmp_path / "zero.safetensors", pair("transformer.proj_out", C, D),
-                 {"lora_adapter_metadata": json.dumps({"transformer.lora_alpha": 0})})
+    zero = write(
+        tmp_path / "zero.safetensors",
+        pair("transformer.proj_out", C, D),
+        {"lora_adapter_metadata": json.dumps({"transformer.lora_alpha": 0})},
+    )
     with pytest.warns(UserWarning, match=r"LoRA zero.safetensors has alpha 0, which changes nothing, in every module"):
         (lora,) = load_loras([zero], PARAMS)
     assert [t.factor for t in lora.terms] == [0.0]
     neg = write(tmp_path / "neg.safetensors", kohya("img_in", D, C, alpha=-2.0) | kohya("txt_in", D, 96, alpha=2.0))
-    with pytest.warns(UserWarning, match=r"LoRA neg.safetensors has a negative alpha, which subtracts its update, "
-                                         r"in 1 of its 2 modules \(img_in\)"):
+    with pytest.warns(
+        UserWarning,
+        match=r"LoRA neg.safetensors has a negative alpha, which subtracts its update, "
+        r"in 1 of its 2 modules \(img_in\)",
+    ):
         (lora,) = load_loras([neg], PARAMS)
     assert sorted(t.factor for t in lora.terms) == [-0.5, 0.5]
 
 
-@pytest.mark.parametrize("scale, match", [(float("nan"), "scale nan is not finite"), (float("inf"), "scale inf is not finite"),
-                                          ("strong", "scale 'strong' is not a number")])  # fmt: skip
+@pytest.mark.parametrize(
+    "scale, match",
+    [
+        (float("nan"), "scale nan is not finite"),
+        (float("inf"), "scale inf is not finite"),
+        ("strong", "scale 'strong' is not a number"),
+    ],
+)
 def test_bad_scales(tmp_path, scale, match):
     f = write(tmp_path / "s.safetensors", pair("transformer.proj_out", C, D))
     refused([(f, scale)], match)
@@ -737,16 +888,48 @@ def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snapshot, tmp_
     (root / "snapshots" / rev / "kohya.safetensors").write_bytes(k.read_bytes())
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     out = tmp_path / "img.png"
-    code, stdout, err = cli(["--model", str(snapshot), "--prompt", PROMPT, "--seed", "1", "--width", "64", "--height", "64",
-                             "--steps", "1", "--dtype", "float32", "--output", str(out), "--lora", str(a),
-                             "--lora", "someone/klein-lora", "--lora-scale", "0.7"], capsys)
+    code, stdout, err = cli(
+        [
+            "--model",
+            str(snapshot),
+            "--prompt",
+            PROMPT,
+            "--seed",
+            "1",
+            "--width",
+            "64",
+            "--height",
+            "64",
+            "--steps",
+            "1",
+            "--dtype",
+            "float32",
+            "--output",
+            str(out),
+            "--lora",
+            str(a),
+            "--lora",
+            "someone/klein-lora",
+            "--lora-scale",
+            "0.7",
+        ],
+        capsys,
+    )
     assert code == 0, err
     params = json.loads(Image.open(out).text["flux_klein_mlx"])
     assert params["loras"] == [
-        {"name": "style.safetensors", "sha256": hashlib.sha256(a.read_bytes()).hexdigest()[:12], "scale": 0.7,
-         "autov3": autov3(a)},
-        {"name": "kohya.safetensors", "sha256": hashlib.sha256(k.read_bytes()).hexdigest()[:12], "scale": 1.0,
-         "autov3": autov3(k)},
+        {
+            "name": "style.safetensors",
+            "sha256": hashlib.sha256(a.read_bytes()).hexdigest()[:12],
+            "scale": 0.7,
+            "autov3": autov3(a),
+        },
+        {
+            "name": "kohya.safetensors",
+            "sha256": hashlib.sha256(k.read_bytes()).hexdigest()[:12],
+            "scale": 1.0,
+            "autov3": autov3(k),
+        },
     ]
     # A1111's `Lora hashes` name each LoRA by its file stem and A1111's own hash (AutoV3), as Civitai links them
     assert f'Lora hashes: "style: {autov3(a)}, kohya: {autov3(k)}"' in Image.open(out).text["parameters"]
@@ -777,13 +960,17 @@ def test_cli_bad_loras_one_line_exit_1_no_file(snapshot, tmp_path, capsys, extra
     files = {
         "A": lora_a(tmp_path / "a.safetensors", Rand(15)),
         "NOTHING": write(tmp_path / "n.safetensors", pair("unet.mid.proj", D, D)),
-        "PARTIAL": write(tmp_path / "p.safetensors", pair("transformer.proj_out", C, D) | pair("transformer.x.y", D, D)),
+        "PARTIAL": write(
+            tmp_path / "p.safetensors", pair("transformer.proj_out", C, D) | pair("transformer.x.y", D, D)
+        ),
         "NINE": write(tmp_path / "9.safetensors", pair("diffusion_model.double_blocks.0.img_attn.proj", 4096, 4096)),
     }
     extra = [str(files.get(x, x)) for x in extra]
     out = tmp_path / "img.png"
-    code, stdout, err = cli(["--model", str(snapshot), "--prompt", "x", "--width", "64", "--height", "64",
-                             "--output", str(out), *extra], capsys)
+    code, stdout, err = cli(
+        ["--model", str(snapshot), "--prompt", "x", "--width", "64", "--height", "64", "--output", str(out), *extra],
+        capsys,
+    )
     assert code == 1 and not out.exists()
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
@@ -807,10 +994,18 @@ def test_convert_bakes_loras_and_records_them(snapshot, our_pipe, lat, tmp_path,
     out = tmp_path / "baked"
     config = convert_model(snapshot, out, dtype="float32", bits=bits, loras=[(a, 0.7), k])
     assert config["loras"] == [
-        {"name": "a.safetensors", "sha256": hashlib.sha256(a.read_bytes()).hexdigest()[:12], "scale": 0.7,
-         "autov3": autov3(a)},
-        {"name": "k.safetensors", "sha256": hashlib.sha256(k.read_bytes()).hexdigest()[:12], "scale": 1.0,
-         "autov3": autov3(k)},
+        {
+            "name": "a.safetensors",
+            "sha256": hashlib.sha256(a.read_bytes()).hexdigest()[:12],
+            "scale": 0.7,
+            "autov3": autov3(a),
+        },
+        {
+            "name": "k.safetensors",
+            "sha256": hashlib.sha256(k.read_bytes()).hexdigest()[:12],
+            "scale": 1.0,
+            "autov3": autov3(k),
+        },
     ]
     assert json.loads((out / "config.json").read_text())["loras"] == config["loras"]
     want, _ = ours(our_pipe, lat, [(a, 0.7), k])
@@ -826,12 +1021,16 @@ def test_convert_lora_bad_input_writes_nothing(snapshot, tmp_path, capsys):
     from flux_klein_mlx.__main__ import main
 
     bad = write(tmp_path / "bad.safetensors", pair("transformer.transformer_blocks.9.attn.to_q", D, D))
-    for extra, message in (([str(bad)], "matches no layer"), ([str(bad), "--lora-scale", "1", "--lora-scale", "2"],
-                                                            "--lora-scale is given 2 times")):
+    for extra, message in (
+        ([str(bad)], "matches no layer"),
+        ([str(bad), "--lora-scale", "1", "--lora-scale", "2"], "--lora-scale is given 2 times"),
+    ):
         out = tmp_path / "out"
         code = main(["convert", "--model", str(snapshot), "--output", str(out), "--lora", *extra])
         err = capsys.readouterr().err.strip().splitlines()
-        assert code == 1 and not out.exists() and len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+        assert (
+            code == 1 and not out.exists() and len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+        ), err
         assert not list(tmp_path.glob("out*"))
 
 

@@ -48,8 +48,12 @@ def trained(snapshot, tmp_path_factory):
     g = np.random.default_rng(2)
     values = {}
     for s in slots:
-        values[f"{s.name}.lora_A.weight"] = mx.array((g.standard_normal((RANK, s.in_dims)) / math.sqrt(s.in_dims)).astype(np.float32))
-        values[f"{s.name}.lora_B.weight"] = mx.array((0.3 * g.standard_normal((s.out_dims, RANK)) / 2).astype(np.float32))
+        values[f"{s.name}.lora_A.weight"] = mx.array(
+            (g.standard_normal((RANK, s.in_dims)) / math.sqrt(s.in_dims)).astype(np.float32)
+        )
+        values[f"{s.name}.lora_B.weight"] = mx.array(
+            (0.3 * g.standard_normal((s.out_dims, RANK)) / 2).astype(np.float32)
+        )
     lora.load(values, "test values")
     folder = tmp_path_factory.mktemp("layouts")
     files = {layout: folder / f"{layout}.safetensors" for layout in LAYOUTS}
@@ -60,9 +64,15 @@ def trained(snapshot, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ref(snapshot):
-    """The session's diffusers pipeline with a transformer of our own (LoRAs are loaded into it), the prompt encoded once."""
+    """The session's diffusers pipeline with a transformer of our own (LoRAs are loaded into it), the prompt
+    encoded once."""
     shared = diffusers_pipeline(snapshot, "plain")
-    return diffusers_pipeline_for_loras(snapshot), diffusers_prompt_embeds(shared, PROMPT), shared.transformer.state_dict(), {}
+    return (
+        diffusers_pipeline_for_loras(snapshot),
+        diffusers_prompt_embeds(shared, PROMPT),
+        shared.transformer.state_dict(),
+        {},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +94,14 @@ def theirs(ref, lat, path=None):
             pipe.load_lora_weights(str(path), adapter_name="x")
         try:
             with torch.no_grad():
-                memo[key] = pipe(prompt_embeds=embeds, height=H, width=W, num_inference_steps=STEPS, output_type="np",
-                                 latents=torch.from_numpy(lat)).images[0]  # fmt: skip
+                memo[key] = pipe(
+                    prompt_embeds=embeds,
+                    height=H,
+                    width=W,
+                    num_inference_steps=STEPS,
+                    output_type="np",
+                    latents=torch.from_numpy(lat),
+                ).images[0]
         finally:
             if path:
                 pipe.delete_adapters("x")
@@ -101,7 +117,9 @@ def modules(state_dict) -> set[str]:
     return {k.rsplit(".lora_", 1)[0] for k in state_dict}
 
 
-def test_comfyui_and_kohya_load_in_diffusers_with_every_key_and_give_the_diffusers_files_image(trained, ref, ours, lat, caplog):
+def test_comfyui_and_kohya_load_in_diffusers_with_every_key_and_give_the_diffusers_files_image(
+    trained, ref, ours, lat, caplog
+):
     from diffusers import Flux2KleinPipeline
     from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux2_lora_to_diffusers
 
@@ -121,7 +139,7 @@ def test_comfyui_and_kohya_load_in_diffusers_with_every_key_and_give_the_diffuse
         print(f"diffusers: {layout} vs diffusers file {err:.2e}")
         assert err <= 1e-4, (layout, err)
     mine = {}
-    for layout, letter in zip(LAYOUTS, "ABD"):  # our --lora reads all three the same way
+    for layout, letter in zip(LAYOUTS, "ABD", strict=True):  # our --lora reads all three the same way
         mine[layout] = ours_image(ours, lat, trained[layout])
         assert ours.loras[0].format == letter
         assert np.abs(mine[layout] - mine["diffusers"]).max() <= 1e-4, layout
@@ -140,11 +158,14 @@ def test_every_comfyui_key_is_a_bfl_weight_and_kohya_has_the_same_modules_with_a
         assert weight is not None and weight.ndim == 2, key
         assert value.shape[1 if m.group(2) == "A" else 0] == weight.shape[1 if m.group(2) == "A" else 0], key
         names.add(m.group(1))
-    assert "double_blocks.0.img_attn.qkv" in names and "single_blocks.1.linear1" in names and len(names) == 2 * 8 + 2 * 2
+    assert (
+        "double_blocks.0.img_attn.qkv" in names and "single_blocks.1.linear1" in names and len(names) == 2 * 8 + 2 * 2
+    )
     assert comfy["diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight"].shape[0] == 3 * RANK  # q, k, v stacked
     kohya = load_file(str(trained["kohya"]))
     assert modules(kohya) == {"lora_unet_" + n.replace(".", "_") for n in names} | {
-        "lora_unet_" + n.replace(".", "_") + ".alpha" for n in names}  # fmt: skip
+        "lora_unet_" + n.replace(".", "_") + ".alpha" for n in names
+    }
     for n in names:  # alpha / rank = 2 whatever the fused rank
         stem = "lora_unet_" + n.replace(".", "_")
         assert kohya[f"{stem}.alpha"].item() / kohya[f"{stem}.lora_down.weight"].shape[0] == ALPHA / RANK
@@ -197,7 +218,9 @@ def test_convert_round_trips_give_the_same_image_in_diffusers(trained, ref, lat,
     assert all(torch.equal(b[k], a[k] * (ALPHA / RANK if ".lora_B." in k else 1)) for k in a)
     with safe_open(str(back), "pt") as f:
         config = json.loads(f.metadata()["lora_adapter_metadata"])
-    assert config["transformer.r"] == config["transformer.lora_alpha"] == RANK and not config["transformer.rank_pattern"]
+    assert (
+        config["transformer.r"] == config["transformer.lora_alpha"] == RANK and not config["transformer.rank_pattern"]
+    )
     want = theirs(ref, lat, trained["diffusers"])
     for path in (comfy, back, from_kohya):
         assert np.abs(theirs(ref, lat, path) - want).max() <= 1e-4, path.name
@@ -234,8 +257,13 @@ def test_lora_info_names_format_ranks_alpha_trainer_and_klein_size(trained, tmp_
     assert d["alpha"] == "1, 2, 3, 4"
     for hidden, name in ((3072, "FLUX.2 [klein] 4B"), (4096, "FLUX.2 [klein] 9B")):
         path = tmp_path / f"{hidden}.safetensors"
-        save_file({"diffusion_model.double_blocks.1.img_attn.proj.lora_A.weight": torch.zeros(1, hidden),
-                   "diffusion_model.double_blocks.1.img_attn.proj.lora_B.weight": torch.zeros(hidden, 1)}, str(path))  # fmt: skip
+        save_file(
+            {
+                "diffusion_model.double_blocks.1.img_attn.proj.lora_A.weight": torch.zeros(1, hidden),
+                "diffusion_model.double_blocks.1.img_attn.proj.lora_B.weight": torch.zeros(hidden, 1),
+            },
+            str(path),
+        )
         d = info(capsys, path)
         assert d["model"] == name and d["format"] == "BFL names (ComfyUI / ai-toolkit)" and d["rank"] == "1"
 
@@ -274,25 +302,38 @@ def one_line_refusal(capsys, args, match):
 def lokr(path, part: bool = False):
     """A LoKr on a double block's whole fused qkv (192 x 64), or (`part`) on diffusers' to_q alone (its rows 0-63)."""
     if part:
-        save_file({"transformer.transformer_blocks.0.attn.to_q.lokr_w1": torch.ones(8, 8),
-                   "transformer.transformer_blocks.0.attn.to_q.lokr_w2": torch.ones(8, 8)}, str(path))  # fmt: skip
+        save_file(
+            {
+                "transformer.transformer_blocks.0.attn.to_q.lokr_w1": torch.ones(8, 8),
+                "transformer.transformer_blocks.0.attn.to_q.lokr_w2": torch.ones(8, 8),
+            },
+            str(path),
+        )
     else:
-        save_file({"double_blocks.0.img_attn.qkv.lokr_w1": torch.ones(4, 4),
-                   "double_blocks.0.img_attn.qkv.lokr_w2": torch.ones(48, 16)}, str(path))  # fmt: skip
+        save_file(
+            {
+                "double_blocks.0.img_attn.qkv.lokr_w1": torch.ones(4, 4),
+                "double_blocks.0.img_attn.qkv.lokr_w2": torch.ones(48, 16),
+            },
+            str(path),
+        )
     return path
 
 
-@pytest.mark.parametrize("case, match", [
-    ("format", r"--format must be one of diffusers, comfyui, kohya, not 'safetensors'"),
-    ("exists", r"exists and is never overwritten"),
-    ("truncated", r"truncated|damaged"),
-    ("not-safetensors", r"damaged or not a safetensors file"),
-    ("checkpoint", r"not LoRA/LoKr weights .*model checkpoint"),
-    ("sdxl", r"made for an SDXL / Stable Diffusion UNet"),
-    ("lokr", r"is a LoKr, which --format kohya cannot hold; --format comfyui writes it"),
-    ("lokr-part", r"the LoKr .*to_q updates part of layer double_blocks.0.img_attn.qkv \(rows 0-64\)"),
-    ("info-truncated", r"truncated|damaged"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("format", r"--format must be one of diffusers, comfyui, kohya, not 'safetensors'"),
+        ("exists", r"exists and is never overwritten"),
+        ("truncated", r"truncated|damaged"),
+        ("not-safetensors", r"damaged or not a safetensors file"),
+        ("checkpoint", r"not LoRA/LoKr weights .*model checkpoint"),
+        ("sdxl", r"made for an SDXL / Stable Diffusion UNet"),
+        ("lokr", r"is a LoKr, which --format kohya cannot hold; --format comfyui writes it"),
+        ("lokr-part", r"the LoKr .*to_q updates part of layer double_blocks.0.img_attn.qkv \(rows 0-64\)"),
+        ("info-truncated", r"truncated|damaged"),
+    ],
+)
 def test_lora_convert_and_info_refuse_with_one_line_and_write_nothing(trained, tmp_path, capsys, case, match):
     src, out = trained["diffusers"], tmp_path / "out.safetensors"
     if case == "exists":
@@ -308,14 +349,22 @@ def test_lora_convert_and_info_refuse_with_one_line_and_write_nothing(trained, t
         save_file({"double_blocks.0.img_attn.qkv.weight": torch.zeros(192, 64)}, str(src))
     elif case == "sdxl":
         src = tmp_path / "sdxl.safetensors"
-        save_file({"lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.zeros(4, 320),
-                   "lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight": torch.zeros(320, 4)}, str(src))  # fmt: skip
+        save_file(
+            {
+                "lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.zeros(4, 320),
+                "lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight": torch.zeros(320, 4),
+            },
+            str(src),
+        )
     elif case.startswith("lokr"):
         src = lokr(tmp_path / "lokr.safetensors", part=case == "lokr-part")
     before = sorted(p.name for p in tmp_path.iterdir())
     layout = {"format": "safetensors", "lokr-part": "comfyui"}.get(case, "kohya")
-    args = ["lora", "info", str(src)] if case.startswith("info") else \
-        ["lora", "convert", str(src), "--output", str(out), "--format", layout]  # fmt: skip
+    args = (
+        ["lora", "info", str(src)]
+        if case.startswith("info")
+        else ["lora", "convert", str(src), "--output", str(out), "--format", layout]
+    )
     one_line_refusal(capsys, args, match)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     if case == "exists":
@@ -336,8 +385,21 @@ def test_train_format_bad_value_is_one_line_before_any_model_loads(base, tmp_pat
     Image.fromarray(np.zeros((64, 64, 3), np.uint8)).save(data / "a.png")
     (data / "a.txt").write_text("a card")
     before = sorted(str(p) for p in tmp_path.rglob("*"))
-    one_line_refusal(capsys, ["train", "--model", str(base), "--data", str(data), "--output", str(tmp_path / "o.safetensors"),
-                              "--format", "ckpt"], r"--format must be one of diffusers, comfyui, kohya, not 'ckpt'")  # fmt: skip
+    one_line_refusal(
+        capsys,
+        [
+            "train",
+            "--model",
+            str(base),
+            "--data",
+            str(data),
+            "--output",
+            str(tmp_path / "o.safetensors"),
+            "--format",
+            "ckpt",
+        ],
+        r"--format must be one of diffusers, comfyui, kohya, not 'ckpt'",
+    )
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
     with pytest.raises(flux_klein_mlx.FluxKleinError, match="--format must be one of"):
         flux_klein_mlx.train_lora(model=base, data=data, output=tmp_path / "o.safetensors", format="peft")
@@ -356,16 +418,43 @@ def test_train_writes_a_comfyui_file_with_kohya_training_metadata_in_bfloat16(ba
         Image.fromarray((g.random((64, 64, 3)) * 255).astype(np.uint8)).save(data / f"im{i}.png")
         (data / f"im{i}.txt").write_text("sks, a fox, sks")
     out = tmp_path / "fox.safetensors"
-    rc = main(["train", "--model", str(base), "--data", str(data), "--output", str(out), "--steps", "1", "--rank", "4",
-               "--alpha", "2", "--resolution", "64", "--format", "comfyui"])  # fmt: skip
+    rc = main(
+        [
+            "train",
+            "--model",
+            str(base),
+            "--data",
+            str(data),
+            "--output",
+            str(out),
+            "--steps",
+            "1",
+            "--rank",
+            "4",
+            "--alpha",
+            "2",
+            "--resolution",
+            "64",
+            "--format",
+            "comfyui",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     tensors = mx.load(str(out))
-    assert all(k.startswith("diffusion_model.") for k in tensors) and {v.dtype for v in tensors.values()} == {mx.bfloat16}
+    assert all(k.startswith("diffusion_model.") for k in tensors) and {v.dtype for v in tensors.values()} == {
+        mx.bfloat16
+    }
     with safe_open(str(out), "pt") as f:
         meta = f.metadata()
-    assert meta["flux_klein_mlx.format"] == "comfyui" and meta["ss_network_dim"] == "4" and meta["ss_network_alpha"] == "2.0"
+    assert (
+        meta["flux_klein_mlx.format"] == "comfyui"
+        and meta["ss_network_dim"] == "4"
+        and meta["ss_network_alpha"] == "2.0"
+    )
     assert json.loads(meta["ss_tag_frequency"]) == {"photos": {"sks": 2, "a fox": 2}}  # once per caption
-    assert meta["ss_num_train_images"] == "2" and meta["ss_max_train_steps"] == "1" and meta["ss_resolution"] == "(64, 64)"
+    assert (
+        meta["ss_num_train_images"] == "2" and meta["ss_max_train_steps"] == "1" and meta["ss_resolution"] == "(64, 64)"
+    )
     assert meta["ss_base_model_version"] == "flux_2_klein" and len(meta["flux_klein_mlx.settings_sha256"]) == 64
     assert json.loads((tmp_path / "fox.train" / "train.json").read_text())["settings"]["format"] == "comfyui"
     assert flux_klein_mlx.load(base, loras=[out]).loras[0].format == "B"
@@ -403,14 +492,24 @@ def test_lokr_convert_keeps_every_update_the_final_layers_half_order_included(tm
     g = torch.Generator().manual_seed(3)
     rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
     diffusers_lokr, lycoris = tmp_path / "diffusers.safetensors", tmp_path / "lycoris.safetensors"
-    save_file({"transformer.transformer_blocks.0.attn.to_qkv.lokr_w1": rand(4, 4),
-               "transformer.transformer_blocks.0.attn.to_qkv.lokr_w2": rand(48, 16),
-               "transformer.norm_out.linear.lokr_w1": rand(2, 4), "transformer.norm_out.linear.lokr_w2": rand(64, 16),
-               }, str(diffusers_lokr))  # fmt: skip
-    save_file({"lycoris_double_blocks_0_img_attn_qkv.lokr_w1": rand(4, 4),
-               "lycoris_double_blocks_0_img_attn_qkv.lokr_w2_a": rand(48, 2),
-               "lycoris_double_blocks_0_img_attn_qkv.lokr_w2_b": rand(2, 16),
-               "lycoris_double_blocks_0_img_attn_qkv.alpha": torch.tensor(1.0)}, str(lycoris))  # fmt: skip
+    save_file(
+        {
+            "transformer.transformer_blocks.0.attn.to_qkv.lokr_w1": rand(4, 4),
+            "transformer.transformer_blocks.0.attn.to_qkv.lokr_w2": rand(48, 16),
+            "transformer.norm_out.linear.lokr_w1": rand(2, 4),
+            "transformer.norm_out.linear.lokr_w2": rand(64, 16),
+        },
+        str(diffusers_lokr),
+    )
+    save_file(
+        {
+            "lycoris_double_blocks_0_img_attn_qkv.lokr_w1": rand(4, 4),
+            "lycoris_double_blocks_0_img_attn_qkv.lokr_w2_a": rand(48, 2),
+            "lycoris_double_blocks_0_img_attn_qkv.lokr_w2_b": rand(2, 16),
+            "lycoris_double_blocks_0_img_attn_qkv.alpha": torch.tensor(1.0),
+        },
+        str(lycoris),
+    )
     for source in (diffusers_lokr, lycoris):
         want = dense_updates(source)
         got = dense_updates(convert_lora(source, tmp_path / f"{source.stem}-comfyui.safetensors", "comfyui"))
@@ -418,13 +517,18 @@ def test_lokr_convert_keeps_every_update_the_final_layers_half_order_included(tm
         for layer, delta in want.items():
             assert np.abs(got[layer] - delta).max() <= 1e-6 * np.abs(delta).max(), (source.name, layer)
     odd = tmp_path / "odd.safetensors"
-    save_file({"transformer.norm_out.linear.lokr_w1": rand(1, 4), "transformer.norm_out.linear.lokr_w2": rand(128, 16)}, str(odd))
+    save_file(
+        {"transformer.norm_out.linear.lokr_w1": rand(1, 4), "transformer.norm_out.linear.lokr_w2": rand(128, 16)},
+        str(odd),
+    )
     with pytest.raises(FluxKleinError, match=r"cannot be written on BFL's \[shift ; scale\] order .*1 rows"):
         convert_lora(odd, tmp_path / "odd-comfyui.safetensors", "comfyui")
     assert not (tmp_path / "odd-comfyui.safetensors").exists()
 
 
-@pytest.mark.parametrize("writer", ["lora_a", "lora_bfl", "lora_kohya", "mflux_file", "swift_file", "single_split_file"])
+@pytest.mark.parametrize(
+    "writer", ["lora_a", "lora_bfl", "lora_kohya", "mflux_file", "swift_file", "single_split_file"]
+)
 def test_convert_keeps_every_update_of_every_format_read(tmp_path, writer):
     """Every trainer's file (test_lora.py's writers, each checked against diffusers there) into each layout:
     the same update on every layer, q/k/v and split single-block rows, globals and the final layer included."""

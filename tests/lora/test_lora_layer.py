@@ -29,7 +29,7 @@ def torch_reference(W, x, terms):
     """y = x @ (W + sum factor · delta on its rows).T and the gradients of sum(y^2) by every factor."""
     ts = [{k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in fs.items()} for _, _, fs in terms]
     full = torch.tensor(W, dtype=torch.float64).clone()
-    for (rows, factor, _), t in zip(terms, ts):
+    for (rows, factor, _), t in zip(terms, ts, strict=True):
         if "down" in t:
             delta = t["up"] @ t["down"]
         else:
@@ -42,7 +42,9 @@ def torch_reference(W, x, terms):
     return y.detach().numpy(), [{k: v.grad.numpy() for k, v in t.items()} for t in ts]
 
 
-@pytest.mark.parametrize("quantized, dtype, tol", [(False, mx.float32, 1e-4), (True, mx.float32, 1e-4), (False, mx.bfloat16, 3e-2)])
+@pytest.mark.parametrize(
+    "quantized, dtype, tol", [(False, mx.float32, 1e-4), (True, mx.float32, 1e-4), (False, mx.bfloat16, 3e-2)]
+)
 def test_trainable_lora_and_lokr_terms_match_torch(quantized, dtype, tol):
     """Float32 masters, the side path in the activation dtype (bfloat16 rounds it: the looser bound)."""
     rng = np.random.default_rng(0)
@@ -52,7 +54,9 @@ def test_trainable_lora_and_lokr_terms_match_torch(quantized, dtype, tol):
         base = nn.QuantizedLinear.from_linear(base, group_size=32, bits=8)
     else:
         base.set_dtype(dtype)
-    W = np.array(mx.dequantize(base.weight, base.scales, base.biases, 32, 8) if quantized else base.weight.astype(mx.float32))
+    W = np.array(
+        mx.dequantize(base.weight, base.scales, base.biases, 32, 8) if quantized else base.weight.astype(mx.float32)
+    )
     x = rng.standard_normal((2, 5, IN)).astype(np.float32)
     terms = factors(rng)
     layer = LoRALinear(base)
@@ -66,9 +70,11 @@ def test_trainable_lora_and_lokr_terms_match_torch(quantized, dtype, tol):
 
     value, got = mx.value_and_grad(loss)(layer.trainable_parameters())
     flat = dict(tree_flatten(got))
-    assert set(flat) == {f"{n}.0" for n in ("lora_A", "lora_B", "lokr_w1", "lokr_w2_a", "lokr_w2_b", "lokr_w2")} | {"lokr_w1.1"}
+    assert set(flat) == {f"{n}.0" for n in ("lora_A", "lora_B", "lokr_w1", "lokr_w2_a", "lokr_w2_b", "lokr_w2")} | {
+        "lokr_w1.1"
+    }
     assert abs(value.item() - (want**2).sum()) / (want**2).sum() < tol
-    for term, g in zip(layer.trainable, grads):
+    for term, g in zip(layer.trainable, grads, strict=True):
         for role, ref in g.items():
             ours = np.array(flat[layer.factor_path(term, role)])
             assert layer.trainable_parameters()[ROLE_LISTS[role]][term.places[role]].dtype == mx.float32
@@ -80,8 +86,13 @@ def test_trainable_lora_and_lokr_terms_match_torch(quantized, dtype, tol):
 def test_frozen_terms_are_not_parameters_and_base_comes_back():
     rng = np.random.default_rng(1)
     base = nn.QuantizedLinear.from_linear(nn.Linear(IN, OUT, bias=False), group_size=32, bits=4)
-    term = Term("x", (0, 32), 1.0, down=mx.array(rng.standard_normal((4, IN)).astype(np.float32)),
-                up=mx.array(rng.standard_normal((32, 4)).astype(np.float32)))  # fmt: skip
+    term = Term(
+        "x",
+        (0, 32),
+        1.0,
+        down=mx.array(rng.standard_normal((4, IN)).astype(np.float32)),
+        up=mx.array(rng.standard_normal((32, 4)).astype(np.float32)),
+    )
     layer = LoRALinear(base, [term])
     assert {k for k, _ in tree_flatten(layer.parameters())} == {k for k, _ in tree_flatten(base.parameters())}
     assert not tree_flatten(layer.trainable_parameters()) and layer.base is base

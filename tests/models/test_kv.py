@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 from refs import diffusers_pipeline, load_one, noise, picture, rel_err, to_mx, to_np
+from tiny_kv_model import shared_tiny_kv_snapshot
+from tiny_model import LATENT_CHANNELS, QWEN_HIDDEN
 
 from flux_klein_mlx.models.kv_cache import cache_nbytes
 from flux_klein_mlx.models.rope import image_ids, text_ids
-from tiny_kv_model import shared_tiny_kv_snapshot
-from tiny_model import LATENT_CHANNELS, QWEN_HIDDEN
 
 C = 4 * LATENT_CHANNELS  # transformer token channels
 CTX = 3 * QWEN_HIDDEN
@@ -64,14 +64,25 @@ def test_transformer_extract_and_cached_match_diffusers(kv_reference, kv_transfo
     with torch.no_grad():
         # diffusers' extract step: [refs ; target] tokens, references first
         v0, cache = tr(
-            hidden_states=torch.cat([ref, img], 1), encoder_hidden_states=txt, timestep=t0,
-            img_ids=torch.cat([ids["ref"], ids["img"]], 1), txt_ids=ids["txt"], return_dict=False,
-            kv_cache_mode="extract", num_ref_tokens=n_ref,
-        )  # fmt: skip
+            hidden_states=torch.cat([ref, img], 1),
+            encoder_hidden_states=txt,
+            timestep=t0,
+            img_ids=torch.cat([ids["ref"], ids["img"]], 1),
+            txt_ids=ids["txt"],
+            return_dict=False,
+            kv_cache_mode="extract",
+            num_ref_tokens=n_ref,
+        )
         v1 = tr(
-            hidden_states=img, encoder_hidden_states=txt, timestep=t1, img_ids=ids["img"], txt_ids=ids["txt"],
-            return_dict=False, kv_cache=cache, kv_cache_mode="cached",
-        )[0]  # fmt: skip
+            hidden_states=img,
+            encoder_hidden_states=txt,
+            timestep=t1,
+            img_ids=ids["img"],
+            txt_ids=ids["txt"],
+            return_dict=False,
+            kv_cache=cache,
+            kv_cache_mode="cached",
+        )[0]
 
     model = kv_transformer
     our_ref_ids = mx.concatenate([image_ids(h, w, t=10 * (k + 1)) for k, (h, w) in enumerate(refs)], axis=0)
@@ -90,7 +101,7 @@ def test_transformer_extract_and_cached_match_diffusers(kv_reference, kv_transfo
     )
     theirs_kv = [(c.k_ref, c.v_ref) for c in cache.double_block_caches + cache.single_block_caches]
     worst = 0.0
-    for (k, v), (tk, tv) in zip(ours_cache.double + ours_cache.single, theirs_kv):
+    for (k, v), (tk, tv) in zip(ours_cache.double + ours_cache.single, theirs_kv, strict=True):
         worst = max(worst, rel_err(k.transpose(0, 2, 1, 3), tk), rel_err(v.transpose(0, 2, 1, 3), tv))
     assert worst <= 1e-4, worst
     # the cache really matters: without it the answer is different
@@ -102,7 +113,7 @@ def test_transformer_low_memory_reference_pass_is_the_same(kv_transformer):
     model = kv_transformer
     ref_ids = image_ids(4, 5, t=10)
     fast, slow = model.reference_kv(to_mx(ref), ref_ids), model.reference_kv(to_mx(ref), ref_ids, low_memory=True)
-    for a, b in zip(fast.arrays(), slow.arrays()):
+    for a, b in zip(fast.arrays(), slow.arrays(), strict=True):
         assert np.abs(to_np(a) - to_np(b)).max() <= 1e-5
     rope = model.compute_rope(text_ids(LT), image_ids(3, 4))
     args = (to_mx(img), to_mx(txt), mx.array([0.6]), rope)
@@ -141,9 +152,13 @@ def test_image_matches_diffusers_kv_pipeline(kv_reference, kv_pipe, images, size
     given = {} if len(refs) == 1 else dict(width=w, height=h)
     with torch.no_grad():
         theirs = kv_reference(
-            image=refs or None, prompt="the cat in the room", num_inference_steps=4, output_type="np",
-            latents=torch.from_numpy(lat), **given,
-        ).images[0]  # fmt: skip
+            image=refs or None,
+            prompt="the cat in the room",
+            num_inference_steps=4,
+            output_type="np",
+            latents=torch.from_numpy(lat),
+            **given,
+        ).images[0]
     ours = kv_pipe.generate("the cat in the room", images=refs, latents=lat, output_type="np", **given)
     assert ours.shape == theirs.shape == (h, w, 3)
     err = np.abs(ours - theirs).max()
@@ -230,8 +245,9 @@ def test_cache_lives_for_one_image(kv_pipe, monkeypatch):
 
 
 def test_plain_klein_never_caches(tmp_path_factory, monkeypatch):
-    import flux_klein_mlx
     from tiny_model import shared_tiny_snapshot
+
+    import flux_klein_mlx
 
     pipe = flux_klein_mlx.load(shared_tiny_snapshot(tmp_path_factory, distilled=True), dtype="float32")
     assert not pipe.info.reference_kv
@@ -309,13 +325,23 @@ def _tiny_variant(kv: bool):
     from flux_klein_mlx.models.config import VARIANTS, AutoEncoderConfig, FluxKleinParams, Qwen3Config
 
     return dataclasses.replace(
-        VARIANTS["klein-9b-kv" if kv else "klein-9b"], name="tiny",
-        transformer=FluxKleinParams(hidden_size=64, num_heads=2, axes_dim=(8,) * 4, depth=1, depth_single=1,
-                                    context_in_dim=96),
-        text_encoder=Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=27, num_attention_heads=4,
-                                 num_key_value_heads=2, head_dim=8, rope_theta=1e6, vocab_size=1000),
+        VARIANTS["klein-9b-kv" if kv else "klein-9b"],
+        name="tiny",
+        transformer=FluxKleinParams(
+            hidden_size=64, num_heads=2, axes_dim=(8,) * 4, depth=1, depth_single=1, context_in_dim=96
+        ),
+        text_encoder=Qwen3Config(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=27,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            rope_theta=1e6,
+            vocab_size=1000,
+        ),
         vae=AutoEncoderConfig(block_out_channels=(32, 32, 32, 32), layers_per_block=1, latent_channels=32),
-    )  # fmt: skip
+    )
 
 
 def test_benchmark_reports_the_kv_first_and_cached_steps_apart():
@@ -324,8 +350,17 @@ def test_benchmark_reports_the_kv_first_and_cached_steps_apart():
     from flux_klein_mlx.bench.random_model import random_pipeline
 
     row = _tiny_variant(kv=True)
-    r = bm.run_benchmark(random_pipeline(row), width=64, height=64, steps=3, warmup=0, trials=2,
-                         text_encoder=False, decode=False, references=1)  # fmt: skip
+    r = bm.run_benchmark(
+        random_pipeline(row),
+        width=64,
+        height=64,
+        steps=3,
+        warmup=0,
+        trials=2,
+        text_encoder=False,
+        decode=False,
+        references=1,
+    )
     c, st = r["config"], r["stages"]
     assert c["reference_kv"] and c["references"] == 1 and c["reference_tokens"] == 16 and c["blocks"] == "1+1"
     assert len(st["kv_reference_pass"]["times_s"]) == 2  # one reference pass per image
@@ -342,8 +377,17 @@ def test_benchmark_reports_the_kv_first_and_cached_steps_apart():
         assert label in table
 
     # plain klein-9B with the same reference: every step alike, the reference in the sequence
-    r = bm.run_benchmark(random_pipeline(_tiny_variant(kv=False)), width=64, height=64, steps=2, warmup=0,
-                         trials=1, text_encoder=False, decode=False, references=1)  # fmt: skip
+    r = bm.run_benchmark(
+        random_pipeline(_tiny_variant(kv=False)),
+        width=64,
+        height=64,
+        steps=2,
+        warmup=0,
+        trials=1,
+        text_encoder=False,
+        decode=False,
+        references=1,
+    )
     assert not r["config"]["reference_kv"] and not any(k.startswith("kv_") for k in r["stages"])
     uncached = flops.flops_of_transformer(p, 64, 64, 512, 16).total
     assert r["stages"]["denoise_step"]["tflop"] == pytest.approx(uncached / 1e12)
@@ -378,6 +422,7 @@ def test_kv_flop_model():
 )
 def test_benchmark_bad_kv_options_are_one_line_errors(args, message, capsys):
     from flux_klein_mlx.bench import command as bm
+
     assert bm.main(args) != 0
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
@@ -393,8 +438,24 @@ def test_generate_cli_edits_with_the_kv_model(kv_snapshot, tmp_path, capsys):
     ref = tmp_path / "ref.png"
     picture(80, 64, 9).save(ref)
     out = tmp_path / "edit.png"
-    code = generate.main(["--model", str(kv_snapshot), "-p", "make it blue", "--image", str(ref), "--seed", "1",
-                          "--dtype", "float32", "--negative-prompt", "blurry", "-o", str(out)])  # fmt: skip
+    code = generate.main(
+        [
+            "--model",
+            str(kv_snapshot),
+            "-p",
+            "make it blue",
+            "--image",
+            str(ref),
+            "--seed",
+            "1",
+            "--dtype",
+            "float32",
+            "--negative-prompt",
+            "blurry",
+            "-o",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "negative_prompt is ignored" in captured.err
@@ -414,13 +475,17 @@ def _peft_lora(path, D=64, M=192, r=4, seed=11):
     from safetensors.torch import save_file
 
     shapes = {
-        "transformer_blocks.0.attn.to_q": (D, D), "transformer_blocks.0.attn.to_k": (D, D),
-        "transformer_blocks.0.attn.to_v": (D, D), "transformer_blocks.1.attn.add_k_proj": (D, D),
-        "transformer_blocks.0.attn.to_out.0": (D, D), "transformer_blocks.1.ff.linear_in": (2 * M, D),
+        "transformer_blocks.0.attn.to_q": (D, D),
+        "transformer_blocks.0.attn.to_k": (D, D),
+        "transformer_blocks.0.attn.to_v": (D, D),
+        "transformer_blocks.1.attn.add_k_proj": (D, D),
+        "transformer_blocks.0.attn.to_out.0": (D, D),
+        "transformer_blocks.1.ff.linear_in": (2 * M, D),
         "single_transformer_blocks.0.attn.to_qkv_mlp_proj": (3 * D + 2 * M, D),
         "single_transformer_blocks.1.attn.to_out": (D, D + M),
-        "double_stream_modulation_img.linear": (6 * D, D), "single_stream_modulation.linear": (3 * D, D),
-    }  # fmt: skip
+        "double_stream_modulation_img.linear": (6 * D, D),
+        "single_stream_modulation.linear": (3 * D, D),
+    }
     g = torch.Generator().manual_seed(seed)
     sd = {}
     for name, (out, inp) in shapes.items():
@@ -433,8 +498,9 @@ def _peft_lora(path, D=64, M=192, r=4, seed=11):
 
 def test_lora_on_the_kv_model_matches_diffusers(kv_snapshot, tmp_path):
     """A LoRA also changes the reference pass (its K/V come from the adapted weights), as in diffusers."""
-    import flux_klein_mlx
     from diffusers import Flux2KleinKVPipeline
+
+    import flux_klein_mlx
 
     lora = _peft_lora(tmp_path / "lora.safetensors")
     lat, ref = noise(64, 64), picture(64, 64, 10)
@@ -442,8 +508,9 @@ def test_lora_on_the_kv_model_matches_diffusers(kv_snapshot, tmp_path):
     theirs_pipe.set_progress_bar_config(disable=True)
     theirs_pipe.load_lora_weights(str(lora), adapter_name="l0")
     with torch.no_grad():
-        theirs = theirs_pipe(image=[ref], prompt="a boat", num_inference_steps=4, output_type="np",
-                             latents=torch.from_numpy(lat)).images[0]  # fmt: skip
+        theirs = theirs_pipe(
+            image=[ref], prompt="a boat", num_inference_steps=4, output_type="np", latents=torch.from_numpy(lat)
+        ).images[0]
     pipe = flux_klein_mlx.load(kv_snapshot, dtype="float32", loras=[lora])
     ours = pipe.generate("a boat", images=[ref], latents=lat, output_type="np")
     assert pipe.last_stats.reference_kv_bytes is not None

@@ -18,9 +18,9 @@ from refs import load_folder_component, rel_err
 from test_convert import leftovers, run_cli, text_encoder_outputs, transformer_outputs
 
 from flux_klein_mlx.convert import convert_model
+from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.loading import COMPONENTS
 from flux_klein_mlx.loading import read_mlx_config as read_config
-from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.models.quantize import (
     apply_quantization,
     dequantize_model,
@@ -63,8 +63,10 @@ def test_predicate_and_record():
         quantize_model(m, 8)
 
 
-@pytest.mark.parametrize("bits, group_size, message", [(3, 64, "cannot quantize to 3 bits; choose 4 or 8"),
-                                                       (2, 64, "choose 4 or 8"), (4, 48, "group size 48")])  # fmt: skip
+@pytest.mark.parametrize(
+    "bits, group_size, message",
+    [(3, 64, "cannot quantize to 3 bits; choose 4 or 8"), (2, 64, "choose 4 or 8"), (4, 48, "group size 48")],
+)
 def test_unsupported_settings(bits, group_size, message):
     with pytest.raises(FluxKleinError, match=message):
         quantize_model(toy(), bits, group_size)
@@ -117,7 +119,9 @@ def folders(snapshot, tmp_path_factory):
 
 
 def expected_layers(model: nn.Module, group_size=64) -> list[str]:
-    return sorted(p for p, m in model.named_modules() if isinstance(m, nn.Linear) and m.weight.shape[1] % group_size == 0)
+    return sorted(
+        p for p, m in model.named_modules() if isinstance(m, nn.Linear) and m.weight.shape[1] % group_size == 0
+    )
 
 
 # Bounds: weight RMS error is ~(range of 64 Gaussians / (2^b - 1)) / sqrt(12): ~9 % at 4 bits, ~0.6 % at 8.
@@ -166,7 +170,10 @@ def test_convert_quantize_load(folders, snapshot, bits, weight_bound, bound):
         unquantized, _ = run[name](f32[name])
         kernel_err = rel_err(ours, dequantized)  # quantized kernels vs MLX's dequantized weights
         quant_err = rel_err(ours, reference)  # vs the float32 reference
-        print(f"{bits}-bit {name}: weights {weight_err:.1e}, output vs dequantized {kernel_err:.1e}, vs float32 {quant_err:.1e}")
+        print(
+            f"{bits}-bit {name}: weights {weight_err:.1e}, output vs dequantized {kernel_err:.1e}, "
+            f"vs float32 {quant_err:.1e}"
+        )
         assert kernel_err < 1e-5, (name, kernel_err)
         assert weight_err < weight_bound, (name, weight_err)
         assert rel_err(unquantized, reference) < 1e-4

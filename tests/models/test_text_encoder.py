@@ -11,12 +11,13 @@ import pytest
 import torch
 from mlx.utils import tree_flatten
 from refs import config_snapshot, load_one, qwen_tokenizer_dir, randomize_, reference_tokens, rel_err, to_np
-from transformers import AutoTokenizer, Qwen3Config as HFQwen3Config, Qwen3ForCausalLM
+from transformers import AutoTokenizer, Qwen3ForCausalLM
+from transformers import Qwen3Config as HFQwen3Config
 
 import flux_klein_mlx.loading as loading
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.models.config import FluxKleinParams, Qwen3Config, qwen3_4b, qwen3_8b
 from flux_klein_mlx.loading import describe
+from flux_klein_mlx.models.config import FluxKleinParams, Qwen3Config, qwen3_4b, qwen3_8b
 from flux_klein_mlx.models.text_encoder import Qwen3TextEncoder, encode_prompts, sanitize_qwen3_weights
 from flux_klein_mlx.models.tokenizer import PromptTokenizer
 
@@ -34,10 +35,19 @@ def tiny_hf_config(tie: bool, attn: str = "sdpa") -> HFQwen3Config:
     # 28 layers: layer 28 (0-based 27) exists in the checkpoint and must be skipped. The real
     # vocabulary, so the real tokenizer's ids index the embedding.
     return HFQwen3Config(
-        vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=28,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e6, rms_norm_eps=1e-6,
-        tie_word_embeddings=tie, max_position_embeddings=1024, attn_implementation=attn,
-    )  # fmt: skip
+        vocab_size=151936,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=28,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+        max_position_embeddings=1024,
+        attn_implementation=attn,
+    )
 
 
 def build_snapshot(root, tie: bool, attn: str, seed: int) -> Qwen3ForCausalLM:
@@ -173,10 +183,18 @@ def test_sanitize_leaves_nothing_over():
 
 def test_config_from_transformers_configs():
     real = dict(
-        vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, max_position_embeddings=40960,
-    )  # fmt: skip
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+    )
     d = HFQwen3Config(**real).to_dict()  # transformers 5: rope_theta under rope_parameters
     assert "rope_theta" not in d and d["rope_parameters"]["rope_theta"] == 1e6
     assert Qwen3Config.from_dict(d) == qwen3_4b()
@@ -192,8 +210,14 @@ def test_config_from_transformers_configs():
 
 
 def test_missing_files_are_named(tmp_path):
-    transformer = {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 32, "num_attention_heads": 2,
-                   "joint_attention_dim": 96, "in_channels": 128}
+    transformer = {
+        "num_layers": 1,
+        "num_single_layers": 1,
+        "attention_head_dim": 32,
+        "num_attention_heads": 2,
+        "joint_attention_dim": 96,
+        "in_channels": 128,
+    }
     config_snapshot(tmp_path, transformer, None)
     with pytest.raises(FluxKleinError, match="text_encoder") as e:
         describe(tmp_path)

@@ -92,8 +92,11 @@ def test_text_the_tokenizer_cannot_encode_is_one_clear_error(ours):
     name, not passed to the Rust tokenizer (whose TypeError says nothing); the fast tokenizer does fail on it."""
     with pytest.raises(TypeError):
         ours.hf_tokenizer(ours.format("caf\udce9"))
-    with pytest.raises(FluxKleinError, match=r"the prompt is not valid text: character 4 is a lone surrogate U\+DCE9 "
-                                             r"\(byte 0xE9 that is not UTF-8"):
+    with pytest.raises(
+        FluxKleinError,
+        match=r"the prompt is not valid text: character 4 is a lone surrogate U\+DCE9 "
+        r"\(byte 0xE9 that is not UTF-8",
+    ):
         ours("caf\udce9")
     with pytest.raises(FluxKleinError, match=r"prompt 1 is not valid text: character 3 is a lone surrogate U\+D800; "):
         ours(["ok", "a \ud800"])
@@ -113,4 +116,3 @@ def test_missing_tokenizer_is_named(tmp_path):
     shutil.copy(qwen_tokenizer_dir() / "tokenizer_config.json", folder)
     with pytest.raises(FluxKleinError, match="tokenizer.json"):
         PromptTokenizer.from_folder(folder)
-

@@ -16,12 +16,12 @@ from mlx.utils import tree_flatten
 from refs import config_snapshot, load_one, randomize_, rel_err, to_mx
 from safetensors.torch import save_file
 
-from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.models.rope import image_ids, rope_tables, text_ids
-from flux_klein_mlx.models.config import FluxKleinParams
 from flux_klein_mlx.bench.flops import count_parameters
-from flux_klein_mlx.models.transformer import FluxKlein, infer_params, sanitize_flux2_klein_weights
+from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.loading import describe
+from flux_klein_mlx.models.config import FluxKleinParams
+from flux_klein_mlx.models.rope import image_ids, rope_tables, text_ids
+from flux_klein_mlx.models.transformer import FluxKlein, infer_params, sanitize_flux2_klein_weights
 from flux_klein_mlx.weights import read_safetensors
 
 # Tiny diffusers config: 3 heads of 16 (axes 4×4), 2 double + 2 single blocks, text width 24.
@@ -200,8 +200,9 @@ def test_low_memory_forward_on_a_quantized_model(bits):
     """The halves slice quantized weights on group boundaries: same output as the fused layers."""
     from flux_klein_mlx.models.quantize import quantize_model
 
-    p = FluxKleinParams(in_channels=32, hidden_size=64, context_in_dim=24, num_heads=2, depth=1, depth_single=2,
-                        axes_dim=(8, 8, 8, 8))
+    p = FluxKleinParams(
+        in_channels=32, hidden_size=64, context_in_dim=24, num_heads=2, depth=1, depth_single=2, axes_dim=(8, 8, 8, 8)
+    )
     model = FluxKlein(p)
     quantize_model(model, bits, group_size=32)
     mx.eval(model.parameters())
@@ -311,9 +312,13 @@ def stand_in(hidden: int, depth: int, depth_single: int) -> dict[str, torch.Tens
 
 def test_variant_is_named_from_the_shapes(folder):
     # A single file's variant comes from its shapes (what `describe` reports for BFL files).
-    nine = infer_params(sanitize_flux2_klein_weights({k: mx.array(v.numpy()) for k, v in stand_in(4096, 8, 24).items()}))
+    nine = infer_params(
+        sanitize_flux2_klein_weights({k: mx.array(v.numpy()) for k, v in stand_in(4096, 8, 24).items()})
+    )
     assert nine.describe() == "klein-9B (hidden 4096, 8 double / 24 single blocks)"
-    four = infer_params(sanitize_flux2_klein_weights({k: mx.array(v.numpy()) for k, v in stand_in(3072, 5, 20).items()}))
+    four = infer_params(
+        sanitize_flux2_klein_weights({k: mx.array(v.numpy()) for k, v in stand_in(3072, 5, 20).items()})
+    )
     assert four.describe() == "klein-4B (hidden 3072, 5 double / 20 single blocks)"
     custom = FluxKleinParams.from_dict(json.loads((folder / "config.json").read_text()))
     assert custom.describe().startswith("a custom FLUX.2 transformer (hidden 48, 2 double / 2 single")
@@ -382,14 +387,24 @@ def test_damaged_files_are_named(tmp_path):
 
 def test_params_from_real_configs():
     base = dict(
-        _class_name="Flux2Transformer2DModel", attention_head_dim=128, axes_dims_rope=[32, 32, 32, 32], eps=1e-6,
-        guidance_embeds=False, in_channels=128, mlp_ratio=3.0, out_channels=None, patch_size=1, rope_theta=2000,
+        _class_name="Flux2Transformer2DModel",
+        attention_head_dim=128,
+        axes_dims_rope=[32, 32, 32, 32],
+        eps=1e-6,
+        guidance_embeds=False,
+        in_channels=128,
+        mlp_ratio=3.0,
+        out_channels=None,
+        patch_size=1,
+        rope_theta=2000,
         timestep_guidance_channels=256,
-    )  # fmt: skip
-    p4 = FluxKleinParams.from_dict(dict(base, joint_attention_dim=7680, num_attention_heads=24, num_layers=5,
-                                        num_single_layers=20))  # fmt: skip
-    p9 = FluxKleinParams.from_dict(dict(base, joint_attention_dim=12288, num_attention_heads=32, num_layers=8,
-                                        num_single_layers=24))  # fmt: skip
+    )
+    p4 = FluxKleinParams.from_dict(
+        dict(base, joint_attention_dim=7680, num_attention_heads=24, num_layers=5, num_single_layers=20)
+    )
+    p9 = FluxKleinParams.from_dict(
+        dict(base, joint_attention_dim=12288, num_attention_heads=32, num_layers=8, num_single_layers=24)
+    )
     assert p4 == FluxKleinParams.klein_4b() and p4.variant == "klein-4b"
     assert p9 == FluxKleinParams.klein_9b() and p9.variant == "klein-9b"
     assert p4.head_dim == 128 and p4.mlp_hidden == 9216 and p9.mlp_hidden == 12288

@@ -34,10 +34,11 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 pytest.importorskip("multipart")
 
-import flux_klein_mlx  # noqa: E402
-from flux_klein_mlx.output import a1111_parameters  # noqa: E402
-from flux_klein_mlx.inputs import preprocess_reference  # noqa: E402
 from refs import picture  # noqa: E402
+
+import flux_klein_mlx  # noqa: E402
+from flux_klein_mlx.inputs import preprocess_reference  # noqa: E402
+from flux_klein_mlx.output import a1111_parameters  # noqa: E402
 
 KEY = "test-key-123"
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,7 +80,9 @@ class Server:
         return body
 
     def client(self, **kw):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=kw.pop("timeout", 120), **kw)
+        return openai.OpenAI(
+            base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=kw.pop("timeout", 120), **kw
+        )
 
     def wait_idle(self, timeout: float = 120) -> dict:
         deadline = time.monotonic() + timeout
@@ -119,8 +122,9 @@ def start_server(model, args, tmp_path_factory, save_dir=None):
     port = free_port()
     cmd = [sys.executable, "-m", "flux_klein_mlx", "serve", "--model", str(model), "--port", str(port), *args]
     log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
     srv = Server(proc, port, save_dir)
     srv.log = Path(log.name)
     deadline = time.monotonic() + 90
@@ -146,9 +150,27 @@ def start_server(model, args, tmp_path_factory, save_dir=None):
 @pytest.fixture(scope="module")
 def server(snapshot, lora_dir, tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("saved")
-    yield from start_server(snapshot, ["--dtype", "float32", "--api-key", KEY, "--queue", "4", "--save-dir",
-                                       str(save_dir), "--max-upload-mb", "2", "--model-id", "klein-tiny",
-                                       "--lora-dir", str(lora_dir)], tmp_path_factory, save_dir)
+    yield from start_server(
+        snapshot,
+        [
+            "--dtype",
+            "float32",
+            "--api-key",
+            KEY,
+            "--queue",
+            "4",
+            "--save-dir",
+            str(save_dir),
+            "--max-upload-mb",
+            "2",
+            "--model-id",
+            "klein-tiny",
+            "--lora-dir",
+            str(lora_dir),
+        ],
+        tmp_path_factory,
+        save_dir,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +200,14 @@ def test_models_lists_the_served_model(server):
 
 def test_generate_matches_the_pipeline(server, pipe):
     client = server.client()
-    res = client.images.generate(model="klein-tiny", prompt="a red fox in fresh snow", size="96x64", n=2,
-                                 response_format="b64_json", extra_body={"seed": 11, "steps": 3})
+    res = client.images.generate(
+        model="klein-tiny",
+        prompt="a red fox in fresh snow",
+        size="96x64",
+        n=2,
+        response_format="b64_json",
+        extra_body={"seed": 11, "steps": 3},
+    )
     assert len(res.data) == 2
     for k, item in enumerate(res.data):
         im = decode(item.b64_json)
@@ -198,8 +226,9 @@ def test_a_lora_named_in_the_request_matches_the_pipeline_with_it(server, snapsh
     """`loras` by name from --lora-dir: the image equals `load(..., loras=[(file, scale)])`, and the
     next request without it is the plain model's again."""
     client = server.client()
-    res = client.images.generate(prompt="a red fox", size="64x64", extra_body={"seed": 3, "steps": 2,
-                                                                             "loras": ["style:0.8"]})
+    res = client.images.generate(
+        prompt="a red fox", size="64x64", extra_body={"seed": 3, "steps": 2, "loras": ["style:0.8"]}
+    )
     with_lora = flux_klein_mlx.load(snapshot, dtype="float32", loras=[(lora_dir / "style.safetensors", 0.8)])
     ours = with_lora.generate("a red fox", width=64, height=64, seed=3, steps=2)
     got = np.asarray(decode(res.data[0].b64_json).convert("RGB"))
@@ -215,22 +244,28 @@ def test_inpainting_and_img2img_through_the_server_match_the_pipeline(server, pi
     mask = Image.new("L", init.size, 0)
     ImageDraw.Draw(mask).ellipse((20, 10, 80, 60), fill=255)
     client = server.client()
-    res = client.images.edit(image=("a.png", png(init), "image/png"), mask=("m.png", png(mask), "image/png"),
-                             prompt="a cat", extra_body={"seed": 3, "steps": 4, "strength": 0.75})
+    res = client.images.edit(
+        image=("a.png", png(init), "image/png"),
+        mask=("m.png", png(mask), "image/png"),
+        prompt="a cat",
+        extra_body={"seed": 3, "steps": 4, "strength": 0.75},
+    )
     im = decode(res.data[0].b64_json)
     ours = pipe.generate("a cat", init_image=init, mask=mask, strength=0.75, seed=3, steps=4)
     assert im.size == ours.size == (96, 64)
     np.testing.assert_array_equal(np.asarray(im.convert("RGB")), np.asarray(ours))
 
-    res = client.images.edit(image=("a.png", png(init), "image/png"), prompt="a cat",
-                             extra_body={"seed": 3, "steps": 4, "strength": 0.5})
+    res = client.images.edit(
+        image=("a.png", png(init), "image/png"), prompt="a cat", extra_body={"seed": 3, "steps": 4, "strength": 0.5}
+    )
     ours = pipe.generate("a cat", init_image=init, strength=0.5, seed=3, steps=4)
     np.testing.assert_array_equal(np.asarray(decode(res.data[0].b64_json).convert("RGB")), np.asarray(ours))
 
 
 def test_url_response_is_served_by_the_server(server):
-    res = server.client().images.generate(prompt="a lighthouse", size="64x64", response_format="url",
-                                          extra_body={"seed": 4, "steps": 2})
+    res = server.client().images.generate(
+        prompt="a lighthouse", size="64x64", response_format="url", extra_body={"seed": 4, "steps": 2}
+    )
     url = res.data[0].url
     assert url.startswith(server.url + "/v1/images/files/")
     code, data = http("GET", url)  # a capability URL: no key needed
@@ -242,20 +277,25 @@ def test_url_response_is_served_by_the_server(server):
 def test_edit_with_references_matches_the_pipeline(server, pipe):
     refs = [picture(80, 64, 1), picture(64, 64, 2)]
     res = server.client().images.edit(
-        model="klein-tiny", image=[("a.png", png(refs[0]), "image/png"), ("b.png", png(refs[1]), "image/png")],
-        prompt="the cat from the first in the room of the second", size="64x64",
-        extra_body={"seed": 5, "steps": 2})
+        model="klein-tiny",
+        image=[("a.png", png(refs[0]), "image/png"), ("b.png", png(refs[1]), "image/png")],
+        prompt="the cat from the first in the room of the second",
+        size="64x64",
+        extra_body={"seed": 5, "steps": 2},
+    )
     im = decode(res.data[0].b64_json)
     assert im.size == (64, 64) and len(json.loads(im.text["flux_klein_mlx"])["references"]) == 2
-    ours = pipe.generate("the cat from the first in the room of the second", width=64, height=64, seed=5, steps=2,
-                         images=refs)
+    ours = pipe.generate(
+        "the cat from the first in the room of the second", width=64, height=64, seed=5, steps=2, images=refs
+    )
     np.testing.assert_array_equal(np.asarray(im.convert("RGB")), np.asarray(ours))
 
 
 def test_single_image_edit_takes_the_reference_size(server, pipe):
     ref = picture(96, 64, 3)
-    res = server.client().images.edit(image=("r.png", png(ref), "image/png"), prompt="make it winter",
-                                      extra_body={"seed": 8, "steps": 2})
+    res = server.client().images.edit(
+        image=("r.png", png(ref), "image/png"), prompt="make it winter", extra_body={"seed": 8, "steps": 2}
+    )
     im = decode(res.data[0].b64_json)
     ours = pipe.generate("make it winter", seed=8, steps=2, images=[ref])
     assert im.size == ours.size == (96, 64)
@@ -263,8 +303,9 @@ def test_single_image_edit_takes_the_reference_size(server, pipe):
 
 
 def test_stream_sends_a_preview_per_step(server):
-    events = list(server.client().images.generate(prompt="a fox", size="64x64", stream=True,
-                                                  extra_body={"seed": 1, "steps": 3}))
+    events = list(
+        server.client().images.generate(prompt="a fox", size="64x64", stream=True, extra_body={"seed": 1, "steps": 3})
+    )
     partial = [e for e in events if e.type == "image_generation.partial_image"]
     done = [e for e in events if e.type == "image_generation.completed"]
     assert [e.partial_image_index for e in partial] == [0, 1, 2]
@@ -274,10 +315,12 @@ def test_stream_sends_a_preview_per_step(server):
 
 def test_client_disconnect_cancels_between_steps(server):
     before = server.wait_idle()
-    req = urllib.request.Request(server.url + "/v1/images/generations", method="POST",
-                                 data=json.dumps({"prompt": "slow", "size": "64x64", "steps": 200, "seed": 1,
-                                                  "stream": True}).encode(),
-                                 headers={**server.auth, "Content-Type": "application/json"})
+    req = urllib.request.Request(
+        server.url + "/v1/images/generations",
+        method="POST",
+        data=json.dumps({"prompt": "slow", "size": "64x64", "steps": 200, "seed": 1, "stream": True}).encode(),
+        headers={**server.auth, "Content-Type": "application/json"},
+    )
     t0 = time.monotonic()
     with urllib.request.urlopen(req, timeout=60) as r:
         stage = [r.readline() for _ in range(3)]  # what runs before the first step: event, data, blank line
@@ -345,7 +388,7 @@ def test_sixteen_concurrent_clients(server):
                 results[i, j] = ("ok", record["prompt"] == prompt and record["seed"] == seed)
             except openai.RateLimitError as e:
                 results[i, j] = ("429", e.status_code == 429 and "queue is full" in e.message)
-            except Exception as e:  # noqa: BLE001: recorded and failed below
+            except Exception as e:  # noqa: BLE001 -- recorded and failed below
                 results[i, j] = ("other", repr(e))
 
     threads = [threading.Thread(target=client_thread, args=(i,), daemon=True) for i in range(16)]
@@ -364,8 +407,10 @@ def test_sixteen_concurrent_clients(server):
     st = server.wait_idle()
     assert server.proc.poll() is None and st["state"] == "ready"
     rss_after, mlx_after = rss_bytes(server.proc.pid), st["mlx_active_bytes"]
-    print(f"\nload: {answered} answered, {refused} x 429 in {elapsed:.1f} s; RSS idle {rss_idle / 1e6:.0f} MB -> "
-          f"after {rss_after / 1e6:.0f} MB; MLX active {mlx_idle / 1e6:.1f} MB -> {mlx_after / 1e6:.1f} MB")
+    print(
+        f"\nload: {answered} answered, {refused} x 429 in {elapsed:.1f} s; RSS idle {rss_idle / 1e6:.0f} MB -> "
+        f"after {rss_after / 1e6:.0f} MB; MLX active {mlx_idle / 1e6:.1f} MB -> {mlx_after / 1e6:.1f} MB"
+    )
     assert mlx_after <= mlx_idle * 1.05 + 1e6  # MLX buffers: back to the idle level
     assert rss_after <= rss_idle * 1.25 + 50e6  # process: no growth beyond allocator slack
 
@@ -379,8 +424,12 @@ def png_header(w: int, h: int) -> bytes:
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+        + chunk(b"IEND", b"")
+    )
 
 
 def multipart(fields: dict, files: list[tuple[str, str, bytes, str]]) -> tuple[bytes, str]:
@@ -389,8 +438,10 @@ def multipart(fields: dict, files: list[tuple[str, str, bytes, str]]) -> tuple[b
     for k, v in fields.items():
         out.write(f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode())
     for field, name, data, ctype in files:
-        out.write(f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"; filename="{name}"\r\n'
-                  f"Content-Type: {ctype}\r\n\r\n".encode())
+        out.write(
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"; filename="{name}"\r\n'
+            f"Content-Type: {ctype}\r\n\r\n".encode()
+        )
         out.write(data + b"\r\n")
     out.write(f"--{boundary}--\r\n".encode())
     return out.getvalue(), f"multipart/form-data; boundary={boundary}"
@@ -416,8 +467,13 @@ BAD_JSON = [
     ("nine LoRAs", {**GOOD, "loras": ["style"] * 9}, None, 400, "a request may name at most 8"),
     ("a LoRA named twice", {**GOOD, "loras": ["style", "style:0.5"]}, None, 400, "LoRA 'style' is named twice"),
     ("partial_images over 3", {**GOOD, "partial_images": 4}, None, 400, "partial_images must be between 0 and 3"),
-    ("deeply nested JSON", b'{"prompt": "x", "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, 400,
-     "nests JSON too deeply"),
+    (
+        "deeply nested JSON",
+        b'{"prompt": "x", "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        None,
+        400,
+        "nests JSON too deeply",
+    ),
     ("missing API key", GOOD, {"Authorization": ""}, 401, "missing API key"),
     ("wrong API key", GOOD, {"Authorization": "Bearer nope"}, 401, "invalid API key"),
 ]
@@ -440,13 +496,27 @@ def bad_uploads():
     ok = png(picture(64, 64))
     return [
         ("200 MP upload", {}, [("image", "big.png", png_header(20000, 10000), "image/png")], 413, "MP"),
-        ("upload over the byte limit", {}, [("image", "big.png", b"\x89PNG" + os.urandom(3 * 1024 * 1024),
-                                              "image/png")], 413, "the limit is 2 MB"),
-        ("text file as image", {}, [("image", "notes.txt", b"hello, not an image", "text/plain")], 400,
-         "not a readable image"),
-        ("mask of the wrong size", {}, [("image", "a.png", ok, "image/png"),
-                                        ("mask", "m.png", png(Image.new("L", (32, 32), 255)), "image/png")], 400,
-         "mask is 32x32 but the image is 64x64"),
+        (
+            "upload over the byte limit",
+            {},
+            [("image", "big.png", b"\x89PNG" + os.urandom(3 * 1024 * 1024), "image/png")],
+            413,
+            "the limit is 2 MB",
+        ),
+        (
+            "text file as image",
+            {},
+            [("image", "notes.txt", b"hello, not an image", "text/plain")],
+            400,
+            "not a readable image",
+        ),
+        (
+            "mask of the wrong size",
+            {},
+            [("image", "a.png", ok, "image/png"), ("mask", "m.png", png(Image.new("L", (32, 32), 255)), "image/png")],
+            400,
+            "mask is 32x32 but the image is 64x64",
+        ),
         ("image as a path string", {"image": "/etc/passwd"}, [], 400, "never reads files by path"),
         ("no image", {}, [], 400, "upload at least one image"),
     ]
@@ -491,11 +561,16 @@ def test_multipart_cut_short_is_a_400_logged_as_such(server):
 
 def test_a_client_gone_before_its_body_is_one_log_line(server):
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 5000\r\n\r\n{\"prompt\":")
+        sock.sendall(
+            b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b'\r\nContent-Length: 5000\r\n\r\n{"prompt":'
+        )
         time.sleep(0.3)
-    log = wait_for_log(server, r"^request [0-9a-f]{8}: generations .* -> 499 client disconnected before sending its "
-                               r"whole body in \d+\.\d\d s$")
+    log = wait_for_log(
+        server,
+        r"^request [0-9a-f]{8}: generations .* -> 499 client disconnected before sending its "
+        r"whole body in \d+\.\d\d s$",
+    )
     assert "Traceback" not in log and "Exception in ASGI application" not in log
     assert server.status()["state"] == "ready"
 
@@ -519,8 +594,9 @@ def test_the_model_may_be_named_by_its_path_or_repo_id(server, snapshot, tmp_pat
     assert str(snapshot) in names and str(out) in names  # the converted folder's source, its own path
 
 
-@pytest.mark.parametrize("key, words", [("", "--api-key is empty"), ("clé-1", "holds 'é' (U+00E9)"),
-                                        ("two words", "holds ' ' (U+0020)")])
+@pytest.mark.parametrize(
+    "key, words", [("", "--api-key is empty"), ("clé-1", "holds 'é' (U+00E9)"), ("two words", "holds ' ' (U+0020)")]
+)
 def test_an_empty_or_non_ascii_api_key_is_refused_at_start(snapshot, capsys, monkeypatch, key, words):
     from flux_klein_mlx.__main__ import main
 
@@ -558,10 +634,14 @@ def test_a_refused_lora_request_keeps_the_pipeline(server, lora_dir):
         message = e.value.body["message"]
         assert "broken.safetensors" in message and str(lora_dir) not in message and "\n" not in message
         assert server.status()["state"] == "ready"
-        assert re.search(r"^request [0-9a-f]{8}: generations 64x64, 1 steps, n=1 -> 400 LoRA broken\.safetensors",
-                         server.log.read_text(), re.M)
-        res = client.images.generate(prompt="a fox", size="64x64", extra_body={"seed": 2, "steps": 1,
-                                                                                "loras": ["style:0.8"]})
+        assert re.search(
+            r"^request [0-9a-f]{8}: generations 64x64, 1 steps, n=1 -> 400 LoRA broken\.safetensors",
+            server.log.read_text(),
+            re.M,
+        )
+        res = client.images.generate(
+            prompt="a fox", size="64x64", extra_body={"seed": 2, "steps": 1, "loras": ["style:0.8"]}
+        )
         assert json.loads(decode(res.data[0].b64_json).text["flux_klein_mlx"])["loras"][0]["scale"] == 0.8
     finally:
         broken.unlink()
@@ -601,8 +681,9 @@ def test_a_lost_save_dir_costs_a_warning_never_the_image(server, monkeypatch, tm
 def test_error_bodies_show_no_server_path():
     from flux_klein_mlx.serve.forms import ApiError
 
-    body = ApiError(400, "LoRA /Users/me/loras/x.safetensors: cannot read /private/tmp/m/vae/w.safetensors, "
-                         "see GET /v1/status").body()
+    body = ApiError(
+        400, "LoRA /Users/me/loras/x.safetensors: cannot read /private/tmp/m/vae/w.safetensors, see GET /v1/status"
+    ).body()
     assert body["error"]["message"] == "LoRA x.safetensors: cannot read w.safetensors, see GET /v1/status"
 
 
@@ -618,9 +699,11 @@ def test_serve_fails_cleanly_at_start(snapshot, tmp_path, capsys, monkeypatch):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        for extra, words in (([], f"port {port} on 127.0.0.1 is already in use"),
-                             (["--model", str(tmp_path / "nothing"), "--port", str(free_port())], "not found"),
-                             (["--lora", str(broken), "--port", str(free_port())], "broken.safetensors")):  # fmt: skip
+        for extra, words in (
+            ([], f"port {port} on 127.0.0.1 is already in use"),
+            (["--model", str(tmp_path / "nothing"), "--port", str(free_port())], "not found"),
+            (["--lora", str(broken), "--port", str(free_port())], "broken.safetensors"),
+        ):
             code = main(["serve", "--model", str(snapshot), "--port", str(port), *extra])
             err = capsys.readouterr().err
             assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
@@ -633,8 +716,13 @@ def test_serve_fails_cleanly_at_start(snapshot, tmp_path, capsys, monkeypatch):
 
 
 def test_non_loopback_host_requires_api_key(snapshot):
-    r = subprocess.run([sys.executable, "-m", "flux_klein_mlx", "serve", "--model", str(snapshot), "--host",
-                        "0.0.0.0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "flux_klein_mlx", "serve", "--model", str(snapshot), "--host", "0.0.0.0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1 and r.stderr.startswith("error: --host 0.0.0.0") and "--api-key" in r.stderr
     assert "Traceback" not in r.stderr
 
@@ -645,8 +733,10 @@ def chromium() -> tuple[str, str] | None:
     return (browser, driver) if browser and driver else None
 
 
-needs_chromium = pytest.mark.skipif(chromium() is None, reason="headless Chromium is not installed "
-                                    "(apt-get install chromium chromium-driver; .ci/run does this)")
+needs_chromium = pytest.mark.skipif(
+    chromium() is None,
+    reason="headless Chromium is not installed (apt-get install chromium chromium-driver; .ci/run does this)",
+)
 
 
 @contextlib.contextmanager
@@ -659,8 +749,16 @@ def browser(tmp_path, width=1280, height=900):
     path, driver_path = chromium()
     opts = webdriver.ChromeOptions()
     opts.binary_location = path
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--no-first-run",
-                "--disable-extensions", f"--window-size={width},{height}", f"--user-data-dir={tmp_path / 'profile'}"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-extensions",
+        f"--window-size={width},{height}",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ):
         opts.add_argument(arg)
     driver = webdriver.Chrome(service=Service(driver_path), options=opts)
     try:
@@ -725,7 +823,9 @@ def test_page_on_a_distilled_model_with_a_key(server, tmp_path):
         icon = driver.execute_script("return document.querySelector('link[rel=icon]').href")
         assert icon.startswith("data:image/svg+xml,") and driver.execute_async_script(
             "const i = new Image(); i.onload = () => arguments[1](i.naturalWidth > 0); i.onerror = () => arguments[1]"
-            "(false); i.src = arguments[0];", icon)  # a favicon that decodes, and no request for /favicon.ico
+            "(false); i.src = arguments[0];",
+            icon,
+        )  # a favicon that decodes, and no request for /favicon.ico
 
         # Uploads that are not images are refused at the drop, by name, and never become thumbnails.
         notes, broken = tmp_path / "notes.txt", tmp_path / "broken.png"
@@ -733,7 +833,7 @@ def test_page_on_a_distilled_model_with_a_key(server, tmp_path):
         broken.write_bytes(b"\x89PNG\r\n\x1a\n not really")
         for bad, words in ((notes, "notes.txt is not an image"), (broken, "broken.png is not a readable image")):
             driver.find_element(By.ID, "refs-file").send_keys(str(bad))
-            wait.until(lambda d: words in d.find_element(By.ID, "error").text)
+            wait.until(lambda d, words=words: words in d.find_element(By.ID, "error").text)
             assert len(driver.find_elements(By.CSS_SELECTOR, "#refs img")) == 1  # the one good image only
 
         # "auto" shows the size the server will use: the first image's, as the pipeline prepares it.
@@ -749,7 +849,7 @@ def test_page_on_a_distilled_model_with_a_key(server, tmp_path):
             driver.find_element(By.ID, "refs-file").send_keys(str(path))
             shape = preprocess_reference(path).shape  # the judge: (H, W, 3) as the server prepares it
             expected = f"auto: {shape[1]} × {shape[0]} (the first image's size)"
-            wait.until(lambda d: d.find_element(By.ID, "size-note").text == expected)
+            wait.until(lambda d, expected=expected: d.find_element(By.ID, "size-note").text == expected)
             assert driver.find_element(By.ID, "width").get_attribute("value") == str(shape[1])
 
 
@@ -759,8 +859,9 @@ def page_server(tmp_path_factory, lora_dir, base):
     server-wide LoRA (`light`, at 0.5) under the ones requests pick from --lora-dir."""
     folder = tmp_path_factory.mktemp("server-lora")
     light = write_style_lora(folder).rename(folder / "light.safetensors")
-    yield from start_server(base, ["--lora-dir", str(lora_dir), "--model-id", "klein-base-tiny",
-                                   "--lora", f"{light}:0.5"], tmp_path_factory)
+    yield from start_server(
+        base, ["--lora-dir", str(lora_dir), "--model-id", "klein-base-tiny", "--lora", f"{light}:0.5"], tmp_path_factory
+    )
 
 
 @needs_chromium
@@ -790,9 +891,20 @@ def test_page_runs_in_the_default_dtype_on_a_phone(page_server, tmp_path):
         driver.execute_script(RECORD)
         Select(driver.find_element(By.ID, "size-preset")).select_by_value("512x512")
         assert driver.find_element(By.ID, "width").get_attribute("value") == "512"
-        fill(driver, prompt="a fox on a phone", width=64, height=64, seed=7, steps=3, count=2, guidance=2.5,
-             negative="blurry")
-        assert Select(driver.find_element(By.ID, "size-preset")).first_selected_option.get_attribute("value") == "custom"
+        fill(
+            driver,
+            prompt="a fox on a phone",
+            width=64,
+            height=64,
+            seed=7,
+            steps=3,
+            count=2,
+            guidance=2.5,
+            negative="blurry",
+        )
+        assert (
+            Select(driver.find_element(By.ID, "size-preset")).first_selected_option.get_attribute("value") == "custom"
+        )
         driver.find_element(By.ID, "lora-style").click()
         driver.find_element(By.CSS_SELECTOR, "#loras input[type=number]").clear()
         driver.find_element(By.CSS_SELECTOR, "#loras input[type=number]").send_keys("0.8")
@@ -805,7 +917,9 @@ def test_page_runs_in_the_default_dtype_on_a_phone(page_server, tmp_path):
         labels = driver.execute_script("return window.__labels")
         assert "applying the LoRAs…" in labels and "loading the text encoder…" in labels, labels
         assert not any("queued" in t or "0.0 s left" in t for t in labels), labels
-        assert any(re.fullmatch(r"image 2/2 · step \d / \d · \d+\.\d s · about \d+\.\d s left", t) for t in labels), labels
+        assert any(re.fullmatch(r"image 2/2 · step \d / \d · \d+\.\d s · about \d+\.\d s left", t) for t in labels), (
+            labels
+        )
         assert any(re.fullmatch(r"image 2/2 · decoding… · \d+\.\d s", t) for t in labels), labels
         assert any(t.startswith("● generating") for t in driver.execute_script("return window.__busy"))
         headers = driver.execute_script("return window.__headers")
@@ -814,16 +928,23 @@ def test_page_runs_in_the_default_dtype_on_a_phone(page_server, tmp_path):
         assert any(0 <= top < 844 for top in driver.execute_script("return window.__previewTops"))  # in view
         assert not driver.find_element(By.ID, "busy").is_displayed()  # not busy any more
         results = driver.find_elements(By.CSS_SELECTOR, "#results img.result")
-        assert len(results) == 2 and all(driver.execute_script("return arguments[0].naturalWidth", r) == 64
-                                         for r in results)
+        assert len(results) == 2 and all(
+            driver.execute_script("return arguments[0].naturalWidth", r) == 64 for r in results
+        )
         top = driver.execute_script("return arguments[0].getBoundingClientRect().top", results[0])
         assert driver.execute_script("return window.scrollY") > 0 and 0 <= top < 844  # brought into view
         assert driver.find_element(By.ID, "preview").get_attribute("src").startswith("data:image/png;base64,")
         metas = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#results figure .meta")]
         assert len(metas) == 2 and "seed: 7" in metas[0].splitlines() and "seed: 8" in metas[1].splitlines(), metas
         for meta in metas:  # each image's record sits with that image
-            for fact in ("guidance: 2.5", "negative_prompt: blurry", "loras: light:0.5, style:0.8", "strength: 0.7",
-                         "dtype: bfloat16", "prompt: a fox on a phone"):
+            for fact in (
+                "guidance: 2.5",
+                "negative_prompt: blurry",
+                "loras: light:0.5, style:0.8",
+                "strength: 0.7",
+                "dtype: bfloat16",
+                "prompt: a fox on a phone",
+            ):
                 assert fact in meta, (fact, meta)
             assert re.search(r"^mask: [0-9a-f]{12}$", meta, re.M), meta  # the mask, named by its content hash
 
@@ -852,8 +973,10 @@ def test_page_runs_in_the_default_dtype_on_a_phone(page_server, tmp_path):
         link = driver.find_elements(By.CSS_SELECTOR, "#history a.download")[0]
         assert link.get_attribute("download").endswith(".png") and link.get_attribute("href").startswith("blob:")
         head = driver.execute_async_script(
-            "fetch(arguments[0]).then(r => r.arrayBuffer()).then(b => arguments[1](Array.from(new Uint8Array(b, 0, 8))))",
-            link.get_attribute("href"))
+            "fetch(arguments[0]).then(r => r.arrayBuffer())"
+            ".then(b => arguments[1](Array.from(new Uint8Array(b, 0, 8))))",
+            link.get_attribute("href"),
+        )
         assert bytes(head) == b"\x89PNG\r\n\x1a\n"
         driver.find_elements(By.CSS_SELECTOR, "#history img")[0].click()  # opens large
         wait.until(lambda d: d.execute_script("return document.getElementById('viewer').open"))
@@ -868,10 +991,19 @@ def test_page_runs_in_the_default_dtype_on_a_phone(page_server, tmp_path):
         driver.execute_script("document.getElementById('strength').value = ''")
         driver.find_elements(By.CSS_SELECTOR, "#history .reuse")[0].click()  # the newest: image 2, seed 8
         value = lambda field: driver.find_element(By.ID, field).get_attribute("value")  # noqa: E731
-        assert (value("prompt"), value("negative"), value("guidance"), value("count")) == ("a fox on a phone", "blurry",
-                                                                                        "2.5", "2")
-        assert (value("seed"), value("steps"), value("strength"), value("width"), value("height")) == ("8", "3", "0.7",
-                                                                                                       "64", "64")
+        assert (value("prompt"), value("negative"), value("guidance"), value("count")) == (
+            "a fox on a phone",
+            "blurry",
+            "2.5",
+            "2",
+        )
+        assert (value("seed"), value("steps"), value("strength"), value("width"), value("height")) == (
+            "8",
+            "3",
+            "0.7",
+            "64",
+            "64",
+        )
         assert driver.find_element(By.ID, "lora-style").is_selected()
         assert driver.find_element(By.CSS_SELECTOR, "#loras input[type=number]").get_attribute("value") == "0.8"
         note = driver.find_element(By.ID, "reuse-note").text
@@ -886,8 +1018,15 @@ def test_api_in_the_default_dtype_partial_images_and_an_openai_mask(page_server)
 
     client = page_server.client()
     for partial, steps, expected in ((2, 3, [0, 1]), (0, 1, [])):
-        events = list(client.images.generate(prompt="a fox", size="64x64", stream=True, partial_images=partial,
-                                             extra_body={"seed": 1, "steps": steps}))
+        events = list(
+            client.images.generate(
+                prompt="a fox",
+                size="64x64",
+                stream=True,
+                partial_images=partial,
+                extra_body={"seed": 1, "steps": steps},
+            )
+        )
         assert [e.partial_image_index for e in events if e.type == "image_generation.partial_image"] == expected
         assert sum(e.type == "image_generation.progress" for e in events) == steps
         done = [e for e in events if e.type == "image_generation.completed"]
@@ -897,7 +1036,11 @@ def test_api_in_the_default_dtype_partial_images_and_an_openai_mask(page_server)
     grey.paste(255, (16, 0, 64, 40))
     rgba = Image.new("RGBA", (64, 64), (0, 0, 0, 255))
     rgba.paste((0, 0, 0, 0), (16, 0, 64, 40))  # transparent = repaint
-    res = client.images.edit(image=("a.png", png(init), "image/png"), mask=("m.png", png(rgba), "image/png"),
-                             prompt="a cat", extra_body={"seed": 3, "steps": 1})
+    res = client.images.edit(
+        image=("a.png", png(init), "image/png"),
+        mask=("m.png", png(rgba), "image/png"),
+        prompt="a cat",
+        extra_body={"seed": 3, "steps": 1},
+    )
     record = json.loads(decode(res.data[0].b64_json).text["flux_klein_mlx"])
     assert record["mask"] == content_hash(prepare_init_image(init, 0.8, grey).mask) and record["dtype"] == "bfloat16"

@@ -31,7 +31,7 @@ class FileOpens:
         self._fd = None
         self._watches: dict[int, Path] = {}
 
-    def __enter__(self) -> "FileOpens":
+    def __enter__(self) -> FileOpens:
         if sys.platform == "linux":
             libc = ctypes.CDLL(None, use_errno=True)
             self._fd = libc.inotify_init1(os.O_NONBLOCK)

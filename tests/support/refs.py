@@ -121,8 +121,9 @@ def load_one(name: str, source, dtype=None, config: dict | None = None):
         weights = loading.sanitize(name, loading.read_weight_files([source], keep=keep))
         if config is None:
             config = dataclasses.asdict(infer_params(weights))
-    model, _ = loading.assemble(name, dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config, weights,
-                        dtype)
+    model, _ = loading.assemble(
+        name, dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config, weights, dtype
+    )
     evaluate_by_layer(model)
     return model
 
@@ -187,7 +188,9 @@ def diffusers_pipeline_for_loras(path, distilled: bool = True):
     from diffusers import Flux2KleinPipeline
 
     shared = diffusers_pipeline(path, "plain", distilled=distilled)
-    pipe = Flux2KleinPipeline(**{**shared.components, "transformer": copy.deepcopy(shared.transformer)}, is_distilled=distilled)
+    pipe = Flux2KleinPipeline(
+        **{**shared.components, "transformer": copy.deepcopy(shared.transformer)}, is_distilled=distilled
+    )
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -201,8 +204,15 @@ def lighthouse_latents() -> np.ndarray:
 def diffusers_lighthouse(ref_pipe) -> np.ndarray:
     """diffusers' image from `ref_pipe` as it is (with whatever LoRA is loaded into it)."""
     with torch.no_grad():
-        return ref_pipe(prompt="a lighthouse", height=64, width=64, num_inference_steps=2, guidance_scale=4.0,
-                        latents=torch.from_numpy(lighthouse_latents()), output_type="np").images[0]  # fmt: skip
+        return ref_pipe(
+            prompt="a lighthouse",
+            height=64,
+            width=64,
+            num_inference_steps=2,
+            guidance_scale=4.0,
+            latents=torch.from_numpy(lighthouse_latents()),
+            output_type="np",
+        ).images[0]
 
 
 def our_lighthouse(model, loras=()) -> tuple[np.ndarray, object]:
@@ -210,8 +220,9 @@ def our_lighthouse(model, loras=()) -> tuple[np.ndarray, object]:
     import flux_klein_mlx
 
     pipe = flux_klein_mlx.load(model, dtype="float32", loras=list(loras))
-    image = pipe.generate("a lighthouse", width=64, height=64, steps=2, guidance=4.0, latents=lighthouse_latents(),
-                          output_type="np")
+    image = pipe.generate(
+        "a lighthouse", width=64, height=64, steps=2, guidance=4.0, latents=lighthouse_latents(), output_type="np"
+    )
     return image, pipe
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
 from refs import qwen_tokenizer_dir
 from tiny_model import SCHEDULER, make_tiny_components
 

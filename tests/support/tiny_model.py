@@ -21,7 +21,6 @@ import json
 from pathlib import Path
 
 import torch
-
 from refs import qwen_tokenizer_dir, randomize_
 
 # Shared tiny sizes: transformer joint_attention_dim = 3 x Qwen3 hidden (layers 9, 18, 27 stacked).

@@ -16,20 +16,41 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
-from refs import diffusers_pipeline_for_loras, diffusers_lighthouse, our_lighthouse, to_np
+from refs import diffusers_lighthouse, diffusers_pipeline_for_loras, our_lighthouse, to_np
 
 import flux_klein_mlx
 from flux_klein_mlx.loading import describe, load_component
 from flux_klein_mlx.lora.layers import ROLE_LISTS, LoRALinear
-from flux_klein_mlx.train.adapters import LoKrShape, add_lokr_term, attach_lokr, factorization, parse_targets, write_lora_file
-from flux_klein_mlx.train.trainer import StepFinished
+from flux_klein_mlx.train.adapters import (
+    LoKrShape,
+    add_lokr_term,
+    attach_lokr,
+    factorization,
+    parse_targets,
+    write_lora_file,
+)
 from flux_klein_mlx.train.state import read_checkpoint
+from flux_klein_mlx.train.trainer import StepFinished
 
 CAPTION = "a striped test card"
 
 
-@pytest.mark.parametrize("dimension, factor", [(64, -1), (192, -1), (576, -1), (3072, -1), (9216, -1), (127, -1),
-                                               (256, 4), (192, 8), (27648, 16), (12288, 16), (100, 7)])  # fmt: skip
+@pytest.mark.parametrize(
+    "dimension, factor",
+    [
+        (64, -1),
+        (192, -1),
+        (576, -1),
+        (3072, -1),
+        (9216, -1),
+        (127, -1),
+        (256, 4),
+        (192, 8),
+        (27648, 16),
+        (12288, 16),
+        (100, 7),
+    ],
+)
 def test_factorization_is_peft_and_lycoris(dimension, factor):
     from peft.tuners.lokr.layer import factorization as peft_factorization
 
@@ -42,8 +63,10 @@ def test_factorization_keeps_the_smaller_side_first_as_lycoris_does():
     assert factorization(64, 16) == (4, 16)
 
 
-@pytest.mark.parametrize("out_dims, in_dims, rank, factor", [(192, 64, 4, -1), (192, 64, 8, -1), (576, 64, 4, -1),
-                                                             (64, 256, 16, -1), (384, 64, 2, 4)])  # fmt: skip
+@pytest.mark.parametrize(
+    "out_dims, in_dims, rank, factor",
+    [(192, 64, 4, -1), (192, 64, 8, -1), (576, 64, 4, -1), (64, 256, 16, -1), (384, 64, 2, 4)],
+)
 def test_factor_shapes_and_delta_and_gradients_equal_peft_lokr(out_dims, in_dims, rank, factor):
     """Our trainable LoKr term on a Linear against peft's LoKr Linear with the same factors: same shapes,
     the same output, and the same gradients of a loss by every factor."""
@@ -110,12 +133,27 @@ def trained(base, data, tmp_path_factory):
     """A LoKr of rank 8 (whole w2 on the qkv layers, low-rank pairs elsewhere) trained 2 steps in bfloat16
     with an EMA, straight and as 1 step + a resume to 2; returns the run's work folder and the events."""
     tmp = tmp_path_factory.mktemp("lokr-runs")
-    common = dict(model=base, data=data, adapter="lokr", rank=8, alpha=4.0, resolution=64, lr=5e-2,
-                  save_every=1, keep_checkpoints=5, ema=0.9)  # fmt: skip  (the default dtype, bfloat16)
+    common = dict(
+        model=base,
+        data=data,
+        adapter="lokr",
+        rank=8,
+        alpha=4.0,
+        resolution=64,
+        lr=5e-2,
+        save_every=1,
+        keep_checkpoints=5,
+        ema=0.9,
+    )  # the default dtype, bfloat16
     straight = list(flux_klein_mlx.train_lora(output=tmp / "straight.safetensors", steps=2, **common))
-    first = list(flux_klein_mlx.train_lora(output=tmp / "first.safetensors", steps=1, work_dir=tmp / "resumed", **common))
-    second = list(flux_klein_mlx.train_lora(output=tmp / "second.safetensors", steps=2, work_dir=tmp / "resumed",
-                                            resume=True, **common))  # fmt: skip
+    first = list(
+        flux_klein_mlx.train_lora(output=tmp / "first.safetensors", steps=1, work_dir=tmp / "resumed", **common)
+    )
+    second = list(
+        flux_klein_mlx.train_lora(
+            output=tmp / "second.safetensors", steps=2, work_dir=tmp / "resumed", resume=True, **common
+        )
+    )
     return tmp, straight, first, second
 
 
@@ -170,7 +208,9 @@ def test_lokr_files_load_in_diffusers_and_give_our_image(base, trained, lokr_pip
     path = tmp_path / f"{layout}.safetensors"
     if layout == "converted":
         write_lora_file(tmp_path / "source.safetensors", lokr, mx.float32, layout="diffusers")
-        assert main(["lora", "convert", str(tmp_path / "source.safetensors"), "-o", str(path), "--format", "comfyui"]) == 0
+        assert (
+            main(["lora", "convert", str(tmp_path / "source.safetensors"), "-o", str(path), "--format", "comfyui"]) == 0
+        )
         assert not any(k.endswith((".alpha", "_a", "_b")) for k in mx.load(str(path)))  # factors whole, scale 1
     else:
         write_lora_file(path, lokr, mx.float32, layout=layout)
@@ -192,13 +232,16 @@ def test_lokr_files_load_in_diffusers_and_give_our_image(base, trained, lokr_pip
         lokr_pipe.delete_adapters(layout)
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--adapter", "loha"], ["adapter must be one of lora, lokr", "'loha'"]),
-    (["--adapter", "lokr", "--lokr-factor", "0"], ["lokr-factor", "-1"]),
-    (["--adapter", "lokr", "--lokr-factor", "-2"], ["lokr-factor"]),
-    (["--adapter", "lokr", "--targets", "to_q"], ["whole layers", "img_attn.qkv"]),
-    (["--adapter", "lokr", "--format", "kohya"], ["comfyui or diffusers", "kohya"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--adapter", "loha"], ["adapter must be one of lora, lokr", "'loha'"]),
+        (["--adapter", "lokr", "--lokr-factor", "0"], ["lokr-factor", "-1"]),
+        (["--adapter", "lokr", "--lokr-factor", "-2"], ["lokr-factor"]),
+        (["--adapter", "lokr", "--targets", "to_q"], ["whole layers", "img_attn.qkv"]),
+        (["--adapter", "lokr", "--format", "kohya"], ["comfyui or diffusers", "kohya"]),
+    ],
+)
 def test_bad_lokr_options_are_one_line_before_any_model_loads(base, data, tmp_path, capsys, monkeypatch, args, words):
     import flux_klein_mlx.train.trainer as trainer
     from flux_klein_mlx.__main__ import main

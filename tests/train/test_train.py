@@ -26,19 +26,24 @@ import torch
 from mlx.utils import tree_flatten
 from PIL import Image
 from refs import (
-    diffusers_lighthouse, diffusers_pipeline, diffusers_pipeline_for_loras, diffusers_prompt_embeds, our_lighthouse,
-    rel_err, to_np,
+    diffusers_lighthouse,
+    diffusers_pipeline,
+    diffusers_pipeline_for_loras,
+    diffusers_prompt_embeds,
+    our_lighthouse,
+    rel_err,
+    to_np,
 )
 from tiny_model import SCHEDULER
 
 import flux_klein_mlx
 from flux_klein_mlx.loading import describe, load_component
-from flux_klein_mlx.train.adapters import attach_lora, parse_targets, write_lora_file
 from flux_klein_mlx.models.rope import image_ids, text_ids
+from flux_klein_mlx.train.adapters import attach_lora, parse_targets, write_lora_file
 from flux_klein_mlx.train.objective import flow_loss, make_optimizer, optimizer_step, shift_mu, sigmas_from_draws
 from flux_klein_mlx.train.plan import plan_run
-from flux_klein_mlx.train.trainer import StepFinished, TrainFinished, Trainer
 from flux_klein_mlx.train.settings import TrainSettings
+from flux_klein_mlx.train.trainer import StepFinished, Trainer, TrainFinished
 
 RANK, ALPHA = 4, 8.0  # scale 2: a wrong alpha/rank factor shows
 CAPTION = "a striped test card"
@@ -72,7 +77,8 @@ def data(tmp_path_factory):
 def diffusers_loss(transformer, x0, noise, idx, ctx, cond=None):
     """diffusers' klein trainer loss (D-kt `main`; with `cond`, D-ki's edit sequence) for injected
     latents x0 / noise (B, C, h, w), scheduler indices `idx` and prompt embeddings ctx (B, Lt, E)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline as P
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers import Flux2KleinPipeline as P
 
     sched = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
     timesteps = sched.timesteps[idx]
@@ -83,8 +89,15 @@ def diffusers_loss(transformer, x0, noise, idx, ctx, cond=None):
     if cond is not None:
         cond_ids = P._prepare_image_ids([cond[0:1]]).expand(cond.shape[0], -1, -1)
         hidden, img_ids = torch.cat([packed, P._pack_latents(cond)], 1), torch.cat([ids, cond_ids], 1)
-    pred = transformer(hidden_states=hidden, timestep=timesteps / 1000, guidance=None, encoder_hidden_states=ctx,
-                       txt_ids=P._prepare_text_ids(ctx), img_ids=img_ids, return_dict=False)[0]  # fmt: skip
+    pred = transformer(
+        hidden_states=hidden,
+        timestep=timesteps / 1000,
+        guidance=None,
+        encoder_hidden_states=ctx,
+        txt_ids=P._prepare_text_ids(ctx),
+        img_ids=img_ids,
+        return_dict=False,
+    )[0]
     pred = P._unpack_latents_with_ids(pred[:, : packed.size(1)], ids)
     target = noise - x0
     return torch.mean(((pred.float() - target.float()) ** 2).reshape(x0.shape[0], -1), 1).mean()
@@ -105,8 +118,9 @@ def pair(snap):
     slots = parse_targets("all", model.params)
     lora = attach_lora(model, slots, RANK, ALPHA, np.random.default_rng(1))
     ref = Flux2Transformer2DModel.from_pretrained(snap / "transformer", dtype=torch.float32).eval()
-    ref.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, init_lora_weights="gaussian",
-                               target_modules=[s.name for s in slots]))  # fmt: skip
+    ref.add_adapter(
+        LoraConfig(r=RANK, lora_alpha=ALPHA, init_lora_weights="gaussian", target_modules=[s.name for s in slots])
+    )
     g = np.random.default_rng(2)
     values = {}
     for s in slots:
@@ -137,8 +151,10 @@ def our_loss_and_grads(model, lora, x0, noise, ctx, u, cond, checkpoint=False):
     ids = [image_ids(h, w)] + ([image_ids(h, w, t=10)] if cond is not None else [])
     rope = model.compute_rope(text_ids(ctx.shape[1]), mx.concatenate(ids, axis=0))
     refs = tokens(cond) if cond is not None else None
-    f = nn.value_and_grad(model, lambda: flow_loss(model, tokens(x0), tokens(noise), sigma, mx.array(ctx), rope, refs,
-                                                   checkpoint=checkpoint))
+    f = nn.value_and_grad(
+        model,
+        lambda: flow_loss(model, tokens(x0), tokens(noise), sigma, mx.array(ctx), rope, refs, checkpoint=checkpoint),
+    )
     loss, grads = f()
     return loss, dict(tree_flatten(grads))
 
@@ -160,14 +176,20 @@ def test_loss_and_every_gradient_equal_diffusers_peft_and_autograd(pair, edit):
     names = set()
     for name, (pa, pb) in lora.paths().items():
         m = ref.get_submodule(name)
-        for ours, theirs in ((grads[pa], m.lora_A["default"].weight.grad), (grads[pb], m.lora_B["default"].weight.grad)):
+        for ours, theirs in (
+            (grads[pa], m.lora_A["default"].weight.grad),
+            (grads[pb], m.lora_B["default"].weight.grad),
+        ):
             o, r = to_np(ours).ravel(), theirs.numpy().ravel()
             assert rel_err(ours, theirs) <= 1e-4, name
             assert o @ r / (np.linalg.norm(o) * np.linalg.norm(r)) >= 0.99999, name
         names.add(name)
     # every slot of both streams, the q/k/v row blocks of the fused qkv as three adapters
-    assert {"transformer_blocks.1.attn.to_k", "transformer_blocks.0.attn.add_v_proj",
-            "single_transformer_blocks.1.attn.to_qkv_mlp_proj"} <= names  # fmt: skip
+    assert {
+        "transformer_blocks.1.attn.to_k",
+        "transformer_blocks.0.attn.add_v_proj",
+        "single_transformer_blocks.1.attn.to_qkv_mlp_proj",
+    } <= names
     assert len(names) == len(lora.slots) == 2 * 12 + 2 * 2
 
 
@@ -186,11 +208,15 @@ def test_bf16_loss_and_gradients_follow_diffusers(snap, pair):
     x0, noise, ctx, u, idx, _ = batch(False)
     loss, grads = our_loss_and_grads(model, lora, x0, noise, ctx, u, None)
     t = lambda a, dt: torch.from_numpy(a).to(dt)  # noqa: E731
-    ref_loss = diffusers_loss(ref, t(x0, torch.bfloat16), t(noise, torch.bfloat16), torch.from_numpy(idx), t(ctx, torch.bfloat16))
+    ref_loss = diffusers_loss(
+        ref, t(x0, torch.bfloat16), t(noise, torch.bfloat16), torch.from_numpy(idx), t(ctx, torch.bfloat16)
+    )
     ref_loss.backward()
     assert abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()) <= 2e-2
     ref32.zero_grad()
-    diffusers_loss(ref32, t(x0, torch.float32), t(noise, torch.float32), torch.from_numpy(idx), t(ctx, torch.float32)).backward()
+    diffusers_loss(
+        ref32, t(x0, torch.float32), t(noise, torch.float32), torch.from_numpy(idx), t(ctx, torch.float32)
+    ).backward()
     cos = lambda a, b: float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))  # noqa: E731
     ours_vs_truth, theirs_vs_truth = [], []
     for name, (pa, pb) in lora.paths().items():
@@ -209,7 +235,10 @@ def test_targets_presets_enumerate_the_model_and_refuse_what_matches_nothing(pai
     params = pair[0].params
     names = lambda t: [s.name for s in parse_targets(t, params)]  # noqa: E731
     assert names("double") == [n for n in names("all") if n.startswith("transformer_blocks.")]
-    assert names("single:1-1") == ["single_transformer_blocks.1.attn.to_qkv_mlp_proj", "single_transformer_blocks.1.attn.to_out"]
+    assert names("single:1-1") == [
+        "single_transformer_blocks.1.attn.to_qkv_mlp_proj",
+        "single_transformer_blocks.1.attn.to_out",
+    ]
     assert len(names("attention")) == 2 * 8 + 2 * 2  # q, k, v, out of both streams; the single blocks' two
     assert names("img_attn.qkv") == names("to_q,to_k,to_v")
     assert "transformer_blocks.0.attn.to_out.0" not in names("attn.to_out")  # suffix at a dot, as PEFT matches
@@ -231,7 +260,9 @@ def test_qlora_side_path_on_quantized_layers_matches_the_dequantized_model(snap)
             dequantize_model(model)
         lora = attach_lora(model, parse_targets("all", model.params), RANK, ALPHA, np.random.default_rng(1))
         g = np.random.default_rng(4)
-        lora.load({k: mx.array(0.1 * g.standard_normal(v.shape).astype(np.float32)) for k, v in lora.arrays().items()}, "t")
+        lora.load(
+            {k: mx.array(0.1 * g.standard_normal(v.shape).astype(np.float32)) for k, v in lora.arrays().items()}, "t"
+        )
         if not dequant:
             assert isinstance(model.double_blocks[0].img_attn.qkv.base, nn.QuantizedLinear)
         out.append(our_loss_and_grads(model, lora, x0, noise, ctx, u, None))
@@ -244,7 +275,9 @@ def test_adamw_and_clipping_equal_torch_for_one_and_five_steps():
     g = np.random.default_rng(7)
     shapes = [(4, 24), (40, 4), (4, 64)]
     start = [g.standard_normal(s).astype(np.float32) for s in shapes]
-    grads = [[(g.standard_normal(s) * scale).astype(np.float32) for s in shapes] for scale in (2.0, 0.01, 1.0, 0.3, 5.0)]
+    grads = [
+        [(g.standard_normal(s) * scale).astype(np.float32) for s in shapes] for scale in (2.0, 0.01, 1.0, 0.3, 5.0)
+    ]
 
     class Params(nn.Module):
         def __init__(self):
@@ -258,12 +291,12 @@ def test_adamw_and_clipping_equal_torch_for_one_and_five_steps():
     for step, gs in enumerate(grads, start=1):
         optimizer_step(opt, ours, {"p": [mx.array(x) for x in gs]}, 1.0)
         mx.eval(ours.parameters())
-        for p, x in zip(theirs, gs):
+        for p, x in zip(theirs, gs, strict=True):
             p.grad = torch.from_numpy(x.copy())
         torch.nn.utils.clip_grad_norm_(theirs, 1.0)
         topt.step()
         if step in (1, 5):
-            for a, b, a0 in zip(ours.p, theirs, start):
+            for a, b, a0 in zip(ours.p, theirs, start, strict=True):
                 b = b.detach().numpy()
                 assert np.abs(to_np(a) - b).max() <= 1e-6 * max(1.0, np.abs(b).max())  # training.md (f): rel 1e-6
                 # the updates themselves agree (a wrong bias correction or weight decay is far outside this)
@@ -283,7 +316,9 @@ def test_sigma_sampling_equals_diffusers_scheduler_and_musubi_flux2_shift():
     assert np.array_equal(sigmas_from_draws("uniform", u, 1024), ref)
     # logit-normal: diffusers' own draw, its normals recovered from the same generator
     n = torch.normal(0.0, 1.0, size=(2000,), generator=torch.Generator().manual_seed(3))
-    uref = compute_density_for_timestep_sampling("logit_normal", 2000, 0.0, 1.0, generator=torch.Generator().manual_seed(3))
+    uref = compute_density_for_timestep_sampling(
+        "logit_normal", 2000, 0.0, 1.0, generator=torch.Generator().manual_seed(3)
+    )
     ref = sched.sigmas[(uref * 1000).long()].numpy()
     assert (sigmas_from_draws("logit-normal", n.numpy(), 1024) == ref).mean() >= 0.999  # float32 sigmoid ulps at k/1000
     # shift: musubi's flux2_shift (trainer_base.py) for the token count h*w of the patchified latents
@@ -307,12 +342,14 @@ def test_cached_latents_equal_diffusers_vae_patchify_and_batchnorm(snap, data, r
 
     from flux_klein_mlx.train.data import load_pixels
 
-    plan = plan_run(TrainSettings(model=snap, data=data[0], output=tmp_path / "x.safetensors", resolution=64, dtype="float32"))
+    plan = plan_run(
+        TrainSettings(model=snap, data=data[0], output=tmp_path / "x.safetensors", resolution=64, dtype="float32")
+    )
     trainer = Trainer(plan)
     trainer.cache_latents()
     vae = ref_pipe.vae
     std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-    for it, ours in zip(plan.items, trainer.latents):
+    for it, ours in zip(plan.items, trainer.latents, strict=True):
         px = torch.from_numpy(load_pixels(it.image.path, it.bucket)).permute(2, 0, 1)[None]
         with torch.no_grad():
             z = P._patchify_latents(vae.encode(px).latent_dist.mode())
@@ -356,8 +393,19 @@ def test_short_training_lowers_diffusers_own_objective(snap, data, ref_pipe, tmp
     one.mkdir()
     shutil.copy(data[0] / "im0.png", one / "im0.png")
     out = tmp_path / "one.safetensors"
-    events = run(model=snap, data=one, caption=CAPTION, output=out, steps=40, lr=2e-3, rank=4,
-                 resolution=64, dtype="float32", timesteps="uniform", save_every=None)  # fmt: skip
+    events = run(
+        model=snap,
+        data=one,
+        caption=CAPTION,
+        output=out,
+        steps=40,
+        lr=2e-3,
+        rank=4,
+        resolution=64,
+        dtype="float32",
+        timesteps="uniform",
+        save_every=None,
+    )
     assert isinstance(events[-1], TrainFinished) and events[-1].output == out
     with torch.no_grad():
         px = torch.from_numpy(load_pixels(one / "im0.png", (64, 64))).permute(2, 0, 1)[None]
@@ -382,8 +430,18 @@ def test_short_training_lowers_diffusers_own_objective(snap, data, ref_pipe, tmp
 def test_resume_is_bit_exact_with_controls_batches_and_accumulation(snap, data, tmp_path):
     """In bf16 (the default dtype, no quantization): 2 steps + resume to 4 == 4 steps straight, bit for bit;
     an edit LoRA (a control folder) with batches of 2 over two buckets and 2 micro-batches per step."""
-    common = dict(model=snap, data=data[0], controls=[data[1]], rank=4, resolution=64, batch_size=2,
-                  grad_accum=2, timesteps="logit-normal", save_every=2, keep_checkpoints=5)  # fmt: skip
+    common = dict(
+        model=snap,
+        data=data[0],
+        controls=[data[1]],
+        rank=4,
+        resolution=64,
+        batch_size=2,
+        grad_accum=2,
+        timesteps="logit-normal",
+        save_every=2,
+        keep_checkpoints=5,
+    )
     straight = run(output=tmp_path / "straight.safetensors", steps=4, **common)
     first = run(output=tmp_path / "first.safetensors", steps=2, work_dir=tmp_path / "resumed", **common)
     second = run(output=tmp_path / "second.safetensors", steps=4, work_dir=tmp_path / "resumed", resume=True, **common)
@@ -392,8 +450,10 @@ def test_resume_is_bit_exact_with_controls_batches_and_accumulation(snap, data, 
     assert [e for e in second if type(e).__name__ == "TrainStarted"][0].first_step == 3
     a, b = (mx.load(str(tmp_path / f"{n}.safetensors")) for n in ("straight", "second"))
     assert a.keys() == b.keys() and all(np.array_equal(to_np(a[k]), to_np(b[k])) for k in a)
-    oa, ob = (mx.load(str(d / "checkpoint-000004" / "optimizer.safetensors")) for d in
-              (tmp_path / "straight.train", tmp_path / "resumed"))  # fmt: skip
+    oa, ob = (
+        mx.load(str(d / "checkpoint-000004" / "optimizer.safetensors"))
+        for d in (tmp_path / "straight.train", tmp_path / "resumed")
+    )
     assert all(np.array_equal(np.array(oa[k]), np.array(ob[k])) for k in oa)
     state = json.loads((tmp_path / "resumed" / "checkpoint-000004" / "state.json").read_text())
     assert state["step"] == 4 and len(state["losses"]) == 4
@@ -407,9 +467,33 @@ def test_cli_default_bf16_4bit_run_with_samples_progress_loss_plot_and_train_jso
     from flux_klein_mlx.__main__ import main
 
     out = tmp_path / "cli.safetensors"
-    rc = main(["train", "--model", str(snap), "--data", str(data[0]), "--output", str(out), "--steps", "2",
-               "--rank", "4", "--resolution", "64", "--quantize", "4", "--save-every", "1", "--sample-every", "2",
-               "--sample-prompt", CAPTION, "--sample-steps", "1"])  # fmt: skip
+    rc = main(
+        [
+            "train",
+            "--model",
+            str(snap),
+            "--data",
+            str(data[0]),
+            "--output",
+            str(out),
+            "--steps",
+            "2",
+            "--rank",
+            "4",
+            "--resolution",
+            "64",
+            "--quantize",
+            "4",
+            "--save-every",
+            "1",
+            "--sample-every",
+            "2",
+            "--sample-prompt",
+            CAPTION,
+            "--sample-steps",
+            "1",
+        ]
+    )
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     lines = [line for line in cap.err.splitlines() if line.startswith("step ")]
@@ -463,13 +547,14 @@ def test_benchmark_attention_stand_in_allocates_what_mlx_unfused_attention_does(
 def test_low_memory_checkpointing_frees_each_block():
     """--low-memory keeps one block's activations at a time: the peak grows with depth far less than
     without checkpointing (MLX's nn.utils.checkpoint did not achieve this on the single blocks)."""
-    from flux_klein_mlx.models.config import FluxKleinParams
     from flux_klein_mlx.bench.random_model import randomize
+    from flux_klein_mlx.models.config import FluxKleinParams
     from flux_klein_mlx.models.transformer import FluxKlein
 
     def peak(n_single: int, checkpoint: bool) -> int:
-        p = FluxKleinParams(hidden_size=128, num_heads=1, axes_dim=(32, 32, 32, 32), context_in_dim=64, depth=0,
-                            depth_single=n_single)  # fmt: skip
+        p = FluxKleinParams(
+            hidden_size=128, num_heads=1, axes_dim=(32, 32, 32, 32), context_in_dim=64, depth=0, depth_single=n_single
+        )
         model = FluxKlein(p)
         randomize(model, mx.float32, 0)
         attach_lora(model, parse_targets("all", p), 4, 4.0, np.random.default_rng(0))
@@ -477,7 +562,9 @@ def test_low_memory_checkpointing_frees_each_block():
         x0 = mx.array(g.standard_normal((1, 32 * 32, 128)).astype(np.float32))
         ctx = mx.array(g.standard_normal((1, 64, 64)).astype(np.float32))
         rope = model.compute_rope(text_ids(64), image_ids(32, 32))
-        f = nn.value_and_grad(model, lambda: flow_loss(model, x0, x0, mx.array([0.5]), ctx, rope, checkpoint=checkpoint))
+        f = nn.value_and_grad(
+            model, lambda: flow_loss(model, x0, x0, mx.array([0.5]), ctx, rope, checkpoint=checkpoint)
+        )
         mx.eval(f())
         mx.synchronize()
         mx.clear_cache()

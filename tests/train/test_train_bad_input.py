@@ -24,16 +24,15 @@ from PIL import Image
 
 import flux_klein_mlx
 import flux_klein_mlx.train.trainer as train_module
-from flux_klein_mlx.train import state as train_state
 from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.loading import describe
-from flux_klein_mlx.train.adapters import parse_targets
-from flux_klein_mlx.train.adapters import lora_file_shapes
-from flux_klein_mlx.train.plan import data_key, plan_run, run_key
-from flux_klein_mlx.train.trainer import CheckpointSaved, TrainFinished
+from flux_klein_mlx.train import state as train_state
+from flux_klein_mlx.train.adapters import lora_file_shapes, parse_targets
 from flux_klein_mlx.train.data import bucket_size, scan_data
+from flux_klein_mlx.train.plan import data_key, plan_run, run_key
 from flux_klein_mlx.train.settings import TrainSettings
+from flux_klein_mlx.train.trainer import CheckpointSaved, TrainFinished
 
 
 @pytest.fixture(scope="module")
@@ -85,15 +84,18 @@ def base_args(snap, data, out) -> list[str]:
     return ["--model", str(snap), "--data", str(data), "--output", str(out), "--resolution", "64", "--rank", "4"]
 
 
-@pytest.mark.parametrize("layout, words", [
-    ("missing", ["does not exist"]),
-    ("file", ["is a file"]),
-    ("empty", ["holds no images"]),
-    ("corrupt", ["im1.png"]),
-    ("uncaptioned", ["no caption", "im0.png", "--caption"]),
-    ("control-missing", ["--control", "im1"]),
-    ("tiny-image", ["im0.png", "at least 64 px"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "layout, words",
+    [
+        ("missing", ["does not exist"]),
+        ("file", ["is a file"]),
+        ("empty", ["holds no images"]),
+        ("corrupt", ["im1.png"]),
+        ("uncaptioned", ["no caption", "im0.png", "--caption"]),
+        ("control-missing", ["--control", "im1"]),
+        ("tiny-image", ["im0.png", "at least 64 px"]),
+    ],
+)
 def test_bad_data_refused_naming_the_file(capsys, snap, tmp_path, no_models, layout, words):
     data = tmp_path / "data"
     extra = []
@@ -114,16 +116,31 @@ def test_bad_data_refused_naming_the_file(capsys, snap, tmp_path, no_models, lay
     refused(capsys, tmp_path, base_args(snap, data, tmp_path / "out.safetensors") + extra, *words)
 
 
-@pytest.mark.parametrize("option, value, words", [
-    ("--rank", "0", ["rank", "[1, 1024]"]), ("--rank", "5000", ["rank"]), ("--steps", "0", ["steps"]),
-    ("--lr", "0", ["lr"]), ("--lr", "-1e-4", ["lr"]), ("--lr", "nan", ["lr"]), ("--lr", "2", ["lr"]),
-    ("--alpha", "0", ["alpha"]), ("--batch-size", "0", ["batch-size"]), ("--grad-accum", "0", ["grad-accum"]),
-    ("--resolution", "32", ["resolution"]), ("--weight-decay", "-1", ["weight-decay"]),
-    ("--max-grad-norm", "0", ["max-grad-norm"]), ("--save-every", "0", ["save-every"]),
-    ("--keep-checkpoints", "0", ["keep-checkpoints"]), ("--seed", "-1", ["seed"]),
-    ("--sample-every", "5", ["--sample-prompt"]), ("--targets", "double:0-9", ["--targets", "2 double blocks"]),
-    ("--targets", "to_nowhere", ["--targets to_nowhere", "matches no layer"]), ("--caption", " ", ["--caption"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "option, value, words",
+    [
+        ("--rank", "0", ["rank", "[1, 1024]"]),
+        ("--rank", "5000", ["rank"]),
+        ("--steps", "0", ["steps"]),
+        ("--lr", "0", ["lr"]),
+        ("--lr", "-1e-4", ["lr"]),
+        ("--lr", "nan", ["lr"]),
+        ("--lr", "2", ["lr"]),
+        ("--alpha", "0", ["alpha"]),
+        ("--batch-size", "0", ["batch-size"]),
+        ("--grad-accum", "0", ["grad-accum"]),
+        ("--resolution", "32", ["resolution"]),
+        ("--weight-decay", "-1", ["weight-decay"]),
+        ("--max-grad-norm", "0", ["max-grad-norm"]),
+        ("--save-every", "0", ["save-every"]),
+        ("--keep-checkpoints", "0", ["keep-checkpoints"]),
+        ("--seed", "-1", ["seed"]),
+        ("--sample-every", "5", ["--sample-prompt"]),
+        ("--targets", "double:0-9", ["--targets", "2 double blocks"]),
+        ("--targets", "to_nowhere", ["--targets to_nowhere", "matches no layer"]),
+        ("--caption", " ", ["--caption"]),
+    ],
+)
 def test_out_of_range_settings_refused(capsys, snap, tmp_path, no_models, option, value, words):
     data = make_images(tmp_path / "data")
     refused(capsys, tmp_path, base_args(snap, data, tmp_path / "out.safetensors") + [option, value], *words)
@@ -137,7 +154,9 @@ def test_existing_output_is_never_overwritten(capsys, snap, tmp_path, no_models)
     assert out.read_bytes() == b"precious"
 
 
-@pytest.mark.parametrize("name, words", [("lora.ckpt", [".safetensors"]), ("nowhere/lora.safetensors", ["does not exist"])])
+@pytest.mark.parametrize(
+    "name, words", [("lora.ckpt", [".safetensors"]), ("nowhere/lora.safetensors", ["does not exist"])]
+)
 def test_output_name_and_folder_checked(capsys, snap, tmp_path, no_models, name, words):
     data = make_images(tmp_path / "data")
     refused(capsys, tmp_path, base_args(snap, data, tmp_path / name), *words)
@@ -154,9 +173,16 @@ def fake_checkpoint(work: Path, settings: TrainSettings, step: int = 2) -> Path:
     optimizer = {"step": mx.array(step), "learning_rate": mx.array(s.lr)}
     for i, shape in enumerate(shapes.values()):
         optimizer[f"p{i}.m"], optimizer[f"p{i}.v"] = mx.zeros(shape), mx.zeros(shape)
-    state = {"step": step, "epoch": 1, "batches": [[i] for i in range(len(items))], "position": 1,
-             "rng": np.random.default_rng(0).bit_generator.state, "losses": [0.5] * step,
-             "run_key": run_key(s, info), "data": data_key(items)}  # fmt: skip
+    state = {
+        "step": step,
+        "epoch": 1,
+        "batches": [[i] for i in range(len(items))],
+        "position": 1,
+        "rng": np.random.default_rng(0).bit_generator.state,
+        "losses": [0.5] * step,
+        "run_key": run_key(s, info),
+        "data": data_key(items),
+    }
     work.parent.mkdir(parents=True, exist_ok=True)
     train_state.claim_work_dir(work)  # as a run does before its first checkpoint
     return train_state.write_checkpoint(work, step, (lora, {"format": "pt"}), optimizer, state, keep=100)
@@ -165,7 +191,9 @@ def fake_checkpoint(work: Path, settings: TrainSettings, step: int = 2) -> Path:
 def test_resume_refuses_another_runs_checkpoints_naming_the_differences(capsys, snap, tmp_path, no_models):
     data = make_images(tmp_path / "data")
     out = tmp_path / "out.safetensors"
-    fake_checkpoint(tmp_path / "out.train", TrainSettings(model=str(snap), data=data, output=out, resolution=64, rank=8))
+    fake_checkpoint(
+        tmp_path / "out.train", TrainSettings(model=str(snap), data=data, output=out, resolution=64, rank=8)
+    )
     refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume"], "other settings", "rank: 8 there, 4 now")
     (data / "im0.txt").write_text("another caption")
     refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume", "--rank", "8"], "data")
@@ -175,7 +203,9 @@ def test_work_folder_with_checkpoints_needs_resume_and_resume_needs_checkpoints(
     data = make_images(tmp_path / "data")
     out = tmp_path / "out.safetensors"
     refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume"], "no checkpoint")
-    fake_checkpoint(tmp_path / "out.train", TrainSettings(model=str(snap), data=data, output=out, resolution=64, rank=4))
+    fake_checkpoint(
+        tmp_path / "out.train", TrainSettings(model=str(snap), data=data, output=out, resolution=64, rank=4)
+    )
     refused(capsys, tmp_path, base_args(snap, data, out), "--resume", "step 2")
     refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume", "--steps", "1"], "past --steps 1")
 
@@ -193,7 +223,9 @@ def linked_snapshot(snap: Path, dst: Path, **index) -> Path:
 def test_kv_model_refused_and_distilled_model_warned(capsys, snap, tmp_path, no_models):
     data = make_images(tmp_path / "data")
     kv = linked_snapshot(snap, tmp_path / "kv", _class_name="Flux2KleinKVPipeline")
-    refused(capsys, tmp_path, base_args(kv, data, tmp_path / "o.safetensors"), "cannot be trained", "FLUX.2-klein-base-9B")
+    refused(
+        capsys, tmp_path, base_args(kv, data, tmp_path / "o.safetensors"), "cannot be trained", "FLUX.2-klein-base-9B"
+    )
     distilled = linked_snapshot(snap, tmp_path / "distilled", is_distilled=True)
     with pytest.warns(UserWarning, match="not recommended.*black-forest-labs/FLUX.2-klein-base-4B"):
         plan_run(TrainSettings(model=distilled, data=data, output=tmp_path / "o.safetensors", resolution=64))
@@ -228,9 +260,15 @@ def test_check_changes_nothing_and_returns_the_resolved_copy(tmp_path):
 def test_python_api_refuses_alike_before_anything_runs(snap, tmp_path, no_models):
     data = make_images(tmp_path / "data", captions=False)
     out = tmp_path / "o.safetensors"
-    for kw, words in (({"rank": 4.5}, "rank"), ({"rank": True}, "rank"), ({"steps": "10"}, "steps"),
-                      ({"timesteps": "cosmap"}, "timesteps"), ({"quantize": 3}, "4 or 8"), ({"wieght_decay": 0.1}, "unknown"),
-                      ({}, "no caption")):  # fmt: skip
+    for kw, words in (
+        ({"rank": 4.5}, "rank"),
+        ({"rank": True}, "rank"),
+        ({"steps": "10"}, "steps"),
+        ({"timesteps": "cosmap"}, "timesteps"),
+        ({"quantize": 3}, "4 or 8"),
+        ({"wieght_decay": 0.1}, "unknown"),
+        ({}, "no caption"),
+    ):
         with pytest.raises(FluxKleinError, match=words):
             flux_klein_mlx.train_lora(model=snap, data=data, output=out, resolution=64, **kw)
     plan = plan_run(TrainSettings(model=snap, data=data, output=out, caption="a trigger word", resolution=64))
@@ -284,15 +322,29 @@ def test_a_disk_that_fills_keeps_the_last_good_checkpoint_and_resume_continues(s
 
         monkeypatch.setattr(train_state, "save_safetensors_streaming", writer)
     try:
-        kw = dict(model=snap, data=data, output=out, work_dir=work, steps=3, save_every=1, rank=4, resolution=64,
-                  dtype="float32", keep_checkpoints=3)  # fmt: skip
+        kw = dict(
+            model=snap,
+            data=data,
+            output=out,
+            work_dir=work,
+            steps=3,
+            save_every=1,
+            rank=4,
+            resolution=64,
+            dtype="float32",
+            keep_checkpoints=3,
+        )
         message = r"cannot write checkpoint checkpoint-000002 .*checkpoint-000001 \(step 1\).*--resume"
         with pytest.raises(FluxKleinError, match=message):
             for ev in flux_klein_mlx.train_lora(**kw):
                 if isinstance(ev, CheckpointSaved) and ev.step == 1:
                     fill(work) if real else full.append(True)
         assert sorted(p.name for p in work.iterdir() if p.name != "filler") == [
-            train_state.WORK_MARKER, "checkpoint-000001", "loss.png", "train.json"]
+            train_state.WORK_MARKER,
+            "checkpoint-000001",
+            "loss.png",
+            "train.json",
+        ]
         assert json.loads((work / "checkpoint-000001" / "state.json").read_text())["step"] == 1
         assert not out.exists()
         (work / "filler").unlink(missing_ok=True)
@@ -342,8 +394,13 @@ def test_unusable_work_folder_refused(capsys, snap, tmp_path, no_models):
     else:
         read_only.chmod(0o555)
     try:
-        refused(capsys, tmp_path, base_args(snap, data, out) + ["--work-dir", str(read_only / "run")],
-                "cannot write in", "choose a folder you can write to")  # fmt: skip
+        refused(
+            capsys,
+            tmp_path,
+            base_args(snap, data, out) + ["--work-dir", str(read_only / "run")],
+            "cannot write in",
+            "choose a folder you can write to",
+        )
     finally:
         if os.geteuid() == 0:
             subprocess.run(["umount", str(read_only)], capture_output=True)
@@ -376,8 +433,13 @@ def test_a_work_folder_of_other_files_is_refused_naming_them(capsys, snap, tmp_p
     (theirs / "train.json").write_text('{"their": "record"}')
     (theirs / "loss.png").write_bytes(b"their plot")
     args = base_args(snap, data, out) + ["--work-dir", str(theirs)]
-    refused(capsys, tmp_path, args, f"--work-dir {theirs} holds files this program did not write (loss.png, train.json)",
-            "new or empty folder")  # fmt: skip
+    refused(
+        capsys,
+        tmp_path,
+        args,
+        f"--work-dir {theirs} holds files this program did not write (loss.png, train.json)",
+        "new or empty folder",
+    )
     ours = tmp_path / "ours"  # a folder of ours holding a file of the user's: named too
     train_state.claim_work_dir(ours)
     (ours / "notes.txt").write_text("mine")
@@ -411,11 +473,18 @@ def test_two_runs_never_share_a_work_folder_and_a_stale_lock_is_taken_over(capsy
     first.close()  # the run ends: the folder is free, no lock stays
     assert not (tmp_path / "out.train" / "train.lock").exists()
     # another process holds the folder; killed (SIGKILL), it leaves its lock file behind, and the kernel drops its flock
-    code = ("import sys; from pathlib import Path; from flux_klein_mlx.train.state import acquire_lock; "
-            "acquire_lock(Path(sys.argv[1])); print('held', flush=True); sys.stdin.read()")  # fmt: skip
+    code = (
+        "import sys; from pathlib import Path; from flux_klein_mlx.train.state import acquire_lock; "
+        "acquire_lock(Path(sys.argv[1])); print('held', flush=True); sys.stdin.read()"
+    )
     env = {**os.environ, "PYTHONPATH": str(Path(flux_klein_mlx.__file__).parents[1])}
-    with subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "out.train")], stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, text=True, env=env) as holder:  # fmt: skip
+    with subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path / "out.train")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    ) as holder:
         try:
             assert holder.stdout.readline().strip() == "held"
             refused(capsys, tmp_path, base_args(snap, data, out), "in use by another training run", f"pid {holder.pid}")
@@ -457,12 +526,19 @@ def damage(folder: Path, kind: str, other: Path) -> None:
         shutil.copy(other / "optimizer.safetensors", folder / "optimizer.safetensors")
 
 
-@pytest.mark.parametrize("kind, why", [
-    ("truncated-lora", "lora.safetensors is cut short"), ("missing-optimizer", "optimizer.safetensors is missing"),
-    ("missing-state", "state.json is missing"), ("state-types", "position is '1'"),
-    ("state-values", "losses is not a list of 4 numbers"), ("state-not-json", "state.json cannot be read"),
-    ("another-runs-lora", "another run's file"), ("another-runs-optimizer", "this run's adapters need"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind, why",
+    [
+        ("truncated-lora", "lora.safetensors is cut short"),
+        ("missing-optimizer", "optimizer.safetensors is missing"),
+        ("missing-state", "state.json is missing"),
+        ("state-types", "position is '1'"),
+        ("state-values", "losses is not a list of 4 numbers"),
+        ("state-not-json", "state.json cannot be read"),
+        ("another-runs-lora", "another run's file"),
+        ("another-runs-optimizer", "this run's adapters need"),
+    ],
+)
 def test_damaged_checkpoint_named_before_any_model_loads(capsys, snap, tmp_path, no_models, kind, why):
     data = make_images(tmp_path / "data")
     out = tmp_path / "out.safetensors"
@@ -471,8 +547,15 @@ def test_damaged_checkpoint_named_before_any_model_loads(capsys, snap, tmp_path,
     latest = fake_checkpoint(tmp_path / "out.train", TrainSettings(**settings), step=4)
     other = fake_checkpoint(tmp_path / "other", TrainSettings(**{**settings, "rank": 8}), step=4)
     damage(latest, kind, other)
-    err = refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume"], "checkpoint-000004", "is damaged", why,
-                  "delete that folder to continue from checkpoint-000002 with --resume")  # fmt: skip
+    err = refused(
+        capsys,
+        tmp_path,
+        base_args(snap, data, out) + ["--resume"],
+        "checkpoint-000004",
+        "is damaged",
+        why,
+        "delete that folder to continue from checkpoint-000002 with --resume",
+    )
     assert "download" not in err
     shutil.rmtree(tmp_path / "out.train" / "checkpoint-000002")  # no earlier one: start anew
     refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume"], "is damaged", "start anew without --resume")
@@ -481,9 +564,16 @@ def test_damaged_checkpoint_named_before_any_model_loads(capsys, snap, tmp_path,
 def test_resume_of_a_finished_run_says_so_and_writes_nothing(capsys, snap, tmp_path, no_models):
     data = make_images(tmp_path / "data")
     out = tmp_path / "out.safetensors"
-    fake_checkpoint(tmp_path / "out.train", TrainSettings(model=str(snap), data=data, output=out, resolution=64, rank=4))
-    refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume", "--steps", "2"],
-            "already at step 2 of 2", "raise --steps")  # fmt: skip
+    fake_checkpoint(
+        tmp_path / "out.train", TrainSettings(model=str(snap), data=data, output=out, resolution=64, rank=4)
+    )
+    refused(
+        capsys,
+        tmp_path,
+        base_args(snap, data, out) + ["--resume", "--steps", "2"],
+        "already at step 2 of 2",
+        "raise --steps",
+    )
 
 
 def test_model_file_refused_with_what_train_needs(capsys, snap, tmp_path, no_models):
@@ -500,7 +590,13 @@ def test_model_file_refused_with_what_train_needs(capsys, snap, tmp_path, no_mod
 def test_control_folder_that_is_the_data_folder_refused(capsys, snap, tmp_path, no_models):
     data = make_images(tmp_path / "data")
     args = base_args(snap, data, tmp_path / "out.safetensors")
-    refused(capsys, tmp_path, args + ["--control", str(tmp_path / "data" / ".." / "data")], "--control", "is the --data folder")
+    refused(
+        capsys,
+        tmp_path,
+        args + ["--control", str(tmp_path / "data" / ".." / "data")],
+        "--control",
+        "is the --data folder",
+    )
 
 
 def test_captions_bom_extension_and_what_is_not_read(capsys, snap, tmp_path, no_models):
@@ -518,17 +614,30 @@ def test_captions_bom_extension_and_what_is_not_read(capsys, snap, tmp_path, no_
     assert "sub-folder(s) more are not read" in text and "3 .caption caption file(s) are not read" in text
     assert "--caption-extension .caption" in text
     with pytest.warns(UserWarning) as said:
-        plan = plan_run(TrainSettings(model=snap, data=data, output=tmp_path / "o.safetensors", resolution=64,
-                                      caption_extension=".caption"))  # fmt: skip
+        plan = plan_run(
+            TrainSettings(
+                model=snap, data=data, output=tmp_path / "o.safetensors", resolution=64, caption_extension=".caption"
+            )
+        )
     assert "3 .txt caption file(s) are not read" in " | ".join(str(w.message) for w in said)
     assert [it.caption for it in plan.items] == ["caption 0", "caption 1", "caption 2"]
     for i in range(3):
         (data / f"im{i}.txt").unlink()
-    refused(capsys, tmp_path, base_args(snap, data, tmp_path / "o.safetensors"), "no caption", "<name>.txt",
-            "the .caption files there are read with --caption-extension .caption")  # fmt: skip
+    refused(
+        capsys,
+        tmp_path,
+        base_args(snap, data, tmp_path / "o.safetensors"),
+        "no caption",
+        "<name>.txt",
+        "the .caption files there are read with --caption-extension .caption",
+    )
     for bad in ("txt", ".", ".png", "a/b"):
-        refused(capsys, tmp_path, base_args(snap, data, tmp_path / "o.safetensors") + ["--caption-extension", bad],
-                "--caption-extension")  # fmt: skip
+        refused(
+            capsys,
+            tmp_path,
+            base_args(snap, data, tmp_path / "o.safetensors") + ["--caption-extension", bad],
+            "--caption-extension",
+        )
 
 
 def test_learning_rate_that_underflows_in_the_adapters_is_warned():
@@ -536,8 +645,8 @@ def test_learning_rate_that_underflows_in_the_adapters_is_warned():
     step, lr) leaves most adapter values of a fresh LoRA as they were; at 1e-4 it moves them all."""
     import mlx.nn as nn
 
-    from flux_klein_mlx.train.settings import lr_underflow
     from flux_klein_mlx.train.objective import make_optimizer
+    from flux_klein_mlx.train.settings import lr_underflow
 
     rank = 16
     a0 = (np.random.default_rng(0).standard_normal((rank, 4096)) / rank).astype(np.float32)  # PEFT's init of A
@@ -562,16 +671,32 @@ def test_python_api_wrong_types_name_the_argument_and_leave_nothing(snap, tmp_pa
     data = make_images(tmp_path / "data")
     out = tmp_path / "o.safetensors"
     before = sorted(tmp_path.rglob("*"))
-    for kw, words in (({"data": 123}, "data must be a path"), ({"output": 5}, "output must be a path"),
-                      ({"targets": 3}, "targets must be"), ({"model": 3.5}, "model must be a path"),
-                      ({"controls": 7}, "controls must be"), ({"work_dir": 1}, "work_dir must be a path"),
-                      ({"resume": "yes"}, "resume must be True or False"), ({"caption_extension": 1}, "caption_extension")):  # fmt: skip
+    for kw, words in (
+        ({"data": 123}, "data must be a path"),
+        ({"output": 5}, "output must be a path"),
+        ({"targets": 3}, "targets must be"),
+        ({"model": 3.5}, "model must be a path"),
+        ({"controls": 7}, "controls must be"),
+        ({"work_dir": 1}, "work_dir must be a path"),
+        ({"resume": "yes"}, "resume must be True or False"),
+        ({"caption_extension": 1}, "caption_extension"),
+    ):
         args = {"model": snap, "data": data, "output": out, "resolution": 64, **kw}
         with pytest.raises(FluxKleinError, match=words):
             flux_klein_mlx.train_lora(**args)
     assert sorted(tmp_path.rglob("*")) == before
-    plan = plan_run(TrainSettings(model=snap, data=data, output=out, resolution=np.int64(64), rank=np.int32(4),
-                                  steps=np.uint16(3), lr=np.float32(1e-4), quantize=np.int8(8)))  # fmt: skip
+    plan = plan_run(
+        TrainSettings(
+            model=snap,
+            data=data,
+            output=out,
+            resolution=np.int64(64),
+            rank=np.int32(4),
+            steps=np.uint16(3),
+            lr=np.float32(1e-4),
+            quantize=np.int8(8),
+        )
+    )
     assert type(plan.settings.rank) is int and type(plan.settings.steps) is int and type(plan.settings.lr) is float
     assert type(plan.settings.quantize) is int
     json.dumps(plan.settings.record())  # train.json can hold them
@@ -580,7 +705,9 @@ def test_python_api_wrong_types_name_the_argument_and_leave_nothing(snap, tmp_pa
 # --- issue 30: the run talks ---------------------------------------------------------------------
 
 
-def test_the_run_talks_ctrl_c_says_how_to_continue_and_one_loss_average_spans_the_resume(capsys, snap, tmp_path, monkeypatch):
+def test_the_run_talks_ctrl_c_says_how_to_continue_and_one_loss_average_spans_the_resume(
+    capsys, snap, tmp_path, monkeypatch
+):
     """The command at its default dtype (bfloat16): what it is about to do before each heavy stage,
     Ctrl-C at step 3 names checkpoint-000002, and --resume reads the captions from the prompt cache
     (no text encoder) and prints the same loss average as loss.png draws, across both runs (a window
@@ -603,8 +730,9 @@ def test_the_run_talks_ctrl_c_says_how_to_continue_and_one_loss_average_spans_th
     monkeypatch.setattr(train_module, "average_window", lambda steps: 3)
     assert main(args) == 130
     first = capsys.readouterr().err.splitlines()
-    assert first[-1] == (f"stopped at step 3; last checkpoint {work / 'checkpoint-000002'}: continue with the same "
-                         "command and --resume")  # fmt: skip
+    assert first[-1] == (
+        f"stopped at step 3; last checkpoint {work / 'checkpoint-000002'}: continue with the same command and --resume"
+    )
     talk = [line for line in first if not line.startswith("step ")]
     assert talk.pop(0).startswith("memory plan: a step peaks at about ")  # before any model loads
     assert talk[0] == "encoding 1 caption with the text encoder ..." and talk[1].startswith("captions: ")
@@ -615,7 +743,11 @@ def test_the_run_talks_ctrl_c_says_how_to_continue_and_one_loss_average_spans_th
     assert not (work / "train.lock").exists() and not out.exists()
     monkeypatch.setattr(train_module.Trainer, "train_step", real_step)
     loaded, real_load = [], train_module.load_component
-    monkeypatch.setattr(train_module, "load_component", lambda info, name, *a, **k: loaded.append(name) or real_load(info, name, *a, **k))
+    monkeypatch.setattr(
+        train_module,
+        "load_component",
+        lambda info, name, *a, **k: loaded.append(name) or real_load(info, name, *a, **k),
+    )
     assert main(args + ["--resume"]) == 0
     second = capsys.readouterr().err.splitlines()
     assert "1 caption: all in the prompt cache, the text encoder is not loaded" in second
@@ -643,35 +775,50 @@ def test_loss_plot_has_round_ticks_and_shows_a_varying_lr():
     image = np.asarray(loss_plot(losses, 6, [1e-4] * 120).convert("L"))
     assert (image[44:392, :70] < 128).sum() > 50  # loss tick labels left of the axis
     assert (image[398:420, 78:816] < 128).sum() > 50  # step tick labels under it
+
+
 # --- issue 29: schedules, several resolutions, config files, the memory plan --------------------------
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--lr-scheduler", "cosmap"], ["lr-scheduler", "constant, constant_with_warmup, linear, cosine", "'cosmap'"]),
-    (["--lr-scheduler", "cosine", "--warmup-steps", "-1"], ["warmup-steps", ">= 0"]),
-    (["--lr-scheduler", "cosine", "--warmup-steps", "11", "--steps", "10"], ["--warmup-steps 11", "past --steps 10"]),
-    (["--warmup-steps", "5"], ["no effect", "constant_with_warmup"]),
-    (["--resolution", "512,500"], ["resolution", "multiple of 16", "500"]),
-    (["--resolution", "512,x"], ["resolution", "'x'"]),
-    (["--resolution", "64,64"], ["resolution", "each size once"]),
-    (["--resolution", "32,64"], ["resolution", "[64, 4096]"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--lr-scheduler", "cosmap"], ["lr-scheduler", "constant, constant_with_warmup, linear, cosine", "'cosmap'"]),
+        (["--lr-scheduler", "cosine", "--warmup-steps", "-1"], ["warmup-steps", ">= 0"]),
+        (
+            ["--lr-scheduler", "cosine", "--warmup-steps", "11", "--steps", "10"],
+            ["--warmup-steps 11", "past --steps 10"],
+        ),
+        (["--warmup-steps", "5"], ["no effect", "constant_with_warmup"]),
+        (["--resolution", "512,500"], ["resolution", "multiple of 16", "500"]),
+        (["--resolution", "512,x"], ["resolution", "'x'"]),
+        (["--resolution", "64,64"], ["resolution", "each size once"]),
+        (["--resolution", "32,64"], ["resolution", "[64, 4096]"]),
+    ],
+)
 def test_bad_schedule_and_resolution_list_refused(capsys, snap, tmp_path, no_models, args, words):
     data = make_images(tmp_path / "data")
     refused(capsys, tmp_path, base_args(snap, data, tmp_path / "out.safetensors") + args, *words)
 
 
-@pytest.mark.parametrize("name, text, words", [
-    ("run.toml", "rank = 4\nlr_schedule = 'cosine'\nwarmup = 3\n", ["unknown key(s) lr_schedule, warmup", "underscores"]),
-    ("run.toml", "rank = 4\nlr = [\n", ["not valid TOML"]),
-    ("run.toml", "[rank]\nvalue = 4\n", ["rank is a table"]),
-    ("run.toml", None, ["is not a file"]),
-    ("run.yaml", "rank: 4\n", [".toml file", ".yaml"]),
-    ("train.json", "{\"steps\": 3}", ["no \"settings\""]),
-    ("train.json", "{\"settings\": {\"rank\": 4, \"warmup\": 1}}", ["unknown setting(s) warmup"]),
-    ("train.json", "{not json", ["not valid JSON"]),
-    ("run.toml", "lr_scheduler = 'cosine'\nwarmup_steps = 9999\n", ["--warmup-steps 9999", "past --steps 500"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, text, words",
+    [
+        (
+            "run.toml",
+            "rank = 4\nlr_schedule = 'cosine'\nwarmup = 3\n",
+            ["unknown key(s) lr_schedule, warmup", "underscores"],
+        ),
+        ("run.toml", "rank = 4\nlr = [\n", ["not valid TOML"]),
+        ("run.toml", "[rank]\nvalue = 4\n", ["rank is a table"]),
+        ("run.toml", None, ["is not a file"]),
+        ("run.yaml", "rank: 4\n", [".toml file", ".yaml"]),
+        ("train.json", '{"steps": 3}', ['no "settings"']),
+        ("train.json", '{"settings": {"rank": 4, "warmup": 1}}', ["unknown setting(s) warmup"]),
+        ("train.json", "{not json", ["not valid JSON"]),
+        ("run.toml", "lr_scheduler = 'cosine'\nwarmup_steps = 9999\n", ["--warmup-steps 9999", "past --steps 500"]),
+    ],
+)
 def test_bad_config_refused(capsys, snap, tmp_path, no_models, name, text, words):
     data = make_images(tmp_path / "data")
     config = tmp_path / name
@@ -682,7 +829,9 @@ def test_bad_config_refused(capsys, snap, tmp_path, no_models, name, text, words
 
 def recorded_run(snap, data: Path, tmp_path: Path) -> Path:
     """A train.json as a finished run writes it (the settings and data record of Trainer.record)."""
-    plan = plan_run(TrainSettings(model=str(snap), data=data, output=tmp_path / "old.safetensors", resolution=64, rank=4))
+    plan = plan_run(
+        TrainSettings(model=str(snap), data=data, output=tmp_path / "old.safetensors", resolution=64, rank=4)
+    )
     record = {"settings": plan.settings.record(), "data": [it.record() for it in plan.items]}
     path = tmp_path / "old.train" / "train.json"
     path.parent.mkdir()
@@ -705,15 +854,25 @@ def test_config_from_train_json_names_a_changed_or_added_image(capsys, snap, tmp
     refused(capsys, tmp_path, args, "im0.png is gone")
 
 
-def test_a_step_that_will_not_fit_is_refused_naming_the_remedies_unless_forced(capsys, snap, tmp_path, no_models,
-                                                                                monkeypatch):  # fmt: skip
+def test_a_step_that_will_not_fit_is_refused_naming_the_remedies_unless_forced(
+    capsys, snap, tmp_path, no_models, monkeypatch
+):
     from flux_klein_mlx.train import memory
 
     data = make_images(tmp_path / "data")
     monkeypatch.setattr(memory, "machine_memory", lambda: (1000, "a test machine"))
-    refused(capsys, tmp_path, base_args(snap, data, tmp_path / "out.safetensors"),
-            "memory plan: a step peaks at about", "of 0.0 GB (a test machine)", "will not fit", "--force")  # fmt: skip
-    plan = plan_run(TrainSettings(model=str(snap), data=data, output=tmp_path / "o.safetensors", resolution=64, force=True))
+    refused(
+        capsys,
+        tmp_path,
+        base_args(snap, data, tmp_path / "out.safetensors"),
+        "memory plan: a step peaks at about",
+        "of 0.0 GB (a test machine)",
+        "will not fit",
+        "--force",
+    )
+    plan = plan_run(
+        TrainSettings(model=str(snap), data=data, output=tmp_path / "o.safetensors", resolution=64, force=True)
+    )
     assert not plan.memory.fits and plan.memory.peak > 1000
 
 
@@ -726,13 +885,17 @@ def test_ema_outside_zero_one_refused(capsys, snap, tmp_path, no_models, value):
     refused(capsys, tmp_path, base_args(snap, data, tmp_path / "out.safetensors") + ["--ema", value], "ema", "(0, 1)")
 
 
-@pytest.mark.parametrize("layout, words", [
-    ("empty", ["--validation", "holds no images"]), ("missing", ["--validation", "does not exist"]),
-    ("uncaptioned", ["no caption", "im0.png"]),
-    ("control", ["--validation with 1 --control folder(s) needs as many --validation-control", "not 0"]),
-    ("control-short", ["--validation-control", "has no image for 1 image(s) of --validation (im1)"]),
-    ("control-alone", ["--validation-control needs --validation"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "layout, words",
+    [
+        ("empty", ["--validation", "holds no images"]),
+        ("missing", ["--validation", "does not exist"]),
+        ("uncaptioned", ["no caption", "im0.png"]),
+        ("control", ["--validation with 1 --control folder(s) needs as many --validation-control", "not 0"]),
+        ("control-short", ["--validation-control", "has no image for 1 image(s) of --validation (im1)"]),
+        ("control-alone", ["--validation-control needs --validation"]),
+    ],
+)
 def test_bad_validation_folder_refused(capsys, snap, tmp_path, no_models, layout, words):
     data = make_images(tmp_path / "data")
     held_out, extra = tmp_path / "held_out", []
@@ -754,9 +917,18 @@ def test_resume_with_another_process_count_refused(capsys, snap, tmp_path, no_mo
     """A checkpoint written by 2 processes (mlx.launch -n 2) continues only with 2: here 1 asks."""
     data = make_images(tmp_path / "data")
     out = tmp_path / "out.safetensors"
-    folder = fake_checkpoint(tmp_path / "out.train", TrainSettings(model=str(snap), data=data, output=out, resolution=64, rank=4))
+    folder = fake_checkpoint(
+        tmp_path / "out.train", TrainSettings(model=str(snap), data=data, output=out, resolution=64, rank=4)
+    )
     state = json.loads((folder / "state.json").read_text())
     state["run_key"]["processes"] = 2
     (folder / "state.json").write_text(json.dumps(state))
-    refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume"], "trained by 2 process(es)", "this run has 1", "mlx.launch")
+    refused(
+        capsys,
+        tmp_path,
+        base_args(snap, data, out) + ["--resume"],
+        "trained by 2 process(es)",
+        "this run has 1",
+        "mlx.launch",
+    )
     refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume", "--ema", "0.9"], "trained by 2")

@@ -56,7 +56,13 @@ def launch(args: list[str], die_at: int = 0) -> subprocess.CompletedProcess:
     command = [str(launcher), "--backend", "ring", "-n", "2", "-p", str(free_port()), "--python", sys.executable]
     command += ["-c", RANK_DIES] if die_at else ["-m", "flux_klein_mlx"]
     # one BLAS thread per process: two processes share this machine's cores
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "DIE_AT": str(die_at), "OPENBLAS_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "HF_HUB_OFFLINE": "1",
+        "DIE_AT": str(die_at),
+        "OPENBLAS_NUM_THREADS": "1",
+    }
     return subprocess.run(command + ["train", *args], capture_output=True, text=True, env=env, timeout=500, cwd=ROOT)
 
 
@@ -88,23 +94,64 @@ def test_shares_cover_the_global_batch_and_draws_do_not_depend_on_the_split():
 
 
 def test_two_processes_equal_one_with_twice_the_batch_survive_a_dead_rank_and_resume(base, data, tmp_path):
-    common = ["--model", str(base), "--data", str(data), "--resolution", "64", "--rank", "4", "--dtype", "float32",
-              "--steps", "4", "--grad-accum", "2", "--lr", "1e-3", "--save-every", "2", "--keep-checkpoints", "5"]  # fmt: skip
+    common = [
+        "--model",
+        str(base),
+        "--data",
+        str(data),
+        "--resolution",
+        "64",
+        "--rank",
+        "4",
+        "--dtype",
+        "float32",
+        "--steps",
+        "4",
+        "--grad-accum",
+        "2",
+        "--lr",
+        "1e-3",
+        "--save-every",
+        "2",
+        "--keep-checkpoints",
+        "5",
+    ]
     one = tmp_path / "one.safetensors"
-    list(flux_klein_mlx.train_lora(model=base, data=data, output=one, resolution=64, rank=4, dtype="float32", steps=4,
-                                   grad_accum=2, lr=1e-3, save_every=2, keep_checkpoints=5, batch_size=2))  # fmt: skip
+    list(
+        flux_klein_mlx.train_lora(
+            model=base,
+            data=data,
+            output=one,
+            resolution=64,
+            rank=4,
+            dtype="float32",
+            steps=4,
+            grad_accum=2,
+            lr=1e-3,
+            save_every=2,
+            keep_checkpoints=5,
+            batch_size=2,
+        )
+    )
     two, work = tmp_path / "two.safetensors", tmp_path / "two.train"
     args = common + ["--batch-size", "1", "--output", str(two), "--work-dir", str(work)]
 
     died = launch(args, die_at=4)  # rank 0 has written checkpoint 2 and its plot before step 3 could end
-    ours = [line for line in (died.stdout + died.stderr).splitlines() if not line.startswith(("[ring]", "\x1b[33m[WARN]"))]
+    ours = [
+        line for line in (died.stdout + died.stderr).splitlines() if not line.startswith(("[ring]", "\x1b[33m[WARN]"))
+    ]
     errors = [line for line in ours if line.startswith("error:")]
     assert len(errors) == 1, died.stderr
     # rank 0 is stopped in step 3's last work (after its all-reduce) or waiting in step 4: either is the truth
     assert re.search(r"stopped this one at step [34];", errors[0]), errors[0]
     assert "checkpoint-000002" in errors[0] and "--resume" in errors[0]
     assert sum(line.startswith("captions:") for line in ours) == 1  # rank 0 alone prints
-    assert sorted(p.name for p in work.iterdir()) == [".flux_klein_mlx-train", "checkpoint-000002", "loss.png", "train.json"]
+    assert sorted(p.name for p in work.iterdir()) == [
+        ".flux_klein_mlx-train",
+        "checkpoint-000002",
+        "loss.png",
+        "train.json",
+    ]
     assert not two.exists()
 
     resumed = launch(args + ["--resume"])
@@ -122,7 +169,10 @@ def test_two_processes_equal_one_with_twice_the_batch_survive_a_dead_rank_and_re
     la = json.loads((tmp_path / "one.train" / "checkpoint-000004" / "state.json").read_text())["losses"]
     lb = json.loads((work / "checkpoint-000004" / "state.json").read_text())["losses"]
     assert np.allclose(la, lb, rtol=1e-5, atol=0)
-    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".safetensors") == ["one.safetensors", "two.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".safetensors") == [
+        "one.safetensors",
+        "two.safetensors",
+    ]
 
 
 def tree_state(root):
@@ -137,9 +187,25 @@ def test_two_processes_refuse_a_one_process_checkpoint_in_one_line(base, data, t
     out = tmp_path / "one.safetensors"
     list(flux_klein_mlx.train_lora(model=base, data=data, output=out, resolution=64, rank=4, steps=1, batch_size=2))
     before = tree_state(tmp_path)
-    args = ["--model", str(base), "--data", str(data), "--resolution", "64", "--rank", "4", "--steps", "2",
-            "--batch-size", "1", "--output", str(tmp_path / "two.safetensors"), "--work-dir", str(tmp_path / "one.train"),
-            "--resume"]  # fmt: skip
+    args = [
+        "--model",
+        str(base),
+        "--data",
+        str(data),
+        "--resolution",
+        "64",
+        "--rank",
+        "4",
+        "--steps",
+        "2",
+        "--batch-size",
+        "1",
+        "--output",
+        str(tmp_path / "two.safetensors"),
+        "--work-dir",
+        str(tmp_path / "one.train"),
+        "--resume",
+    ]
     refused = launch(args)
     ours = [line for line in (refused.stdout + refused.stderr).splitlines() if not line.startswith("\x1b[33m[WARN]")]
     assert len(ours) == 1 and ours[0].startswith("error: --resume:"), ours

@@ -45,11 +45,25 @@ def lora_arrays(path) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def ema_run(base, folders, tmp_path_factory):
-    """3 steps in float32 with --ema 0.9 and --validation, a checkpoint after every step: (events, output, work folder)."""
+    """3 steps in float32 with --ema 0.9 and --validation, a checkpoint after every step:
+    (events, output, work folder)."""
     out = tmp_path_factory.mktemp("ema-run") / "ema.safetensors"
-    events = list(flux_klein_mlx.train_lora(
-        model=base, data=folders[0], output=out, steps=3, rank=4, resolution=64, dtype="float32", lr=3e-3,
-        save_every=1, keep_checkpoints=5, ema=0.9, validation=folders[1]))  # fmt: skip
+    events = list(
+        flux_klein_mlx.train_lora(
+            model=base,
+            data=folders[0],
+            output=out,
+            steps=3,
+            rank=4,
+            resolution=64,
+            dtype="float32",
+            lr=3e-3,
+            save_every=1,
+            keep_checkpoints=5,
+            ema=0.9,
+            validation=folders[1],
+        )
+    )
     return events, out, out.with_name("ema.train")
 
 
@@ -67,10 +81,10 @@ def test_ema_equals_diffusers_emamodel_and_numpy_on_every_checkpoint(base, ema_r
     for step in (1, 2, 3):
         d = 0.0 if step == 1 else min(0.9, step / (9 + step))
         e = {k: (e[k] - np.float32(1 - d) * (e[k] - raw[step - 1][k])).astype(np.float32) for k in keys}
-        for p, k in zip(params, keys):
+        for p, k in zip(params, keys, strict=True):
             p.data.copy_(torch.from_numpy(raw[step - 1][k]))
         reference.step(params)
-        for k, shadow in zip(keys, reference.shadow_params):
+        for k, shadow in zip(keys, reference.shadow_params, strict=True):
             assert np.abs(ema[step - 1][k] - e[k]).max() <= 1e-6 * max(1.0, np.abs(e[k]).max()), (step, k)
             assert np.abs(ema[step - 1][k] - shadow.numpy()).max() <= 1e-6 * max(1.0, np.abs(e[k]).max()), (step, k)
     assert any(np.abs(ema[2][k] - raw[2][k]).max() > 1e-4 for k in keys)  # the average is not the last weights
@@ -144,30 +158,61 @@ def test_validation_of_an_edit_lora_measures_each_image_with_its_reference_as_di
             w, h = Image.open(path).size
             Image.fromarray((g.random((h, w, 3)) * 255).astype(np.uint8)).save(references / path.name)
     out = tmp_path / "edit.safetensors"
-    events = list(flux_klein_mlx.train_lora(
-        model=base, data=train, controls=[before], output=out, steps=1, rank=4, resolution=64, dtype="float32",
-        lr=3e-3, validation=held, validation_controls=[held_before]))  # fmt: skip
+    events = list(
+        flux_klein_mlx.train_lora(
+            model=base,
+            data=train,
+            controls=[before],
+            output=out,
+            steps=1,
+            rank=4,
+            resolution=64,
+            dtype="float32",
+            lr=3e-3,
+            validation=held,
+            validation_controls=[held_before],
+        )
+    )
     ours = [ev for ev in events if isinstance(ev, ValidationFinished)][-1]
     ref = diffusers_validation(base, out, held, held_before)
     assert np.allclose([ours.by_sigma[str(s)] for s in (0.1, 0.3, 0.5, 0.7, 0.9)], ref, rtol=1e-4)
     without = diffusers_validation(base, out, held)  # the references change the loss: the comparison means something
     assert np.abs(ref - without).max() > 1e-3 * np.abs(ref).max()
-    assert json.loads((out.with_name("edit.train") / "train.json").read_text())["settings"]["validation_controls"] == [str(held_before)]
+    assert json.loads((out.with_name("edit.train") / "train.json").read_text())["settings"]["validation_controls"] == [
+        str(held_before)
+    ]
 
 
 def test_resume_is_bit_exact_with_ema_and_validation_in_bfloat16(base, folders, tmp_path):
-    common = dict(model=base, data=folders[0], rank=4, resolution=64, ema=0.99, validation=folders[1], save_every=2,
-                  keep_checkpoints=5)  # fmt: skip
+    common = dict(
+        model=base,
+        data=folders[0],
+        rank=4,
+        resolution=64,
+        ema=0.99,
+        validation=folders[1],
+        save_every=2,
+        keep_checkpoints=5,
+    )
     straight = list(flux_klein_mlx.train_lora(output=tmp_path / "straight.safetensors", steps=4, **common))
-    first = list(flux_klein_mlx.train_lora(output=tmp_path / "first.safetensors", steps=2, work_dir=tmp_path / "r", **common))
-    second = list(flux_klein_mlx.train_lora(output=tmp_path / "second.safetensors", steps=4, work_dir=tmp_path / "r",
-                                            resume=True, **common))  # fmt: skip
+    first = list(
+        flux_klein_mlx.train_lora(output=tmp_path / "first.safetensors", steps=2, work_dir=tmp_path / "r", **common)
+    )
+    second = list(
+        flux_klein_mlx.train_lora(
+            output=tmp_path / "second.safetensors", steps=4, work_dir=tmp_path / "r", resume=True, **common
+        )
+    )
     val = lambda evs: [(e.step, e.loss, e.by_sigma) for e in evs if isinstance(e, ValidationFinished)]  # noqa: E731
     assert val(first) + val(second) == val(straight) and len(val(straight)) == 2
     a, b = (mx.load(str(tmp_path / f"{n}.safetensors")) for n in ("straight", "second"))
     assert all(v.dtype == mx.bfloat16 for v in b.values())
-    assert a.keys() == b.keys() and all(np.array_equal(np.array(a[k].astype(mx.float32)), np.array(b[k].astype(mx.float32))) for k in a)
-    ea, eb = (lora_arrays(d / "checkpoint-000004" / "ema.safetensors") for d in (tmp_path / "straight.train", tmp_path / "r"))
+    assert a.keys() == b.keys() and all(
+        np.array_equal(np.array(a[k].astype(mx.float32)), np.array(b[k].astype(mx.float32))) for k in a
+    )
+    ea, eb = (
+        lora_arrays(d / "checkpoint-000004" / "ema.safetensors") for d in (tmp_path / "straight.train", tmp_path / "r")
+    )
     assert all(np.array_equal(ea[k], eb[k]) for k in ea)
     state = json.loads((tmp_path / "r" / "checkpoint-000004" / "state.json").read_text())
     assert [h["step"] for h in state["validation"]] == [2, 4]

@@ -63,15 +63,19 @@ def diffusers_lrs(name: str, lr: float, warmup: int, steps: int) -> list[float]:
     return out
 
 
-CASES = [(name, warmup, steps) for name in SCHEDULES for warmup, steps in [(0, 1), (0, 7), (3, 10), (10, 10), (4, 9)]
-         if not (name == "constant" and warmup)]  # constant with a warmup is refused (test_train_bad_input.py)
+CASES = [
+    (name, warmup, steps)
+    for name in SCHEDULES
+    for warmup, steps in [(0, 1), (0, 7), (3, 10), (10, 10), (4, 9)]
+    if not (name == "constant" and warmup)
+]  # constant with a warmup is refused (test_train_bad_input.py)
 
 
 @pytest.mark.parametrize("name, warmup, steps", CASES)
 def test_every_steps_lr_equals_diffusers_get_scheduler(name, warmup, steps):
     ours = [lr_at_step(name, 3e-4, k, warmup, steps) for k in range(1, steps + 1)]
     ref = diffusers_lrs(name, 3e-4, warmup, steps)
-    assert max(abs(a - b) for a, b in zip(ours, ref)) <= 1e-12, (ours, ref)
+    assert max(abs(a - b) for a, b in zip(ours, ref, strict=True)) <= 1e-12, (ours, ref)
 
 
 def run(**kw) -> list:
@@ -94,7 +98,13 @@ def test_the_schedule_drives_the_optimizer_and_the_events(snap, photos, tmp_path
 def test_several_resolutions_make_one_example_per_size_and_batches_of_one_size(photos):
     items = scan_data(photos, resolution=(64, 96))
     assert [(it.stem, it.bucket) for it in items] == [
-        ("im0", (64, 64)), ("im0", (96, 96)), ("im1", (48, 80)), ("im1", (80, 112)), ("im2", (64, 64)), ("im2", (96, 96))]
+        ("im0", (64, 64)),
+        ("im0", (96, 96)),
+        ("im1", (48, 80)),
+        ("im1", (80, 112)),
+        ("im2", (64, 64)),
+        ("im2", (96, 96)),
+    ]
     rng = np.random.default_rng(0)
     seen = []
     for _ in range(5):
@@ -109,8 +119,18 @@ def test_resume_bit_exact_with_several_resolutions_and_a_cosine_schedule(snap, p
     """bf16 (the default): a 4-step run stopped after its step-2 checkpoint and resumed == 4 steps
     straight, with lrs equal to diffusers' cosine. (A decay's values depend on --steps, so the stopped
     run was a 4-step run too.)"""
-    common = dict(model=snap, data=photos, rank=4, resolution="64,96", batch_size=2, lr_scheduler="cosine",
-                  warmup_steps=1, save_every=2, keep_checkpoints=3, lr=1e-3)  # fmt: skip
+    common = dict(
+        model=snap,
+        data=photos,
+        rank=4,
+        resolution="64,96",
+        batch_size=2,
+        lr_scheduler="cosine",
+        warmup_steps=1,
+        save_every=2,
+        keep_checkpoints=3,
+        lr=1e-3,
+    )
     straight = run(output=tmp_path / "s.safetensors", steps=4, **common)
     first = []
     for ev in flux_klein_mlx.train_lora(output=tmp_path / "a.safetensors", steps=4, work_dir=tmp_path / "r", **common):
@@ -128,7 +148,9 @@ def test_resume_bit_exact_with_several_resolutions_and_a_cosine_schedule(snap, p
     assert a.keys() == b.keys() and all(np.array_equal(f32(a[k]), f32(b[k])) for k in a)
     assert all(v.dtype == mx.bfloat16 for v in b.values())
     with pytest.raises(flux_klein_mlx.FluxKleinError, match="schedule_steps"):  # a decay's values depend on --steps
-        flux_klein_mlx.train_lora(output=tmp_path / "c.safetensors", steps=6, work_dir=tmp_path / "r", resume=True, **common)
+        flux_klein_mlx.train_lora(
+            output=tmp_path / "c.safetensors", steps=6, work_dir=tmp_path / "r", resume=True, **common
+        )
 
 
 # --- config files ------------------------------------------------------------------------------------
@@ -142,7 +164,13 @@ def cli(capsys, *args) -> str:
 
 
 # The header keys that say when a file was made and under what name: all else must be identical.
-RUN_STAMPS = ("ss_training_started_at", "ss_training_finished_at", "ss_output_name", "modelspec.title", "modelspec.date")
+RUN_STAMPS = (
+    "ss_training_started_at",
+    "ss_training_finished_at",
+    "ss_output_name",
+    "modelspec.title",
+    "modelspec.date",
+)
 
 
 def same_run_contents(path) -> tuple:
@@ -160,14 +188,34 @@ def same_run_contents(path) -> tuple:
 def test_config_toml_and_train_json_give_the_flags_runs_file_and_overrides_change_only_what_they_name(
     snap, photos, tmp_path, capsys
 ):
-    flags = ["--rank", "4", "--resolution", "64,80", "--steps", "2", "--lr-scheduler", "linear", "--warmup-steps", "1",
-             "--lr", "1e-3", "--save-every", "2", "--targets", "attention", "--seed", "3"]  # fmt: skip
+    flags = [
+        "--rank",
+        "4",
+        "--resolution",
+        "64,80",
+        "--steps",
+        "2",
+        "--lr-scheduler",
+        "linear",
+        "--warmup-steps",
+        "1",
+        "--lr",
+        "1e-3",
+        "--save-every",
+        "2",
+        "--targets",
+        "attention",
+        "--seed",
+        "3",
+    ]
     err = cli(capsys, "--model", snap, "--data", photos, "--output", tmp_path / "flags.safetensors", *flags)
     assert "memory plan: a step peaks at about" in err and " lr 0 " in err  # step 1 of a warmup runs at lr 0
     toml = tmp_path / "run.toml"
-    toml.write_text(f'model = "{snap}"\ndata = "{photos}"\noutput = "{tmp_path / "toml.safetensors"}"\nrank = 4\n'
-                    'resolution = [64, 80]\nsteps = 2\nlr_scheduler = "linear"\nwarmup_steps = 1\nlr = 1e-3\n'
-                    'save_every = 2\ntargets = "attention"\nseed = 3\n')  # fmt: skip
+    toml.write_text(
+        f'model = "{snap}"\ndata = "{photos}"\noutput = "{tmp_path / "toml.safetensors"}"\nrank = 4\n'
+        'resolution = [64, 80]\nsteps = 2\nlr_scheduler = "linear"\nwarmup_steps = 1\nlr = 1e-3\n'
+        'save_every = 2\ntargets = "attention"\nseed = 3\n'
+    )
     cli(capsys, "--config", toml)
     record = tmp_path / "flags.train" / "train.json"
     cli(capsys, "--config", record, "--output", tmp_path / "json.safetensors")
@@ -220,10 +268,15 @@ def test_memory_plan_names_what_makes_it_fit(monkeypatch):
     plan = memory.plan_memory(s, params, trainable)
     assert not plan.fits and plan.peak > 33e9
     assert plan.remedies == ["--low-memory (13.2 GB)", "--resolution 384 (13.9 GB)"]  # README: 13.2 GB
-    assert memory.plan_memory(TrainSettings(resolution=(512, 1024), quantize=4, low_memory=True), params, trainable).fits
+    assert memory.plan_memory(
+        TrainSettings(resolution=(512, 1024), quantize=4, low_memory=True), params, trainable
+    ).fits
     monkeypatch.setattr(memory, "machine_memory", lambda: (6 * 10**9, "test"))
     plan = memory.plan_memory(TrainSettings(resolution=512), params, trainable)
-    assert plan.remedies == ["--quantize 4 --low-memory (4.2 GB)", "--resolution 384 --quantize 4 --low-memory (3.7 GB)"]
+    assert plan.remedies == [
+        "--quantize 4 --low-memory (4.2 GB)",
+        "--resolution 384 --quantize 4 --low-memory (3.7 GB)",
+    ]
     plan = memory.plan_memory(TrainSettings(resolution=(512, 768, 1024), low_memory=True), params, trainable)
     assert plan.remedies == ["--resolution 512,768 --quantize 4 --low-memory (5.7 GB)"]
 

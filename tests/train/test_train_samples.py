@@ -70,26 +70,49 @@ def test_sample_at_step_n_is_generate_on_the_sample_model_with_the_checkpoint(ba
     that checkpoint's, byte for byte (sha256 in the record)."""
     data = captioned(tmp_path / "data", ["a striped test card", "a striped test card"])
     out = tmp_path / "s.safetensors"
-    events = list(flux_klein_mlx.train_lora(
-        model=base, data=data, output=out, steps=2, rank=4, lr=5e-3, resolution=64, save_every=None,
-        sample_every=1, sample_prompts=[PROMPT], sample_seed=7, sample_model=distilled, sample_strengths="0.5,1",
-    ))  # fmt: skip
+    events = list(
+        flux_klein_mlx.train_lora(
+            model=base,
+            data=data,
+            output=out,
+            steps=2,
+            rank=4,
+            lr=5e-3,
+            resolution=64,
+            save_every=None,
+            sample_every=1,
+            sample_prompts=[PROMPT],
+            sample_seed=7,
+            sample_model=distilled,
+            sample_strengths="0.5,1",
+        )
+    )
     samples = [e for e in events if isinstance(e, SamplesSaved)]
     assert [e.step for e in samples] == [0, 1, 2]
     first_step = next(i for i, e in enumerate(events) if isinstance(e, StepFinished))
     assert events.index(samples[0]) < first_step  # the baseline is written before step 1
     work = tmp_path / "s.train" / "samples"
     assert sorted(p.name for p in work.iterdir()) == [
-        "step-000000-0.png", "step-000001-0-x0.5.png", "step-000001-0.png", "step-000002-0-x0.5.png", "step-000002-0.png"
-    ]  # fmt: skip
+        "step-000000-0.png",
+        "step-000001-0-x0.5.png",
+        "step-000001-0.png",
+        "step-000002-0-x0.5.png",
+        "step-000002-0.png",
+    ]
     assert samples[2].strengths == [0.5, 1.0] and all(c > 0 for c in samples[2].changes)
     assert samples[2].added_memory is not None and samples[2].peak_memory > 0
     checkpoint = tmp_path / "s.train" / "checkpoint-000002" / "lora.safetensors"
     sha = hashlib.sha256(checkpoint.read_bytes()).hexdigest()[:12]
     for name, strength in (("step-000002-0.png", 1.0), ("step-000002-0-x0.5.png", 0.5)):
         rec = record_of(work / name)
-        assert rec["loras"] == [{"name": "checkpoint-000002/lora.safetensors", "sha256": sha, "scale": strength,
-                                 "autov3": autov3(checkpoint)}]
+        assert rec["loras"] == [
+            {
+                "name": "checkpoint-000002/lora.safetensors",
+                "sha256": sha,
+                "scale": strength,
+                "autov3": autov3(checkpoint),
+            }
+        ]
         assert rec["steps"] == 4 and rec["guidance"] is None and rec["dtype"] == "bfloat16" and rec["quantize"] is None
         assert rec["training_sample"]["checkpoint_written"] and rec["width"] == rec["height"] == 64
         ours, theirs = pixels(work / name), run_recorded_command(rec, tmp_path / f"gen-{strength}.png", capsys)
@@ -98,7 +121,10 @@ def test_sample_at_step_n_is_generate_on_the_sample_model_with_the_checkpoint(ba
     assert not record_of(work / "step-000001-0.png")["training_sample"]["checkpoint_written"]
     baseline = record_of(work / "step-000000-0.png")
     assert baseline["loras"] == [] and baseline["training_sample"]["baseline"]
-    assert np.abs(pixels(work / "step-000000-0.png") - run_recorded_command(baseline, tmp_path / "b.png", capsys)).max() <= 2
+    assert (
+        np.abs(pixels(work / "step-000000-0.png") - run_recorded_command(baseline, tmp_path / "b.png", capsys)).max()
+        <= 2
+    )
     # the change the event reports is the mean |difference| from the baseline PNG
     change = np.abs(pixels(work / "step-000002-0.png") - pixels(work / "step-000000-0.png")).mean()
     assert samples[2].changes[1] == pytest.approx(change, abs=1e-3)
@@ -188,16 +214,24 @@ def resized_snapshot(snap: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("extra, words", [
-    (["--caption-dropout", "1.5"], ["caption-dropout", "[0.0, 1.0]"]), (["--caption-dropout", "-0.1"], ["caption-dropout"]),
-    (["--caption-dropout", "nan"], ["caption-dropout"]), (["--trigger", " "], ["--trigger"]),
-    (["--sample-size", "100"], ["sample-size", "multiple of 16"]), (["--sample-size", "32"], ["sample-size"]),
-    (["--sample-strengths", "a,1"], ["sample-strengths"]), (["--sample-strengths", "0"], ["sample-strengths"]),
-    (["--sample-strengths", "1,1"], ["sample-strengths"]), (["--sample-strengths", ""], ["sample-strengths"]),
-    (["--sample-model", "MISSING"], ["--sample-model", "not found"]),
-    (["--sample-model", "NOT_KLEIN"], ["--sample-model", "FluxPipeline"]),
-    (["--sample-model", "WIDER"], ["--sample-model", "hidden 96", "hidden 64", "same size"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--caption-dropout", "1.5"], ["caption-dropout", "[0.0, 1.0]"]),
+        (["--caption-dropout", "-0.1"], ["caption-dropout"]),
+        (["--caption-dropout", "nan"], ["caption-dropout"]),
+        (["--trigger", " "], ["--trigger"]),
+        (["--sample-size", "100"], ["sample-size", "multiple of 16"]),
+        (["--sample-size", "32"], ["sample-size"]),
+        (["--sample-strengths", "a,1"], ["sample-strengths"]),
+        (["--sample-strengths", "0"], ["sample-strengths"]),
+        (["--sample-strengths", "1,1"], ["sample-strengths"]),
+        (["--sample-strengths", ""], ["sample-strengths"]),
+        (["--sample-model", "MISSING"], ["--sample-model", "not found"]),
+        (["--sample-model", "NOT_KLEIN"], ["--sample-model", "FluxPipeline"]),
+        (["--sample-model", "WIDER"], ["--sample-model", "hidden 96", "hidden 64", "same size"]),
+    ],
+)
 def test_bad_sample_and_caption_settings_refused(capsys, base, tmp_path, no_models, extra, words):  # noqa: F811
     data = make_images(tmp_path / "data")
     extra = list(extra)
@@ -217,8 +251,9 @@ def test_python_api_refuses_bad_sample_quantize(base, tmp_path, no_models):  # n
     data = make_images(tmp_path / "data")
     for value in (3, True, "4"):
         with pytest.raises(FluxKleinError, match="sample-quantize must be 4, 8 or None"):
-            flux_klein_mlx.train_lora(model=base, data=data, output=tmp_path / "o.safetensors", resolution=64,
-                                      sample_quantize=value)  # fmt: skip
+            flux_klein_mlx.train_lora(
+                model=base, data=data, output=tmp_path / "o.safetensors", resolution=64, sample_quantize=value
+            )
     assert list(tmp_path.iterdir()) == [data]
 
 
@@ -227,11 +262,24 @@ def test_sample_quantize_is_recorded_and_a_lora_that_changes_nothing_is_warned_a
     negligible learning rate barely moves the samples, and the run says so."""
     data = captioned(tmp_path / "data", ["a striped test card"])
     with pytest.warns(UserWarning, match="barely changes the samples"):
-        events = list(flux_klein_mlx.train_lora(
-            model=base, data=data, output=tmp_path / "q.safetensors", steps=1, rank=4, lr=1e-8, resolution=64,
-            save_every=None, sample_every=1, sample_prompts=[PROMPT], sample_model=distilled, sample_quantize=4,
-            sample_steps=1, sample_size=80,
-        ))  # fmt: skip
+        events = list(
+            flux_klein_mlx.train_lora(
+                model=base,
+                data=data,
+                output=tmp_path / "q.safetensors",
+                steps=1,
+                rank=4,
+                lr=1e-8,
+                resolution=64,
+                save_every=None,
+                sample_every=1,
+                sample_prompts=[PROMPT],
+                sample_model=distilled,
+                sample_quantize=4,
+                sample_steps=1,
+                sample_size=80,
+            )
+        )
     last = [e for e in events if isinstance(e, SamplesSaved)][-1]
     assert last.step == 1 and last.changes[0] < 1.0
     rec = record_of(tmp_path / "q.train" / "samples" / "step-000001-0.png")
