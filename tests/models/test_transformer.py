@@ -19,9 +19,10 @@ from safetensors.torch import save_file
 from flux_klein_mlx.bench.flops import count_parameters
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.loading import describe
+from flux_klein_mlx.models import transformer
 from flux_klein_mlx.models.config import FluxKleinParams
 from flux_klein_mlx.models.rope import image_ids, rope_tables, text_ids
-from flux_klein_mlx.models.transformer import FluxKlein, infer_params, sanitize_flux2_klein_weights
+from flux_klein_mlx.models.transformer import FluxKlein, attend, infer_params, sanitize_flux2_klein_weights
 from flux_klein_mlx.weights import read_safetensors
 
 # Tiny diffusers config: 3 heads of 16 (axes 4×4), 2 double + 2 single blocks, text width 24.
@@ -137,6 +138,46 @@ def test_matches_diffusers(reference, ours, B, grid, refs, t):
     o_img, o_txt = our_ids(grid, refs)
     again = ours(to_mx(img), to_mx(txt), to_mx(torch.tensor(t)), o_img, o_txt)
     assert np.array_equal(np.array(again), np.array(mine))
+
+
+# --- attention past the backend's score limit (issue 38) ------------------------------------------------
+
+
+def counting_sdpa(monkeypatch) -> list[int]:
+    """Record the query length of every mx.fast.scaled_dot_product_attention call from now on."""
+    calls, sdpa = [], mx.fast.scaled_dot_product_attention
+
+    def counted(q, *args, **kw):
+        calls.append(q.shape[2])
+        return sdpa(q, *args, **kw)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("B, H, L, Lr, hd", [(1, 2, 37, 16, 16), (2, 3, 64, 0, 32)])
+def test_attention_in_chunks_equals_one_call_and_torch(monkeypatch, B, H, L, Lr, hd):
+    g = torch.Generator().manual_seed(L)
+    q, k, v, rk, rv = (torch.randn(B, H, n, hd, generator=g) for n in (L, L, L, Lr, Lr))  # Lr: cached reference K/V
+    want = torch.nn.functional.scaled_dot_product_attention(q, torch.cat([k, rk], 2), torch.cat([v, rv], 2))
+    want = want.transpose(1, 2).reshape(B, L, H * hd)  # (B, L, H·hd), scale hd^-0.5
+    args = (*map(to_mx, (q, k, v)), (to_mx(rk), to_mx(rv)))
+    calls = counting_sdpa(monkeypatch)
+    whole = attend(*args)
+    assert calls == [L] and rel_err(whole, want) <= 1e-5  # under the limit: the one call as before
+    monkeypatch.setattr(transformer, "SCORE_LIMIT", B * H * (L + Lr) * 5)  # 5 queries per call, the last shorter
+    calls.clear()
+    chunked = attend(*args)
+    assert calls == [5] * (L // 5) + [L % 5] * (L % 5 > 0)
+    assert np.abs(np.array(chunked) - np.array(whole)).max() <= 1e-6 and rel_err(chunked, want) <= 1e-5
+
+
+def test_model_with_attention_in_chunks_matches_diffusers(reference, ours, monkeypatch):
+    img, txt, img_ids, txt_ids = make_inputs(2, (5, 3), [(2, 3)], seed=3)
+    calls = counting_sdpa(monkeypatch)
+    monkeypatch.setattr(transformer, "SCORE_LIMIT", 2 * 3 * (LT + 15 + 6) * 5)  # B·H·Lk·5: 5 queries per call
+    mine, theirs = run_both(reference, ours, img, txt, torch.tensor([0.7, 0.7]), img_ids, txt_ids)
+    assert set(calls) == {5, (LT + 15 + 6) % 5} and rel_err(mine, theirs) <= 1e-4
 
 
 def test_sharded_folder_matches_diffusers(reference, tmp_path):

@@ -117,10 +117,10 @@ def lora_dir(tmp_path_factory):
     return folder
 
 
-def start_server(model, args, tmp_path_factory, save_dir=None):
+def start_server(model, args, tmp_path_factory, save_dir=None, launcher=("-m", "flux_klein_mlx")):
     """`serve` in a subprocess on a free port; yields a ready `Server`, stops it afterwards."""
     port = free_port()
-    cmd = [sys.executable, "-m", "flux_klein_mlx", "serve", "--model", str(model), "--port", str(port), *args]
+    cmd = [sys.executable, *launcher, "serve", "--model", str(model), "--port", str(port), *args]
     log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -520,6 +520,34 @@ def bad_uploads():
         ("image as a path string", {"image": "/etc/passwd"}, [], 400, "never reads files by path"),
         ("no image", {}, [], 400, "upload at least one image"),
     ]
+
+
+def test_a_size_past_the_attention_limit_is_answered_and_the_server_lives(snapshot, tmp_path_factory):
+    """Issue 38: 4096x4096 (65,536 image tokens) put one head's scores past MLX's CPU limit (2^31
+    elements): SIGSEGV, and every later client got "connection refused". Attention now goes in query
+    chunks under the limit; here the limit is lowered in the server process so 128x128 takes that path
+    in seconds, then a plain request shows the process alive."""
+    patch = (
+        "import sys; import flux_klein_mlx.models.transformer as t; t.SCORE_LIMIT = 2**12; "
+        "from flux_klein_mlx.__main__ import main; sys.exit(main(sys.argv[1:]))"
+    )
+    srv_gen = start_server(snapshot, ["--dtype", "float32", "--api-key", KEY], tmp_path_factory, launcher=("-c", patch))
+    srv = next(srv_gen)
+    try:
+        for size in ("128x128", "64x64"):
+            body = json.dumps({"prompt": "a fox", "size": size, "steps": 1, "seed": 3}).encode()
+            code, reply = http(
+                "POST",
+                srv.url + "/v1/images/generations",
+                body,
+                {**srv.auth, "Content-Type": "application/json"},
+                timeout=120,
+            )
+            assert code == 200, reply
+            assert decode(reply["data"][0]["b64_json"]).size == tuple(map(int, size.split("x")))
+        assert srv.proc.poll() is None and srv.status()["state"] == "ready"
+    finally:
+        next(srv_gen, None)
 
 
 @pytest.mark.parametrize("case", range(len(bad_uploads())), ids=[c[0] for c in bad_uploads()])
