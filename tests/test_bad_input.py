@@ -111,10 +111,10 @@ def test_generate_takes_attention_in_chunks_past_the_score_limit(capsys, snapsho
     """Issue 38: past MLX's CPU limit (a head's Lq·Lk reaching 2^31 crashed the process at 4096x4096)
     the queries go in chunks; the image is the one a single call gives. The limit is lowered here so
     a 128x128 image takes that path in seconds."""
-    from flux_klein_mlx.models import transformer
+    from flux_klein_mlx.models import attention
 
     assert run(capsys, *gen_args(snapshot, tmp_path / "whole.png", "-W", "128", "-H", "128"))[0] == 0
-    monkeypatch.setattr(transformer, "SCORE_LIMIT", 4096)  # B·H·Lk is 2·(512 + 64) here: 3 queries per call
+    monkeypatch.setattr(attention, "SCORE_LIMIT", 4096)  # B·H·Lk is 2·(512 + 64) here: 3 queries per call
     code, _, err = run(capsys, *gen_args(snapshot, tmp_path / "chunked.png", "-W", "128", "-H", "128"))
     assert code == 0 and "Traceback" not in err, err
     whole, chunked = (np.asarray(Image.open(tmp_path / f), np.int16) for f in ("whole.png", "chunked.png"))

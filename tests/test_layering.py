@@ -34,7 +34,8 @@ MAX_FMT_SKIPS = 20
 # models/ holds the nine pieces of the networks the issue that made the wings named (config, transformer,
 # vae, text_encoder, tokenizer, rope, kv_cache, recompute, quantize): each is one component, and splitting
 # the folder would only separate a network from its own parts.
-FOLDER_MODULE_LIMITS = {"models": 9}
+# attention (the models' one call of the backend's attention, under its limits: issue 38) is the tenth.
+FOLDER_MODULE_LIMITS = {"models": 10}
 # A wing laid out along a flow: each module on a floor, every import within the wing pointing to a
 # lower floor (ARCHITECTURE.md). Such a folder holds as many modules as its floors need.
 FLOORS = {

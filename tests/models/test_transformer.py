@@ -19,10 +19,11 @@ from safetensors.torch import save_file
 from flux_klein_mlx.bench.flops import count_parameters
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.loading import describe
-from flux_klein_mlx.models import transformer
+from flux_klein_mlx.models import attention
+from flux_klein_mlx.models.attention import attend
 from flux_klein_mlx.models.config import FluxKleinParams
 from flux_klein_mlx.models.rope import image_ids, rope_tables, text_ids
-from flux_klein_mlx.models.transformer import FluxKlein, attend, infer_params, sanitize_flux2_klein_weights
+from flux_klein_mlx.models.transformer import FluxKlein, infer_params, sanitize_flux2_klein_weights
 from flux_klein_mlx.weights import read_safetensors
 
 # Tiny diffusers config: 3 heads of 16 (axes 4×4), 2 double + 2 single blocks, text width 24.
@@ -165,7 +166,7 @@ def test_attention_in_chunks_equals_one_call_and_torch(monkeypatch, B, H, L, Lr,
     calls = counting_sdpa(monkeypatch)
     whole = attend(*args)
     assert calls == [L] and rel_err(whole, want) <= 1e-5  # under the limit: the one call as before
-    monkeypatch.setattr(transformer, "SCORE_LIMIT", B * H * (L + Lr) * 5)  # 5 queries per call, the last shorter
+    monkeypatch.setattr(attention, "SCORE_LIMIT", B * H * (L + Lr) * 5)  # 5 queries per call, the last shorter
     calls.clear()
     chunked = attend(*args)
     assert calls == [5] * (L // 5) + [L % 5] * (L % 5 > 0)
@@ -175,7 +176,7 @@ def test_attention_in_chunks_equals_one_call_and_torch(monkeypatch, B, H, L, Lr,
 def test_model_with_attention_in_chunks_matches_diffusers(reference, ours, monkeypatch):
     img, txt, img_ids, txt_ids = make_inputs(2, (5, 3), [(2, 3)], seed=3)
     calls = counting_sdpa(monkeypatch)
-    monkeypatch.setattr(transformer, "SCORE_LIMIT", 2 * 3 * (LT + 15 + 6) * 5)  # B·H·Lk·5: 5 queries per call
+    monkeypatch.setattr(attention, "SCORE_LIMIT", 2 * 3 * (LT + 15 + 6) * 5)  # B·H·Lk·5: 5 queries per call
     mine, theirs = run_both(reference, ours, img, txt, torch.tensor([0.7, 0.7]), img_ids, txt_ids)
     assert set(calls) == {5, (LT + 15 + 6) % 5} and rel_err(mine, theirs) <= 1e-4
 

@@ -528,7 +528,7 @@ def test_a_size_past_the_attention_limit_is_answered_and_the_server_lives(snapsh
     chunks under the limit; here the limit is lowered in the server process so 128x128 takes that path
     in seconds, then a plain request shows the process alive."""
     patch = (
-        "import sys; import flux_klein_mlx.models.transformer as t; t.SCORE_LIMIT = 2**12; "
+        "import sys; import flux_klein_mlx.models.attention as t; t.SCORE_LIMIT = 2**12; "
         "from flux_klein_mlx.__main__ import main; sys.exit(main(sys.argv[1:]))"
     )
     srv_gen = start_server(snapshot, ["--dtype", "float32", "--api-key", KEY], tmp_path_factory, launcher=("-c", patch))
