@@ -34,6 +34,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from .errors import FluxKleinError
+from .limits import check_decode_fits
 from .models.tokenizer import check_text
 from .sampling import check_noise_kind, seed_for_image, start_step
 
@@ -176,7 +177,7 @@ def check_strength(strength) -> float:
 
 
 def check_image_size(width: int, height: int) -> None:
-    """Raise FluxKleinError unless both sides are multiples of 16 within [64, 4096] px."""
+    """Raise FluxKleinError unless both sides are multiples of 16 within [64, 4096] px that this machine can decode."""
     for name, v in (("width", width), ("height", height)):
         if not is_int(v):
             raise FluxKleinError(f"{name} must be a whole number of pixels, not {v!r}")
@@ -187,6 +188,7 @@ def check_image_size(width: int, height: int) -> None:
         if v % MULTIPLE:
             lo = v // MULTIPLE * MULTIPLE  # v is inside [64, 4096], so are both neighbours
             raise FluxKleinError(f"{name} {v} is not a multiple of {MULTIPLE}; use e.g. {lo} or {lo + MULTIPLE}")
+    check_decode_fits(width, height)  # and what this machine's backend can decode (limits.py)
 
 
 def check_image_shape(w: int, h: int, what: str) -> None:

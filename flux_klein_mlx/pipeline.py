@@ -33,6 +33,7 @@ from .embedding_cache import DEFAULT_MAX_BYTES, EmbeddingCache, cached_embedding
 from .errors import FluxKleinError
 from .events import Event, Job, MemoryPlan, StageStats, Stats
 from .inputs import PreparedInputs, RunSettings, is_int, prepare_inputs
+from .limits import check_decode_fits, untiled_decode_fits
 from .loading import (
     COMPONENTS,
     DTYPES,
@@ -46,6 +47,7 @@ from .loading import (
     read_component,
 )
 from .lora.apply import apply_loras, load_loras
+from .models.config import AutoEncoderConfig
 from .models.quantize import check_quantization
 from .models.rope import image_ids, text_ids
 from .models.text_encoder import encode_prompts
@@ -276,10 +278,15 @@ class FluxKleinPipeline:
         if isinstance(prompt, PreparedInputs):
             if settings:
                 raise FluxKleinError("give settings either in PreparedInputs or as keywords, not both")
-            return prompt
-        if isinstance(prompt, RunSettings):
-            return prepare_inputs(dataclasses.replace(prompt, **settings), self.info)
-        return prepare_inputs(RunSettings.from_keywords(prompt, settings), self.info)
+            prepared = prompt
+        elif isinstance(prompt, RunSettings):
+            prepared = prepare_inputs(dataclasses.replace(prompt, **settings), self.info)
+        else:
+            prepared = prepare_inputs(RunSettings.from_keywords(prompt, settings), self.info)
+        # RunSettings checked the size for klein's decoder in bfloat16; this is this pipeline's decoder and dtype
+        vae = AutoEncoderConfig.from_dict(self.info.configs["vae"])
+        check_decode_fits(prepared.settings.width, prepared.settings.height, self.dtype.size, vae)
+        return prepared
 
     def stream(self, prompt, **settings) -> Iterator[Event]:
         """Run a generation, yielding an `Event` after encoding, after every step and at the end.
@@ -392,7 +399,10 @@ class FluxKleinPipeline:
         """Stage 3: denormalise -> unpatchify -> VAE decoder -> PIL image or float array."""
         mx.reset_peak_memory()
         t0, loads = time.perf_counter(), self.load_seconds()
-        decoded = self.component("vae").decode_tokens(job.x, *job.grid, tiled=self.memory.tiled_decode)
+        vae = self.component("vae")
+        h, w = job.grid  # past what the whole-image decode can hold (limits.py), bands: the same image
+        tiled = self.memory.tiled_decode or not untiled_decode_fits(vae.config, 16 * w, 16 * h)
+        decoded = vae.decode_tokens(job.x, h, w, tiled=tiled)
         self._check_finite(decoded, "the VAE decode")  # never a black or garbage PNG from NaN
         image = to_output(decoded, output_type)
         job.stats.decode = StageStats(time.perf_counter() - t0, mx.get_peak_memory(), self.load_seconds() - loads)

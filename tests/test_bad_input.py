@@ -121,6 +121,28 @@ def test_generate_takes_attention_in_chunks_past_the_score_limit(capsys, snapsho
     assert whole.shape == (128, 128, 3) and np.abs(whole - chunked).max() <= 1  # float rounding at most
 
 
+def test_a_size_this_machine_cannot_decode_is_refused_before_any_model(
+    capsys, snapshot, tmp_path, no_models, monkeypatch
+):
+    """Issue 38: even in bands, klein's decode at 4096x4096 holds W·H·(c_1 + 3 c_0) bf16 values (21.5 GB,
+    limits.py) and MLX's CPU backend segfaults when an allocation fails. A size past MEMORY_SHARE of the
+    machine is refused up front with one line naming the need, the machine and the size that fits; the
+    machine is pinned at 16 GB so the test holds on any host."""
+    from flux_klein_mlx import limits
+    from flux_klein_mlx.inputs import check_image_size
+
+    monkeypatch.setattr(limits, "machine_memory", lambda: (16 * 10**9, "a 16 GB test machine"))
+    code, _, err = run(capsys, *gen_args(snapshot, tmp_path / "big.png", "-W", "4096", "-H", "4096"))
+    assert_one_line_error(code, err, "4096x4096 is too large", "21.5 GB", "16.0 GB (a 16 GB test machine", "at most")
+    assert no_models == [] and not (tmp_path / "big.png").exists()
+    with pytest.raises(FluxKleinError, match="4096x4096 is too large") as refused:
+        load(snapshot).generate("x", width=4096, height=4096)
+    side = int(re.search(r"at most about (\d+)x", str(refused.value)).group(1))
+    check_image_size(side, side)  # the advice given passes, and 16 px more does not
+    with pytest.raises(FluxKleinError, match="too large"):
+        check_image_size(side + 16, side + 16)
+
+
 # --- data loss ------------------------------------------------------------------------------------------
 
 

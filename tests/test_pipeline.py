@@ -281,3 +281,29 @@ def test_settings_are_declared_once_and_checked_once(distilled):
         pipe.set_loras([])
     stream.close()
     pipe.set_loras([])  # closed: allowed again
+
+
+def test_the_decode_goes_in_bands_past_what_the_whole_image_decode_can_hold(distilled, monkeypatch):
+    """Issue 38: MLX's CPU conv unfolds a whole image into one float32 im2col buffer (W·H·c_1·9 values,
+    155 GB for klein at 4096²), and a failed allocation there is a segfault. Past MLX's index limit or
+    a share of the machine's memory the pipeline decodes in bands by itself; both thresholds are lowered
+    here so 64x64 takes that path, and the image is the whole-image decode's."""
+    from flux_klein_mlx import limits
+    from flux_klein_mlx.models.vae import Decoder
+
+    banded, real = [], Decoder.decode_tiled
+    monkeypatch.setattr(Decoder, "decode_tiled", lambda self, *a, **k: banded.append(1) or real(self, *a, **k))
+    pipe, lat = flux_klein_mlx.load(distilled, dtype="float32"), noise(64, 64)
+    whole = pipe.generate("x", width=64, height=64, latents=lat, output_type="np")
+    assert banded == []  # nothing near a limit: the whole image at once, as before
+    values = limits.untiled_im2col_values(pipe.component("vae").config, 64, 64)
+    monkeypatch.setattr(limits, "INDEX_LIMIT", values - 1)  # past the index limit
+    by_index = pipe.generate("x", width=64, height=64, latents=lat, output_type="np")
+    monkeypatch.setattr(limits, "INDEX_LIMIT", 2**31 - 1)
+    # past UNTILED_SHARE of the machine, while the size itself still passes (klein's bf16 decode: 5.2 MB)
+    monkeypatch.setattr(limits, "machine_memory", lambda: (8 * 10**6, "a test machine"))
+    assert values * 4 > limits.UNTILED_SHARE * 8 * 10**6
+    by_memory = pipe.generate("x", width=64, height=64, latents=lat, output_type="np")
+    assert banded == [1, 1]
+    np.testing.assert_allclose(by_index, whole, atol=1e-5)
+    np.testing.assert_allclose(by_memory, whole, atol=1e-5)

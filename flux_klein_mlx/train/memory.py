@@ -25,13 +25,13 @@ measurements used Metal-like stand-ins on Linux, not a Mac; treat the plan as a 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import FluxKleinError
+from ..limits import machine_memory  # the one home of the machine's memory (the pipeline's size limit reads it too)
 from ..models.config import FluxKleinParams
 from ..models.tokenizer import MAX_LENGTH
 from ..models.transformer import FluxKlein
@@ -72,19 +72,6 @@ def weight_bytes(params: FluxKleinParams, bits: int | None, group_size: int = 64
             quantized = bits and isinstance(m, nn.Linear) and name == "weight" and v.shape[-1] % group_size == 0
             total += v.size * ((bits + 32 / group_size) / 8 if quantized else 2)
     return int(total)
-
-
-def machine_memory() -> tuple[int, str]:
-    """(bytes a step may use, where that figure comes from): on a Mac MLX's recommended working set of
-    the GPU (what Metal lets a process keep resident), else the physical memory."""
-    try:
-        info = mx.device_info()
-    except Exception:  # an MLX without device_info: fall back to the OS
-        info = {}
-    for key in ("max_recommended_working_set_size", "memory_size"):
-        if info.get(key):
-            return int(info[key]), f"MLX {key}"
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"
 
 
 @dataclass
