@@ -3,7 +3,7 @@ child, and the pieces of a real klein snapshot that the package does not ship (t
 randomiser, the Qwen3 tokenizer files, the scheduler config, the diffusers / transformers configs).
 
 Importing it puts this checkout first on `sys.path` (so a script run as
-`python benchmarks/x.py` measures the code next to it, not an installed copy) and preloads OpenBLAS
+`python benchmarks/<script>.py` measures the code next to it, not an installed copy) and preloads OpenBLAS
 (before mlx is first imported; it imports no mlx itself). Scripts find it with
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when a test loads the script by path

@@ -2,7 +2,7 @@
 
 The formulas live in the package (`flux_klein_mlx.bench.flops`, which the `benchmark` command
 uses to turn seconds into TFLOPS and % of peak); this module re-exports them and, when run,
-prints the tables of docs/performance.md sections 0, 4 and 5 from the model presets:
+prints the tables of docs/performance.md#the-flop-model from the model presets:
 
     .venv/bin/python benchmarks/flops.py
 

@@ -1,5 +1,5 @@
 """Arithmetic about the models and the machine: parameter counts, an analytic FLOP model
-(`docs/performance.md` section 4) and a table of chip peaks, so that benchmarks can report
+(`docs/performance.md#the-flop-model`) and a table of chip peaks, so that benchmarks can report
 achieved TFLOPS and % of peak. Used by the `benchmark` command and the scripts in `benchmarks/`.
 """
 

@@ -1,6 +1,6 @@
 """LoRA files for klein: which format a file is (from its keys), and what each key does to which of our layers.
 
-Five formats are in use (docs/lora-and-modes.md); the names differ, the mathematics does not:
+Five formats are in use (docs/loras.md#formats); the names differ, the mathematics does not:
 
     A  diffusers / PEFT   transformer.transformer_blocks.0.attn.to_q.lora_A.weight   alpha: metadata, else rank
     B  BFL names          diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight  alpha: `.alpha` key, else rank

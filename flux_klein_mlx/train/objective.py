@@ -1,6 +1,6 @@
 """The training objective of FLUX.2 [klein] LoRAs: diffusers' flow matching, sigma sampling, AdamW.
 
-The objective is that of diffusers' `train_dreambooth_lora_flux2_klein.py` (docs/training.md (a)),
+The objective is that of diffusers' `train_dreambooth_lora_flux2_klein.py` (docs/training.md#the-objective),
 per batch of images that share a bucket:
 
     x0     = the image's VAE posterior mean, 2x2-patchified, BatchNorm-normalised (cached once)

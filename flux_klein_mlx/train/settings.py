@@ -86,7 +86,7 @@ class TrainSettings:
     sample_quantize: int | None = None  # 4 or 8: the sample model quantized (default: as generate, none)
     trigger: str | None = None  # replaces "[trigger]" in each caption, else is prepended as "WORD, "
     caption_dropout: float = 0.0  # probability that an example trains with the empty caption
-    lr_scheduler: str = "constant"  # diffusers' get_scheduler names (train/schedule.py)
+    lr_scheduler: str = "constant"  # diffusers' get_scheduler names (train/objective.py)
     warmup_steps: int = 0
     force: bool = False  # train even when the memory plan says the step will not fit
     ema: float | None = None  # decay of the adapters' moving average, written as the output (train/evaluation.py)

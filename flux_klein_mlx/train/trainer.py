@@ -370,7 +370,7 @@ class Trainer:
         if s.grad_accum > 1:
             grads = tree_map(lambda g: g / s.grad_accum, grads)
         lr = self.lr_of(self.step_no + 1)
-        self.optimizer.learning_rate = lr  # the schedule's value for this step (train/schedule.py)
+        self.optimizer.learning_rate = lr  # the schedule's value for this step (train/objective.py)
         norm = optimizer_step(self.optimizer, self.model, grads, s.max_grad_norm)
         mx.eval(self.model.trainable_parameters(), self.optimizer.state, norm)
         self.step_no += 1

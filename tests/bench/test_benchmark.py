@@ -29,7 +29,7 @@ def _load_script(name: str):
     return module
 
 
-# --- FLOP model: the numbers of docs/performance.md sections 0 and 4 ---------------------------
+# --- FLOP model: the numbers of docs/performance.md#the-flop-model ------------------------------
 
 STEP_TFLOP = {  # (variant, side): (linear, attention, total per step)
     ("4b", 1024): (28.27, 6.52, 34.82),

@@ -1,0 +1,137 @@
+"""The documents hold: every path the repository names exists in a clone, every link lands on a file
+and a heading that exist, and the README stays a ten-minute read.
+
+Where a path is named: the Markdown files, `.ci/run`, and the comments and docstrings of every
+Python file (string literals are code: their paths are exercised by the tests that run them).
+A named path is read from the repository's root or from the package (`train/settings.py` is
+`flux_klein_mlx/train/settings.py`); `lora/layers.LoRALinear` names a module and one of its names;
+`docs/training.md#the-objective` names a heading, which must exist too.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "flux_klein_mlx"
+README_MAX_LINES = 300
+
+# A path starts at one of the repository's folders or the package's wings, after a character that
+# cannot be part of a longer path (so `ink.train/train.json` and `~/.cache/flux_klein_mlx/x` are not
+# read as `train/...` or `flux_klein_mlx/...`).
+FOLDERS = "docs|tests|benchmarks|convert|quantize|flux_klein_mlx|models|lora|train|serve|bench"
+NAMED_PATH = re.compile(rf"(?<![\w./~$<@-])((?:{FOLDERS})/[\w./-]*)(#[\w-]+)?")
+MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(```|~~~)")
+
+
+def _sources() -> list[Path]:
+    files = sorted(ROOT.glob("*.md")) + [ROOT / ".ci" / "run", ROOT / "conftest.py"]
+    for folder in ("docs", "flux_klein_mlx", "tests", "benchmarks", "convert", "quantize"):
+        files += sorted(p for p in (ROOT / folder).rglob("*") if p.suffix in (".md", ".py"))
+    return [p for p in files if p.is_file()]
+
+
+def _prose(path: Path) -> str:
+    """The text of `path` a reader takes for documentation: all of a Markdown file or script, the
+    comments and docstrings of a Python file."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix != ".py":
+        return text
+    parts = [tok.string for tok in tokenize.generate_tokens(io.StringIO(text).readline) if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            parts.append(ast.get_docstring(node, clean=False) or "")
+    return "\n".join(parts)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(md: Path) -> set[str]:
+    anchors, fenced = set(), False
+    for line in md.read_text(encoding="utf-8").splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"^#{1,6} (.+)$", line)):
+            anchors.add(_slug(m.group(1)))
+    return anchors
+
+
+def _resolve(named: str) -> Path | None:
+    """The file or folder `named` names, from the root or the package; a module for `mod.attr`."""
+    named = named.rstrip("./") or named
+    for base in (ROOT, PACKAGE):
+        for candidate in (named, named + ".py", named.rsplit(".", 1)[0] + ".py"):
+            if (base / candidate).exists():
+                return base / candidate
+    return None
+
+
+def _missing_named_paths() -> list[str]:
+    missing = []
+    for source in _sources():
+        for m in NAMED_PATH.finditer(_prose(source)):
+            target, anchor = _resolve(m.group(1)), m.group(2)
+            where = f"{source.relative_to(ROOT)}: {m.group(0)}"
+            if target is None:
+                missing.append(where)
+            elif anchor and target.suffix == ".md" and anchor[1:] not in _anchors(target):
+                missing.append(where + " (no such heading)")
+    return missing
+
+
+def test_every_named_path_exists():
+    assert _missing_named_paths() == []
+
+
+def test_named_path_pattern_skips_paths_inside_longer_ones():
+    text = "ink.train/train.json, ~/.cache/flux_klein_mlx/embeddings, see docs/training.md#the-objective."
+    assert [m.group(1) + (m.group(2) or "") for m in NAMED_PATH.finditer(text)] == ["docs/training.md#the-objective"]
+    assert _resolve("lora/layers.LoRALinear") == PACKAGE / "lora" / "layers.py"
+    assert _resolve("docs/no-such-file.md") is None
+
+
+def _markdown_files() -> list[Path]:
+    return [p for p in _sources() if p.suffix == ".md"]
+
+
+@pytest.mark.parametrize("md", _markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_markdown_link_lands(md: Path):
+    broken = []
+    for m in MD_LINK.finditer(md.read_text(encoding="utf-8")):
+        link = m.group(1)
+        if re.match(r"^[a-z]+:", link):  # https:, mailto: ... are the web's, not ours
+            continue
+        file, _, anchor = link.partition("#")
+        target = (md.parent / file).resolve() if file else md
+        if not target.exists():
+            broken.append(link)
+        elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+            broken.append(f"{link} (no such heading)")
+    assert broken == []
+
+
+def test_readme_is_a_ten_minute_read():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) < README_MAX_LINES, f"README.md is {len(lines)} lines; move reference material to docs/"
+
+
+def test_readme_test_command_is_the_one_ci_runs():
+    command = "python -m pytest -q -n 2 --dist loadfile tests"
+    assert command in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert command in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_docs_tests_lists_every_test_file():
+    listed = (ROOT / "docs" / "tests.md").read_text(encoding="utf-8")
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py"))
+    assert [f for f in files if f"`{f}`" not in listed] == []
