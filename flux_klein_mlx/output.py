@@ -327,7 +327,9 @@ def preview_for(vae) -> LatentPreview:
     few decodes of 8x8-token latents, cheap for small VAEs)."""
     if vae.config.latent_channels == len(FLUX2_RGB_FACTORS):
         return flux2_preview()
-    C4, grid, samples = vae.config.token_channels, 8, 4
+    C4 = vae.config.token_channels
+    grid = 8
+    samples = 4
     # (N, L, 4C); the decoder casts to its own dtype
     x = mx.array(np.random.default_rng(0).standard_normal((samples, grid * grid, C4)).astype(np.float32))
     images = vae.decode_tokens(x, grid, grid).astype(mx.float32)  # (N, 16g, 16g, 3)

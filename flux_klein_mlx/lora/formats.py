@@ -93,7 +93,7 @@ class Term:
         return self.w1.shape[0] * self.w2.shape[0], self.w1.shape[1] * self.w2.shape[1]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ParsedLora:
     """A LoRA file's updates, mapped onto our layers (not yet scaled by the user's strength)."""
 
@@ -201,9 +201,12 @@ def _metadata_alpha(metadata: dict | None, what: str):
             config = {k.removeprefix("transformer."): v for k, v in json.loads(raw).items()}
             alpha = float(config.get("lora_alpha", 8))  # PEFT's LoraConfig default, as diffusers would build it
             patterns = {str(k).lstrip("^"): float(v) for k, v in (config.get("alpha_pattern") or {}).items()}
-            rslora, per_rank = bool(config.get("use_rslora", False)), None
+            rslora = bool(config.get("use_rslora", False))
+            per_rank = None
         elif "lora_alpha" in metadata:
-            alpha, patterns, rslora = float(metadata["lora_alpha"]), {}, False
+            alpha = float(metadata["lora_alpha"])
+            patterns = {}
+            rslora = False
             per_rank = float(metadata["lora_rank"]) if "lora_rank" in metadata else None
         else:
             return None
@@ -262,13 +265,15 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
     table = target_table(params)
     shapes = linear_shapes(params)
     meta_alpha = _metadata_alpha(metadata, what) if fmt == "A" else None
-    terms, unmatched, foreign = [], [], []
+    terms = []
+    unmatched = []
+    foreign = []
     for name, parts in modules.items():
         target = table.get(name)
         if target is None:
             unmatched.append(name)
             continue
-        term = _term(name, parts, target, meta_alpha, what)
+        term = _term(name, parts, target, meta_alpha=meta_alpha, what=what)
         want = (target.rows[1] - target.rows[0], shapes[target.layer][1])
         if term.shape == want:
             terms.append(term)
@@ -277,7 +282,7 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
     if foreign:
         raise FluxKleinError(_foreign_message(foreign, params, what))
     _check_overlaps(terms, what)
-    return ParsedLora(fmt, terms, sorted(unmatched), len(modules))
+    return ParsedLora(format=fmt, terms=terms, unmatched=sorted(unmatched), n_modules=len(modules))
 
 
 def _check_overlaps(terms: list[Term], what: str) -> None:
@@ -292,7 +297,7 @@ def _check_overlaps(terms: list[Term], what: str) -> None:
             )
 
 
-def _term(name: str, parts: dict[str, mx.array], target: Target, meta_alpha, what: str) -> Term:
+def _term(name: str, parts: dict[str, mx.array], target: Target, *, meta_alpha, what: str) -> Term:
     alpha = _scalar(parts["alpha"], what, name) if "alpha" in parts else None
     for a in parts.values():
         if not mx.issubdtype(a.dtype, mx.floating):
@@ -316,7 +321,8 @@ def _term(name: str, parts: dict[str, mx.array], target: Target, meta_alpha, wha
             up = mx.roll(up, up.shape[0] // 2, axis=0)
         return Term(target.layer, target.rows, alpha / rank, down=down, up=up, key=name)
     # LoKr: each factor is stored whole (w1) or as a product (w1_a @ w1_b).
-    factors, rank = [], None
+    factors = []
+    rank = None
     for n in ("w1", "w2"):
         if f"lokr_{n}" in parts:
             factors.append(parts[f"lokr_{n}"])
@@ -340,7 +346,8 @@ def _term(name: str, parts: dict[str, mx.array], target: Target, meta_alpha, wha
 def _foreign_message(foreign: list, params, what: str) -> str:
     """Name the model a LoRA was made for, when its shapes tell; else name the first mismatch."""
     D = params.hidden_size
-    hidden, flux1 = set(), False
+    hidden = set()
+    flux1 = False
     for _name, term, (_rows, cols) in foreign:
         (out, width), layer = term.shape, term.layer
         if cols == D and not layer.endswith(("linear2", "_mlp.2")):  # layers whose input is the hidden state

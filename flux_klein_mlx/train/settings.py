@@ -167,7 +167,8 @@ class TrainSettings:
         v = self.ema
         if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < 1):
             raise FluxKleinError(f"ema must be a decay in (0, 1) such as 0.999, not {v!r}")
-        controls, held_out = folder_list(self.controls), folder_list(self.validation_controls)
+        controls = folder_list(self.controls)
+        held_out = folder_list(self.validation_controls)
         if self.validation is None and held_out:
             raise FluxKleinError("--validation-control needs --validation: the held-out images it gives references for")
         if self.validation is not None and len(held_out) != len(controls):

@@ -281,6 +281,7 @@ def remove_temporaries(work_dir: Path) -> None:
 def write_checkpoint(
     work_dir: Path,
     step: int,
+    *,
     lora: tuple[dict, dict],
     optimizer: dict[str, mx.array],
     state: dict,
@@ -346,7 +347,8 @@ def _state_problem(state, step: int, n_items: int) -> str | None:
             return f"state.json's {key} is {state.get(key)!r}, not a whole number"
     if state["step"] != step:
         return f"state.json says step {state['step']}, its folder name step {step}"
-    batches, losses = state.get("batches"), state.get("losses")
+    batches = state.get("batches")
+    losses = state.get("losses")
     if not isinstance(batches, list) or not all(isinstance(b, list) and b for b in batches):
         return "state.json's batches is not a list of batches"
     if not all(_is_int(i) and 0 <= i < n_items for b in batches for i in b):
@@ -448,7 +450,7 @@ def write_json(path: Path, obj: dict) -> None:
 
 
 def resume_point(
-    wd: Path, resume: bool, steps: int, key: dict, data: list, lora_shapes: dict, n_items: int
+    wd: Path, *, resume: bool, steps: int, key: dict, data: list, lora_shapes: dict, n_items: int
 ) -> Path | None:
     """The checkpoint a run continues from (None: a new run), checked whole and against this run's
     run `key` and `data` key; refuses mixing runs in one work folder and a run that is already done."""

@@ -44,7 +44,7 @@ def trained(snapshot, tmp_path_factory):
     """The LoRA (random non-zero B, as after training) on every block layer, written in each layout, float32."""
     model = load_component(describe(snapshot), "transformer", mx.float32)
     slots = parse_targets("all", model.params)
-    lora = attach_lora(model, slots, RANK, ALPHA, np.random.default_rng(1))
+    lora = attach_lora(model, slots, rank=RANK, alpha=ALPHA, rng=np.random.default_rng(1))
     g = np.random.default_rng(2)
     values = {}
     for s in slots:
@@ -58,7 +58,9 @@ def trained(snapshot, tmp_path_factory):
     folder = tmp_path_factory.mktemp("layouts")
     files = {layout: folder / f"{layout}.safetensors" for layout in LAYOUTS}
     for layout, path in files.items():
-        write_lora_file(path, lora, mx.float32, layout, model.params, header={"flux_klein_mlx.trigger": "sks"})
+        write_lora_file(
+            path, lora, dtype=mx.float32, layout=layout, params=model.params, header={"flux_klein_mlx.trigger": "sks"}
+        )
     return files
 
 

@@ -167,7 +167,7 @@ def fake_checkpoint(work: Path, settings: TrainSettings, step: int = 2) -> Path:
     the trainer's own writer: all that --resume checks before any model loads."""
     s = settings.check()
     info = describe(s.model)
-    items = scan_data(s.data, s.caption, s.controls, s.resolution)
+    items = scan_data(s.data, caption=s.caption, controls=s.controls, resolution=s.resolution)
     shapes = lora_file_shapes(parse_targets(s.targets, info.params), s.rank)
     lora = {k: mx.zeros(shape) for k, shape in shapes.items()}
     optimizer = {"step": mx.array(step), "learning_rate": mx.array(s.lr)}
@@ -185,7 +185,9 @@ def fake_checkpoint(work: Path, settings: TrainSettings, step: int = 2) -> Path:
     }
     work.parent.mkdir(parents=True, exist_ok=True)
     train_state.claim_work_dir(work)  # as a run does before its first checkpoint
-    return train_state.write_checkpoint(work, step, (lora, {"format": "pt"}), optimizer, state, keep=100)
+    return train_state.write_checkpoint(
+        work, step, lora=(lora, {"format": "pt"}), optimizer=optimizer, state=state, keep=100
+    )
 
 
 def test_resume_refuses_another_runs_checkpoints_naming_the_differences(capsys, snap, tmp_path, no_models):
@@ -770,9 +772,9 @@ def test_loss_plot_has_round_ticks_and_shows_a_varying_lr():
     assert nice_ticks(1, 3, 8, whole=True) == [1, 2, 3]  # whole steps, never 1.5
     losses = list(np.linspace(1.0, 0.4, 120))
     orange = lambda img: int(np.all(np.asarray(img) == (230, 120, 20), axis=-1).sum())  # noqa: E731
-    assert orange(loss_plot(losses, 6, [1e-4] * 120)) == 0
-    assert orange(loss_plot(losses, 6, [1e-4 * (1 - i / 120) for i in range(120)])) > 100
-    image = np.asarray(loss_plot(losses, 6, [1e-4] * 120).convert("L"))
+    assert orange(loss_plot(losses, window=6, lrs=[1e-4] * 120)) == 0
+    assert orange(loss_plot(losses, window=6, lrs=[1e-4 * (1 - i / 120) for i in range(120)])) > 100
+    image = np.asarray(loss_plot(losses, window=6, lrs=[1e-4] * 120).convert("L"))
     assert (image[44:392, :70] < 128).sum() > 50  # loss tick labels left of the axis
     assert (image[398:420, 78:816] < 128).sum() > 50  # step tick labels under it
 
