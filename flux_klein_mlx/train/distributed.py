@@ -72,7 +72,7 @@ def example_draws(
 def check_processes(folder: Path, now: int) -> None:
     """A checkpoint continues only with the process count that wrote it (its data order and shares)."""
     try:
-        before = json.loads((Path(folder) / "state.json").read_text())["run_key"].get("processes", 1)
+        before = json.loads((Path(folder) / "state.json").read_text())["run_key"]["processes"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return  # unreadable: state.checkpoint_problem says what is wrong with it
     if before != now:

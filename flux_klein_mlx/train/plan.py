@@ -47,10 +47,7 @@ def _check_model(s: TrainSettings):
 
 def run_key(s: TrainSettings, info, processes: int = 1) -> dict:
     """The settings a checkpoint must share with a run that resumes it; the model by its resolved path."""
-    key = {**s.run_key(), "model": str(info.path)}
-    if processes != 1:  # absent for one process, as before mlx.launch runs existed
-        key["processes"] = processes
-    return key
+    return {**s.run_key(), "model": str(info.path), "processes": processes}
 
 
 def data_key(items) -> list:

@@ -486,6 +486,11 @@ def _refuse_other_settings(folder: Path, key: dict, data: list) -> None:
         return  # damaged: checkpoint_problem says how
     if not isinstance(state, dict) or not isinstance(state.get("run_key"), dict):
         return
+    if state["run_key"].get("version") != key["version"]:
+        raise FluxKleinError(
+            f"--resume: {folder} was written under run key version {state['run_key'].get('version')} (this "
+            f"flux_klein_mlx writes {key['version']}) and cannot be continued; start anew in another --work-dir"
+        )
     diffs = differences(state["run_key"], key)
     if state.get("data") != data:
         diffs.append("data: the images, captions or controls differ from the checkpoint's")

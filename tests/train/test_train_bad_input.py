@@ -31,7 +31,7 @@ from flux_klein_mlx.train import state as train_state
 from flux_klein_mlx.train.adapters import lora_file_shapes, parse_targets
 from flux_klein_mlx.train.data import bucket_size, scan_data
 from flux_klein_mlx.train.plan import data_key, plan_run, run_key
-from flux_klein_mlx.train.settings import TrainSettings
+from flux_klein_mlx.train.settings import RUN_KEY_VERSION, TrainSettings
 from flux_klein_mlx.train.trainer import CheckpointSaved, TrainFinished
 
 
@@ -199,6 +199,32 @@ def test_resume_refuses_another_runs_checkpoints_naming_the_differences(capsys, 
     refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume"], "other settings", "rank: 8 there, 4 now")
     (data / "im0.txt").write_text("another caption")
     refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume", "--rank", "8"], "data")
+
+
+def test_resume_refuses_a_checkpoint_of_another_run_key_version(capsys, snap, tmp_path, no_models):
+    """The run key is versioned (0.1.0 keeps no compatibility branches): a checkpoint whose run key has
+    another version, or none (written before the key had one), is refused in one line before any model
+    loads, even where every setting matches."""
+    data = make_images(tmp_path / "data")
+    out = tmp_path / "out.safetensors"
+    settings = TrainSettings(model=str(snap), data=data, output=out, resolution=64, rank=4)
+    folder = fake_checkpoint(tmp_path / "out.train", settings)
+    state = json.loads((folder / "state.json").read_text())
+    assert state["run_key"]["version"] == RUN_KEY_VERSION and state["run_key"]["processes"] == 1
+    for version in (None, RUN_KEY_VERSION + 1):
+        if version is None:
+            del state["run_key"]["version"]
+        else:
+            state["run_key"]["version"] = version
+        (folder / "state.json").write_text(json.dumps(state))
+        refused(
+            capsys,
+            tmp_path,
+            base_args(snap, data, out) + ["--resume"],
+            f"run key version {version}",
+            f"writes {RUN_KEY_VERSION}",
+            "start anew",
+        )
 
 
 def test_work_folder_with_checkpoints_needs_resume_and_resume_needs_checkpoints(capsys, snap, tmp_path, no_models):
