@@ -96,7 +96,7 @@ class BytesRead:
 
 
 @dataclass(kw_only=True)
-class Run:
+class ColdRun:
     """One image through a fresh pipeline (`one_run`)."""
 
     seconds: float
@@ -134,7 +134,7 @@ class Peak:
 
 
 @dataclass(kw_only=True)
-class Flops:
+class StageFlops:
     text_encoder: float
     denoise: float
     decode: float
@@ -171,9 +171,9 @@ class ColdResult:
     bytes: dict[str, int]  # component -> bytes its load reads
     page_cache: str  # how the page cache was dropped, or why not
     read: SequentialRead
-    runs: dict[str, Run]
+    runs: dict[str, ColdRun]
     peak: Peak
-    flops: Flops
+    flops: StageFlops
     limits: dict[str, Limit]  # cold run -> its limit
     second: SecondRun
 
@@ -181,7 +181,7 @@ class ColdResult:
         return dataclasses.asdict(self)
 
 
-def one_run(model, settings: RunSettings, *, cache, read_ahead: bool = True, **load_args) -> Run:
+def one_run(model, settings: RunSettings, *, cache, read_ahead: bool = True, **load_args) -> ColdRun:
     """One image through a fresh pipeline, each stage timed on its own, in the order `generate` runs
     them (the loads `prepare`/`denoise`/`decode` would make are made just before, and timed)."""
     rss_reset = reset_peak_rss()
@@ -222,7 +222,7 @@ def one_run(model, settings: RunSettings, *, cache, read_ahead: bool = True, **l
         name: Stage(seconds=v["seconds"], read_bytes=v["read_bytes"], peak_memory=peaks[name])
         for name, v in meter.stages.items()
     }
-    return Run(
+    return ColdRun(
         seconds=total,
         stages=stages,
         read_ahead=ahead,
@@ -278,7 +278,7 @@ def import_seconds() -> dict[str, float]:
 
 def _runs(
     model, *, settings: RunSettings, files: list[Path], dropped: bool, load_settings: dict, log
-) -> dict[str, Run]:
+) -> dict[str, ColdRun]:
     """The runs of `RUNS` in turn, each in a fresh pipeline, with the page cache dropped where the run asks."""
     runs = {}
     with tempfile.TemporaryDirectory(prefix="flux-klein-cold-") as folder:
@@ -373,9 +373,9 @@ def measure_cold(
     )
 
 
-def stage_flops(info, *, width: int, height: int, steps: int) -> Flops:
+def stage_flops(info, *, width: int, height: int, steps: int) -> StageFlops:
     """The FLOPs of each stage of one image of the model `info` describes."""
-    return Flops(
+    return StageFlops(
         text_encoder=flops_of_text_encoder(Qwen3Config.from_dict(info.configs["text_encoder"])).total,
         denoise=flops_of_transformer(info.params, width=width, height=height).total * steps,
         decode=flops_of_vae_decoder(AutoEncoderConfig.from_dict(info.configs["vae"]), width, height).total,
@@ -385,7 +385,9 @@ def stage_flops(info, *, width: int, height: int, steps: int) -> Flops:
 LOADS = ("load() + checks", "text encoder load", "tokenizer load", "transformer load", "VAE load")
 
 
-def limits(runs: dict[str, Run], *, load_bytes: dict[str, int], rate: float, peak: float, f: Flops) -> dict[str, Limit]:
+def limits(
+    runs: dict[str, ColdRun], *, load_bytes: dict[str, int], rate: float, peak: float, f: StageFlops
+) -> dict[str, Limit]:
     """Each cold run against `bytes / rate + compute` (compute: the warm twin's measured compute, and
     FLOPs / peak)."""
     out = {}
@@ -444,7 +446,7 @@ def format_cold(r: ColdResult) -> str:
     return "\n".join(lines)
 
 
-def stage_table(runs: dict[str, Run]) -> list[str]:
+def stage_table(runs: dict[str, ColdRun]) -> list[str]:
     """A markdown table: a row per stage, a column per run, then totals, peaks and what was read ahead."""
     gb = 1e9
     names = list(runs)

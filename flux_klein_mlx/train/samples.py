@@ -135,7 +135,7 @@ def sample_name(step: int, k: int, strength: float | None) -> str:
     return f"step-{step:06d}-{k}{tail}.png"
 
 
-class Sampler:
+class SampleImages:
     """The sample pipeline of a run: loaded once, its prompts encoded once, then an image per prompt
     (and strength) at each sample point; the baseline images are kept for the comparisons."""
 

@@ -44,7 +44,7 @@ from .evaluation import EMA_FILE, AdapterEMA, Validation, average_window, moving
 from .events import CheckpointSaved, StageFinished, StageStarted, StepFinished, TrainFinished, TrainStarted
 from .objective import flow_loss, lr_at_step, make_optimizer, optimizer_step, sigmas_from_draws
 from .plan import RunPlan, data_key, plan_run, run_key
-from .samples import Sampler, SamplesSaved
+from .samples import SampleImages, SamplesSaved
 from .settings import TrainSettings
 from .state import (
     acquire_lock,
@@ -98,7 +98,7 @@ class Trainer:
         self.losses: list[float] = []
         # samples are rank 0's, as every file: the other ranks of an mlx.launch run load no sample model
         drawn_here = plan.sample_info is not None and plan.world.is_main
-        self.sampler = Sampler(self.s, plan.sample_info) if drawn_here else None
+        self.sample_images = SampleImages(self.s, plan.sample_info) if drawn_here else None
         self.trained_peak = 0  # the highest training-step memory peak so far (bytes)
         self.world = plan.world
         self.validation = Validation(plan.validation)  # validation: empty without --validation
@@ -129,8 +129,8 @@ class Trainer:
                 yield self.plan.memory  # before any model loads
         yield self.caption_plan()
         yield self.cache_captions()
-        if self.sampler is not None:  # its text encoder runs while no training model is resident
-            seconds, detail = self.sampler.load()
+        if self.sample_images is not None:  # its text encoder runs while no training model is resident
+            seconds, detail = self.sample_images.load()
             yield StageFinished(stage="sample model", seconds=seconds, detail=detail)
         n = len(self.items)
         controls = sum(len(it.controls) for it in self.items)
@@ -145,8 +145,8 @@ class Trainer:
             if self.plan.resume_from is not None:
                 self.restore(self.plan.resume_from)
             self.apply_state(self.world.share_state(self.state(), self.lora, self.model, self.optimizer))  # from rank 0
-            if self.sampler is not None:
-                yield self.sampler.baseline()  # no LoRA: what each sample is compared with
+            if self.sample_images is not None:
+                yield self.sample_images.baseline()  # no LoRA: what each sample is compared with
             yield self.started_event()
             while self.step_no < s.steps:
                 yield self.train_step()
@@ -472,7 +472,7 @@ class Trainer:
 
     def samples(self) -> SamplesSaved:
         """Each sample prompt with the LoRA as it is now, on the sample model (train/samples.py)."""
-        return self.sampler.sample(self.step_no, self.lora, self.trained_peak)
+        return self.sample_images.sample(self.step_no, self.lora, self.trained_peak)
 
     def record(self, **extra) -> dict:
         """train.json: every setting, the data with hashes, the adapters, versions."""
