@@ -38,7 +38,7 @@ class Lora:
     name: str  # file name
     sha256: str  # first 12 hex digits of the file's sha256
     scale: float
-    format: str  # "A" diffusers/PEFT, "B" BFL, "C" PEFT-wrapped BFL, "D" kohya, "E" LoKr
+    format: str  # "diffusers" (PEFT), "bfl", "peft_bfl" (PEFT-wrapped BFL), "kohya", "lokr" (LyCORIS LoKr)
     terms: list[Term]
     path: str = ""
     autov3: str = ""  # A1111's / Civitai's hash of the file (its tensor data), first 12 hex digits

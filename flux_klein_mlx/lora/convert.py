@@ -136,7 +136,7 @@ def convert_lora(source: str | Path, output: str | Path, layout: str) -> Path:
         "flux_klein_mlx.converted_from": f"{lora.path.name} ({FORMAT_NAMES[lora.parsed.format]})",
     }
     terms, what = lora.parsed.terms, lora.path.name
-    if lora.parsed.format == "E":  # Kronecker factors, not low-rank pairs
+    if lora.parsed.format == "lokr":  # Kronecker factors, not low-rank pairs
         tensors, metadata = (
             lokr_tensors(terms, layout, params=lora.params, what=what, dtype=lora.dtype),
             file_metadata([], layout, header),

@@ -38,9 +38,9 @@ from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, DIFFUSERS_T
 
 # Module-name prefixes, longest first, and the format they say.
 _PREFIXES = (
-    ("lora_unet_", "D"), ("lora_transformer_", "D"), ("lycoris_", "D"),
-    ("base_model.model.diffusion_model.", "C"), ("base_model.model.", "C"), ("model.diffusion_model.", "B"),
-    ("diffusion_model.", "B"), ("transformer.", "A"),
+    ("lora_unet_", "kohya"), ("lora_transformer_", "kohya"), ("lycoris_", "kohya"),
+    ("base_model.model.diffusion_model.", "peft_bfl"), ("base_model.model.", "peft_bfl"),
+    ("model.diffusion_model.", "bfl"), ("diffusion_model.", "bfl"), ("transformer.", "diffusers"),
 )  # fmt: skip
 # Key endings -> the role of the tensor. PEFT's adapter name (".default") is optional.
 _ROLE = re.compile(
@@ -97,7 +97,7 @@ class Term:
 class ParsedLora:
     """A LoRA file's updates, mapped onto our layers (not yet scaled by the user's strength)."""
 
-    format: str  # "A".."E"
+    format: str  # "diffusers", "bfl", "peft_bfl", "kohya" or "lokr" (layouts.FORMAT_NAMES says each in words)
     terms: list[Term]
     unmatched: list[str] = field(default_factory=list)  # module names that match no layer
     n_modules: int = 0
@@ -136,7 +136,7 @@ def target_table(params) -> dict[str, Target]:
 
 
 def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str, mx.array]], str]:
-    """Keys -> {module name (prefix stripped): {role: tensor}}, and the format letter."""
+    """Keys -> {module name (prefix stripped): {role: tensor}}, and the format it is in."""
     unknown = [key for key in tensors if not _ROLE.match(key)]
     if unknown:
         raise FluxKleinError(
@@ -159,7 +159,7 @@ def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str,
         role = ("down" if lora in DOWN_ROLES else "up") if lora else m.group("lokr") or "alpha"
         prefix, kind = next(((p, letter) for p, letter in _PREFIXES if name.startswith(p)), ("", None))
         name = name[len(prefix) :]
-        kinds.add("E" if m.group("lokr") else kind)
+        kinds.add("lokr" if m.group("lokr") else kind)
         if (name, role) in keys:  # e.g. `transformer.x.lora_A.weight` beside `x.lora_A.default.weight`
             raise FluxKleinError(
                 f"LoRA {what} holds {name}'s {role} {'matrix' if role in ('down', 'up') else 'value'} twice "
@@ -172,20 +172,20 @@ def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str,
 
 
 def _format_of(kinds: set[str | None], modules: dict) -> str:
-    """The format letter of a file from the kinds its keys say (`_PREFIXES`; "E" for a LoKr tensor)
+    """The format of a file from the kinds its keys say (`_PREFIXES`; "lokr" for a LoKr tensor)
     and its module names: the first rule that holds, in this order."""
     rules = (
-        ("E", "E" in kinds),  # any LoKr tensor: the file needs the LoKr reading
-        ("A", "A" in kinds),  # then the prefixes; a file that mixes them is named by the first here
-        ("B", "B" in kinds),
-        ("C", "C" in kinds),
-        ("D", "D" in kinds),
-        ("B", any(n.startswith(("double_blocks", "single_blocks")) for n in modules)),  # our names, no prefix
+        ("lokr", "lokr" in kinds),  # any LoKr tensor: the file needs the LoKr reading
+        ("diffusers", "diffusers" in kinds),  # then the prefixes; a file that mixes them is named by the first here
+        ("bfl", "bfl" in kinds),
+        ("peft_bfl", "peft_bfl" in kinds),
+        ("kohya", "kohya" in kinds),
+        ("bfl", any(n.startswith(("double_blocks", "single_blocks")) for n in modules)),  # our names, no prefix
     )
-    for letter, holds in rules:
+    for name, holds in rules:
         if holds:
-            return letter
-    return "A"  # diffusers' names without a prefix
+            return name
+    return "diffusers"  # diffusers' names without a prefix
 
 
 def _metadata_alpha(metadata: dict | None, what: str):
@@ -264,7 +264,7 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
         raise FluxKleinError(f"LoRA {what} is incomplete: it holds {head}; export or download it again")
     table = target_table(params)
     shapes = linear_shapes(params)
-    meta_alpha = _metadata_alpha(metadata, what) if fmt == "A" else None
+    meta_alpha = _metadata_alpha(metadata, what) if fmt == "diffusers" else None
     terms = []
     unmatched = []
     foreign = []
