@@ -96,7 +96,7 @@ def compare_step(
     txt = rng.standard_normal((1, text_tokens, params.context_in_dim), dtype=np.float32)
     sigma = 0.7
     t_img_ids, t_txt_ids = np.array(image_ids(h, w)), np.array(text_ids(text_tokens))
-    flops = flops_of_transformer(params, width, height, text_tokens).total
+    flops = flops_of_transformer(params, width=width, height=height, text_tokens=text_tokens).total
 
     # diffusers first, then hand its weights over.
     torch.set_num_threads(os.cpu_count() or 1)

@@ -252,7 +252,7 @@ def measure(model: str) -> dict:
     total = sum(bytes_to_load(info, n) for n in COMPONENTS)
     flops = (
         flops_of_text_encoder(_qwen(info)).total
-        + flops_of_transformer(info.params, 1024, 1024).total * 4
+        + flops_of_transformer(info.params, width=1024, height=1024).total * 4
         + flops_of_vae_decoder(_vae(info), 1024, 1024).total
     )
     peak = results["machine"].get("peak_tflops")

@@ -41,7 +41,7 @@ def variants() -> dict:
 
 def image_flops(params, qwen, size: int, steps: int = 4) -> dict:
     """FLOPs (TFLOP) of each stage of one size×size image, and the total."""
-    step = flops_of_transformer(params, size, size)
+    step = flops_of_transformer(params, width=size, height=size)
     text = flops_of_text_encoder(qwen, layers=27)
     vae = flops_of_vae_decoder(AutoEncoderConfig.flux2(), size, size)
     return {

@@ -50,8 +50,14 @@ def step_tflop(params, width: int, height: int, refs: int) -> dict:
     def blocks(f):
         return (f.linear + f.attention) / 1e12
 
-    uncached = blocks(flops_of_transformer(params, width, height, TEXT_TOKENS, r))
-    cached = blocks(flops_of_transformer(params, width, height, TEXT_TOKENS, r, cached_references=True))
+    uncached = blocks(
+        flops_of_transformer(params, width=width, height=height, text_tokens=TEXT_TOKENS, reference_tokens=r)
+    )
+    cached = blocks(
+        flops_of_transformer(
+            params, width=width, height=height, text_tokens=TEXT_TOKENS, reference_tokens=r, cached_references=True
+        )
+    )
     return {"uncached": uncached, "cached": cached, "extract": cached + blocks(reference_pass_flops(params, r))}
 
 

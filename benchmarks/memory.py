@@ -138,7 +138,9 @@ def make_full_snapshot(dst: Path) -> dict:
     )
     te = {k: v for k, v in _shapes(text_encoder).items() if k != "lm_head.weight"}  # tied: not stored
     # Two shards with an index, named as transformers names them (model-00001-of-00002.safetensors).
-    save_safetensors_sharded(_random_tensors(te, 2), dst / "text_encoder", "model", max_shard_bytes=4_100_000_000)
+    save_safetensors_sharded(
+        _random_tensors(te, 2), dst / "text_encoder", prefix="model", max_shard_bytes=4_100_000_000
+    )
     save_safetensors_streaming(dst / "vae" / "diffusion_pytorch_model.safetensors", _random_tensors(_shapes(vae), 3))
     return {
         "seconds": time.perf_counter() - t0,

@@ -97,7 +97,7 @@ def write_checkpoint(root: Path) -> list[str]:
     folder = root / "text_encoder"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(qwen3_hf_config(qwen3_4b()), indent=2))
-    files = save_safetensors_sharded(lazy_checkpoint(), folder, "model", max_shard_bytes=5 << 30)
+    files = save_safetensors_sharded(lazy_checkpoint(), folder, prefix="model", max_shard_bytes=5 << 30)
     shutil.copytree(qwen_tokenizer_dir(), root / "tokenizer", dirs_exist_ok=True)  # as in the snapshot
     # The other components' configs (no weights): the loading layer describes a whole snapshot, reading
     # configs only, and then loads just the text encoder's files.

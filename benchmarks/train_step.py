@@ -76,7 +76,7 @@ def step_flops(params: FluxKleinParams, size: int, checkpoint: bool) -> tuple[fl
     """(forward FLOPs, training-step FLOPs) of `params` at size x size, rank-16 adapters on every block Linear."""
     from flux_klein_mlx.train.adapters import parse_targets
 
-    fwd = flops_of_transformer(params, size, size)
+    fwd = flops_of_transformer(params, width=size, height=size)
     lora = adapter_flops(parse_targets("all", params), (size // 16) ** 2)
     fwd_total = fwd.total + lora
     return fwd_total, lora_training_flops(fwd, lora, checkpoint).total
@@ -106,9 +106,9 @@ class Setup:
         self.model, self.params, self.dtype = model, params, dtype
         slots, rng = parse_targets("all", params), np.random.default_rng(0)
         if adapter == "lokr":  # LyCORIS' LoKr on every block Linear, factor -1 (the trainer's default)
-            self.lora = attach_lokr(model, slots, params, RANK, float(RANK), -1, rng)
+            self.lora = attach_lokr(model, slots, params=params, rank=RANK, alpha=float(RANK), factor=-1, rng=rng)
         else:
-            self.lora = attach_lora(model, slots, RANK, float(RANK), rng)
+            self.lora = attach_lora(model, slots, rank=RANK, alpha=float(RANK), rng=rng)
         self.optimizer = make_optimizer(TrainSettings(lr=1e-4))
         self.set_size(size)
 
@@ -134,7 +134,9 @@ class Setup:
         from flux_klein_mlx.train.objective import flow_loss, optimizer_step
 
         def loss():
-            return flow_loss(self.model, self.x0, self.noise, self.sigma, self.ctx, self.rope, checkpoint=checkpoint)
+            return flow_loss(
+                self.model, self.x0, self.noise, sigma=self.sigma, ctx=self.ctx, rope=self.rope, checkpoint=checkpoint
+            )
 
         value, grads = nn.value_and_grad(self.model, loss)()
         norm = optimizer_step(self.optimizer, self.model, grads, 1.0)

@@ -77,7 +77,7 @@ class Part:
 
 
 def make_part(
-    info: ModelInfo, name: str, dtype=None, bits: int | None = None, group_size: int = 64, loras: list | None = None
+    info: ModelInfo, name: str, *, dtype=None, bits: int | None = None, group_size: int = 64, loras: list | None = None
 ) -> Part:
     """One component of a described model, strictly checked, cast and quantized, all lazily: no
     tensor is read from disk here. `loras` (transformer only, from `lora.load_loras`) are fused
@@ -86,11 +86,11 @@ def make_part(
     module, record = assemble(
         name,
         info.configs[name],
-        read_component(info, name),
-        dtype,
-        info.quantization[name],
-        None if loras else bits,
-        group_size,
+        weights=read_component(info, name),
+        dtype=dtype,
+        record=info.quantization[name],
+        bits=None if loras else bits,
+        group_size=group_size,
     )  # with LoRAs: quantized once they are fused
     if loras:
         apply_loras(module, loras, keep_originals=False, evaluate=False)  # lazy: each fused weight computed as written
@@ -162,7 +162,10 @@ def convert_model(
     check_weights(info)  # every file's header, keys and shapes, before anything is written
     baked = load_loras(loras, info.params, lora_partial)  # all checked before anything is written
     parts = [
-        make_part(info, name, cast, bits, group_size, baked if name == "transformer" else None) for name in COMPONENTS
+        make_part(
+            info, name, dtype=cast, bits=bits, group_size=group_size, loras=baked if name == "transformer" else None
+        )
+        for name in COMPONENTS
     ]
     source, vae_folders = _source_record(model, info, vae)
     meta = {
@@ -189,9 +192,9 @@ def convert_model(
 def quantize_folder(
     model: str | Path,
     output: str | Path,
+    *,
     bits: int,
     group_size: int = 64,
-    *,
     overwrite: bool = False,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     progress: Progress | None = None,
@@ -211,7 +214,7 @@ def quantize_folder(
             "folder, or convert the original model again with --quantize"
         )
     check_weights(info)
-    parts = [make_part(info, name, None, bits, group_size) for name in COMPONENTS]
+    parts = [make_part(info, name, dtype=None, bits=bits, group_size=group_size) for name in COMPONENTS]
     source = {"model": str(model), "path": str(info.path), "format": FORMAT, "original": info.original}
     meta = {
         "variant": info.variant,
@@ -315,7 +318,9 @@ def write_folder(
     }
     with folder_transaction(output) as tmp:
         for part in parts:
-            _write_part(part, tmp, output, max_shard_bytes, progress or (lambda *_: None))
+            _write_part(
+                part, tmp, output=output, max_shard_bytes=max_shard_bytes, progress=progress or (lambda *_: None)
+            )
         (tmp / "tokenizer").mkdir()
         for f in tokenizer_files:
             shutil.copy2(f, tmp / "tokenizer" / f.name)
@@ -323,8 +328,9 @@ def write_folder(
     return config
 
 
-def _write_part(part: Part, folder: Path, output: Path, max_shard_bytes: int, progress: Progress) -> None:
-    total, done = part.nbytes, 0
+def _write_part(part: Part, folder: Path, *, output: Path, max_shard_bytes: int, progress: Progress) -> None:
+    total = part.nbytes
+    done = 0
 
     def on_tensor(_name: str, nbytes: int) -> None:
         nonlocal done
@@ -333,7 +339,9 @@ def _write_part(part: Part, folder: Path, output: Path, max_shard_bytes: int, pr
 
     progress(part.name, 0, total)
     try:
-        save_safetensors_sharded(part.weights, folder, part.name, max_shard_bytes, on_tensor=on_tensor)
+        save_safetensors_sharded(
+            part.weights, folder, prefix=part.name, max_shard_bytes=max_shard_bytes, on_tensor=on_tensor
+        )
     except (OSError, RuntimeError) as e:  # disk full, unreadable source bytes, ...
         raise FluxKleinError(
             f"writing the {WHAT[part.name]} failed ({str(e).splitlines()[0][:160]}); nothing was written to {output}"
@@ -344,7 +352,8 @@ def _write_part(part: Part, folder: Path, output: Path, max_shard_bytes: int, pr
 @contextlib.contextmanager
 def progress_bars() -> Iterator[Progress]:
     """One click progress bar per component on stderr: the `progress` callback of the commands."""
-    stack, bars = contextlib.ExitStack(), {}
+    stack = contextlib.ExitStack()
+    bars = {}
 
     def update(name: str, done: int, total: int) -> None:
         if name not in bars:
@@ -432,7 +441,7 @@ def interrupt_on_termination():
     help="Write this VAE instead of the model's: folder, .safetensors or repo id "
     "(e.g. black-forest-labs/FLUX.2-small-decoder); a decoder-only file replaces just the decoder.",
 )
-def convert(model, output, dtype, bits, group_size, base, overwrite, loras, lora_scales, lora_partial, vae):
+def convert(model, output, *, dtype, bits, group_size, base, overwrite, loras, lora_scales, lora_partial, vae):
     """Convert a FLUX.2 [klein] model into an MLX folder (optionally 4/8-bit, optionally with LoRAs baked in)."""
     with interrupt_on_termination(), progress_bars() as bars:
         config = convert_model(
@@ -459,8 +468,8 @@ def convert(model, output, dtype, bits, group_size, base, overwrite, loras, lora
 )
 @click.option("--output", "-o", required=True, type=click.Path(), help="The quantized MLX folder to write.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
-def quantize_command(model, bits, group_size, output, overwrite):
+def quantize_command(model, *, bits, group_size, output, overwrite):
     """Quantize a converted MLX folder's transformer and text encoder to 4 or 8 bits."""
     with interrupt_on_termination(), progress_bars() as bars:
-        config = quantize_folder(model, output, bits, group_size, overwrite=overwrite, progress=bars)
+        config = quantize_folder(model, output, bits=bits, group_size=group_size, overwrite=overwrite, progress=bars)
     click.echo(summary(output, config))

@@ -223,7 +223,8 @@ class EmbeddingCache:
 
     def entries(self) -> list[_Entry]:
         """The entries on disk, least recently used first."""
-        out, scan = [], []
+        out = []
+        scan = []
         with contextlib.suppress(OSError):  # no folder yet
             scan = list(os.scandir(self.folder))
         for e in scan:
@@ -315,7 +316,8 @@ def decode_entry(blob: bytes, key: str) -> mx.array | None:
         if not 0 < n <= len(blob) - 8:
             return None
         header = json.loads(blob[8 : 8 + n])
-        meta, entry = header["__metadata__"], header["embeddings"]
+        meta = header["__metadata__"]
+        entry = header["embeddings"]
         dtype = _BY_NAME[entry["dtype"]]
         shape = tuple(int(d) for d in entry["shape"])
         lo, hi = (int(x) for x in entry["data_offsets"])
@@ -358,6 +360,7 @@ def open_cache(cache, size: int | str = DEFAULT_MAX_BYTES) -> EmbeddingCache | N
 def prompt_keys(
     cache: EmbeddingCache,
     encoder_files: Sequence[str | Path],
+    *,
     tokenizer: str | Path,
     prompts: Sequence[str],
     settings: Mapping,

@@ -13,7 +13,7 @@ from .errors import FluxKleinError
 from .inputs import PreparedInputs
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MemoryPlan:
     """What a pipeline gives up for memory; `low_memory=True` is all four, `False` none.
 
@@ -36,17 +36,21 @@ class MemoryPlan:
             return low_memory
         if not isinstance(low_memory, bool):
             raise FluxKleinError(f"low_memory must be True, False or a MemoryPlan, not {low_memory!r}")
-        return cls(True, True, True, True) if low_memory else cls()
+        return (
+            cls(blockwise=True, tiled_decode=True, release_models=True, drop_lora_originals=True)
+            if low_memory
+            else cls()
+        )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StageStats:
     seconds: float = 0.0
     peak_memory: int = 0  # bytes (mx.get_peak_memory over the stage)
     load_seconds: float = 0.0  # the part of `seconds` spent loading models (first use, or after a release)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Stats:
     """Where one image's time and memory went."""
 
@@ -67,7 +71,7 @@ class Stats:
         return self.encode.load_seconds + self.denoise.load_seconds + self.decode.load_seconds
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Event:
     """One event of `FluxKleinPipeline.stream`: a finished stage or denoising step."""
 
@@ -86,7 +90,7 @@ class Event:
 Progress = Event  # the name earlier releases exported
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Job:
     """One image in flight between the stages: its inputs, conditioning, latents and stats."""
 

@@ -142,6 +142,7 @@ def summary(st, seed, index: int, count: int) -> str:
 @vae_and_cache_options
 def generate(
     prompt,
+    *,
     model,
     width,
     height,
@@ -198,7 +199,7 @@ def generate(
         cache_size=parse_size(cache_size),
     )
     pipe, prepared = _load_checked(model, settings, load_settings)
-    _generate_images(pipe, prepared, paths, output, preview_dir)
+    _generate_images(pipe, prepared, paths=paths, output=output, preview_dir=preview_dir)
 
 
 def _load_checked(model, settings: RunSettings, load_settings: dict):
@@ -228,7 +229,7 @@ def _say_loaded(pipe, dtype: str, seconds: float, encode: bool) -> None:
         )
 
 
-def _generate_images(pipe, prepared, paths: list[Path], output, preview_dir) -> None:
+def _generate_images(pipe, prepared, *, paths: list[Path], output, preview_dir) -> None:
     """Each image of the batch in turn, written as it is done (numbered after the names that are taken)."""
     num_images = len(paths)
     next_number = None if num_images == 1 else 0  # a batch continues its numbering after names that are taken

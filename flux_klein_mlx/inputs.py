@@ -362,7 +362,7 @@ def bilinear_resize(x: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
 # --- everything a run needs, before any model runs ----------------------------------------------------
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PreparedInputs:
     """A checked run: its settings with every default resolved, and its images read.
 
@@ -481,7 +481,9 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
     if init is not None:
         hashes["init_image"] = content_hash(init.pixels)
         hashes["mask"] = None if init.mask is None else content_hash(init.mask)
-    return PreparedInputs(resolved, references, init, t_start, latents, hashes)
+    return PreparedInputs(
+        settings=resolved, references=references, init=init, t_start=t_start, latents=latents, hashes=hashes
+    )
 
 
 def content_hash(pixels: np.ndarray) -> str:

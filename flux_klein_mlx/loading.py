@@ -251,7 +251,9 @@ def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
             f"not a klein checkpoint: it is FLUX.2-dev ({folders['transformer'] / 'config.json'} has guidance_embeds); "
             "use a FLUX.2 [klein] 4B or 9B model"
         )
-    return _snapshot_info(model, path, "diffusers", path, index, configs, folders, {})
+    return _snapshot_info(
+        model, path, fmt="diffusers", snapshot=path, index=index, configs=configs, folders=folders, files={}
+    )
 
 
 def _refuse_flux3(what: str, why: str) -> None:
@@ -293,12 +295,12 @@ def _describe_bfl(model, file: Path, base) -> ModelInfo:
     info = _snapshot_info(
         model,
         file,
-        "bfl",
-        base_path,
-        _optional_json(base_path / "model_index.json") or {},
-        configs,
-        folders,
-        {"transformer": [file]},
+        fmt="bfl",
+        snapshot=base_path,
+        index=_optional_json(base_path / "model_index.json") or {},
+        configs=configs,
+        folders=folders,
+        files={"transformer": [file]},
     )
     # A Base checkpoint next to (or based on) a distilled snapshot is still a Base model.
     info.is_distilled = info.is_distilled and "base" not in file.name.lower()
@@ -306,7 +308,7 @@ def _describe_bfl(model, file: Path, base) -> ModelInfo:
 
 
 def _snapshot_info(
-    model, path: Path, fmt: str, snapshot: Path, index: dict, configs: dict, folders: dict, files: dict
+    model, path: Path, *, fmt: str, snapshot: Path, index: dict, configs: dict, folders: dict, files: dict
 ) -> ModelInfo:
     """A diffusers snapshot's ModelInfo (`snapshot` has the tokenizer, scheduler and `folders`), checked."""
     _check_fit(configs, folders)
@@ -478,6 +480,7 @@ def sanitize(name: str, weights: dict[str, mx.array]) -> dict[str, mx.array]:
 def assemble(
     name: str,
     config: dict,
+    *,
     weights: dict[str, mx.array],
     dtype=None,
     record: dict | None = None,
@@ -509,11 +512,13 @@ def check_weights(info: ModelInfo, names=COMPONENTS) -> None:
     for name in names:
         for f in info.files[name]:
             check_safetensors_file(f)
-        assemble(name, info.configs[name], read_component(info, name), None, info.quantization[name])
+        assemble(
+            name, info.configs[name], weights=read_component(info, name), dtype=None, record=info.quantization[name]
+        )
 
 
 def load_component(
-    info: ModelInfo, name: str, dtype=None, quantize: int | None = None, group_size: int = 64
+    info: ModelInfo, name: str, dtype=None, *, quantize: int | None = None, group_size: int = 64
 ) -> nn.Module:
     """Load one component of a described model, evaluated layer by layer.
 
@@ -525,7 +530,13 @@ def load_component(
     # No name may hold the read weights while the layers are evaluated: a cast or quantized layer would
     # keep its source tensors alive (evaluated) until the load returns, the whole model twice at its end.
     module, _ = assemble(
-        name, info.configs[name], read_component(info, name), dtype, info.quantization[name], quantize, group_size
+        name,
+        info.configs[name],
+        weights=read_component(info, name),
+        dtype=dtype,
+        record=info.quantization[name],
+        bits=quantize,
+        group_size=group_size,
     )
     evaluate_by_layer(module)
     return module

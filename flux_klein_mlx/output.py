@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import struct
 import warnings
 import xml.etree.ElementTree as ElementTree
@@ -327,10 +328,24 @@ def preview_for(vae) -> LatentPreview:
     few decodes of 8x8-token latents, cheap for small VAEs)."""
     if vae.config.latent_channels == len(FLUX2_RGB_FACTORS):
         return flux2_preview()
-    C4, grid, samples = vae.config.token_channels, 8, 4
+    C4 = vae.config.token_channels
+    grid = 8
+    samples = 4
     # (N, L, 4C); the decoder casts to its own dtype
     x = mx.array(np.random.default_rng(0).standard_normal((samples, grid * grid, C4)).astype(np.float32))
     images = vae.decode_tokens(x, grid, grid).astype(mx.float32)  # (N, 16g, 16g, 3)
     feats = unpatchify(x.reshape(samples, grid, grid, C4)).astype(mx.float32)  # (N, 2g, 2g, C)
     mx.eval(images, feats)
     return fit_preview(np.array(feats), np.array(images), "fitted at load to this model's VAE decoder")
+
+
+def to_output(images: mx.array, output_type: str):
+    """Decoded images (1, H, W, 3), nominally [-1, 1] -> PIL (rounded) or float32 [0, 1] array."""
+    x = np.array(mx.clip(images[0].astype(mx.float32) / 2 + 0.5, 0.0, 1.0))
+    return x if output_type == "np" else Image.fromarray(np.round(x * 255).astype(np.uint8))
+
+
+def model_name(source) -> str:
+    """How metadata names a model (or VAE) source: a repo id as given, a local folder or file by its name."""
+    source = str(source)
+    return Path(source.rstrip("/")).name if os.path.exists(source) else source

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from PIL import Image
 
 from .embedding_cache import DEFAULT_MAX_BYTES, EmbeddingCache, cached_embeddings, open_cache, prompt_keys
 from .errors import FluxKleinError
@@ -52,7 +51,7 @@ from .models.quantize import check_quantization
 from .models.rope import image_ids, text_ids
 from .models.text_encoder import encode_prompts
 from .models.tokenizer import load_tokenizer
-from .output import LatentPreview, image_metadata, preview_for
+from .output import LatentPreview, image_metadata, model_name, preview_for, to_output
 from .readahead import Prefetch
 from .sampling import (
     blend,
@@ -70,18 +69,6 @@ from .sampling import (
 DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-4B"
 PROMPTS_KEPT = 8  # embeddings of recent prompts (each (1, 512, C): 7.5 MB for klein-4B in bf16)
 IMAGE_SETS_KEPT = 4  # reference-token sets (each (1, L, 128): 1 MB per 1024^2 reference in bf16)
-
-
-def to_output(images: mx.array, output_type: str):
-    """Decoded images (1, H, W, 3), nominally [-1, 1] -> PIL (rounded) or float32 [0, 1] array."""
-    x = np.array(mx.clip(images[0].astype(mx.float32) / 2 + 0.5, 0.0, 1.0))
-    return x if output_type == "np" else Image.fromarray(np.round(x * 255).astype(np.uint8))
-
-
-def model_name(source) -> str:
-    """How metadata names a model (or VAE) source: a repo id as given, a local folder or file by its name."""
-    source = str(source)
-    return Path(source.rstrip("/")).name if os.path.exists(source) else source
 
 
 class FluxKleinPipeline:
@@ -208,7 +195,8 @@ class FluxKleinPipeline:
     def _run_text_encoder(self, prompts: list[str]) -> mx.array:
         """(B, 512, C) embeddings of `prompts` from the text encoder, checked finite (never cached otherwise)."""
         self._check_files()
-        encoder, tokenizer = self.component("text_encoder"), self.component("tokenizer")
+        encoder = self.component("text_encoder")
+        tokenizer = self.component("tokenizer")
         self._read_ahead("transformer")  # its files are read while the encoder computes
         emb = encode_prompts(encoder, tokenizer, prompts).astype(self.dtype)
         mx.eval(emb)
@@ -221,7 +209,13 @@ class FluxKleinPipeline:
         if self.cache is None or not prompts:
             return {p: None for p in prompts}
         settings = {"dtype": dtype_name(self.dtype), "quantization": self.quantization}
-        return prompt_keys(self.cache, self.info.files["text_encoder"], self.info.tokenizer, prompts, settings)
+        return prompt_keys(
+            self.cache,
+            self.info.files["text_encoder"],
+            tokenizer=self.info.tokenizer,
+            prompts=prompts,
+            settings=settings,
+        )
 
     def check_text_encoder(self, inputs: PreparedInputs | None = None) -> bool:
         """Check the text encoder's files (headers) now, unless every prompt of `inputs` is cached:
@@ -299,11 +293,21 @@ class FluxKleinPipeline:
         self._open_streams += 1
         try:
             job = self.prepare(inputs)
-            yield Event("encode", 0, inputs.steps_run, job.stats.encode.seconds, job.stats)
+            yield Event(
+                stage="encode", step=0, total=inputs.steps_run, seconds=job.stats.encode.seconds, stats=job.stats
+            )
             yield from self.denoise(job)
             image = self.decode(job, inputs.settings.output_type)
             n = inputs.steps_run
-            yield Event("decode", n, n, job.stats.decode.seconds, job.stats, image=image, metadata=self.last_metadata)
+            yield Event(
+                stage="decode",
+                step=n,
+                total=n,
+                seconds=job.stats.decode.seconds,
+                stats=job.stats,
+                image=image,
+                metadata=self.last_metadata,
+            )
         finally:
             self._open_streams -= 1
 
@@ -319,7 +323,8 @@ class FluxKleinPipeline:
     def prepare(self, prompt, **settings) -> Job:
         """Stage 1: encode the prompt(s), the init image and references, and draw the noise."""
         inputs = self.inputs(prompt, settings)
-        s, init = inputs.settings, inputs.init
+        s = inputs.settings
+        init = inputs.init
         mx.reset_peak_memory()
         t0, loads = time.perf_counter(), self.load_seconds()
         ctx = self.encode_prompts(inputs.prompts)  # (1 or 2, 512, C): [cond, uncond] with CFG
@@ -332,7 +337,7 @@ class FluxKleinPipeline:
             what = "the init image" if init is not None else "the reference image(s)"
             ref_tokens, ref_ids = self.encode_images(pixels, inputs.images_key, what)
             x0 = ref_tokens[:, : h * w] if init is not None else None
-        stats = Stats(encode=StageStats(time.perf_counter() - t0, mx.get_peak_memory(), self.load_seconds() - loads))
+        stats = Stats(encode=self.stage_stats(t0, loads))
         # Noise in the normalised, patchified latent space: (1, C, h, w) -> tokens (1, h*w, C).
         if inputs.latents is None:
             prior = pack_latents(initial_noise((1, self.info.in_channels, h, w), s.seed, s.noise))  # float32
@@ -342,7 +347,18 @@ class FluxKleinPipeline:
         sigmas = schedule(h * w, s.steps)[inputs.t_start :]
         x = prior if init is None else scale_noise(x0, prior, sigmas[0])  # the init image noised to the first sigma
         mask = None if init is None or init.mask is None else mx.array(init.mask)[None]  # (1, h*w, 1)
-        return Job(inputs, x.astype(self.dtype), ctx, ref_tokens, ref_ids, prior, sigmas, x0, mask, stats)
+        return Job(
+            inputs=inputs,
+            x=x.astype(self.dtype),
+            ctx=ctx,
+            ref_tokens=ref_tokens,
+            ref_ids=ref_ids,
+            prior=prior,
+            sigmas=sigmas,
+            x0=x0,
+            mask=mask,
+            stats=stats,
+        )
 
     def denoise(self, job: Job) -> Iterator[Event]:
         """Stage 2: the flow steps, a generator that yields after every step; `job.x` advances."""
@@ -360,7 +376,9 @@ class FluxKleinPipeline:
         txt = model.embed_text(job.ctx)  # step-invariant text projection, hoisted out of the loop
         B = job.ctx.shape[0]
         ref = None if job.ref_tokens is None else mx.broadcast_to(job.ref_tokens, (B,) + job.ref_tokens.shape[1:])
-        kv_cache, x, scale = None, job.x, job.inputs.cfg_scale
+        kv_cache = None
+        x = job.x
+        scale = job.inputs.cfg_scale
         for i in range(n):
             t_step = time.perf_counter()
             if i == n - 1:
@@ -381,19 +399,31 @@ class FluxKleinPipeline:
             denoised = x0_estimate(x, v, sigmas[i])
             x = euler_step(x, v, sigmas[i], sigmas[i + 1])
             if job.mask is not None:  # inpainting: the kept region is x0 noised to the next sigma
-                x = blend(x, job.x0, job.prior, job.mask, sigmas[i + 1] if i + 1 < n else None)
+                x = blend(x, job.x0, job.prior, mask=job.mask, sigma_next=sigmas[i + 1] if i + 1 < n else None)
             finite = mx.all(mx.isfinite(x))
             mx.eval(x, finite)
             if not finite.item():
                 raise FluxKleinError(f"non-finite values appeared at denoising step {i + 1}: {self._nan_hint()}")
             job.x = x
-            yield Event("denoise", i + 1, n, time.perf_counter() - t_step, job.stats, denoised=denoised, grid=job.grid)
-        seconds, loaded = time.perf_counter() - t_stage, self.load_seconds() - loads
-        job.stats.denoise = StageStats(seconds, mx.get_peak_memory(), loaded)
-        job.stats.seconds_per_step = (seconds - loaded) / n  # the steps' own rate, without the model's load
+            yield Event(
+                stage="denoise",
+                step=i + 1,
+                total=n,
+                seconds=time.perf_counter() - t_step,
+                stats=job.stats,
+                denoised=denoised,
+                grid=job.grid,
+            )
+        stage = job.stats.denoise = self.stage_stats(t_stage, loads)
+        job.stats.seconds_per_step = (stage.seconds - stage.load_seconds) / n  # the steps' own rate, without loads
         del model, kv_cache
         if self.memory.release_models:
             self.release("transformer")
+
+    def stage_stats(self, t0: float, loads: float) -> StageStats:
+        """A stage's seconds since `t0`, its MLX peak, and the part spent loading (`loads`: load seconds at t0)."""
+        seconds, loaded = time.perf_counter() - t0, self.load_seconds() - loads
+        return StageStats(seconds=seconds, peak_memory=mx.get_peak_memory(), load_seconds=loaded)
 
     def decode(self, job: Job, output_type: str = "pil"):
         """Stage 3: denormalise -> unpatchify -> VAE decoder -> PIL image or float array."""
@@ -405,10 +435,11 @@ class FluxKleinPipeline:
         decoded = vae.decode_tokens(job.x, h, w, tiled=tiled)
         self._check_finite(decoded, "the VAE decode")  # never a black or garbage PNG from NaN
         image = to_output(decoded, output_type)
-        job.stats.decode = StageStats(time.perf_counter() - t0, mx.get_peak_memory(), self.load_seconds() - loads)
+        job.stats.decode = self.stage_stats(t0, loads)
         if self.memory.release_models:
             self.release("vae")  # so the next image's denoise holds the transformer alone
-        self.last_stats, self.last_metadata = job.stats, self.metadata(job.inputs)
+        self.last_stats = job.stats
+        self.last_metadata = self.metadata(job.inputs)
         return image
 
     def metadata(self, inputs: PreparedInputs) -> dict:
@@ -429,7 +460,17 @@ class FluxKleinPipeline:
         )
 
 
-def _check_load_options(model, vae, dtype, quantize, group_size) -> None:
+def model_loaders(info: ModelInfo, dtype: mx.Dtype, *, quantize: int | None, group_size: int) -> dict:
+    """A loader for each component of `info` (the pipeline's lazy slots: nothing is read yet)."""
+    loaders = {
+        n: functools.partial(load_component, info, n, dtype, quantize=quantize, group_size=group_size)
+        for n in COMPONENTS
+    }
+    loaders["tokenizer"] = lambda: load_tokenizer(info.tokenizer)
+    return loaders
+
+
+def _check_load_options(model, *, vae, dtype, quantize, group_size) -> None:
     for what, value in (("model", model), ("vae", vae)):
         if what == "vae" and value is None:
             continue  # the model's own VAE
@@ -482,8 +523,9 @@ def load(
 
     The variant (4B/9B, distilled/Base, 9B-KV) is read from the files. Models load on first use.
     """
-    _check_load_options(model, vae, dtype, quantize, group_size)
-    dt, plan = as_dtype(dtype), MemoryPlan.of(low_memory)
+    _check_load_options(model, vae=vae, dtype=dtype, quantize=quantize, group_size=group_size)
+    dt = as_dtype(dtype)
+    plan = MemoryPlan.of(low_memory)
     prompt_cache = open_cache(cache, cache_size)
     info = describe(model, vae=vae)
     check_for_loading(info, quantize)
@@ -491,8 +533,7 @@ def load(
     # it first loads (it is the first model to run), so that a run whose prompts are cached never opens them.
     check_weights(info, ("transformer", "vae"))
     parsed = load_loras(loras, info.params, lora_partial)  # every LoRA checked before any model loads
-    loaders = {n: (lambda n=n: load_component(info, n, dt, quantize, group_size)) for n in COMPONENTS}
-    loaders["tokenizer"] = lambda: load_tokenizer(info.tokenizer)
+    loaders = model_loaders(info, dt, quantize=quantize, group_size=group_size)
     quantization = info.stored_quantization or ({"bits": quantize, "group_size": group_size} if quantize else None)
     return FluxKleinPipeline(
         loaders,

@@ -104,7 +104,8 @@ def component_spans(info, name: str, merge: bool = True) -> list[Span]:
 
 def limit_spans(spans: Sequence[Span], max_bytes: int) -> list[Span]:
     """The first `max_bytes` of `spans`, in their order (the last one cut short)."""
-    out, left = [], max(0, int(max_bytes))
+    out = []
+    left = max(0, int(max_bytes))
     for s in spans:
         if left <= 0:
             break
@@ -140,7 +141,10 @@ def read_spans(
 
     Errors end the read and are returned in `stats.error`, never raised.
     """
-    stats, lock, fds, failures = ReadStats(spans=len(spans)), threading.Lock(), {}, []
+    stats = ReadStats(spans=len(spans))
+    lock = threading.Lock()
+    fds = {}
+    failures = []
     # (file, offset, length) of every chunk, in file order
     chunks = ((s.path, o, min(chunk_bytes, s.end - o)) for s in spans for o in range(s.start, s.end, chunk_bytes))
     stop = stop or threading.Event()
@@ -220,7 +224,8 @@ class ReadAhead:
         readers: int = READERS,
     ):
         self._spans = spans
-        self.chunk_bytes, self.readers = chunk_bytes, readers
+        self.chunk_bytes = chunk_bytes
+        self.readers = readers
         self.stats = ReadStats()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="flux_klein_mlx-readahead", daemon=True)
@@ -289,7 +294,8 @@ class Prefetch:
     SHARE = 0.75  # the rest is the system's and other programs'
 
     def __init__(self, info, enabled: bool = True):
-        self.info, self.enabled = info, enabled
+        self.info = info
+        self.enabled = enabled
         self.running: dict[str, ReadAhead] = {}
         self.finished: dict[str, ReadStats] = {}  # component -> its last read-ahead's stats
 

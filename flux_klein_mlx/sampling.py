@@ -113,7 +113,7 @@ def scale_noise(x0: mx.array, noise: mx.array, sigma: float | mx.array) -> mx.ar
     return sigma * noise.astype(mx.float32) + (1.0 - sigma) * x0.astype(mx.float32)
 
 
-def blend(x: mx.array, x0: mx.array, noise: mx.array, mask: mx.array, sigma_next: float | None) -> mx.array:
+def blend(x: mx.array, x0: mx.array, noise: mx.array, *, mask: mx.array, sigma_next: float | None) -> mx.array:
     """Inpainting: keep the unmasked region as x0 noised to `sigma_next` (None after the last step: clean
     x0) where mask = 0, the denoised x where mask = 1; float32 math, x's dtype out. Shapes (1, L, C),
     mask (1, L, 1)."""

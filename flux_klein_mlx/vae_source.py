@@ -93,7 +93,8 @@ def infer_vae_config(weights: dict[str, mx.array], base: dict, where: str) -> di
 def decoder_config(model_config: dict, source_config: dict, where: str) -> dict:
     """The config of the model's VAE with the decoder of `source_config` (a decoder-only source):
     the decoder's widths and layers must fit the model's latent space and layer count."""
-    model, source = AutoEncoderConfig.from_dict(model_config), AutoEncoderConfig.from_dict(source_config)
+    model = AutoEncoderConfig.from_dict(model_config)
+    source = AutoEncoderConfig.from_dict(source_config)
     widths = source.decoder_block_out_channels or source.block_out_channels
     checks = [
         (name, getattr(source, name), getattr(model, name))

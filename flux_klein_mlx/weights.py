@@ -48,7 +48,8 @@ def safetensors_table(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]
     if not isinstance(header, dict):
         raise ValueError("no valid JSON header")
     header.pop("__metadata__", None)
-    tensors, end = {}, 0
+    tensors = {}
+    end = 0
     for name, entry in header.items():
         try:
             dtype, shape, (_, hi) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
@@ -102,7 +103,8 @@ def safetensors_tensor_spans(path: str | Path) -> dict[str, tuple[int, int]]:
     """name -> (first byte, end byte) of each tensor's data in the file, from the header alone:
     what a lazy load of that tensor will read."""
     raw = safetensors_header_bytes(path)
-    header, base = json.loads(raw), 8 + len(raw)
+    header = json.loads(raw)
+    base = 8 + len(raw)
     return {
         name: (base + int(entry["data_offsets"][0]), base + int(entry["data_offsets"][1]))
         for name, entry in header.items()
@@ -262,6 +264,7 @@ def plan_shards(tensors: dict[str, mx.array], max_shard_bytes: int) -> list[list
 def save_safetensors_sharded(
     weights: dict[str, mx.array],
     folder: str | Path,
+    *,
     prefix: str,
     max_shard_bytes: int = 5 << 30,
     on_tensor: Callable[[str, int], None] | None = None,
@@ -274,7 +277,8 @@ def save_safetensors_sharded(
     folder = Path(folder)
     total = sum(a.nbytes for a in weights.values())
     shards = plan_shards(weights, max_shard_bytes) or [[]]  # no tensors: one empty file
-    files, weight_map = [], {}
+    files = []
+    weight_map = {}
     for i, names in enumerate(shards, start=1):
         stem = prefix if len(shards) == 1 else f"{prefix}-{i:05d}-of-{len(shards):05d}"
         files.append(folder / f"{stem}.safetensors")
@@ -364,7 +368,7 @@ def resolve_model(
             "a private repo needs `hf auth login`"
         ) from None
     except LocalEntryNotFoundError as e:
-        raise _not_found_locally(text, e, offline, cache, size_hint) from None
+        raise _not_found_locally(text, e, offline=offline, cache=cache, size_hint=size_hint) from None
     except (HFValidationError, EntryNotFoundError, ValueError, OSError) as e:
         raise FluxKleinError(
             f"model '{text}' is neither a local folder nor a downloadable Hugging Face repo id ({type(e).__name__}); "
@@ -372,7 +376,7 @@ def resolve_model(
         ) from None
 
 
-def _not_found_locally(text: str, e: Exception, offline: bool, cache: str, size_hint) -> FluxKleinError:
+def _not_found_locally(text: str, e: Exception, *, offline: bool, cache: str, size_hint) -> FluxKleinError:
     """The one line for a repo that is not cached: offline on purpose, or the hub not reached."""
     if offline:
         return FluxKleinError(

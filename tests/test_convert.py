@@ -279,7 +279,7 @@ def test_streaming_writer_is_standard_and_holds_one_tensor(tmp_path):
 
 def test_sharded_writer_index(tmp_path):
     w = {f"t{i}": mx.full((256, 256), float(i)) for i in range(5)}  # 256 KB each
-    files = save_safetensors_sharded(w, tmp_path, "part", max_shard_bytes=600 << 10)
+    files = save_safetensors_sharded(w, tmp_path, prefix="part", max_shard_bytes=600 << 10)
     assert [f.name for f in files] == [f"part-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     index = json.loads((tmp_path / "part.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == 5 * 256 * 256 * 4

@@ -258,7 +258,11 @@ def test_references_are_read_and_encoded_once_per_batch(distilled, tmp_path, mon
 def test_memory_plan_parts_can_be_chosen_alone(distilled):
     from flux_klein_mlx.events import MemoryPlan
 
-    assert MemoryPlan.of(True) == MemoryPlan(True, True, True, True) and MemoryPlan.of(False) == MemoryPlan()
+    assert (
+        MemoryPlan.of(True)
+        == MemoryPlan(blockwise=True, tiled_decode=True, release_models=True, drop_lora_originals=True)
+        and MemoryPlan.of(False) == MemoryPlan()
+    )
     lat = noise(64, 64)
     whole = flux_klein_mlx.load(distilled, dtype="float32").generate(
         "x", width=64, height=64, latents=lat, output_type="np"

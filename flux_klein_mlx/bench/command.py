@@ -93,7 +93,7 @@ def reference_pictures(n: int, width: int, height: int, seed: int = 0) -> list[I
     return [Image.fromarray(a).resize((width, height), Image.Resampling.BILINEAR) for a in small]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Run:
     """One benchmark's settings and what it has measured so far."""
 
@@ -116,7 +116,7 @@ class Run:
         return self.pipe.info.reference_kv and self.references > 0
 
 
-def _check_run(width: int, height: int, steps: int, warmup: int, trials: int, references: int) -> None:
+def _check_run(width: int, height: int, *, steps: int, warmup: int, trials: int, references: int) -> None:
     for name, v in (("width", width), ("height", height)):
         if v < 16 or v % 16:
             fix = " or ".join(str(c) for c in sorted({max(16, v // 16 * 16), v // 16 * 16 + 16}))
@@ -149,11 +149,19 @@ def _denoise_stage(run: Run):
     pipe, params = run.pipe, run.pipe.info.params
     _timed_load(run, "transformer")
     ref_tokens = run.references * (run.width // 16) * (run.height // 16)
-    step = flops_of_transformer(params, run.width, run.height, MAX_LENGTH, ref_tokens, cached_references=run.kv)
+    step = flops_of_transformer(
+        params,
+        width=run.width,
+        height=run.height,
+        text_tokens=MAX_LENGTH,
+        reference_tokens=ref_tokens,
+        cached_references=run.kv,
+    )
     ref_pass = reference_pass_flops(params, ref_tokens).total if run.kv else 0.0
     run.flops.update(step=step, denoise=step.total * run.steps + ref_pass)
     images = reference_pictures(run.references, run.width, run.height, run.seed)
-    step_times, stats = [], []  # of the timed trials
+    step_times = []
+    stats = []  # of the timed trials
     for trial in range(run.warmup + run.trials):
         job = pipe.prepare(
             DEFAULT_PROMPT, width=run.width, height=run.height, steps=run.steps, seed=run.seed, images=images
@@ -201,6 +209,7 @@ def _decode_stage(run: Run, job) -> None:
 
 def run_benchmark(
     pipe: FluxKleinPipeline,
+    *,
     width: int = 1024,
     height: int = 1024,
     steps: int = 4,
@@ -219,10 +228,19 @@ def run_benchmark(
     (encoded in the prepare stage, not timed); for klein 9B-KV the first step (reference pass +
     cached step) and the cached steps are reported apart. `log(msg)` gets progress lines.
     """
-    _check_run(width, height, steps, warmup, trials, references)
+    _check_run(width, height, steps=steps, warmup=warmup, trials=trials, references=references)
     machine = machine_info()
     run = Run(
-        pipe, width, height, steps, warmup, trials, references, seed, log or (lambda msg: None), machine["peak_tflops"]
+        pipe=pipe,
+        width=width,
+        height=height,
+        steps=steps,
+        warmup=warmup,
+        trials=trials,
+        references=references,
+        seed=seed,
+        log=log or (lambda msg: None),
+        peak=machine["peak_tflops"],
     )
     info = pipe.info
     run.log(f"benchmark: {info.name}, {width}x{height}, {steps} steps, warm-up {warmup}, trials {trials}")
@@ -254,7 +272,8 @@ def _result(run: Run, machine: dict) -> dict:
         "peak_memory_gb": max(stages[s]["peak_memory_gb"] for s in parts),
     }
     random = info.format == "random"
-    params, step = info.params, flops["step"]
+    params = info.params
+    step = flops["step"]
     return {
         "benchmark": "flux_klein_mlx per-stage latency",
         "schema": 1,
@@ -380,7 +399,15 @@ def parse_blocks(text: str) -> dict:
     return {"depth": int(parts[0]), "depth_single": int(parts[1])}
 
 
-def _check_sources(model, random_weights: bool, blocks, cold: bool, vae) -> None:
+def variant_row(variant: str, blocks: str | None):
+    """The random model's row of `VARIANTS`, with `--blocks` its (double, single) depth instead."""
+    row = VARIANTS[variant]
+    if blocks:
+        row = dataclasses.replace(row, transformer=dataclasses.replace(row.transformer, **parse_blocks(blocks)))
+    return row
+
+
+def _check_sources(model, *, random_weights: bool, blocks, cold: bool, vae) -> None:
     """Real weights (--model) or random ones (--random-weights), and the options that go with each."""
     if model and random_weights:
         raise click.UsageError("give either --model or --random-weights, not both")
@@ -460,6 +487,7 @@ def _check_sources(model, random_weights: bool, blocks, cold: bool, vae) -> None
 )
 def benchmark(
     model,
+    *,
     random_weights,
     variant,
     width,
@@ -479,12 +507,10 @@ def benchmark(
     cold,
 ):
     """Time load, text encoding, each denoising step and VAE decode; report TFLOPS and % of peak."""
-    _check_sources(model, random_weights, blocks, cold, vae)
+    _check_sources(model, random_weights=random_weights, blocks=blocks, cold=cold, vae=vae)
     if json_path:  # before any work: a read-only, missing or mistyped folder must not cost the run
         check_json_path(json_path)
-    row = VARIANTS[variant]
-    if blocks:
-        row = dataclasses.replace(row, transformer=dataclasses.replace(row.transformer, **parse_blocks(blocks)))
+    row = variant_row(variant, blocks)
     dtype = dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
     bits = int(quantize) if quantize else None
     log = partial(click.echo, err=True)
@@ -498,7 +524,7 @@ def benchmark(
         if model:
             pipe = load(model, dtype=dtype, quantize=bits, vae=vae)
         else:
-            pipe = random_pipeline(row, DTYPES[dtype], bits, seed)
+            pipe = random_pipeline(row, dtype=DTYPES[dtype], quantize=bits, seed=seed)
         if references is None:  # the KV model exists for editing: time what it is for
             references = 1 if pipe.info.reference_kv else 0
         result = run_benchmark(

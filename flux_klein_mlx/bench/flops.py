@@ -22,7 +22,10 @@ from ..models.config import FluxKleinParams
 
 def count_parameters(params: FluxKleinParams) -> int:
     """Parameter count from the hyper-parameters alone (no allocation)."""
-    D, M, hd, C = params.hidden_size, params.mlp_hidden, params.head_dim, params.in_channels
+    D = params.hidden_size
+    M = params.mlp_hidden
+    hd = params.head_dim
+    C = params.in_channels
     embed = D * C + D * params.context_in_dim + D * params.time_channels + D * D
     modulation = (6 + 6 + 3) * D * D
     # qkv, proj, MLP up (2M) and down, per stream, plus two QK-norm scales per stream
@@ -35,7 +38,7 @@ def count_parameters(params: FluxKleinParams) -> int:
 # --- FLOP model (performance.md section 4). 1 multiply-add = 2 FLOPs, batch 1. ----------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Flops:
     """FLOPs of one stage, by kind. `other` = transformer embeddings and output projection."""
 
@@ -49,6 +52,7 @@ class Flops:
 
 
 def transformer_step_flops(
+    *,
     hidden: int,
     depth: int,
     depth_single: int,
@@ -67,7 +71,11 @@ def transformer_step_flops(
     the pipeline hoists it out of the loop (0.07 % of a 4B step at 1024²). `reference_tokens`
     join the sequence; with `cached_references` (klein 9B-KV) they are only extra keys/values.
     """
-    D, F, N, T, R = hidden, int(hidden * mlp_ratio), image_tokens, text_tokens, reference_tokens
+    D = hidden
+    F = int(hidden * mlp_ratio)
+    N = image_tokens
+    T = text_tokens
+    R = reference_tokens
     Lq = N + T + (0 if cached_references else R)  # tokens that run through the blocks
     Lk = N + T + R  # keys every query sees
     # Double block, per stream: q, k, v, o (4·D²) and the SwiGLU MLP D -> 2F -> D (3·D·F).
@@ -77,7 +85,7 @@ def transformer_step_flops(
     linear = 2 * (depth * double + depth_single * single)
     attention = (depth + depth_single) * 4 * Lq * Lk * D  # QK^T and AV, bidirectional
     other = 2 * D * (2 * (Lq - T) * in_channels + T * context_dim)  # image tokens in and out, text tokens in
-    return Flops(float(linear), float(attention), float(other))
+    return Flops(linear=float(linear), attention=float(attention), other=float(other))
 
 
 def lora_training_flops(forward: Flops, adapter_forward: float = 0.0, checkpoint: bool = False) -> Flops:
@@ -90,7 +98,11 @@ def lora_training_flops(forward: Flops, adapter_forward: float = 0.0, checkpoint
     So a step is ~2x a forward, ~3x with checkpointing.
     """
     k = 3 if checkpoint else 2  # forward, input gradients (and the recomputed forward)
-    return Flops(forward.linear * k + adapter_forward * (k + 1), forward.attention * (k + 1), forward.other * k)
+    return Flops(
+        linear=forward.linear * k + adapter_forward * (k + 1),
+        attention=forward.attention * (k + 1),
+        other=forward.other * k,
+    )
 
 
 def reference_pass_flops(params: FluxKleinParams, reference_tokens: int) -> Flops:
@@ -98,36 +110,51 @@ def reference_pass_flops(params: FluxKleinParams, reference_tokens: int) -> Flop
     alone through every block, attending only to themselves (counted whole; MLX skips the last
     block's MLP, 1-2 % of it)."""
     D, R = params.hidden_size, reference_tokens
-    f = transformer_step_flops(D, params.depth, params.depth_single, R, text_tokens=0, mlp_ratio=params.mlp_ratio)
-    return Flops(f.linear, f.attention, 2.0 * R * params.in_channels * D)  # input projection only
+    f = transformer_step_flops(
+        hidden=D,
+        depth=params.depth,
+        depth_single=params.depth_single,
+        image_tokens=R,
+        text_tokens=0,
+        mlp_ratio=params.mlp_ratio,
+    )
+    return Flops(
+        linear=f.linear, attention=f.attention, other=2.0 * R * params.in_channels * D
+    )  # input projection only
 
 
 def flops_of_text_encoder(config, layers: int = 27, tokens: int = 512) -> Flops:
     """FLOPs of the Qwen3 prompt encoder (a `Qwen3Config`): `layers` decoder layers (27 for klein) on `tokens`."""
-    hidden, intermediate = config.hidden_size, config.intermediate_size
+    hidden = config.hidden_size
+    intermediate = config.intermediate_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     per_token = hidden * q + 2 * hidden * kv + q * hidden + 3 * hidden * intermediate
     linear = 2 * per_token * tokens * layers
     attention = 2 * tokens * tokens * q * layers  # causal: half of the 4·T²·(H·hd) full count
-    return Flops(float(linear), float(attention))
+    return Flops(linear=float(linear), attention=float(attention))
 
 
 def flops_of_vae_decoder(config, width: int, height: int) -> Flops:
     """FLOPs of the FLUX.2 VAE decoder (an `AutoEncoderConfig`, its decoder's channels where they differ)
     producing a width×height image (convs + mid attention)."""
     block_out_channels = tuple(getattr(config, "decoder_block_out_channels", None) or config.block_out_channels)
-    layers_per_block, latent_channels = config.layers_per_block, config.latent_channels
+    layers_per_block = config.layers_per_block
+    latent_channels = config.latent_channels
     down = 2 ** (len(block_out_channels) - 1)
     h, w = height // down, width // down
 
-    def conv(h, w, cin, cout, k=3):
+    def conv(h, w, *, cin, cout, k=3):
         return 2 * h * w * cin * cout * k * k
 
     def resblock(h, w, cin, cout):
-        return conv(h, w, cin, cout) + conv(h, w, cout, cout) + (conv(h, w, cin, cout, 1) if cin != cout else 0)
+        return (
+            conv(h, w, cin=cin, cout=cout)
+            + conv(h, w, cin=cout, cout=cout)
+            + (conv(h, w, cin=cin, cout=cout, k=1) if cin != cout else 0)
+        )
 
     c = block_out_channels[-1]
-    linear = conv(h, w, latent_channels, latent_channels, 1) + conv(h, w, latent_channels, c)
+    linear = conv(h, w, cin=latent_channels, cout=latent_channels, k=1) + conv(h, w, cin=latent_channels, cout=c)
     # Mid block: resnet, single-head attention over h·w tokens (q, k, v, out are 1x1), resnet.
     linear += 2 * resblock(h, w, c, c) + 2 * h * w * 4 * c * c
     attention = 4 * (h * w) ** 2 * c
@@ -137,13 +164,19 @@ def flops_of_vae_decoder(config, width: int, height: int) -> Flops:
             c = cout
         if i < len(block_out_channels) - 1:
             h, w = 2 * h, 2 * w  # nearest upsample, then a 3x3 conv at the new size
-            linear += conv(h, w, c, c)
-    linear += conv(h, w, c, 3)
-    return Flops(float(linear), float(attention))
+            linear += conv(h, w, cin=c, cout=c)
+    linear += conv(h, w, cin=c, cout=3)
+    return Flops(linear=float(linear), attention=float(attention))
 
 
 def flops_of_transformer(
-    params, width: int, height: int, text_tokens: int = 512, reference_tokens: int = 0, cached_references: bool = False
+    params,
+    *,
+    width: int,
+    height: int,
+    text_tokens: int = 512,
+    reference_tokens: int = 0,
+    cached_references: bool = False,
 ) -> Flops:
     """`transformer_step_flops` for a `FluxKleinParams` at a width×height image."""
     return transformer_step_flops(

@@ -70,7 +70,8 @@ class StageMeter:
 
     def __init__(self):
         self.stages: dict[str, dict] = {}
-        self._t, self._b = time.perf_counter(), storage_read_bytes()
+        self._t = time.perf_counter()
+        self._b = storage_read_bytes()
 
     @property
     def source(self) -> str:
@@ -80,7 +81,8 @@ class StageMeter:
         t, b = time.perf_counter(), storage_read_bytes()
         entry = {"seconds": t - self._t, "read_bytes": (b - self._b) if b is not None and self._b is not None else None}
         self.stages[stage] = entry
-        self._t, self._b = t, b
+        self._t = t
+        self._b = b
         return entry
 
 

@@ -59,7 +59,8 @@ class RandomTokens:
     """Stands in for the tokenizer: random ids, `REAL_PROMPT_TOKENS` real ones and the rest padding."""
 
     def __init__(self, vocab_size: int, seed: int):
-        self.vocab_size, self.seed = vocab_size, seed
+        self.vocab_size = vocab_size
+        self.seed = seed
 
     def __call__(self, prompts, max_length: int = 512) -> tuple[mx.array, mx.array]:
         n = 1 if isinstance(prompts, str) else len(prompts)
@@ -69,7 +70,7 @@ class RandomTokens:
 
 
 def random_pipeline(
-    variant: Variant, dtype=mx.float32, quantize: int | None = None, seed: int = 0, low_memory: bool = False
+    variant: Variant, *, dtype=mx.float32, quantize: int | None = None, seed: int = 0, low_memory: bool = False
 ) -> FluxKleinPipeline:
     """The pipeline of `variant` with random weights (`quantize` 4/8: transformer and text encoder,
     quantized from the random weights as `convert` would)."""

@@ -60,7 +60,7 @@ PROMPT = "a red fox in fresh snow at dawn, soft light, 35 mm photograph"
 LOAD_ORDER = ("text_encoder", "transformer", "vae")  # the order a run loads its models
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunPlan:
     """One of the runs of the module docstring's table."""
 
@@ -72,31 +72,31 @@ class RunPlan:
 
 
 RUNS = (
-    RunPlan("cold", drop_page_cache=True, prompt_cache=True, read_ahead=True, seed=1),
-    RunPlan("cold, no read-ahead", drop_page_cache=True, prompt_cache=False, read_ahead=False, seed=1),
-    RunPlan("warm", drop_page_cache=False, prompt_cache=False, read_ahead=True, seed=1),
-    RunPlan("second", drop_page_cache=False, prompt_cache=True, read_ahead=True, seed=2),
-    RunPlan("cold, cached", drop_page_cache=True, prompt_cache=True, read_ahead=True, seed=3),
+    RunPlan(name="cold", drop_page_cache=True, prompt_cache=True, read_ahead=True, seed=1),
+    RunPlan(name="cold, no read-ahead", drop_page_cache=True, prompt_cache=False, read_ahead=False, seed=1),
+    RunPlan(name="warm", drop_page_cache=False, prompt_cache=False, read_ahead=True, seed=1),
+    RunPlan(name="second", drop_page_cache=False, prompt_cache=True, read_ahead=True, seed=2),
+    RunPlan(name="cold, cached", drop_page_cache=True, prompt_cache=True, read_ahead=True, seed=3),
 )
 # A cold run, the warm run whose compute it is held against, and whether it encodes its prompt.
 LIMITED = (("cold", "warm", True), ("cold, no read-ahead", "warm", True), ("cold, cached", "second", False))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Stage:
     seconds: float
     read_bytes: int | None  # fetched from storage (Linux `/proc/self/io`), None where not counted
     peak_memory: int  # MLX peak during the stage
 
 
-@dataclass
+@dataclass(kw_only=True)
 class BytesRead:
     bytes: int
     seconds: float
 
 
-@dataclass
-class Run:
+@dataclass(kw_only=True)
+class ColdRun:
     """One image through a fresh pipeline (`one_run`)."""
 
     seconds: float
@@ -109,7 +109,7 @@ class Run:
     page_cache: str = ""  # "dropped", "warm" or "not dropped", set by `measure_cold`
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Settings:
     width: int
     height: int
@@ -119,7 +119,7 @@ class Settings:
     vae: str | None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SequentialRead:
     bytes: int
     seconds: float
@@ -127,20 +127,20 @@ class SequentialRead:
     cold: bool  # the page cache was dropped first
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Peak:
     flops: float  # FLOP/s
     source: str
 
 
-@dataclass
-class Flops:
+@dataclass(kw_only=True)
+class StageFlops:
     text_encoder: float
     denoise: float
     decode: float
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Limit:
     """A cold run against `bytes / rate + compute`, compute two ways; a ratio is measured / limit."""
 
@@ -154,13 +154,13 @@ class Limit:
     physics_ratio: float
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SecondRun:
     vs_cold: float  # the second run's time over the cold first run's
     vs_warm: float
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ColdResult:
     """Every measurement of the module docstring (`to_json()` for `--json`)."""
 
@@ -171,9 +171,9 @@ class ColdResult:
     bytes: dict[str, int]  # component -> bytes its load reads
     page_cache: str  # how the page cache was dropped, or why not
     read: SequentialRead
-    runs: dict[str, Run]
+    runs: dict[str, ColdRun]
     peak: Peak
-    flops: Flops
+    flops: StageFlops
     limits: dict[str, Limit]  # cold run -> its limit
     second: SecondRun
 
@@ -181,11 +181,13 @@ class ColdResult:
         return dataclasses.asdict(self)
 
 
-def one_run(model, settings: RunSettings, *, cache, read_ahead: bool = True, **load_args) -> Run:
+def one_run(model, settings: RunSettings, *, cache, read_ahead: bool = True, **load_args) -> ColdRun:
     """One image through a fresh pipeline, each stage timed on its own, in the order `generate` runs
     them (the loads `prepare`/`denoise`/`decode` would make are made just before, and timed)."""
     rss_reset = reset_peak_rss()
-    meter, peaks, t0 = StageMeter(), {}, time.perf_counter()
+    meter = StageMeter()
+    peaks = {}
+    t0 = time.perf_counter()
 
     def stage(name: str, work: Callable[[], object]):
         mx.reset_peak_memory()
@@ -210,16 +212,21 @@ def one_run(model, settings: RunSettings, *, cache, read_ahead: bool = True, **l
     stage("VAE load", lambda: pipe.component("vae"))
     stage("decode", lambda: pipe.decode(job))
     total = time.perf_counter() - t0
-    ahead = {name: BytesRead(stats.bytes, stats.seconds) for name, stats in pipe.prefetch.finished.items()}
+    ahead = {
+        name: BytesRead(bytes=stats.bytes, seconds=stats.seconds) for name, stats in pipe.prefetch.finished.items()
+    }
     pipe = prepared = job = None  # the models go before the next run loads its own
     gc.collect()
     mx.clear_cache()
-    stages = {name: Stage(v["seconds"], v["read_bytes"], peaks[name]) for name, v in meter.stages.items()}
-    return Run(
-        total,
-        stages,
-        ahead,
-        meter.source,
+    stages = {
+        name: Stage(seconds=v["seconds"], read_bytes=v["read_bytes"], peak_memory=peaks[name])
+        for name, v in meter.stages.items()
+    }
+    return ColdRun(
+        seconds=total,
+        stages=stages,
+        read_ahead=ahead,
+        io_source=meter.source,
         peak_memory=max(peaks.values()),
         peak_rss=peak_rss(),
         peak_rss_of_run=rss_reset,
@@ -269,7 +276,9 @@ def import_seconds() -> dict[str, float]:
     return out
 
 
-def _runs(model, settings: RunSettings, files: list[Path], dropped: bool, load_settings: dict, log) -> dict[str, Run]:
+def _runs(
+    model, *, settings: RunSettings, files: list[Path], dropped: bool, load_settings: dict, log
+) -> dict[str, ColdRun]:
     """The runs of `RUNS` in turn, each in a fresh pipeline, with the page cache dropped where the run asks."""
     runs = {}
     with tempfile.TemporaryDirectory(prefix="flux-klein-cold-") as folder:
@@ -298,8 +307,8 @@ def _peak(machine: dict, dtype: str) -> Peak:
     """The chip's published peak where known, else a matmul measured here."""
     published = machine["peak_tflops"] * 1e12 if machine["peak_tflops"] else None
     if published:
-        return Peak(published, "published peak of this chip")
-    return Peak(matmul_rate(as_dtype(dtype)), f"measured {dtype} matmul (2048^3) here")
+        return Peak(flops=published, source="published peak of this chip")
+    return Peak(flops=matmul_rate(as_dtype(dtype)), source=f"measured {dtype} matmul (2048^3) here")
 
 
 def measure_cold(
@@ -318,7 +327,8 @@ def measure_cold(
     info = describe(model, vae=vae)
     files = sorted({f for n in LOAD_ORDER for f in info.files[n]} | set(info.decoder_files or []))
     files += sorted(p for p in Path(info.tokenizer).glob("*") if p.is_file())
-    machine, imports = machine_info(), import_seconds()
+    machine = machine_info()
+    imports = import_seconds()
     page_cache = drop_from_page_cache(files)
     dropped = page_cache.startswith("dropped")
     rate = sequential_read_rate([s for n in LOAD_ORDER for s in component_spans(info, n)])
@@ -327,34 +337,57 @@ def measure_cold(
     # now, so that no run below pays them and the runs compare what a run does.
     importlib.import_module("mlx_lm.models.qwen3")
     load_tokenizer(info.tokenizer)
-    runs = _runs(model, settings, files, dropped, dict(dtype=dtype, quantize=quantize, vae=vae), log)
-    peak = _peak(machine, dtype)
-    flops = Flops(
-        text_encoder=flops_of_text_encoder(Qwen3Config.from_dict(info.configs["text_encoder"])).total,
-        denoise=flops_of_transformer(info.params, width, height).total * steps,
-        decode=flops_of_vae_decoder(AutoEncoderConfig.from_dict(info.configs["vae"]), width, height).total,
+    runs = _runs(
+        model,
+        settings=settings,
+        files=files,
+        dropped=dropped,
+        load_settings=dict(dtype=dtype, quantize=quantize, vae=vae),
+        log=log,
     )
+    peak = _peak(machine, dtype)
+    flops = stage_flops(info, width=width, height=height, steps=steps)
     load_bytes = {n: bytes_to_load(info, n) for n in LOAD_ORDER}
     return ColdResult(
         model=str(model),
         machine=machine,
         imports=imports,
-        settings=Settings(width, height, steps, dtype, quantize, None if vae is None else str(vae)),
+        settings=Settings(
+            width=width,
+            height=height,
+            steps=steps,
+            dtype=dtype,
+            quantize=quantize,
+            vae=None if vae is None else str(vae),
+        ),
         bytes=load_bytes,
         page_cache=page_cache,
-        read=SequentialRead(rate.bytes, rate.seconds, rate.rate, dropped),
+        read=SequentialRead(bytes=rate.bytes, seconds=rate.seconds, rate=rate.rate, cold=dropped),
         runs=runs,
         peak=peak,
         flops=flops,
-        limits=limits(runs, load_bytes, rate.rate, peak.flops, flops),
-        second=SecondRun(runs["second"].seconds / runs["cold"].seconds, runs["second"].seconds / runs["warm"].seconds),
+        limits=limits(runs, load_bytes=load_bytes, rate=rate.rate, peak=peak.flops, f=flops),
+        second=SecondRun(
+            vs_cold=runs["second"].seconds / runs["cold"].seconds, vs_warm=runs["second"].seconds / runs["warm"].seconds
+        ),
+    )
+
+
+def stage_flops(info, *, width: int, height: int, steps: int) -> StageFlops:
+    """The FLOPs of each stage of one image of the model `info` describes."""
+    return StageFlops(
+        text_encoder=flops_of_text_encoder(Qwen3Config.from_dict(info.configs["text_encoder"])).total,
+        denoise=flops_of_transformer(info.params, width=width, height=height).total * steps,
+        decode=flops_of_vae_decoder(AutoEncoderConfig.from_dict(info.configs["vae"]), width, height).total,
     )
 
 
 LOADS = ("load() + checks", "text encoder load", "tokenizer load", "transformer load", "VAE load")
 
 
-def limits(runs: dict[str, Run], load_bytes: dict[str, int], rate: float, peak: float, f: Flops) -> dict[str, Limit]:
+def limits(
+    runs: dict[str, ColdRun], *, load_bytes: dict[str, int], rate: float, peak: float, f: StageFlops
+) -> dict[str, Limit]:
     """Each cold run against `bytes / rate + compute` (compute: the warm twin's measured compute, and
     FLOPs / peak)."""
     out = {}
@@ -382,7 +415,9 @@ def limits(runs: dict[str, Run], load_bytes: dict[str, int], rate: float, peak: 
 
 def format_cold(r: ColdResult) -> str:
     """The result as tables for people (the JSON has every number)."""
-    gb, s, m = 1e9, r.settings, r.machine
+    gb = 1e9
+    s = r.settings
+    m = r.machine
     title = f"time to first image: {r.model}, {s.width}x{s.height}, {s.steps} step(s), {s.dtype}"
     title += (f", {s.quantize}-bit" if s.quantize else "") + (f", VAE {s.vae}" if s.vae else "")
     lines = [
@@ -411,9 +446,10 @@ def format_cold(r: ColdResult) -> str:
     return "\n".join(lines)
 
 
-def stage_table(runs: dict[str, Run]) -> list[str]:
+def stage_table(runs: dict[str, ColdRun]) -> list[str]:
     """A markdown table: a row per stage, a column per run, then totals, peaks and what was read ahead."""
-    gb, names = 1e9, list(runs)
+    gb = 1e9
+    names = list(runs)
     lines = ["| stage | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for stage in dict.fromkeys(k for run in runs.values() for k in run.stages):
         cells = []

@@ -31,14 +31,14 @@ from .layers import LoRALinear, dense_update
 from .layouts import autov3
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Lora:
     """One LoRA file parsed, checked against a model's shapes, with the user's strength."""
 
     name: str  # file name
     sha256: str  # first 12 hex digits of the file's sha256
     scale: float
-    format: str  # "A" diffusers/PEFT, "B" BFL, "C" PEFT-wrapped BFL, "D" kohya, "E" LoKr
+    format: str  # "diffusers" (PEFT), "bfl", "peft_bfl" (PEFT-wrapped BFL), "kohya", "lokr" (LyCORIS LoKr)
     terms: list[Term]
     path: str = ""
     autov3: str = ""  # A1111's / Civitai's hash of the file (its tensor data), first 12 hex digits
@@ -101,7 +101,8 @@ def load_lora(source, params, scale: float = 1.0, partial: bool = False) -> Lora
             f"LoRA {what} holds non-finite values (in {bad[0]}); the file is damaged, download it again"
         )
     parsed = parse_lora(tensors, metadata, params, what)
-    n, miss = parsed.n_modules, parsed.unmatched
+    n = parsed.n_modules
+    miss = parsed.unmatched
     head = ", ".join(miss[:3]) + (", ..." if len(miss) > 3 else "")
     if not parsed.terms:
         raise FluxKleinError(
@@ -115,7 +116,15 @@ def load_lora(source, params, scale: float = 1.0, partial: bool = False) -> Lora
         )
     check_magnitude(parsed.terms, scale, what)
     _warn_about_alpha(parsed.terms, what)
-    return Lora(what, sha[:12], scale, parsed.format, parsed.terms, str(path), autov3(path))
+    return Lora(
+        name=what,
+        sha256=sha[:12],
+        scale=scale,
+        format=parsed.format,
+        terms=parsed.terms,
+        path=str(path),
+        autov3=autov3(path),
+    )
 
 
 # The largest update a LoRA may make to one weight: float16's largest number. Weights are about 0.1 and
@@ -179,7 +188,8 @@ def pair_scales(sources, scales) -> list[tuple[object, float]]:
 
     Scales go by position; LoRAs without one get 1.0; more scales than LoRAs is an error.
     """
-    sources, scales = list(sources), list(scales)
+    sources = list(sources)
+    scales = list(scales)
     if len(scales) > len(sources):
         raise FluxKleinError(
             f"--lora-scale is given {len(scales)} times but --lora {len(sources)} times; give one scale per LoRA, "
@@ -237,6 +247,7 @@ def remove_loras(model: nn.Module) -> None:
 def apply_loras(
     model: nn.Module,
     loras: list[Lora],
+    *,
     keep_originals: bool = True,
     evaluate: bool = True,
     reread: Callable[[str], mx.array] | None = None,

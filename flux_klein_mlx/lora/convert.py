@@ -82,7 +82,7 @@ def guess_params(tensors: dict[str, mx.array]) -> list[FluxKleinParams]:
     return candidates or [FluxKleinParams.klein_4b()]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoraFile:
     """A LoRA file read and mapped onto the transformer its shapes describe."""
 
@@ -112,7 +112,7 @@ def read_any_lora(path: str | Path) -> LoraFile:
             continue
         if parsed.terms and not parsed.unmatched:
             dtype = next((v.dtype for v in tensors.values() if v.ndim == 2), mx.float32)
-            return LoraFile(path, metadata, sha, parsed, params, dtype)
+            return LoraFile(path=path, metadata=metadata, sha256=sha, parsed=parsed, params=params, dtype=dtype)
         first_error = first_error or FluxKleinError(
             f"LoRA {what}: {len(parsed.unmatched)} of its {parsed.n_modules} modules match no FLUX.2 [klein] layer "
             f"({', '.join(parsed.unmatched[:3])}); it is not a klein LoRA, or not one flux_klein_mlx can convert"
@@ -136,9 +136,9 @@ def convert_lora(source: str | Path, output: str | Path, layout: str) -> Path:
         "flux_klein_mlx.converted_from": f"{lora.path.name} ({FORMAT_NAMES[lora.parsed.format]})",
     }
     terms, what = lora.parsed.terms, lora.path.name
-    if lora.parsed.format == "E":  # Kronecker factors, not low-rank pairs
+    if lora.parsed.format == "lokr":  # Kronecker factors, not low-rank pairs
         tensors, metadata = (
-            lokr_tensors(terms, layout, lora.params, what, lora.dtype),
+            lokr_tensors(terms, layout, params=lora.params, what=what, dtype=lora.dtype),
             file_metadata([], layout, header),
         )
     else:

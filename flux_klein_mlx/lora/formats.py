@@ -38,9 +38,9 @@ from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, DIFFUSERS_T
 
 # Module-name prefixes, longest first, and the format they say.
 _PREFIXES = (
-    ("lora_unet_", "D"), ("lora_transformer_", "D"), ("lycoris_", "D"),
-    ("base_model.model.diffusion_model.", "C"), ("base_model.model.", "C"), ("model.diffusion_model.", "B"),
-    ("diffusion_model.", "B"), ("transformer.", "A"),
+    ("lora_unet_", "kohya"), ("lora_transformer_", "kohya"), ("lycoris_", "kohya"),
+    ("base_model.model.diffusion_model.", "peft_bfl"), ("base_model.model.", "peft_bfl"),
+    ("model.diffusion_model.", "bfl"), ("diffusion_model.", "bfl"), ("transformer.", "diffusers"),
 )  # fmt: skip
 # Key endings -> the role of the tensor. PEFT's adapter name (".default") is optional.
 _ROLE = re.compile(
@@ -93,11 +93,11 @@ class Term:
         return self.w1.shape[0] * self.w2.shape[0], self.w1.shape[1] * self.w2.shape[1]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ParsedLora:
     """A LoRA file's updates, mapped onto our layers (not yet scaled by the user's strength)."""
 
-    format: str  # "A".."E"
+    format: str  # "diffusers", "bfl", "peft_bfl", "kohya" or "lokr" (layouts.FORMAT_NAMES says each in words)
     terms: list[Term]
     unmatched: list[str] = field(default_factory=list)  # module names that match no layer
     n_modules: int = 0
@@ -136,7 +136,7 @@ def target_table(params) -> dict[str, Target]:
 
 
 def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str, mx.array]], str]:
-    """Keys -> {module name (prefix stripped): {role: tensor}}, and the format letter."""
+    """Keys -> {module name (prefix stripped): {role: tensor}}, and the format it is in."""
     unknown = [key for key in tensors if not _ROLE.match(key)]
     if unknown:
         raise FluxKleinError(
@@ -159,7 +159,7 @@ def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str,
         role = ("down" if lora in DOWN_ROLES else "up") if lora else m.group("lokr") or "alpha"
         prefix, kind = next(((p, letter) for p, letter in _PREFIXES if name.startswith(p)), ("", None))
         name = name[len(prefix) :]
-        kinds.add("E" if m.group("lokr") else kind)
+        kinds.add("lokr" if m.group("lokr") else kind)
         if (name, role) in keys:  # e.g. `transformer.x.lora_A.weight` beside `x.lora_A.default.weight`
             raise FluxKleinError(
                 f"LoRA {what} holds {name}'s {role} {'matrix' if role in ('down', 'up') else 'value'} twice "
@@ -172,20 +172,20 @@ def _group(tensors: dict[str, mx.array], what: str) -> tuple[dict[str, dict[str,
 
 
 def _format_of(kinds: set[str | None], modules: dict) -> str:
-    """The format letter of a file from the kinds its keys say (`_PREFIXES`; "E" for a LoKr tensor)
+    """The format of a file from the kinds its keys say (`_PREFIXES`; "lokr" for a LoKr tensor)
     and its module names: the first rule that holds, in this order."""
     rules = (
-        ("E", "E" in kinds),  # any LoKr tensor: the file needs the LoKr reading
-        ("A", "A" in kinds),  # then the prefixes; a file that mixes them is named by the first here
-        ("B", "B" in kinds),
-        ("C", "C" in kinds),
-        ("D", "D" in kinds),
-        ("B", any(n.startswith(("double_blocks", "single_blocks")) for n in modules)),  # our names, no prefix
+        ("lokr", "lokr" in kinds),  # any LoKr tensor: the file needs the LoKr reading
+        ("diffusers", "diffusers" in kinds),  # then the prefixes; a file that mixes them is named by the first here
+        ("bfl", "bfl" in kinds),
+        ("peft_bfl", "peft_bfl" in kinds),
+        ("kohya", "kohya" in kinds),
+        ("bfl", any(n.startswith(("double_blocks", "single_blocks")) for n in modules)),  # our names, no prefix
     )
-    for letter, holds in rules:
+    for name, holds in rules:
         if holds:
-            return letter
-    return "A"  # diffusers' names without a prefix
+            return name
+    return "diffusers"  # diffusers' names without a prefix
 
 
 def _metadata_alpha(metadata: dict | None, what: str):
@@ -201,9 +201,12 @@ def _metadata_alpha(metadata: dict | None, what: str):
             config = {k.removeprefix("transformer."): v for k, v in json.loads(raw).items()}
             alpha = float(config.get("lora_alpha", 8))  # PEFT's LoraConfig default, as diffusers would build it
             patterns = {str(k).lstrip("^"): float(v) for k, v in (config.get("alpha_pattern") or {}).items()}
-            rslora, per_rank = bool(config.get("use_rslora", False)), None
+            rslora = bool(config.get("use_rslora", False))
+            per_rank = None
         elif "lora_alpha" in metadata:
-            alpha, patterns, rslora = float(metadata["lora_alpha"]), {}, False
+            alpha = float(metadata["lora_alpha"])
+            patterns = {}
+            rslora = False
             per_rank = float(metadata["lora_rank"]) if "lora_rank" in metadata else None
         else:
             return None
@@ -261,14 +264,16 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
         raise FluxKleinError(f"LoRA {what} is incomplete: it holds {head}; export or download it again")
     table = target_table(params)
     shapes = linear_shapes(params)
-    meta_alpha = _metadata_alpha(metadata, what) if fmt == "A" else None
-    terms, unmatched, foreign = [], [], []
+    meta_alpha = _metadata_alpha(metadata, what) if fmt == "diffusers" else None
+    terms = []
+    unmatched = []
+    foreign = []
     for name, parts in modules.items():
         target = table.get(name)
         if target is None:
             unmatched.append(name)
             continue
-        term = _term(name, parts, target, meta_alpha, what)
+        term = _term(name, parts, target, meta_alpha=meta_alpha, what=what)
         want = (target.rows[1] - target.rows[0], shapes[target.layer][1])
         if term.shape == want:
             terms.append(term)
@@ -277,7 +282,7 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
     if foreign:
         raise FluxKleinError(_foreign_message(foreign, params, what))
     _check_overlaps(terms, what)
-    return ParsedLora(fmt, terms, sorted(unmatched), len(modules))
+    return ParsedLora(format=fmt, terms=terms, unmatched=sorted(unmatched), n_modules=len(modules))
 
 
 def _check_overlaps(terms: list[Term], what: str) -> None:
@@ -292,7 +297,7 @@ def _check_overlaps(terms: list[Term], what: str) -> None:
             )
 
 
-def _term(name: str, parts: dict[str, mx.array], target: Target, meta_alpha, what: str) -> Term:
+def _term(name: str, parts: dict[str, mx.array], target: Target, *, meta_alpha, what: str) -> Term:
     alpha = _scalar(parts["alpha"], what, name) if "alpha" in parts else None
     for a in parts.values():
         if not mx.issubdtype(a.dtype, mx.floating):
@@ -316,7 +321,8 @@ def _term(name: str, parts: dict[str, mx.array], target: Target, meta_alpha, wha
             up = mx.roll(up, up.shape[0] // 2, axis=0)
         return Term(target.layer, target.rows, alpha / rank, down=down, up=up, key=name)
     # LoKr: each factor is stored whole (w1) or as a product (w1_a @ w1_b).
-    factors, rank = [], None
+    factors = []
+    rank = None
     for n in ("w1", "w2"):
         if f"lokr_{n}" in parts:
             factors.append(parts[f"lokr_{n}"])
@@ -340,7 +346,8 @@ def _term(name: str, parts: dict[str, mx.array], target: Target, meta_alpha, wha
 def _foreign_message(foreign: list, params, what: str) -> str:
     """Name the model a LoRA was made for, when its shapes tell; else name the first mismatch."""
     D = params.hidden_size
-    hidden, flux1 = set(), False
+    hidden = set()
+    flux1 = False
     for _name, term, (_rows, cols) in foreign:
         (out, width), layer = term.shape, term.layer
         if cols == D and not layer.endswith(("linear2", "_mlp.2")):  # layers whose input is the hidden state

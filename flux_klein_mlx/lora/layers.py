@@ -89,7 +89,9 @@ class LoRALinear(nn.Module):
         for name, value in base.items():  # weight (and scales, biases, bias): the same parameter names
             self[name] = value
         if isinstance(base, nn.QuantizedLinear):  # what the quantized matmul reads besides the arrays
-            self.group_size, self.bits, self.mode = base.group_size, base.bits, base.mode
+            self.group_size = base.group_size
+            self.bits = base.bits
+            self.mode = base.mode
         self.freeze()
         # In a plain holder, not a parameter or child of this module: saving, strict loads and
         # `parameters()` never see the frozen terms or the wrapped layer.
@@ -153,7 +155,8 @@ class LoRALinear(nn.Module):
         whole = outputs.pop((r0, r1), [])  # terms over all rows r0:r1
         if outputs:
             # Row blocks (q, k, v of a fused qkv) are disjoint: concatenate them with zeros in the gaps.
-            parts, at = [], r0
+            parts = []
+            at = r0
             for (lo, hi), ys in sorted(outputs.items()):
                 if lo > at:
                     parts.append(mx.zeros((*x.shape[:-1], lo - at), dtype=x.dtype))

@@ -37,9 +37,10 @@ from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, DIFFUSERS_T
 from .formats import Term, target_table
 
 LAYOUTS = ("diffusers", "comfyui", "kohya")
-# What the layouts are called in messages and `lora info` (formats.py's letters -> words).
-FORMAT_NAMES = {"A": "diffusers / PEFT", "B": "BFL names (ComfyUI / ai-toolkit)", "C": "PEFT-wrapped BFL names",
-                "D": "kohya / musubi-tuner", "E": "LyCORIS LoKr"}  # fmt: skip
+# What the layouts are called in messages and `lora info` (formats.py's names -> words).
+FORMAT_NAMES = {"diffusers": "diffusers / PEFT", "bfl": "BFL names (ComfyUI / ai-toolkit)",
+                "peft_bfl": "PEFT-wrapped BFL names", "kohya": "kohya / musubi-tuner",
+                "lokr": "LyCORIS LoKr"}  # fmt: skip
 
 
 def check_layout(layout, option: str = "--format") -> str:

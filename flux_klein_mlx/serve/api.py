@@ -72,7 +72,7 @@ class ServerOptions:
     log: Callable[[str], None] = field(default=lambda line: None)  # one line per request, warnings
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Answer:
     """How a request wants its answer (not what it makes): set by its route and its fields."""
 
@@ -82,7 +82,7 @@ class Answer:
     base_url: str = ""  # where `url` results are served, set when the job is submitted
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RequestLog:
     """The one log line of a request: id, route, size, steps, n, then its outcome and seconds."""
 
@@ -96,9 +96,12 @@ class RequestLog:
     def describe(self, req: ImageRequest, metadata: dict | None = None) -> None:
         s = req.settings
         if metadata:  # what ran: sizes and steps the request left to the model
-            self.size, self.steps = f"{metadata['width']}x{metadata['height']}", metadata["steps"]
+            self.size = f"{metadata['width']}x{metadata['height']}"
+            self.steps = metadata["steps"]
         else:  # as asked: `size` sets both sides or neither
-            self.size, self.steps, self.n = f"{s.width}x{s.height}" if s.width else "auto", s.steps or "default", req.n
+            self.size = f"{s.width}x{s.height}" if s.width else "auto"
+            self.steps = s.steps or "default"
+            self.n = req.n
 
     def finish(self, log: Callable[[str], None], outcome: str) -> None:
         log(
@@ -111,7 +114,8 @@ class Server:
     """The app's state and its routes: options, the worker, the results kept for `url` responses."""
 
     def __init__(self, worker: Worker, options: ServerOptions):
-        self.worker, self.options = worker, options
+        self.worker = worker
+        self.options = options
         self.files: OrderedDict[str, bytes] = OrderedDict()  # id -> PNG, newest last
 
     # ---- validation ---------------------------------------------------------------------------
@@ -199,12 +203,12 @@ class Server:
         # OpenAI's meaning: how many partial images a stream sends (0-3); left out, one per step (the page).
         partial = int_field(body, "partial_images", 0, 3)
         req = ImageRequest(
-            settings,
+            settings=settings,
             n=int_field(body, "n", 1, o.max_n, default=1),
             loras=self.resolve_loras(body.get("loras", body.get("loras[]"))),
             partial_images=partial if stream else 0,
         )
-        return req, Answer(kind, response_format, stream)
+        return req, Answer(kind=kind, response_format=response_format, stream=stream)
 
     def decode_upload(self, name: str, data: bytes, mode: str | None) -> Image.Image:
         """An upload, size-checked from its header, decoded; converted to `mode` (None: kept, e.g. a mask's alpha)."""
@@ -308,7 +312,7 @@ class Server:
         answer.base_url = str(request.base_url).rstrip("/")
         if answer.stream:
             return StreamingResponse(
-                self.events(job, queue, answer, req, entry),
+                self.events(job, queue=queue, answer=answer, req=req, entry=entry),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
@@ -334,14 +338,15 @@ class Server:
             job.cancel()  # no-op when finished; stops the job when this handler is torn down
         return JSONResponse({"created": int(time.time()), "data": data, "size": entry.size, **PNG})
 
-    async def events(self, job, queue, answer: Answer, req: ImageRequest, entry: RequestLog):
+    async def events(self, job, *, queue, answer: Answer, req: ImageRequest, entry: RequestLog):
         """Server-sent events in OpenAI's image streaming shape: progress after every step, the partial
         images asked for (`partial_images`; one per step when left out), each finished image."""
 
         def sse(name: str, **payload) -> bytes:
             return f"event: {name}\ndata: {json.dumps({'type': name, **payload})}\n\n".encode()
 
-        kind, size = answer.kind, entry.size  # the size asked for ("auto" or WxH)
+        kind = answer.kind
+        size = entry.size  # the size asked for ("auto" or WxH)
         png = {**PNG, "quality": "auto"}
         partials: dict[int, int] = {}  # image index -> partial images sent
         outcome = "client went away (cancelled)"
@@ -409,7 +414,8 @@ class Server:
         return JSONResponse(card if name is not None else {"object": "list", "data": [card]})
 
     async def status(self, request: Request):
-        o, pipe = self.options, self.worker.pipe
+        o = self.options
+        pipe = self.worker.pipe
         info = pipe.info if pipe is not None else None
         return JSONResponse(
             {
@@ -436,7 +442,7 @@ class Server:
     async def images(self, request: Request) -> Response:
         """POST /v1/images/generations or /edits: parse and run one image request; one log line when it
         ends, whatever the outcome (a stream logs when it closes)."""
-        entry = RequestLog(request.url.path.rsplit("/", 1)[1])  # "generations" | "edits"
+        entry = RequestLog(route=request.url.path.rsplit("/", 1)[1])  # "generations" | "edits"
         try:
             parse = self.generation_request if entry.route == "generations" else self.edit_request
             req, answer = await parse(request)

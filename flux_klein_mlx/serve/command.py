@@ -174,6 +174,7 @@ def _load_checked(model, sock, load_settings: dict):
 @vae_and_cache_options
 def serve(
     model,
+    *,
     quantize,
     dtype,
     low_memory,
@@ -225,10 +226,10 @@ def serve(
         f"(API: http://{shown}:{port}/v1); loading the model",
         err=True,
     )
-    _run_server(pipe, options, sock, queue_size, t0)
+    _run_server(pipe, options, sock=sock, queue_size=queue_size, t0=t0)
 
 
-def _run_server(pipe, options, sock, queue_size: int, t0: float) -> None:
+def _run_server(pipe, options, *, sock, queue_size: int, t0: float) -> None:
     """Answer on `sock` until stopped; the models load on the worker thread while the server already
     answers (503 until ready). A model that fails to load ends the process with one line."""
     import uvicorn

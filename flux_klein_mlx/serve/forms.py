@@ -21,7 +21,10 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
 
     def body(self) -> dict:
         kind = (

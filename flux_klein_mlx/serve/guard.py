@@ -14,7 +14,9 @@ class Guard:
     """ASGI wrapper: bearer key on /v1/ (result files are capability URLs) and a body-size cap."""
 
     def __init__(self, app, api_key: str | None, body_cap: int):
-        self.app, self.api_key, self.body_cap = app, api_key, body_cap
+        self.app = app
+        self.api_key = api_key
+        self.body_cap = body_cap
 
     def refusal(self, headers: dict, path: str) -> ApiError | None:
         if self.api_key and path.startswith("/v1/") and not path.startswith("/v1/images/files/"):

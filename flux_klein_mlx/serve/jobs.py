@@ -34,7 +34,7 @@ class NotReady(Exception):
     """The model is still loading, or failed to load (HTTP 503)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ImageRequest:
     """A validated request: the run's settings (images decoded, no file paths from the client)."""
 
@@ -44,7 +44,7 @@ class ImageRequest:
     partial_images: int | None = 0  # preview PNGs per image while denoising (OpenAI's meaning); None: every step
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepEvent:
     index: int  # image of the request
     step: int
@@ -53,7 +53,7 @@ class StepEvent:
     kind: str = "step"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StageEvent:
     """What the job does before its first step: "loras" (applying a change of LoRAs), "text_encoder" (loading
     the text encoder to encode a new prompt) or "cached" (the prompt's embeddings are cached: no encoder)."""
@@ -63,7 +63,7 @@ class StageEvent:
     kind: str = "stage"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ImageEvent:
     index: int
     metadata: dict
@@ -72,14 +72,14 @@ class ImageEvent:
     kind: str = "image"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EndEvent:
     kind: str  # "done" | "error" | "cancelled"
     status: int = 200  # HTTP status of an error (400: the request; 500: ours)
     message: str = ""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Job:
     request: ImageRequest
     on_event: Callable[[object], None]
@@ -145,7 +145,7 @@ class Worker:
                     f"the queue is full ({self.max_queue} waiting, one running); retry later or start "
                     "the server with a larger --queue"
                 )
-            job = Job(request, on_event)
+            job = Job(request=request, on_event=on_event)
             self._waiting.append(job)
             self._lock.notify_all()
             return job
@@ -189,12 +189,12 @@ class Worker:
                     finished = self._generate(job)
                 if not finished:
                     self.cancelled_jobs += 1
-                job.on_event(EndEvent("done" if finished else "cancelled"))
+                job.on_event(EndEvent(kind="done" if finished else "cancelled"))
             except FluxKleinError as e:
-                job.on_event(EndEvent("error", 400, str(e)))
+                job.on_event(EndEvent(kind="error", status=400, message=str(e)))
             except Exception as e:  # the server must outlive a failed job
                 traceback.print_exc()
-                job.on_event(EndEvent("error", 500, f"generation failed ({type(e).__name__})"))
+                job.on_event(EndEvent(kind="error", status=500, message=f"generation failed ({type(e).__name__})"))
             finally:
                 with self._lock:
                     self._running = None
@@ -204,15 +204,16 @@ class Worker:
 
     def _generate(self, job: Job) -> bool:
         """Run the job's images with its LoRAs; False when cancelled part-way."""
-        req, pipe = job.request, self.pipe
+        req = job.request
+        pipe = self.pipe
         loras = self.base_loras + tuple(req.loras)
         if loras != tuple((lora.path, lora.scale) for lora in pipe.loras):
-            job.on_event(StageEvent("loras"))
+            job.on_event(StageEvent(stage="loras"))
             pipe.set_loras(list(loras))  # checked first: on error the pipeline keeps its LoRAs
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # guidance on distilled models etc.: noted in the metadata
             prepared = prepare_inputs(req.settings, pipe.info)  # uploads decoded once for all n images
-        job.on_event(StageEvent("text_encoder" if pipe.check_text_encoder(prepared) else "cached"))
+        job.on_event(StageEvent(stage="text_encoder" if pipe.check_text_encoder(prepared) else "cached"))
         wanted = preview_steps(prepared.steps_run, req.partial_images)
         for index in range(req.n):
             with contextlib.closing(pipe.stream(prepared.for_image(index))) as stream:  # cleanup now, on this thread
@@ -225,9 +226,14 @@ class Worker:
                             if event.step in wanted
                             else None
                         )
-                        job.on_event(StepEvent(index, event.step, event.total, preview))
+                        job.on_event(StepEvent(index=index, step=event.step, total=event.total, preview=preview))
             job.on_event(
-                ImageEvent(index, event.metadata, image_bytes(event.image, event.metadata), event.stats.total_seconds)
+                ImageEvent(
+                    index=index,
+                    metadata=event.metadata,
+                    png=image_bytes(event.image, event.metadata),
+                    seconds=event.stats.total_seconds,
+                )
             )
         return True
 

@@ -280,7 +280,8 @@ def train(**options):
     events = train_lora(**options)  # everything is checked here, before any model loads
     progress = ProgressLine()
     t0 = time.perf_counter()
-    step, checkpoint = 0, None
+    step = 0
+    checkpoint = None
     try:
         for ev in events:
             if isinstance(ev, StepFinished):
@@ -288,7 +289,8 @@ def train(**options):
                 progress.step(ev)
                 continue
             if isinstance(ev, TrainStarted) and ev.resumed_from is not None:
-                step, checkpoint = ev.first_step - 1, ev.resumed_from
+                step = ev.first_step - 1
+                checkpoint = ev.resumed_from
             checkpoint = ev.path if isinstance(ev, CheckpointSaved) else checkpoint
             text = describe_event(ev)
             if isinstance(ev, TrainFinished):

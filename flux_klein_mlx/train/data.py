@@ -49,7 +49,7 @@ CAPTION_SUFFIXES = (".txt", ".caption")  # the ones trainers use; the other one 
 SIZE_MULTIPLE = 16
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Picture:
     """One image file as checked: where it is, its pixel size and its content hash."""
 
@@ -58,7 +58,7 @@ class Picture:
     sha256: str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainItem:
     """One training example: the target image, its caption, its control images, its bucket."""
 
@@ -97,7 +97,7 @@ def _check_picture(path: Path, what: str) -> Picture:
         img = open_image(path, what)
     w, h = img.size
     check_image_shape(w, h, f"{what} {path}")
-    return Picture(path, (w, h), file_sha256(path))
+    return Picture(path=path, size=(w, h), sha256=file_sha256(path))
 
 
 def _images_by_stem(folder: Path, option: str) -> dict[str, Path]:
@@ -144,7 +144,7 @@ def with_trigger(caption: str, trigger: str | None) -> str:
     return f"{trigger}, {caption}"
 
 
-def dropped_captions(seed: int, epoch: int, position: int, n: int, p: float) -> list[bool]:
+def dropped_captions(seed: int, epoch: int, *, position: int, n: int, p: float) -> list[bool]:
     """Which of a batch's `n` examples train with the empty caption (probability `p` each).
 
     The draw comes from its own generator keyed by the run's seed and the batch's (epoch, position),
@@ -188,6 +188,7 @@ def _say_what_is_not_read(folder: Path, images: dict[str, Path], extension: str)
 
 def scan_data(
     data,
+    *,
     caption: str | None = None,
     controls=(),
     resolution: int | tuple = 512,
@@ -239,9 +240,10 @@ def scan_data(
         text, source = _caption(path, caption, caption_extension)
         picture = _check_picture(path, "training image")
         pics = [_check_picture(cmap[stem], "control image") for _, cmap in control_maps]
-        for size in sizes:  # several resolutions: one example per image and size
-            bucket = bucket_size(*picture.size, size)
-            items.append(TrainItem(stem, picture, with_trigger(text, trigger), source, pics, bucket))
+        example = dict(
+            stem=stem, image=picture, caption=with_trigger(text, trigger), caption_from=source, controls=pics
+        )
+        items += [TrainItem(**example, bucket=bucket_size(*picture.size, size)) for size in sizes]  # one per size
     _say_what_is_not_read(folder, images, caption_extension)  # once the data passed: a refusal stays one line
     return items
 

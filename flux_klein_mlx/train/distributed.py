@@ -50,7 +50,9 @@ class PeerLost(FluxKleinError):
         )
 
 
-def example_draws(seed: int, step: int, indices, scheme: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+def example_draws(
+    seed: int, step: int, *, indices, scheme: str, shape: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray]:
     """The random numbers of some examples of step `step`: (draws (B,), noise (B, L, C)), float32.
 
     Example `index` (micro-batch k, position j in the global batch of size G: k*G + j) takes its own
@@ -58,7 +60,8 @@ def example_draws(seed: int, step: int, indices, scheme: str, shape: tuple[int, 
     `uniform` scheme, else N(0, 1), as `trainer.sigmas_from_draws` wants; then its noise of `shape` (L, C).
     """
     normal = scheme != "uniform"
-    draws, noise = [], []
+    draws = []
+    noise = []
     for index in indices:
         rng = np.random.default_rng([seed, step, index])  # numpy's SeedSequence mixes the three words
         draws.append(rng.standard_normal(dtype=np.float32) if normal else rng.random(dtype=np.float32))
@@ -69,7 +72,7 @@ def example_draws(seed: int, step: int, indices, scheme: str, shape: tuple[int, 
 def check_processes(folder: Path, now: int) -> None:
     """A checkpoint continues only with the process count that wrote it (its data order and shares)."""
     try:
-        before = json.loads((Path(folder) / "state.json").read_text())["run_key"].get("processes", 1)
+        before = json.loads((Path(folder) / "state.json").read_text())["run_key"]["processes"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return  # unreadable: state.checkpoint_problem says what is wrong with it
     if before != now:
@@ -113,7 +116,8 @@ class World:
         flat = mx.concatenate([a.astype(mx.float32).reshape(-1) for a in arrays])
         total = mx.distributed.all_sum(flat, group=self.group)
         self._evaluate(total)
-        out, k = [], 0
+        out = []
+        k = 0
         for a in arrays:
             out.append(total[k : k + a.size].reshape(a.shape).astype(a.dtype))
             k += a.size
@@ -165,7 +169,8 @@ class World:
         says it), and so is a process that sees other settings or data (`key(result)`) than rank 0."""
         if self.group is None:
             return check()
-        result, error = None, None
+        result = None
+        error = None
         try:
             result = check()
         except FluxKleinError as e:

@@ -43,7 +43,7 @@ VALIDATION_SEED = 29  # fixed for every run: the noise does not follow --seed
 EMA_FILE = "ema.safetensors"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ValidationFinished:
     step: int
     loss: float  # mean over images and noise levels
@@ -140,7 +140,7 @@ class Validation:
             self.refs.append(refs)
 
     def measure(self, step: int, loss_fn: Callable, ctx: dict, rope: Callable) -> ValidationFinished:
-        """The loss at every (image, level): `loss_fn(x0, noise, sigma, ctx, rope, refs)` is the run's objective,
+        """The loss at every (image, level): `loss_fn(x0, noise, sigma=, ctx=, rope=, refs=)` is the run's objective,
         called without gradients; `ctx` maps captions to (1, Lt, E); `rope(item, n)` gives the item's tables
         with n control images."""
         sums = np.zeros(len(VALIDATION_SIGMAS))
@@ -149,10 +149,12 @@ class Validation:
             tables = rope(it, len(it.controls))
             for k, sigma in enumerate(VALIDATION_SIGMAS):
                 sigma_k = mx.array([sigma], dtype=mx.float32)
-                loss = loss_fn(x0, mx.array(noise[k : k + 1]), sigma_k, ctx[it.caption], tables, refs)
+                loss = loss_fn(
+                    x0, mx.array(noise[k : k + 1]), sigma=sigma_k, ctx=ctx[it.caption], rope=tables, refs=refs
+                )
                 sums[k] += loss.item()
         by_sigma = {str(sigma): float(v / len(self.items)) for sigma, v in zip(VALIDATION_SIGMAS, sums, strict=True)}
-        result = ValidationFinished(step, float(np.mean(list(by_sigma.values()))), by_sigma)
+        result = ValidationFinished(step=step, loss=float(np.mean(list(by_sigma.values()))), by_sigma=by_sigma)
         self.history = [h for h in self.history if h["step"] != step] + [vars(result).copy()]
         return result
 
@@ -202,7 +204,7 @@ _GREY, _BLUE, _ORANGE, _GRID, _RED = (170, 170, 170), (30, 80, 220), (230, 120, 
 
 
 def loss_plot(
-    losses: list[float], window: int, lrs: list[float] | None = None, validation=(), size=(900, 440)
+    losses: list[float], *, window: int, lrs: list[float] | None = None, validation=(), size=(900, 440)
 ) -> Image.Image:
     """Loss per step (grey) and its average (blue) against the step, with tick labels on both axes;
     the learning rate in the title when constant, as an orange line on a right-hand axis when not;
@@ -219,7 +221,8 @@ def loss_plot(
     draw.text((left, 10), title, fill="black", font=font)
     if not losses:
         return img
-    n, smooth = len(losses), moving_average(losses, window)
+    n = len(losses)
+    smooth = moving_average(losses, window)
     measured = losses + [v for _, v in validation]
     lo, hi = min(measured), max(measured)
     hi = hi if hi > lo else lo + max(abs(lo) * 1e-3, 1e-6)
@@ -261,6 +264,8 @@ def loss_plot(
 
 
 def write_loss_plot(
-    path: Path, losses: list[float], window: int, lrs: list[float] | None = None, validation=()
+    path: Path, losses: list[float], *, window: int, lrs: list[float] | None = None, validation=()
 ) -> None:
-    write_atomic(path, lambda tmp: loss_plot(losses, window, lrs, list(validation)).save(tmp, format="PNG"))
+    write_atomic(
+        path, lambda tmp: loss_plot(losses, window=window, lrs=lrs, validation=list(validation)).save(tmp, format="PNG")
+    )

@@ -37,7 +37,9 @@ from ..models.tokenizer import MAX_LENGTH
 from ..models.transformer import FluxKlein
 
 # klein-4B's reference geometry (the model the coefficients were measured on)
-REF_HIDDEN, REF_BLOCKS, REF_HEADS = 3072, 25, 24
+REF_HIDDEN = 3072
+REF_BLOCKS = 25
+REF_HEADS = 24
 # (quantized, low_memory) -> (b bytes per token, c bytes per token pair), from the measured rows above
 _MEASURED = {  # (quantized, low_memory) -> ((L, peak - resident - gradients) at 512², at 1024²)
     (False, True): ((1536, 1502567248 - 96337920), (4608, 5129862676 - 96337920)),
@@ -74,7 +76,7 @@ def weight_bytes(params: FluxKleinParams, bits: int | None, group_size: int = 64
     return int(total)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MemoryPlanned:
     """The planned peak of a step (an event, before any model loads)."""
 
@@ -89,6 +91,7 @@ class MemoryPlanned:
 def step_peak(
     params: FluxKleinParams,
     trainable: int,
+    *,
     resolution: int,
     bits: int | None,
     low_memory: bool,
@@ -108,17 +111,35 @@ def step_peak(
 
 
 def plan_memory(
-    s, params: FluxKleinParams, trainable: int, controls: int = 0, bits: int | None = None
+    s, *, params: FluxKleinParams, trainable: int, controls: int = 0, bits: int | None = None
 ) -> MemoryPlanned:
     """The plan for settings `s` (TrainSettings; `bits`: the base's quantization, stored or asked), with
     the options that would make it fit when it does not."""
     available, source = machine_memory()
 
     def peak(bits, low_memory, resolution) -> int:
-        return step_peak(params, trainable, resolution, bits, low_memory, s.batch_size, controls, s.group_size)[0]
+        return step_peak(
+            params,
+            trainable,
+            resolution=resolution,
+            bits=bits,
+            low_memory=low_memory,
+            batch=s.batch_size,
+            controls=controls,
+            group_size=s.group_size,
+        )[0]
 
     size = max(s.resolutions)
-    planned, weights = step_peak(params, trainable, size, bits, s.low_memory, s.batch_size, controls, s.group_size)
+    planned, weights = step_peak(
+        params,
+        trainable,
+        resolution=size,
+        bits=bits,
+        low_memory=s.low_memory,
+        batch=s.batch_size,
+        controls=controls,
+        group_size=s.group_size,
+    )
     remedies: list[str] = []
     if planned > available:
         tries = []  # (the options to add, bits, low_memory, resolution)
@@ -140,7 +161,14 @@ def plan_memory(
             p = peak(bits, low, res)
             if p <= available:
                 remedies.append(f"{words} ({p / 1e9:.1f} GB)")
-    return MemoryPlanned(planned, weights, available, source, planned <= available, remedies)
+    return MemoryPlanned(
+        peak=planned,
+        weights=weights,
+        available=available,
+        available_from=source,
+        fits=planned <= available,
+        remedies=remedies,
+    )
 
 
 def describe_plan(plan: MemoryPlanned) -> str:
@@ -157,7 +185,7 @@ def check_memory(s, info, slots) -> MemoryPlanned:
     stored = (info.quantization.get("transformer") or {}).get("bits")
     bits = s.quantize if s.quantize is not None else stored
     trainable = sum(s.rank * (slot.in_dims + slot.out_dims) for slot in slots)
-    plan = plan_memory(s, info.params, trainable, len(s.controls), bits)
+    plan = plan_memory(s, params=info.params, trainable=trainable, controls=len(s.controls), bits=bits)
     if not plan.fits and not s.force:
         fix = "; ".join(plan.remedies) if plan.remedies else "no setting of --quantize, --low-memory, --resolution fits"
         raise FluxKleinError(

@@ -77,7 +77,7 @@ def sigmas_from_draws(scheme: str, draws: np.ndarray, tokens: int) -> np.ndarray
     return (np.float32(TRAIN_TIMESTEPS) - idx.astype(np.float32)) / np.float32(TRAIN_TIMESTEPS)
 
 
-def flow_loss(model, x0, noise, sigma, ctx, rope, refs=None, checkpoint: bool = False) -> mx.array:
+def flow_loss(model, x0, noise, *, sigma, ctx, rope, refs=None, checkpoint: bool = False) -> mx.array:
     """The flow-matching loss of one batch, float32.
 
     x0, noise (B, L, C): clean target tokens and noise; sigma (B,) float32; ctx (B, Lt, E) caption
@@ -140,6 +140,6 @@ def lr_factor(name: str, n: int, warmup: int, total: int) -> float:
     return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))  # diffusers: num_cycles 0.5
 
 
-def lr_at_step(name: str, base_lr: float, step: int, warmup: int, total: int) -> float:
+def lr_at_step(name: str, *, base_lr: float, step: int, warmup: int, total: int) -> float:
     """The learning rate optimizer step `step` (1-based) runs at."""
     return base_lr * lr_factor(name, step - 1, warmup, total)

@@ -22,7 +22,7 @@ from .state import check_not_locked, check_work_dir, checkpoints, resume_point
 # --- checks before anything runs -----------------------------------------------------------------
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunPlan:
     """A checked run: settings, the model as described, the adapters, the data, where to resume."""
 
@@ -47,10 +47,7 @@ def _check_model(s: TrainSettings):
 
 def run_key(s: TrainSettings, info, processes: int = 1) -> dict:
     """The settings a checkpoint must share with a run that resumes it; the model by its resolved path."""
-    key = {**s.run_key(), "model": str(info.path)}
-    if processes != 1:  # absent for one process, as before mlx.launch runs existed
-        key["processes"] = processes
-    return key
+    return {**s.run_key(), "model": str(info.path), "processes": processes}
 
 
 def data_key(items) -> list:
@@ -75,24 +72,41 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
     if s.adapter == "lokr":
         lokr_layers(slots, info.params)  # whole layers only: refused here, before any model loads
     items = scan_data(
-        s.data, s.caption, s.controls, s.resolution, trigger=s.trigger, caption_extension=s.caption_extension
+        s.data,
+        caption=s.caption,
+        controls=s.controls,
+        resolution=s.resolution,
+        trigger=s.trigger,
+        caption_extension=s.caption_extension,
     )
     held_out = []
     if s.validation:
         held_out = scan_data(
             s.validation,
-            s.caption,
-            s.validation_controls,
-            s.resolution,
+            caption=s.caption,
+            controls=s.validation_controls,
+            resolution=s.resolution,
             option="--validation",
             control_option="--validation-control",
         )
     sample_info = check_sample_model(s, info)
-    resume = _resume_point(s, info, slots, items, w.size) if w.is_main else None  # rank 0 alone has the work folder
-    return RunPlan(s, info, slots, items, resume, sample_info, check_memory(s, info, slots), held_out, w)
+    resume = (
+        _resume_point(s, info, slots=slots, items=items, processes=w.size) if w.is_main else None
+    )  # rank 0 alone has the work folder
+    return RunPlan(
+        settings=s,
+        info=info,
+        slots=slots,
+        items=items,
+        resume_from=resume,
+        sample_info=sample_info,
+        memory=check_memory(s, info, slots),
+        validation=held_out,
+        world=w,
+    )
 
 
-def _resume_point(s: TrainSettings, info, slots, items, processes: int) -> Path | None:
+def _resume_point(s: TrainSettings, info, *, slots, items, processes: int) -> Path | None:
     """The checkpoint to continue from (state.resume_point), after the lock and the process count."""
     check_not_locked(s.work_dir)
     done = checkpoints(s.work_dir) if s.resume and s.work_dir.is_dir() else []
@@ -102,5 +116,8 @@ def _resume_point(s: TrainSettings, info, slots, items, processes: int) -> Path 
         shapes = lokr_file_shapes(slots, info.params, s.rank, s.lokr_factor)
     else:
         shapes = lora_file_shapes(slots, s.rank)
-    key, data = run_key(s, info, processes), data_key(items)
-    return resume_point(s.work_dir, s.resume, s.steps, key, data, shapes, len(items))
+    key = run_key(s, info, processes)
+    data = data_key(items)
+    return resume_point(
+        s.work_dir, resume=s.resume, steps=s.steps, key=key, data=data, lora_shapes=shapes, n_items=len(items)
+    )

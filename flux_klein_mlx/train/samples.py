@@ -48,7 +48,7 @@ from .state import adapter_file, write_atomic
 WEAK_CHANGE = 1.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SamplesSaved:
     step: int
     paths: list[Path]
@@ -135,12 +135,14 @@ def sample_name(step: int, k: int, strength: float | None) -> str:
     return f"step-{step:06d}-{k}{tail}.png"
 
 
-class Sampler:
+class SampleImages:
     """The sample pipeline of a run: loaded once, its prompts encoded once, then an image per prompt
     (and strength) at each sample point; the baseline images are kept for the comparisons."""
 
     def __init__(self, settings, info: ModelInfo):
-        self.s, self.info, self.source = settings, info, sample_source(settings)
+        self.s = settings
+        self.info = info
+        self.source = sample_source(settings)
         self.size = settings.sample_size or max(settings.resolutions)  # several: the largest
         self.folder = Path(settings.work_dir) / "samples"
         self.pipe = None
@@ -184,7 +186,9 @@ class Sampler:
     def baseline(self) -> SamplesSaved:
         """samples/step-000000-K.png: each prompt without the LoRA (rendered again on resume)."""
         self.pipe.set_loras([])
-        paths, self.baselines, peak = [], [], 0
+        paths = []
+        self.baselines = []
+        peak = 0
         for k, prompt in enumerate(self.s.sample_prompts):
             image, record, p = self._image(prompt)
             record["training_sample"] = {
@@ -197,7 +201,15 @@ class Sampler:
             self.baselines.append(np.asarray(image, dtype=np.float32))
             peak = max(peak, p)
         n = len(paths)
-        return SamplesSaved(0, paths, [None] * n, [None] * n, peak, None, self.info.name)
+        return SamplesSaved(
+            step=0,
+            paths=paths,
+            changes=[None] * n,
+            strengths=[None] * n,
+            peak_memory=peak,
+            added_memory=None,
+            model=self.info.name,
+        )
 
     def sample(self, step: int, lora, trained_peak: int) -> SamplesSaved:
         """Each prompt at each strength with `lora` (a train.adapters TrainableLoRA or TrainableLoKr) as it is at
@@ -206,7 +218,10 @@ class Sampler:
         tmp = Path(self.s.work_dir) / f".sample-lora.{secrets.token_hex(4)}.tmp"
         tensors, header = adapter_file(lora)  # the bytes of this step's checkpoint file
         save_safetensors_streaming(tmp, tensors, metadata=header)
-        paths, changes, strengths, peak = [], [], [], 0
+        paths = []
+        changes = []
+        strengths = []
+        peak = 0
         try:
             for strength in self.s.sample_strengths:
                 self.pipe.set_loras([(tmp, strength)])
@@ -231,7 +246,15 @@ class Sampler:
             tmp.unlink(missing_ok=True)
             self.pipe.set_loras([])
         self._warn_if_weak(step, changes)
-        return SamplesSaved(step, paths, changes, strengths, peak, max(0, peak - trained_peak), self.info.name)
+        return SamplesSaved(
+            step=step,
+            paths=paths,
+            changes=changes,
+            strengths=strengths,
+            peak_memory=peak,
+            added_memory=max(0, peak - trained_peak),
+            model=self.info.name,
+        )
 
     def _warn_if_weak(self, step: int, changes: list[float]) -> None:
         if changes and max(changes) < WEAK_CHANGE:

@@ -28,6 +28,9 @@ from .objective import check_schedule
 TIMESTEPS = ("shift", "logit-normal", "uniform")
 ADAPTERS = ("lora", "lokr")  # LoRA pairs per diffusers module, or LoKr per layer
 # The model `train` starts from: a Base model (generation's default, pipeline.DEFAULT_MODEL, is distilled).
+# The run key's layout (TrainSettings.run_key, plan.run_key): raised when a field is added, renamed or
+# changes meaning; a checkpoint written under another version is refused, never guessed at.
+RUN_KEY_VERSION = 1
 DEFAULT_BASE_MODEL = "black-forest-labs/FLUX.2-klein-base-4B"
 # (setting, low, high) of the whole-number settings, checked in this order
 WHOLE = (
@@ -167,7 +170,8 @@ class TrainSettings:
         v = self.ema
         if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < 1):
             raise FluxKleinError(f"ema must be a decay in (0, 1) such as 0.999, not {v!r}")
-        controls, held_out = folder_list(self.controls), folder_list(self.validation_controls)
+        controls = folder_list(self.controls)
+        held_out = folder_list(self.validation_controls)
         if self.validation is None and held_out:
             raise FluxKleinError("--validation-control needs --validation: the held-out images it gives references for")
         if self.validation is not None and len(held_out) != len(controls):
@@ -233,16 +237,15 @@ class TrainSettings:
         )
 
     def run_key(self) -> dict:
-        """The settings that decide what a step computes (resume needs them equal)."""
+        """The settings that decide what a step computes (resume needs them equal), every field always, under
+        `RUN_KEY_VERSION`: a checkpoint of another version is refused (state.resume_point)."""
         keep = (
             "model",
             "rank",
             "alpha",
-            "targets",
             "lr",
             "batch_size",
             "grad_accum",
-            "resolution",
             "timesteps",
             "seed",
             "weight_decay",
@@ -251,24 +254,21 @@ class TrainSettings:
             "quantize",
             "group_size",
             "caption",
+            "lr_scheduler",
+            "warmup_steps",
+            "adapter",
+            "trigger",
+            "caption_dropout",
+            "ema",  # a checkpoint's EMA continues only under the same decay
         )
-        key = {k: getattr(self, k) for k in keep}
-        key["resolution"] = self.resolution if isinstance(self.resolution, int) else list(self.resolution)
-        if self.lr_scheduler != "constant":  # absent for constant: older checkpoints stay resumable
-            key.update(lr_scheduler=self.lr_scheduler, warmup_steps=self.warmup_steps)
-        if self.lr_scheduler in ("linear", "cosine"):  # a decay's every value depends on the run's length
-            key["schedule_steps"] = self.steps
+        key = {"version": RUN_KEY_VERSION, **{k: getattr(self, k) for k in keep}}
         key["model"] = str(self.model)
         key["targets"] = self.targets if isinstance(self.targets, str) else ",".join(self.targets)
-        if self.adapter == "lokr":  # absent for LoRA, as before LoKr existed
-            key.update(adapter=self.adapter, lokr_factor=self.lokr_factor)
-        # Caption settings only when set, so that checkpoints from before they existed still resume.
-        if self.trigger is not None:
-            key["trigger"] = self.trigger
-        if self.caption_dropout:
-            key["caption_dropout"] = self.caption_dropout
-        if self.ema is not None:  # a checkpoint's EMA continues only under the same decay
-            key["ema"] = self.ema
+        key["resolution"] = self.resolution if isinstance(self.resolution, int) else list(self.resolution)
+        # A decay's every value depends on the run's length; a constant rate (after warm-up) does not, so
+        # such a run may resume with more --steps.
+        key["schedule_steps"] = self.steps if self.lr_scheduler in ("linear", "cosine") else None
+        key["lokr_factor"] = self.lokr_factor if self.adapter == "lokr" else None
         return key
 
     @property

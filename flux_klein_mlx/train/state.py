@@ -281,6 +281,7 @@ def remove_temporaries(work_dir: Path) -> None:
 def write_checkpoint(
     work_dir: Path,
     step: int,
+    *,
     lora: tuple[dict, dict],
     optimizer: dict[str, mx.array],
     state: dict,
@@ -346,7 +347,8 @@ def _state_problem(state, step: int, n_items: int) -> str | None:
             return f"state.json's {key} is {state.get(key)!r}, not a whole number"
     if state["step"] != step:
         return f"state.json says step {state['step']}, its folder name step {step}"
-    batches, losses = state.get("batches"), state.get("losses")
+    batches = state.get("batches")
+    losses = state.get("losses")
     if not isinstance(batches, list) or not all(isinstance(b, list) and b for b in batches):
         return "state.json's batches is not a list of batches"
     if not all(_is_int(i) and 0 <= i < n_items for b in batches for i in b):
@@ -448,7 +450,7 @@ def write_json(path: Path, obj: dict) -> None:
 
 
 def resume_point(
-    wd: Path, resume: bool, steps: int, key: dict, data: list, lora_shapes: dict, n_items: int
+    wd: Path, *, resume: bool, steps: int, key: dict, data: list, lora_shapes: dict, n_items: int
 ) -> Path | None:
     """The checkpoint a run continues from (None: a new run), checked whole and against this run's
     run `key` and `data` key; refuses mixing runs in one work folder and a run that is already done."""
@@ -484,6 +486,11 @@ def _refuse_other_settings(folder: Path, key: dict, data: list) -> None:
         return  # damaged: checkpoint_problem says how
     if not isinstance(state, dict) or not isinstance(state.get("run_key"), dict):
         return
+    if state["run_key"].get("version") != key["version"]:
+        raise FluxKleinError(
+            f"--resume: {folder} was written under run key version {state['run_key'].get('version')} (this "
+            f"flux_klein_mlx writes {key['version']}) and cannot be continued; start anew in another --work-dir"
+        )
     diffs = differences(state["run_key"], key)
     if state.get("data") != data:
         diffs.append("data: the images, captions or controls differ from the checkpoint's")

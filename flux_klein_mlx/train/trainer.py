@@ -19,7 +19,6 @@ import math
 import platform
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -42,9 +41,10 @@ from .adapters import attach_lokr, attach_lora, file_header, write_lora_file
 from .data import bucket_counts, dropped_captions, epoch_batches, load_pixels
 from .distributed import PeerLost, example_draws
 from .evaluation import EMA_FILE, AdapterEMA, Validation, average_window, moving_average, write_loss_plot
+from .events import CheckpointSaved, StageFinished, StageStarted, StepFinished, TrainFinished, TrainStarted
 from .objective import flow_loss, lr_at_step, make_optimizer, optimizer_step, sigmas_from_draws
 from .plan import RunPlan, data_key, plan_run, run_key
-from .samples import Sampler, SamplesSaved
+from .samples import SampleImages, SamplesSaved
 from .settings import TrainSettings
 from .state import (
     acquire_lock,
@@ -57,60 +57,6 @@ from .state import (
     write_checkpoint,
     write_json,
 )
-
-# --- events --------------------------------------------------------------------------------------
-
-
-@dataclass
-class TrainStarted:
-    total_steps: int
-    first_step: int  # the first step this run computes (1, or the checkpoint's step + 1)
-    resumed_from: Path | None
-    images: int
-    buckets: dict  # "WxH" -> images
-    adapters: int  # (A, B) pairs: q, k and v of a fused layer are three, as `generate` counts a LoRA's
-    parameters: int  # trainable parameters
-    work_dir: Path
-    layers: int = 0  # the model's layers they sit on
-
-
-@dataclass
-class StageStarted:
-    stage: str  # "captions" | "latents" | "model", before the work: what is about to happen
-    detail: str
-
-
-@dataclass
-class StageFinished:
-    stage: str  # "captions" | "sample model" | "latents" | "model"
-    seconds: float
-    detail: str = ""
-
-
-@dataclass
-class StepFinished:
-    step: int
-    total: int
-    loss: float  # mean over the step's micro-batches
-    seconds: float
-    lr: float
-    grad_norm: float  # before clipping
-    peak_memory: int  # bytes, this step
-    average: float = math.nan  # the trailing mean the loss plot draws (evaluation.average_window steps)
-
-
-@dataclass
-class CheckpointSaved:
-    step: int
-    path: Path
-
-
-@dataclass
-class TrainFinished:
-    output: Path
-    steps: int
-    seconds: float
-    work_dir: Path
 
 
 def train_lora(model=None, data=None, output=None, **settings) -> Iterator:
@@ -135,20 +81,27 @@ class Trainer:
     """One training run: caches, the model with its adapters, the optimizer, the data order, the RNG."""
 
     def __init__(self, plan: RunPlan):
-        self.plan, self.s, self.info, self.items = plan, plan.settings, plan.info, plan.items
+        self.plan = plan
+        self.s = plan.settings
+        self.info = plan.info
+        self.items = plan.items
         self.dtype = as_dtype(self.s.dtype)
         self.rng = np.random.default_rng(self.s.seed)
         self.ctx: dict[str, mx.array] = {}  # caption -> (1, Lt, E)
         self.latents: list[mx.array] = []  # per item (1, L, C)
         self.refs: list[mx.array | None] = []  # per item (1, n_controls * L, C) or None
         self.ropes: dict = {}
-        self.step_no, self.epoch, self.batches, self.position = 0, 0, [], 0
+        self.step_no = 0
+        self.epoch = 0
+        self.batches = []
+        self.position = 0
         self.losses: list[float] = []
         # samples are rank 0's, as every file: the other ranks of an mlx.launch run load no sample model
         drawn_here = plan.sample_info is not None and plan.world.is_main
-        self.sampler = Sampler(self.s, plan.sample_info) if drawn_here else None
+        self.sample_images = SampleImages(self.s, plan.sample_info) if drawn_here else None
         self.trained_peak = 0  # the highest training-step memory peak so far (bytes)
-        self.world, self.validation = plan.world, Validation(plan.validation)  # validation: empty without --validation
+        self.world = plan.world
+        self.validation = Validation(plan.validation)  # validation: empty without --validation
         self.started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self.started_at = time.time()  # unix time, for the LoRA file's header
 
@@ -166,7 +119,9 @@ class Trainer:
             lock.release()
 
     def _run(self, t_run: float) -> Iterator:
-        s, wd, main = self.s, self.s.work_dir, self.world.is_main
+        s = self.s
+        wd = self.s.work_dir
+        main = self.world.is_main
         if main:
             remove_temporaries(wd)
             write_json(wd / "train.json", self.record())
@@ -174,20 +129,24 @@ class Trainer:
                 yield self.plan.memory  # before any model loads
         yield self.caption_plan()
         yield self.cache_captions()
-        if self.sampler is not None:  # its text encoder runs while no training model is resident
-            yield StageFinished("sample model", *self.sampler.load())
-        n, controls = len(self.items), sum(len(it.controls) for it in self.items)
+        if self.sample_images is not None:  # its text encoder runs while no training model is resident
+            seconds, detail = self.sample_images.load()
+            yield StageFinished(stage="sample model", seconds=seconds, detail=detail)
+        n = len(self.items)
+        controls = sum(len(it.controls) for it in self.items)
         also = f" + {controls} control image{'s' if controls != 1 else ''}" if controls else ""
-        yield StageStarted("latents", f"encoding {n} image{'s' if n != 1 else ''}{also} with the VAE ...")
+        yield StageStarted(stage="latents", detail=f"encoding {n} image{'s' if n != 1 else ''}{also} with the VAE ...")
         yield self.cache_latents()
-        yield StageStarted("model", f"loading the transformer{f' ({s.quantize}-bit)' if s.quantize else ''} ...")
+        yield StageStarted(
+            stage="model", detail=f"loading the transformer{f' ({s.quantize}-bit)' if s.quantize else ''} ..."
+        )
         yield self.load_model()
         try:
             if self.plan.resume_from is not None:
                 self.restore(self.plan.resume_from)
             self.apply_state(self.world.share_state(self.state(), self.lora, self.model, self.optimizer))  # from rank 0
-            if self.sampler is not None:
-                yield self.sampler.baseline()  # no LoRA: what each sample is compared with
+            if self.sample_images is not None:
+                yield self.sample_images.baseline()  # no LoRA: what each sample is compared with
             yield self.started_event()
             while self.step_no < s.steps:
                 yield self.train_step()
@@ -208,55 +167,64 @@ class Trainer:
         images = len({it.stem for it in self.items})  # several resolutions: one item per image and size
         layers = len({sl.layer for sl in self.lora.slots})
         return TrainStarted(
-            s.steps,
-            self.step_no + 1,
-            self.plan.resume_from,
-            images,
-            bucket_counts(self.items),
-            self.lora.count,
-            self.lora.num_parameters,
-            s.work_dir,
-            layers,
+            total_steps=s.steps,
+            first_step=self.step_no + 1,
+            resumed_from=self.plan.resume_from,
+            images=images,
+            buckets=bucket_counts(self.items),
+            adapters=self.lora.count,
+            parameters=self.lora.num_parameters,
+            work_dir=s.work_dir,
+            layers=layers,
         )
 
     def caption_plan(self) -> StageStarted:
         """The texts of the run (captions; sample prompts and, on Base, the empty negative prompt of their
         guidance): those in the prompt cache (the pipeline's, on disk) are read now; says what is left."""
-        s, info = self.s, self.info
+        s = self.s
+        info = self.info
         captions = list(dict.fromkeys([it.caption for it in self.items] + self.validation.captions()))
         # the caption a dropped example trains with (the sample prompts are the sample model's: samples.py)
         extra = [""] if s.caption_dropout > 0 and "" not in captions else []
-        self.texts, self.cache = captions + extra, open_cache(True)
+        self.texts = captions + extra
+        self.cache = open_cache(True)
         # Training's own entries ("for"): it encodes up to 4 texts a batch, the pipeline all at once, and
         # the two need not agree to the bit; a resume reads back exactly what the first run trained on.
         quantization = {"bits": s.quantize, "group_size": s.group_size} if s.quantize else None
         settings = {"dtype": s.dtype, "quantization": quantization, "for": "train"}
         self.keys = {t: None for t in self.texts}
         if self.cache is not None:
-            self.keys = prompt_keys(self.cache, info.files["text_encoder"], info.tokenizer, self.texts, settings)
+            self.keys = prompt_keys(
+                self.cache, info.files["text_encoder"], tokenizer=info.tokenizer, prompts=self.texts, settings=settings
+            )
         for text, key in self.keys.items():
             if key is not None and (hit := self.cache.get(key)) is not None:
                 self.ctx[text] = hit
         what = f"{len(captions)} caption" + ("s" if len(captions) != 1 else "")
         missing = sum(t not in self.ctx for t in self.texts)
         if not missing:
-            return StageStarted("captions", f"{what}: all in the prompt cache, the text encoder is not loaded")
+            return StageStarted(
+                stage="captions", detail=f"{what}: all in the prompt cache, the text encoder is not loaded"
+            )
         cached = (
             f" ({len(self.texts) - missing} of {len(self.texts)} texts from the prompt cache)"
             if missing < len(self.texts)
             else ""
         )
-        return StageStarted("captions", f"encoding {what} with the text encoder{cached} ...")
+        return StageStarted(stage="captions", detail=f"encoding {what} with the text encoder{cached} ...")
 
     def cache_captions(self) -> StageFinished:
         """Encode the texts `caption_plan` did not find in the prompt cache, and store them there."""
         t0 = time.perf_counter()
-        s, info = self.s, self.info
+        s = self.s
+        info = self.info
         texts = [t for t in self.texts if t not in self.ctx]
         if not texts:
-            return StageFinished("captions", time.perf_counter() - t0, "read from the prompt cache")
+            return StageFinished(
+                stage="captions", seconds=time.perf_counter() - t0, detail="read from the prompt cache"
+            )
         tokenizer = load_tokenizer(info.tokenizer)
-        encoder = load_component(info, "text_encoder", self.dtype, s.quantize, s.group_size)
+        encoder = load_component(info, "text_encoder", self.dtype, quantize=s.quantize, group_size=s.group_size)
         for k in range(0, len(texts), 4):  # a few prompts at a time bounds the activations
             chunk = texts[k : k + 4]
             emb = encode_prompts(encoder, tokenizer, chunk).astype(self.dtype)  # (n, 512, E)
@@ -269,7 +237,11 @@ class Trainer:
                     self.cache.put(self.keys[t], self.ctx[t])
         del encoder
         mx.clear_cache()
-        return StageFinished("captions", time.perf_counter() - t0, f"{len(texts)} texts encoded, text encoder released")
+        return StageFinished(
+            stage="captions",
+            seconds=time.perf_counter() - t0,
+            detail=f"{len(texts)} texts encoded, text encoder released",
+        )
 
     def cache_latents(self) -> StageFinished:
         t0 = time.perf_counter()
@@ -288,7 +260,9 @@ class Trainer:
         self.validation.encode(partial(self._encode, vae))  # (path, bucket) -> tokens
         del vae
         mx.clear_cache()
-        return StageFinished("latents", time.perf_counter() - t0, f"{len(self.items)} images encoded, VAE released")
+        return StageFinished(
+            stage="latents", seconds=time.perf_counter() - t0, detail=f"{len(self.items)} images encoded, VAE released"
+        )
 
     def _encode(self, vae, path: Path, bucket: tuple[int, int]) -> mx.array:
         px = mx.array(load_pixels(path, bucket))[None].astype(self.dtype)  # (1, H, W, 3)
@@ -297,12 +271,20 @@ class Trainer:
     def load_model(self) -> StageFinished:
         t0 = time.perf_counter()
         s = self.s
-        self.model = load_component(self.info, "transformer", self.dtype, s.quantize, s.group_size)
+        self.model = load_component(self.info, "transformer", self.dtype, quantize=s.quantize, group_size=s.group_size)
         if s.adapter == "lokr":
             params = self.plan.info.params
-            self.lora = attach_lokr(self.model, self.plan.slots, params, s.rank, s.alpha, s.lokr_factor, self.rng)
+            self.lora = attach_lokr(
+                self.model,
+                self.plan.slots,
+                params=params,
+                rank=s.rank,
+                alpha=s.alpha,
+                factor=s.lokr_factor,
+                rng=self.rng,
+            )
         else:
-            self.lora = attach_lora(self.model, self.plan.slots, s.rank, s.alpha, self.rng)
+            self.lora = attach_lora(self.model, self.plan.slots, rank=s.rank, alpha=s.alpha, rng=self.rng)
         self.optimizer = make_optimizer(s)
         mx.eval(self.model.trainable_parameters())
         self.ema = (
@@ -310,12 +292,19 @@ class Trainer:
         )  # rank 0 writes it
 
         def loss(weight, x0, noise, sigma, ctx, refs, cos, sin):  # weight: this process's share of the batch
-            return flow_loss(self.model, x0, noise, sigma, ctx, (cos, sin), refs, checkpoint=s.low_memory) * weight
+            return (
+                flow_loss(
+                    self.model, x0, noise, sigma=sigma, ctx=ctx, rope=(cos, sin), refs=refs, checkpoint=s.low_memory
+                )
+                * weight
+            )
 
         self.loss_and_grad = nn.value_and_grad(self.model, loss)
         q = f", {s.quantize}-bit base" if s.quantize else ""
         return StageFinished(
-            "model", time.perf_counter() - t0, f"{self.lora.count} {s.adapter} adapters of rank {s.rank}{q}"
+            stage="model",
+            seconds=time.perf_counter() - t0,
+            detail=f"{self.lora.count} {s.adapter} adapters of rank {s.rank}{q}",
         )
 
     # ---- one optimizer step -------------------------------------------------------------------
@@ -323,7 +312,8 @@ class Trainer:
     def next_batch(self) -> list[int]:
         if self.position >= len(self.batches):  # global batches: every process draws the same order
             self.batches = epoch_batches(self.items, self.s.batch_size * self.world.size, self.rng)
-            self.epoch, self.position = self.epoch + 1, 0
+            self.epoch = self.epoch + 1
+            self.position = 0
         self.position += 1
         return self.batches[self.position - 1]
 
@@ -341,9 +331,14 @@ class Trainer:
         """(x0, noise, sigma, ctx, refs, cos, sin) of one batch; example j's draws keyed (seed, step, first + j)."""
         x0 = mx.concatenate([self.latents[i] for i in indices], axis=0)  # (B, L, C)
         B, L, C = x0.shape
-        draws, noise = example_draws(self.s.seed, self.step_no + 1, range(first, first + B), self.s.timesteps, (L, C))
-        sigma, noise = mx.array(sigmas_from_draws(self.s.timesteps, draws, L)), mx.array(noise)
-        dropped = dropped_captions(self.s.seed, self.epoch, self.position, len(indices), self.s.caption_dropout)
+        draws, noise = example_draws(
+            self.s.seed, self.step_no + 1, indices=range(first, first + B), scheme=self.s.timesteps, shape=(L, C)
+        )
+        sigma = mx.array(sigmas_from_draws(self.s.timesteps, draws, L))
+        noise = mx.array(noise)
+        dropped = dropped_captions(
+            self.s.seed, self.epoch, position=self.position, n=len(indices), p=self.s.caption_dropout
+        )
         captions = ["" if drop else self.items[i].caption for i, drop in zip(indices, dropped, strict=True)]
         ctx = mx.concatenate([self.ctx[c] for c in captions], axis=0)
         refs = None if self.refs[indices[0]] is None else mx.concatenate([self.refs[i] for i in indices], axis=0)
@@ -353,7 +348,9 @@ class Trainer:
     def train_step(self) -> StepFinished:
         t0 = time.perf_counter()
         mx.reset_peak_memory()
-        s, total, grads = self.s, 0.0, None
+        s = self.s
+        total = 0.0
+        grads = None
         for k in range(s.grad_accum):
             batch = self.next_batch()
             part = self.world.share(len(batch))
@@ -362,7 +359,8 @@ class Trainer:
                 args = self.micro_batch([batch[i] for i in part], first)
                 loss, g = self.loss_and_grad(len(part) / len(batch), *args)
             else:  # a bucket's last global batch can leave a process without examples
-                loss, g = mx.array(0.0), tree_map(mx.zeros_like, self.model.trainable_parameters())
+                loss = mx.array(0.0)
+                g = tree_map(mx.zeros_like, self.model.trainable_parameters())
             grads = g if grads is None else tree_map(mx.add, grads, g)
             mx.eval(loss, grads)
             total += loss.item()
@@ -386,12 +384,21 @@ class Trainer:
         window = average_window(s.steps)
         average = moving_average(self.losses[-window:], window)[-1]  # the plot's number for this step
         peak = mx.get_peak_memory()
-        return StepFinished(self.step_no, s.steps, loss, time.perf_counter() - t0, lr, norm.item(), peak, average)
+        return StepFinished(
+            step=self.step_no,
+            total=s.steps,
+            loss=loss,
+            seconds=time.perf_counter() - t0,
+            lr=lr,
+            grad_norm=norm.item(),
+            peak_memory=peak,
+            average=average,
+        )
 
     def lr_of(self, step: int) -> float:
         """The learning rate of optimizer step `step` (1-based) under --lr-scheduler / --warmup-steps."""
         s = self.s
-        return lr_at_step(s.lr_scheduler, s.lr, step, s.warmup_steps, s.steps)
+        return lr_at_step(s.lr_scheduler, base_lr=s.lr, step=step, warmup=s.warmup_steps, total=s.steps)
 
     def lrs(self) -> list[float]:
         """The learning rate of every step done (for loss.png)."""
@@ -420,14 +427,23 @@ class Trainer:
         if self.ema is not None:  # the average as a file of the same layout: it loads where lora.safetensors does
             with self.ema.in_adapters(self.lora):
                 extra[EMA_FILE] = adapter_file(self.lora)
-        path = write_checkpoint(self.s.work_dir, self.step_no, lora, opt, self.state(), self.s.keep_checkpoints, extra)
+        path = write_checkpoint(
+            self.s.work_dir,
+            self.step_no,
+            lora=lora,
+            optimizer=opt,
+            state=self.state(),
+            keep=self.s.keep_checkpoints,
+            extra=extra,
+        )
         self.plot_loss()
-        return CheckpointSaved(self.step_no, path)
+        return CheckpointSaved(step=self.step_no, path=path)
 
     def plot_loss(self) -> None:
         """loss.png: every step's loss since step 1 (a resume continues the list), the lr beside it."""
-        path, window = self.s.work_dir / "loss.png", average_window(self.s.steps)
-        write_loss_plot(path, self.losses, window, self.lrs(), self.validation.points())
+        path = self.s.work_dir / "loss.png"
+        window = average_window(self.s.steps)
+        write_loss_plot(path, self.losses, window=window, lrs=self.lrs(), validation=self.validation.points())
 
     def restore(self, folder: Path) -> None:
         """Continue exactly where `folder` left off: adapters, AdamW moments, data order, RNG."""
@@ -446,14 +462,17 @@ class Trainer:
     def apply_state(self, state: dict) -> None:
         """The data position, RNG and histories of a checkpoint's (or rank 0's) state."""
         self.rng.bit_generator.state = state["rng"]
-        self.step_no, self.epoch, self.position = state["step"], state["epoch"], state["position"]
-        self.batches, self.losses = state["batches"], list(state["losses"])
+        self.step_no = state["step"]
+        self.epoch = state["epoch"]
+        self.position = state["position"]
+        self.batches = state["batches"]
+        self.losses = list(state["losses"])
         self.validation.history = list(state.get("validation", []))
         mx.eval(self.model.trainable_parameters(), self.optimizer.state)
 
     def samples(self) -> SamplesSaved:
         """Each sample prompt with the LoRA as it is now, on the sample model (train/samples.py)."""
-        return self.sampler.sample(self.step_no, self.lora, self.trained_peak)
+        return self.sample_images.sample(self.step_no, self.lora, self.trained_peak)
 
     def record(self, **extra) -> dict:
         """train.json: every setting, the data with hashes, the adapters, versions."""
@@ -477,11 +496,11 @@ class Trainer:
     def finish(self, seconds: float) -> TrainFinished:
         s = self.s
         if not self.world.is_main:  # rank 0 writes the output
-            return TrainFinished(s.output, self.step_no, seconds, s.work_dir)
-        header = file_header(s, self.info, self.items, self.step_no, self.started_at)
+            return TrainFinished(output=s.output, steps=self.step_no, seconds=seconds, work_dir=s.work_dir)
+        header = file_header(s, self.info, items=self.items, steps=self.step_no, started_at=self.started_at)
 
         def write(tmp: Path) -> None:
-            write_lora_file(tmp, self.lora, self.dtype, s.format, self.info.params, header)
+            write_lora_file(tmp, self.lora, dtype=self.dtype, layout=s.format, params=self.info.params, header=header)
 
         final = write_exclusive(s.output, self.ema.writing(self.lora, write) if self.ema else write)
         finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -496,4 +515,4 @@ class Trainer:
         )
         if self.losses:
             self.plot_loss()
-        return TrainFinished(final, self.step_no, seconds, s.work_dir)
+        return TrainFinished(output=final, steps=self.step_no, seconds=seconds, work_dir=s.work_dir)

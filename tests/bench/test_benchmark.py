@@ -42,14 +42,22 @@ STEP_TFLOP = {  # (variant, side): (linear, attention, total per step)
 @pytest.mark.parametrize("variant,side", list(STEP_TFLOP))
 def test_transformer_step_flops_match_performance_doc(variant, side):
     params = FluxKleinParams.klein_4b() if variant == "4b" else FluxKleinParams.klein_9b()
-    f = flops.flops_of_transformer(params, side, side)
+    f = flops.flops_of_transformer(params, width=side, height=side)
     linear, attention, total = STEP_TFLOP[variant, side]
     assert f.total / 1e12 == pytest.approx(total, rel=1e-3)
     assert f.linear / 1e12 == pytest.approx(linear, rel=1e-3)
     assert f.attention / 1e12 == pytest.approx(attention, abs=0.005)  # the doc gives 2 decimals
     # The keyword form with the doc's shapes gives the same count.
     D, depth, single, ctx = (3072, 5, 20, 7680) if variant == "4b" else (4096, 8, 24, 12288)
-    raw = flops.transformer_step_flops(D, depth, single, (side // 16) ** 2, 512, 3.0, ctx)
+    raw = flops.transformer_step_flops(
+        hidden=D,
+        depth=depth,
+        depth_single=single,
+        image_tokens=(side // 16) ** 2,
+        text_tokens=512,
+        mlp_ratio=3.0,
+        context_dim=ctx,
+    )
     assert raw == f
 
 
@@ -158,7 +166,9 @@ def test_tiny_random_pipeline_end_to_end(tmp_path):
     for name in ("text_encoder_load", "transformer_load", "vae_load"):
         assert st[name]["seconds"] > 0 and st[name]["weights_gb"] > 0
     # The FLOP fields come from the same model as the library functions.
-    assert r["flops"]["step_tflop"] == pytest.approx(flops.flops_of_transformer(TINY_PARAMS, 80, 64).total / 1e12)
+    assert r["flops"]["step_tflop"] == pytest.approx(
+        flops.flops_of_transformer(TINY_PARAMS, width=80, height=64).total / 1e12
+    )
     image = st["image"]
     assert image["seconds"] == pytest.approx(
         st["text_encoding"]["median_s"] + st["denoise"]["median_s"] + st["vae_decode"]["median_s"]
@@ -268,7 +278,7 @@ def test_random_weights_are_scaled_and_in_dtype():
 
 
 def test_flops_dataclass_total():
-    f = flops.Flops(1.0, 2.0, 3.0)
+    f = flops.Flops(linear=1.0, attention=2.0, other=3.0)
     assert f.total == 6.0
     assert (
         flops.flops_of_vae_decoder(

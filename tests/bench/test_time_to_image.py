@@ -213,7 +213,7 @@ def test_a_cast_or_quantized_load_never_holds_the_whole_source(distilled, dtype,
     mx.clear_cache()
     mx.reset_peak_memory()
     before = mx.get_active_memory()
-    model = load_component(describe(distilled), "transformer", as_dtype(dtype), bits)
+    model = load_component(describe(distilled), "transformer", as_dtype(dtype), quantize=bits)
     loaded = mx.get_active_memory() - before
     assert mx.get_peak_memory() - before < 1.5 * loaded, (mx.get_peak_memory() - before, loaded)
     del model

@@ -312,7 +312,7 @@ def test_format_a_peft_matches_diffusers(ref_pipe, our_pipe, lat, tmp_path, base
     f = lora_a(tmp_path / "a.safetensors", Rand(1), bare=bare)
     twin = lora_a(tmp_path / "twin.safetensors", Rand(1)) if bare else f
     img, pipe = ours(our_pipe, lat, [f])
-    assert pipe.loras[0].format == "A"
+    assert pipe.loras[0].format == "diffusers"
     check(img, reference(ref_pipe, lat, [twin]), base_image)
 
 
@@ -339,7 +339,7 @@ def test_bfl_names_match_diffusers_with_final_layer_swapped_right(
     down, up = factors[final]
     delta = (up @ down).numpy()  # BFL rows [shift; scale], alpha = rank
     img, pipe = ours(our_pipe, lat, [f])
-    assert pipe.loras[0].format == ("C" if prefix.startswith("base_model") else "B")
+    assert pipe.loras[0].format == ("peft_bfl" if prefix.startswith("base_model") else "bfl")
     check(img, reference(ref_pipe, lat, [ref_file], merge=[("norm_out.linear", swap_halves(delta))]), base_image)
 
 
@@ -349,7 +349,7 @@ def test_kohya_matches_diffusers(ref_pipe, our_pipe, lat, tmp_path, base_image):
     f = tmp_path / "kohya.safetensors"
     dropped = lora_kohya(f, Rand(3))
     img, pipe = ours(our_pipe, lat, [f])
-    assert pipe.loras[0].format == "D"
+    assert pipe.loras[0].format == "kohya"
     check(img, reference(ref_pipe, lat, [f], merge=dropped), base_image)
 
 
@@ -466,7 +466,7 @@ def test_other_mac_trainers_files_match_diffusers(ref_pipe, our_pipe, lat, tmp_p
         ref_file = tmp_path / "twin.safetensors"
         save_file({k: v.contiguous() for k, v in twin.items()}, str(ref_file), metadata=meta or None)
     img, pipe = ours(our_pipe, lat, [f])
-    assert pipe.loras[0].format == ("E" if writer is lycoris_file else "A")
+    assert pipe.loras[0].format == ("lokr" if writer is lycoris_file else "diffusers")
     check(img, reference(ref_pipe, lat, [ref_file]), base_image)
 
 
@@ -481,7 +481,7 @@ def test_fused_update_equals_numpy_delta(our_pipe, tmp_path, kind):
     model = pipe.component("transformer")
     before = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     pipe.set_loras([(f, 0.5)])
-    assert pipe.loras[0].format == ("E" if kind == "lokr" else "A")
+    assert pipe.loras[0].format == ("lokr" if kind == "lokr" else "diffusers")
     after = dict(tree_flatten(model.parameters()))
     worst = 0.0
     for k, b in before.items():

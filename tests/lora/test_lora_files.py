@@ -44,7 +44,7 @@ def trained(snapshot, tmp_path_factory):
     """The LoRA (random non-zero B, as after training) on every block layer, written in each layout, float32."""
     model = load_component(describe(snapshot), "transformer", mx.float32)
     slots = parse_targets("all", model.params)
-    lora = attach_lora(model, slots, RANK, ALPHA, np.random.default_rng(1))
+    lora = attach_lora(model, slots, rank=RANK, alpha=ALPHA, rng=np.random.default_rng(1))
     g = np.random.default_rng(2)
     values = {}
     for s in slots:
@@ -58,7 +58,9 @@ def trained(snapshot, tmp_path_factory):
     folder = tmp_path_factory.mktemp("layouts")
     files = {layout: folder / f"{layout}.safetensors" for layout in LAYOUTS}
     for layout, path in files.items():
-        write_lora_file(path, lora, mx.float32, layout, model.params, header={"flux_klein_mlx.trigger": "sks"})
+        write_lora_file(
+            path, lora, dtype=mx.float32, layout=layout, params=model.params, header={"flux_klein_mlx.trigger": "sks"}
+        )
     return files
 
 
@@ -139,9 +141,11 @@ def test_comfyui_and_kohya_load_in_diffusers_with_every_key_and_give_the_diffuse
         print(f"diffusers: {layout} vs diffusers file {err:.2e}")
         assert err <= 1e-4, (layout, err)
     mine = {}
-    for layout, letter in zip(LAYOUTS, "ABD", strict=True):  # our --lora reads all three the same way
+    for layout, read_as in zip(
+        LAYOUTS, ("diffusers", "bfl", "kohya"), strict=True
+    ):  # our --lora reads all three the same way
         mine[layout] = ours_image(ours, lat, trained[layout])
-        assert ours.loras[0].format == letter
+        assert ours.loras[0].format == read_as
         assert np.abs(mine[layout] - mine["diffusers"]).max() <= 1e-4, layout
     assert np.abs(mine["diffusers"] - images["diffusers"]).max() <= 1e-3
 
@@ -457,7 +461,7 @@ def test_train_writes_a_comfyui_file_with_kohya_training_metadata_in_bfloat16(ba
     )
     assert meta["ss_base_model_version"] == "flux_2_klein" and len(meta["flux_klein_mlx.settings_sha256"]) == 64
     assert json.loads((tmp_path / "fox.train" / "train.json").read_text())["settings"]["format"] == "comfyui"
-    assert flux_klein_mlx.load(base, loras=[out]).loras[0].format == "B"
+    assert flux_klein_mlx.load(base, loras=[out]).loras[0].format == "bfl"
     assert modules(Flux2KleinPipeline.lora_state_dict(str(out)))  # the converter takes every key (it raises otherwise)
 
 

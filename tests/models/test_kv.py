@@ -366,7 +366,9 @@ def test_benchmark_reports_the_kv_first_and_cached_steps_apart():
     assert len(st["kv_reference_pass"]["times_s"]) == 2  # one reference pass per image
     assert len(st["kv_first_step"]["times_s"]) == 2 and len(st["kv_cached_step"]["times_s"]) == 2 * 2
     p = row.transformer
-    cached = flops.flops_of_transformer(p, 64, 64, 512, 16, cached_references=True).total
+    cached = flops.flops_of_transformer(
+        p, width=64, height=64, text_tokens=512, reference_tokens=16, cached_references=True
+    ).total
     ref_pass = flops.reference_pass_flops(p, 16).total
     assert st["kv_cached_step"]["tflop"] == pytest.approx(cached / 1e12)
     assert st["kv_first_step"]["tflop"] == pytest.approx((cached + ref_pass) / 1e12)
@@ -389,7 +391,7 @@ def test_benchmark_reports_the_kv_first_and_cached_steps_apart():
         references=1,
     )
     assert not r["config"]["reference_kv"] and not any(k.startswith("kv_") for k in r["stages"])
-    uncached = flops.flops_of_transformer(p, 64, 64, 512, 16).total
+    uncached = flops.flops_of_transformer(p, width=64, height=64, text_tokens=512, reference_tokens=16).total
     assert r["stages"]["denoise_step"]["tflop"] == pytest.approx(uncached / 1e12)
 
 
@@ -398,9 +400,11 @@ def test_kv_flop_model():
     from flux_klein_mlx.models.config import FluxKleinParams
 
     p = FluxKleinParams.klein_9b()
-    plain = flops.flops_of_transformer(p, 1024, 1024)
-    uncached = flops.flops_of_transformer(p, 1024, 1024, 512, 4096)
-    cached = flops.flops_of_transformer(p, 1024, 1024, 512, 4096, cached_references=True)
+    plain = flops.flops_of_transformer(p, width=1024, height=1024)
+    uncached = flops.flops_of_transformer(p, width=1024, height=1024, text_tokens=512, reference_tokens=4096)
+    cached = flops.flops_of_transformer(
+        p, width=1024, height=1024, text_tokens=512, reference_tokens=4096, cached_references=True
+    )
     # cached: the blocks see 512 + 4096 queries (as without references) against 512 + 8192 keys
     assert cached.linear == plain.linear and cached.attention == pytest.approx(plain.attention * 8704 / 4608)
     assert cached.linear / uncached.linear == pytest.approx(4608 / 8704)

@@ -77,7 +77,7 @@ def test_record_rebuilds_skeleton_for_strict_load(tmp_path, bits):
     """Save a quantized model, rebuild a fresh one from the record, load strictly: identical outputs."""
     a = toy(0)
     record = quantize_model(a, bits)
-    save_safetensors_sharded(dict(tree_flatten(a.parameters())), tmp_path, "toy")
+    save_safetensors_sharded(dict(tree_flatten(a.parameters())), tmp_path, prefix="toy")
     stored = read_safetensors(tmp_path / "toy.safetensors")
     assert stored["a.weight"].dtype == mx.uint32 and "a.scales" in stored and "a.biases" in stored
 

@@ -347,16 +347,18 @@ def test_worker_refuses_while_loading_and_when_full(snapshot):
     worker.start()
     try:
         with pytest.raises(NotReady, match="still loading"):  # HTTP 503
-            worker.submit(ImageRequest(RunSettings("x", width=64, height=64, steps=50)), events.append)
+            worker.submit(ImageRequest(settings=RunSettings("x", width=64, height=64, steps=50)), events.append)
         gate.set()
         assert worker.wait_ready(60)
-        job = worker.submit(ImageRequest(RunSettings("x", width=64, height=64, steps=50)), events.append)  # idle: runs
+        job = worker.submit(
+            ImageRequest(settings=RunSettings("x", width=64, height=64, steps=50)), events.append
+        )  # idle: runs
         deadline = time.monotonic() + 60
         while not any(e.kind == "step" for e in events):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         with pytest.raises(QueueFull, match="queue is full"):  # HTTP 429: one running, none may wait
-            worker.submit(ImageRequest(RunSettings("y")), events.append)
+            worker.submit(ImageRequest(settings=RunSettings("y")), events.append)
         job.cancel()
         while not any(e.kind in ("done", "cancelled") for e in events):
             assert time.monotonic() < deadline

@@ -91,7 +91,7 @@ def load_folder_component(folder, name: str, dtype=None, quantize=None):
     """One component of a model folder through the real loading layer (describe + load_component)."""
     from flux_klein_mlx.loading import describe, load_component
 
-    return load_component(describe(folder), name, dtype, quantize)
+    return load_component(describe(folder), name, dtype, quantize=quantize)
 
 
 def load_one(name: str, source, dtype=None, config: dict | None = None):
@@ -122,7 +122,7 @@ def load_one(name: str, source, dtype=None, config: dict | None = None):
         if config is None:
             config = dataclasses.asdict(infer_params(weights))
     model, _ = loading.assemble(
-        name, dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config, weights, dtype
+        name, dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config, weights=weights, dtype=dtype
     )
     evaluate_by_layer(model)
     return model

@@ -190,7 +190,15 @@ def adapters_like_the_run(base, arrays):
     """The run's LoKr adapters on a fresh model, set from its checkpoint's tensors."""
     info = describe(base)
     model = load_component(info, "transformer", mx.float32)
-    lokr = attach_lokr(model, parse_targets("all", info.params), info.params, 8, 4.0, -1, np.random.default_rng(0))
+    lokr = attach_lokr(
+        model,
+        parse_targets("all", info.params),
+        params=info.params,
+        rank=8,
+        alpha=4.0,
+        factor=-1,
+        rng=np.random.default_rng(0),
+    )
     lokr.load(arrays, "the checkpoint")
     return lokr
 
@@ -207,13 +215,13 @@ def test_lokr_files_load_in_diffusers_and_give_our_image(base, trained, lokr_pip
     lokr = adapters_like_the_run(base, arrays)
     path = tmp_path / f"{layout}.safetensors"
     if layout == "converted":
-        write_lora_file(tmp_path / "source.safetensors", lokr, mx.float32, layout="diffusers")
+        write_lora_file(tmp_path / "source.safetensors", lokr, dtype=mx.float32, layout="diffusers")
         assert (
             main(["lora", "convert", str(tmp_path / "source.safetensors"), "-o", str(path), "--format", "comfyui"]) == 0
         )
         assert not any(k.endswith((".alpha", "_a", "_b")) for k in mx.load(str(path)))  # factors whole, scale 1
     else:
-        write_lora_file(path, lokr, mx.float32, layout=layout)
+        write_lora_file(path, lokr, dtype=mx.float32, layout=layout)
     keys = mx.load(str(path)).keys()
     prefix = "transformer." if layout == "diffusers" else "diffusion_model."
     assert all(k.startswith(prefix) for k in keys)

@@ -116,7 +116,7 @@ def pair(snap):
 
     model = load_component(describe(snap), "transformer", mx.float32)
     slots = parse_targets("all", model.params)
-    lora = attach_lora(model, slots, RANK, ALPHA, np.random.default_rng(1))
+    lora = attach_lora(model, slots, rank=RANK, alpha=ALPHA, rng=np.random.default_rng(1))
     ref = Flux2Transformer2DModel.from_pretrained(snap / "transformer", dtype=torch.float32).eval()
     ref.add_adapter(
         LoraConfig(r=RANK, lora_alpha=ALPHA, init_lora_weights="gaussian", target_modules=[s.name for s in slots])
@@ -153,7 +153,16 @@ def our_loss_and_grads(model, lora, x0, noise, ctx, u, cond, checkpoint=False):
     refs = tokens(cond) if cond is not None else None
     f = nn.value_and_grad(
         model,
-        lambda: flow_loss(model, tokens(x0), tokens(noise), sigma, mx.array(ctx), rope, refs, checkpoint=checkpoint),
+        lambda: flow_loss(
+            model,
+            tokens(x0),
+            tokens(noise),
+            sigma=sigma,
+            ctx=mx.array(ctx),
+            rope=rope,
+            refs=refs,
+            checkpoint=checkpoint,
+        ),
     )
     loss, grads = f()
     return loss, dict(tree_flatten(grads))
@@ -202,7 +211,7 @@ def test_bf16_loss_and_gradients_follow_diffusers(snap, pair):
 
     model32, lora32, ref32 = pair
     model = load_component(describe(snap), "transformer", mx.bfloat16)
-    lora = attach_lora(model, lora32.slots, RANK, ALPHA, np.random.default_rng(0))
+    lora = attach_lora(model, lora32.slots, rank=RANK, alpha=ALPHA, rng=np.random.default_rng(0))
     lora.load(lora32.arrays(), "the float32 pair's values")
     ref = copy.deepcopy(ref32).to(torch.bfloat16)
     x0, noise, ctx, u, idx, _ = batch(False)
@@ -258,7 +267,9 @@ def test_qlora_side_path_on_quantized_layers_matches_the_dequantized_model(snap)
         model = load_component(describe(snap), "transformer", mx.float32, quantize=4)
         if dequant:
             dequantize_model(model)
-        lora = attach_lora(model, parse_targets("all", model.params), RANK, ALPHA, np.random.default_rng(1))
+        lora = attach_lora(
+            model, parse_targets("all", model.params), rank=RANK, alpha=ALPHA, rng=np.random.default_rng(1)
+        )
         g = np.random.default_rng(4)
         lora.load(
             {k: mx.array(0.1 * g.standard_normal(v.shape).astype(np.float32)) for k, v in lora.arrays().items()}, "t"
@@ -360,7 +371,7 @@ def test_cached_latents_equal_diffusers_vae_patchify_and_batchnorm(snap, data, r
 def test_saved_file_loads_in_diffusers_without_missing_keys_and_gives_our_image(snap, pair, ref_pipe, tmp_path, caplog):
     _, lora, ref_model = pair
     path = tmp_path / "lora.safetensors"
-    write_lora_file(path, lora, mx.float32)
+    write_lora_file(path, lora, dtype=mx.float32)
     ref_pipe.load_lora_weights(path, adapter_name="trained")
     try:
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "key" in r.getMessage().lower()]
@@ -557,13 +568,13 @@ def test_low_memory_checkpointing_frees_each_block():
         )
         model = FluxKlein(p)
         randomize(model, mx.float32, 0)
-        attach_lora(model, parse_targets("all", p), 4, 4.0, np.random.default_rng(0))
+        attach_lora(model, parse_targets("all", p), rank=4, alpha=4.0, rng=np.random.default_rng(0))
         g = np.random.default_rng(0)
         x0 = mx.array(g.standard_normal((1, 32 * 32, 128)).astype(np.float32))
         ctx = mx.array(g.standard_normal((1, 64, 64)).astype(np.float32))
         rope = model.compute_rope(text_ids(64), image_ids(32, 32))
         f = nn.value_and_grad(
-            model, lambda: flow_loss(model, x0, x0, mx.array([0.5]), ctx, rope, checkpoint=checkpoint)
+            model, lambda: flow_loss(model, x0, x0, sigma=mx.array([0.5]), ctx=ctx, rope=rope, checkpoint=checkpoint)
         )
         mx.eval(f())
         mx.synchronize()

@@ -31,7 +31,7 @@ from flux_klein_mlx.train import state as train_state
 from flux_klein_mlx.train.adapters import lora_file_shapes, parse_targets
 from flux_klein_mlx.train.data import bucket_size, scan_data
 from flux_klein_mlx.train.plan import data_key, plan_run, run_key
-from flux_klein_mlx.train.settings import TrainSettings
+from flux_klein_mlx.train.settings import RUN_KEY_VERSION, TrainSettings
 from flux_klein_mlx.train.trainer import CheckpointSaved, TrainFinished
 
 
@@ -167,7 +167,7 @@ def fake_checkpoint(work: Path, settings: TrainSettings, step: int = 2) -> Path:
     the trainer's own writer: all that --resume checks before any model loads."""
     s = settings.check()
     info = describe(s.model)
-    items = scan_data(s.data, s.caption, s.controls, s.resolution)
+    items = scan_data(s.data, caption=s.caption, controls=s.controls, resolution=s.resolution)
     shapes = lora_file_shapes(parse_targets(s.targets, info.params), s.rank)
     lora = {k: mx.zeros(shape) for k, shape in shapes.items()}
     optimizer = {"step": mx.array(step), "learning_rate": mx.array(s.lr)}
@@ -185,7 +185,9 @@ def fake_checkpoint(work: Path, settings: TrainSettings, step: int = 2) -> Path:
     }
     work.parent.mkdir(parents=True, exist_ok=True)
     train_state.claim_work_dir(work)  # as a run does before its first checkpoint
-    return train_state.write_checkpoint(work, step, (lora, {"format": "pt"}), optimizer, state, keep=100)
+    return train_state.write_checkpoint(
+        work, step, lora=(lora, {"format": "pt"}), optimizer=optimizer, state=state, keep=100
+    )
 
 
 def test_resume_refuses_another_runs_checkpoints_naming_the_differences(capsys, snap, tmp_path, no_models):
@@ -197,6 +199,32 @@ def test_resume_refuses_another_runs_checkpoints_naming_the_differences(capsys, 
     refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume"], "other settings", "rank: 8 there, 4 now")
     (data / "im0.txt").write_text("another caption")
     refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume", "--rank", "8"], "data")
+
+
+def test_resume_refuses_a_checkpoint_of_another_run_key_version(capsys, snap, tmp_path, no_models):
+    """The run key is versioned (0.1.0 keeps no compatibility branches): a checkpoint whose run key has
+    another version, or none (written before the key had one), is refused in one line before any model
+    loads, even where every setting matches."""
+    data = make_images(tmp_path / "data")
+    out = tmp_path / "out.safetensors"
+    settings = TrainSettings(model=str(snap), data=data, output=out, resolution=64, rank=4)
+    folder = fake_checkpoint(tmp_path / "out.train", settings)
+    state = json.loads((folder / "state.json").read_text())
+    assert state["run_key"]["version"] == RUN_KEY_VERSION and state["run_key"]["processes"] == 1
+    for version in (None, RUN_KEY_VERSION + 1):
+        if version is None:
+            del state["run_key"]["version"]
+        else:
+            state["run_key"]["version"] = version
+        (folder / "state.json").write_text(json.dumps(state))
+        refused(
+            capsys,
+            tmp_path,
+            base_args(snap, data, out) + ["--resume"],
+            f"run key version {version}",
+            f"writes {RUN_KEY_VERSION}",
+            "start anew",
+        )
 
 
 def test_work_folder_with_checkpoints_needs_resume_and_resume_needs_checkpoints(capsys, snap, tmp_path, no_models):
@@ -770,9 +798,9 @@ def test_loss_plot_has_round_ticks_and_shows_a_varying_lr():
     assert nice_ticks(1, 3, 8, whole=True) == [1, 2, 3]  # whole steps, never 1.5
     losses = list(np.linspace(1.0, 0.4, 120))
     orange = lambda img: int(np.all(np.asarray(img) == (230, 120, 20), axis=-1).sum())  # noqa: E731
-    assert orange(loss_plot(losses, 6, [1e-4] * 120)) == 0
-    assert orange(loss_plot(losses, 6, [1e-4 * (1 - i / 120) for i in range(120)])) > 100
-    image = np.asarray(loss_plot(losses, 6, [1e-4] * 120).convert("L"))
+    assert orange(loss_plot(losses, window=6, lrs=[1e-4] * 120)) == 0
+    assert orange(loss_plot(losses, window=6, lrs=[1e-4 * (1 - i / 120) for i in range(120)])) > 100
+    image = np.asarray(loss_plot(losses, window=6, lrs=[1e-4] * 120).convert("L"))
     assert (image[44:392, :70] < 128).sum() > 50  # loss tick labels left of the axis
     assert (image[398:420, 78:816] < 128).sum() > 50  # step tick labels under it
 

@@ -84,12 +84,14 @@ def test_shares_cover_the_global_batch_and_draws_do_not_depend_on_the_split():
             parts = [World(None, r, size).share(n) for r in range(size)]
             assert [i for p in parts for i in p] == list(range(n))
             assert max(map(len, parts)) - min(map(len, parts)) <= 1
-    whole = example_draws(5, 3, range(0, 4), "shift", (6, 2))
-    halves = [example_draws(5, 3, range(a, b), "shift", (6, 2)) for a, b in ((0, 2), (2, 4))]
+    whole = example_draws(5, 3, indices=range(0, 4), scheme="shift", shape=(6, 2))
+    halves = [example_draws(5, 3, indices=range(a, b), scheme="shift", shape=(6, 2)) for a, b in ((0, 2), (2, 4))]
     assert np.array_equal(whole[0], np.concatenate([h[0] for h in halves]))
     assert np.array_equal(whole[1], np.concatenate([h[1] for h in halves]))
-    assert not np.array_equal(whole[1], example_draws(5, 4, range(0, 4), "shift", (6, 2))[1])  # another step
-    uniform = example_draws(5, 3, range(0, 4), "uniform", (6, 2))[0]
+    assert not np.array_equal(
+        whole[1], example_draws(5, 4, indices=range(0, 4), scheme="shift", shape=(6, 2))[1]
+    )  # another step
+    uniform = example_draws(5, 3, indices=range(0, 4), scheme="uniform", shape=(6, 2))[0]
     assert ((uniform >= 0) & (uniform < 1)).all() and not np.array_equal(uniform, whole[0])
 
 

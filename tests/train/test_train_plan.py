@@ -73,7 +73,7 @@ CASES = [
 
 @pytest.mark.parametrize("name, warmup, steps", CASES)
 def test_every_steps_lr_equals_diffusers_get_scheduler(name, warmup, steps):
-    ours = [lr_at_step(name, 3e-4, k, warmup, steps) for k in range(1, steps + 1)]
+    ours = [lr_at_step(name, base_lr=3e-4, step=k, warmup=warmup, total=steps) for k in range(1, steps + 1)]
     ref = diffusers_lrs(name, 3e-4, warmup, steps)
     assert max(abs(a - b) for a, b in zip(ours, ref, strict=True)) <= 1e-12, (ours, ref)
 
@@ -248,12 +248,14 @@ def test_memory_model_reproduces_the_measured_training_rows():
     trainable = sum(16 * (s.in_dims + s.out_dims) for s in parse_targets("all", params))
     for size, _, bits, ckpt in train_step.MEMORY_CONFIGS:
         fitted, resident = train_step.fitted_peak(results, size, "bfloat16", bits, ckpt)
-        ours, weights = memory.step_peak(params, trainable, size, bits, ckpt)
+        ours, weights = memory.step_peak(params, trainable, resolution=size, bits=bits, low_memory=ckpt)
         assert abs(weights + 12 * trainable - resident) / resident < 0.01, (size, bits, ckpt)
         assert abs(ours - fitted) / fitted < 0.03, (size, bits, ckpt, ours, fitted)
     for r in results["memory"]:
         if (r["depth"], r["depth_single"]) == (5, 20):
-            ours, _ = memory.step_peak(params, trainable, r["size"], r["bits"], r["checkpoint"])
+            ours, _ = memory.step_peak(
+                params, trainable, resolution=r["size"], bits=r["bits"], low_memory=r["checkpoint"]
+            )
             assert abs(ours - r["peak"]) / r["peak"] < 0.03
 
 
@@ -265,19 +267,21 @@ def test_memory_plan_names_what_makes_it_fit(monkeypatch):
     trainable = sum(16 * (s.in_dims + s.out_dims) for s in parse_targets("all", params))
     monkeypatch.setattr(memory, "machine_memory", lambda: (16 * 10**9, "test"))
     s = TrainSettings(resolution=1024, rank=16)
-    plan = memory.plan_memory(s, params, trainable)
+    plan = memory.plan_memory(s, params=params, trainable=trainable)
     assert not plan.fits and plan.peak > 33e9
     assert plan.remedies == ["--low-memory (13.2 GB)", "--resolution 384 (13.9 GB)"]  # README: 13.2 GB
     assert memory.plan_memory(
-        TrainSettings(resolution=(512, 1024), quantize=4, low_memory=True), params, trainable
+        TrainSettings(resolution=(512, 1024), quantize=4, low_memory=True), params=params, trainable=trainable
     ).fits
     monkeypatch.setattr(memory, "machine_memory", lambda: (6 * 10**9, "test"))
-    plan = memory.plan_memory(TrainSettings(resolution=512), params, trainable)
+    plan = memory.plan_memory(TrainSettings(resolution=512), params=params, trainable=trainable)
     assert plan.remedies == [
         "--quantize 4 --low-memory (4.2 GB)",
         "--resolution 384 --quantize 4 --low-memory (3.7 GB)",
     ]
-    plan = memory.plan_memory(TrainSettings(resolution=(512, 768, 1024), low_memory=True), params, trainable)
+    plan = memory.plan_memory(
+        TrainSettings(resolution=(512, 768, 1024), low_memory=True), params=params, trainable=trainable
+    )
     assert plan.remedies == ["--resolution 512,768 --quantize 4 --low-memory (5.7 GB)"]
 
 
@@ -287,9 +291,9 @@ def test_loss_plot_draws_the_learning_rate_and_config_keys_are_the_long_option_n
     from flux_klein_mlx.train.evaluation import loss_plot
 
     losses = [1.0 - 0.01 * k for k in range(40)]
-    lrs = [lr_at_step("cosine", 1e-4, k, 5, 40) for k in range(1, 41)]
+    lrs = [lr_at_step("cosine", base_lr=1e-4, step=k, warmup=5, total=40) for k in range(1, 41)]
     lr_colour = lambda img: int(np.sum(np.all(np.array(img) == (230, 120, 20), axis=-1)))  # noqa: E731  (orange)
-    assert lr_colour(loss_plot(losses, 2)) == 0 and lr_colour(loss_plot(losses, 2, lrs=lrs)) > 300
+    assert lr_colour(loss_plot(losses, window=2)) == 0 and lr_colour(loss_plot(losses, window=2, lrs=lrs)) > 300
     names = option_names(train)
     assert names["control"] == "controls" and names["sample_prompt"] == "sample_prompts"
     assert names["lr_scheduler"] == "lr_scheduler" and names["low_memory"] == "low_memory" and "config" not in names

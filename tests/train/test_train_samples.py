@@ -191,9 +191,14 @@ def test_caption_dropout_one_makes_captions_irrelevant_and_the_draw_survives_res
     losses = lambda evs: [e.loss for e in evs if isinstance(e, StepFinished)]  # noqa: E731
     assert losses(straight)[1:] == losses(resumed)
     assert same_lora(tmp_path / "s.safetensors", tmp_path / "r2.safetensors")
-    draws = [d for e in range(200) for d in dropped_captions(0, e, 1, 4, 0.25)]
-    assert 0.18 < np.mean(draws) < 0.32 and dropped_captions(3, 1, 2, 8, 0.5) == dropped_captions(3, 1, 2, 8, 0.5)
-    assert dropped_captions(0, 1, 1, 3, 0.0) == [False] * 3 and dropped_captions(0, 1, 1, 3, 1.0) == [True] * 3
+    draws = [d for e in range(200) for d in dropped_captions(0, e, position=1, n=4, p=0.25)]
+    assert 0.18 < np.mean(draws) < 0.32 and dropped_captions(3, 1, position=2, n=8, p=0.5) == dropped_captions(
+        3, 1, position=2, n=8, p=0.5
+    )
+    assert (
+        dropped_captions(0, 1, position=1, n=3, p=0.0) == [False] * 3
+        and dropped_captions(0, 1, position=1, n=3, p=1.0) == [True] * 3
+    )
 
 
 # --- bad input -----------------------------------------------------------------------------------
