@@ -11,7 +11,7 @@ from pathlib import Path
 from ..errors import FluxKleinError
 from ..files import check_output_file
 from ..loading import check_for_training, describe, single_file_refusal
-from .adapters import lokr_file_shapes, lokr_layers, lora_file_shapes, parse_targets
+from .adapters import adapter_parameters, lokr_file_shapes, lora_file_shapes, parse_targets
 from .data import scan_data
 from .distributed import World, check_processes, world
 from .memory import MemoryPlanned, check_memory
@@ -72,8 +72,8 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
     check_work_dir(s.work_dir, s.data, s.controls)
     info = _check_model(s)
     slots = parse_targets(s.targets, info.params)
-    if s.adapter == "lokr":
-        lokr_layers(slots, info.params)  # whole layers only: refused here, before any model loads
+    # counted before any model loads; a LoKr's layers must be whole (lokr_layers refuses here)
+    trainable = adapter_parameters(slots, info.params, adapter=s.adapter, rank=s.rank, lokr_factor=s.lokr_factor)
     items = scan_data(
         s.data, s.caption, s.controls, s.resolution, trigger=s.trigger, caption_extension=s.caption_extension
     )
@@ -89,7 +89,7 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
         )
     sample_info = check_sample_model(s, info)
     resume = _resume_point(s, info, slots, items, w.size) if w.is_main else None  # rank 0 alone has the work folder
-    return RunPlan(s, info, slots, items, resume, sample_info, check_memory(s, info, slots), held_out, w)
+    return RunPlan(s, info, slots, items, resume, sample_info, check_memory(s, info, trainable), held_out, w)
 
 
 def _resume_point(s: TrainSettings, info, slots, items, processes: int) -> Path | None:
