@@ -265,20 +265,24 @@ def tag_frequency(captions: list[str]) -> dict[str, int]:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainedRun:
-    """What a trained LoRA's header records of its run. `started`/`finished` are unix times; `captions`
-    are the training captions, one per image."""
+    """What a trained adapter's header records of its run. `started`/`finished` are unix times; `captions`
+    are the training captions, one per image; `resolutions` every training size (square, px)."""
 
     name: str
+    adapter: str  # "lora" or "lokr"
+    lokr_factor: int | None  # LoKr: the --lokr-factor the run split each width with (None for LoRA)
     rank: int
     alpha: float
     base_model: str
     variant: str
-    trigger: str | None
+    trigger: str | None  # the trigger the captions were trained with
     settings_hash: str
-    resolution: int
+    resolutions: tuple[int, ...]
     max_steps: int
     steps: int
     lr: float
+    lr_scheduler: str  # diffusers' get_scheduler name, as kohya writes its own
+    warmup_steps: int
     captions: list[str]
     dataset: str
     seed: int
@@ -290,11 +294,32 @@ class TrainedRun:
     version: str
 
 
+def kohya_resolution(sizes: tuple[int, ...]) -> str:
+    """kohya's `ss_resolution`: sd-scripts writes its one `(W, H)` tuple as Python prints it, "(512, 512)".
+    Several sizes (kohya trains those as one dataset per size, in `ss_datasets`) are each written so, comma
+    separated: "(512, 512), (768, 768)", which Python's `ast.literal_eval` reads as a tuple of (W, H)."""
+    return ", ".join(f"({size}, {size})" for size in sizes)
+
+
+def network_keys(run: TrainedRun) -> dict[str, str]:
+    """kohya's keys of the adapter kind: LoRA is kohya's `networks.lora`; a LoKr is LyCORIS' kohya network,
+    with its algorithm and factor as kohya records `--network_args` (each value a string)."""
+    if run.adapter == "lokr":
+        return {
+            "ss_network_module": "lycoris.kohya",
+            "ss_network_args": json.dumps({"algo": "lokr", "factor": str(run.lokr_factor)}),
+        }
+    return {"ss_network_module": "networks.lora"}
+
+
 def training_header(run: TrainedRun) -> dict[str, str]:
-    """The header of a trained LoRA: our keys, kohya's `ss_*` training keys (A1111's LoRA cards, Civitai and
-    ComfyUI's LoRA info read them) and the SAI model spec's `modelspec.*`, in every layout."""
+    """The header of a trained adapter: our keys, kohya's `ss_*` training keys (A1111's LoRA cards, Civitai and
+    ComfyUI's LoRA info read them) and the SAI model spec's `modelspec.*`, in every layout. The model spec
+    has one resolution ("the base resolution ... intended to work at"): the largest trained size; its
+    architecture ends in the adapter kind, `/lora` or `/lokr` (the spec asks an ID to differ wherever the
+    inference code does; kohya writes `/lora` for any network, LyCORIS' too)."""
     kohya_base, arch = _KOHYA_BASE.get(run.variant, ("flux_2_klein", "Flux.2-klein"))
-    captions, resolution = run.captions, run.resolution
+    captions, largest = run.captions, max(run.resolutions)
     header = {
         "flux_klein_mlx.version": run.version,
         "flux_klein_mlx.rank": run.rank,
@@ -304,14 +329,15 @@ def training_header(run: TrainedRun) -> dict[str, str]:
         "flux_klein_mlx.settings_sha256": run.settings_hash,
         "ss_base_model_version": kohya_base,
         "ss_sd_model_name": run.base_model,
-        "ss_network_module": "networks.lora",
+        **network_keys(run),
         "ss_network_dim": run.rank,
         "ss_network_alpha": run.alpha,
-        "ss_resolution": f"({resolution}, {resolution})",
+        "ss_resolution": kohya_resolution(run.resolutions),
         "ss_max_train_steps": run.max_steps,
         "ss_steps": run.steps,
         "ss_learning_rate": run.lr,
-        "ss_lr_scheduler": "constant",
+        "ss_lr_scheduler": run.lr_scheduler,
+        "ss_lr_warmup_steps": run.warmup_steps,
         "ss_optimizer": "AdamW",
         "ss_num_train_images": len(captions),
         "ss_batch_size_per_device": run.batch_size,
@@ -324,10 +350,10 @@ def training_header(run: TrainedRun) -> dict[str, str]:
         "ss_tag_frequency": json.dumps({run.dataset: tag_frequency(captions)}),
         "ss_dataset_dirs": json.dumps({run.dataset: {"n_repeats": 1, "img_count": len(captions)}}),
         "modelspec.sai_model_spec": "1.0.0",
-        "modelspec.architecture": f"{arch}/lora",
+        "modelspec.architecture": f"{arch}/{run.adapter}",
         "modelspec.implementation": "https://github.com/black-forest-labs/flux2",
         "modelspec.title": run.name,
-        "modelspec.resolution": f"{resolution}x{resolution}",
+        "modelspec.resolution": f"{largest}x{largest}",
         "modelspec.trigger_phrase": run.trigger,
         "modelspec.date": datetime.fromtimestamp(int(run.finished), timezone.utc).isoformat(),
     }

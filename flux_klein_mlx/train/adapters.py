@@ -217,26 +217,31 @@ def lora_terms(lora: TrainableLoRA) -> list[Term]:
 
 
 def file_header(s, info, items, steps: int, started_at: float) -> dict[str, str]:
-    """The LoRA file's header for run settings `s` on model `info` with data `items`, after `steps` steps:
-    our keys, kohya's `ss_*` and `modelspec.*` (lora/layouts.py). The base model by repo id when given
-    one, else by its name (a local path would name the user's folders). The settings hash is over the
-    run key (the settings that decide the numbers) with the model as given."""
+    """The adapter file's header for run settings `s` on model `info` with data `items`, after `steps` steps:
+    our keys, kohya's `ss_*` and `modelspec.*` (lora/layouts.py), each what the run did (its adapter kind,
+    schedule, sizes and trigger). The base model by repo id when given one, else by its name (a local path
+    would name the user's folders). The settings hash is over the run key (the settings that decide the
+    numbers) with the model as given."""
     key = json.dumps(s.run_key(), sort_keys=True, default=str).encode()
     base = str(s.model) if not Path(str(s.model)).expanduser().exists() else info.name
-    header = training_header(
+    return training_header(
         TrainedRun(
             name=s.output.stem,
+            adapter=s.adapter,
+            lokr_factor=s.lokr_factor if s.adapter == "lokr" else None,
             rank=s.rank,
             alpha=s.alpha,
             base_model=base,
             variant=info.variant,
-            trigger=getattr(s, "trigger", None),
+            trigger=s.trigger,
             settings_hash=hashlib.sha256(key).hexdigest(),
-            resolution=s.resolution,
+            resolutions=s.resolutions,
             max_steps=s.steps,
             steps=steps,
             lr=s.lr,
-            captions=[it.caption for it in items],
+            lr_scheduler=s.lr_scheduler,
+            warmup_steps=s.warmup_steps,
+            captions=list({it.stem: it.caption for it in items}.values()),  # several sizes: an item per size
             dataset=Path(s.data).name,
             seed=s.seed,
             batch_size=s.batch_size,
@@ -247,10 +252,6 @@ def file_header(s, info, items, steps: int, started_at: float) -> dict[str, str]
             version=__version__,
         )
     )
-    if s.adapter == "lokr":  # kohya's way of naming a LyCORIS network (what A1111's cards read)
-        header["ss_network_module"] = "lycoris.kohya"
-        header["ss_network_args"] = json.dumps({"algo": "lokr", "factor": str(s.lokr_factor)})
-    return header
 
 
 def write_lora_file(
@@ -345,6 +346,21 @@ class LoKrShape:
         """LyCORIS applies alpha / rank only to a low-rank factor; whole factors are used as they are."""
         return 1.0 if self.rank is None else alpha / self.rank
 
+    @property
+    def num_parameters(self) -> int:
+        """Trainable values: w1 (a, b), and w2 (c, d) whole or its pair (c, r) + (r, d)."""
+        (a, b), (c, d) = self.w1, self.w2
+        return a * b + (c * d if self.rank is None else self.rank * (c + d))
+
+
+def adapter_parameters(slots: list[Slot], params, *, adapter: str, rank: int, lokr_factor: int) -> int:
+    """The trainable values of a run's adapters from the shapes alone (the memory plan, before any model
+    loads), as the trainer's adapters count them: LoRA r · (in + out) per slot, LoKr its factors per layer."""
+    if adapter == "lokr":
+        shapes = linear_shapes(params)
+        return sum(LoKrShape.of(*shapes[p], rank, lokr_factor).num_parameters for p in lokr_layers(slots, params))
+    return sum(rank * (s.in_dims + s.out_dims) for s in slots)
+
 
 def lokr_layers(slots: list[Slot], params) -> list[str]:
     """The layers a LoKr run trains, in model order. LoKr factorizes a whole layer (a fused qkv's q, k
@@ -390,11 +406,7 @@ class TrainableLoKr:
 
     @property
     def num_parameters(self) -> int:
-        total = 0
-        for _, _, shape in self.where.values():
-            (a, b), (c, d) = shape.w1, shape.w2
-            total += a * b + (c * d if shape.rank is None else shape.rank * (c + d))
-        return total
+        return sum(shape.num_parameters for _, _, shape in self.where.values())
 
     def arrays(self, dtype=mx.float32) -> dict[str, mx.array]:
         """`<layer>.lokr_w1` (a, b), `.lokr_w2` (c, d) or `.lokr_w2_a` (c, r) + `.lokr_w2_b` (r, d), as trained."""

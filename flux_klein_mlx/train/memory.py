@@ -82,6 +82,7 @@ class MemoryPlanned:
 
     peak: int  # bytes
     weights: int
+    trainable: int  # the adapters' trainable values (the trainer's TrainStarted.parameters)
     available: int
     available_from: str
     fits: bool
@@ -164,6 +165,7 @@ def plan_memory(
     return MemoryPlanned(
         peak=planned,
         weights=weights,
+        trainable=trainable,
         available=available,
         available_from=source,
         fits=planned <= available,
@@ -172,19 +174,18 @@ def plan_memory(
 
 
 def describe_plan(plan: MemoryPlanned) -> str:
-    """One line: the planned peak against the machine's memory."""
+    """One line: the planned peak (with the weights and the trainable values in it) against the machine's memory."""
     return (
-        f"memory plan: a step peaks at about {plan.peak / 1e9:.1f} GB (weights {plan.weights / 1e9:.1f} GB) of "
-        f"{plan.available / 1e9:.1f} GB ({plan.available_from})"
+        f"memory plan: a step peaks at about {plan.peak / 1e9:.1f} GB (weights {plan.weights / 1e9:.1f} GB, "
+        f"{plan.trainable:,} trainable parameters) of {plan.available / 1e9:.1f} GB ({plan.available_from})"
     )
 
 
-def check_memory(s, info, slots) -> MemoryPlanned:
-    """The plan of a run (settings `s`, `info` a loading.ModelInfo, the adapter slots); refuses a step
-    that will not fit (FluxKleinError naming what would), unless `s.force`."""
+def check_memory(s, info, trainable: int) -> MemoryPlanned:
+    """The plan of a run (settings `s`, `info` a loading.ModelInfo, `trainable` its adapters' values);
+    refuses a step that will not fit (FluxKleinError naming what would), unless `s.force`."""
     stored = (info.quantization.get("transformer") or {}).get("bits")
     bits = s.quantize if s.quantize is not None else stored
-    trainable = sum(s.rank * (slot.in_dims + slot.out_dims) for slot in slots)
     plan = plan_memory(s, params=info.params, trainable=trainable, controls=len(s.controls), bits=bits)
     if not plan.fits and not s.force:
         fix = "; ".join(plan.remedies) if plan.remedies else "no setting of --quantize, --low-memory, --resolution fits"

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..errors import FluxKleinError
 from ..files import check_output_file
 from ..loading import check_for_training, describe, single_file_refusal
-from .adapters import lokr_file_shapes, lokr_layers, lora_file_shapes, parse_targets
+from .adapters import adapter_parameters, lokr_file_shapes, lora_file_shapes, parse_targets
 from .data import scan_data
 from .distributed import World, check_processes, world
 from .memory import MemoryPlanned, check_memory
@@ -69,8 +69,8 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
     check_work_dir(s.work_dir, s.data, s.controls)
     info = _check_model(s)
     slots = parse_targets(s.targets, info.params)
-    if s.adapter == "lokr":
-        lokr_layers(slots, info.params)  # whole layers only: refused here, before any model loads
+    # counted before any model loads; a LoKr's layers must be whole (lokr_layers refuses here)
+    trainable = adapter_parameters(slots, info.params, adapter=s.adapter, rank=s.rank, lokr_factor=s.lokr_factor)
     items = scan_data(
         s.data,
         caption=s.caption,
@@ -100,7 +100,7 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
         items=items,
         resume_from=resume,
         sample_info=sample_info,
-        memory=check_memory(s, info, slots),
+        memory=check_memory(s, info, trainable),
         validation=held_out,
         world=w,
     )
