@@ -304,3 +304,34 @@ def test_every_folder_is_a_package_the_wheel_holds():
     listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("__init__.py")}
     assert folders == listed, sorted(folders ^ listed)
+
+
+# How a LoRA/LoKr file spells its tensors: only lora/ (the one writer and reader of adapter files) may.
+FILE_KEY_SPELLINGS = ("lora_A", "lora_B", "lora_down", "lora_up", "lora.down", "lora.up", "lokr_w", "lokr_t", "hada_",
+                      ".alpha", ".diff", "lora_adapter_metadata", "lora_unet_")  # fmt: skip
+
+
+def docstrings(tree: ast.Module) -> set[int]:
+    """The ids of the docstring constants of a module, its classes and functions (prose, not keys)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def test_only_lora_spells_a_lora_file_key():
+    """Adapter files have one writer (lora/layouts.adapter_file) and one reader (lora/formats): no module
+    outside lora/ holds a string (a literal or a piece of an f-string) that spells a file key."""
+    found = []
+    for module, tree in sources().items():
+        if module == "lora" or module.startswith("lora."):
+            continue
+        prose = docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+                hits = [s for s in FILE_KEY_SPELLINGS if s in node.value]
+                found += [f"{module}.py:{node.lineno}: {node.value!r}" for _ in hits[:1]]
+    assert not found, found

@@ -186,12 +186,12 @@ def lokr_pipe(base):
     return diffusers_pipeline_for_loras(base, distilled=False)
 
 
-def adapters_like_the_run(base, arrays):
+def adapters_like_the_run(base, folder):
     """The run's LoKr adapters on a fresh model, set from its checkpoint's tensors."""
     info = describe(base)
     model = load_component(info, "transformer", mx.float32)
     lokr = attach_lokr(model, parse_targets("all", info.params), info.params, 8, 4.0, -1, np.random.default_rng(0))
-    lokr.load(arrays, "the checkpoint")
+    lokr.load_terms(read_checkpoint(folder, lokr)[0], "the checkpoint")
     return lokr
 
 
@@ -203,8 +203,7 @@ def test_lokr_files_load_in_diffusers_and_give_our_image(base, trained, lokr_pip
     from flux_klein_mlx.__main__ import main
 
     tmp, *_ = trained
-    arrays, _, _ = read_checkpoint(tmp / "straight.train" / "checkpoint-000002")
-    lokr = adapters_like_the_run(base, arrays)
+    lokr = adapters_like_the_run(base, tmp / "straight.train" / "checkpoint-000002")
     path = tmp_path / f"{layout}.safetensors"
     if layout == "converted":
         write_lora_file(tmp_path / "source.safetensors", lokr, mx.float32, layout="diffusers")

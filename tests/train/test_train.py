@@ -126,7 +126,7 @@ def pair(snap):
     for s in slots:
         a = (g.standard_normal((RANK, s.in_dims)) / math.sqrt(s.in_dims)).astype(np.float32)
         b = (0.3 * g.standard_normal((s.out_dims, RANK)) / math.sqrt(RANK)).astype(np.float32)
-        values[f"{s.name}.lora_A.weight"], values[f"{s.name}.lora_B.weight"] = mx.array(a), mx.array(b)
+        values[f"{s.name}.down"], values[f"{s.name}.up"] = mx.array(a), mx.array(b)
         m = ref.get_submodule(s.name)
         m.lora_A["default"].weight.data.copy_(torch.from_numpy(a))
         m.lora_B["default"].weight.data.copy_(torch.from_numpy(b))
@@ -365,8 +365,9 @@ def test_saved_file_loads_in_diffusers_without_missing_keys_and_gives_our_image(
     try:
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "key" in r.getMessage().lower()]
         for name, a in lora.arrays().items():  # every tensor landed where it belongs
-            module, role = name.rsplit(".lora_", 1)
-            loaded = getattr(ref_pipe.transformer.get_submodule(module), "lora_" + role.split(".")[0])["trained"].weight
+            module, role = name.rsplit(".", 1)
+            peft_role = {"down": "lora_A", "up": "lora_B"}[role]
+            loaded = getattr(ref_pipe.transformer.get_submodule(module), peft_role)["trained"].weight
             assert np.array_equal(loaded.detach().numpy(), to_np(a)), name
         theirs = diffusers_lighthouse(ref_pipe)
         ours, pipe = our_lighthouse(snap, [path])
