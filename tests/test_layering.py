@@ -351,11 +351,6 @@ WIDE_BY_POSITION = {
     ("train.trainer", "loss"),
     ("inputs", "check_number"),
     ("serve.forms", "int_field"),
-    ("lora.layouts", "lokr_tensors"),
-    ("train.adapters", "file_header"),
-    ("train.adapters", "write_lora_file"),
-    ("train.adapters", "attach_lora"),
-    ("train.adapters", "attach_lokr"),
 }
 
 
@@ -373,3 +368,34 @@ def test_a_wide_function_takes_the_rest_by_keyword():
                 if (module, node.name) not in WIDE_BY_POSITION:
                     wide.append(f"{module}.{node.name}({', '.join(positional)})")
     assert not wide, wide
+
+
+# How a LoRA/LoKr file spells its tensors: only lora/ (the one writer and reader of adapter files) may.
+FILE_KEY_SPELLINGS = ("lora_A", "lora_B", "lora_down", "lora_up", "lora.down", "lora.up", "lokr_w", "lokr_t", "hada_",
+                      ".alpha", ".diff", "lora_adapter_metadata", "lora_unet_")  # fmt: skip
+
+
+def docstrings(tree: ast.Module) -> set[int]:
+    """The ids of the docstring constants of a module, its classes and functions (prose, not keys)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def test_only_lora_spells_a_lora_file_key():
+    """Adapter files have one writer (lora/layouts.adapter_file) and one reader (lora/formats): no module
+    outside lora/ holds a string (a literal or a piece of an f-string) that spells a file key."""
+    found = []
+    for module, tree in sources().items():
+        if module == "lora" or module.startswith("lora."):
+            continue
+        prose = docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+                hits = [s for s in FILE_KEY_SPELLINGS if s in node.value]
+                found += [f"{module}.py:{node.lineno}: {node.value!r}" for _ in hits[:1]]
+    assert not found, found

@@ -24,7 +24,7 @@ from ..files import check_output_file, write_exclusive
 from ..models.config import HIDDEN_SIZES, FluxKleinParams
 from ..weights import read_lora_file, save_safetensors_streaming
 from .formats import DOWN_ROLES, ParsedLora, parse_lora
-from .layouts import FORMAT_NAMES, autov3, check_layout, file_metadata, layout_pairs, layout_tensors, lokr_tensors
+from .layouts import FORMAT_NAMES, adapter_file, autov3, check_layout
 
 # a LoRA down matrix's key ending (PEFT's adapter name optional): `.lora_A.weight`, `.lora_down.weight`, ...
 _DOWN = re.compile(rf"\.(?:{'|'.join(re.escape(r) for r in DOWN_ROLES)})(?:\.[A-Za-z0-9_]+)?\.weight$")
@@ -135,16 +135,10 @@ def convert_lora(source: str | Path, output: str | Path, layout: str) -> Path:
         **lora.metadata,
         "flux_klein_mlx.converted_from": f"{lora.path.name} ({FORMAT_NAMES[lora.parsed.format]})",
     }
-    terms, what = lora.parsed.terms, lora.path.name
-    if lora.parsed.format == "lokr":  # Kronecker factors, not low-rank pairs
-        tensors, metadata = (
-            lokr_tensors(terms, layout, params=lora.params, what=what, dtype=lora.dtype),
-            file_metadata([], layout, header),
-        )
-    else:
-        pairs = layout_pairs(terms, layout, lora.params, what)
-        tensors, metadata = layout_tensors(pairs, layout, lora.dtype), file_metadata(pairs, layout, header)
-    return write_exclusive(output, lambda tmp: save_safetensors_streaming(tmp, dict(tensors), metadata))
+    tensors, metadata = adapter_file(
+        lora.parsed.terms, layout, lora.params, what=lora.path.name, dtype=lora.dtype, header=header
+    )
+    return write_exclusive(output, lambda tmp: save_safetensors_streaming(tmp, tensors, metadata))
 
 
 _TRAINERS = (("flux_klein_mlx.version", "flux_klein_mlx {}"), ("mflux_version", "mflux {}"),

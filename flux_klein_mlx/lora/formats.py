@@ -59,7 +59,7 @@ _ALIASES_DOUBLE = {"attn.to_out": "attn.to_out.0", "ff.activation.proj": "ff.lin
                   "ff_context.activation.proj": "ff_context.linear_in"}  # fmt: skip
 _ALIASES_SINGLE = {"attn.to_qkv_mlp": "attn.to_qkv_mlp_proj"}
 # diffusers' own fused projections (after `fuse_qkv_projections`, as its LoKr loader uses), ours
-_FUSED = {"attn.to_qkv": "img_attn.qkv", "attn.to_added_qkv": "txt_attn.qkv"}
+DIFFUSERS_FUSED = {"attn.to_qkv": "img_attn.qkv", "attn.to_added_qkv": "txt_attn.qkv"}
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,8 @@ class Term:
     up: mx.array | None = None  # (r1 - r0, r), halves already in our order
     w1: mx.array | None = None  # LoKr (a, b)
     w2: mx.array | None = None  # LoKr (c, d); kron(w1, w2) is (a·c, b·d)
+    w2_a: mx.array | None = None  # LoKr: w2 as LyCORIS' low-rank pair, w2 = w2_a (c, r) @ w2_b (r, d),
+    w2_b: mx.array | None = None  # kept so that a file written again holds the same factors
     swap: bool = False  # LoKr only: roll the output halves (low-rank terms are swapped at parse time)
     key: str = ""  # the module name in the file, for messages
 
@@ -103,6 +105,19 @@ class ParsedLora:
     n_modules: int = 0
 
 
+def diffusers_modules(params, *, blocks_only: bool = False) -> list[str]:
+    """The diffusers modules of a klein transformer that are Linears, in model order: the top ones, then
+    each double block's (q, k, v of both streams, then the rest), then each single block's. The one
+    list of "a block's diffusers layers" (the trainer's slots, the diffusers layout's units)."""
+    names = [] if blocks_only else [*DIFFUSERS_TOP, "norm_out.linear"]
+    for i in range(params.depth):
+        names += [f"transformer_blocks.{i}.{p}" for parts in QKV.values() for p in parts]
+        names += [f"transformer_blocks.{i}.{m}" for m in DIFFUSERS_DOUBLE if not m.endswith(".weight")]
+    for j in range(params.depth_single):
+        names += [f"single_transformer_blocks.{j}.{m}" for m in DIFFUSERS_SINGLE if not m.endswith(".weight")]
+    return names
+
+
 def target_table(params) -> dict[str, Target]:
     """Every module name a klein LoRA may use (ours, diffusers', dotted and underscored) -> its Target."""
     D, M = params.hidden_size, params.mlp_hidden
@@ -110,7 +125,13 @@ def target_table(params) -> dict[str, Target]:
     table["norm_out.linear"] = Target("final_layer.adaLN_modulation.1", (0, 2 * D), swap=True)
     for theirs, ours, n, names, aliases in (
         ("", "", 1, DIFFUSERS_TOP, _ALIASES_TOP),
-        ("transformer_blocks.{}.", "double_blocks.{}.", params.depth, {**DIFFUSERS_DOUBLE, **_FUSED}, _ALIASES_DOUBLE),
+        (
+            "transformer_blocks.{}.",
+            "double_blocks.{}.",
+            params.depth,
+            {**DIFFUSERS_DOUBLE, **DIFFUSERS_FUSED},
+            _ALIASES_DOUBLE,
+        ),
         ("single_transformer_blocks.{}.", "single_blocks.{}.", params.depth_single, DIFFUSERS_SINGLE, _ALIASES_SINGLE),
     ):
         names = {k: v for k, v in names.items() if not k.endswith(".weight")}  # the norms are not Linears
@@ -323,6 +344,7 @@ def _term(name: str, parts: dict[str, mx.array], target: Target, *, meta_alpha, 
     # LoKr: each factor is stored whole (w1) or as a product (w1_a @ w1_b).
     factors = []
     rank = None
+    pairs = {}
     for n in ("w1", "w2"):
         if f"lokr_{n}" in parts:
             factors.append(parts[f"lokr_{n}"])
@@ -331,6 +353,7 @@ def _term(name: str, parts: dict[str, mx.array], target: Target, *, meta_alpha, 
             if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
                 raise FluxKleinError(f"LoRA {what}: {name}.lokr_{n}_a/_b do not multiply; the file is damaged")
             factors.append(a @ b)
+            pairs[n] = (a, b)
             rank = b.shape[0] if n == "w2" or rank is None else rank  # LyCORIS: w2's rank wins
         else:
             raise FluxKleinError(f"LoRA {what} is incomplete: {name} has no lokr_{n} (nor lokr_{n}_a/_b)")
@@ -340,7 +363,20 @@ def _term(name: str, parts: dict[str, mx.array], target: Target, *, meta_alpha, 
         raise FluxKleinError(f"LoRA {what}: {name} has an empty LoKr factor (rank 0); the file is damaged")
     # LyCORIS scales by alpha / rank only when a factor is decomposed; whole factors are used as they are.
     factor = alpha / rank if (alpha is not None and rank) else 1.0
-    return Term(target.layer, target.rows, factor, w1=factors[0], w2=factors[1], swap=target.swap, key=name)
+    # LyCORIS' encoding (a low-rank w2 with its alpha) is kept, so that it is written again as it was; a
+    # pair without alpha (diffusers' layout: scale 1) is the whole w2 it multiplies to
+    w2_a, w2_b = pairs.get("w2", (None, None)) if alpha is not None else (None, None)
+    return Term(
+        target.layer,
+        target.rows,
+        factor,
+        w1=factors[0],
+        w2=factors[1],
+        w2_a=w2_a,
+        w2_b=w2_b,
+        swap=target.swap,
+        key=name,
+    )
 
 
 def _foreign_message(foreign: list, params, what: str) -> str:

@@ -1,4 +1,6 @@
-"""Writing a LoRA in the three layouts other tools load: diffusers, ComfyUI and kohya.
+"""The one writer of adapter files (`adapter_file`): LoRA pairs in the three layouts other tools load
+(diffusers, ComfyUI, kohya) and LoKr factors in two (ComfyUI/LyCORIS, diffusers), for the trainer's
+output, its checkpoints, EMA and sample files and `lora convert` alike; and the reader back (`read_adapter`).
 
 The input is a list of `Term`s (formats.py): updates `factor · up @ down` on row ranges of our
 (BFL-named) layers, as `parse_lora` reads them from any file and as the trainer's adapters are.
@@ -16,8 +18,9 @@ their up matrices placed block-diagonally at their rows (q, k, v: rows [0:D], [D
 diffusers) gives each unit its rows, with the rank columns that are zero there dropped (exact:
 those columns add nothing to these rows). ComfyUI and diffusers' converter of BFL names take alpha
 = rank (no `.alpha` keys), so the factor goes into B; kohya keeps the matrices and writes
-`.alpha` = factor · rank. LoKr terms are not low-rank pairs: `lokr_tensors` writes them, in the
-ComfyUI layout only.
+`.alpha` = factor · rank. LoKr terms are not low-rank pairs: `lokr_tensors` writes them (one
+Kronecker product per whole layer; LyCORIS' encoding in the ComfyUI layout, which the trainer's
+checkpoints use and read back bit for bit).
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..errors import FluxKleinError
-from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, DIFFUSERS_TOP, QKV, linear_shapes
-from .formats import Term, target_table
+from ..errors import FluxKleinError, first_few
+from ..models.transformer import linear_shapes
+from ..weights import read_lora_file, save_safetensors_streaming
+from .formats import DIFFUSERS_FUSED, Term, diffusers_modules, parse_lora, target_table
 
 LAYOUTS = ("diffusers", "comfyui", "kohya")
 # What the layouts are called in messages and `lora info` (formats.py's names -> words).
@@ -57,17 +61,21 @@ def diffusers_units(params) -> dict[str, list[tuple[str, tuple[int, int], bool]]
     """Our layer -> the diffusers modules that exist in diffusers' Flux2 model on it:
     (name, rows of our layer, rows in diffusers' [scale ; shift] order)."""
     table = target_table(params)
-    names = [*DIFFUSERS_TOP, "norm_out.linear"]
-    for i in range(params.depth):
-        names += [f"transformer_blocks.{i}.{p}" for parts in QKV.values() for p in parts]
-        names += [f"transformer_blocks.{i}.{m}" for m in DIFFUSERS_DOUBLE if not m.endswith(".weight")]
-    for j in range(params.depth_single):
-        names += [f"single_transformer_blocks.{j}.{m}" for m in DIFFUSERS_SINGLE if not m.endswith(".weight")]
     units: dict[str, list] = {}
-    for name in names:
+    for name in diffusers_modules(params):
         t = table[name]
         units.setdefault(t.layer, []).append((name, t.rows, t.swap))
     return units
+
+
+def whole_layer_units(params) -> dict[str, tuple[str, bool]]:
+    """Our layer -> the one diffusers module that is all of it, and its swap: the module itself, or for a
+    double block's fused qkv diffusers' fused `to_qkv` / `to_added_qkv` (what its LoKr loader fuses)."""
+    out = {layer: (units[0][0], units[0][2]) for layer, units in diffusers_units(params).items() if len(units) == 1}
+    for i in range(params.depth):
+        for theirs, ours in DIFFUSERS_FUSED.items():
+            out[f"double_blocks.{i}.{ours}"] = (f"transformer_blocks.{i}.{theirs}", False)
+    return out
 
 
 def _restrict(t: Term, rows: tuple[int, int]) -> tuple[int, np.ndarray, np.ndarray, float]:
@@ -138,39 +146,62 @@ def layout_pairs(terms: list[Term], layout: str, params, what: str) -> list[tupl
     return pairs
 
 
-def lokr_tensors(terms: list[Term], layout: str, params, what: str, dtype) -> dict[str, mx.array]:
-    """A LoKr's `terms` as a ComfyUI LoKr file: `diffusion_model.<BFL layer>.lokr_w1` (a, b) and `.lokr_w2`
-    (c, d), with the factor folded into w1 and no `.alpha` (scale 1 in ComfyUI and in diffusers' BFL LoKr
-    converter): the same update to `dtype`'s rounding of factor · w1. A Kronecker product covers a whole
-    layer, so each term must (one per layer); a [shift ; scale] swap rolls w1's rows (kron's row blocks)."""
+def lokr_tensors(terms: list[Term], layout: str, *, params, what: str, dtype=None) -> dict[str, mx.array]:
+    """A LoKr's `terms` as a file in `layout`, one Kronecker product per whole layer:
+    comfyui    `diffusion_model.<BFL layer>.lokr_w1` (a, b) with `.lokr_w2` (c, d), or LyCORIS' low-rank
+               `.lokr_w2_a` (c, r) + `.lokr_w2_b` (r, d) and `.alpha` = factor · r (what LyCORIS writes,
+               read by ComfyUI, ai-toolkit and diffusers' BFL LoKr converter; the trainer's checkpoints)
+    diffusers  `transformer.<diffusers module>.lokr_w1` / `.lokr_w2` (or `_a` / `_b`), the module diffusers'
+               fused `to_qkv` / `to_added_qkv` on a qkv layer; no alpha: scale 1 (diffusers runs peft's
+               LoKr with alpha = rank), so the factor goes into w1.
+    A whole w2 takes the factor into w1 (LyCORIS' scale is 1 there), to `dtype`'s rounding (None: w1's)."""
     check_layout(layout)
-    if layout != "comfyui":
+    if layout == "kohya":
         raise FluxKleinError(
-            f"LoRA {what} is a LoKr, which --format {layout} cannot hold; --format comfyui writes it "
-            "(ComfyUI, ai-toolkit and diffusers load that layout)"
+            f"LoRA {what} is a LoKr, which --format kohya cannot hold; --format comfyui writes it "
+            "(ComfyUI, ai-toolkit and diffusers load that layout), as does --format diffusers"
         )
     shapes = linear_shapes(params)
+    units = whole_layer_units(params) if layout == "diffusers" else {}
     out: dict[str, mx.array] = {}
     for t in terms:
         if t.down is not None:
             raise FluxKleinError(
                 f"LoRA {what} mixes LoKr factors and low-rank pairs ({t.key}); use it as it is (--lora reads it)"
             )
-        if f"diffusion_model.{t.layer}.lokr_w1" in out or t.rows != (0, shapes[t.layer][0]):
+        name, swap = units.get(t.layer, (t.layer, False)) if layout == "diffusers" else (t.layer, False)
+        key = f"transformer.{name}" if layout == "diffusers" else f"diffusion_model.{name}"
+        if f"{key}.lokr_w1" in out or t.rows != (0, shapes[t.layer][0]) or t.layer not in units and units:
             raise FluxKleinError(
                 f"LoRA {what}: the LoKr {t.key} updates part of layer {t.layer} (rows {t.rows[0]}-{t.rows[1]}), "
-                "which a ComfyUI LoKr (one per whole layer) cannot hold; use it as it is (--lora reads it)"
+                f"which a {layout} LoKr (one per whole layer) cannot hold; use it as it is (--lora reads it)"
             )
-        w1 = t.w1.astype(mx.float32) * t.factor
-        if t.swap:  # our [shift ; scale] halves: rows i·c + j of kron(w1, w2) roll with w1's rows i
-            if w1.shape[0] % 2:
-                raise FluxKleinError(
-                    f"LoRA {what}: the LoKr {t.key} cannot be written on BFL's [shift ; scale] order "
-                    f"(its w1 has {w1.shape[0]} rows, not an even number); use it as it is"
-                )
-            w1 = mx.roll(w1, w1.shape[0] // 2, axis=0)
-        out[f"diffusion_model.{t.layer}.lokr_w1"] = w1.astype(dtype)
-        out[f"diffusion_model.{t.layer}.lokr_w2"] = t.w2.astype(dtype)
+        out.update(_lokr_factors(t, key, roll=t.swap != swap, alpha=layout == "comfyui", what=what, dtype=dtype))
+    return out
+
+
+def _lokr_factors(t: Term, key: str, *, roll: bool, alpha: bool, what: str, dtype) -> dict[str, mx.array]:
+    """One LoKr term's tensors under `key`: w2 whole or as the term's low-rank pair; the factor as `.alpha`
+    beside a pair where `alpha`, else in w1; w1's rows rolled where `roll` (our [shift ; scale] <-> the
+    other order: rows i·c + j of kron(w1, w2) move with w1's rows i)."""
+    cast = dtype or t.w1.dtype
+    pair = t.w2_a is not None
+    w1 = t.w1 if pair and alpha else t.w1.astype(mx.float32) * t.factor
+    if roll:
+        if w1.shape[0] % 2:
+            raise FluxKleinError(
+                f"LoRA {what}: the LoKr {t.key} cannot be written on BFL's [shift ; scale] order "
+                f"(its w1 has {w1.shape[0]} rows, not an even number); use it as it is"
+            )
+        w1 = mx.roll(w1, w1.shape[0] // 2, axis=0)
+    out = {f"{key}.lokr_w1": w1.astype(cast)}
+    if not pair:
+        out[f"{key}.lokr_w2"] = t.w2.astype(cast)
+        return out
+    out[f"{key}.lokr_w2_a"] = t.w2_a.astype(cast)
+    out[f"{key}.lokr_w2_b"] = t.w2_b.astype(cast)
+    if alpha:
+        out[f"{key}.alpha"] = mx.array(t.factor * t.w2_b.shape[0], dtype=cast)  # LyCORIS' scale: alpha / r
     return out
 
 
@@ -226,13 +257,53 @@ _LAYOUT_KEYS = ("format", "lora_adapter_metadata", "lora_alpha", "lora_rank")
 
 def file_metadata(pairs, layout: str, header: dict[str, str] | None = None) -> dict[str, str]:
     """The safetensors header of a `layout` file: `header` (the training's or the source's keys,
-    less the source's layout keys), the layout, and PEFT's config for diffusers."""
+    less the source's layout keys), the layout, and PEFT's config for diffusers' LoRA pairs."""
     meta = {k: str(v) for k, v in (header or {}).items() if k not in _LAYOUT_KEYS and v is not None}
     meta["format"] = "pt"
     meta["flux_klein_mlx.format"] = layout
-    if layout == "diffusers":
+    if layout == "diffusers" and pairs:
         meta["lora_adapter_metadata"] = peft_metadata(pairs)
     return meta
+
+
+def adapter_file(
+    terms: list[Term], layout: str, params, *, what: str, dtype=None, header: dict[str, str] | None = None
+) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """THE writer of adapter files: any adapter's `terms` (LoRA pairs or LoKr factors, as `parse_lora`
+    reads them and as the trainer holds them) as (tensors, safetensors header) in `layout`, tensors in
+    `dtype` (None: each term's own). The trainer's output, checkpoints, EMA and sample files and
+    `lora convert` all come from here; `header` adds the training's or the source's keys."""
+    if any(t.down is None for t in terms):
+        return lokr_tensors(terms, layout, params=params, what=what, dtype=dtype), file_metadata([], layout, header)
+    pairs = layout_pairs(terms, layout, params, what)
+    return layout_tensors(pairs, layout, dtype), file_metadata(pairs, layout, header)
+
+
+def write_adapter(path: Path, terms: list[Term], layout: str, params, **kwargs) -> Path:
+    """`adapter_file(terms, layout, params, **kwargs)` written at `path` (the caller picks the safe write)."""
+    tensors, metadata = adapter_file(terms, layout, params, **kwargs)
+    save_safetensors_streaming(path, tensors, metadata=metadata)
+    return path
+
+
+def file_shapes(terms: list[Term], layout: str, params) -> dict[str, tuple[int, ...]]:
+    """The tensors `adapter_file` would write for `terms`, name -> shape. MLX is lazy: terms of
+    `mx.zeros` give the shapes without computing (or allocating) any tensor."""
+    tensors, _ = adapter_file(terms, layout, params, what="the adapters")
+    return {k: tuple(v.shape) for k, v in tensors.items()}
+
+
+def read_adapter(path: Path, params, what: str) -> list[Term]:
+    """An adapter file read back as the terms it was written from (`parse_lora`, the reader of --lora):
+    the factors exactly as stored. Modules that fit no layer of `params` are refused."""
+    tensors, metadata, _ = read_lora_file(path)
+    parsed = parse_lora(tensors, metadata, params, what)
+    if parsed.unmatched:
+        raise FluxKleinError(
+            f"{what} holds adapters of no layer of {params.describe()} ({first_few(parsed.unmatched)}): "
+            "it is from another run"
+        )
+    return parsed.terms
 
 
 def autov3(path: str | Path) -> str:

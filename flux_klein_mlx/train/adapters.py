@@ -1,11 +1,12 @@
-"""Trainable LoRA adapters on a frozen klein transformer, and the diffusers/PEFT file they become.
+"""Trainable LoRA and LoKr adapters on a frozen klein transformer, held as terms (no file keys here:
+`terms()` is what lora/layouts' one writer writes, `load_terms` what its reader gives back).
 
 An adapter is one (A, B) pair on one module as diffusers names it: A (r, in), B (out, r), and the
 module's output gains `(alpha / r) · x @ A.T @ B.T`. Our fused layers hold several diffusers
 modules: `img_attn.qkv` is diffusers' `attn.to_q`, `to_k`, `to_v` (row blocks [0:D], [D:2D],
 [2D:3D]), so it gets three independent adapters, exactly as PEFT puts three on diffusers' model;
 `single_blocks.j.linear1` is diffusers' single `attn.to_qkv_mlp_proj` and gets one. The mapping is
-read off `transformer.py`'s public name tables (through `lora_formats.target_table`), never restated.
+read off `transformer.py`'s public name tables (through `lora/formats`), never restated.
 
 The adapters are trainable terms of the one LoRA layer (`lora.layers.LoRALinear`, the layer inference
 uses too): the frozen layer is kept as it is, an `nn.Linear` or an `nn.QuantizedLinear` (QLoRA: its
@@ -40,13 +41,15 @@ from mlx.utils import tree_unflatten
 from .. import __version__
 from ..errors import FluxKleinError
 from ..lora.apply import layers_by_path
-from ..lora.formats import Term, target_table
+from ..lora.formats import Term, diffusers_modules, target_table
 from ..lora.layers import ROLE_LISTS, LoRALinear, TrainableTerm
-from ..lora.layouts import TrainedRun, file_metadata, layout_pairs, layout_tensors, training_header
-from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, QKV, linear_shapes
-from ..weights import save_safetensors_streaming
+from ..lora.layouts import TrainedRun, file_shapes, training_header, write_adapter
+from ..models.transformer import linear_shapes
 
 PRESETS = ("all", "attention", "double", "single")
+# The layout of a run's checkpoint and EMA files (lora/layouts writes and reads them): LoRA pairs per
+# diffusers module as diffusers' trainer writes them, LoKr factors as LyCORIS writes them.
+CHECKPOINT_LAYOUTS = {"lora": "diffusers", "lokr": "comfyui"}
 # diffusers module names (within a block) of the attention projections, for the `attention` preset
 _ATTENTION = re.compile(r"\.attn\.(to_[qkv]|to_out(\.0)?|add_[qkv]_proj|to_add_out|to_qkv_mlp_proj)$")
 
@@ -68,13 +71,7 @@ class Slot:
 def block_slots(params) -> list[Slot]:
     """Every Linear of every block as diffusers names it, in model order (blocks from `params`)."""
     table, shapes = target_table(params), linear_shapes(params)
-    names = []
-    for i in range(params.depth):
-        for parts in QKV.values():
-            names += [f"transformer_blocks.{i}.{p}" for p in parts]
-        names += [f"transformer_blocks.{i}.{m}" for m in DIFFUSERS_DOUBLE if not m.endswith(".weight")]
-    for j in range(params.depth_single):
-        names += [f"single_transformer_blocks.{j}.{m}" for m in DIFFUSERS_SINGLE if not m.endswith(".weight")]
+    names = diffusers_modules(params, blocks_only=True)
     return [Slot(n, table[n].layer, table[n].rows, shapes[table[n].layer][1]) for n in names]
 
 
@@ -130,10 +127,12 @@ def parse_targets(targets, params) -> list[Slot]:
 
 
 class TrainableLoRA:
-    """The adapters attached to a model: which slot each (A, B) pair is, and the file they make."""
+    """The adapters attached to a model: which slot each (A, B) pair is, and the terms its files hold."""
 
-    def __init__(self, slots: list[Slot], rank: int, alpha: float, where: dict[str, tuple[LoRALinear, TrainableTerm]]):
-        self.slots, self.rank, self.alpha = slots, rank, alpha
+    kind = "lora"
+
+    def __init__(self, slots: list[Slot], *, rank: int, alpha: float, where: dict, params):
+        self.slots, self.rank, self.alpha, self.params = slots, rank, alpha, params
         self._where = where  # slot name -> (its layer, its term there)
 
     @property
@@ -154,16 +153,16 @@ class TrainableLoRA:
         return out
 
     def pair(self, name: str) -> tuple[mx.array, mx.array]:
+        """Slot `name`'s (A (r, in), B (out, r)), the float32 masters."""
         layer, term = self._where[name]
-        return layer.lora_A[term.places["down"]], layer.lora_B[term.places["up"]]
+        return layer[ROLE_LISTS["down"]][term.places["down"]], layer[ROLE_LISTS["up"]][term.places["up"]]
 
     def arrays(self, dtype=mx.float32) -> dict[str, mx.array]:
-        """`{slot}.lora_A.weight` (r, in) and `{slot}.lora_B.weight` (out, r), diffusers' names without the prefix."""
+        """`{slot}.down` (r, in) and `{slot}.up` (out, r): the trained values (EMA, broadcast), not a file."""
         out = {}
         for s in self.slots:
             a, b = self.pair(s.name)
-            out[f"{s.name}.lora_A.weight"] = a.astype(dtype)
-            out[f"{s.name}.lora_B.weight"] = b.astype(dtype)
+            out[f"{s.name}.down"], out[f"{s.name}.up"] = a.astype(dtype), b.astype(dtype)
         return out
 
     def load(self, arrays: dict[str, mx.array], what: str) -> None:
@@ -176,47 +175,33 @@ class TrainableLoRA:
             )
         for s in self.slots:
             layer, term = self._where[s.name]
-            for key, role in (("lora_A", "down"), ("lora_B", "up")):
-                dest, i = layer[key], term.places[role]
-                value = arrays[f"{s.name}.{key}.weight"]
+            for role in ("down", "up"):
+                dest, i, value = layer[ROLE_LISTS[role]], term.places[role], arrays[f"{s.name}.{role}"]
                 if value.shape != dest[i].shape:
-                    raise FluxKleinError(f"{what}: {s.name}.{key} has shape {value.shape}, not {dest[i].shape}")
+                    raise FluxKleinError(
+                        f"{what}: {s.name}'s {role} matrix has shape {value.shape}, not {dest[i].shape}"
+                    )
                 dest[i] = value.astype(mx.float32)
 
-    def file_arrays(self, dtype) -> dict[str, mx.array]:
-        """The diffusers/PEFT file's tensors: `transformer.<module>.lora_A.weight` / `.lora_B.weight`."""
-        return {f"transformer.{k}": v for k, v in self.arrays(dtype).items()}
+    def terms(self) -> list[Term]:
+        """The adapters as updates of our layers (`factor · B @ A` on each slot's rows): what lora/ writes."""
+        terms = []
+        for s in self.slots:
+            a, b = self.pair(s.name)
+            terms.append(Term(s.layer, s.rows, self.alpha / self.rank, down=a, up=b, key=s.name))
+        return terms
 
-    def metadata(self) -> dict[str, str]:
-        """The safetensors header diffusers writes: `format` and PEFT's LoraConfig, keys prefixed `transformer.`."""
-        config = {
-            "r": self.rank,
-            "lora_alpha": self.alpha,
-            "target_modules": [s.name for s in self.slots],
-            "init_lora_weights": "gaussian",
-            "lora_dropout": 0.0,
-            "bias": "none",
-            "use_dora": False,
-            "use_rslora": False,
-            "fan_in_fan_out": False,
-            "alpha_pattern": {},
-            "rank_pattern": {},
-            "peft_type": "LORA",
-        }
-        prefixed = {f"transformer.{k}": v for k, v in config.items()}
-        return {"format": "pt", "lora_adapter_metadata": json.dumps(prefixed, indent=2, sort_keys=True)}
+    def load_terms(self, terms: list[Term], what: str) -> None:
+        """Set every pair from a file's terms (lora/layouts.read_adapter of a checkpoint or EMA file)."""
+        by_place = {(t.layer, t.rows): t for t in terms if t.down is not None}
+        arrays = {}
+        for s in self.slots:
+            if t := by_place.get((s.layer, s.rows)):
+                arrays[f"{s.name}.down"], arrays[f"{s.name}.up"] = t.down, t.up
+        self.load(arrays, what)
 
 
-def lora_terms(lora: TrainableLoRA) -> list[Term]:
-    """The adapters as updates of our layers (`factor · B @ A` on each slot's rows), as `parse_lora` reads files."""
-    terms = []
-    for s in lora.slots:
-        a, b = lora.pair(s.name)
-        terms.append(Term(s.layer, s.rows, lora.alpha / lora.rank, down=a, up=b, key=s.name))
-    return terms
-
-
-def file_header(s, info, items, steps: int, started_at: float) -> dict[str, str]:
+def file_header(s, info, *, items, steps: int, started_at: float) -> dict[str, str]:
     """The adapter file's header for run settings `s` on model `info` with data `items`, after `steps` steps:
     our keys, kohya's `ss_*` and `modelspec.*` (lora/layouts.py), each what the run did (its adapter kind,
     schedule, sizes and trigger). The base model by repo id when given one, else by its name (a local path
@@ -255,28 +240,30 @@ def file_header(s, info, items, steps: int, started_at: float) -> dict[str, str]
 
 
 def write_lora_file(
-    path: Path, lora, dtype, layout: str = "diffusers", params=None, header: dict[str, str] | None = None
+    path: Path, lora, *, dtype, layout: str = "diffusers", params=None, header: dict[str, str] | None = None
 ) -> None:
-    """The LoRA file of `lora` at `path` in `layout` (lora/layouts.py; tensors in `dtype`), its header
-    `header` (the training's keys) plus the layout's own. diffusers is the file diffusers' trainer writes
-    (PEFT's LoraConfig in `lora_adapter_metadata`); comfyui and kohya need the model's `params`.
-    A `TrainableLoKr` writes itself, in the comfyui or diffusers layout."""
-    if isinstance(lora, TrainableLoKr):
-        metadata = {**(header or {}), **lora.metadata(), "flux_klein_mlx.format": layout}
-        save_safetensors_streaming(path, lora.file_arrays(dtype, layout), metadata=metadata)
-        return
-    if layout == "diffusers":
-        metadata = {**(header or {}), **lora.metadata(), "flux_klein_mlx.format": "diffusers"}
-        save_safetensors_streaming(path, lora.file_arrays(dtype), metadata=metadata)
-        return
-    pairs = layout_pairs(lora_terms(lora), layout, params, Path(path).name)
-    save_safetensors_streaming(
-        path, layout_tensors(pairs, layout, dtype), metadata=file_metadata(pairs, layout, header)
-    )
+    """The file of `lora` (a TrainableLoRA or TrainableLoKr) at `path` in `layout`, tensors in `dtype`, its
+    header `header` (the training's keys) plus the layout's own: lora/layouts' one writer."""
+    write_adapter(path, lora.terms(), layout, params or lora.params, what=Path(path).name, dtype=dtype, header=header)
+
+
+def adapter_file_shapes(slots: list[Slot], params, *, adapter: str, rank: int, factor: int = -1) -> dict:
+    """The tensors of a run's checkpoint file (lora.safetensors), name -> shape, as lora/'s writer would
+    write this run's adapters: zero terms of the run's shapes, never computed (MLX is lazy)."""
+    if adapter == "lokr":
+        terms = []
+        for path in lokr_layers(slots, params):
+            shape = LoKrShape.of(*linear_shapes(params)[path], rank, factor)
+            zeros = {"w2": mx.zeros(shape.w2), **{role: mx.zeros(s) for role, s in shape.factor_shapes().items()}}
+            terms.append(Term(path, (0, shape.w1[0] * shape.w2[0]), 1.0, **zeros))
+    else:
+        zeros = [(mx.zeros((rank, s.in_dims)), mx.zeros((s.out_dims, rank))) for s in slots]
+        terms = [Term(s.layer, s.rows, 1.0, down=down, up=up) for s, (down, up) in zip(slots, zeros, strict=True)]
+    return file_shapes(terms, CHECKPOINT_LAYOUTS[adapter], params)
 
 
 def attach_lora(
-    model: nn.Module, slots: list[Slot], rank: int, alpha: float, rng: np.random.Generator
+    model: nn.Module, slots: list[Slot], *, rank: int, alpha: float, rng: np.random.Generator
 ) -> TrainableLoRA:
     """Freeze `model` and put trainable adapters on `slots` (PEFT's init: A ~ N(0, (1/r)^2), B = 0).
 
@@ -294,13 +281,10 @@ def attach_lora(
             up = mx.zeros((s.out_dims, rank), dtype=mx.float32)  # (rows, r)
             where[s.name] = (layer, layer.add_trainable(s.rows, alpha / rank, {"down": down, "up": up}))
     model.update_modules(tree_unflatten(list(wrapped.items())))
-    return TrainableLoRA(slots, rank, alpha, where)
+    return TrainableLoRA(slots, rank=rank, alpha=alpha, where=where, params=model.params)
 
 
 # --- LoKr: LyCORIS' Kronecker adapters on whole layers -------------------------------------------------
-
-# diffusers' names for our fused layers once `fuse_qkv_projections` has run (its LoKr loader fuses them)
-FUSED_QKV_NAMES = {"img_attn.qkv": "attn.to_qkv", "txt_attn.qkv": "attn.to_added_qkv"}
 
 
 def factorization(dimension: int, factor: int = -1) -> tuple[int, int]:
@@ -349,8 +333,13 @@ class LoKrShape:
     @property
     def num_parameters(self) -> int:
         """Trainable values: w1 (a, b), and w2 (c, d) whole or its pair (c, r) + (r, d)."""
-        (a, b), (c, d) = self.w1, self.w2
-        return a * b + (c * d if self.rank is None else self.rank * (c + d))
+        return sum(rows * cols for rows, cols in self.factor_shapes().values())
+
+    def factor_shapes(self) -> dict[str, tuple[int, int]]:
+        """role -> shape of each trained factor: w1, and w2 or its pair w2_a, w2_b."""
+        if self.rank is None:
+            return {"w1": self.w1, "w2": self.w2}
+        return {"w1": self.w1, "w2_a": (self.w2[0], self.rank), "w2_b": (self.rank, self.w2[1])}
 
 
 def adapter_parameters(slots: list[Slot], params, *, adapter: str, rank: int, lokr_factor: int) -> int:
@@ -379,24 +368,17 @@ def lokr_layers(slots: list[Slot], params) -> list[str]:
     return list(covered)
 
 
-def diffusers_layer_name(layer: str, slots: list[Slot]) -> str:
-    """Our layer -> diffusers' module of the same rows: its one slot, or the fused `to_qkv` / `to_added_qkv`."""
-    block, _, inner = layer.partition(".")[2].partition(".")
-    if inner in FUSED_QKV_NAMES:
-        return f"transformer_blocks.{block}.{FUSED_QKV_NAMES[inner]}"
-    (slot,) = [s for s in slots if s.layer == layer]
-    return slot.name
-
-
 class TrainableLoKr:
-    """LoKr adapters attached to a model: per layer w1 and w2 (or w2's pair), and the files they make.
+    """LoKr adapters attached to a model: per layer w1 and w2 (or w2's pair), and the terms its files hold.
 
-    Checkpoints hold the factors as trained (`diffusion_model.<layer>.lokr_w1`, ..., `.alpha`): the
-    ComfyUI/ai-toolkit layout, which resumes bit for bit and loads anywhere.
+    Checkpoints hold the factors as trained, in LyCORIS' encoding (lora/layouts, the ComfyUI layout):
+    it resumes bit for bit and loads anywhere.
     """
 
-    def __init__(self, slots, rank: int, alpha: float, where: dict[str, tuple[LoRALinear, TrainableTerm, LoKrShape]]):
-        self.slots, self.rank, self.alpha = slots, rank, alpha
+    kind = "lokr"
+
+    def __init__(self, slots, *, rank: int, alpha: float, where: dict, params):
+        self.slots, self.rank, self.alpha, self.params = slots, rank, alpha, params
         self.where = where  # our layer -> (its LoRA layer, its term, its factorization)
 
     @property
@@ -408,17 +390,17 @@ class TrainableLoKr:
     def num_parameters(self) -> int:
         return sum(shape.num_parameters for _, _, shape in self.where.values())
 
+    def factors(self, path: str) -> dict[str, mx.array]:
+        """Layer `path`'s trained factors, role -> the float32 master (w1, w2 or w2_a and w2_b)."""
+        layer, term, _ = self.where[path]
+        return {role: layer[ROLE_LISTS[role]][i] for role, i in term.places.items()}
+
     def arrays(self, dtype=mx.float32) -> dict[str, mx.array]:
-        """`<layer>.lokr_w1` (a, b), `.lokr_w2` (c, d) or `.lokr_w2_a` (c, r) + `.lokr_w2_b` (r, d), as trained."""
-        out = {}
-        for path, (layer, term, _) in self.where.items():
-            for role in term.places:
-                out[f"{path}.{ROLE_LISTS[role]}"] = layer[ROLE_LISTS[role]][term.places[role]].astype(dtype)
-        return out
+        """`<layer>.w1` (a, b), `.w2` (c, d) or `.w2_a` (c, r) + `.w2_b` (r, d): the trained values, not a file."""
+        return {f"{path}.{role}": v.astype(dtype) for path in self.where for role, v in self.factors(path).items()}
 
     def load(self, arrays: dict[str, mx.array], what: str) -> None:
-        """Set every factor from a checkpoint's tensors (the keys of `file_arrays`); shapes and names checked."""
-        arrays = {k.removeprefix("diffusion_model."): v for k, v in arrays.items() if not k.endswith(".alpha")}
+        """Set every factor from `arrays` (the keys of `arrays()`), float32; shapes and names checked."""
         want = self.arrays()
         if set(arrays) != set(want):
             odd = sorted(set(want) ^ set(arrays))
@@ -427,56 +409,31 @@ class TrainableLoKr:
             )
         for path, (layer, term, _) in self.where.items():
             for role, i in term.places.items():
-                key, dest = f"{path}.{ROLE_LISTS[role]}", layer[ROLE_LISTS[role]]
+                key, dest = f"{path}.{role}", layer[ROLE_LISTS[role]]
                 if arrays[key].shape != dest[i].shape:
-                    raise FluxKleinError(f"{what}: {key} has shape {arrays[key].shape}, not {dest[i].shape}")
+                    raise FluxKleinError(f"{what}: {path}'s {role} has shape {arrays[key].shape}, not {dest[i].shape}")
                 dest[i] = arrays[key].astype(mx.float32)
 
-    def file_arrays(self, dtype, layout: str = "comfyui") -> dict[str, mx.array]:
-        """The LoKr file's tensors in `layout`:
-        comfyui    `diffusion_model.<BFL layer>.lokr_*` (+ `.alpha` where w2 is a low-rank pair): what
-                   ComfyUI, ai-toolkit and diffusers' BFL LoKr converter read;
-        diffusers  `transformer.<diffusers module>.lokr_*` on diffusers' fused `to_qkv` / `to_added_qkv`,
-                   the scale folded into w1 (diffusers runs peft's LoKr with alpha = rank: scale 1)."""
-        out = {}
-        for path, (layer, term, shape) in self.where.items():
-            factors = {ROLE_LISTS[r]: layer[ROLE_LISTS[r]][i] for r, i in term.places.items()}
-            if layout == "comfyui":
-                out.update({f"diffusion_model.{path}.{k}": v.astype(dtype) for k, v in factors.items()})
-                if shape.rank is not None:
-                    out[f"diffusion_model.{path}.alpha"] = mx.array(self.alpha, dtype=dtype)
-                continue
-            name = diffusers_layer_name(path, self.slots)
-            factors["lokr_w1"] = factors["lokr_w1"] * term.factor  # float32 masters, one rounding below
-            out.update({f"transformer.{name}.{k}": v.astype(dtype) for k, v in factors.items()})
-        return out
+    def terms(self) -> list[Term]:
+        """The adapters as updates of whole layers (`factor · kron(w1, w2)`): what lora/ writes."""
+        terms = []
+        for path, (_, term, _) in self.where.items():
+            f = self.factors(path)
+            w2 = f["w2"] if "w2" in f else f["w2_a"] @ f["w2_b"]  # (c, r) @ (r, d), float32
+            pair = {"w2_a": f.get("w2_a"), "w2_b": f.get("w2_b")}
+            terms.append(Term(path, term.rows, term.factor, w1=f["w1"], w2=w2, key=path, **pair))
+        return terms
 
-    def metadata(self) -> dict[str, str]:
-        return {"format": "pt"}
-
-
-def lora_file_shapes(slots, rank: int) -> dict[str, tuple[int, int]]:
-    """The tensors of a LoRA run's checkpoint file (its lora.safetensors): name -> shape."""
-    shapes = {}
-    for sl in slots:
-        shapes[f"transformer.{sl.name}.lora_A.weight"] = (rank, sl.in_dims)
-        shapes[f"transformer.{sl.name}.lora_B.weight"] = (sl.out_dims, rank)
-    return shapes
-
-
-def lokr_file_shapes(slots: list[Slot], params, rank: int, factor: int) -> dict[str, tuple[int, ...]]:
-    """The tensors of a LoKr run's checkpoint file (the ComfyUI layout, `file_arrays`): name -> shape."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for path in lokr_layers(slots, params):
-        shape, key = LoKrShape.of(*linear_shapes(params)[path], rank, factor), f"diffusion_model.{path}"
-        shapes[f"{key}.lokr_w1"] = shape.w1
-        if shape.rank is None:
-            shapes[f"{key}.lokr_w2"] = shape.w2
-        else:
-            shapes[f"{key}.lokr_w2_a"] = (shape.w2[0], shape.rank)
-            shapes[f"{key}.lokr_w2_b"] = (shape.rank, shape.w2[1])
-            shapes[f"{key}.alpha"] = ()
-    return shapes
+    def load_terms(self, terms: list[Term], what: str) -> None:
+        """Set every factor from a file's terms (lora/layouts.read_adapter of a checkpoint or EMA file)."""
+        by_layer = {t.layer: t for t in terms if t.w1 is not None}
+        arrays = {}
+        for path, (_, term, _) in self.where.items():
+            t = by_layer.get(path)
+            arrays.update(
+                {f"{path}.{role}": getattr(t, role) for role in term.places if t and getattr(t, role) is not None}
+            )
+        self.load(arrays, what)
 
 
 def add_lokr_term(layer: LoRALinear, shape: LoKrShape, alpha: float, rng: np.random.Generator) -> TrainableTerm:
@@ -493,7 +450,7 @@ def add_lokr_term(layer: LoRALinear, shape: LoKrShape, alpha: float, rng: np.ran
 
 
 def attach_lokr(
-    model: nn.Module, slots: list[Slot], params, rank: int, alpha: float, factor: int, rng: np.random.Generator
+    model: nn.Module, slots: list[Slot], *, params, rank: int, alpha: float, factor: int, rng: np.random.Generator
 ) -> TrainableLoKr:
     """Freeze `model` and put a trainable LoKr term on each whole layer `slots` cover, drawn from `rng`
     layer by layer in model order, so a seed gives the same start every time."""
@@ -504,4 +461,4 @@ def attach_lokr(
         layer = wrapped[path] = LoRALinear(layers[path])
         where[path] = (layer, add_lokr_term(layer, shape, alpha, rng), shape)
     model.update_modules(tree_unflatten(list(wrapped.items())))
-    return TrainableLoKr(slots, rank, alpha, where)
+    return TrainableLoKr(slots, rank=rank, alpha=alpha, where=where, params=params)

@@ -101,7 +101,7 @@ class AdapterEMA:
             raise FluxKleinError(f"checkpoint {folder} has no {EMA_FILE}; resume it without --ema or start anew")
         trained = lora.arrays(mx.float32)
         try:
-            lora.load(read_adapter_file(path), str(path))
+            lora.load_terms(read_adapter_file(path, lora), str(path))
             self.values = lora.arrays(mx.float32)
         finally:
             lora.load(trained, "the trained weights")

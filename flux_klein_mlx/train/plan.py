@@ -11,7 +11,7 @@ from pathlib import Path
 from ..errors import FluxKleinError
 from ..files import check_output_file
 from ..loading import check_for_training, describe, single_file_refusal
-from .adapters import adapter_parameters, lokr_file_shapes, lora_file_shapes, parse_targets
+from .adapters import adapter_file_shapes, adapter_parameters, parse_targets
 from .data import scan_data
 from .distributed import World, check_processes, world
 from .memory import MemoryPlanned, check_memory
@@ -112,10 +112,7 @@ def _resume_point(s: TrainSettings, info, *, slots, items, processes: int) -> Pa
     done = checkpoints(s.work_dir) if s.resume and s.work_dir.is_dir() else []
     if done:  # another process count is named as such, before the settings' general comparison
         check_processes(done[-1][1], processes)
-    if s.adapter == "lokr":
-        shapes = lokr_file_shapes(slots, info.params, s.rank, s.lokr_factor)
-    else:
-        shapes = lora_file_shapes(slots, s.rank)
+    shapes = adapter_file_shapes(slots, info.params, adapter=s.adapter, rank=s.rank, factor=s.lokr_factor)
     key = run_key(s, info, processes)
     data = data_key(items)
     return resume_point(

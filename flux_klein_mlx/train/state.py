@@ -58,7 +58,9 @@ from ..files import (
     open_no_follow,
     write_replacing,
 )
-from ..weights import read_lora_file, read_safetensors, safetensors_table, save_safetensors_streaming
+from ..lora import layouts
+from ..weights import read_safetensors, safetensors_table, save_safetensors_streaming
+from .adapters import CHECKPOINT_LAYOUTS
 from .settings import differences
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d{6,})$")
@@ -397,7 +399,7 @@ def checkpoint_problem(folder: Path, step: int, lora_shapes: dict[str, tuple[int
         other = sorted(set(lora) ^ set(lora_shapes))
         detail = other[0] if other else "tensor shapes"
         return f"lora.safetensors holds other adapters than this run's ({detail} differs): another run's file"
-    trained = [shape for name, shape in lora_shapes.items() if not name.endswith(".alpha")]  # LoKr's alpha: a constant
+    trained = [shape for shape in lora_shapes.values() if shape != ()]  # every factor a matrix; LoKr's alpha a constant
     return _optimizer_problem(optimizer, trained)
 
 
@@ -411,28 +413,29 @@ def damaged(folder: Path, why: str, earlier: list[tuple[int, Path]]) -> FluxKlei
 
 
 def adapter_file(adapters) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """A checkpoint's lora.safetensors, as (tensors, header): the adapters' (train.adapters) tensors
-    in their own file layout, float32, and their header. Samples write the same bytes to try it."""
-    return dict(adapters.file_arrays(mx.float32)), adapters.metadata()
+    """A checkpoint's lora.safetensors (and ema.safetensors), as (tensors, header): the adapters'
+    (train.adapters) terms through lora/layouts' one writer, in their checkpoint layout, float32.
+    Samples write the same bytes to try it."""
+    layout = CHECKPOINT_LAYOUTS[adapters.kind]
+    return layouts.adapter_file(adapters.terms(), layout, adapters.params, what="the checkpoint", dtype=mx.float32)
 
 
-def read_adapter_file(path: Path) -> dict[str, mx.array]:
-    """A checkpoint's adapter file (lora.safetensors, ema.safetensors): its tensors without the
-    `transformer.` prefix, as the adapters' `load` takes them."""
-    tensors, _, _ = read_lora_file(path)
-    return {k.removeprefix("transformer."): v for k, v in tensors.items()}
+def read_adapter_file(path: Path, adapters) -> list:
+    """A checkpoint's adapter file (lora.safetensors, ema.safetensors) read back through lora/layouts
+    as the terms it was written from, for `adapters.load_terms`."""
+    return layouts.read_adapter(path, adapters.params, str(path))
 
 
-def read_checkpoint(folder: Path) -> tuple[dict[str, mx.array], dict[str, mx.array], dict]:
-    """(LoRA tensors without the `transformer.` prefix, optimizer tensors, state) of one checkpoint."""
+def read_checkpoint(folder: Path, adapters) -> tuple[list, dict[str, mx.array], dict]:
+    """(the adapter terms of `adapters`' run, optimizer tensors, state) of one checkpoint."""
     try:
         state = json.loads((folder / "state.json").read_text())
     except (OSError, ValueError) as e:
         raise FluxKleinError(f"checkpoint {folder} is damaged ({e}); resume from another or start anew") from None
-    lora = read_adapter_file(folder / "lora.safetensors")
+    terms = read_adapter_file(folder / "lora.safetensors", adapters)
     optimizer = read_safetensors(folder / "optimizer.safetensors")
     mx.eval(optimizer)
-    return lora, optimizer, state
+    return terms, optimizer, state
 
 
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:

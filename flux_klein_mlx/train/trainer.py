@@ -447,8 +447,8 @@ class Trainer:
 
     def restore(self, folder: Path) -> None:
         """Continue exactly where `folder` left off: adapters, AdamW moments, data order, RNG."""
-        lora, opt, state = read_checkpoint(folder)
-        self.lora.load(lora, f"checkpoint {folder}")
+        terms, opt, state = read_checkpoint(folder, self.lora)
+        self.lora.load_terms(terms, f"checkpoint {folder}")
         self.optimizer.init(self.model.trainable_parameters())
         if set(opt) != {k for k, _ in tree_flatten(self.optimizer.state)}:
             raise FluxKleinError(

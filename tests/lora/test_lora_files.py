@@ -48,12 +48,10 @@ def trained(snapshot, tmp_path_factory):
     g = np.random.default_rng(2)
     values = {}
     for s in slots:
-        values[f"{s.name}.lora_A.weight"] = mx.array(
+        values[f"{s.name}.down"] = mx.array(
             (g.standard_normal((RANK, s.in_dims)) / math.sqrt(s.in_dims)).astype(np.float32)
         )
-        values[f"{s.name}.lora_B.weight"] = mx.array(
-            (0.3 * g.standard_normal((s.out_dims, RANK)) / 2).astype(np.float32)
-        )
+        values[f"{s.name}.up"] = mx.array((0.3 * g.standard_normal((s.out_dims, RANK)) / 2).astype(np.float32))
     lora.load(values, "test values")
     folder = tmp_path_factory.mktemp("layouts")
     files = {layout: folder / f"{layout}.safetensors" for layout in LAYOUTS}

@@ -177,7 +177,7 @@ def test_lokr_ema_checkpoint_is_a_lokr_file_like_the_checkpoints_own(base, train
     assert raw.keys() == ema.keys() == resumed.keys() and all(k.startswith("diffusion_model.") for k in ema)
     assert all(np.array_equal(to_np(ema[k]), to_np(resumed[k])) for k in ema)
     assert any(np.abs(to_np(ema[k]) - to_np(raw[k])).max() > 0 for k in ema)  # an average, not the last weights
-    assert flux_klein_mlx.load(base, loras=[folders[0] / "ema.safetensors"]).loras[0].format == "E"
+    assert flux_klein_mlx.load(base, loras=[folders[0] / "ema.safetensors"]).loras[0].format == "lokr"
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +186,7 @@ def lokr_pipe(base):
     return diffusers_pipeline_for_loras(base, distilled=False)
 
 
-def adapters_like_the_run(base, arrays):
+def adapters_like_the_run(base, folder):
     """The run's LoKr adapters on a fresh model, set from its checkpoint's tensors."""
     info = describe(base)
     model = load_component(info, "transformer", mx.float32)
@@ -199,7 +199,7 @@ def adapters_like_the_run(base, arrays):
         factor=-1,
         rng=np.random.default_rng(0),
     )
-    lokr.load(arrays, "the checkpoint")
+    lokr.load_terms(read_checkpoint(folder, lokr)[0], "the checkpoint")
     return lokr
 
 
@@ -211,8 +211,7 @@ def test_lokr_files_load_in_diffusers_and_give_our_image(base, trained, lokr_pip
     from flux_klein_mlx.__main__ import main
 
     tmp, *_ = trained
-    arrays, _, _ = read_checkpoint(tmp / "straight.train" / "checkpoint-000002")
-    lokr = adapters_like_the_run(base, arrays)
+    lokr = adapters_like_the_run(base, tmp / "straight.train" / "checkpoint-000002")
     path = tmp_path / f"{layout}.safetensors"
     if layout == "converted":
         write_lora_file(tmp_path / "source.safetensors", lokr, dtype=mx.float32, layout="diffusers")
@@ -231,7 +230,7 @@ def test_lokr_files_load_in_diffusers_and_give_our_image(base, trained, lokr_pip
         theirs = diffusers_lighthouse(lokr_pipe)
         ours, pipe = our_lighthouse(base, [path])
         without, _ = our_lighthouse(base)
-        assert pipe.loras[0].format == "E" and np.abs(ours - theirs).max() <= 1e-3
+        assert pipe.loras[0].format == "lokr" and np.abs(ours - theirs).max() <= 1e-3
         assert np.abs(ours - without).max() > 1e-2  # the LoKr changes the image: the comparison means something
         if layout == "converted":  # the same update as the file it came from
             before, _ = our_lighthouse(base, [tmp_path / "source.safetensors"])

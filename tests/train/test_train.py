@@ -126,7 +126,7 @@ def pair(snap):
     for s in slots:
         a = (g.standard_normal((RANK, s.in_dims)) / math.sqrt(s.in_dims)).astype(np.float32)
         b = (0.3 * g.standard_normal((s.out_dims, RANK)) / math.sqrt(RANK)).astype(np.float32)
-        values[f"{s.name}.lora_A.weight"], values[f"{s.name}.lora_B.weight"] = mx.array(a), mx.array(b)
+        values[f"{s.name}.down"], values[f"{s.name}.up"] = mx.array(a), mx.array(b)
         m = ref.get_submodule(s.name)
         m.lora_A["default"].weight.data.copy_(torch.from_numpy(a))
         m.lora_B["default"].weight.data.copy_(torch.from_numpy(b))
@@ -376,12 +376,13 @@ def test_saved_file_loads_in_diffusers_without_missing_keys_and_gives_our_image(
     try:
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "key" in r.getMessage().lower()]
         for name, a in lora.arrays().items():  # every tensor landed where it belongs
-            module, role = name.rsplit(".lora_", 1)
-            loaded = getattr(ref_pipe.transformer.get_submodule(module), "lora_" + role.split(".")[0])["trained"].weight
+            module, role = name.rsplit(".", 1)
+            peft_role = {"down": "lora_A", "up": "lora_B"}[role]
+            loaded = getattr(ref_pipe.transformer.get_submodule(module), peft_role)["trained"].weight
             assert np.array_equal(loaded.detach().numpy(), to_np(a)), name
         theirs = diffusers_lighthouse(ref_pipe)
         ours, pipe = our_lighthouse(snap, [path])
-        assert pipe.loras[0].format == "A" and np.abs(ours - theirs).max() <= 1e-3
+        assert pipe.loras[0].format == "diffusers" and np.abs(ours - theirs).max() <= 1e-3
     finally:
         ref_pipe.delete_adapters("trained")
 
@@ -469,7 +470,7 @@ def test_resume_is_bit_exact_with_controls_batches_and_accumulation(snap, data, 
     state = json.loads((tmp_path / "resumed" / "checkpoint-000004" / "state.json").read_text())
     assert state["step"] == 4 and len(state["losses"]) == 4
     assert all(v.dtype == mx.bfloat16 for v in b.values())
-    assert flux_klein_mlx.load(snap, loras=[tmp_path / "second.safetensors"]).loras[0].format == "A"
+    assert flux_klein_mlx.load(snap, loras=[tmp_path / "second.safetensors"]).loras[0].format == "diffusers"
 
 
 def test_cli_default_bf16_4bit_run_with_samples_progress_loss_plot_and_train_json(snap, data, tmp_path, capsys):
@@ -520,8 +521,11 @@ def test_cli_default_bf16_4bit_run_with_samples_progress_loss_plot_and_train_jso
     assert len(record["data"]) == 3 and all(len(d["sha256"]) == 64 for d in record["data"])
     assert record["mlx"] and record["flux_klein_mlx"] and record["output"] == str(out)
     # the checkpoint's LoRA is a LoRA file too, and the output loads in the pipeline
-    assert flux_klein_mlx.load(snap, loras=[work / "checkpoint-000001" / "lora.safetensors"]).loras[0].format == "A"
-    assert flux_klein_mlx.load(snap, quantize=4, loras=[out]).loras[0].format == "A"
+    assert (
+        flux_klein_mlx.load(snap, loras=[work / "checkpoint-000001" / "lora.safetensors"]).loras[0].format
+        == "diffusers"
+    )
+    assert flux_klein_mlx.load(snap, quantize=4, loras=[out]).loras[0].format == "diffusers"
 
 
 def test_benchmark_attention_stand_in_allocates_what_mlx_unfused_attention_does(monkeypatch):

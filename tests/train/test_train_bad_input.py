@@ -28,7 +28,7 @@ from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.loading import describe
 from flux_klein_mlx.train import state as train_state
-from flux_klein_mlx.train.adapters import lora_file_shapes, parse_targets
+from flux_klein_mlx.train.adapters import adapter_file_shapes, parse_targets
 from flux_klein_mlx.train.data import bucket_size, scan_data
 from flux_klein_mlx.train.plan import data_key, plan_run, run_key
 from flux_klein_mlx.train.settings import RUN_KEY_VERSION, TrainSettings
@@ -168,7 +168,7 @@ def fake_checkpoint(work: Path, settings: TrainSettings, step: int = 2) -> Path:
     s = settings.check()
     info = describe(s.model)
     items = scan_data(s.data, caption=s.caption, controls=s.controls, resolution=s.resolution)
-    shapes = lora_file_shapes(parse_targets(s.targets, info.params), s.rank)
+    shapes = adapter_file_shapes(parse_targets(s.targets, info.params), info.params, adapter="lora", rank=s.rank)
     lora = {k: mx.zeros(shape) for k, shape in shapes.items()}
     optimizer = {"step": mx.array(step), "learning_rate": mx.array(s.lr)}
     for i, shape in enumerate(shapes.values()):

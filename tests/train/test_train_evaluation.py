@@ -90,7 +90,7 @@ def test_ema_equals_diffusers_emamodel_and_numpy_on_every_checkpoint(base, ema_r
     assert any(np.abs(ema[2][k] - raw[2][k]).max() > 1e-4 for k in keys)  # the average is not the last weights
     written = lora_arrays(out)
     assert all(np.array_equal(written[k], ema[2][k]) for k in keys)  # float32 run: the EMA itself is the output
-    assert flux_klein_mlx.load(base, loras=[out]).loras[0].format == "A"
+    assert flux_klein_mlx.load(base, loras=[out]).loras[0].format == "diffusers"
 
 
 def diffusers_latents(vae, path, size) -> torch.Tensor:
