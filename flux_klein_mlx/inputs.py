@@ -34,13 +34,13 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from .errors import FluxKleinError
+from .models.rope import PIXELS_PER_TOKEN, token_grid
 from .models.tokenizer import check_text
 from .sampling import check_noise_kind, seed_for_image, start_step
 
 MIN_SIDE = 64  # input images (spec 8.1)
 MAX_ASPECT = 8
 MAX_AREA = 1024 * 1024
-MULTIPLE = 16  # VAE downscale 8 x the 2x2 patch
 MAX_SIDE = 4096  # ours (the references have none): 16x the pixels klein was tuned for
 DEFAULT_SIZE = 1024
 DEFAULT_STRENGTH = 0.8
@@ -183,10 +183,12 @@ def check_image_size(width: int, height: int) -> None:
         if not MIN_SIDE <= v <= MAX_SIDE:
             limit = f"below the minimum of {MIN_SIDE}" if v < MIN_SIDE else f"above the maximum of {MAX_SIDE}"
             use = f"{MIN_SIDE} or more" if v < MIN_SIDE else f"at most {MAX_SIDE}"
-            raise FluxKleinError(f"{name} {v} is {limit} px; use {use}, a multiple of {MULTIPLE}")
-        if v % MULTIPLE:
-            lo = v // MULTIPLE * MULTIPLE  # v is inside [64, 4096], so are both neighbours
-            raise FluxKleinError(f"{name} {v} is not a multiple of {MULTIPLE}; use e.g. {lo} or {lo + MULTIPLE}")
+            raise FluxKleinError(f"{name} {v} is {limit} px; use {use}, a multiple of {PIXELS_PER_TOKEN}")
+        if v % PIXELS_PER_TOKEN:
+            lo = v // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN  # v is inside [64, 4096], so are both neighbours
+            raise FluxKleinError(
+                f"{name} {v} is not a multiple of {PIXELS_PER_TOKEN}; use e.g. {lo} or {lo + PIXELS_PER_TOKEN}"
+            )
 
 
 def check_image_shape(w: int, h: int, what: str) -> None:
@@ -283,7 +285,7 @@ def preprocess_reference(image) -> np.ndarray:
     check_image_shape(*img.size, "reference image")
     img = _shrink_to_area(img)
     w, h = img.size
-    cw, ch = w // MULTIPLE * MULTIPLE, h // MULTIPLE * MULTIPLE
+    cw, ch = w // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN, h // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN
     left, top = (w - cw) // 2, (h - ch) // 2
     return _pixels(img.crop((left, top, left + cw, top + ch)), normalize=True)
 
@@ -310,7 +312,7 @@ def prepare_init_image(image, strength: float = DEFAULT_STRENGTH, mask=None) -> 
         )
     # Resizes happen in the file's own mode, colour conversion after (diffusers' order).
     img = _shrink_to_area(img)
-    W, H = img.size[0] // MULTIPLE * MULTIPLE, img.size[1] // MULTIPLE * MULTIPLE
+    W, H = img.size[0] // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN, img.size[1] // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN
     img = img.resize((W, H), Image.Resampling.LANCZOS)  # stretches to the 16-multiple; no crop
     packed = None
     if m is not None:
@@ -322,11 +324,11 @@ def prepare_init_image(image, strength: float = DEFAULT_STRENGTH, mask=None) -> 
                 "the mask has no white pixel: white marks what to repaint, black what to keep "
                 "(or, in a mask with transparency, transparent what to repaint)"
             )
-        packed = bilinear_resize(binary, H // MULTIPLE, W // MULTIPLE).reshape(-1, 1)  # (h*w, 1)
+        packed = bilinear_resize(binary, *token_grid(W, H)).reshape(-1, 1)  # (h*w, 1)
         if not packed.any():  # the model works on 16x16-px cells; this mask's white falls between their samples
             raise FluxKleinError(
                 f"the mask's white area ({int(binary.sum())} px at {W}x{H}) is too small: it misses every "
-                f"{MULTIPLE}x{MULTIPLE}-px cell the model repaints, so nothing would change; enlarge it"
+                f"{PIXELS_PER_TOKEN}x{PIXELS_PER_TOKEN}-px cell the model repaints, so nothing would change; enlarge it"
             )
     return InitImage(pixels=_pixels(img.convert("RGB"), normalize=True), mask=packed, strength=strength)
 
@@ -431,7 +433,7 @@ def _resolve_guidance(s: RunSettings, info) -> tuple[float | None, str | None]:
 
 def _latents(value, channels: int, width: int, height: int) -> np.ndarray:
     """Given noise as float32 numpy (MLX arrays of any float dtype, numpy, nested lists), checked."""
-    shape = (1, channels, height // MULTIPLE, width // MULTIPLE)
+    shape = (1, channels, *token_grid(width, height))
     if isinstance(value, mx.array) and value.dtype in (mx.bool_, mx.complex64):
         raise FluxKleinError(f"latents must be a float array (numpy or MLX), not MLX {value.dtype}")
     if isinstance(value, np.ndarray) and value.dtype.kind not in "fiu":

@@ -47,7 +47,7 @@ from .loading import (
 )
 from .lora.apply import apply_loras, load_loras
 from .models.quantize import check_quantization
-from .models.rope import image_ids, text_ids
+from .models.rope import image_ids, text_ids, token_grid
 from .models.text_encoder import encode_prompts
 from .models.tokenizer import load_tokenizer
 from .output import LatentPreview, image_metadata, preview_for
@@ -250,7 +250,7 @@ class FluxKleinPipeline:
         if cache_key not in self._image_sets:
             vae = self.component("vae")
             tokens = [vae.encode_to_tokens(mx.array(p)[None].astype(self.dtype)) for p in pixels]  # (1, H/16*W/16, 128)
-            ids = [image_ids(p.shape[0] // 16, p.shape[1] // 16, t=reference_time(k)) for k, p in enumerate(pixels)]
+            ids = [image_ids(*token_grid(p.shape[1], p.shape[0]), t=reference_time(k)) for k, p in enumerate(pixels)]
             out = mx.concatenate(tokens, axis=1), mx.concatenate(ids, axis=0)
             mx.eval(out)
             self._check_finite(out[0], f"the VAE encoding of {what}")
@@ -317,7 +317,7 @@ class FluxKleinPipeline:
         t0, loads = time.perf_counter(), self.load_seconds()
         ctx = self.encode_prompts(inputs.prompts)  # (1 or 2, 512, C): [cond, uncond] with CFG
         self._read_ahead("transformer")  # prompts cached: read while the references are encoded
-        h, w = s.height // 16, s.width // 16
+        h, w = token_grid(s.width, s.height)
         ref_tokens = ref_ids = x0 = None
         # The init image is x0 and the first reference (t = 10); other references follow at 20, 30, ...
         pixels = ([init.pixels] if init is not None else []) + inputs.references

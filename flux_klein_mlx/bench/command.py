@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from ..errors import FluxKleinError
 from ..files import check_output_file, write_exclusive
 from ..loading import DTYPES, dtype_name
 from ..models.config import VARIANTS
+from ..models.rope import token_grid
 from ..models.text_encoder import OUT_LAYERS, encode_prompts
 from ..models.tokenizer import MAX_LENGTH
 from ..pipeline import FluxKleinPipeline, load
@@ -148,7 +150,7 @@ def _denoise_stage(run: Run):
     """Time the pipeline's denoising stage, every step on its own; returns the last job (for the decode)."""
     pipe, params = run.pipe, run.pipe.info.params
     _timed_load(run, "transformer")
-    ref_tokens = run.references * (run.width // 16) * (run.height // 16)
+    ref_tokens = run.references * math.prod(token_grid(run.width, run.height))
     step = flops_of_transformer(params, run.width, run.height, MAX_LENGTH, ref_tokens, cached_references=run.kv)
     ref_pass = reference_pass_flops(params, ref_tokens).total if run.kv else 0.0
     run.flops.update(step=step, denoise=step.total * run.steps + ref_pass)
@@ -266,11 +268,11 @@ def _result(run: Run, machine: dict) -> dict:
             "variant": info.variant,
             "width": run.width,
             "height": run.height,
-            "image_tokens": (run.width // 16) * (run.height // 16),
+            "image_tokens": math.prod(token_grid(run.width, run.height)),
             "text_tokens": MAX_LENGTH,
             "blocks": f"{params.depth}+{params.depth_single}",
             "references": run.references,
-            "reference_tokens": run.references * (run.width // 16) * (run.height // 16),
+            "reference_tokens": run.references * math.prod(token_grid(run.width, run.height)),
             "reference_kv": run.kv,
             "steps": run.steps,
             "dtype": dtype_name(pipe.dtype),

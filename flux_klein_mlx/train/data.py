@@ -43,10 +43,10 @@ from PIL import Image
 from ..errors import FluxKleinError, first_few
 from ..files import file_sha256
 from ..inputs import check_image_shape, open_image
+from ..models.rope import PIXELS_PER_TOKEN
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 CAPTION_SUFFIXES = (".txt", ".caption")  # the ones trainers use; the other one is named when found unread
-SIZE_MULTIPLE = 16
 
 
 @dataclass
@@ -86,7 +86,7 @@ class TrainItem:
 def bucket_size(w: int, h: int, resolution: int) -> tuple[int, int]:
     """(W, H) of an image of w x h px at about `resolution`² area, sides multiples of 16 (module docstring)."""
     r = math.sqrt(w / h)
-    side = lambda v: max(SIZE_MULTIPLE, SIZE_MULTIPLE * round(v / SIZE_MULTIPLE))  # noqa: E731
+    side = lambda v: max(PIXELS_PER_TOKEN, PIXELS_PER_TOKEN * round(v / PIXELS_PER_TOKEN))  # noqa: E731
     return side(resolution * r), side(resolution / r)
 
 

@@ -22,7 +22,8 @@ from ..inputs import check_choice, check_number, check_whole, is_int
 from ..loading import DTYPES
 from ..lora.layouts import check_layout
 from ..models.quantize import check_quantization
-from .data import IMAGE_SUFFIXES, SIZE_MULTIPLE
+from ..models.rope import PIXELS_PER_TOKEN
+from .data import IMAGE_SUFFIXES
 from .objective import check_schedule
 
 TIMESTEPS = ("shift", "logit-normal", "uniform")
@@ -300,9 +301,9 @@ def parse_resolutions(value) -> int | tuple[int, ...]:
     for v in parts:
         if isinstance(v, str) and v.strip().isdigit():
             v = int(v.strip())
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 64 <= v <= 4096 or v % SIZE_MULTIPLE:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 64 <= v <= 4096 or v % PIXELS_PER_TOKEN:
             raise FluxKleinError(
-                f"resolution must be whole numbers in [64, 4096], each a multiple of {SIZE_MULTIPLE} "
+                f"resolution must be whole numbers in [64, 4096], each a multiple of {PIXELS_PER_TOKEN} "
                 f"(e.g. 512,768,1024), not {v!r}"
             )
         sizes.append(int(v))
