@@ -175,20 +175,27 @@ def check_strength(strength) -> float:
     return float(strength)
 
 
+def check_side(name: str, v) -> None:
+    """The one rule of an image side the model draws: a whole number of px, a multiple of 16 in [64, 4096].
+    `name` is the option the message names (width, height, resolution, sample-size)."""
+    if not is_int(v):
+        raise FluxKleinError(f"{name} must be a whole number of pixels, not {v!r}")
+    if not MIN_SIDE <= v <= MAX_SIDE:
+        limit = f"below the minimum of {MIN_SIDE}" if v < MIN_SIDE else f"above the maximum of {MAX_SIDE}"
+        raise FluxKleinError(
+            f"{name} {v} is {limit} px; use a multiple of {PIXELS_PER_TOKEN} in [{MIN_SIDE}, {MAX_SIDE}]"
+        )
+    if v % PIXELS_PER_TOKEN:
+        lo = v // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN  # v is inside [64, 4096], so are both neighbours
+        raise FluxKleinError(
+            f"{name} {v} is not a multiple of {PIXELS_PER_TOKEN}; use e.g. {lo} or {lo + PIXELS_PER_TOKEN}"
+        )
+
+
 def check_image_size(width: int, height: int) -> None:
     """Raise FluxKleinError unless both sides are multiples of 16 within [64, 4096] px."""
-    for name, v in (("width", width), ("height", height)):
-        if not is_int(v):
-            raise FluxKleinError(f"{name} must be a whole number of pixels, not {v!r}")
-        if not MIN_SIDE <= v <= MAX_SIDE:
-            limit = f"below the minimum of {MIN_SIDE}" if v < MIN_SIDE else f"above the maximum of {MAX_SIDE}"
-            use = f"{MIN_SIDE} or more" if v < MIN_SIDE else f"at most {MAX_SIDE}"
-            raise FluxKleinError(f"{name} {v} is {limit} px; use {use}, a multiple of {PIXELS_PER_TOKEN}")
-        if v % PIXELS_PER_TOKEN:
-            lo = v // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN  # v is inside [64, 4096], so are both neighbours
-            raise FluxKleinError(
-                f"{name} {v} is not a multiple of {PIXELS_PER_TOKEN}; use e.g. {lo} or {lo + PIXELS_PER_TOKEN}"
-            )
+    check_side("width", width)
+    check_side("height", height)
 
 
 def check_image_shape(w: int, h: int, what: str) -> None:

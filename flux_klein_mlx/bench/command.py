@@ -28,6 +28,7 @@ from PIL import Image
 from ..cli import run_command
 from ..errors import FluxKleinError
 from ..files import check_output_file, write_exclusive
+from ..inputs import check_image_size
 from ..loading import DTYPES, dtype_name
 from ..models.config import VARIANTS
 from ..models.rope import token_grid
@@ -119,10 +120,7 @@ class Run:
 
 
 def _check_run(width: int, height: int, steps: int, warmup: int, trials: int, references: int) -> None:
-    for name, v in (("width", width), ("height", height)):
-        if v < 16 or v % 16:
-            fix = " or ".join(str(c) for c in sorted({max(16, v // 16 * 16), v // 16 * 16 + 16}))
-            raise FluxKleinError(f"{name} {v} is not a positive multiple of 16; use {fix}")
+    check_image_size(width, height)
     if steps < 1 or trials < 1 or warmup < 0:
         raise FluxKleinError("steps and trials must be at least 1 and warmup at least 0")
     if references < 0:

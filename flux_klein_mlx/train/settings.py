@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FluxKleinError
-from ..inputs import check_choice, check_number, check_whole, is_int
+from ..inputs import check_choice, check_number, check_side, check_whole, is_int
 from ..loading import DTYPES
 from ..lora.layouts import check_layout
 from ..models.quantize import check_quantization
-from ..models.rope import PIXELS_PER_TOKEN
 from .data import IMAGE_SUFFIXES
 from .objective import check_schedule
 
@@ -37,8 +36,7 @@ WHOLE = (
     ("seed", 0, 2**63 - 1), ("lokr_factor", -1, 65536),
 )  # fmt: skip
 # whole-number settings that may be None (not asked for), with their (low, high)
-OPTIONAL_WHOLE = {"save_every": (1, 10_000_000), "sample_every": (1, 10_000_000), "sample_steps": (1, 10_000_000),
-                  "sample_size": (64, 4096)}  # fmt: skip
+OPTIONAL_WHOLE = {"save_every": (1, 10_000_000), "sample_every": (1, 10_000_000), "sample_steps": (1, 10_000_000)}
 # (setting, low, high, low excluded) of the real-number settings, checked after the whole numbers
 NUMBERS = (("lr", 0.0, 1.0, True), ("weight_decay", 0.0, 1.0, False), ("max_grad_norm", 0.0, 1e6, True),
            ("alpha", 0.0, 1e6, True), ("caption_dropout", 0.0, 1.0, False))  # fmt: skip
@@ -190,10 +188,10 @@ class TrainSettings:
             raise FluxKleinError("--caption must be a non-empty text (e.g. a trigger word)")
 
     def _check_samples_and_captions(self) -> None:
-        """--sample-size, --sample-strengths, --sample-quantize, --sample-model, --trigger (their ranges
-        checked with the other whole numbers and --caption-dropout with the other numbers)."""
-        if self.sample_size is not None and self.sample_size % 16:
-            raise FluxKleinError(f"sample-size must be a multiple of 16 (e.g. 512), not {self.sample_size}")
+        """--sample-size (an image side, as --resolution), --sample-strengths, --sample-quantize,
+        --sample-model, --trigger (--caption-dropout is checked with the other numbers)."""
+        if self.sample_size is not None:
+            check_side("sample-size", self.sample_size)
         parse_strengths(self.sample_strengths)
         if self.sample_quantize is not None and (
             not is_int(self.sample_quantize) or self.sample_quantize not in (4, 8)
@@ -213,7 +211,7 @@ class TrainSettings:
         out = Path(self.output).expanduser()
         wholes = {name: int(getattr(self, name)) for name, *_ in WHOLE}
         optional = {name: int(getattr(self, name)) for name in OPTIONAL_WHOLE if getattr(self, name) is not None}
-        for name in ("quantize", "sample_quantize"):
+        for name in ("quantize", "sample_quantize", "sample_size"):
             if getattr(self, name) is not None:
                 optional[name] = int(getattr(self, name))
         return dataclasses.replace(
@@ -301,11 +299,7 @@ def parse_resolutions(value) -> int | tuple[int, ...]:
     for v in parts:
         if isinstance(v, str) and v.strip().isdigit():
             v = int(v.strip())
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 64 <= v <= 4096 or v % PIXELS_PER_TOKEN:
-            raise FluxKleinError(
-                f"resolution must be whole numbers in [64, 4096], each a multiple of {PIXELS_PER_TOKEN} "
-                f"(e.g. 512,768,1024), not {v!r}"
-            )
+        check_side("resolution", v)
         sizes.append(int(v))
     if not sizes or len(set(sizes)) != len(sizes):
         raise FluxKleinError(f"resolution must list each size once (e.g. 512,768,1024), not {value!r}")
