@@ -29,10 +29,11 @@ import mlx.core as mx
 import numpy as np
 from PIL import Image
 
+from .checks import check_choice, is_int
 from .embedding_cache import DEFAULT_MAX_BYTES, EmbeddingCache, cached_embeddings, open_cache, prompt_keys
 from .errors import FluxKleinError
 from .events import Event, Job, MemoryPlan, StageStats, Stats
-from .inputs import PreparedInputs, RunSettings, is_int, prepare_inputs
+from .inputs import PreparedInputs, RunSettings, prepare_inputs
 from .loading import (
     COMPONENTS,
     DTYPES,
@@ -425,8 +426,8 @@ def _check_load_options(model, vae, dtype, quantize, group_size) -> None:
             continue  # the model's own VAE
         if not isinstance(value, (str, os.PathLike)) or not str(value):
             raise FluxKleinError(f"{what} must be a repo id or a path (str or Path), not {value!r}")
-    if not isinstance(dtype, (str, mx.Dtype)):
-        raise FluxKleinError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if not isinstance(dtype, mx.Dtype):
+        check_choice("dtype", dtype, DTYPES)
     for what, value, choices in (("quantize", quantize, "4, 8 or None"), ("group_size", group_size, "32, 64 or 128")):
         if value is not None and not is_int(value):
             raise FluxKleinError(f"{what} must be a whole number ({choices}), not {value!r}")

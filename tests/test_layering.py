@@ -275,6 +275,21 @@ def test_every_safe_write_lives_in_files_which_imports_only_errors():
     assert not writers, writers
 
 
+def string_constants(tree: ast.Module) -> str:
+    """Every string literal of a module (f-strings' literal parts too), joined: what its messages say."""
+    return "\n".join(n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str))
+
+
+def test_the_generic_checkers_live_on_the_bottom_floor():
+    """`checks` (is_int, check_whole, check_number, check_choice) imports only `errors`, so every floor may
+    use it; no other module words "must be one of" or cuts a list of names to the first few by hand."""
+    assert package_imports()["checks"] == {"errors"}
+    by_hand = [m for m, tree in sources().items() if m != "checks" and " must be one of " in string_constants(tree)]
+    assert not by_hand, f"{by_hand} word 'must be one of' themselves: use checks.check_choice"
+    cut = [m for m, path in package_files().items() if '", ..." if len(' in path.read_text() and m != "errors"]
+    assert not cut, f"{cut} list the first few names by hand: use errors.first_few"
+
+
 def test_no_constant_is_assigned_in_two_modules():
     """One home per fact: an upper-case module constant is defined once and imported where it is needed."""
     homes: dict[str, list[str]] = {}

@@ -32,6 +32,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..checks import check_choice
 from ..errors import FluxKleinError
 from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, DIFFUSERS_TOP, QKV, linear_shapes
 from .formats import Term, target_table
@@ -44,8 +45,7 @@ FORMAT_NAMES = {"A": "diffusers / PEFT", "B": "BFL names (ComfyUI / ai-toolkit)"
 
 def check_layout(layout, option: str = "--format") -> str:
     """The layout name, or one line saying which exist."""
-    if layout not in LAYOUTS:
-        raise FluxKleinError(f"{option} must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    check_choice(option, layout, LAYOUTS)
     return layout
 
 

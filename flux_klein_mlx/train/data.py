@@ -170,7 +170,7 @@ def _say_what_is_not_read(folder: Path, images: dict[str, Path], extension: str)
         if p.is_dir() and not p.name.startswith(".") and any(q.suffix.lower() in IMAGE_SUFFIXES for q in p.rglob("*")):
             subs.append(p.name)
     if subs:
-        head = ", ".join(subs[:3]) + (", ..." if len(subs) > 3 else "")
+        head = first_few(subs)
         warnings.warn(
             f"--data {folder}: the images in its sub-folder(s) {head} are not read; move them into {folder} "
             "to train on them",

@@ -17,8 +17,9 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checks import check_choice, check_number, check_whole, is_int
 from ..errors import FluxKleinError
-from ..inputs import check_choice, check_number, check_side, check_whole, is_int
+from ..inputs import check_side
 from ..loading import DTYPES
 from ..lora.layouts import check_layout
 from ..models.quantize import check_quantization
