@@ -60,6 +60,7 @@ from .weights import (
 COMPONENTS = ("transformer", "text_encoder", "vae")
 WHAT = {"transformer": "transformer", "text_encoder": "text encoder", "vae": "VAE"}
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+DEFAULT_DTYPE = "bfloat16"  # weights and activations of every command, the server and the Python API
 
 # The marker of a folder written by `convert` (config.json "format" / "format_version").
 FORMAT = "flux_klein_mlx"

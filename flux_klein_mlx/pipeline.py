@@ -36,6 +36,7 @@ from .events import Event, Job, MemoryPlan, StageStats, Stats
 from .inputs import PreparedInputs, RunSettings, prepare_inputs
 from .loading import (
     COMPONENTS,
+    DEFAULT_DTYPE,
     DTYPES,
     ModelInfo,
     as_dtype,
@@ -438,7 +439,7 @@ def _check_load_options(model, vae, dtype, quantize, group_size) -> None:
 def load(
     model: str | Path = DEFAULT_MODEL,
     *,
-    dtype: str = "bfloat16",
+    dtype: str = DEFAULT_DTYPE,
     quantize: int | None = None,
     group_size: int = 64,
     low_memory: bool | MemoryPlan = False,

@@ -290,6 +290,17 @@ def test_the_generic_checkers_live_on_the_bottom_floor():
     assert not cut, f"{cut} list the first few names by hand: use errors.first_few"
 
 
+def test_the_default_dtype_is_named_once():
+    """`loading.DEFAULT_DTYPE` is every default dtype (the commands' options, load, convert, the trainer, the
+    benchmark): no other module spells "bfloat16" as a value."""
+    spelled = [
+        m
+        for m, tree in sources().items()
+        if m != "loading" and any(isinstance(n, ast.Constant) and n.value == "bfloat16" for n in ast.walk(tree))
+    ]
+    assert not spelled, f"{spelled} spell 'bfloat16': import loading.DEFAULT_DTYPE"
+
+
 def test_no_constant_is_assigned_in_two_modules():
     """One home per fact: an upper-case module constant is defined once and imported where it is needed."""
     homes: dict[str, list[str]] = {}

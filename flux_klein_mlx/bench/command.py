@@ -29,7 +29,7 @@ from ..cli import run_command
 from ..errors import FluxKleinError
 from ..files import check_output_file, write_exclusive
 from ..inputs import check_image_size
-from ..loading import DTYPES, dtype_name
+from ..loading import DEFAULT_DTYPE, DTYPES, dtype_name
 from ..models.config import VARIANTS
 from ..models.rope import token_grid
 from ..models.text_encoder import OUT_LAYERS, encode_prompts
@@ -485,7 +485,7 @@ def benchmark(
     row = VARIANTS[variant]
     if blocks:
         row = dataclasses.replace(row, transformer=dataclasses.replace(row.transformer, **parse_blocks(blocks)))
-    dtype = dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
+    dtype = dtype or (DEFAULT_DTYPE if mx.default_device() == mx.gpu else "float32")
     bits = int(quantize) if quantize else None
     log = partial(click.echo, err=True)
     if cold:

@@ -20,7 +20,7 @@ from pathlib import Path
 from ..checks import check_choice, check_number, check_whole, is_int
 from ..errors import FluxKleinError
 from ..inputs import check_side
-from ..loading import DTYPES
+from ..loading import DEFAULT_DTYPE, DTYPES
 from ..lora.layouts import check_layout
 from ..models.quantize import check_quantization
 from .data import IMAGE_SUFFIXES
@@ -67,7 +67,7 @@ class TrainSettings:
     seed: int = 0
     weight_decay: float = 1e-4  # diffusers' trainer; torch/MLX default 0.01 (G9)
     max_grad_norm: float = 1.0
-    dtype: str = "bfloat16"
+    dtype: str = DEFAULT_DTYPE
     quantize: int | None = None  # 4 or 8: the frozen base is quantized (QLoRA)
     group_size: int = 64
     low_memory: bool = False  # gradient checkpointing per block
