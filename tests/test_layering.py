@@ -290,6 +290,22 @@ def test_the_generic_checkers_live_on_the_bottom_floor():
     assert not cut, f"{cut} list the first few names by hand: use errors.first_few"
 
 
+def test_the_token_grid_is_computed_in_one_place():
+    """16 px per latent token is `models/rope.PIXELS_PER_TOKEN` (with `token_grid`): no module divides,
+    multiplies or takes the remainder by a literal 16 (`sampling`'s 16s are torch's normal_fill_16 blocks)."""
+    ops = (ast.FloorDiv, ast.Mod, ast.Mult, ast.Div)
+    literal = [
+        f"{m}:{n.lineno}"
+        for m, tree in sources().items()
+        if m != "sampling"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.BinOp)
+        and isinstance(n.op, ops)
+        and any(isinstance(side, ast.Constant) and side.value == 16 for side in (n.left, n.right))
+    ]
+    assert not literal, f"{literal} compute with a literal 16: use models/rope.PIXELS_PER_TOKEN or token_grid"
+
+
 def test_the_default_dtype_is_named_once():
     """`loading.DEFAULT_DTYPE` is every default dtype (the commands' options, load, convert, the trainer, the
     benchmark): no other module spells "bfloat16" as a value."""
