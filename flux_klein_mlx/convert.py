@@ -39,6 +39,7 @@ from .errors import FluxKleinError
 from .files import broken_link, check_disk_space, folder_transaction
 from .loading import (
     COMPONENTS,
+    DEFAULT_DTYPE,
     DTYPES,
     FORMAT,
     FORMAT_VERSION,
@@ -132,7 +133,7 @@ def convert_model(
     model: str | Path,
     output: str | Path,
     *,
-    dtype: str = "bfloat16",
+    dtype: str = DEFAULT_DTYPE,
     bits: int | None = None,
     group_size: int = 64,
     base: str | Path | None = None,
@@ -410,7 +411,9 @@ def interrupt_on_termination():
     help="Diffusers snapshot folder, Hugging Face repo id, or BFL single-file .safetensors.",
 )
 @click.option("--output", "-o", required=True, type=click.Path(), help="The MLX folder to write.")
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default="bfloat16", show_default=True, help="Weight dtype.")
+@click.option(
+    "--dtype", type=click.Choice(list(DTYPES)), default=DEFAULT_DTYPE, show_default=True, help="Weight dtype."
+)
 @click.option(
     "--quantize", "-q", "bits", type=int, default=None, help="Quantize transformer and text encoder to 4 or 8 bits."
 )

@@ -11,6 +11,7 @@ from PIL import Image
 
 from .errors import FluxKleinError
 from .inputs import PreparedInputs
+from .models.rope import token_grid
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,4 +109,4 @@ class Job:
     @property
     def grid(self) -> tuple[int, int]:
         """(h, w) of the latent token grid: image size / 16."""
-        return self.inputs.settings.height // 16, self.inputs.settings.width // 16
+        return token_grid(self.inputs.settings.width, self.inputs.settings.height)

@@ -14,7 +14,7 @@ from .cli import run_command, vae_and_cache_options
 from .embedding_cache import parse_size
 from .files import check_output_file, numbered_name, write_exclusive
 from .inputs import RunSettings, check_prompt_given, prepare_inputs
-from .loading import DTYPES
+from .loading import DEFAULT_DTYPE, DTYPES
 from .lora.apply import pair_scales
 from .output import image_format, save_image
 from .pipeline import DEFAULT_MODEL, load
@@ -107,7 +107,7 @@ def summary(st, seed, index: int, count: int) -> str:
     default=None,
     help="Quantize transformer and text encoder at load (not needed for a quantized folder).",
 )
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default="bfloat16", show_default=True)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=DEFAULT_DTYPE, show_default=True)
 @click.option(
     "--low-memory",
     is_flag=True,

@@ -22,10 +22,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import numbers
 import random
 import warnings
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,15 +32,16 @@ import mlx.core as mx
 import numpy as np
 from PIL import Image, ImageOps
 
+from .checks import check_number, check_whole, is_int
 from .errors import FluxKleinError
 from .limits import check_decode_fits
+from .models.rope import PIXELS_PER_TOKEN, token_grid
 from .models.tokenizer import check_text
 from .sampling import check_noise_kind, seed_for_image, start_step
 
 MIN_SIDE = 64  # input images (spec 8.1)
 MAX_ASPECT = 8
 MAX_AREA = 1024 * 1024
-MULTIPLE = 16  # VAE downscale 8 x the 2x2 patch
 MAX_SIDE = 4096  # ours (the references have none): 16x the pixels klein was tuned for
 DEFAULT_SIZE = 1024
 DEFAULT_STRENGTH = 0.8
@@ -121,43 +121,7 @@ class RunSettings:
         return self
 
 
-# --- the checkers of settings (RunSettings here, TrainSettings in train/settings.py) -------------------
-# Each refuses one value with one line (FluxKleinError) and changes nothing.
-
-
-def is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def check_whole(name: str, value, low: int | None = None, high: int | None = None) -> None:
-    """A whole number (not a bool) in [low, high]; either bound may be left out."""
-    if is_int(value) and (low is None or low <= value) and (high is None or value <= high):
-        return
-    if low is not None and high is not None:
-        raise FluxKleinError(f"{name} must be a whole number in [{low}, {high}], not {value!r}")
-    if low is not None:
-        raise FluxKleinError(f"{name} must be a whole number of at least {low}, not {value!r}")
-    raise FluxKleinError(f"{name} must be a whole number, not {value!r}")
-
-
-def check_number(
-    name: str, value, low: float, high: float | None = None, open_low: bool = False, hint: str = ""
-) -> None:
-    """A finite real number (not a bool) from `low` (excluded if `open_low`) to `high` (no bound if None)."""
-    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
-    ok = ok and (low < value if open_low else low <= value) and (high is None or value <= high)
-    if ok:
-        return
-    if high is None:
-        raise FluxKleinError(f"{name} must be a finite number {'>' if open_low else '>='} {low}{hint}, not {value!r}")
-    bound = f"({low}, {high}]" if open_low else f"[{low}, {high}]"
-    raise FluxKleinError(f"{name} must be a number in {bound}{hint}, not {value!r}")
-
-
-def check_choice(name: str, value, choices) -> None:
-    """One of `choices` (named in the message in their order)."""
-    if not isinstance(value, Hashable) or value not in choices:  # a list is no choice (nor a key of a dict)
-        raise FluxKleinError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
+# --- the checks of a run's own values (the generic checkers live in `checks`) ---------------------------
 
 
 def check_prompt_given(prompt) -> None:
@@ -176,18 +140,27 @@ def check_strength(strength) -> float:
     return float(strength)
 
 
+def check_side(name: str, v) -> None:
+    """The one rule of an image side the model draws: a whole number of px, a multiple of 16 in [64, 4096].
+    `name` is the option the message names (width, height, resolution, sample-size)."""
+    if not is_int(v):
+        raise FluxKleinError(f"{name} must be a whole number of pixels, not {v!r}")
+    if not MIN_SIDE <= v <= MAX_SIDE:
+        limit = f"below the minimum of {MIN_SIDE}" if v < MIN_SIDE else f"above the maximum of {MAX_SIDE}"
+        raise FluxKleinError(
+            f"{name} {v} is {limit} px; use a multiple of {PIXELS_PER_TOKEN} in [{MIN_SIDE}, {MAX_SIDE}]"
+        )
+    if v % PIXELS_PER_TOKEN:
+        lo = v // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN  # v is inside [64, 4096], so are both neighbours
+        raise FluxKleinError(
+            f"{name} {v} is not a multiple of {PIXELS_PER_TOKEN}; use e.g. {lo} or {lo + PIXELS_PER_TOKEN}"
+        )
+
+
 def check_image_size(width: int, height: int) -> None:
     """Raise FluxKleinError unless both sides are multiples of 16 within [64, 4096] px that this machine can decode."""
-    for name, v in (("width", width), ("height", height)):
-        if not is_int(v):
-            raise FluxKleinError(f"{name} must be a whole number of pixels, not {v!r}")
-        if not MIN_SIDE <= v <= MAX_SIDE:
-            limit = f"below the minimum of {MIN_SIDE}" if v < MIN_SIDE else f"above the maximum of {MAX_SIDE}"
-            use = f"{MIN_SIDE} or more" if v < MIN_SIDE else f"at most {MAX_SIDE}"
-            raise FluxKleinError(f"{name} {v} is {limit} px; use {use}, a multiple of {MULTIPLE}")
-        if v % MULTIPLE:
-            lo = v // MULTIPLE * MULTIPLE  # v is inside [64, 4096], so are both neighbours
-            raise FluxKleinError(f"{name} {v} is not a multiple of {MULTIPLE}; use e.g. {lo} or {lo + MULTIPLE}")
+    check_side("width", width)
+    check_side("height", height)
     check_decode_fits(width, height)  # and what this machine's backend can decode (limits.py)
 
 
@@ -285,7 +258,7 @@ def preprocess_reference(image) -> np.ndarray:
     check_image_shape(*img.size, "reference image")
     img = _shrink_to_area(img)
     w, h = img.size
-    cw, ch = w // MULTIPLE * MULTIPLE, h // MULTIPLE * MULTIPLE
+    cw, ch = w // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN, h // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN
     left, top = (w - cw) // 2, (h - ch) // 2
     return _pixels(img.crop((left, top, left + cw, top + ch)), normalize=True)
 
@@ -312,7 +285,7 @@ def prepare_init_image(image, strength: float = DEFAULT_STRENGTH, mask=None) -> 
         )
     # Resizes happen in the file's own mode, colour conversion after (diffusers' order).
     img = _shrink_to_area(img)
-    W, H = img.size[0] // MULTIPLE * MULTIPLE, img.size[1] // MULTIPLE * MULTIPLE
+    W, H = img.size[0] // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN, img.size[1] // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN
     img = img.resize((W, H), Image.Resampling.LANCZOS)  # stretches to the 16-multiple; no crop
     packed = None
     if m is not None:
@@ -324,11 +297,11 @@ def prepare_init_image(image, strength: float = DEFAULT_STRENGTH, mask=None) -> 
                 "the mask has no white pixel: white marks what to repaint, black what to keep "
                 "(or, in a mask with transparency, transparent what to repaint)"
             )
-        packed = bilinear_resize(binary, H // MULTIPLE, W // MULTIPLE).reshape(-1, 1)  # (h*w, 1)
+        packed = bilinear_resize(binary, *token_grid(W, H)).reshape(-1, 1)  # (h*w, 1)
         if not packed.any():  # the model works on 16x16-px cells; this mask's white falls between their samples
             raise FluxKleinError(
                 f"the mask's white area ({int(binary.sum())} px at {W}x{H}) is too small: it misses every "
-                f"{MULTIPLE}x{MULTIPLE}-px cell the model repaints, so nothing would change; enlarge it"
+                f"{PIXELS_PER_TOKEN}x{PIXELS_PER_TOKEN}-px cell the model repaints, so nothing would change; enlarge it"
             )
     return InitImage(pixels=_pixels(img.convert("RGB"), normalize=True), mask=packed, strength=strength)
 
@@ -433,7 +406,7 @@ def _resolve_guidance(s: RunSettings, info) -> tuple[float | None, str | None]:
 
 def _latents(value, channels: int, width: int, height: int) -> np.ndarray:
     """Given noise as float32 numpy (MLX arrays of any float dtype, numpy, nested lists), checked."""
-    shape = (1, channels, height // MULTIPLE, width // MULTIPLE)
+    shape = (1, channels, *token_grid(width, height))
     if isinstance(value, mx.array) and value.dtype in (mx.bool_, mx.complex64):
         raise FluxKleinError(f"latents must be a float array (numpy or MLX), not MLX {value.dtype}")
     if isinstance(value, np.ndarray) and value.dtype.kind not in "fiu":

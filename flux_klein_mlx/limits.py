@@ -32,6 +32,7 @@ import mlx.core as mx
 
 from .errors import FluxKleinError
 from .models.config import AutoEncoderConfig
+from .models.rope import PIXELS_PER_TOKEN
 
 # The share of the machine's memory an image's decode may take (MLX's CPU allocator takes 0.8 of the
 # physical memory as its default limit, mx.get_memory_limit()); the models and the rest stay in the rest.
@@ -114,4 +115,4 @@ def _largest_square(config: AutoEncoderConfig, itemsize: int, budget: float, max
     pixels = budget / ((c1 + 3 * c0) * itemsize)
     if max_buffer:
         pixels = min(pixels, max_buffer / (c1 * itemsize))
-    return max(16, int(pixels**0.5) // 16 * 16)
+    return max(PIXELS_PER_TOKEN, int(pixels**0.5) // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN)

@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .checks import check_choice
 from .errors import FluxKleinError
 from .models.config import (
     FLUX3_CLASS_PREFIX,
@@ -59,6 +60,7 @@ from .weights import (
 COMPONENTS = ("transformer", "text_encoder", "vae")
 WHAT = {"transformer": "transformer", "text_encoder": "text encoder", "vae": "VAE"}
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+DEFAULT_DTYPE = "bfloat16"  # weights and activations of every command, the server and the Python API
 
 # The marker of a folder written by `convert` (config.json "format" / "format_version").
 FORMAT = "flux_klein_mlx"
@@ -69,8 +71,7 @@ def as_dtype(dtype) -> mx.Dtype | None:
     """None, an mx.Dtype or its name ("bfloat16", "float16", "float32") -> mx.Dtype or None."""
     if dtype is None or isinstance(dtype, mx.Dtype):
         return dtype
-    if dtype not in DTYPES:
-        raise FluxKleinError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    check_choice("dtype", dtype, DTYPES)
     return DTYPES[dtype]
 
 

@@ -28,13 +28,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .checks import check_choice, is_int
 from .embedding_cache import DEFAULT_MAX_BYTES, EmbeddingCache, cached_embeddings, open_cache, prompt_keys
 from .errors import FluxKleinError
 from .events import Event, Job, MemoryPlan, StageStats, Stats
-from .inputs import PreparedInputs, RunSettings, is_int, prepare_inputs
+from .inputs import PreparedInputs, RunSettings, prepare_inputs
 from .limits import check_decode_fits, untiled_decode_fits
 from .loading import (
     COMPONENTS,
+    DEFAULT_DTYPE,
     DTYPES,
     ModelInfo,
     as_dtype,
@@ -48,7 +50,7 @@ from .loading import (
 from .lora.apply import apply_loras, load_loras
 from .models.config import AutoEncoderConfig
 from .models.quantize import check_quantization
-from .models.rope import image_ids, text_ids
+from .models.rope import image_ids, text_ids, token_grid
 from .models.text_encoder import encode_prompts
 from .models.tokenizer import load_tokenizer
 from .output import LatentPreview, image_metadata, model_name, preview_for, to_output
@@ -246,7 +248,7 @@ class FluxKleinPipeline:
         if cache_key not in self._image_sets:
             vae = self.component("vae")
             tokens = [vae.encode_to_tokens(mx.array(p)[None].astype(self.dtype)) for p in pixels]  # (1, H/16*W/16, 128)
-            ids = [image_ids(p.shape[0] // 16, p.shape[1] // 16, t=reference_time(k)) for k, p in enumerate(pixels)]
+            ids = [image_ids(*token_grid(p.shape[1], p.shape[0]), t=reference_time(k)) for k, p in enumerate(pixels)]
             out = mx.concatenate(tokens, axis=1), mx.concatenate(ids, axis=0)
             mx.eval(out)
             self._check_finite(out[0], f"the VAE encoding of {what}")
@@ -329,7 +331,7 @@ class FluxKleinPipeline:
         t0, loads = time.perf_counter(), self.load_seconds()
         ctx = self.encode_prompts(inputs.prompts)  # (1 or 2, 512, C): [cond, uncond] with CFG
         self._read_ahead("transformer")  # prompts cached: read while the references are encoded
-        h, w = s.height // 16, s.width // 16
+        h, w = token_grid(s.width, s.height)
         ref_tokens = ref_ids = x0 = None
         # The init image is x0 and the first reference (t = 10); other references follow at 20, 30, ...
         pixels = ([init.pixels] if init is not None else []) + inputs.references
@@ -431,7 +433,8 @@ class FluxKleinPipeline:
         t0, loads = time.perf_counter(), self.load_seconds()
         vae = self.component("vae")
         h, w = job.grid  # past what the whole-image decode can hold (limits.py), bands: the same image
-        tiled = self.memory.tiled_decode or not untiled_decode_fits(vae.config, 16 * w, 16 * h)
+        width, height = job.inputs.settings.width, job.inputs.settings.height
+        tiled = self.memory.tiled_decode or not untiled_decode_fits(vae.config, width, height)
         decoded = vae.decode_tokens(job.x, h, w, tiled=tiled)
         self._check_finite(decoded, "the VAE decode")  # never a black or garbage PNG from NaN
         image = to_output(decoded, output_type)
@@ -476,8 +479,8 @@ def _check_load_options(model, *, vae, dtype, quantize, group_size) -> None:
             continue  # the model's own VAE
         if not isinstance(value, (str, os.PathLike)) or not str(value):
             raise FluxKleinError(f"{what} must be a repo id or a path (str or Path), not {value!r}")
-    if not isinstance(dtype, (str, mx.Dtype)):
-        raise FluxKleinError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if not isinstance(dtype, mx.Dtype):
+        check_choice("dtype", dtype, DTYPES)
     for what, value, choices in (("quantize", quantize, "4, 8 or None"), ("group_size", group_size, "32, 64 or 128")):
         if value is not None and not is_int(value):
             raise FluxKleinError(f"{what} must be a whole number ({choices}), not {value!r}")
@@ -488,7 +491,7 @@ def _check_load_options(model, *, vae, dtype, quantize, group_size) -> None:
 def load(
     model: str | Path = DEFAULT_MODEL,
     *,
-    dtype: str = "bfloat16",
+    dtype: str = DEFAULT_DTYPE,
     quantize: int | None = None,
     group_size: int = 64,
     low_memory: bool | MemoryPlan = False,

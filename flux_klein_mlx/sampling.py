@@ -35,6 +35,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from .checks import check_choice
 from .errors import FluxKleinError
 
 NOISE_KINDS = ("torch", "mlx")
@@ -131,8 +132,7 @@ def pack_latents(latents: mx.array) -> mx.array:
 
 
 def check_noise_kind(noise: str) -> str:
-    if noise not in NOISE_KINDS:
-        raise FluxKleinError(f"noise must be one of {', '.join(NOISE_KINDS)}, not {noise!r}")
+    check_choice("noise", noise, NOISE_KINDS)
     return noise
 
 

@@ -276,6 +276,48 @@ def test_every_safe_write_lives_in_files_which_imports_only_errors():
     assert not writers, writers
 
 
+def string_constants(tree: ast.Module) -> str:
+    """Every string literal of a module (f-strings' literal parts too), joined: what its messages say."""
+    return "\n".join(n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str))
+
+
+def test_the_generic_checkers_live_on_the_bottom_floor():
+    """`checks` (is_int, check_whole, check_number, check_choice) imports only `errors`, so every floor may
+    use it; no other module words "must be one of" or cuts a list of names to the first few by hand."""
+    assert package_imports()["checks"] == {"errors"}
+    by_hand = [m for m, tree in sources().items() if m != "checks" and " must be one of " in string_constants(tree)]
+    assert not by_hand, f"{by_hand} word 'must be one of' themselves: use checks.check_choice"
+    cut = [m for m, path in package_files().items() if '", ..." if len(' in path.read_text() and m != "errors"]
+    assert not cut, f"{cut} list the first few names by hand: use errors.first_few"
+
+
+def test_the_token_grid_is_computed_in_one_place():
+    """16 px per latent token is `models/rope.PIXELS_PER_TOKEN` (with `token_grid`): no module divides,
+    multiplies or takes the remainder by a literal 16 (`sampling`'s 16s are torch's normal_fill_16 blocks)."""
+    ops = (ast.FloorDiv, ast.Mod, ast.Mult, ast.Div)
+    literal = [
+        f"{m}:{n.lineno}"
+        for m, tree in sources().items()
+        if m != "sampling"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.BinOp)
+        and isinstance(n.op, ops)
+        and any(isinstance(side, ast.Constant) and side.value == 16 for side in (n.left, n.right))
+    ]
+    assert not literal, f"{literal} compute with a literal 16: use models/rope.PIXELS_PER_TOKEN or token_grid"
+
+
+def test_the_default_dtype_is_named_once():
+    """`loading.DEFAULT_DTYPE` is every default dtype (the commands' options, load, convert, the trainer, the
+    benchmark): no other module spells "bfloat16" as a value."""
+    spelled = [
+        m
+        for m, tree in sources().items()
+        if m != "loading" and any(isinstance(n, ast.Constant) and n.value == "bfloat16" for n in ast.walk(tree))
+    ]
+    assert not spelled, f"{spelled} spell 'bfloat16': import loading.DEFAULT_DTYPE"
+
+
 def test_no_constant_is_assigned_in_two_modules():
     """One home per fact: an upper-case module constant is defined once and imported where it is needed."""
     homes: dict[str, list[str]] = {}
@@ -343,15 +385,9 @@ def test_no_call_passes_six_values_by_position():
     assert not by_position, by_position
 
 
-# Wide functions left positional: the networks' forward passes (models/, the reference's own order), the
-# trainer's loss under `nn.value_and_grad` (it differentiates positional arguments); and, for now, the
-# checkers and the adapter writer that their own seams of issue 34 move or rewrite (their callers pass
-# keywords already).
-WIDE_BY_POSITION = {
-    ("train.trainer", "loss"),
-    ("inputs", "check_number"),
-    ("serve.forms", "int_field"),
-}
+# Wide functions left positional: the networks' forward passes (models/, the reference's own order) and the
+# trainer's loss under `nn.value_and_grad` (it differentiates positional arguments).
+WIDE_BY_POSITION = {("train.trainer", "loss")}
 
 
 def test_a_wide_function_takes_the_rest_by_keyword():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -27,8 +28,10 @@ from PIL import Image
 from ..cli import run_command
 from ..errors import FluxKleinError
 from ..files import check_output_file, write_exclusive
-from ..loading import DTYPES, dtype_name
+from ..inputs import check_image_size
+from ..loading import DEFAULT_DTYPE, DTYPES, dtype_name
 from ..models.config import VARIANTS
+from ..models.rope import token_grid
 from ..models.text_encoder import OUT_LAYERS, encode_prompts
 from ..models.tokenizer import MAX_LENGTH
 from ..pipeline import FluxKleinPipeline, load
@@ -117,10 +120,7 @@ class Run:
 
 
 def _check_run(width: int, height: int, *, steps: int, warmup: int, trials: int, references: int) -> None:
-    for name, v in (("width", width), ("height", height)):
-        if v < 16 or v % 16:
-            fix = " or ".join(str(c) for c in sorted({max(16, v // 16 * 16), v // 16 * 16 + 16}))
-            raise FluxKleinError(f"{name} {v} is not a positive multiple of 16; use {fix}")
+    check_image_size(width, height)
     if steps < 1 or trials < 1 or warmup < 0:
         raise FluxKleinError("steps and trials must be at least 1 and warmup at least 0")
     if references < 0:
@@ -148,7 +148,7 @@ def _denoise_stage(run: Run):
     """Time the pipeline's denoising stage, every step on its own; returns the last job (for the decode)."""
     pipe, params = run.pipe, run.pipe.info.params
     _timed_load(run, "transformer")
-    ref_tokens = run.references * (run.width // 16) * (run.height // 16)
+    ref_tokens = run.references * math.prod(token_grid(run.width, run.height))
     step = flops_of_transformer(
         params,
         width=run.width,
@@ -285,11 +285,11 @@ def _result(run: Run, machine: dict) -> dict:
             "variant": info.variant,
             "width": run.width,
             "height": run.height,
-            "image_tokens": (run.width // 16) * (run.height // 16),
+            "image_tokens": math.prod(token_grid(run.width, run.height)),
             "text_tokens": MAX_LENGTH,
             "blocks": f"{params.depth}+{params.depth_single}",
             "references": run.references,
-            "reference_tokens": run.references * (run.width // 16) * (run.height // 16),
+            "reference_tokens": run.references * math.prod(token_grid(run.width, run.height)),
             "reference_kv": run.kv,
             "steps": run.steps,
             "dtype": dtype_name(pipe.dtype),
@@ -511,7 +511,7 @@ def benchmark(
     if json_path:  # before any work: a read-only, missing or mistyped folder must not cost the run
         check_json_path(json_path)
     row = variant_row(variant, blocks)
-    dtype = dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
+    dtype = dtype or (DEFAULT_DTYPE if mx.default_device() == mx.gpu else "float32")
     bits = int(quantize) if quantize else None
     log = partial(click.echo, err=True)
     if cold:

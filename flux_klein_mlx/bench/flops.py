@@ -6,6 +6,7 @@ achieved TFLOPS and % of peak. Used by the `benchmark` command and the scripts i
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import platform
 import re
@@ -18,6 +19,7 @@ import mlx.core as mx
 
 from .. import __version__, preload_openblas
 from ..models.config import FluxKleinParams
+from ..models.rope import token_grid
 
 
 def count_parameters(params: FluxKleinParams) -> int:
@@ -183,7 +185,7 @@ def flops_of_transformer(
         hidden=params.hidden_size,
         depth=params.depth,
         depth_single=params.depth_single,
-        image_tokens=(width // 16) * (height // 16),
+        image_tokens=math.prod(token_grid(width, height)),
         text_tokens=text_tokens,
         mlp_ratio=params.mlp_ratio,
         context_dim=params.context_in_dim,

@@ -48,7 +48,7 @@ import mlx.core as mx
 
 from ..embedding_cache import EmbeddingCache
 from ..inputs import RunSettings, prepare_inputs
-from ..loading import as_dtype, describe
+from ..loading import DEFAULT_DTYPE, as_dtype, describe
 from ..models.config import AutoEncoderConfig, Qwen3Config
 from ..models.tokenizer import load_tokenizer
 from ..pipeline import load
@@ -317,7 +317,7 @@ def measure_cold(
     width: int = 256,
     height: int = 256,
     steps: int = 1,
-    dtype: str = "bfloat16",
+    dtype: str = DEFAULT_DTYPE,
     quantize: int | None = None,
     vae=None,
     log: Callable[[str], None] = lambda msg: None,

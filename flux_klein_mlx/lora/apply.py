@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..errors import FluxKleinError
+from ..errors import FluxKleinError, first_few
 from ..weights import read_lora_file, resolve_lora
 from .formats import Term, parse_lora
 from .layers import LoRALinear, dense_update
@@ -103,7 +103,7 @@ def load_lora(source, params, scale: float = 1.0, partial: bool = False) -> Lora
     parsed = parse_lora(tensors, metadata, params, what)
     n = parsed.n_modules
     miss = parsed.unmatched
-    head = ", ".join(miss[:3]) + (", ..." if len(miss) > 3 else "")
+    head = first_few(miss)
     if not parsed.terms:
         raise FluxKleinError(
             f"LoRA {what} matches no layer of the model: none of its {n} modules ({head}) is a klein "
@@ -178,7 +178,7 @@ def _warn_about_alpha(terms: list[Term], what: str) -> None:
     ):
         hit = [t.key for t in terms if test(t.factor)]
         if hit:
-            names = ", ".join(hit[:3]) + (", ..." if len(hit) > 3 else "")
+            names = first_few(hit)
             which = "every module" if len(hit) == n else f"{len(hit)} of its {n} modules ({names})"
             warnings.warn(f"LoRA {what} has {says}, in {which}", stacklevel=3)
 

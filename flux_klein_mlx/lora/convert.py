@@ -19,7 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..errors import FluxKleinError
+from ..errors import FluxKleinError, first_few
 from ..files import check_output_file, write_exclusive
 from ..models.config import HIDDEN_SIZES, FluxKleinParams
 from ..weights import read_lora_file, save_safetensors_streaming
@@ -115,7 +115,7 @@ def read_any_lora(path: str | Path) -> LoraFile:
             return LoraFile(path=path, metadata=metadata, sha256=sha, parsed=parsed, params=params, dtype=dtype)
         first_error = first_error or FluxKleinError(
             f"LoRA {what}: {len(parsed.unmatched)} of its {parsed.n_modules} modules match no FLUX.2 [klein] layer "
-            f"({', '.join(parsed.unmatched[:3])}); it is not a klein LoRA, or not one flux_klein_mlx can convert"
+            f"({first_few(parsed.unmatched)}); it is not a klein LoRA, or not one flux_klein_mlx can convert"
         )
     raise first_error
 

@@ -35,6 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..checks import check_choice
 from ..errors import FluxKleinError, first_few
 from ..models.transformer import linear_shapes
 from ..weights import read_lora_file, save_safetensors_streaming
@@ -49,8 +50,7 @@ FORMAT_NAMES = {"diffusers": "diffusers / PEFT", "bfl": "BFL names (ComfyUI / ai
 
 def check_layout(layout, option: str = "--format") -> str:
     """The layout name, or one line saying which exist."""
-    if layout not in LAYOUTS:
-        raise FluxKleinError(f"{option} must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    check_choice(option, layout, LAYOUTS)
     return layout
 
 

@@ -13,6 +13,15 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+# One latent token covers PIXELS_PER_TOKEN² pixels: the VAE's 8x downscale times the transformer's 2x2
+# patch. Every image side the model sees is a multiple of it.
+PIXELS_PER_TOKEN = 16
+
+
+def token_grid(width: int, height: int) -> tuple[int, int]:
+    """(h, w) of the latent-token grid of a width x height px image: (height / 16, width / 16)."""
+    return height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN
+
 
 def text_ids(length: int = 512) -> mx.array:
     """Ids of `length` text tokens, (L, 4) int32: token j sits at (0, 0, 0, j)."""

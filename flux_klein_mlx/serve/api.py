@@ -195,16 +195,16 @@ class Server:
             width=width,
             height=height,
             negative_prompt=str_field(body, "negative_prompt"),
-            steps=int_field(body, "steps", 1, o.max_steps),
-            seed=int_field(body, "seed", 0, 2**53),
+            steps=int_field(body, "steps", lo=1, hi=o.max_steps),
+            seed=int_field(body, "seed", lo=0, hi=2**53),
             guidance=float_field(body, "guidance", 0.0, 50.0),
         )
         stream = bool_field(body, "stream")
         # OpenAI's meaning: how many partial images a stream sends (0-3); left out, one per step (the page).
-        partial = int_field(body, "partial_images", 0, 3)
+        partial = int_field(body, "partial_images", lo=0, hi=3)
         req = ImageRequest(
             settings=settings,
-            n=int_field(body, "n", 1, o.max_n, default=1),
+            n=int_field(body, "n", lo=1, hi=o.max_n, default=1),
             loras=self.resolve_loras(body.get("loras", body.get("loras[]"))),
             partial_images=partial if stream else 0,
         )

@@ -19,7 +19,7 @@ import click
 
 from ..cli import run_command, vae_and_cache_options
 from ..errors import FluxKleinError
-from ..loading import DTYPES
+from ..loading import DEFAULT_DTYPE, DTYPES
 from ..pipeline import DEFAULT_MODEL, load
 
 
@@ -132,7 +132,7 @@ def _load_checked(model, sock, load_settings: dict):
     default=None,
     help="Quantize transformer and text encoder at load.",
 )
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default="bfloat16", show_default=True)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default=DEFAULT_DTYPE, show_default=True)
 @click.option("--low-memory", is_flag=True, help="Release the transformer before decoding (small-memory Macs).")
 @click.option(
     "--lora",

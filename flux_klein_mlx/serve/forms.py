@@ -102,7 +102,7 @@ def check_multipart_complete(content_type: str, body: bytes) -> None:
 # ---- field parsing: values are JSON types (generations) or strings (multipart edits) -------------
 
 
-def int_field(body: dict, name: str, lo: int, hi: int, default=None):
+def int_field(body: dict, name: str, *, lo: int, hi: int, default=None):
     v = body.get(name)
     if v is None or v == "":
         return default

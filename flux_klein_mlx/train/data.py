@@ -43,10 +43,10 @@ from PIL import Image
 from ..errors import FluxKleinError, first_few
 from ..files import file_sha256
 from ..inputs import check_image_shape, open_image
+from ..models.rope import PIXELS_PER_TOKEN
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 CAPTION_SUFFIXES = (".txt", ".caption")  # the ones trainers use; the other one is named when found unread
-SIZE_MULTIPLE = 16
 
 
 @dataclass(kw_only=True)
@@ -86,7 +86,7 @@ class TrainItem:
 def bucket_size(w: int, h: int, resolution: int) -> tuple[int, int]:
     """(W, H) of an image of w x h px at about `resolution`² area, sides multiples of 16 (module docstring)."""
     r = math.sqrt(w / h)
-    side = lambda v: max(SIZE_MULTIPLE, SIZE_MULTIPLE * round(v / SIZE_MULTIPLE))  # noqa: E731
+    side = lambda v: max(PIXELS_PER_TOKEN, PIXELS_PER_TOKEN * round(v / PIXELS_PER_TOKEN))  # noqa: E731
     return side(resolution * r), side(resolution / r)
 
 
@@ -170,7 +170,7 @@ def _say_what_is_not_read(folder: Path, images: dict[str, Path], extension: str)
         if p.is_dir() and not p.name.startswith(".") and any(q.suffix.lower() in IMAGE_SUFFIXES for q in p.rglob("*")):
             subs.append(p.name)
     if subs:
-        head = ", ".join(subs[:3]) + (", ..." if len(subs) > 3 else "")
+        head = first_few(subs)
         warnings.warn(
             f"--data {folder}: the images in its sub-folder(s) {head} are not read; move them into {folder} "
             "to train on them",

@@ -25,6 +25,7 @@ measurements used Metal-like stand-ins on Linux, not a Mac; treat the plan as a 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -33,6 +34,7 @@ import mlx.nn as nn
 from ..errors import FluxKleinError
 from ..limits import machine_memory  # the one home of the machine's memory (the pipeline's size limit reads it too)
 from ..models.config import FluxKleinParams
+from ..models.rope import token_grid
 from ..models.tokenizer import MAX_LENGTH
 from ..models.transformer import FluxKlein
 
@@ -102,7 +104,7 @@ def step_peak(
 ) -> tuple[int, int]:
     """(planned peak, weight bytes) of one step (module docstring)."""
     weights = weight_bytes(params, bits, group_size)
-    L = (resolution // 16) ** 2 * (1 + controls) + MAX_LENGTH
+    L = math.prod(token_grid(resolution, resolution)) * (1 + controls) + MAX_LENGTH
     b, c = coefficients(bits is not None, low_memory)
     blocks = params.depth + params.depth_single
     kb = params.hidden_size * blocks / (REF_HIDDEN * REF_BLOCKS)

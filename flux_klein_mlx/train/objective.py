@@ -52,6 +52,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
+from ..checks import check_choice
 from ..errors import FluxKleinError
 from ..sampling import scale_noise
 
@@ -114,8 +115,7 @@ SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
 
 def check_schedule(name: str, warmup: int, steps: int) -> None:
     """Refuse an unknown schedule, a negative warmup, a warmup past the run, or a warmup `constant` ignores."""
-    if name not in SCHEDULES:
-        raise FluxKleinError(f"lr-scheduler must be one of {', '.join(SCHEDULES)}, not {name!r}")
+    check_choice("lr-scheduler", name, SCHEDULES)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise FluxKleinError(f"warmup-steps must be a whole number >= 0, not {warmup!r}")
     if warmup > steps:

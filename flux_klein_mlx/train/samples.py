@@ -37,7 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import FluxKleinError
-from ..loading import ModelInfo, check_weights, describe
+from ..loading import DEFAULT_DTYPE, ModelInfo, check_weights, describe
 from ..models.config import VARIANTS
 from ..output import write_image
 from ..weights import save_safetensors_streaming
@@ -160,14 +160,16 @@ class SampleImages:
         t0 = time.perf_counter()
         self.pipe = load(
             self.source,
-            dtype="bfloat16",
+            dtype=DEFAULT_DTYPE,
             quantize=self.s.sample_quantize,
             low_memory=MemoryPlan(release_models=True, drop_lora_originals=True),
         )
         prompts = [p for prompt in self.s.sample_prompts for p in self.pipe.inputs(prompt, self.settings()).prompts]
         mx.eval(self.pipe.encode_prompts(list(dict.fromkeys(prompts))))
         q = f", {self.s.sample_quantize}-bit" if self.s.sample_quantize else ""
-        detail = f"{self.info.name} from {self.source} (bfloat16{q}), {len(self.s.sample_prompts)} prompt(s) encoded"
+        detail = (
+            f"{self.info.name} from {self.source} ({DEFAULT_DTYPE}{q}), {len(self.s.sample_prompts)} prompt(s) encoded"
+        )
         return time.perf_counter() - t0, detail
 
     def _image(self, prompt: str):

@@ -17,12 +17,13 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checks import check_choice, check_number, check_whole, is_int
 from ..errors import FluxKleinError
-from ..inputs import check_choice, check_number, check_whole, is_int
-from ..loading import DTYPES
+from ..inputs import check_side
+from ..loading import DEFAULT_DTYPE, DTYPES
 from ..lora.layouts import check_layout
 from ..models.quantize import check_quantization
-from .data import IMAGE_SUFFIXES, SIZE_MULTIPLE
+from .data import IMAGE_SUFFIXES
 from .objective import check_schedule
 
 TIMESTEPS = ("shift", "logit-normal", "uniform")
@@ -39,8 +40,7 @@ WHOLE = (
     ("seed", 0, 2**63 - 1), ("lokr_factor", -1, 65536),
 )  # fmt: skip
 # whole-number settings that may be None (not asked for), with their (low, high)
-OPTIONAL_WHOLE = {"save_every": (1, 10_000_000), "sample_every": (1, 10_000_000), "sample_steps": (1, 10_000_000),
-                  "sample_size": (64, 4096)}  # fmt: skip
+OPTIONAL_WHOLE = {"save_every": (1, 10_000_000), "sample_every": (1, 10_000_000), "sample_steps": (1, 10_000_000)}
 # (setting, low, high, low excluded) of the real-number settings, checked after the whole numbers
 NUMBERS = (("lr", 0.0, 1.0, True), ("weight_decay", 0.0, 1.0, False), ("max_grad_norm", 0.0, 1e6, True),
            ("alpha", 0.0, 1e6, True), ("caption_dropout", 0.0, 1.0, False))  # fmt: skip
@@ -70,7 +70,7 @@ class TrainSettings:
     seed: int = 0
     weight_decay: float = 1e-4  # diffusers' trainer; torch/MLX default 0.01 (G9)
     max_grad_norm: float = 1.0
-    dtype: str = "bfloat16"
+    dtype: str = DEFAULT_DTYPE
     quantize: int | None = None  # 4 or 8: the frozen base is quantized (QLoRA)
     group_size: int = 64
     low_memory: bool = False  # gradient checkpointing per block
@@ -109,7 +109,7 @@ class TrainSettings:
         parse_resolutions(self.resolution)
         for name, low, high, open_low in NUMBERS:
             if name != "alpha" or self.alpha is not None:  # no alpha: rank's, which is valid
-                check_number(_label(name), getattr(self, name), low, high, open_low)
+                check_number(_label(name), getattr(self, name), low, high=high, open_low=open_low)
         check_schedule(self.lr_scheduler, self.warmup_steps, self.steps)
         check_choice("timesteps", self.timesteps, TIMESTEPS)
         check_choice("dtype", self.dtype, DTYPES)
@@ -193,10 +193,10 @@ class TrainSettings:
             raise FluxKleinError("--caption must be a non-empty text (e.g. a trigger word)")
 
     def _check_samples_and_captions(self) -> None:
-        """--sample-size, --sample-strengths, --sample-quantize, --sample-model, --trigger (their ranges
-        checked with the other whole numbers and --caption-dropout with the other numbers)."""
-        if self.sample_size is not None and self.sample_size % 16:
-            raise FluxKleinError(f"sample-size must be a multiple of 16 (e.g. 512), not {self.sample_size}")
+        """--sample-size (an image side, as --resolution), --sample-strengths, --sample-quantize,
+        --sample-model, --trigger (--caption-dropout is checked with the other numbers)."""
+        if self.sample_size is not None:
+            check_side("sample-size", self.sample_size)
         parse_strengths(self.sample_strengths)
         if self.sample_quantize is not None and (
             not is_int(self.sample_quantize) or self.sample_quantize not in (4, 8)
@@ -216,7 +216,7 @@ class TrainSettings:
         out = Path(self.output).expanduser()
         wholes = {name: int(getattr(self, name)) for name, *_ in WHOLE}
         optional = {name: int(getattr(self, name)) for name in OPTIONAL_WHOLE if getattr(self, name) is not None}
-        for name in ("quantize", "sample_quantize"):
+        for name in ("quantize", "sample_quantize", "sample_size"):
             if getattr(self, name) is not None:
                 optional[name] = int(getattr(self, name))
         return dataclasses.replace(
@@ -300,11 +300,7 @@ def parse_resolutions(value) -> int | tuple[int, ...]:
     for v in parts:
         if isinstance(v, str) and v.strip().isdigit():
             v = int(v.strip())
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 64 <= v <= 4096 or v % SIZE_MULTIPLE:
-            raise FluxKleinError(
-                f"resolution must be whole numbers in [64, 4096], each a multiple of {SIZE_MULTIPLE} "
-                f"(e.g. 512,768,1024), not {v!r}"
-            )
+        check_side("resolution", v)
         sizes.append(int(v))
     if not sizes or len(set(sizes)) != len(sizes):
         raise FluxKleinError(f"resolution must list each size once (e.g. 512,768,1024), not {value!r}")

@@ -47,6 +47,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..checks import is_int
 from ..errors import FluxKleinError, Notice
 from ..files import (
     broken_link,
@@ -336,16 +337,12 @@ def _tensor_table(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return table
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _state_problem(state, step: int, n_items: int) -> str | None:
     """What is wrong with a checkpoint's state.json (types and values), or None."""
     if not isinstance(state, dict):
         return "state.json is not a JSON object"
     for key in ("step", "epoch", "position"):
-        if not _is_int(state.get(key)) or state[key] < 0:
+        if not is_int(state.get(key)) or state[key] < 0:
             return f"state.json's {key} is {state.get(key)!r}, not a whole number"
     if state["step"] != step:
         return f"state.json says step {state['step']}, its folder name step {step}"
@@ -353,7 +350,7 @@ def _state_problem(state, step: int, n_items: int) -> str | None:
     losses = state.get("losses")
     if not isinstance(batches, list) or not all(isinstance(b, list) and b for b in batches):
         return "state.json's batches is not a list of batches"
-    if not all(_is_int(i) and 0 <= i < n_items for b in batches for i in b):
+    if not all(is_int(i) and 0 <= i < n_items for b in batches for i in b):
         return f"state.json's batches name examples outside the {n_items} of --data"
     if state["position"] > len(batches):
         return f"state.json's position {state['position']} is past its {len(batches)} batches"

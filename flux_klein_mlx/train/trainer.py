@@ -33,7 +33,7 @@ from ..embedding_cache import open_cache, prompt_keys
 from ..errors import FluxKleinError
 from ..files import write_exclusive
 from ..loading import as_dtype, load_component
-from ..models.rope import image_ids, text_ids
+from ..models.rope import image_ids, text_ids, token_grid
 from ..models.text_encoder import encode_prompts
 from ..models.tokenizer import load_tokenizer
 from ..sampling import reference_time
@@ -321,8 +321,8 @@ class Trainer:
         key = (it.bucket, n_refs)
         if key not in self.ropes:
             W, H = it.bucket
-            ids = [image_ids(H // 16, W // 16)] + [
-                image_ids(H // 16, W // 16, t=reference_time(k)) for k in range(n_refs)
+            ids = [image_ids(*token_grid(W, H))] + [
+                image_ids(*token_grid(W, H), t=reference_time(k)) for k in range(n_refs)
             ]
             self.ropes[key] = self.model.compute_rope(text_ids(512), mx.concatenate(ids, axis=0))
         return self.ropes[key]

@@ -233,8 +233,8 @@ def test_cli_quantized(snapshot, tmp_path):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--model", "SNAPSHOT", "-W", "100"], "width 100 is not a positive multiple of 16"),
-        (["--random-weights", "-H", "8"], "height 8 is not a positive multiple of 16"),
+        (["--model", "SNAPSHOT", "-W", "100"], "width 100 is not a multiple of 16; use e.g. 96 or 112"),
+        (["--random-weights", "-H", "8"], "height 8 is below the minimum of 64 px"),
         (["--random-weights", "--variant", "klein-7b"], "klein-7b"),
         (["--variant", "klein-4b"], "--random-weights"),
         (["--model", "x", "--random-weights"], "not both"),
