@@ -16,6 +16,7 @@ import pytest
 # from every test folder.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
+from command_line import run_cli  # noqa: E402
 from tiny_model import shared_tiny_snapshot  # noqa: E402
 
 _SESSION_CACHE = tempfile.mkdtemp(prefix="flux-klein-test-cache-")
@@ -32,14 +33,15 @@ def pytest_unconfigure(config):
 # The files that take longest (pytest --durations, 2 cores), run first: the two workers of .ci/run then
 # end together, instead of one finishing a long file picked up last while the other waits.
 LONG_FILES = (
-    "test_train_distributed.py",
+    "test_train_evaluation.py",
     "test_serve.py",
+    "test_train_distributed.py",
+    "test_pipeline.py",
     "test_train.py",
     "test_train_samples.py",
-    "test_check_real_weights.py",
-    "test_train_evaluation.py",
-    "test_pipeline.py",
     "test_kv.py",
+    "test_noise.py",
+    "test_check_real_weights.py",  # one 45 s test: never the last one picked up
 )
 
 
@@ -74,6 +76,38 @@ def snapshot(distilled):
 def base(tmp_path_factory):
     """The tiny Base snapshot (no is_distilled key in model_index.json)."""
     return shared_tiny_snapshot(tmp_path_factory, distilled=False)
+
+
+@pytest.fixture(scope="session")
+def converted_snapshot(snapshot, tmp_path_factory):
+    """The tiny distilled snapshot converted to our float32 folder (read only: tests copy it to change it)."""
+    from flux_klein_mlx.convert import convert_model
+
+    out = tmp_path_factory.mktemp("converted") / "conv"
+    convert_model(snapshot, out, dtype="float32")
+    return out
+
+
+@pytest.fixture
+def cli(capsys):
+    """The command line in this process: `cli("generate", "--model", path, ...)` -> (exit code, stdout,
+    stderr). Arguments may be paths or numbers; each call reads only its own output."""
+    return lambda *args: run_cli(capsys, *args)
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    """Record every model load of the pipeline; a bad input must be refused before any."""
+    import flux_klein_mlx.pipeline as pipeline_module
+
+    calls = []
+
+    def recorder(info, name, *a, **k):
+        calls.append(name)
+        raise AssertionError(f"the {name} was loaded before the bad input was refused")
+
+    monkeypatch.setattr(pipeline_module, "load_component", recorder)
+    return calls
 
 
 @pytest.fixture(scope="session", autouse=True)

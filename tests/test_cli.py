@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,20 +15,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.inputs import content_hash, preprocess_reference
 from flux_klein_mlx.output import read_record
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def generate(args, capsys):
-    code = main(["generate", *args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_generate_writes_png_with_metadata_and_never_overwrites(snapshot, tmp_path, capsys):
+def test_generate_writes_png_with_metadata_and_never_overwrites(snapshot, tmp_path, cli):
     out = tmp_path / "fox.png"
     args = [
         "--model",
@@ -45,7 +39,7 @@ def test_generate_writes_png_with_metadata_and_never_overwrites(snapshot, tmp_pa
         "--output",
         str(out),
     ]
-    code, stdout, stderr = generate(args, capsys)
+    code, stdout, stderr = cli("generate", *args)
     assert code == 0, stderr
     assert stdout.strip() == str(out) and out.is_file()
     assert "denoising" in stderr and "s/step" in stderr and "peak" in stderr
@@ -62,7 +56,7 @@ def test_generate_writes_png_with_metadata_and_never_overwrites(snapshot, tmp_pa
     assert "prompt" not in im.text
 
     # Same seed again: the existing file is kept, a new name is chosen and printed, same pixels.
-    code, stdout, stderr = generate(args, capsys)
+    code, stdout, stderr = cli("generate", *args)
     second_path = tmp_path / "fox-1.png"
     assert code == 0 and stdout.strip() == str(second_path) and "exists" in stderr
     with Image.open(second_path) as im:
@@ -71,28 +65,26 @@ def test_generate_writes_png_with_metadata_and_never_overwrites(snapshot, tmp_pa
         assert np.array_equal(np.asarray(im.convert("RGB")), first)
 
 
-def test_generate_num_images_counts_seeds_up(snapshot, tmp_path, capsys):
+def test_generate_num_images_counts_seeds_up(snapshot, tmp_path, cli):
     out = tmp_path / "many.png"
-    code, stdout, _ = generate(
-        [
-            "--model",
-            str(snapshot),
-            "-p",
-            "x",
-            "--seed",
-            "5",
-            "-n",
-            "2",
-            "-W",
-            "64",
-            "-H",
-            "64",
-            "--dtype",
-            "float32",
-            "-o",
-            str(out),
-        ],
-        capsys,
+    code, stdout, _ = cli(
+        "generate",
+        "--model",
+        str(snapshot),
+        "-p",
+        "x",
+        "--seed",
+        "5",
+        "-n",
+        "2",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--dtype",
+        "float32",
+        "-o",
+        str(out),
     )
     assert code == 0
     paths = stdout.split()
@@ -101,26 +93,24 @@ def test_generate_num_images_counts_seeds_up(snapshot, tmp_path, capsys):
     assert seeds == [5, 6]
 
 
-def test_editing_with_reference_image(snapshot, tmp_path, capsys):
+def test_editing_with_reference_image(snapshot, tmp_path, cli):
     ref = tmp_path / "ref.png"
     Image.fromarray((np.random.default_rng(0).random((72, 100, 3)) * 255).astype(np.uint8)).save(ref)
     out = tmp_path / "edit.png"
-    code, _, stderr = generate(
-        [
-            "--model",
-            str(snapshot),
-            "-p",
-            "make it blue",
-            "--image",
-            str(ref),
-            "--seed",
-            "1",
-            "--dtype",
-            "float32",
-            "-o",
-            str(out),
-        ],
-        capsys,
+    code, _, stderr = cli(
+        "generate",
+        "--model",
+        str(snapshot),
+        "-p",
+        "make it blue",
+        "--image",
+        str(ref),
+        "--seed",
+        "1",
+        "--dtype",
+        "float32",
+        "-o",
+        str(out),
     )
     assert code == 0, stderr
     with Image.open(out) as im:
@@ -141,36 +131,34 @@ def test_editing_with_reference_image(snapshot, tmp_path, capsys):
         (["--quantize", "4", "--output", "x.gif"], "--output must end in .png, .jpg, .jpeg, .webp, not 'x.gif'"),
     ],
 )
-def test_bad_input_one_line_error_and_no_file(snapshot, tmp_path, capsys, extra, message, monkeypatch):
+def test_bad_input_one_line_error_and_no_file(snapshot, tmp_path, cli, extra, message, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = ["--model", str(snapshot), "-p", "x", "--dtype", "float32", "-o", str(tmp_path / "out.png"), *extra]
-    code, stdout, stderr = generate(args, capsys)
+    code, stdout, stderr = cli("generate", *args)
     assert code != 0
     assert message in stderr
     assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
     assert list(tmp_path.glob("*.png")) == []
 
 
-def test_small_or_extreme_reference_and_unsupported_model(snapshot, tmp_path, capsys):
+def test_small_or_extreme_reference_and_unsupported_model(snapshot, tmp_path, cli):
     small = tmp_path / "small.png"
     Image.new("RGB", (40, 80)).save(small)
     wide = tmp_path / "wide.png"
     Image.new("RGB", (640, 64)).save(wide)
     for path, message in ((small, "both sides must be at least 64 px"), (wide, "the limit is 8:1")):
-        code, _, stderr = generate(
-            [
-                "--model",
-                str(snapshot),
-                "-p",
-                "x",
-                "--image",
-                str(path),
-                "--dtype",
-                "float32",
-                "-o",
-                str(tmp_path / "o.png"),
-            ],
-            capsys,
+        code, _, stderr = cli(
+            "generate",
+            "--model",
+            str(snapshot),
+            "-p",
+            "x",
+            "--image",
+            str(path),
+            "--dtype",
+            "float32",
+            "-o",
+            str(tmp_path / "o.png"),
         )
         assert code == 1 and message in stderr and len(stderr.strip().splitlines()) == 1
     dev = tmp_path / "dev"
@@ -178,12 +166,12 @@ def test_small_or_extreme_reference_and_unsupported_model(snapshot, tmp_path, ca
     index = json.loads((dev / "model_index.json").read_text())
     index["_class_name"] = "Flux2Pipeline"
     (dev / "model_index.json").write_text(json.dumps(index))
-    code, _, stderr = generate(["--model", str(dev), "-p", "x", "-o", str(tmp_path / "o.png")], capsys)
+    code, _, stderr = cli("generate", "--model", str(dev), "-p", "x", "-o", str(tmp_path / "o.png"))
     assert code == 1 and "holds a Flux2Pipeline model" in stderr
     assert list(tmp_path.glob("o*.png")) == []
 
 
-def test_non_finite_weights_stop_with_message_and_no_file(snapshot, tmp_path, capsys):
+def test_non_finite_weights_stop_with_message_and_no_file(snapshot, tmp_path, cli):
     import mlx.core as mx
 
     bad = tmp_path / "bad"
@@ -192,9 +180,20 @@ def test_non_finite_weights_stop_with_message_and_no_file(snapshot, tmp_path, ca
     w = mx.load(str(f))
     w["proj_out.weight"] = mx.full(w["proj_out.weight"].shape, float("inf"))
     mx.save_safetensors(str(f), w)
-    code, _, stderr = generate(
-        ["--model", str(bad), "-p", "x", "-W", "64", "-H", "64", "--dtype", "float32", "-o", str(tmp_path / "nan.png")],
-        capsys,
+    code, _, stderr = cli(
+        "generate",
+        "--model",
+        str(bad),
+        "-p",
+        "x",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--dtype",
+        "float32",
+        "-o",
+        str(tmp_path / "nan.png"),
     )
     assert code == 1 and "non-finite values appeared at denoising step 1" in stderr
     assert not (tmp_path / "nan.png").exists()
@@ -263,11 +262,11 @@ def offline_hub(monkeypatch, cache: Path, endpoint: str = "http://127.0.0.1:9") 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
 
 
-def test_an_unreachable_hub_says_so_with_the_size_the_cache_and_the_way_out(tmp_path, capsys, monkeypatch):
+def test_an_unreachable_hub_says_so_with_the_size_the_cache_and_the_way_out(tmp_path, cli, monkeypatch):
     """A new user's first run with no network: not "neither a folder nor a repo id" (a typo's message),
     but that the hub cannot be reached, how big the download is, where it goes and `--model DIR`."""
     offline_hub(monkeypatch, tmp_path / "hub")
-    code, _, stderr = generate(["--prompt", "a fox", "-o", str(tmp_path / "x.png")], capsys)  # the default model
+    code, _, stderr = cli("generate", "--prompt", "a fox", "-o", str(tmp_path / "x.png"))  # the default model
     assert code == 1 and len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
     assert stderr.startswith(
         "error: cannot reach the Hugging Face hub (ConnectError) to download "
@@ -276,7 +275,7 @@ def test_an_unreachable_hub_says_so_with_the_size_the_cache_and_the_way_out(tmp_
     assert "--model DIR" in stderr and not (tmp_path / "x.png").exists()
 
 
-def test_a_large_download_is_announced_before_it_starts(snapshot, tmp_path, capsys, monkeypatch):
+def test_a_large_download_is_announced_before_it_starts(snapshot, tmp_path, capsys, monkeypatch, cli):
     """One line, before the download: its size (the files the pipeline reads, nothing cached yet), the
     cache folder, the way out. The hub's answers are stood in for (no network here)."""
     from types import SimpleNamespace
@@ -297,7 +296,7 @@ def test_a_large_download_is_announced_before_it_starts(snapshot, tmp_path, caps
     foreign = tmp_path / "out"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
-    code, _, stderr = main_cli(["convert", "-m", "black-forest-labs/FLUX.2-klein-4B", "-o", str(foreign)], capsys)
+    code, _, stderr = cli("convert", "-m", "black-forest-labs/FLUX.2-klein-4B", "-o", str(foreign))
     lines = stderr.strip().splitlines()
     assert lines[0] == (
         f"downloading black-forest-labs/FLUX.2-klein-4B: 15.8 GB into {tmp_path / 'hub'} (once; "
@@ -306,7 +305,6 @@ def test_a_large_download_is_announced_before_it_starts(snapshot, tmp_path, caps
     assert code == 1 and len(lines) == 2 and lines[1].startswith("error: ")  # the folder is not ours: refused
 
 
-def main_cli(args, capsys):
-    code = main(args)
-    out, err = capsys.readouterr()
-    return code, out, err
+def test_version(cli):
+    code, out, err = cli("--version")
+    assert code == 0 and re.fullmatch(r"flux_klein_mlx \d+\.\d+\.\d+\n", out)

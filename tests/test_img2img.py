@@ -224,15 +224,7 @@ def test_unreadable_files(distilled, tmp_path):
 # ---- the CLI -------------------------------------------------------------------------------------
 
 
-def cli(args, capsys):
-    from flux_klein_mlx.__main__ import main
-
-    code = main(["generate", *args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_cli_img2img_inpainting_and_noise_metadata(distilled, tmp_path, capsys):
+def test_cli_img2img_inpainting_and_noise_metadata(distilled, tmp_path, cli):
     import json
 
     init, mask = tmp_path / "init.png", tmp_path / "mask.png"
@@ -240,25 +232,23 @@ def test_cli_img2img_inpainting_and_noise_metadata(distilled, tmp_path, capsys):
     ellipse_mask(100, 72).save(mask)
     out = tmp_path / "edit.png"
     code, stdout, stderr = cli(
-        [
-            "--model",
-            str(distilled),
-            "-p",
-            "a cat",
-            "--init-image",
-            str(init),
-            "--strength",
-            "0.6",
-            "--mask",
-            str(mask),
-            "--seed",
-            "11",
-            "--dtype",
-            "float32",
-            "-o",
-            str(out),
-        ],
-        capsys,
+        "generate",
+        "--model",
+        str(distilled),
+        "-p",
+        "a cat",
+        "--init-image",
+        str(init),
+        "--strength",
+        "0.6",
+        "--mask",
+        str(mask),
+        "--seed",
+        "11",
+        "--dtype",
+        "float32",
+        "-o",
+        str(out),
     )
     assert code == 0, stderr
     with Image.open(out) as im:
@@ -275,25 +265,23 @@ def test_cli_img2img_inpainting_and_noise_metadata(distilled, tmp_path, capsys):
     assert np.array_equal(np.asarray(api), cli_pixels)
 
     code, stdout, stderr = cli(
-        [
-            "--model",
-            str(distilled),
-            "-p",
-            "x",
-            "-W",
-            "64",
-            "-H",
-            "64",
-            "--seed",
-            "1",
-            "--noise",
-            "mlx",
-            "--dtype",
-            "float32",
-            "-o",
-            str(tmp_path / "mlx.png"),
-        ],
-        capsys,
+        "generate",
+        "--model",
+        str(distilled),
+        "-p",
+        "x",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--seed",
+        "1",
+        "--noise",
+        "mlx",
+        "--dtype",
+        "float32",
+        "-o",
+        str(tmp_path / "mlx.png"),
     )
     assert code == 0, stderr
     assert json.loads(Image.open(tmp_path / "mlx.png").text["flux_klein_mlx"])["noise"] == "mlx"
@@ -316,7 +304,7 @@ def test_cli_img2img_inpainting_and_noise_metadata(distilled, tmp_path, capsys):
         (["--init-image", "INIT", "--width", "128"], "the output takes the init image's size (96x64)"),
     ],
 )
-def test_cli_bad_input_one_line_exit_1_no_file(distilled, tmp_path, capsys, extra, message):
+def test_cli_bad_input_one_line_exit_1_no_file(distilled, tmp_path, cli, extra, message):
     files = {
         "INIT": picture(100, 72),
         "MASK": Image.new("L", (100, 72), 255),
@@ -331,7 +319,9 @@ def test_cli_bad_input_one_line_exit_1_no_file(distilled, tmp_path, capsys, extr
     (inputs / "BROKEN.png").write_bytes(b"not a png")
     extra = [str(inputs / f"{a}.png") if a in files or a == "BROKEN" else a for a in extra]
     out = tmp_path / "out.png"
-    code, _, stderr = cli(["--model", str(distilled), "-p", "x", "--dtype", "float32", "-o", str(out), *extra], capsys)
+    code, _, stderr = cli(
+        "generate", "--model", str(distilled), "-p", "x", "--dtype", "float32", "-o", str(out), *extra
+    )
     assert code != 0 and message in stderr, stderr
     assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
     assert not out.exists() and list(tmp_path.glob("*.png")) == []

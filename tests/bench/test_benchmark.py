@@ -302,3 +302,12 @@ def test_cli_on_a_tiny_checkpoint_folder(tmp_path):
     assert {"text_encoding", "denoise_step", "vae_decode"} <= set(r["stages"])
     # The real prompt is tokenized to 512 positions, the real text encoder depth is tapped (27).
     assert r["flops"]["text_encoder_tflop"] > 0
+
+
+def test_variant_beside_a_model_is_refused_before_any_model(cli, snapshot, tmp_path, no_models):
+    """`benchmark --variant` with `--model` would be ignored: one line, before any model, nothing written."""
+    from command_line import assert_one_line_error
+
+    code, _, err = cli("benchmark", "--model", snapshot, "--variant", "klein-9b")
+    assert_one_line_error(code, err, "--variant only applies to --random-weights")
+    assert no_models == [] and list(tmp_path.iterdir()) == []

@@ -125,13 +125,12 @@ def test_a_changed_encoder_file_is_never_served_stale_and_a_damaged_one_is_refus
         (["--vae", "{snapshot}/tokenizer"], "has no VAE"),
     ],
 )
-def test_bad_cache_and_vae_options_are_one_line_before_any_model(distilled, tmp_path, capsys, loads, extra, words):
+def test_bad_cache_and_vae_options_are_one_line_before_any_model(distilled, tmp_path, cli, loads, extra, words):
     txt = tmp_path / "vae.txt"
     txt.write_text("not a VAE")
     extra = [e.format(vae_txt=txt, snapshot=distilled) for e in extra]
     out = tmp_path / "x.png"
-    code = main(["generate", "-m", str(distilled), "-p", "x", "-W", "64", "-H", "64", "-o", str(out), *extra])
-    err = capsys.readouterr().err
+    code, _, err = cli("generate", "-m", str(distilled), "-p", "x", "-W", "64", "-H", "64", "-o", str(out), *extra)
     assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     assert words in err and loads == [] and not out.exists()
     if extra[0] == "--vae":  # the server: one line and exit 1 before it says "serving"
@@ -139,8 +138,7 @@ def test_bad_cache_and_vae_options_are_one_line_before_any_model(distilled, tmp_
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        code = main(["serve", "--model", str(distilled), "--port", str(port), *extra])
-        err = capsys.readouterr().err
+        code, _, err = cli("serve", "--model", str(distilled), "--port", str(port), *extra)
         assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1 and words in err, err
 
 

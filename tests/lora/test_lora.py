@@ -860,15 +860,7 @@ def autov3(path) -> str:
     return hashlib.sha256(blob[8 + int.from_bytes(blob[:8], "little") :]).hexdigest()[:12]
 
 
-def cli(args, capsys):
-    from flux_klein_mlx.__main__ import main
-
-    code = main(["generate", *args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snapshot, tmp_path, capsys, monkeypatch):
+def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snapshot, tmp_path, cli, monkeypatch):
     import hashlib
 
     import huggingface_hub.constants
@@ -889,31 +881,29 @@ def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snapshot, tmp_
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     out = tmp_path / "img.png"
     code, stdout, err = cli(
-        [
-            "--model",
-            str(snapshot),
-            "--prompt",
-            PROMPT,
-            "--seed",
-            "1",
-            "--width",
-            "64",
-            "--height",
-            "64",
-            "--steps",
-            "1",
-            "--dtype",
-            "float32",
-            "--output",
-            str(out),
-            "--lora",
-            str(a),
-            "--lora",
-            "someone/klein-lora",
-            "--lora-scale",
-            "0.7",
-        ],
-        capsys,
+        "generate",
+        "--model",
+        str(snapshot),
+        "--prompt",
+        PROMPT,
+        "--seed",
+        "1",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--steps",
+        "1",
+        "--dtype",
+        "float32",
+        "--output",
+        str(out),
+        "--lora",
+        str(a),
+        "--lora",
+        "someone/klein-lora",
+        "--lora-scale",
+        "0.7",
     )
     assert code == 0, err
     params = json.loads(Image.open(out).text["flux_klein_mlx"])
@@ -956,7 +946,7 @@ def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snapshot, tmp_
         (["--lora", "NINE"], r"was made for FLUX.2 \[klein\] 9B"),
     ],
 )
-def test_cli_bad_loras_one_line_exit_1_no_file(snapshot, tmp_path, capsys, extra, message):
+def test_cli_bad_loras_one_line_exit_1_no_file(snapshot, tmp_path, cli, extra, message):
     files = {
         "A": lora_a(tmp_path / "a.safetensors", Rand(15)),
         "NOTHING": write(tmp_path / "n.safetensors", pair("unet.mid.proj", D, D)),
@@ -968,8 +958,18 @@ def test_cli_bad_loras_one_line_exit_1_no_file(snapshot, tmp_path, capsys, extra
     extra = [str(files.get(x, x)) for x in extra]
     out = tmp_path / "img.png"
     code, stdout, err = cli(
-        ["--model", str(snapshot), "--prompt", "x", "--width", "64", "--height", "64", "--output", str(out), *extra],
-        capsys,
+        "generate",
+        "--model",
+        str(snapshot),
+        "--prompt",
+        "x",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--output",
+        str(out),
+        *extra,
     )
     assert code == 1 and not out.exists()
     lines = err.strip().splitlines()
@@ -1017,17 +1017,15 @@ def test_convert_bakes_loras_and_records_them(snapshot, our_pipe, lat, tmp_path,
     assert err <= tolerance
 
 
-def test_convert_lora_bad_input_writes_nothing(snapshot, tmp_path, capsys):
-    from flux_klein_mlx.__main__ import main
-
+def test_convert_lora_bad_input_writes_nothing(snapshot, tmp_path, cli):
     bad = write(tmp_path / "bad.safetensors", pair("transformer.transformer_blocks.9.attn.to_q", D, D))
     for extra, message in (
         ([str(bad)], "matches no layer"),
         ([str(bad), "--lora-scale", "1", "--lora-scale", "2"], "--lora-scale is given 2 times"),
     ):
         out = tmp_path / "out"
-        code = main(["convert", "--model", str(snapshot), "--output", str(out), "--lora", *extra])
-        err = capsys.readouterr().err.strip().splitlines()
+        code, _, err = cli("convert", "--model", str(snapshot), "--output", str(out), "--lora", *extra)
+        err = err.strip().splitlines()
         assert (
             code == 1 and not out.exists() and len(err) == 1 and err[0].startswith("error: ") and message in err[0]
         ), err

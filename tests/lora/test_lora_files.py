@@ -21,13 +21,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from command_line import run_cli
 from refs import diffusers_pipeline, diffusers_pipeline_for_loras, diffusers_prompt_embeds
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tiny_model import diffusers_to_bfl
 
 import flux_klein_mlx
-from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.loading import describe, load_component
 from flux_klein_mlx.lora.layouts import LAYOUTS
 from flux_klein_mlx.output import a1111_parameters
@@ -202,8 +202,7 @@ def kohya_file(path, g):
 
 
 def convert(capsys, *args):
-    rc = main(["lora", "convert", *map(str, args)])
-    out, err = capsys.readouterr()
+    rc, out, err = run_cli(capsys, "lora", "convert", *args)
     assert rc == 0, err
     return out
 
@@ -241,8 +240,7 @@ def test_convert_round_trips_give_the_same_image_in_diffusers(trained, ref, lat,
 
 
 def info(capsys, path) -> dict[str, str]:
-    rc = main(["lora", "info", str(path)])
-    out, err = capsys.readouterr()
+    rc, out, err = run_cli(capsys, "lora", "info", path)
     assert rc == 0, err
     return dict(re.match(r"([^:]+):\s+(.*)", line).groups() for line in out.splitlines())
 
@@ -294,8 +292,7 @@ def test_a1111_lora_hash_is_autov3_of_the_tensor_data(trained, ours, tmp_path):
 
 
 def one_line_refusal(capsys, args, match):
-    rc = main(args)
-    out, err = capsys.readouterr()
+    rc, out, err = run_cli(capsys, *args)
     lines = err.strip().splitlines()
     assert rc == 1 and len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
     assert re.search(match, lines[0]), lines[0]
@@ -407,7 +404,7 @@ def test_train_format_bad_value_is_one_line_before_any_model_loads(base, tmp_pat
         flux_klein_mlx.train_lora(model=base, data=data, output=tmp_path / "o.safetensors", format="peft")
 
 
-def test_train_writes_a_comfyui_file_with_kohya_training_metadata_in_bfloat16(base, tmp_path, capsys):
+def test_train_writes_a_comfyui_file_with_kohya_training_metadata_in_bfloat16(base, tmp_path, cli):
     """The command at its default dtype (bfloat16): the file is the comfyui layout, carries kohya's ss_* keys,
     and loads in our pipeline and in diffusers' converter."""
     from diffusers import Flux2KleinPipeline
@@ -420,28 +417,26 @@ def test_train_writes_a_comfyui_file_with_kohya_training_metadata_in_bfloat16(ba
         Image.fromarray((g.random((64, 64, 3)) * 255).astype(np.uint8)).save(data / f"im{i}.png")
         (data / f"im{i}.txt").write_text("sks, a fox, sks")
     out = tmp_path / "fox.safetensors"
-    rc = main(
-        [
-            "train",
-            "--model",
-            str(base),
-            "--data",
-            str(data),
-            "--output",
-            str(out),
-            "--steps",
-            "1",
-            "--rank",
-            "4",
-            "--alpha",
-            "2",
-            "--resolution",
-            "64",
-            "--format",
-            "comfyui",
-        ]
+    rc, _, err = cli(
+        "train",
+        "--model",
+        str(base),
+        "--data",
+        str(data),
+        "--output",
+        str(out),
+        "--steps",
+        "1",
+        "--rank",
+        "4",
+        "--alpha",
+        "2",
+        "--resolution",
+        "64",
+        "--format",
+        "comfyui",
     )
-    assert rc == 0, capsys.readouterr().err
+    assert rc == 0, err
     tensors = mx.load(str(out))
     assert all(k.startswith("diffusion_model.") for k in tensors) and {v.dtype for v in tensors.values()} == {
         mx.bfloat16

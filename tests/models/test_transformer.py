@@ -463,3 +463,18 @@ def test_parameter_counts_without_allocating():
         assert sum(v.size for _, v in tree_flatten(model.parameters())) == n
         assert len(tree_flatten(model.parameters())) == {"klein_4b": 149, "klein_9b": 201}[name]
     assert mx.get_active_memory() - before < 64 * 2**20
+
+
+def test_generate_takes_attention_in_chunks_past_the_score_limit(cli, snapshot, tmp_path, monkeypatch):
+    """Issue 38: past MLX's CPU limit (a head's Lq·Lk reaching 2^31 crashed the process at 4096x4096)
+    the queries go in chunks; the image is the one a single call gives. The limit is lowered here so
+    a 128x128 image takes that path in seconds."""
+    from command_line import gen_args
+    from PIL import Image
+
+    assert cli(*gen_args(snapshot, tmp_path / "whole.png", "-W", "128", "-H", "128"))[0] == 0
+    monkeypatch.setattr(attention, "SCORE_LIMIT", 4096)  # B·H·Lk is 2·(512 + 64) here: 3 queries per call
+    code, _, err = cli(*gen_args(snapshot, tmp_path / "chunked.png", "-W", "128", "-H", "128"))
+    assert code == 0 and "Traceback" not in err, err
+    whole, chunked = (np.asarray(Image.open(tmp_path / f), np.int16) for f in ("whole.png", "chunked.png"))
+    assert whole.shape == (128, 128, 3) and np.abs(whole - chunked).max() <= 1  # float rounding at most

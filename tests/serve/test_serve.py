@@ -34,6 +34,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 pytest.importorskip("multipart")
 
+from command_line import free_port  # noqa: E402
 from refs import picture  # noqa: E402
 
 import flux_klein_mlx  # noqa: E402
@@ -42,12 +43,6 @@ from flux_klein_mlx.output import a1111_parameters  # noqa: E402
 
 KEY = "test-key-123"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(method: str, url: str, body: bytes | None = None, headers: dict | None = None, timeout: float = 60):
@@ -638,16 +633,13 @@ def test_the_model_may_be_named_by_its_path_or_repo_id(server, snapshot, tmp_pat
 @pytest.mark.parametrize(
     "key, words", [("", "--api-key is empty"), ("clé-1", "holds 'é' (U+00E9)"), ("two words", "holds ' ' (U+0020)")]
 )
-def test_an_empty_or_non_ascii_api_key_is_refused_at_start(snapshot, capsys, monkeypatch, key, words):
-    from flux_klein_mlx.__main__ import main
-
+def test_an_empty_or_non_ascii_api_key_is_refused_at_start(snapshot, cli, monkeypatch, key, words):
     for args, env in ((["--api-key", key], None), ([], key)):
         if env is None:
             monkeypatch.delenv("FLUX_KLEIN_API_KEY", raising=False)
         else:
             monkeypatch.setenv("FLUX_KLEIN_API_KEY", env)
-        code = main(["serve", "--model", str(snapshot), "--port", str(free_port()), *args])
-        err = capsys.readouterr().err
+        code, _, err = cli("serve", "--model", str(snapshot), "--port", str(free_port()), *args)
         assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
         assert words in err and "serving" not in err
 
@@ -728,10 +720,9 @@ def test_error_bodies_show_no_server_path():
     assert body["error"]["message"] == "LoRA x.safetensors: cannot read w.safetensors, see GET /v1/status"
 
 
-def test_serve_fails_cleanly_at_start(snapshot, tmp_path, capsys, monkeypatch):
+def test_serve_fails_cleanly_at_start(snapshot, tmp_path, cli, monkeypatch):
     """A busy port, a missing model, a broken --lora: one line and exit 1 before "serving"; a load that
     fails after it ends `serve` with one line too (the worker's load fails; the server stops)."""
-    from flux_klein_mlx.__main__ import main
     from flux_klein_mlx.pipeline import FluxKleinPipeline
 
     broken = tmp_path / "broken.safetensors"
@@ -745,13 +736,12 @@ def test_serve_fails_cleanly_at_start(snapshot, tmp_path, capsys, monkeypatch):
             (["--model", str(tmp_path / "nothing"), "--port", str(free_port())], "not found"),
             (["--lora", str(broken), "--port", str(free_port())], "broken.safetensors"),
         ):
-            code = main(["serve", "--model", str(snapshot), "--port", str(port), *extra])
-            err = capsys.readouterr().err
+            code, _, err = cli("serve", "--model", str(snapshot), "--port", str(port), *extra)
             assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
             assert words in err and "serving" not in err
     monkeypatch.setattr(FluxKleinPipeline, "preview_map", lambda self: (_ for _ in ()).throw(RuntimeError("no memory")))
-    code = main(["serve", "--model", str(snapshot), "--port", str(free_port()), "--dtype", "float32"])
-    lines = capsys.readouterr().err.strip().splitlines()
+    code, _, err = cli("serve", "--model", str(snapshot), "--port", str(free_port()), "--dtype", "float32")
+    lines = err.strip().splitlines()
     assert code == 1 and "serving" in lines[0], lines
     assert lines[-1] == "error: the model failed to load: RuntimeError: no memory" and len(lines) == 2, lines
 

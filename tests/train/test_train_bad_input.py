@@ -20,6 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from command_line import run_cli
 from PIL import Image
 
 import flux_klein_mlx
@@ -70,8 +71,8 @@ def tree_hash(path: Path) -> str:
 def refused(capsys, root: Path, args: list[str], *words: str) -> str:
     """Run `train args`; assert exit 1, one `error:` line holding `words`, and nothing changed under root."""
     before = tree_hash(root)
-    rc = main(["train", *args])
-    err = capsys.readouterr().err.strip()
+    rc, _, err = run_cli(capsys, "train", *args)
+    err = err.strip()
     assert rc == 1, err
     assert len(err.splitlines()) == 1 and err.startswith("error: "), err
     for w in words:

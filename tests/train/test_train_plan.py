@@ -19,10 +19,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from command_line import run_cli
 from PIL import Image
 
 import flux_klein_mlx
-from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.models.config import FluxKleinParams
 from flux_klein_mlx.train import memory
 from flux_klein_mlx.train.data import epoch_batches, scan_data
@@ -157,10 +157,9 @@ def test_resume_bit_exact_with_several_resolutions_and_a_cosine_schedule(snap, p
 
 
 def cli(capsys, *args) -> str:
-    rc = main(["train", *map(str, args)])
-    cap = capsys.readouterr()
-    assert rc == 0, cap.err
-    return cap.err
+    rc, _, err = run_cli(capsys, "train", *args)
+    assert rc == 0, err
+    return err
 
 
 # The header keys that say when a file was made and under what name: all else must be identical.
