@@ -381,27 +381,28 @@ class PreparedInputs:
         return dataclasses.replace(self, settings=dataclasses.replace(self.settings, seed=seed_for_image(seed, index)))
 
 
-def _resolve_guidance(s: RunSettings, info) -> tuple[float | None, str | None]:
+def _resolve_guidance(settings: RunSettings, info) -> tuple[float | None, str | None]:
     """(guidance, negative prompt) as the run uses them (None, None on distilled models), warning about
     what is ignored. CFG runs only when guidance > 1, as in diffusers."""
     if info.is_distilled:
-        if s.guidance is not None and s.guidance != 1.0:
+        if settings.guidance is not None and settings.guidance != 1.0:
             warnings.warn(
-                f"guidance {s.guidance} is ignored: {info.name} is guidance-distilled (use a Base model for CFG)",
+                f"guidance {settings.guidance} is ignored: {info.name} is guidance-distilled "
+                "(use a Base model for CFG)",
                 stacklevel=2,
             )
-        if s.negative_prompt:
+        if settings.negative_prompt:
             warnings.warn(
                 f"negative_prompt is ignored: {info.name} runs without classifier-free guidance", stacklevel=2
             )
         return None, None
-    guidance = info.default_guidance if s.guidance is None else float(s.guidance)
-    if guidance <= 1.0 and s.negative_prompt:
+    guidance = info.default_guidance if settings.guidance is None else float(settings.guidance)
+    if guidance <= 1.0 and settings.negative_prompt:
         warnings.warn(
             f"negative_prompt is ignored: guidance {guidance:g} <= 1 runs without classifier-free guidance",
             stacklevel=2,
         )
-    return guidance, s.negative_prompt if guidance > 1.0 else None
+    return guidance, settings.negative_prompt if guidance > 1.0 else None
 
 
 def _latents(value, channels: int, width: int, height: int) -> np.ndarray:
@@ -426,29 +427,38 @@ def _latents(value, channels: int, width: int, height: int) -> np.ndarray:
 
 def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
     """Check `settings` against the model described by `info` and read every image, before any model runs."""
-    s = settings.check()
-    steps = info.default_steps if s.steps is None else int(s.steps)
-    guidance, negative = _resolve_guidance(s, info)
-    width, height = s.width, s.height
+    settings = settings.check()
+    steps = info.default_steps if settings.steps is None else int(settings.steps)
+    guidance, negative = _resolve_guidance(settings, info)
+    width, height = settings.width, settings.height
     init = None
-    if s.init_image is not None:
-        init = prepare_init_image(s.init_image, DEFAULT_STRENGTH if s.strength is None else s.strength, s.mask)
+    if settings.init_image is not None:
+        init = prepare_init_image(
+            settings.init_image, DEFAULT_STRENGTH if settings.strength is None else settings.strength, settings.mask
+        )
         ih, iw = init.pixels.shape[:2]
         if (width or iw, height or ih) != (iw, ih):
             raise FluxKleinError(
                 f"the output takes the init image's size ({iw}x{ih}); leave --width/--height (width=, height=) out"
             )
         width, height = iw, ih
-    images = [s.images] if isinstance(s.images, (str, Path, Image.Image)) else list(s.images or [])
+    images = [settings.images] if isinstance(settings.images, (str, Path, Image.Image)) else list(settings.images or [])
     references = [preprocess_reference(im) for im in images]
     if references:  # a side left out is the first reference's (a given side is never 0: checked above)
         width, height = width or references[0].shape[1], height or references[0].shape[0]
     width, height = width or DEFAULT_SIZE, height or DEFAULT_SIZE  # all valid: given ones checked, images' made so
     t_start = 0 if init is None else start_step(steps, init.strength)
-    latents = None if s.latents is None else _latents(s.latents, info.in_channels, width, height)
-    seed = random.randrange(2**31) if s.seed is None and latents is None else s.seed
+    latents = None if settings.latents is None else _latents(settings.latents, info.in_channels, width, height)
+    seed = random.randrange(2**31) if settings.seed is None and latents is None else settings.seed
     resolved = dataclasses.replace(
-        s, width=width, height=height, steps=steps, guidance=guidance, seed=seed, negative_prompt=negative, images=None
+        settings,
+        width=width,
+        height=height,
+        steps=steps,
+        guidance=guidance,
+        seed=seed,
+        negative_prompt=negative,
+        images=None,
     )
     hashes = {"references": [content_hash(r) for r in references]}
     if init is not None:

@@ -325,13 +325,13 @@ class FluxKleinPipeline:
     def prepare(self, prompt, **settings) -> Job:
         """Stage 1: encode the prompt(s), the init image and references, and draw the noise."""
         inputs = self.inputs(prompt, settings)
-        s = inputs.settings
+        run = inputs.settings
         init = inputs.init
         mx.reset_peak_memory()
         t0, loads = time.perf_counter(), self.load_seconds()
         ctx = self.encode_prompts(inputs.prompts)  # (1 or 2, 512, C): [cond, uncond] with CFG
         self._read_ahead("transformer")  # prompts cached: read while the references are encoded
-        h, w = token_grid(s.width, s.height)
+        h, w = token_grid(run.width, run.height)
         ref_tokens = ref_ids = x0 = None
         # The init image is x0 and the first reference (t = 10); other references follow at 20, 30, ...
         pixels = ([init.pixels] if init is not None else []) + inputs.references
@@ -342,11 +342,11 @@ class FluxKleinPipeline:
         stats = Stats(encode=self.stage_stats(t0, loads))
         # Noise in the normalised, patchified latent space: (1, C, h, w) -> tokens (1, h*w, C).
         if inputs.latents is None:
-            prior = pack_latents(initial_noise((1, self.info.in_channels, h, w), s.seed, s.noise))  # float32
+            prior = pack_latents(initial_noise((1, self.info.in_channels, h, w), run.seed, run.noise))  # float32
         else:
             prior = pack_latents(mx.array(inputs.latents))
         # The schedule (and its mu) is built for all steps; img2img starts t_start steps in (diffusers' get_timesteps).
-        sigmas = schedule(h * w, s.steps)[inputs.t_start :]
+        sigmas = schedule(h * w, run.steps)[inputs.t_start :]
         x = prior if init is None else scale_noise(x0, prior, sigmas[0])  # the init image noised to the first sigma
         mask = None if init is None or init.mask is None else mx.array(init.mask)[None]  # (1, h*w, 1)
         return Job(

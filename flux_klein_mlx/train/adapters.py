@@ -107,23 +107,23 @@ def parse_targets(targets, params) -> list[Slot]:
     for token in tokens:
         kind = token.partition(":")[0]
         if token == "all":
-            hit = [s.name for s in slots]
+            hit = [slot.name for slot in slots]
         elif token == "attention":
-            hit = [s.name for s in slots if _ATTENTION.search(s.name)]
+            hit = [slot.name for slot in slots if _ATTENTION.search(slot.name)]
         elif kind in ("double", "single"):
             count = params.depth if kind == "double" else params.depth_single
             prefix = "transformer_blocks" if kind == "double" else "single_transformer_blocks"
             blocks = {f"{prefix}.{i}." for i in _block_range(token, kind, count)}
-            hit = [s.name for s in slots if any(s.name.startswith(b) for b in blocks)]
+            hit = [slot.name for slot in slots if any(slot.name.startswith(b) for b in blocks)]
         else:
-            hit = [s.name for s in slots if _matches(token, s)]
+            hit = [slot.name for slot in slots if _matches(token, slot)]
         if not hit:
             raise FluxKleinError(
                 f"--targets {token} matches no layer of {params.describe()}; use all, attention, double, "
                 "single:0-12 or diffusers module names such as transformer_blocks.0.attn.to_q"
             )
         chosen.update(hit)
-    return [s for s in slots if s.name in chosen]
+    return [slot for slot in slots if slot.name in chosen]
 
 
 class TrainableLoRA:
@@ -142,14 +142,17 @@ class TrainableLoRA:
 
     @property
     def num_parameters(self) -> int:
-        return sum(self.rank * (s.in_dims + s.out_dims) for s in self.slots)
+        return sum(self.rank * (slot.in_dims + slot.out_dims) for slot in self.slots)
 
     def paths(self) -> dict[str, tuple[str, str]]:
         """slot name -> the paths of its A and B in the model's parameter tree (as `tree_flatten` spells them)."""
         out = {}
-        for s in self.slots:
-            layer, term = self._where[s.name]
-            out[s.name] = (f"{s.layer}.{layer.factor_path(term, 'down')}", f"{s.layer}.{layer.factor_path(term, 'up')}")
+        for slot in self.slots:
+            layer, term = self._where[slot.name]
+            out[slot.name] = (
+                f"{slot.layer}.{layer.factor_path(term, 'down')}",
+                f"{slot.layer}.{layer.factor_path(term, 'up')}",
+            )
         return out
 
     def pair(self, name: str) -> tuple[mx.array, mx.array]:
@@ -160,9 +163,9 @@ class TrainableLoRA:
     def arrays(self, dtype=mx.float32) -> dict[str, mx.array]:
         """`{slot}.down` (r, in) and `{slot}.up` (out, r): the trained values (EMA, broadcast), not a file."""
         out = {}
-        for s in self.slots:
-            a, b = self.pair(s.name)
-            out[f"{s.name}.down"], out[f"{s.name}.up"] = a.astype(dtype), b.astype(dtype)
+        for slot in self.slots:
+            a, b = self.pair(slot.name)
+            out[f"{slot.name}.down"], out[f"{slot.name}.up"] = a.astype(dtype), b.astype(dtype)
         return out
 
     def load(self, arrays: dict[str, mx.array], what: str) -> None:
@@ -173,65 +176,65 @@ class TrainableLoRA:
             raise FluxKleinError(
                 f"{what} does not hold this run's adapters ({missing[0]}, ...); it is from another run"
             )
-        for s in self.slots:
-            layer, term = self._where[s.name]
+        for slot in self.slots:
+            layer, term = self._where[slot.name]
             for role in ("down", "up"):
-                dest, i, value = layer[ROLE_LISTS[role]], term.places[role], arrays[f"{s.name}.{role}"]
+                dest, i, value = layer[ROLE_LISTS[role]], term.places[role], arrays[f"{slot.name}.{role}"]
                 if value.shape != dest[i].shape:
                     raise FluxKleinError(
-                        f"{what}: {s.name}'s {role} matrix has shape {value.shape}, not {dest[i].shape}"
+                        f"{what}: {slot.name}'s {role} matrix has shape {value.shape}, not {dest[i].shape}"
                     )
                 dest[i] = value.astype(mx.float32)
 
     def terms(self) -> list[Term]:
         """The adapters as updates of our layers (`factor · B @ A` on each slot's rows): what lora/ writes."""
         terms = []
-        for s in self.slots:
-            a, b = self.pair(s.name)
-            terms.append(Term(s.layer, s.rows, self.alpha / self.rank, down=a, up=b, key=s.name))
+        for slot in self.slots:
+            a, b = self.pair(slot.name)
+            terms.append(Term(slot.layer, slot.rows, self.alpha / self.rank, down=a, up=b, key=slot.name))
         return terms
 
     def load_terms(self, terms: list[Term], what: str) -> None:
         """Set every pair from a file's terms (lora/layouts.read_adapter of a checkpoint or EMA file)."""
         by_place = {(t.layer, t.rows): t for t in terms if t.down is not None}
         arrays = {}
-        for s in self.slots:
-            if t := by_place.get((s.layer, s.rows)):
-                arrays[f"{s.name}.down"], arrays[f"{s.name}.up"] = t.down, t.up
+        for slot in self.slots:
+            if t := by_place.get((slot.layer, slot.rows)):
+                arrays[f"{slot.name}.down"], arrays[f"{slot.name}.up"] = t.down, t.up
         self.load(arrays, what)
 
 
-def file_header(s, info, *, items, steps: int, started_at: float) -> dict[str, str]:
-    """The adapter file's header for run settings `s` on model `info` with data `items`, after `steps` steps:
+def file_header(settings, info, *, items, steps: int, started_at: float) -> dict[str, str]:
+    """The adapter file's header for run `settings` on model `info` with data `items`, after `steps` steps:
     our keys, kohya's `ss_*` and `modelspec.*` (lora/layouts.py), each what the run did (its adapter kind,
     schedule, sizes and trigger). The base model by repo id when given one, else by its name (a local path
     would name the user's folders). The settings hash is over the run key (the settings that decide the
     numbers) with the model as given."""
-    key = json.dumps(s.run_key(), sort_keys=True, default=str).encode()
-    base = str(s.model) if not Path(str(s.model)).expanduser().exists() else info.name
+    key = json.dumps(settings.run_key(), sort_keys=True, default=str).encode()
+    base = str(settings.model) if not Path(str(settings.model)).expanduser().exists() else info.name
     return training_header(
         TrainedRun(
-            name=s.output.stem,
-            adapter=s.adapter,
-            lokr_factor=s.lokr_factor if s.adapter == "lokr" else None,
-            rank=s.rank,
-            alpha=s.alpha,
+            name=settings.output.stem,
+            adapter=settings.adapter,
+            lokr_factor=settings.lokr_factor if settings.adapter == "lokr" else None,
+            rank=settings.rank,
+            alpha=settings.alpha,
             base_model=base,
             variant=info.variant,
-            trigger=s.trigger,
+            trigger=settings.trigger,
             settings_hash=hashlib.sha256(key).hexdigest(),
-            resolutions=s.resolutions,
-            max_steps=s.steps,
+            resolutions=settings.resolutions,
+            max_steps=settings.steps,
             steps=steps,
-            lr=s.lr,
-            lr_scheduler=s.lr_scheduler,
-            warmup_steps=s.warmup_steps,
+            lr=settings.lr,
+            lr_scheduler=settings.lr_scheduler,
+            warmup_steps=settings.warmup_steps,
             captions=list({it.stem: it.caption for it in items}.values()),  # several sizes: an item per size
-            dataset=Path(s.data).name,
-            seed=s.seed,
-            batch_size=s.batch_size,
-            grad_accum=s.grad_accum,
-            dtype=s.dtype,
+            dataset=Path(settings.data).name,
+            seed=settings.seed,
+            batch_size=settings.batch_size,
+            grad_accum=settings.grad_accum,
+            dtype=settings.dtype,
             started=started_at,
             finished=time.time(),
             version=__version__,
@@ -254,11 +257,13 @@ def adapter_file_shapes(slots: list[Slot], params, *, adapter: str, rank: int, f
         terms = []
         for path in lokr_layers(slots, params):
             shape = LoKrShape.of(*linear_shapes(params)[path], rank, factor)
-            zeros = {"w2": mx.zeros(shape.w2), **{role: mx.zeros(s) for role, s in shape.factor_shapes().items()}}
+            zeros = {"w2": mx.zeros(shape.w2), **{role: mx.zeros(slot) for role, slot in shape.factor_shapes().items()}}
             terms.append(Term(path, (0, shape.w1[0] * shape.w2[0]), 1.0, **zeros))
     else:
-        zeros = [(mx.zeros((rank, s.in_dims)), mx.zeros((s.out_dims, rank))) for s in slots]
-        terms = [Term(s.layer, s.rows, 1.0, down=down, up=up) for s, (down, up) in zip(slots, zeros, strict=True)]
+        zeros = [(mx.zeros((rank, slot.in_dims)), mx.zeros((slot.out_dims, rank))) for slot in slots]
+        terms = [
+            Term(slot.layer, slot.rows, 1.0, down=down, up=up) for slot, (down, up) in zip(slots, zeros, strict=True)
+        ]
     return file_shapes(terms, CHECKPOINT_LAYOUTS[adapter], params)
 
 
@@ -271,15 +276,15 @@ def attach_lora(
     """
     model.freeze()
     by_layer: dict[str, list[Slot]] = {}
-    for s in slots:
-        by_layer.setdefault(s.layer, []).append(s)
+    for slot in slots:
+        by_layer.setdefault(slot.layer, []).append(slot)
     layers, wrapped, where = layers_by_path(model), {}, {}
     for path, group in by_layer.items():
         layer = wrapped[path] = LoRALinear(layers[path])
-        for s in sorted(group, key=lambda s: s.rows):
-            down = mx.array((rng.standard_normal((rank, s.in_dims)) / rank).astype(np.float32))  # (r, in)
-            up = mx.zeros((s.out_dims, rank), dtype=mx.float32)  # (rows, r)
-            where[s.name] = (layer, layer.add_trainable(s.rows, alpha / rank, {"down": down, "up": up}))
+        for slot in sorted(group, key=lambda slot: slot.rows):
+            down = mx.array((rng.standard_normal((rank, slot.in_dims)) / rank).astype(np.float32))  # (r, in)
+            up = mx.zeros((slot.out_dims, rank), dtype=mx.float32)  # (rows, r)
+            where[slot.name] = (layer, layer.add_trainable(slot.rows, alpha / rank, {"down": down, "up": up}))
     model.update_modules(tree_unflatten(list(wrapped.items())))
     return TrainableLoRA(slots, rank=rank, alpha=alpha, where=where, params=model.params)
 
@@ -348,7 +353,7 @@ def adapter_parameters(slots: list[Slot], params, *, adapter: str, rank: int, lo
     if adapter == "lokr":
         shapes = linear_shapes(params)
         return sum(LoKrShape.of(*shapes[p], rank, lokr_factor).num_parameters for p in lokr_layers(slots, params))
-    return sum(rank * (s.in_dims + s.out_dims) for s in slots)
+    return sum(rank * (slot.in_dims + slot.out_dims) for slot in slots)
 
 
 def lokr_layers(slots: list[Slot], params) -> list[str]:
@@ -356,13 +361,13 @@ def lokr_layers(slots: list[Slot], params) -> list[str]:
     and v together: a Kronecker product does not split into row blocks), so each must be chosen whole."""
     widths = {path: out for path, (out, _) in linear_shapes(params).items()}
     covered: dict[str, list[Slot]] = {}
-    for s in slots:
-        covered.setdefault(s.layer, []).append(s)
+    for slot in slots:
+        covered.setdefault(slot.layer, []).append(slot)
     for layer, group in covered.items():
-        if sum(s.out_dims for s in group) < widths[layer]:
+        if sum(slot.out_dims for slot in group) < widths[layer]:
             raise FluxKleinError(
                 f"--adapter lokr trains whole layers, and --targets names only part of {layer} "
-                f"({', '.join(s.name for s in group)}); name the whole layer ({layer.split('.', 2)[-1]}) "
+                f"({', '.join(slot.name for slot in group)}); name the whole layer ({layer.split('.', 2)[-1]}) "
                 "or use all, attention, double or single"
             )
     return list(covered)

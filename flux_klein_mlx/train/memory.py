@@ -114,9 +114,9 @@ def step_peak(
 
 
 def plan_memory(
-    s, *, params: FluxKleinParams, trainable: int, controls: int = 0, bits: int | None = None
+    settings, *, params: FluxKleinParams, trainable: int, controls: int = 0, bits: int | None = None
 ) -> MemoryPlanned:
-    """The plan for settings `s` (TrainSettings; `bits`: the base's quantization, stored or asked), with
+    """The plan for `settings` (TrainSettings; `bits`: the base's quantization, stored or asked), with
     the options that would make it fit when it does not."""
     available, source = machine_memory()
 
@@ -127,37 +127,37 @@ def plan_memory(
             resolution=resolution,
             bits=bits,
             low_memory=low_memory,
-            batch=s.batch_size,
+            batch=settings.batch_size,
             controls=controls,
-            group_size=s.group_size,
+            group_size=settings.group_size,
         )[0]
 
-    size = max(s.resolutions)
+    size = max(settings.resolutions)
     planned, weights = step_peak(
         params,
         trainable,
         resolution=size,
         bits=bits,
-        low_memory=s.low_memory,
-        batch=s.batch_size,
+        low_memory=settings.low_memory,
+        batch=settings.batch_size,
         controls=controls,
-        group_size=s.group_size,
+        group_size=settings.group_size,
     )
     remedies: list[str] = []
     if planned > available:
         tries = []  # (the options to add, bits, low_memory, resolution)
         if bits != 4:
-            tries.append(("--quantize 4", 4, s.low_memory, size))
-        if not s.low_memory:
+            tries.append(("--quantize 4", 4, settings.low_memory, size))
+        if not settings.low_memory:
             tries.append(("--low-memory", bits, True, size))
         single_fits = any(peak(b, low, r) <= available for _, b, low, r in tries)
-        if bits != 4 and not s.low_memory and not single_fits:
+        if bits != 4 and not settings.low_memory and not single_fits:
             tries.append(("--quantize 4 --low-memory", 4, True, size))
         smaller = [r for r in (1024, 768, 512, 384, 256) if r < size]
-        for b, low, words in ((bits, s.low_memory, ""), (4, True, " --quantize 4 --low-memory")):
+        for b, low, words in ((bits, settings.low_memory, ""), (4, True, " --quantize 4 --low-memory")):
             fit = next((r for r in smaller if peak(b, low, r) <= available), None)
             if fit is not None:  # several sizes: keep those up to the one that fits
-                kept = [str(r) for r in s.resolutions if r <= fit] or [str(fit)]
+                kept = [str(r) for r in settings.resolutions if r <= fit] or [str(fit)]
                 tries.append((f"--resolution {','.join(kept)}{words}", b, low, fit))
                 break
         for words, bits, low, res in tries:
@@ -183,13 +183,13 @@ def describe_plan(plan: MemoryPlanned) -> str:
     )
 
 
-def check_memory(s, info, trainable: int) -> MemoryPlanned:
-    """The plan of a run (settings `s`, `info` a loading.ModelInfo, `trainable` its adapters' values);
+def check_memory(settings, info, trainable: int) -> MemoryPlanned:
+    """The plan of a run (`settings`, `info` a loading.ModelInfo, `trainable` its adapters' values);
     refuses a step that will not fit (FluxKleinError naming what would), unless `s.force`."""
     stored = (info.quantization.get("transformer") or {}).get("bits")
-    bits = s.quantize if s.quantize is not None else stored
-    plan = plan_memory(s, params=info.params, trainable=trainable, controls=len(s.controls), bits=bits)
-    if not plan.fits and not s.force:
+    bits = settings.quantize if settings.quantize is not None else stored
+    plan = plan_memory(settings, params=info.params, trainable=trainable, controls=len(settings.controls), bits=bits)
+    if not plan.fits and not settings.force:
         fix = "; ".join(plan.remedies) if plan.remedies else "no setting of --quantize, --low-memory, --resolution fits"
         raise FluxKleinError(
             f"{describe_plan(plan)}: it will not fit. It fits with: {fix}; or give --force to try anyway"

@@ -94,10 +94,14 @@ def flow_loss(model, x0, noise, *, sigma, ctx, rope, refs=None, checkpoint: bool
     return mx.mean(mx.square(pred.astype(mx.float32) - target))
 
 
-def make_optimizer(s) -> optim.AdamW:
+def make_optimizer(settings) -> optim.AdamW:
     """AdamW as torch.optim.AdamW: MLX's defaults differ (no bias correction, weight decay 0.01; G9)."""
     return optim.AdamW(
-        learning_rate=s.lr, betas=[0.9, 0.999], eps=1e-8, weight_decay=s.weight_decay, bias_correction=True
+        learning_rate=settings.lr,
+        betas=[0.9, 0.999],
+        eps=1e-8,
+        weight_decay=settings.weight_decay,
+        bias_correction=True,
     )
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..errors import FluxKleinError
 from ..files import check_output_file
-from ..loading import check_for_training, describe, single_file_refusal
+from ..loading import ModelInfo, check_for_training, describe, single_file_refusal
 from .adapters import adapter_file_shapes, adapter_parameters, parse_targets
 from .data import scan_data
 from .distributed import World, check_processes, world
@@ -27,27 +27,27 @@ class RunPlan:
     """A checked run: settings, the model as described, the adapters, the data, where to resume."""
 
     settings: TrainSettings
-    info: object  # loading.ModelInfo
+    info: ModelInfo
     slots: list
     items: list
     resume_from: Path | None
-    sample_info: object = None  # loading.ModelInfo of the sample model (None: no samples)
+    sample_info: ModelInfo | None = None  # the sample model (None: no samples)
     memory: MemoryPlanned | None = None
     validation: list = field(default_factory=list)  # held-out TrainItems (--validation)
     world: World = field(default_factory=World)  # the processes of an mlx.launch run
 
 
-def _check_model(s: TrainSettings):
-    if Path(s.model).expanduser().is_file():  # a transformer or a LoRA file: what train needs, in load()'s words
-        raise single_file_refusal(s.model)
-    info = describe(s.model)
-    check_for_training(info, s.quantize)
+def _check_model(settings: TrainSettings) -> ModelInfo:
+    if Path(settings.model).expanduser().is_file():  # a transformer or a LoRA file: what train needs, in load()'s words
+        raise single_file_refusal(settings.model)
+    info = describe(settings.model)
+    check_for_training(info, settings.quantize)
     return info
 
 
-def run_key(s: TrainSettings, info, processes: int = 1) -> dict:
+def run_key(settings: TrainSettings, info: ModelInfo, processes: int = 1) -> dict:
     """The settings a checkpoint must share with a run that resumes it; the model by its resolved path."""
-    return {**s.run_key(), "model": str(info.path), "processes": processes}
+    return {**settings.run_key(), "model": str(info.path), "processes": processes}
 
 
 def data_key(items) -> list:
@@ -62,59 +62,69 @@ def plan_run(settings: TrainSettings, processes: World | None = None) -> RunPlan
 
 
 def _plan(settings: TrainSettings, w: World) -> RunPlan:
-    s = settings.check()
-    if s.output.exists() or s.output.is_symlink():
-        raise FluxKleinError(f"--output {s.output} exists and is never overwritten; choose another name")
-    check_output_file(s.output)
-    check_work_dir(s.work_dir, s.data, s.controls)
-    info = _check_model(s)
-    slots = parse_targets(s.targets, info.params)
+    settings = settings.check()
+    if settings.output.exists() or settings.output.is_symlink():
+        raise FluxKleinError(f"--output {settings.output} exists and is never overwritten; choose another name")
+    check_output_file(settings.output)
+    check_work_dir(settings.work_dir, settings.data, settings.controls)
+    info = _check_model(settings)
+    slots = parse_targets(settings.targets, info.params)
     # counted before any model loads; a LoKr's layers must be whole (lokr_layers refuses here)
-    trainable = adapter_parameters(slots, info.params, adapter=s.adapter, rank=s.rank, lokr_factor=s.lokr_factor)
+    trainable = adapter_parameters(
+        slots, info.params, adapter=settings.adapter, rank=settings.rank, lokr_factor=settings.lokr_factor
+    )
     items = scan_data(
-        s.data,
-        caption=s.caption,
-        controls=s.controls,
-        resolution=s.resolution,
-        trigger=s.trigger,
-        caption_extension=s.caption_extension,
+        settings.data,
+        caption=settings.caption,
+        controls=settings.controls,
+        resolution=settings.resolution,
+        trigger=settings.trigger,
+        caption_extension=settings.caption_extension,
     )
     held_out = []
-    if s.validation:
+    if settings.validation:
         held_out = scan_data(
-            s.validation,
-            caption=s.caption,
-            controls=s.validation_controls,
-            resolution=s.resolution,
+            settings.validation,
+            caption=settings.caption,
+            controls=settings.validation_controls,
+            resolution=settings.resolution,
             option="--validation",
             control_option="--validation-control",
         )
-    sample_info = check_sample_model(s, info)
+    sample_info = check_sample_model(settings, info)
     resume = (
-        _resume_point(s, info, slots=slots, items=items, processes=w.size) if w.is_main else None
+        _resume_point(settings, info, slots=slots, items=items, processes=w.size) if w.is_main else None
     )  # rank 0 alone has the work folder
     return RunPlan(
-        settings=s,
+        settings=settings,
         info=info,
         slots=slots,
         items=items,
         resume_from=resume,
         sample_info=sample_info,
-        memory=check_memory(s, info, trainable),
+        memory=check_memory(settings, info, trainable),
         validation=held_out,
         world=w,
     )
 
 
-def _resume_point(s: TrainSettings, info, *, slots, items, processes: int) -> Path | None:
+def _resume_point(settings: TrainSettings, info: ModelInfo, *, slots, items, processes: int) -> Path | None:
     """The checkpoint to continue from (state.resume_point), after the lock and the process count."""
-    check_not_locked(s.work_dir)
-    done = checkpoints(s.work_dir) if s.resume and s.work_dir.is_dir() else []
+    check_not_locked(settings.work_dir)
+    done = checkpoints(settings.work_dir) if settings.resume and settings.work_dir.is_dir() else []
     if done:  # another process count is named as such, before the settings' general comparison
         check_processes(done[-1][1], processes)
-    shapes = adapter_file_shapes(slots, info.params, adapter=s.adapter, rank=s.rank, factor=s.lokr_factor)
-    key = run_key(s, info, processes)
+    shapes = adapter_file_shapes(
+        slots, info.params, adapter=settings.adapter, rank=settings.rank, factor=settings.lokr_factor
+    )
+    key = run_key(settings, info, processes)
     data = data_key(items)
     return resume_point(
-        s.work_dir, resume=s.resume, steps=s.steps, key=key, data=data, lora_shapes=shapes, n_items=len(items)
+        settings.work_dir,
+        resume=settings.resume,
+        steps=settings.steps,
+        key=key,
+        data=data,
+        lora_shapes=shapes,
+        n_items=len(items),
     )

@@ -41,6 +41,7 @@ from ..loading import DEFAULT_DTYPE, ModelInfo, check_weights, describe
 from ..models.config import VARIANTS
 from ..output import write_image
 from ..weights import save_safetensors_streaming
+from .settings import TrainSettings
 from .state import adapter_file, write_atomic
 
 # A LoRA whose samples differ from the baseline by less than this mean |pixel difference| (of 255)
@@ -68,18 +69,18 @@ def sibling_model(model) -> str | None:
     return None
 
 
-def sample_source(s) -> str:
+def sample_source(settings: TrainSettings) -> str:
     """Where samples are drawn: --sample-model, else the distilled sibling of a Base repo id, else --model."""
-    if s.sample_model is not None:
-        return str(s.sample_model)
-    return sibling_model(s.model) or str(s.model)
+    if settings.sample_model is not None:
+        return str(settings.sample_model)
+    return sibling_model(settings.model) or str(settings.model)
 
 
-def check_sample_model(s, trained: ModelInfo) -> ModelInfo | None:
+def check_sample_model(settings: TrainSettings, trained: ModelInfo) -> ModelInfo | None:
     """The sample model, described and checked (configs and headers only; no model loads); None: no samples."""
-    if not s.sample_every:
+    if not settings.sample_every:
         return None
-    source = sample_source(s)
+    source = sample_source(settings)
     try:
         info = describe(source)
     except FluxKleinError as e:
@@ -92,7 +93,7 @@ def check_sample_model(s, trained: ModelInfo) -> ModelInfo | None:
             "give a klein model of the same size (the distilled model of the same family)"
         )
     stored = next((r for r in info.quantization.values() if r), None)
-    if stored and s.sample_quantize is not None and s.sample_quantize != stored["bits"]:
+    if stored and settings.sample_quantize is not None and settings.sample_quantize != stored["bits"]:
         raise FluxKleinError(
             f"--sample-model {source} is already quantized to {stored['bits']} bits; leave --sample-quantize out"
         )
@@ -140,7 +141,7 @@ class SampleImages:
     (and strength) at each sample point; the baseline images are kept for the comparisons."""
 
     def __init__(self, settings, info: ModelInfo):
-        self.s = settings
+        self.settings = settings
         self.info = info
         self.source = sample_source(settings)
         self.size = settings.sample_size or max(settings.resolutions)  # several: the largest
@@ -148,8 +149,13 @@ class SampleImages:
         self.pipe = None
         self.baselines: list[np.ndarray] = []  # per prompt, (H, W, 3) float32 in 0-255
 
-    def settings(self) -> dict:
-        return {"width": self.size, "height": self.size, "steps": self.s.sample_steps, "seed": self.s.sample_seed}
+    def generate_settings(self) -> dict:
+        return {
+            "width": self.size,
+            "height": self.size,
+            "steps": self.settings.sample_steps,
+            "seed": self.settings.sample_seed,
+        }
 
     def load(self) -> tuple[float, str]:
         """Load the sample pipeline (headers only) and encode its prompts with its own text encoder,
@@ -161,20 +167,23 @@ class SampleImages:
         self.pipe = load(
             self.source,
             dtype=DEFAULT_DTYPE,
-            quantize=self.s.sample_quantize,
+            quantize=self.settings.sample_quantize,
             low_memory=MemoryPlan(release_models=True, drop_lora_originals=True),
         )
-        prompts = [p for prompt in self.s.sample_prompts for p in self.pipe.inputs(prompt, self.settings()).prompts]
+        prompts = [
+            p
+            for prompt in self.settings.sample_prompts
+            for p in self.pipe.inputs(prompt, self.generate_settings()).prompts
+        ]
         mx.eval(self.pipe.encode_prompts(list(dict.fromkeys(prompts))))
-        q = f", {self.s.sample_quantize}-bit" if self.s.sample_quantize else ""
-        detail = (
-            f"{self.info.name} from {self.source} ({DEFAULT_DTYPE}{q}), {len(self.s.sample_prompts)} prompt(s) encoded"
-        )
+        q = f", {self.settings.sample_quantize}-bit" if self.settings.sample_quantize else ""
+        prompts = len(self.settings.sample_prompts)
+        detail = f"{self.info.name} from {self.source} ({DEFAULT_DTYPE}{q}), {prompts} prompt(s) encoded"
         return time.perf_counter() - t0, detail
 
     def _image(self, prompt: str):
         """One image at the sample settings with the pipeline's current LoRAs: (PIL image, record, peak bytes)."""
-        image = self.pipe.generate(prompt, **self.settings())
+        image = self.pipe.generate(prompt, **self.generate_settings())
         st = self.pipe.last_stats
         peak = max(st.encode.peak_memory, st.denoise.peak_memory, st.decode.peak_memory)
         return image, dict(self.pipe.last_metadata), peak
@@ -191,7 +200,7 @@ class SampleImages:
         paths = []
         self.baselines = []
         peak = 0
-        for k, prompt in enumerate(self.s.sample_prompts):
+        for k, prompt in enumerate(self.settings.sample_prompts):
             image, record, p = self._image(prompt)
             record["training_sample"] = {
                 "step": 0,
@@ -216,8 +225,8 @@ class SampleImages:
     def sample(self, step: int, lora, trained_peak: int) -> SamplesSaved:
         """Each prompt at each strength with `lora` (a train.adapters TrainableLoRA or TrainableLoKr) as it is at
         `step`."""
-        checkpoint = Path(self.s.work_dir) / f"checkpoint-{step:06d}" / "lora.safetensors"
-        tmp = Path(self.s.work_dir) / f".sample-lora.{secrets.token_hex(4)}.tmp"
+        checkpoint = Path(self.settings.work_dir) / f"checkpoint-{step:06d}" / "lora.safetensors"
+        tmp = Path(self.settings.work_dir) / f".sample-lora.{secrets.token_hex(4)}.tmp"
         tensors, header = adapter_file(lora)  # the bytes of this step's checkpoint file
         save_safetensors_streaming(tmp, tensors, metadata=header)
         paths = []
@@ -225,9 +234,9 @@ class SampleImages:
         strengths = []
         peak = 0
         try:
-            for strength in self.s.sample_strengths:
+            for strength in self.settings.sample_strengths:
                 self.pipe.set_loras([(tmp, strength)])
-                for k, prompt in enumerate(self.s.sample_prompts):
+                for k, prompt in enumerate(self.settings.sample_prompts):
                     image, record, p = self._image(prompt)
                     record["loras"] = [
                         {**r, "name": f"{checkpoint.parent.name}/{checkpoint.name}"} for r in record["loras"]

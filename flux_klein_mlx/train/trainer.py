@@ -82,11 +82,11 @@ class Trainer:
 
     def __init__(self, plan: RunPlan):
         self.plan = plan
-        self.s = plan.settings
+        self.settings = plan.settings
         self.info = plan.info
         self.items = plan.items
-        self.dtype = as_dtype(self.s.dtype)
-        self.rng = np.random.default_rng(self.s.seed)
+        self.dtype = as_dtype(self.settings.dtype)
+        self.rng = np.random.default_rng(self.settings.seed)
         self.ctx: dict[str, mx.array] = {}  # caption -> (1, Lt, E)
         self.latents: list[mx.array] = []  # per item (1, L, C)
         self.refs: list[mx.array | None] = []  # per item (1, n_controls * L, C) or None
@@ -98,7 +98,7 @@ class Trainer:
         self.losses: list[float] = []
         # samples are rank 0's, as every file: the other ranks of an mlx.launch run load no sample model
         drawn_here = plan.sample_info is not None and plan.world.is_main
-        self.sample_images = SampleImages(self.s, plan.sample_info) if drawn_here else None
+        self.sample_images = SampleImages(self.settings, plan.sample_info) if drawn_here else None
         self.trained_peak = 0  # the highest training-step memory peak so far (bytes)
         self.world = plan.world
         self.validation = Validation(plan.validation)  # validation: empty without --validation
@@ -106,11 +106,13 @@ class Trainer:
         self.started_at = time.time()  # unix time, for the LoRA file's header
 
     def run(self) -> Iterator:
-        wd = self.s.work_dir
+        wd = self.settings.work_dir
         if not self.world.is_main:  # rank 0 alone has the work folder
             yield from self._run(time.perf_counter())
             return
-        check_work_dir(wd, self.s.data, self.s.controls)  # again: the folder may have changed since the plan
+        check_work_dir(
+            wd, self.settings.data, self.settings.controls
+        )  # again: the folder may have changed since the plan
         claim_work_dir(wd)
         lock = acquire_lock(wd)  # a second run on this folder refuses here, before any model loads
         try:
@@ -119,8 +121,8 @@ class Trainer:
             lock.release()
 
     def _run(self, t_run: float) -> Iterator:
-        s = self.s
-        wd = self.s.work_dir
+        settings = self.settings
+        wd = self.settings.work_dir
         main = self.world.is_main
         if main:
             remove_temporaries(wd)
@@ -138,7 +140,8 @@ class Trainer:
         yield StageStarted(stage="latents", detail=f"encoding {n} image{'s' if n != 1 else ''}{also} with the VAE ...")
         yield self.cache_latents()
         yield StageStarted(
-            stage="model", detail=f"loading the transformer{f' ({s.quantize}-bit)' if s.quantize else ''} ..."
+            stage="model",
+            detail=f"loading the transformer{f' ({settings.quantize}-bit)' if settings.quantize else ''} ...",
         )
         yield self.load_model()
         try:
@@ -148,13 +151,15 @@ class Trainer:
             if self.sample_images is not None:
                 yield self.sample_images.baseline()  # no LoRA: what each sample is compared with
             yield self.started_event()
-            while self.step_no < s.steps:
+            while self.step_no < settings.steps:
                 yield self.train_step()
-                if main and (self.step_no == s.steps or (s.save_every and self.step_no % s.save_every == 0)):
+                if main and (
+                    self.step_no == settings.steps or (settings.save_every and self.step_no % settings.save_every == 0)
+                ):
                     if self.validation:  # the held-out loss of these weights, recorded by the checkpoint
                         yield self.validation.measure(self.step_no, partial(flow_loss, self.model), self.ctx, self.rope)
                     yield self.save()
-                if main and s.sample_every and self.step_no % s.sample_every == 0:
+                if main and settings.sample_every and self.step_no % settings.sample_every == 0:
                     yield self.samples()
         except PeerLost as e:
             raise e.at(self.step_no + 1, checkpoints(wd)) from None
@@ -163,35 +168,35 @@ class Trainer:
     # ---- caches (the text encoder and the VAE are released before the first step) ----
 
     def started_event(self) -> TrainStarted:
-        s = self.s
+        settings = self.settings
         images = len({it.stem for it in self.items})  # several resolutions: one item per image and size
         layers = len({sl.layer for sl in self.lora.slots})
         return TrainStarted(
-            total_steps=s.steps,
+            total_steps=settings.steps,
             first_step=self.step_no + 1,
             resumed_from=self.plan.resume_from,
             images=images,
             buckets=bucket_counts(self.items),
             adapters=self.lora.count,
             parameters=self.lora.num_parameters,
-            work_dir=s.work_dir,
+            work_dir=settings.work_dir,
             layers=layers,
         )
 
     def caption_plan(self) -> StageStarted:
         """The texts of the run (captions; sample prompts and, on Base, the empty negative prompt of their
         guidance): those in the prompt cache (the pipeline's, on disk) are read now; says what is left."""
-        s = self.s
+        settings = self.settings
         info = self.info
         captions = list(dict.fromkeys([it.caption for it in self.items] + self.validation.captions()))
         # the caption a dropped example trains with (the sample prompts are the sample model's: samples.py)
-        extra = [""] if s.caption_dropout > 0 and "" not in captions else []
+        extra = [""] if settings.caption_dropout > 0 and "" not in captions else []
         self.texts = captions + extra
         self.cache = open_cache(True)
         # Training's own entries ("for"): it encodes up to 4 texts a batch, the pipeline all at once, and
         # the two need not agree to the bit; a resume reads back exactly what the first run trained on.
-        quantization = {"bits": s.quantize, "group_size": s.group_size} if s.quantize else None
-        settings = {"dtype": s.dtype, "quantization": quantization, "for": "train"}
+        quantization = {"bits": settings.quantize, "group_size": settings.group_size} if settings.quantize else None
+        settings = {"dtype": settings.dtype, "quantization": quantization, "for": "train"}
         self.keys = {t: None for t in self.texts}
         if self.cache is not None:
             self.keys = prompt_keys(
@@ -216,7 +221,7 @@ class Trainer:
     def cache_captions(self) -> StageFinished:
         """Encode the texts `caption_plan` did not find in the prompt cache, and store them there."""
         t0 = time.perf_counter()
-        s = self.s
+        settings = self.settings
         info = self.info
         texts = [t for t in self.texts if t not in self.ctx]
         if not texts:
@@ -224,7 +229,9 @@ class Trainer:
                 stage="captions", seconds=time.perf_counter() - t0, detail="read from the prompt cache"
             )
         tokenizer = load_tokenizer(info.tokenizer)
-        encoder = load_component(info, "text_encoder", self.dtype, quantize=s.quantize, group_size=s.group_size)
+        encoder = load_component(
+            info, "text_encoder", self.dtype, quantize=settings.quantize, group_size=settings.group_size
+        )
         for k in range(0, len(texts), 4):  # a few prompts at a time bounds the activations
             chunk = texts[k : k + 4]
             emb = encode_prompts(encoder, tokenizer, chunk).astype(self.dtype)  # (n, 512, E)
@@ -270,48 +277,57 @@ class Trainer:
 
     def load_model(self) -> StageFinished:
         t0 = time.perf_counter()
-        s = self.s
-        self.model = load_component(self.info, "transformer", self.dtype, quantize=s.quantize, group_size=s.group_size)
-        if s.adapter == "lokr":
+        settings = self.settings
+        self.model = load_component(
+            self.info, "transformer", self.dtype, quantize=settings.quantize, group_size=settings.group_size
+        )
+        if settings.adapter == "lokr":
             params = self.plan.info.params
             self.lora = attach_lokr(
                 self.model,
                 self.plan.slots,
                 params=params,
-                rank=s.rank,
-                alpha=s.alpha,
-                factor=s.lokr_factor,
+                rank=settings.rank,
+                alpha=settings.alpha,
+                factor=settings.lokr_factor,
                 rng=self.rng,
             )
         else:
-            self.lora = attach_lora(self.model, self.plan.slots, rank=s.rank, alpha=s.alpha, rng=self.rng)
-        self.optimizer = make_optimizer(s)
+            self.lora = attach_lora(self.model, self.plan.slots, rank=settings.rank, alpha=settings.alpha, rng=self.rng)
+        self.optimizer = make_optimizer(settings)
         mx.eval(self.model.trainable_parameters())
         self.ema = (
-            AdapterEMA(s.ema, self.lora) if s.ema is not None and self.world.is_main else None
+            AdapterEMA(settings.ema, self.lora) if settings.ema is not None and self.world.is_main else None
         )  # rank 0 writes it
 
         def loss(weight, x0, noise, sigma, ctx, refs, cos, sin):  # weight: this process's share of the batch
             return (
                 flow_loss(
-                    self.model, x0, noise, sigma=sigma, ctx=ctx, rope=(cos, sin), refs=refs, checkpoint=s.low_memory
+                    self.model,
+                    x0,
+                    noise,
+                    sigma=sigma,
+                    ctx=ctx,
+                    rope=(cos, sin),
+                    refs=refs,
+                    checkpoint=settings.low_memory,
                 )
                 * weight
             )
 
         self.loss_and_grad = nn.value_and_grad(self.model, loss)
-        q = f", {s.quantize}-bit base" if s.quantize else ""
+        q = f", {settings.quantize}-bit base" if settings.quantize else ""
         return StageFinished(
             stage="model",
             seconds=time.perf_counter() - t0,
-            detail=f"{self.lora.count} {s.adapter} adapters of rank {s.rank}{q}",
+            detail=f"{self.lora.count} {settings.adapter} adapters of rank {settings.rank}{q}",
         )
 
     # ---- one optimizer step -------------------------------------------------------------------
 
     def next_batch(self) -> list[int]:
         if self.position >= len(self.batches):  # global batches: every process draws the same order
-            self.batches = epoch_batches(self.items, self.s.batch_size * self.world.size, self.rng)
+            self.batches = epoch_batches(self.items, self.settings.batch_size * self.world.size, self.rng)
             self.epoch = self.epoch + 1
             self.position = 0
         self.position += 1
@@ -332,12 +348,16 @@ class Trainer:
         x0 = mx.concatenate([self.latents[i] for i in indices], axis=0)  # (B, L, C)
         B, L, C = x0.shape
         draws, noise = example_draws(
-            self.s.seed, self.step_no + 1, indices=range(first, first + B), scheme=self.s.timesteps, shape=(L, C)
+            self.settings.seed,
+            self.step_no + 1,
+            indices=range(first, first + B),
+            scheme=self.settings.timesteps,
+            shape=(L, C),
         )
-        sigma = mx.array(sigmas_from_draws(self.s.timesteps, draws, L))
+        sigma = mx.array(sigmas_from_draws(self.settings.timesteps, draws, L))
         noise = mx.array(noise)
         dropped = dropped_captions(
-            self.s.seed, self.epoch, position=self.position, n=len(indices), p=self.s.caption_dropout
+            self.settings.seed, self.epoch, position=self.position, n=len(indices), p=self.settings.caption_dropout
         )
         captions = ["" if drop else self.items[i].caption for i, drop in zip(indices, dropped, strict=True)]
         ctx = mx.concatenate([self.ctx[c] for c in captions], axis=0)
@@ -348,14 +368,14 @@ class Trainer:
     def train_step(self) -> StepFinished:
         t0 = time.perf_counter()
         mx.reset_peak_memory()
-        s = self.s
+        settings = self.settings
         total = 0.0
         grads = None
-        for k in range(s.grad_accum):
+        for k in range(settings.grad_accum):
             batch = self.next_batch()
             part = self.world.share(len(batch))
             if len(part):
-                first = k * s.batch_size * self.world.size + part.start  # counted over the step's global batches
+                first = k * settings.batch_size * self.world.size + part.start  # counted over the step's global batches
                 args = self.micro_batch([batch[i] for i in part], first)
                 loss, g = self.loss_and_grad(len(part) / len(batch), *args)
             else:  # a bucket's last global batch can leave a process without examples
@@ -365,14 +385,14 @@ class Trainer:
             mx.eval(loss, grads)
             total += loss.item()
         grads, total = self.world.sum_grads(grads, total)  # several processes: the sum of their shares
-        if s.grad_accum > 1:
-            grads = tree_map(lambda g: g / s.grad_accum, grads)
+        if settings.grad_accum > 1:
+            grads = tree_map(lambda g: g / settings.grad_accum, grads)
         lr = self.lr_of(self.step_no + 1)
         self.optimizer.learning_rate = lr  # the schedule's value for this step (train/objective.py)
-        norm = optimizer_step(self.optimizer, self.model, grads, s.max_grad_norm)
+        norm = optimizer_step(self.optimizer, self.model, grads, settings.max_grad_norm)
         mx.eval(self.model.trainable_parameters(), self.optimizer.state, norm)
         self.step_no += 1
-        loss = total / s.grad_accum
+        loss = total / settings.grad_accum
         if not math.isfinite(loss) or not math.isfinite(norm.item()):
             raise FluxKleinError(
                 f"the loss became non-finite at step {self.step_no}; lower --lr, or train with --dtype float32"
@@ -381,12 +401,12 @@ class Trainer:
         self.trained_peak = max(self.trained_peak, mx.get_peak_memory())
         if self.ema is not None:
             self.ema.update(self.lora, self.step_no)
-        window = average_window(s.steps)
+        window = average_window(settings.steps)
         average = moving_average(self.losses[-window:], window)[-1]  # the plot's number for this step
         peak = mx.get_peak_memory()
         return StepFinished(
             step=self.step_no,
-            total=s.steps,
+            total=settings.steps,
             loss=loss,
             seconds=time.perf_counter() - t0,
             lr=lr,
@@ -397,8 +417,10 @@ class Trainer:
 
     def lr_of(self, step: int) -> float:
         """The learning rate of optimizer step `step` (1-based) under --lr-scheduler / --warmup-steps."""
-        s = self.s
-        return lr_at_step(s.lr_scheduler, base_lr=s.lr, step=step, warmup=s.warmup_steps, total=s.steps)
+        settings = self.settings
+        return lr_at_step(
+            settings.lr_scheduler, base_lr=settings.lr, step=step, warmup=settings.warmup_steps, total=settings.steps
+        )
 
     def lrs(self) -> list[float]:
         """The learning rate of every step done (for loss.png)."""
@@ -414,7 +436,7 @@ class Trainer:
             "position": self.position,
             "rng": self.rng.bit_generator.state,
             "losses": self.losses,
-            "run_key": run_key(self.s, self.info, self.world.size),
+            "run_key": run_key(self.settings, self.info, self.world.size),
             "data": data_key(self.items),
             "flux_klein_mlx": __version__,
             "validation": self.validation.history,
@@ -428,12 +450,12 @@ class Trainer:
             with self.ema.in_adapters(self.lora):
                 extra[EMA_FILE] = adapter_file(self.lora)
         path = write_checkpoint(
-            self.s.work_dir,
+            self.settings.work_dir,
             self.step_no,
             lora=lora,
             optimizer=opt,
             state=self.state(),
-            keep=self.s.keep_checkpoints,
+            keep=self.settings.keep_checkpoints,
             extra=extra,
         )
         self.plot_loss()
@@ -441,8 +463,8 @@ class Trainer:
 
     def plot_loss(self) -> None:
         """loss.png: every step's loss since step 1 (a resume continues the list), the lr beside it."""
-        path = self.s.work_dir / "loss.png"
-        window = average_window(self.s.steps)
+        path = self.settings.work_dir / "loss.png"
+        window = average_window(self.settings.steps)
         write_loss_plot(path, self.losses, window=window, lrs=self.lrs(), validation=self.validation.points())
 
     def restore(self, folder: Path) -> None:
@@ -481,8 +503,8 @@ class Trainer:
             "mlx": mx.__version__,
             "python": platform.python_version(),
             "platform": platform.platform(),
-            "model": {"source": str(self.s.model), "name": self.info.name, "path": str(self.info.path)},
-            "settings": self.s.record(),
+            "model": {"source": str(self.settings.model), "name": self.info.name, "path": str(self.info.path)},
+            "settings": self.settings.record(),
             "data": [it.record() for it in self.items],
             "buckets": bucket_counts(self.items),
             "targets": [sl.name for sl in self.plan.slots],
@@ -494,18 +516,22 @@ class Trainer:
         }
 
     def finish(self, seconds: float) -> TrainFinished:
-        s = self.s
+        settings = self.settings
         if not self.world.is_main:  # rank 0 writes the output
-            return TrainFinished(output=s.output, steps=self.step_no, seconds=seconds, work_dir=s.work_dir)
-        header = file_header(s, self.info, items=self.items, steps=self.step_no, started_at=self.started_at)
+            return TrainFinished(
+                output=settings.output, steps=self.step_no, seconds=seconds, work_dir=settings.work_dir
+            )
+        header = file_header(settings, self.info, items=self.items, steps=self.step_no, started_at=self.started_at)
 
         def write(tmp: Path) -> None:
-            write_lora_file(tmp, self.lora, dtype=self.dtype, layout=s.format, params=self.info.params, header=header)
+            write_lora_file(
+                tmp, self.lora, dtype=self.dtype, layout=settings.format, params=self.info.params, header=header
+            )
 
-        final = write_exclusive(s.output, self.ema.writing(self.lora, write) if self.ema else write)
+        final = write_exclusive(settings.output, self.ema.writing(self.lora, write) if self.ema else write)
         finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
         write_json(
-            s.work_dir / "train.json",
+            settings.work_dir / "train.json",
             self.record(
                 output=str(final),
                 finished=finished,
@@ -515,4 +541,4 @@ class Trainer:
         )
         if self.losses:
             self.plot_loss()
-        return TrainFinished(output=final, steps=self.step_no, seconds=seconds, work_dir=s.work_dir)
+        return TrainFinished(output=final, steps=self.step_no, seconds=seconds, work_dir=settings.work_dir)
