@@ -32,14 +32,12 @@ from starlette.routing import Route
 from ..errors import FluxKleinError
 from ..files import write_exclusive
 from ..inputs import RunSettings, check_prompt_given
-from ..lora.apply import parse_lora_spec
 from .forms import (
     EDIT_FIELDS,
     GENERATION_FIELDS,
-    LORA_NAME_RE,
-    MAX_LORAS,
     ApiError,
     bool_field,
+    check_model,
     check_multipart_complete,
     float_field,
     int_field,
@@ -49,6 +47,7 @@ from .forms import (
 )
 from .guard import MB, Guard
 from .jobs import EndEvent, ImageEvent, ImageRequest, NotReady, QueueFull, StageEvent, StepEvent, Worker
+from .loras import lora_files, resolve_loras
 
 PNG = {"output_format": "png", "background": "opaque"}  # what every result is
 
@@ -120,56 +119,11 @@ class Server:
 
     # ---- validation ---------------------------------------------------------------------------
 
-    def resolve_loras(self, value) -> tuple:
-        """LoRA names (optionally "name:scale") -> ((path in --lora-dir, scale), ...)."""
-        if value in (None, ""):
-            return ()
-        items = value if isinstance(value, list) else [value]
-        if len(items) > MAX_LORAS:
-            raise ApiError(400, f"{len(items)} LoRAs named; a request may name at most {MAX_LORAS}", "loras")
-        out = {}  # name -> (path, scale)
-        for item in items:
-            if not isinstance(item, str):
-                raise ApiError(400, f"loras must be names (strings), not {type(item).__name__}", "loras")
-            try:
-                name, scale = parse_lora_spec(item, files=False)
-            except FluxKleinError as e:
-                raise ApiError(400, str(e), "loras") from None
-            if ".." in name or not LORA_NAME_RE.match(name):  # the pattern has no path separators
-                raise ApiError(
-                    400,
-                    f"LoRA {item!r} is not a name: give the name of a file in the server's "
-                    "--lora-dir (without .safetensors), never a path",
-                    "loras",
-                )
-            if self.options.lora_dir is None:
-                raise ApiError(
-                    400, "this server was started without --lora-dir, so requests cannot name LoRAs", "loras"
-                )
-            if name in out:
-                raise ApiError(
-                    400, f"LoRA {name!r} is named twice; name each LoRA once (name:scale sets its strength)", "loras"
-                )
-            path = self.options.lora_dir / f"{name}.safetensors"
-            if not path.is_file():
-                raise ApiError(
-                    404, f"no LoRA named {name!r} in the server's LoRA folder; GET /v1/status lists them", "loras"
-                )
-            out[name] = (str(path.resolve()), scale)
-        return tuple(out.values())
-
     def common(self, body: dict, kind: str) -> tuple[ImageRequest, Answer]:
         """The fields both routes share -> a request (images added by the edit route) and how to answer it
         (`kind`: the route's event type prefix, "image_generation" or "image_edit")."""
         o = self.options
-        model = body.get("model")
-        if model not in (None, "", o.model_id, *o.model_aliases):
-            raise ApiError(
-                404,
-                f"model {model!r} is not served here; this server serves {o.model_id!r} (GET /v1/models)",
-                "model",
-                "model_not_found",
-            )
+        check_model(body.get("model"), o.model_id, o.model_aliases)
         prompt = str_field(body, "prompt")
         if prompt is None:
             raise ApiError(400, "prompt is required: describe the image to make", "prompt")
@@ -205,7 +159,7 @@ class Server:
         req = ImageRequest(
             settings=settings,
             n=int_field(body, "n", lo=1, hi=o.max_n, default=1),
-            loras=self.resolve_loras(body.get("loras", body.get("loras[]"))),
+            loras=resolve_loras(body.get("loras", body.get("loras[]")), o.lora_dir),
             partial_images=partial if stream else 0,
         )
         return req, Answer(kind=kind, response_format=response_format, stream=stream)
@@ -407,10 +361,8 @@ class Server:
         """GET /v1/models (the list of one) or /v1/models/{model}."""
         card = {"id": self.options.model_id, "object": "model", "created": 0, "owned_by": "flux_klein_mlx"}
         name = request.path_params.get("model")
-        if name is not None and name not in (card["id"], *self.options.model_aliases):
-            raise ApiError(
-                404, f"model {name!r} is not served here; this server serves {card['id']!r}", "model", "model_not_found"
-            )
+        if name is not None:
+            check_model(name, card["id"], self.options.model_aliases)
         return JSONResponse(card if name is not None else {"object": "list", "data": [card]})
 
     async def status(self, request: Request):
@@ -426,7 +378,7 @@ class Server:
                 "distilled": info.is_distilled if info else None,
                 "inpainting": True,
                 "server_loras": list(o.server_loras),
-                "loras": sorted(p.stem for p in o.lora_dir.glob("*.safetensors")) if o.lora_dir else [],
+                "loras": list(lora_files(o.lora_dir)),
                 "preview": pipe.preview_map().source if pipe is not None else None,
                 "fields": {"generations": sorted(GENERATION_FIELDS), "edits": sorted(EDIT_FIELDS)},
                 "limits": {

@@ -8,6 +8,7 @@ shows a server-side path (only its last part) or an exception's repr.
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 
 from starlette.responses import JSONResponse
@@ -60,10 +61,31 @@ GENERATION_FIELDS = {
     "output_format",
 } | IGNORED
 EDIT_FIELDS = GENERATION_FIELDS | {"image", "image[]", "mask", "strength", "loras[]"}
-LORA_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_LORAS = 8  # LoRA names per request
 # An absolute file path in a message (never this server's own routes, /v1/...): clients see its last part.
 PATH_RE = re.compile(r"(?<![\w.:/])/(?!v1/)[^\s'\"(),;]*/([^\s'\"(),;/]+)")
+
+
+def check_model(name, model_id: str, aliases: tuple = ()) -> None:
+    """A request's "model": left out, --model-id, or one of its aliases (a path compared as written after
+    `normpath`, never looked up on the server); else a 404 that tells a path to another folder with the
+    same last part apart from the served one (both show as that last part: paths are shortened)."""
+    if name in (None, "", model_id, *aliases):
+        return
+    text = str(name)
+    if "/" in text and posixpath.normpath(text) in {posixpath.normpath(a) for a in aliases if "/" in a}:
+        return
+    last = posixpath.basename(text.rstrip("/"))
+    served = {model_id, *(posixpath.basename(a) for a in aliases)}
+    if "/" in text and last in served:
+        message = (
+            f"model {text!r} is not served here: it is a path to another folder named {last!r} (paths are "
+            f"compared as written, never looked up on the server); this server serves {model_id!r} from its "
+            f"own folder: name it {model_id!r} or leave model out (GET /v1/models)"
+        )
+    else:
+        message = f"model {text!r} is not served here; this server serves {model_id!r} (GET /v1/models)"
+    raise ApiError(404, message, "model", "model_not_found")
 
 
 def parse_json(data: bytes | bytearray) -> dict:

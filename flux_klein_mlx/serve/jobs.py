@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import threading
 import traceback
 import warnings
@@ -111,6 +112,7 @@ class Worker:
         self.error: str | None = None
         self.pipe = None
         self.base_loras: tuple = ()  # what the pipeline was loaded with, kept under every request's own
+        self.applied: tuple = ()  # ((path, scale, file_stamp), ...) of the LoRAs the pipeline holds now
         self.completed = self.cancelled_jobs = 0
         self.active_memory = 0  # MLX bytes in use after the last job (read on the worker thread)
         self._thread = threading.Thread(target=self._run, name="flux-klein-worker", daemon=True)
@@ -169,6 +171,7 @@ class Worker:
         try:
             self.pipe = self._loader()
             self.base_loras = tuple((lora.path, lora.scale) for lora in self.pipe.loras)
+            self.applied = stamped(self.base_loras)
         except Exception as e:  # any load failure is reported as 503 with its message
             self.error = str(e) if isinstance(e, FluxKleinError) else f"{type(e).__name__}: {e}"
         with self._lock:  # the pipe is set before the state says so
@@ -207,9 +210,11 @@ class Worker:
         req = job.request
         pipe = self.pipe
         loras = self.base_loras + tuple(req.loras)
-        if loras != tuple((lora.path, lora.scale) for lora in pipe.loras):
+        wanted = stamped(loras)  # a file replaced since it was applied is read again
+        if wanted != self.applied:
             job.on_event(StageEvent(stage="loras"))
             pipe.set_loras(list(loras))  # checked first: on error the pipeline keeps its LoRAs
+            self.applied = wanted
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # guidance on distilled models etc.: noted in the metadata
             prepared = prepare_inputs(req.settings, pipe.info)  # uploads decoded once for all n images
@@ -236,6 +241,21 @@ class Worker:
                 )
             )
         return True
+
+
+def file_stamp(path: str) -> tuple | None:
+    """A file's identity without reading it: (size, mtime_ns, ctime_ns, inode); None when it cannot be
+    read (the LoRA loader then says why). A file written over or replaced changes at least ctime."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
+def stamped(loras: tuple) -> tuple:
+    """((path, scale), ...) -> ((path, scale, file_stamp), ...): what a pipeline's LoRAs are compared by."""
+    return tuple((path, scale, file_stamp(path)) for path, scale in loras)
 
 
 def preview_steps(steps: int, count: int | None) -> set[int]:

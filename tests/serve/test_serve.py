@@ -89,18 +89,18 @@ class Server:
         raise AssertionError("the server did not become idle")
 
 
-def write_style_lora(folder: Path) -> Path:
+def write_style_lora(folder: Path, seed: int = 5, stem: str = "style") -> Path:
     """A random diffusers/PEFT LoRA on the tiny transformer's first double block (q and the MLP)."""
     from safetensors.numpy import save_file
 
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng(seed)
     hidden = 64  # tiny_model.TRANSFORMER: 2 heads x 32
     tensors = {}
     for name, (out, inp) in {"attn.to_q": (hidden, hidden), "ff.linear_in": (6 * hidden, hidden)}.items():
         key = f"transformer.transformer_blocks.0.{name}"
         tensors[f"{key}.lora_A.weight"] = rng.normal(0, 0.3, (4, inp)).astype(np.float32)
         tensors[f"{key}.lora_B.weight"] = rng.normal(0, 0.3, (out, 4)).astype(np.float32)
-    path = folder / "style.safetensors"
+    path = folder / f"{stem}.safetensors"
     save_file(tensors, str(path))
     return path
 
@@ -653,6 +653,94 @@ def test_openai_client_sees_errors_as_exceptions(server):
         server.client().models.retrieve("gpt-image-1")
     code, body = http("GET", server.url + "/v1/nothing", headers=server.auth)
     assert code == 404 and body["error"]["message"] == "no route GET /v1/nothing; see GET /v1/status"
+
+
+def pixels(res) -> np.ndarray:
+    return np.asarray(decode(res.data[0].b64_json).convert("RGB"))
+
+
+def test_a_replaced_lora_file_is_read_again(server, snapshot, lora_dir):
+    """Issue 38 case 6: x.safetensors replaced in --lora-dir (a new file moved over it, or written over in
+    place with the same size) between two identical requests: the second image is the new weights',
+    equal to a fresh pipeline's with them, never the image of the weights read before."""
+    swap, other = lora_dir / "swap.safetensors", write_style_lora(lora_dir, seed=9, stem="other")
+    shutil.copyfile(lora_dir / "style.safetensors", swap)
+    ask = dict(prompt="a red fox", size="64x64", extra_body={"seed": 3, "steps": 2, "loras": ["swap"]})
+    try:
+        client = server.client()
+        image_a = pixels(client.images.generate(**ask))
+        shutil.copyfile(other, lora_dir / "swap.tmp")
+        os.replace(lora_dir / "swap.tmp", swap)
+        res = client.images.generate(**ask)
+        fresh = flux_klein_mlx.load(snapshot, dtype="float32", loras=[(other, 1.0)])
+        np.testing.assert_array_equal(
+            pixels(res), np.asarray(fresh.generate("a red fox", width=64, height=64, seed=3, steps=2))
+        )
+        assert not np.array_equal(pixels(res), image_a)
+        record = json.loads(decode(res.data[0].b64_json).text["flux_klein_mlx"])["loras"][0]
+        assert record["sha256"] == fresh.loras[0].sha256 and record["name"] == "swap.safetensors"
+        swap.write_bytes((lora_dir / "style.safetensors").read_bytes())  # in place: same inode, same size
+        np.testing.assert_array_equal(pixels(client.images.generate(**ask)), image_a)
+    finally:
+        for path in (swap, other, lora_dir / "swap.tmp"):
+            path.unlink(missing_ok=True)
+
+
+def test_lora_names_as_civitai_writes_them_are_accepted_as_listed(server, lora_dir):
+    """Issue 38 case 10: a file named with spaces, parentheses and an accent (kept decomposed, as macOS
+    writes it) and one whose name ends in ":2" are listed by /v1/status and accepted as listed (with or
+    without ":scale", the accent in either Unicode form); only names that leave the folder are refused."""
+    ink = "Ink Style (v2) e\u0301"  # NFD: e + combining acute
+    shutil.copyfile(lora_dir / "style.safetensors", lora_dir / f"{ink}.safetensors")
+    shutil.copyfile(lora_dir / "style.safetensors", lora_dir / "mix:2.safetensors")
+    try:
+        assert {ink, "mix:2", "style"} <= set(server.status()["loras"])
+        client = server.client()
+
+        def run(*loras):
+            return client.images.generate(
+                prompt="a red fox", size="64x64", extra_body={"seed": 4, "steps": 1, "loras": list(loras)}
+            )
+
+        want = pixels(run("style:0.8"))
+        np.testing.assert_array_equal(pixels(run(f"{ink}:0.8")), want)
+        np.testing.assert_array_equal(pixels(run("Ink Style (v2) \u00e9:0.8")), want)  # NFC, as typed
+        for spec, scale in (("mix:2", 1.0), ("mix:2:0.5", 0.5)):
+            record = json.loads(decode(run(spec).data[0].b64_json).text["flux_klein_mlx"])["loras"][0]
+            assert (record["name"], record["scale"]) == ("mix:2.safetensors", scale)
+        for bad in ("../style", "/etc/style", "sub/style", "..", f"../{lora_dir.name}/style"):
+            with pytest.raises(openai.BadRequestError) as e:
+                run(bad)
+            message = e.value.body["message"]
+            assert "never a path" in message and "\n" not in message and str(lora_dir) not in message
+    finally:
+        (lora_dir / f"{ink}.safetensors").unlink()
+        (lora_dir / "mix:2.safetensors").unlink()
+
+
+def test_another_folder_with_the_served_folders_name_is_told_apart(server, snapshot, tmp_path):
+    """Issue 38 case 16: a path to another folder with the served folder's last part is refused with a
+    message that says so (paths are shortened in messages, so it cannot read "model 'tiny' is not served
+    here; this server serves 'tiny'"); the served folder written another way (".", a trailing "/") is it."""
+    from flux_klein_mlx.serve.forms import ApiError, check_model
+
+    with pytest.raises(ApiError) as e:
+        check_model("/b/tiny", "tiny", ("/a/tiny",))
+    message = e.value.body()["error"]["message"]
+    assert "model 'tiny' is not served here; this server serves 'tiny'" not in message
+    assert "another folder named 'tiny'" in message and "this server serves 'tiny' from its own folder" in message
+    check_model("/a/./tiny/", "tiny", ("/a/tiny",))
+    client = server.client()
+    elsewhere = str(tmp_path / snapshot.name)
+    for call in (
+        lambda: client.images.generate(model=elsewhere, prompt="a fox", size="64x64"),
+        lambda: client.models.retrieve(elsewhere),
+    ):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert f"another folder named {snapshot.name!r}" in e.value.body["message"]
+    res = client.images.generate(model=f"{snapshot}/./", prompt="a fox", size="64x64", extra_body={"steps": 1})
+    assert decode(res.data[0].b64_json).size == (64, 64)
 
 
 def test_a_refused_lora_request_keeps_the_pipeline(server, lora_dir):
