@@ -279,6 +279,19 @@ def epoch_batches(items: list[TrainItem], batch_size: int, rng: np.random.Genera
     return [batches[j] for j in rng.permutation(len(batches))]
 
 
+def running_batch(items: list[TrainItem], batch_size: int) -> int:
+    """The largest batch a run of `items` ever runs: a batch never mixes buckets, so `batch_size` is cut to
+    the largest bucket's count (said once, with a warning, where that is less than asked)."""
+    largest = max(bucket_counts(items).values(), default=1)
+    if largest < batch_size:
+        warnings.warn(
+            f"--batch-size {batch_size} is more than the {largest} image(s) of the largest bucket (a batch never "
+            f"mixes buckets): batches of at most {largest} run, and the memory plan sizes {largest}",
+            stacklevel=2,
+        )
+    return min(batch_size, largest)
+
+
 def bucket_counts(items: list[TrainItem]) -> dict[str, int]:
     """ "WxH" -> number of images, for reports."""
     counts: dict[str, int] = {}

@@ -12,7 +12,7 @@ from ..errors import FluxKleinError
 from ..files import check_output_file
 from ..loading import ModelInfo, check_for_training, describe, single_file_refusal
 from .adapters import adapter_file_shapes, adapter_parameters, parse_targets
-from .data import scan_data
+from .data import running_batch, scan_data
 from .distributed import World, check_processes, world
 from .memory import MemoryPlanned, check_memory
 from .samples import check_sample_model
@@ -102,7 +102,7 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
         items=items,
         resume_from=resume,
         sample_info=sample_info,
-        memory=check_memory(settings, info, trainable),
+        memory=check_memory(settings, info, trainable, running_batch(items, settings.batch_size)),
         validation=held_out,
         world=w,
     )

@@ -1,0 +1,36 @@
+"""`train` says what it does with the input it is given (issue 38): the batch that runs, images far
+smaller than the training size, held-out images that are the training images, captions edited since a
+recorded run, texts that are not UTF-8, and links, folders and files in the wrong place, each in one
+line, before any model loads, changing nothing.
+
+The helpers are those of test_train_bad_input.py: `refused` runs the command and asserts exit status 1,
+one `error:` line holding the words and an unchanged folder; `no_models` fails a test that loads one.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_train_bad_input import base_args, make_images, no_models, refused  # noqa: F401
+
+from flux_klein_mlx.train.memory import step_peak
+from flux_klein_mlx.train.plan import plan_run
+from flux_klein_mlx.train.settings import TrainSettings
+
+
+@pytest.mark.usefixtures("no_models")
+def test_a_batch_larger_than_the_buckets_is_said_and_planned_as_it_runs(base, tmp_path, monkeypatch):
+    """Case 5 and 16: --batch-size 64 with 2 images runs batches of 2 (a batch never mixes buckets):
+    the user is told, and the memory plan sizes 2, so a machine that fits 2 is not refused."""
+    from flux_klein_mlx.train import memory
+
+    data = make_images(tmp_path / "data")
+    kw = dict(model=base, data=data, output=tmp_path / "o.safetensors", resolution=64, rank=4)
+    two = plan_run(TrainSettings(**kw, batch_size=2)).memory
+    monkeypatch.setattr(memory, "machine_memory", lambda: (two.peak + 1000, "a test machine"))
+    with pytest.warns(UserWarning, match=r"--batch-size 64 is more than the 2 image\(s\) of the largest bucket"):
+        plan = plan_run(TrainSettings(**kw, batch_size=64))
+    assert plan.memory.fits and plan.memory.peak == two.peak
+    params, trainable = plan.info.params, plan.memory.trainable
+    assert two.peak == step_peak(params, trainable, resolution=64, bits=None, low_memory=False, batch=2)[0]
+    assert step_peak(params, trainable, resolution=64, bits=None, low_memory=False, batch=64)[0] > two.peak + 1000
+    assert list(tmp_path.iterdir()) == [data]
