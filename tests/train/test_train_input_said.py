@@ -34,3 +34,14 @@ def test_a_batch_larger_than_the_buckets_is_said_and_planned_as_it_runs(base, tm
     assert two.peak == step_peak(params, trainable, resolution=64, bits=None, low_memory=False, batch=2)[0]
     assert step_peak(params, trainable, resolution=64, bits=None, low_memory=False, batch=64)[0] > two.peak + 1000
     assert list(tmp_path.iterdir()) == [data]
+
+
+@pytest.mark.parametrize("option", ["--trigger", "--caption", "--sample-prompt"])
+def test_text_that_is_not_utf8_refused_in_one_line(capsys, base, tmp_path, no_models, option):  # noqa: F811
+    """Case 11: `--trigger $'\\xff'` reaches Python as a lone surrogate (surrogateescape): one line, no work folder."""
+    data = make_images(tmp_path / "data")
+    extra = [option, "sks\udcff"] + (["--sample-every", "1"] if option == "--sample-prompt" else [])
+    refused(
+        capsys, tmp_path, base_args(base, data, tmp_path / "out.safetensors") + extra, option, "not valid text", "0xFF"
+    )
+    assert not (tmp_path / "out.train").exists()
