@@ -200,10 +200,9 @@ def scan_data(
     """The training examples of `data` (and its `controls` folders), every file opened and checked;
     with several resolutions, one example per image and resolution (in the order listed).
 
-    Raises FluxKleinError (one line) for a missing or empty folder, unreadable or corrupt images,
-    images without a caption (and no `caption`), a control folder that is the data folder, and
-    control folders missing a counterpart; warns about what it does not read. Captions are as
-    trained (`trigger` applied). `option` and `control_option` name the folders in messages.
+    Raises FluxKleinError (one line) for a missing or empty folder, unreadable or corrupt images, images
+    without a caption (and no `caption`), a control folder that is the data folder or misses a counterpart;
+    warns about what it does not read and what it upscales. Captions are as trained (`trigger` applied).
     """
     folder = Path(data).expanduser()
     images = _images_by_stem(folder, option)
@@ -245,7 +244,29 @@ def scan_data(
         )
         items += [TrainItem(**example, bucket=bucket_size(*picture.size, size)) for size in sizes]  # one per size
     _say_what_is_not_read(folder, images, caption_extension)  # once the data passed: a refusal stays one line
+    _say_upscaled(items, option)
     return items
+
+
+UPSCALE_SAID = 2.0  # an image stretched past twice its width or height trains on blur: said, named
+
+
+def _say_upscaled(items: list[TrainItem], option: str) -> None:
+    """Warn, naming the images and their size, where a training size stretches an image past `UPSCALE_SAID`
+    times a side (a 64 px image at 768 is 12x): the run may go on (tiny art may be meant), never silently."""
+    worst: dict[str, tuple[float, TrainItem]] = {}  # image name -> (its largest stretch, the example)
+    for it in items:
+        stretch = max(it.bucket[0] / it.image.size[0], it.bucket[1] / it.image.size[1])
+        if stretch > worst.get(it.image.path.name, (0.0,))[0]:
+            worst[it.image.path.name] = (stretch, it)
+    big = [(name, x, it) for name, (x, it) in worst.items() if x > UPSCALE_SAID]
+    if big:
+        named = first_few([f"{name} ({it.image.size[0]}x{it.image.size[1]} px, {x:.0f}x)" for name, x, it in big])
+        warnings.warn(
+            f"{option}: {len(big)} image(s) are upscaled more than {UPSCALE_SAID:g}x to the training size: {named}; "
+            "they train on blur: give larger images or a smaller --resolution",
+            stacklevel=3,
+        )
 
 
 def _other_captions_hint(folder: Path, images: dict[str, Path], extension: str) -> str:

@@ -45,3 +45,22 @@ def test_text_that_is_not_utf8_refused_in_one_line(capsys, base, tmp_path, no_mo
         capsys, tmp_path, base_args(base, data, tmp_path / "out.safetensors") + extra, option, "not valid text", "0xFF"
     )
     assert not (tmp_path / "out.train").exists()
+
+
+@pytest.mark.usefixtures("no_models")
+def test_images_far_smaller_than_the_training_size_are_named_with_their_size(base, tmp_path):
+    """Case 13: 64 px images at --resolution 512,768 are stretched 12x: a warning (the run may go on, pixel
+    art may be meant) names them and their size, before any model loads; at --resolution 64 nothing is said."""
+    import warnings
+
+    data = make_images(tmp_path / "data")
+    kw = dict(model=base, data=data, output=tmp_path / "o.safetensors", rank=4)
+    with pytest.warns(UserWarning, match=r"2 image\(s\) are upscaled more than 2x") as said:
+        plan_run(TrainSettings(**kw, resolution=(512, 768)))
+    text = " | ".join(str(w.message) for w in said)
+    assert "im0.png (64x64 px, 12x)" in text and "im1.png (64x64 px, 12x)" in text, text
+    assert "smaller --resolution" in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan_run(TrainSettings(**kw, resolution=64))
+    assert list(tmp_path.iterdir()) == [data]
