@@ -118,8 +118,8 @@ def _images_by_stem(folder: Path, option: str) -> dict[str, Path]:
     return found
 
 
-def _caption(image: Path, fallback: str | None, extension: str = ".txt") -> tuple[str, str] | None:
-    """(caption, where from) for an image, or None when it has none."""
+def caption_of(image: Path, fallback: str | None, extension: str = ".txt") -> tuple[str, str] | None:
+    """(caption, where from) for an image, or None when it has none (config_file compares it with a record)."""
     txt = image.with_suffix(extension)
     if txt.is_file():
         try:
@@ -217,7 +217,7 @@ def scan_data(
             f"{option} {folder} holds no images ({', '.join(IMAGE_SUFFIXES)}); put the training images there, "
             "each with a .txt caption"
         )
-    uncaptioned = [p.name for p in images.values() if _caption(p, caption, caption_extension) is None]
+    uncaptioned = [p.name for p in images.values() if caption_of(p, caption, caption_extension) is None]
     if uncaptioned:
         head = first_few(uncaptioned)
         raise FluxKleinError(
@@ -236,7 +236,7 @@ def scan_data(
     sizes = (resolution,) if isinstance(resolution, int) else tuple(resolution)
     items = []
     for stem, path in images.items():
-        text, source = _caption(path, caption, caption_extension)
+        text, source = caption_of(path, caption, caption_extension)
         picture = _check_picture(path, "training image")
         pics = [_check_picture(cmap[stem], "control image") for _, cmap in control_maps]
         example = dict(

@@ -64,3 +64,23 @@ def test_images_far_smaller_than_the_training_size_are_named_with_their_size(bas
         warnings.simplefilter("error")
         plan_run(TrainSettings(**kw, resolution=64))
     assert list(tmp_path.iterdir()) == [data]
+
+
+@pytest.mark.usefixtures("no_models")
+def test_config_from_train_json_names_an_edited_or_added_caption(capsys, base, tmp_path):
+    """Case 14: a train.json replayed on captions edited since (or a caption file added to an image that
+    trained on --caption) is refused naming them, as changed images are; the advice (give --data) works."""
+    from test_train_bad_input import recorded_run
+
+    from flux_klein_mlx.train.command import train
+    from flux_klein_mlx.train.config_file import check_recorded_data, option_names, read_config
+
+    data = make_images(tmp_path / "data")
+    record = recorded_run(base, data, tmp_path)
+    args = ["--config", str(record), "--output", str(tmp_path / "new.safetensors")]
+    (data / "im1.txt").write_text("an edited caption")
+    refused(capsys, tmp_path, args, "caption(s) im1.txt", "changed since", "give --data")
+    (data / "im1.txt").write_text("a test card")  # restored: the same captions pass the check
+    check_recorded_data(read_config(record, option_names(train)), data)
+    (data / "im0.txt").write_text("")  # an empty caption file: that image has no caption now
+    refused(capsys, tmp_path, args + ["--caption", "a card"], "caption(s) im0.txt", "changed since")
