@@ -163,6 +163,31 @@ def _same_folder(a: Path, b: Path) -> bool:
         return False
 
 
+def check_held_out(validation, data, validation_controls=(), controls=()) -> None:
+    """--validation is not the --data folder, nor a --validation-control a --control folder: a held-out
+    loss measured on the training images says nothing of how the LoRA does on others (one line)."""
+    pairs = [(validation, "--validation", [data], "--data")]
+    pairs += [(v, "--validation-control", list(controls), "--control") for v in validation_controls]
+    for folder, option, trained, trained_option in pairs:
+        if any(_same_folder(Path(folder).expanduser(), Path(t).expanduser()) for t in trained):
+            raise FluxKleinError(
+                f"{option} {folder} is the {trained_option} folder: its loss would measure the images the LoRA "
+                "trains on; give a folder of held-out images, left out of training"
+            )
+
+
+def say_shared_images(held_out: list[TrainItem], items: list[TrainItem]) -> None:
+    """Warn, naming them, where held-out images are training images byte for byte (another folder, a copy)."""
+    trained = {it.image.sha256 for it in items}
+    shared = sorted({it.image.path.name for it in held_out if it.image.sha256 in trained})
+    if shared:
+        warnings.warn(
+            f"--validation: {len(shared)} held-out image(s) are also training images ({first_few(shared)}): their "
+            "loss measures what the LoRA trains on; leave them out of --data or of --validation",
+            stacklevel=3,
+        )
+
+
 def _say_what_is_not_read(folder: Path, images: dict[str, Path], extension: str) -> None:
     """Warn about sub-folders holding images and caption files of another suffix (never silent)."""
     subs = []

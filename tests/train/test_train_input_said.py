@@ -84,3 +84,22 @@ def test_config_from_train_json_names_an_edited_or_added_caption(capsys, base, t
     check_recorded_data(read_config(record, option_names(train)), data)
     (data / "im0.txt").write_text("")  # an empty caption file: that image has no caption now
     refused(capsys, tmp_path, args + ["--caption", "a card"], "caption(s) im0.txt", "changed since")
+
+
+@pytest.mark.parametrize("which", ["validation", "validation-control"])
+def test_held_out_folder_that_is_a_training_folder_refused(capsys, base, tmp_path, no_models, which):  # noqa: F811
+    """Case 15: --validation equal to --data (and --validation-control equal to --control) would measure
+    the training images: one line, before any model loads; a copy of training images elsewhere is warned."""
+    data = make_images(tmp_path / "data")
+    args = base_args(base, data, tmp_path / "out.safetensors")
+    if which == "validation":
+        refused(capsys, tmp_path, args + ["--validation", str(tmp_path / "." / "data")], "is the --data folder")
+        return
+    control = make_images(tmp_path / "control", captions=False)
+    held_out = make_images(tmp_path / "held_out", n=2)  # copies of the training images
+    extra = ["--control", str(control), "--validation", str(held_out), "--validation-control", str(control)]
+    refused(capsys, tmp_path, args + extra, "--validation-control", "is the --control folder", "held-out")
+    with pytest.warns(UserWarning, match=r"2 held-out image\(s\) are also training images \(im0.png, im1.png\)"):
+        plan_run(
+            TrainSettings(model=base, data=data, output=tmp_path / "o.safetensors", resolution=64, validation=held_out)
+        )
