@@ -41,7 +41,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import FluxKleinError, first_few
-from ..files import file_sha256
+from ..files import broken_link, file_sha256
 from ..inputs import check_image_shape, open_image
 from ..models.rope import PIXELS_PER_TOKEN
 
@@ -100,16 +100,23 @@ def _check_picture(path: Path, what: str) -> Picture:
     return Picture(path=path, size=(w, h), sha256=file_sha256(path))
 
 
+# what a control folder holds, in the words of a refusal that names a missing one
+CONTROL_WANTED = "the folder of reference images (one per training image, same names)"
+
+
 def _images_by_stem(folder: Path, option: str) -> dict[str, Path]:
     """stem -> image file of a data or control folder; two images with one stem is an error."""
+    wanted = "a folder of images with .txt captions" if option in ("--data", "--validation") else CONTROL_WANTED
     if not folder.exists():
-        raise FluxKleinError(f"{option} {folder} does not exist; give a folder of images with .txt captions")
+        raise FluxKleinError(f"{option} {folder} does not exist; give {wanted}")
     if not folder.is_dir():
         raise FluxKleinError(f"{option} {folder} is a file, not a folder of images")
     found: dict[str, Path] = {}
     for p in sorted(folder.iterdir()):
         if p.suffix.lower() not in IMAGE_SUFFIXES or p.name.startswith("."):
             continue
+        if why := broken_link(p):
+            raise FluxKleinError(f"{option} {folder}: {p.name} is a symbolic link that {why}; remove it or fix it")
         if p.stem in found:
             raise FluxKleinError(
                 f"{option} {folder} has two images named {p.stem} ({found[p.stem].name}, {p.name}); keep one"
@@ -121,6 +128,10 @@ def _images_by_stem(folder: Path, option: str) -> dict[str, Path]:
 def caption_of(image: Path, fallback: str | None, extension: str = ".txt") -> tuple[str, str] | None:
     """(caption, where from) for an image, or None when it has none (config_file compares it with a record)."""
     txt = image.with_suffix(extension)
+    if why := broken_link(txt):
+        raise FluxKleinError(f"caption {txt} is a symbolic link that {why}; remove it or fix it")
+    if txt.is_dir():
+        raise FluxKleinError(f"caption {txt} is a folder, not a text file; rename it or write the caption there")
     if txt.is_file():
         try:
             text = txt.read_text(encoding="utf-8-sig").strip()  # -sig: a leading BOM is not caption text
@@ -233,10 +244,7 @@ def scan_data(
     images = _images_by_stem(folder, option)
     for c in controls:
         if _same_folder(Path(c).expanduser(), folder):
-            raise FluxKleinError(
-                f"{control_option} {c} is the {option} folder itself; give the folder of the reference images "
-                "(one per training image, same names)"
-            )
+            raise FluxKleinError(f"{control_option} {c} is the {option} folder itself; give {CONTROL_WANTED}")
     if not images:
         raise FluxKleinError(
             f"{option} {folder} holds no images ({', '.join(IMAGE_SUFFIXES)}); put the training images there, "

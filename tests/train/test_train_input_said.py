@@ -10,6 +10,7 @@ one `error:` line holding the words and an unchanged folder; `no_models` fails a
 from __future__ import annotations
 
 import pytest
+from command_line import run_cli
 from test_train_bad_input import base_args, make_images, no_models, refused  # noqa: F401
 
 from flux_klein_mlx.train.memory import step_peak
@@ -103,3 +104,54 @@ def test_held_out_folder_that_is_a_training_folder_refused(capsys, base, tmp_pat
         plan_run(
             TrainSettings(model=base, data=data, output=tmp_path / "o.safetensors", resolution=64, validation=held_out)
         )
+
+
+@pytest.mark.parametrize(
+    "layout, words",
+    [
+        ("image-loop", ["im1.png is a symbolic link that loops", "remove it"]),
+        ("image-dangling", ["im1.png is a symbolic link that points to nothing"]),
+        ("caption-folder", ["caption", "im1.txt is a folder, not a text file"]),
+        ("caption-loop", ["caption", "im1.txt is a symbolic link that loops"]),
+        ("control-missing", ["--control", "does not exist", "reference images"]),
+    ],
+)
+def test_links_folders_and_missing_controls_said_as_they_are(capsys, base, tmp_path, no_models, layout, words):  # noqa: F811
+    """Case 16: a link among the images that loops is not "not found", a caption "file" that is a folder is
+    not "no caption", and a missing --control folder is not described as one of ".txt captions"."""
+    data = make_images(tmp_path / "data")
+    extra = []
+    if layout.startswith("image-"):
+        (data / "im1.png").unlink()
+        (data / "im1.png").symlink_to(data / "im1.png" if layout == "image-loop" else tmp_path / "gone.png")
+    elif layout.startswith("caption-"):
+        (data / "im1.txt").unlink()
+        (data / "im1.txt").mkdir() if layout == "caption-folder" else (data / "im1.txt").symlink_to(data / "im1.txt")
+    else:
+        extra = ["--control", str(tmp_path / "before")]
+    err = refused(capsys, tmp_path, base_args(base, data, tmp_path / "out.safetensors") + extra, *words)
+    assert "not found" not in err and "no caption" not in err and ".txt captions" not in err
+
+
+def test_a_lora_given_as_the_model_is_named_as_a_lora_by_train_load_and_convert(capsys, base, tmp_path, no_models):  # noqa: F811
+    """Case 16: a LoRA as `train --model` is said to be a LoRA, with what --model needs, and never sent to
+    `convert`, which says the same instead of asking whether it is the text encoder or the VAE."""
+    import mlx.core as mx
+    from command_line import assert_one_line_error
+
+    import flux_klein_mlx
+    from flux_klein_mlx.errors import FluxKleinError
+
+    data = make_images(tmp_path / "data")
+    lora = tmp_path / "a_lora.safetensors"
+    mx.save_safetensors(str(lora), {"transformer.x.lora_A.weight": mx.zeros((4, 8))})
+    args = base_args(base, data, tmp_path / "out.safetensors")
+    args[1] = str(lora)
+    err = refused(capsys, tmp_path, args, "holding a LoRA, not a model", "klein Base model folder or repo id")
+    assert "convert" not in err and f"generate --lora {lora}" in err
+    with pytest.raises(FluxKleinError) as loaded:
+        flux_klein_mlx.load(lora)
+    assert str(loaded.value) == err.removeprefix("error: ")
+    rc, _, said = run_cli(capsys, "convert", "--model", str(lora), "--output", str(tmp_path / "converted"))
+    assert_one_line_error(rc, said, "holding a LoRA, not a model")
+    assert "text encoder or the VAE" not in said and not (tmp_path / "converted").exists()
