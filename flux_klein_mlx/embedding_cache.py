@@ -86,7 +86,10 @@ def default_folder(env: Mapping[str, str] | None = None) -> Path:
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}  # fmt: skip
+          "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
+
+
+UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (K, M, G, T: powers of 1000; any case)"
 
 
 def parse_size(text: str | int) -> int:
@@ -97,6 +100,7 @@ def parse_size(text: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise FluxKleinError(
             f"cache size must be a number of bytes with an optional unit (e.g. 1GB, 500MB, 0 for none), not {text!r}"
+            + (f"; the units are {UNIT_NAMES}" if m else "")
         )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
@@ -213,7 +217,16 @@ class EmbeddingCache:
         path = self.path_of(key)
         parts = encode_entry(embeddings, key)
         size = sum(len(p) for p in parts)
-        if not self.writable or size > self.max_bytes:
+        if self.writable and size > self.max_bytes:  # a bound under one entry stores nothing: said once
+            self.writable = False
+            warnings.warn(
+                f"prompt cache off for this run: its bound, --cache-size {self.max_bytes} bytes, is smaller than one "
+                f"prompt's embeddings ({size} bytes); give a size of at least that (the default is 1GiB), or 0 to "
+                "turn the cache off",
+                CacheWarning,
+                stacklevel=2,
+            )
+        if not self.writable:
             return False
         self.evict(room=size, keep=path)
         if not self._write_atomic(path, parts):
