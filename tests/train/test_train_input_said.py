@@ -19,7 +19,7 @@ from flux_klein_mlx.train.settings import TrainSettings
 
 
 @pytest.mark.usefixtures("no_models")
-def test_a_batch_larger_than_the_buckets_is_said_and_planned_as_it_runs(base, tmp_path, monkeypatch):
+def test_a_batch_larger_than_the_buckets_is_said_and_planned_as_it_runs(capsys, base, tmp_path, monkeypatch):
     """Case 5 and 16: --batch-size 64 with 2 images runs batches of 2 (a batch never mixes buckets):
     the user is told, and the memory plan sizes 2, so a machine that fits 2 is not refused."""
     from flux_klein_mlx.train import memory
@@ -35,6 +35,11 @@ def test_a_batch_larger_than_the_buckets_is_said_and_planned_as_it_runs(base, tm
     assert two.peak == step_peak(params, trainable, resolution=64, bits=None, low_memory=False, batch=2)[0]
     assert step_peak(params, trainable, resolution=64, bits=None, low_memory=False, batch=64)[0] > two.peak + 1000
     assert list(tmp_path.iterdir()) == [data]
+    monkeypatch.setattr(memory, "machine_memory", lambda: (1000, "a test machine"))  # the command says it too
+    rc, _, err = run_cli(capsys, "train", *base_args(base, data, tmp_path / "o.safetensors"), "--batch-size", "64")
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 2 and lines[0].startswith("warning: --batch-size 64 is more than the 2"), err
+    assert lines[1].startswith("error: memory plan") and list(tmp_path.iterdir()) == [data]
 
 
 @pytest.mark.parametrize("option", ["--trigger", "--caption", "--sample-prompt"])
