@@ -127,6 +127,7 @@ class EmbeddingCache:
         self.folder = Path(folder)
         self.max_bytes = max_bytes
         self.writable = max_bytes > 0  # turned off (with one warning) at the first failed write
+        self.said_too_small = False  # whether an entry over `max_bytes` was said (once)
         self._headers: dict[str, str] | None = None  # the remembered header digests, loaded lazily
 
     @classmethod
@@ -218,14 +219,16 @@ class EmbeddingCache:
         parts = encode_entry(embeddings, key)
         size = sum(len(p) for p in parts)
         if self.writable and size > self.max_bytes:  # a bound under one entry stores nothing: said once
-            self.writable = False
-            warnings.warn(
-                f"prompt cache off for this run: its bound, --cache-size {self.max_bytes} bytes, is smaller than one "
-                f"prompt's embeddings ({size} bytes); give a size of at least that (the default is 1GiB), or 0 to "
-                "turn the cache off",
-                CacheWarning,
-                stacklevel=2,
-            )
+            if not self.said_too_small:
+                warnings.warn(
+                    f"the prompt cache stores nothing: its bound, --cache-size {self.max_bytes} bytes, is smaller than "
+                    f"one prompt's embeddings ({size} bytes); give a size of at least that (the default is 1GiB), or 0 "
+                    "to turn the cache off",
+                    CacheWarning,
+                    stacklevel=2,
+                )
+            self.said_too_small = True
+            return False
         if not self.writable:
             return False
         self.evict(room=size, keep=path)

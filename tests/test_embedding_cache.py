@@ -390,7 +390,7 @@ def test_cache_size_in_terabytes_and_a_bound_under_one_entry_are_said(distilled,
     base = ["generate", "-m", str(distilled), "-p", "a fox", "-W", "64", "-H", "64", "--steps", "1", "-o"]
     code, _, err = cli(*base, str(out), "--cache-size", "1")
     assert code == 0 and out.is_file(), err
-    said = [line for line in err.splitlines() if "prompt cache off" in line]
-    assert len(said) == 1 and said[0].startswith("warning: prompt cache off for this run: its bound"), err
+    said = [line for line in err.splitlines() if "prompt cache" in line]
+    assert len(said) == 1 and said[0].startswith("warning: the prompt cache stores nothing: its bound"), err
     code, _, err = cli(*base, str(tmp_path / "y.png"), "--cache-size", "1TB")
     assert code == 0 and "cache size" not in err, err

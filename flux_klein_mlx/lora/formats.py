@@ -29,6 +29,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -115,7 +116,7 @@ def is_adapter_key(key: str) -> bool:
 def is_lora_file(path) -> bool:
     """Whether the safetensors header of `path` names LoRA or LoKr factors (no tensor is read)."""
     try:
-        return any(is_adapter_key(k) for k in check_safetensors_file(path))
+        return any(is_adapter_key(k) for k in check_safetensors_file(Path(path).expanduser()))
     except FluxKleinError:
         return False
 
