@@ -86,7 +86,10 @@ def default_folder(env: Mapping[str, str] | None = None) -> Path:
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}  # fmt: skip
+          "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
+
+
+UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (K, M, G, T: powers of 1000; any case)"
 
 
 def parse_size(text: str | int) -> int:
@@ -97,6 +100,7 @@ def parse_size(text: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise FluxKleinError(
             f"cache size must be a number of bytes with an optional unit (e.g. 1GB, 500MB, 0 for none), not {text!r}"
+            + (f"; the units are {UNIT_NAMES}" if m else "")
         )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
@@ -123,6 +127,7 @@ class EmbeddingCache:
         self.folder = Path(folder)
         self.max_bytes = max_bytes
         self.writable = max_bytes > 0  # turned off (with one warning) at the first failed write
+        self.said_too_small = False  # whether an entry over `max_bytes` was said (once)
         self._headers: dict[str, str] | None = None  # the remembered header digests, loaded lazily
 
     @classmethod
@@ -213,7 +218,18 @@ class EmbeddingCache:
         path = self.path_of(key)
         parts = encode_entry(embeddings, key)
         size = sum(len(p) for p in parts)
-        if not self.writable or size > self.max_bytes:
+        if self.writable and size > self.max_bytes:  # a bound under one entry stores nothing: said once
+            if not self.said_too_small:
+                warnings.warn(
+                    f"the prompt cache stores nothing: its bound, --cache-size {self.max_bytes} bytes, is smaller than "
+                    f"one prompt's embeddings ({size} bytes); give a size of at least that (the default is 1GiB), or 0 "
+                    "to turn the cache off",
+                    CacheWarning,
+                    stacklevel=2,
+                )
+            self.said_too_small = True
+            return False
+        if not self.writable:
             return False
         self.evict(room=size, keep=path)
         if not self._write_atomic(path, parts):

@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten
 
 from .checks import check_choice
 from .errors import FluxKleinError
+from .lora.formats import is_lora_file
 from .models.config import (
     FLUX3_CLASS_PREFIX,
     FLUX3_NAME,
@@ -282,6 +283,8 @@ def _describe_bfl(model, file: Path, base) -> ModelInfo:
             f"{file} is not a .safetensors file; pass a model folder, a repo id or a BFL .safetensors file"
         )
     key = flux3_marker(check_safetensors_file(file))  # the header's names, before any base folder is needed
+    if is_lora_file(file):  # `convert --model a_lora.safetensors` included: a LoRA is said to be one
+        raise single_file_refusal(file)
     if key is not None:
         _refuse_flux3(str(file), f"key {key}")
     base_path = resolve_model(base) if base is not None else file.parent
@@ -403,11 +406,15 @@ def _vae_files(path: Path) -> tuple[dict | None, list[Path], str]:
 
 
 def single_file_refusal(path) -> FluxKleinError:
-    """The one wording for a single file given where a model is needed (a BFL checkpoint, a LoRA):
-    `load()`, `generate`, `serve` and `train` say the same."""
+    """The one wording for a single file given where a model is needed (a BFL checkpoint, a LoRA: named as
+    one, no command makes a model of it): `load()`, `generate`, `serve`, `train` and `convert` say the same."""
+    need = "generate, serve and train need a klein model folder or repo id (train: a klein Base model folder or "
+    need += "repo id, e.g. black-forest-labs/FLUX.2-klein-base-4B)"
+    if is_lora_file(path):
+        on = f"a LoRA goes on a model: generate --lora {path}, serve --lora-dir"
+        return FluxKleinError(f"{path} is a single file holding a LoRA, not a model; {need} as --model; {on}")
     return FluxKleinError(
-        f"{path} is a single file, not a model folder; generate, serve and train need a klein model folder or "
-        "repo id (train: a klein Base model folder or repo id, e.g. black-forest-labs/FLUX.2-klein-base-4B); "
+        f"{path} is a single file, not a model folder; {need}; "
         f"a klein checkpoint file becomes a folder with: python -m flux_klein_mlx convert --model {path} --output DIR"
     )
 

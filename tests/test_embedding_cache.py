@@ -370,3 +370,27 @@ def test_sizes_parse_and_bad_sizes_say_what_to_write():
             EmbeddingCache("x", max_bytes=bad)
     with pytest.raises(ValueError, match="not a cache key"):
         EmbeddingCache("x").path_of("../../etc/passwd")
+
+
+def test_cache_size_in_terabytes_and_a_bound_under_one_entry_are_said(distilled, cli, tmp_path):
+    """Issue 38, case 16: `--cache-size 1TB` is a size (the refusal of an unknown unit lists the units), and
+    `--cache-size 1` (one byte: no prompt fits) says once that nothing is stored, instead of nothing."""
+    assert parse_size("1TB") == 10**12 and parse_size("2TiB") == 2 << 40 and parse_size("3t") == 3 * 10**12
+    with pytest.raises(FluxKleinError, match="the units are B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"):
+        parse_size("1PB")
+    cache = ec.EmbeddingCache(tmp_path / "c", max_bytes=1)
+    emb = mx.ones((1, 4, 8), dtype=mx.bfloat16)
+    with pytest.warns(CacheWarning, match=r"--cache-size 1 bytes, is smaller than one prompt's embeddings \(\d+ bytes"):
+        assert not cache.put("a" * 64, emb)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not cache.put("b" * 64, emb)  # said once
+    assert cache.entries() == []
+    out = tmp_path / "x.png"
+    base = ["generate", "-m", str(distilled), "-p", "a fox", "-W", "64", "-H", "64", "--steps", "1", "-o"]
+    code, _, err = cli(*base, str(out), "--cache-size", "1")
+    assert code == 0 and out.is_file(), err
+    said = [line for line in err.splitlines() if "prompt cache" in line]
+    assert len(said) == 1 and said[0].startswith("warning: the prompt cache stores nothing: its bound"), err
+    code, _, err = cli(*base, str(tmp_path / "y.png"), "--cache-size", "1TB")
+    assert code == 0 and "cache size" not in err, err

@@ -29,12 +29,14 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 
 from ..errors import FluxKleinError, first_few
 from ..models.config import HIDDEN_SIZES, flux1_marker
 from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, DIFFUSERS_TOP, QKV, linear_shapes
+from ..weights import check_safetensors_file
 
 # Module-name prefixes, longest first, and the format they say.
 _PREFIXES = (
@@ -103,6 +105,20 @@ class ParsedLora:
     terms: list[Term]
     unmatched: list[str] = field(default_factory=list)  # module names that match no layer
     n_modules: int = 0
+
+
+def is_adapter_key(key: str) -> bool:
+    """A LoRA or LoKr factor's tensor name in any of the layouts above (what makes a file an adapter file)."""
+    m = _ROLE.match(key)
+    return bool(m and (m["lora"] or m["lokr"]))
+
+
+def is_lora_file(path) -> bool:
+    """Whether the safetensors header of `path` names LoRA or LoKr factors (no tensor is read)."""
+    try:
+        return any(is_adapter_key(k) for k in check_safetensors_file(Path(path).expanduser()))
+    except FluxKleinError:
+        return False
 
 
 def diffusers_modules(params, *, blocks_only: bool = False) -> list[str]:

@@ -15,8 +15,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import FluxKleinError
-from .data import IMAGE_SUFFIXES, file_sha256
+from ..errors import FluxKleinError, first_few
+from .data import IMAGE_SUFFIXES, caption_of, file_sha256, with_trigger
 from .settings import TrainSettings
 
 if sys.version_info >= (3, 11):
@@ -86,7 +86,8 @@ def _from_record(p: Path, text: str, names: dict[str, str]) -> ConfigFile:
 
 def check_recorded_data(config: ConfigFile, data_folder) -> None:
     """The images (and controls) of `data_folder` are those the recorded run trained on, byte for
-    byte: a changed, missing or added image is an error that names it."""
+    byte, and so are their captions: a changed, missing or added image, or a changed caption, is an
+    error that names it."""
     folder = Path(data_folder).expanduser()
     recorded: dict[str, str] = {}
     controls: dict[str, str] = {}
@@ -114,6 +115,24 @@ def check_recorded_data(config: ConfigFile, data_folder) -> None:
                 f"{image} changed since {config.path} (sha256 differs); restore it, or give --data "
                 "to train on the folder as it is now"
             )
+    _check_recorded_captions(config, folder)
+
+
+def _check_recorded_captions(config: ConfigFile, folder: Path) -> None:
+    """Each image's caption, read as the recorded run read it (its --caption-extension, --caption and
+    --trigger), is the caption it trained on: an edited, added or removed caption file is named."""
+    recorded = {e["image"]: e.get("caption") for e in config.recorded_data or []}
+    extension = config.settings.get("caption_extension") or ".txt"
+    changed = []
+    for name, caption in recorded.items():
+        now = caption_of(folder / name, config.settings.get("caption"), extension)
+        if (with_trigger(now[0], config.settings.get("trigger")) if now else None) != caption:
+            changed.append(Path(name).with_suffix(extension).name)
+    if changed:
+        raise FluxKleinError(
+            f"the caption(s) {first_few(changed)} in {folder} changed since {config.path}; restore them, or give "
+            "--data to train on the folder as it is now"
+        )
 
 
 def option_names(command) -> dict[str, str]:

@@ -41,7 +41,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import FluxKleinError, first_few
-from ..files import file_sha256
+from ..files import broken_link, file_sha256
 from ..inputs import check_image_shape, open_image
 from ..models.rope import PIXELS_PER_TOKEN
 
@@ -100,16 +100,23 @@ def _check_picture(path: Path, what: str) -> Picture:
     return Picture(path=path, size=(w, h), sha256=file_sha256(path))
 
 
+# what a control folder holds, in the words of a refusal that names a missing one
+CONTROL_WANTED = "the folder of reference images (one per training image, same names)"
+
+
 def _images_by_stem(folder: Path, option: str) -> dict[str, Path]:
     """stem -> image file of a data or control folder; two images with one stem is an error."""
+    wanted = "a folder of images with .txt captions" if option in ("--data", "--validation") else CONTROL_WANTED
     if not folder.exists():
-        raise FluxKleinError(f"{option} {folder} does not exist; give a folder of images with .txt captions")
+        raise FluxKleinError(f"{option} {folder} does not exist; give {wanted}")
     if not folder.is_dir():
         raise FluxKleinError(f"{option} {folder} is a file, not a folder of images")
     found: dict[str, Path] = {}
     for p in sorted(folder.iterdir()):
         if p.suffix.lower() not in IMAGE_SUFFIXES or p.name.startswith("."):
             continue
+        if why := broken_link(p):
+            raise FluxKleinError(f"{option} {folder}: {p.name} is a symbolic link that {why}; remove it or fix it")
         if p.stem in found:
             raise FluxKleinError(
                 f"{option} {folder} has two images named {p.stem} ({found[p.stem].name}, {p.name}); keep one"
@@ -118,9 +125,13 @@ def _images_by_stem(folder: Path, option: str) -> dict[str, Path]:
     return found
 
 
-def _caption(image: Path, fallback: str | None, extension: str = ".txt") -> tuple[str, str] | None:
-    """(caption, where from) for an image, or None when it has none."""
+def caption_of(image: Path, fallback: str | None, extension: str = ".txt") -> tuple[str, str] | None:
+    """(caption, where from) for an image, or None when it has none (config_file compares it with a record)."""
     txt = image.with_suffix(extension)
+    if why := broken_link(txt):
+        raise FluxKleinError(f"caption {txt} is a symbolic link that {why}; remove it or fix it")
+    if txt.is_dir():
+        raise FluxKleinError(f"caption {txt} is a folder, not a text file; rename it or write the caption there")
     if txt.is_file():
         try:
             text = txt.read_text(encoding="utf-8-sig").strip()  # -sig: a leading BOM is not caption text
@@ -163,6 +174,31 @@ def _same_folder(a: Path, b: Path) -> bool:
         return False
 
 
+def check_held_out(validation, data, validation_controls=(), controls=()) -> None:
+    """--validation is not the --data folder, nor a --validation-control a --control folder: a held-out
+    loss measured on the training images says nothing of how the LoRA does on others (one line)."""
+    pairs = [(validation, "--validation", [data], "--data")]
+    pairs += [(v, "--validation-control", list(controls), "--control") for v in validation_controls]
+    for folder, option, trained, trained_option in pairs:
+        if any(_same_folder(Path(folder).expanduser(), Path(t).expanduser()) for t in trained):
+            raise FluxKleinError(
+                f"{option} {folder} is the {trained_option} folder: its loss would measure the images the LoRA "
+                "trains on; give a folder of held-out images, left out of training"
+            )
+
+
+def say_shared_images(held_out: list[TrainItem], items: list[TrainItem]) -> None:
+    """Warn, naming them, where held-out images are training images byte for byte (another folder, a copy)."""
+    trained = {it.image.sha256 for it in items}
+    shared = sorted({it.image.path.name for it in held_out if it.image.sha256 in trained})
+    if shared:
+        warnings.warn(
+            f"--validation: {len(shared)} held-out image(s) are also training images ({first_few(shared)}): their "
+            "loss measures what the LoRA trains on; leave them out of --data or of --validation",
+            stacklevel=3,
+        )
+
+
 def _say_what_is_not_read(folder: Path, images: dict[str, Path], extension: str) -> None:
     """Warn about sub-folders holding images and caption files of another suffix (never silent)."""
     subs = []
@@ -200,25 +236,21 @@ def scan_data(
     """The training examples of `data` (and its `controls` folders), every file opened and checked;
     with several resolutions, one example per image and resolution (in the order listed).
 
-    Raises FluxKleinError (one line) for a missing or empty folder, unreadable or corrupt images,
-    images without a caption (and no `caption`), a control folder that is the data folder, and
-    control folders missing a counterpart; warns about what it does not read. Captions are as
-    trained (`trigger` applied). `option` and `control_option` name the folders in messages.
+    Raises FluxKleinError (one line) for a missing or empty folder, unreadable or corrupt images, images
+    without a caption (and no `caption`), a control folder that is the data folder or misses a counterpart;
+    warns about what it does not read and what it upscales. Captions are as trained (`trigger` applied).
     """
     folder = Path(data).expanduser()
     images = _images_by_stem(folder, option)
     for c in controls:
         if _same_folder(Path(c).expanduser(), folder):
-            raise FluxKleinError(
-                f"{control_option} {c} is the {option} folder itself; give the folder of the reference images "
-                "(one per training image, same names)"
-            )
+            raise FluxKleinError(f"{control_option} {c} is the {option} folder itself; give {CONTROL_WANTED}")
     if not images:
         raise FluxKleinError(
             f"{option} {folder} holds no images ({', '.join(IMAGE_SUFFIXES)}); put the training images there, "
             "each with a .txt caption"
         )
-    uncaptioned = [p.name for p in images.values() if _caption(p, caption, caption_extension) is None]
+    uncaptioned = [p.name for p in images.values() if caption_of(p, caption, caption_extension) is None]
     if uncaptioned:
         head = first_few(uncaptioned)
         raise FluxKleinError(
@@ -237,7 +269,7 @@ def scan_data(
     sizes = (resolution,) if isinstance(resolution, int) else tuple(resolution)
     items = []
     for stem, path in images.items():
-        text, source = _caption(path, caption, caption_extension)
+        text, source = caption_of(path, caption, caption_extension)
         picture = _check_picture(path, "training image")
         pics = [_check_picture(cmap[stem], "control image") for _, cmap in control_maps]
         example = dict(
@@ -245,7 +277,29 @@ def scan_data(
         )
         items += [TrainItem(**example, bucket=bucket_size(*picture.size, size)) for size in sizes]  # one per size
     _say_what_is_not_read(folder, images, caption_extension)  # once the data passed: a refusal stays one line
+    _say_upscaled(items, option)
     return items
+
+
+UPSCALE_SAID = 2.0  # an image stretched past twice its width or height trains on blur: said, named
+
+
+def _say_upscaled(items: list[TrainItem], option: str) -> None:
+    """Warn, naming the images and their size, where a training size stretches an image past `UPSCALE_SAID`
+    times a side (a 64 px image at 768 is 12x): the run may go on (tiny art may be meant), never silently."""
+    worst: dict[str, tuple[float, TrainItem]] = {}  # image name -> (its largest stretch, the example)
+    for it in items:
+        stretch = max(it.bucket[0] / it.image.size[0], it.bucket[1] / it.image.size[1])
+        if stretch > worst.get(it.image.path.name, (0.0,))[0]:
+            worst[it.image.path.name] = (stretch, it)
+    big = [(name, x, it) for name, (x, it) in worst.items() if x > UPSCALE_SAID]
+    if big:
+        named = first_few([f"{name} ({it.image.size[0]}x{it.image.size[1]} px, {x:.0f}x)" for name, x, it in big])
+        warnings.warn(
+            f"{option}: {len(big)} image(s) are upscaled more than {UPSCALE_SAID:g}x to the training size: {named}; "
+            "they train on blur: give larger images or a smaller --resolution",
+            stacklevel=3,
+        )
 
 
 def _other_captions_hint(folder: Path, images: dict[str, Path], extension: str) -> str:
@@ -277,6 +331,19 @@ def epoch_batches(items: list[TrainItem], batch_size: int, rng: np.random.Genera
         by_bucket.setdefault(items[i].bucket, []).append(int(i))
     batches = [idx[k : k + batch_size] for idx in by_bucket.values() for k in range(0, len(idx), batch_size)]
     return [batches[j] for j in rng.permutation(len(batches))]
+
+
+def running_batch(items: list[TrainItem], batch_size: int) -> int:
+    """The largest batch a run of `items` ever runs: a batch never mixes buckets, so `batch_size` is cut to
+    the largest bucket's count (said once, with a warning, where that is less than asked)."""
+    largest = max(bucket_counts(items).values(), default=1)
+    if largest < batch_size:
+        warnings.warn(
+            f"--batch-size {batch_size} is more than the {largest} image(s) of the largest bucket (a batch never "
+            f"mixes buckets): batches of at most {largest} run, and the memory plan sizes {largest}",
+            stacklevel=2,
+        )
+    return min(batch_size, largest)
 
 
 def bucket_counts(items: list[TrainItem]) -> dict[str, int]:

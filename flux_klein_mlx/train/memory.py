@@ -114,35 +114,35 @@ def step_peak(
 
 
 def plan_memory(
-    settings, *, params: FluxKleinParams, trainable: int, controls: int = 0, bits: int | None = None
+    settings,
+    *,
+    params: FluxKleinParams,
+    trainable: int,
+    controls: int = 0,
+    bits: int | None = None,
+    batch: int | None = None,
 ) -> MemoryPlanned:
-    """The plan for `settings` (TrainSettings; `bits`: the base's quantization, stored or asked), with
-    the options that would make it fit when it does not."""
+    """The plan for `settings` (TrainSettings; `bits`: the base's quantization, stored or asked; `batch`: the
+    batch that runs, data.running_batch, default --batch-size), with the options that fit when it does not."""
     available, source = machine_memory()
+    batch = settings.batch_size if batch is None else batch
 
-    def peak(bits, low_memory, resolution) -> int:
+    def sized(bits, low_memory, resolution) -> tuple[int, int]:  # (peak, weights)
         return step_peak(
             params,
             trainable,
             resolution=resolution,
             bits=bits,
             low_memory=low_memory,
-            batch=settings.batch_size,
+            batch=batch,
             controls=controls,
             group_size=settings.group_size,
-        )[0]
+        )
+
+    peak = lambda bits, low_memory, resolution: sized(bits, low_memory, resolution)[0]  # noqa: E731
 
     size = max(settings.resolutions)
-    planned, weights = step_peak(
-        params,
-        trainable,
-        resolution=size,
-        bits=bits,
-        low_memory=settings.low_memory,
-        batch=settings.batch_size,
-        controls=controls,
-        group_size=settings.group_size,
-    )
+    planned, weights = sized(bits, settings.low_memory, size)
     remedies: list[str] = []
     if planned > available:
         tries = []  # (the options to add, bits, low_memory, resolution)
@@ -183,12 +183,14 @@ def describe_plan(plan: MemoryPlanned) -> str:
     )
 
 
-def check_memory(settings, info, trainable: int) -> MemoryPlanned:
-    """The plan of a run (`settings`, `info` a loading.ModelInfo, `trainable` its adapters' values);
-    refuses a step that will not fit (FluxKleinError naming what would), unless `s.force`."""
+def check_memory(settings, info, trainable: int, batch: int | None = None) -> MemoryPlanned:
+    """The plan of a run (`settings`, `info` a loading.ModelInfo, `trainable` its adapters' values, `batch`
+    the batch that runs); refuses a step that will not fit (FluxKleinError naming what would), unless `s.force`."""
     stored = (info.quantization.get("transformer") or {}).get("bits")
     bits = settings.quantize if settings.quantize is not None else stored
-    plan = plan_memory(settings, params=info.params, trainable=trainable, controls=len(settings.controls), bits=bits)
+    plan = plan_memory(
+        settings, params=info.params, trainable=trainable, controls=len(settings.controls), bits=bits, batch=batch
+    )
     if not plan.fits and not settings.force:
         fix = "; ".join(plan.remedies) if plan.remedies else "no setting of --quantize, --low-memory, --resolution fits"
         raise FluxKleinError(

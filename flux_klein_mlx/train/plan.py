@@ -12,7 +12,7 @@ from ..errors import FluxKleinError
 from ..files import check_output_file
 from ..loading import ModelInfo, check_for_training, describe, single_file_refusal
 from .adapters import adapter_file_shapes, adapter_parameters, parse_targets
-from .data import scan_data
+from .data import check_held_out, running_batch, say_shared_images, scan_data
 from .distributed import World, check_processes, world
 from .memory import MemoryPlanned, check_memory
 from .samples import check_sample_model
@@ -83,6 +83,7 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
     )
     held_out = []
     if settings.validation:
+        check_held_out(settings.validation, settings.data, settings.validation_controls, settings.controls)
         held_out = scan_data(
             settings.validation,
             caption=settings.caption,
@@ -91,6 +92,7 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
             option="--validation",
             control_option="--validation-control",
         )
+        say_shared_images(held_out, items)
     sample_info = check_sample_model(settings, info)
     resume = (
         _resume_point(settings, info, slots=slots, items=items, processes=w.size) if w.is_main else None
@@ -102,7 +104,7 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
         items=items,
         resume_from=resume,
         sample_info=sample_info,
-        memory=check_memory(settings, info, trainable),
+        memory=check_memory(settings, info, trainable, running_batch(items, settings.batch_size)),
         validation=held_out,
         world=w,
     )

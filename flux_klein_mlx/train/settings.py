@@ -23,6 +23,7 @@ from ..inputs import check_side
 from ..loading import DEFAULT_DTYPE, DTYPES
 from ..lora.layouts import check_layout
 from ..models.quantize import check_quantization
+from ..models.tokenizer import check_text
 from .data import IMAGE_SUFFIXES
 from .objective import check_schedule
 
@@ -191,6 +192,11 @@ class TrainSettings:
             raise FluxKleinError("--sample-every needs at least one --sample-prompt")
         if self.caption is not None and (not isinstance(self.caption, str) or not self.caption.strip()):
             raise FluxKleinError("--caption must be a non-empty text (e.g. a trigger word)")
+        for name, text in [("--caption", self.caption), ("--trigger", self.trigger)] + [
+            ("--sample-prompt", p) for p in prompts
+        ]:
+            if isinstance(text, str):  # bytes that are not UTF-8 (a shell's $'\xff'): refused before a folder is made
+                check_text(text, name)
 
     def _check_samples_and_captions(self) -> None:
         """--sample-size (an image side, as --resolution), --sample-strengths, --sample-quantize,
