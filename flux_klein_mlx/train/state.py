@@ -254,8 +254,14 @@ def acquire_lock(work_dir: Path) -> RunLock:
             )
         started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         me = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started})
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (me + "\n").encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (me + "\n").encode(), 0)
+        except OSError as e:  # a full disk: no empty lock stays behind (we hold its flock: the file is ours)
+            RunLock(path, fd).release()
+            raise FluxKleinError(
+                f"cannot write the lock {path} ({e.strerror}); free some space and run again"
+            ) from None
         return RunLock(path, fd)
     raise _busy(path, None)
 
@@ -306,13 +312,8 @@ def write_checkpoint(
                 save_safetensors_streaming(tmp / name, dict(tensors), metadata=metadata)
             (tmp / "state.json").write_text(json.dumps(state))
     except (OSError, FluxKleinError) as e:
-        done = checkpoints(work_dir)
-        last = f"{done[-1][1]} (step {done[-1][0]})" if done else "none yet"
         why = (e.strerror or e) if isinstance(e, OSError) else e
-        raise FluxKleinError(
-            f"cannot write checkpoint {final.name} ({why}); the last good checkpoint is {last}: "
-            "free some space and continue with --resume"
-        ) from None
+        raise FluxKleinError(f"cannot write checkpoint {final.name} ({why}); {way_back(work_dir)}") from None
     for _, old in checkpoints(work_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -435,14 +436,22 @@ def read_checkpoint(folder: Path, adapters) -> tuple[list, dict[str, mx.array], 
     return terms, optimizer, state
 
 
-def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Write a file of the work folder through a temporary name and a rename (replacing the old one)."""
+def way_back(work_dir: Path) -> str:
+    """What to do after a write in the work folder failed: continue from its last good checkpoint
+    (named), or, before the first one, run again (--resume would find nothing to continue)."""
+    if done := checkpoints(Path(work_dir)):
+        last = f"{done[-1][1]} (step {done[-1][0]})"
+        return f"the last good checkpoint is {last}: free some space and continue with --resume"
+    return "no checkpoint was written yet: free some space and run the same command again"
+
+
+def write_atomic(path: Path, write: Callable[[Path], None], work_dir: Path | None = None) -> None:
+    """Write a file of the work folder (`work_dir`, default the file's folder) through a temporary name
+    and a rename (replacing the old one); a failure names the way back (`way_back`) and leaves no temporary."""
     try:
         write_replacing(path, write)
     except OSError as e:
-        raise FluxKleinError(
-            f"cannot write {path} ({e.strerror or e}); free some space and continue with --resume"
-        ) from None
+        raise FluxKleinError(f"cannot write {path} ({e.strerror or e}); {way_back(work_dir or path.parent)}") from None
 
 
 def write_json(path: Path, obj: dict) -> None:

@@ -8,10 +8,18 @@ changed, and follows the advice the line gives.
 
 from __future__ import annotations
 
-import pytest
-from test_train_bad_input import base_args, make_images, refused
+import errno
+import os
+import subprocess
+from pathlib import Path
 
+import pytest
+from command_line import assert_one_line_error, run_cli
+from test_train_bad_input import base_args, make_images, refused, small_disk, tree_hash
+
+import flux_klein_mlx.train.samples as samples_module
 import flux_klein_mlx.train.trainer as train_module
+from flux_klein_mlx.train import state as train_state
 from flux_klein_mlx.train.objective import check_schedule
 
 
@@ -47,3 +55,92 @@ def test_a_warmup_as_long_as_the_run_is_refused_up_front(capsys, snap, tmp_path,
     refused(capsys, tmp_path, args, *words)
     assert not out.exists() and not (tmp_path / "out.train").exists()
     check_schedule(scheduler, int(steps) - 1, int(steps))  # the advice, followed, passes the check
+
+
+# --- case 12: a full disk under the work folder, at the lock and at a sample point ------------------
+
+
+def fill(path: Path) -> None:
+    """Write into `path` until its file system is full (unbuffered: closing the file writes nothing more)."""
+    with open(path / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+
+
+def no_space(*a, **k):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["new-folder", "folder-of-an-earlier-run"])
+def test_a_full_disk_at_the_lock_is_one_line_and_leaves_nothing(capsys, snap, tmp_path, monkeypatch, earlier):
+    """A full disk made the lock a traceback and left an empty train.lock (and, in a new folder, an
+    empty marker): now one line, the disk as it was, and the same command runs once space is freed."""
+    data = make_images(tmp_path / "data")
+    out, disk = tmp_path / "out.safetensors", tmp_path / "disk"
+    real = small_disk(disk, "1m")
+    work = disk / "run"
+    if earlier:
+        train_state.claim_work_dir(work)  # the folder a run that ended wrote (its mark, nothing else)
+    args = base_args(snap, data, out) + ["--work-dir", work, "--steps", "1", "--dtype", "float32"]
+    try:
+        with monkeypatch.context() as m:
+            if real:
+                fill(disk)
+            else:  # the writes of the mark and the lock fail as on a full disk
+                m.setattr(os, "write", no_space)
+                m.setattr(os, "pwrite", no_space)
+            before = tree_hash(tmp_path)
+            code, _, err = run_cli(capsys, "train", *args)
+        what = "the lock" if earlier else "in the work folder"
+        assert_one_line_error(code, err, f"cannot write {what}", "No space left on device", "free some space")
+        assert tree_hash(tmp_path) == before and not (work / "train.lock").exists()
+        assert sorted(os.listdir(work)) == [train_state.WORK_MARKER] if earlier else not work.exists()
+        (disk / "filler").unlink(missing_ok=True)  # the advice, followed: the same command
+        code, _, err = run_cli(capsys, "train", *args)
+        assert code == 0, err
+        assert out.is_file() and not (work / "train.lock").exists()
+    finally:
+        if real:
+            subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_a_full_disk_at_a_sample_point_is_one_line_and_leaves_no_temporary(
+    capsys, snap, distilled, tmp_path, monkeypatch
+):
+    """The sample LoRA's write on a full disk was a traceback that left a .sample-lora.*.tmp: now one
+    line naming the last good checkpoint, no temporary, and --resume finishes the run."""
+    data = make_images(tmp_path / "data")
+    out, work = tmp_path / "out.safetensors", tmp_path / "disk"
+    real = small_disk(work)
+    original = samples_module.save_safetensors_streaming
+
+    def writer(path, *a, **k):  # the disk fills just before the first sample's LoRA
+        monkeypatch.setattr(samples_module, "save_safetensors_streaming", original)
+        if real:
+            fill(work)
+            return original(path, *a, **k)
+        Path(path).write_bytes(b"\0" * 64)  # a part of the file, then the disk is full
+        no_space()
+
+    monkeypatch.setattr(samples_module, "save_safetensors_streaming", writer)
+    args = base_args(snap, data, out) + ["--work-dir", work, "--steps", "2", "--save-every", "1"]
+    args += ["--dtype", "float32", "--sample-every", "1", "--sample-prompt", "a fox", "--sample-model", distilled]
+    args += ["--sample-steps", "1", "--sample-size", "64"]
+    try:
+        code, _, err = run_cli(capsys, "train", *args)
+        last = err.strip().splitlines()[-1]
+        assert code == 1 and "Traceback" not in err and err.count("error: ") == 1, err
+        assert last.startswith("error: cannot write the sample LoRA"), last
+        for words in ("No space left on device", "the last good checkpoint is", "checkpoint-000001", "--resume"):
+            assert words in last, (words, last)
+        assert not list(work.glob(".sample-lora.*")) and not out.exists()
+        (work / "filler").unlink(missing_ok=True)  # the advice, followed
+        code, _, err = run_cli(capsys, "train", *args, "--resume")
+        assert code == 0, err
+        assert out.is_file() and not list(work.glob(".sample-lora.*"))
+    finally:
+        if real:
+            subprocess.run(["umount", str(work)], capture_output=True)
