@@ -127,4 +127,5 @@ def _resume_point(settings: TrainSettings, info: ModelInfo, *, slots, items, pro
         data=data,
         lora_shapes=shapes,
         n_items=len(items),
+        ema=settings.ema is not None,  # its ema.safetensors checked with the checkpoint
     )

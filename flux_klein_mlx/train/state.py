@@ -34,6 +34,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -68,6 +69,7 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d{6,})$")
 # The temporary folders of files.folder_transaction for checkpoints (files: files.is_temporary_file).
 _TEMPORARY_CHECKPOINT = re.compile(r"^checkpoint-\d+\.(tmp|old)-[0-9a-f]{8}$")
 LOCK_NAME = "train.lock"
+EMA_FILE = "ema.safetensors"  # a checkpoint's moving average of the adapters (train/evaluation.py), with --ema
 WORK_MARKER = ".flux_klein_mlx-train"
 # Every name a run writes at the top of its work folder (and its own temporaries).
 _WORK_FILES = {LOCK_NAME, "train.json", "loss.png", "samples"}
@@ -355,7 +357,8 @@ def _state_problem(state, step: int, n_items: int) -> str | None:
         return f"state.json's batches name examples outside the {n_items} of --data"
     if state["position"] > len(batches):
         return f"state.json's position {state['position']} is past its {len(batches)} batches"
-    if not isinstance(losses, list) or len(losses) != step or not all(isinstance(v, (int, float)) for v in losses):
+    numbers = isinstance(losses, list) and all(isinstance(v, (int, float)) and math.isfinite(v) for v in losses)
+    if not numbers or len(losses) != step:
         return f"state.json's losses is not a list of {step} numbers"
     try:
         np.random.default_rng().bit_generator.state = state.get("rng")
@@ -376,10 +379,25 @@ def _optimizer_problem(table: dict, lora_shapes: list[tuple[int, ...]]) -> str |
     return None
 
 
-def checkpoint_problem(folder: Path, step: int, lora_shapes: dict[str, tuple[int, ...]], n_items: int) -> str | None:
-    """What is wrong with checkpoint `folder` (state.json, lora.safetensors, optimizer.safetensors:
-    present, whole, of the types and shapes this run needs; `lora_shapes` is the file's name ->
-    shape), or None when it can be resumed. Reads headers and state.json only."""
+def _values_problem(path: Path) -> str | None:
+    """NaN or infinity in a checkpoint file (its bytes read: a resume would train on them from the first step)."""
+    try:
+        tensors = read_safetensors(path)
+        for name, t in tensors.items():
+            if mx.issubdtype(t.dtype, mx.floating) and not mx.all(mx.isfinite(t)).item():
+                return f"{path.name} holds NaN or infinite values ({name})"
+    except (FluxKleinError, RuntimeError, ValueError) as e:
+        return f"{path.name} cannot be read ({str(e).splitlines()[0][:120]})"
+    return None
+
+
+def checkpoint_problem(
+    folder: Path, step: int, lora_shapes: dict[str, tuple[int, ...]], *, n_items: int, ema: bool = False
+) -> str | None:
+    """What is wrong with checkpoint `folder` (state.json, lora.safetensors, optimizer.safetensors and,
+    with `ema`, ema.safetensors: present, whole, of the types and shapes this run needs, every value
+    finite; `lora_shapes` is the file's name -> shape), or None when it can be resumed. Reads the
+    files' bytes and state.json; loads no model."""
     try:
         state = json.loads((folder / "state.json").read_text())
     except FileNotFoundError:
@@ -398,15 +416,29 @@ def checkpoint_problem(folder: Path, step: int, lora_shapes: dict[str, tuple[int
         detail = other[0] if other else "tensor shapes"
         return f"lora.safetensors holds other adapters than this run's ({detail} differs): another run's file"
     trained = [shape for shape in lora_shapes.values() if shape != ()]  # every factor a matrix; LoKr's alpha a constant
-    return _optimizer_problem(optimizer, trained)
+    if why := _optimizer_problem(optimizer, trained):
+        return why
+    files = ["lora.safetensors", "optimizer.safetensors"] + ([EMA_FILE] if ema else [])
+    if ema:  # the average is the output --ema writes: checked as lora.safetensors is
+        try:
+            average = _tensor_table(folder / EMA_FILE)
+        except ValueError as e:
+            return str(e)
+        if {k: shape for k, (_, shape) in average.items()} != lora_shapes:
+            return f"{EMA_FILE} holds other adapters than lora.safetensors"
+    return next(filter(None, (_values_problem(folder / name) for name in files)), None)
 
 
-def damaged(folder: Path, why: str, earlier: list[tuple[int, Path]]) -> FluxKleinError:
-    """The one line for a damaged checkpoint: which, why, and what to do (never "download it again")."""
-    if earlier:
-        todo = f"delete that folder to continue from {earlier[-1][1].name} with --resume"
+def damaged(folder: Path, why: str, earlier: list[tuple[int, Path]], is_good=lambda c: True) -> FluxKleinError:
+    """The one line for a damaged checkpoint: which, why, and what to do (never "download it again"):
+    continue from the newest earlier checkpoint that `is_good` (naming the damaged ones to delete first)."""
+    good = next((c for c in reversed(earlier) if is_good(c)), None)
+    newer = [p.name for s, p in earlier if good is None or s > good[0]]  # damaged too: in the way of a resume
+    also = f" and {', '.join(newer)} (damaged too)" if newer else ""
+    if good is not None:
+        todo = f"delete that folder{also} to continue from {good[1].name} with --resume"
     else:
-        todo = "delete that folder and start anew without --resume"
+        todo = f"delete that folder{also} and start anew without --resume"
     return FluxKleinError(f"{folder.name} in {folder.parent} is damaged: {why}; {todo}")
 
 
@@ -459,7 +491,7 @@ def write_json(path: Path, obj: dict) -> None:
 
 
 def resume_point(
-    wd: Path, *, resume: bool, steps: int, key: dict, data: list, lora_shapes: dict, n_items: int
+    wd: Path, *, resume: bool, steps: int, key: dict, data: list, lora_shapes: dict, n_items: int, ema: bool = False
 ) -> Path | None:
     """The checkpoint a run continues from (None: a new run), checked whole and against this run's
     run `key` and `data` key; refuses mixing runs in one work folder and a run that is already done."""
@@ -475,8 +507,10 @@ def resume_point(
         raise FluxKleinError(f"--resume: no checkpoint in {wd}; run without --resume to start training")
     step, folder = done[-1]
     _refuse_other_settings(folder, key, data)
-    if why := checkpoint_problem(folder, step, lora_shapes, n_items):
-        raise damaged(folder, why, done[:-1])
+    if why := checkpoint_problem(folder, step, lora_shapes, n_items=n_items, ema=ema):
+        raise damaged(
+            folder, why, done[:-1], lambda c: not checkpoint_problem(c[1], c[0], lora_shapes, n_items=n_items, ema=ema)
+        )
     if step == steps:
         raise FluxKleinError(
             f"--resume: {wd} is already at step {step} of {steps} (its LoRA: {folder.name}/lora.safetensors); "

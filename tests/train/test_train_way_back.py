@@ -9,7 +9,10 @@ changed, and follows the advice the line gives.
 from __future__ import annotations
 
 import errno
+import json
 import os
+import shutil
+import struct
 import subprocess
 from pathlib import Path
 
@@ -104,7 +107,7 @@ def test_a_full_disk_at_the_lock_is_one_line_and_leaves_nothing(capsys, snap, tm
         assert out.is_file() and not (work / "train.lock").exists()
     finally:
         if real:
-            subprocess.run(["umount", str(disk)], capture_output=True)
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True)  # -l: a file still open
 
 
 def test_a_full_disk_at_a_sample_point_is_one_line_and_leaves_no_temporary(
@@ -143,4 +146,93 @@ def test_a_full_disk_at_a_sample_point_is_one_line_and_leaves_no_temporary(
         assert out.is_file() and not list(work.glob(".sample-lora.*"))
     finally:
         if real:
-            subprocess.run(["umount", str(work)], capture_output=True)
+            subprocess.run(["umount", "-l", str(work)], capture_output=True)  # -l: a file still open
+
+
+# --- cases 7 and 8: NaN in a checkpoint, a missing or damaged ema.safetensors -----------------------
+
+
+def trained_run(capsys, snap, tmp_path, *extra) -> list[str]:
+    """A 3-step run with a checkpoint at each step (all kept) in tmp_path/work; returns the arguments
+    that resume it for a 4th step."""
+    data = make_images(tmp_path / "data")
+    common = ["--work-dir", tmp_path / "work", "--save-every", "1", "--keep-checkpoints", "3", "--dtype", "float32"]
+    first = base_args(snap, data, tmp_path / "first.safetensors") + common + ["--steps", "3", *extra]
+    code, _, err = run_cli(capsys, "train", *first)
+    assert code == 0, err
+    return base_args(snap, data, tmp_path / "out.safetensors") + common + ["--steps", "4", "--resume", *extra]
+
+
+def poison(path: Path, value: float) -> str:
+    """Write `value` over the first number of the file's first float32 tensor, in place; returns its name."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    name, entry = next((k, v) for k, v in sorted(header.items()) if k != "__metadata__" and v["dtype"] == "F32")
+    with open(path, "r+b") as f:
+        f.seek(8 + n + entry["data_offsets"][0])
+        f.write(struct.pack("<f", value))
+    return name
+
+
+def refused_before_any_model(capsys, monkeypatch, root: Path, args: list, *words: str) -> str:
+    with monkeypatch.context() as m:
+        m.setattr(train_module, "load_component", no_model_loads)
+        return refused(capsys, root, args, *words)
+
+
+def no_model_loads(info, name, *a, **k):
+    raise AssertionError(f"the {name} was loaded before the damaged checkpoint was named")
+
+
+def resumed(capsys, args: list, out: Path) -> None:
+    """The advice, followed: the resume runs its step and writes the output."""
+    code, _, err = run_cli(capsys, "train", *args)
+    assert code == 0, err
+    assert out.is_file()
+
+
+@pytest.mark.parametrize("how", ["nan-in-lora", "inf-in-moments-and-an-earlier-one"])
+def test_nan_in_a_checkpoint_is_named_before_any_model_loads(capsys, snap, tmp_path, monkeypatch, how):
+    """NaN or infinity in a checkpoint resumed, then failed with "lower --lr": now its bytes are read
+    with its headers, and the line names it and the newest earlier checkpoint that is whole."""
+    args = trained_run(capsys, snap, tmp_path)
+    work = tmp_path / "work"
+    if how == "nan-in-lora":
+        name = poison(work / "checkpoint-000003" / "lora.safetensors", float("nan"))
+        todo = "delete that folder to continue from checkpoint-000002 with --resume"
+        gone = ["checkpoint-000003"]
+    else:
+        name = poison(work / "checkpoint-000003" / "optimizer.safetensors", float("inf"))
+        poison(work / "checkpoint-000002" / "lora.safetensors", float("-inf"))
+        todo = "delete that folder and checkpoint-000002 (damaged too) to continue from checkpoint-000001 with --resume"
+        gone = ["checkpoint-000003", "checkpoint-000002"]
+    err = refused_before_any_model(
+        capsys, monkeypatch, tmp_path, args, "checkpoint-000003", "is damaged", "NaN or infinite", name, todo
+    )
+    assert "lower --lr" not in err and "download" not in err
+    for folder in gone:
+        shutil.rmtree(work / folder)
+    resumed(capsys, args, tmp_path / "out.safetensors")
+
+
+@pytest.mark.parametrize("how", ["missing", "cut-short", "nan"])
+def test_a_damaged_ema_file_is_named_with_the_checkpoint(capsys, snap, tmp_path, monkeypatch, how):
+    """A missing ema.safetensors got advice (resume without --ema) that was itself refused; a damaged
+    one was found after the model loaded, with "download it again": now both are named with the
+    checkpoint, before any model loads, and the advice resumes."""
+    args = trained_run(capsys, snap, tmp_path, "--ema", "0.9")
+    ema = tmp_path / "work" / "checkpoint-000003" / "ema.safetensors"
+    if how == "missing":
+        ema.unlink()
+        words = ["ema.safetensors is missing"]
+    elif how == "cut-short":
+        ema.write_bytes(ema.read_bytes()[:-64])
+        words = ["ema.safetensors is cut short"]
+    else:
+        words = ["ema.safetensors holds NaN or infinite values", poison(ema, float("nan"))]
+    todo = "delete that folder to continue from checkpoint-000002 with --resume"
+    err = refused_before_any_model(capsys, monkeypatch, tmp_path, args, "checkpoint-000003", *words, todo)
+    assert "download" not in err and "without --ema" not in err
+    shutil.rmtree(ema.parent)
+    resumed(capsys, args, tmp_path / "out.safetensors")
