@@ -58,6 +58,7 @@ from ..files import (
     folder_transaction,
     is_temporary_file,
     open_no_follow,
+    write_exclusive,
     write_replacing,
 )
 from ..lora import layouts
@@ -167,9 +168,9 @@ def _holder(text: str) -> dict | None:
 
 
 def _describe_holder(h: dict | None) -> str:
-    if h is None:
-        return "a run that left no details"
-    return f"pid {h['pid']} on {h['host']}, started {h.get('started', '?')}"
+    return (
+        "a run that left no details" if h is None else f"pid {h['pid']} on {h['host']}, started {h.get('started', '?')}"
+    )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -270,10 +271,8 @@ def acquire_lock(work_dir: Path) -> RunLock:
 
 def checkpoints(work_dir: Path) -> list[tuple[int, Path]]:
     """The checkpoint folders in `work_dir`, oldest first, as (step, folder) (`checkpoint_problem` checks one)."""
-    if not work_dir.is_dir():
-        return []
     found = []
-    for p in work_dir.iterdir():
+    for p in work_dir.iterdir() if work_dir.is_dir() else []:
         m = _CHECKPOINT.match(p.name)
         if m and p.is_dir():  # written whole or not at all: a folder here with a file missing is damaged
             found.append((int(m.group(1)), p))
@@ -435,11 +434,8 @@ def damaged(folder: Path, why: str, earlier: list[tuple[int, Path]], is_good=lam
     good = next((c for c in reversed(earlier) if is_good(c)), None)
     newer = [p.name for s, p in earlier if good is None or s > good[0]]  # damaged too: in the way of a resume
     also = f" and {', '.join(newer)} (damaged too)" if newer else ""
-    if good is not None:
-        todo = f"delete that folder{also} to continue from {good[1].name} with --resume"
-    else:
-        todo = f"delete that folder{also} and start anew without --resume"
-    return FluxKleinError(f"{folder.name} in {folder.parent} is damaged: {why}; {todo}")
+    todo = f"to continue from {good[1].name} with --resume" if good else "and start anew without --resume"
+    return FluxKleinError(f"{folder.name} in {folder.parent} is damaged: {why}; delete that folder{also} {todo}")
 
 
 def adapter_file(adapters) -> tuple[dict[str, mx.array], dict[str, str]]:
@@ -486,6 +482,20 @@ def write_atomic(path: Path, write: Callable[[Path], None], work_dir: Path | Non
         raise FluxKleinError(f"cannot write {path} ({e.strerror or e}); {way_back(work_dir or path.parent)}") from None
 
 
+def write_output(output: Path, write: Callable[[Path], None], work_dir: Path) -> Path:
+    """The run's --output, never over a file (files.write_exclusive); when it cannot be written the
+    line names the checkpoint that holds the run and the one command that writes the output from it."""
+    try:
+        return write_exclusive(output, write)
+    except FluxKleinError as e:
+        if not (done := checkpoints(work_dir)):
+            raise
+        raise FluxKleinError(
+            f"{e}; the trained run is kept in {done[-1][1]} (step {done[-1][0]}): free some space and run the same "
+            f"command with --resume, which writes {output} from it (as asked: layout, EMA) without training"
+        ) from None
+
+
 def write_json(path: Path, obj: dict) -> None:
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2) + "\n"))
 
@@ -511,12 +521,7 @@ def resume_point(
         raise damaged(
             folder, why, done[:-1], lambda c: not checkpoint_problem(c[1], c[0], lora_shapes, n_items=n_items, ema=ema)
         )
-    if step == steps:
-        raise FluxKleinError(
-            f"--resume: {wd} is already at step {step} of {steps} (its LoRA: {folder.name}/lora.safetensors); "
-            "raise --steps to train on"
-        )
-    if step > steps:
+    if step > steps:  # (at --steps, with no --output written: the run writes it from there, without training)
         raise FluxKleinError(f"--resume: {folder} is at step {step}, past --steps {steps}; raise --steps")
     return folder
 

@@ -16,6 +16,8 @@ import struct
 import subprocess
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 from command_line import assert_one_line_error, run_cli
 from test_train_bad_input import base_args, make_images, refused, small_disk, tree_hash
@@ -236,3 +238,58 @@ def test_a_damaged_ema_file_is_named_with_the_checkpoint(capsys, snap, tmp_path,
     assert "download" not in err and "without --ema" not in err
     shutil.rmtree(ema.parent)
     resumed(capsys, args, tmp_path / "out.safetensors")
+
+
+# --- case 4: a full disk at the final write ------------------------------------------------------
+
+
+@pytest.mark.parametrize("asked", [[], ["--format", "comfyui", "--ema", "0.9"], ["--format", "kohya"]])
+def test_a_full_disk_at_the_final_write_names_the_command_that_finishes_the_run(
+    capsys, snap, tmp_path, monkeypatch, asked
+):
+    """The final write on a full disk said "nothing was written", and --resume was then refused
+    ("already at step 2 of 2"); with --format or --ema the checkpoint's file is not the result asked
+    for. Now the line names the checkpoint and the command, and that command writes the output a
+    straight run writes (the asked layout, the EMA), without training."""
+    data = make_images(tmp_path / "data")
+    disk = tmp_path / "disk"
+    real = small_disk(disk, "1m")
+    out = disk / "out.safetensors"
+    common = ["--steps", "2", "--dtype", "float32", *asked]
+    code, _, err = run_cli(capsys, "train", *base_args(snap, data, tmp_path / "straight.safetensors"), *common)
+    assert code == 0, err
+    original = train_module.write_lora_file
+
+    def writer(path, *a, **k):  # the disk fills just before the output is written
+        monkeypatch.setattr(train_module, "write_lora_file", original)
+        if real:
+            fill(disk)
+            return original(path, *a, **k)
+        no_space()
+
+    monkeypatch.setattr(train_module, "write_lora_file", writer)
+    args = base_args(snap, data, out) + ["--work-dir", tmp_path / "work", *common]
+    try:
+        before = tree_hash(data)
+        code, _, err = run_cli(capsys, "train", *args)
+        last = err.strip().splitlines()[-1]
+        assert code == 1 and "Traceback" not in err and err.count("error: ") == 1, err
+        for words in ("No space left on device", "checkpoint-000002 (step 2)", "with --resume", "without training"):
+            assert words in last, (words, last)
+        assert sorted(os.listdir(disk)) == (["filler"] if real else []) and tree_hash(data) == before
+        (disk / "filler").unlink(missing_ok=True)  # the advice, followed: no training, the output written
+        monkeypatch.setattr(train_module, "optimizer_step", no_training)
+        code, stdout, err = run_cli(capsys, "train", *args, "--resume")
+        assert code == 0, err
+        assert "no training" in stdout + err
+        straight, finished = (mx.load(str(p)) for p in (tmp_path / "straight.safetensors", out))
+        assert straight.keys() == finished.keys()
+        assert all(np.array_equal(np.array(straight[k]), np.array(finished[k])) for k in straight)
+        refused(capsys, tmp_path, args + ["--resume"], "already at step 2 of 2", "is written to")  # done: said so
+    finally:
+        if real:
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True)  # -l: a file still open
+
+
+def no_training(*a, **k):
+    raise AssertionError("a finished run trained again")
