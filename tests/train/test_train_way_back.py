@@ -293,3 +293,19 @@ def test_a_full_disk_at_the_final_write_names_the_command_that_finishes_the_run(
 
 def no_training(*a, **k):
     raise AssertionError("a finished run trained again")
+
+
+def test_a_full_disk_before_the_first_checkpoint_says_to_run_again(capsys, snap, tmp_path, monkeypatch):
+    """train.json on a full disk said "continue with --resume", which finds no checkpoint and is refused:
+    before the first checkpoint the line says to run the same command again, and that runs."""
+    data = make_images(tmp_path / "data")
+    out, work = tmp_path / "out.safetensors", tmp_path / "work"
+    args = base_args(snap, data, out) + ["--work-dir", work, "--steps", "1", "--dtype", "float32"]
+    with monkeypatch.context() as m:
+        m.setattr(train_state, "write_replacing", no_space)
+        code, _, err = run_cli(capsys, "train", *args)
+    assert_one_line_error(code, err, "train.json", "No space left on device", "run the same command again")
+    assert "--resume" not in err and sorted(os.listdir(work)) == [train_state.WORK_MARKER]
+    code, _, err = run_cli(capsys, "train", *args)  # the advice, followed
+    assert code == 0, err
+    assert out.is_file()
