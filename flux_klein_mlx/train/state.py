@@ -15,8 +15,8 @@ written crash-safe and checked whole before a resume, train.json, loss.png.
 A checkpoint is written into a temporary folder, flushed and renamed into place when complete
 (files.folder_transaction; a rename is atomic), so a crash or a full disk leaves the earlier
 checkpoints as they were. Only the newest `keep` checkpoints are kept. Before a resume the newest
-one is checked whole from its headers and state.json (`checkpoint_problem`), so a damaged one is
-named, with what to do, before any model loads.
+one is checked whole, every value finite, its EMA too (`checkpoint_problem`), so a damaged one is
+named with an earlier good one before any model loads; a run at --steps without --output writes it.
 
 The folder is ours or refused: a run writes only into a new or empty folder, or one an earlier run
 marked as ours (`WORK_MARKER`), and only under the names above; a folder holding other files (a
