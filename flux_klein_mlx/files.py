@@ -125,7 +125,9 @@ def check_owned_folder(folder: Path, marker: str, is_ours: Callable[[str], bool]
 
 def claim_folder(folder: Path, marker: str, text: str) -> None:
     """Create `folder` if missing and mark it as ours: `marker` holding `text`, created once (an existing
-    marker is kept; a link at its name is refused, see `open_no_follow`). Call `check_owned_folder` first."""
+    marker is kept; a link at its name is refused, see `open_no_follow`). Call `check_owned_folder` first.
+    An OSError (a full disk) passes to the caller and leaves neither the marker nor a folder made here."""
+    created = not folder.is_dir()
     folder.mkdir(exist_ok=True)
     try:
         fd = open_no_follow(folder / marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
@@ -133,6 +135,12 @@ def claim_folder(folder: Path, marker: str, text: str) -> None:
         return
     try:
         os.write(fd, text.encode())
+    except OSError:
+        os.unlink(folder / marker)
+        if created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
     finally:
         os.close(fd)
 

@@ -90,6 +90,8 @@ def describe_event(ev) -> str | None:
         return f"{ev.stage}: {ev.detail} ({ev.seconds:.1f} s)"
     if isinstance(ev, TrainStarted):
         where = f"resuming from {ev.resumed_from} at step {ev.first_step}" if ev.resumed_from else "starting"
+        if ev.first_step > ev.total_steps:  # a finished run whose output was not written: written now
+            where = f"writing the output from {ev.resumed_from} (all {ev.total_steps} steps done, no training)"
         buckets = ", ".join(f"{k} x{v}" for k, v in ev.buckets.items())
         return (
             f"{where}: {ev.images} image(s) ({buckets}), {ev.adapters} adapters on {ev.layers} layers, "

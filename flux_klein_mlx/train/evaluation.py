@@ -36,11 +36,10 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from ..errors import FluxKleinError
-from .state import read_adapter_file, write_atomic
+from .state import EMA_FILE, read_adapter_file, write_atomic
 
 VALIDATION_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)  # midpoints of five equal bins of sigma in [0, 1]
 VALIDATION_SEED = 29  # fixed for every run: the noise does not follow --seed
-EMA_FILE = "ema.safetensors"
 
 
 @dataclass(kw_only=True)
@@ -98,7 +97,7 @@ class AdapterEMA:
         every name and shape."""
         path = folder / EMA_FILE
         if not path.is_file():
-            raise FluxKleinError(f"checkpoint {folder} has no {EMA_FILE}; resume it without --ema or start anew")
+            raise FluxKleinError(f"checkpoint {folder} has no {EMA_FILE}; delete it to resume from an earlier one")
         trained = lora.arrays(mx.float32)
         try:
             lora.load_terms(read_adapter_file(path, lora), str(path))

@@ -118,12 +118,19 @@ SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
 
 
 def check_schedule(name: str, warmup: int, steps: int) -> None:
-    """Refuse an unknown schedule, a negative warmup, a warmup past the run, or a warmup `constant` ignores."""
+    """Refuse an unknown schedule, a negative warmup, a warmup as long as the run or past it (its steps never
+    reach the lr; a 1-step run at lr 0 writes an all-zero LoRA), or a warmup `constant` ignores."""
     check_choice("lr-scheduler", name, SCHEDULES)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise FluxKleinError(f"warmup-steps must be a whole number >= 0, not {warmup!r}")
     if warmup > steps:
-        raise FluxKleinError(f"--warmup-steps {warmup} is past --steps {steps}; give at most {steps}")
+        raise FluxKleinError(f"--warmup-steps {warmup} is past --steps {steps}; give at most {steps - 1}")
+    if warmup and warmup == steps and name != "constant":  # step k runs at (k - 1) / W: never at --lr, step 1 at 0
+        fewer = f"give --warmup-steps at most {steps - 1}" if steps > 1 else "give --warmup-steps 0"
+        raise FluxKleinError(
+            f"--warmup-steps {warmup} equals --steps {steps}: every step would run inside the warmup, below --lr "
+            f"(step 1 at lr 0{', so the LoRA would stay all zero' if steps == 1 else ''}); {fewer} or raise --steps"
+        )
     if warmup and name == "constant":
         raise FluxKleinError(
             "--warmup-steps has no effect with --lr-scheduler constant; use --lr-scheduler constant_with_warmup"

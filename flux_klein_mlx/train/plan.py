@@ -64,6 +64,7 @@ def plan_run(settings: TrainSettings, processes: World | None = None) -> RunPlan
 def _plan(settings: TrainSettings, w: World) -> RunPlan:
     settings = settings.check()
     if settings.output.exists() or settings.output.is_symlink():
+        _refuse_finished(settings)
         raise FluxKleinError(f"--output {settings.output} exists and is never overwritten; choose another name")
     check_output_file(settings.output)
     check_work_dir(settings.work_dir, settings.data, settings.controls)
@@ -110,6 +111,17 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
     )
 
 
+def _refuse_finished(settings: TrainSettings) -> None:
+    """--resume of a run whose last checkpoint is at --steps and whose --output is written: nothing to do.
+    (Without its output, the run writes it from that checkpoint: the way back from a failed final write.)"""
+    done = checkpoints(settings.work_dir) if settings.resume else []
+    if done and done[-1][0] == settings.steps:
+        raise FluxKleinError(
+            f"--resume: {settings.work_dir} is already at step {settings.steps} of {settings.steps} and its LoRA "
+            f"is written to {settings.output}; raise --steps to train on (with another --output)"
+        )
+
+
 def _resume_point(settings: TrainSettings, info: ModelInfo, *, slots, items, processes: int) -> Path | None:
     """The checkpoint to continue from (state.resume_point), after the lock and the process count."""
     check_not_locked(settings.work_dir)
@@ -129,4 +141,5 @@ def _resume_point(settings: TrainSettings, info: ModelInfo, *, slots, items, pro
         data=data,
         lora_shapes=shapes,
         n_items=len(items),
+        ema=settings.ema is not None,  # its ema.safetensors checked with the checkpoint
     )

@@ -42,7 +42,7 @@ from ..models.config import VARIANTS
 from ..output import write_image
 from ..weights import save_safetensors_streaming
 from .settings import TrainSettings
-from .state import adapter_file, write_atomic
+from .state import adapter_file, way_back, write_atomic
 
 # A LoRA whose samples differ from the baseline by less than this mean |pixel difference| (of 255)
 # changes almost nothing: at strength 1 a LoRA that has learned anything moves far more pixels.
@@ -191,7 +191,7 @@ class SampleImages:
     def _save(self, name: str, image, record: dict) -> Path:
         self.folder.mkdir(exist_ok=True)
         path = self.folder / name
-        write_atomic(path, lambda tmp: write_image(image, tmp, "PNG", record))
+        write_atomic(path, lambda tmp: write_image(image, tmp, "PNG", record), self.settings.work_dir)
         return path
 
     def baseline(self) -> SamplesSaved:
@@ -228,7 +228,7 @@ class SampleImages:
         checkpoint = Path(self.settings.work_dir) / f"checkpoint-{step:06d}" / "lora.safetensors"
         tmp = Path(self.settings.work_dir) / f".sample-lora.{secrets.token_hex(4)}.tmp"
         tensors, header = adapter_file(lora)  # the bytes of this step's checkpoint file
-        save_safetensors_streaming(tmp, tensors, metadata=header)
+        write_sample_lora(tmp, tensors, header)
         paths = []
         changes = []
         strengths = []
@@ -275,3 +275,15 @@ class SampleImages:
                 "--lr or --steps, or check --targets",
                 stacklevel=2,
             )
+
+
+def write_sample_lora(tmp: Path, tensors: dict, header: dict) -> None:
+    """The adapter file the sample model loads, at the temporary name `tmp` in the work folder; a full
+    disk is one line naming the way back (state.way_back), and no part of the file stays."""
+    try:
+        save_safetensors_streaming(tmp, tensors, metadata=header)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise FluxKleinError(
+            f"cannot write the sample LoRA {tmp} ({e.strerror or e}); {way_back(tmp.parent)}"
+        ) from None

@@ -15,8 +15,8 @@ written crash-safe and checked whole before a resume, train.json, loss.png.
 A checkpoint is written into a temporary folder, flushed and renamed into place when complete
 (files.folder_transaction; a rename is atomic), so a crash or a full disk leaves the earlier
 checkpoints as they were. Only the newest `keep` checkpoints are kept. Before a resume the newest
-one is checked whole from its headers and state.json (`checkpoint_problem`), so a damaged one is
-named, with what to do, before any model loads.
+one is checked whole, every value finite, its EMA too (`checkpoint_problem`), so a damaged one is
+named with an earlier good one before any model loads; a run at --steps without --output writes it.
 
 The folder is ours or refused: a run writes only into a new or empty folder, or one an earlier run
 marked as ours (`WORK_MARKER`), and only under the names above; a folder holding other files (a
@@ -34,6 +34,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -57,6 +58,7 @@ from ..files import (
     folder_transaction,
     is_temporary_file,
     open_no_follow,
+    write_exclusive,
     write_replacing,
 )
 from ..lora import layouts
@@ -68,6 +70,7 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d{6,})$")
 # The temporary folders of files.folder_transaction for checkpoints (files: files.is_temporary_file).
 _TEMPORARY_CHECKPOINT = re.compile(r"^checkpoint-\d+\.(tmp|old)-[0-9a-f]{8}$")
 LOCK_NAME = "train.lock"
+EMA_FILE = "ema.safetensors"  # a checkpoint's moving average of the adapters (train/evaluation.py), with --ema
 WORK_MARKER = ".flux_klein_mlx-train"
 # Every name a run writes at the top of its work folder (and its own temporaries).
 _WORK_FILES = {LOCK_NAME, "train.json", "loss.png", "samples"}
@@ -165,9 +168,9 @@ def _holder(text: str) -> dict | None:
 
 
 def _describe_holder(h: dict | None) -> str:
-    if h is None:
-        return "a run that left no details"
-    return f"pid {h['pid']} on {h['host']}, started {h.get('started', '?')}"
+    return (
+        "a run that left no details" if h is None else f"pid {h['pid']} on {h['host']}, started {h.get('started', '?')}"
+    )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -254,18 +257,22 @@ def acquire_lock(work_dir: Path) -> RunLock:
             )
         started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         me = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started})
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (me + "\n").encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (me + "\n").encode(), 0)
+        except OSError as e:  # a full disk: no empty lock stays behind (we hold its flock: the file is ours)
+            RunLock(path, fd).release()
+            raise FluxKleinError(
+                f"cannot write the lock {path} ({e.strerror}); free some space and run again"
+            ) from None
         return RunLock(path, fd)
     raise _busy(path, None)
 
 
 def checkpoints(work_dir: Path) -> list[tuple[int, Path]]:
     """The checkpoint folders in `work_dir`, oldest first, as (step, folder) (`checkpoint_problem` checks one)."""
-    if not work_dir.is_dir():
-        return []
     found = []
-    for p in work_dir.iterdir():
+    for p in work_dir.iterdir() if work_dir.is_dir() else []:
         m = _CHECKPOINT.match(p.name)
         if m and p.is_dir():  # written whole or not at all: a folder here with a file missing is damaged
             found.append((int(m.group(1)), p))
@@ -306,13 +313,8 @@ def write_checkpoint(
                 save_safetensors_streaming(tmp / name, dict(tensors), metadata=metadata)
             (tmp / "state.json").write_text(json.dumps(state))
     except (OSError, FluxKleinError) as e:
-        done = checkpoints(work_dir)
-        last = f"{done[-1][1]} (step {done[-1][0]})" if done else "none yet"
         why = (e.strerror or e) if isinstance(e, OSError) else e
-        raise FluxKleinError(
-            f"cannot write checkpoint {final.name} ({why}); the last good checkpoint is {last}: "
-            "free some space and continue with --resume"
-        ) from None
+        raise FluxKleinError(f"cannot write checkpoint {final.name} ({why}); {way_back(work_dir)}") from None
     for _, old in checkpoints(work_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -354,7 +356,8 @@ def _state_problem(state, step: int, n_items: int) -> str | None:
         return f"state.json's batches name examples outside the {n_items} of --data"
     if state["position"] > len(batches):
         return f"state.json's position {state['position']} is past its {len(batches)} batches"
-    if not isinstance(losses, list) or len(losses) != step or not all(isinstance(v, (int, float)) for v in losses):
+    numbers = isinstance(losses, list) and all(isinstance(v, (int, float)) and math.isfinite(v) for v in losses)
+    if not numbers or len(losses) != step:
         return f"state.json's losses is not a list of {step} numbers"
     try:
         np.random.default_rng().bit_generator.state = state.get("rng")
@@ -375,10 +378,25 @@ def _optimizer_problem(table: dict, lora_shapes: list[tuple[int, ...]]) -> str |
     return None
 
 
-def checkpoint_problem(folder: Path, step: int, lora_shapes: dict[str, tuple[int, ...]], n_items: int) -> str | None:
-    """What is wrong with checkpoint `folder` (state.json, lora.safetensors, optimizer.safetensors:
-    present, whole, of the types and shapes this run needs; `lora_shapes` is the file's name ->
-    shape), or None when it can be resumed. Reads headers and state.json only."""
+def _values_problem(path: Path) -> str | None:
+    """NaN or infinity in a checkpoint file (its bytes read: a resume would train on them from the first step)."""
+    try:
+        tensors = read_safetensors(path)
+        for name, t in tensors.items():
+            if mx.issubdtype(t.dtype, mx.floating) and not mx.all(mx.isfinite(t)).item():
+                return f"{path.name} holds NaN or infinite values ({name})"
+    except (FluxKleinError, RuntimeError, ValueError) as e:
+        return f"{path.name} cannot be read ({str(e).splitlines()[0][:120]})"
+    return None
+
+
+def checkpoint_problem(
+    folder: Path, step: int, lora_shapes: dict[str, tuple[int, ...]], *, n_items: int, ema: bool = False
+) -> str | None:
+    """What is wrong with checkpoint `folder` (state.json, lora.safetensors, optimizer.safetensors and,
+    with `ema`, ema.safetensors: present, whole, of the types and shapes this run needs, every value
+    finite; `lora_shapes` is the file's name -> shape), or None when it can be resumed. Reads the
+    files' bytes and state.json; loads no model."""
     try:
         state = json.loads((folder / "state.json").read_text())
     except FileNotFoundError:
@@ -397,16 +415,27 @@ def checkpoint_problem(folder: Path, step: int, lora_shapes: dict[str, tuple[int
         detail = other[0] if other else "tensor shapes"
         return f"lora.safetensors holds other adapters than this run's ({detail} differs): another run's file"
     trained = [shape for shape in lora_shapes.values() if shape != ()]  # every factor a matrix; LoKr's alpha a constant
-    return _optimizer_problem(optimizer, trained)
+    if why := _optimizer_problem(optimizer, trained):
+        return why
+    files = ["lora.safetensors", "optimizer.safetensors"] + ([EMA_FILE] if ema else [])
+    if ema:  # the average is the output --ema writes: checked as lora.safetensors is
+        try:
+            average = _tensor_table(folder / EMA_FILE)
+        except ValueError as e:
+            return str(e)
+        if {k: shape for k, (_, shape) in average.items()} != lora_shapes:
+            return f"{EMA_FILE} holds other adapters than lora.safetensors"
+    return next(filter(None, (_values_problem(folder / name) for name in files)), None)
 
 
-def damaged(folder: Path, why: str, earlier: list[tuple[int, Path]]) -> FluxKleinError:
-    """The one line for a damaged checkpoint: which, why, and what to do (never "download it again")."""
-    if earlier:
-        todo = f"delete that folder to continue from {earlier[-1][1].name} with --resume"
-    else:
-        todo = "delete that folder and start anew without --resume"
-    return FluxKleinError(f"{folder.name} in {folder.parent} is damaged: {why}; {todo}")
+def damaged(folder: Path, why: str, earlier: list[tuple[int, Path]], is_good=lambda c: True) -> FluxKleinError:
+    """The one line for a damaged checkpoint: which, why, and what to do (never "download it again"):
+    continue from the newest earlier checkpoint that `is_good` (naming the damaged ones to delete first)."""
+    good = next((c for c in reversed(earlier) if is_good(c)), None)
+    newer = [p.name for s, p in earlier if good is None or s > good[0]]  # damaged too: in the way of a resume
+    also = f" and {', '.join(newer)} (damaged too)" if newer else ""
+    todo = f"to continue from {good[1].name} with --resume" if good else "and start anew without --resume"
+    return FluxKleinError(f"{folder.name} in {folder.parent} is damaged: {why}; delete that folder{also} {todo}")
 
 
 def adapter_file(adapters) -> tuple[dict[str, mx.array], dict[str, str]]:
@@ -435,13 +464,35 @@ def read_checkpoint(folder: Path, adapters) -> tuple[list, dict[str, mx.array], 
     return terms, optimizer, state
 
 
-def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Write a file of the work folder through a temporary name and a rename (replacing the old one)."""
+def way_back(work_dir: Path) -> str:
+    """What to do after a write in the work folder failed: continue from its last good checkpoint
+    (named), or, before the first one, run again (--resume would find nothing to continue)."""
+    if done := checkpoints(Path(work_dir)):
+        last = f"{done[-1][1]} (step {done[-1][0]})"
+        return f"the last good checkpoint is {last}: free some space and continue with --resume"
+    return "no checkpoint was written yet: free some space and run the same command again"
+
+
+def write_atomic(path: Path, write: Callable[[Path], None], work_dir: Path | None = None) -> None:
+    """Write a file of the work folder (`work_dir`, default the file's folder) through a temporary name
+    and a rename (replacing the old one); a failure names the way back (`way_back`) and leaves no temporary."""
     try:
         write_replacing(path, write)
     except OSError as e:
+        raise FluxKleinError(f"cannot write {path} ({e.strerror or e}); {way_back(work_dir or path.parent)}") from None
+
+
+def write_output(output: Path, write: Callable[[Path], None], work_dir: Path) -> Path:
+    """The run's --output, never over a file (files.write_exclusive); when it cannot be written the
+    line names the checkpoint that holds the run and the one command that writes the output from it."""
+    try:
+        return write_exclusive(output, write)
+    except FluxKleinError as e:
+        if not (done := checkpoints(work_dir)):
+            raise
         raise FluxKleinError(
-            f"cannot write {path} ({e.strerror or e}); free some space and continue with --resume"
+            f"{e}; the trained run is kept in {done[-1][1]} (step {done[-1][0]}): free some space and run the same "
+            f"command with --resume, which writes {output} from it (as asked: layout, EMA) without training"
         ) from None
 
 
@@ -450,7 +501,7 @@ def write_json(path: Path, obj: dict) -> None:
 
 
 def resume_point(
-    wd: Path, *, resume: bool, steps: int, key: dict, data: list, lora_shapes: dict, n_items: int
+    wd: Path, *, resume: bool, steps: int, key: dict, data: list, lora_shapes: dict, n_items: int, ema: bool = False
 ) -> Path | None:
     """The checkpoint a run continues from (None: a new run), checked whole and against this run's
     run `key` and `data` key; refuses mixing runs in one work folder and a run that is already done."""
@@ -466,14 +517,11 @@ def resume_point(
         raise FluxKleinError(f"--resume: no checkpoint in {wd}; run without --resume to start training")
     step, folder = done[-1]
     _refuse_other_settings(folder, key, data)
-    if why := checkpoint_problem(folder, step, lora_shapes, n_items):
-        raise damaged(folder, why, done[:-1])
-    if step == steps:
-        raise FluxKleinError(
-            f"--resume: {wd} is already at step {step} of {steps} (its LoRA: {folder.name}/lora.safetensors); "
-            "raise --steps to train on"
+    if why := checkpoint_problem(folder, step, lora_shapes, n_items=n_items, ema=ema):
+        raise damaged(
+            folder, why, done[:-1], lambda c: not checkpoint_problem(c[1], c[0], lora_shapes, n_items=n_items, ema=ema)
         )
-    if step > steps:
+    if step > steps:  # (at --steps, with no --output written: the run writes it from there, without training)
         raise FluxKleinError(f"--resume: {folder} is at step {step}, past --steps {steps}; raise --steps")
     return folder
 

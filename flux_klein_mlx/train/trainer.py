@@ -31,7 +31,6 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 from .. import __version__
 from ..embedding_cache import open_cache, prompt_keys
 from ..errors import FluxKleinError
-from ..files import write_exclusive
 from ..loading import as_dtype, load_component
 from ..models.rope import image_ids, text_ids, token_grid
 from ..models.text_encoder import encode_prompts
@@ -56,6 +55,7 @@ from .state import (
     remove_temporaries,
     write_checkpoint,
     write_json,
+    write_output,
 )
 
 
@@ -528,7 +528,9 @@ class Trainer:
                 tmp, self.lora, dtype=self.dtype, layout=settings.format, params=self.info.params, header=header
             )
 
-        final = write_exclusive(settings.output, self.ema.writing(self.lora, write) if self.ema else write)
+        final = write_output(
+            settings.output, self.ema.writing(self.lora, write) if self.ema else write, settings.work_dir
+        )
         finished = datetime.now(timezone.utc).isoformat(timespec="seconds")
         write_json(
             settings.work_dir / "train.json",

@@ -596,6 +596,7 @@ def test_resume_of_a_finished_run_says_so_and_writes_nothing(capsys, snap, tmp_p
     fake_checkpoint(
         tmp_path / "out.train", TrainSettings(model=str(snap), data=data, output=out, resolution=64, rank=4)
     )
+    out.write_bytes(b"the finished run's LoRA")  # (without its output, --resume writes it: issue 38, case 4)
     refused(
         capsys,
         tmp_path,
