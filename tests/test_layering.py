@@ -42,7 +42,8 @@ FLOORS = {
     "train": {
         "objective": 1, "adapters": 1, "data": 1, "memory": 1, "distributed": 1, "events": 1,  # pure pieces
         "settings": 2,  # what a run asks for
-        "config_file": 3, "state": 3,  # settings from a file; the work folder
+        "workdir": 2,  # the work folder: its checks, its mark, its lock
+        "config_file": 3, "state": 3,  # settings from a file; checkpoints
         "evaluation": 4, "samples": 4,  # EMA, validation, loss.png; sample images
         "plan": 5,  # everything checked before a model loads
         "trainer": 6,  # the run, step by step

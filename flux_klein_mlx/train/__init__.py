@@ -2,8 +2,8 @@
 imports only the floors below it (tests/test_layering.py):
 
     1  objective (flow matching, AdamW, the lr schedule)  adapters  data  memory  distributed  events
-    2  settings        what a run asks for, checked
-    3  config_file     settings from a TOML or an earlier train.json;  state: the work folder
+    2  settings        what a run asks for, checked;  workdir: the work folder, its mark and its lock
+    3  config_file     settings from a TOML or an earlier train.json;  state: checkpoints, the output
     4  evaluation      EMA, validation, loss.png;  samples: images on the model the LoRA runs on
     5  plan            everything checked before a model loads
     6  trainer         the run, step by step

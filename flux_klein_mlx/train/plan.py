@@ -17,7 +17,8 @@ from .distributed import World, check_processes, world
 from .memory import MemoryPlanned, check_memory
 from .samples import check_sample_model
 from .settings import TrainSettings
-from .state import check_not_locked, check_work_dir, checkpoints, resume_point
+from .state import resume_point
+from .workdir import check_not_locked, check_work_dir, checkpoints
 
 # --- checks before anything runs -----------------------------------------------------------------
 

@@ -45,18 +45,8 @@ from .objective import flow_loss, lr_at_step, make_optimizer, optimizer_step, si
 from .plan import RunPlan, data_key, plan_run, run_key
 from .samples import SampleImages, SamplesSaved
 from .settings import TrainSettings
-from .state import (
-    acquire_lock,
-    adapter_file,
-    check_work_dir,
-    checkpoints,
-    claim_work_dir,
-    read_checkpoint,
-    remove_temporaries,
-    write_checkpoint,
-    write_json,
-    write_output,
-)
+from .state import adapter_file, read_checkpoint, write_checkpoint, write_json, write_output
+from .workdir import acquire_lock, check_work_dir, checkpoints, claim_work_dir, remove_temporaries
 
 
 def train_lora(model=None, data=None, output=None, **settings) -> Iterator:

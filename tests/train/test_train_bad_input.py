@@ -29,6 +29,7 @@ from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.loading import describe
 from flux_klein_mlx.train import state as train_state
+from flux_klein_mlx.train import workdir
 from flux_klein_mlx.train.adapters import adapter_file_shapes, parse_targets
 from flux_klein_mlx.train.data import bucket_size, scan_data
 from flux_klein_mlx.train.plan import data_key, plan_run, run_key
@@ -185,7 +186,7 @@ def fake_checkpoint(work: Path, settings: TrainSettings, step: int = 2) -> Path:
         "data": data_key(items),
     }
     work.parent.mkdir(parents=True, exist_ok=True)
-    train_state.claim_work_dir(work)  # as a run does before its first checkpoint
+    workdir.claim_work_dir(work)  # as a run does before its first checkpoint
     return train_state.write_checkpoint(
         work, step, lora=(lora, {"format": "pt"}), optimizer=optimizer, state=state, keep=100
     )
@@ -369,7 +370,7 @@ def test_a_disk_that_fills_keeps_the_last_good_checkpoint_and_resume_continues(s
                 if isinstance(ev, CheckpointSaved) and ev.step == 1:
                     fill(work) if real else full.append(True)
         assert sorted(p.name for p in work.iterdir() if p.name != "filler") == [
-            train_state.WORK_MARKER,
+            workdir.WORK_MARKER,
             "checkpoint-000001",
             "loss.png",
             "train.json",
@@ -442,15 +443,15 @@ def test_a_lock_that_is_a_link_is_refused_and_its_target_never_written(capsys, s
     out, work = tmp_path / "out.safetensors", tmp_path / "out.train"
     victim = tmp_path / "victim.txt"
     victim.write_text("the user's own file")
-    train_state.claim_work_dir(work)  # a folder an earlier run wrote
+    workdir.claim_work_dir(work)  # a folder an earlier run wrote
     (work / "train.lock").symlink_to(victim)
     refused(capsys, tmp_path, base_args(snap, data, out), "train.lock is a symbolic link", "remove it")
     with pytest.raises(FluxKleinError, match="is a symbolic link; nothing is ever written through a link"):
-        train_state.acquire_lock(work)  # the lock itself never follows the link either (O_NOFOLLOW)
+        workdir.acquire_lock(work)  # the lock itself never follows the link either (O_NOFOLLOW)
     assert victim.read_text() == "the user's own file" and (work / "train.lock").is_symlink()
     (work / "train.lock").unlink()  # the advice, followed: the run goes ahead
     plan_run(TrainSettings(model=snap, data=data, output=out, rank=4, resolution=64))
-    train_state.acquire_lock(work).release()
+    workdir.acquire_lock(work).release()
     assert victim.read_text() == "the user's own file"
 
 
@@ -470,7 +471,7 @@ def test_a_work_folder_of_other_files_is_refused_naming_them(capsys, snap, tmp_p
         "new or empty folder",
     )
     ours = tmp_path / "ours"  # a folder of ours holding a file of the user's: named too
-    train_state.claim_work_dir(ours)
+    workdir.claim_work_dir(ours)
     (ours / "notes.txt").write_text("mine")
     refused(capsys, tmp_path, base_args(snap, data, out) + ["--work-dir", str(ours)], "did not write (notes.txt)")
     empty = tmp_path / "empty"  # the advice, followed
@@ -503,7 +504,7 @@ def test_two_runs_never_share_a_work_folder_and_a_stale_lock_is_taken_over(capsy
     assert not (tmp_path / "out.train" / "train.lock").exists()
     # another process holds the folder; killed (SIGKILL), it leaves its lock file behind, and the kernel drops its flock
     code = (
-        "import sys; from pathlib import Path; from flux_klein_mlx.train.state import acquire_lock; "
+        "import sys; from pathlib import Path; from flux_klein_mlx.train.workdir import acquire_lock; "
         "acquire_lock(Path(sys.argv[1])); print('held', flush=True); sys.stdin.read()"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(flux_klein_mlx.__file__).parents[1])}
@@ -523,14 +524,14 @@ def test_two_runs_never_share_a_work_folder_and_a_stale_lock_is_taken_over(capsy
     assert json.loads((tmp_path / "out.train" / "train.lock").read_text())["pid"] == holder.pid
     plan_run(TrainSettings(**kw))  # the check before the run leaves the stale lock as it is
     with pytest.warns(Notice, match=f"taking over the lock of an earlier run.*pid {holder.pid}"):
-        held = train_state.acquire_lock(tmp_path / "out.train")
+        held = workdir.acquire_lock(tmp_path / "out.train")
     assert json.loads((tmp_path / "out.train" / "train.lock").read_text())["pid"] == os.getpid()
     held.release()
     assert not (tmp_path / "out.train" / "train.lock").exists()
     # where the volume has no locks, the pid decides: a pid that no longer runs on this host is stale
     stale = {"pid": dead_pid(), "host": socket.gethostname(), "started": "2026-01-01T00:00:00+00:00"}
-    assert train_state.holder_gone(stale) and not train_state.holder_gone({**stale, "pid": os.getpid()})
-    assert not train_state.holder_gone({**stale, "host": "another-mac.local"})  # cannot be checked from here
+    assert workdir.holder_gone(stale) and not workdir.holder_gone({**stale, "pid": os.getpid()})
+    assert not workdir.holder_gone({**stale, "host": "another-mac.local"})  # cannot be checked from here
 
 
 def damage(folder: Path, kind: str, other: Path) -> None:

@@ -25,6 +25,7 @@ from test_train_bad_input import base_args, make_images, refused, small_disk, tr
 import flux_klein_mlx.train.samples as samples_module
 import flux_klein_mlx.train.trainer as train_module
 from flux_klein_mlx.train import state as train_state
+from flux_klein_mlx.train import workdir
 from flux_klein_mlx.train.objective import check_schedule
 
 
@@ -88,7 +89,7 @@ def test_a_full_disk_at_the_lock_is_one_line_and_leaves_nothing(capsys, snap, tm
     real = small_disk(disk, "1m")
     work = disk / "run"
     if earlier:
-        train_state.claim_work_dir(work)  # the folder a run that ended wrote (its mark, nothing else)
+        workdir.claim_work_dir(work)  # the folder a run that ended wrote (its mark, nothing else)
     args = base_args(snap, data, out) + ["--work-dir", work, "--steps", "1", "--dtype", "float32"]
     try:
         with monkeypatch.context() as m:
@@ -102,7 +103,7 @@ def test_a_full_disk_at_the_lock_is_one_line_and_leaves_nothing(capsys, snap, tm
         what = "the lock" if earlier else "in the work folder"
         assert_one_line_error(code, err, f"cannot write {what}", "No space left on device", "free some space")
         assert tree_hash(tmp_path) == before and not (work / "train.lock").exists()
-        assert sorted(os.listdir(work)) == [train_state.WORK_MARKER] if earlier else not work.exists()
+        assert sorted(os.listdir(work)) == [workdir.WORK_MARKER] if earlier else not work.exists()
         (disk / "filler").unlink(missing_ok=True)  # the advice, followed: the same command
         code, _, err = run_cli(capsys, "train", *args)
         assert code == 0, err
@@ -305,7 +306,7 @@ def test_a_full_disk_before_the_first_checkpoint_says_to_run_again(capsys, snap,
         m.setattr(train_state, "write_replacing", no_space)
         code, _, err = run_cli(capsys, "train", *args)
     assert_one_line_error(code, err, "train.json", "No space left on device", "run the same command again")
-    assert "--resume" not in err and sorted(os.listdir(work)) == [train_state.WORK_MARKER]
+    assert "--resume" not in err and sorted(os.listdir(work)) == [workdir.WORK_MARKER]
     code, _, err = run_cli(capsys, "train", *args)  # the advice, followed
     assert code == 0, err
     assert out.is_file()
