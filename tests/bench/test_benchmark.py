@@ -176,10 +176,9 @@ def test_tiny_random_pipeline_end_to_end(tmp_path):
     assert r["machine"]["mlx"] and r["machine"]["flux_klein_mlx"]
 
 
-def test_cli_never_overwrites_json(snapshot, tmp_path, capsys):
-    out = tmp_path / "bench.json"
-    out.write_text("keep me")
-    args = [
+def denoise_only(snapshot) -> list[str]:
+    """`benchmark` on the tiny model: 64x64, one step, one trial, no warmup, the denoise stage alone."""
+    return [
         "--model",
         str(snapshot),
         "-W",
@@ -192,11 +191,15 @@ def test_cli_never_overwrites_json(snapshot, tmp_path, capsys):
         "0",
         "--trials",
         "1",
-        "--skip-decode",
         "--skip-text-encoder",
-        "--json",
-        str(out),
+        "--skip-decode",
     ]
+
+
+def test_cli_never_overwrites_json(snapshot, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    out.write_text("keep me")
+    args = denoise_only(snapshot) + ["--json", str(out)]
     assert bm.main(args) == 0
     assert out.read_text() == "keep me"
     assert "wrote" in capsys.readouterr().err
@@ -206,22 +209,7 @@ def test_cli_never_overwrites_json(snapshot, tmp_path, capsys):
 
 
 def test_cli_quantized(snapshot, tmp_path):
-    base = [
-        "--model",
-        str(snapshot),
-        "-W",
-        "64",
-        "-H",
-        "64",
-        "--steps",
-        "1",
-        "--warmup",
-        "0",
-        "--trials",
-        "1",
-        "--skip-text-encoder",
-        "--skip-decode",
-    ]
+    base = denoise_only(snapshot)
     assert bm.main(base + ["--quantize", "4", "--json", str(tmp_path / "q.json")]) == 0
     assert bm.main(base + ["--json", str(tmp_path / "f.json")]) == 0
     q, f = (json.loads((tmp_path / n).read_text()) for n in ("q.json", "f.json"))

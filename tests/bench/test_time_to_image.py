@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 import pytest
+from command_line import gen_args
 from file_opens import FileOpens
 from refs import noise
 
@@ -85,25 +86,7 @@ def test_a_changed_encoder_file_is_never_served_stale_and_a_damaged_one_is_refus
 ):
     snap = tmp_path / "snap"
     shutil.copytree(distilled, snap)
-    args = [
-        "generate",
-        "-m",
-        str(snap),
-        "-p",
-        "a fox",
-        "--dtype",
-        "float32",
-        "-W",
-        "64",
-        "-H",
-        "64",
-        "--steps",
-        "1",
-        "--seed",
-        "1",
-        "-o",
-        str(tmp_path / "x.png"),
-    ]
+    args = gen_args(str(snap), str(tmp_path / "x.png"))
     assert main(args) == 0
     capsys.readouterr()
     shard = encoder_files(snap)[0]
