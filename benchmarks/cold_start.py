@@ -64,8 +64,8 @@ def make(folder: Path, bits: int = 4, blocks: str | None = None) -> None:
 
     from flux_klein_mlx.bench.command import parse_blocks
     from flux_klein_mlx.bench.random_model import randomize
+    from flux_klein_mlx.components import build_module
     from flux_klein_mlx.convert import Part, write_folder
-    from flux_klein_mlx.loading import build_module
     from flux_klein_mlx.models.config import VARIANTS
     from flux_klein_mlx.models.quantize import evaluate_by_layer, quantize_model
 
@@ -150,7 +150,8 @@ def child_load(model: str, name: str, readahead: str | None = None, overlap: flo
     """Load one component; `readahead` "alone" (read it all first) or "overlap" (read during `overlap`
     seconds of stand-in compute, then stop it and load)."""
     from flux_klein_mlx.bench.measure import StageMeter, bytes_to_load
-    from flux_klein_mlx.loading import describe, load_component
+    from flux_klein_mlx.components import load_component
+    from flux_klein_mlx.loading import describe
     from flux_klein_mlx.readahead import ReadAhead
 
     info = describe(model)

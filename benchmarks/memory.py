@@ -185,7 +185,8 @@ def child_resident(folder: str, name: str) -> dict:
     """Load one component (evaluated) and report what it holds."""
     from mlx.utils import tree_flatten
 
-    from flux_klein_mlx.loading import describe, load_component
+    from flux_klein_mlx.components import load_component
+    from flux_klein_mlx.loading import describe
 
     t0 = time.perf_counter()
     model = load_component(describe(folder), name)

@@ -110,7 +110,8 @@ def write_checkpoint(root: Path) -> list[str]:
 
 def measure(root: Path, dtype_name: str, encode: bool) -> dict:
     """Runs in a fresh process: load (and encode), report peak memory and RSS."""
-    from flux_klein_mlx.loading import describe, load_component
+    from flux_klein_mlx.components import load_component
+    from flux_klein_mlx.loading import describe
     from flux_klein_mlx.models.text_encoder import encode_prompts
 
     dtype = getattr(mx, dtype_name)

@@ -1,7 +1,7 @@
 """`convert` and `quantize`: write a FLUX.2 [klein] model once as an MLX folder (optionally
 quantized), or quantize a converted folder into a new one. The CLI commands are at the bottom.
 
-An MLX folder (read back by `loading.describe` / `loading.load_component`):
+An MLX folder (read back by `loading.describe` / `components.load_component`):
 
     config.json                  format marker and version, variant, is_distilled, reference_kv
                                  (klein 9B-KV), dtype, source, and per component its config and
@@ -35,6 +35,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import __version__
+from .components import assemble, check_weights, read_component
 from .errors import FluxKleinError
 from .files import broken_link, check_disk_space, folder_transaction
 from .loading import (
@@ -46,12 +47,9 @@ from .loading import (
     WHAT,
     ModelInfo,
     as_dtype,
-    assemble,
-    check_weights,
     describe,
     dtype_name,
     is_mlx_folder,
-    read_component,
 )
 from .lora.apply import apply_loras, load_loras, pair_scales
 from .models.quantize import check_quantization, quantize_model

@@ -397,12 +397,13 @@ def prompt_keys(
 
 
 def cached_embeddings(
-    cache: EmbeddingCache | None, keys: Mapping[str, str | None], encode: Callable[[list[str]], mx.array]
+    cache: EmbeddingCache | None, keys: Mapping[str, str | None], encode: Callable[[list[str]], list[mx.array]]
 ) -> dict[str, mx.array]:
     """prompt -> (1, L, C) embeddings for every prompt in `keys` (prompt -> cache key, None: not cached).
 
-    Cached prompts are read; the others are encoded by `encode(missing)` -> (B, L, C) in one call
-    (only then does the caller load its text encoder) and stored. `cache=None` encodes them all.
+    Cached prompts are read; the others are encoded by `encode(missing)` -> one (1, L, C) per prompt,
+    in one call (only then does the caller load its text encoder), and stored. `cache=None` encodes
+    them all.
     """
     stored = {p: cache.get(k) for p, k in keys.items() if k is not None} if cache is not None else {}
     found = {p: hit for p, hit in stored.items() if hit is not None}
@@ -410,7 +411,7 @@ def cached_embeddings(
     if missing:
         emb = encode(missing)
         for i, prompt in enumerate(missing):
-            found[prompt] = emb[i : i + 1]
+            found[prompt] = emb[i]
             if cache is not None and keys[prompt] is not None:
                 cache.put(keys[prompt], found[prompt])
     return found

@@ -97,7 +97,7 @@ class Job:
 
     inputs: PreparedInputs
     x: mx.array  # (1, h*w, 128) packed latents; the denoise stage advances it
-    ctx: mx.array  # (1 or 2, 512, 3*hidden) prompt embeddings; [cond, uncond] with CFG
+    ctx: list[mx.array]  # prompt embeddings, each (1, L, C); [cond, uncond] with CFG (FLUX.2: L = 512)
     ref_tokens: mx.array | None  # (1, sum h_k*w_k, 128) init image + reference tokens, or None
     ref_ids: mx.array | None  # (sum h_k*w_k, 4) their RoPE ids
     prior: mx.array  # (1, h*w, 128) float32 noise, reused to re-noise the kept region (inpainting)

@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from .checks import check_choice, is_int
+from .components import check_weights, load_component, read_component
 from .embedding_cache import DEFAULT_MAX_BYTES, EmbeddingCache, cached_embeddings, open_cache, prompt_keys
 from .errors import FluxKleinError
 from .events import Event, Job, MemoryPlan, StageStats, Stats
@@ -41,32 +42,18 @@ from .loading import (
     ModelInfo,
     as_dtype,
     check_for_loading,
-    check_weights,
     describe,
     dtype_name,
-    load_component,
-    read_component,
 )
 from .lora.apply import apply_loras, load_loras
 from .models.config import AutoEncoderConfig
 from .models.quantize import check_quantization
-from .models.rope import image_ids, text_ids, token_grid
+from .models.rope import token_grid
 from .models.text_encoder import encode_prompts
 from .models.tokenizer import load_tokenizer
 from .output import LatentPreview, image_metadata, model_name, preview_for, to_output
 from .readahead import Prefetch
-from .sampling import (
-    blend,
-    cfg,
-    euler_step,
-    initial_noise,
-    model_timestep,
-    pack_latents,
-    reference_time,
-    scale_noise,
-    schedule,
-    x0_estimate,
-)
+from .sampling import blend, euler_step, initial_noise, pack_latents, scale_noise, x0_estimate
 
 DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-4B"
 PROMPTS_KEPT = 8  # embeddings of recent prompts (each (1, 512, C): 7.5 MB for klein-4B in bf16)
@@ -183,8 +170,13 @@ class FluxKleinPipeline:
     # ---- conditioning -------------------------------------------------------------------------
 
     def encode_prompts(self, prompts: Sequence[str]) -> mx.array:
-        """Embeddings (B, 512, 3*hidden) for `prompts`: kept in memory, else read from the disk cache,
-        else made by the text encoder (loaded for them, then released) and stored."""
+        """Embeddings (B, L, C) for `prompts` of one window length (FLUX.2: (B, 512, 3*hidden)), from
+        `prompt_embeddings`."""
+        return mx.concatenate(self.prompt_embeddings(prompts), axis=0)
+
+    def prompt_embeddings(self, prompts: Sequence[str]) -> list[mx.array]:
+        """Embeddings (1, L, C) of each prompt: kept in memory, else read from the disk cache, else made
+        by the text encoder (loaded once for all of them, then released) and stored."""
         missing = [p for p in dict.fromkeys(prompts) if p not in self._prompts]
         if missing:
             found = cached_embeddings(self.cache, self._cache_keys(missing), self._run_text_encoder)
@@ -192,10 +184,10 @@ class FluxKleinPipeline:
                 self.remember_prompt(p, found[p])
         for p in prompts:
             self._prompts.move_to_end(p)
-        return mx.concatenate([self._prompts[p] for p in prompts], axis=0)
+        return [self._prompts[p] for p in prompts]
 
-    def _run_text_encoder(self, prompts: list[str]) -> mx.array:
-        """(B, 512, C) embeddings of `prompts` from the text encoder, checked finite (never cached otherwise)."""
+    def _run_text_encoder(self, prompts: list[str]) -> list[mx.array]:
+        """(1, L, C) embeddings of each of `prompts` from the text encoder, checked finite (never cached otherwise)."""
         self._check_files()
         encoder = self.component("text_encoder")
         tokenizer = self.component("tokenizer")
@@ -205,7 +197,7 @@ class FluxKleinPipeline:
         self._check_finite(emb, "the text encoder's prompt embeddings")
         del encoder
         self.release("text_encoder")
-        return emb
+        return [emb[i : i + 1] for i in range(len(prompts))]
 
     def _cache_keys(self, prompts: list[str]) -> dict[str, str | None]:
         if self.cache is None or not prompts:
@@ -241,14 +233,14 @@ class FluxKleinPipeline:
     def encode_images(self, pixels: list[np.ndarray], key: str, what: str) -> tuple[mx.array, mx.array]:
         """VAE-encode images (each (H, W, 3) in [-1, 1]) -> tokens (1, sum h_k*w_k, 128) and RoPE ids.
 
-        Image k gets time coordinate `reference_time(k)` = 10 (k + 1). Results are kept by `key` (the
+        Image k gets the family's reference ids (FLUX.2: time 10 (k + 1)). Results are kept by `key` (the
         pixels' content hashes), so the images of a batch are encoded once.
         """
         cache_key = (key, str(self.dtype))
         if cache_key not in self._image_sets:
             vae = self.component("vae")
             tokens = [vae.encode_to_tokens(mx.array(p)[None].astype(self.dtype)) for p in pixels]  # (1, H/16*W/16, 128)
-            ids = [image_ids(*token_grid(p.shape[1], p.shape[0]), t=reference_time(k)) for k, p in enumerate(pixels)]
+            ids = [self.info.family.reference_ids(k, *token_grid(p.shape[1], p.shape[0])) for k, p in enumerate(pixels)]
             out = mx.concatenate(tokens, axis=1), mx.concatenate(ids, axis=0)
             mx.eval(out)
             self._check_finite(out[0], f"the VAE encoding of {what}")
@@ -329,7 +321,7 @@ class FluxKleinPipeline:
         init = inputs.init
         mx.reset_peak_memory()
         t0, loads = time.perf_counter(), self.load_seconds()
-        ctx = self.encode_prompts(inputs.prompts)  # (1 or 2, 512, C): [cond, uncond] with CFG
+        ctx = self.prompt_embeddings(inputs.prompts)  # each (1, L, C): [cond, uncond] with CFG
         self._read_ahead("transformer")  # prompts cached: read while the references are encoded
         h, w = token_grid(run.width, run.height)
         ref_tokens = ref_ids = x0 = None
@@ -346,7 +338,7 @@ class FluxKleinPipeline:
         else:
             prior = pack_latents(mx.array(inputs.latents))
         # The schedule (and its mu) is built for all steps; img2img starts t_start steps in (diffusers' get_timesteps).
-        sigmas = schedule(h * w, run.steps)[inputs.t_start :]
+        sigmas = self.info.family.sigmas(h * w, run.steps)[inputs.t_start :]
         x = prior if init is None else scale_noise(x0, prior, sigmas[0])  # the init image noised to the first sigma
         mask = None if init is None or init.mask is None else mx.array(init.mask)[None]  # (1, h*w, 1)
         return Job(
@@ -366,38 +358,21 @@ class FluxKleinPipeline:
         """Stage 2: the flow steps, a generator that yields after every step; `job.x` advances."""
         mx.reset_peak_memory()
         t_stage, loads = time.perf_counter(), self.load_seconds()
-        model = self.component("transformer")
-        (h, w), n, sigmas, blockwise = job.grid, job.inputs.steps_run, job.sigmas, self.memory.blockwise
-        # Everything that depends only on shapes is built once, outside the loop.
-        # KV variant with references: the references leave the sequence; their K/V come from a cache
-        # filled at the first step and dropped with this image (other variants never cache).
-        use_kv = self.info.reference_kv and job.ref_tokens is not None
-        plain_refs = job.ref_ids is not None and not use_kv
-        img_ids = mx.concatenate([image_ids(h, w), job.ref_ids], axis=0) if plain_refs else image_ids(h, w)
-        rope = model.compute_rope(text_ids(job.ctx.shape[1]), img_ids)
-        txt = model.embed_text(job.ctx)  # step-invariant text projection, hoisted out of the loop
-        B = job.ctx.shape[0]
-        ref = None if job.ref_tokens is None else mx.broadcast_to(job.ref_tokens, (B,) + job.ref_tokens.shape[1:])
-        kv_cache = None
+        n, sigmas = job.inputs.steps_run, job.sigmas
+        # Everything that depends only on shapes is built once, outside the loop, by the model's family.
+        steps = self.info.family.steps(
+            self.component("transformer"),
+            job,
+            dtype=self.dtype,
+            reference_kv=self.info.reference_kv,
+            low_memory=self.memory.blockwise,
+        )
         x = job.x
-        scale = job.inputs.cfg_scale
         for i in range(n):
             t_step = time.perf_counter()
             if i == n - 1:
                 self._read_ahead("vae")  # read during the last step, so the decode finds it cached
-            x_in = mx.broadcast_to(x, (B,) + x.shape[1:])
-            if use_kv and kv_cache is None:
-                kv_cache = model.reference_kv(ref, job.ref_ids, low_memory=blockwise)  # the extract step
-                mx.eval(kv_cache.arrays())
-                job.stats.reference_kv_seconds = time.perf_counter() - t_step
-                job.stats.reference_kv_bytes = kv_cache.nbytes
-            elif plain_refs:
-                x_in = mx.concatenate([x_in, ref], axis=1)  # [target; refs]
-            t = model_timestep(sigmas[i], B, self.dtype)
-            v = model.forward_with_rope(
-                x_in, job.ctx, t, rope, txt_embedded=txt, low_memory=blockwise, reference_kv=kv_cache
-            )[:, : h * w]  # target tokens only
-            v = cfg(v, scale) if scale is not None else v
+            v = steps.velocity(x, i)
             denoised = x0_estimate(x, v, sigmas[i])
             x = euler_step(x, v, sigmas[i], sigmas[i + 1])
             if job.mask is not None:  # inpainting: the kept region is x0 noised to the next sigma
@@ -418,7 +393,7 @@ class FluxKleinPipeline:
             )
         stage = job.stats.denoise = self.stage_stats(t_stage, loads)
         job.stats.seconds_per_step = (stage.seconds - stage.load_seconds) / n  # the steps' own rate, without loads
-        del model, kv_cache
+        del steps  # the model and a reference K/V cache go with it
         if self.memory.release_models:
             self.release("transformer")
 

@@ -88,7 +88,7 @@ def tensor_spans(
 
 
 def component_spans(info, name: str, merge: bool = True) -> list[Span]:
-    """What `loading.load_component(info, name)` reads: every tensor of the component's files but
+    """What `components.load_component(info, name)` reads: every tensor of the component's files but
     those it drops unread (the text encoder's layers above 27, final norm and LM head; the VAE's
     BatchNorm step counter)."""
     files = info.files.get(name, [])

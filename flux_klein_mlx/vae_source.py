@@ -29,6 +29,15 @@ import mlx.core as mx
 
 from .errors import FluxKleinError
 from .models.config import AutoEncoderConfig
+from .models.vae import check_flux2, sanitize_vae_weights
+
+
+def vae_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """A VAE checkpoint (diffusers or BFL names, or ours) under our module names, refused unless FLUX.2's
+    (a whole VAE or a decoder: the checks that apply to what is there)."""
+    weights = sanitize_vae_weights(weights)
+    check_flux2(None, weights)
+    return weights
 
 
 def is_decoder_key(key: str) -> bool:

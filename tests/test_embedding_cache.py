@@ -39,7 +39,8 @@ def snapshot(tmp_path_factory):
 @pytest.fixture(scope="module")
 def encoder(snapshot):
     """{dtype name: (text encoder, tokenizer)} for the tiny snapshot."""
-    from flux_klein_mlx.loading import describe, load_component
+    from flux_klein_mlx.components import load_component
+    from flux_klein_mlx.loading import describe
     from flux_klein_mlx.models.tokenizer import load_tokenizer
 
     tok, info = load_tokenizer(snapshot), describe(snapshot)
@@ -82,7 +83,8 @@ def test_hit_is_bit_identical_to_the_encoders_output(snapshot, encoder, tmp_path
 
     def encode(missing):
         calls.append(list(missing))
-        return encode_prompts(model, tok, missing)
+        emb = encode_prompts(model, tok, missing)
+        return [emb[i : i + 1] for i in range(len(missing))]  # one (1, 512, 96) per prompt
 
     first = cached_embeddings(cache, keys, encode)
     assert calls == [prompts]
@@ -133,9 +135,7 @@ def test_template_is_read_without_building_the_tokenizer(snapshot, encoder, tmp_
 
 
 def test_cached_embeddings_without_a_cache_encodes_everything():
-    out = cached_embeddings(
-        None, {"a": "", "b": ""}, lambda ps: mx.stack([mx.full((512, 3), float(len(p))) for p in ps])
-    )
+    out = cached_embeddings(None, {"a": "", "b": ""}, lambda ps: [mx.full((1, 512, 3), float(len(p))) for p in ps])
     assert set(out) == {"a", "b"} and out["a"].shape == (1, 512, 3)
 
 

@@ -93,7 +93,8 @@ def test_spans_merge_in_file_order():
 def test_component_spans_are_exactly_what_the_loader_reads(tmp_path_factory):
     from tiny_model import shared_tiny_snapshot
 
-    from flux_klein_mlx.loading import describe, read_component
+    from flux_klein_mlx.components import read_component
+    from flux_klein_mlx.loading import describe
 
     info = describe(shared_tiny_snapshot(tmp_path_factory))
     for name in ("transformer", "text_encoder", "vae"):

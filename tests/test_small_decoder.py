@@ -22,8 +22,9 @@ from tiny_model import VAE, shared_tiny_snapshot
 
 from flux_klein_mlx.bench.flops import flops_of_vae_decoder
 from flux_klein_mlx.bench.measure import bytes_to_load
+from flux_klein_mlx.components import load_component, read_component
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.loading import describe, load_component, read_component, with_vae
+from flux_klein_mlx.loading import describe, with_vae
 from flux_klein_mlx.models.config import AutoEncoderConfig
 
 SMALL = dict(VAE, block_out_channels=(32, 32, 64, 64), decoder_block_out_channels=(24, 24, 48, 48))

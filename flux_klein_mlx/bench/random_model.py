@@ -17,7 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..loading import COMPONENTS, ModelInfo, build_module
+from ..components import build_module
+from ..loading import COMPONENTS, ModelInfo
 from ..models.config import Variant
 from ..models.quantize import evaluate_by_layer, quantize_model
 from ..pipeline import FluxKleinPipeline

@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..components import check_for_training
 from ..errors import FluxKleinError
 from ..files import check_output_file
-from ..loading import ModelInfo, check_for_training, describe, single_file_refusal
+from ..loading import ModelInfo, describe, single_file_refusal
 from .adapters import adapter_file_shapes, adapter_parameters, parse_targets
 from .data import check_held_out, running_batch, say_shared_images, scan_data
 from .distributed import World, check_processes, world

@@ -36,8 +36,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..components import check_weights
 from ..errors import FluxKleinError
-from ..loading import DEFAULT_DTYPE, ModelInfo, check_weights, describe
+from ..loading import DEFAULT_DTYPE, ModelInfo, describe
 from ..models.config import VARIANTS
 from ..output import write_image
 from ..weights import save_safetensors_streaming

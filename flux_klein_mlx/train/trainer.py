@@ -29,9 +29,10 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
 from .. import __version__
+from ..components import load_component
 from ..embedding_cache import open_cache, prompt_keys
 from ..errors import FluxKleinError
-from ..loading import as_dtype, load_component
+from ..loading import as_dtype
 from ..models.rope import image_ids, text_ids, token_grid
 from ..models.text_encoder import encode_prompts
 from ..models.tokenizer import load_tokenizer

@@ -28,7 +28,8 @@ from safetensors.torch import load_file, save_file
 from tiny_model import diffusers_to_bfl
 
 import flux_klein_mlx
-from flux_klein_mlx.loading import describe, load_component
+from flux_klein_mlx.components import load_component
+from flux_klein_mlx.loading import describe
 from flux_klein_mlx.lora.layouts import LAYOUTS
 from flux_klein_mlx.output import a1111_parameters
 from flux_klein_mlx.train.adapters import attach_lora, parse_targets, write_lora_file

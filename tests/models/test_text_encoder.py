@@ -14,7 +14,7 @@ from refs import config_snapshot, load_one, qwen_tokenizer_dir, randomize_, refe
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 from transformers import Qwen3Config as HFQwen3Config
 
-import flux_klein_mlx.loading as loading
+import flux_klein_mlx.components as components
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.loading import describe
 from flux_klein_mlx.models.config import FluxKleinParams, Qwen3Config, qwen3_4b, qwen3_8b
@@ -151,14 +151,14 @@ def test_unused_weights_never_read(request, which, monkeypatch):
     norm and the lm_head never leave the file."""
     root = request.getfixturevalue(which).root
     kept = []
-    real_read = loading.read_weight_files
+    real_read = components.read_weight_files
 
     def spy(files, keep=None):
         weights = real_read(files, keep=keep)
         kept.extend(weights)
         return weights
 
-    monkeypatch.setattr(loading, "read_weight_files", spy)
+    monkeypatch.setattr(components, "read_weight_files", spy)
     encoder = load_one("text_encoder", root, dtype=mx.float32)
     assert kept and not [k for k in kept if ".layers.27." in k]
     assert not [k for k in kept if k.startswith("lm_head") or k == "model.norm.weight"]

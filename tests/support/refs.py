@@ -89,7 +89,8 @@ def reference_tokens(hf_tokenizer, prompts, max_length: int = 512) -> tuple[list
 
 def load_folder_component(folder, name: str, dtype=None, quantize=None):
     """One component of a model folder through the real loading layer (describe + load_component)."""
-    from flux_klein_mlx.loading import describe, load_component
+    from flux_klein_mlx.components import load_component
+    from flux_klein_mlx.loading import describe
 
     return load_component(describe(folder), name, dtype, quantize=quantize)
 
@@ -104,7 +105,7 @@ def load_one(name: str, source, dtype=None, config: dict | None = None):
     """
     import dataclasses
 
-    from flux_klein_mlx import loading  # read through loading's names, so that tests can watch the reads
+    from flux_klein_mlx import components  # read through components' names, so that tests can watch the reads
     from flux_klein_mlx.models.quantize import evaluate_by_layer
     from flux_klein_mlx.models.text_encoder import keeps_key
     from flux_klein_mlx.models.transformer import infer_params
@@ -116,12 +117,12 @@ def load_one(name: str, source, dtype=None, config: dict | None = None):
     keep = keeps_key if name == "text_encoder" else None
     if source.is_dir():
         config = read_json(source / "config.json")
-        weights = loading.sanitize(name, loading.read_weight_files(component_files(source), keep=keep))
+        weights = components.sanitize(name, components.read_weight_files(component_files(source), keep=keep))
     else:
-        weights = loading.sanitize(name, loading.read_weight_files([source], keep=keep))
+        weights = components.sanitize(name, components.read_weight_files([source], keep=keep))
         if config is None:
             config = dataclasses.asdict(infer_params(weights))
-    model, _ = loading.assemble(
+    model, _ = components.assemble(
         name, dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config, weights=weights, dtype=dtype
     )
     evaluate_by_layer(model)

@@ -19,7 +19,8 @@ import torch
 from refs import diffusers_lighthouse, diffusers_pipeline_for_loras, our_lighthouse, to_np
 
 import flux_klein_mlx
-from flux_klein_mlx.loading import describe, load_component
+from flux_klein_mlx.components import load_component
+from flux_klein_mlx.loading import describe
 from flux_klein_mlx.lora.layers import ROLE_LISTS, LoRALinear
 from flux_klein_mlx.train.adapters import (
     LoKrShape,

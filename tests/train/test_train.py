@@ -37,7 +37,8 @@ from refs import (
 from tiny_model import SCHEDULER
 
 import flux_klein_mlx
-from flux_klein_mlx.loading import describe, load_component
+from flux_klein_mlx.components import load_component
+from flux_klein_mlx.loading import describe
 from flux_klein_mlx.models.rope import image_ids, text_ids
 from flux_klein_mlx.train.adapters import attach_lora, parse_targets, write_lora_file
 from flux_klein_mlx.train.objective import flow_loss, make_optimizer, optimizer_step, shift_mu, sigmas_from_draws

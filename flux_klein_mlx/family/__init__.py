@@ -1,0 +1,37 @@
+"""The model families: what FLUX.2 [klein] and FLUX 3 Image Klein each contribute, in one seam.
+
+A family is everything that differs between two generations of klein models while the rest of the
+house (settings, inputs, the prompt cache, the VAE, the stages, the record, the server) stays the
+same. `loading.describe` decides a model's family from its files and puts it in `ModelInfo.family`;
+`pipeline`, `loading`, `convert`, `lora/`, `serve/` and `bench/` ask it instead of branching on it:
+
+- its transformer: the hyper-parameters from a config, the module, the checkpoint sanitizer, the
+  shapes of every Linear (the LoRA tables read them);
+- its text window and taps: how a prompt becomes the embeddings the transformer reads;
+- its schedule and timestep rule, and its sampling defaults (steps, guidance);
+- its reference images: how they are prepared, where their tokens sit (RoPE ids), how many;
+- its denoising call: `family.steps(model, job, ...)` builds, once per image, what depends only on
+  shapes and returns the velocity of the target tokens at each step (CFG included).
+
+`Family` below is the contract; `flux2.FLUX2` and `flux3.FLUX3` are the two families.
+"""
+
+from __future__ import annotations
+
+from .base import Family, Steps
+from .flux2 import FLUX2
+
+FAMILIES: dict[str, Family] = {FLUX2.key: FLUX2}
+
+
+def family_named(key: str) -> Family:
+    """The family a converted folder or a record names ("flux2", ...)."""
+    return FAMILIES[key]
+
+
+def family_of(params) -> Family:
+    """The family whose transformer has these hyper-parameters (a `FluxKleinParams`, ...)."""
+    return next(f for f in FAMILIES.values() if isinstance(params, f.params_type))
+
+
+__all__ = ["FAMILIES", "FLUX2", "Family", "Steps", "family_named", "family_of"]

@@ -1,0 +1,61 @@
+"""The contract of a model family (family/__init__.py says who asks it what)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..events import Job
+
+
+class Steps(Protocol):
+    """One image's denoising calls, built once per image by `Family.steps`."""
+
+    def velocity(self, x: mx.array, i: int) -> mx.array:
+        """The guided velocity (1, h*w, C) of the target tokens `x` (1, h*w, C) at step `i` of `job.sigmas`."""
+        ...
+
+
+class Family(Protocol):
+    key: str  # "flux2" | "flux3": what a converted folder and a record name
+    title: str  # "FLUX.2 [klein]" | "FLUX 3 Image Klein"
+    params_type: type  # the transformer's hyper-parameter dataclass
+    max_references: int | None  # how many reference images a run may give (None: as memory allows)
+
+    def params(self, config: dict):
+        """The transformer's hyper-parameters from a diffusers config.json (or our own field names)."""
+        ...
+
+    def build_transformer(self, params) -> nn.Module:
+        """An unloaded (lazily initialised) transformer."""
+        ...
+
+    def sanitize_transformer(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """A transformer checkpoint (diffusers, BFL or ours) under our module names; foreign models refused."""
+        ...
+
+    def infer_params(self, weights: dict[str, mx.array]):
+        """The hyper-parameters implied by sanitized weights' shapes (a BFL single file has no config)."""
+        ...
+
+    def linear_shapes(self, params) -> dict[str, tuple[int, int]]:
+        """(out, in) of every Linear of the transformer, by module path (the LoRA tables' shapes)."""
+        ...
+
+    def defaults(self, distilled: bool) -> tuple[int, float | None]:
+        """(steps, guidance) of a distilled or Base model (guidance None: no CFG)."""
+        ...
+
+    def sigmas(self, image_tokens: int, steps: int) -> list[float]:
+        """The steps + 1 sigmas from 1 to 0 for an image of `image_tokens` target tokens."""
+        ...
+
+    def reference_ids(self, k: int, h: int, w: int) -> mx.array:
+        """RoPE ids (h*w, 4) of reference image `k` (0-based) on an h x w token grid."""
+        ...
+
+    def steps(self, model: nn.Module, job: Job, *, dtype: mx.Dtype, reference_kv: bool, low_memory: bool) -> Steps:
+        """What one image's steps share (RoPE tables, projected text, ...), built once."""
+        ...
