@@ -5,7 +5,8 @@ here once. `prepare_inputs(settings, info)` checks them, resolves the defaults o
 variant and reads every image the run needs, all before any model runs:
 
 - reference images: shrunk to 1024^2 px area if larger (Lanczos, sizes truncated), sides floored to
-  multiples of 16 and centre-cropped (spec 8.1);
+  multiples of 16 and centre-cropped (spec 8.1); FLUX 3 keeps a single reference whole on a canvas
+  (`prepare_flux3_references`, `references`);
 - an init image (image-to-image / inpainting, as diffusers' `Flux2KleinInpaintPipeline`): shrunk
   to 1024^2 px area if larger, then resized -- not cropped -- to sides floored to multiples of 16;
   it sets the output size. A mask (white = repaint, black = keep) is resized like it, made grey,
@@ -37,6 +38,7 @@ from .errors import FluxKleinError
 from .limits import check_decode_fits
 from .models.rope import PIXELS_PER_TOKEN, token_grid
 from .models.tokenizer import check_text
+from .references import FLUX3_MAX_REFERENCES, check_reference_count, prepare_canvas_reference
 from .sampling import check_noise_kind, seed_for_image, start_step
 
 MIN_SIDE = 64  # input images (spec 8.1)
@@ -261,6 +263,19 @@ def preprocess_reference(image) -> np.ndarray:
     cw, ch = w // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN, h // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN
     left, top = (w - cw) // 2, (h - ch) // 2
     return _pixels(img.crop((left, top, left + cw, top + ch)), normalize=True)
+
+
+def prepare_flux3_references(images: Sequence, model_name: str) -> tuple[list[np.ndarray], tuple | None]:
+    """FLUX 3's reference pixels and the box to crop the output back to (None with several references).
+
+    One reference is kept whole on its canvas (`references.prepare_canvas_reference`, any size of at least
+    1 px); several are each prepared as FLUX.2 prepares one (`preprocess_reference`, FLUX.2's limits), which
+    is what diffusers' `Flux3ImageProcessor` does with `resize_mode="crop"`."""
+    check_reference_count(len(images), FLUX3_MAX_REFERENCES, model_name)
+    if len(images) == 1:
+        canvas = prepare_canvas_reference(open_image(images[0], "reference image"))
+        return [canvas.pixels], canvas.box
+    return [preprocess_reference(im) for im in images], None
 
 
 @dataclass

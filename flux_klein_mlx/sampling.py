@@ -4,6 +4,7 @@ The schedule is the one both references use (BFL `get_schedule`; diffusers' klei
 FlowMatchEulerDiscreteScheduler): a linear sigma grid 1 -> 0 pushed towards high noise by an
 exponential time shift whose strength mu depends on the target token count and the step count.
 The process is x_t = (1 - sigma) x0 + sigma * noise; the transformer predicts v = noise - x0.
+FLUX 3 has its own schedule (`shifted_schedule`: a constant shift) and time hand-off (`flow_timestep`).
 
 The prior comes in two kinds, chosen with `noise=`:
 
@@ -64,6 +65,26 @@ def schedule(image_seq_len: int, num_steps: int) -> list[float]:
     grid = [1.0 - i / num_steps for i in range(num_steps)]  # 1, ..., 1/n; the final 0 is appended
     # The exponential time shift sigma' = e^mu / (e^mu + (1/sigma - 1)).
     return [float(np.float32(e_mu / (e_mu + (1.0 / s - 1.0)))) for s in grid] + [0.0]
+
+
+def shifted_schedule(steps: int, shift: float) -> list[float]:
+    """FLUX 3's n + 1 sigmas: the grid 1, ..., 1/n under the constant shift sigma' = a s / (1 + (a - 1) s),
+    0 appended (issue 35; a = 6.93 for FLUX 3 Image Klein, whatever the image size).
+
+    Computed in float32 as diffusers' FlowMatchEulerDiscreteScheduler(shift=a) computes the sigmas it is
+    given (a and a - 1 rounded to float32 first), so the model sees the same timesteps."""
+    grid = np.linspace(1.0, 1.0 / steps, steps).astype(np.float32)  # float64 grid, stored as float32
+    a = np.float32(shift)
+    shifted = a * grid / (np.float32(1.0) + np.float32(shift - 1.0) * grid)
+    return [float(s) for s in shifted] + [0.0]
+
+
+def flow_timestep(sigma: float, batch: int) -> mx.array:
+    """The (B,) float32 time FLUX 3's transformer is handed for `sigma`: the scheduler's timestep
+    (sigma * 1000 in float32) / 1000 in float32. The model casts it to its dtype and multiplies by 1000
+    there (a parity trap in bfloat16); FLUX.2's `model_timestep` rounds in another order."""
+    t = np.float32(sigma) * np.float32(1000.0)
+    return mx.full((batch,), float(t / np.float32(1000.0)), dtype=mx.float32)
 
 
 def start_step(steps: int, strength: float) -> int:

@@ -1,7 +1,8 @@
 """4-axis rotary position embedding of the FLUX.2 transformer: position ids and cos/sin tables.
 
-Every token carries 4 integer coordinates (t, y, x, l): text token j is (0, 0, 0, j), a target latent
+Every token carries 4 coordinates (t, y, x, l): text token j is (0, 0, 0, j), a target latent
 at row y, column x is (0, y, x, 0), the k-th reference image uses t = 10·(k+1) (`sampling.reference_time`).
+FLUX 3 halves y and x (float ids: (0, y/2, x/2, 0)) and puts reference k at l = -(k+1) instead of on t.
 Each axis owns a slice of the head dimension (32 dims each for klein) and rotates interleaved pairs
 (2j, 2j+1) by `pos · theta^(-2j/dim)`. The tables depend only on the ids, so a denoising loop builds them once.
 """
@@ -30,12 +31,19 @@ def text_ids(length: int = 512) -> mx.array:
     return mx.stack([zero, zero, zero, j], axis=1)
 
 
-def image_ids(h: int, w: int, t: int = 0) -> mx.array:
-    """Ids of an h×w latent-token grid (H/16 × W/16), (h·w, 4) int32, row-major: (t, y, x, 0)."""
-    y = mx.repeat(mx.arange(h, dtype=mx.int32), w)  # 0,0,..,1,1,..
-    x = mx.tile(mx.arange(w, dtype=mx.int32), h)  # 0,1,..,0,1,..
-    t_col = mx.full((h * w,), t, dtype=mx.int32)
-    return mx.stack([t_col, y, x, mx.zeros_like(y)], axis=1)
+def image_ids(h: int, w: int, t: int = 0, *, scale: float = 1.0, l: int = 0) -> mx.array:  # noqa: E741 (the l axis)
+    """Ids of an h×w latent-token grid (H/16 × W/16), (h·w, 4), row-major: (t, y·scale, x·scale, l).
+
+    FLUX.2: scale 1 and l 0, int32 (a reference moves along t). FLUX 3 scales the y and x axes by its image
+    RoPE scale (0.5) and puts reference k at l = -(k + 1): float32 ids, as diffusers' `_prepare_image_ids`
+    (the products are exact: scale 0.5 halves an integer)."""
+    exact = scale == 1.0
+    dtype = mx.int32 if exact else mx.float32
+    y = mx.repeat(mx.arange(h, dtype=dtype), w)  # 0,0,..,1,1,..
+    x = mx.tile(mx.arange(w, dtype=dtype), h)  # 0,1,..,0,1,..
+    if not exact:
+        y, x = y * scale, x * scale
+    return mx.stack([mx.full((h * w,), t, dtype=dtype), y, x, mx.full((h * w,), l, dtype=dtype)], axis=1)
 
 
 def rope_tables(
