@@ -15,7 +15,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from flux3_refs import flux3_pipeline, flux3_reference, flux3_reference_run
+from flux3_refs import flux3_canvas, flux3_pipeline, flux3_reference, flux3_reference_run
 from flux3_text import QWEN3_VL_TEMPLATE
 from refs import noise, picture
 from tiny_flux3 import REPA_KEY, SNAPSHOT_FILES, shared_tiny_flux3_snapshot, write_bfl_flux3_file
@@ -72,6 +72,10 @@ def test_bfl_file_maps_back_through_diffusers_converter(variant, prefix, request
     mapped = convert_flux3_transformer_checkpoint_to_diffusers(dict(sd))
     assert sorted(mapped) == sorted(theirs)
     assert all(torch.equal(mapped[k], theirs[k]) for k in theirs)
+    if not prefix:  # and diffusers' whole single-file path: detection (flux-3-image[-distilled]) and loading
+        config = dict(config=str(folder), subfolder="transformer")
+        loaded = Flux3Transformer2DModel.from_single_file(str(tmp_path / "model.safetensors"), **config).state_dict()
+        assert all(torch.equal(loaded[k], theirs[k]) for k in theirs)
 
 
 @pytest.mark.parametrize("variant", ["distilled", "base"])
@@ -109,6 +113,7 @@ def test_one_odd_sized_reference_is_padded_to_its_canvas_and_cropped_back(distil
     # 72 x 40 -> the 80 x 64 canvas (sides >= 64, 16-px grid), the reference centred at (4, 12, 76, 52).
     lat = noise(64, 80, seed=3)
     ref = picture(72, 40, seed=4)
+    assert flux3_canvas(ref) == (80, 64, (4, 12, 76, 52))
     run = flux3_reference_run(distilled, prompt="the same fox", images=[ref], latents=lat, steps=2)
     assert run.image.shape == (40, 72, 3) and run.latents.shape == (1, 32, 4, 5)
     canvas = flux3_reference(distilled, prompt="the same fox", images=[ref], latents=lat, steps=2, width=80, height=64)

@@ -100,6 +100,17 @@ def flux3_reference_run(
     return Flux3Run(np.asarray(out["images"][0], dtype=np.float32), out["latents"].to(torch.float32).numpy().copy())
 
 
+def flux3_canvas(image) -> tuple[int, int, tuple[int, int, int, int]]:
+    """diffusers' canvas for one reference image: (width, height, crop box (left, top, right, bottom)).
+
+    The latents of a one-reference run without a size are (1, C, height/16, width/16).
+    """
+    from diffusers.modular_pipelines.flux3.image_processor import Flux3ImageProcessor
+
+    pixels, post = Flux3ImageProcessor().preprocess(image, resize_mode="fill")
+    return pixels.shape[-1], pixels.shape[-2], post["reference_crop"]
+
+
 def flux3_reference(snapshot, **kwargs) -> np.ndarray:
     """diffusers' FLUX 3 image, (H, W, 3) float32 in [0, 1]; the arguments of `flux3_reference_run`."""
     return flux3_reference_run(snapshot, **kwargs).image
