@@ -26,11 +26,11 @@ from .rope import apply_rope, rope_tables
 # --- building blocks ---------------------------------------------------------------------------------
 
 
-def timestep_embedding(t: mx.array, dim: int = 256, max_period: float = 10000.0) -> mx.array:
-    """Sinusoid of 1000·t, (B,) -> (B, dim) float32, cosine half first."""
+def timestep_embedding(t: mx.array, dim: int = 256, max_period: float = 10000.0, *, scale: float = 1000.0) -> mx.array:
+    """Sinusoid of scale·t, (B,) -> (B, dim) float32, cosine half first (FLUX 3 scales in its dtype: scale=1)."""
     half = dim // 2
     freqs = mx.exp(-math.log(max_period) * mx.arange(half, dtype=mx.float32) / half)
-    args = (t.astype(mx.float32) * 1000.0)[:, None] * freqs[None, :]
+    args = (t.astype(mx.float32) * scale)[:, None] * freqs[None, :]
     return mx.concatenate([mx.cos(args), mx.sin(args)], axis=-1)
 
 
@@ -421,15 +421,15 @@ QKV = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
         "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}  # fmt: skip
 
 
-def _count_blocks(keys, prefix: str) -> int:
+def count_blocks(keys, prefix: str) -> int:
     idx = {int(m.group(1)) for k in keys if (m := re.match(rf"{re.escape(prefix)}\.(\d+)\.", k))}
     return max(idx) + 1 if idx else 0
 
 
 def _reject_foreign(weights: dict[str, mx.array]) -> None:
     """Raise for FLUX.1 and FLUX.2-dev checkpoints, which share many names with klein."""
-    n_double = max(_count_blocks(weights, "double_blocks"), _count_blocks(weights, "transformer_blocks"))
-    n_single = max(_count_blocks(weights, "single_blocks"), _count_blocks(weights, "single_transformer_blocks"))
+    n_double = max(count_blocks(weights, "double_blocks"), count_blocks(weights, "transformer_blocks"))
+    n_single = max(count_blocks(weights, "single_blocks"), count_blocks(weights, "single_transformer_blocks"))
     img_in = weights.get("img_in.weight", weights.get("x_embedder.weight"))
     flux1_key = next((k for k in weights if flux1_marker(k)), None)
     dev_key = next((k for k in weights if any(m in k for m in DEV_MARKERS)), None)
@@ -508,7 +508,7 @@ def infer_params(weights: dict[str, mx.array]) -> FluxKleinParams:
             "(is it the text encoder or the VAE?)"
         )
     D = weights["img_in.weight"].shape[0]
-    depth, depth_single = _count_blocks(weights, "double_blocks"), _count_blocks(weights, "single_blocks")
+    depth, depth_single = count_blocks(weights, "double_blocks"), count_blocks(weights, "single_blocks")
     for preset in (FluxKleinParams.klein_4b(), FluxKleinParams.klein_9b()):
         if (D, depth, depth_single) == (preset.hidden_size, preset.depth, preset.depth_single):
             return preset

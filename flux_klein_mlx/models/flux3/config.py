@@ -1,0 +1,93 @@
+"""FLUX 3 Image Klein's transformer hyper-parameters, with BFL-style field names like `FluxKleinParams`.
+
+Defaults are the released 5.5B model (both the Base and the step-distilled one; the distilled one sets
+`flow_map`). diffusers' `transformer/config.json` names are read by `Flux3Params.from_dict`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...errors import FluxKleinError
+from ..config import from_dict
+
+# diffusers `Flux3Transformer2DModel` config names -> ours; `attention_head_dim` is folded into hidden_size.
+FLUX3_DIFFUSERS_CONFIG = {
+    "num_layers": "depth",
+    "num_single_layers": "depth_single",
+    "joint_attention_dim": "context_in_dim",
+    "axes_dims_rope": "axes_dim",
+    "rope_theta": "theta",
+    "timestep_channels": "time_channels",
+    "num_attention_heads": "num_heads",
+}
+
+
+@dataclass
+class Flux3Params:
+    """FLUX 3 transformer hyper-parameters; defaults = the released 5.5B model."""
+
+    in_channels: int = 128  # packed latent channels of the image tokens (32 VAE channels x 2 x 2)
+    cond_in_channels: int = 128  # the same for the reference tokens
+    hidden_size: int = 3072
+    num_heads: int = 24
+    context_in_dim: int = 20480  # 8 stacked Qwen3-VL hidden states of 2560
+    mlp_ratio: float = 3.0
+    depth: int = 5  # per-mode blocks (each of image, image_cond and txt has its own stack)
+    depth_single: int = 28
+    axes_dim: tuple[int, ...] = (32, 32, 32, 32)
+    theta: float = 10000.0
+    eps: float = 1e-6
+    time_channels: int = 256
+    flow_map: bool = False  # the step-distilled flow-map model: a second embedder of the target time
+    image_rope_scale: float = 0.5  # image ids are (0, y, x, 0) x this; not in diffusers' config
+
+    def __post_init__(self):
+        self.axes_dim = tuple(int(a) for a in self.axes_dim)
+        self.flow_map = bool(self.flow_map)
+        if self.hidden_size % self.num_heads:
+            raise FluxKleinError(
+                f"FLUX 3 transformer config is inconsistent: hidden size {self.hidden_size} is not a multiple of "
+                f"{self.num_heads} heads; fix config.json"
+            )
+        if sum(self.axes_dim) != self.head_dim or any(a % 2 for a in self.axes_dim):
+            raise FluxKleinError(
+                f"FLUX 3 transformer config is inconsistent: RoPE axes {self.axes_dim} must be even and sum to "
+                f"the head dim {self.head_dim}; fix config.json"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.hidden_size * self.mlp_ratio)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Flux3Params:
+        """From a diffusers `transformer/config.json` (or a dict of our own field names); unknown keys ignored."""
+        d = dict(d)
+        if "attention_head_dim" in d and "hidden_size" not in d:
+            heads = d.get("num_attention_heads", d.get("num_heads", cls.num_heads))
+            d["hidden_size"] = int(d["attention_head_dim"]) * int(heads)
+        return from_dict(cls, d, FLUX3_DIFFUSERS_CONFIG)
+
+    def shape_key(self) -> tuple:
+        """Everything that decides a weight's shape (the flow-map embedder included); theta/eps/axes do not."""
+        return (
+            self.in_channels,
+            self.cond_in_channels,
+            self.hidden_size,
+            self.context_in_dim,
+            self.num_heads,
+            self.mlp_hidden,
+            self.depth,
+            self.depth_single,
+            self.time_channels,
+            self.flow_map,
+        )
+
+    def describe(self) -> str:
+        """E.g. "FLUX 3 Image Klein (hidden 3072, 5 mode / 28 single blocks)"."""
+        return f"FLUX 3 Image Klein (hidden {self.hidden_size}, {self.depth} mode / {self.depth_single} single blocks)"
