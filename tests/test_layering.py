@@ -37,7 +37,7 @@ MAX_FMT_SKIPS = 20
 # attention (the models' one call of the backend's attention, under its limits: issue 38) is the tenth.
 FOLDER_MODULE_LIMITS = {"models": 10}
 # models/'s text tower serves two families since FLUX 3 Image Klein (issue 35): its Qwen3-VL window and
-# explicit-position RoPE (text_encoder, tokenizer) took it past 2000 lines; FLUX 3's own network is models/flux3/.
+# explicit-position RoPE (text_encoder, tokenizer) took it past 2000 lines; FLUX 3's own network has a sub-package.
 FOLDER_LINE_LIMITS = {"models": 2200}
 # A wing laid out along a flow: each module on a floor, every import within the wing pointing to a
 # lower floor (ARCHITECTURE.md). Such a folder holds as many modules as its floors need.
