@@ -128,14 +128,16 @@ def tokenizers_built_once():
     ~1.3 s a load, and the suite loads the same files from many folders: snapshots, converted and
     quantized copies). Keyed by the folder's files' contents: a new or changed file runs the real
     loader, as does every subprocess; a failed load is never remembered."""
-    from flux_klein_mlx.models.tokenizer import PromptTokenizer
+    from flux_klein_mlx.errors import FluxKleinError
+    from flux_klein_mlx.models.tokenizer import PromptTokenizer, tokenizer_folder
 
     build = PromptTokenizer.from_folder.__func__
     built = {}
 
     def from_folder(cls, folder):
-        files = Path(folder) / "tokenizer" if (Path(folder) / "tokenizer").is_dir() else Path(folder)
-        if not files.is_dir():
+        try:
+            files = tokenizer_folder(folder)  # the loader's own rule: tokenizer/, else text_encoder/
+        except FluxKleinError:
             return build(cls, folder)  # the real loader's error
         contents = [
             (p.name, hashlib.sha256(p.read_bytes()).hexdigest()) for p in sorted(files.iterdir()) if p.is_file()

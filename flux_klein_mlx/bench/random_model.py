@@ -21,6 +21,7 @@ from ..components import build_module
 from ..loading import COMPONENTS, ModelInfo
 from ..models.config import Variant
 from ..models.quantize import evaluate_by_layer, quantize_model
+from ..models.tokenizer import FLUX2_WINDOW, TextWindow, Tokens
 from ..pipeline import FluxKleinPipeline
 
 REAL_PROMPT_TOKENS = 40  # a typical prompt plus the chat template; the rest of the 512 is padding
@@ -63,11 +64,18 @@ class RandomTokens:
         self.vocab_size = vocab_size
         self.seed = seed
 
-    def __call__(self, prompts, max_length: int = 512) -> tuple[mx.array, mx.array]:
+    def tokens(self, prompts, window: TextWindow = FLUX2_WINDOW) -> Tokens:
         n = 1 if isinstance(prompts, str) else len(prompts)
-        ids = mx.random.randint(0, self.vocab_size, (n, max_length), key=mx.random.key(self.seed))
-        mask = mx.broadcast_to((mx.arange(max_length) < REAL_PROMPT_TOKENS).astype(mx.int32), (n, max_length))
-        return ids.astype(mx.int32), mask
+        L = window.length(min(REAL_PROMPT_TOKENS, window.max_length))
+        ids = mx.random.randint(0, self.vocab_size, (n, L), key=mx.random.key(self.seed))
+        real, at = mx.arange(L) < REAL_PROMPT_TOKENS, mx.arange(L)
+        positions = at if window.pad_position is None else mx.where(real, at, window.pad_position)
+        rows = (ids, mx.broadcast_to(real, (n, L)), mx.broadcast_to(positions, (n, L)))
+        return Tokens(*(a.astype(mx.int32) for a in rows))
+
+    def __call__(self, prompts, max_length: int = 512) -> tuple[mx.array, mx.array]:
+        tokens = self.tokens(prompts, TextWindow(max_length))
+        return tokens.ids, tokens.mask
 
 
 def random_pipeline(

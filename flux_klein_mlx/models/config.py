@@ -144,8 +144,16 @@ class Qwen3Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> Qwen3Config:
-        """Build from a config dict; unknown keys are ignored, missing required ones named."""
+        """Build from a config dict; unknown keys are ignored, missing required ones named.
+
+        A Qwen3-VL config (FLUX 3) keeps the language tower's fields under `text_config`. Its MRoPE
+        (`mrope_section`) splits the frequencies among (t, h, w) position rows; text-only input gives
+        the three rows the same ids, so it is plain 1-D RoPE (tests/models/test_flux3_text.py).
+        """
         d = dict(d)
+        if isinstance(d.get("text_config"), dict):
+            # top-level keys (tie_word_embeddings, ...) fill what the text tower does not say
+            d = {**{k: v for k, v in d.items() if k != "text_config"}, **d["text_config"]}
         # transformers >= 5 nests rope_theta under rope_parameters; older configs use rope_scaling.
         for rope in (d.get("rope_parameters"), d.get("rope_scaling")):
             if not isinstance(rope, dict):

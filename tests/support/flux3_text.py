@@ -14,6 +14,8 @@ the FLUX 3 model notes (flux3.md, section 2.2) give this as the expected renderi
 
 from __future__ import annotations
 
+from pathlib import Path
+
 # Text-only turns; a list content (Qwen3-VL's [{"type": "text", "text": ...}]) has its text parts joined.
 QWEN3_VL_TEMPLATE = (
     "{%- for message in messages %}"
@@ -31,17 +33,17 @@ QWEN3_VL_TEMPLATE = (
 class Qwen3VLProcessorShim:
     """The two methods of `Qwen3VLProcessor` that diffusers' FLUX 3 text step uses.
 
-    `tokenizer`: a Hugging Face Qwen3 tokenizer; without one, the real Qwen3 tokenizer files
-    (`refs.qwen_tokenizer_dir`) with `QWEN3_VL_TEMPLATE` installed. A given tokenizer keeps its own
-    chat template (a snapshot's `text_encoder/chat_template.jinja`).
+    `tokenizer`: a Hugging Face Qwen3 tokenizer, which keeps its own chat template (a snapshot's
+    `text_encoder/chat_template.jinja`); or a folder of tokenizer files, or None for the real Qwen3
+    tokenizer files (`refs.qwen_tokenizer_dir`): both with `QWEN3_VL_TEMPLATE` installed.
     """
 
     def __init__(self, tokenizer=None):
-        if tokenizer is None:
+        if tokenizer is None or isinstance(tokenizer, (str, Path)):
             from refs import qwen_tokenizer_dir
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or qwen_tokenizer_dir()))
             tokenizer.chat_template = QWEN3_VL_TEMPLATE
         self.tokenizer = tokenizer
 
