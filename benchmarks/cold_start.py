@@ -84,6 +84,7 @@ def make(folder: Path, bits: int = 4, blocks: str | None = None) -> None:
         parts.append(Part(name, config, dict(tree_flatten(module.parameters())), record))
         print(f"  random {name}: {time.perf_counter() - t0:.0f} s", flush=True)
     meta = {
+        "family": "flux2",
         "variant": variant.family,
         "is_distilled": True,
         "dtype": "bfloat16",

@@ -14,16 +14,17 @@ happens here and in `weights.py`.
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import FluxKleinError
+from .family import FLUX2, Family
 from .loading import COMPONENTS, WHAT, ModelInfo, as_dtype, check_for_loading
-from .models.config import AutoEncoderConfig, FluxKleinParams, Qwen3Config
+from .models.config import AutoEncoderConfig, Qwen3Config
 from .models.quantize import apply_quantization, evaluate_by_layer, quantize_model
 from .models.text_encoder import Qwen3TextEncoder, keeps_key, sanitize_qwen3_weights
-from .models.transformer import FluxKlein, sanitize_flux2_klein_weights
 from .models.vae import AutoEncoder
 from .vae_source import merge_decoder, vae_weights
 from .weights import check_safetensors_file, load_into, read_weight_files
@@ -36,6 +37,11 @@ def check_for_training(info: ModelInfo, quantize: int | None) -> None:
         raise FluxKleinError(
             f"{info.name} caches reference keys/values and cannot be trained; train on "
             "black-forest-labs/FLUX.2-klein-base-9B and use the LoRA with the KV model"
+        )
+    if info.family is not FLUX2:
+        raise FluxKleinError(
+            f"{info.name} cannot be trained yet: `train` trains FLUX.2 [klein] Base models (e.g. "
+            "black-forest-labs/FLUX.2-klein-base-4B); a FLUX 3 LoRA can be trained with SimpleTuner or ai-toolkit"
         )
     check_for_loading(info, quantize)
     check_weights(info)
@@ -56,25 +62,27 @@ def read_component(info: ModelInfo, name: str) -> dict[str, mx.array]:
         if info.decoder_files:
             weights = merge_decoder(weights, vae_weights(read_weight_files(info.decoder_files)))
         return weights
-    weights = read_weight_files(info.files[name], keep=keeps_key if name == "text_encoder" else None)
-    return weights if info.format == "mlx" else sanitize(name, weights)  # converted folders have our names
+    family = info.family
+    keep = partial(keeps_key, num_layers=max(family.text_taps)) if name == "text_encoder" else None
+    weights = read_weight_files(info.files[name], keep=keep)
+    return weights if info.format == "mlx" else sanitize(name, weights, family)  # converted folders have our names
 
 
-def build_module(name: str, config: dict) -> nn.Module:
+def build_module(name: str, config: dict, family: Family = FLUX2) -> nn.Module:
     """An unloaded (lazily initialised, so free) module for one component's config (`name` checked by callers)."""
     if name == "transformer":
-        return FluxKlein(FluxKleinParams.from_dict(config))
+        return family.build_transformer(family.params(config))
     if name == "text_encoder":
-        return Qwen3TextEncoder(Qwen3Config.from_dict(config))
+        return Qwen3TextEncoder(Qwen3Config.from_dict(config), family.text_taps)
     return AutoEncoder(AutoEncoderConfig.from_dict(config))
 
 
-def sanitize(name: str, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+def sanitize(name: str, weights: dict[str, mx.array], family: Family = FLUX2) -> dict[str, mx.array]:
     """A component's checkpoint (diffusers, transformers or BFL names) under our module names."""
     if name == "transformer":
-        return sanitize_flux2_klein_weights(weights)
+        return family.sanitize_transformer(weights)
     if name == "text_encoder":
-        return sanitize_qwen3_weights(weights)
+        return sanitize_qwen3_weights(weights, max(family.text_taps))
     return vae_weights(weights)
 
 
@@ -83,6 +91,7 @@ def assemble(
     config: dict,
     *,
     weights: dict[str, mx.array],
+    family: Family = FLUX2,
     dtype=None,
     record: dict | None = None,
     bits: int | None = None,
@@ -94,7 +103,7 @@ def assemble(
     unquantized transformer or text encoder after it (the VAE is never quantized). Nothing is
     evaluated: tensors are read when the caller evaluates them.
     """
-    module = build_module(name, config)
+    module = build_module(name, config, family)
     if record is not None:
         apply_quantization(module, record, WHAT[name])
     load_into(module, weights, WHAT[name], dtype=as_dtype(dtype))
@@ -113,9 +122,8 @@ def check_weights(info: ModelInfo, names=COMPONENTS) -> None:
     for name in names:
         for f in info.files[name]:
             check_safetensors_file(f)
-        assemble(
-            name, info.configs[name], weights=read_component(info, name), dtype=None, record=info.quantization[name]
-        )
+        weights = read_component(info, name)
+        assemble(name, info.configs[name], weights=weights, family=info.family, record=info.quantization[name])
 
 
 def load_component(
@@ -134,6 +142,7 @@ def load_component(
         name,
         info.configs[name],
         weights=read_component(info, name),
+        family=info.family,
         dtype=dtype,
         record=info.quantization[name],
         bits=quantize,

@@ -53,6 +53,7 @@ from .loading import (
 )
 from .lora.apply import apply_loras, load_loras, pair_scales
 from .models.quantize import check_quantization, quantize_model
+from .models.tokenizer import tokenizer_files
 from .weights import save_safetensors_sharded
 
 MAX_SHARD_BYTES = 5 << 30
@@ -86,6 +87,7 @@ def make_part(
         name,
         info.configs[name],
         weights=read_component(info, name),
+        family=info.family,
         dtype=dtype,
         record=info.quantization[name],
         bits=None if loras else bits,
@@ -168,6 +170,7 @@ def convert_model(
     ]
     source, vae_folders = _source_record(model, info, vae)
     meta = {
+        "family": info.family.key,
         "variant": info.variant,
         "is_distilled": info.is_distilled,
         "reference_kv": info.reference_kv,
@@ -216,6 +219,7 @@ def quantize_folder(
     parts = [make_part(info, name, dtype=None, bits=bits, group_size=group_size) for name in COMPONENTS]
     source = {"model": str(model), "path": str(info.path), "format": FORMAT, "original": info.original}
     meta = {
+        "family": info.family.key,
         "variant": info.variant,
         "is_distilled": info.is_distilled,
         "reference_kv": info.reference_kv,
@@ -296,15 +300,16 @@ def write_folder(
         raise FluxKleinError(
             f"missing tokenizer/ in {tokenizer_src.parent}: the snapshot is incomplete, download it again"
         )
-    tokenizer_files = [f for f in sorted(tokenizer_src.iterdir()) if f.is_file()]
+    tokenizer = tokenizer_files(tokenizer_src)  # FLUX 3's sit in text_encoder/: its weights stay behind
     check_disk_space(
-        output, sum(p.nbytes for p in parts) + sum(f.stat().st_size for f in tokenizer_files), "the converted model"
+        output, sum(p.nbytes for p in parts) + sum(f.stat().st_size for f in tokenizer), "the converted model"
     )
 
     config = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "flux_klein_mlx_version": __version__,
+        "family": meta["family"],
         "variant": meta["variant"],
         "is_distilled": bool(meta["is_distilled"]),
         "reference_kv": bool(meta.get("reference_kv", False)),
@@ -321,7 +326,7 @@ def write_folder(
                 part, tmp, output=output, max_shard_bytes=max_shard_bytes, progress=progress or (lambda *_: None)
             )
         (tmp / "tokenizer").mkdir()
-        for f in tokenizer_files:
+        for f in tokenizer:
             shutil.copy2(f, tmp / "tokenizer" / f.name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return config

@@ -367,6 +367,9 @@ class PreparedInputs:
     # Content hashes (12 hex digits of sha256 of the prepared pixels): "references" [...], "init_image",
     # "mask"; the same image gives the same hash whichever door it came through.
     hashes: dict = field(default_factory=lambda: {"references": []})
+    # FLUX 3 with one reference and no size given: the run is on the reference's padded canvas
+    # (settings.width x height) and the image is cropped back to the reference, (left, top, right, bottom)
+    crop: tuple[int, int, int, int] | None = None
 
     @property
     def images_key(self) -> str:
@@ -458,9 +461,11 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
             )
         width, height = iw, ih
     images = [settings.images] if isinstance(settings.images, (str, Path, Image.Image)) else list(settings.images or [])
-    references = [preprocess_reference(im) for im in images]
+    references, crop = info.family.prepare_references(images, info.name)
     if references:  # a side left out is the first reference's (a given side is never 0: checked above)
         width, height = width or references[0].shape[1], height or references[0].shape[0]
+    if settings.width is not None or settings.height is not None or init is not None:
+        crop = None  # a size the user chose is the output's size (diffusers crops back only to its own canvas)
     width, height = width or DEFAULT_SIZE, height or DEFAULT_SIZE  # all valid: given ones checked, images' made so
     t_start = 0 if init is None else start_step(steps, init.strength)
     latents = None if settings.latents is None else _latents(settings.latents, info.in_channels, width, height)
@@ -480,7 +485,7 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
         hashes["init_image"] = content_hash(init.pixels)
         hashes["mask"] = None if init.mask is None else content_hash(init.mask)
     return PreparedInputs(
-        settings=resolved, references=references, init=init, t_start=t_start, latents=latents, hashes=hashes
+        settings=resolved, references=references, init=init, t_start=t_start, latents=latents, hashes=hashes, crop=crop
     )
 
 

@@ -21,24 +21,22 @@ from mlx.utils import tree_flatten
 
 from .checks import check_choice
 from .errors import FluxKleinError
-from .family import FLUX2, Family
+from .family import FAMILIES, FLUX2, FLUX3, Family, family_named
 from .lora.formats import is_lora_file
 from .models.config import (
     FLUX3_CLASS_PREFIX,
     FLUX3_NAME,
+    FLUX3_PIPELINE_CLASSES,
     KV_PIPELINE_CLASS,
-    PIPELINE_CLASSES,
     VARIANTS,
     AutoEncoderConfig,
     FluxKleinParams,
     Qwen3Config,
     flux3_marker,
-    sampling_defaults,
-    variant_for,
 )
 from .models.quantize import check_record
-from .models.text_encoder import OUT_LAYERS, Qwen3TextEncoder
-from .models.transformer import FluxKlein, infer_params, sanitize_flux2_klein_weights
+from .models.text_encoder import Qwen3TextEncoder
+from .models.transformer import FluxKlein
 from .models.vae import AutoEncoder, check_flux2
 from .vae_source import decoder_config, decoder_only, infer_vae_config, vae_weights
 from .weights import (
@@ -113,17 +111,15 @@ class ModelInfo:
 
     @property
     def default_steps(self) -> int:
-        return sampling_defaults(self.is_distilled)[0]
+        return self.family.defaults(self.is_distilled)[0]
 
     @property
     def default_guidance(self) -> float | None:
-        return sampling_defaults(self.is_distilled)[1]
+        return self.family.defaults(self.is_distilled)[1]
 
     @property
     def name(self) -> str:
-        row = variant_for(self.params, self.is_distilled, self.reference_kv)
-        custom = "FLUX.2 [klein] (custom size)" + (" KV" if self.reference_kv else "" if self.is_distilled else " Base")
-        return row.title if row is not None else custom
+        return self.family.model_title(self.params, self.is_distilled, self.reference_kv)
 
 
 # --- describe ------------------------------------------------------------------------------------
@@ -159,23 +155,23 @@ def is_mlx_folder(path: str | Path) -> bool:
         return False
 
 
-def _bfl_transformer_config(file: Path, base: Path) -> dict:
+def _bfl_transformer_config(file: Path, base: Path, family: Family) -> dict:
     """Hyper-parameters of a BFL single file: the base snapshot's when its shapes agree (it also
     carries theta/eps/axes), else the file's own shapes."""
-    params = infer_params(sanitize_flux2_klein_weights(read_safetensors(file)))
+    params = family.infer_params(family.sanitize_transformer(read_safetensors(file)))
     config = _optional_json(base / "transformer" / "config.json")
-    if config is not None and FluxKleinParams.from_dict(config).shape_key() == params.shape_key():
+    if config is not None and family.params(config).shape_key() == params.shape_key():
         return config
     return dataclasses.asdict(params)
 
 
-def _check_fit(configs: dict[str, dict], where: dict[str, Path]) -> None:
+def _check_fit(configs: dict[str, dict], where: dict[str, Path], family: Family = FLUX2) -> None:
     """The transformer must read what the text encoder and the VAE make."""
-    params = FluxKleinParams.from_dict(configs["transformer"])
+    params = family.params(configs["transformer"])
     vae = AutoEncoderConfig.from_dict(configs["vae"])
     check_flux2(vae, None)
     te_width = Qwen3Config.from_dict(configs["text_encoder"]).hidden_size
-    width = len(OUT_LAYERS) * te_width  # the encoder's 3 stacked hidden states
+    width = len(family.text_taps) * te_width  # the encoder's stacked hidden states
     if params.context_in_dim != width:
         encoder = {2560: "Qwen3-4B", 4096: "Qwen3-8B"}.get(te_width)
         dit = {7680: "klein-4B", 12288: "klein-9B"}.get(params.context_in_dim)
@@ -186,7 +182,7 @@ def _check_fit(configs: dict[str, dict], where: dict[str, Path]) -> None:
         )
         raise FluxKleinError(
             f"text encoder hidden size {te_width} ({where['text_encoder']}) gives {width}-wide embeddings but the "
-            f"transformer expects {params.context_in_dim} (joint_attention_dim): {names}"
+            f"{family.title} transformer expects {params.context_in_dim} (joint_attention_dim): {names}"
         )
     if params.in_channels != vae.token_channels:
         raise FluxKleinError(
@@ -226,19 +222,27 @@ def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
             stored_dtype=config.get("dtype"),
             original=config.get("source"),
             reference_kv=bool(config.get("reference_kv", False)),
+            family=family_named(config.get("family", FLUX2.key)),
         )
-    _refuse_flux3_folder(path)
-    if not (path / "model_index.json").is_file():
+    family = _folder_family(path)
+    index_file = next((path / n for n in family.index_files if (path / n).is_file()), None)
+    if index_file is None:
         raise FluxKleinError(
-            f"{path} is not a FLUX.2 [klein] snapshot or model folder: no model_index.json (diffusers layout) and no "
-            "config.json written by `convert`"
+            f"{path} is not a {family.title} snapshot or model folder: no {' or '.join(family.index_files)} (diffusers "
+            "layout) and no config.json written by `convert`"
         )
-    index = read_json(path / "model_index.json")
+    index = read_json(index_file)
     kind = index.get("_class_name")
-    if kind not in PIPELINE_CLASSES:
+    other = next((f for f in FAMILIES.values() if f is not family and kind in f.pipeline_classes), None)
+    if other is not None:  # e.g. a FLUX 3 transformer/ dropped into a FLUX.2 snapshot
+        raise FluxKleinError(
+            f"{path} mixes two models: its transformer is {family.title} (transformer/config.json) but "
+            f"{index_file.name} names {kind} ({other.title}); use a complete snapshot of one model"
+        )
+    if kind not in family.pipeline_classes:
         raise FluxKleinError(
             f"{path} holds a {kind} model; flux_klein_mlx runs FLUX.2 [klein] 4B/9B (Flux2KleinPipeline), distilled or "
-            f"Base, and klein 9B-KV ({KV_PIPELINE_CLASS})"
+            f"Base, klein 9B-KV ({KV_PIPELINE_CLASS}) and {FLUX3_NAME} ({', '.join(FLUX3_PIPELINE_CLASSES)})"
         )
     folders = {n: path / n for n in COMPONENTS}
     configs = {n: read_json(folders[n] / "config.json") for n in COMPONENTS}  # a missing folder: its config is missing
@@ -247,28 +251,22 @@ def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
             f"not a klein checkpoint: it is FLUX.2-dev ({folders['transformer'] / 'config.json'} has guidance_embeds); "
             "use a FLUX.2 [klein] 4B or 9B model"
         )
-    return _snapshot_info(
-        model, path, fmt="diffusers", snapshot=path, index=index, configs=configs, folders=folders, files={}
-    )
+    snapshot = {"fmt": "diffusers", "snapshot": path, "index": index, "folders": folders, "family": family}
+    return _snapshot_info(model, path, configs=configs, files={}, **snapshot)
 
 
-def _refuse_flux3(what: str, why: str) -> None:
-    raise FluxKleinError(
-        f"{what} is {FLUX3_NAME} ({why}), not FLUX.2 [klein]; flux_klein_mlx runs FLUX.2 [klein] "
-        "4B/9B only: use one of those models"
-    )
-
-
-def _refuse_flux3_folder(path: Path) -> None:
-    """A diffusers FLUX 3 Image Klein folder, told by its class names (its sizes are klein-4B's)."""
-    for name in ("model_index.json", "modular_model_index.json", "transformer/config.json"):
+def _folder_family(path: Path) -> Family:
+    """A diffusers folder's family, told by its class names (FLUX 3's sizes are klein-4B's): FLUX 3's
+    pipelines and transformer are Flux3*, everything else is read as FLUX.2."""
+    for name in ("modular_model_index.json", "model_index.json", "transformer/config.json"):
         try:
             config = _optional_json(path / name)
-        except FluxKleinError:  # unreadable: the checks below say so where the file is needed
+        except FluxKleinError:  # unreadable: the checks after this say so where the file is needed
             continue
         kind = config.get("_class_name") if isinstance(config, dict) else None
         if isinstance(kind, str) and kind.startswith(FLUX3_CLASS_PREFIX):
-            _refuse_flux3(str(path), f"{name} names {kind}")
+            return FLUX3
+    return FLUX2
 
 
 def _describe_bfl(model, file: Path, base) -> ModelInfo:
@@ -276,52 +274,52 @@ def _describe_bfl(model, file: Path, base) -> ModelInfo:
         raise FluxKleinError(
             f"{file} is not a .safetensors file; pass a model folder, a repo id or a BFL .safetensors file"
         )
-    key = flux3_marker(check_safetensors_file(file))  # the header's names, before any base folder is needed
+    # The header's names tell the family, before any base folder is needed (FLUX 3's sizes are klein-4B's).
+    family = FLUX3 if flux3_marker(check_safetensors_file(file)) is not None else FLUX2
     if is_lora_file(file):  # `convert --model a_lora.safetensors` included: a LoRA is said to be one
         raise single_file_refusal(file)
-    if key is not None:
-        _refuse_flux3(str(file), f"key {key}")
     base_path = resolve_model(base) if base is not None else file.parent
     folders = {n: base_path / n for n in ("text_encoder", "vae")}
     if not all(f.is_dir() for f in folders.values()):
         raise FluxKleinError(
-            f"a single transformer file needs the text encoder, VAE and tokenizer of a diffusers snapshot, "
-            f"and {base_path} has none; pass --base with a FLUX.2 [klein] folder or repo id"
+            f"{file.name} is a single {family.title} transformer file: it needs the text encoder, VAE and tokenizer "
+            f"of a diffusers snapshot, and {base_path} has none; pass --base with a {family.title} folder or repo id"
         )
-    configs = {"transformer": _bfl_transformer_config(file, base_path)}
+    if _folder_family(base_path) is not family:
+        raise FluxKleinError(
+            f"{file} is a {family.title} transformer but {base_path} is not a {family.title} snapshot; pass --base "
+            f"with a {family.title} folder or repo id"
+        )
+    configs = {"transformer": _bfl_transformer_config(file, base_path, family)}
     configs.update({n: read_json(folders[n] / "config.json") for n in folders})
-    info = _snapshot_info(
-        model,
-        file,
-        fmt="bfl",
-        snapshot=base_path,
-        index=_optional_json(base_path / "model_index.json") or {},
-        configs=configs,
-        folders=folders,
-        files={"transformer": [file]},
-    )
+    index = next((read_json(base_path / n) for n in family.index_files if (base_path / n).is_file()), {})
+    snapshot = {"fmt": "bfl", "snapshot": base_path, "index": index, "folders": folders, "family": family}
+    info = _snapshot_info(model, file, configs=configs, files={"transformer": [file]}, **snapshot)
     # A Base checkpoint next to (or based on) a distilled snapshot is still a Base model.
     info.is_distilled = info.is_distilled and "base" not in file.name.lower()
     return info
 
 
 def _snapshot_info(
-    model, path: Path, *, fmt: str, snapshot: Path, index: dict, configs: dict, folders: dict, files: dict
+    model, path: Path, *, fmt: str, snapshot: Path, index: dict, configs: dict, folders: dict, files: dict, family
 ) -> ModelInfo:
     """A diffusers snapshot's ModelInfo (`snapshot` has the tokenizer, scheduler and `folders`), checked."""
-    _check_fit(configs, folders)
+    _check_fit(configs, folders, family)
     kv = index.get("_class_name") == KV_PIPELINE_CLASS  # distilled, although its index has no is_distilled key
+    # FLUX 3's hub repos keep the tokenizer files in text_encoder/ (there is no tokenizer/ folder)
+    tokenizer = snapshot / "tokenizer" if (snapshot / "tokenizer").is_dir() else snapshot / "text_encoder"
     return ModelInfo(
         source=str(model),
         path=path,
         format=fmt,
-        is_distilled=kv or bool(index.get("is_distilled", False)),
+        is_distilled=kv or family.is_distilled(index, configs["transformer"]),
         configs=configs,
         files={**files, **{n: component_files(f) for n, f in folders.items()}},
         quantization=dict.fromkeys(COMPONENTS),
-        tokenizer=snapshot / "tokenizer",
+        tokenizer=tokenizer,
         scheduler=_optional_json(snapshot / "scheduler" / "scheduler_config.json"),
         reference_kv=kv,
+        family=family,
     )
 
 

@@ -49,10 +49,10 @@ from .lora.apply import apply_loras, load_loras
 from .models.config import AutoEncoderConfig
 from .models.quantize import check_quantization
 from .models.rope import token_grid
-from .models.text_encoder import encode_prompts
 from .models.tokenizer import load_tokenizer
 from .output import LatentPreview, image_metadata, model_name, preview_for, to_output
 from .readahead import Prefetch
+from .references import crop_to_box
 from .sampling import blend, euler_step, initial_noise, pack_latents, scale_noise, x0_estimate
 
 DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-4B"
@@ -192,17 +192,19 @@ class FluxKleinPipeline:
         encoder = self.component("text_encoder")
         tokenizer = self.component("tokenizer")
         self._read_ahead("transformer")  # its files are read while the encoder computes
-        emb = encode_prompts(encoder, tokenizer, prompts).astype(self.dtype)
+        emb = [e.astype(self.dtype) for e in self.info.family.encode_prompts(encoder, tokenizer, prompts)]
         mx.eval(emb)
-        self._check_finite(emb, "the text encoder's prompt embeddings")
+        for e in emb:
+            self._check_finite(e, "the text encoder's prompt embeddings")
         del encoder
         self.release("text_encoder")
-        return [emb[i : i + 1] for i in range(len(prompts))]
+        return emb
 
     def _cache_keys(self, prompts: list[str]) -> dict[str, str | None]:
         if self.cache is None or not prompts:
             return {p: None for p in prompts}
-        settings = {"dtype": dtype_name(self.dtype), "quantization": self.quantization}
+        # FLUX 3's taps and window are part of what it encodes (FLUX.2's adds nothing: its keys stay as they were)
+        settings = {"dtype": dtype_name(self.dtype), "quantization": self.quantization, **self.info.family.text_key}
         return prompt_keys(
             self.cache,
             self.info.files["text_encoder"],
@@ -412,6 +414,8 @@ class FluxKleinPipeline:
         tiled = self.memory.tiled_decode or not untiled_decode_fits(vae.config, width, height)
         decoded = vae.decode_tokens(job.x, h, w, tiled=tiled)
         self._check_finite(decoded, "the VAE decode")  # never a black or garbage PNG from NaN
+        if job.inputs.crop is not None:  # FLUX 3, one reference: its canvas cropped back to it
+            decoded = crop_to_box(decoded[0], job.inputs.crop)[None]
         image = to_output(decoded, output_type)
         job.stats.decode = self.stage_stats(t0, loads)
         if self.memory.release_models:

@@ -308,7 +308,8 @@ def prefixed_files(folder: str | Path, prefix: str) -> list[Path]:
 # What the pipeline reads from a hub repo: the diffusers components, or a converted (MLX) folder.
 # The BFL single file at the root of the official repos duplicates transformer/ and is skipped.
 HUB_PATTERNS = [
-    "model_index.json", "scheduler/*", "transformer/*", "text_encoder/*", "tokenizer/*", "vae/*",
+    "model_index.json", "modular_model_index.json", "scheduler/*", "transformer/*", "text_encoder/*", "tokenizer/*",
+    "vae/*",
     "config.json", "transformer*.safetensors*", "text_encoder*.safetensors*", "vae.safetensors",
 ]  # fmt: skip
 

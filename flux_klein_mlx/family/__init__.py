@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from .base import Family, Steps
 from .flux2 import FLUX2
+from .flux3 import FLUX3
 
-FAMILIES: dict[str, Family] = {FLUX2.key: FLUX2}
+FAMILIES: dict[str, Family] = {FLUX2.key: FLUX2, FLUX3.key: FLUX3}
 
 
 def family_named(key: str) -> Family:
@@ -34,4 +35,4 @@ def family_of(params) -> Family:
     return next(f for f in FAMILIES.values() if isinstance(params, f.params_type))
 
 
-__all__ = ["FAMILIES", "FLUX2", "Family", "Steps", "family_named", "family_of"]
+__all__ = ["FAMILIES", "FLUX2", "FLUX3", "Family", "Steps", "family_named", "family_of"]

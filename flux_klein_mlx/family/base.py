@@ -23,6 +23,27 @@ class Family(Protocol):
     title: str  # "FLUX.2 [klein]" | "FLUX 3 Image Klein"
     params_type: type  # the transformer's hyper-parameter dataclass
     max_references: int | None  # how many reference images a run may give (None: as memory allows)
+    text_taps: tuple[int, ...]  # the text encoder's decoder layers (1-based) whose states are stacked per token
+    text_window: object  # models/tokenizer.TextWindow: how a prompt fills the window the transformer reads
+    text_key: dict  # what the prompt cache's key adds for this family's embeddings
+    index_files: tuple[str, ...]  # a diffusers snapshot's index file names, in the order tried
+    pipeline_classes: tuple[str, ...]  # the index's `_class_name`s of this family's pipelines
+
+    def is_distilled(self, index: dict, transformer_config: dict) -> bool:
+        """Whether a snapshot is the distilled model, from its index and transformer config."""
+        ...
+
+    def model_title(self, params, distilled: bool, reference_kv: bool) -> str:
+        """The model's name in messages and records, e.g. "FLUX.2 [klein] 4B Base"."""
+        ...
+
+    def encode_prompts(self, encoder: nn.Module, tokenizer, prompts: list[str]) -> list[mx.array]:
+        """One (1, L, C) embedding per prompt, lazy (the window rule decides L)."""
+        ...
+
+    def prepare_references(self, images: list, model_name: str) -> tuple[list, tuple | None]:
+        """Reference pixels (each (H, W, 3) float32 in [-1, 1]) and the box to crop the output back to (or None)."""
+        ...
 
     def params(self, config: dict):
         """The transformer's hyper-parameters from a diffusers config.json (or our own field names)."""

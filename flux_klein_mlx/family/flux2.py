@@ -13,9 +13,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..events import Job
-from ..models.config import FluxKleinParams, sampling_defaults
+from ..inputs import preprocess_reference
+from ..models.config import KV_PIPELINE_CLASS, PIPELINE_CLASSES, FluxKleinParams, sampling_defaults, variant_for
 from ..models.kv_cache import ReferenceKV
 from ..models.rope import image_ids, text_ids
+from ..models.text_encoder import OUT_LAYERS, encode_prompts
+from ..models.tokenizer import FLUX2_WINDOW
 from ..models.transformer import FluxKlein, infer_params, linear_shapes, sanitize_flux2_klein_weights
 from ..sampling import cfg, model_timestep, reference_time, schedule
 
@@ -65,6 +68,28 @@ class Flux2Family:
     title = "FLUX.2 [klein]"
     params_type = FluxKleinParams
     max_references = None
+    text_taps = OUT_LAYERS
+    text_window = FLUX2_WINDOW
+    text_key = {}  # what the prompt cache's key adds: nothing, so the keys written before families stay valid
+    index_files = ("model_index.json",)
+    pipeline_classes = PIPELINE_CLASSES
+
+    def is_distilled(self, index: dict, transformer_config: dict) -> bool:
+        """The index says (klein 9B-KV's has no is_distilled key: its pipeline class tells it)."""
+        return bool(index.get("is_distilled", False)) or index.get("_class_name") == KV_PIPELINE_CLASS
+
+    def encode_prompts(self, encoder, tokenizer, prompts: list[str]) -> list[mx.array]:
+        """One (1, 512, C) embedding per prompt, all from one batched call (every window is 512)."""
+        emb = encode_prompts(encoder, tokenizer, prompts)
+        return [emb[i : i + 1] for i in range(len(prompts))]
+
+    def model_title(self, params: FluxKleinParams, distilled: bool, reference_kv: bool) -> str:
+        row = variant_for(params, distilled, reference_kv)
+        custom = f"{self.title} (custom size)" + (" KV" if reference_kv else "" if distilled else " Base")
+        return row.title if row is not None else custom
+
+    def prepare_references(self, images: list, model_name: str) -> tuple[list, tuple | None]:
+        return [preprocess_reference(im) for im in images], None  # no crop back
 
     def params(self, config: dict) -> FluxKleinParams:
         return FluxKleinParams.from_dict(config)

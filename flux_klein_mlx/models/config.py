@@ -333,6 +333,8 @@ DEV_HIDDEN = 6144
 FLUX3_CLASS_PREFIX = "Flux3"
 FLUX3_MARKERS = ("early_stream_modulations.", "single_stream_modulations.", "mode_blocks.", "ref_time_in.")
 FLUX3_NAME = "FLUX 3 Image Klein"
+# diffusers' modular pipelines (modular_model_index.json `_class_name`): Base, and the step-distilled flow map
+FLUX3_PIPELINE_CLASSES = ("Flux3ModularPipeline", "Flux3DistilledModularPipeline")
 
 
 def flux1_marker(name: str) -> str | None:

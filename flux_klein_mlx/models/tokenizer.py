@@ -103,6 +103,17 @@ def tokenizer_folder(folder: str | Path) -> Path:
     return folder
 
 
+# The files of a tokenizer (and its chat template) by name: FLUX 3 keeps them in text_encoder/ beside the
+# encoder's weights and configs, which a copy of "the tokenizer" must leave out.
+TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "merges", "special_tokens_map", "added_tokens", "chat_template")
+
+
+def tokenizer_files(folder: str | Path) -> list[Path]:
+    """The tokenizer's own files in its folder (`tokenizer_folder`), sorted; never weights or model configs."""
+    folder = tokenizer_folder(folder)
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.name.startswith(TOKENIZER_FILE_PREFIXES))
+
+
 def _processor_template(folder: Path) -> str | None:
     """A processor's `chat_template.json` template ({"chat_template": "..."}, Qwen3-VL's file), which
     AutoTokenizer does not read; `chat_template.jinja`, which it does, wins."""

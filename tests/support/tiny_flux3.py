@@ -32,7 +32,9 @@ real text encoder's shard count and the BFL files `model.safetensors` / `ae.safe
 
 Sizes: transformer D 64 (2 heads x 32) so quantization at group size 64 has work, in 32 (latent 8 x
 2 x 2 patchify), 2 mode + 2 single blocks, joint_attention_dim 8 taps x Qwen hidden 16 = 128;
-Qwen3-VL text hidden 16 with 32 layers (the taps 4..32 exist) and a 1-layer vision tower; the FLUX.2
+Qwen3-VL text hidden 16 with 33 layers (the taps 4..32 exist, and one past the deepest: transformers 5
+returns the final norm's output as the last hidden state, so with 32 layers diffusers' tap 32 would be
+normed, unlike the real 36-layer model's) and a 1-layer vision tower; the FLUX.2
 tiny VAE of tiny_model.py (FLUX 3 reuses that VAE).
 """
 
@@ -67,7 +69,7 @@ QWEN3_VL = dict(
         vocab_size=151936,  # the real tokenizer's ids must be in range
         hidden_size=FLUX3_QWEN_HIDDEN,
         intermediate_size=32,
-        num_hidden_layers=32,  # the deepest tap
+        num_hidden_layers=33,  # one past the deepest tap (32): its raw state, as in the real 36-layer model
         num_attention_heads=2,  # grouped-query attention at the least: 2 query heads on 1 key-value head
         num_key_value_heads=1,
         head_dim=8,

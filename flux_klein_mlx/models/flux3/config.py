@@ -88,6 +88,11 @@ class Flux3Params:
             self.flow_map,
         )
 
+    @property
+    def variant(self) -> str:
+        """ "flux3": one released size (FLUX.2's "klein-4b" / "klein-9b" name its two)."""
+        return "flux3"
+
     def describe(self) -> str:
         """E.g. "FLUX 3 Image Klein (hidden 3072, 5 mode / 28 single blocks)"."""
         return f"FLUX 3 Image Klein (hidden {self.hidden_size}, {self.depth} mode / {self.depth_single} single blocks)"
