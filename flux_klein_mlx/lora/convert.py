@@ -5,7 +5,8 @@ A LoRA file does not name its model, but its shapes do: the input width of most 
 hidden size D (3072 klein-4B, 4096 klein-9B), block indices give the block counts, and `img_in`,
 `txt_in` and `time_in` give their own widths when present. From those a `FluxKleinParams` is built
 and the file is read exactly as `--lora` reads it (formats.parse_lora), so a file converts only
-when every module lands on a layer.
+when every module lands on a layer. A file whose names are FLUX 3 Image Klein's (`names.family_of_names`)
+gets a `Flux3Params` the same way (the distilled model when it adapts `ref_time_in`).
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import mlx.core as mx
 
 from ..errors import FluxKleinError, first_few
 from ..files import check_output_file, write_exclusive
-from ..models.config import HIDDEN_SIZES, FluxKleinParams
+from ..models.config import FluxKleinParams
+from ..models.flux3.config import Flux3Params
 from ..weights import read_lora_file, save_safetensors_streaming
 from .formats import DOWN_ROLES, ParsedLora, parse_lora
 from .layouts import FORMAT_NAMES, adapter_file, autov3, check_layout
+from .names import family_of_names, lora_family
 
 # a LoRA down matrix's key ending (PEFT's adapter name optional): `.lora_A.weight`, `.lora_down.weight`, ...
 _DOWN = re.compile(rf"\.(?:{'|'.join(re.escape(r) for r in DOWN_ROLES)})(?:\.[A-Za-z0-9_]+)?\.weight$")
@@ -35,6 +38,14 @@ _WIDTHS = {"in_channels": ("img_in", "x_embedder"), "context_in_dim": ("txt_in",
            "time_channels": ("time_in.in_layer", "time_in_in_layer", "timestep_embedder.linear_1",
                              "timestep_embedder_linear_1", "time_guidance_embed.linear_1")}  # fmt: skip
 _VARIANTS = {3072: FluxKleinParams.klein_4b, 4096: FluxKleinParams.klein_9b}
+# FLUX 3 Image Klein: its stacks (diffusers' and ours) and the widths that are settings (BFL / diffusers names)
+_MODE = re.compile(r"(?:mode_blocks[._](?:image|image_cond)|txt_mode_blocks)[._](\d+)[._]")
+_WIDTHS3 = {"in_channels": ("emb_in.image", "emb_in_image", "x_embedders.image", "x_embedders_image"),
+            "cond_in_channels": ("emb_in.image_cond", "emb_in_image_cond", "x_embedders.image_cond",
+                                 "x_embedders_image_cond"),
+            "context_in_dim": ("txt_in", "context_embedder"),
+            "time_channels": ("time_in.in_layer", "time_in_in_layer", "timestep_embedder.linear_1",
+                              "timestep_embedder_linear_1")}  # fmt: skip
 
 
 def _input_widths(tensors: dict[str, mx.array]) -> dict[str, int]:
@@ -82,6 +93,42 @@ def guess_params(tensors: dict[str, mx.array]) -> list[FluxKleinParams]:
     return candidates or [FluxKleinParams.klein_4b()]
 
 
+def guess_flux3_params(tensors: dict[str, mx.array]) -> list[Flux3Params]:
+    """The FLUX 3 Image Klein transformer a LoRA may be for: the released one for its hidden size (the distilled
+    one when the file adapts the target-time embedder), else one of the file's own widths and block counts."""
+    widths = _input_widths(tensors)
+    bare = {re.sub(_DOWN, "", k): w for k, w in widths.items()}
+    extra = {f: w for f, ends in _WIDTHS3.items() if (w := next((w for k, w in bare.items() if k.endswith(ends)), 0))}
+    flow_map = any(re.search(r"(?:ref_time_in|target_timestep_embedder)[._]", k) for k in tensors)
+    mlp = next((w for k, w in bare.items() if k.endswith(("mlp_out", "ff.linear_out", "ff_linear_out"))), None)
+    depth = max((int(m.group(1)) + 1 for k in tensors if (m := _MODE.search(k))), default=0)
+    single = max((int(m.group(1)) + 1 for k in tensors if (m := _SINGLE.search(k))), default=0)
+    candidates = []
+    for hidden, _ in collections.Counter(widths.values()).most_common(4):
+        released = Flux3Params(flow_map=flow_map)
+        if hidden == released.hidden_size and depth <= released.depth and single <= released.depth_single:
+            candidates.append(dataclasses.replace(released, **extra))
+        elif hidden % 2 == 0:  # one head, one RoPE axis (neither changes a weight's shape)
+            ratio = {"mlp_ratio": mlp / hidden} if mlp else {}
+            candidates.append(
+                Flux3Params(
+                    hidden_size=hidden,
+                    num_heads=1,
+                    axes_dim=(hidden,),
+                    depth=depth,
+                    depth_single=single,
+                    flow_map=flow_map,
+                    **ratio,
+                    **extra,
+                )
+            )
+    return candidates or [Flux3Params(flow_map=flow_map)]
+
+
+# each family's guess of the transformer a file is for, by its hyper-parameter type (names.LoraFamily.params_type)
+_GUESSES = {FluxKleinParams: guess_params, Flux3Params: guess_flux3_params}
+
+
 @dataclass(kw_only=True)
 class LoraFile:
     """A LoRA file read and mapped onto the transformer its shapes describe."""
@@ -90,7 +137,7 @@ class LoraFile:
     metadata: dict[str, str]
     sha256: str  # of the whole file
     parsed: ParsedLora
-    params: FluxKleinParams
+    params: FluxKleinParams | Flux3Params
     dtype: mx.Dtype  # of its matrices
 
 
@@ -104,7 +151,9 @@ def read_any_lora(path: str | Path) -> LoraFile:
     if bad:
         raise FluxKleinError(f"LoRA {what} holds non-finite values (in {bad}); the file is damaged")
     first_error = None
-    for params in guess_params(tensors):
+    made = family_of_names(tensors)  # FLUX.2's when no name tells (names both families have)
+    guess = _GUESSES[made[0].params_type if made else FluxKleinParams]
+    for params in guess(tensors):
         try:
             parsed = parse_lora(tensors, metadata, params, what)
         except FluxKleinError as e:  # shapes of another candidate, or a foreign / damaged file
@@ -114,7 +163,8 @@ def read_any_lora(path: str | Path) -> LoraFile:
             dtype = next((v.dtype for v in tensors.values() if v.ndim == 2), mx.float32)
             return LoraFile(path=path, metadata=metadata, sha256=sha, parsed=parsed, params=params, dtype=dtype)
         first_error = first_error or FluxKleinError(
-            f"LoRA {what}: {len(parsed.unmatched)} of its {parsed.n_modules} modules match no FLUX.2 [klein] layer "
+            f"LoRA {what}: {len(parsed.unmatched)} of its {parsed.n_modules} modules match no "
+            f"{lora_family(params).title} layer "
             f"({first_few(parsed.unmatched)}); it is not a klein LoRA, or not one flux_klein_mlx can convert"
         )
     raise first_error
@@ -155,9 +205,12 @@ def describe_lora(path: str | Path) -> dict:
     ranks = sorted({t.down.shape[0] if t.down is not None else 0 for t in terms})
     alphas = sorted({round(t.factor * t.down.shape[0], 6) for t in terms if t.down is not None})
     trainer = next((fmt.format(meta[k]) if "{}" in fmt else fmt for k, fmt in _TRAINERS if meta.get(k)), None)
-    size = HIDDEN_SIZES.get(
-        p.hidden_size, f"a FLUX.2 transformer of hidden size {p.hidden_size} (not a released klein)"
+    family = lora_family(p)
+    size = family.hidden_sizes.get(
+        p.hidden_size, f"a {family.title} transformer of hidden size {p.hidden_size} (not a released one)"
     )
+    if getattr(p, "flow_map", False):  # FLUX 3: only the distilled model has the target-time embedder
+        size += " (distilled: it adapts ref_time_in)"
     return {
         "file": str(lora.path),
         "format": FORMAT_NAMES[lora.parsed.format],

@@ -14,8 +14,13 @@ flux-2-swift-mlx (no prefix, `ff.activation.proj` for `ff.linear_in`, `attn.to_q
 rank as top-level `lora_alpha` / `lora_rank` metadata). SimpleTuner's LyCORIS files are D/E names
 with the `lycoris_` prefix.
 
-Every key is looked up in one table built from the model's own hyper-parameters: our (BFL) module
-paths, diffusers' names, and both written with underscores (kohya/LyCORIS). An entry is a `Target`:
+FLUX 3 Image Klein's LoRAs come in A, B and D with its own module names (docs/loras.md#flux-3-image-klein):
+`transformer.mode_blocks.image.0.attn.to_q`, `diffusion_model.content_mode_blocks.image.0.q_proj`,
+`lora_unet_single_blocks_0_mlp_in`. Each family's names are in `names.LORA_FAMILIES`, found by the type of
+the model's hyper-parameters; a file whose names belong to the other family is refused naming both.
+
+Every key is looked up in one table (`names.target_table`) built from the model's own hyper-parameters:
+our (BFL) module paths, diffusers' names, and both written with underscores (kohya/LyCORIS). An entry is a `Target`:
 our layer, the rows of its output the named module covers (diffusers' separate q/k/v inside our
 fused qkv and `linear1`), and whether the rows come in diffusers' [scale ; shift] order (the final
 layer's modulation, ours is [shift ; scale]). The result is a list of `Term`s, each one update
@@ -34,9 +39,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import FluxKleinError, first_few
-from ..models.config import HIDDEN_SIZES, flux1_marker
-from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, DIFFUSERS_TOP, QKV, linear_shapes
+from ..models.config import flux1_marker
 from ..weights import check_safetensors_file
+from .names import Target, family_of_names, layer_shapes, lora_family, target_table
 
 # Module-name prefixes, longest first, and the format they say.
 _PREFIXES = (
@@ -54,23 +59,6 @@ DOWN_ROLES = ("lora_A", "lora_down", "lora.down")  # the names of a LoRA's down 
 # Keys that only UNet models (SDXL, Stable Diffusion) have; FLUX.1's are config.FLUX1_MARKERS.
 _UNET_MARKERS = ("down_blocks", "up_blocks", "mid_block", "input_blocks", "output_blocks", "lora_te1_", "lora_te2_",
                  "text_model", "conditioner")  # fmt: skip
-# Other trainers' names for diffusers modules: mflux (its own module paths) and flux-2-swift-mlx.
-_ALIASES_TOP = {"time_guidance_embed.linear_1": "time_guidance_embed.timestep_embedder.linear_1",
-               "time_guidance_embed.linear_2": "time_guidance_embed.timestep_embedder.linear_2"}  # fmt: skip
-_ALIASES_DOUBLE = {"attn.to_out": "attn.to_out.0", "ff.activation.proj": "ff.linear_in",
-                  "ff_context.activation.proj": "ff_context.linear_in"}  # fmt: skip
-_ALIASES_SINGLE = {"attn.to_qkv_mlp": "attn.to_qkv_mlp_proj"}
-# diffusers' own fused projections (after `fuse_qkv_projections`, as its LoKr loader uses), ours
-DIFFUSERS_FUSED = {"attn.to_qkv": "img_attn.qkv", "attn.to_added_qkv": "txt_attn.qkv"}
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where a named module lands in our model: a layer, a row range of its output, and the row order."""
-
-    layer: str  # our module path, e.g. "double_blocks.0.img_attn.qkv"
-    rows: tuple[int, int]  # [start, stop) of the layer's output rows
-    swap: bool = False  # rows given as [scale ; shift] (diffusers' norm_out), ours are [shift ; scale]
 
 
 @dataclass
@@ -121,54 +109,6 @@ def is_lora_file(path) -> bool:
         return False
 
 
-def diffusers_modules(params, *, blocks_only: bool = False) -> list[str]:
-    """The diffusers modules of a klein transformer that are Linears, in model order: the top ones, then
-    each double block's (q, k, v of both streams, then the rest), then each single block's. The one
-    list of "a block's diffusers layers" (the trainer's slots, the diffusers layout's units)."""
-    names = [] if blocks_only else [*DIFFUSERS_TOP, "norm_out.linear"]
-    for i in range(params.depth):
-        names += [f"transformer_blocks.{i}.{p}" for parts in QKV.values() for p in parts]
-        names += [f"transformer_blocks.{i}.{m}" for m in DIFFUSERS_DOUBLE if not m.endswith(".weight")]
-    for j in range(params.depth_single):
-        names += [f"single_transformer_blocks.{j}.{m}" for m in DIFFUSERS_SINGLE if not m.endswith(".weight")]
-    return names
-
-
-def target_table(params) -> dict[str, Target]:
-    """Every module name a klein LoRA may use (ours, diffusers', dotted and underscored) -> its Target."""
-    D, M = params.hidden_size, params.mlp_hidden
-    table = {path: Target(path, (0, out)) for path, (out, _) in linear_shapes(params).items()}
-    table["norm_out.linear"] = Target("final_layer.adaLN_modulation.1", (0, 2 * D), swap=True)
-    for theirs, ours, n, names, aliases in (
-        ("", "", 1, DIFFUSERS_TOP, _ALIASES_TOP),
-        (
-            "transformer_blocks.{}.",
-            "double_blocks.{}.",
-            params.depth,
-            {**DIFFUSERS_DOUBLE, **DIFFUSERS_FUSED},
-            _ALIASES_DOUBLE,
-        ),
-        ("single_transformer_blocks.{}.", "single_blocks.{}.", params.depth_single, DIFFUSERS_SINGLE, _ALIASES_SINGLE),
-    ):
-        names = {k: v for k, v in names.items() if not k.endswith(".weight")}  # the norms are not Linears
-        names.update({alias: names[name] for alias, name in aliases.items()})
-        for i in range(n):  # whole layers under another name
-            table.update({theirs.format(i) + k: table[ours.format(i) + v] for k, v in names.items()})
-    for i in range(params.depth):
-        for ours, parts in QKV.items():
-            for n, part in enumerate(parts):  # diffusers' q, k, v are row blocks of our fused qkv
-                table[f"transformer_blocks.{i}.{part}"] = Target(f"double_blocks.{i}.{ours}", (n * D, (n + 1) * D))
-    for j in range(params.depth_single):
-        # Separate q/k/v/MLP-in names for the fused linear1, rows [q | k | v | a | b]
-        for n, part in enumerate(("to_q", "to_k", "to_v")):
-            table[f"single_transformer_blocks.{j}.attn.{part}"] = Target(
-                f"single_blocks.{j}.linear1", (n * D, (n + 1) * D)
-            )
-        table[f"single_transformer_blocks.{j}.proj_mlp"] = Target(f"single_blocks.{j}.linear1", (3 * D, 3 * D + 2 * M))
-    table.update({name.replace(".", "_"): t for name, t in list(table.items())})
-    return table
-
-
 # --- reading the keys ---------------------------------------------------------------------------------
 
 
@@ -217,7 +157,8 @@ def _format_of(kinds: set[str | None], modules: dict) -> str:
         ("bfl", "bfl" in kinds),
         ("peft_bfl", "peft_bfl" in kinds),
         ("kohya", "kohya" in kinds),
-        ("bfl", any(n.startswith(("double_blocks", "single_blocks")) for n in modules)),  # our names, no prefix
+        # our names, no prefix
+        ("bfl", any(n.startswith(("double_blocks", "single_blocks", "content_mode_blocks")) for n in modules)),
     )
     for name, holds in rules:
         if holds:
@@ -286,11 +227,20 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
     names = list(modules)
     unet = next((n for n in names for mk in _UNET_MARKERS if mk in n), None)
     flux1 = next((n for n in names if flux1_marker(n)), None)
-    for hit, family in ((unet, "an SDXL / Stable Diffusion UNet"), (flux1, "FLUX.1")):
+    family = lora_family(params)
+    for hit, other in ((unet, "an SDXL / Stable Diffusion UNet"), (flux1, "FLUX.1")):
         if hit:
             raise FluxKleinError(
-                f"LoRA {what} was made for {family}, not FLUX.2 [klein] (module {hit}); use a LoRA trained for klein"
+                f"LoRA {what} was made for {other}, not {family.title} (module {hit}); use a LoRA trained for klein"
             )
+    made = family_of_names(names)
+    if made and made[0] is not family:
+        raise FluxKleinError(
+            f"LoRA {what} is for {made[0].title} (module {made[1]}), but the model is {family.title} "
+            f"({params.describe()}); use a LoRA trained for {family.title}"
+        )
+    if family.check:
+        family.check(names, params, what)
     bare = [n for n, parts in modules.items() if set(parts) == {"alpha"}]
     if bare:
         head = (
@@ -300,7 +250,7 @@ def parse_lora(tensors: dict[str, mx.array], metadata: dict | None, params, what
         )
         raise FluxKleinError(f"LoRA {what} is incomplete: it holds {head}; export or download it again")
     table = target_table(params)
-    shapes = linear_shapes(params)
+    shapes = layer_shapes(params)
     meta_alpha = _metadata_alpha(metadata, what) if fmt == "diffusers" else None
     terms = []
     unmatched = []
@@ -409,8 +359,9 @@ def _foreign_message(foreign: list, params, what: str) -> str:
         flux1 = flux1 or (layer == "img_in" and width == 64)  # 16 latent channels x 2 x 2
     name, term, want = foreign[0]
     h = next(iter(hidden)) if len(hidden) == 1 else None
-    if h is not None and h != D and (flux1 or h in HIDDEN_SIZES):
-        family = "FLUX.1" if flux1 else HIDDEN_SIZES[h]
+    sizes = lora_family(params).hidden_sizes
+    if h is not None and h != D and (flux1 or h in sizes):
+        family = "FLUX.1" if flux1 else sizes[h]
         return (
             f"LoRA {what} was made for {family} (hidden size {h}), but the model is {params.describe()}; "
             "use a LoRA trained for this model"
@@ -424,7 +375,7 @@ def _foreign_message(foreign: list, params, what: str) -> str:
         (a, b), (c, d) = term.w1.shape, term.w2.shape
         made = f"has LoKr factors {a}x{b} and {c}x{d}, whose product is {a * c}x{b * d}"
     r0, r1 = term.rows
-    whole = r1 - r0 == linear_shapes(params)[term.layer][0]
+    whole = r1 - r0 == layer_shapes(params)[term.layer][0]
     place = f"{term.layer} takes" if whole else f"rows {r0}-{r1} of {term.layer} take"
     return (
         f"LoRA {what}: {name} {made}, but {place} {want[0]}x{want[1]} ({len(foreign)} module(s) do not "

@@ -37,9 +37,9 @@ import numpy as np
 
 from ..checks import check_choice
 from ..errors import FluxKleinError, first_few
-from ..models.transformer import linear_shapes
 from ..weights import read_lora_file, save_safetensors_streaming
-from .formats import DIFFUSERS_FUSED, Term, diffusers_modules, parse_lora, target_table
+from .formats import Term, parse_lora
+from .names import DIFFUSERS_FUSED, diffusers_modules, layer_shapes, target_table
 
 LAYOUTS = ("diffusers", "comfyui", "kohya")
 # What the layouts are called in messages and `lora info` (formats.py's names -> words).
@@ -71,10 +71,12 @@ def diffusers_units(params) -> dict[str, list[tuple[str, tuple[int, int], bool]]
 def whole_layer_units(params) -> dict[str, tuple[str, bool]]:
     """Our layer -> the one diffusers module that is all of it, and its swap: the module itself, or for a
     double block's fused qkv diffusers' fused `to_qkv` / `to_added_qkv` (what its LoKr loader fuses)."""
-    out = {layer: (units[0][0], units[0][2]) for layer, units in diffusers_units(params).items() if len(units) == 1}
+    units = diffusers_units(params)
+    out = {layer: (parts[0][0], parts[0][2]) for layer, parts in units.items() if len(parts) == 1}
     for i in range(params.depth):
         for theirs, ours in DIFFUSERS_FUSED.items():
-            out[f"double_blocks.{i}.{ours}"] = (f"transformer_blocks.{i}.{theirs}", False)
+            if f"double_blocks.{i}.{ours}" in units:  # FLUX.2's; FLUX 3 has no fused layer
+                out[f"double_blocks.{i}.{ours}"] = (f"transformer_blocks.{i}.{theirs}", False)
     return out
 
 
@@ -120,7 +122,7 @@ def layout_pairs(terms: list[Term], layout: str, params, what: str) -> list[tupl
             f"LoRA {what} is a LoKr (Kronecker factors, e.g. {lokr.key}), which a plain LoRA file cannot hold; "
             "use it as it is (--lora reads it)"
         )
-    shapes = linear_shapes(params)
+    shapes = layer_shapes(params)
     by_layer: dict[str, list[Term]] = {}
     for t in terms:
         by_layer.setdefault(t.layer, []).append(t)
@@ -161,7 +163,7 @@ def lokr_tensors(terms: list[Term], layout: str, *, params, what: str, dtype=Non
             f"LoRA {what} is a LoKr, which --format kohya cannot hold; --format comfyui writes it "
             "(ComfyUI, ai-toolkit and diffusers load that layout), as does --format diffusers"
         )
-    shapes = linear_shapes(params)
+    shapes = layer_shapes(params)
     units = whole_layer_units(params) if layout == "diffusers" else {}
     out: dict[str, mx.array] = {}
     for t in terms:

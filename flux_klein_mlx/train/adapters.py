@@ -41,9 +41,10 @@ from mlx.utils import tree_unflatten
 from .. import __version__
 from ..errors import FluxKleinError
 from ..lora.apply import layers_by_path
-from ..lora.formats import Term, diffusers_modules, target_table
+from ..lora.formats import Term
 from ..lora.layers import ROLE_LISTS, LoRALinear, TrainableTerm
 from ..lora.layouts import TrainedRun, file_shapes, training_header, write_adapter
+from ..lora.names import diffusers_modules, target_table
 from ..models.transformer import linear_shapes
 
 PRESETS = ("all", "attention", "double", "single")
