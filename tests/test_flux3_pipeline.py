@@ -121,3 +121,50 @@ def test_the_default_dtype_runs(distilled):
     assert pipe.dtype == flux_klein_mlx.loading.DTYPES["bfloat16"]
     assert image.shape == (64, 64, 3) and np.isfinite(image).all()
     assert np.abs(image - theirs).mean() <= 0.05  # bf16 against diffusers' float32: close, not equal
+
+
+@pytest.mark.parametrize("layout", ["diffusers", "bfl"])
+def test_a_lora_gives_diffusers_image_with_its_load_lora_weights(distilled, tmp_path, layout):
+    """A peft LoRA on every block Linear of the snapshot's transformer, saved by diffusers (PEFT names, alpha in
+    the metadata) or in BFL names (alpha folded); diffusers' modular pipeline `load_lora_weights` is the judge."""
+    import copy
+
+    import torch
+    from diffusers.loaders import Flux3LoraLoaderMixin
+    from flux3_refs import flux3_pipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from flux_klein_mlx.models.flux3.transformer import flux3_name
+
+    pipe = flux3_pipeline(distilled)
+    adapted = copy.deepcopy(pipe.transformer)
+    names = [n for n, m in adapted.named_modules() if isinstance(m, torch.nn.Linear) and "blocks." in n]
+    torch.manual_seed(3)
+    adapted.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=names, init_lora_weights=False))
+    state = get_peft_model_state_dict(adapted)
+    if layout == "diffusers":
+        meta = {"r": 4, "lora_alpha": 8, "target_modules": sorted(names)}
+        Flux3LoraLoaderMixin.save_lora_weights(tmp_path, state, transformer_lora_adapter_metadata=meta)
+        file = tmp_path / "pytorch_lora_weights.safetensors"
+    else:  # ComfyUI / ai-toolkit names, alpha / rank folded into B
+        file = tmp_path / "comfy.safetensors"
+        bfl = {}
+        for key, value in state.items():
+            name, role = key.rsplit(".lora_", 1)
+            bfl[f"diffusion_model.{flux3_name(name)}.lora_{role}"] = value * 2 if role.startswith("B") else value
+        save_file({k: v.contiguous() for k, v in bfl.items()}, str(file))
+    lat = noise(64, 64, seed=11, channels=C)
+    pipe.load_lora_weights(str(file), adapter_name="judge")
+    try:
+        theirs = flux3_reference(distilled, prompt="a fox", latents=lat, steps=2)
+    finally:
+        pipe.unload_lora_weights()
+    plain = flux3_reference(distilled, prompt="a fox", latents=lat, steps=2)
+    image, _ = ours(distilled, "a fox", steps=2, latents=lat, width=64, height=64)
+    with_lora = flux_klein_mlx.load(distilled, dtype="float32", cache=False, loras=[file]).generate(
+        "a fox", steps=2, latents=lat, width=64, height=64, output_type="np"
+    )
+    assert np.abs(with_lora - theirs).max() <= 1e-3
+    assert np.abs(theirs - plain).max() > 0.02 and np.abs(image - plain).max() <= 1e-3  # the LoRA does something
