@@ -93,9 +93,16 @@ def describe_event(ev) -> str | None:
         if ev.first_step > ev.total_steps:  # a finished run whose output was not written: written now
             where = f"writing the output from {ev.resumed_from} (all {ev.total_steps} steps done, no training)"
         buckets = ", ".join(f"{k} x{v}" for k, v in ev.buckets.items())
+        processes = (
+            f"; {ev.processes} processes train (mlx.launch), each {ev.batch_size} of every batch of "
+            f"{ev.processes * ev.batch_size}"
+            if ev.processes > 1
+            else ""
+        )
         return (
             f"{where}: {ev.images} image(s) ({buckets}), {ev.adapters} adapters on {ev.layers} layers, "
             f"{ev.parameters / 1e6:.2f} M trainable parameters, {ev.total_steps} steps; work folder {ev.work_dir}"
+            f"{processes}\na caption as it trains ({ev.images} image(s)): {ev.caption!r}"
         )
     if isinstance(ev, CheckpointSaved):
         return f"checkpoint: {ev.path}"

@@ -91,6 +91,7 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
             caption=settings.caption,
             controls=settings.validation_controls,
             resolution=settings.resolution,
+            trigger=settings.trigger,  # held-out captions read as the training ones
             option="--validation",
             control_option="--validation-control",
         )

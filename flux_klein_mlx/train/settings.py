@@ -357,10 +357,14 @@ def lr_underflow(lr: float, rank: int) -> str | None:
     (A starts at N(0, 1/rank^2), mean |A| = 0.8 / rank), an AdamW step moves a value by about lr, and
     a change under half a float32 ulp of |A| (|A| * 2^-24) rounds away."""
     typical = math.sqrt(2 / math.pi) / rank
-    if lr >= typical * 2.0**-24:
+    bound = typical * 2.0**-24
+    if lr >= bound:
         return None
+    # the bound rounded up to 2 significant digits: never shown below an --lr it refuses (2e-08 for 2.4e-08)
+    digits = 10 ** (math.floor(math.log10(bound)) - 1)
+    shown = math.ceil(bound / digits) * digits
     return (
         f"--lr {lr:g} is too small to change the float32 adapters: an update of {lr:g} on values of about "
-        f"{typical:.2g} rounds away (it needs at least {typical * 2.0**-24:.1g}), so the LoRA would stay as it "
-        "starts; raise --lr (1e-4 is usual)"
+        f"{typical:.2g} rounds away (it needs at least {shown:.2g}), so the adapters would barely "
+        "move from where they start; raise --lr (1e-4 is usual)"
     )

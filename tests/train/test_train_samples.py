@@ -26,6 +26,7 @@ from test_train_bad_input import base_args, linked_snapshot, make_images, no_mod
 
 import flux_klein_mlx
 from flux_klein_mlx.__main__ import main
+from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.lora.layouts import autov3
 from flux_klein_mlx.output import RECORD_KEY
 from flux_klein_mlx.train.data import dropped_captions, with_trigger
@@ -170,8 +171,12 @@ def test_trigger_trains_as_captions_written_with_it(base, tmp_path):
     record = json.loads((tmp_path / "t.train" / "train.json").read_text())
     assert record["settings"]["trigger"] == "sks"
     assert [d["caption"] for d in record["data"]] == ["sks, a striped card", "a photo of sks card"]
-    # and without the trigger the LoRA is another one: the captions reach the training
-    short_run(base, plain, tmp_path / "n.safetensors")
+    # and without the trigger the LoRA is another one: the captions reach the training (a literal
+    # [trigger] without --trigger is refused since issue 39, so the bare captions are written out)
+    with pytest.raises(FluxKleinError, match=r"im1.txt hold\(s\) \[trigger\] but no --trigger"):
+        short_run(base, plain, tmp_path / "n.safetensors")
+    bare = captioned(tmp_path / "bare", ["a striped card", "a photo of card"])
+    short_run(base, bare, tmp_path / "n.safetensors")
     assert not same_lora(tmp_path / "n.safetensors", tmp_path / "w.safetensors")
 
 
