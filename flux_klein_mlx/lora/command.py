@@ -38,20 +38,24 @@ def convert(source, output, layout):
 @lora.command("info")
 @click.argument("path")
 def info(path):
-    """Describe a LoRA file: format, modules, rank, alpha, trainer, base model, klein size, hashes."""
+    """Describe a LoRA file: format, modules, rank, alpha, trainer, base model, klein size, the training
+    (steps, schedule, sizes, dataset: from a trained file's header), hashes."""
     d = describe_lora(path)
     alphas = ", ".join(describe_number(a) for a in d["alphas"])
+    # the trained rank (from the header) where a trainer wrote it; else each rank of the file's pairs
+    ranks = ", ".join(str(r) for r in d["ranks"] if r)
     lines = [
         ("file", d["file"]),
         ("format", d["format"]),
         ("modules", f"{d['modules']} (on {d['layers']} layers)"),
-        ("rank", "LoKr" if d["lokr"] and not d["alphas"] else ", ".join(str(r) for r in d["ranks"] if r)),
+        ("rank", "LoKr" if d["lokr"] and not d["alphas"] and not d["trained_rank"] else ranks),
         ("alpha", alphas or None),
         ("model", d["model"]),
         ("dtype", d["dtype"]),
         ("trainer", d["trainer"]),
         ("base model", d["base_model"]),
         ("trigger", d["trigger"]),
+        *d["training"],
         ("sha256", d["sha256"]),
         ("AutoV3", f"{d['autov3']} (A1111 / Civitai)"),
     ]
