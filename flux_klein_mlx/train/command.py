@@ -218,6 +218,12 @@ def describe_samples(ev: SamplesSaved) -> str:
 @click.option("--max-grad-norm", type=float, default=_D.max_grad_norm, show_default=True)
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=_D.dtype, show_default=True)
 @click.option(
+    "--save-dtype",
+    default=None,
+    help=f"{'|'.join(DTYPES)}: the output file's dtype, and that of the LoRA each sample point keeps and is "
+    "drawn with [default: --dtype].",
+)
+@click.option(
     "--quantize", "-q", type=click.Choice(["4", "8"]), default=None, help="Quantize the frozen model (QLoRA)."
 )
 @click.option(

@@ -8,13 +8,21 @@ The sample model (`--sample-model`) defaults to the distilled sibling of a publi
 (FLUX.2-klein-base-4B -> FLUX.2-klein-4B, the 4-step model LoRAs are run on), else the training
 model. Samples go through the public `pipeline.load` at `generate`'s defaults: bfloat16, no
 quantization (unless --sample-quantize), the sample model's own steps and guidance, the torch noise
-of --sample-seed, --resolution² pixels (the largest of several; or --sample-size²). The LoRA is written from the
-in-memory adapters into a file byte-identical to the checkpoint's `lora.safetensors` at that step (float32,
-the same header), so a sample is what
+of --sample-seed, --resolution² pixels (the largest of several; or --sample-size²). At each sample point
+the LoRA is kept beside the images as the file the run delivers (--format, --save-dtype, the training
+header; the EMA under --ema), and the samples are drawn with that file:
 
-    generate --model M --lora <work>/checkpoint-N/lora.safetensors --prompt P --seed S --width W --height W
+    samples/step-000100.safetensors  the LoRA of step 100, as the output would be written at step 100
 
-gives; each PNG's record carries that command and the LoRA's sha256 (`training_sample`).
+so a sample is what
+
+    generate --model M --lora <work>/samples/step-000100.safetensors --prompt P --seed S --width W --height W
+
+gives, and the last sample (at --steps) is what the output gives; each PNG's record carries that
+command, the file's sha256 and whether a checkpoint was written at that step (`training_sample`).
+A small file rather than a checkpoint kept from deletion: a checkpoint holds the float32 adapters
+and AdamW's two moments (about 6x the bytes of a bfloat16 LoRA), and its float32 LoRA is not the
+precision the user gets.
 
 The pipeline computes as `generate` does (whole-model evaluation, untiled decode: low_memory's
 blockwise evaluation and tiled decode round bfloat16 differently, several /255 on a tiny model),
@@ -26,7 +34,6 @@ and the memory peak of its images, with what that adds over the training steps' 
 
 from __future__ import annotations
 
-import secrets
 import shlex
 import time
 import warnings
@@ -37,12 +44,14 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import FluxKleinError
-from ..loading import DEFAULT_DTYPE, ModelInfo, check_weights, describe
+from ..files import write_replacing
+from ..loading import DEFAULT_DTYPE, ModelInfo, as_dtype, check_weights, describe
+from ..lora import layouts
 from ..models.config import VARIANTS
 from ..output import write_image
 from ..weights import save_safetensors_streaming
 from .settings import TrainSettings
-from .state import adapter_file, way_back, write_atomic
+from .state import way_back, write_atomic
 
 # A LoRA whose samples differ from the baseline by less than this mean |pixel difference| (of 255)
 # changes almost nothing: at strength 1 a LoRA that has learned anything moves far more pixels.
@@ -222,39 +231,36 @@ class SampleImages:
             model=self.info.name,
         )
 
-    def sample(self, step: int, lora, trained_peak: int) -> SamplesSaved:
+    def sample(self, step: int, lora, trained_peak: int, header: dict[str, str]) -> SamplesSaved:
         """Each prompt at each strength with `lora` (a train.adapters TrainableLoRA or TrainableLoKr) as it is at
-        `step`."""
+        `step`, kept as samples/step-N.safetensors: the file the run delivers (--format, --save-dtype, the
+        training `header`), so each sample's `generate` command reproduces it and the last is the output's."""
+        kept = self.keep_lora(step, lora, header)
         checkpoint = Path(self.settings.work_dir) / f"checkpoint-{step:06d}" / "lora.safetensors"
-        tmp = Path(self.settings.work_dir) / f".sample-lora.{secrets.token_hex(4)}.tmp"
-        tensors, header = adapter_file(lora)  # the bytes of this step's checkpoint file
-        write_sample_lora(tmp, tensors, header)
         paths = []
         changes = []
         strengths = []
         peak = 0
         try:
             for strength in self.settings.sample_strengths:
-                self.pipe.set_loras([(tmp, strength)])
+                self.pipe.set_loras([(kept, strength)])
                 for k, prompt in enumerate(self.settings.sample_prompts):
                     image, record, p = self._image(prompt)
-                    record["loras"] = [
-                        {**r, "name": f"{checkpoint.parent.name}/{checkpoint.name}"} for r in record["loras"]
-                    ]
+                    record["loras"] = [{**r, "name": f"{kept.parent.name}/{kept.name}"} for r in record["loras"]]
                     record["training_sample"] = {
                         "step": step,
                         "strength": strength,
                         "baseline": False,
+                        "lora": str(kept),
                         "checkpoint": str(checkpoint),
                         "checkpoint_written": checkpoint.is_file(),
-                        "generate": generate_command(record, self.source, checkpoint, strength),
+                        "generate": generate_command(record, self.source, kept, strength),
                     }
                     paths.append(self._save(sample_name(step, k, strength), image, record))
                     changes.append(float(np.abs(np.asarray(image, dtype=np.float32) - self.baselines[k]).mean()))
                     strengths.append(strength)
                     peak = max(peak, p)
         finally:
-            tmp.unlink(missing_ok=True)
             self.pipe.set_loras([])
         self._warn_if_weak(step, changes)
         return SamplesSaved(
@@ -267,6 +273,23 @@ class SampleImages:
             model=self.info.name,
         )
 
+    def keep_lora(self, step: int, lora, header: dict[str, str]) -> Path:
+        """samples/step-N.safetensors: `lora` as the output is written (layout, dtype, header); replaced whole
+        when the step is sampled again (a resume), never left in part."""
+        settings = self.settings
+        self.folder.mkdir(exist_ok=True)
+        path = self.folder / sample_lora_name(step)
+        tensors, metadata = layouts.adapter_file(
+            lora.terms(),
+            settings.format,
+            lora.params,
+            what=path.name,
+            dtype=as_dtype(settings.save_dtype or settings.dtype),
+            header=header,
+        )
+        write_sample_lora(path, tensors, metadata, settings.work_dir)
+        return path
+
     def _warn_if_weak(self, step: int, changes: list[float]) -> None:
         if changes and max(changes) < WEAK_CHANGE:
             warnings.warn(
@@ -277,13 +300,16 @@ class SampleImages:
             )
 
 
-def write_sample_lora(tmp: Path, tensors: dict, header: dict) -> None:
-    """The adapter file the sample model loads, at the temporary name `tmp` in the work folder; a full
-    disk is one line naming the way back (state.way_back), and no part of the file stays."""
+def sample_lora_name(step: int) -> str:
+    return f"step-{step:06d}.safetensors"
+
+
+def write_sample_lora(path: Path, tensors: dict, header: dict, work_dir: Path) -> None:
+    """The adapter file a sample point keeps (and the sample model loads), written through a temporary name;
+    a full disk is one line naming the way back (state.way_back), and no part of the file stays."""
     try:
-        save_safetensors_streaming(tmp, tensors, metadata=header)
+        write_replacing(path, lambda tmp: save_safetensors_streaming(tmp, tensors, metadata=header))
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise FluxKleinError(
-            f"cannot write the sample LoRA {tmp} ({e.strerror or e}); {way_back(tmp.parent)}"
+            f"cannot write the sample LoRA {path} ({e.strerror or e}); {way_back(Path(work_dir))}"
         ) from None

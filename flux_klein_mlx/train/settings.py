@@ -72,6 +72,7 @@ class TrainSettings:
     weight_decay: float = 1e-4  # diffusers' trainer; torch/MLX default 0.01 (G9)
     max_grad_norm: float = 1.0
     dtype: str = DEFAULT_DTYPE
+    save_dtype: str | None = None  # the output's (and the kept sample LoRAs') dtype; default: dtype
     quantize: int | None = None  # 4 or 8: the frozen base is quantized (QLoRA)
     group_size: int = 64
     low_memory: bool = False  # gradient checkpointing per block
@@ -114,6 +115,8 @@ class TrainSettings:
         check_schedule(self.lr_scheduler, self.warmup_steps, self.steps)
         check_choice("timesteps", self.timesteps, TIMESTEPS)
         check_choice("dtype", self.dtype, DTYPES)
+        if self.save_dtype is not None:
+            check_choice("save-dtype", self.save_dtype, DTYPES)
         self._check_adapter()
         if self.quantize is not None:
             if not is_int(self.quantize):
@@ -234,6 +237,7 @@ class TrainSettings:
             resolution=parse_resolutions(self.resolution),
             sample_strengths=parse_strengths(self.sample_strengths),
             trigger=self.trigger.strip() if self.trigger is not None else None,
+            save_dtype=self.save_dtype or self.dtype,
             ema=float(self.ema) if self.ema is not None else None,
             output=out,
             work_dir=Path(self.work_dir).expanduser() if self.work_dir else out.with_name(out.stem + ".train"),

@@ -425,8 +425,13 @@ class Trainer:
         mx.eval(self.model.trainable_parameters(), self.optimizer.state)
 
     def samples(self) -> SamplesSaved:
-        """Each sample prompt with the LoRA as it is now, on the sample model (train/samples.py)."""
-        return self.sample_images.sample(self.step_no, self.lora, self.trained_peak)
+        """Each sample prompt with the LoRA as it is now, as the output would be written (the EMA under --ema),
+        on the sample model (train/samples.py)."""
+        header = file_header(self.settings, self.info, items=self.items, steps=self.step_no, started_at=self.started_at)
+        if self.ema is None:
+            return self.sample_images.sample(self.step_no, self.lora, self.trained_peak, header)
+        with self.ema.in_adapters(self.lora):
+            return self.sample_images.sample(self.step_no, self.lora, self.trained_peak, header)
 
     def record(self, **extra) -> dict:
         """train.json: every setting, the data with hashes, the adapters, versions."""
@@ -457,7 +462,12 @@ class Trainer:
 
         def write(tmp: Path) -> None:
             write_lora_file(
-                tmp, self.lora, dtype=self.dtype, layout=settings.format, params=self.info.params, header=header
+                tmp,
+                self.lora,
+                dtype=as_dtype(settings.save_dtype),
+                layout=settings.format,
+                params=self.info.params,
+                header=header,
             )
 
         final = write_output(

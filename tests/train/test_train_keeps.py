@@ -1,0 +1,98 @@
+"""Issue 39: the trainer keeps every good step, and its new options refuse bad input in one line.
+
+- every sample point keeps the LoRA it sampled (samples/step-N.safetensors) in the precision of the
+  delivered file (`--save-dtype`) and, under `--ema`, as the delivered average: the last kept file is
+  the output, tensor for tensor (the images themselves: test_train_samples.py);
+- each new option's bad value is one line before any model loads, nothing written.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from safetensors import safe_open
+from test_train_bad_input import base_args, make_images, no_models, refused  # noqa: F401
+
+import flux_klein_mlx
+from flux_klein_mlx.errors import FluxKleinError
+from flux_klein_mlx.train.samples import SamplesSaved
+
+
+def tensors(path) -> dict[str, np.ndarray]:
+    return {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(path)).items()}
+
+
+def test_kept_sample_loras_are_the_delivered_file_save_dtype_and_ema(base, distilled, tmp_path):
+    """bf16 training, --save-dtype float32, --ema: each sample point keeps a float32 file of the average
+    (the output's layout and dtype); the last one is the output bit for bit, step 2's is not the
+    step's raw weights (at step 2 the average differs); the header says the step it was kept at."""
+    data = make_images(tmp_path / "data")
+    out = tmp_path / "o.safetensors"
+    events = list(
+        flux_klein_mlx.train_lora(
+            model=base,
+            data=data,
+            output=out,
+            steps=2,
+            rank=4,
+            lr=5e-2,
+            resolution=64,
+            save_every=1,
+            ema=0.5,
+            save_dtype="float32",
+            format="comfyui",
+            sample_every=1,
+            sample_prompts=["a fox"],
+            sample_model=distilled,
+            sample_steps=1,
+        )
+    )
+    assert [e.step for e in events if isinstance(e, SamplesSaved)] == [0, 1, 2]
+    samples = tmp_path / "o.train" / "samples"
+    kept = {k: samples / f"step-00000{k}.safetensors" for k in (1, 2)}
+    assert {str(v.dtype) for v in mx.load(str(out)).values()} == {"mlx.core.float32"}
+    for path in kept.values():
+        assert {str(v.dtype) for v in mx.load(str(path)).values()} == {"mlx.core.float32"}
+        assert all(k.startswith("diffusion_model.") for k in mx.load(str(path)))  # --format comfyui
+    last, delivered = tensors(kept[2]), tensors(out)
+    assert last.keys() == delivered.keys() and all(np.array_equal(last[k], delivered[k]) for k in last)
+    with safe_open(str(kept[1]), "np") as f:
+        assert f.metadata()["ss_steps"] == "1" and f.metadata()["ss_max_train_steps"] == "2"
+    assert flux_klein_mlx.load(distilled, loras=[kept[1]]).loras[0].format == "bfl"  # generate reads it
+    # step 2 (the EMA's decay is 0 at step 1: there the average is the weights): the kept file is the average
+    step2 = tmp_path / "o.train" / "checkpoint-000002"
+    kept2, average, trained = (updates(p) for p in (kept[2], step2 / "ema.safetensors", step2 / "lora.safetensors"))
+    assert kept2.keys() == average.keys() == trained.keys()
+    scale = max(np.abs(v).max() for v in average.values())
+    assert scale > 0 and all(np.abs(kept2[k] - average[k]).max() <= 1e-6 * scale for k in kept2)
+    assert max(np.abs(kept2[k] - trained[k]).max() for k in kept2) > 1e-3 * scale  # not the raw weights
+
+
+def updates(path) -> dict[str, np.ndarray]:
+    """Our layer -> the file's whole update `factor * up @ down` (float64), whatever the layout."""
+    from flux_klein_mlx.lora.convert import read_any_lora
+
+    parts: dict[str, list] = {}
+    for t in read_any_lora(path).parsed.terms:
+        up, down = (np.array(m.astype(mx.float32), np.float64) for m in (t.up, t.down))
+        parts.setdefault(t.layer, []).append((t.rows, t.factor * up @ down))
+    out = {}
+    for layer, pieces in parts.items():  # the rows of q, k and v (diffusers) or the fused qkv (ComfyUI) alike
+        whole = np.zeros((max(r[1] for r, _ in pieces), pieces[0][1].shape[1]))
+        for (start, end), delta in pieces:
+            whole[start:end] += delta
+        out[layer] = whole
+    return out
+
+
+@pytest.mark.usefixtures("no_models")
+def test_save_dtype_bad_value_is_one_line_before_any_model(capsys, base, tmp_path):
+    data = make_images(tmp_path / "data")
+    out = tmp_path / "o.safetensors"
+    refused(
+        capsys, tmp_path, base_args(base, data, out) + ["--save-dtype", "float8"], "save-dtype must be one of", "float8"
+    )
+    with pytest.raises(FluxKleinError, match=r"save-dtype must be one of bfloat16, float16, float32, not 'fp8'"):
+        flux_klein_mlx.train_lora(model=base, data=data, output=out, resolution=64, save_dtype="fp8")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
