@@ -240,7 +240,7 @@ class TrainSettings:
             save_dtype=self.save_dtype or self.dtype,
             ema=float(self.ema) if self.ema is not None else None,
             output=out,
-            work_dir=Path(self.work_dir).expanduser() if self.work_dir else out.with_name(out.stem + ".train"),
+            work_dir=Path(self.work_dir).expanduser() if self.work_dir else default_work_dir(out),
             controls=tuple(str(c) for c in folder_list(self.controls)),
             validation_controls=tuple(str(c) for c in folder_list(self.validation_controls)),
             sample_prompts=tuple(prompts),
@@ -290,6 +290,11 @@ class TrainSettings:
         """Every setting, JSON-able (train.json)."""
         d = dataclasses.asdict(self)
         return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
+
+
+def default_work_dir(output: Path) -> Path:
+    """A run's work folder when --work-dir is not given: <output stem>.train/ next to the output."""
+    return output.with_name(output.stem + ".train")
 
 
 def folder_list(value) -> list | tuple:

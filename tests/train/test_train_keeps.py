@@ -3,14 +3,20 @@
 - every sample point keeps the LoRA it sampled (samples/step-N.safetensors) in the precision of the
   delivered file (`--save-dtype`) and, under `--ema`, as the delivered average: the last kept file is
   the output, tensor for tensor (the images themselves: test_train_samples.py);
+- `train --resume DIR` (or `--resume --work-dir DIR`) alone continues a run with its own options
+  (bit for bit); a flag beside it that changes what a step computes is refused naming the difference;
 - each new option's bad value is one line before any model loads, nothing written.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import mlx.core as mx
 import numpy as np
 import pytest
+from command_line import run_cli
 from safetensors import safe_open
 from test_train_bad_input import base_args, make_images, no_models, refused  # noqa: F401
 
@@ -96,3 +102,60 @@ def test_save_dtype_bad_value_is_one_line_before_any_model(capsys, base, tmp_pat
     with pytest.raises(FluxKleinError, match=r"save-dtype must be one of bfloat16, float16, float32, not 'fp8'"):
         flux_klein_mlx.train_lora(model=base, data=data, output=out, resolution=64, save_dtype="fp8")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+# --- resume with one flag ------------------------------------------------------------------------
+
+
+def test_resume_with_one_flag_reads_the_runs_train_json(capsys, base, tmp_path):
+    """`train --resume DIR` (or `--resume --work-dir DIR`) alone continues the run of DIR with its own
+    options, from its train.json: the file equals the straight run's, bit for bit."""
+    data = make_images(tmp_path / "data")
+    out, work = tmp_path / "o.safetensors", tmp_path / "o.train"
+    args = base_args(base, data, out) + ["--steps", "2", "--save-every", "1", "--lr", "5e-3", "--alpha", "2"]
+    rc, _, err = run_cli(capsys, "train", *args)
+    assert rc == 0, err
+    straight = tensors(out)
+    for one_flag in (["--resume", str(work)], ["--resume", "--work-dir", str(work)]):
+        shutil.rmtree(work / "checkpoint-000002")
+        out.unlink()
+        rc, _, err = run_cli(capsys, "train", *one_flag)
+        assert rc == 0, err
+        assert f"resuming from {work / 'checkpoint-000001'} at step 2" in err, err
+        resumed = tensors(out)
+        assert resumed.keys() == straight.keys() and all(np.array_equal(resumed[k], straight[k]) for k in resumed)
+
+
+@pytest.mark.usefixtures("no_models")
+def test_resume_with_one_flag_refuses_what_disagrees_in_one_line(capsys, base, tmp_path):
+    data = make_images(tmp_path / "data")
+    out, work = tmp_path / "o.safetensors", tmp_path / "o.train"
+    work.mkdir()
+    (work / "checkpoint-000001").mkdir()  # a run's folder, as far as the options go (refused before it is read)
+    record = {"settings": {"model": str(base), "data": str(data), "output": str(out), "resolution": 64, "rank": 4}}
+    (work / "train.json").write_text(json.dumps(record))
+    refused(capsys, tmp_path, ["--resume", str(work), "--work-dir", str(tmp_path / "x")], "two folders")
+    refused(capsys, tmp_path, ["--resume"], "--resume needs the run's work folder")
+    (tmp_path / "empty").mkdir()
+    refused(capsys, tmp_path, ["--resume", str(tmp_path / "empty")], "holds no train.json")
+    shutil.rmtree(work)
+
+
+def test_resume_with_one_flag_names_the_option_that_differs(capsys, base, tmp_path, monkeypatch):
+    """A flag given beside `--resume DIR` that changes what a step computes is refused, naming the
+    difference, before any model loads, nothing written; --steps and --output may change."""
+    import flux_klein_mlx.train.trainer as train_module
+
+    data = make_images(tmp_path / "data")
+    out, work = tmp_path / "o.safetensors", tmp_path / "o.train"
+    rc, _, err = run_cli(capsys, "train", *base_args(base, data, out), "--steps", "1", "--save-every", "1")
+    assert rc == 0, err
+
+    def no_model(info, name, *a, **k):
+        raise AssertionError(f"the {name} was loaded before the bad input was refused")
+
+    monkeypatch.setattr(train_module, "load_component", no_model)
+    more = ["--resume", str(work), "--steps", "2", "--output", str(tmp_path / "o2.safetensors")]
+    refused(capsys, tmp_path, more + ["--lr", "0.5"], "other settings", "lr: 0.0001 there, 0.5 now")
+    refused(capsys, tmp_path, more + ["--rank", "8"], "other settings", "rank: 4 there, 8 now")
+    refused(capsys, tmp_path, ["--resume", str(work)], "already at step 1 of 1", "raise --steps")
