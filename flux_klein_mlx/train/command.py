@@ -266,6 +266,13 @@ def describe_samples(ev: SamplesSaved) -> str:
     default=None,
     help="Quantize the sample model (to fit beside training) [default: none, as generate].",
 )
+@click.option(
+    "--sample-image",
+    "sample_images",
+    multiple=True,
+    help="Edit LoRAs: the samples' reference image, one per --control (or per --control and prompt); repeatable "
+    "[default: the first held-out image's references].",
+)
 @click.option("--trigger", default=None, help="Replaces [trigger] in each caption, else is prepended: 'sks, a fox'.")
 @click.option(
     "--caption-dropout",

@@ -92,7 +92,7 @@ def bucket_size(w: int, h: int, resolution: int) -> tuple[int, int]:
     return side(resolution * r), side(resolution / r)
 
 
-def _check_picture(path: Path, what: str) -> Picture:
+def check_picture(path: Path, what: str) -> Picture:
     """Open and fully decode one image (one-line errors naming it); its size and hash."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an animated file's "first frame" warning is not news here
@@ -290,8 +290,8 @@ def scan_data(
     items = []
     for stem, path in images.items():
         text, source = captions[stem]
-        picture = _check_picture(path, "training image")
-        pics = [_check_picture(cmap[stem], "control image") for _, cmap in control_maps]
+        picture = check_picture(path, "training image")
+        pics = [check_picture(cmap[stem], "control image") for _, cmap in control_maps]
         example = dict(
             stem=stem, image=picture, caption=with_trigger(text, trigger), caption_from=source, controls=pics
         )

@@ -20,6 +20,8 @@ so a sample is what
 
 gives, and the last sample (at --steps) is what the output gives; each PNG's record carries that
 command, the file's sha256 and whether a checkpoint was written at that step (`training_sample`).
+An edit LoRA's samples (--control) are edits of reference images (`sample_references`: --sample-image,
+else the first held-out image's references), named in the record and given to that command as --image.
 A small file rather than a checkpoint kept from deletion: a checkpoint holds the float32 adapters
 and AdamW's two moments (about 6x the bytes of a bfloat16 LoRA), and its float32 LoRA is not the
 precision the user gets.
@@ -50,6 +52,7 @@ from ..lora import layouts
 from ..models.config import VARIANTS
 from ..output import write_image
 from ..weights import save_safetensors_streaming
+from .data import check_picture
 from .settings import TrainSettings
 from .state import way_back, write_atomic
 
@@ -113,7 +116,37 @@ def check_sample_model(settings: TrainSettings, trained: ModelInfo) -> ModelInfo
     return info
 
 
-def generate_command(record: dict, source: str, lora: Path | None, strength: float | None) -> str:
+def sample_references(settings: TrainSettings, items: list, held_out: list) -> list[list[Path]]:
+    """The reference images of each sample prompt (edit LoRAs, --control; [] each otherwise), every one
+    opened and checked: --sample-image (one per --control for every prompt, or for each prompt in turn),
+    else the first held-out image's references (--validation-control: images the LoRA never trained
+    on), else the first training image's, said in a warning (the LoRA has seen that pair)."""
+    prompts = len(settings.sample_prompts)
+    n = len(settings.controls)
+    if not n or not settings.sample_every:
+        return [[] for _ in range(prompts)]
+    if settings.sample_images:
+        paths = [Path(p).expanduser() for p in settings.sample_images]
+        for p in paths:
+            if not p.is_file():
+                raise FluxKleinError(f"--sample-image {p} is not a file; give a reference image for the samples")
+            check_picture(p, "--sample-image")
+        per_prompt = [paths[k * n : (k + 1) * n] for k in range(prompts)] if len(paths) > n else [paths] * prompts
+        return per_prompt
+    if held_out and held_out[0].controls:
+        return [[c.path for c in held_out[0].controls]] * prompts
+    first = items[0]
+    warnings.warn(
+        f"the samples of this edit LoRA edit {first.controls[0].path.name}, the reference of training image "
+        f"{first.image.path.name} (give --sample-image, or --validation-control, for one it never trained on)",
+        stacklevel=3,
+    )
+    return [[c.path for c in first.controls]] * prompts
+
+
+def generate_command(
+    record: dict, source: str, lora: Path | None, *, strength: float | None = None, references: list[Path] = ()
+) -> str:
     """The `generate` command line that makes the image of `record` (a sample's own settings)."""
     args = [
         "python",
@@ -135,6 +168,8 @@ def generate_command(record: dict, source: str, lora: Path | None, strength: flo
     ]
     if record["quantize"]:
         args += ["--quantize", str(record["quantize"])]
+    for image in references:
+        args += ["--image", str(image)]
     if lora is not None:
         args += ["--lora", str(lora)] + (["--lora-scale", f"{strength:g}"] if strength != 1.0 else [])
     return shlex.join(args)
@@ -149,21 +184,26 @@ class SampleImages:
     """The sample pipeline of a run: loaded once, its prompts encoded once, then an image per prompt
     (and strength) at each sample point; the baseline images are kept for the comparisons."""
 
-    def __init__(self, settings, info: ModelInfo):
+    def __init__(self, settings, info: ModelInfo, references: list[list[Path]] | None = None):
         self.settings = settings
         self.info = info
+        # per prompt, its reference images (an edit LoRA's; `sample_references`)
+        self.references = references or [[] for _ in settings.sample_prompts]
         self.source = sample_source(settings)
         self.size = settings.sample_size or max(settings.resolutions)  # several: the largest
         self.folder = Path(settings.work_dir) / "samples"
         self.pipe = None
         self.baselines: list[np.ndarray] = []  # per prompt, (H, W, 3) float32 in 0-255
 
-    def generate_settings(self) -> dict:
+    def generate_settings(self, k: int = 0) -> dict:
+        """`generate`'s settings of sample prompt `k` (its references, if any)."""
+        images = {"images": [str(p) for p in self.references[k]]} if self.references[k] else {}
         return {
             "width": self.size,
             "height": self.size,
             "steps": self.settings.sample_steps,
             "seed": self.settings.sample_seed,
+            **images,
         }
 
     def load(self) -> tuple[float, str]:
@@ -181,8 +221,8 @@ class SampleImages:
         )
         prompts = [
             p
-            for prompt in self.settings.sample_prompts
-            for p in self.pipe.inputs(prompt, self.generate_settings()).prompts
+            for k, prompt in enumerate(self.settings.sample_prompts)
+            for p in self.pipe.inputs(prompt, self.generate_settings(k)).prompts
         ]
         mx.eval(self.pipe.encode_prompts(list(dict.fromkeys(prompts))))
         q = f", {self.settings.sample_quantize}-bit" if self.settings.sample_quantize else ""
@@ -190,9 +230,10 @@ class SampleImages:
         detail = f"{self.info.name} from {self.source} ({DEFAULT_DTYPE}{q}), {prompts} prompt(s) encoded"
         return time.perf_counter() - t0, detail
 
-    def _image(self, prompt: str):
-        """One image at the sample settings with the pipeline's current LoRAs: (PIL image, record, peak bytes)."""
-        image = self.pipe.generate(prompt, **self.generate_settings())
+    def _image(self, k: int):
+        """Prompt `k`'s image at the sample settings with the pipeline's current LoRAs: (PIL image, record, peak
+        bytes)."""
+        image = self.pipe.generate(self.settings.sample_prompts[k], **self.generate_settings(k))
         st = self.pipe.last_stats
         peak = max(st.encode.peak_memory, st.denoise.peak_memory, st.decode.peak_memory)
         return image, dict(self.pipe.last_metadata), peak
@@ -209,13 +250,14 @@ class SampleImages:
         paths = []
         self.baselines = []
         peak = 0
-        for k, prompt in enumerate(self.settings.sample_prompts):
-            image, record, p = self._image(prompt)
+        for k in range(len(self.settings.sample_prompts)):
+            image, record, p = self._image(k)
             record["training_sample"] = {
                 "step": 0,
                 "strength": None,
                 "baseline": True,
-                "generate": generate_command(record, self.source, None, None),
+                "references": [str(r) for r in self.references[k]],
+                "generate": generate_command(record, self.source, None, references=self.references[k]),
             }
             paths.append(self._save(sample_name(0, k, None), image, record))
             self.baselines.append(np.asarray(image, dtype=np.float32))
@@ -244,8 +286,8 @@ class SampleImages:
         try:
             for strength in self.settings.sample_strengths:
                 self.pipe.set_loras([(kept, strength)])
-                for k, prompt in enumerate(self.settings.sample_prompts):
-                    image, record, p = self._image(prompt)
+                for k in range(len(self.settings.sample_prompts)):
+                    image, record, p = self._image(k)
                     record["loras"] = [{**r, "name": f"{kept.parent.name}/{kept.name}"} for r in record["loras"]]
                     record["training_sample"] = {
                         "step": step,
@@ -254,7 +296,10 @@ class SampleImages:
                         "lora": str(kept),
                         "checkpoint": str(checkpoint),
                         "checkpoint_written": checkpoint.is_file(),
-                        "generate": generate_command(record, self.source, kept, strength),
+                        "references": [str(r) for r in self.references[k]],
+                        "generate": generate_command(
+                            record, self.source, kept, strength=strength, references=self.references[k]
+                        ),
                     }
                     paths.append(self._save(sample_name(step, k, strength), image, record))
                     changes.append(float(np.abs(np.asarray(image, dtype=np.float32) - self.baselines[k]).mean()))

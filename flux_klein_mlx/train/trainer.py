@@ -86,7 +86,9 @@ class Trainer:
         self.losses: list[float] = []
         # samples are rank 0's, as every file: the other ranks of an mlx.launch run load no sample model
         drawn_here = plan.sample_info is not None and plan.world.is_main
-        self.sample_images = SampleImages(self.settings, plan.sample_info) if drawn_here else None
+        self.sample_images = (
+            SampleImages(self.settings, plan.sample_info, plan.sample_references) if drawn_here else None
+        )
         self.trained_peak = 0  # the highest training-step memory peak so far (bytes)
         self.world = plan.world
         self.validation = Validation(plan.validation)  # validation: empty without --validation

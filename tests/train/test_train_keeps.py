@@ -5,6 +5,8 @@
   the output, tensor for tensor (the images themselves: test_train_samples.py);
 - `train --resume DIR` (or `--resume --work-dir DIR`) alone continues a run with its own options
   (bit for bit); a flag beside it that changes what a step computes is refused naming the difference;
+- an edit LoRA's samples edit a reference (--sample-image, else the first held-out one): the record
+  names it and its generate command (with --image) reproduces the sample;
 - each new option's bad value is one line before any model loads, nothing written.
 """
 
@@ -12,17 +14,22 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from command_line import run_cli
+from PIL import Image
 from safetensors import safe_open
 from test_train_bad_input import base_args, make_images, no_models, refused  # noqa: F401
+from test_train_samples import pixels, record_of, run_recorded_command
 
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
+from flux_klein_mlx.train.plan import plan_run
 from flux_klein_mlx.train.samples import SamplesSaved
+from flux_klein_mlx.train.settings import TrainSettings
 
 
 def tensors(path) -> dict[str, np.ndarray]:
@@ -159,3 +166,91 @@ def test_resume_with_one_flag_names_the_option_that_differs(capsys, base, tmp_pa
     refused(capsys, tmp_path, more + ["--lr", "0.5"], "other settings", "lr: 0.0001 there, 0.5 now")
     refused(capsys, tmp_path, more + ["--rank", "8"], "other settings", "rank: 4 there, 8 now")
     refused(capsys, tmp_path, ["--resume", str(work)], "already at step 1 of 1", "raise --steps")
+
+
+# --- an edit LoRA's samples are edits ------------------------------------------------------------
+
+
+def edit_data(root: Path) -> tuple[Path, Path, Path, Path]:
+    """data/ + before/ (its references, same names), held/ + held_before/ (a held-out pair), 64 px."""
+    g = np.random.default_rng(11)
+    folders = [root / name for name in ("data", "before", "held", "held_before")]
+    for folder in folders:
+        folder.mkdir(parents=True)
+    for folder, names in ((folders[0], ("im0", "im1")), (folders[2], ("h0",))):
+        for name in names:
+            target = (g.random((64, 64, 3)) * 255).astype(np.uint8)
+            Image.fromarray(target).save(folder / f"{name}.png")
+            (folder / f"{name}.txt").write_text("make it a striped card")
+            reference = folders[1] if folder == folders[0] else folders[3]
+            Image.fromarray(np.ascontiguousarray(target[:, ::-1])).save(reference / f"{name}.png")
+    return tuple(folders)
+
+
+def test_an_edit_loras_samples_are_edits_of_their_references(base, distilled, tmp_path, capsys):
+    """--control: the samples edit the first held-out reference by default, or --sample-image (one per
+    prompt): each record names its references, its generate command (with --image) reproduces it (2/255,
+    bf16), and the reference changes the image (it is not text-to-image)."""
+    data, before, held, held_before = edit_data(tmp_path)
+    common = dict(model=base, data=data, controls=[before], steps=1, rank=4, lr=5e-3, resolution=64, save_every=None)
+    common |= dict(sample_every=1, sample_model=distilled, sample_steps=2, sample_seed=3)
+    prompts = ["make it a striped card", "make it blue"]
+    list(
+        flux_klein_mlx.train_lora(
+            output=tmp_path / "a.safetensors",
+            sample_prompts=prompts,
+            validation=held,
+            validation_controls=[held_before],
+            **common,
+        )
+    )
+    samples = tmp_path / "a.train" / "samples"
+    for name in ("step-000000-0.png", "step-000001-0.png", "step-000001-1.png"):
+        rec = record_of(samples / name)
+        assert rec["training_sample"]["references"] == [str(held_before / "h0.png")], name
+        assert f"--image {held_before / 'h0.png'}" in rec["training_sample"]["generate"]
+    rec = record_of(samples / "step-000001-0.png")
+    ours = pixels(samples / "step-000001-0.png")
+    assert np.abs(ours - run_recorded_command(rec, tmp_path / "gen.png", capsys)).max() <= 2
+    plain = dict(rec, training_sample=dict(rec["training_sample"]))
+    plain["training_sample"]["generate"] = rec["training_sample"]["generate"].replace(
+        f" --image {held_before / 'h0.png'}", ""
+    )
+    assert np.abs(ours - run_recorded_command(plain, tmp_path / "plain.png", capsys)).mean() > 1  # an edit
+    chosen = [str(before / "im1.png"), str(held_before / "h0.png")]  # one per prompt
+    list(
+        flux_klein_mlx.train_lora(
+            output=tmp_path / "b.safetensors", sample_prompts=prompts, sample_images=chosen, **common
+        )
+    )
+    for k in (0, 1):
+        rec = record_of(tmp_path / "b.train" / "samples" / f"step-000001-{k}.png")
+        assert rec["training_sample"]["references"] == [chosen[k]]
+    assert (
+        np.abs(
+            pixels(tmp_path / "b.train" / "samples" / "step-000001-1.png")
+            - run_recorded_command(rec, tmp_path / "gen-b.png", capsys)
+        ).max()
+        <= 2
+    )
+
+
+@pytest.mark.usefixtures("no_models")
+def test_sample_image_bad_input_is_one_line_before_any_model(capsys, base, tmp_path):
+    data, before, _, _ = edit_data(tmp_path / "in")
+    out = tmp_path / "o.safetensors"
+    args = base_args(base, data, out) + ["--sample-every", "1", "--sample-prompt", "a", "--sample-model", str(base)]
+    image = str(before / "im0.png")
+    refused(capsys, tmp_path, args + ["--sample-image", image], "--sample-image", "needs --control")
+    args += ["--control", str(before)]
+    refused(capsys, tmp_path, args + ["--sample-image", image] * 3, "--sample-image", "give 1 image(s)", "not 3")
+    refused(capsys, tmp_path, args + ["--sample-image", str(tmp_path / "gone.png")], "gone.png", "not a file")
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    refused(capsys, tmp_path, args + ["--sample-image", str(tmp_path / "bad.png")], "bad.png")
+    no_sampling = base_args(base, data, out) + ["--control", str(before), "--sample-image", image]
+    refused(capsys, tmp_path, no_sampling, "--sample-image needs --sample-every")
+    with pytest.warns(UserWarning, match=r"edit im0.png, the reference of training image im0.png"):
+        plan = plan_run(TrainSettings(model=base, data=data, output=out, controls=[before], resolution=64,
+                                      sample_every=1, sample_prompts=["a"], sample_model=base))  # fmt: skip
+    assert plan.sample_references == [[before / "im0.png"]]
+    assert not out.exists() and not (tmp_path / "o.train").exists()
