@@ -48,7 +48,7 @@ def info(path):
         ("file", d["file"]),
         ("format", d["format"]),
         ("modules", f"{d['modules']} (on {d['layers']} layers)"),
-        ("rank", "LoKr" if d["lokr"] and not d["alphas"] and not d["trained_rank"] else ranks),
+        ("rank", lokr_rank(d, ranks) if d["lokr"] else ranks),
         ("alpha", alphas or None),
         ("model", d["model"]),
         ("dtype", d["dtype"]),
@@ -62,6 +62,13 @@ def info(path):
     for key, value in lines:
         if value is not None:
             click.echo(f"{key + ':':<12}{value}")
+
+
+def lokr_rank(d: dict, ranks: str) -> str:
+    """A LoKr's rank line: its w2 pairs' rank where it has them, the trained --rank where the header says it."""
+    if d["trained_rank"]:
+        return f"LoKr, --rank {ranks} (the rank of w2 where it is a low-rank pair)"
+    return f"LoKr, {ranks}" if d["alphas"] else "LoKr"
 
 
 def main(argv=None) -> int:
