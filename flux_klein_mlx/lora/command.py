@@ -38,26 +38,37 @@ def convert(source, output, layout):
 @lora.command("info")
 @click.argument("path")
 def info(path):
-    """Describe a LoRA file: format, modules, rank, alpha, trainer, base model, klein size, hashes."""
+    """Describe a LoRA file: format, modules, rank, alpha, trainer, base model, klein size, the training
+    (steps, schedule, sizes, dataset: from a trained file's header), hashes."""
     d = describe_lora(path)
     alphas = ", ".join(describe_number(a) for a in d["alphas"])
+    # the trained rank (from the header) where a trainer wrote it; else each rank of the file's pairs
+    ranks = ", ".join(str(r) for r in d["ranks"] if r)
     lines = [
         ("file", d["file"]),
         ("format", d["format"]),
         ("modules", f"{d['modules']} (on {d['layers']} layers)"),
-        ("rank", "LoKr" if d["lokr"] and not d["alphas"] else ", ".join(str(r) for r in d["ranks"] if r)),
+        ("rank", lokr_rank(d, ranks) if d["lokr"] else ranks),
         ("alpha", alphas or None),
         ("model", d["model"]),
         ("dtype", d["dtype"]),
         ("trainer", d["trainer"]),
         ("base model", d["base_model"]),
         ("trigger", d["trigger"]),
+        *d["training"],
         ("sha256", d["sha256"]),
         ("AutoV3", f"{d['autov3']} (A1111 / Civitai)"),
     ]
     for key, value in lines:
         if value is not None:
             click.echo(f"{key + ':':<12}{value}")
+
+
+def lokr_rank(d: dict, ranks: str) -> str:
+    """A LoKr's rank line: its w2 pairs' rank where it has them, the trained --rank where the header says it."""
+    if d["trained_rank"]:
+        return f"LoKr, --rank {ranks} (the rank of w2 where it is a low-rank pair)"
+    return f"LoKr, {ranks}" if d["alphas"] else "LoKr"
 
 
 def main(argv=None) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -211,13 +212,16 @@ def describe_lora(path: str | Path) -> dict:
     )
     if getattr(p, "flow_map", False):  # FLUX 3: only the distilled model has the target-time embedder
         size += " (distilled: it adapts ref_time_in)"
+    trained = trained_rank(meta)
     return {
         "file": str(lora.path),
         "format": FORMAT_NAMES[lora.parsed.format],
         "modules": lora.parsed.n_modules,
         "layers": len({t.layer for t in terms}),
-        "ranks": ranks,
-        "alphas": alphas,
+        "ranks": [trained[0]] if trained else ranks,
+        "alphas": [trained[1]] if trained else alphas,
+        "trained_rank": trained is not None,
+        "training": training_facts(meta),
         "lokr": any(t.down is None for t in terms),
         "model": size,
         "dtype": str(lora.dtype).removeprefix("mlx.core."),
@@ -227,6 +231,57 @@ def describe_lora(path: str | Path) -> dict:
         "sha256": lora.sha256,
         "autov3": autov3(lora.path),
     }
+
+
+def trained_rank(meta: dict[str, str]) -> tuple[int, float] | None:
+    """(rank, alpha) a trainer recorded in the header (ours, else kohya's ss_network_dim / _alpha), or None.
+    The file's own pairs can be wider: ComfyUI's fused qkv stacks q, k and v (rank 48 of a rank-16 run)."""
+    for rank_key, alpha_key in (
+        ("flux_klein_mlx.rank", "flux_klein_mlx.alpha"),
+        ("ss_network_dim", "ss_network_alpha"),
+    ):
+        try:
+            rank, alpha = int(float(meta[rank_key])), float(meta[alpha_key])
+        except (KeyError, ValueError):
+            continue
+        if rank > 0 and math.isfinite(alpha):
+            return rank, alpha
+    return None
+
+
+def training_facts(meta: dict[str, str]) -> list[tuple[str, str]]:
+    """What a trained file's header says of its run (kohya's ss_* keys, which we write too), as
+    (label, text) lines of `lora info`; keys that are absent are left out."""
+    get = meta.get
+    facts = []
+    if get("ss_steps") or get("ss_max_train_steps"):
+        steps = get("ss_steps") or get("ss_max_train_steps")
+        total = f" of {get('ss_max_train_steps')}" if get("ss_steps") and get("ss_max_train_steps") else ""
+        facts.append(("steps", f"{steps}{total}"))
+    if get("ss_learning_rate"):
+        warmup = get("ss_lr_warmup_steps")
+        warm = f", warmup {warmup} steps" if warmup and warmup != "0" else ""
+        facts.append(("schedule", f"lr {get('ss_learning_rate')} {get('ss_lr_scheduler') or ''}{warm}".strip()))
+    if get("ss_resolution"):  # "(512, 512), (768, 768)": each size as kohya writes its one
+        sizes = [f"{w}x{h}" for w, h in re.findall(r"\((\d+), (\d+)\)", get("ss_resolution"))]
+        facts.append(("sizes", ", ".join(sizes) or get("ss_resolution")))
+    if get("ss_num_train_images"):
+        facts.append(("dataset", _dataset(get("ss_num_train_images"), get("ss_tag_frequency"))))
+    return facts
+
+
+def _dataset(images: str, tag_frequency: str | None) -> str:
+    """ "5 images; tags: sks (5), a fox (2), ..." from kohya's count and its tag frequency (JSON, per folder)."""
+    counts: dict[str, int] = {}
+    try:
+        for tags in json.loads(tag_frequency or "{}").values():
+            for tag, n in tags.items():
+                counts[tag] = counts.get(tag, 0) + int(n)
+    except (ValueError, AttributeError, TypeError):
+        counts = {}
+    top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    shown = first_few([f"{t} ({n})" for t, n in top], 5)
+    return f"{images} images" + (f"; tags: {shown}" if shown else "")
 
 
 def describe_number(x: float) -> str:

@@ -8,7 +8,10 @@ Each layout has its own unit, the module one (down, up) pair is written for:
 
     diffusers  transformer.<diffusers module>.lora_A.weight / .lora_B.weight      (r, in) / (out, r)
                a double block's fused qkv is three modules (to_q, to_k, to_v: row blocks of it);
-               alpha in PEFT's `lora_adapter_metadata` header (r, lora_alpha, rank/alpha patterns)
+               alpha / r folded into B, PEFT's `lora_adapter_metadata` header with lora_alpha = r
+               (ComfyUI's loader ignores that header: a file whose scale lived there had another
+               effect there); the trainer's checkpoints alone keep B and alpha apart (fold_alpha=False),
+               so a resume reads back the very values it trained
     comfyui    diffusion_model.<BFL module>.lora_A.weight / .lora_B.weight         alpha / r folded into B
     kohya      lora_unet_<BFL module, dots as _>.lora_down.weight / .lora_up.weight / .alpha
 
@@ -269,15 +272,25 @@ def file_metadata(pairs, layout: str, header: dict[str, str] | None = None) -> d
 
 
 def adapter_file(
-    terms: list[Term], layout: str, params, *, what: str, dtype=None, header: dict[str, str] | None = None
+    terms: list[Term],
+    layout: str,
+    params,
+    *,
+    what: str,
+    dtype=None,
+    header: dict[str, str] | None = None,
+    fold_alpha: bool = True,
 ) -> tuple[dict[str, mx.array], dict[str, str]]:
     """THE writer of adapter files: any adapter's `terms` (LoRA pairs or LoKr factors, as `parse_lora`
     reads them and as the trainer holds them) as (tensors, safetensors header) in `layout`, tensors in
     `dtype` (None: each term's own). The trainer's output, checkpoints, EMA and sample files and
-    `lora convert` all come from here; `header` adds the training's or the source's keys."""
+    `lora convert` all come from here; `header` adds the training's or the source's keys. A diffusers
+    file has alpha folded into B (`fold_alpha`; the checkpoints' exact layout keeps them apart)."""
     if any(t.down is None for t in terms):
         return lokr_tensors(terms, layout, params=params, what=what, dtype=dtype), file_metadata([], layout, header)
     pairs = layout_pairs(terms, layout, params, what)
+    if layout == "diffusers" and fold_alpha:  # every loader then gives the same effect: alpha = r, scale 1
+        pairs = [(name, down, up if f == 1.0 else up.astype(mx.float32) * f, 1.0) for name, down, up, f in pairs]
     return layout_tensors(pairs, layout, dtype), file_metadata(pairs, layout, header)
 
 

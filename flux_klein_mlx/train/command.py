@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import click
 from click.core import ParameterSource
@@ -22,7 +23,7 @@ from .distributed import PeerLost, world
 from .evaluation import ValidationFinished
 from .memory import MemoryPlanned, describe_plan
 from .objective import SCHEDULES
-from .settings import DEFAULT_BASE_MODEL, TIMESTEPS, TrainSettings
+from .settings import DEFAULT_BASE_MODEL, TIMESTEPS, TrainSettings, default_work_dir
 from .trainer import (
     CheckpointSaved,
     SamplesSaved,
@@ -93,9 +94,16 @@ def describe_event(ev) -> str | None:
         if ev.first_step > ev.total_steps:  # a finished run whose output was not written: written now
             where = f"writing the output from {ev.resumed_from} (all {ev.total_steps} steps done, no training)"
         buckets = ", ".join(f"{k} x{v}" for k, v in ev.buckets.items())
+        processes = (
+            f"; {ev.processes} processes train (mlx.launch), each {ev.batch_size} of every batch of "
+            f"{ev.processes * ev.batch_size}"
+            if ev.processes > 1
+            else ""
+        )
         return (
             f"{where}: {ev.images} image(s) ({buckets}), {ev.adapters} adapters on {ev.layers} layers, "
             f"{ev.parameters / 1e6:.2f} M trainable parameters, {ev.total_steps} steps; work folder {ev.work_dir}"
+            f"{processes}\na caption as it trains ({ev.images} image(s)): {ev.caption!r}"
         )
     if isinstance(ev, CheckpointSaved):
         return f"checkpoint: {ev.path}"
@@ -211,6 +219,12 @@ def describe_samples(ev: SamplesSaved) -> str:
 @click.option("--max-grad-norm", type=float, default=_D.max_grad_norm, show_default=True)
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=_D.dtype, show_default=True)
 @click.option(
+    "--save-dtype",
+    default=None,
+    help=f"{'|'.join(DTYPES)}: the output file's dtype, and that of the LoRA each sample point keeps and is "
+    "drawn with [default: --dtype].",
+)
+@click.option(
     "--quantize", "-q", type=click.Choice(["4", "8"]), default=None, help="Quantize the frozen model (QLoRA)."
 )
 @click.option(
@@ -221,7 +235,15 @@ def describe_samples(ev: SamplesSaved) -> str:
 @click.option(
     "--work-dir", default=None, help="Checkpoints, samples, loss.png, train.json [default: <output stem>.train/]."
 )
-@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in the work folder.")
+@click.option(
+    "--resume",
+    is_flag=False,
+    flag_value="",
+    default=None,
+    metavar="[DIR]",
+    help="Continue from the latest checkpoint in the work folder (DIR, or --work-dir); the options not given "
+    "are the run's own, from its train.json.",
+)
 @click.option("--sample-every", type=int, default=None, help="Write sample images every N steps.")
 @click.option("--sample-prompt", "sample_prompts", multiple=True, help="Prompt of the sample images; repeatable.")
 @click.option("--sample-steps", type=int, default=None, help="Denoising steps of the samples [default: the model's].")
@@ -243,6 +265,13 @@ def describe_samples(ev: SamplesSaved) -> str:
     type=click.Choice(["4", "8"]),
     default=None,
     help="Quantize the sample model (to fit beside training) [default: none, as generate].",
+)
+@click.option(
+    "--sample-image",
+    "sample_images",
+    multiple=True,
+    help="Edit LoRAs: the samples' reference image, one per --control (or per --control and prompt); repeatable "
+    "[default: the first held-out image's references].",
 )
 @click.option("--trigger", default=None, help="Replaces [trigger] in each caption, else is prepended: 'sks, a fox'.")
 @click.option(
@@ -270,7 +299,9 @@ def train(**options):
     """Train a LoRA on FLUX.2 [klein] Base from a folder of captioned images.
 
     Under mlx.launch (several Macs) every process runs this command; rank 0 alone prints and writes."""
-    options = with_config(click.get_current_context(), options)
+    ctx = click.get_current_context()
+    options, from_config = with_config(ctx, options)
+    options = with_resume(ctx, options, from_config)
     options["quantize"] = int(options["quantize"]) if options["quantize"] else None
     options["sample_quantize"] = int(options["sample_quantize"]) if options["sample_quantize"] else None
     w = world()
@@ -314,18 +345,56 @@ def interrupted(step: int, checkpoint) -> str:
     return f"stopped at step {step}; last checkpoint {checkpoint}: continue with the same command and --resume"
 
 
-def with_config(ctx: click.Context, options: dict) -> dict:
-    """The options with those of --config filled in where the command line gave none."""
+def with_config(ctx: click.Context, options: dict) -> tuple[dict, set[str]]:
+    """The options with those of --config filled in where the command line gave none; and their names."""
     path = options.pop("config")
     if not path:
-        return options
+        return options, set()
     config = read_config(path, option_names(ctx.command))
+    filled = set()
     for name, value in config.settings.items():
         if ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE:
             options[name] = value
+            filled.add(name)
     if config.recorded_data is not None and ctx.get_parameter_source("data") != ParameterSource.COMMANDLINE:
         check_recorded_data(config, options["data"])  # the same images as the recorded run, byte for byte
+    return options, filled
+
+
+def with_resume(ctx: click.Context, options: dict, given: set[str]) -> dict:
+    """`--resume [DIR]`: the work folder is DIR (or --work-dir, or the --output's default) and every option
+    neither on the command line nor in --config (`given`) is the run's own, from its train.json. What is
+    given must agree where it decides a step (the checkpoint's run key, state.resume_point, names what
+    differs); --steps may grow, and --output, saving and sampling may change."""
+    value = options["resume"]
+    options["resume"] = value is not None
+    if value is None:
+        return options
+    work = resume_folder(value, options["work_dir"], options["output"])
+    options["work_dir"] = str(work)
+    record = work / "train.json"
+    if not record.is_file():
+        if not options["data"] or not options["output"]:
+            raise FluxKleinError(
+                f"--resume: {work} holds no train.json of a run; give the run's work folder (--resume DIR)"
+            )
+        return options  # the run's options are all given: the checkpoint's check says whether they agree
+    recorded = read_config(record, option_names(ctx.command))
+    for name, v in recorded.settings.items():
+        if name not in given and ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE:
+            options[name] = v
     return options
+
+
+def resume_folder(value: str, work_dir: str | None, output: str) -> Path:
+    """The work folder of `--resume [DIR]`: DIR, --work-dir (the same one when both), or the --output's default."""
+    if value and work_dir and Path(value).expanduser().resolve() != Path(work_dir).expanduser().resolve():
+        raise FluxKleinError(f"--resume {value} and --work-dir {work_dir} name two folders; give one of them")
+    if value or work_dir:
+        return Path(value or work_dir).expanduser()
+    if output:
+        return default_work_dir(Path(output).expanduser())
+    raise FluxKleinError("--resume needs the run's work folder: --resume DIR, or --work-dir DIR")
 
 
 def _stopped(size: int):

@@ -9,7 +9,8 @@ Layout (the kohya / ai-toolkit convention):
 
 An image without a caption takes `--caption`; without it, missing captions are an error naming the
 images. `--trigger WORD` replaces `[trigger]` in a caption, or else is prepended as `WORD, ` ("a fox"
-trains as "sks, a fox"); `--caption-dropout P` trains an example with the empty caption with
+trains as "sks, a fox") unless the caption holds it as a word already; `[trigger]` without `--trigger`
+is refused; `--caption-dropout P` trains an example with the empty caption with
 probability P, drawn per batch from the run's seed and the batch's place in the run (the same on
 resume, and without touching the run's other random numbers). Captions are UTF-8 (a byte-order
 mark, as Windows' Notepad writes, is dropped); their suffix is `--caption-extension` (.txt; kohya's
@@ -33,6 +34,7 @@ buckets.
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,7 +92,7 @@ def bucket_size(w: int, h: int, resolution: int) -> tuple[int, int]:
     return side(resolution * r), side(resolution / r)
 
 
-def _check_picture(path: Path, what: str) -> Picture:
+def check_picture(path: Path, what: str) -> Picture:
     """Open and fully decode one image (one-line errors naming it); its size and hash."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an animated file's "first frame" warning is not news here
@@ -147,12 +149,29 @@ TRIGGER_SLOT = "[trigger]"
 
 
 def with_trigger(caption: str, trigger: str | None) -> str:
-    """The caption as trained: `[trigger]` replaced by `trigger`, or `trigger, ` prepended (None: as written)."""
+    """The caption as trained: `[trigger]` replaced by `trigger`; else `trigger, ` prepended unless the
+    caption already holds the trigger as a word ("a fox, sks style" stays; "sksx" is not "sks"); None: as
+    written (a `[trigger]` then is refused before: `check_trigger_slots`)."""
     if trigger is None:
         return caption
     if TRIGGER_SLOT in caption:
         return caption.replace(TRIGGER_SLOT, trigger)
+    if re.search(rf"(?<!\w){re.escape(trigger)}(?!\w)", caption):
+        return caption
     return f"{trigger}, {caption}"
+
+
+def check_trigger_slots(named: list[tuple[str, str]], trigger: str | None) -> None:
+    """`[trigger]` in a caption (name, text) with no --trigger to put there: one line naming them (it would
+    train as the literal text "[trigger]")."""
+    if trigger is not None:
+        return
+    holding = list(dict.fromkeys(name for name, text in named if TRIGGER_SLOT in text))
+    if holding:
+        raise FluxKleinError(
+            f"{first_few(holding)} hold(s) {TRIGGER_SLOT} but no --trigger is given; give --trigger WORD to put "
+            f"there, or write the word into the caption"
+        )
 
 
 def dropped_captions(seed: int, epoch: int, *, position: int, n: int, p: float) -> list[bool]:
@@ -266,12 +285,13 @@ def scan_data(
                 f"{control_option} {cfolder} has no image for {len(missing)} image(s) of {option} ({head}); "
                 f"each control folder needs one image per image of {option}, with the same name"
             )
+    captions = _captions(images, caption, caption_extension, trigger)
     sizes = (resolution,) if isinstance(resolution, int) else tuple(resolution)
     items = []
     for stem, path in images.items():
-        text, source = caption_of(path, caption, caption_extension)
-        picture = _check_picture(path, "training image")
-        pics = [_check_picture(cmap[stem], "control image") for _, cmap in control_maps]
+        text, source = captions[stem]
+        picture = check_picture(path, "training image")
+        pics = [check_picture(cmap[stem], "control image") for _, cmap in control_maps]
         example = dict(
             stem=stem, image=picture, caption=with_trigger(text, trigger), caption_from=source, controls=pics
         )
@@ -279,6 +299,17 @@ def scan_data(
     _say_what_is_not_read(folder, images, caption_extension)  # once the data passed: a refusal stays one line
     _say_upscaled(items, option)
     return items
+
+
+def _captions(images: dict[str, Path], caption, extension: str, trigger) -> dict[str, tuple[str, str]]:
+    """stem -> (caption as written, where from) of captioned `images`, a `[trigger]` without --trigger refused."""
+    captions = {stem: caption_of(path, caption, extension) for stem, path in images.items()}
+    named = [
+        ("--caption" if source == "--caption" else images[stem].with_suffix(extension).name, text)
+        for stem, (text, source) in captions.items()
+    ]
+    check_trigger_slots(named, trigger)
+    return captions
 
 
 UPSCALE_SAID = 2.0  # an image stretched past twice its width or height trains on blur: said, named

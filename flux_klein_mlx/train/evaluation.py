@@ -202,6 +202,14 @@ def nice_ticks(lo: float, hi: float, count: int = 6, whole: bool = False) -> lis
 _GREY, _BLUE, _ORANGE, _GRID, _RED = (170, 170, 170), (30, 80, 220), (230, 120, 20), (232, 232, 232), (220, 40, 40)
 
 
+def plot_title(window: int, lr_text: str = "") -> str:
+    """loss.png's title. A window of 1 step (a run under 40 steps) averages nothing: no blue line, and
+    the title says so rather than name an "average over 1 step"."""
+    if window > 1:
+        return f"training loss per step (grey) and its average over the last {window} steps (blue){lr_text}"
+    return f"training loss per step (grey; no average: the run is under 40 steps){lr_text}"
+
+
 def loss_plot(
     losses: list[float], *, window: int, lrs: list[float] | None = None, validation=(), size=(900, 440)
 ) -> Image.Image:
@@ -215,8 +223,7 @@ def loss_plot(
     font = ImageFont.load_default(size=13)
     varying = bool(lrs) and max(lrs) > min(lrs)
     lr_text = "" if not lrs else ", lr (orange, right axis)" if varying else f", lr {lrs[0]:g} (constant)"
-    steps_text = f"the last {window} steps" if window > 1 else "1 step"
-    title = f"training loss per step (grey) and its average over {steps_text} (blue){lr_text}"
+    title = plot_title(window, lr_text)
     draw.text((left, 10), title, fill="black", font=font)
     if not losses:
         return img
@@ -245,7 +252,8 @@ def loss_plot(
     draw.text((x0 - 6, y0 - 16), "loss", fill="black", font=font, anchor="rm")
     draw.rectangle([x0, y0, x1, y1], outline="black")
     steps = range(1, n + 1)
-    for values, colour, width in ((losses, _GREY, 1), (smooth, _BLUE, 2)):
+    lines = ((losses, _GREY, 1), (smooth, _BLUE, 2)) if window > 1 else ((losses, _GREY, 1),)  # 1: the loss itself
+    for values, colour, width in lines:
         points = [(x_of(s), y_of(v)) for s, v in zip(steps, values, strict=False)]
         draw.line(points if n > 1 else points * 2, fill=colour, width=width)
     if varying:

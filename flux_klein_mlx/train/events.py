@@ -20,6 +20,9 @@ class TrainStarted:
     parameters: int  # trainable parameters
     work_dir: Path
     layers: int = 0  # the model's layers they sit on
+    processes: int = 1  # the processes of an mlx.launch run, each training its share of every batch
+    batch_size: int = 1  # --batch-size: each process's share of a global batch of processes x batch_size
+    caption: str = ""  # the first example's caption as it trains (--trigger applied)
 
 
 @dataclass(kw_only=True)

@@ -16,7 +16,7 @@ from .adapters import adapter_file_shapes, adapter_parameters, parse_targets
 from .data import check_held_out, running_batch, say_shared_images, scan_data
 from .distributed import World, check_processes, world
 from .memory import MemoryPlanned, check_memory
-from .samples import check_sample_model
+from .samples import check_sample_model, sample_references
 from .settings import TrainSettings
 from .state import resume_point
 from .workdir import check_not_locked, check_work_dir, checkpoints
@@ -34,6 +34,7 @@ class RunPlan:
     items: list
     resume_from: Path | None
     sample_info: ModelInfo | None = None  # the sample model (None: no samples)
+    sample_references: list = field(default_factory=list)  # per sample prompt, its reference images (edit LoRAs)
     memory: MemoryPlanned | None = None
     validation: list = field(default_factory=list)  # held-out TrainItems (--validation)
     world: World = field(default_factory=World)  # the processes of an mlx.launch run
@@ -92,11 +93,13 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
             caption=settings.caption,
             controls=settings.validation_controls,
             resolution=settings.resolution,
+            trigger=settings.trigger,  # held-out captions read as the training ones
             option="--validation",
             control_option="--validation-control",
         )
         say_shared_images(held_out, items)
     sample_info = check_sample_model(settings, info)
+    references = sample_references(settings, items, held_out) if sample_info is not None else []
     resume = (
         _resume_point(settings, info, slots=slots, items=items, processes=w.size) if w.is_main else None
     )  # rank 0 alone has the work folder
@@ -107,6 +110,7 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
         items=items,
         resume_from=resume,
         sample_info=sample_info,
+        sample_references=references,
         memory=check_memory(settings, info, trainable, running_batch(items, settings.batch_size)),
         validation=held_out,
         world=w,

@@ -8,13 +8,23 @@ The sample model (`--sample-model`) defaults to the distilled sibling of a publi
 (FLUX.2-klein-base-4B -> FLUX.2-klein-4B, the 4-step model LoRAs are run on), else the training
 model. Samples go through the public `pipeline.load` at `generate`'s defaults: bfloat16, no
 quantization (unless --sample-quantize), the sample model's own steps and guidance, the torch noise
-of --sample-seed, --resolution² pixels (the largest of several; or --sample-size²). The LoRA is written from the
-in-memory adapters into a file byte-identical to the checkpoint's `lora.safetensors` at that step (float32,
-the same header), so a sample is what
+of --sample-seed, --resolution² pixels (the largest of several; or --sample-size²). At each sample point
+the LoRA is kept beside the images as the file the run delivers (--format, --save-dtype, the training
+header; the EMA under --ema), and the samples are drawn with that file:
 
-    generate --model M --lora <work>/checkpoint-N/lora.safetensors --prompt P --seed S --width W --height W
+    samples/step-000100.safetensors  the LoRA of step 100, as the output would be written at step 100
 
-gives; each PNG's record carries that command and the LoRA's sha256 (`training_sample`).
+so a sample is what
+
+    generate --model M --lora <work>/samples/step-000100.safetensors --prompt P --seed S --width W --height W
+
+gives, and the last sample (at --steps) is what the output gives; each PNG's record carries that
+command, the file's sha256 and whether a checkpoint was written at that step (`training_sample`).
+An edit LoRA's samples (--control) are edits of reference images (`sample_references`: --sample-image,
+else the first held-out image's references), named in the record and given to that command as --image.
+A small file rather than a checkpoint kept from deletion: a checkpoint holds the float32 adapters
+and AdamW's two moments (about 6x the bytes of a bfloat16 LoRA), and its float32 LoRA is not the
+precision the user gets.
 
 The pipeline computes as `generate` does (whole-model evaluation, untiled decode: low_memory's
 blockwise evaluation and tiled decode round bfloat16 differently, several /255 on a tiny model),
@@ -26,7 +36,6 @@ and the memory peak of its images, with what that adds over the training steps' 
 
 from __future__ import annotations
 
-import secrets
 import shlex
 import time
 import warnings
@@ -38,12 +47,15 @@ import numpy as np
 
 from ..components import check_weights
 from ..errors import FluxKleinError
-from ..loading import DEFAULT_DTYPE, ModelInfo, describe
+from ..files import write_replacing
+from ..loading import DEFAULT_DTYPE, ModelInfo, as_dtype, describe
+from ..lora import layouts
 from ..models.config import VARIANTS
 from ..output import write_image
 from ..weights import save_safetensors_streaming
+from .data import check_picture
 from .settings import TrainSettings
-from .state import adapter_file, way_back, write_atomic
+from .state import way_back, write_atomic
 
 # A LoRA whose samples differ from the baseline by less than this mean |pixel difference| (of 255)
 # changes almost nothing: at strength 1 a LoRA that has learned anything moves far more pixels.
@@ -105,7 +117,37 @@ def check_sample_model(settings: TrainSettings, trained: ModelInfo) -> ModelInfo
     return info
 
 
-def generate_command(record: dict, source: str, lora: Path | None, strength: float | None) -> str:
+def sample_references(settings: TrainSettings, items: list, held_out: list) -> list[list[Path]]:
+    """The reference images of each sample prompt (edit LoRAs, --control; [] each otherwise), every one
+    opened and checked: --sample-image (one per --control for every prompt, or for each prompt in turn),
+    else the first held-out image's references (--validation-control: images the LoRA never trained
+    on), else the first training image's, said in a warning (the LoRA has seen that pair)."""
+    prompts = len(settings.sample_prompts)
+    n = len(settings.controls)
+    if not n or not settings.sample_every:
+        return [[] for _ in range(prompts)]
+    if settings.sample_images:
+        paths = [Path(p).expanduser() for p in settings.sample_images]
+        for p in paths:
+            if not p.is_file():
+                raise FluxKleinError(f"--sample-image {p} is not a file; give a reference image for the samples")
+            check_picture(p, "--sample-image")
+        per_prompt = [paths[k * n : (k + 1) * n] for k in range(prompts)] if len(paths) > n else [paths] * prompts
+        return per_prompt
+    if held_out and held_out[0].controls:
+        return [[c.path for c in held_out[0].controls]] * prompts
+    first = items[0]
+    warnings.warn(
+        f"the samples of this edit LoRA edit {first.controls[0].path.name}, the reference of training image "
+        f"{first.image.path.name} (give --sample-image, or --validation-control, for one it never trained on)",
+        stacklevel=3,
+    )
+    return [[c.path for c in first.controls]] * prompts
+
+
+def generate_command(
+    record: dict, source: str, lora: Path | None, *, strength: float | None = None, references: list[Path] = ()
+) -> str:
     """The `generate` command line that makes the image of `record` (a sample's own settings)."""
     args = [
         "python",
@@ -127,6 +169,8 @@ def generate_command(record: dict, source: str, lora: Path | None, strength: flo
     ]
     if record["quantize"]:
         args += ["--quantize", str(record["quantize"])]
+    for image in references:
+        args += ["--image", str(image)]
     if lora is not None:
         args += ["--lora", str(lora)] + (["--lora-scale", f"{strength:g}"] if strength != 1.0 else [])
     return shlex.join(args)
@@ -141,21 +185,26 @@ class SampleImages:
     """The sample pipeline of a run: loaded once, its prompts encoded once, then an image per prompt
     (and strength) at each sample point; the baseline images are kept for the comparisons."""
 
-    def __init__(self, settings, info: ModelInfo):
+    def __init__(self, settings, info: ModelInfo, references: list[list[Path]] | None = None):
         self.settings = settings
         self.info = info
+        # per prompt, its reference images (an edit LoRA's; `sample_references`)
+        self.references = references or [[] for _ in settings.sample_prompts]
         self.source = sample_source(settings)
         self.size = settings.sample_size or max(settings.resolutions)  # several: the largest
         self.folder = Path(settings.work_dir) / "samples"
         self.pipe = None
         self.baselines: list[np.ndarray] = []  # per prompt, (H, W, 3) float32 in 0-255
 
-    def generate_settings(self) -> dict:
+    def generate_settings(self, k: int = 0) -> dict:
+        """`generate`'s settings of sample prompt `k` (its references, if any)."""
+        images = {"images": [str(p) for p in self.references[k]]} if self.references[k] else {}
         return {
             "width": self.size,
             "height": self.size,
             "steps": self.settings.sample_steps,
             "seed": self.settings.sample_seed,
+            **images,
         }
 
     def load(self) -> tuple[float, str]:
@@ -173,8 +222,8 @@ class SampleImages:
         )
         prompts = [
             p
-            for prompt in self.settings.sample_prompts
-            for p in self.pipe.inputs(prompt, self.generate_settings()).prompts
+            for k, prompt in enumerate(self.settings.sample_prompts)
+            for p in self.pipe.inputs(prompt, self.generate_settings(k)).prompts
         ]
         mx.eval(self.pipe.encode_prompts(list(dict.fromkeys(prompts))))
         q = f", {self.settings.sample_quantize}-bit" if self.settings.sample_quantize else ""
@@ -182,9 +231,10 @@ class SampleImages:
         detail = f"{self.info.name} from {self.source} ({DEFAULT_DTYPE}{q}), {prompts} prompt(s) encoded"
         return time.perf_counter() - t0, detail
 
-    def _image(self, prompt: str):
-        """One image at the sample settings with the pipeline's current LoRAs: (PIL image, record, peak bytes)."""
-        image = self.pipe.generate(prompt, **self.generate_settings())
+    def _image(self, k: int):
+        """Prompt `k`'s image at the sample settings with the pipeline's current LoRAs: (PIL image, record, peak
+        bytes)."""
+        image = self.pipe.generate(self.settings.sample_prompts[k], **self.generate_settings(k))
         st = self.pipe.last_stats
         peak = max(st.encode.peak_memory, st.denoise.peak_memory, st.decode.peak_memory)
         return image, dict(self.pipe.last_metadata), peak
@@ -201,13 +251,14 @@ class SampleImages:
         paths = []
         self.baselines = []
         peak = 0
-        for k, prompt in enumerate(self.settings.sample_prompts):
-            image, record, p = self._image(prompt)
+        for k in range(len(self.settings.sample_prompts)):
+            image, record, p = self._image(k)
             record["training_sample"] = {
                 "step": 0,
                 "strength": None,
                 "baseline": True,
-                "generate": generate_command(record, self.source, None, None),
+                "references": [str(r) for r in self.references[k]],
+                "generate": generate_command(record, self.source, None, references=self.references[k]),
             }
             paths.append(self._save(sample_name(0, k, None), image, record))
             self.baselines.append(np.asarray(image, dtype=np.float32))
@@ -223,39 +274,39 @@ class SampleImages:
             model=self.info.name,
         )
 
-    def sample(self, step: int, lora, trained_peak: int) -> SamplesSaved:
+    def sample(self, step: int, lora, trained_peak: int, header: dict[str, str]) -> SamplesSaved:
         """Each prompt at each strength with `lora` (a train.adapters TrainableLoRA or TrainableLoKr) as it is at
-        `step`."""
+        `step`, kept as samples/step-N.safetensors: the file the run delivers (--format, --save-dtype, the
+        training `header`), so each sample's `generate` command reproduces it and the last is the output's."""
+        kept = self.keep_lora(step, lora, header)
         checkpoint = Path(self.settings.work_dir) / f"checkpoint-{step:06d}" / "lora.safetensors"
-        tmp = Path(self.settings.work_dir) / f".sample-lora.{secrets.token_hex(4)}.tmp"
-        tensors, header = adapter_file(lora)  # the bytes of this step's checkpoint file
-        write_sample_lora(tmp, tensors, header)
         paths = []
         changes = []
         strengths = []
         peak = 0
         try:
             for strength in self.settings.sample_strengths:
-                self.pipe.set_loras([(tmp, strength)])
-                for k, prompt in enumerate(self.settings.sample_prompts):
-                    image, record, p = self._image(prompt)
-                    record["loras"] = [
-                        {**r, "name": f"{checkpoint.parent.name}/{checkpoint.name}"} for r in record["loras"]
-                    ]
+                self.pipe.set_loras([(kept, strength)])
+                for k in range(len(self.settings.sample_prompts)):
+                    image, record, p = self._image(k)
+                    record["loras"] = [{**r, "name": f"{kept.parent.name}/{kept.name}"} for r in record["loras"]]
                     record["training_sample"] = {
                         "step": step,
                         "strength": strength,
                         "baseline": False,
+                        "lora": str(kept),
                         "checkpoint": str(checkpoint),
                         "checkpoint_written": checkpoint.is_file(),
-                        "generate": generate_command(record, self.source, checkpoint, strength),
+                        "references": [str(r) for r in self.references[k]],
+                        "generate": generate_command(
+                            record, self.source, kept, strength=strength, references=self.references[k]
+                        ),
                     }
                     paths.append(self._save(sample_name(step, k, strength), image, record))
                     changes.append(float(np.abs(np.asarray(image, dtype=np.float32) - self.baselines[k]).mean()))
                     strengths.append(strength)
                     peak = max(peak, p)
         finally:
-            tmp.unlink(missing_ok=True)
             self.pipe.set_loras([])
         self._warn_if_weak(step, changes)
         return SamplesSaved(
@@ -268,6 +319,23 @@ class SampleImages:
             model=self.info.name,
         )
 
+    def keep_lora(self, step: int, lora, header: dict[str, str]) -> Path:
+        """samples/step-N.safetensors: `lora` as the output is written (layout, dtype, header); replaced whole
+        when the step is sampled again (a resume), never left in part."""
+        settings = self.settings
+        self.folder.mkdir(exist_ok=True)
+        path = self.folder / sample_lora_name(step)
+        tensors, metadata = layouts.adapter_file(
+            lora.terms(),
+            settings.format,
+            lora.params,
+            what=path.name,
+            dtype=as_dtype(settings.save_dtype or settings.dtype),
+            header=header,
+        )
+        write_sample_lora(path, tensors, metadata, settings.work_dir)
+        return path
+
     def _warn_if_weak(self, step: int, changes: list[float]) -> None:
         if changes and max(changes) < WEAK_CHANGE:
             warnings.warn(
@@ -278,13 +346,16 @@ class SampleImages:
             )
 
 
-def write_sample_lora(tmp: Path, tensors: dict, header: dict) -> None:
-    """The adapter file the sample model loads, at the temporary name `tmp` in the work folder; a full
-    disk is one line naming the way back (state.way_back), and no part of the file stays."""
+def sample_lora_name(step: int) -> str:
+    return f"step-{step:06d}.safetensors"
+
+
+def write_sample_lora(path: Path, tensors: dict, header: dict, work_dir: Path) -> None:
+    """The adapter file a sample point keeps (and the sample model loads), written through a temporary name;
+    a full disk is one line naming the way back (state.way_back), and no part of the file stays."""
     try:
-        save_safetensors_streaming(tmp, tensors, metadata=header)
+        write_replacing(path, lambda tmp: save_safetensors_streaming(tmp, tensors, metadata=header))
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise FluxKleinError(
-            f"cannot write the sample LoRA {tmp} ({e.strerror or e}); {way_back(tmp.parent)}"
+            f"cannot write the sample LoRA {path} ({e.strerror or e}); {way_back(Path(work_dir))}"
         ) from None

@@ -72,6 +72,7 @@ class TrainSettings:
     weight_decay: float = 1e-4  # diffusers' trainer; torch/MLX default 0.01 (G9)
     max_grad_norm: float = 1.0
     dtype: str = DEFAULT_DTYPE
+    save_dtype: str | None = None  # the output's (and the kept sample LoRAs') dtype; default: dtype
     quantize: int | None = None  # 4 or 8: the frozen base is quantized (QLoRA)
     group_size: int = 64
     low_memory: bool = False  # gradient checkpointing per block
@@ -88,6 +89,9 @@ class TrainSettings:
     sample_size: int | None = None  # px, square; default: `resolution` (a multiple of 16)
     sample_strengths: tuple | str = (1.0,)  # LoRA strengths each sample is drawn at ("0.5,1,1.5")
     sample_quantize: int | None = None  # 4 or 8: the sample model quantized (default: as generate, none)
+    # edit LoRAs: the samples' reference images, one per --control (the same for every prompt) or one per
+    # --control for each prompt in turn; default: the first held-out image's references (samples.py)
+    sample_images: tuple = ()
     trigger: str | None = None  # replaces "[trigger]" in each caption, else is prepended as "WORD, "
     caption_dropout: float = 0.0  # probability that an example trains with the empty caption
     lr_scheduler: str = "constant"  # diffusers' get_scheduler names (train/objective.py)
@@ -114,6 +118,8 @@ class TrainSettings:
         check_schedule(self.lr_scheduler, self.warmup_steps, self.steps)
         check_choice("timesteps", self.timesteps, TIMESTEPS)
         check_choice("dtype", self.dtype, DTYPES)
+        if self.save_dtype is not None:
+            check_choice("save-dtype", self.save_dtype, DTYPES)
         self._check_adapter()
         if self.quantize is not None:
             if not is_int(self.quantize):
@@ -122,6 +128,7 @@ class TrainSettings:
         prompts = _prompts(self.sample_prompts)  # listed once: a one-shot iterable stays usable
         self._check_paths_and_text(prompts)
         self._check_samples_and_captions()
+        self._check_sample_images(len(prompts))
         self._check_ema_and_validation()
         if warning := lr_underflow(self.lr, self.rank):
             warnings.warn(warning, stacklevel=2)
@@ -133,10 +140,11 @@ class TrainSettings:
             v = getattr(self, name)
             if not (isinstance(v, (str, os.PathLike)) or (name == "work_dir" and v is None)):
                 raise FluxKleinError(f"{name} must be a path (str or Path), not {v!r}")
-        for name in ("controls", "validation_controls"):
+        for name in ("controls", "validation_controls", "sample_images"):
             folders = folder_list(getattr(self, name))
             if not isinstance(folders, (list, tuple)) or not all(isinstance(c, (str, os.PathLike)) for c in folders):
-                raise FluxKleinError(f"{name} must be a folder path or a list of them, not {getattr(self, name)!r}")
+                what = "an image path" if name == "sample_images" else "a folder path"
+                raise FluxKleinError(f"{name} must be {what} or a list of them, not {getattr(self, name)!r}")
         targets_ok = isinstance(self.targets, str) or (
             isinstance(self.targets, (list, tuple)) and all(isinstance(t, str) for t in self.targets)
         )
@@ -216,6 +224,26 @@ class TrainSettings:
             if not isinstance(self.trigger, str) or not self.trigger.strip() or "\n" in self.trigger:
                 raise FluxKleinError(f"--trigger must be a word or phrase on one line (e.g. sks), not {self.trigger!r}")
 
+    def _check_sample_images(self, prompts: int) -> None:
+        """--sample-image: with --sample-every and --control, one per --control (for every prompt) or one
+        per --control for each prompt in turn."""
+        images = folder_list(self.sample_images)
+        if not images:
+            return
+        controls = len(folder_list(self.controls))
+        if not controls:
+            raise FluxKleinError(
+                "--sample-image gives the references of an edit LoRA's samples; it needs --control (the training "
+                "references)"
+            )
+        if not self.sample_every:
+            raise FluxKleinError("--sample-image needs --sample-every (and --sample-prompt): the samples it is for")
+        if len(images) not in (controls, controls * prompts):
+            raise FluxKleinError(
+                f"--sample-image: give {controls} image(s) (one per --control, for every prompt) or "
+                f"{controls * prompts} (one per --control for each of the {prompts} --sample-prompt), not {len(images)}"
+            )
+
     def _resolved(self, prompts: list) -> TrainSettings:
         """A copy of checked settings with the derived defaults and canonical types (ints, floats, paths,
         tuples: a numpy integer becomes a Python int, for train.json and state.json)."""
@@ -234,11 +262,13 @@ class TrainSettings:
             resolution=parse_resolutions(self.resolution),
             sample_strengths=parse_strengths(self.sample_strengths),
             trigger=self.trigger.strip() if self.trigger is not None else None,
+            save_dtype=self.save_dtype or self.dtype,
             ema=float(self.ema) if self.ema is not None else None,
             output=out,
-            work_dir=Path(self.work_dir).expanduser() if self.work_dir else out.with_name(out.stem + ".train"),
+            work_dir=Path(self.work_dir).expanduser() if self.work_dir else default_work_dir(out),
             controls=tuple(str(c) for c in folder_list(self.controls)),
             validation_controls=tuple(str(c) for c in folder_list(self.validation_controls)),
+            sample_images=tuple(str(c) for c in folder_list(self.sample_images)),
             sample_prompts=tuple(prompts),
         )
 
@@ -286,6 +316,11 @@ class TrainSettings:
         """Every setting, JSON-able (train.json)."""
         d = dataclasses.asdict(self)
         return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
+
+
+def default_work_dir(output: Path) -> Path:
+    """A run's work folder when --work-dir is not given: <output stem>.train/ next to the output."""
+    return output.with_name(output.stem + ".train")
 
 
 def folder_list(value) -> list | tuple:
@@ -357,10 +392,14 @@ def lr_underflow(lr: float, rank: int) -> str | None:
     (A starts at N(0, 1/rank^2), mean |A| = 0.8 / rank), an AdamW step moves a value by about lr, and
     a change under half a float32 ulp of |A| (|A| * 2^-24) rounds away."""
     typical = math.sqrt(2 / math.pi) / rank
-    if lr >= typical * 2.0**-24:
+    bound = typical * 2.0**-24
+    if lr >= bound:
         return None
+    # the bound rounded up to 2 significant digits: never shown below an --lr it refuses (2e-08 for 2.4e-08)
+    digits = 10 ** (math.floor(math.log10(bound)) - 1)
+    shown = math.ceil(bound / digits) * digits
     return (
         f"--lr {lr:g} is too small to change the float32 adapters: an update of {lr:g} on values of about "
-        f"{typical:.2g} rounds away (it needs at least {typical * 2.0**-24:.1g}), so the LoRA would stay as it "
-        "starts; raise --lr (1e-4 is usual)"
+        f"{typical:.2g} rounds away (it needs at least {shown:.2g}), so the adapters would barely "
+        "move from where they start; raise --lr (1e-4 is usual)"
     )

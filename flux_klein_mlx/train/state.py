@@ -199,9 +199,11 @@ def damaged(folder: Path, why: str, earlier: list[tuple[int, Path]], is_good=lam
 def adapter_file(adapters) -> tuple[dict[str, mx.array], dict[str, str]]:
     """A checkpoint's lora.safetensors (and ema.safetensors), as (tensors, header): the adapters'
     (train.adapters) terms through lora/layouts' one writer, in their checkpoint layout, float32.
-    Samples write the same bytes to try it."""
+    Alpha stays apart from B (PEFT's header), so a resume reads back the very values it trained."""
     layout = CHECKPOINT_LAYOUTS[adapters.kind]
-    return layouts.adapter_file(adapters.terms(), layout, adapters.params, what="the checkpoint", dtype=mx.float32)
+    return layouts.adapter_file(
+        adapters.terms(), layout, adapters.params, what="the checkpoint", dtype=mx.float32, fold_alpha=False
+    )
 
 
 def read_adapter_file(path: Path, adapters) -> list:

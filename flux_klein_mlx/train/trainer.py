@@ -30,14 +30,12 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
 from .. import __version__
 from ..components import load_component
-from ..embedding_cache import open_cache, prompt_keys
 from ..errors import FluxKleinError
 from ..loading import as_dtype
 from ..models.rope import image_ids, text_ids, token_grid
-from ..models.text_encoder import encode_prompts
-from ..models.tokenizer import load_tokenizer
 from ..sampling import reference_time
 from .adapters import attach_lokr, attach_lora, file_header, write_lora_file
+from .captions import CaptionEmbeddings
 from .data import bucket_counts, dropped_captions, epoch_batches, load_pixels
 from .distributed import PeerLost, example_draws
 from .evaluation import EMA_FILE, AdapterEMA, Validation, average_window, moving_average, write_loss_plot
@@ -89,7 +87,9 @@ class Trainer:
         self.losses: list[float] = []
         # samples are rank 0's, as every file: the other ranks of an mlx.launch run load no sample model
         drawn_here = plan.sample_info is not None and plan.world.is_main
-        self.sample_images = SampleImages(self.settings, plan.sample_info) if drawn_here else None
+        self.sample_images = (
+            SampleImages(self.settings, plan.sample_info, plan.sample_references) if drawn_here else None
+        )
         self.trained_peak = 0  # the highest training-step memory peak so far (bytes)
         self.world = plan.world
         self.validation = Validation(plan.validation)  # validation: empty without --validation
@@ -121,7 +121,7 @@ class Trainer:
             if self.plan.memory is not None:
                 yield self.plan.memory  # before any model loads
         yield self.caption_plan()
-        yield self.cache_captions()
+        yield self.text.encode(load_component)  # this module's: tests count the loads
         if self.sample_images is not None:  # its text encoder runs while no training model is resident
             seconds, detail = self.sample_images.load()
             yield StageFinished(stage="sample model", seconds=seconds, detail=detail)
@@ -172,74 +172,18 @@ class Trainer:
             parameters=self.lora.num_parameters,
             work_dir=settings.work_dir,
             layers=layers,
+            processes=self.world.size,
+            batch_size=settings.batch_size,
+            caption=self.items[0].caption,
         )
 
     def caption_plan(self) -> StageStarted:
-        """The texts of the run (captions; sample prompts and, on Base, the empty negative prompt of their
-        guidance): those in the prompt cache (the pipeline's, on disk) are read now; says what is left."""
-        settings = self.settings
-        info = self.info
-        captions = list(dict.fromkeys([it.caption for it in self.items] + self.validation.captions()))
-        # the caption a dropped example trains with (the sample prompts are the sample model's: samples.py)
-        extra = [""] if settings.caption_dropout > 0 and "" not in captions else []
-        self.texts = captions + extra
-        self.cache = open_cache(True)
-        # Training's own entries ("for"): it encodes up to 4 texts a batch, the pipeline all at once, and
-        # the two need not agree to the bit; a resume reads back exactly what the first run trained on.
-        quantization = {"bits": settings.quantize, "group_size": settings.group_size} if settings.quantize else None
-        settings = {"dtype": settings.dtype, "quantization": quantization, "for": "train"}
-        self.keys = {t: None for t in self.texts}
-        if self.cache is not None:
-            self.keys = prompt_keys(
-                self.cache, info.files["text_encoder"], tokenizer=info.tokenizer, prompts=self.texts, settings=settings
-            )
-        for text, key in self.keys.items():
-            if key is not None and (hit := self.cache.get(key)) is not None:
-                self.ctx[text] = hit
-        what = f"{len(captions)} caption" + ("s" if len(captions) != 1 else "")
-        missing = sum(t not in self.ctx for t in self.texts)
-        if not missing:
-            return StageStarted(
-                stage="captions", detail=f"{what}: all in the prompt cache, the text encoder is not loaded"
-            )
-        cached = (
-            f" ({len(self.texts) - missing} of {len(self.texts)} texts from the prompt cache)"
-            if missing < len(self.texts)
-            else ""
-        )
-        return StageStarted(stage="captions", detail=f"encoding {what} with the text encoder{cached} ...")
-
-    def cache_captions(self) -> StageFinished:
-        """Encode the texts `caption_plan` did not find in the prompt cache, and store them there."""
-        t0 = time.perf_counter()
-        settings = self.settings
-        info = self.info
-        texts = [t for t in self.texts if t not in self.ctx]
-        if not texts:
-            return StageFinished(
-                stage="captions", seconds=time.perf_counter() - t0, detail="read from the prompt cache"
-            )
-        tokenizer = load_tokenizer(info.tokenizer)
-        encoder = load_component(
-            info, "text_encoder", self.dtype, quantize=settings.quantize, group_size=settings.group_size
-        )
-        for k in range(0, len(texts), 4):  # a few prompts at a time bounds the activations
-            chunk = texts[k : k + 4]
-            emb = encode_prompts(encoder, tokenizer, chunk).astype(self.dtype)  # (n, 512, E)
-            mx.eval(emb)
-            if not mx.all(mx.isfinite(emb)).item():
-                raise FluxKleinError(f"non-finite prompt embeddings for {chunk[0]!r}: try --dtype float32")
-            for i, t in enumerate(chunk):
-                self.ctx[t] = emb[i : i + 1]
-                if self.keys[t] is not None:  # the resumed run reads them back, bit for bit
-                    self.cache.put(self.keys[t], self.ctx[t])
-        del encoder
-        mx.clear_cache()
-        return StageFinished(
-            stage="captions",
-            seconds=time.perf_counter() - t0,
-            detail=f"{len(texts)} texts encoded, text encoder released",
-        )
+        """The run's texts (captions, held-out captions, the dropout's empty caption; train/captions.py):
+        those in the prompt cache are read now; says what is left."""
+        captions = [it.caption for it in self.items] + self.validation.captions()
+        self.text = CaptionEmbeddings(self.settings, self.info, self.dtype, captions)
+        self.ctx = self.text.ctx
+        return self.text.plan()
 
     def cache_latents(self) -> StageFinished:
         t0 = time.perf_counter()
@@ -484,8 +428,13 @@ class Trainer:
         mx.eval(self.model.trainable_parameters(), self.optimizer.state)
 
     def samples(self) -> SamplesSaved:
-        """Each sample prompt with the LoRA as it is now, on the sample model (train/samples.py)."""
-        return self.sample_images.sample(self.step_no, self.lora, self.trained_peak)
+        """Each sample prompt with the LoRA as it is now, as the output would be written (the EMA under --ema),
+        on the sample model (train/samples.py)."""
+        header = file_header(self.settings, self.info, items=self.items, steps=self.step_no, started_at=self.started_at)
+        if self.ema is None:
+            return self.sample_images.sample(self.step_no, self.lora, self.trained_peak, header)
+        with self.ema.in_adapters(self.lora):
+            return self.sample_images.sample(self.step_no, self.lora, self.trained_peak, header)
 
     def record(self, **extra) -> dict:
         """train.json: every setting, the data with hashes, the adapters, versions."""
@@ -516,7 +465,12 @@ class Trainer:
 
         def write(tmp: Path) -> None:
             write_lora_file(
-                tmp, self.lora, dtype=self.dtype, layout=settings.format, params=self.info.params, header=header
+                tmp,
+                self.lora,
+                dtype=as_dtype(settings.save_dtype),
+                layout=settings.format,
+                params=self.info.params,
+                header=header,
             )
 
         final = write_output(

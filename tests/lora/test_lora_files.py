@@ -30,9 +30,10 @@ from tiny_model import diffusers_to_bfl
 import flux_klein_mlx
 from flux_klein_mlx.components import load_component
 from flux_klein_mlx.loading import describe
-from flux_klein_mlx.lora.layouts import LAYOUTS
+from flux_klein_mlx.lora.layouts import LAYOUTS, adapter_file
 from flux_klein_mlx.output import a1111_parameters
 from flux_klein_mlx.train.adapters import attach_lora, parse_targets, write_lora_file
+from flux_klein_mlx.weights import save_safetensors_streaming
 
 RANK, ALPHA = 4, 8.0
 H = W = 64
@@ -60,6 +61,10 @@ def trained(snapshot, tmp_path_factory):
         write_lora_file(
             path, lora, dtype=mx.float32, layout=layout, params=model.params, header={"flux_klein_mlx.trigger": "sks"}
         )
+    # the training checkpoint's diffusers layout: alpha kept apart from B in PEFT's header (issue 39)
+    files["peft"] = folder / "peft.safetensors"
+    tensors, header = adapter_file(lora.terms(), "diffusers", model.params, what="peft", fold_alpha=False)
+    save_safetensors_streaming(files["peft"], tensors, metadata=header)
     return files
 
 
@@ -209,13 +214,13 @@ def convert(capsys, *args):
 
 
 def test_convert_round_trips_give_the_same_image_in_diffusers(trained, ref, lat, tmp_path, capsys):
-    """diffusers -> comfyui -> diffusers (exact: alpha/rank 2 folds without rounding), kohya -> diffusers,
-    and a musubi-style kohya file -> comfyui and diffusers."""
+    """diffusers (the checkpoint's, alpha in the header) -> comfyui -> diffusers (exact: alpha/rank 2 folds
+    without rounding), kohya -> diffusers, and a musubi-style kohya file -> comfyui and diffusers."""
     comfy, back, from_kohya = (tmp_path / f"{n}.safetensors" for n in ("comfy", "back", "from-kohya"))
-    assert str(comfy) in convert(capsys, trained["diffusers"], "--output", comfy, "--format", "comfyui")
+    assert str(comfy) in convert(capsys, trained["peft"], "--output", comfy, "--format", "comfyui")
     convert(capsys, comfy, "--output", back, "--format", "diffusers")
     convert(capsys, trained["kohya"], "--output", from_kohya, "--format", "diffusers")
-    a, b = load_file(str(trained["diffusers"])), load_file(str(back))
+    a, b = load_file(str(trained["peft"])), load_file(str(back))
     assert a.keys() == b.keys()  # q, k, v back at rank 4; alpha/rank (2) folded into B, exactly
     assert all(torch.equal(b[k], a[k] * (ALPHA / RANK if ".lora_B." in k else 1)) for k in a)
     with safe_open(str(back), "pt") as f:
@@ -224,7 +229,7 @@ def test_convert_round_trips_give_the_same_image_in_diffusers(trained, ref, lat,
         config["transformer.r"] == config["transformer.lora_alpha"] == RANK and not config["transformer.rank_pattern"]
     )
     want = theirs(ref, lat, trained["diffusers"])
-    for path in (comfy, back, from_kohya):
+    for path in (comfy, back, from_kohya, trained["peft"]):
         assert np.abs(theirs(ref, lat, path) - want).max() <= 1e-4, path.name
     musubi = kohya_file(tmp_path / "musubi.safetensors", np.random.default_rng(7))
     source = theirs(ref, lat, musubi)
@@ -238,6 +243,29 @@ def test_convert_round_trips_give_the_same_image_in_diffusers(trained, ref, lat,
     with safe_open(str(tmp_path / "musubi-comfyui.safetensors"), "pt") as f:
         meta = f.metadata()
     assert meta["ss_network_dim"] == "6" and "musubi.safetensors (kohya" in meta["flux_klein_mlx.converted_from"]
+
+
+def test_the_diffusers_file_has_one_effect_in_every_loader_alpha_folded(trained, ref, ours, lat, tmp_path):
+    """Rank 4, alpha 8: the diffusers file folds alpha/rank into B (lora_alpha = r in its header), so read
+    with its header stripped (as ComfyUI's loader reads, ignoring PEFT's alpha) it is the same update and
+    diffusers gives the same image; diffusers' image with the file equals ours and the unfolded file's."""
+    with safe_open(str(trained["diffusers"]), "pt") as f:
+        config = json.loads(f.metadata()["lora_adapter_metadata"])
+    assert config["transformer.r"] == config["transformer.lora_alpha"] == RANK
+    folded, apart = load_file(str(trained["diffusers"])), load_file(str(trained["peft"]))
+    assert folded.keys() == apart.keys()
+    for k in (k for k in folded if ".lora_A." in k):  # alpha ignored: B @ A alone is the whole update
+        up = k.replace(".lora_A.", ".lora_B.")
+        delta = (folded[up].double() @ folded[k].double()).numpy()
+        want = ALPHA / RANK * (apart[up].double() @ apart[k].double()).numpy()
+        assert np.abs(delta - want).max() <= 1e-6 * np.abs(want).max(), k
+    bare = tmp_path / "no-header.safetensors"  # the tensors alone: no alpha anywhere (diffusers then takes alpha = r)
+    save_file(folded, str(bare))
+    want = theirs(ref, lat, trained["peft"])
+    assert np.abs(want - theirs(ref, lat)).max() > 0.02  # the LoRA shows: a factor 2 lost would show
+    for path in (trained["diffusers"], bare):
+        assert np.abs(theirs(ref, lat, path) - want).max() <= 1e-4, path.name
+    assert np.abs(ours_image(ours, lat, trained["diffusers"]) - want).max() <= 1e-3
 
 
 def info(capsys, path) -> dict[str, str]:
@@ -457,6 +485,13 @@ def test_train_writes_a_comfyui_file_with_kohya_training_metadata_in_bfloat16(ba
     assert json.loads((tmp_path / "fox.train" / "train.json").read_text())["settings"]["format"] == "comfyui"
     assert flux_klein_mlx.load(base, loras=[out]).loras[0].format == "bfl"
     assert modules(Flux2KleinPipeline.lora_state_dict(str(out)))  # the converter takes every key (it raises otherwise)
+    # `lora info` (issue 39): the trained rank and alpha, not the fused qkv's 12 and 6; the training from the header
+    rc, said, err = cli("lora", "info", out)
+    assert rc == 0, err
+    d = dict(re.match(r"([^:]+):\s+(.*)", line).groups() for line in said.splitlines())
+    assert d["rank"] == "4" and d["alpha"] == "2" and d["trainer"].startswith("flux_klein_mlx ")
+    assert d["steps"] == "1 of 1" and d["schedule"] == "lr 0.0001 constant" and d["sizes"] == "64x64"
+    assert d["dataset"] == "2 images; tags: a fox (2), sks (2)"
 
 
 def dense_updates(path) -> dict[str, np.ndarray]:

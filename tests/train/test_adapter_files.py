@@ -21,7 +21,9 @@ import flux_klein_mlx
 from flux_klein_mlx.__main__ import main
 
 RUNS = [("lora", "diffusers"), ("lora", "comfyui"), ("lora", "kohya"), ("lokr", "comfyui"), ("lokr", "diffusers")]
-CANONICAL = {"lora": "diffusers", "lokr": "comfyui"}  # the checkpoint layout of each adapter kind
+# a run's file that keeps the trained terms as they are: kohya's for LoRA (alpha apart from B, as in the
+# checkpoint; the diffusers file folds it since issue 39), the checkpoint layout for LoKr
+CANONICAL = {"lora": "kohya", "lokr": "comfyui"}
 # Header keys that name the run's file or time (they differ between two runs of the same terms)
 STAMPS = ("ss_output_name", "modelspec.title", "ss_training_started_at", "ss_training_finished_at", "modelspec.date",
           "flux_klein_mlx.settings_sha256", "flux_klein_mlx.converted_from")  # fmt: skip

@@ -380,7 +380,10 @@ def test_saved_file_loads_in_diffusers_without_missing_keys_and_gives_our_image(
             module, role = name.rsplit(".", 1)
             peft_role = {"down": "lora_A", "up": "lora_B"}[role]
             loaded = getattr(ref_pipe.transformer.get_submodule(module), peft_role)["trained"].weight
-            assert np.array_equal(loaded.detach().numpy(), to_np(a)), name
+            # the diffusers file folds alpha / rank (2: exact) into B since issue 39, and says lora_alpha = r
+            folded = to_np(a) * (ALPHA / RANK if role == "up" else 1.0)
+            assert np.array_equal(loaded.detach().numpy(), folded), name
+            assert ref_pipe.transformer.get_submodule(module).scaling["trained"] == 1.0
         theirs = diffusers_lighthouse(ref_pipe)
         ours, pipe = our_lighthouse(snap, [path])
         assert pipe.loras[0].format == "diffusers" and np.abs(ours - theirs).max() <= 1e-3

@@ -26,6 +26,7 @@ from test_train_bad_input import base_args, linked_snapshot, make_images, no_mod
 
 import flux_klein_mlx
 from flux_klein_mlx.__main__ import main
+from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.lora.layouts import autov3
 from flux_klein_mlx.output import RECORD_KEY
 from flux_klein_mlx.train.data import dropped_captions, with_trigger
@@ -64,10 +65,12 @@ def run_recorded_command(record: dict, out: Path, capsys) -> np.ndarray:
     return pixels(out)
 
 
-def test_sample_at_step_n_is_generate_on_the_sample_model_with_the_checkpoint(base, distilled, tmp_path, capsys):
-    """bf16 training on Base, samples on the distilled model at its defaults (4 steps, no CFG); the
-    step-1 sample has no checkpoint (in-memory adapters), the step-2 one has, and its LoRA file is
-    that checkpoint's, byte for byte (sha256 in the record)."""
+def test_sample_at_step_n_is_generate_on_the_sample_model_with_the_lora_it_keeps(base, distilled, tmp_path, capsys):
+    """bf16 training on Base, samples on the distilled model at its defaults (4 steps, no CFG); step 1 is a
+    sample point without a checkpoint, step 2 has both: each sample point keeps its LoRA beside the images
+    (samples/step-N.safetensors, the output's layout and dtype, bf16 here), its record names that file (sha256)
+    and its `generate` command reproduces the sample; the last sample is what generate gives with the output
+    file (issue 39: before, step 1's record named a checkpoint that was never written)."""
     data = captioned(tmp_path / "data", ["a striped test card", "a striped test card"])
     out = tmp_path / "s.safetensors"
     events = list(
@@ -96,29 +99,46 @@ def test_sample_at_step_n_is_generate_on_the_sample_model_with_the_checkpoint(ba
         "step-000000-0.png",
         "step-000001-0-x0.5.png",
         "step-000001-0.png",
+        "step-000001.safetensors",
         "step-000002-0-x0.5.png",
         "step-000002-0.png",
+        "step-000002.safetensors",
     ]
     assert samples[2].strengths == [0.5, 1.0] and all(c > 0 for c in samples[2].changes)
     assert samples[2].added_memory is not None and samples[2].peak_memory > 0
     checkpoint = tmp_path / "s.train" / "checkpoint-000002" / "lora.safetensors"
-    sha = hashlib.sha256(checkpoint.read_bytes()).hexdigest()[:12]
-    for name, strength in (("step-000002-0.png", 1.0), ("step-000002-0-x0.5.png", 0.5)):
-        rec = record_of(work / name)
-        assert rec["loras"] == [
-            {
-                "name": "checkpoint-000002/lora.safetensors",
-                "sha256": sha,
-                "scale": strength,
-                "autov3": autov3(checkpoint),
-            }
-        ]
-        assert rec["steps"] == 4 and rec["guidance"] is None and rec["dtype"] == "bfloat16" and rec["quantize"] is None
-        assert rec["training_sample"]["checkpoint_written"] and rec["width"] == rec["height"] == 64
-        ours, theirs = pixels(work / name), run_recorded_command(rec, tmp_path / f"gen-{strength}.png", capsys)
-        assert np.abs(ours - theirs).max() <= 2, name
-        assert record_of(tmp_path / f"gen-{strength}.png")["loras"][0]["sha256"] == sha
-    assert not record_of(work / "step-000001-0.png")["training_sample"]["checkpoint_written"]
+    for step in (1, 2):
+        kept = work / f"step-{step:06d}.safetensors"
+        sha = hashlib.sha256(kept.read_bytes()).hexdigest()[:12]
+        assert {str(v.dtype) for v in mx.load(str(kept)).values()} == {"mlx.core.bfloat16"}  # the output's dtype
+        for name, strength in ((f"step-{step:06d}-0.png", 1.0), (f"step-{step:06d}-0-x0.5.png", 0.5)):
+            rec = record_of(work / name)
+            assert rec["loras"] == [
+                {"name": f"samples/{kept.name}", "sha256": sha, "scale": strength, "autov3": autov3(kept)}
+            ]
+            assert rec["steps"] == 4 and rec["guidance"] is None and rec["dtype"] == "bfloat16"
+            assert rec["quantize"] is None and rec["width"] == rec["height"] == 64
+            assert rec["training_sample"]["lora"] == str(kept)
+            assert rec["training_sample"]["checkpoint_written"] == (step == 2)
+            ours, theirs = (
+                pixels(work / name),
+                run_recorded_command(rec, tmp_path / f"gen-{step}-{strength}.png", capsys),
+            )
+            assert np.abs(ours - theirs).max() <= 2, name
+            assert record_of(tmp_path / f"gen-{step}-{strength}.png")["loras"][0]["sha256"] == sha
+    # the kept LoRA of step 2 is the checkpoint's adapters, in the output's dtype; and it is the output
+    final, check = lora_tensors(work / "step-000002.safetensors")[0], lora_tensors(checkpoint)[0]
+    delivered = lora_tensors(out)[0]
+    assert final.keys() == check.keys() == delivered.keys()
+    assert all(np.array_equal(final[k], delivered[k]) for k in final)
+    assert all(np.array_equal(final[k], to_np(mx.array(check[k]).astype(mx.bfloat16))) for k in final)
+    last = record_of(work / "step-000002-0.png")
+    last["training_sample"]["generate"] = last["training_sample"]["generate"].replace(
+        shlex.quote(str(work / "step-000002.safetensors")), shlex.quote(str(out))
+    )
+    assert shlex.quote(str(out)) in last["training_sample"]["generate"]
+    with_output = run_recorded_command(last, tmp_path / "with-output.png", capsys)
+    assert np.abs(pixels(work / "step-000002-0.png") - with_output).max() <= 2
     baseline = record_of(work / "step-000000-0.png")
     assert baseline["loras"] == [] and baseline["training_sample"]["baseline"]
     assert (
@@ -128,7 +148,7 @@ def test_sample_at_step_n_is_generate_on_the_sample_model_with_the_checkpoint(ba
     # the change the event reports is the mean |difference| from the baseline PNG
     change = np.abs(pixels(work / "step-000002-0.png") - pixels(work / "step-000000-0.png")).mean()
     assert samples[2].changes[1] == pytest.approx(change, abs=1e-3)
-    assert not list((tmp_path / "s.train").glob(".*.tmp"))
+    assert not list((tmp_path / "s.train").glob(".*.tmp")) and not list(work.glob(".*"))
 
 
 def test_default_sample_model_is_the_distilled_sibling_of_a_base_repo(base):
@@ -170,8 +190,12 @@ def test_trigger_trains_as_captions_written_with_it(base, tmp_path):
     record = json.loads((tmp_path / "t.train" / "train.json").read_text())
     assert record["settings"]["trigger"] == "sks"
     assert [d["caption"] for d in record["data"]] == ["sks, a striped card", "a photo of sks card"]
-    # and without the trigger the LoRA is another one: the captions reach the training
-    short_run(base, plain, tmp_path / "n.safetensors")
+    # and without the trigger the LoRA is another one: the captions reach the training (a literal
+    # [trigger] without --trigger is refused since issue 39, so the bare captions are written out)
+    with pytest.raises(FluxKleinError, match=r"im1.txt hold\(s\) \[trigger\] but no --trigger"):
+        short_run(base, plain, tmp_path / "n.safetensors")
+    bare = captioned(tmp_path / "bare", ["a striped card", "a photo of card"])
+    short_run(base, bare, tmp_path / "n.safetensors")
     assert not same_lora(tmp_path / "n.safetensors", tmp_path / "w.safetensors")
 
 
