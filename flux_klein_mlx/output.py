@@ -58,9 +58,11 @@ def image_metadata(
     mask: str | None = None,
     steps_run: int | None = None,
     vae: str | None = None,
+    crop: tuple[int, int, int, int] | None = None,
 ) -> dict:
     """The record of one image: `settings` is the run's resolved `inputs.RunSettings`; images are named
-    by the content hash of their pixels (the same whichever door they came through)."""
+    by the content hash of their pixels (the same whichever door they came through). `crop`: the box
+    (left, top, right, bottom) the width x height run was cropped back to (FLUX 3, one reference)."""
     return {
         "prompt": settings.prompt,
         "negative_prompt": settings.negative_prompt,
@@ -81,6 +83,7 @@ def image_metadata(
         "strength": settings.strength if init_image else None,
         "mask": mask,
         "vae": vae,
+        "crop": list(crop) if crop is not None else None,
         "software": f"flux_klein_mlx {__version__}",
     }
 

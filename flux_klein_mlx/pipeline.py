@@ -439,6 +439,7 @@ class FluxKleinPipeline:
             mask=hashes.get("mask"),
             steps_run=inputs.steps_run,
             vae=self.info.vae_source and model_name(self.info.vae_source),
+            crop=inputs.crop,
         )
 
 

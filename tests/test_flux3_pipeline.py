@@ -76,7 +76,8 @@ def test_one_odd_sized_reference_runs_on_its_canvas_and_is_cropped_back(distille
     image, pipe = ours(distilled, "the fox at night", steps=2, latents=lat, images=[ref])
     assert image.shape == theirs.shape == (40, 72, 3)  # the reference's own size
     assert np.abs(image - theirs).max() <= 1e-3
-    assert pipe.last_metadata["width"] == width and pipe.last_metadata["height"] == height
+    record = pipe.last_metadata  # the run's canvas, and the box the image was cropped back to
+    assert (record["width"], record["height"], record["crop"]) == (width, height, list(box))
 
 
 def test_two_references_of_different_sizes_match_diffusers(distilled):
