@@ -33,7 +33,7 @@ from ..sampling import cfg, flow_timestep, shifted_schedule
 SHIFT = 6.93  # diffusers' Flux3SetTimestepsStep and mflux: sigma' = 6.93 sigma / (1 + 5.93 sigma)
 DISTILLED_STEPS = 16
 BASE_STEPS = 50
-# diffusers' Flux3LoopDenoiser default and mflux's; BFL's README table says "CFG 4" (docs/generating.md says so).
+# diffusers' Flux3LoopDenoiser default and mflux's; BFL's README table says "CFG 4" (docs/flux3.md says which).
 BASE_GUIDANCE = 3.5
 
 

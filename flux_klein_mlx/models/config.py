@@ -24,6 +24,16 @@ def from_dict(cls, d: dict, renames: dict[str, str] | None = None):
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in pairs if k in names})
 
 
+def transformer_from_dict(cls, d: dict, renames: dict[str, str]):
+    """`from_dict` of a diffusers transformer config (any family): diffusers gives heads and head dim where
+    we keep the hidden size (their product)."""
+    d = dict(d)
+    if "attention_head_dim" in d and "hidden_size" not in d:
+        heads = d.get("num_attention_heads", d.get("num_heads", cls.num_heads))
+        d["hidden_size"] = int(d["attention_head_dim"]) * int(heads)
+    return from_dict(cls, d, renames)
+
+
 # --- the flow transformer ------------------------------------------------------------------------
 
 # diffusers `transformer/config.json` names -> ours (BFL's)
@@ -86,11 +96,7 @@ class FluxKleinParams:
     @classmethod
     def from_dict(cls, d: dict) -> FluxKleinParams:
         """From a diffusers `transformer/config.json` (or a dict of our own field names); unknown keys ignored."""
-        d = dict(d)
-        if "attention_head_dim" in d and "hidden_size" not in d:
-            heads = d.get("num_attention_heads", d.get("num_heads", cls.num_heads))
-            d["hidden_size"] = int(d["attention_head_dim"]) * int(heads)
-        return from_dict(cls, d, _DIFFUSERS_TRANSFORMER)
+        return transformer_from_dict(cls, d, _DIFFUSERS_TRANSFORMER)
 
     def shape_key(self) -> tuple:
         """Everything that decides a weight's shape; theta/eps/axes do not."""

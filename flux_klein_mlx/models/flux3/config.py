@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import FluxKleinError
-from ..config import from_dict
+from ..config import transformer_from_dict
 
 # diffusers `Flux3Transformer2DModel` config names -> ours; `attention_head_dim` is folded into hidden_size.
 FLUX3_DIFFUSERS_CONFIG = {
@@ -67,11 +67,7 @@ class Flux3Params:
     @classmethod
     def from_dict(cls, d: dict) -> Flux3Params:
         """From a diffusers `transformer/config.json` (or a dict of our own field names); unknown keys ignored."""
-        d = dict(d)
-        if "attention_head_dim" in d and "hidden_size" not in d:
-            heads = d.get("num_attention_heads", d.get("num_heads", cls.num_heads))
-            d["hidden_size"] = int(d["attention_head_dim"]) * int(heads)
-        return from_dict(cls, d, FLUX3_DIFFUSERS_CONFIG)
+        return transformer_from_dict(cls, d, FLUX3_DIFFUSERS_CONFIG)
 
     def shape_key(self) -> tuple:
         """Everything that decides a weight's shape (the flow-map embedder included); theta/eps/axes do not."""
