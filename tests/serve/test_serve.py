@@ -8,7 +8,6 @@ must decode to exactly that image. Every loop is bounded in count and time.
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
 import json
 import os
@@ -34,6 +33,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 pytest.importorskip("multipart")
 
+from browsing import browser, fill, needs_chromium  # noqa: E402
 from command_line import free_port  # noqa: E402
 from refs import picture  # noqa: E402
 from serving import KEY, ROOT, http, start_server  # noqa: E402
@@ -775,56 +775,6 @@ def test_non_loopback_host_requires_api_key(snapshot):
     )
     assert r.returncode == 1 and r.stderr.startswith("error: --host 0.0.0.0") and "--api-key" in r.stderr
     assert "Traceback" not in r.stderr
-
-
-def chromium() -> tuple[str, str] | None:
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    return (browser, driver) if browser and driver else None
-
-
-needs_chromium = pytest.mark.skipif(
-    chromium() is None,
-    reason="headless Chromium is not installed (apt-get install chromium chromium-driver; .ci/run does this)",
-)
-
-
-@contextlib.contextmanager
-def browser(tmp_path, width=1280, height=900):
-    """A headless Chromium with its own profile (so storage survives reloads within a test)."""
-    pytest.importorskip("selenium")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    path, driver_path = chromium()
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = path
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-dev-shm-usage",
-        "--disable-gpu",
-        "--no-first-run",
-        "--disable-extensions",
-        f"--window-size={width},{height}",
-        f"--user-data-dir={tmp_path / 'profile'}",
-    ):
-        opts.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(driver_path), options=opts)
-    try:
-        driver.set_page_load_timeout(30)
-        yield driver
-    finally:
-        driver.quit()
-
-
-def fill(driver, **fields):
-    from selenium.webdriver.common.by import By
-
-    for field, value in fields.items():
-        el = driver.find_element(By.ID, field)
-        el.clear()
-        el.send_keys(str(value))
 
 
 # Records every text the step label and the header's busy mark show, the header as a whole (status, and the
