@@ -33,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 from PIL import Image, ImageOps
 
+from .a1111 import LORA_TAG
 from .checks import check_number, check_whole, is_int
 from .errors import FluxKleinError
 from .limits import check_decode_fits
@@ -99,6 +100,11 @@ class RunSettings:
             raise FluxKleinError(f"the prompt must be a string, not {type(self.prompt).__name__}")
         if neg is not None and not isinstance(neg, str):
             raise FluxKleinError(f"negative_prompt must be a string or None, not {type(neg).__name__}")
+        if LORA_TAG.search(self.prompt):
+            raise FluxKleinError(
+                "the prompt holds a <lora:NAME:W> tag; resolve it first: generate --lora-dir DIR, or in Python "
+                "prompt, loras = flux_klein_mlx.resolve_lora_tags(prompt, DIR) and load(..., loras=loras)"
+            )
         check_text(self.prompt)  # lone surrogates (argv bytes not UTF-8, JSON "\ud800") end here, not in the tokenizer
         if neg is not None:
             check_text(neg, "the negative prompt")
@@ -479,6 +485,7 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
         seed=seed,
         negative_prompt=negative,
         images=None,
+        strength=init.strength if init is not None else None,  # recorded as run: the default 0.8 too
     )
     hashes = {"references": [content_hash(r) for r in references]}
     if init is not None:

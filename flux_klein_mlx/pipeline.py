@@ -28,6 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .a1111 import model_hash
 from .checks import check_choice, is_int
 from .components import check_weights, load_component, read_component
 from .embedding_cache import DEFAULT_MAX_BYTES, EmbeddingCache, cached_embeddings, open_cache, prompt_keys
@@ -439,6 +440,7 @@ class FluxKleinPipeline:
             mask=hashes.get("mask"),
             steps_run=inputs.steps_run,
             vae=self.info.vae_source and model_name(self.info.vae_source),
+            model_hash=model_hash(self.info.files["transformer"]),
         )
 
 

@@ -47,7 +47,7 @@ from .forms import (
 )
 from .guard import MB, Guard
 from .jobs import EndEvent, ImageEvent, ImageRequest, NotReady, QueueFull, StageEvent, StepEvent, Worker
-from .loras import lora_files, resolve_loras
+from .loras import lora_files, merge_loras, prompt_loras, resolve_loras
 
 PNG = {"output_format": "png", "background": "opaque"}  # what every result is
 
@@ -144,6 +144,7 @@ class Server:
                 "output_format",
             )
         width, height = parse_size(body.get("size"))
+        prompt, tagged = prompt_loras(prompt, o.lora_dir)  # <lora:NAME:W> tags: the model never sees them
         settings = RunSettings(
             prompt,
             width=width,
@@ -159,7 +160,7 @@ class Server:
         req = ImageRequest(
             settings=settings,
             n=int_field(body, "n", lo=1, hi=o.max_n, default=1),
-            loras=resolve_loras(body.get("loras", body.get("loras[]")), o.lora_dir),
+            loras=merge_loras(resolve_loras(body.get("loras", body.get("loras[]")), o.lora_dir), tagged),
             partial_images=partial if stream else 0,
         )
         return req, Answer(kind=kind, response_format=response_format, stream=stream)

@@ -165,6 +165,30 @@ def test_a_lora_named_in_the_request_matches_the_pipeline_with_it(server, snapsh
         client.images.generate(prompt="x", size="64x64", extra_body={"loras": ["absent"]})
 
 
+def test_a_lora_tag_in_the_prompt_is_the_same_as_naming_it_in_loras(server, lora_dir):
+    """`<lora:style:0.8>` in a prompt (the page sends prompts as typed) = `loras: ["style:0.8"]` on the prompt
+    without it, bit for bit and record for record; an unknown name is a 404 naming the server's folder (not
+    its path), a bad weight a 400, the same LoRA both ways a 400."""
+    client = server.client()
+    named = client.images.generate(
+        prompt="a red fox", size="64x64", extra_body={"seed": 3, "steps": 2, "loras": ["style:0.8"]}
+    )
+    tagged = client.images.generate(
+        prompt="a red <lora:style:0.8> fox", size="64x64", extra_body={"seed": 3, "steps": 2}
+    )
+    a, b = decode(named.data[0].b64_json), decode(tagged.data[0].b64_json)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert a.text == b.text and json.loads(b.text["flux_klein_mlx"])["prompt"] == "a red fox"
+    assert b.text["parameters"].startswith("a red fox <lora:style:0.8>\n")
+    with pytest.raises(openai.NotFoundError, match="no LoRA named 'nope' in the server's LoRA folder") as e:
+        client.images.generate(prompt="a <lora:nope:1>", size="64x64")
+    assert str(lora_dir) not in str(e.value)
+    with pytest.raises(openai.BadRequestError, match="is not a number"):
+        client.images.generate(prompt="a <lora:style:x>", size="64x64")
+    with pytest.raises(openai.BadRequestError, match="give it once"):
+        client.images.generate(prompt="a <lora:style:1>", size="64x64", extra_body={"loras": ["style"]})
+
+
 def test_inpainting_and_img2img_through_the_server_match_the_pipeline(server, pipe):
     init = picture(100, 72, 4)  # resized to 96x64, as the pipeline does
     mask = Image.new("L", init.size, 0)
