@@ -109,6 +109,11 @@ def record_defaults(ctx, param, value):
     help="Inpainting: white = repaint, black = keep (or, with transparency, transparent "
     "= repaint); the size of --init-image.",
 )
+@click.option(
+    "--outpaint",
+    default=None,
+    help="LEFT,TOP,RIGHT,BOTTOM px to add around --init-image and paint (rounded to 16; strength 1 unless given).",
+)
 @click.option("--image", "-i", "images", multiple=True, help="Reference image to edit; repeat for multi-reference.")
 @click.option("--negative-prompt", default=None, help="Unconditional prompt for CFG (Base models).")
 @click.option(
@@ -173,6 +178,7 @@ def generate(
     init_image,
     strength,
     mask,
+    outpaint,
     images,
     negative_prompt,
     num_images,
@@ -191,7 +197,6 @@ def generate(
     cache_size,
 ):
     """Generate images from a prompt (and optional reference images)."""
-    # Cheap checks before loading gigabytes: the settings, the output paths, the LoRA options.
     prompt, tagged = _checked_prompt(prompt, lora_dir, from_image, images=images, init_image=init_image, mask=mask)
     settings = RunSettings(
         prompt,
@@ -206,20 +211,15 @@ def generate(
         init_image=init_image,
         strength=strength,
         mask=mask,
-    ).check()
+        outpaint=outpaint,
+    ).check()  # cheap checks before loading gigabytes: the settings, the output paths, the LoRA options
     paths = _checked_outputs(output, num_images, preview_dir)
-    load_settings = dict(
-        dtype=dtype,
-        quantize=int(quantize) if quantize else None,
-        low_memory=low_memory,
-        loras=pair_scales(loras, lora_scales) + tagged,
-        lora_partial=lora_partial,
-        vae=vae,
-        cache=not no_cache,
-        cache_size=parse_size(cache_size),
+    load_settings = dict(dtype=dtype, quantize=int(quantize) if quantize else None, low_memory=low_memory, vae=vae)
+    load_settings.update(loras=pair_scales(loras, lora_scales) + tagged, lora_partial=lora_partial)
+    load_settings.update(cache=not no_cache, cache_size=parse_size(cache_size))
+    _generate_images(
+        *_load_checked(model, settings, load_settings), paths=paths, output=output, preview_dir=preview_dir
     )
-    pipe, prepared = _load_checked(model, settings, load_settings)
-    _generate_images(pipe, prepared, paths=paths, output=output, preview_dir=preview_dir)
 
 
 def _checked_prompt(prompt, lora_dir, from_image, *, images, init_image, mask) -> tuple[str, list]:

@@ -82,6 +82,7 @@ def image_metadata(
         "init_image": init_image,
         "strength": settings.strength if init_image else None,
         "mask": mask,
+        "outpaint": list(settings.outpaint) if settings.outpaint else None,  # pads as run: left, top, right, bottom
         "vae": vae,
         "software": f"flux_klein_mlx {__version__}",
     }

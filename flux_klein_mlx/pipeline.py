@@ -418,6 +418,8 @@ class FluxKleinPipeline:
         if job.inputs.crop is not None:  # FLUX 3, one reference: its canvas cropped back to it
             decoded = crop_to_box(decoded[0], job.inputs.crop)[None]
         image = to_output(decoded, output_type)
+        if job.inputs.outpaint is not None:  # the original's pixels back outside the seam
+            image = job.inputs.outpaint.composite(image)
         job.stats.decode = self.stage_stats(t0, loads)
         if self.memory.release_models:
             self.release("vae")  # so the next image's denoise holds the transformer alone

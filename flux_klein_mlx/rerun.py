@@ -55,8 +55,15 @@ def ours(record: dict, path) -> dict:
         "dtype": record.get("dtype"),
         "quantize": None if record.get("quantize") is None else str(record["quantize"]),
         "strength": record.get("strength"),
-        "needs": needs(len(record.get("references") or []), bool(record.get("init_image")), bool(record.get("mask"))),
+        "outpaint": ",".join(map(str, record["outpaint"])) if record.get("outpaint") else None,
+        "needs": needs(  # an outpaint's mask is its own, made from the pads
+            len(record.get("references") or []),
+            bool(record.get("init_image")),
+            bool(record.get("mask")) and not record.get("outpaint"),
+        ),
     }
+    if record.get("outpaint"):  # the canvas's size is the image's and its pads'
+        options["width"] = options["height"] = None
     model = str(record.get("model") or "")
     if model.count("/") == 1 and not Path(model).exists():  # a repo id; a local folder is named only by its name
         options["model"] = model

@@ -41,6 +41,7 @@ from .forms import (
     check_multipart_complete,
     float_field,
     int_field,
+    outpaint_field,
     parse_json,
     parse_size,
     str_field,
@@ -443,10 +444,18 @@ class Server:
                 "mask",
             )
         strength = float_field(body, "strength", 0.0, 1.0)
-        # Inpainting / image-to-image: the first upload is the image being repainted, the rest references.
-        init_image = images.pop(0) if mask is not None or strength is not None else None
+        outpaint = outpaint_field(body, req.settings, images[0].size, repaints=strength is not None and mask is None)
+        # Inpainting / image-to-image / outpainting: the first upload is the image repainted, the rest references.
+        init_image = images.pop(0) if mask is not None or strength is not None or outpaint else None
+        size = {"width": None, "height": None} if outpaint else {}  # the canvas is the image and its pads
         req.settings = dataclasses.replace(
-            req.settings, init_image=init_image, images=images or None, mask=mask, strength=strength
+            req.settings,
+            init_image=init_image,
+            images=images or None,
+            mask=mask,
+            strength=strength,
+            outpaint=outpaint,
+            **size,
         )
         return req, answer
 

@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse
 
 from ..errors import FluxKleinError
 from ..inputs import check_image_size
+from ..outpaint import centred_pads, parse_outpaint
 
 
 class ApiError(Exception):
@@ -60,7 +61,7 @@ GENERATION_FIELDS = {
     "partial_images",
     "output_format",
 } | IGNORED
-EDIT_FIELDS = GENERATION_FIELDS | {"image", "image[]", "mask", "strength", "loras[]"}
+EDIT_FIELDS = GENERATION_FIELDS | {"image", "image[]", "mask", "strength", "loras[]", "outpaint"}
 MAX_LORAS = 8  # LoRA names per request
 # An absolute file path in a message (never this server's own routes, /v1/...): clients see its last part.
 PATH_RE = re.compile(r"(?<![\w.:/])/(?!v1/)[^\s'\"(),;]*/([^\s'\"(),;/]+)")
@@ -183,3 +184,19 @@ def parse_size(size) -> tuple[int | None, int | None]:
     except FluxKleinError as e:
         raise ApiError(400, f"size {size}: {e}", "size") from None
     return w, h
+
+
+def outpaint_field(body: dict, settings, image_size: tuple[int, int], repaints: bool) -> tuple | None:
+    """An edit's outpaint: the `outpaint` field ("LEFT,TOP,RIGHT,BOTTOM" px), or an img2img (`repaints`: a
+    strength, no mask) whose `size` is larger than the image: the image centred on that canvas (a reference
+    edit at a larger size stays one). None: no outpaint."""
+    text = str_field(body, "outpaint")
+    w, h = image_size
+    if text is not None:
+        try:
+            return parse_outpaint(text)
+        except FluxKleinError as e:
+            raise ApiError(400, str(e), "outpaint") from None
+    if not repaints or settings.width is None or settings.width < w or settings.height < h:
+        return None  # not an outpaint: the worker checks the size against the image as it prepares it
+    return None if (settings.width, settings.height) == (w, h) else centred_pads(w, h, settings.width, settings.height)

@@ -212,6 +212,36 @@ def test_inpainting_and_img2img_through_the_server_match_the_pipeline(server, pi
     np.testing.assert_array_equal(np.asarray(decode(res.data[0].b64_json).convert("RGB")), np.asarray(ours))
 
 
+def test_an_edit_larger_than_its_image_outpaints_as_the_pipeline_does(server, pipe):
+    """img2img (a strength) with a size larger than the image: the image centred on that canvas, outpainted,
+    exactly `generate(init_image=..., outpaint=pads)`; the `outpaint` field gives the pads itself; a bad
+    field is a 400 naming it; a reference edit at a larger size (no strength) stays a reference edit."""
+    init = picture(80, 64, 2)
+    client = server.client()
+    res = client.images.edit(
+        image=("a.png", png(init), "image/png"), prompt="a beach", size="144x96",
+        extra_body={"seed": 4, "steps": 2, "strength": 1.0},
+    )  # fmt: skip
+    got = decode(res.data[0].b64_json)
+    ours = pipe.generate("a beach", init_image=init, outpaint=(32, 16, 32, 16), strength=1.0, seed=4, steps=2)
+    np.testing.assert_array_equal(np.asarray(got.convert("RGB")), np.asarray(ours))
+    assert json.loads(got.text["flux_klein_mlx"])["outpaint"] == [32, 16, 32, 16]
+    res = client.images.edit(
+        image=("a.png", png(init), "image/png"),
+        prompt="a beach",
+        extra_body={"seed": 4, "steps": 2, "outpaint": "0,0,48,0"},
+    )
+    ours = pipe.generate("a beach", init_image=init, outpaint=(0, 0, 48, 0), seed=4, steps=2)
+    np.testing.assert_array_equal(np.asarray(decode(res.data[0].b64_json).convert("RGB")), np.asarray(ours))
+    with pytest.raises(openai.BadRequestError, match="four whole numbers") as e:
+        client.images.edit(image=("a.png", png(init), "image/png"), prompt="x", extra_body={"outpaint": "1,2"})
+    assert e.value.body["param"] == "outpaint"
+    ref = client.images.edit(
+        image=("a.png", png(init), "image/png"), prompt="x", size="144x96", extra_body={"steps": 1}
+    )
+    assert json.loads(decode(ref.data[0].b64_json).text["flux_klein_mlx"])["outpaint"] is None
+
+
 def test_url_response_is_served_by_the_server(server):
     res = server.client().images.generate(
         prompt="a lighthouse", size="64x64", response_format="url", extra_body={"seed": 4, "steps": 2}
