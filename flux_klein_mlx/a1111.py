@@ -95,8 +95,11 @@ def resolve_lora_tags(prompt: str, lora_dir, folder_words: str | None = None) ->
     return clean, out
 
 
-def model_hash(files: list[Path]) -> str:
-    """AutoV2: the first 10 hex digits of the sha256 of the transformer's bytes (its files in name order)."""
+def model_hash(files: list[Path]) -> str | None:
+    """AutoV2: the first 10 hex digits of the sha256 of the transformer's bytes (its files in name order);
+    None for a model without files (a random model built in memory)."""
+    if not files:
+        return None
     key = tuple((str(p), *_stamp(p)) for p in sorted(files))
     if key not in _HASHES:
         digest = hashlib.sha256()

@@ -442,7 +442,7 @@ class FluxKleinPipeline:
             mask=hashes.get("mask"),
             steps_run=inputs.steps_run,
             vae=self.info.vae_source and model_name(self.info.vae_source),
-            model_hash=model_hash(self.info.files["transformer"]),
+            model_hash=model_hash(self.info.files.get("transformer") or []),
         )
 
 
