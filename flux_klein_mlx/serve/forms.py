@@ -89,6 +89,27 @@ def check_model(name, model_id: str, aliases: tuple = ()) -> None:
     raise ApiError(404, message, "model", "model_not_found")
 
 
+def pick_model(name, served: tuple) -> str | None:
+    """A request's "model" -> the id of the served model it names; None when left out (the one loaded now).
+    `served`: ((id, aliases), ...), the first --model first."""
+    if name in (None, ""):
+        return None
+    for model_id, aliases in served:
+        try:
+            check_model(name, model_id, aliases)
+            return model_id
+        except ApiError:
+            if len(served) == 1:
+                raise  # its own words
+    ids = ", ".join(repr(model_id) for model_id, _ in served)
+    raise ApiError(
+        404,
+        f"model {str(name)!r} is not served here; this server serves {ids} (GET /v1/models)",
+        "model",
+        "model_not_found",
+    )
+
+
 def parse_json(data: bytes | bytearray) -> dict:
     """A request body -> the JSON object it must be, or a 400 that says why (never a 500)."""
     try:
