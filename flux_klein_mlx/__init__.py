@@ -23,6 +23,7 @@ _MODULES = {
     "inputs": ("RunSettings", "PreparedInputs", "prepare_inputs"),
     "embedding_cache": ("EmbeddingCache",),
     "output": ("save_image", "image_metadata"),
+    "a1111": ("resolve_lora_tags",),
     "loading": ("describe", "load_component", "ModelInfo"),
     "models.config": ("VARIANTS", "FluxKleinParams", "Qwen3Config", "AutoEncoderConfig"),
     "models.transformer": ("FluxKlein", "sanitize_flux2_klein_weights"),

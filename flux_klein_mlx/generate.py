@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from .a1111 import resolve_lora_tags
 from .cli import run_command, vae_and_cache_options
 from .embedding_cache import parse_size
 from .files import check_output_file, numbered_name, write_exclusive
@@ -18,6 +19,7 @@ from .loading import DEFAULT_DTYPE, DTYPES
 from .lora.apply import pair_scales
 from .output import image_format, save_image
 from .pipeline import DEFAULT_MODEL, load
+from .rerun import check_images_given, record_options
 
 
 def output_paths(output: str, count: int) -> list[Path]:
@@ -48,8 +50,25 @@ def summary(st, seed, index: int, count: int) -> str:
     )
 
 
+def record_defaults(ctx, param, value):
+    """--from IMAGE (eager): its record's settings become the defaults, so options given beside it win."""
+    if value is not None:
+        options = record_options(value)
+        options.pop("needs", None)  # checked once every option is read (_check_rerun)
+        ctx.default_map = {**(ctx.default_map or {}), **options}
+    return value
+
+
 @click.command("generate")
-@click.option("--prompt", "-p", required=True, help="What to draw.")
+@click.option(
+    "--from",
+    "from_image",
+    default=None,
+    is_eager=True,
+    callback=record_defaults,
+    help="Rerun IMAGE from its record (ours, or A1111's parameters); options given beside it override.",
+)
+@click.option("--prompt", "-p", required=True, help="What to draw; <lora:NAME:W> tags name LoRAs in --lora-dir.")
 @click.option(
     "--model",
     "-m",
@@ -89,6 +108,11 @@ def summary(st, seed, index: int, count: int) -> str:
     default=None,
     help="Inpainting: white = repaint, black = keep (or, with transparency, transparent "
     "= repaint); the size of --init-image.",
+)
+@click.option(
+    "--outpaint",
+    default=None,
+    help="LEFT,TOP,RIGHT,BOTTOM px to add around --init-image and paint (rounded to 16; strength 1 unless given).",
 )
 @click.option("--image", "-i", "images", multiple=True, help="Reference image to edit; repeat for multi-reference.")
 @click.option("--negative-prompt", default=None, help="Unconditional prompt for CFG (Base models).")
@@ -138,6 +162,7 @@ def summary(st, seed, index: int, count: int) -> str:
     multiple=True,
     help="Strength of each --lora, by position [default: 1.0].",
 )
+@click.option("--lora-dir", default=None, help="The folder that the prompt's <lora:NAME:W> tags name LoRAs in.")
 @click.option("--lora-partial", is_flag=True, help="Apply a LoRA even when some of its modules match no layer.")
 @vae_and_cache_options
 def generate(
@@ -153,6 +178,7 @@ def generate(
     init_image,
     strength,
     mask,
+    outpaint,
     images,
     negative_prompt,
     num_images,
@@ -164,13 +190,14 @@ def generate(
     loras,
     lora_scales,
     lora_partial,
+    lora_dir,
+    from_image,
     vae,
     no_cache,
     cache_size,
 ):
     """Generate images from a prompt (and optional reference images)."""
-    # Cheap checks before loading gigabytes: the settings, the output paths, the LoRA options.
-    check_prompt_given(prompt)
+    prompt, tagged = _checked_prompt(prompt, lora_dir, from_image, images=images, init_image=init_image, mask=mask)
     settings = RunSettings(
         prompt,
         width=width,
@@ -184,22 +211,34 @@ def generate(
         init_image=init_image,
         strength=strength,
         mask=mask,
-    ).check()
-    paths = output_paths(output, num_images)
+        outpaint=outpaint,
+    ).check()  # cheap checks before loading gigabytes: the settings, the output paths, the LoRA options
+    paths = _checked_outputs(output, num_images, preview_dir)
+    load_settings = dict(dtype=dtype, quantize=int(quantize) if quantize else None, low_memory=low_memory, vae=vae)
+    load_settings.update(loras=pair_scales(loras, lora_scales) + tagged, lora_partial=lora_partial)
+    load_settings.update(cache=not no_cache, cache_size=parse_size(cache_size))
+    _generate_images(
+        *_load_checked(model, settings, load_settings), paths=paths, output=output, preview_dir=preview_dir
+    )
+
+
+def _checked_prompt(prompt, lora_dir, from_image, *, images, init_image, mask) -> tuple[str, list]:
+    """The prompt the model sees and its `<lora:NAME:W>` tags' LoRAs [(file, weight)] from --lora-dir; with
+    --from, the images the record's run used must be given again (the record names them by hash only)."""
+    check_prompt_given(prompt)
+    if from_image is not None:
+        given = {"--image": len(images), "--init-image": int(init_image is not None), "--mask": int(mask is not None)}
+        check_images_given(from_image, record_options(from_image).get("needs", {}), given)
+    prompt, tagged = resolve_lora_tags(prompt, lora_dir)
+    return prompt, [(str(path), weight) for path, weight in tagged]
+
+
+def _checked_outputs(output, count: int, preview_dir) -> list[Path]:
+    """The output paths (`output_paths`) and --preview-dir, checked before any work."""
+    paths = output_paths(output, count)
     if preview_dir is not None:  # a missing folder or a file: one-line errors
         check_output_file(Path(preview_dir) / f"{paths[-1].stem}-step00.png", "--preview-dir")
-    load_settings = dict(
-        dtype=dtype,
-        quantize=int(quantize) if quantize else None,
-        low_memory=low_memory,
-        loras=pair_scales(loras, lora_scales),
-        lora_partial=lora_partial,
-        vae=vae,
-        cache=not no_cache,
-        cache_size=parse_size(cache_size),
-    )
-    pipe, prepared = _load_checked(model, settings, load_settings)
-    _generate_images(pipe, prepared, paths=paths, output=output, preview_dir=preview_dir)
+    return paths
 
 
 def _load_checked(model, settings: RunSettings, load_settings: dict):

@@ -33,11 +33,13 @@ import mlx.core as mx
 import numpy as np
 from PIL import Image, ImageOps
 
+from .a1111 import LORA_TAG
 from .checks import check_number, check_whole, is_int
-from .errors import FluxKleinError
+from .errors import FluxKleinError, Notice
 from .limits import check_decode_fits
 from .models.rope import PIXELS_PER_TOKEN, token_grid
 from .models.tokenizer import check_text
+from .outpaint import Outpaint, outpaint_canvas, parse_outpaint, round_pads
 from .references import FLUX3_MAX_REFERENCES, check_reference_count, prepare_canvas_reference
 from .sampling import check_noise_kind, seed_for_image, start_step
 
@@ -83,6 +85,7 @@ class RunSettings:
     init_image: object = None
     strength: float | None = None
     mask: object = None
+    outpaint: object = None  # "LEFT,TOP,RIGHT,BOTTOM" px (or 4 numbers) added around init_image (outpaint.py)
 
     @classmethod
     def from_keywords(cls, prompt, keywords: dict) -> RunSettings:
@@ -99,6 +102,11 @@ class RunSettings:
             raise FluxKleinError(f"the prompt must be a string, not {type(self.prompt).__name__}")
         if neg is not None and not isinstance(neg, str):
             raise FluxKleinError(f"negative_prompt must be a string or None, not {type(neg).__name__}")
+        if LORA_TAG.search(self.prompt):
+            raise FluxKleinError(
+                "the prompt holds a <lora:NAME:W> tag; resolve it first: generate --lora-dir DIR, or in Python "
+                "prompt, loras = flux_klein_mlx.resolve_lora_tags(prompt, DIR) and load(..., loras=loras)"
+            )
         check_text(self.prompt)  # lone surrogates (argv bytes not UTF-8, JSON "\ud800") end here, not in the tokenizer
         if neg is not None:
             check_text(neg, "the negative prompt")
@@ -120,6 +128,13 @@ class RunSettings:
             raise FluxKleinError(f"{what} needs an init image (--init-image, init_image=)")
         if self.strength is not None:
             check_strength(self.strength)
+        if self.outpaint is not None:
+            parse_outpaint(self.outpaint)
+            if self.init_image is None or self.mask is not None or self.width or self.height:
+                raise FluxKleinError(
+                    "outpaint extends the init image: give --init-image, and no --mask, --width or --height "
+                    "(the canvas is the image and what the outpaint adds)"
+                )
         return self
 
 
@@ -287,8 +302,9 @@ class InitImage:
     strength: float
 
 
-def prepare_init_image(image, strength: float = DEFAULT_STRENGTH, mask=None) -> InitImage:
-    """Validate and preprocess an init image (path or PIL) and optional mask as diffusers does."""
+def prepare_init_image(image, strength: float = DEFAULT_STRENGTH, mask=None, shrink: bool = True) -> InitImage:
+    """Validate and preprocess an init image (path or PIL) and optional mask as diffusers does (`shrink`:
+    to 1024^2 px of area when larger; an outpaint's canvas is run at its own size)."""
     strength = check_strength(strength)
     img = open_image(image, "init image")
     check_image_shape(*img.size, "init image")
@@ -299,7 +315,7 @@ def prepare_init_image(image, strength: float = DEFAULT_STRENGTH, mask=None) -> 
             "they must be the same size"
         )
     # Resizes happen in the file's own mode, colour conversion after (diffusers' order).
-    img = _shrink_to_area(img)
+    img = _shrink_to_area(img) if shrink else img
     W, H = img.size[0] // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN, img.size[1] // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN
     img = img.resize((W, H), Image.Resampling.LANCZOS)  # stretches to the 16-multiple; no crop
     packed = None
@@ -370,6 +386,7 @@ class PreparedInputs:
     # FLUX 3 with one reference and no size given: the run is on the reference's padded canvas
     # (settings.width x height) and the image is cropped back to the reference, (left, top, right, bottom)
     crop: tuple[int, int, int, int] | None = None
+    outpaint: Outpaint | None = None  # an outpaint: the original put back after decoding (outpaint.py)
 
     @property
     def images_key(self) -> str:
@@ -449,11 +466,14 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
     steps = info.default_steps if settings.steps is None else int(settings.steps)
     guidance, negative = _resolve_guidance(settings, info)
     width, height = settings.width, settings.height
-    init = None
-    if settings.init_image is not None:
+    init = outpainting = None
+    if settings.outpaint is not None:  # the canvas: the init image and its pads (no size given: checked)
+        init, outpainting = prepare_outpaint(settings)
+    elif settings.init_image is not None:
         init = prepare_init_image(
             settings.init_image, DEFAULT_STRENGTH if settings.strength is None else settings.strength, settings.mask
         )
+    if init is not None:
         ih, iw = init.pixels.shape[:2]
         if (width or iw, height or ih) != (iw, ih):
             raise FluxKleinError(
@@ -479,14 +499,36 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
         seed=seed,
         negative_prompt=negative,
         images=None,
+        strength=init.strength if init is not None else None,  # recorded as run: the default 0.8 too
+        outpaint=outpainting and outpainting.pads,
     )
     hashes = {"references": [content_hash(r) for r in references]}
     if init is not None:
         hashes["init_image"] = content_hash(init.pixels)
         hashes["mask"] = None if init.mask is None else content_hash(init.mask)
     return PreparedInputs(
-        settings=resolved, references=references, init=init, t_start=t_start, latents=latents, hashes=hashes, crop=crop
+        settings=resolved,
+        references=references,
+        init=init,
+        t_start=t_start,
+        latents=latents,
+        hashes=hashes,
+        crop=crop,
+        outpaint=outpainting,
     )
+
+
+def prepare_outpaint(settings: RunSettings) -> tuple[InitImage, Outpaint]:
+    """The canvas around the init image as an inpaint (strength 1 unless given), and what puts the original back."""
+    img = open_image(settings.init_image, "init image")
+    check_image_shape(*img.size, "init image")
+    pads, said = round_pads(parse_outpaint(settings.outpaint), *img.size)
+    check_image_size(img.width + pads[0] + pads[2], img.height + pads[1] + pads[3])
+    if said:
+        warnings.warn(said, Notice, stacklevel=3)
+    canvas, mask, outpainting = outpaint_canvas(img, pads)
+    strength = 1.0 if settings.strength is None else settings.strength
+    return prepare_init_image(canvas, strength, mask, shrink=False), outpainting
 
 
 def content_hash(pixels: np.ndarray) -> str:

@@ -58,6 +58,7 @@ def image_metadata(
     mask: str | None = None,
     steps_run: int | None = None,
     vae: str | None = None,
+    model_hash: str | None = None,
     crop: tuple[int, int, int, int] | None = None,
 ) -> dict:
     """The record of one image: `settings` is the run's resolved `inputs.RunSettings`; images are named
@@ -74,6 +75,7 @@ def image_metadata(
         "height": settings.height,
         "noise": "latents" if settings.latents is not None else settings.noise,
         "model": model,
+        "model_hash": model_hash,  # A1111's AutoV2 of the transformer (a1111.model_hash)
         "variant": variant,
         "dtype": dtype,
         "quantize": quantize,
@@ -82,6 +84,7 @@ def image_metadata(
         "init_image": init_image,
         "strength": settings.strength if init_image else None,
         "mask": mask,
+        "outpaint": list(settings.outpaint) if settings.outpaint else None,  # pads as run: left, top, right, bottom
         "vae": vae,
         "crop": list(crop) if crop is not None else None,
         "software": f"flux_klein_mlx {__version__}",
@@ -100,10 +103,17 @@ def _a1111_lora_name(name: str) -> str:
     return stem.replace(":", "").replace(",", "")
 
 
+def a1111_prompt(record: dict) -> str:
+    """The prompt as A1111 writes it: the text the model saw, then a `<lora:NAME:WEIGHT>` tag for each LoRA
+    (those of the prompt's own tags and of --lora alike), so a paste into A1111 / Forge restores them."""
+    tags = [f"<lora:{_a1111_lora_name(lora['name'])}:{lora['scale']:g}>" for lora in record.get("loras") or []]
+    return " ".join([str(record.get("prompt") or ""), *tags]).strip()
+
+
 def a1111_parameters(record: dict) -> str:
     """The A1111 / Forge `parameters` text: prompt, `Negative prompt: ...`, then `Steps: 4, Sampler: ...`."""
     r = record.get
-    lines = [str(r("prompt") or "")]
+    lines = [a1111_prompt(record)]
     if r("negative_prompt"):
         lines.append(f"Negative prompt: {r('negative_prompt')}")
     fields = {
@@ -113,6 +123,7 @@ def a1111_parameters(record: dict) -> str:
         "CFG scale": r("guidance") if r("guidance") is not None else 1,
         "Seed": r("seed"),
         "Size": f"{r('width')}x{r('height')}" if r("width") else None,
+        "Model hash": r("model_hash"),
         "Model": r("model"),
         "VAE": r("vae"),
         "Denoising strength": r("strength") if r("init_image") else None,

@@ -28,6 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .a1111 import model_hash
 from .checks import check_choice, is_int
 from .components import check_weights, load_component, read_component
 from .embedding_cache import DEFAULT_MAX_BYTES, EmbeddingCache, cached_embeddings, open_cache, prompt_keys
@@ -417,6 +418,8 @@ class FluxKleinPipeline:
         if job.inputs.crop is not None:  # FLUX 3, one reference: its canvas cropped back to it
             decoded = crop_to_box(decoded[0], job.inputs.crop)[None]
         image = to_output(decoded, output_type)
+        if job.inputs.outpaint is not None:  # the original's pixels back outside the seam
+            image = job.inputs.outpaint.composite(image)
         job.stats.decode = self.stage_stats(t0, loads)
         if self.memory.release_models:
             self.release("vae")  # so the next image's denoise holds the transformer alone
@@ -439,6 +442,7 @@ class FluxKleinPipeline:
             mask=hashes.get("mask"),
             steps_run=inputs.steps_run,
             vae=self.info.vae_source and model_name(self.info.vae_source),
+            model_hash=model_hash(self.info.files.get("transformer") or []),
             crop=inputs.crop,
         )
 

@@ -37,17 +37,18 @@ from .forms import (
     GENERATION_FIELDS,
     ApiError,
     bool_field,
-    check_model,
     check_multipart_complete,
     float_field,
     int_field,
+    outpaint_field,
     parse_json,
     parse_size,
+    pick_model,
     str_field,
 )
 from .guard import MB, Guard
 from .jobs import EndEvent, ImageEvent, ImageRequest, NotReady, QueueFull, StageEvent, StepEvent, Worker
-from .loras import lora_files, resolve_loras
+from .loras import lora_files, merge_loras, prompt_loras, resolve_loras
 
 PNG = {"output_format": "png", "background": "opaque"}  # what every result is
 
@@ -58,6 +59,13 @@ class ServerOptions:
 
     model_id: str = "flux-klein"
     model_aliases: tuple = ()  # other names of the served model a request's "model" may give: its path, its repo id
+    other_models: tuple = ()  # ((id, aliases, card), ...) of each later --model: loaded one at a time, on request
+    model_card: dict = field(default_factory=dict)  # the first model's variant, distilled, default_steps
+
+    def served(self) -> tuple:
+        """((id, aliases), ...) of every served model, the first --model first."""
+        return ((self.model_id, self.model_aliases), *((m, a) for m, a, _ in self.other_models))
+
     server_loras: tuple = ()  # "name:scale" of the --lora files loaded with the model (shown in /v1/status)
     api_key: str | None = None
     lora_dir: Path | None = None  # LoRAs a request may name: <lora_dir>/<name>.safetensors
@@ -123,7 +131,7 @@ class Server:
         """The fields both routes share -> a request (images added by the edit route) and how to answer it
         (`kind`: the route's event type prefix, "image_generation" or "image_edit")."""
         o = self.options
-        check_model(body.get("model"), o.model_id, o.model_aliases)
+        model = pick_model(body.get("model"), o.served())
         prompt = str_field(body, "prompt")
         if prompt is None:
             raise ApiError(400, "prompt is required: describe the image to make", "prompt")
@@ -144,6 +152,7 @@ class Server:
                 "output_format",
             )
         width, height = parse_size(body.get("size"))
+        prompt, tagged = prompt_loras(prompt, o.lora_dir)  # <lora:NAME:W> tags: the model never sees them
         settings = RunSettings(
             prompt,
             width=width,
@@ -159,8 +168,9 @@ class Server:
         req = ImageRequest(
             settings=settings,
             n=int_field(body, "n", lo=1, hi=o.max_n, default=1),
-            loras=resolve_loras(body.get("loras", body.get("loras[]")), o.lora_dir),
+            loras=merge_loras(resolve_loras(body.get("loras", body.get("loras[]")), o.lora_dir), tagged),
             partial_images=partial if stream else 0,
+            model=model,
         )
         return req, Answer(kind=kind, response_format=response_format, stream=stream)
 
@@ -358,12 +368,16 @@ class Server:
         return HTMLResponse(html, headers={"Cache-Control": "no-cache"})
 
     async def models(self, request: Request):
-        """GET /v1/models (the list of one) or /v1/models/{model}."""
-        card = {"id": self.options.model_id, "object": "model", "created": 0, "owned_by": "flux_klein_mlx"}
+        """GET /v1/models (the served models) or /v1/models/{model}."""
+        cards = [
+            {"id": model_id, "object": "model", "created": 0, "owned_by": "flux_klein_mlx"}
+            for model_id, _ in self.options.served()
+        ]
         name = request.path_params.get("model")
         if name is not None:
-            check_model(name, card["id"], self.options.model_aliases)
-        return JSONResponse(card if name is not None else {"object": "list", "data": [card]})
+            picked = pick_model(name, self.options.served()) or self.options.model_id
+            return JSONResponse(next(card for card in cards if card["id"] == picked))
+        return JSONResponse({"object": "list", "data": cards})
 
     async def status(self, request: Request):
         o = self.options
@@ -372,7 +386,11 @@ class Server:
         return JSONResponse(
             {
                 **self.worker.status(),
-                "model": o.model_id,
+                "model": self.worker.model_id or o.model_id,
+                "models": [
+                    {"id": o.model_id, **o.model_card},
+                    *({"id": model_id, **card} for model_id, _, card in o.other_models),
+                ],
                 "variant": info.name if info else None,
                 "default_steps": info.default_steps if info else None,
                 "distilled": info.is_distilled if info else None,
@@ -442,10 +460,18 @@ class Server:
                 "mask",
             )
         strength = float_field(body, "strength", 0.0, 1.0)
-        # Inpainting / image-to-image: the first upload is the image being repainted, the rest references.
-        init_image = images.pop(0) if mask is not None or strength is not None else None
+        outpaint = outpaint_field(body, req.settings, images[0].size, repaints=strength is not None and mask is None)
+        # Inpainting / image-to-image / outpainting: the first upload is the image repainted, the rest references.
+        init_image = images.pop(0) if mask is not None or strength is not None or outpaint else None
+        size = {"width": None, "height": None} if outpaint else {}  # the canvas is the image and its pads
         req.settings = dataclasses.replace(
-            req.settings, init_image=init_image, images=images or None, mask=mask, strength=strength
+            req.settings,
+            init_image=init_image,
+            images=images or None,
+            mask=mask,
+            strength=strength,
+            outpaint=outpaint,
+            **size,
         )
         return req, answer
 

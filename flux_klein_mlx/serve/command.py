@@ -117,13 +117,45 @@ def _load_checked(model, sock, load_settings: dict):
     return pipe
 
 
+def model_ids(models, model_id) -> list[str]:
+    """The id clients name each --model by: --model-id (one model only), else the last part of its path."""
+    if model_id and len(models) > 1:
+        raise FluxKleinError(
+            "--model-id names the one --model; with several, each is named by the last part of its path"
+        )
+    ids = [model_id or Path(str(m).rstrip("/")).name for m in models]
+    twice = next((i for i in ids if ids.count(i) > 1), None)
+    if twice:
+        raise FluxKleinError(
+            f"--model {twice} is given twice (or two models share that last name); give each once, "
+            "from a folder named as clients should name it"
+        )
+    return ids
+
+
+def model_card(pipe) -> dict:
+    """What the page needs to know of a served model before it is loaded."""
+    info = pipe.info
+    return {"variant": info.name, "distilled": info.is_distilled, "default_steps": info.default_steps}
+
+
+def other_models(ids, models, pipes) -> tuple:
+    """((id, aliases, card), ...) of every --model after the first (ServerOptions.other_models)."""
+    return tuple(
+        (i, model_aliases(m, p.info), model_card(p)) for i, m, p in zip(ids[1:], models[1:], pipes[1:], strict=True)
+    )
+
+
 @click.command("serve")
 @click.option(
     "--model",
     "-m",
-    default=DEFAULT_MODEL,
+    "models",
+    multiple=True,
+    default=(DEFAULT_MODEL,),
     show_default=True,
-    help="Hugging Face repo id, diffusers folder, or a folder written by `convert`.",
+    help="Hugging Face repo id, diffusers folder, or a folder written by `convert`; repeat to serve several "
+    "(one in memory at a time: a request naming another switches).",
 )
 @click.option(
     "--quantize",
@@ -173,7 +205,7 @@ def _load_checked(model, sock, load_settings: dict):
 @click.option("--model-id", default=None, help="The model name clients use [default: the last part of --model].")
 @vae_and_cache_options
 def serve(
-    model,
+    models,
     *,
     quantize,
     dtype,
@@ -193,6 +225,7 @@ def serve(
 ):
     """Serve the OpenAI Images API and a web page with live step previews."""
     check_before_start(host, api_key, save_dir, lora_dir)
+    ids = model_ids(models, model_id)
     # The server modules import the serve extra (checked above), so they are imported only here.
     from .api import ServerOptions
     from .guard import MB
@@ -208,11 +241,13 @@ def serve(
         cache=not no_cache,
         cache_size=cache_size,
     )
-    pipe = _load_checked(model, sock, load_settings)
-    model_id = model_id or Path(str(model).rstrip("/")).name
+    pipes = [_load_checked(model, sock, load_settings) for model in models]  # every model's files checked
+    model, pipe, model_id = models[0], pipes[0], ids[0]
     options = ServerOptions(
         model_id=model_id,
         model_aliases=model_aliases(model, pipe.info),
+        model_card=model_card(pipe),
+        other_models=other_models(ids, models, pipes),
         server_loras=tuple(f"{Path(lora.name).stem}:{lora.scale:g}" for lora in pipe.loras),
         api_key=api_key,
         lora_dir=Path(lora_dir) if lora_dir else None,
@@ -222,14 +257,16 @@ def serve(
     )
     shown = f"[{host}]" if ":" in host else host
     click.echo(
-        f"{pipe.info.name} from {model}: serving {model_id!r} at http://{shown}:{port}/ "
+        f"{pipe.info.name} from {model}: serving {', '.join(map(repr, ids))} at http://{shown}:{port}/ "
         f"(API: http://{shown}:{port}/v1); loading the model",
         err=True,
     )
-    _run_server(pipe, options, sock=sock, queue_size=queue_size, t0=t0)
+    _run_server(
+        pipe, options, sock=sock, queue_size=queue_size, t0=t0, switch=dict(zip(ids, pipes, strict=True)).__getitem__
+    )
 
 
-def _run_server(pipe, options, *, sock, queue_size: int, t0: float) -> None:
+def _run_server(pipe, options, *, sock, queue_size: int, t0: float, switch=None) -> None:
     """Answer on `sock` until stopped; the models load on the worker thread while the server already
     answers (503 until ready). A model that fails to load ends the process with one line."""
     import uvicorn
@@ -248,7 +285,7 @@ def _run_server(pipe, options, *, sock, queue_size: int, t0: float) -> None:
         click.echo(f"model loaded in {time.perf_counter() - t0:.1f} s", err=True)
         return pipe
 
-    worker = Worker(loader, max_queue=queue_size)
+    worker = Worker(loader, max_queue=queue_size, model_id=options.model_id, switch=switch)
     server = uvicorn.Server(
         uvicorn.Config(create_app(worker, options), log_level="warning", timeout_graceful_shutdown=5)
     )

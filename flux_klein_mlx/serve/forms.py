@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse
 
 from ..errors import FluxKleinError
 from ..inputs import check_image_size
+from ..outpaint import centred_pads, parse_outpaint
 
 
 class ApiError(Exception):
@@ -60,7 +61,7 @@ GENERATION_FIELDS = {
     "partial_images",
     "output_format",
 } | IGNORED
-EDIT_FIELDS = GENERATION_FIELDS | {"image", "image[]", "mask", "strength", "loras[]"}
+EDIT_FIELDS = GENERATION_FIELDS | {"image", "image[]", "mask", "strength", "loras[]", "outpaint"}
 MAX_LORAS = 8  # LoRA names per request
 # An absolute file path in a message (never this server's own routes, /v1/...): clients see its last part.
 PATH_RE = re.compile(r"(?<![\w.:/])/(?!v1/)[^\s'\"(),;]*/([^\s'\"(),;/]+)")
@@ -86,6 +87,27 @@ def check_model(name, model_id: str, aliases: tuple = ()) -> None:
     else:
         message = f"model {text!r} is not served here; this server serves {model_id!r} (GET /v1/models)"
     raise ApiError(404, message, "model", "model_not_found")
+
+
+def pick_model(name, served: tuple) -> str | None:
+    """A request's "model" -> the id of the served model it names; None when left out (the one loaded now).
+    `served`: ((id, aliases), ...), the first --model first."""
+    if name in (None, ""):
+        return None
+    for model_id, aliases in served:
+        try:
+            check_model(name, model_id, aliases)
+            return model_id
+        except ApiError:
+            if len(served) == 1:
+                raise  # its own words
+    ids = ", ".join(repr(model_id) for model_id, _ in served)
+    raise ApiError(
+        404,
+        f"model {str(name)!r} is not served here; this server serves {ids} (GET /v1/models)",
+        "model",
+        "model_not_found",
+    )
 
 
 def parse_json(data: bytes | bytearray) -> dict:
@@ -183,3 +205,19 @@ def parse_size(size) -> tuple[int | None, int | None]:
     except FluxKleinError as e:
         raise ApiError(400, f"size {size}: {e}", "size") from None
     return w, h
+
+
+def outpaint_field(body: dict, settings, image_size: tuple[int, int], repaints: bool) -> tuple | None:
+    """An edit's outpaint: the `outpaint` field ("LEFT,TOP,RIGHT,BOTTOM" px), or an img2img (`repaints`: a
+    strength, no mask) whose `size` is larger than the image: the image centred on that canvas (a reference
+    edit at a larger size stays one). None: no outpaint."""
+    text = str_field(body, "outpaint")
+    w, h = image_size
+    if text is not None:
+        try:
+            return parse_outpaint(text)
+        except FluxKleinError as e:
+            raise ApiError(400, str(e), "outpaint") from None
+    if not repaints or settings.width is None or settings.width < w or settings.height < h:
+        return None  # not an outpaint: the worker checks the size against the image as it prepares it
+    return None if (settings.width, settings.height) == (w, h) else centred_pads(w, h, settings.width, settings.height)

@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from ..errors import FluxKleinError
 from ..inputs import RunSettings, prepare_inputs
+from ..loading import COMPONENTS
 from ..output import image_bytes
 
 
@@ -43,6 +44,7 @@ class ImageRequest:
     n: int = 1
     loras: tuple = ()  # ((server-side path, scale), ...) resolved from names by the HTTP layer
     partial_images: int | None = 0  # preview PNGs per image while denoising (OpenAI's meaning); None: every step
+    model: str | None = None  # the served model's id it names (serve --model A --model B); None: the one loaded
 
 
 @dataclass(kw_only=True)
@@ -99,10 +101,16 @@ class Worker:
             fitted (not during the first job); called once, on the worker thread. A request's LoRAs are
             applied with `set_loras` (the base model stays).
         max_queue: how many jobs may wait behind the running one; more are refused (`QueueFull`).
+        model_id: the id of the model `loader` gives. switch: `switch(model_id)` -> the pipeline of another
+            served model, ready to load (called on the worker thread after the current one's models are
+            released: one model in memory at a time).
     """
 
-    def __init__(self, loader: Callable[[], object], *, max_queue: int = 4):
+    def __init__(self, loader: Callable[[], object], *, max_queue: int = 4, model_id=None, switch=None):
         self._loader = loader
+        self._switch_to = switch
+        self.model_id = model_id
+        self.switching: str | None = None  # the model being switched to, while it loads
         self.max_queue = max_queue
         self._lock = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
@@ -157,6 +165,8 @@ class Worker:
             return {
                 "state": self.state,
                 "error": self.error,
+                "model": self.model_id,
+                "switching": self.switching,
                 "waiting": len(self._waiting),
                 "running": self._running is not None,
                 "max_queue": self.max_queue,
@@ -208,6 +218,8 @@ class Worker:
     def _generate(self, job: Job) -> bool:
         """Run the job's images with its LoRAs; False when cancelled part-way."""
         req = job.request
+        if req.model is not None and req.model != self.model_id:
+            self._switch(req.model, job)
         pipe = self.pipe
         loras = self.base_loras + tuple(req.loras)
         wanted = stamped(loras)  # a file replaced since it was applied is read again
@@ -241,6 +253,25 @@ class Worker:
                 )
             )
         return True
+
+    def _switch(self, model_id: str, job: Job) -> None:
+        """Make `model_id` the loaded model: the current one's models released first, then the other's loaded."""
+        job.on_event(StageEvent(stage="model"))
+        with self._lock:
+            self.switching = model_id
+        try:
+            for name in COMPONENTS:
+                self.pipe.release(name)
+            pipe = self._switch_to(model_id)
+            if not pipe.memory.release_models:
+                pipe.component("transformer")  # resident anyway, as at start
+            pipe.preview_map()  # the VAE
+            self.pipe, self.model_id = pipe, model_id
+            self.base_loras = tuple((lora.path, lora.scale) for lora in pipe.loras)
+            self.applied = stamped(self.base_loras)
+        finally:
+            with self._lock:
+                self.switching = None
 
 
 def file_stamp(path: str) -> tuple | None:

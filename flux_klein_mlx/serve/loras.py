@@ -8,33 +8,17 @@ folder; names that would (`..`, `/`, an absolute path) are refused with one line
 
 from __future__ import annotations
 
-import unicodedata
 from pathlib import Path
 
+from ..a1111 import find_lora, lora_files, resolve_lora_tags
 from ..errors import FluxKleinError
 from ..lora.apply import parse_lora_spec
 from .forms import MAX_LORAS, ApiError
 
 
-def lora_files(lora_dir: Path | None) -> dict[str, Path]:
-    """name -> file of every LoRA in `lora_dir` (files only, sorted by name); {} without a folder."""
-    if lora_dir is None:
-        return {}
-    return {p.stem: p for p in sorted(lora_dir.glob("*.safetensors")) if p.is_file()}
-
-
 def escapes_folder(name: str) -> bool:
     """True for a name that is a path rather than a file name: '..', '.', any '/', a NUL, or empty."""
     return name in ("", ".", "..") or "/" in name or "\0" in name
-
-
-def find_lora(name: str, files: dict[str, Path]) -> Path | None:
-    """The file listed as `name`, or as the same text in another Unicode form (a client sends "é" as one
-    code point where the file system may keep e + U+0301)."""
-    if name in files:
-        return files[name]
-    wanted = unicodedata.normalize("NFC", name)
-    return next((p for n, p in files.items() if unicodedata.normalize("NFC", n) == wanted), None)
 
 
 def split_spec(item: str, files: dict[str, Path]) -> tuple[str, float]:
@@ -82,3 +66,26 @@ def resolve_loras(value, lora_dir: Path | None) -> tuple:
             )
         out[path] = (str(path.resolve()), scale)
     return tuple(out.values())
+
+
+def prompt_loras(prompt: str, lora_dir: Path | None) -> tuple[str, tuple]:
+    """A prompt's `<lora:NAME:W>` tags -> (the prompt without them, ((file in --lora-dir, weight), ...)); an
+    unknown name is a 404 that names the folder as the server's (never its path)."""
+    try:
+        clean, tags = resolve_lora_tags(prompt, lora_dir, "the server's LoRA folder (GET /v1/status lists them)")
+    except FluxKleinError as e:
+        words = str(e).replace("give the folder of LoRAs with --lora-dir", "this server has no --lora-dir")
+        raise ApiError(404 if "no LoRA named" in words else 400, words, "prompt") from None
+    return clean, tuple((str(path.resolve()), weight) for path, weight in tags)
+
+
+def merge_loras(named: tuple, tagged: tuple) -> tuple:
+    """A request's `loras` then its prompt's tags; one file given both ways is refused in one line."""
+    twice = {path for path, _ in named} & {path for path, _ in tagged}
+    if twice:
+        raise ApiError(
+            400,
+            f"LoRA {Path(next(iter(twice))).stem!r} is named in loras and in a <lora:...> tag; give it once",
+            "prompt",
+        )
+    return named + tagged

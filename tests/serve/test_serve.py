@@ -8,7 +8,6 @@ must decode to exactly that image. Every loop is bounded in count and time.
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
 import json
 import os
@@ -34,6 +33,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 pytest.importorskip("multipart")
 
+from browsing import browser, fill, needs_chromium  # noqa: E402
 from command_line import free_port  # noqa: E402
 from refs import picture  # noqa: E402
 from serving import KEY, ROOT, http, start_server  # noqa: E402
@@ -165,6 +165,30 @@ def test_a_lora_named_in_the_request_matches_the_pipeline_with_it(server, snapsh
         client.images.generate(prompt="x", size="64x64", extra_body={"loras": ["absent"]})
 
 
+def test_a_lora_tag_in_the_prompt_is_the_same_as_naming_it_in_loras(server, lora_dir):
+    """`<lora:style:0.8>` in a prompt (the page sends prompts as typed) = `loras: ["style:0.8"]` on the prompt
+    without it, bit for bit and record for record; an unknown name is a 404 naming the server's folder (not
+    its path), a bad weight a 400, the same LoRA both ways a 400."""
+    client = server.client()
+    named = client.images.generate(
+        prompt="a red fox", size="64x64", extra_body={"seed": 3, "steps": 2, "loras": ["style:0.8"]}
+    )
+    tagged = client.images.generate(
+        prompt="a red <lora:style:0.8> fox", size="64x64", extra_body={"seed": 3, "steps": 2}
+    )
+    a, b = decode(named.data[0].b64_json), decode(tagged.data[0].b64_json)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert a.text == b.text and json.loads(b.text["flux_klein_mlx"])["prompt"] == "a red fox"
+    assert b.text["parameters"].startswith("a red fox <lora:style:0.8>\n")
+    with pytest.raises(openai.NotFoundError, match="no LoRA named 'nope' in the server's LoRA folder") as e:
+        client.images.generate(prompt="a <lora:nope:1>", size="64x64")
+    assert str(lora_dir) not in str(e.value)
+    with pytest.raises(openai.BadRequestError, match="is not a number"):
+        client.images.generate(prompt="a <lora:style:x>", size="64x64")
+    with pytest.raises(openai.BadRequestError, match="give it once"):
+        client.images.generate(prompt="a <lora:style:1>", size="64x64", extra_body={"loras": ["style"]})
+
+
 def test_inpainting_and_img2img_through_the_server_match_the_pipeline(server, pipe):
     init = picture(100, 72, 4)  # resized to 96x64, as the pipeline does
     mask = Image.new("L", init.size, 0)
@@ -186,6 +210,36 @@ def test_inpainting_and_img2img_through_the_server_match_the_pipeline(server, pi
     )
     ours = pipe.generate("a cat", init_image=init, strength=0.5, seed=3, steps=4)
     np.testing.assert_array_equal(np.asarray(decode(res.data[0].b64_json).convert("RGB")), np.asarray(ours))
+
+
+def test_an_edit_larger_than_its_image_outpaints_as_the_pipeline_does(server, pipe):
+    """img2img (a strength) with a size larger than the image: the image centred on that canvas, outpainted,
+    exactly `generate(init_image=..., outpaint=pads)`; the `outpaint` field gives the pads itself; a bad
+    field is a 400 naming it; a reference edit at a larger size (no strength) stays a reference edit."""
+    init = picture(80, 64, 2)
+    client = server.client()
+    res = client.images.edit(
+        image=("a.png", png(init), "image/png"), prompt="a beach", size="144x96",
+        extra_body={"seed": 4, "steps": 2, "strength": 1.0},
+    )  # fmt: skip
+    got = decode(res.data[0].b64_json)
+    ours = pipe.generate("a beach", init_image=init, outpaint=(32, 16, 32, 16), strength=1.0, seed=4, steps=2)
+    np.testing.assert_array_equal(np.asarray(got.convert("RGB")), np.asarray(ours))
+    assert json.loads(got.text["flux_klein_mlx"])["outpaint"] == [32, 16, 32, 16]
+    res = client.images.edit(
+        image=("a.png", png(init), "image/png"),
+        prompt="a beach",
+        extra_body={"seed": 4, "steps": 2, "outpaint": "0,0,48,0"},
+    )
+    ours = pipe.generate("a beach", init_image=init, outpaint=(0, 0, 48, 0), seed=4, steps=2)
+    np.testing.assert_array_equal(np.asarray(decode(res.data[0].b64_json).convert("RGB")), np.asarray(ours))
+    with pytest.raises(openai.BadRequestError, match="four whole numbers") as e:
+        client.images.edit(image=("a.png", png(init), "image/png"), prompt="x", extra_body={"outpaint": "1,2"})
+    assert e.value.body["param"] == "outpaint"
+    ref = client.images.edit(
+        image=("a.png", png(init), "image/png"), prompt="x", size="144x96", extra_body={"steps": 1}
+    )
+    assert json.loads(decode(ref.data[0].b64_json).text["flux_klein_mlx"])["outpaint"] is None
 
 
 def test_url_response_is_served_by_the_server(server):
@@ -775,56 +829,6 @@ def test_non_loopback_host_requires_api_key(snapshot):
     )
     assert r.returncode == 1 and r.stderr.startswith("error: --host 0.0.0.0") and "--api-key" in r.stderr
     assert "Traceback" not in r.stderr
-
-
-def chromium() -> tuple[str, str] | None:
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    return (browser, driver) if browser and driver else None
-
-
-needs_chromium = pytest.mark.skipif(
-    chromium() is None,
-    reason="headless Chromium is not installed (apt-get install chromium chromium-driver; .ci/run does this)",
-)
-
-
-@contextlib.contextmanager
-def browser(tmp_path, width=1280, height=900):
-    """A headless Chromium with its own profile (so storage survives reloads within a test)."""
-    pytest.importorskip("selenium")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    path, driver_path = chromium()
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = path
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-dev-shm-usage",
-        "--disable-gpu",
-        "--no-first-run",
-        "--disable-extensions",
-        f"--window-size={width},{height}",
-        f"--user-data-dir={tmp_path / 'profile'}",
-    ):
-        opts.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(driver_path), options=opts)
-    try:
-        driver.set_page_load_timeout(30)
-        yield driver
-    finally:
-        driver.quit()
-
-
-def fill(driver, **fields):
-    from selenium.webdriver.common.by import By
-
-    for field, value in fields.items():
-        el = driver.find_element(By.ID, field)
-        el.clear()
-        el.send_keys(str(value))
 
 
 # Records every text the step label and the header's busy mark show, the header as a whole (status, and the
