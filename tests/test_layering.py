@@ -47,7 +47,7 @@ FLOORS = {
         "settings": 2,  # what a run asks for
         "workdir": 2,  # the work folder: its checks, its mark, its lock
         "config_file": 3, "state": 3,  # settings from a file; checkpoints
-        "captions": 4, "evaluation": 4, "samples": 4,  # caption embeddings; EMA, validation, loss.png; samples
+        "captions": 4, "latents": 4, "evaluation": 4, "samples": 4,  # caption, latent caches; EMA; samples
         "plan": 5,  # everything checked before a model loads
         "trainer": 6,  # the run, step by step
         "command": 7,  # `train`

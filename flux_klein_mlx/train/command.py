@@ -119,6 +119,10 @@ def describe_event(ev) -> str | None:
 
 def describe_samples(ev: SamplesSaved) -> str:
     """Where the samples are, how much the LoRA changes each baseline, what sampling adds to the peak."""
+    if ev.step == 0 and ev.kept:
+        return "baseline samples (no LoRA) kept from the run's start, not redrawn: " + ", ".join(
+            str(p) for p in ev.paths
+        )
     if ev.step == 0:
         head = f"baseline samples (no LoRA) on {ev.model}: " + ", ".join(str(p) for p in ev.paths)
     else:

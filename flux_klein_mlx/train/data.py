@@ -340,8 +340,14 @@ def _other_captions_hint(folder: Path, images: dict[str, Path], extension: str) 
     return ""
 
 
-def load_pixels(path: Path, size: tuple[int, int]) -> np.ndarray:
-    """An image resized to cover `size` = (W, H) and centre-cropped to it: (H, W, 3) float32 in [-1, 1]."""
+# The rule `load_pixels` sizes an image by, named in the latent cache's keys (train/latents.py): change the
+# name when the rule changes, so that no latent of the old rule is read back.
+CROP_RULE = "lanczos-cover-centre-crop"
+
+
+def load_pixels(path: Path, size: tuple[int, int], flip: bool = False) -> np.ndarray:
+    """An image resized to cover `size` = (W, H) and centre-cropped to it (`flip`: then mirrored left to
+    right): (H, W, 3) float32 in [-1, 1]."""
     img = open_image(path, "training image").convert("RGB")
     W, H = size
     w, h = img.size
@@ -350,7 +356,8 @@ def load_pixels(path: Path, size: tuple[int, int]) -> np.ndarray:
     img = img.resize((rw, rh), Image.Resampling.LANCZOS)
     left, top = (rw - W) // 2, (rh - H) // 2
     img = img.crop((left, top, left + W, top + H))
-    return np.asarray(img, dtype=np.float32) / 127.5 - 1.0
+    pixels = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
+    return np.ascontiguousarray(pixels[:, ::-1]) if flip else pixels
 
 
 def epoch_batches(items: list[TrainItem], batch_size: int, rng: np.random.Generator) -> list[list[int]]:

@@ -8,13 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..components import check_for_training
+from ..components import check_for_training, check_weights
 from ..errors import FluxKleinError
 from ..files import check_output_file
-from ..loading import ModelInfo, describe, single_file_refusal
+from ..loading import ModelInfo, as_dtype, describe, single_file_refusal
 from .adapters import adapter_file_shapes, adapter_parameters, parse_targets
 from .data import check_held_out, running_batch, say_shared_images, scan_data
 from .distributed import World, check_processes, world
+from .latents import LatentCache, run_latents
 from .memory import MemoryPlanned, check_memory
 from .samples import check_sample_model, sample_references
 from .settings import TrainSettings
@@ -37,6 +38,7 @@ class RunPlan:
     sample_references: list = field(default_factory=list)  # per sample prompt, its reference images (edit LoRAs)
     memory: MemoryPlanned | None = None
     validation: list = field(default_factory=list)  # held-out TrainItems (--validation)
+    latents: LatentCache | None = None  # the latents the run needs, from the latent cache or the VAE
     world: World = field(default_factory=World)  # the processes of an mlx.launch run
 
 
@@ -44,8 +46,19 @@ def _check_model(settings: TrainSettings) -> ModelInfo:
     if Path(settings.model).expanduser().is_file():  # a transformer or a LoRA file: what train needs, in load()'s words
         raise single_file_refusal(settings.model)
     info = describe(settings.model)
-    check_for_training(info, settings.quantize)
+    check_for_training(info, settings.quantize, weights=("transformer", "text_encoder"))  # the VAE: _latents
     return info
+
+
+def _latents(settings: TrainSettings, info: ModelInfo, items: list, held_out: list) -> LatentCache:
+    """The run's latents (train/latents.py); the VAE's weight files are checked here unless every latent is
+    stored (a resume or rerun opens none of them; a damaged entry has them checked before the VAE loads)."""
+    latents = run_latents(settings, info, as_dtype(settings.dtype), items=items, held_out=held_out)
+    if latents.stored():
+        latents.unchecked = True
+    else:
+        check_weights(info, ("vae",))
+    return latents
 
 
 def run_key(settings: TrainSettings, info: ModelInfo, processes: int = 1) -> dict:
@@ -113,6 +126,7 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
         sample_references=references,
         memory=check_memory(settings, info, trainable, running_batch(items, settings.batch_size)),
         validation=held_out,
+        latents=_latents(settings, info, items, held_out),
         world=w,
     )
 

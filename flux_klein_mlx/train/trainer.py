@@ -36,7 +36,7 @@ from ..models.rope import image_ids, text_ids, token_grid
 from ..sampling import reference_time
 from .adapters import attach_lokr, attach_lora, file_header, write_lora_file
 from .captions import CaptionEmbeddings
-from .data import bucket_counts, dropped_captions, epoch_batches, load_pixels
+from .data import bucket_counts, dropped_captions, epoch_batches
 from .distributed import PeerLost, example_draws
 from .evaluation import EMA_FILE, AdapterEMA, Validation, average_window, moving_average, write_loss_plot
 from .events import CheckpointSaved, StageFinished, StageStarted, StepFinished, TrainFinished, TrainStarted
@@ -125,10 +125,7 @@ class Trainer:
         if self.sample_images is not None:  # its text encoder runs while no training model is resident
             seconds, detail = self.sample_images.load()
             yield StageFinished(stage="sample model", seconds=seconds, detail=detail)
-        n = len(self.items)
-        controls = sum(len(it.controls) for it in self.items)
-        also = f" + {controls} control image{'s' if controls != 1 else ''}" if controls else ""
-        yield StageStarted(stage="latents", detail=f"encoding {n} image{'s' if n != 1 else ''}{also} with the VAE ...")
+        yield self.latent_plan()
         yield self.cache_latents()
         yield StageStarted(
             stage="model",
@@ -140,7 +137,8 @@ class Trainer:
                 self.restore(self.plan.resume_from)
             self.apply_state(self.world.share_state(self.state(), self.lora, self.model, self.optimizer))  # from rank 0
             if self.sample_images is not None:
-                yield self.sample_images.baseline()  # no LoRA: what each sample is compared with
+                # no LoRA: what each sample is compared with (a resume keeps the first start's)
+                yield self.sample_images.baseline(resumed=self.plan.resume_from is not None)
             yield self.started_event()
             while self.step_no < settings.steps:
                 yield self.train_step()
@@ -185,30 +183,24 @@ class Trainer:
         self.ctx = self.text.ctx
         return self.text.plan()
 
-    def cache_latents(self) -> StageFinished:
-        t0 = time.perf_counter()
-        vae = load_component(self.info, "vae", self.dtype)
-        for it in self.items:
-            x0 = self._encode(vae, it.image.path, it.bucket)
-            refs = None
-            if it.controls:  # clean control tokens, one image after another: (1, n * L, C)
-                refs = mx.concatenate([self._encode(vae, c.path, it.bucket) for c in it.controls], axis=1)
-                mx.eval(refs)
-            mx.eval(x0)
-            if not mx.all(mx.isfinite(x0)).item():
-                raise FluxKleinError(f"non-finite VAE latents for {it.image.path}: try --dtype float32")
-            self.latents.append(x0)
-            self.refs.append(refs)
-        self.validation.encode(partial(self._encode, vae))  # (path, bucket) -> tokens
-        del vae
-        mx.clear_cache()
-        return StageFinished(
-            stage="latents", seconds=time.perf_counter() - t0, detail=f"{len(self.items)} images encoded, VAE released"
-        )
+    def latent_plan(self) -> StageStarted:
+        """The latents of every example (and its controls) and held-out image: those in the latent cache are
+        read now (train/latents.py); says what is left."""
+        self.latent_cache = self.plan.latents
+        images = len({it.image.sha256 for it in self.items})
+        controls = len({(c.sha256, it.bucket) for it in self.items for c in it.controls})
+        return self.latent_cache.plan(images, controls)
 
-    def _encode(self, vae, path: Path, bucket: tuple[int, int]) -> mx.array:
-        px = mx.array(load_pixels(path, bucket))[None].astype(self.dtype)  # (1, H, W, 3)
-        return vae.encode_to_tokens(px)  # (1, H/16 * W/16, C)
+    def cache_latents(self) -> StageFinished:
+        done = self.latent_cache.encode(load_component)  # this module's: tests count the loads
+        get = self.latent_cache.get
+        for it in self.items:
+            self.latents.append(get(it.image, it.bucket))
+            # clean control tokens, one image after another: (1, n * L, C)
+            refs = mx.concatenate([get(c, it.bucket) for c in it.controls], axis=1) if it.controls else None
+            self.refs.append(refs)
+        self.validation.encode(get)  # (picture, bucket) -> tokens
+        return done
 
     def load_model(self) -> StageFinished:
         t0 = time.perf_counter()

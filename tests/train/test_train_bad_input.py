@@ -782,7 +782,8 @@ def test_the_run_talks_ctrl_c_says_how_to_continue_and_one_loss_average_spans_th
     assert main(args + ["--resume"]) == 0
     second = capsys.readouterr().err.splitlines()
     assert "1 caption: all in the prompt cache, the text encoder is not loaded" in second
-    assert "text_encoder" not in loaded and loaded == ["vae", "transformer"]
+    assert "2 images: all in the latent cache, the VAE is not loaded" in second  # issue 39: the latent cache
+    assert "text_encoder" not in loaded and loaded == ["transformer"]
     losses = json.loads((work / "checkpoint-000004" / "state.json").read_text())["losses"]
     plotted = moving_average(losses, 3)
     printed = [re.match(r"step (\d+)/4  loss (\S+) \(avg (\S+)\)", line) for line in first + second]
