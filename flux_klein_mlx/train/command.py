@@ -23,6 +23,7 @@ from .distributed import PeerLost, world
 from .evaluation import ValidationFinished
 from .memory import MemoryPlanned, describe_plan
 from .objective import SCHEDULES
+from .optimizers import OPTIMIZERS
 from .settings import DEFAULT_BASE_MODEL, TIMESTEPS, TrainSettings, default_work_dir
 from .trainer import (
     CheckpointSaved,
@@ -220,6 +221,13 @@ def describe_samples(ev: SamplesSaved) -> str:
 )
 @click.option("--seed", type=int, default=_D.seed, show_default=True)
 @click.option("--weight-decay", type=float, default=_D.weight_decay, show_default=True)
+@click.option(
+    "--optimizer",
+    default=_D.optimizer,
+    show_default=True,
+    help=f"{'|'.join(OPTIMIZERS)}: each as its torch reference (prodigy: --lr 1 is usual; adafactor: torch's "
+    "step size).",
+)
 @click.option("--max-grad-norm", type=float, default=_D.max_grad_norm, show_default=True)
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=_D.dtype, show_default=True)
 @click.option(

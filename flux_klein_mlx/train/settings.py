@@ -26,13 +26,14 @@ from ..models.quantize import check_quantization
 from ..models.tokenizer import check_text
 from .data import IMAGE_SUFFIXES
 from .objective import check_schedule
+from .optimizers import OPTIMIZERS
 
 TIMESTEPS = ("shift", "logit-normal", "uniform")
 ADAPTERS = ("lora", "lokr")  # LoRA pairs per diffusers module, or LoKr per layer
 # The model `train` starts from: a Base model (generation's default, pipeline.DEFAULT_MODEL, is distilled).
 # The run key's layout (TrainSettings.run_key, plan.run_key): raised when a field is added, renamed or
 # changes meaning; a checkpoint written under another version is refused, never guessed at.
-RUN_KEY_VERSION = 1
+RUN_KEY_VERSION = 2  # 2: --optimizer (issue 39)
 DEFAULT_BASE_MODEL = "black-forest-labs/FLUX.2-klein-base-4B"
 # (setting, low, high) of the whole-number settings, checked in this order
 WHOLE = (
@@ -70,6 +71,7 @@ class TrainSettings:
     timesteps: str = "shift"
     seed: int = 0
     weight_decay: float = 1e-4  # diffusers' trainer; torch/MLX default 0.01 (G9)
+    optimizer: str = "adamw"  # adamw, adafactor, lion or prodigy, each as its torch reference (train/optimizers.py)
     max_grad_norm: float = 1.0
     dtype: str = DEFAULT_DTYPE
     save_dtype: str | None = None  # the output's (and the kept sample LoRAs') dtype; default: dtype
@@ -117,6 +119,7 @@ class TrainSettings:
                 check_number(_label(name), getattr(self, name), low, high=high, open_low=open_low)
         check_schedule(self.lr_scheduler, self.warmup_steps, self.steps)
         check_choice("timesteps", self.timesteps, TIMESTEPS)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("dtype", self.dtype, DTYPES)
         if self.save_dtype is not None:
             check_choice("save-dtype", self.save_dtype, DTYPES)
@@ -130,7 +133,8 @@ class TrainSettings:
         self._check_samples_and_captions()
         self._check_sample_images(len(prompts))
         self._check_ema_and_validation()
-        if warning := lr_underflow(self.lr, self.rank):
+        # AdamW and Lion move a value by about lr; Adafactor's and Prodigy's steps are scaled otherwise
+        if self.optimizer in ("adamw", "lion") and (warning := lr_underflow(self.lr, self.rank)):
             warnings.warn(warning, stacklevel=2)
         return self._resolved(prompts)
 
@@ -155,7 +159,7 @@ class TrainSettings:
         for name in ("resume", "low_memory", "force"):
             if not isinstance(getattr(self, name), bool):
                 raise FluxKleinError(f"{name} must be True or False, not {getattr(self, name)!r}")
-        for name in ("timesteps", "dtype", "caption_extension"):
+        for name in ("timesteps", "dtype", "caption_extension", "optimizer"):
             if not isinstance(getattr(self, name), str):
                 raise FluxKleinError(f"{name} must be a text, not {getattr(self, name)!r}")
         ext = self.caption_extension
@@ -296,6 +300,7 @@ class TrainSettings:
             "trigger",
             "caption_dropout",
             "ema",  # a checkpoint's EMA continues only under the same decay
+            "optimizer",
         )
         key = {"version": RUN_KEY_VERSION, **{k: getattr(self, k) for k in keep}}
         key["model"] = str(self.model)

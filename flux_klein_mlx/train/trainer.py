@@ -40,7 +40,8 @@ from .data import bucket_counts, dropped_captions, epoch_batches
 from .distributed import PeerLost, example_draws
 from .evaluation import EMA_FILE, AdapterEMA, Validation, average_window, moving_average, write_loss_plot
 from .events import CheckpointSaved, StageFinished, StageStarted, StepFinished, TrainFinished, TrainStarted
-from .objective import flow_loss, lr_at_step, make_optimizer, optimizer_step, sigmas_from_draws
+from .objective import flow_loss, lr_at_step, optimizer_step, sigmas_from_draws
+from .optimizers import make_optimizer
 from .plan import RunPlan, data_key, plan_run, run_key
 from .samples import SampleImages, SamplesSaved
 from .settings import TrainSettings
@@ -79,6 +80,7 @@ class Trainer:
         self.ctx: dict[str, mx.array] = {}  # caption -> (1, Lt, E)
         self.latents: list[mx.array] = []  # per item (1, L, C)
         self.refs: list[mx.array | None] = []  # per item (1, n_controls * L, C) or None
+        self.latent_cache = plan.latents  # the latents the run needs (train/latents.py)
         self.ropes: dict = {}
         self.step_no = 0
         self.epoch = 0
@@ -186,7 +188,6 @@ class Trainer:
     def latent_plan(self) -> StageStarted:
         """The latents of every example (and its controls) and held-out image: those in the latent cache are
         read now (train/latents.py); says what is left."""
-        self.latent_cache = self.plan.latents
         images = len({it.image.sha256 for it in self.items})
         controls = len({(c.sha256, it.bucket) for it in self.items for c in it.controls})
         return self.latent_cache.plan(images, controls)
@@ -395,7 +396,7 @@ class Trainer:
         write_loss_plot(path, self.losses, window=window, lrs=self.lrs(), validation=self.validation.points())
 
     def restore(self, folder: Path) -> None:
-        """Continue exactly where `folder` left off: adapters, AdamW moments, data order, RNG."""
+        """Continue exactly where `folder` left off: adapters, the optimizer's state, data order, RNG."""
         terms, opt, state = read_checkpoint(folder, self.lora)
         self.lora.load_terms(terms, f"checkpoint {folder}")
         self.optimizer.init(self.model.trainable_parameters())

@@ -676,7 +676,7 @@ def test_learning_rate_that_underflows_in_the_adapters_is_warned():
     step, lr) leaves most adapter values of a fresh LoRA as they were; at 1e-4 it moves them all."""
     import mlx.nn as nn
 
-    from flux_klein_mlx.train.objective import make_optimizer
+    from flux_klein_mlx.train.optimizers import make_optimizer
     from flux_klein_mlx.train.settings import lr_underflow
 
     rank = 16
