@@ -189,6 +189,19 @@ def describe_samples(ev: SamplesSaved) -> str:
     help="all, attention, double (style), single:0-12 (structure), or module names; comma-separated.",
 )
 @click.option("--steps", type=int, default=_D.steps, show_default=True, help="Optimizer steps.")
+@click.option(
+    "--epochs", type=int, default=None, help="Train this many epochs (each image its repeats times): sets --steps."
+)
+@click.option("--save-every-epochs", type=int, default=None, help="Also checkpoint at the end of every N epochs.")
+@click.option("--sample-every-epochs", type=int, default=None, help="Also sample at the end of every N epochs.")
+@click.option(
+    "--repeats",
+    type=int,
+    default=_D.repeats,
+    show_default=True,
+    help="Draw each image N times an epoch (times the N of a kohya N_name sub-folder of --data).",
+)
+@click.option("--flip", is_flag=True, help="Mirror each drawn example left to right with probability 1/2.")
 @click.option("--lr", type=float, default=_D.lr, show_default=True, help="Learning rate (the schedule's peak).")
 @click.option(
     "--lr-scheduler",
@@ -314,6 +327,8 @@ def train(**options):
     ctx = click.get_current_context()
     options, from_config = with_config(ctx, options)
     options = with_resume(ctx, options, from_config)
+    if options["epochs"] is not None and ctx.get_parameter_source("steps") == ParameterSource.COMMANDLINE:
+        raise FluxKleinError("give --epochs or --steps, not both: --epochs sets the steps its epochs take")
     options["quantize"] = int(options["quantize"]) if options["quantize"] else None
     options["sample_quantize"] = int(options["sample_quantize"]) if options["sample_quantize"] else None
     w = world()

@@ -126,9 +126,14 @@ class LatentCache:
 
 
 def run_latents(settings, info, dtype, *, items: list, held_out: list) -> LatentCache:
-    """The latents a run needs: each example's image and controls at its size, and the held-out images'."""
+    """The latents a run needs: each example's image and controls at its size (under --flip mirrored too), and
+    the held-out images'."""
     latents = LatentCache(settings, info, dtype)
     for it in items + held_out:
         for picture in [it.image, *it.controls]:
             latents.want(picture, it.bucket)
+    if settings.flip:  # each training example mirrored too (its controls with it); held-out images never
+        for it in items:
+            for picture in [it.image, *it.controls]:
+                latents.want(picture, it.bucket, flip=True)
     return latents

@@ -94,7 +94,7 @@ def sample_source(settings: TrainSettings) -> str:
 
 def check_sample_model(settings: TrainSettings, trained: ModelInfo) -> ModelInfo | None:
     """The sample model, described and checked (configs and headers only; no model loads); None: no samples."""
-    if not settings.sample_every:
+    if not settings.sample_every and not settings.sample_every_epochs:
         return None
     source = sample_source(settings)
     try:
@@ -127,7 +127,7 @@ def sample_references(settings: TrainSettings, items: list, held_out: list) -> l
     on), else the first training image's, said in a warning (the LoRA has seen that pair)."""
     prompts = len(settings.sample_prompts)
     n = len(settings.controls)
-    if not n or not settings.sample_every:
+    if not n or not (settings.sample_every or settings.sample_every_epochs):
         return [[] for _ in range(prompts)]
     if settings.sample_images:
         paths = [Path(p).expanduser() for p in settings.sample_images]

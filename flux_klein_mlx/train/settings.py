@@ -33,16 +33,18 @@ ADAPTERS = ("lora", "lokr")  # LoRA pairs per diffusers module, or LoKr per laye
 # The model `train` starts from: a Base model (generation's default, pipeline.DEFAULT_MODEL, is distilled).
 # The run key's layout (TrainSettings.run_key, plan.run_key): raised when a field is added, renamed or
 # changes meaning; a checkpoint written under another version is refused, never guessed at.
-RUN_KEY_VERSION = 2  # 2: --optimizer (issue 39)
+RUN_KEY_VERSION = 2  # 2 (issue 39): --optimizer, --repeats, --flip
 DEFAULT_BASE_MODEL = "black-forest-labs/FLUX.2-klein-base-4B"
 # (setting, low, high) of the whole-number settings, checked in this order
 WHOLE = (
     ("rank", 1, 1024), ("steps", 1, 10_000_000), ("batch_size", 1, 1024), ("grad_accum", 1, 1024),
     ("group_size", 1, 1024), ("keep_checkpoints", 1, 1_000_000), ("sample_seed", -(2**63), 2**64),
-    ("seed", 0, 2**63 - 1), ("lokr_factor", -1, 65536),
+    ("seed", 0, 2**63 - 1), ("lokr_factor", -1, 65536), ("repeats", 1, 10_000),
 )  # fmt: skip
 # whole-number settings that may be None (not asked for), with their (low, high)
-OPTIONAL_WHOLE = {"save_every": (1, 10_000_000), "sample_every": (1, 10_000_000), "sample_steps": (1, 10_000_000)}
+OPTIONAL_WHOLE = {"save_every": (1, 10_000_000), "sample_every": (1, 10_000_000), "sample_steps": (1, 10_000_000),
+                  "epochs": (1, 1_000_000), "save_every_epochs": (1, 1_000_000),
+                  "sample_every_epochs": (1, 1_000_000)}  # fmt: skip
 # (setting, low, high, low excluded) of the real-number settings, checked after the whole numbers
 NUMBERS = (("lr", 0.0, 1.0, True), ("weight_decay", 0.0, 1.0, False), ("max_grad_norm", 0.0, 1e6, True),
            ("alpha", 0.0, 1e6, True), ("caption_dropout", 0.0, 1.0, False))  # fmt: skip
@@ -63,7 +65,12 @@ class TrainSettings:
     rank: int = 16
     alpha: float | None = None  # default: rank (scale 1)
     targets: str | tuple = "all"
-    steps: int = 500  # optimizer steps
+    steps: int = 500  # optimizer steps (with --epochs: set from it, plan.py)
+    epochs: int | None = None  # train this many epochs: --steps becomes the steps they take (train/plan.py)
+    save_every_epochs: int | None = None  # also checkpoint at the step that ends every Nth epoch
+    sample_every_epochs: int | None = None  # also sample at the step that ends every Nth epoch
+    repeats: int = 1  # each image drawn this many times an epoch (times its N_name folder's N; train/data.py)
+    flip: bool = False  # mirror an example left to right with probability 1/2 each time it is drawn
     lr: float = 1e-4
     batch_size: int = 1
     grad_accum: int = 1
@@ -156,7 +163,7 @@ class TrainSettings:
             raise FluxKleinError(
                 f"targets must be a text (e.g. 'all', 'double') or a list of module names, not {self.targets!r}"
             )
-        for name in ("resume", "low_memory", "force"):
+        for name in ("resume", "low_memory", "force", "flip"):
             if not isinstance(getattr(self, name), bool):
                 raise FluxKleinError(f"{name} must be True or False, not {getattr(self, name)!r}")
         for name in ("timesteps", "dtype", "caption_extension", "optimizer"):
@@ -202,6 +209,8 @@ class TrainSettings:
             raise FluxKleinError("each --sample-prompt must be a non-empty text")
         if self.sample_every is not None and not prompts:
             raise FluxKleinError("--sample-every needs at least one --sample-prompt")
+        if self.sample_every_epochs is not None and not prompts:
+            raise FluxKleinError("--sample-every-epochs needs at least one --sample-prompt")
         if self.caption is not None and (not isinstance(self.caption, str) or not self.caption.strip()):
             raise FluxKleinError("--caption must be a non-empty text (e.g. a trigger word)")
         for name, text in [("--caption", self.caption), ("--trigger", self.trigger)] + [
@@ -240,7 +249,7 @@ class TrainSettings:
                 "--sample-image gives the references of an edit LoRA's samples; it needs --control (the training "
                 "references)"
             )
-        if not self.sample_every:
+        if not self.sample_every and not self.sample_every_epochs:
             raise FluxKleinError("--sample-image needs --sample-every (and --sample-prompt): the samples it is for")
         if len(images) not in (controls, controls * prompts):
             raise FluxKleinError(
@@ -301,6 +310,8 @@ class TrainSettings:
             "caption_dropout",
             "ema",  # a checkpoint's EMA continues only under the same decay
             "optimizer",
+            "repeats",  # the epoch's draws (a repeat folder's N is in the data's names)
+            "flip",
         )
         key = {"version": RUN_KEY_VERSION, **{k: getattr(self, k) for k in keep}}
         key["model"] = str(self.model)

@@ -36,13 +36,13 @@ from ..models.rope import image_ids, text_ids, token_grid
 from ..sampling import reference_time
 from .adapters import attach_lokr, attach_lora, file_header, write_lora_file
 from .captions import CaptionEmbeddings
-from .data import bucket_counts, dropped_captions, epoch_batches
+from .data import bucket_counts, dropped_captions, epoch_batches, flipped_examples
 from .distributed import PeerLost, example_draws
 from .evaluation import EMA_FILE, AdapterEMA, Validation, average_window, moving_average, write_loss_plot
 from .events import CheckpointSaved, StageFinished, StageStarted, StepFinished, TrainFinished, TrainStarted
 from .objective import flow_loss, lr_at_step, optimizer_step, sigmas_from_draws
 from .optimizers import make_optimizer
-from .plan import RunPlan, data_key, plan_run, run_key
+from .plan import RunPlan, data_key, epochs_ended, plan_run, run_key
 from .samples import SampleImages, SamplesSaved
 from .settings import TrainSettings
 from .state import adapter_file, read_checkpoint, write_checkpoint, write_json, write_output
@@ -80,6 +80,7 @@ class Trainer:
         self.ctx: dict[str, mx.array] = {}  # caption -> (1, Lt, E)
         self.latents: list[mx.array] = []  # per item (1, L, C)
         self.refs: list[mx.array | None] = []  # per item (1, n_controls * L, C) or None
+        self.mirrored: list[tuple] = []  # --flip: per item (x0, refs) mirrored left to right
         self.latent_cache = plan.latents  # the latents the run needs (train/latents.py)
         self.ropes: dict = {}
         self.step_no = 0
@@ -145,12 +146,17 @@ class Trainer:
             while self.step_no < settings.steps:
                 yield self.train_step()
                 if main and (
-                    self.step_no == settings.steps or (settings.save_every and self.step_no % settings.save_every == 0)
+                    self.step_no == settings.steps
+                    or (settings.save_every and self.step_no % settings.save_every == 0)
+                    or self.ends_epoch(settings.save_every_epochs)
                 ):
                     if self.validation:  # the held-out loss of these weights, recorded by the checkpoint
                         yield self.validation.measure(self.step_no, partial(flow_loss, self.model), self.ctx, self.rope)
                     yield self.save()
-                if main and settings.sample_every and self.step_no % settings.sample_every == 0:
+                if main and (
+                    (settings.sample_every and self.step_no % settings.sample_every == 0)
+                    or self.ends_epoch(settings.sample_every_epochs)
+                ):
                     yield self.samples()
         except PeerLost as e:
             raise e.at(self.step_no + 1, checkpoints(wd)) from None
@@ -197,11 +203,17 @@ class Trainer:
         get = self.latent_cache.get
         for it in self.items:
             self.latents.append(get(it.image, it.bucket))
-            # clean control tokens, one image after another: (1, n * L, C)
-            refs = mx.concatenate([get(c, it.bucket) for c in it.controls], axis=1) if it.controls else None
-            self.refs.append(refs)
+            self.refs.append(self.control_tokens(it, flip=False))
+        if self.settings.flip:  # (--flip) the mirrored example, its controls mirrored with it
+            self.mirrored = [(get(it.image, it.bucket, True), self.control_tokens(it, flip=True)) for it in self.items]
         self.validation.encode(get)  # (picture, bucket) -> tokens
         return done
+
+    def control_tokens(self, it, flip: bool) -> mx.array | None:
+        """An example's clean control tokens, one image after another: (1, n * L, C), or None."""
+        if not it.controls:
+            return None
+        return mx.concatenate([self.latent_cache.get(c, it.bucket, flip) for c in it.controls], axis=1)
 
     def load_model(self) -> StageFinished:
         t0 = time.perf_counter()
@@ -273,7 +285,13 @@ class Trainer:
 
     def micro_batch(self, indices: list[int], first: int) -> tuple:
         """(x0, noise, sigma, ctx, refs, cos, sin) of one batch; example j's draws keyed (seed, step, first + j)."""
-        x0 = mx.concatenate([self.latents[i] for i in indices], axis=0)  # (B, L, C)
+        flips = [False] * len(indices)
+        if self.settings.flip:  # which examples train mirrored (data.flipped_examples)
+            flips = flipped_examples(self.settings.seed, self.step_no + 1, range(first, first + len(indices)))
+        pairs = [
+            self.mirrored[i] if f else (self.latents[i], self.refs[i]) for i, f in zip(indices, flips, strict=True)
+        ]
+        x0 = mx.concatenate([x for x, _ in pairs], axis=0)  # (B, L, C)
         B, L, C = x0.shape
         draws, noise = example_draws(
             self.settings.seed,
@@ -289,7 +307,7 @@ class Trainer:
         )
         captions = ["" if drop else self.items[i].caption for i, drop in zip(indices, dropped, strict=True)]
         ctx = mx.concatenate([self.ctx[c] for c in captions], axis=0)
-        refs = None if self.refs[indices[0]] is None else mx.concatenate([self.refs[i] for i in indices], axis=0)
+        refs = None if pairs[0][1] is None else mx.concatenate([r for _, r in pairs], axis=0)
         cos, sin = self.rope(self.items[indices[0]], len(self.items[indices[0]].controls))
         return x0, noise, sigma, ctx, refs, cos, sin
 
@@ -342,6 +360,14 @@ class Trainer:
             peak_memory=peak,
             average=average,
         )
+
+    def ends_epoch(self, every: int | None) -> bool:
+        """Whether the step just done ran the last batch of an epoch whose number is a multiple of `every`
+        (--save-every-epochs, --sample-every-epochs; plan.epochs_ended)."""
+        if not every:
+            return False
+        ended = epochs_ended(self.step_no, batches=self.plan.batches_per_epoch, grad_accum=self.settings.grad_accum)
+        return any(e % every == 0 for e in ended)
 
     def lr_of(self, step: int) -> float:
         """The learning rate of optimizer step `step` (1-based) under --lr-scheduler / --warmup-steps."""
