@@ -43,7 +43,8 @@ FOLDER_LINE_LIMITS = {"models": 2200}
 # lower floor (ARCHITECTURE.md). Such a folder holds as many modules as its floors need.
 FLOORS = {
     "train": {
-        "objective": 1, "optimizers": 1, "adapters": 1, "data": 1, "memory": 1, "distributed": 1, "events": 1,  # pure
+        "objective": 1, "optimizers": 1, "adapters": 1, "data": 1, "memory": 1, "distributed": 1, "events": 1,
+        "metrics": 1,  # pure pieces; the metrics log
         "settings": 2,  # what a run asks for
         "workdir": 2,  # the work folder: its checks, its mark, its lock
         "config_file": 3, "state": 3,  # settings from a file; checkpoints

@@ -40,6 +40,7 @@ from .data import bucket_counts, dropped_captions, epoch_batches, flipped_exampl
 from .distributed import PeerLost, example_draws
 from .evaluation import EMA_FILE, AdapterEMA, Validation, average_window, moving_average, write_loss_plot
 from .events import CheckpointSaved, StageFinished, StageStarted, StepFinished, TrainFinished, TrainStarted
+from .metrics import MetricsLog
 from .objective import flow_loss, lr_at_step, optimizer_step, sigmas_from_draws
 from .optimizers import make_optimizer
 from .plan import RunPlan, data_key, epochs_ended, plan_run, run_key
@@ -81,6 +82,7 @@ class Trainer:
         self.latents: list[mx.array] = []  # per item (1, L, C)
         self.refs: list[mx.array | None] = []  # per item (1, n_controls * L, C) or None
         self.mirrored: list[tuple] = []  # --flip: per item (x0, refs) mirrored left to right
+        self.metrics: MetricsLog | None = None  # rank 0's metrics.jsonl, once the run's first step is known
         self.latent_cache = plan.latents  # the latents the run needs (train/latents.py)
         self.ropes: dict = {}
         self.step_no = 0
@@ -113,6 +115,8 @@ class Trainer:
             yield from self._run(time.perf_counter())
         finally:  # also on Ctrl-C or an error: the folder is free again
             lock.release()
+            if self.metrics is not None:
+                self.metrics.close()
 
     def _run(self, t_run: float) -> Iterator:
         settings = self.settings
@@ -142,16 +146,20 @@ class Trainer:
             if self.sample_images is not None:
                 # no LoRA: what each sample is compared with (a resume keeps the first start's)
                 yield self.sample_images.baseline(resumed=self.plan.resume_from is not None)
+            if main:  # metrics.jsonl (and TensorBoard's events), continued after the checkpoint resumed
+                self.metrics = MetricsLog(wd, resumed_at=self.step_no)
             yield self.started_event()
             while self.step_no < settings.steps:
-                yield self.train_step()
+                yield self.logged(self.train_step())
                 if main and (
                     self.step_no == settings.steps
                     or (settings.save_every and self.step_no % settings.save_every == 0)
                     or self.ends_epoch(settings.save_every_epochs)
                 ):
                     if self.validation:  # the held-out loss of these weights, recorded by the checkpoint
-                        yield self.validation.measure(self.step_no, partial(flow_loss, self.model), self.ctx, self.rope)
+                        yield self.logged(
+                            self.validation.measure(self.step_no, partial(flow_loss, self.model), self.ctx, self.rope)
+                        )
                     yield self.save()
                 if main and (
                     (settings.sample_every and self.step_no % settings.sample_every == 0)
@@ -360,6 +368,19 @@ class Trainer:
             peak_memory=peak,
             average=average,
         )
+
+    def logged(self, ev):
+        """`ev` (a step or a validation), its numbers written to metrics.jsonl first (train/metrics.py)."""
+        if self.metrics is None:
+            return ev
+        if isinstance(ev, StepFinished):
+            values = {"loss": ev.loss, "average": ev.average, "lr": ev.lr, "grad_norm": ev.grad_norm}
+            values |= {"seconds": ev.seconds, "peak_memory": ev.peak_memory, "epoch": self.epoch}
+            self.metrics.write(ev.step, values)
+        else:
+            values = {"validation_loss": ev.loss, "validation_by_sigma": ev.by_sigma}
+            self.metrics.write(ev.step, values, group="validation")
+        return ev
 
     def ends_epoch(self, every: int | None) -> bool:
         """Whether the step just done ran the last batch of an epoch whose number is a multiple of `every`

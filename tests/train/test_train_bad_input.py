@@ -373,6 +373,7 @@ def test_a_disk_that_fills_keeps_the_last_good_checkpoint_and_resume_continues(s
             workdir.WORK_MARKER,
             "checkpoint-000001",
             "loss.png",
+            "metrics.jsonl",  # issue 39: the metrics log (written before the disk filled)
             "train.json",
         ]
         assert json.loads((work / "checkpoint-000001" / "state.json").read_text())["step"] == 1

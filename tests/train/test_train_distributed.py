@@ -152,6 +152,7 @@ def test_two_processes_equal_one_with_twice_the_batch_survive_a_dead_rank_and_re
         ".flux_klein_mlx-train",
         "checkpoint-000002",
         "loss.png",
+        "metrics.jsonl",  # issue 39: the metrics log
         "train.json",
     ]
     assert not two.exists()
