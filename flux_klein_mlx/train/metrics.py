@@ -8,7 +8,8 @@ tensorboardX`; without it the log says once that only metrics.jsonl is written).
 
 TensorBoard gets the same numbers as scalars at the same step, tagged by group and name: the step's
 numbers in the group "train" (loss, average, lr, grad_norm, seconds, peak_memory, epoch), the
-validation's in the group "validation" (loss, and sigma_0.1 ... for its loss at each noise level). A resume continues both where its checkpoint is: the lines (and events) of steps
+validation's in the group "validation" (loss, and sigma_0.1 ... for its loss at each noise level).
+A resume continues both where its checkpoint is: the lines (and events) of steps
 past it, logged by the run that stopped, are dropped (tensorboardX's purge_step), so each step is
 there once.
 """
