@@ -44,7 +44,7 @@ FOLDER_LINE_LIMITS = {"models": 2200}
 FLOORS = {
     "train": {
         "objective": 1, "optimizers": 1, "adapters": 1, "data": 1, "memory": 1, "distributed": 1, "events": 1,
-        "metrics": 1,  # pure pieces; the metrics log
+        "metrics": 1, "starting": 1,  # pure pieces; the metrics log; --init-lora
         "settings": 2,  # what a run asks for
         "workdir": 2,  # the work folder: its checks, its mark, its lock
         "config_file": 3, "state": 3,  # settings from a file; checkpoints

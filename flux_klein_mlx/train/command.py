@@ -181,6 +181,11 @@ def describe_samples(ev: SamplesSaved) -> str:
     help="LoKr: split each width as FACTOR x rest (-1: the most nearly square split).",
 )
 @click.option("--rank", type=int, default=_D.rank, show_default=True)
+@click.option(
+    "--init-lora",
+    default=None,
+    help="Start from this LoRA file (any layout --lora reads; its rank must be --rank) instead of from zero.",
+)
 @click.option("--alpha", type=float, default=None, help="LoRA alpha; scale = alpha / rank [default: rank].")
 @click.option(
     "--targets",

@@ -1,6 +1,6 @@
 """The run's metrics as the trainers' tools read them: `metrics.jsonl` in the work folder, one JSON object a
 line, and TensorBoard event files in `tensorboard/` when tensorboardX is installed (`pip install
-tensorboardX`; without it the log says once that only metrics.jsonl is written).
+tensorboardX`; without it, metrics.jsonl alone; docs/training.md#metrics).
 
     {"step": 12, "loss": 0.41, "average": 0.44, "lr": 0.0001, "grad_norm": 0.8, "seconds": 1.9,
      "peak_memory": 4012345678, "epoch": 2}

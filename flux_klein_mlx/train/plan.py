@@ -22,6 +22,7 @@ from .memory import MemoryPlanned, check_memory
 from .objective import check_schedule
 from .samples import check_sample_model, sample_references
 from .settings import TrainSettings
+from .starting import init_arrays
 from .state import resume_point
 from .workdir import check_not_locked, check_work_dir, checkpoints
 
@@ -41,6 +42,7 @@ class RunPlan:
     sample_references: list = field(default_factory=list)  # per sample prompt, its reference images (edit LoRAs)
     memory: MemoryPlanned | None = None
     validation: list = field(default_factory=list)  # held-out TrainItems (--validation)
+    init_arrays: dict = field(default_factory=dict)  # --init-lora: the adapters' start (train/starting.py)
     latents: LatentCache | None = None  # the latents the run needs, from the latent cache or the VAE
     batches_per_epoch: int = 1  # global batches of one epoch (data.epoch_batches)
     world: World = field(default_factory=World)  # the processes of an mlx.launch run
@@ -122,6 +124,9 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
     )
     epoch = batches_per_epoch(items, settings.batch_size * w.size)
     settings = with_epochs(settings, epoch)
+    start = {}
+    if settings.init_lora is not None:  # read and checked against the adapters, before any model loads
+        start = init_arrays(settings.init_lora, slots, info.params, rank=settings.rank, alpha=settings.alpha)
     held_out = []
     if settings.validation:
         check_held_out(settings.validation, settings.data, settings.validation_controls, settings.controls)
@@ -153,6 +158,7 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
         latents=_latents(settings, info, items, held_out),
         world=w,
         batches_per_epoch=epoch,
+        init_arrays=start,
     )
 
 

@@ -33,7 +33,7 @@ ADAPTERS = ("lora", "lokr")  # LoRA pairs per diffusers module, or LoKr per laye
 # The model `train` starts from: a Base model (generation's default, pipeline.DEFAULT_MODEL, is distilled).
 # The run key's layout (TrainSettings.run_key, plan.run_key): raised when a field is added, renamed or
 # changes meaning; a checkpoint written under another version is refused, never guessed at.
-RUN_KEY_VERSION = 2  # 2 (issue 39): --optimizer, --repeats, --flip
+RUN_KEY_VERSION = 2  # 2 (issue 39): --optimizer, --repeats, --flip, --init-lora
 DEFAULT_BASE_MODEL = "black-forest-labs/FLUX.2-klein-base-4B"
 # (setting, low, high) of the whole-number settings, checked in this order
 WHOLE = (
@@ -71,6 +71,7 @@ class TrainSettings:
     sample_every_epochs: int | None = None  # also sample at the step that ends every Nth epoch
     repeats: int = 1  # each image drawn this many times an epoch (times its N_name folder's N; train/data.py)
     flip: bool = False  # mirror an example left to right with probability 1/2 each time it is drawn
+    init_lora: str | Path | None = None  # start from this LoRA file (any layout --lora reads; train/starting.py)
     lr: float = 1e-4
     batch_size: int = 1
     grad_accum: int = 1
@@ -147,9 +148,9 @@ class TrainSettings:
 
     def _check_types(self) -> None:
         """The paths, texts and switches are of a usable type (the Python API takes anything)."""
-        for name in ("data", "output", "model", "work_dir"):
+        for name in ("data", "output", "model", "work_dir", "init_lora"):
             v = getattr(self, name)
-            if not (isinstance(v, (str, os.PathLike)) or (name == "work_dir" and v is None)):
+            if not (isinstance(v, (str, os.PathLike)) or (name in ("work_dir", "init_lora") and v is None)):
                 raise FluxKleinError(f"{name} must be a path (str or Path), not {v!r}")
         for name in ("controls", "validation_controls", "sample_images"):
             folders = folder_list(getattr(self, name))
@@ -181,6 +182,8 @@ class TrainSettings:
                 "lokr-factor must be -1 (the most nearly square split) or a whole number from 1, not 0"
             )
         check_layout(self.format)
+        if self.adapter == "lokr" and self.init_lora is not None:
+            raise FluxKleinError("--init-lora starts LoRA pairs from a LoRA file; it does not take --adapter lokr")
         if self.adapter == "lokr" and self.format == "kohya":
             raise FluxKleinError(
                 "a LoKr is written as --format comfyui or diffusers; kohya's layout holds LoRA pairs only"
@@ -312,9 +315,11 @@ class TrainSettings:
             "optimizer",
             "repeats",  # the epoch's draws (a repeat folder's N is in the data's names)
             "flip",
+            "init_lora",  # where the adapters start
         )
         key = {"version": RUN_KEY_VERSION, **{k: getattr(self, k) for k in keep}}
         key["model"] = str(self.model)
+        key["init_lora"] = str(self.init_lora) if self.init_lora is not None else None
         key["targets"] = self.targets if isinstance(self.targets, str) else ",".join(self.targets)
         key["resolution"] = self.resolution if isinstance(self.resolution, int) else list(self.resolution)
         # A decay's every value depends on the run's length; a constant rate (after warm-up) does not, so

@@ -242,6 +242,8 @@ class Trainer:
             )
         else:
             self.lora = attach_lora(self.model, self.plan.slots, rank=settings.rank, alpha=settings.alpha, rng=self.rng)
+            if self.plan.init_arrays:  # --init-lora: the file's pairs where it has them (a resume's checkpoint wins)
+                self.lora.load({**self.lora.arrays(), **self.plan.init_arrays}, f"--init-lora {settings.init_lora}")
         self.optimizer = make_optimizer(settings)
         mx.eval(self.model.trainable_parameters())
         self.ema = (
