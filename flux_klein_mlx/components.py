@@ -30,9 +30,10 @@ from .vae_source import merge_decoder, vae_weights
 from .weights import check_safetensors_file, load_into, read_weight_files
 
 
-def check_for_training(info: ModelInfo, quantize: int | None) -> None:
-    """`train`'s checks of a model: the 9B-KV model is refused, then `check_for_loading` and every weight
-    file (`check_weights`); a distilled model is trained but warned about (its Base model is named)."""
+def check_for_training(info: ModelInfo, quantize: int | None, weights=COMPONENTS) -> None:
+    """`train`'s checks of a model: the 9B-KV model is refused, then `check_for_loading` and the weight
+    files of `weights` (`check_weights`; the trainer checks the VAE's itself, unless its latents are all
+    cached); a distilled model is trained but warned about (its Base model is named)."""
     if info.reference_kv:
         raise FluxKleinError(
             f"{info.name} caches reference keys/values and cannot be trained; train on "
@@ -44,7 +45,7 @@ def check_for_training(info: ModelInfo, quantize: int | None) -> None:
             "black-forest-labs/FLUX.2-klein-base-4B); a FLUX 3 LoRA can be trained with SimpleTuner or ai-toolkit"
         )
     check_for_loading(info, quantize)
-    check_weights(info)
+    check_weights(info, weights)
     if info.is_distilled:
         size = {"klein-4b": "4B", "klein-9b": "9B"}.get(info.variant, "4B")
         warnings.warn(

@@ -147,13 +147,18 @@ class EmbeddingCache:
     ) -> str:
         """The entry name (64 hex digits) for one prompt encoded by the encoder in `weight_files`;
         `template` is the chat template text, `settings` the rest (JSON-able): see the module docstring."""
+        return self.entry_key(
+            weight_files, template=template, max_length=int(max_length), prompt=prompt, settings=dict(settings or {})
+        )
+
+    def entry_key(self, weight_files: Sequence[str | Path], **facts) -> str:
+        """The entry name (64 hex digits) of what the model in `weight_files` computes from `facts` (JSON-able:
+        the input and whatever else decides the numbers), under the rules of `key` (the files' identity, the
+        versions). The trainer's latent cache (train/latents.py) keys its VAE latents with it."""
         recipe = {
             "version": KEY_VERSION,
             "encoder": [self._file_identity(Path(f)) for f in weight_files],
-            "template": template,
-            "max_length": int(max_length),
-            "prompt": prompt,
-            "settings": dict(settings or {}),
+            **facts,
             "mlx": getattr(mx, "__version__", "?"),
             "flux_klein_mlx": __version__,
         }

@@ -43,11 +43,12 @@ FOLDER_LINE_LIMITS = {"models": 2200}
 # lower floor (ARCHITECTURE.md). Such a folder holds as many modules as its floors need.
 FLOORS = {
     "train": {
-        "objective": 1, "adapters": 1, "data": 1, "memory": 1, "distributed": 1, "events": 1,  # pure pieces
+        "objective": 1, "optimizers": 1, "adapters": 1, "data": 1, "memory": 1, "distributed": 1, "events": 1,
+        "metrics": 1, "starting": 1,  # pure pieces; the metrics log; --init-lora
         "settings": 2,  # what a run asks for
         "workdir": 2,  # the work folder: its checks, its mark, its lock
         "config_file": 3, "state": 3,  # settings from a file; checkpoints
-        "captions": 4, "evaluation": 4, "samples": 4,  # caption embeddings; EMA, validation, loss.png; samples
+        "captions": 4, "latents": 4, "evaluation": 4, "samples": 4,  # caption, latent caches; EMA; samples
         "plan": 5,  # everything checked before a model loads
         "trainer": 6,  # the run, step by step
         "command": 7,  # `train`

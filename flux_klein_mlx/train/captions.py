@@ -21,13 +21,9 @@ from ..embedding_cache import open_cache, prompt_keys
 from ..errors import FluxKleinError
 from ..models.text_encoder import encode_prompts
 from ..models.tokenizer import load_tokenizer
-from .events import StageFinished, StageStarted
+from .events import StageFinished, StageStarted, plural
 
 ENCODE_CHUNK = 4  # texts per text-encoder call: a few at a time bounds the activations
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 class CaptionEmbeddings:

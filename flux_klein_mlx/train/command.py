@@ -23,6 +23,7 @@ from .distributed import PeerLost, world
 from .evaluation import ValidationFinished
 from .memory import MemoryPlanned, describe_plan
 from .objective import SCHEDULES
+from .optimizers import OPTIMIZERS
 from .settings import DEFAULT_BASE_MODEL, TIMESTEPS, TrainSettings, default_work_dir
 from .trainer import (
     CheckpointSaved,
@@ -119,6 +120,10 @@ def describe_event(ev) -> str | None:
 
 def describe_samples(ev: SamplesSaved) -> str:
     """Where the samples are, how much the LoRA changes each baseline, what sampling adds to the peak."""
+    if ev.step == 0 and ev.kept:
+        return "baseline samples (no LoRA) kept from the run's start, not redrawn: " + ", ".join(
+            str(p) for p in ev.paths
+        )
     if ev.step == 0:
         head = f"baseline samples (no LoRA) on {ev.model}: " + ", ".join(str(p) for p in ev.paths)
     else:
@@ -176,6 +181,11 @@ def describe_samples(ev: SamplesSaved) -> str:
     help="LoKr: split each width as FACTOR x rest (-1: the most nearly square split).",
 )
 @click.option("--rank", type=int, default=_D.rank, show_default=True)
+@click.option(
+    "--init-lora",
+    default=None,
+    help="Start from this LoRA file (any layout --lora reads; its rank must be --rank) instead of from zero.",
+)
 @click.option("--alpha", type=float, default=None, help="LoRA alpha; scale = alpha / rank [default: rank].")
 @click.option(
     "--targets",
@@ -184,6 +194,19 @@ def describe_samples(ev: SamplesSaved) -> str:
     help="all, attention, double (style), single:0-12 (structure), or module names; comma-separated.",
 )
 @click.option("--steps", type=int, default=_D.steps, show_default=True, help="Optimizer steps.")
+@click.option(
+    "--epochs", type=int, default=None, help="Train this many epochs (each image its repeats times): sets --steps."
+)
+@click.option("--save-every-epochs", type=int, default=None, help="Also checkpoint at the end of every N epochs.")
+@click.option("--sample-every-epochs", type=int, default=None, help="Also sample at the end of every N epochs.")
+@click.option(
+    "--repeats",
+    type=int,
+    default=_D.repeats,
+    show_default=True,
+    help="Draw each image N times an epoch (times the N of a kohya N_name sub-folder of --data).",
+)
+@click.option("--flip", is_flag=True, help="Mirror each drawn example left to right with probability 1/2.")
 @click.option("--lr", type=float, default=_D.lr, show_default=True, help="Learning rate (the schedule's peak).")
 @click.option(
     "--lr-scheduler",
@@ -216,6 +239,13 @@ def describe_samples(ev: SamplesSaved) -> str:
 )
 @click.option("--seed", type=int, default=_D.seed, show_default=True)
 @click.option("--weight-decay", type=float, default=_D.weight_decay, show_default=True)
+@click.option(
+    "--optimizer",
+    default=_D.optimizer,
+    show_default=True,
+    help=f"{'|'.join(OPTIMIZERS)}: each as its torch reference (prodigy: --lr 1 is usual; adafactor: torch's "
+    "step size).",
+)
 @click.option("--max-grad-norm", type=float, default=_D.max_grad_norm, show_default=True)
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=_D.dtype, show_default=True)
 @click.option(
@@ -302,6 +332,8 @@ def train(**options):
     ctx = click.get_current_context()
     options, from_config = with_config(ctx, options)
     options = with_resume(ctx, options, from_config)
+    if options["epochs"] is not None and ctx.get_parameter_source("steps") == ParameterSource.COMMANDLINE:
+        raise FluxKleinError("give --epochs or --steps, not both: --epochs sets the steps its epochs take")
     options["quantize"] = int(options["quantize"]) if options["quantize"] else None
     options["sample_quantize"] = int(options["sample_quantize"]) if options["sample_quantize"] else None
     w = world()

@@ -18,6 +18,14 @@ mark, as Windows' Notepad writes, is dropped); their suffix is `--caption-extens
 suffix. Every image (and control) is opened and decoded here, so an unreadable file is named before
 the first model loads.
 
+Repeats (kohya's convention). `--repeats N` draws every image N times an epoch; a sub-folder of --data
+named `N_name` (`10_sks dog/`) holds images drawn N times an epoch (times --repeats), its captions beside
+them. An epoch is the list of examples, each `repeats` times, in an order drawn from the seed (a
+permutation of that list: a batch may hold one image twice), cut into batches within each bucket.
+`--flip` mirrors an example left to right with probability 1/2 each time it is drawn, from a generator
+keyed by (seed, step, the example's place in the step): see `flipped_examples`. Both change what a
+step draws, exactly as `epoch_batches` and `flipped_examples` say (tests/train/test_train_dialect.py).
+
 Buckets. An image of w x h pixels trains at W x H with W·H close to `resolution`², the aspect ratio
 kept, both sides multiples of 16:
 
@@ -70,12 +78,15 @@ class TrainItem:
     caption_from: str  # "file" or "--caption"
     controls: list[Picture] = field(default_factory=list)
     bucket: tuple[int, int] = (0, 0)  # (W, H) it trains at
+    repeats: int = 1  # times an epoch draws it (its N_name folder's N x --repeats)
 
     def record(self) -> dict:
-        """What train.json says about this example."""
+        """What train.json says about this example (the image's path within --data: its name, or
+        `N_name/<name>` in a repeat folder)."""
         return {
             "stem": self.stem,
-            "image": self.image.path.name,
+            "image": self.stem + self.image.path.suffix,
+            "repeats": self.repeats,
             "sha256": self.image.sha256,
             "size": list(self.image.size),
             "bucket": list(self.bucket),
@@ -125,6 +136,45 @@ def _images_by_stem(folder: Path, option: str) -> dict[str, Path]:
             )
         found[p.stem] = p
     return found
+
+
+REPEAT_FOLDER = re.compile(r"(\d+)_(.+)")  # kohya's `10_sks dog`: its images drawn 10 times an epoch
+
+
+def _repeat_folders(folder: Path, option: str) -> tuple[dict[str, Path], dict[str, int]]:
+    """The images of --data's kohya repeat folders (`N_name/`): stem `N_name/<stem>` -> file, and -> N."""
+    images: dict[str, Path] = {}
+    repeats: dict[str, int] = {}
+    for sub in sorted(folder.iterdir()):
+        m = REPEAT_FOLDER.fullmatch(sub.name)
+        if not m or not sub.is_dir() or sub.is_symlink():
+            continue
+        found = _images_by_stem(sub, option)
+        if found and int(m.group(1)) < 1:
+            raise FluxKleinError(
+                f"{option} {folder}: {sub.name} repeats its images 0 times; name it 1_{m.group(2)} or more"
+            )
+        for stem, path in found.items():
+            images[f"{sub.name}/{stem}"] = path
+            repeats[f"{sub.name}/{stem}"] = int(m.group(1))
+    return images, repeats
+
+
+def _images_and_repeats(folder: Path, option: str, controls) -> tuple[dict[str, Path], dict[str, int]]:
+    """stem -> image of a data folder, and -> its folder's repeats: the top level's 1, and under --data each
+    kohya repeat folder's N (held-out images are not repeated; an edit LoRA's come from --data itself)."""
+    images = _images_by_stem(folder, option)
+    counts = dict.fromkeys(images, 1)
+    if option == "--data":
+        more, counts_more = _repeat_folders(folder, option)
+        if more and controls:
+            raise FluxKleinError(
+                f"--data {folder} has repeat folders (N_name/) and --control is given: an edit LoRA's images are "
+                "read from --data itself; move them there and give --repeats N"
+            )
+        images.update(more)
+        counts.update(counts_more)
+    return images, counts
 
 
 def caption_of(image: Path, fallback: str | None, extension: str = ".txt") -> tuple[str, str] | None:
@@ -222,6 +272,8 @@ def _say_what_is_not_read(folder: Path, images: dict[str, Path], extension: str)
     """Warn about sub-folders holding images and caption files of another suffix (never silent)."""
     subs = []
     for p in sorted(folder.iterdir()):
+        if REPEAT_FOLDER.fullmatch(p.name) and p.is_dir():  # read: a kohya repeat folder (its own sub-folders aside)
+            continue
         if p.is_dir() and not p.name.startswith(".") and any(q.suffix.lower() in IMAGE_SUFFIXES for q in p.rglob("*")):
             subs.append(p.name)
     if subs:
@@ -251,6 +303,7 @@ def scan_data(
     caption_extension: str = ".txt",
     option: str = "--data",
     control_option: str = "--control",
+    repeats: int = 1,
 ) -> list[TrainItem]:
     """The training examples of `data` (and its `controls` folders), every file opened and checked;
     with several resolutions, one example per image and resolution (in the order listed).
@@ -260,7 +313,7 @@ def scan_data(
     warns about what it does not read and what it upscales. Captions are as trained (`trigger` applied).
     """
     folder = Path(data).expanduser()
-    images = _images_by_stem(folder, option)
+    images, counts = _images_and_repeats(folder, option, controls)
     for c in controls:
         if _same_folder(Path(c).expanduser(), folder):
             raise FluxKleinError(f"{control_option} {c} is the {option} folder itself; give {CONTROL_WANTED}")
@@ -295,6 +348,7 @@ def scan_data(
         example = dict(
             stem=stem, image=picture, caption=with_trigger(text, trigger), caption_from=source, controls=pics
         )
+        example["repeats"] = counts[stem] * repeats
         items += [TrainItem(**example, bucket=bucket_size(*picture.size, size)) for size in sizes]  # one per size
     _say_what_is_not_read(folder, images, caption_extension)  # once the data passed: a refusal stays one line
     _say_upscaled(items, option)
@@ -340,8 +394,14 @@ def _other_captions_hint(folder: Path, images: dict[str, Path], extension: str) 
     return ""
 
 
-def load_pixels(path: Path, size: tuple[int, int]) -> np.ndarray:
-    """An image resized to cover `size` = (W, H) and centre-cropped to it: (H, W, 3) float32 in [-1, 1]."""
+# The rule `load_pixels` sizes an image by, named in the latent cache's keys (train/latents.py): change the
+# name when the rule changes, so that no latent of the old rule is read back.
+CROP_RULE = "lanczos-cover-centre-crop"
+
+
+def load_pixels(path: Path, size: tuple[int, int], flip: bool = False) -> np.ndarray:
+    """An image resized to cover `size` = (W, H) and centre-cropped to it (`flip`: then mirrored left to
+    right): (H, W, 3) float32 in [-1, 1]."""
     img = open_image(path, "training image").convert("RGB")
     W, H = size
     w, h = img.size
@@ -350,18 +410,41 @@ def load_pixels(path: Path, size: tuple[int, int]) -> np.ndarray:
     img = img.resize((rw, rh), Image.Resampling.LANCZOS)
     left, top = (rw - W) // 2, (rh - H) // 2
     img = img.crop((left, top, left + W, top + H))
-    return np.asarray(img, dtype=np.float32) / 127.5 - 1.0
+    pixels = np.asarray(img, dtype=np.float32) / 127.5 - 1.0
+    return np.ascontiguousarray(pixels[:, ::-1]) if flip else pixels
 
 
 def epoch_batches(items: list[TrainItem], batch_size: int, rng: np.random.Generator) -> list[list[int]]:
-    """One epoch's batches (lists of item indices): a random order, cut into batches within each
-    bucket (a bucket's last batch may be smaller), the batches in random order."""
-    order = rng.permutation(len(items))
+    """One epoch's batches (lists of item indices): each item `repeats` times, in a random order (a
+    permutation of that list), cut into batches within each bucket (a bucket's last batch may be
+    smaller), the batches in random order. (Repeats of 1: a permutation of the items.)"""
+    pool = [i for i, it in enumerate(items) for _ in range(it.repeats)]
+    order = rng.permutation(len(pool))
     by_bucket: dict[tuple[int, int], list[int]] = {}
-    for i in order:
+    for j in order:
+        i = pool[j]
         by_bucket.setdefault(items[i].bucket, []).append(int(i))
     batches = [idx[k : k + batch_size] for idx in by_bucket.values() for k in range(0, len(idx), batch_size)]
     return [batches[j] for j in rng.permutation(len(batches))]
+
+
+def batches_per_epoch(items: list[TrainItem], batch_size: int) -> int:
+    """How many batches of at most `batch_size` (the global batch) one epoch of `epoch_batches` cuts."""
+    counts: dict[tuple[int, int], int] = {}
+    for it in items:
+        counts[it.bucket] = counts.get(it.bucket, 0) + it.repeats
+    return sum(math.ceil(n / batch_size) for n in counts.values())
+
+
+FLIP_STREAM = 0x666C6970  # "flip": the generator of --flip's draws, apart from the run's main stream
+
+
+def flipped_examples(seed: int, step: int, examples) -> list[bool]:
+    """--flip: which examples of optimizer step `step` train mirrored left to right, example k (counted
+    over the step's global batches, as the noise is: distributed.example_draws) when a draw U(0, 1) of
+    the generator seeded (seed, FLIP_STREAM, step, k) is below 1/2. Keyed per example, so the same on
+    resume and under mlx.launch, and the run's other random numbers stay as they are."""
+    return [bool(np.random.default_rng([seed, FLIP_STREAM, step, k]).random() < 0.5) for k in examples]
 
 
 def running_batch(items: list[TrainItem], batch_size: int) -> int:

@@ -129,11 +129,11 @@ class Validation:
         return [it.caption for it in self.items]
 
     def encode(self, encode: Callable) -> None:
-        """Cache each image's latent tokens with `encode(path, bucket)` -> (1, L, C) (the VAE is loaded then),
+        """Cache each image's latent tokens with `encode(picture, bucket)` -> (1, L, C) (train/latents.py),
         and its control images' (clean references, one image after another), as training does."""
         for it in self.items:
-            x0 = encode(it.image.path, it.bucket)
-            refs = mx.concatenate([encode(c.path, it.bucket) for c in it.controls], axis=1) if it.controls else None
+            x0 = encode(it.image, it.bucket)
+            refs = mx.concatenate([encode(c, it.bucket) for c in it.controls], axis=1) if it.controls else None
             mx.eval(x0 if refs is None else [x0, refs])
             self.latents.append(x0)
             self.refs.append(refs)

@@ -62,3 +62,8 @@ class TrainFinished:
     steps: int
     seconds: float
     work_dir: Path
+
+
+def plural(n: int, word: str) -> str:
+    """ "1 image", "2 images": the counts the stages' lines say."""
+    return f"{n} {word}{'' if n == 1 else 's'}"

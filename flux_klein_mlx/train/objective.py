@@ -23,9 +23,10 @@ Sigma sampling (`timesteps`):
     uniform       diffusers' default (`none`): u ~ U(0, 1) on the same grid, sigma uniform on {0.001 .. 1}.
 
 Optimizer: AdamW with torch's semantics (bias correction, decoupled weight decay 1e-4 as diffusers,
-eps 1e-8), gradients averaged over `grad_accum` micro-batches and clipped to a global norm of 1.0,
-at the learning rate of `lr_scheduler` (diffusers' schedules, below). The trainer (trainer.py)
-runs these on its batches; each is checked against diffusers and torch in tests/train/test_train.py.
+eps 1e-8; it and the others of --optimizer: optimizers.py), gradients averaged over `grad_accum`
+micro-batches and clipped to a global norm of 1.0, at the learning rate of `lr_scheduler` (diffusers'
+schedules, below). The trainer (trainer.py) runs these on its batches; each is checked against
+diffusers and torch in tests/train/test_train.py.
 
 Learning-rate schedules: diffusers' `get_scheduler`, as a plain function of the step.
 
@@ -92,17 +93,6 @@ def flow_loss(model, x0, noise, *, sigma, ctx, rope, refs=None, checkpoint: bool
     pred = model.forward_with_rope(x_in, ctx, t, rope, checkpoint=checkpoint)[:, : x0.shape[1]]
     target = noise.astype(mx.float32) - x0.astype(mx.float32)
     return mx.mean(mx.square(pred.astype(mx.float32) - target))
-
-
-def make_optimizer(settings) -> optim.AdamW:
-    """AdamW as torch.optim.AdamW: MLX's defaults differ (no bias correction, weight decay 0.01; G9)."""
-    return optim.AdamW(
-        learning_rate=settings.lr,
-        betas=[0.9, 0.999],
-        eps=1e-8,
-        weight_decay=settings.weight_decay,
-        bias_correction=True,
-    )
 
 
 def optimizer_step(optimizer: optim.Optimizer, model: nn.Module, grads, max_grad_norm: float) -> mx.array:

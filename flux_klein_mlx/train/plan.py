@@ -5,19 +5,24 @@ the data, the work folder and its checkpoints and the memory plan, and returns t
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..components import check_for_training
+from ..components import check_for_training, check_weights
 from ..errors import FluxKleinError
 from ..files import check_output_file
-from ..loading import ModelInfo, describe, single_file_refusal
+from ..loading import ModelInfo, as_dtype, describe, single_file_refusal
 from .adapters import adapter_file_shapes, adapter_parameters, parse_targets
-from .data import check_held_out, running_batch, say_shared_images, scan_data
+from .data import batches_per_epoch, check_held_out, running_batch, say_shared_images, scan_data
 from .distributed import World, check_processes, world
+from .latents import LatentCache, run_latents
 from .memory import MemoryPlanned, check_memory
+from .objective import check_schedule
 from .samples import check_sample_model, sample_references
 from .settings import TrainSettings
+from .starting import init_arrays
 from .state import resume_point
 from .workdir import check_not_locked, check_work_dir, checkpoints
 
@@ -37,6 +42,9 @@ class RunPlan:
     sample_references: list = field(default_factory=list)  # per sample prompt, its reference images (edit LoRAs)
     memory: MemoryPlanned | None = None
     validation: list = field(default_factory=list)  # held-out TrainItems (--validation)
+    init_arrays: dict = field(default_factory=dict)  # --init-lora: the adapters' start (train/starting.py)
+    latents: LatentCache | None = None  # the latents the run needs, from the latent cache or the VAE
+    batches_per_epoch: int = 1  # global batches of one epoch (data.epoch_batches)
     world: World = field(default_factory=World)  # the processes of an mlx.launch run
 
 
@@ -44,8 +52,36 @@ def _check_model(settings: TrainSettings) -> ModelInfo:
     if Path(settings.model).expanduser().is_file():  # a transformer or a LoRA file: what train needs, in load()'s words
         raise single_file_refusal(settings.model)
     info = describe(settings.model)
-    check_for_training(info, settings.quantize)
+    check_for_training(info, settings.quantize, weights=("transformer", "text_encoder"))  # the VAE: _latents
     return info
+
+
+def with_epochs(settings: TrainSettings, batches: int) -> TrainSettings:
+    """--epochs E: --steps becomes the steps E epochs of `batches` global batches take, ceil(E x batches /
+    grad_accum) (the last step may reach into epoch E + 1 when grad_accum does not divide them), its lr
+    schedule checked again for that length."""
+    if settings.epochs is None:
+        return settings
+    steps = math.ceil(settings.epochs * batches / settings.grad_accum)
+    check_schedule(settings.lr_scheduler, settings.warmup_steps, steps)
+    return dataclasses.replace(settings, steps=steps)
+
+
+def epochs_ended(step: int, *, batches: int, grad_accum: int) -> range:
+    """The epochs whose last batch optimizer step `step` runs: e with (step - 1) x grad_accum < e x batches
+    <= step x grad_accum (1-based; empty for a step inside an epoch)."""
+    return range((step - 1) * grad_accum // batches + 1, step * grad_accum // batches + 1)
+
+
+def _latents(settings: TrainSettings, info: ModelInfo, items: list, held_out: list) -> LatentCache:
+    """The run's latents (train/latents.py); the VAE's weight files are checked here unless every latent is
+    stored (a resume or rerun opens none of them; a damaged entry has them checked before the VAE loads)."""
+    latents = run_latents(settings, info, as_dtype(settings.dtype), items=items, held_out=held_out)
+    if latents.stored():
+        latents.unchecked = True
+    else:
+        check_weights(info, ("vae",))
+    return latents
 
 
 def run_key(settings: TrainSettings, info: ModelInfo, processes: int = 1) -> dict:
@@ -84,7 +120,13 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
         resolution=settings.resolution,
         trigger=settings.trigger,
         caption_extension=settings.caption_extension,
+        repeats=settings.repeats,
     )
+    epoch = batches_per_epoch(items, settings.batch_size * w.size)
+    settings = with_epochs(settings, epoch)
+    start = {}
+    if settings.init_lora is not None:  # read and checked against the adapters, before any model loads
+        start = init_arrays(settings.init_lora, slots, info.params, rank=settings.rank, alpha=settings.alpha)
     held_out = []
     if settings.validation:
         check_held_out(settings.validation, settings.data, settings.validation_controls, settings.controls)
@@ -113,7 +155,10 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
         sample_references=references,
         memory=check_memory(settings, info, trainable, running_batch(items, settings.batch_size)),
         validation=held_out,
+        latents=_latents(settings, info, items, held_out),
         world=w,
+        batches_per_epoch=epoch,
+        init_arrays=start,
     )
 
 

@@ -44,14 +44,16 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from PIL import Image
 
+from .. import __version__
 from ..components import check_weights
 from ..errors import FluxKleinError
 from ..files import write_replacing
 from ..loading import DEFAULT_DTYPE, ModelInfo, as_dtype, describe
 from ..lora import layouts
 from ..models.config import VARIANTS
-from ..output import write_image
+from ..output import read_record, write_image
 from ..weights import save_safetensors_streaming
 from .data import check_picture
 from .settings import TrainSettings
@@ -71,6 +73,7 @@ class SamplesSaved:
     peak_memory: int  # bytes: the highest stage peak of these images (the training model resident)
     added_memory: int | None  # bytes over the training steps' peak so far (None: before step 1)
     model: str  # the sample model's name
+    kept: bool = False  # the baseline of the run's first start, read back on resume (not redrawn)
 
 
 def sibling_model(model) -> str | None:
@@ -91,7 +94,7 @@ def sample_source(settings: TrainSettings) -> str:
 
 def check_sample_model(settings: TrainSettings, trained: ModelInfo) -> ModelInfo | None:
     """The sample model, described and checked (configs and headers only; no model loads); None: no samples."""
-    if not settings.sample_every:
+    if not settings.sample_every and not settings.sample_every_epochs:
         return None
     source = sample_source(settings)
     try:
@@ -124,7 +127,7 @@ def sample_references(settings: TrainSettings, items: list, held_out: list) -> l
     on), else the first training image's, said in a warning (the LoRA has seen that pair)."""
     prompts = len(settings.sample_prompts)
     n = len(settings.controls)
-    if not n or not settings.sample_every:
+    if not n or not (settings.sample_every or settings.sample_every_epochs):
         return [[] for _ in range(prompts)]
     if settings.sample_images:
         paths = [Path(p).expanduser() for p in settings.sample_images]
@@ -245,8 +248,48 @@ class SampleImages:
         write_atomic(path, lambda tmp: write_image(image, tmp, "PNG", record), self.settings.work_dir)
         return path
 
-    def baseline(self) -> SamplesSaved:
-        """samples/step-000000-K.png: each prompt without the LoRA (rendered again on resume)."""
+    def baseline_key(self) -> dict:
+        """What decides the baseline images: the sample model, its prompts and settings, this package's version."""
+        n = len(self.settings.sample_prompts)
+        return {
+            "source": self.source,
+            "model": str(self.info.path),
+            "prompts": list(self.settings.sample_prompts),
+            "settings": [self.generate_settings(k) for k in range(n)],
+            "quantize": self.settings.sample_quantize,
+            "flux_klein_mlx": __version__,
+        }
+
+    def kept_baseline(self) -> SamplesSaved | None:
+        """The baseline images an earlier start of this run drew with the same `baseline_key`, read back
+        (PNG: the same pixels); None when any is missing, unreadable or drawn otherwise."""
+        paths = [self.folder / sample_name(0, k, None) for k in range(len(self.settings.sample_prompts))]
+        key = self.baseline_key()
+        try:
+            records = [read_record(p) or {} for p in paths]
+            if any(r.get("training_sample", {}).get("drawn_with") != key for r in records):
+                return None
+            images = [np.asarray(Image.open(p).convert("RGB"), dtype=np.float32) for p in paths]
+        except (OSError, ValueError, AttributeError):
+            return None
+        self.baselines = images
+        n = len(paths)
+        return SamplesSaved(
+            step=0,
+            paths=paths,
+            changes=[None] * n,
+            strengths=[None] * n,
+            peak_memory=0,
+            added_memory=None,
+            model=self.info.name,
+            kept=True,
+        )
+
+    def baseline(self, resumed: bool = False) -> SamplesSaved:
+        """samples/step-000000-K.png: each prompt without the LoRA; a resume keeps those of the run's start
+        when they were drawn with the same settings (`kept_baseline`)."""
+        if resumed and (kept := self.kept_baseline()) is not None:
+            return kept
         self.pipe.set_loras([])
         paths = []
         self.baselines = []
@@ -259,6 +302,7 @@ class SampleImages:
                 "baseline": True,
                 "references": [str(r) for r in self.references[k]],
                 "generate": generate_command(record, self.source, None, references=self.references[k]),
+                "drawn_with": self.baseline_key(),  # a resume keeps this image while its key is the same
             }
             paths.append(self._save(sample_name(0, k, None), image, record))
             self.baselines.append(np.asarray(image, dtype=np.float32))

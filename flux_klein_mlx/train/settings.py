@@ -26,22 +26,25 @@ from ..models.quantize import check_quantization
 from ..models.tokenizer import check_text
 from .data import IMAGE_SUFFIXES
 from .objective import check_schedule
+from .optimizers import OPTIMIZERS
 
 TIMESTEPS = ("shift", "logit-normal", "uniform")
 ADAPTERS = ("lora", "lokr")  # LoRA pairs per diffusers module, or LoKr per layer
 # The model `train` starts from: a Base model (generation's default, pipeline.DEFAULT_MODEL, is distilled).
 # The run key's layout (TrainSettings.run_key, plan.run_key): raised when a field is added, renamed or
 # changes meaning; a checkpoint written under another version is refused, never guessed at.
-RUN_KEY_VERSION = 1
+RUN_KEY_VERSION = 2  # 2 (issue 39): --optimizer, --repeats, --flip, --init-lora
 DEFAULT_BASE_MODEL = "black-forest-labs/FLUX.2-klein-base-4B"
 # (setting, low, high) of the whole-number settings, checked in this order
 WHOLE = (
     ("rank", 1, 1024), ("steps", 1, 10_000_000), ("batch_size", 1, 1024), ("grad_accum", 1, 1024),
     ("group_size", 1, 1024), ("keep_checkpoints", 1, 1_000_000), ("sample_seed", -(2**63), 2**64),
-    ("seed", 0, 2**63 - 1), ("lokr_factor", -1, 65536),
+    ("seed", 0, 2**63 - 1), ("lokr_factor", -1, 65536), ("repeats", 1, 10_000),
 )  # fmt: skip
 # whole-number settings that may be None (not asked for), with their (low, high)
-OPTIONAL_WHOLE = {"save_every": (1, 10_000_000), "sample_every": (1, 10_000_000), "sample_steps": (1, 10_000_000)}
+OPTIONAL_WHOLE = {"save_every": (1, 10_000_000), "sample_every": (1, 10_000_000), "sample_steps": (1, 10_000_000),
+                  "epochs": (1, 1_000_000), "save_every_epochs": (1, 1_000_000),
+                  "sample_every_epochs": (1, 1_000_000)}  # fmt: skip
 # (setting, low, high, low excluded) of the real-number settings, checked after the whole numbers
 NUMBERS = (("lr", 0.0, 1.0, True), ("weight_decay", 0.0, 1.0, False), ("max_grad_norm", 0.0, 1e6, True),
            ("alpha", 0.0, 1e6, True), ("caption_dropout", 0.0, 1.0, False))  # fmt: skip
@@ -62,7 +65,13 @@ class TrainSettings:
     rank: int = 16
     alpha: float | None = None  # default: rank (scale 1)
     targets: str | tuple = "all"
-    steps: int = 500  # optimizer steps
+    steps: int = 500  # optimizer steps (with --epochs: set from it, plan.py)
+    epochs: int | None = None  # train this many epochs: --steps becomes the steps they take (train/plan.py)
+    save_every_epochs: int | None = None  # also checkpoint at the step that ends every Nth epoch
+    sample_every_epochs: int | None = None  # also sample at the step that ends every Nth epoch
+    repeats: int = 1  # each image drawn this many times an epoch (times its N_name folder's N; train/data.py)
+    flip: bool = False  # mirror an example left to right with probability 1/2 each time it is drawn
+    init_lora: str | Path | None = None  # start from this LoRA file (any layout --lora reads; train/starting.py)
     lr: float = 1e-4
     batch_size: int = 1
     grad_accum: int = 1
@@ -70,6 +79,7 @@ class TrainSettings:
     timesteps: str = "shift"
     seed: int = 0
     weight_decay: float = 1e-4  # diffusers' trainer; torch/MLX default 0.01 (G9)
+    optimizer: str = "adamw"  # adamw, adafactor, lion or prodigy, each as its torch reference (train/optimizers.py)
     max_grad_norm: float = 1.0
     dtype: str = DEFAULT_DTYPE
     save_dtype: str | None = None  # the output's (and the kept sample LoRAs') dtype; default: dtype
@@ -117,6 +127,7 @@ class TrainSettings:
                 check_number(_label(name), getattr(self, name), low, high=high, open_low=open_low)
         check_schedule(self.lr_scheduler, self.warmup_steps, self.steps)
         check_choice("timesteps", self.timesteps, TIMESTEPS)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("dtype", self.dtype, DTYPES)
         if self.save_dtype is not None:
             check_choice("save-dtype", self.save_dtype, DTYPES)
@@ -130,15 +141,16 @@ class TrainSettings:
         self._check_samples_and_captions()
         self._check_sample_images(len(prompts))
         self._check_ema_and_validation()
-        if warning := lr_underflow(self.lr, self.rank):
+        # AdamW and Lion move a value by about lr; Adafactor's and Prodigy's steps are scaled otherwise
+        if self.optimizer in ("adamw", "lion") and (warning := lr_underflow(self.lr, self.rank)):
             warnings.warn(warning, stacklevel=2)
         return self._resolved(prompts)
 
     def _check_types(self) -> None:
         """The paths, texts and switches are of a usable type (the Python API takes anything)."""
-        for name in ("data", "output", "model", "work_dir"):
+        for name in ("data", "output", "model", "work_dir", "init_lora"):
             v = getattr(self, name)
-            if not (isinstance(v, (str, os.PathLike)) or (name == "work_dir" and v is None)):
+            if not (isinstance(v, (str, os.PathLike)) or (name in ("work_dir", "init_lora") and v is None)):
                 raise FluxKleinError(f"{name} must be a path (str or Path), not {v!r}")
         for name in ("controls", "validation_controls", "sample_images"):
             folders = folder_list(getattr(self, name))
@@ -152,10 +164,10 @@ class TrainSettings:
             raise FluxKleinError(
                 f"targets must be a text (e.g. 'all', 'double') or a list of module names, not {self.targets!r}"
             )
-        for name in ("resume", "low_memory", "force"):
+        for name in ("resume", "low_memory", "force", "flip"):
             if not isinstance(getattr(self, name), bool):
                 raise FluxKleinError(f"{name} must be True or False, not {getattr(self, name)!r}")
-        for name in ("timesteps", "dtype", "caption_extension"):
+        for name in ("timesteps", "dtype", "caption_extension", "optimizer"):
             if not isinstance(getattr(self, name), str):
                 raise FluxKleinError(f"{name} must be a text, not {getattr(self, name)!r}")
         ext = self.caption_extension
@@ -170,6 +182,8 @@ class TrainSettings:
                 "lokr-factor must be -1 (the most nearly square split) or a whole number from 1, not 0"
             )
         check_layout(self.format)
+        if self.adapter == "lokr" and self.init_lora is not None:
+            raise FluxKleinError("--init-lora starts LoRA pairs from a LoRA file; it does not take --adapter lokr")
         if self.adapter == "lokr" and self.format == "kohya":
             raise FluxKleinError(
                 "a LoKr is written as --format comfyui or diffusers; kohya's layout holds LoRA pairs only"
@@ -198,6 +212,8 @@ class TrainSettings:
             raise FluxKleinError("each --sample-prompt must be a non-empty text")
         if self.sample_every is not None and not prompts:
             raise FluxKleinError("--sample-every needs at least one --sample-prompt")
+        if self.sample_every_epochs is not None and not prompts:
+            raise FluxKleinError("--sample-every-epochs needs at least one --sample-prompt")
         if self.caption is not None and (not isinstance(self.caption, str) or not self.caption.strip()):
             raise FluxKleinError("--caption must be a non-empty text (e.g. a trigger word)")
         for name, text in [("--caption", self.caption), ("--trigger", self.trigger)] + [
@@ -236,7 +252,7 @@ class TrainSettings:
                 "--sample-image gives the references of an edit LoRA's samples; it needs --control (the training "
                 "references)"
             )
-        if not self.sample_every:
+        if not self.sample_every and not self.sample_every_epochs:
             raise FluxKleinError("--sample-image needs --sample-every (and --sample-prompt): the samples it is for")
         if len(images) not in (controls, controls * prompts):
             raise FluxKleinError(
@@ -296,9 +312,14 @@ class TrainSettings:
             "trigger",
             "caption_dropout",
             "ema",  # a checkpoint's EMA continues only under the same decay
+            "optimizer",
+            "repeats",  # the epoch's draws (a repeat folder's N is in the data's names)
+            "flip",
+            "init_lora",  # where the adapters start
         )
         key = {"version": RUN_KEY_VERSION, **{k: getattr(self, k) for k in keep}}
         key["model"] = str(self.model)
+        key["init_lora"] = str(self.init_lora) if self.init_lora is not None else None
         key["targets"] = self.targets if isinstance(self.targets, str) else ",".join(self.targets)
         key["resolution"] = self.resolution if isinstance(self.resolution, int) else list(self.resolution)
         # A decay's every value depends on the run's length; a constant rate (after warm-up) does not, so

@@ -8,7 +8,7 @@ output and train.json (the folder itself, its mark and its lock: workdir.py).
         loss.png                    the loss of every step and its moving average, with the lr
         checkpoint-000250/
             lora.safetensors        diffusers/PEFT format, float32: loads with --lora as it is
-            optimizer.safetensors   AdamW's moments and step count
+            optimizer.safetensors   the optimizer's state (AdamW's moments) and step count
             state.json              step, the epoch's batch order and position, RNG state, losses, run key
         samples/step-000250-0.png
 
@@ -40,6 +40,7 @@ from ..files import (
 from ..lora import layouts
 from ..weights import read_safetensors, safetensors_table, save_safetensors_streaming
 from .adapters import CHECKPOINT_LAYOUTS
+from .optimizers import state_shapes
 from .settings import differences
 from .workdir import checkpoints
 
@@ -126,13 +127,17 @@ def _state_problem(state, step: int, n_items: int) -> str | None:
     return None
 
 
-def _optimizer_problem(table: dict, lora_shapes: list[tuple[int, ...]]) -> str | None:
-    """AdamW's state: its step count and two moments (m, v) shaped like each adapter tensor."""
+def _optimizer_problem(table: dict, lora_shapes: list[tuple[int, ...]], optimizer: str = "adamw") -> str | None:
+    """The optimizer's state: its step count and the per-adapter state of `optimizer` (AdamW's two moments m, v
+    shaped like each adapter tensor; the others': optimizers.state_shapes)."""
     if "step" not in table:
         return "optimizer.safetensors has no step count"
-    moments = sorted(shape for name, (_, shape) in table.items() if name.rsplit(".", 1)[-1] in ("m", "v"))
-    if moments != sorted(lora_shapes * 2):
-        return f"optimizer.safetensors holds {len(moments)} moments, this run's adapters need {2 * len(lora_shapes)}"
+    wanted = [state_shapes(optimizer, shape) for shape in lora_shapes]
+    names = {name for per in wanted for name in per}
+    moments = sorted(shape for name, (_, shape) in table.items() if name.rsplit(".", 1)[-1] in names)
+    need = sorted(shape for per in wanted for shape in per.values())
+    if moments != need:
+        return f"optimizer.safetensors holds {len(moments)} moments, this run's adapters need {len(need)}"
     return None
 
 
@@ -173,7 +178,7 @@ def checkpoint_problem(
         detail = other[0] if other else "tensor shapes"
         return f"lora.safetensors holds other adapters than this run's ({detail} differs): another run's file"
     trained = [shape for shape in lora_shapes.values() if shape != ()]  # every factor a matrix; LoKr's alpha a constant
-    if why := _optimizer_problem(optimizer, trained):
+    if why := _optimizer_problem(optimizer, trained, state["run_key"].get("optimizer", "adamw")):
         return why
     files = ["lora.safetensors", "optimizer.safetensors"] + ([EMA_FILE] if ema else [])
     if ema:  # the average is the output --ema writes: checked as lora.safetensors is

@@ -36,12 +36,14 @@ from ..models.rope import image_ids, text_ids, token_grid
 from ..sampling import reference_time
 from .adapters import attach_lokr, attach_lora, file_header, write_lora_file
 from .captions import CaptionEmbeddings
-from .data import bucket_counts, dropped_captions, epoch_batches, load_pixels
+from .data import bucket_counts, dropped_captions, epoch_batches, flipped_examples
 from .distributed import PeerLost, example_draws
 from .evaluation import EMA_FILE, AdapterEMA, Validation, average_window, moving_average, write_loss_plot
 from .events import CheckpointSaved, StageFinished, StageStarted, StepFinished, TrainFinished, TrainStarted
-from .objective import flow_loss, lr_at_step, make_optimizer, optimizer_step, sigmas_from_draws
-from .plan import RunPlan, data_key, plan_run, run_key
+from .metrics import MetricsLog
+from .objective import flow_loss, lr_at_step, optimizer_step, sigmas_from_draws
+from .optimizers import make_optimizer
+from .plan import RunPlan, data_key, epochs_ended, plan_run, run_key
 from .samples import SampleImages, SamplesSaved
 from .settings import TrainSettings
 from .state import adapter_file, read_checkpoint, write_checkpoint, write_json, write_output
@@ -79,6 +81,9 @@ class Trainer:
         self.ctx: dict[str, mx.array] = {}  # caption -> (1, Lt, E)
         self.latents: list[mx.array] = []  # per item (1, L, C)
         self.refs: list[mx.array | None] = []  # per item (1, n_controls * L, C) or None
+        self.mirrored: list[tuple] = []  # --flip: per item (x0, refs) mirrored left to right
+        self.metrics: MetricsLog | None = None  # rank 0's metrics.jsonl, once the run's first step is known
+        self.latent_cache = plan.latents  # the latents the run needs (train/latents.py)
         self.ropes: dict = {}
         self.step_no = 0
         self.epoch = 0
@@ -110,6 +115,8 @@ class Trainer:
             yield from self._run(time.perf_counter())
         finally:  # also on Ctrl-C or an error: the folder is free again
             lock.release()
+            if self.metrics is not None:
+                self.metrics.close()
 
     def _run(self, t_run: float) -> Iterator:
         settings = self.settings
@@ -125,10 +132,7 @@ class Trainer:
         if self.sample_images is not None:  # its text encoder runs while no training model is resident
             seconds, detail = self.sample_images.load()
             yield StageFinished(stage="sample model", seconds=seconds, detail=detail)
-        n = len(self.items)
-        controls = sum(len(it.controls) for it in self.items)
-        also = f" + {controls} control image{'s' if controls != 1 else ''}" if controls else ""
-        yield StageStarted(stage="latents", detail=f"encoding {n} image{'s' if n != 1 else ''}{also} with the VAE ...")
+        yield self.latent_plan()
         yield self.cache_latents()
         yield StageStarted(
             stage="model",
@@ -140,17 +144,27 @@ class Trainer:
                 self.restore(self.plan.resume_from)
             self.apply_state(self.world.share_state(self.state(), self.lora, self.model, self.optimizer))  # from rank 0
             if self.sample_images is not None:
-                yield self.sample_images.baseline()  # no LoRA: what each sample is compared with
+                # no LoRA: what each sample is compared with (a resume keeps the first start's)
+                yield self.sample_images.baseline(resumed=self.plan.resume_from is not None)
+            if main:  # metrics.jsonl (and TensorBoard's events), continued after the checkpoint resumed
+                self.metrics = MetricsLog(wd, resumed_at=self.step_no)
             yield self.started_event()
             while self.step_no < settings.steps:
-                yield self.train_step()
+                yield self.logged(self.train_step())
                 if main and (
-                    self.step_no == settings.steps or (settings.save_every and self.step_no % settings.save_every == 0)
+                    self.step_no == settings.steps
+                    or (settings.save_every and self.step_no % settings.save_every == 0)
+                    or self.ends_epoch(settings.save_every_epochs)
                 ):
                     if self.validation:  # the held-out loss of these weights, recorded by the checkpoint
-                        yield self.validation.measure(self.step_no, partial(flow_loss, self.model), self.ctx, self.rope)
+                        yield self.logged(
+                            self.validation.measure(self.step_no, partial(flow_loss, self.model), self.ctx, self.rope)
+                        )
                     yield self.save()
-                if main and settings.sample_every and self.step_no % settings.sample_every == 0:
+                if main and (
+                    (settings.sample_every and self.step_no % settings.sample_every == 0)
+                    or self.ends_epoch(settings.sample_every_epochs)
+                ):
                     yield self.samples()
         except PeerLost as e:
             raise e.at(self.step_no + 1, checkpoints(wd)) from None
@@ -185,30 +199,29 @@ class Trainer:
         self.ctx = self.text.ctx
         return self.text.plan()
 
-    def cache_latents(self) -> StageFinished:
-        t0 = time.perf_counter()
-        vae = load_component(self.info, "vae", self.dtype)
-        for it in self.items:
-            x0 = self._encode(vae, it.image.path, it.bucket)
-            refs = None
-            if it.controls:  # clean control tokens, one image after another: (1, n * L, C)
-                refs = mx.concatenate([self._encode(vae, c.path, it.bucket) for c in it.controls], axis=1)
-                mx.eval(refs)
-            mx.eval(x0)
-            if not mx.all(mx.isfinite(x0)).item():
-                raise FluxKleinError(f"non-finite VAE latents for {it.image.path}: try --dtype float32")
-            self.latents.append(x0)
-            self.refs.append(refs)
-        self.validation.encode(partial(self._encode, vae))  # (path, bucket) -> tokens
-        del vae
-        mx.clear_cache()
-        return StageFinished(
-            stage="latents", seconds=time.perf_counter() - t0, detail=f"{len(self.items)} images encoded, VAE released"
-        )
+    def latent_plan(self) -> StageStarted:
+        """The latents of every example (and its controls) and held-out image: those in the latent cache are
+        read now (train/latents.py); says what is left."""
+        images = len({it.image.sha256 for it in self.items})
+        controls = len({(c.sha256, it.bucket) for it in self.items for c in it.controls})
+        return self.latent_cache.plan(images, controls)
 
-    def _encode(self, vae, path: Path, bucket: tuple[int, int]) -> mx.array:
-        px = mx.array(load_pixels(path, bucket))[None].astype(self.dtype)  # (1, H, W, 3)
-        return vae.encode_to_tokens(px)  # (1, H/16 * W/16, C)
+    def cache_latents(self) -> StageFinished:
+        done = self.latent_cache.encode(load_component)  # this module's: tests count the loads
+        get = self.latent_cache.get
+        for it in self.items:
+            self.latents.append(get(it.image, it.bucket))
+            self.refs.append(self.control_tokens(it, flip=False))
+        if self.settings.flip:  # (--flip) the mirrored example, its controls mirrored with it
+            self.mirrored = [(get(it.image, it.bucket, True), self.control_tokens(it, flip=True)) for it in self.items]
+        self.validation.encode(get)  # (picture, bucket) -> tokens
+        return done
+
+    def control_tokens(self, it, flip: bool) -> mx.array | None:
+        """An example's clean control tokens, one image after another: (1, n * L, C), or None."""
+        if not it.controls:
+            return None
+        return mx.concatenate([self.latent_cache.get(c, it.bucket, flip) for c in it.controls], axis=1)
 
     def load_model(self) -> StageFinished:
         t0 = time.perf_counter()
@@ -229,6 +242,8 @@ class Trainer:
             )
         else:
             self.lora = attach_lora(self.model, self.plan.slots, rank=settings.rank, alpha=settings.alpha, rng=self.rng)
+            if self.plan.init_arrays:  # --init-lora: the file's pairs where it has them (a resume's checkpoint wins)
+                self.lora.load({**self.lora.arrays(), **self.plan.init_arrays}, f"--init-lora {settings.init_lora}")
         self.optimizer = make_optimizer(settings)
         mx.eval(self.model.trainable_parameters())
         self.ema = (
@@ -280,7 +295,13 @@ class Trainer:
 
     def micro_batch(self, indices: list[int], first: int) -> tuple:
         """(x0, noise, sigma, ctx, refs, cos, sin) of one batch; example j's draws keyed (seed, step, first + j)."""
-        x0 = mx.concatenate([self.latents[i] for i in indices], axis=0)  # (B, L, C)
+        flips = [False] * len(indices)
+        if self.settings.flip:  # which examples train mirrored (data.flipped_examples)
+            flips = flipped_examples(self.settings.seed, self.step_no + 1, range(first, first + len(indices)))
+        pairs = [
+            self.mirrored[i] if f else (self.latents[i], self.refs[i]) for i, f in zip(indices, flips, strict=True)
+        ]
+        x0 = mx.concatenate([x for x, _ in pairs], axis=0)  # (B, L, C)
         B, L, C = x0.shape
         draws, noise = example_draws(
             self.settings.seed,
@@ -296,7 +317,7 @@ class Trainer:
         )
         captions = ["" if drop else self.items[i].caption for i, drop in zip(indices, dropped, strict=True)]
         ctx = mx.concatenate([self.ctx[c] for c in captions], axis=0)
-        refs = None if self.refs[indices[0]] is None else mx.concatenate([self.refs[i] for i in indices], axis=0)
+        refs = None if pairs[0][1] is None else mx.concatenate([r for _, r in pairs], axis=0)
         cos, sin = self.rope(self.items[indices[0]], len(self.items[indices[0]].controls))
         return x0, noise, sigma, ctx, refs, cos, sin
 
@@ -349,6 +370,27 @@ class Trainer:
             peak_memory=peak,
             average=average,
         )
+
+    def logged(self, ev):
+        """`ev` (a step or a validation), its numbers written to metrics.jsonl first (train/metrics.py)."""
+        if self.metrics is None:
+            return ev
+        if isinstance(ev, StepFinished):
+            values = {"loss": ev.loss, "average": ev.average, "lr": ev.lr, "grad_norm": ev.grad_norm}
+            values |= {"seconds": ev.seconds, "peak_memory": ev.peak_memory, "epoch": self.epoch}
+            self.metrics.write(ev.step, values)
+        else:
+            values = {"validation_loss": ev.loss, "validation_by_sigma": ev.by_sigma}
+            self.metrics.write(ev.step, values, group="validation")
+        return ev
+
+    def ends_epoch(self, every: int | None) -> bool:
+        """Whether the step just done ran the last batch of an epoch whose number is a multiple of `every`
+        (--save-every-epochs, --sample-every-epochs; plan.epochs_ended)."""
+        if not every:
+            return False
+        ended = epochs_ended(self.step_no, batches=self.plan.batches_per_epoch, grad_accum=self.settings.grad_accum)
+        return any(e % every == 0 for e in ended)
 
     def lr_of(self, step: int) -> float:
         """The learning rate of optimizer step `step` (1-based) under --lr-scheduler / --warmup-steps."""
@@ -403,7 +445,7 @@ class Trainer:
         write_loss_plot(path, self.losses, window=window, lrs=self.lrs(), validation=self.validation.points())
 
     def restore(self, folder: Path) -> None:
-        """Continue exactly where `folder` left off: adapters, AdamW moments, data order, RNG."""
+        """Continue exactly where `folder` left off: adapters, the optimizer's state, data order, RNG."""
         terms, opt, state = read_checkpoint(folder, self.lora)
         self.lora.load_terms(terms, f"checkpoint {folder}")
         self.optimizer.init(self.model.trainable_parameters())

@@ -35,6 +35,7 @@ from ..files import (
     is_temporary_file,
     open_no_follow,
 )
+from .metrics import METRICS_FILE, TENSORBOARD_FOLDER
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d{6,})$")
 # The temporary folders of files.folder_transaction for checkpoints (files: files.is_temporary_file).
@@ -42,7 +43,7 @@ _TEMPORARY_CHECKPOINT = re.compile(r"^checkpoint-\d+\.(tmp|old)-[0-9a-f]{8}$")
 LOCK_NAME = "train.lock"
 WORK_MARKER = ".flux_klein_mlx-train"
 # Every name a run writes at the top of its work folder (and its own temporaries).
-_WORK_FILES = {LOCK_NAME, "train.json", "loss.png", "samples"}
+_WORK_FILES = {LOCK_NAME, "train.json", "loss.png", "samples", METRICS_FILE, TENSORBOARD_FOLDER}
 
 
 # --- the work folder, checked before anything runs --------------------------------------------------

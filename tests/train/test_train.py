@@ -41,7 +41,8 @@ from flux_klein_mlx.components import load_component
 from flux_klein_mlx.loading import describe
 from flux_klein_mlx.models.rope import image_ids, text_ids
 from flux_klein_mlx.train.adapters import attach_lora, parse_targets, write_lora_file
-from flux_klein_mlx.train.objective import flow_loss, make_optimizer, optimizer_step, shift_mu, sigmas_from_draws
+from flux_klein_mlx.train.objective import flow_loss, optimizer_step, shift_mu, sigmas_from_draws
+from flux_klein_mlx.train.optimizers import make_optimizer
 from flux_klein_mlx.train.plan import plan_run
 from flux_klein_mlx.train.settings import TrainSettings
 from flux_klein_mlx.train.trainer import StepFinished, Trainer, TrainFinished

@@ -148,10 +148,11 @@ def test_two_processes_equal_one_with_twice_the_batch_survive_a_dead_rank_and_re
     assert re.search(r"stopped this one at step [34];", errors[0]), errors[0]
     assert "checkpoint-000002" in errors[0] and "--resume" in errors[0]
     assert sum(line.startswith("captions:") for line in ours) == 1  # rank 0 alone prints
-    assert sorted(p.name for p in work.iterdir()) == [
+    assert sorted(p.name for p in work.iterdir() if p.name != "tensorboard") == [  # tensorboard/: tensorboardX's
         ".flux_klein_mlx-train",
         "checkpoint-000002",
         "loss.png",
+        "metrics.jsonl",  # issue 39: the metrics log
         "train.json",
     ]
     assert not two.exists()
