@@ -40,6 +40,8 @@ from .models.rope import PIXELS_PER_TOKEN, token_grid
 from .models.tokenizer import check_text
 from .references import FLUX3_MAX_REFERENCES, check_reference_count, prepare_canvas_reference
 from .sampling import check_noise_kind, seed_for_image, start_step
+from .upsample.boxes import canvas_rows, check_boxes, layout_prompt
+from .upsample.request import build_request, check_upsampler_family
 
 MIN_SIDE = 64  # input images (spec 8.1)
 MAX_ASPECT = 8
@@ -67,6 +69,9 @@ class RunSettings:
     pure noise; the output takes its size, and it is also the first reference (`images` follow).
     strength: how far from the init image to go, in (0, 1] (default 0.8; 1 = pure noise), diffusers'
     convention. mask: inpainting: a mask the size of the init image; white is repainted, black kept.
+    upsample: FLUX 3: rewrite the prompt with BFL's prompt upsampler first (`upsample/`). boxes: FLUX 3's
+    layout, "x0,y0,x1,y1:desc" strings or diffusers' dicts (`upsample/boxes.py`); without `upsample` the
+    layout is written into the prompt as the transformer reads it.
     """
 
     prompt: str
@@ -83,6 +88,8 @@ class RunSettings:
     init_image: object = None
     strength: float | None = None
     mask: object = None
+    upsample: bool = False
+    boxes: Sequence | None = None
 
     @classmethod
     def from_keywords(cls, prompt, keywords: dict) -> RunSettings:
@@ -120,6 +127,8 @@ class RunSettings:
             raise FluxKleinError(f"{what} needs an init image (--init-image, init_image=)")
         if self.strength is not None:
             check_strength(self.strength)
+        if not isinstance(self.upsample, bool):
+            raise FluxKleinError(f"upsample must be True or False, not {self.upsample!r}")
         return self
 
 
@@ -370,6 +379,13 @@ class PreparedInputs:
     # FLUX 3 with one reference and no size given: the run is on the reference's padded canvas
     # (settings.width x height) and the image is cropped back to the reference, (left, top, right, bottom)
     crop: tuple[int, int, int, int] | None = None
+    # FLUX 3's prompt rewritten: the prompt as typed (settings.prompt is what the text encoder reads), the
+    # user's boxes (checked, 0-1), the upsampler's request while the caption is still to be written
+    # (the pipeline writes it: `upsample.cache.revise`) and the seconds that took.
+    typed_prompt: str | None = None
+    boxes: tuple = ()
+    upsample: object = None
+    upsample_seconds: float | None = None
 
     @property
     def images_key(self) -> str:
@@ -462,6 +478,7 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
         width, height = iw, ih
     images = [settings.images] if isinstance(settings.images, (str, Path, Image.Image)) else list(settings.images or [])
     references, crop = info.family.prepare_references(images, info.name)
+    prompt, request, boxes = _prompt_plan(settings, images, info)
     if references:  # a side left out is the first reference's (a given side is never 0: checked above)
         width, height = width or references[0].shape[1], height or references[0].shape[0]
     if settings.width is not None or settings.height is not None or init is not None:
@@ -472,6 +489,7 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
     seed = random.randrange(2**31) if settings.seed is None and latents is None else settings.seed
     resolved = dataclasses.replace(
         settings,
+        prompt=prompt,
         width=width,
         height=height,
         steps=steps,
@@ -484,9 +502,34 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
     if init is not None:
         hashes["init_image"] = content_hash(init.pixels)
         hashes["mask"] = None if init.mask is None else content_hash(init.mask)
+    typed = settings.prompt if prompt != settings.prompt or request is not None else None
     return PreparedInputs(
-        settings=resolved, references=references, init=init, t_start=t_start, latents=latents, hashes=hashes, crop=crop
+        settings=resolved,
+        references=references,
+        init=init,
+        t_start=t_start,
+        latents=latents,
+        hashes=hashes,
+        crop=crop,
+        typed_prompt=typed,
+        boxes=boxes,
+        upsample=request,
     )
+
+
+def _prompt_plan(settings: RunSettings, images: list, info) -> tuple[str, object, tuple]:
+    """(the prompt the run reads for now, the upsampler's request or None, the checked boxes): FLUX 3's
+    boxes written into the prompt without `upsample`; with it, the request (the init image, then the
+    references, as the upsampler's images) for the pipeline to answer."""
+    if not settings.upsample and not settings.boxes:
+        return settings.prompt, None, ()
+    check_upsampler_family(info.family, upsample=settings.upsample)
+    if not settings.upsample:
+        boxes = check_boxes(settings.boxes)
+        return layout_prompt(settings.prompt, canvas_rows(boxes)), None, boxes
+    shown = ([settings.init_image] if settings.init_image is not None else []) + images
+    request = build_request(settings.prompt, [open_image(im, "reference image") for im in shown], settings.boxes)
+    return settings.prompt, request, request.boxes
 
 
 def content_hash(pixels: np.ndarray) -> str:

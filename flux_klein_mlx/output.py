@@ -58,11 +58,17 @@ def image_metadata(
     mask: str | None = None,
     steps_run: int | None = None,
     vae: str | None = None,
+    typed_prompt: str | None = None,
+    boxes: tuple = (),
 ) -> dict:
     """The record of one image: `settings` is the run's resolved `inputs.RunSettings`; images are named
-    by the content hash of their pixels (the same whichever door they came through)."""
+    by the content hash of their pixels (the same whichever door they came through). A run that read
+    another prompt than the one typed (`typed_prompt`: upsampled, or a layout of `boxes` written in) records
+    both: `prompt` as typed and `revised_prompt` as read (OpenAI's name), with the boxes."""
+    revised = {} if typed_prompt is None else {"revised_prompt": settings.prompt, "boxes": [dict(b) for b in boxes]}
     return {
-        "prompt": settings.prompt,
+        "prompt": settings.prompt if typed_prompt is None else typed_prompt,
+        **revised,
         "negative_prompt": settings.negative_prompt,
         "seed": settings.seed,
         "steps": settings.steps,
@@ -100,7 +106,7 @@ def _a1111_lora_name(name: str) -> str:
 def a1111_parameters(record: dict) -> str:
     """The A1111 / Forge `parameters` text: prompt, `Negative prompt: ...`, then `Steps: 4, Sampler: ...`."""
     r = record.get
-    lines = [str(r("prompt") or "")]
+    lines = [str(r("revised_prompt") or r("prompt") or "")]  # what the model read: pasted back, it makes this image
     if r("negative_prompt"):
         lines.append(f"Negative prompt: {r('negative_prompt')}")
     fields = {
@@ -117,6 +123,7 @@ def a1111_parameters(record: dict) -> str:
             f"{_a1111_lora_name(lora['name'])}: {lora.get('autov3') or lora['sha256']}" for lora in r("loras") or []
         )
         or None,  # A1111's own hash (AutoV3): Civitai links it
+        "Original prompt": r("prompt") if r("revised_prompt") else None,
         "Version": r("software", f"flux_klein_mlx {__version__}"),
     }
     lines.append(", ".join(f"{k}: {_a1111_value(v)}" for k, v in fields.items() if v is not None))

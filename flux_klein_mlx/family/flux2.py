@@ -66,6 +66,7 @@ class Flux2Steps:
 class Flux2Family:
     key = "flux2"
     title = "FLUX.2 [klein]"
+    upsampler = None
     params_type = FluxKleinParams
     max_references = None
     text_taps = OUT_LAYERS

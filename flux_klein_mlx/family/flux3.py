@@ -83,6 +83,7 @@ class Flux3Steps:
 class Flux3Family:
     key = "flux3"
     title = "FLUX 3 Image Klein"
+    upsampler = "black-forest-labs/flux-3-image-klein-pup"
     params_type = Flux3Params
     max_references = FLUX3_MAX_REFERENCES
     text_taps = FLUX3_TAPS
