@@ -171,6 +171,7 @@ def _load_checked(model, sock, load_settings: dict):
     help="Largest accepted image upload.",
 )
 @click.option("--model-id", default=None, help="The model name clients use [default: the last part of --model].")
+@click.option("--upsampler", default=None, help="FLUX 3's prompt upsampler for `upsample` requests: folder or repo id.")
 @vae_and_cache_options
 def serve(
     model,
@@ -187,6 +188,7 @@ def serve(
     save_dir,
     max_upload_mb,
     model_id,
+    upsampler,
     vae,
     no_cache,
     cache_size,
@@ -207,6 +209,7 @@ def serve(
         vae=vae,
         cache=not no_cache,
         cache_size=cache_size,
+        upsampler=upsampler,
     )
     pipe = _load_checked(model, sock, load_settings)
     model_id = model_id or Path(str(model).rstrip("/")).name
