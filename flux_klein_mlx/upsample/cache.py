@@ -22,14 +22,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..embedding_cache import EmbeddingCache
-from ..weights import resolve_model
 from .request import UpsampleRequest
-from .runtime import Progress, Upsampler
+from .runtime import Progress, Upsampler, upsampler_folder
 
 CAPTIONS_SUBFOLDER = "captions"
 CAPTION_CACHE_BYTES = 64 << 20  # 64 MiB: tens of thousands of captions
 CAPTION_FORMAT = "flux_klein_mlx.caption"
-UPSAMPLER_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt"]  # what a hub download of the upsampler takes
 
 
 class CaptionCache(EmbeddingCache):
@@ -115,11 +113,6 @@ def cached_caption(
         if key is not None:
             cache.put(key, caption)
     return caption, time.perf_counter() - t0
-
-
-def upsampler_folder(source: str | Path) -> Path:
-    """The upsampler's folder: a local one, or a hub repo id found in (or downloaded into) the hub cache."""
-    return resolve_model(source, allow_patterns=UPSAMPLER_FILES)
 
 
 def revise(prepared, source: str | Path | Upsampler, cache: CaptionCache | None, on_progress=None):

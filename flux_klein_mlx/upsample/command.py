@@ -16,8 +16,9 @@ from ..cli import run_command, upsample_options
 from ..embedding_cache import EmbeddingCache, parse_size
 from ..family import FAMILIES
 from ..inputs import check_prompt_given, open_image
-from .cache import CaptionCache, cached_caption, upsampler_folder
+from .cache import CaptionCache, cached_caption
 from .request import build_request
+from .runtime import upsampler_folder
 
 
 @click.command("upsample")

@@ -24,11 +24,13 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from ..errors import FluxKleinError
-from ..weights import check_safetensors_file
+from ..files import folder_transaction
+from ..weights import check_safetensors_file, resolve_model
 from .request import MAX_NEW_TOKENS, UpsampleRequest
 
 INSTALL_HINT = 'pip install -e ".[upsample]" (or pip install mlx-vlm==0.7.10)'
 UPSAMPLER_TYPES = ("qwen3_5",)  # config.json model_type of the upsampler's architecture
+UPSAMPLER_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt"]  # what a hub download of the upsampler takes
 
 
 class Progress(NamedTuple):
@@ -91,6 +93,47 @@ def stop_ids(folder: Path) -> list[int]:
         if ids is not None:
             return [ids] if isinstance(ids, int) else list(ids)
     return []
+
+
+def upsampler_folder(source: str | Path) -> Path:
+    """The upsampler's folder: a local one, or a hub repo id found in (or downloaded into) the hub cache."""
+    return resolve_model(source, allow_patterns=UPSAMPLER_FILES)
+
+
+def is_upsampler(source: str | Path, repo: str | None) -> bool:
+    """Whether `convert`/`quantize` were given the prompt upsampler: its hub repo id `repo`, or a folder whose
+    config.json is Qwen3.5's."""
+    if str(source) == repo:
+        return True
+    try:
+        return json.loads((Path(source) / "config.json").read_text()).get("model_type") in UPSAMPLER_TYPES
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def convert_upsampler(source: str | Path, output: str | Path, *, bits: int | None, group_size: int, overwrite: bool):
+    """Write the upsampler as an MLX folder (mlx-vlm's layout, `bits` 4 or 8 or None: as stored) at `output`,
+    whole or not at all; mlx-vlm's convert does the work (its progress lines go to stderr)."""
+    import contextlib
+    import sys
+
+    if bits not in (None, 4, 8) or group_size not in (32, 64, 128):
+        raise FluxKleinError(
+            f"the upsampler is quantized to 4 or 8 bits in groups of 32, 64 or 128, not {bits}/{group_size}"
+        )
+    folder, output = upsampler_folder(source), Path(output)
+    if output.exists() and (not overwrite or output.resolve() == folder.resolve()):
+        raise FluxKleinError(f"{output} exists; give another --output (or --overwrite to replace it, not the source)")
+    upsampler_weight_files(folder)
+    try:
+        from mlx_vlm.convert import convert
+    except ImportError:
+        raise FluxKleinError(
+            f"converting the prompt upsampler needs mlx-vlm, which is not installed: {INSTALL_HINT}"
+        ) from None
+    with folder_transaction(output) as tmp, contextlib.redirect_stdout(sys.stderr):
+        convert(str(folder), str(tmp), quantize=bits is not None, q_bits=bits or 4, q_group_size=group_size)
+    return output
 
 
 class Upsampler:

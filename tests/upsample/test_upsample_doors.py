@@ -80,3 +80,17 @@ def test_the_server_answers_upsample_with_revised_prompt(flux3, pup, tmp_path_fa
         headers = {**server.auth, "Content-Type": "application/json"}
         status, reply = http("POST", f"{server.url}/v1/images/generations", json.dumps(bad).encode(), headers)
         assert status == 400 and "is empty: it needs x0 < x1" in json.dumps(reply)
+
+
+def test_convert_and_quantize_write_a_4_or_8_bit_upsampler_that_runs(cli, pup, tmp_path):
+    code, out, err = cli("convert", "--model", pup, "--output", tmp_path / "q8", "--quantize", "8", "--group-size", 32)
+    assert code == 0, err
+    config = json.loads((tmp_path / "q8" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5" and config["quantization"]["bits"] == 8
+    assert not list(tmp_path.glob("q8.tmp-*"))  # written whole, through files.folder_transaction
+    code, out, err = cli("upsample", "--prompt", "a fox", "--upsampler", tmp_path / "q8", "--no-cache")
+    assert code == 0 and out.strip(), err
+    code, _, err = cli("quantize", "--model", pup, "--bits", 4, "--group-size", 32, "--output", tmp_path / "q4")
+    assert code == 0 and json.loads((tmp_path / "q4" / "config.json").read_text())["quantization"]["bits"] == 4
+    code, _, err = cli("convert", "--model", pup, "--output", tmp_path / "q8", "--quantize", "8")
+    assert_one_line_error(code, err, "exists; give another --output")
