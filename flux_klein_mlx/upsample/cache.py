@@ -115,10 +115,12 @@ def cached_caption(
     return caption, time.perf_counter() - t0
 
 
-def revise(prepared, source: str | Path | Upsampler, cache: CaptionCache | None, on_progress=None):
+def revise(prepared, source: str | Path | Upsampler, cache: CaptionCache | None, on_progress=None, make_room=None):
     """`prepared` (inputs.PreparedInputs with a pending `upsample` request) with the caption as its prompt;
-    `source`: the upsampler's folder or repo id, or an `Upsampler` (its own token cap)."""
+    `source`: the upsampler's folder or repo id, or an `Upsampler` (its own token cap). `make_room()` runs
+    only if the upsampler is about to load (a cache miss): the pipeline frees its transformer there."""
     up = source if isinstance(source, Upsampler) else Upsampler(upsampler_folder(source))
+    up.make_room = make_room
     caption, seconds = cached_caption(prepared.upsample, up.folder, cache, on_progress=on_progress, upsampler=up)
     settings = dataclasses.replace(prepared.settings, prompt=caption)
     return dataclasses.replace(prepared, settings=settings, upsample=None, upsample_seconds=seconds)

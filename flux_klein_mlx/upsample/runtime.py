@@ -144,6 +144,7 @@ class Upsampler:
         self.max_new_tokens = max_new_tokens
         self.model = self.processor = None
         self.load_seconds = 0.0
+        self.make_room: Callable[[], None] | None = None  # called before loading (the pipeline drops its transformer)
 
     def __enter__(self) -> Upsampler:
         return self
@@ -156,6 +157,8 @@ class Upsampler:
             return
         load, _ = mlx_vlm_modules()
         upsampler_weight_files(self.folder)
+        if self.make_room is not None:
+            self.make_room()
         t0 = time.perf_counter()
         try:
             self.model, self.processor = load(str(self.folder))

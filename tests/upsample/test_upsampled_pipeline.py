@@ -66,10 +66,15 @@ def test_a_second_identical_request_loads_no_upsampler(snapshot, pup, monkeypatc
     assert np.array_equal(first, again)
     assert pipe.last_metadata["revised_prompt"].endswith("]")  # the layout table closes the caption
     assert pipe.last_metadata["boxes"] == [{"bbox": [0.2, 0.1, 0.9, 0.6], "desc": "a fox"}]
+    resident = []  # at each upsampler load: whether the transformer was still in memory
+    real_load = Upsampler.load
+    monkeypatch.setattr(Upsampler, "load", lambda up: (real_load(up), resident.append(pipe.is_loaded("transformer"))))
     for other in ({"boxes": ["0.1,0.2,0.6,0.8:a fox"]}, {"boxes": box, "images": [picture(64, 64, seed=9)]}):
+        assert pipe.is_loaded("transformer")  # from the image before
         with FileOpens(watched, monkeypatch) as opens:
             pipe.generate("a fox", output_type="np", upsample=True, steps=1, seed=1, **other)
         assert any(p.suffix == ".safetensors" for p in opens.opened)  # another request: a miss, the model loads
+    assert resident == [False, False]  # the transformer was dropped before the upsampler loaded
 
 
 def test_boxes_without_the_upsampler_are_written_into_the_prompt(snapshot):
