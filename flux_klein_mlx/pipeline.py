@@ -279,7 +279,7 @@ class FluxKleinPipeline:
             prepared = prepare_inputs(RunSettings.from_keywords(prompt, settings), self.info)
         if prepared.upsample is not None:  # the caption first, the transformer dropped if the upsampler must load
             captions, room = CaptionCache.beside(self.cache), functools.partial(self.release, "transformer")
-            prepared = revise(prepared, self.upsampler, captions, self.on_caption, make_room=room)
+            prepared = revise(prepared, self.upsampler, captions, on_progress=self.on_caption, make_room=room)
         # RunSettings checked the size for klein's decoder in bfloat16; this is this pipeline's decoder and dtype
         vae = AutoEncoderConfig.from_dict(self.info.configs["vae"])
         check_decode_fits(prepared.settings.width, prepared.settings.height, self.dtype.size, vae)

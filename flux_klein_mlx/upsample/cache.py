@@ -115,7 +115,7 @@ def cached_caption(
     return caption, time.perf_counter() - t0
 
 
-def revise(prepared, source: str | Path | Upsampler, cache: CaptionCache | None, on_progress=None, make_room=None):
+def revise(prepared, source: str | Path | Upsampler, cache: CaptionCache | None, *, on_progress=None, make_room=None):
     """`prepared` (inputs.PreparedInputs with a pending `upsample` request) with the caption as its prompt;
     `source`: the upsampler's folder or repo id, or an `Upsampler` (its own token cap). `make_room()` runs
     only if the upsampler is about to load (a cache miss): the pipeline frees its transformer there."""
