@@ -1,4 +1,4 @@
-"""`python -m flux_klein_mlx generate | convert | quantize | benchmark | serve | train | lora`.
+"""`python -m flux_klein_mlx generate | convert | quantize | benchmark | serve | train | lora | upsample`.
 
 Each subcommand lives in its own module and is imported only when used, so `--help` is instant.
 Every user-fixable problem (`FluxKleinError`) ends as one line on stderr and exit status 1.
@@ -23,6 +23,7 @@ COMMANDS = {
     "serve": ("flux_klein_mlx.serve.command", "serve"),
     "train": ("flux_klein_mlx.train.command", "train"),
     "lora": ("flux_klein_mlx.lora.command", "lora"),
+    "upsample": ("flux_klein_mlx.upsample.command", "upsample"),
 }
 
 

@@ -37,6 +37,7 @@ from mlx.utils import tree_flatten
 from . import __version__
 from .components import assemble, check_weights, read_component
 from .errors import FluxKleinError
+from .family import FAMILIES
 from .files import broken_link, check_disk_space, folder_transaction
 from .loading import (
     COMPONENTS,
@@ -54,6 +55,7 @@ from .loading import (
 from .lora.apply import apply_loras, load_loras, pair_scales
 from .models.quantize import check_quantization, quantize_model
 from .models.tokenizer import tokenizer_files
+from .upsample.runtime import convert_upsampler, is_upsampler
 from .weights import save_safetensors_sharded
 
 MAX_SHARD_BYTES = 5 << 30
@@ -449,6 +451,11 @@ def interrupt_on_termination():
 )
 def convert(model, output, *, dtype, bits, group_size, base, overwrite, loras, lora_scales, lora_partial, vae):
     """Convert a FLUX.2 [klein] model into an MLX folder (optionally 4/8-bit, optionally with LoRAs baked in)."""
+    if is_upsampler(model, FAMILIES["flux3"].upsampler):  # FLUX 3's prompt upsampler: mlx-vlm writes it
+        if loras or base or vae:
+            raise FluxKleinError("the prompt upsampler takes no --lora, --base or --vae; convert it alone")
+        click.echo(f"wrote {convert_upsampler(model, output, bits=bits, group_size=group_size, overwrite=overwrite)}")
+        return
     with interrupt_on_termination(), progress_bars() as bars:
         config = convert_model(
             model,
@@ -476,6 +483,9 @@ def convert(model, output, *, dtype, bits, group_size, base, overwrite, loras, l
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 def quantize_command(model, *, bits, group_size, output, overwrite):
     """Quantize a converted MLX folder's transformer and text encoder to 4 or 8 bits."""
+    if is_upsampler(model, FAMILIES["flux3"].upsampler):  # FLUX 3's prompt upsampler: mlx-vlm writes it
+        click.echo(f"wrote {convert_upsampler(model, output, bits=bits, group_size=group_size, overwrite=overwrite)}")
+        return
     with interrupt_on_termination(), progress_bars() as bars:
         config = quantize_folder(model, output, bits=bits, group_size=group_size, overwrite=overwrite, progress=bars)
     click.echo(summary(output, config))

@@ -114,6 +114,9 @@ class _Entry(NamedTuple):
 class EmbeddingCache:
     """Prompt embeddings on disk under `folder`, at most `max_bytes` of entries, LRU.
 
+    A cache of another kind of value (the upsampler's captions: `upsample/cache.py`) keeps these rules and
+    changes only its entries: `SUFFIX`, `encode` and `decode`.
+
     cache = EmbeddingCache.open_default()
     key = cache.key(info.files["text_encoder"], template=..., max_length=512, prompt=p,
                     settings={"dtype": "bfloat16", "quantize": None})
@@ -129,6 +132,16 @@ class EmbeddingCache:
         self.writable = max_bytes > 0  # turned off (with one warning) at the first failed write
         self.said_too_small = False  # whether an entry over `max_bytes` was said (once)
         self._headers: dict[str, str] | None = None  # the remembered header digests, loaded lazily
+
+    SUFFIX = ".safetensors"  # an entry's file name is its key and this
+
+    def encode(self, value, key: str) -> list[bytes]:
+        """An entry's bytes (in parts) for `value` under `key`."""
+        return encode_entry(value, key)
+
+    def decode(self, blob: bytes, key: str):
+        """The value of an entry's bytes, or None when anything about them is wrong."""
+        return decode_entry(blob, key)
 
     @classmethod
     def open_default(cls, max_bytes: int = DEFAULT_MAX_BYTES, env: Mapping[str, str] | None = None) -> EmbeddingCache:
@@ -199,7 +212,7 @@ class EmbeddingCache:
     def path_of(self, key: str) -> Path:
         if not re.fullmatch(r"[0-9a-f]{64}", key):
             raise ValueError(f"not a cache key: {key!r}")
-        return self.folder / f"{key}.safetensors"
+        return self.folder / f"{key}{self.SUFFIX}"
 
     def get(self, key: str) -> mx.array | None:
         """The stored embeddings for `key` (same dtype and bits as stored), or None.
@@ -207,7 +220,7 @@ class EmbeddingCache:
         A damaged entry is removed and reported as a miss; a hit marks the entry recently used."""
         path = self.path_of(key)
         try:
-            array = decode_entry(path.read_bytes(), key)
+            array = self.decode(path.read_bytes(), key)
         except OSError:
             return None
         if array is None:
@@ -221,7 +234,7 @@ class EmbeddingCache:
         """Store `embeddings` (evaluated here) under `key`; True when written. Never raises for
         I/O: a folder that cannot take the entry turns writing off with one CacheWarning."""
         path = self.path_of(key)
-        parts = encode_entry(embeddings, key)
+        parts = self.encode(embeddings, key)
         size = sum(len(p) for p in parts)
         if self.writable and size > self.max_bytes:  # a bound under one entry stores nothing: said once
             if not self.said_too_small:
@@ -250,7 +263,7 @@ class EmbeddingCache:
             scan = list(os.scandir(self.folder))
         for e in scan:
             with contextlib.suppress(OSError):  # removed by another process meanwhile
-                if e.name.endswith(".safetensors") and not e.name.startswith("."):
+                if e.name.endswith(self.SUFFIX) and not e.name.startswith("."):
                     st = e.stat()
                     out.append(_Entry(Path(e.path), st.st_size, st.st_mtime_ns))
                 elif is_temporary_file(e.name) and time.time() - e.stat().st_mtime > STALE_TEMP_SECONDS:

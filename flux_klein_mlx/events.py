@@ -61,10 +61,11 @@ class Stats:
     seconds_per_step: float = 0.0
     reference_kv_seconds: float | None = None  # klein 9B-KV: the reference pass of the first step
     reference_kv_bytes: int | None = None  # ... and the size of its cache
+    upsample_seconds: float | None = None  # FLUX 3 --upsample: writing the caption (None: not upsampled)
 
     @property
     def total_seconds(self) -> float:
-        return self.encode.seconds + self.denoise.seconds + self.decode.seconds
+        return self.encode.seconds + self.denoise.seconds + self.decode.seconds + (self.upsample_seconds or 0.0)
 
     @property
     def load_seconds(self) -> float:

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from .a1111 import resolve_lora_tags
-from .cli import run_command, vae_and_cache_options
+from .cli import caption_first, run_command, upsample_options, vae_and_cache_options
 from .embedding_cache import parse_size
 from .files import check_output_file, numbered_name, write_exclusive
 from .inputs import RunSettings, check_prompt_given, prepare_inputs
@@ -41,8 +41,10 @@ def _gb(nbytes: int) -> str:
 def summary(st, seed, index: int, count: int) -> str:
     """One line per image (`st`: its Stats): model loading apart from the stages it happened in, then the total."""
     head = f"image {index + 1}/{count}, " if count > 1 else ""
+    upsample = "" if st.upsample_seconds is None else f"upsample {st.upsample_seconds:.1f} s, "
+    encode = st.encode.seconds - st.encode.load_seconds
     return (
-        f"{head}seed {seed}: load {st.load_seconds:.1f} s, encode {st.encode.seconds - st.encode.load_seconds:.1f} s "
+        f"{head}seed {seed}: {upsample}load {st.load_seconds:.1f} s, encode {encode:.1f} s "
         f"(peak {_gb(st.encode.peak_memory)}), denoise {st.denoise.seconds - st.denoise.load_seconds:.1f} s = "
         f"{st.seconds_per_step:.2f} s/step (peak {_gb(st.denoise.peak_memory)}), decode "
         f"{st.decode.seconds - st.decode.load_seconds:.1f} s (peak {_gb(st.decode.peak_memory)}), "
@@ -164,23 +166,12 @@ def record_defaults(ctx, param, value):
 )
 @click.option("--lora-dir", default=None, help="The folder that the prompt's <lora:NAME:W> tags name LoRAs in.")
 @click.option("--lora-partial", is_flag=True, help="Apply a LoRA even when some of its modules match no layer.")
+@upsample_options
 @vae_and_cache_options
 def generate(
     prompt,
     *,
     model,
-    width,
-    height,
-    steps,
-    guidance,
-    seed,
-    noise,
-    init_image,
-    strength,
-    mask,
-    outpaint,
-    images,
-    negative_prompt,
     num_images,
     quantize,
     dtype,
@@ -195,28 +186,19 @@ def generate(
     vae,
     no_cache,
     cache_size,
+    upsampler,
+    **options,  # the run's own settings, named as RunSettings names them
 ):
     """Generate images from a prompt (and optional reference images)."""
+    images, init_image, mask = options["images"], options["init_image"], options["mask"]
     prompt, tagged = _checked_prompt(prompt, lora_dir, from_image, images=images, init_image=init_image, mask=mask)
-    settings = RunSettings(
-        prompt,
-        width=width,
-        height=height,
-        steps=steps,
-        guidance=guidance,
-        seed=seed,
-        images=list(images),
-        negative_prompt=negative_prompt,
-        noise=noise,
-        init_image=init_image,
-        strength=strength,
-        mask=mask,
-        outpaint=outpaint,
-    ).check()  # cheap checks before loading gigabytes: the settings, the output paths, the LoRA options
+    options.update(images=list(images), boxes=list(options["boxes"]) or None)
+    # cheap checks before loading gigabytes: the settings, the output paths, the LoRA options
+    settings = RunSettings(prompt, **options).check()
     paths = _checked_outputs(output, num_images, preview_dir)
     load_settings = dict(dtype=dtype, quantize=int(quantize) if quantize else None, low_memory=low_memory, vae=vae)
     load_settings.update(loras=pair_scales(loras, lora_scales) + tagged, lora_partial=lora_partial)
-    load_settings.update(cache=not no_cache, cache_size=parse_size(cache_size))
+    load_settings.update(cache=not no_cache, cache_size=parse_size(cache_size), upsampler=upsampler)
     _generate_images(
         *_load_checked(model, settings, load_settings), paths=paths, output=output, preview_dir=preview_dir
     )
@@ -246,6 +228,7 @@ def _load_checked(model, settings: RunSettings, load_settings: dict):
     t0 = time.perf_counter()
     pipe = load(model, **load_settings)
     prepared = prepare_inputs(settings, pipe.info)  # every image read and checked before any model runs
+    prepared = caption_first(pipe, prepared)  # FLUX 3 --upsample: written (or cached) and released here
     encode = pipe.check_text_encoder(prepared)  # its files too, unless the prompt is cached
     _say_loaded(pipe, load_settings["dtype"], time.perf_counter() - t0, encode)
     return pipe, prepared

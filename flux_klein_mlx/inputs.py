@@ -2,11 +2,11 @@
 
 `RunSettings` holds the knobs of one generation, the keywords of `generate` / `stream`, declared
 here once. `prepare_inputs(settings, info)` checks them, resolves the defaults of the model's
-variant and reads every image the run needs, all before any model runs:
+variant and reads every image the run needs (`images`), all before any model runs:
 
 - reference images: shrunk to 1024^2 px area if larger (Lanczos, sizes truncated), sides floored to
   multiples of 16 and centre-cropped (spec 8.1); FLUX 3 keeps a single reference whole on a canvas
-  (`prepare_flux3_references`, `references`);
+  (`images.prepare_flux3_references`, `references`);
 - an init image (image-to-image / inpainting, as diffusers' `Flux2KleinInpaintPipeline`): shrunk
   to 1024^2 px area if larger, then resized -- not cropped -- to sides floored to multiples of 16;
   it sets the output size. A mask (white = repaint, black = keep) is resized like it, made grey,
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 import random
 import warnings
 from collections.abc import Sequence
@@ -31,24 +30,30 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image
 
 from .a1111 import LORA_TAG
 from .checks import check_number, check_whole, is_int
 from .errors import FluxKleinError, Notice
+from .images import (
+    DEFAULT_STRENGTH,
+    MIN_SIDE,
+    InitImage,
+    check_image_shape,
+    check_strength,
+    open_image,
+    prepare_init_image,
+)
 from .limits import check_decode_fits
 from .models.rope import PIXELS_PER_TOKEN, token_grid
 from .models.tokenizer import check_text
 from .outpaint import Outpaint, outpaint_canvas, parse_outpaint, round_pads
-from .references import FLUX3_MAX_REFERENCES, check_reference_count, prepare_canvas_reference
 from .sampling import check_noise_kind, seed_for_image, start_step
+from .upsample.boxes import canvas_rows, check_boxes, layout_prompt
+from .upsample.request import build_request, check_upsampler_family
 
-MIN_SIDE = 64  # input images (spec 8.1)
-MAX_ASPECT = 8
-MAX_AREA = 1024 * 1024
 MAX_SIDE = 4096  # ours (the references have none): 16x the pixels klein was tuned for
 DEFAULT_SIZE = 1024
-DEFAULT_STRENGTH = 0.8
 
 
 @dataclass
@@ -69,6 +74,9 @@ class RunSettings:
     pure noise; the output takes its size, and it is also the first reference (`images` follow).
     strength: how far from the init image to go, in (0, 1] (default 0.8; 1 = pure noise), diffusers'
     convention. mask: inpainting: a mask the size of the init image; white is repainted, black kept.
+    upsample: FLUX 3: rewrite the prompt with BFL's prompt upsampler first (`upsample/`). boxes: FLUX 3's
+    layout, "x0,y0,x1,y1:desc" strings or diffusers' dicts (`upsample/boxes.py`); without `upsample` the
+    layout is written into the prompt as the transformer reads it.
     """
 
     prompt: str
@@ -86,6 +94,8 @@ class RunSettings:
     strength: float | None = None
     mask: object = None
     outpaint: object = None  # "LEFT,TOP,RIGHT,BOTTOM" px (or 4 numbers) added around init_image (outpaint.py)
+    upsample: bool = False
+    boxes: Sequence | None = None
 
     @classmethod
     def from_keywords(cls, prompt, keywords: dict) -> RunSettings:
@@ -135,6 +145,8 @@ class RunSettings:
                     "outpaint extends the init image: give --init-image, and no --mask, --width or --height "
                     "(the canvas is the image and what the outpaint adds)"
                 )
+        if not isinstance(self.upsample, bool):
+            raise FluxKleinError(f"upsample must be True or False, not {self.upsample!r}")
         return self
 
 
@@ -146,15 +158,6 @@ def check_prompt_given(prompt) -> None:
     field); the Python API, like diffusers, takes "" as an unconditional prompt."""
     if isinstance(prompt, str) and not prompt.strip():
         raise FluxKleinError('the prompt is empty: describe the image to make (e.g. "a red fox in fresh snow")')
-
-
-def check_strength(strength) -> float:
-    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0.0 < strength <= 1.0:
-        raise FluxKleinError(
-            f"strength must be in (0, 1] (1 = start from pure noise, small = stay close to the init image), "
-            f"not {strength!r}"
-        )
-    return float(strength)
 
 
 def check_side(name: str, v) -> None:
@@ -181,191 +184,6 @@ def check_image_size(width: int, height: int) -> None:
     check_decode_fits(width, height)  # and what this machine's backend can decode (limits.py)
 
 
-def check_image_shape(w: int, h: int, what: str) -> None:
-    """An input image's limits: each side >= 64 px, aspect ratio <= 8 (spec 8.1)."""
-    if w < MIN_SIDE or h < MIN_SIDE:
-        raise FluxKleinError(f"{what} is {w}x{h}; both sides must be at least {MIN_SIDE} px")
-    if max(w / h, h / w) > MAX_ASPECT:
-        raise FluxKleinError(f"{what} is {w}x{h} (aspect ratio {max(w / h, h / w):.1f}); the limit is {MAX_ASPECT}:1")
-
-
-# --- reading images -----------------------------------------------------------------------------------
-
-
-def open_image(image, what: str) -> Image.Image:
-    """A PIL image from a path or a PIL image, fully read, as a photo viewer shows it; one-line errors.
-
-    From a file: the EXIF orientation is applied (as diffusers' `load_image` does), 16- and 32-bit
-    integer modes become 8-bit by value (a 50% grey 16-bit PNG stays 50% grey), an animated file
-    gives its first frame with a warning, and a file over PIL's decompression-bomb limit is refused.
-    Other modes keep their own (colour conversion happens later, as in diffusers).
-    """
-    if isinstance(image, Image.Image):
-        try:
-            image.load()  # a closed image fails here, not deep inside a resize
-        except ValueError:
-            raise FluxKleinError(
-                f"the {what} is a closed PIL image (used after close() or outside its `with` "
-                "block); pass it while it is open, or its file path"
-            ) from None
-        return to_8bit(image)
-    if not isinstance(image, (str, Path)):
-        raise FluxKleinError(f"the {what} must be a PIL image or a file path, not {type(image).__name__}")
-    path = Path(image).expanduser()
-    if not path.exists():
-        raise FluxKleinError(f"{what} not found: {path}")
-    if not path.is_file():
-        kind = "a folder, not an image" if path.is_dir() else "not a regular file (a device or pipe)"
-        raise FluxKleinError(f"{what} {path} is {kind}; give an image file")
-    try:
-        with warnings.catch_warnings():
-            # 89-179 MP: PIL warns; such a picture is shrunk to 1 MP right after, so it is fine.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as im:
-                frames = getattr(im, "n_frames", 1)
-                im.load()
-                img = ImageOps.exif_transpose(im) or im.copy()
-    except Image.DecompressionBombError:
-        limit = 2 * (Image.MAX_IMAGE_PIXELS or 0) / 1e6
-        raise FluxKleinError(
-            f"{what} {path} has more pixels than PIL decodes safely ({limit:.0f} MP); shrink it "
-            "(e.g. to 4096 px a side) and try again"
-        ) from None
-    except (OSError, ValueError, SyntaxError) as e:
-        raise FluxKleinError(f"cannot read {what} {path}: {str(e).splitlines()[0][:160]}") from None
-    if frames > 1:
-        warnings.warn(f"{what} {path} has {frames} frames; the first one is used", stacklevel=2)
-    return to_8bit(img)
-
-
-def to_8bit(img: Image.Image) -> Image.Image:
-    """16- and 32-bit integer and 32-bit float images -> 8-bit grey by value (PIL's own convert clips
-    integers to white and floats in [0, 1] to black).
-
-    Float images (mode F: float TIFF, numpy float arrays) are read in [0, 1], the float convention,
-    unless a value exceeds 1: then in [0, 255]. NaN becomes 0.
-    """
-    if img.mode.startswith("I;16") or img.mode == "I":
-        a = np.asarray(img).astype(np.float64)  # (H, W); 16-bit range (PNG / TIFF)
-        return Image.fromarray(np.clip(np.round(a / 257.0), 0, 255).astype(np.uint8), mode="L")
-    if img.mode == "F":
-        a = np.nan_to_num(np.asarray(img, dtype=np.float64), nan=0.0, posinf=255.0, neginf=0.0)  # (H, W)
-        scale = 255.0 if a.size == 0 or a.max() <= 1.0 else 1.0
-        return Image.fromarray(np.clip(np.round(a * scale), 0, 255).astype(np.uint8), mode="L")
-    return img
-
-
-def _shrink_to_area(img: Image.Image) -> Image.Image:
-    """Lanczos-shrink to MAX_AREA px when larger (sizes truncated), as diffusers' image processor does."""
-    w, h = img.size
-    if w * h <= MAX_AREA:
-        return img
-    scale = math.sqrt(MAX_AREA / (w * h))
-    return img.resize((int(w * scale), int(h * scale)), Image.Resampling.LANCZOS)
-
-
-def _pixels(img: Image.Image, normalize: bool) -> np.ndarray:
-    x = np.asarray(img).astype(np.float32) / 255.0  # diffusers' pil_to_numpy
-    return 2.0 * x - 1.0 if normalize else x
-
-
-def preprocess_reference(image) -> np.ndarray:
-    """A reference image as the references prepare it: (H, W, 3) float32 in [-1, 1], H, W multiples of 16."""
-    img = open_image(image, "reference image").convert("RGB")
-    check_image_shape(*img.size, "reference image")
-    img = _shrink_to_area(img)
-    w, h = img.size
-    cw, ch = w // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN, h // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN
-    left, top = (w - cw) // 2, (h - ch) // 2
-    return _pixels(img.crop((left, top, left + cw, top + ch)), normalize=True)
-
-
-def prepare_flux3_references(images: Sequence, model_name: str) -> tuple[list[np.ndarray], tuple | None]:
-    """FLUX 3's reference pixels and the box to crop the output back to (None with several references).
-
-    One reference is kept whole on its canvas (`references.prepare_canvas_reference`, any size of at least
-    1 px); several are each prepared as FLUX.2 prepares one (`preprocess_reference`, FLUX.2's limits), which
-    is what diffusers' `Flux3ImageProcessor` does with `resize_mode="crop"`."""
-    check_reference_count(len(images), FLUX3_MAX_REFERENCES, model_name)
-    if len(images) == 1:
-        canvas = prepare_canvas_reference(open_image(images[0], "reference image"))
-        return [canvas.pixels], canvas.box
-    return [preprocess_reference(im) for im in images], None
-
-
-@dataclass
-class InitImage:
-    """A prepared init image (and mask): what the pipeline needs, computed without any model."""
-
-    pixels: np.ndarray  # (H, W, 3) float32 in [-1, 1], H and W multiples of 16
-    mask: np.ndarray | None  # (h*w, 1) float32 in [0, 1] on the token grid, 1 = repaint; None = img2img
-    strength: float
-
-
-def prepare_init_image(image, strength: float = DEFAULT_STRENGTH, mask=None, shrink: bool = True) -> InitImage:
-    """Validate and preprocess an init image (path or PIL) and optional mask as diffusers does (`shrink`:
-    to 1024^2 px of area when larger; an outpaint's canvas is run at its own size)."""
-    strength = check_strength(strength)
-    img = open_image(image, "init image")
-    check_image_shape(*img.size, "init image")
-    m = None if mask is None else open_image(mask, "mask")
-    if m is not None and m.size != img.size:
-        raise FluxKleinError(
-            f"the mask is {m.width}x{m.height} but the init image is {img.width}x{img.height}; "
-            "they must be the same size"
-        )
-    # Resizes happen in the file's own mode, colour conversion after (diffusers' order).
-    img = _shrink_to_area(img) if shrink else img
-    W, H = img.size[0] // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN, img.size[1] // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN
-    img = img.resize((W, H), Image.Resampling.LANCZOS)  # stretches to the 16-multiple; no crop
-    packed = None
-    if m is not None:
-        # The mask goes straight from its own size to (W, H); then grey, [0, 1], binarised at 0.5.
-        grey = _pixels(mask_as_grey(m).resize((W, H), Image.Resampling.LANCZOS).convert("L"), normalize=False)
-        binary = (grey >= 0.5).astype(np.float32)  # (H, W)
-        if not binary.any():
-            raise FluxKleinError(
-                "the mask has no white pixel: white marks what to repaint, black what to keep "
-                "(or, in a mask with transparency, transparent what to repaint)"
-            )
-        packed = bilinear_resize(binary, *token_grid(W, H)).reshape(-1, 1)  # (h*w, 1)
-        if not packed.any():  # the model works on 16x16-px cells; this mask's white falls between their samples
-            raise FluxKleinError(
-                f"the mask's white area ({int(binary.sum())} px at {W}x{H}) is too small: it misses every "
-                f"{PIXELS_PER_TOKEN}x{PIXELS_PER_TOKEN}-px cell the model repaints, so nothing would change; enlarge it"
-            )
-    return InitImage(pixels=_pixels(img.convert("RGB"), normalize=True), mask=packed, strength=strength)
-
-
-def mask_as_grey(mask: Image.Image) -> Image.Image:
-    """A mask as grey, white = repaint. With transparency (alpha not opaque everywhere) OpenAI's
-    convention holds: transparent = repaint, so the grey is 255 - alpha; otherwise its brightness."""
-    if mask.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (mask.mode == "P" and "transparency" in mask.info):
-        alpha = mask.convert("RGBA").getchannel("A")
-        if alpha.getextrema()[0] < 255:
-            return alpha.point(lambda a: 255 - a)
-    return mask
-
-
-def bilinear_resize(x: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
-    """(H, W) -> (out_h, out_w) like torch's `interpolate(mode="bilinear", align_corners=False)`."""
-
-    def taps(n_in, n_out):
-        scale = n_in / n_out
-        src = np.maximum((np.arange(n_out) + 0.5) * scale - 0.5, 0.0)
-        i0 = np.minimum(np.floor(src).astype(np.int64), n_in - 1)
-        return i0, np.minimum(i0 + 1, n_in - 1), (src - i0).astype(np.float32)  # taps and weight of the second
-
-    y0, y1, fy = taps(x.shape[0], out_h)
-    x0, x1, fx = taps(x.shape[1], out_w)
-    top = x[y0][:, x0] * (1 - fx) + x[y0][:, x1] * fx
-    bottom = x[y1][:, x0] * (1 - fx) + x[y1][:, x1] * fx
-    return (top * (1 - fy)[:, None] + bottom * fy[:, None]).astype(np.float32)
-
-
-# --- everything a run needs, before any model runs ----------------------------------------------------
-
-
 @dataclass(kw_only=True)
 class PreparedInputs:
     """A checked run: its settings with every default resolved, and its images read.
@@ -387,6 +205,13 @@ class PreparedInputs:
     # (settings.width x height) and the image is cropped back to the reference, (left, top, right, bottom)
     crop: tuple[int, int, int, int] | None = None
     outpaint: Outpaint | None = None  # an outpaint: the original put back after decoding (outpaint.py)
+    # FLUX 3's prompt rewritten: the prompt as typed (settings.prompt is what the text encoder reads), the
+    # user's boxes (checked, 0-1), the upsampler's request while the caption is still to be written
+    # (the pipeline writes it: `upsample.cache.revise`) and the seconds that took.
+    typed_prompt: str | None = None
+    boxes: tuple = ()
+    upsample: object = None
+    upsample_seconds: float | None = None
 
     @property
     def images_key(self) -> str:
@@ -466,13 +291,7 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
     steps = info.default_steps if settings.steps is None else int(settings.steps)
     guidance, negative = _resolve_guidance(settings, info)
     width, height = settings.width, settings.height
-    init = outpainting = None
-    if settings.outpaint is not None:  # the canvas: the init image and its pads (no size given: checked)
-        init, outpainting = prepare_outpaint(settings)
-    elif settings.init_image is not None:
-        init = prepare_init_image(
-            settings.init_image, DEFAULT_STRENGTH if settings.strength is None else settings.strength, settings.mask
-        )
+    init, outpainting = _init_image(settings)
     if init is not None:
         ih, iw = init.pixels.shape[:2]
         if (width or iw, height or ih) != (iw, ih):
@@ -482,6 +301,7 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
         width, height = iw, ih
     images = [settings.images] if isinstance(settings.images, (str, Path, Image.Image)) else list(settings.images or [])
     references, crop = info.family.prepare_references(images, info.name)
+    prompt, request, boxes = _prompt_plan(settings, images, info)
     if references:  # a side left out is the first reference's (a given side is never 0: checked above)
         width, height = width or references[0].shape[1], height or references[0].shape[0]
     if settings.width is not None or settings.height is not None or init is not None:
@@ -492,6 +312,7 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
     seed = random.randrange(2**31) if settings.seed is None and latents is None else settings.seed
     resolved = dataclasses.replace(
         settings,
+        prompt=prompt,
         width=width,
         height=height,
         steps=steps,
@@ -502,10 +323,8 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
         strength=init.strength if init is not None else None,  # recorded as run: the default 0.8 too
         outpaint=outpainting and outpainting.pads,
     )
-    hashes = {"references": [content_hash(r) for r in references]}
-    if init is not None:
-        hashes["init_image"] = content_hash(init.pixels)
-        hashes["mask"] = None if init.mask is None else content_hash(init.mask)
+    hashes = _hashes(references, init)
+    typed = settings.prompt if prompt != settings.prompt or request is not None else None
     return PreparedInputs(
         settings=resolved,
         references=references,
@@ -515,7 +334,29 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
         hashes=hashes,
         crop=crop,
         outpaint=outpainting,
+        typed_prompt=typed,
+        boxes=boxes,
+        upsample=request,
     )
+
+
+def _init_image(settings: RunSettings) -> tuple[InitImage | None, Outpaint | None]:
+    """The init image (and mask) of img2img / inpainting, or the canvas of an outpaint (no size given: checked)."""
+    if settings.outpaint is not None:
+        return prepare_outpaint(settings)
+    if settings.init_image is None:
+        return None, None
+    strength = DEFAULT_STRENGTH if settings.strength is None else settings.strength
+    return prepare_init_image(settings.init_image, strength, settings.mask), None
+
+
+def _hashes(references: list[np.ndarray], init: InitImage | None) -> dict:
+    """The content hashes of the prepared images: "references" [...], "init_image", "mask"."""
+    hashes = {"references": [content_hash(r) for r in references]}
+    if init is not None:
+        hashes["init_image"] = content_hash(init.pixels)
+        hashes["mask"] = None if init.mask is None else content_hash(init.mask)
+    return hashes
 
 
 def prepare_outpaint(settings: RunSettings) -> tuple[InitImage, Outpaint]:
@@ -529,6 +370,21 @@ def prepare_outpaint(settings: RunSettings) -> tuple[InitImage, Outpaint]:
     canvas, mask, outpainting = outpaint_canvas(img, pads)
     strength = 1.0 if settings.strength is None else settings.strength
     return prepare_init_image(canvas, strength, mask, shrink=False), outpainting
+
+
+def _prompt_plan(settings: RunSettings, images: list, info) -> tuple[str, object, tuple]:
+    """(the prompt the run reads for now, the upsampler's request or None, the checked boxes): FLUX 3's
+    boxes written into the prompt without `upsample`; with it, the request (the init image, then the
+    references, as the upsampler's images) for the pipeline to answer."""
+    if not settings.upsample and not settings.boxes:
+        return settings.prompt, None, ()
+    check_upsampler_family(info.family, upsample=settings.upsample)
+    if not settings.upsample:
+        boxes = check_boxes(settings.boxes)
+        return layout_prompt(settings.prompt, canvas_rows(boxes)), None, boxes
+    shown = ([settings.init_image] if settings.init_image is not None else []) + images
+    request = build_request(settings.prompt, [open_image(im, "reference image") for im in shown], settings.boxes)
+    return settings.prompt, request, request.boxes
 
 
 def content_hash(pixels: np.ndarray) -> str:

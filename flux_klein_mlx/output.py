@@ -60,12 +60,18 @@ def image_metadata(
     vae: str | None = None,
     model_hash: str | None = None,
     crop: tuple[int, int, int, int] | None = None,
+    typed_prompt: str | None = None,
+    boxes: tuple = (),
 ) -> dict:
     """The record of one image: `settings` is the run's resolved `inputs.RunSettings`; images are named
     by the content hash of their pixels (the same whichever door they came through). `crop`: the box
-    (left, top, right, bottom) the width x height run was cropped back to (FLUX 3, one reference)."""
+    (left, top, right, bottom) the width x height run was cropped back to (FLUX 3, one reference). A run
+    that read another prompt than the one typed (`typed_prompt`: upsampled, or a layout of `boxes` written
+    in) records both: `prompt` as typed and `revised_prompt` as read (OpenAI's name), with the boxes."""
+    revised = {} if typed_prompt is None else {"revised_prompt": settings.prompt, "boxes": [dict(b) for b in boxes]}
     return {
-        "prompt": settings.prompt,
+        "prompt": settings.prompt if typed_prompt is None else typed_prompt,
+        **revised,
         "negative_prompt": settings.negative_prompt,
         "seed": settings.seed,
         "steps": settings.steps,
@@ -104,10 +110,12 @@ def _a1111_lora_name(name: str) -> str:
 
 
 def a1111_prompt(record: dict) -> str:
-    """The prompt as A1111 writes it: the text the model saw, then a `<lora:NAME:WEIGHT>` tag for each LoRA
-    (those of the prompt's own tags and of --lora alike), so a paste into A1111 / Forge restores them."""
+    """The prompt as A1111 writes it: the text the model saw (an upsampled caption: `revised_prompt`), then a
+    `<lora:NAME:WEIGHT>` tag for each LoRA (those of the prompt's own tags and of --lora alike), so a paste into
+    A1111 / Forge restores them and makes this image."""
     tags = [f"<lora:{_a1111_lora_name(lora['name'])}:{lora['scale']:g}>" for lora in record.get("loras") or []]
-    return " ".join([str(record.get("prompt") or ""), *tags]).strip()
+    read = record.get("revised_prompt") or record.get("prompt") or ""
+    return " ".join([str(read), *tags]).strip()
 
 
 def a1111_parameters(record: dict) -> str:
@@ -131,6 +139,7 @@ def a1111_parameters(record: dict) -> str:
             f"{_a1111_lora_name(lora['name'])}: {lora.get('autov3') or lora['sha256']}" for lora in r("loras") or []
         )
         or None,  # A1111's own hash (AutoV3): Civitai links it
+        "Original prompt": r("prompt") if r("revised_prompt") else None,
         "Version": r("software", f"flux_klein_mlx {__version__}"),
     }
     lines.append(", ".join(f"{k}: {_a1111_value(v)}" for k, v in fields.items() if v is not None))

@@ -55,6 +55,7 @@ from .output import LatentPreview, image_metadata, model_name, preview_for, to_o
 from .readahead import Prefetch
 from .references import crop_to_box
 from .sampling import blend, euler_step, initial_noise, pack_latents, scale_noise, x0_estimate
+from .upsample.cache import CaptionCache, revise
 
 DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-4B"
 PROMPTS_KEPT = 8  # embeddings of recent prompts (each (1, 512, C): 7.5 MB for klein-4B in bf16)
@@ -79,6 +80,7 @@ class FluxKleinPipeline:
         loras: list | None = None,
         cache: EmbeddingCache | None = None,
         check_files: Callable[[], None] | None = None,
+        upsampler: str | Path | None = None,
     ):
         self.info = info
         self.dtype = dtype
@@ -100,6 +102,8 @@ class FluxKleinPipeline:
         self.prefetch = Prefetch(info, enabled=mx.default_device() == mx.gpu)
         # Checks the text encoder's files before its first load; cached once it passes (a failure raises again).
         self._check_files = functools.cache(check_files or (lambda: None))
+        self.upsampler = upsampler or info.family.upsampler  # FLUX 3's prompt upsampler: a folder or repo id
+        self.on_caption: Callable | None = None  # told each piece of a caption being written (`upsample.runtime`)
 
     # ---- models -------------------------------------------------------------------------------
 
@@ -274,6 +278,9 @@ class FluxKleinPipeline:
             prepared = prepare_inputs(dataclasses.replace(prompt, **settings), self.info)
         else:
             prepared = prepare_inputs(RunSettings.from_keywords(prompt, settings), self.info)
+        if prepared.upsample is not None:  # the caption first, the transformer dropped if the upsampler must load
+            captions, room = CaptionCache.beside(self.cache), functools.partial(self.release, "transformer")
+            prepared = revise(prepared, self.upsampler, captions, on_progress=self.on_caption, make_room=room)
         # RunSettings checked the size for klein's decoder in bfloat16; this is this pipeline's decoder and dtype
         vae = AutoEncoderConfig.from_dict(self.info.configs["vae"])
         check_decode_fits(prepared.settings.width, prepared.settings.height, self.dtype.size, vae)
@@ -334,7 +341,7 @@ class FluxKleinPipeline:
             what = "the init image" if init is not None else "the reference image(s)"
             ref_tokens, ref_ids = self.encode_images(pixels, inputs.images_key, what)
             x0 = ref_tokens[:, : h * w] if init is not None else None
-        stats = Stats(encode=self.stage_stats(t0, loads))
+        stats = Stats(encode=self.stage_stats(t0, loads), upsample_seconds=inputs.upsample_seconds)
         # Noise in the normalised, patchified latent space: (1, C, h, w) -> tokens (1, h*w, C).
         if inputs.latents is None:
             prior = pack_latents(initial_noise((1, self.info.in_channels, h, w), run.seed, run.noise))  # float32
@@ -444,6 +451,8 @@ class FluxKleinPipeline:
             vae=self.info.vae_source and model_name(self.info.vae_source),
             model_hash=model_hash(self.info.files.get("transformer") or []),
             crop=inputs.crop,
+            typed_prompt=inputs.typed_prompt,
+            boxes=inputs.boxes,
         )
 
 
@@ -484,6 +493,7 @@ def load(
     vae: str | Path | None = None,
     cache: bool | EmbeddingCache = True,
     cache_size: int | str = DEFAULT_MAX_BYTES,
+    upsampler: str | Path | None = None,
 ) -> FluxKleinPipeline:
     """Load a FLUX.2 [klein] pipeline.
 
@@ -507,12 +517,10 @@ def load(
         cache: keep prompt embeddings on disk (in `$FLUX_KLEIN_CACHE`, else `$XDG_CACHE_HOME/flux_klein_mlx`,
             else `~/.cache/flux_klein_mlx`): a prompt seen before never loads the text encoder. False: off.
         cache_size: the disk cache's bound, bytes or text such as "1GB" (least recently used go first); 0: off.
+        upsampler: FLUX 3's prompt upsampler for `upsample=True` (folder or repo id; default BFL's pup).
 
-    The variant (4B/9B, distilled/Base, 9B-KV) is read from the files. Models load on first use.
-    """
+    The variant (4B/9B, distilled/Base, 9B-KV) is read from the files; models load on first use."""
     _check_load_options(model, vae=vae, dtype=dtype, quantize=quantize, group_size=group_size)
-    dt = as_dtype(dtype)
-    plan = MemoryPlan.of(low_memory)
     prompt_cache = open_cache(cache, cache_size)
     info = describe(model, vae=vae)
     check_for_loading(info, quantize)
@@ -520,15 +528,16 @@ def load(
     # it first loads (it is the first model to run), so that a run whose prompts are cached never opens them.
     check_weights(info, ("transformer", "vae"))
     parsed = load_loras(loras, info.params, lora_partial)  # every LoRA checked before any model loads
-    loaders = model_loaders(info, dt, quantize=quantize, group_size=group_size)
+    loaders = model_loaders(info, dt := as_dtype(dtype), quantize=quantize, group_size=group_size)
     quantization = info.stored_quantization or ({"bits": quantize, "group_size": group_size} if quantize else None)
     return FluxKleinPipeline(
         loaders,
         info,
         dtype=dt,
-        low_memory=plan,
+        low_memory=MemoryPlan.of(low_memory),
         quantization=quantization,
         loras=parsed,
         cache=prompt_cache,
         check_files=lambda: check_weights(info, ("text_encoder",)),
+        upsampler=upsampler,
     )

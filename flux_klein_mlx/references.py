@@ -6,10 +6,10 @@ canvas -- each side rounded up to the 16-px token grid, clamped to [64, 4096] --
 the canvas with its own reflection (mirrored, edge included, when a side is under one token), centred. The
 box (left, top, right, bottom) of the image inside the canvas crops the generated image back to the
 reference (`crop_to_box`) when no size was asked for. Several references are each prepared as FLUX.2
-prepares one (`inputs.preprocess_reference`: at most 1 MP, centre-cropped to the grid), which is exactly
+prepares one (`images.preprocess_reference`: at most 1 MP, centre-cropped to the grid), which is exactly
 `resize_mode="crop"` (tests/test_flux3_inputs.py proves both against diffusers).
 
-This module reads no file: it takes an opened PIL image (`inputs.open_image` opens one), so `inputs` may
+This module reads no file: it takes an opened PIL image (`images.open_image` opens one), so `images` may
 import it.
 """
 

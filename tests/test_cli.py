@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flux_klein_mlx.inputs import content_hash, preprocess_reference
+from flux_klein_mlx.images import preprocess_reference
+from flux_klein_mlx.inputs import content_hash
 from flux_klein_mlx.output import read_record
 
 REPO = Path(__file__).resolve().parents[1]

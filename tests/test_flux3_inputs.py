@@ -15,7 +15,7 @@ from diffusers.modular_pipelines.flux3.image_processor import Flux3ImageProcesso
 from PIL import Image
 
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.inputs import prepare_flux3_references
+from flux_klein_mlx.images import prepare_flux3_references
 from flux_klein_mlx.models.rope import image_ids
 from flux_klein_mlx.output import to_output
 from flux_klein_mlx.references import (

@@ -25,6 +25,7 @@ COMMAND_MODULES = {
     "serve.command",
     "train.command",
     "lora.command",
+    "upsample.command",
 }
 MAX_FILE_LINES = 550
 MAX_FUNCTION_LINES = 60

@@ -220,15 +220,15 @@ def test_quantize_at_load(distilled, tmp_path, bits, tolerance):
 
 def test_references_are_read_and_encoded_once_per_batch(distilled, tmp_path, monkeypatch):
     """`generate -n 2 --image R`: R is decoded once (before any model runs) and VAE-encoded once."""
-    import flux_klein_mlx.inputs as inputs_module
+    import flux_klein_mlx.images as images_module  # where the run's images are opened
     from flux_klein_mlx.__main__ import main
     from flux_klein_mlx.models.vae import AutoEncoder
 
     ref = tmp_path / "ref.png"
     picture(64, 64, 3).save(ref)
     opened, encoded = [], []
-    real_open, real_encode = inputs_module.open_image, AutoEncoder.encode_to_tokens
-    monkeypatch.setattr(inputs_module, "open_image", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
+    real_open, real_encode = images_module.open_image, AutoEncoder.encode_to_tokens
+    monkeypatch.setattr(images_module, "open_image", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
     monkeypatch.setattr(
         AutoEncoder, "encode_to_tokens", lambda self, x: encoded.append(x.shape) or real_encode(self, x)
     )

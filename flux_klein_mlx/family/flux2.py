@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..events import Job
-from ..inputs import preprocess_reference
+from ..images import preprocess_reference
 from ..models.config import KV_PIPELINE_CLASS, PIPELINE_CLASSES, FluxKleinParams, sampling_defaults, variant_for
 from ..models.kv_cache import ReferenceKV
 from ..models.rope import image_ids, text_ids
@@ -66,6 +66,7 @@ class Flux2Steps:
 class Flux2Family:
     key = "flux2"
     title = "FLUX.2 [klein]"
+    upsampler = None
     params_type = FluxKleinParams
     max_references = None
     text_taps = OUT_LAYERS

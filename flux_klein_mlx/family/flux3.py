@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..events import Job
-from ..inputs import prepare_flux3_references
+from ..images import prepare_flux3_references
 from ..models.config import FLUX3_PIPELINE_CLASSES
 from ..models.flux3.config import Flux3Params
 from ..models.flux3.transformer import Flux3, infer_flux3_params, linear_shapes, sanitize_flux3_weights
@@ -83,6 +83,7 @@ class Flux3Steps:
 class Flux3Family:
     key = "flux3"
     title = "FLUX 3 Image Klein"
+    upsampler = "black-forest-labs/flux-3-image-klein-pup"
     params_type = Flux3Params
     max_references = FLUX3_MAX_REFERENCES
     text_taps = FLUX3_TAPS

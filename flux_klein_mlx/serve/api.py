@@ -37,6 +37,7 @@ from .forms import (
     GENERATION_FIELDS,
     ApiError,
     bool_field,
+    boxes_field,
     check_multipart_complete,
     float_field,
     int_field,
@@ -161,6 +162,8 @@ class Server:
             steps=int_field(body, "steps", lo=1, hi=o.max_steps),
             seed=int_field(body, "seed", lo=0, hi=2**53),
             guidance=float_field(body, "guidance", 0.0, 50.0),
+            upsample=bool_field(body, "upsample"),
+            boxes=boxes_field(body),
         )
         stream = bool_field(body, "stream")
         # OpenAI's meaning: how many partial images a stream sends (0-3); left out, one per step (the page).
@@ -246,7 +249,7 @@ class Server:
         file_id = uuid.uuid4().hex
         if self.options.save_dir is not None:
             self.save(event.png, file_id)
-        item = {"revised_prompt": None, "metadata": event.metadata}
+        item = {"revised_prompt": (event.metadata or {}).get("revised_prompt"), "metadata": event.metadata}
         if answer.response_format == "url":
             self.files[file_id] = event.png
             while len(self.files) > self.options.url_cache:
@@ -395,6 +398,7 @@ class Server:
                 "default_steps": info.default_steps if info else None,
                 "distilled": info.is_distilled if info else None,
                 "inpainting": True,
+                "upsampler": bool(info and info.family.upsampler),  # FLUX 3: the page offers `upsample`
                 "server_loras": list(o.server_loras),
                 "loras": list(lora_files(o.lora_dir)),
                 "preview": pipe.preview_map().source if pipe is not None else None,

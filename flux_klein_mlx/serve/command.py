@@ -203,6 +203,7 @@ def other_models(ids, models, pipes) -> tuple:
     help="Largest accepted image upload.",
 )
 @click.option("--model-id", default=None, help="The model name clients use [default: the last part of --model].")
+@click.option("--upsampler", default=None, help="FLUX 3's prompt upsampler for `upsample` requests: folder or repo id.")
 @vae_and_cache_options
 def serve(
     models,
@@ -219,6 +220,7 @@ def serve(
     save_dir,
     max_upload_mb,
     model_id,
+    upsampler,
     vae,
     no_cache,
     cache_size,
@@ -232,15 +234,8 @@ def serve(
 
     sock = bind(host, port)
     t0 = time.perf_counter()
-    load_settings = dict(
-        dtype=dtype,
-        quantize=int(quantize) if quantize else None,
-        low_memory=low_memory,
-        loras=loras,
-        vae=vae,
-        cache=not no_cache,
-        cache_size=cache_size,
-    )
+    load_settings = dict(dtype=dtype, quantize=int(quantize) if quantize else None, low_memory=low_memory)
+    load_settings.update(loras=loras, vae=vae, cache=not no_cache, cache_size=cache_size, upsampler=upsampler)
     pipes = [_load_checked(model, sock, load_settings) for model in models]  # every model's files checked
     model, pipe, model_id = models[0], pipes[0], ids[0]
     options = ServerOptions(

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse
 from ..errors import FluxKleinError
 from ..inputs import check_image_size
 from ..outpaint import centred_pads, parse_outpaint
+from ..upsample.boxes import check_boxes
 
 
 class ApiError(Exception):
@@ -60,6 +61,8 @@ GENERATION_FIELDS = {
     "stream",
     "partial_images",
     "output_format",
+    "upsample",  # FLUX 3: the prompt upsampler first; each data item's revised_prompt is its caption
+    "boxes",  # FLUX 3 layout boxes (upsample/boxes.py); a JSON text in a multipart form
 } | IGNORED
 EDIT_FIELDS = GENERATION_FIELDS | {"image", "image[]", "mask", "strength", "loras[]", "outpaint"}
 MAX_LORAS = 8  # LoRA names per request
@@ -190,6 +193,19 @@ def bool_field(body: dict, name: str) -> bool:
     if isinstance(v, str) and v.lower() in ("true", "false", "1", "0"):
         return v.lower() in ("true", "1")
     raise ApiError(400, f"{name} must be true or false, not {v!r}", name)
+
+
+def boxes_field(body: dict):
+    """`boxes`: "x0,y0,x1,y1:desc" strings or diffusers' dicts (JSON text in a form), checked; None if absent."""
+    value = body.get("boxes")
+    if value is None or value == "":
+        return None
+    try:
+        return list(check_boxes(json.loads(value) if isinstance(value, str) else value))
+    except FluxKleinError as e:
+        raise ApiError(400, str(e), "boxes") from None
+    except ValueError:
+        raise ApiError(400, "boxes must be a JSON list of boxes", "boxes") from None
 
 
 def parse_size(size) -> tuple[int | None, int | None]:

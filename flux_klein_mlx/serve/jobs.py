@@ -58,7 +58,8 @@ class StepEvent:
 
 @dataclass(kw_only=True)
 class StageEvent:
-    """What the job does before its first step: "loras" (applying a change of LoRAs), "text_encoder" (loading
+    """What the job does before its first step: "loras" (applying a change of LoRAs), "upsample" (writing FLUX 3's
+    caption with the prompt upsampler), "text_encoder" (loading
     the text encoder to encode a new prompt) or "cached" (the prompt's embeddings are cached: no encoder)."""
 
     stage: str
@@ -230,6 +231,9 @@ class Worker:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # guidance on distilled models etc.: noted in the metadata
             prepared = prepare_inputs(req.settings, pipe.info)  # uploads decoded once for all n images
+        if prepared.upsample is not None:
+            job.on_event(StageEvent(stage="upsample"))
+            prepared = pipe.inputs(prepared, {})  # FLUX 3's caption, once for all n images (then released)
         job.on_event(StageEvent(stage="text_encoder" if pipe.check_text_encoder(prepared) else "cached"))
         wanted = preview_steps(prepared.steps_run, req.partial_images)
         for index in range(req.n):

@@ -52,7 +52,7 @@ from PIL import Image
 
 from ..errors import FluxKleinError, first_few
 from ..files import broken_link, file_sha256
-from ..inputs import check_image_shape, open_image
+from ..images import check_image_shape, open_image
 from ..models.rope import PIXELS_PER_TOKEN
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")

@@ -39,7 +39,7 @@ from refs import picture  # noqa: E402
 from serving import KEY, ROOT, http, start_server  # noqa: E402
 
 import flux_klein_mlx  # noqa: E402
-from flux_klein_mlx.inputs import preprocess_reference  # noqa: E402
+from flux_klein_mlx.images import preprocess_reference  # noqa: E402
 from flux_klein_mlx.output import a1111_parameters  # noqa: E402
 
 
@@ -1068,7 +1068,8 @@ def test_api_in_the_default_dtype_partial_images_and_an_openai_mask(page_server)
     """bfloat16 through the API (not the page): `partial_images` (OpenAI's meaning: how many partial
     images a stream sends), and an edit whose mask marks the region to repaint by transparency (OpenAI's
     convention) repaints what the same mask in white on black does."""
-    from flux_klein_mlx.inputs import content_hash, prepare_init_image
+    from flux_klein_mlx.images import prepare_init_image
+    from flux_klein_mlx.inputs import content_hash
 
     client = page_server.client()
     for partial, steps, expected in ((2, 3, [0, 1]), (0, 1, [])):

@@ -114,3 +114,37 @@ def flux3_canvas(image) -> tuple[int, int, tuple[int, int, int, int]]:
 def flux3_reference(snapshot, **kwargs) -> np.ndarray:
     """diffusers' FLUX 3 image, (H, W, 3) float32 in [0, 1]; the arguments of `flux3_reference_run`."""
     return flux3_reference_run(snapshot, **kwargs).image
+
+
+def flux3_upsampled_run(snapshot, upsampler, *, prompt: str, latents: np.ndarray, steps: int, images=None, boxes=None,
+                        max_new_tokens: int) -> tuple[Flux3Run, str]:  # fmt: skip
+    """diffusers' whole FLUX 3 chain with the prompt upsampler kept (`Flux3DistilledAutoBlocks` as shipped):
+    (the image and latents, the caption the text encoder read). `upsampler`: (model, processor) of
+    tests/support/tiny_pup.py; `max_new_tokens` caps the caption (the tiny model never stops on its own)."""
+    from diffusers.modular_pipelines import Flux3DistilledAutoBlocks
+
+    base = flux3_pipeline(snapshot)  # the snapshot's components, loaded once
+    assert flux3_is_distilled(snapshot), "the chain is checked on the distilled model"
+    pipe = Flux3DistilledAutoBlocks().init_pipeline()
+    names = ("transformer", "text_encoder", "vae", "tokenizer", "scheduler")
+    pipe.update_components(
+        **{n: base.get_component(n) if hasattr(base, "get_component") else getattr(base, n) for n in names},
+        prompt_upsampler=upsampler[0],
+        prompt_upsampler_processor=upsampler[1],
+    )
+    kwargs = {"image": list(images)} if images is not None else {}
+    if images is None:
+        kwargs.update(height=16 * latents.shape[2], width=16 * latents.shape[3])
+    with torch.no_grad():
+        out = pipe(
+            prompt=prompt,
+            boxes=boxes,
+            max_new_tokens=max_new_tokens,
+            latents=torch.from_numpy(np.asarray(latents, dtype=np.float32)),
+            num_inference_steps=steps,
+            output_type="np",
+            output=["images", "latents", "prompt"],
+            **kwargs,
+        )
+    run = Flux3Run(np.asarray(out["images"][0], dtype=np.float32), out["latents"].to(torch.float32).numpy().copy())
+    return run, out["prompt"]

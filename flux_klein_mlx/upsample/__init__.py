@@ -1,0 +1,1 @@
+"""The FLUX 3 prompt upsampler and layout boxes."""
