@@ -83,6 +83,10 @@ def measure(pipe, job, dtype, rounds: int, warmup: int) -> dict:
                 times[name].append(time.perf_counter() - t)
         a, b = (np.array(out[n].astype(mx.float32)) for n in ("once", "every"))
         err = max(err, float(np.abs(a - b).max() / np.abs(b).max()))
+        last = {k: f"{v[-1]:.2f} s" for k, v in times.items() if v and i >= warmup}
+        print(
+            f"round {i + 1}/{warmup + rounds}{' (warm-up)' if i < warmup else ''}: {last}", file=sys.stderr, flush=True
+        )
     return {"times": times, "once_seconds": once_seconds, "rel_err": err}
 
 
