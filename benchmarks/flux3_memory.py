@@ -56,9 +56,8 @@ def stand_ins() -> None:
     memory.emulate_matmul_kernels()
 
 
-def plan_lines(pipe) -> list[str]:
-    """What the pipeline holds at each stage, from its MemoryPlan and its components."""
-    plan = pipe.memory
+def plan_lines(plan) -> list[str]:
+    """What the pipeline holds at each stage under `plan` (a MemoryPlan)."""
     release = "released after its stage" if plan.release_models else "kept resident (no --low-memory)"
     return [
         "text encoder: made for the prompt and released before the transformer loads (always)",
@@ -130,7 +129,14 @@ def child(
         if not pipe.is_loaded("vae"):
             make("vae")
         out = pipe.decode(job, "np")
-        return {"job": job, "step_seconds": events[-1].seconds, "seconds": time.perf_counter() - t0, "shape": out.shape}
+        seconds = time.perf_counter() - t0
+        return {
+            "job": job,
+            "step_seconds": events[-1].seconds,
+            "seconds": seconds,
+            "shape": out.shape,
+            "plan": pipe.memory,
+        }
 
     runs = [image(True)]
     if then_low_memory:
@@ -158,7 +164,7 @@ def run_row(pipe, r: dict, variant, size, dtype, bits, real, blocks, made) -> di
         "size": size,
         "dtype": dtype,
         "bits": bits,
-        "low_memory": pipe.memory.release_models,
+        "low_memory": r["plan"].release_models,  # the plan this image ran under
         "real": real,
         "blocks": blocks,
         "text_tokens": [c.shape[1] for c in job.ctx],
@@ -173,7 +179,7 @@ def run_row(pipe, r: dict, variant, size, dtype, bits, real, blocks, made) -> di
         "seconds": r["seconds"],
         "max_rss": max_rss_bytes(),
         "image_shape": list(r["shape"]),
-        "plan": plan_lines(pipe),
+        "plan": plan_lines(r["plan"]),
     }
 
 
