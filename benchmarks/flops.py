@@ -1,4 +1,4 @@
-"""The analytic FLOP model of FLUX.2 [klein] and the lower bounds it implies, per chip.
+"""The analytic FLOP model of FLUX.2 [klein] and FLUX 3 Image Klein, and the lower bounds it implies, per chip.
 
 The formulas live in the package (`flux_klein_mlx.bench.flops`, which the `benchmark` command
 uses to turn seconds into TFLOPS and % of peak); this module re-exports them and, when run,
@@ -24,12 +24,15 @@ from flux_klein_mlx.bench.flops import (  # noqa: E402,F401  (re-exported)
     Flops,
     chip_peak_tflops,
     count_parameters,  # noqa: E402
+    denoise_flops,
     flops_of_text_encoder,
     flops_of_transformer,
     flops_of_vae_decoder,
     transformer_step_flops,
 )
+from flux_klein_mlx.family import FLUX3  # noqa: E402
 from flux_klein_mlx.models.config import AutoEncoderConfig, FluxKleinParams, qwen3_4b, qwen3_8b  # noqa: E402
+from flux_klein_mlx.models.flux3.config import FLUX3_VARIANTS  # noqa: E402
 
 SIZES = (1024, 512)
 
@@ -92,5 +95,48 @@ def tables() -> str:
     return "\n".join(out)
 
 
+def flux3_image_flops(variant: str, size: int, references: int = 0, text_tokens: int = 80) -> dict:
+    """FLUX 3 Image Klein: FLOPs (TFLOP) of one size×size image with `references` references of the same size,
+    a prompt in one `text_tokens` window (Base: its negative prompt in another), at the default steps."""
+    row = FLUX3_VARIANTS[variant]
+    tokens = (size // 16) ** 2
+    windows = [text_tokens] * (1 if row.distilled else 2)
+    step, once = denoise_flops(
+        "flux3", row.transformer, image_tokens=tokens, text_tokens=windows, reference_tokens=references * tokens
+    )
+    text = flops_of_text_encoder(row.text_encoder, layers=max(FLUX3.text_taps), tokens=text_tokens)
+    vae = flops_of_vae_decoder(row.vae, size, size)
+    return {
+        "step": step.total / 1e12,
+        "step_linear": step.linear / 1e12,
+        "step_attention": step.attention / 1e12,
+        "once_per_image": once.total / 1e12,
+        "steps": row.steps,
+        "text_encoder": len(windows) * text.total / 1e12,
+        "vae_decode": vae.total / 1e12,
+        "image": (row.steps * step.total + once.total + len(windows) * text.total + vae.total) / 1e12,
+    }
+
+
+def flux3_tables() -> str:
+    out = ["FLUX 3 Image Klein (TFLOP), 80-token prompt windows (Base: cond + uncond passes), default steps"]
+    out.append(
+        f"{'':<18}{'size':>6}{'refs':>5}{'linear':>9}{'attention':>11}{'step':>8}{'once/img':>10}{'steps':>6}"
+        f"{'encoder':>9}{'VAE dec':>9}{'image':>8}"
+    )
+    for variant in FLUX3_VARIANTS:
+        for size in SIZES:
+            for refs in (0, 1):
+                f = flux3_image_flops(variant, size, refs)
+                out.append(
+                    f"{variant:<18}{size:>5}²{refs:>5}{f['step_linear']:>9.2f}{f['step_attention']:>11.2f}"
+                    f"{f['step']:>8.2f}{f['once_per_image']:>10.2f}{f['steps']:>6}{f['text_encoder']:>9.3f}"
+                    f"{f['vae_decode']:>9.2f}{f['image']:>8.1f}"
+                )
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     print(tables())
+    print()
+    print(flux3_tables())

@@ -1,312 +1,32 @@
 """`python -m flux_klein_mlx benchmark`: per-stage latency, peak memory, and efficiency against physics.
 
-Each stage is timed on its own (load, text encoding, every denoising step, VAE decode), after
-warm-up runs that are discarded, over several trials (median, min, max). The stages are the
-pipeline's own (`FluxKleinPipeline.prepare` / `denoise` / `decode`), so the benchmark times the
-code `generate` runs. Every timed region ends with `mx.eval`. Efficiency comes from the analytic
-FLOP model in `flops.py`: achieved TFLOPS = FLOPs / median time, and the percentage of the chip's
-peak where the chip is known.
+The stages and what they measure are `stages.py`; this module reads the options, builds the pipeline
+(real weights, or random ones of a released model's shapes: every family's `variants`), prints the
+report and writes the JSON. Efficiency comes from the analytic FLOP model in `flops.py`: achieved
+TFLOPS = FLOPs / median time, and the percentage of the chip's peak where the chip is known.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import statistics
-import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import click
 import mlx.core as mx
-import numpy as np
-from mlx.utils import tree_flatten
-from PIL import Image
 
 from ..cli import run_command
 from ..errors import FluxKleinError
+from ..family import all_variants
 from ..files import check_output_file, write_exclusive
-from ..inputs import check_image_size
-from ..loading import DEFAULT_DTYPE, DTYPES, dtype_name
-from ..models.config import VARIANTS
-from ..models.rope import token_grid
-from ..models.text_encoder import OUT_LAYERS, encode_prompts
-from ..models.tokenizer import MAX_LENGTH
-from ..pipeline import FluxKleinPipeline, load
-from .flops import (
-    flops_of_text_encoder,
-    flops_of_transformer,
-    flops_of_vae_decoder,
-    machine_info,
-    reference_pass_flops,
-)
+from ..loading import DEFAULT_DTYPE, DTYPES
+from ..pipeline import load
 from .random_model import random_pipeline
+from .stages import run_benchmark
 from .time_to_image import format_cold, measure_cold
 
-DEFAULT_PROMPT = "a red fox in fresh snow at dawn, soft light, 35 mm photograph"
-
-
-def _summary(run: Run, times: list[float], flops: float | None, peak_memory_gb: float) -> dict:
-    """Median, min, max of `times`, the efficiency at the median and the stage's peak memory."""
-    med = statistics.median(times)
-    out = {"times_s": [round(t, 6) for t in times], "median_s": med, "min_s": min(times), "max_s": max(times)}
-    if flops:
-        out["tflop"] = flops / 1e12
-        out["tflops"] = flops / med / 1e12
-        out["pct_of_peak"] = 100 * out["tflops"] / run.peak if run.peak else None
-    out["peak_memory_gb"] = peak_memory_gb
-    return out
-
-
-def _timed_load(run: Run, name: str):
-    """Load one of the pipeline's models (evaluated); its time, size and peak go to `<name>_load`."""
-    verb = "making random weights for" if run.pipe.info.format == "random" else "loading"
-    run.log(f"{verb} the {name.replace('_', ' ').replace('vae', 'VAE')}")
-    mx.reset_peak_memory()
-    t0 = time.perf_counter()
-    model = run.pipe.component(name)
-    mx.eval(model.parameters())
-    run.stages[f"{name}_load"] = {
-        "seconds": time.perf_counter() - t0,
-        "peak_memory_gb": mx.get_peak_memory() / 1e9,
-        "weights_gb": sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9,
-    }
-    return model
-
-
-def _repeat(run, warmup: int, trials: int) -> tuple[list[float], object]:
-    """Wall times of `trials` calls of `run()`, its output evaluated, after `warmup` untimed ones, and the
-    last output."""
-    times = []
-    for i in range(warmup + trials):
-        t0 = time.perf_counter()
-        out = run()
-        mx.eval(out)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return times, out
-
-
-def reference_pictures(n: int, width: int, height: int, seed: int = 0) -> list[Image.Image]:
-    """`n` smooth random RGB pictures of width x height (stand-in references: the VAE encodes them)."""
-    rng = np.random.default_rng(seed)
-    small = [(rng.random((max(height // 32, 2), max(width // 32, 2), 3)) * 255).astype(np.uint8) for _ in range(n)]
-    return [Image.fromarray(a).resize((width, height), Image.Resampling.BILINEAR) for a in small]
-
-
-@dataclasses.dataclass(kw_only=True)
-class Run:
-    """One benchmark's settings and what it has measured so far."""
-
-    pipe: FluxKleinPipeline
-    width: int
-    height: int
-    steps: int
-    warmup: int
-    trials: int
-    references: int
-    seed: int
-    log: Callable[[str], None]
-    peak: float | None  # the chip's peak TFLOPS, when known
-    stages: dict = dataclasses.field(default_factory=dict)
-    flops: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def kv(self) -> bool:
-        """klein 9B-KV with references: the first step differs from the others."""
-        return self.pipe.info.reference_kv and self.references > 0
-
-
-def _check_run(width: int, height: int, *, steps: int, warmup: int, trials: int, references: int) -> None:
-    check_image_size(width, height)
-    if steps < 1 or trials < 1 or warmup < 0:
-        raise FluxKleinError("steps and trials must be at least 1 and warmup at least 0")
-    if references < 0:
-        raise FluxKleinError(f"references must be 0 or more, not {references}")
-
-
-def _text_encoder_stage(run: Run) -> mx.array:
-    """Time 512 tokens through layers 1..27 (the pipeline's encode function); the embeddings (1, 512, C)."""
-    pipe = run.pipe
-    encoder = _timed_load(run, "text_encoder")
-    tokenizer = pipe.component("tokenizer")
-    run.flops["text_encoder"] = flops_of_text_encoder(encoder.config, layers=max(OUT_LAYERS), tokens=MAX_LENGTH).total
-    mx.reset_peak_memory()
-    times, ctx = _repeat(
-        lambda: encode_prompts(encoder, tokenizer, [DEFAULT_PROMPT]).astype(pipe.dtype), run.warmup, run.trials
-    )
-    run.stages["text_encoding"] = _summary(run, times, run.flops["text_encoder"], mx.get_peak_memory() / 1e9)
-    run.log(f"text encoding: {run.stages['text_encoding']['median_s']:.3f} s")
-    encoder = None  # drop this reference before releasing the slot's
-    pipe.release("text_encoder")
-    return ctx
-
-
-def _denoise_stage(run: Run):
-    """Time the pipeline's denoising stage, every step on its own; returns the last job (for the decode)."""
-    pipe, params = run.pipe, run.pipe.info.params
-    _timed_load(run, "transformer")
-    ref_tokens = run.references * math.prod(token_grid(run.width, run.height))
-    step = flops_of_transformer(
-        params,
-        width=run.width,
-        height=run.height,
-        text_tokens=MAX_LENGTH,
-        reference_tokens=ref_tokens,
-        cached_references=run.kv,
-    )
-    ref_pass = reference_pass_flops(params, ref_tokens).total if run.kv else 0.0
-    run.flops.update(step=step, denoise=step.total * run.steps + ref_pass)
-    images = reference_pictures(run.references, run.width, run.height, run.seed)
-    step_times = []
-    stats = []  # of the timed trials
-    for trial in range(run.warmup + run.trials):
-        job = pipe.prepare(
-            DEFAULT_PROMPT, width=run.width, height=run.height, steps=run.steps, seed=run.seed, images=images
-        )
-        seconds = [event.seconds for event in pipe.denoise(job)]
-        if trial >= run.warmup:
-            step_times.append(seconds)
-            stats.append(job.stats)
-        what = f"warm-up {trial + 1}" if trial < run.warmup else f"trial {trial - run.warmup + 1}"
-        run.log(f"denoising {what}: {job.stats.denoise.seconds:.2f} s")
-    memory = max(st.denoise.peak_memory for st in stats) / 1e9
-    per_index = list(zip(*step_times, strict=True))  # (steps, trials)
-    all_steps = [t for ts in per_index for t in ts]
-    # KV steps are not alike (the first one also runs the reference pass): no one FLOP count for all.
-    run.stages["denoise_step"] = _summary(run, all_steps, None if run.kv else step.total, memory)
-    run.stages["denoise_step"]["per_step_median_s"] = [statistics.median(t) for t in per_index]
-    run.stages["denoise"] = _summary(run, [st.denoise.seconds for st in stats], run.flops["denoise"], memory)
-    if run.kv:
-        ref_times = [st.reference_kv_seconds for st in stats]
-        run.stages["kv_reference_pass"] = _summary(run, ref_times, ref_pass, memory)
-        run.stages["kv_reference_pass"]["cache_gb"] = job.stats.reference_kv_bytes / 1e9
-        run.stages["kv_first_step"] = _summary(run, per_index[0], step.total + ref_pass, memory)
-        if run.steps > 1:  # steps 2.. of every trial
-            run.stages["kv_cached_step"] = _summary(run, all_steps[run.trials :], step.total, memory)
-    pipe.release("transformer")
-    return job
-
-
-def _decode_stage(run: Run, job) -> None:
-    pipe = run.pipe
-    vae = _timed_load(run, "vae")
-    run.flops["vae_decode"] = flops_of_vae_decoder(vae.config, run.width, run.height).total
-    peaks = []
-
-    def decode():
-        pipe.decode(job, "np")
-        peaks.append(job.stats.decode.peak_memory / 1e9)
-
-    times, _ = _repeat(decode, run.warmup, run.trials)
-    run.stages["vae_decode"] = _summary(run, times, run.flops["vae_decode"], max(peaks))
-    run.log(f"VAE decode: {run.stages['vae_decode']['median_s']:.3f} s")
-    del vae
-    pipe.release("vae")
-
-
-def run_benchmark(
-    pipe: FluxKleinPipeline,
-    *,
-    width: int = 1024,
-    height: int = 1024,
-    steps: int = 4,
-    warmup: int = 1,
-    trials: int = 3,
-    text_encoder: bool = True,
-    decode: bool = True,
-    seed: int = 0,
-    log=None,
-    references: int = 0,
-) -> dict:
-    """Time every stage of one image on `pipe` and return the results (the structure `--json` writes).
-
-    Skipped stages are absent from "stages"; without the text encoder, random embeddings of the
-    right shape stand in. `references` edits with that many reference pictures of the output size
-    (encoded in the prepare stage, not timed); for klein 9B-KV the first step (reference pass +
-    cached step) and the cached steps are reported apart. `log(msg)` gets progress lines.
-    """
-    _check_run(width, height, steps=steps, warmup=warmup, trials=trials, references=references)
-    machine = machine_info()
-    run = Run(
-        pipe=pipe,
-        width=width,
-        height=height,
-        steps=steps,
-        warmup=warmup,
-        trials=trials,
-        references=references,
-        seed=seed,
-        log=log or (lambda msg: None),
-        peak=machine["peak_tflops"],
-    )
-    info = pipe.info
-    run.log(f"benchmark: {info.name}, {width}x{height}, {steps} steps, warm-up {warmup}, trials {trials}")
-    if text_encoder:
-        ctx = _text_encoder_stage(run)
-    else:
-        ctx = mx.random.normal((1, MAX_LENGTH, info.params.context_in_dim), key=mx.random.key(seed + 3)).astype(
-            pipe.dtype
-        )
-    pipe.remember_prompt(DEFAULT_PROMPT, ctx)
-    job = _denoise_stage(run)
-    if decode:
-        _decode_stage(run, job)
-    return _result(run, machine)
-
-
-def _result(run: Run, machine: dict) -> dict:
-    """The whole-image row (sum of the stage medians, loads excluded) and the JSON structure."""
-    stages, flops, pipe, info = run.stages, run.flops, run.pipe, run.pipe.info
-    parts = ["denoise"] + [s for s in ("text_encoding", "vae_decode") if s in stages]
-    image_s = sum(stages[s]["median_s"] for s in parts)
-    image_flops = sum(flops.get(k, 0.0) for k in ("denoise", "text_encoder", "vae_decode"))
-    stages["image"] = {
-        "seconds": image_s,
-        "includes": parts,
-        "tflop": image_flops / 1e12,
-        "tflops": image_flops / image_s / 1e12,
-        "pct_of_peak": 100 * image_flops / image_s / 1e12 / run.peak if run.peak else None,
-        "peak_memory_gb": max(stages[s]["peak_memory_gb"] for s in parts),
-    }
-    random = info.format == "random"
-    params = info.params
-    step = flops["step"]
-    return {
-        "benchmark": "flux_klein_mlx per-stage latency",
-        "schema": 1,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine,
-        "config": {
-            "model": None if random else info.source,
-            "weights": "random" if random else "checkpoint",
-            "variant": info.variant,
-            "width": run.width,
-            "height": run.height,
-            "image_tokens": math.prod(token_grid(run.width, run.height)),
-            "text_tokens": MAX_LENGTH,
-            "blocks": f"{params.depth}+{params.depth_single}",
-            "references": run.references,
-            "reference_tokens": run.references * math.prod(token_grid(run.width, run.height)),
-            "reference_kv": run.kv,
-            "steps": run.steps,
-            "dtype": dtype_name(pipe.dtype),
-            "quantize": pipe.quantization["bits"] if pipe.quantization else None,
-            "warmup": run.warmup,
-            "trials": run.trials,
-        },
-        "flops": {
-            "step_tflop": step.total / 1e12,
-            "step_linear_tflop": step.linear / 1e12,
-            "step_attention_tflop": step.attention / 1e12,
-            "text_encoder_tflop": flops["text_encoder"] / 1e12 if "text_encoder" in flops else None,
-            "vae_decode_tflop": flops["vae_decode"] / 1e12 if "vae_decode" in flops else None,
-            "image_tflop": image_flops / 1e12,
-        },
-        "stages": stages,
-    }
+RANDOM_MODELS = all_variants()  # the released models of every family (FLUX.2 [klein], FLUX 3 Image Klein), by name
 
 
 def _fmt_s(s: float | None) -> str:
@@ -322,9 +42,11 @@ def format_report(result: dict) -> str:
     weights = "random weights" if c["weights"] == "random" else c["model"]
     chip = (m["chip"] or m["cpu"]) + (f" ({m['gpu_cores']}-core GPU)" if m["gpu_cores"] else "")
     peak = f"{m['peak_tflops']:.1f} TFLOPS peak" if m["peak_tflops"] else "peak unknown here: TFLOPS only"
+    passes = c.get("text_tokens_per_pass", [c["text_tokens"]])
+    texts = " / ".join(str(t) for t in passes) + (" (a pass each)" if len(passes) > 1 else "")
     lines = [
-        f"flux_klein_mlx {m['flux_klein_mlx']} benchmark: {c['variant']} ({weights}), {c['width']}x{c['height']} "
-        f"({c['image_tokens']} image + {c['text_tokens']} text tokens), {c['steps']} steps, {c['dtype']}{quant}",
+        f"flux_klein_mlx {m['flux_klein_mlx']} benchmark: {c['title']} ({weights}), {c['width']}x{c['height']} "
+        f"({c['image_tokens']} image + {texts} text tokens), {c['steps']} steps, {c['dtype']}{quant}",
         f"{c['blocks']} blocks; {c['references']} reference(s), {c['reference_tokens']} tokens"
         + (" (reference K/V cached: the first step runs the reference pass)" if c["reference_kv"] else ""),
         f"warm-up {c['warmup']}, trials {c['trials']}; {chip}, {m['cpu_cores']} CPU cores, "
@@ -353,6 +75,7 @@ def format_report(result: dict) -> str:
     row("  KV reference pass", st.get("kv_reference_pass"))
     row("  KV first step", st.get("kv_first_step"))
     row("  KV cached step", st.get("kv_cached_step"))
+    row("  once per image (t = 0)", st.get("once_per_image"))
     row(f"denoise ({c['steps']} step{'s' if c['steps'] > 1 else ''})", st.get("denoise"))
     row(f"{load} VAE", st.get("vae_load"))
     row("VAE decode", st.get("vae_decode"))
@@ -394,14 +117,15 @@ def parse_blocks(text: str) -> dict:
     parts = text.split("+")
     if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or sum(int(p) for p in parts) == 0:
         raise FluxKleinError(
-            f"--blocks must be DOUBLE+SINGLE block counts such as 1+2 (klein-9B has 8+24), not {text!r}"
+            "--blocks must be DOUBLE+SINGLE block counts such as 1+2 (klein-9B has 8+24; FLUX 3 Image Klein "
+            f"5+28, its per-mode + single blocks), not {text!r}"
         )
     return {"depth": int(parts[0]), "depth_single": int(parts[1])}
 
 
 def variant_row(variant: str, blocks: str | None):
-    """The random model's row of `VARIANTS`, with `--blocks` its (double, single) depth instead."""
-    row = VARIANTS[variant]
+    """The random model's row of `RANDOM_MODELS`, with `--blocks` its (double, single) depth instead."""
+    row = RANDOM_MODELS[variant]
     if blocks:
         row = dataclasses.replace(row, transformer=dataclasses.replace(row.transformer, **parse_blocks(blocks)))
     return row
@@ -431,7 +155,7 @@ def _check_sources(model, *, random_weights: bool, blocks, cold: bool, vae) -> N
 @click.option("--random-weights", is_flag=True, help="Build the model with random weights: nothing is downloaded.")
 @click.option(
     "--variant",
-    type=click.Choice(list(VARIANTS)),
+    type=click.Choice(list(RANDOM_MODELS)),
     default="klein-4b",
     show_default=True,
     help="Architecture for --random-weights.",

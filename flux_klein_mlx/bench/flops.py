@@ -12,6 +12,7 @@ import platform
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,16 @@ class Flops:
     @property
     def total(self) -> float:
         return self.linear + self.attention + self.other
+
+    def __add__(self, other: Flops) -> Flops:
+        return Flops(
+            linear=self.linear + other.linear,
+            attention=self.attention + other.attention,
+            other=self.other + other.other,
+        )
+
+
+NO_FLOPS = Flops(linear=0.0, attention=0.0)
 
 
 def transformer_step_flops(
@@ -193,6 +204,86 @@ def flops_of_transformer(
         reference_tokens=reference_tokens,
         cached_references=cached_references,
     )
+
+
+# --- FLUX 3 Image Klein (docs/performance.md#flux-3-image-klein) ----------------------------------------
+
+
+def flux3_stack_flops(params, tokens: int, in_dim: int, depth: int) -> Flops:
+    """`tokens` tokens of one kind through an input layer `in_dim` -> D (`other`; 0: none) and `depth` FLUX 3
+    blocks in which they attend only among themselves. A block runs q, k, v, out (4·D²) and the SwiGLU MLP
+    D -> 2M -> D (3·D·M) on every token; attention 4·L²·D (scores and weighted sum)."""
+    D, M, L = params.hidden_size, params.mlp_hidden, tokens
+    return Flops(
+        linear=float(2 * depth * (4 * D * D + 3 * D * M) * L),
+        attention=float(depth * 4 * L * L * D),
+        other=float(2 * L * in_dim * D),
+    )
+
+
+def flux3_pass_flops(params, *, image_tokens: int, text_tokens: int, reference_tokens: int = 0) -> dict[str, Flops]:
+    """One FLUX 3 transformer pass (batch 1) by part: "image" (emb_in.image, the image's mode blocks, the
+    `depth_single` joint blocks over [text, image, references] and the output layer D -> in on the image tokens
+    only), "text" (txt_in and the text mode blocks), "references" (emb_in.image_cond and their mode blocks).
+    The per-sample time embedders and modulation heads (a few (1, D) x (D, 3D) products) are left out."""
+    N, T, R = image_tokens, text_tokens, reference_tokens
+    joint = flux3_stack_flops(params, T + N + R, 0, params.depth_single)
+    image = flux3_stack_flops(params, N, params.in_channels, params.depth) + joint
+    return {
+        "image": image + Flops(linear=0.0, attention=0.0, other=2.0 * N * params.hidden_size * params.in_channels),
+        "text": flux3_stack_flops(params, T, params.context_in_dim, params.depth),
+        "references": flux3_stack_flops(params, R, params.cond_in_channels, params.depth) if R else NO_FLOPS,
+    }
+
+
+def flux3_denoise_flops(
+    params, *, image_tokens: int, text_tokens: Sequence[int], reference_tokens: int = 0, cached_references=False
+) -> tuple[Flops, Flops]:
+    """(a step, once per image) of FLUX 3 with one pass per prompt window in `text_tokens` (Base's CFG: cond
+    and uncond, each its own length). The distilled flow map runs every part in every pass (its target time
+    changes the text and references every step). Base runs its text and reference mode blocks once per image,
+    at t = 0 (family/flux3.Flux3Steps): each prompt's text once, the references once for both passes.
+    FLUX 3 has no reference K/V cache (`cached_references` is always False)."""
+    step = once = NO_FLOPS
+    for n, T in enumerate(text_tokens):
+        parts = flux3_pass_flops(params, image_tokens=image_tokens, text_tokens=T, reference_tokens=reference_tokens)
+        if params.flow_map:
+            step = step + parts["image"] + parts["text"] + parts["references"]
+        else:
+            step, once = step + parts["image"], once + parts["text"] + (parts["references"] if n == 0 else NO_FLOPS)
+    return step, once
+
+
+def flux2_denoise_flops(
+    params, *, image_tokens: int, text_tokens: Sequence[int], reference_tokens: int = 0, cached_references=False
+) -> tuple[Flops, Flops]:
+    """(a step, once per image) of FLUX.2: one forward per prompt window (CFG: a batch of 2 windows of 512);
+    klein 9B-KV with references runs its reference pass once per image."""
+    step = NO_FLOPS
+    for T in text_tokens:
+        step = step + transformer_step_flops(
+            hidden=params.hidden_size,
+            depth=params.depth,
+            depth_single=params.depth_single,
+            image_tokens=image_tokens,
+            text_tokens=T,
+            mlp_ratio=params.mlp_ratio,
+            context_dim=params.context_in_dim,
+            in_channels=params.in_channels,
+            reference_tokens=reference_tokens,
+            cached_references=cached_references,
+        )
+    once = reference_pass_flops(params, reference_tokens) if cached_references and reference_tokens else NO_FLOPS
+    return step, once
+
+
+# Each family's count of its denoising stage, by `Family.key`: the one place bench/ tells families apart.
+DENOISE_FLOPS = {"flux2": flux2_denoise_flops, "flux3": flux3_denoise_flops}
+
+
+def denoise_flops(family_key: str, params, **shapes) -> tuple[Flops, Flops]:
+    """(a step, once per image) of a model of family `family_key` (see `flux2_denoise_flops`)."""
+    return DENOISE_FLOPS[family_key](params, **shapes)
 
 
 # --- Chip peaks (performance.md section 3: huggingface.js hardware.ts, Apple bandwidth figures). ---

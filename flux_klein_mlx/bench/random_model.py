@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..components import build_module
+from ..family import family_of
 from ..loading import COMPONENTS, ModelInfo
 from ..models.config import Variant
 from ..models.quantize import evaluate_by_layer, quantize_model
@@ -35,7 +36,9 @@ def randomize(model: nn.Module, dtype, seed: int) -> None:
 
     Matrices get N(0, 1/fan_in) so activations stay O(1) through the stack; vectors (norm scales,
     biases, statistics) get 1. Each block is generated and evaluated on its own, so the model's
-    own lazy initialisers are never computed and the peak stays at the final weights' size.
+    own lazy initialisers are never computed and the peak stays at the final weights' size. Quantized
+    layers keep their values (their initialiser's, U(+-1/sqrt(fan_in)), quantized): their scales and
+    biases are not matrices of a layer.
     """
     # Group parameters by block ("double_blocks.3", "decoder", ...): one evaluation per group.
     groups: dict[str, list[tuple[str, mx.array]]] = {}
@@ -47,7 +50,7 @@ def randomize(model: nn.Module, dtype, seed: int) -> None:
         new = []
         for name, v in items:
             key, k = mx.random.split(key)
-            if not mx.issubdtype(v.dtype, mx.floating):
+            if not mx.issubdtype(v.dtype, mx.floating) or name.endswith((".scales", ".biases")):
                 continue
             if v.ndim >= 2:
                 new.append((name, mx.random.normal(v.shape, dtype=dtype, key=k) * math.prod(v.shape[1:]) ** -0.5))
@@ -81,16 +84,21 @@ class RandomTokens:
 def random_pipeline(
     variant: Variant, *, dtype=mx.float32, quantize: int | None = None, seed: int = 0, low_memory: bool = False
 ) -> FluxKleinPipeline:
-    """The pipeline of `variant` with random weights (`quantize` 4/8: transformer and text encoder,
-    quantized from the random weights as `convert` would)."""
+    """The pipeline of `variant` (a row of any family's `variants`) with random weights (`quantize` 4/8:
+    transformer and text encoder, quantized from the random weights as `convert` would). The text encoder
+    is built to the family's deepest tap only (FLUX 3: 32 of Qwen3-VL's 36 layers, no vision tower)."""
     configs = {name: dataclasses.asdict(getattr(variant, name)) for name in COMPONENTS}
+    family = family_of(variant.transformer)
 
     def make(name: str):
-        module = build_module(name, configs[name])
-        randomize(module, dtype, seed + SEED_OFFSETS[name])
+        module = build_module(name, configs[name], family)
         if quantize and name != "vae":
+            # As a quantizing load does: each lazily initialised layer is made, cast, quantized and evaluated on
+            # its own, so the unquantized model is never whole in memory (the load's peak is a real one).
+            module.set_dtype(dtype)
             quantize_model(module, quantize)
             evaluate_by_layer(module)
+        randomize(module, dtype, seed + SEED_OFFSETS[name])  # what quantization left as floats
         return module
 
     info = ModelInfo(
@@ -103,6 +111,7 @@ def random_pipeline(
         quantization={n: None for n in COMPONENTS},
         tokenizer=Path("."),
         reference_kv=variant.reference_kv,
+        family=family,
     )
     loaders = {name: functools.partial(make, name) for name in SEED_OFFSETS}
     loaders["tokenizer"] = functools.partial(RandomTokens, variant.text_encoder.vocab_size, seed)

@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import gc
 import importlib
+import math
 import resource
 import subprocess
 import sys
@@ -50,11 +51,13 @@ from ..embedding_cache import EmbeddingCache
 from ..inputs import RunSettings, prepare_inputs
 from ..loading import DEFAULT_DTYPE, as_dtype, describe
 from ..models.config import AutoEncoderConfig, Qwen3Config
+from ..models.rope import token_grid
 from ..models.tokenizer import load_tokenizer
 from ..pipeline import load
 from ..readahead import component_spans
-from .flops import flops_of_text_encoder, flops_of_transformer, flops_of_vae_decoder, machine_info
+from .flops import denoise_flops, flops_of_text_encoder, flops_of_vae_decoder, machine_info
 from .measure import StageMeter, bytes_to_load, drop_from_page_cache, sequential_read_rate
+from .random_model import REAL_PROMPT_TOKENS
 
 PROMPT = "a red fox in fresh snow at dawn, soft light, 35 mm photograph"
 LOAD_ORDER = ("text_encoder", "transformer", "vae")  # the order a run loads its models
@@ -346,7 +349,7 @@ def measure_cold(
         log=log,
     )
     peak = _peak(machine, dtype)
-    flops = stage_flops(info, width=width, height=height, steps=steps)
+    flops = stage_flops(info, width=width, height=height, steps=steps, settings=settings)
     load_bytes = {n: bytes_to_load(info, n) for n in LOAD_ORDER}
     return ColdResult(
         model=str(model),
@@ -373,11 +376,22 @@ def measure_cold(
     )
 
 
-def stage_flops(info, *, width: int, height: int, steps: int) -> StageFlops:
-    """The FLOPs of each stage of one image of the model `info` describes."""
+def stage_flops(info, *, width: int, height: int, steps: int, settings: RunSettings | None = None) -> StageFlops:
+    """The FLOPs of each stage of one image of the model `info` describes: its family's text window for a
+    typical prompt through its deepest tap, once per prompt of `settings`; one pass per prompt each step
+    (CFG: 2)."""
+    family = info.family
+    prompts = 1 if settings is None else len(prepare_inputs(settings, info).prompts)
+    window = family.text_window.length(REAL_PROMPT_TOKENS)
+    text = flops_of_text_encoder(
+        Qwen3Config.from_dict(info.configs["text_encoder"]), layers=max(family.text_taps), tokens=window
+    )
+    step, once = denoise_flops(
+        family.key, info.params, image_tokens=math.prod(token_grid(width, height)), text_tokens=[window] * prompts
+    )
     return StageFlops(
-        text_encoder=flops_of_text_encoder(Qwen3Config.from_dict(info.configs["text_encoder"])).total,
-        denoise=flops_of_transformer(info.params, width=width, height=height).total * steps,
+        text_encoder=text.total * prompts,
+        denoise=step.total * steps + once.total,
         decode=flops_of_vae_decoder(AutoEncoderConfig.from_dict(info.configs["vae"]), width, height).total,
     )
 

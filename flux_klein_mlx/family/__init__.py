@@ -30,9 +30,14 @@ def family_named(key: str) -> Family:
     return FAMILIES[key]
 
 
+def all_variants() -> dict:
+    """Every family's released models (`models/config.Variant` rows) by name: the benchmark's random models."""
+    return {name: row for f in FAMILIES.values() for name, row in f.variants.items()}
+
+
 def family_of(params) -> Family:
     """The family whose transformer has these hyper-parameters (a `FluxKleinParams`, ...)."""
     return next(f for f in FAMILIES.values() if isinstance(params, f.params_type))
 
 
-__all__ = ["FAMILIES", "FLUX2", "FLUX3", "Family", "Steps", "family_named", "family_of"]
+__all__ = ["FAMILIES", "FLUX2", "FLUX3", "Family", "Steps", "all_variants", "family_named", "family_of"]

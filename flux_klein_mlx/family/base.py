@@ -29,6 +29,7 @@ class Family(Protocol):
     index_files: tuple[str, ...]  # a diffusers snapshot's index file names, in the order tried
     pipeline_classes: tuple[str, ...]  # the index's `_class_name`s of this family's pipelines
     upsampler: str | None  # the hub repo of BFL's prompt upsampler for this family (None: it has none)
+    variants: dict  # its released models' rows (models/config.Variant), by name: the benchmark's random models
 
     def is_distilled(self, index: dict, transformer_config: dict) -> bool:
         """Whether a snapshot is the distilled model, from its index and transformer config."""

@@ -14,7 +14,14 @@ import mlx.nn as nn
 
 from ..events import Job
 from ..images import preprocess_reference
-from ..models.config import KV_PIPELINE_CLASS, PIPELINE_CLASSES, FluxKleinParams, sampling_defaults, variant_for
+from ..models.config import (
+    KV_PIPELINE_CLASS,
+    PIPELINE_CLASSES,
+    VARIANTS,
+    FluxKleinParams,
+    sampling_defaults,
+    variant_for,
+)
 from ..models.kv_cache import ReferenceKV
 from ..models.rope import image_ids, text_ids
 from ..models.text_encoder import OUT_LAYERS, encode_prompts
@@ -74,6 +81,7 @@ class Flux2Family:
     text_key = {}  # what the prompt cache's key adds: nothing, so the keys written before families stay valid
     index_files = ("model_index.json",)
     pipeline_classes = PIPELINE_CLASSES
+    variants = VARIANTS
 
     def is_distilled(self, index: dict, transformer_config: dict) -> bool:
         """The index says (klein 9B-KV's has no is_distilled key: its pipeline class tells it)."""

@@ -22,7 +22,7 @@ import mlx.nn as nn
 from ..events import Job
 from ..images import prepare_flux3_references
 from ..models.config import FLUX3_PIPELINE_CLASSES
-from ..models.flux3.config import Flux3Params
+from ..models.flux3.config import FLUX3_VARIANTS, Flux3Params
 from ..models.flux3.transformer import Flux3, infer_flux3_params, linear_shapes, sanitize_flux3_weights
 from ..models.rope import image_ids, text_ids
 from ..models.text_encoder import FLUX3_TAPS, encode_prompts
@@ -31,10 +31,6 @@ from ..references import FLUX3_MAX_REFERENCES
 from ..sampling import cfg, flow_timestep, shifted_schedule
 
 SHIFT = 6.93  # diffusers' Flux3SetTimestepsStep and mflux: sigma' = 6.93 sigma / (1 + 5.93 sigma)
-DISTILLED_STEPS = 16
-BASE_STEPS = 50
-# diffusers' Flux3LoopDenoiser default and mflux's; BFL's README table says "CFG 4" (docs/flux3.md says which).
-BASE_GUIDANCE = 3.5
 
 
 class Flux3Steps:
@@ -95,6 +91,7 @@ class Flux3Family:
     }
     index_files = ("modular_model_index.json", "model_index.json")
     pipeline_classes = FLUX3_PIPELINE_CLASSES
+    variants = FLUX3_VARIANTS  # the released models' rows (steps 16 / 50, Base guidance 3.5)
 
     def is_distilled(self, index: dict, transformer_config: dict) -> bool:
         """The transformer says: the distilled model is a flow map (its config's flow_map, BFL's ref_time_in)."""
@@ -126,7 +123,8 @@ class Flux3Family:
         return linear_shapes(params)
 
     def defaults(self, distilled: bool) -> tuple[int, float | None]:
-        return (DISTILLED_STEPS, None) if distilled else (BASE_STEPS, BASE_GUIDANCE)
+        row = self.variants["flux3-klein" if distilled else "flux3-klein-base"]
+        return row.steps, row.guidance
 
     def sigmas(self, image_tokens: int, steps: int) -> list[float]:
         return shifted_schedule(steps, SHIFT)  # the same at every resolution

@@ -235,7 +235,7 @@ class Variant:
     title: str  # e.g. "FLUX.2 [klein] 4B Base"
     family: str  # "klein-4b" | "klein-9b": the transformer's shape
     distilled: bool  # guidance-distilled (no CFG) or Base
-    transformer: FluxKleinParams
+    transformer: FluxKleinParams  # or a family's own params (models/flux3/config.Flux3Params)
     text_encoder: Qwen3Config
     vae: AutoEncoderConfig
     steps: int  # default denoising steps

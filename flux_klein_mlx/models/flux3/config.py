@@ -2,14 +2,20 @@
 
 Defaults are the released 5.5B model (both the Base and the step-distilled one; the distilled one sets
 `flow_map`). diffusers' `transformer/config.json` names are read by `Flux3Params.from_dict`.
+
+`FLUX3_VARIANTS` holds the two released models' rows (their three components and sampling defaults) in
+FLUX.2's `Variant` shape, beside `models/config.VARIANTS` rather than in it: VARIANTS is read as FLUX.2's
+table (its pipeline classes, `variant_for`, the download sizes build `FluxKlein`s), so a FLUX 3 row there
+would make each of those readers filter by family. Each family hands its rows out (`Family.variants`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ...errors import FluxKleinError
-from ..config import transformer_from_dict
+from ..config import AutoEncoderConfig, Qwen3Config, Variant, transformer_from_dict
 
 # diffusers `Flux3Transformer2DModel` config names -> ours; `attention_head_dim` is folded into hidden_size.
 FLUX3_DIFFUSERS_CONFIG = {
@@ -92,3 +98,43 @@ class Flux3Params:
     def describe(self) -> str:
         """E.g. "FLUX 3 Image Klein (hidden 3072, 5 mode / 28 single blocks)"."""
         return f"FLUX 3 Image Klein (hidden {self.hidden_size}, {self.depth} mode / {self.depth_single} single blocks)"
+
+
+# Qwen3-VL-4B-Instruct's language tower (its `text_config`, flux3.md section 5); FLUX 3 taps layers 4..32 of its 36,
+# so only 32 are ever built (`family.text_taps`). The vision tower is never built nor read.
+QWEN3_VL_4B_TEXT = Qwen3Config(
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=5e6,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
+
+
+def _flux3_rows() -> dict[str, Variant]:
+    rows = {}
+    for distilled in (True, False):
+        name = "flux3-klein" if distilled else "flux3-klein-base"
+        rows[name] = Variant(
+            name=name,
+            title="FLUX 3 Image Klein" + ("" if distilled else " Base"),
+            family="flux3",  # the transformer's shape (`Flux3Params.variant`)
+            distilled=distilled,
+            transformer=Flux3Params(flow_map=distilled),  # the distilled model is the flow map
+            text_encoder=dataclasses.replace(QWEN3_VL_4B_TEXT),
+            vae=AutoEncoderConfig(),  # FLUX.2's VAE, unchanged
+            steps=16 if distilled else 50,
+            # diffusers' Flux3LoopDenoiser default and mflux's; BFL's README table says "CFG 4" (docs/flux3.md)
+            guidance=None if distilled else 3.5,
+            pipeline_class="Flux3DistilledModularPipeline" if distilled else "Flux3ModularPipeline",
+            repo="black-forest-labs/flux-3-image-klein" + ("" if distilled else "-base"),
+        )
+    return rows
+
+
+FLUX3_VARIANTS: dict[str, Variant] = _flux3_rows()
