@@ -21,7 +21,10 @@ Targets (`--targets`, comma-separated; see `parse_targets`):
     single[:a-b]   every Linear of the single blocks a..b, e.g. single:0-12: structure / identity
     NAME           a diffusers module name or a suffix of one at a dot (`to_q`, `attn.to_out`,
                    `transformer_blocks.0.ff.linear_in`), or one of ours (`img_attn.qkv`, `linear1`)
-Blocks are counted from the model (klein-4B has 5 + 20, klein-9B 8 + 24).
+Blocks are counted from the model (klein-4B has 5 + 20, klein-9B 8 + 24). The block groups are the
+family's (`Family.target_groups`): FLUX 3 Image Klein has `image`, `reference`, `text` (its modes' own
+blocks) and `single` instead of `double` / `single`; without control images `all` leaves out its
+reference blocks, which would never run (docs/training.md#flux-3-image-klein).
 """
 
 from __future__ import annotations

@@ -198,3 +198,65 @@ def test_flux3_targets_presets_name_its_blocks_and_refuse_what_it_has_not(base3)
     for bad in ("double", "single:0-5", "ref_time_in.in_layer", "target_timestep_embedder.linear_1"):
         with pytest.raises(FluxKleinError, match="--targets"):
             parse_targets(bad, params)
+
+
+def test_flux3_lokr_factors_loss_and_gradients_equal_peft_lokr(base3):
+    """LoKr on every block Linear of FLUX 3 (whole w2 on the 64-wide projections, low-rank w2 on the MLP's):
+    the factor shapes are peft's LoKr's on diffusers' Flux3Transformer2DModel, and with the same random factors
+    the loss and every factor's gradient equal torch autograd through it (an edit batch, two references)."""
+    from diffusers import Flux3Transformer2DModel
+    from peft import LoKrConfig
+
+    from flux_klein_mlx.lora.layers import ROLE_LISTS
+    from flux_klein_mlx.models.flux3.transformer import flux3_diffusers_name
+    from flux_klein_mlx.train.adapters import attach_lokr
+
+    rank = alpha = 4  # alpha / r = 1: LyCORIS' whole-w2 scale (1) and peft's scaling agree on every layer
+    model = load_component(describe(base3), "transformer", mx.float32)
+    slots = parse_targets("all", model.params)
+    lokr = attach_lokr(
+        model, slots, params=model.params, rank=rank, alpha=alpha, factor=-1, rng=np.random.default_rng(1)
+    )
+    ref = Flux3Transformer2DModel.from_pretrained(base3 / "transformer", dtype=torch.float32).eval()
+    ref.add_adapter(LoKrConfig(r=rank, alpha=alpha, target_modules=[s.name for s in slots]))
+    g = np.random.default_rng(4)
+    values, kinds = {}, set()
+    for path, (_, term, shape) in lokr.where.items():
+        theirs = ref.get_submodule(flux3_diffusers_name(path))
+        for role in term.places:
+            name = ROLE_LISTS[role]
+            assert tuple(getattr(theirs, name)["default"].shape) == shape.factor_shapes()[role], (path, role)
+            value = (0.2 * g.standard_normal(shape.factor_shapes()[role])).astype(np.float32)
+            values[f"{path}.{role}"] = mx.array(value)
+            getattr(theirs, name)["default"].data = torch.from_numpy(value)
+        kinds.add(shape.rank is None)
+    assert kinds == {True, False}  # both a whole and a low-rank w2
+    lokr.load(values, "test values")
+    x0, noise, sigma, ctxs, conds = flux3_batch("edit")
+    loss, grads = our_flux3_loss_and_grads(model, x0, noise, sigma, ctxs, conds)
+    t = torch.from_numpy
+    ref_loss = diffusers_flux3_loss(ref, t(x0), t(noise), t(sigma), [t(c) for c in ctxs], [t(c) for c in conds])
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    for path, (_, term, _) in lokr.where.items():
+        theirs = ref.get_submodule(flux3_diffusers_name(path))
+        for role, i in term.places.items():
+            name = ROLE_LISTS[role]
+            assert rel_err(grads[f"{path}.{name}.{i}"], getattr(theirs, name)["default"].grad) <= 1e-4, (path, role)
+
+
+def test_flux3_memory_plan_counts_the_released_flux3_base_weights():
+    """The plan's weights for FLUX 3 Base at full size are diffusers' Flux3Transformer2DModel's parameters (built
+    on the meta device, nothing allocated) at 2 bytes; 4-bit counts less than a third of that."""
+    from diffusers import Flux3Transformer2DModel
+
+    from flux_klein_mlx.models.flux3.config import Flux3Params
+    from flux_klein_mlx.train.memory import step_peak, weight_bytes
+
+    with torch.device("meta"):
+        count = sum(p.numel() for p in Flux3Transformer2DModel().parameters())
+    assert 5.5e9 < count < 5.6e9
+    assert weight_bytes(Flux3Params(), None) == 2 * count
+    assert weight_bytes(Flux3Params(), 4) < 0.3 * 2 * count
+    low, kept = (step_peak(Flux3Params(), 10**7, resolution=512, bits=None, low_memory=m)[0] for m in (True, False))
+    assert 2 * count < low < kept  # the weights, then activations; keeping every block's costs more
