@@ -1,4 +1,6 @@
-"""Seconds and peak memory of a LoRA training step for FLUX.2 [klein] 4B Base (full widths, random weights).
+"""Seconds and peak memory of a LoRA training step for FLUX.2 [klein] 4B Base (full widths, random weights);
+`flux3` does the same for FLUX 3 Image Klein Base (its family's call and 160 text tokens, LoRA on every block
+but the reference mode's, fitted to 5 blocks per mode + 28 single blocks).
 
 Every step here is the trainer's own code: `flow_loss` under `nn.value_and_grad` (with
 `forward_with_rope(checkpoint=...)` for `--low-memory`), then `optimizer_step` (clip to 1.0, AdamW),
@@ -29,6 +31,7 @@ depth is measured too (the `full` rows), as a check of the fit.
     .venv/bin/python benchmarks/train_step.py memory [--full]
     .venv/bin/python benchmarks/train_step.py multires      # --resolution 256,512: a step at each size
     .venv/bin/python benchmarks/train_step.py lokr          # --adapter lokr beside LoRA: time, parameters, peak
+    .venv/bin/python benchmarks/train_step.py flux3         # FLUX 3 Image Klein Base: issue 37's targets
     .venv/bin/python benchmarks/train_step.py report
 """
 
@@ -58,7 +61,12 @@ RANK = 16
 TEXT = 512
 
 
-def params_for(depth: int, depth_single: int) -> FluxKleinParams:
+def params_for(depth: int, depth_single: int, family: str = "flux2"):
+    """klein-4B's widths (FLUX.2), or FLUX 3 Image Klein Base's (`depth` blocks per mode) at the given depths."""
+    if family == "flux3":
+        from flux_klein_mlx.models.flux3.config import Flux3Params
+
+        return Flux3Params(depth=depth, depth_single=depth_single)
     return FluxKleinParams(depth=depth, depth_single=depth_single)  # klein-4B widths
 
 
@@ -89,13 +97,14 @@ class Setup:
         from mlx.utils import tree_map
 
         from flux_klein_mlx.bench.random_model import randomize
+        from flux_klein_mlx.family import family_of
         from flux_klein_mlx.models.quantize import quantize_model
-        from flux_klein_mlx.models.transformer import FluxKlein
         from flux_klein_mlx.train.adapters import attach_lokr, attach_lora, parse_targets
         from flux_klein_mlx.train.objective import make_optimizer
         from flux_klein_mlx.train.settings import TrainSettings
 
-        model = FluxKlein(params)
+        self.family = family_of(params)  # FLUX 3: its planned text window, its own call (family/)
+        model = self.family.build_transformer(params)
         if random_weights:
             randomize(model, dtype, seed=0)
         else:  # zeros of the real shapes: memory as real weights, nothing computed
@@ -104,7 +113,7 @@ class Setup:
             quantize_model(model, bits)
         mx.eval(model.parameters())
         self.model, self.params, self.dtype = model, params, dtype
-        slots, rng = parse_targets("all", params), np.random.default_rng(0)
+        slots, rng = parse_targets("all", params, references=False), np.random.default_rng(0)
         if adapter == "lokr":  # LyCORIS' LoKr on every block Linear, factor -1 (the trainer's default)
             self.lora = attach_lokr(model, slots, params=params, rank=RANK, alpha=float(RANK), factor=-1, rng=rng)
         else:
@@ -114,21 +123,22 @@ class Setup:
 
     def set_size(self, size: int) -> None:
         """The batch of one size x size image (a run with several resolutions changes it between steps)."""
-        from flux_klein_mlx.models.rope import image_ids, text_ids
-
         model, params, dtype = self.model, self.params, self.dtype
         h = w = size // 16
+        text = self.family.planned_text_tokens  # FLUX.2: 512 (TEXT); FLUX 3: two caption windows
         g = np.random.default_rng(1)
         self.x0 = mx.array(g.standard_normal((1, h * w, params.in_channels)).astype(np.float32)).astype(dtype)
         self.noise = mx.array(g.standard_normal((1, h * w, params.in_channels)).astype(np.float32))
-        self.ctx = mx.array(g.standard_normal((1, TEXT, params.context_in_dim)).astype(np.float32)).astype(dtype)
+        self.ctx = mx.array(g.standard_normal((1, text, params.context_in_dim)).astype(np.float32)).astype(dtype)
         self.sigma = mx.array([0.7], dtype=mx.float32)
-        self.rope = model.compute_rope(text_ids(TEXT), image_ids(h, w))
+        self.rope = self.family.training_rope(model, (h, w), 0, text)
         mx.eval(model.trainable_parameters(), self.x0, self.noise, self.ctx, self.rope)
 
     def forward(self):
-        t = self.sigma.astype(self.model.dtype)
-        return self.model.forward_with_rope(self.x0, self.ctx, t, self.rope)
+        x = self.x0.astype(mx.float32)
+        return self.family.training_velocity(
+            self.model, x, self.ctx, sigma=self.sigma, rope=self.rope, refs=None, checkpoint=False
+        )
 
     def step(self, checkpoint: bool):
         from flux_klein_mlx.train.objective import flow_loss, optimizer_step
@@ -162,9 +172,10 @@ def child_speed(
     dtype: str = "float32",
     bits: int | None = None,
     adapter: str = "lora",
+    family: str = "flux2",
 ) -> dict:
     """Real compute (random weights): forward, step, step with checkpointing (interleaved trials)."""
-    params = params_for(depth, depth_single)
+    params = params_for(depth, depth_single, family)
     s = Setup(params, size, getattr(mx, dtype), bits, random_weights=True, adapter=adapter)
     runs = {"forward": s.forward, "step": lambda: s.step(False), "step_checkpoint": lambda: s.step(True)}
     times = {k: [] for k in runs}
@@ -173,9 +184,13 @@ def child_speed(
     for _ in range(trials):
         for k, fn in runs.items():
             times[k] += _timed(fn, 0, 1)
-    fwd, step = step_flops(params, size, False)
-    _, step_ckpt = step_flops(params, size, True)
+    if family == "flux2":  # the FLOP model (bench/flops) is FLUX.2's
+        fwd, step = step_flops(params, size, False)
+        _, step_ckpt = step_flops(params, size, True)
+    else:
+        fwd = step = step_ckpt = None
     return {
+        "family": family,
         "size": size,
         "depth": depth,
         "depth_single": depth_single,
@@ -260,7 +275,14 @@ def child_memory_multires(
 
 
 def child_memory(
-    size: int, dtype: str, bits: int | None, checkpoint: bool, depth: int, depth_single: int, adapter: str = "lora"
+    size: int,
+    dtype: str,
+    bits: int | None,
+    checkpoint: bool,
+    depth: int,
+    depth_single: int,
+    adapter: str = "lora",
+    family: str = "flux2",
 ) -> dict:
     """Peak memory of a training step with Metal-like stand-ins (the AdamW moments allocated first, as after step 1)."""
     from memory import emulate_fused_norms, emulate_matmul_kernels
@@ -269,7 +291,7 @@ def child_memory(
     emulate_fused_norms()
     emulate_unfused_training_attention()
     dt = getattr(mx, dtype)
-    s = Setup(params_for(depth, depth_single), size, dt, bits, random_weights=False, adapter=adapter)
+    s = Setup(params_for(depth, depth_single, family), size, dt, bits, random_weights=False, adapter=adapter)
     s.optimizer.init(s.model.trainable_parameters())  # the AdamW moments, as after the first step
     mx.eval(s.optimizer.state)
     mx.synchronize()
@@ -349,6 +371,51 @@ def part_memory(results: dict, full: bool) -> None:
                 run_child("memory", size=size, dtype=dtype, bits=bits, checkpoint=ckpt, depth=d, depth_single=s)
             )
             save_results(results)
+
+
+# FLUX 3 Image Klein Base: the issue's two targets (512² 4-bit and 1024² bf16, both --low-memory), fitted over
+# DEPTHS as klein-4B's (a "double" here is one block of each of the three modes) to its 5 + 28 blocks.
+FLUX3_MEMORY = [(512, "bfloat16", 4, True), (1024, "bfloat16", None, True)]
+
+
+def part_flux3(results: dict) -> None:
+    """FLUX 3's rows: the step / forward time ratio at 512² (float32, 1 + 1 blocks) and the two targets' memory."""
+    rows = results.setdefault("flux3_memory", [])
+    key = lambda r: (r["size"], r["dtype"], r["bits"], r["checkpoint"], r["depth"], r["depth_single"])  # noqa: E731
+    done = {key(r) for r in rows}
+    for size, dtype, bits, ckpt in FLUX3_MEMORY:
+        for d, single in DEPTHS:
+            if (size, dtype, bits, ckpt, d, single) not in done:
+                job = dict(size=size, dtype=dtype, bits=bits, checkpoint=ckpt, depth=d, depth_single=single)
+                rows.append(run_child("memory", family="flux3", **job))
+                save_results(results)
+    if "flux3_speed" not in results:
+        results["flux3_speed"] = run_child(
+            "speed", size=512, depth=1, depth_single=1, warmup=1, trials=2, family="flux3"
+        )
+        save_results(results)
+
+
+def flux3_report(results: dict) -> list[str]:
+    """The FLUX 3 lines of the report (nothing when `flux3` has not run)."""
+    lines = []
+    fit = {"memory": results.get("flux3_memory", [])}
+    for size, dtype, bits, ckpt in FLUX3_MEMORY:
+        got = fitted_peak(fit, size, dtype, bits, ckpt, depth=5, depth_single=28)
+        if got is not None:
+            what = f"{size}², {'4-bit' if bits else dtype}{', --low-memory' if ckpt else ''}"
+            lines.append(
+                f"FLUX 3 Base {what}: {got[0] / GB:.2f} GB peak (fitted to 5 + 28 blocks), "
+                f"{got[1] / GB:.2f} GB resident"
+            )
+    speed = results.get("flux3_speed")
+    if speed:
+        t = {k: statistics.median(v) for k, v in speed["times"].items()}
+        lines.append(
+            f"FLUX 3 Base 512² float32, 1 block per mode + 1 single: forward {t['forward']:.2f} s, step "
+            f"{t['step'] / t['forward']:.2f}x, with checkpointing {t['step_checkpoint'] / t['forward']:.2f}x"
+        )
+    return lines
 
 
 MULTIRES = ([256, 512], "bfloat16", 4, True)  # small sizes: measurable on this machine in minutes
@@ -561,12 +628,14 @@ def report(results: dict) -> str:
         "of them alone | not measured | – |"
     )
     lines += lokr_report(results)
+    lines += flux3_report(results)
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=["speed", "memory", "multires", "lokr", "report"], nargs="?", default="report")
+    parts = ["speed", "memory", "multires", "lokr", "flux3", "report"]
+    p.add_argument("part", choices=parts, nargs="?", default="report")
     p.add_argument("--size", type=int, default=512)
     p.add_argument("--blocks", default="1+1", help="double+single blocks of the speed measurement")
     p.add_argument("--warmup", type=int, default=1)
@@ -610,6 +679,8 @@ def main() -> None:
         part_multires(results)
     elif args.part == "lokr":
         part_lokr(results)
+    elif args.part == "flux3":
+        part_flux3(results)
     print(report(results))
 
 

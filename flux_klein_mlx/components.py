@@ -31,18 +31,19 @@ from .weights import check_safetensors_file, load_into, read_weight_files
 
 
 def check_for_training(info: ModelInfo, quantize: int | None, weights=COMPONENTS) -> None:
-    """`train`'s checks of a model: the 9B-KV model is refused, then `check_for_loading` and the weight
-    files of `weights` (`check_weights`; the trainer checks the VAE's itself, unless its latents are all
-    cached); a distilled model is trained but warned about (its Base model is named)."""
+    """`train`'s checks of a model: the 9B-KV model and a distilled FLUX 3 (a flow map) are refused, then
+    `check_for_loading` and the weight files of `weights` (`check_weights`; the trainer checks the VAE's
+    itself, unless its latents are all cached); a distilled FLUX.2 is trained but warned about (its Base
+    model is named)."""
     if info.reference_kv:
         raise FluxKleinError(
             f"{info.name} caches reference keys/values and cannot be trained; train on "
             "black-forest-labs/FLUX.2-klein-base-9B and use the LoRA with the KV model"
         )
-    if info.family is not FLUX2:
+    if info.is_distilled and not info.family.trains_distilled:
         raise FluxKleinError(
-            f"{info.name} cannot be trained yet: `train` trains FLUX.2 [klein] Base models (e.g. "
-            "black-forest-labs/FLUX.2-klein-base-4B); a FLUX 3 LoRA can be trained with SimpleTuner or ai-toolkit"
+            f"{info.name} is the distilled {info.family.title} (a flow map, trained on its own schedule) and is not "
+            "trained here; train on its Base, black-forest-labs/flux-3-image-klein-base, and use the LoRA with either"
         )
     check_for_loading(info, quantize)
     check_weights(info, weights)

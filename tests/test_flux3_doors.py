@@ -208,13 +208,18 @@ def test_a_flux3_transformer_with_a_flux2_base_folder_is_one_line(flux3, snapsho
         describe(file, base=snapshot)
 
 
-def test_training_a_flux3_model_is_refused_in_one_line(flux3_base, tmp_path, cli):
+def test_training_the_distilled_flux3_is_refused_in_one_line_and_base_trains(flux3, flux3_base, tmp_path, cli):
+    """Issue 37 lifted the refusal of FLUX 3 Base (tests/train/test_train_flux3*.py judge its training); the
+    distilled flow map stays refused, naming the Base."""
     data = tmp_path / "data"
     data.mkdir()
     for k in range(2):
         picture(64, 64, seed=k).save(data / f"{k}.png")
         (data / f"{k}.txt").write_text("a fox")
     out = tmp_path / "fox.safetensors"
-    code, _, err = cli("train", "--model", flux3_base, "--data", data, "--output", out, "--steps", "1")
-    assert_one_line_error(code, err, "FLUX 3 Image Klein Base cannot be trained yet")
-    assert not out.exists()
+    args = ("--data", data, "--output", out, "--steps", "1", "--resolution", "64", "--rank", "4")
+    code, _, err = cli("train", "--model", flux3, *args)
+    assert_one_line_error(code, err, "is the distilled FLUX 3 Image Klein")
+    assert "flux-3-image-klein-base" in err and not out.exists() and not (tmp_path / "fox.train").exists()
+    code, _, err = cli("train", "--model", flux3_base, *args)
+    assert code == 0 and out.is_file(), err

@@ -30,6 +30,12 @@ class Family(Protocol):
     pipeline_classes: tuple[str, ...]  # the index's `_class_name`s of this family's pipelines
     upsampler: str | None  # the hub repo of BFL's prompt upsampler for this family (None: it has none)
     variants: dict  # its released models' rows (models/config.Variant), by name: the benchmark's random models
+    # training (train/, docs/training.md): the family's pieces of the objective and of --targets
+    trains_distilled: bool  # False: `train` refuses the distilled model (True: it warns and names the Base)
+    train_shift: float | None  # the constant shift of `--timesteps shift` (None: FLUX.2's, by the image's tokens)
+    target_groups: dict[str, tuple[str, str]]  # --targets block presets: name -> (diffusers prefix, params field)
+    reference_group: str | None  # the preset only reference tokens run through (left out of `all` without controls)
+    planned_text_tokens: int  # the text tokens the memory plan counts per example (before any caption is encoded)
 
     def is_distilled(self, index: dict, transformer_config: dict) -> bool:
         """Whether a snapshot is the distilled model, from its index and transformer config."""
@@ -77,6 +83,24 @@ class Family(Protocol):
 
     def reference_ids(self, k: int, h: int, w: int) -> mx.array:
         """RoPE ids (h*w, 4) of reference image `k` (0-based) on an h x w token grid."""
+        ...
+
+    def distilled_repo(self, model: str) -> str | None:
+        """The distilled model's repo id for a published Base repo id (samples run there), else None."""
+        ...
+
+    def size_key(self, params) -> tuple:
+        """What a LoRA's shapes depend on: a sample model must share it with the trained one."""
+        ...
+
+    def training_rope(self, model: nn.Module, grid: tuple[int, int], references: int, text_tokens: int):
+        """The RoPE tables of one training example: `text_tokens` text tokens, an h x w target, `references`
+        reference images of the same grid."""
+        ...
+
+    def training_velocity(self, model: nn.Module, xt, ctx, *, sigma, rope, refs, checkpoint: bool) -> mx.array:
+        """The velocity (B, L, C) of noisy target tokens xt (B, L, C) float32 at sigma (B,) float32, with the
+        captions ctx (B, Lt, E) and clean reference tokens refs (B, Lr, C) or None, in the model dtype."""
         ...
 
     def steps(self, model: nn.Module, job: Job, *, dtype: mx.Dtype, reference_kv: bool, low_memory: bool) -> Steps:

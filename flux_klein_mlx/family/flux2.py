@@ -25,7 +25,7 @@ from ..models.config import (
 from ..models.kv_cache import ReferenceKV
 from ..models.rope import image_ids, text_ids
 from ..models.text_encoder import OUT_LAYERS, encode_prompts
-from ..models.tokenizer import FLUX2_WINDOW
+from ..models.tokenizer import FLUX2_WINDOW, MAX_LENGTH
 from ..models.transformer import FluxKlein, infer_params, linear_shapes, sanitize_flux2_klein_weights
 from ..sampling import cfg, model_timestep, reference_time, schedule
 
@@ -82,6 +82,11 @@ class Flux2Family:
     index_files = ("model_index.json",)
     pipeline_classes = PIPELINE_CLASSES
     variants = VARIANTS
+    trains_distilled = True  # warned: it breaks the distillation, but the networks are the same
+    train_shift = None  # musubi's flux2_shift: by the image's token count (train/objective.py)
+    target_groups = {"double": ("transformer_blocks", "depth"), "single": ("single_transformer_blocks", "depth_single")}
+    reference_group = None  # references share the target's blocks
+    planned_text_tokens = MAX_LENGTH
 
     def is_distilled(self, index: dict, transformer_config: dict) -> bool:
         """The index says (klein 9B-KV's has no is_distilled key: its pipeline class tells it)."""
@@ -123,6 +128,27 @@ class Flux2Family:
 
     def reference_ids(self, k: int, h: int, w: int) -> mx.array:
         return image_ids(h, w, t=reference_time(k))
+
+    def distilled_repo(self, model: str) -> str | None:
+        name = model.lower()
+        return next(
+            (VARIANTS[v.family].repo for v in VARIANTS.values() if not v.distilled and v.repo.lower() == name), None
+        )
+
+    def size_key(self, params: FluxKleinParams) -> tuple:
+        return params.shape_key()
+
+    def training_rope(self, model, grid: tuple[int, int], references: int, text_tokens: int):
+        """One image stream: [target ; reference 0 ; ...], each reference at RoPE time 10 (k + 1)."""
+        ids = [image_ids(*grid)] + [self.reference_ids(k, *grid) for k in range(references)]
+        return model.compute_rope(text_ids(text_tokens), mx.concatenate(ids, axis=0))
+
+    def training_velocity(self, model, xt, ctx, *, sigma, rope, refs, checkpoint: bool) -> mx.array:
+        """The references follow the target tokens in its stream; the transformer sees sigma rounded to the
+        activation dtype (diffusers' `timesteps / 1000` of the scheduler's float32 timesteps)."""
+        dtype = model.dtype
+        x_in = xt.astype(dtype) if refs is None else mx.concatenate([xt.astype(dtype), refs.astype(dtype)], axis=1)
+        return model.forward_with_rope(x_in, ctx, sigma.astype(dtype), rope, checkpoint=checkpoint)[:, : xt.shape[1]]
 
     def steps(self, model, job: Job, *, dtype: mx.Dtype, reference_kv: bool, low_memory: bool) -> Flux2Steps:
         return Flux2Steps(model, job, dtype=dtype, reference_kv=reference_kv, low_memory=low_memory)

@@ -16,6 +16,8 @@ What differs from FLUX.2 [klein] (docs/flux3.md):
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -31,6 +33,9 @@ from ..references import FLUX3_MAX_REFERENCES
 from ..sampling import cfg, flow_timestep, shifted_schedule
 
 SHIFT = 6.93  # diffusers' Flux3SetTimestepsStep and mflux: sigma' = 6.93 sigma / (1 + 5.93 sigma)
+REPOS = {True: "black-forest-labs/flux-3-image-klein", False: "black-forest-labs/flux-3-image-klein-base"}
+# what the memory plan counts for a caption before it is encoded: two windows of 80 (about 100 words)
+PLANNED_TEXT_TOKENS = 160
 
 
 class Flux3Steps:
@@ -92,6 +97,16 @@ class Flux3Family:
     index_files = ("modular_model_index.json", "model_index.json")
     pipeline_classes = FLUX3_PIPELINE_CLASSES
     variants = FLUX3_VARIANTS  # the released models' rows (steps 16 / 50, Base guidance 3.5)
+    trains_distilled = False  # a flow map: its steps need a target time the objective has no value for
+    train_shift = SHIFT  # the sampling schedule's constant shift (docs/training.md#flux-3-image-klein)
+    target_groups = {
+        "image": ("mode_blocks.image", "depth"),
+        "reference": ("mode_blocks.image_cond", "depth"),
+        "text": ("txt_mode_blocks", "depth"),
+        "single": ("single_transformer_blocks", "depth_single"),
+    }
+    reference_group = "reference"
+    planned_text_tokens = PLANNED_TEXT_TOKENS
 
     def is_distilled(self, index: dict, transformer_config: dict) -> bool:
         """The transformer says: the distilled model is a flow map (its config's flow_map, BFL's ref_time_in)."""
@@ -131,6 +146,26 @@ class Flux3Family:
 
     def reference_ids(self, k: int, h: int, w: int) -> mx.array:
         return image_ids(h, w, scale=Flux3Params.image_rope_scale, l=-(k + 1))
+
+    def distilled_repo(self, model: str) -> str | None:
+        return REPOS[True] if model.lower() == REPOS[False] else None
+
+    def size_key(self, params: Flux3Params) -> tuple:
+        """The shapes less the flow map's embedder: a Base LoRA of the blocks runs on the distilled model."""
+        return replace(params, flow_map=False).shape_key()
+
+    def training_rope(self, model, grid: tuple[int, int], references: int, text_tokens: int):
+        """Text, target and references each in their own mode; reference k at l = -(k + 1)."""
+        img = image_ids(*grid, scale=model.params.image_rope_scale)
+        refs = [self.reference_ids(k, *grid) for k in range(references)]
+        return model.compute_rope(text_ids(text_tokens), img, mx.concatenate(refs, axis=0) if refs else None)
+
+    def training_velocity(self, model, xt, ctx, *, sigma, rope, refs, checkpoint: bool) -> mx.array:
+        """The references as their own stream; the image at sigma (float32: the model casts it to its dtype and
+        scales it by 1000 there, as diffusers' `timestep`), text and references at 0 (the model's rule)."""
+        dtype = model.dtype
+        ref = None if refs is None else refs.astype(dtype)
+        return model.forward_with_rope(xt.astype(dtype), ctx, sigma, rope, ref=ref, checkpoint=checkpoint)
 
     def steps(self, model, job: Job, *, dtype: mx.Dtype, reference_kv: bool, low_memory: bool) -> Flux3Steps:
         return Flux3Steps(model, job, low_memory=low_memory)

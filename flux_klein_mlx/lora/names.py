@@ -92,7 +92,9 @@ def _flux2_table(params) -> dict[str, Target]:
 def _flux3_modules(params, blocks_only: bool) -> list[str]:
     """FLUX 3: diffusers' name of each of our Linears (one module per layer), in our model order."""
     layers = flux3.linear_shapes(params)
-    return [flux3.flux3_diffusers_name(p) for p in layers if not blocks_only or re.search(r"blocks\.\d+\.", p)]
+    # a block: `single_blocks.N.`, `txt_mode_blocks.N.` or a content mode's `content_mode_blocks.<mode>.N.`
+    block = re.compile(r"blocks\.(?:\w+\.)?\d+\.")
+    return [flux3.flux3_diffusers_name(p) for p in layers if not blocks_only or block.search(p)]
 
 
 def _flux3_table(params) -> dict[str, Target]:

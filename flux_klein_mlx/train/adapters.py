@@ -21,7 +21,10 @@ Targets (`--targets`, comma-separated; see `parse_targets`):
     single[:a-b]   every Linear of the single blocks a..b, e.g. single:0-12: structure / identity
     NAME           a diffusers module name or a suffix of one at a dot (`to_q`, `attn.to_out`,
                    `transformer_blocks.0.ff.linear_in`), or one of ours (`img_attn.qkv`, `linear1`)
-Blocks are counted from the model (klein-4B has 5 + 20, klein-9B 8 + 24).
+Blocks are counted from the model (klein-4B has 5 + 20, klein-9B 8 + 24). The block groups are the
+family's (`Family.target_groups`): FLUX 3 Image Klein has `image`, `reference`, `text` (its modes' own
+blocks) and `single` instead of `double` / `single`; without control images `all` leaves out its
+reference blocks, which would never run (docs/training.md#flux-3-image-klein).
 """
 
 from __future__ import annotations
@@ -40,14 +43,14 @@ from mlx.utils import tree_unflatten
 
 from .. import __version__
 from ..errors import FluxKleinError
+from ..family import family_of
 from ..lora.apply import layers_by_path
 from ..lora.formats import Term
 from ..lora.layers import ROLE_LISTS, LoRALinear, TrainableTerm
 from ..lora.layouts import TrainedRun, file_shapes, training_header, write_adapter
-from ..lora.names import diffusers_modules, target_table
-from ..models.transformer import linear_shapes
+from ..lora.names import diffusers_modules, layer_shapes, target_table
 
-PRESETS = ("all", "attention", "double", "single")
+PRESETS = ("all", "attention")  # and each family's block groups (family/: FLUX.2 double single, FLUX 3 image ...)
 # The layout of a run's checkpoint and EMA files (lora/layouts writes and reads them): LoRA pairs per
 # diffusers module as diffusers' trainer writes them, LoKr factors as LyCORIS writes them.
 CHECKPOINT_LAYOUTS = {"lora": "diffusers", "lokr": "comfyui"}
@@ -71,7 +74,7 @@ class Slot:
 
 def block_slots(params) -> list[Slot]:
     """Every Linear of every block as diffusers names it, in model order (blocks from `params`)."""
-    table, shapes = target_table(params), linear_shapes(params)
+    table, shapes = target_table(params), layer_shapes(params)
     names = diffusers_modules(params, blocks_only=True)
     return [Slot(n, table[n].layer, table[n].rows, shapes[table[n].layer][1]) for n in names]
 
@@ -97,34 +100,48 @@ def _matches(token: str, slot: Slot) -> bool:
     return any(full == token or full.endswith("." + token) for full in (slot.name, slot.layer))
 
 
-def parse_targets(targets, params) -> list[Slot]:
-    """`--targets` (a string, comma-separated, or a list of strings) -> the slots to train, in model order."""
+def parse_targets(targets, params, *, references: bool = True) -> list[Slot]:
+    """`--targets` (a string, comma-separated, or a list of strings) -> the slots to train, in model order.
+    `references` False (a run without control images): `all` leaves out the blocks only references run
+    through (FLUX 3's reference mode), and naming them is refused (they would train nothing)."""
     tokens = [targets] if isinstance(targets, str) else list(targets or [])
     tokens = [t.strip() for item in tokens for t in str(item).split(",") if t.strip()]
+    family = family_of(params)
+    presets = ", ".join([*PRESETS, *family.target_groups]) + ", single:0-3"
     if not tokens:
-        raise FluxKleinError("--targets is empty; use all, attention, double, single:0-12 or module names")
+        raise FluxKleinError(f"--targets is empty; use {presets} or module names")
     slots = block_slots(params)
+    groups = {name: prefix for name, (prefix, _) in family.target_groups.items()}
+    unused = groups.get(family.reference_group) if not references else None
     chosen: set[str] = set()
     for token in tokens:
-        kind = token.partition(":")[0]
-        if token == "all":
-            hit = [slot.name for slot in slots]
-        elif token == "attention":
-            hit = [slot.name for slot in slots if _ATTENTION.search(slot.name)]
-        elif kind in ("double", "single"):
-            count = params.depth if kind == "double" else params.depth_single
-            prefix = "transformer_blocks" if kind == "double" else "single_transformer_blocks"
-            blocks = {f"{prefix}.{i}." for i in _block_range(token, kind, count)}
-            hit = [slot.name for slot in slots if any(slot.name.startswith(b) for b in blocks)]
-        else:
-            hit = [slot.name for slot in slots if _matches(token, slot)]
+        hit = _token_slots(token, slots, params, family)
         if not hit:
             raise FluxKleinError(
-                f"--targets {token} matches no layer of {params.describe()}; use all, attention, double, "
-                "single:0-12 or diffusers module names such as transformer_blocks.0.attn.to_q"
+                f"--targets {token} matches no layer of {params.describe()}; use {presets} or diffusers module "
+                f"names such as {slots[0].name}"
             )
-        chosen.update(hit)
+        if unused and token != "all" and all(name.startswith(unused + ".") for name in hit):
+            raise FluxKleinError(
+                f"--targets {token} adapts only the reference blocks ({unused}), which a run without --control "
+                "never runs; give --control, or choose other targets"
+            )
+        chosen.update(name for name in hit if not (unused and token == "all" and name.startswith(unused + ".")))
     return [slot for slot in slots if slot.name in chosen]
+
+
+def _token_slots(token: str, slots: list[Slot], params, family) -> list[str]:
+    """The slot names one --targets token names: a preset, a block group with an optional range, a module."""
+    kind = token.partition(":")[0]
+    if token == "all":
+        return [slot.name for slot in slots]
+    if token == "attention":
+        return [slot.name for slot in slots if _ATTENTION.search(slot.name)]
+    if kind in family.target_groups:
+        prefix, field = family.target_groups[kind]
+        blocks = {f"{prefix}.{i}." for i in _block_range(token, kind, getattr(params, field))}
+        return [slot.name for slot in slots if any(slot.name.startswith(b) for b in blocks)]
+    return [slot.name for slot in slots if _matches(token, slot)]
 
 
 class TrainableLoRA:
@@ -257,7 +274,7 @@ def adapter_file_shapes(slots: list[Slot], params, *, adapter: str, rank: int, f
     if adapter == "lokr":
         terms = []
         for path in lokr_layers(slots, params):
-            shape = LoKrShape.of(*linear_shapes(params)[path], rank, factor)
+            shape = LoKrShape.of(*layer_shapes(params)[path], rank, factor)
             zeros = {"w2": mx.zeros(shape.w2), **{role: mx.zeros(slot) for role, slot in shape.factor_shapes().items()}}
             terms.append(Term(path, (0, shape.w1[0] * shape.w2[0]), 1.0, **zeros))
     else:
@@ -352,7 +369,7 @@ def adapter_parameters(slots: list[Slot], params, *, adapter: str, rank: int, lo
     """The trainable values of a run's adapters from the shapes alone (the memory plan, before any model
     loads), as the trainer's adapters count them: LoRA r · (in + out) per slot, LoKr its factors per layer."""
     if adapter == "lokr":
-        shapes = linear_shapes(params)
+        shapes = layer_shapes(params)
         return sum(LoKrShape.of(*shapes[p], rank, lokr_factor).num_parameters for p in lokr_layers(slots, params))
     return sum(rank * (slot.in_dims + slot.out_dims) for slot in slots)
 
@@ -360,7 +377,7 @@ def adapter_parameters(slots: list[Slot], params, *, adapter: str, rank: int, lo
 def lokr_layers(slots: list[Slot], params) -> list[str]:
     """The layers a LoKr run trains, in model order. LoKr factorizes a whole layer (a fused qkv's q, k
     and v together: a Kronecker product does not split into row blocks), so each must be chosen whole."""
-    widths = {path: out for path, (out, _) in linear_shapes(params).items()}
+    widths = {path: out for path, (out, _) in layer_shapes(params).items()}
     covered: dict[str, list[Slot]] = {}
     for slot in slots:
         covered.setdefault(slot.layer, []).append(slot)
@@ -461,7 +478,7 @@ def attach_lokr(
     """Freeze `model` and put a trainable LoKr term on each whole layer `slots` cover, drawn from `rng`
     layer by layer in model order, so a seed gives the same start every time."""
     model.freeze()
-    layers, shapes, wrapped, where = layers_by_path(model), linear_shapes(params), {}, {}
+    layers, shapes, wrapped, where = layers_by_path(model), layer_shapes(params), {}, {}
     for path in lokr_layers(slots, params):
         shape = LoKrShape.of(*shapes[path], rank, factor)
         layer = wrapped[path] = LoRALinear(layers[path])

@@ -19,7 +19,6 @@ import mlx.core as mx
 from ..components import load_component
 from ..embedding_cache import open_cache, prompt_keys
 from ..errors import FluxKleinError
-from ..models.text_encoder import encode_prompts
 from ..models.tokenizer import load_tokenizer
 from .events import StageFinished, StageStarted, plural
 
@@ -48,7 +47,13 @@ class CaptionEmbeddings:
         # Training's own entries ("for"): it encodes up to 4 texts a batch, the pipeline all at once, and
         # the two need not agree to the bit; a resume reads back exactly what the first run trained on.
         quantization = {"bits": settings.quantize, "group_size": settings.group_size} if settings.quantize else None
-        key_settings = {"dtype": settings.dtype, "quantization": quantization, "for": "train"}
+        # FLUX 3's taps and window are part of its key (the family's text_key; FLUX.2's adds nothing)
+        key_settings = {
+            "dtype": settings.dtype,
+            "quantization": quantization,
+            "for": "train",
+            **self.info.family.text_key,
+        }
         if self.cache is not None:
             self.keys = prompt_keys(
                 self.cache,
@@ -94,12 +99,13 @@ class CaptionEmbeddings:
         )
         for k in range(0, len(texts), ENCODE_CHUNK):
             chunk = texts[k : k + ENCODE_CHUNK]
-            emb = encode_prompts(encoder, tokenizer, chunk).astype(self.dtype)  # (n, 512, E)
+            # each (1, Lt, E): FLUX.2's window is 512, FLUX 3's each text's own (its length rounded up to 80)
+            emb = [e.astype(self.dtype) for e in self.info.family.encode_prompts(encoder, tokenizer, chunk)]
             mx.eval(emb)
-            if not mx.all(mx.isfinite(emb)).item():
+            if not all(mx.all(mx.isfinite(e)).item() for e in emb):
                 raise FluxKleinError(f"non-finite prompt embeddings for {chunk[0]!r}: try --dtype float32")
             for i, t in enumerate(chunk):
-                self.ctx[t] = emb[i : i + 1]
+                self.ctx[t] = emb[i]
                 if self.keys[t] is not None:  # the resumed run reads them back, bit for bit
                     self.cache.put(self.keys[t], self.ctx[t])
         del encoder

@@ -140,12 +140,12 @@ class Validation:
 
     def measure(self, step: int, loss_fn: Callable, ctx: dict, rope: Callable) -> ValidationFinished:
         """The loss at every (image, level): `loss_fn(x0, noise, sigma=, ctx=, rope=, refs=)` is the run's objective,
-        called without gradients; `ctx` maps captions to (1, Lt, E); `rope(item, n)` gives the item's tables
-        with n control images."""
+        called without gradients; `ctx` maps captions to (1, Lt, E); `rope(item, n, Lt)` gives the item's tables
+        with n control images and Lt text tokens."""
         sums = np.zeros(len(VALIDATION_SIGMAS))
         for i, (it, x0, refs) in enumerate(zip(self.items, self.latents, self.refs, strict=True)):
             noise = validation_noise(i, x0.shape[1], x0.shape[2])
-            tables = rope(it, len(it.controls))
+            tables = rope(it, len(it.controls), ctx[it.caption].shape[1])
             for k, sigma in enumerate(VALIDATION_SIGMAS):
                 sigma_k = mx.array([sigma], dtype=mx.float32)
                 loss = loss_fn(

@@ -4,7 +4,7 @@
          + batch x (4 B x trainable values (the gradients) + b x L + c x L^2)
 
 L = image tokens (H/16 x W/16 of the largest resolution, times 1 + the number of control images) +
-512 text tokens. The weights are counted from the model's shapes (bf16 2 B per value; quantized
+the family's text tokens (FLUX.2: 512). The weights are counted from the model's shapes (bf16 2 B per value; quantized
 Linears bits + 32/group_size bits per value: a scale and a bias per group). b (bytes per token) and
 c (bytes per token pair: the attention probabilities) are fitted to the peaks that
 `benchmarks/train_step.py memory` measured for klein-4B Base, rank 16 on all block Linears, batch 1
@@ -19,7 +19,9 @@ blocks, which agrees with the full-depth measurements to 1.5 %):
 
 (8-bit uses the 4-bit coefficients: both run the adapters beside a quantized matmul.) For another
 model (klein-9B) b is scaled by hidden size x blocks and c by heads (x blocks when all are kept),
-relative to klein-4B's 3072 x 25 and 24 heads: an extrapolation, not a measurement. The
+relative to klein-4B's 3072 x 25 and 24 heads: an extrapolation, not a measurement. FLUX 3 Image Klein
+is planned the same way from its own shapes (the weights of its transformer, its 5 + 28 blocks the image
+passes, the family's planned 160 text tokens: two caption windows); no FLUX 3 step has been measured. The
 measurements used Metal-like stand-ins on Linux, not a Mac; treat the plan as a guide (about 5 %).
 """
 
@@ -32,11 +34,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import FluxKleinError
+from ..family import family_of
 from ..limits import machine_memory  # the one home of the machine's memory (the pipeline's size limit reads it too)
 from ..models.config import FluxKleinParams
 from ..models.rope import token_grid
-from ..models.tokenizer import MAX_LENGTH
-from ..models.transformer import FluxKlein
 
 # klein-4B's reference geometry (the model the coefficients were measured on)
 REF_HIDDEN = 3072
@@ -67,7 +68,7 @@ def coefficients(quantized: bool, low_memory: bool) -> tuple[float, float]:
 
 def weight_bytes(params: FluxKleinParams, bits: int | None, group_size: int = 64) -> int:
     """The transformer's bytes in memory: shapes counted on a lazy (never evaluated) model."""
-    model = FluxKlein(params)
+    model = family_of(params).build_transformer(params)
     total = 0.0
     for _, m in model.named_modules():
         for name, v in m.parameters().items():
@@ -104,7 +105,7 @@ def step_peak(
 ) -> tuple[int, int]:
     """(planned peak, weight bytes) of one step (module docstring)."""
     weights = weight_bytes(params, bits, group_size)
-    L = math.prod(token_grid(resolution, resolution)) * (1 + controls) + MAX_LENGTH
+    L = math.prod(token_grid(resolution, resolution)) * (1 + controls) + family_of(params).planned_text_tokens
     b, c = coefficients(bits is not None, low_memory)
     blocks = params.depth + params.depth_single
     kb = params.hidden_size * blocks / (REF_HIDDEN * REF_BLOCKS)

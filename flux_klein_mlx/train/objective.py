@@ -1,4 +1,4 @@
-"""The training objective of FLUX.2 [klein] LoRAs: diffusers' flow matching, sigma sampling, AdamW.
+"""The training objective of klein LoRAs: diffusers' flow matching, sigma sampling, AdamW.
 
 The objective is that of diffusers' `train_dreambooth_lora_flux2_klein.py` (docs/training.md#the-objective),
 per batch of images that share a bucket:
@@ -12,6 +12,11 @@ The transformer rounds sigma to the activation dtype before it scales it by 1000
 does). Edit LoRAs (`controls`): each control image's clean latent tokens follow the target tokens,
 with RoPE time coordinate 10, 20, ... as in our editing; only the target tokens carry loss.
 
+The model's family makes the transformer call (family/, `training_rope` / `training_velocity`): FLUX.2 puts
+the control tokens after the target's in one stream; FLUX 3 Image Klein gives them their own stream (RoPE
+l = -(k + 1)), sees the image at sigma and text and references at 0, and reads each caption in its own window
+(`batch_loss`: one pass per window length). docs/training.md#flux-3-image-klein says what FLUX 3 trains.
+
 Sigma sampling (`timesteps`):
     shift         (default) musubi-tuner's `flux2_shift`: t = sigmoid(N(0, 1)), s = e^mu with mu linear
                   in the image's token count L (0.5 at L = 256, i.e. 256^2 px; 1.15 at L = 4096, 1024^2),
@@ -21,6 +26,7 @@ Sigma sampling (`timesteps`):
                   and the loss says little. (musubi feeds the model sigma + 0.001; we feed sigma.)
     logit-normal  diffusers' `logit_normal`: u = sigmoid(N(0, 1)), sigma = (1000 - floor(1000 u)) / 1000.
     uniform       diffusers' default (`none`): u ~ U(0, 1) on the same grid, sigma uniform on {0.001 .. 1}.
+On FLUX 3 `shift` uses the family's constant shift (6.93, its sampling schedule's) at every size.
 
 Optimizer: AdamW with torch's semantics (bias correction, decoupled weight decay 1e-4 as diffusers,
 eps 1e-8; it and the others of --optimizer: optimizers.py), gradients averaged over `grad_accum`
@@ -55,6 +61,7 @@ import numpy as np
 
 from ..checks import check_choice
 from ..errors import FluxKleinError
+from ..family import family_of
 from ..sampling import scale_noise
 
 TRAIN_TIMESTEPS = 1000  # the scheduler's num_train_timesteps: sigma lives on a grid of 1/1000
@@ -66,12 +73,13 @@ def shift_mu(tokens: int) -> float:
     return m * tokens + 0.5 - m * 256
 
 
-def sigmas_from_draws(scheme: str, draws: np.ndarray, tokens: int) -> np.ndarray:
-    """sigma (B,) float32 from the run's random numbers: U(0, 1) draws for `uniform`, N(0, 1) for the others."""
+def sigmas_from_draws(scheme: str, draws: np.ndarray, tokens: int, shift: float | None = None) -> np.ndarray:
+    """sigma (B,) float32 from the run's random numbers: U(0, 1) draws for `uniform`, N(0, 1) for the others.
+    `shift`: the family's constant shift of the `shift` scheme (FLUX 3: 6.93); None: FLUX.2's, by `tokens`."""
     d = np.asarray(draws, dtype=np.float32)
     if scheme == "shift":
         t = (1.0 / (1.0 + np.exp(-d.astype(np.float64)))).astype(np.float32)
-        s = math.exp(shift_mu(tokens))
+        s = math.exp(shift_mu(tokens)) if shift is None else shift
         return ((t * np.float32(s)) / (np.float32(1) + np.float32(s - 1) * t)).astype(np.float32)
     u = d if scheme == "uniform" else (1.0 / (1.0 + np.exp(-d.astype(np.float64)))).astype(np.float32)
     idx = (u * np.float32(TRAIN_TIMESTEPS)).astype(np.int64)  # diffusers: (u * 1000).long()
@@ -84,15 +92,42 @@ def flow_loss(model, x0, noise, *, sigma, ctx, rope, refs=None, checkpoint: bool
 
     x0, noise (B, L, C): clean target tokens and noise; sigma (B,) float32; ctx (B, Lt, E) caption
     embeddings; rope the tables of [text; target; refs]; refs (B, Lr, C) clean control tokens or None.
+    The model's family makes the call (family/: where references go, the timestep each stream sees).
     """
-    dtype = model.dtype
     s = sigma.astype(mx.float32)[:, None, None]
     xt = scale_noise(x0, noise, s)  # (B, L, C) float32
-    x_in = xt.astype(dtype) if refs is None else mx.concatenate([xt.astype(dtype), refs.astype(dtype)], axis=1)
-    t = sigma.astype(dtype)  # the transformer sees sigma rounded to the activation dtype
-    pred = model.forward_with_rope(x_in, ctx, t, rope, checkpoint=checkpoint)[:, : x0.shape[1]]
+    family = family_of(model.params)
+    pred = family.training_velocity(model, xt, ctx, sigma=sigma, rope=rope, refs=refs, checkpoint=checkpoint)
     target = noise.astype(mx.float32) - x0.astype(mx.float32)
     return mx.mean(mx.square(pred.astype(mx.float32) - target))
+
+
+def batch_loss(model, x0, noise, *, sigma, ctx: list, rope, refs=None, checkpoint: bool = False) -> mx.array:
+    """`flow_loss` of a batch whose captions may have windows of different lengths (FLUX 3: each caption keeps
+    its own window, as at inference; FLUX.2's are all 512). ctx: one (1, Lt_i, E) per example; rope(Lt) the
+    tables for Lt text tokens. Examples sharing a window run as one pass, weighted by their share of the batch:
+    the loss is a mean over examples of equal size, so this equals one pass over the batch."""
+    groups: dict[int, list[int]] = {}
+    for i, c in enumerate(ctx):
+        groups.setdefault(c.shape[1], []).append(i)
+    if len(groups) == 1:  # one window: the batch as it is
+        ctx, tables = mx.concatenate(ctx, axis=0), rope(ctx[0].shape[1])
+        return flow_loss(model, x0, noise, sigma=sigma, ctx=ctx, rope=tables, refs=refs, checkpoint=checkpoint)
+    total = mx.array(0.0)
+    for length, rows in groups.items():
+        take = mx.array(rows)
+        part = flow_loss(
+            model,
+            x0[take],
+            noise[take],
+            sigma=sigma[take],
+            ctx=mx.concatenate([ctx[i] for i in rows], axis=0),
+            rope=rope(length),
+            refs=None if refs is None else refs[take],
+            checkpoint=checkpoint,
+        )
+        total = total + part * (len(rows) / len(ctx))
+    return total
 
 
 def optimizer_step(optimizer: optim.Optimizer, model: nn.Module, grads, max_grad_norm: float) -> mx.array:

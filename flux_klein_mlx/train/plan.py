@@ -108,7 +108,7 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
     check_output_file(settings.output)
     check_work_dir(settings.work_dir, settings.data, settings.controls)
     info = _check_model(settings)
-    slots = parse_targets(settings.targets, info.params)
+    slots = parse_targets(settings.targets, info.params, references=bool(settings.controls))
     # counted before any model loads; a LoKr's layers must be whole (lokr_layers refuses here)
     trainable = adapter_parameters(
         slots, info.params, adapter=settings.adapter, rank=settings.rank, lokr_factor=settings.lokr_factor

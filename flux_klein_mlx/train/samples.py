@@ -49,10 +49,10 @@ from PIL import Image
 from .. import __version__
 from ..components import check_weights
 from ..errors import FluxKleinError
+from ..family import FAMILIES
 from ..files import write_replacing
 from ..loading import DEFAULT_DTYPE, ModelInfo, as_dtype, describe
 from ..lora import layouts
-from ..models.config import VARIANTS
 from ..output import read_record, write_image
 from ..weights import save_safetensors_streaming
 from .data import check_picture
@@ -77,12 +77,9 @@ class SamplesSaved:
 
 
 def sibling_model(model) -> str | None:
-    """The distilled repo id of a published klein Base repo id (FLUX.2-klein-base-4B -> FLUX.2-klein-4B), else None."""
-    name = str(model).lower()
-    for v in VARIANTS.values():
-        if not v.distilled and v.repo.lower() == name:
-            return VARIANTS[v.family].repo
-    return None
+    """The distilled repo id of a published klein Base repo id (FLUX.2-klein-base-4B -> FLUX.2-klein-4B,
+    flux-3-image-klein-base -> flux-3-image-klein), else None."""
+    return next((repo for f in FAMILIES.values() if (repo := f.distilled_repo(str(model))) is not None), None)
 
 
 def sample_source(settings: TrainSettings) -> str:
@@ -103,7 +100,8 @@ def check_sample_model(settings: TrainSettings, trained: ModelInfo) -> ModelInfo
         raise FluxKleinError(f"--sample-model {source}: {e}") from None
     if info.format == "bfl":
         raise FluxKleinError(f"--sample-model {source} is a single weight file; convert it into a model folder first")
-    if info.params.shape_key() != trained.params.shape_key():
+    family = trained.family
+    if info.family is not family or family.size_key(info.params) != family.size_key(trained.params):
         raise FluxKleinError(
             f"--sample-model {source} is {info.params.describe()}, but the LoRA trains on {trained.params.describe()}; "
             "give a klein model of the same size (the distilled model of the same family)"

@@ -1,4 +1,4 @@
-"""LoRA training for FLUX.2 [klein] Base: the run, step by step (the objective: objective.py).
+"""LoRA training on klein Base (FLUX.2 [klein], FLUX 3 Image Klein): the run, step by step (objective.py).
 
     for event in flux_klein_mlx.train_lora(model="black-forest-labs/FLUX.2-klein-base-4B",
                                            data="photos/", output="ink.safetensors", steps=500):
@@ -32,8 +32,7 @@ from .. import __version__
 from ..components import load_component
 from ..errors import FluxKleinError
 from ..loading import as_dtype
-from ..models.rope import image_ids, text_ids, token_grid
-from ..sampling import reference_time
+from ..models.rope import token_grid
 from .adapters import attach_lokr, attach_lora, file_header, write_lora_file
 from .captions import CaptionEmbeddings
 from .data import bucket_counts, dropped_captions, epoch_batches, flipped_examples
@@ -41,7 +40,7 @@ from .distributed import PeerLost, example_draws
 from .evaluation import EMA_FILE, AdapterEMA, Validation, average_window, moving_average, write_loss_plot
 from .events import CheckpointSaved, StageFinished, StageStarted, StepFinished, TrainFinished, TrainStarted
 from .metrics import MetricsLog
-from .objective import flow_loss, lr_at_step, optimizer_step, sigmas_from_draws
+from .objective import batch_loss, flow_loss, lr_at_step, optimizer_step, sigmas_from_draws
 from .optimizers import make_optimizer
 from .plan import RunPlan, data_key, epochs_ended, plan_run, run_key
 from .samples import SampleImages, SamplesSaved
@@ -250,19 +249,10 @@ class Trainer:
             AdapterEMA(settings.ema, self.lora) if settings.ema is not None and self.world.is_main else None
         )  # rank 0 writes it
 
-        def loss(weight, x0, noise, sigma, ctx, refs, cos, sin):  # weight: this process's share of the batch
+        def loss(weight, x0, noise, sigma, ctx, refs, rope):  # weight: this process's share of the batch
+            low = settings.low_memory
             return (
-                flow_loss(
-                    self.model,
-                    x0,
-                    noise,
-                    sigma=sigma,
-                    ctx=ctx,
-                    rope=(cos, sin),
-                    refs=refs,
-                    checkpoint=settings.low_memory,
-                )
-                * weight
+                batch_loss(self.model, x0, noise, sigma=sigma, ctx=ctx, rope=rope, refs=refs, checkpoint=low) * weight
             )
 
         self.loss_and_grad = nn.value_and_grad(self.model, loss)
@@ -283,18 +273,17 @@ class Trainer:
         self.position += 1
         return self.batches[self.position - 1]
 
-    def rope(self, it, n_refs: int):
-        key = (it.bucket, n_refs)
+    def rope(self, it, n_refs: int, text_tokens: int):
+        """The tables of item `it`'s size with `n_refs` references and `text_tokens` text tokens (the family's)."""
+        key = (it.bucket, n_refs, text_tokens)
         if key not in self.ropes:
-            W, H = it.bucket
-            ids = [image_ids(*token_grid(W, H))] + [
-                image_ids(*token_grid(W, H), t=reference_time(k)) for k in range(n_refs)
-            ]
-            self.ropes[key] = self.model.compute_rope(text_ids(512), mx.concatenate(ids, axis=0))
+            grid = token_grid(*it.bucket)
+            self.ropes[key] = self.info.family.training_rope(self.model, grid, n_refs, text_tokens)
         return self.ropes[key]
 
     def micro_batch(self, indices: list[int], first: int) -> tuple:
-        """(x0, noise, sigma, ctx, refs, cos, sin) of one batch; example j's draws keyed (seed, step, first + j)."""
+        """(x0, noise, sigma, ctx, refs, rope) of one batch: ctx one (1, Lt, E) per example, rope(Lt) its tables;
+        example j's draws keyed (seed, step, first + j)."""
         flips = [False] * len(indices)
         if self.settings.flip:  # which examples train mirrored (data.flipped_examples)
             flips = flipped_examples(self.settings.seed, self.step_no + 1, range(first, first + len(indices)))
@@ -310,16 +299,15 @@ class Trainer:
             scheme=self.settings.timesteps,
             shape=(L, C),
         )
-        sigma = mx.array(sigmas_from_draws(self.settings.timesteps, draws, L))
+        sigma = mx.array(sigmas_from_draws(self.settings.timesteps, draws, L, self.info.family.train_shift))
         noise = mx.array(noise)
         dropped = dropped_captions(
             self.settings.seed, self.epoch, position=self.position, n=len(indices), p=self.settings.caption_dropout
         )
         captions = ["" if drop else self.items[i].caption for i, drop in zip(indices, dropped, strict=True)]
-        ctx = mx.concatenate([self.ctx[c] for c in captions], axis=0)
         refs = None if pairs[0][1] is None else mx.concatenate([r for _, r in pairs], axis=0)
-        cos, sin = self.rope(self.items[indices[0]], len(self.items[indices[0]].controls))
-        return x0, noise, sigma, ctx, refs, cos, sin
+        it = self.items[indices[0]]
+        return x0, noise, sigma, [self.ctx[c] for c in captions], refs, partial(self.rope, it, len(it.controls))
 
     def train_step(self) -> StepFinished:
         t0 = time.perf_counter()

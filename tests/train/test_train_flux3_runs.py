@@ -1,0 +1,307 @@
+"""Whole `train` runs on the tiny FLUX 3 Image Klein Base snapshot (issue 37), judged by diffusers:
+
+- `train --format comfyui | diffusers | kohya`: the file diffusers' FLUX 3 loader reads
+  (`Flux3LoraLoaderMixin.lora_state_dict` + `load_lora_into_transformer`) with no key left over and no module
+  missing, and diffusers' Base pipeline with it gives our image with it (1e-3, float32); diffusers reads no
+  kohya FLUX 3 names, so the kohya file is judged through `lora convert` to the diffusers layout;
+- an edit LoRA (references as their own stream) with captions of two window lengths, batches of 2 and 2
+  micro-batches: 2 steps + resume to 4 equal 4 straight, bit for bit; samples on the distilled FLUX 3 equal
+  `generate` on it with the LoRA each sample point keeps;
+- the default sample model of the Base repo is the distilled repo;
+- one line each, nothing written: the distilled FLUX 3 given to `train`, a FLUX.2 run's checkpoint resumed on
+  FLUX 3, targets FLUX 3 has not (FLUX.2's `double`, the distilled model's `ref_time_in`), reference blocks
+  without --control.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import shlex
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from flux3_refs import flux3_pipeline, flux3_reference
+from PIL import Image
+from refs import to_np
+from tiny_flux3 import shared_tiny_flux3_snapshot
+
+import flux_klein_mlx
+from flux_klein_mlx.__main__ import main
+from flux_klein_mlx.errors import FluxKleinError
+from flux_klein_mlx.lora.convert import convert_lora
+from flux_klein_mlx.output import RECORD_KEY
+from flux_klein_mlx.train.samples import SamplesSaved, sibling_model
+from flux_klein_mlx.train.trainer import StepFinished, TrainStarted
+
+SHORT = "a striped test card"
+LONG = "a striped test card on a wooden easel in a quiet room, " * 12  # past 80 tokens: a window of 160
+
+
+@pytest.fixture(scope="module")
+def base3(tmp_path_factory):
+    return shared_tiny_flux3_snapshot(tmp_path_factory, distilled=False)
+
+
+@pytest.fixture(scope="module")
+def distilled3(tmp_path_factory):
+    return shared_tiny_flux3_snapshot(tmp_path_factory, distilled=True)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Four 64 x 64 images, captions of two window lengths, and a control folder for them."""
+    root = tmp_path_factory.mktemp("flux3-data")
+    d, c = root / "photos", root / "before"
+    d.mkdir(), c.mkdir()
+    g = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:64, 0:64]
+    for i in range(4):
+        base = np.stack([xx * 4 % 256, yy * 4 % 256, (xx + yy) * 2 % 256], -1).astype(np.uint8)
+        Image.fromarray(np.roll(base, 9 * i, axis=1)).save(d / f"im{i}.png")
+        (d / f"im{i}.txt").write_text(LONG if i % 2 else SHORT)
+        Image.fromarray((g.random((64, 64, 3)) * 255).astype(np.uint8)).save(c / f"im{i}.png")
+    return d, c
+
+
+def latents(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, 32, 4, 4)).astype(np.float32)
+
+
+@pytest.mark.parametrize("layout", ["comfyui", "diffusers", "kohya"])
+def test_flux3_train_writes_each_format_that_diffusers_loads_and_gives_our_image(base3, data, tmp_path, layout, caplog):
+    from diffusers.loaders import Flux3LoraLoaderMixin
+
+    out = tmp_path / f"{layout}.safetensors"
+    args = ["train", "--model", str(base3), "--data", str(data[0]), "--output", str(out), "--format", layout]
+    args += ["--steps", "3", "--rank", "4", "--lr", "2e-2", "--resolution", "64", "--dtype", "float32"]
+    assert main(args + ["--save-dtype", "float32", "--targets", "image,text,single"]) == 0
+    pipe = flux3_pipeline(base3)
+    judge = out
+    if layout == "kohya":  # diffusers 0.42.1 reads no kohya FLUX 3 names: it judges our `lora convert` of the file
+        assert all(k.startswith("lora_unet_") for k in mx.load(str(out)))
+        judge = convert_lora(out, tmp_path / "judge.safetensors", "diffusers")
+    # diffusers' loader, its two steps, on a copy: every key lands on a module, every module we trained gets one
+    caplog.set_level(logging.WARNING)
+    model = copy.deepcopy(pipe.transformer)
+    sd, meta = Flux3LoraLoaderMixin.lora_state_dict(str(judge), return_lora_metadata=True)
+    Flux3LoraLoaderMixin.load_lora_into_transformer(sd, transformer=model, adapter_name="judge", metadata=meta)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "key" in r.getMessage().lower()]
+    adapted = {n for n, m in model.named_modules() if "judge" in getattr(m, "lora_A", {})}
+    record = __import__("json").loads((tmp_path / f"{layout}.train" / "train.json").read_text())
+    assert adapted == set(record["targets"]) and len(adapted) == (2 + 2 + 2) * 6
+    lat = latents(5)
+    pipe.load_lora_weights(str(judge), adapter_name="judge")
+    try:
+        theirs = flux3_reference(base3, prompt=SHORT, latents=lat, steps=2)
+    finally:
+        pipe.unload_lora_weights()
+    plain = flux3_reference(base3, prompt=SHORT, latents=lat, steps=2)
+    ours = flux_klein_mlx.load(base3, dtype="float32", cache=False, loras=[out]).generate(
+        SHORT, steps=2, latents=lat, width=64, height=64, output_type="np"
+    )
+    assert np.abs(ours - theirs).max() <= 1e-3
+    assert np.abs(theirs - plain).max() > 1e-2  # the trained LoRA does something
+
+
+def run(**kw) -> list:
+    return list(flux_klein_mlx.train_lora(**kw))
+
+
+def test_flux3_edit_lora_resumes_bit_exact_and_samples_on_the_distilled_model(
+    base3, distilled3, data, tmp_path, capsys
+):
+    common = dict(
+        model=base3,
+        data=data[0],
+        controls=[data[1]],
+        rank=4,
+        lr=5e-3,
+        resolution=64,
+        batch_size=2,
+        grad_accum=2,
+        save_every=2,
+        keep_checkpoints=5,
+    )
+    straight = run(output=tmp_path / "straight.safetensors", steps=4, **common)
+    first = run(output=tmp_path / "first.safetensors", steps=2, work_dir=tmp_path / "resumed", **common)
+    second = run(
+        output=tmp_path / "second.safetensors",
+        steps=4,
+        work_dir=tmp_path / "resumed",
+        resume=True,
+        sample_every=4,
+        sample_model=distilled3,
+        sample_prompts=[SHORT],
+        sample_seed=3,
+        **common,
+    )
+    steps = lambda evs: [(e.step, e.loss) for e in evs if isinstance(e, StepFinished)]  # noqa: E731
+    assert steps(first) + steps(second) == steps(straight) and len(steps(straight)) == 4
+    assert [e for e in second if isinstance(e, TrainStarted)][0].first_step == 3
+    a, b = (mx.load(str(tmp_path / f"{n}.safetensors")) for n in ("straight", "second"))
+    assert a.keys() == b.keys() and all(np.array_equal(to_np(a[k]), to_np(b[k])) for k in a)
+    assert any("image_cond" in k for k in a)  # the reference blocks trained: the references are their own stream
+    # the sample at step 4, on the distilled FLUX 3 (16 steps, no CFG), is `generate` with the LoRA it keeps
+    saved = [e for e in second if isinstance(e, SamplesSaved)]
+    assert [e.step for e in saved] == [0, 4] and saved[-1].model.startswith("FLUX 3 Image Klein")
+    png = tmp_path / "resumed" / "samples" / "step-000004-0.png"
+    record = __import__("json").loads(Image.open(png).text[RECORD_KEY])
+    assert record["steps"] == 16 and record["guidance"] is None and record["references"]
+    again = tmp_path / "again.png"
+    assert main(shlex.split(record["training_sample"]["generate"])[3:] + ["--output", str(again)]) == 0
+    pixels = lambda p: np.asarray(Image.open(p).convert("RGB"), dtype=np.int16)  # noqa: E731
+    assert np.abs(pixels(png) - pixels(again)).max() <= 2
+
+
+def test_flux3_default_sample_model_is_the_distilled_repo():
+    assert sibling_model("black-forest-labs/flux-3-image-klein-base") == "black-forest-labs/flux-3-image-klein"
+    assert sibling_model("black-forest-labs/flux-3-image-klein") is None
+
+
+def refused(args: list[str], capsys) -> str:
+    assert main(args) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--targets", "double"], "--targets double matches no layer of FLUX 3 Image Klein"),
+        (["--targets", "ref_time_in.in_layer"], "--targets ref_time_in.in_layer matches no layer"),
+        (["--targets", "reference"], "--targets reference adapts only the reference blocks"),
+    ],
+)
+def test_flux3_bad_targets_refused_in_one_line_nothing_written(base3, data, tmp_path, capsys, extra, words):
+    out = tmp_path / "x.safetensors"
+    args = ["train", "--model", str(base3), "--data", str(data[0]), "--output", str(out), "--resolution", "64"]
+    assert words in refused(args + extra, capsys)
+    assert not list(tmp_path.iterdir())
+
+
+def test_flux3_distilled_and_a_flux2_checkpoint_refused_in_one_line(base, base3, distilled3, data, tmp_path, capsys):
+    out = tmp_path / "x.safetensors"
+    args = ["train", "--data", str(data[0]), "--output", str(out), "--resolution", "64", "--steps", "1"]
+    line = refused(args + ["--model", str(distilled3)], capsys)
+    assert "distilled FLUX 3 Image Klein" in line and "flux-3-image-klein-base" in line
+    assert not list(tmp_path.iterdir())
+    work = tmp_path / "w"
+    flux2 = ["train", "--model", str(base), "--data", str(data[0]), "--output", str(tmp_path / "f2.safetensors")]
+    assert main(flux2 + ["--resolution", "64", "--steps", "1", "--work-dir", str(work), "--rank", "4"]) == 0
+    capsys.readouterr()
+    line = refused(args + ["--model", str(base3), "--work-dir", str(work), "--resume", "--rank", "4"], capsys)
+    assert "is from a run with other settings (model: " in line and "tiny-flux3-base" in line, line
+    with pytest.raises(FluxKleinError, match="distilled FLUX 3"):
+        flux_klein_mlx.train_lora(model=distilled3, data=data[0], output=tmp_path / "y.safetensors")
+
+
+def test_flux3_two_processes_equal_one_with_twice_the_batch(base3, data, tmp_path):
+    """An edit LoRA with captions of two window lengths: `mlx.launch --backend ring -n 2` at batch 1 trains what
+    one process trains at batch 2 (the same examples, noise and noise levels; float tolerance)."""
+    from test_train_distributed import launch
+
+    common = dict(resolution=64, rank=4, dtype="float32", steps=2, grad_accum=2, lr=1e-3, save_every=2)
+    one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
+    run(model=base3, data=data[0], controls=[data[1]], output=one, batch_size=2, **common)
+    args = ["--model", str(base3), "--data", str(data[0]), "--control", str(data[1]), "--output", str(two)]
+    for key, value in common.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    done = launch(args + ["--batch-size", "1"])
+    assert done.returncode == 0, done.stderr
+    a, b = mx.load(str(one)), mx.load(str(two))
+    assert a.keys() == b.keys() and any("image_cond" in k for k in a)
+    scale = max(float(mx.abs(v).max()) for v in a.values())
+    assert max(float(mx.abs(a[k] - b[k]).max()) for k in a) <= 1e-4 * scale
+    losses = [
+        __import__("json").loads((d / "checkpoint-000002" / "state.json").read_text())["losses"]
+        for d in (tmp_path / "one.train", tmp_path / "two.train")
+    ]
+    assert np.allclose(losses[0], losses[1], rtol=1e-5, atol=0)
+
+
+def test_flux3_short_training_lowers_diffusers_own_objective(base3, data, tmp_path):
+    """One image, 40 steps (float32, uniform sigma); then diffusers measures the objective on that image over a
+    fixed set of (sigma, noise) draws: its VAE latents (BatchNorm-normalised, patchified, as its reference step
+    encodes them), its prompt embeddings, its Flux3Transformer2DModel, without and with the written LoRA."""
+    import shutil
+
+    import torch
+    from diffusers.modular_pipelines.flux3.before_denoise import Flux3TextRoPEInputsStep, _prepare_image_ids
+    from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep, Flux3VaeEncoderStep
+
+    from flux_klein_mlx.train.data import load_pixels
+
+    one = tmp_path / "one"
+    one.mkdir()
+    shutil.copy(data[0] / "im0.png", one / "im0.png")
+    out = tmp_path / "one.safetensors"
+    run(model=base3, data=one, caption=SHORT, output=out, steps=40, lr=2e-3, rank=4, resolution=64)
+    pipe = flux3_pipeline(base3)
+    with torch.no_grad():
+        vae = pipe.vae
+        px = torch.from_numpy(load_pixels(one / "im0.png", (64, 64))).permute(2, 0, 1)[None]
+        z = Flux3VaeEncoderStep._patchify_latents(vae.encode(px).latent_dist.mode())
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+        x0 = ((z - vae.bn.running_mean.view(1, -1, 1, 1)) / std).flatten(2).transpose(1, 2)  # (1, 16, 32)
+        ctx = Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds(pipe.text_encoder, pipe.tokenizer, SHORT)
+        ids = dict(img_ids=_prepare_image_ids(4, 4, 0.5), txt_ids=Flux3TextRoPEInputsStep._prepare_text_ids(ctx))
+        g = torch.Generator().manual_seed(0)
+        draws = [(torch.randn(x0.shape, generator=g), torch.rand(1, generator=g)) for _ in range(12)]
+
+        def objective():
+            losses = []
+            for eps, s in draws:
+                xt = (1 - s) * x0 + s * eps
+                v = pipe.transformer(xt, ctx, s, return_dict=False, **ids)[0]
+                losses.append(torch.mean((v - (eps - x0)) ** 2).item())
+            return float(np.mean(losses))
+
+        before = objective()
+        pipe.load_lora_weights(str(out), adapter_name="short")
+        try:
+            after = objective()
+        finally:
+            pipe.unload_lora_weights()
+    assert after < 0.9 * before, (before, after)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(adapter="lokr", quantize=4, low_memory=True, format="comfyui"),
+        dict(
+            ema=0.9,
+            validation=True,
+            resolution="64,96",
+            quantize=8,
+            caption_dropout=0.5,
+            trigger="sks",
+            lr_scheduler="cosine",
+            warmup_steps=1,
+            timesteps="logit-normal",
+            save_dtype="float32",
+        ),
+    ],
+    ids=["lokr-4bit-low-memory", "ema-validation-sizes-8bit-dropout-trigger-schedule"],
+)
+def test_flux3_runs_with_the_other_options_and_its_file_loads(base3, distilled3, data, tmp_path, options):
+    """The options FLUX 3 shares with FLUX.2 (their effect is judged on FLUX.2 in tests/train): a run with them
+    finishes on FLUX 3 Base, its loss finite, and its file loads on the distilled FLUX 3 as the kind it is."""
+    out = tmp_path / "o.safetensors"
+    options = {"resolution": 64, **options}
+    if options.get("validation"):  # one held-out image with a caption of its own
+        held = tmp_path / "held"
+        held.mkdir()
+        Image.open(data[1] / "im0.png").save(held / "h.png")
+        (held / "h.txt").write_text("a held-out card")
+        options["validation"] = held
+    evs = run(model=base3, data=data[0], output=out, steps=3, rank=4, batch_size=2, save_every=3, **options)
+    losses = [e.loss for e in evs if isinstance(e, StepFinished)]
+    assert len(losses) == 3 and all(np.isfinite(losses))
+    if options.get("validation"):
+        assert [type(e).__name__ for e in evs].count("ValidationFinished") == 1
+    kind = "lokr" if options.get("adapter") == "lokr" else "diffusers"
+    assert flux_klein_mlx.load(distilled3, loras=[out]).loras[0].format == kind
