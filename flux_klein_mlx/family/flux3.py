@@ -33,7 +33,6 @@ from ..references import FLUX3_MAX_REFERENCES
 from ..sampling import cfg, flow_timestep, shifted_schedule
 
 SHIFT = 6.93  # diffusers' Flux3SetTimestepsStep and mflux: sigma' = 6.93 sigma / (1 + 5.93 sigma)
-REPOS = {True: "black-forest-labs/flux-3-image-klein", False: "black-forest-labs/flux-3-image-klein-base"}
 # what the memory plan counts for a caption before it is encoded: two windows of 80 (about 100 words)
 PLANNED_TEXT_TOKENS = 160
 
@@ -148,7 +147,9 @@ class Flux3Family:
         return image_ids(h, w, scale=Flux3Params.image_rope_scale, l=-(k + 1))
 
     def distilled_repo(self, model: str) -> str | None:
-        return REPOS[True] if model.lower() == REPOS[False] else None
+        """The distilled model's repo id for the Base's (its samples run there), from the released rows."""
+        repos = {row.distilled: row.repo for row in self.variants.values()}
+        return repos[True] if model.lower() == repos[False].lower() else None
 
     def size_key(self, params: Flux3Params) -> tuple:
         """The shapes less the flow map's embedder: a Base LoRA of the blocks runs on the distilled model."""
