@@ -100,7 +100,7 @@ class Setup:
         from flux_klein_mlx.family import family_of
         from flux_klein_mlx.models.quantize import quantize_model
         from flux_klein_mlx.train.adapters import attach_lokr, attach_lora, parse_targets
-        from flux_klein_mlx.train.objective import make_optimizer
+        from flux_klein_mlx.train.optimizers import make_optimizer
         from flux_klein_mlx.train.settings import TrainSettings
 
         self.family = family_of(params)  # FLUX 3: its planned text window, its own call (family/)
