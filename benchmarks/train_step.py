@@ -499,11 +499,11 @@ def lokr_report(results: dict) -> list[str]:
 
 def trainable(adapter: str) -> int:
     """Trained values of rank-16 adapters on every block Linear of klein-4B (5 + 20 blocks), from the shapes."""
-    from flux_klein_mlx.train.adapters import lokr_file_shapes, lora_file_shapes, parse_targets
+    from flux_klein_mlx.train.adapters import adapter_file_shapes, parse_targets
 
     params = params_for(5, 20)
     slots = parse_targets("all", params)
-    shapes = lokr_file_shapes(slots, params, RANK, -1) if adapter == "lokr" else lora_file_shapes(slots, RANK)
+    shapes = adapter_file_shapes(slots, params, adapter=adapter, rank=RANK)
     return sum(math.prod(shape) for name, shape in shapes.items() if not name.endswith(".alpha"))
 
 
