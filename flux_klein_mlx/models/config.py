@@ -34,6 +34,21 @@ def transformer_from_dict(cls, d: dict, renames: dict[str, str]):
     return from_dict(cls, d, renames)
 
 
+def check_heads_and_axes(params, what: str) -> None:
+    """A transformer config's widths agree (any family): the hidden size splits into whole heads, and the
+    RoPE axes are even and fill a head. `what` names the config in the message."""
+    if params.hidden_size % params.num_heads:
+        raise FluxKleinError(
+            f"{what} config is inconsistent: hidden size {params.hidden_size} is not a multiple of "
+            f"{params.num_heads} heads; fix config.json"
+        )
+    if sum(params.axes_dim) != params.head_dim or any(a % 2 for a in params.axes_dim):
+        raise FluxKleinError(
+            f"{what} config is inconsistent: RoPE axes {params.axes_dim} must be even and sum to the "
+            f"head dim {params.head_dim}; fix config.json"
+        )
+
+
 # --- the flow transformer ------------------------------------------------------------------------
 
 # diffusers `transformer/config.json` names -> ours (BFL's)
@@ -66,16 +81,7 @@ class FluxKleinParams:
 
     def __post_init__(self):
         self.axes_dim = tuple(int(a) for a in self.axes_dim)
-        if self.hidden_size % self.num_heads:
-            raise FluxKleinError(
-                f"transformer config is inconsistent: hidden size {self.hidden_size} is not a multiple of "
-                f"{self.num_heads} heads; fix config.json"
-            )
-        if sum(self.axes_dim) != self.head_dim or any(a % 2 for a in self.axes_dim):
-            raise FluxKleinError(
-                f"transformer config is inconsistent: RoPE axes {self.axes_dim} must be even and sum to the "
-                f"head dim {self.head_dim}; fix config.json"
-            )
+        check_heads_and_axes(self, "transformer")
 
     @property
     def head_dim(self) -> int:

@@ -14,8 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ...errors import FluxKleinError
-from ..config import AutoEncoderConfig, Qwen3Config, Variant, transformer_from_dict
+from ..config import AutoEncoderConfig, Qwen3Config, Variant, check_heads_and_axes, transformer_from_dict
 
 # diffusers `Flux3Transformer2DModel` config names -> ours; `attention_head_dim` is folded into hidden_size.
 FLUX3_DIFFUSERS_CONFIG = {
@@ -51,16 +50,7 @@ class Flux3Params:
     def __post_init__(self):
         self.axes_dim = tuple(int(a) for a in self.axes_dim)
         self.flow_map = bool(self.flow_map)
-        if self.hidden_size % self.num_heads:
-            raise FluxKleinError(
-                f"FLUX 3 transformer config is inconsistent: hidden size {self.hidden_size} is not a multiple of "
-                f"{self.num_heads} heads; fix config.json"
-            )
-        if sum(self.axes_dim) != self.head_dim or any(a % 2 for a in self.axes_dim):
-            raise FluxKleinError(
-                f"FLUX 3 transformer config is inconsistent: RoPE axes {self.axes_dim} must be even and sum to "
-                f"the head dim {self.head_dim}; fix config.json"
-            )
+        check_heads_and_axes(self, "FLUX 3 transformer")
 
     @property
     def head_dim(self) -> int:
