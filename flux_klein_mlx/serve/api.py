@@ -370,6 +370,15 @@ class Server:
         html = resources.files("flux_klein_mlx.serve").joinpath("static/index.html").read_text(encoding="utf-8")
         return HTMLResponse(html, headers={"Cache-Control": "no-cache"})
 
+    async def script(self, request: Request):
+        """GET /static/NAME.js: the page's scripts, only the package's own files (no path reaches beyond static/)."""
+        name = request.path_params["name"]
+        source = resources.files("flux_klein_mlx.serve").joinpath("static", f"{name}.js")
+        if not (name.replace("_", "").isalnum() and source.is_file()):
+            raise HTTPException(404)
+        js = source.read_text(encoding="utf-8")
+        return Response(js, media_type="text/javascript", headers={"Cache-Control": "no-cache"})
+
     async def models(self, request: Request):
         """GET /v1/models (the served models) or /v1/models/{model}."""
         cards = [
@@ -519,6 +528,7 @@ def create_app(worker: Worker, options: ServerOptions) -> Starlette:
 
     routes = [
         Route("/", server.index),  # the web page (static/index.html)
+        Route("/static/{name:str}.js", server.script),  # its scripts (static/*.js)
         Route("/v1/models", server.models),  # the one model served
         Route("/v1/models/{model:path}", server.models),
         Route("/v1/status", server.status),  # worker state, queue, what this build supports

@@ -640,6 +640,18 @@ def test_openai_client_sees_errors_as_exceptions(server):
     assert code == 404 and body["error"]["message"] == "no route GET /v1/nothing; see GET /v1/status"
 
 
+def test_the_page_and_its_scripts_are_served_without_a_key_and_nothing_else_is(server):
+    """The page (index.html) and its scripts need no key (the page asks for it); a script name outside
+    static/ or not there is a 404 in the API's error shape, never a file of another folder."""
+    code, html = http("GET", server.url + "/")
+    assert code == 200 and b'<script src="/static/page.js"></script>' in html
+    code, js = http("GET", server.url + "/static/page.js")
+    assert code == 200 and js.startswith(b"// The page's behaviour")
+    for name in ("nothing.js", "..%2Fapi.js", "..%2F..%2Fserve%2Fapi.js", "page.py", "index.html"):
+        code, body = http("GET", server.url + "/static/" + name)
+        assert code == 404 and "no route" in body["error"]["message"], (name, body)
+
+
 def pixels(res) -> np.ndarray:
     return np.asarray(decode(res.data[0].b64_json).convert("RGB"))
 

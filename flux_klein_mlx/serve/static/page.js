@@ -1,0 +1,670 @@
+// The page's behaviour: the form, the server's state in the header, runs and their stream, results, history,
+// the mask brush and reading a dropped PNG's record. Served at /static/page.js beside index.html (no outside resources).
+"use strict";
+const $ = (id) => document.getElementById(id);
+const HISTORY_MAX = 40;
+// server: the last /v1/status read (null until one succeeds); keyNeeded: the last read was refused (401);
+// detail: what our own run's stream last said ("step 2 / 4"), shown only while the server says it runs.
+const state = { refs: [], mask: null, busy: false, controller: null, server: null, history: [], keyNeeded: false,
+                detail: "" };
+const POLL_MS = 400;  // the header follows the server within a second
+$("history-max").textContent = HISTORY_MAX;
+
+function headers(extra) {
+  const h = Object.assign({}, extra || {});
+  const key = $("apikey").value || localStorage.getItem("flux_klein_api_key") || "";
+  if (key) h["Authorization"] = "Bearer " + key;
+  return h;
+}
+
+async function fetchStatus() {
+  const r = await fetch("/v1/status", { headers: headers() });
+  if (r.status === 401) return null;
+  return r.json();
+}
+
+// The header is what the server last said, never a guess from this page: "ready" when nothing runs or
+// waits, else "● generating" (with our own run's step when the stream gave one) and how many jobs wait.
+function showHeader() {
+  const s = state.server;
+  if (!s) return;
+  const idle = !s.running && !s.waiting;
+  $("status").textContent = s.switching ? `switching to ${s.switching}…`
+    : s.state === "ready" ? `${s.model} (${s.variant})${idle ? " ready" : ""}`
+    : s.state === "loading" ? "loading the model…" : "failed: " + s.error;
+  $("busy").classList.toggle("hidden", idle);
+  $("busy").textContent = idle ? "" : ["● generating", s.running && state.busy ? state.detail : "",
+                                       s.waiting ? `${s.waiting} queued` : ""].filter(Boolean).join(" · ");
+}
+
+// One read of /v1/status. A refused key shows the key field ("API key required"); the first read that works
+// leaves that mode at once: the key is kept, its field hidden, and the model's own fields shown.
+async function refreshStatus() {
+  let s;
+  try { s = await fetchStatus(); } catch (e) { $("status").textContent = "server unreachable"; return; }
+  if (!s) {
+    state.keyNeeded = true; state.server = null;
+    $("key-row").classList.remove("hidden"); $("busy").classList.add("hidden");
+    $("status").textContent = $("apikey").value ? "API key refused: check it" : "API key required";
+    return;
+  }
+  if (state.keyNeeded && $("apikey").value) localStorage.setItem("flux_klein_api_key", $("apikey").value);
+  state.keyNeeded = false; $("key-row").classList.add("hidden");
+  state.server = s;
+  showHeader();
+  if (s.state === "ready") applyServer(s);
+}
+// The header follows the server (another tab's job, a cancel, the queue) by reading it every POLL_MS.
+async function pollStatus() {
+  if (!state.keyNeeded) await refreshStatus();  // a refused key waits for a new one (the field's input)
+  setTimeout(pollStatus, POLL_MS);
+}
+let keyTimer = null;
+$("apikey").addEventListener("input", () => { clearTimeout(keyTimer); keyTimer = setTimeout(refreshStatus, 250); });
+
+function applyServer(s) {
+  // Several models: a picker (set to the loaded one when first shown); the fields follow the picked one.
+  const models = s.models || [];
+  $("model-row").classList.toggle("hidden", models.length < 2);
+  if ([...$("model-pick").options].map((o) => o.value).join("\n") !== models.map((m) => m.id).join("\n")) {
+    $("model-pick").replaceChildren(...models.map((m) => new Option(m.id, m.id)));
+    $("model-pick").value = s.model;
+  }
+  const card = models.find((m) => m.id === $("model-pick").value) || s;
+  // Base models take guidance and a negative prompt; distilled ones ignore both.
+  $("base-only").classList.toggle("hidden", card.distilled !== false);
+  $("upsample-box").classList.toggle("hidden", !(card.upsampler ?? s.upsampler));
+  $("steps").placeholder = String(card.default_steps);
+  if (s.limits) $("count").max = String(s.limits.max_n);
+  const have = [...document.querySelectorAll("#loras .lora")].map((el) => el.dataset.name).join("\n");
+  if (have !== (s.loras || []).join("\n")) {
+    $("loras").replaceChildren(...(s.loras || []).map((name) => {
+      const row = document.createElement("div"); row.className = "lora"; row.dataset.name = name;
+      const box = document.createElement("input"); box.type = "checkbox"; box.id = "lora-" + name;
+      const label = document.createElement("label"); label.className = "inline"; label.htmlFor = box.id; label.textContent = name;
+      const scale = document.createElement("input"); scale.type = "number"; scale.step = "0.05"; scale.value = "1";
+      scale.min = "-4"; scale.max = "4"; scale.title = "strength";
+      row.append(box, label, scale);
+      return row;
+    }));
+  }
+  $("lora-box").classList.toggle("hidden", !(s.loras || []).length);
+  // LoRAs the server loaded with the model apply to every image, under the ones picked here.
+  const fixed = s.server_loras || [];
+  $("server-loras").textContent = fixed.length ? `server LoRAs: ${fixed.join(", ")}` : "";
+  $("server-loras").classList.toggle("hidden", !fixed.length);
+}
+
+// ---- images, mask, mode ------------------------------------------------------------------------
+function thumb(file, onRemove) {
+  const fig = document.createElement("figure");
+  const img = document.createElement("img");
+  img.src = URL.createObjectURL(file); img.alt = file.name;
+  const x = document.createElement("button");
+  x.type = "button"; x.textContent = "×"; x.title = "remove";
+  x.onclick = (ev) => { ev.stopPropagation(); onRemove(); };
+  fig.append(img, x);
+  return fig;
+}
+function renderFiles() {
+  $("refs").replaceChildren(...state.refs.map((f, i) => thumb(f.file, () => { state.refs.splice(i, 1); renderFiles(); })));
+  $("mask").replaceChildren(...(state.mask ? [thumb(state.mask.file, () => { state.mask = null; clearBrush(); renderFiles(); })] : []));
+  $("brush-open").classList.toggle("hidden", !state.refs.length || !$("brush-box").classList.contains("hidden"));
+  if (!state.refs.length) $("brush-box").classList.add("hidden");
+  else if (!$("brush-box").classList.contains("hidden") && state.brushFor !== state.refs[0]) openBrush();
+  describeMode(); describeSize();
+}
+// Only images the browser decodes become thumbnails; anything else is refused at the drop, by name.
+async function acceptImages(files) {
+  const good = [], refused = [];
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) { refused.push(`${file.name} is not an image (${file.type || "unknown type"})`); continue; }
+    try {
+      const bitmap = await createImageBitmap(file);
+      good.push({ file, width: bitmap.width, height: bitmap.height });
+      bitmap.close();
+    } catch (e) { refused.push(`${file.name} is not a readable image`); }
+  }
+  $("error").textContent = refused.length ? `${refused.join("; ")}: use PNG, JPEG or WebP files` : "";
+  return good;
+}
+function describeMode() {
+  const n = state.refs.length, strength = $("strength").value;
+  $("strength").disabled = n === 0;
+  const others = n > 1 ? `; the other ${n - 1} image(s) are references` : "";
+  $("mode-note").textContent =
+    state.mask && !n ? "add the image to repaint: with a mask, the first image is the one being repainted"
+    : state.mask ? `inpainting: the first image is the one being repainted where the mask is white${others}`
+    : n && strength !== "" ? `img2img: the first image is the starting point, strength ${strength}${others}`
+    : n ? `editing with ${n} reference image(s)` : "text to image";
+}
+function dropZone(zone, input, add) {
+  zone.addEventListener("click", () => input.click());
+  zone.addEventListener("dragover", (e) => { e.preventDefault(); e.stopPropagation(); zone.classList.add("over"); });
+  zone.addEventListener("dragleave", () => zone.classList.remove("over"));
+  zone.addEventListener("drop", async (e) => {
+    e.preventDefault(); e.stopPropagation(); zone.classList.remove("over"); document.body.classList.remove("dropping");
+    add(await acceptImages([...e.dataTransfer.files])); renderFiles();
+  });
+  input.addEventListener("change", async () => {
+    const files = [...input.files]; input.value = "";
+    add(await acceptImages(files)); renderFiles();
+  });
+}
+dropZone($("refs-drop"), $("refs-file"), (files) => state.refs.push(...files));
+dropZone($("mask-drop"), $("mask-file"), (files) => { if (files.length) { clearBrush(); state.mask = files[0]; } });
+$("strength").addEventListener("input", describeMode);
+
+// ---- size presets ------------------------------------------------------------------------------
+function applyPreset() {
+  const v = $("size-preset").value, auto = v === "auto";
+  $("width").disabled = auto; $("height").disabled = auto;
+  if (v.includes("x")) { const [w, h] = v.split("x"); $("width").value = w; $("height").value = h; }
+  describeSize();
+}
+// The size "auto" gives, as the server computes it: the first image shrunk to 1024² px of area when larger
+// (sides truncated), then both sides floored to multiples of 16; without images 1024 × 1024.
+function autoSize() {
+  if (!state.refs.length) return [1024, 1024, "no image: the default"];
+  let { width: w, height: h } = state.refs[0];
+  if (w * h > 1024 * 1024) { const k = Math.sqrt(1024 * 1024 / (w * h)); w = Math.trunc(w * k); h = Math.trunc(h * k); }
+  return [w - (w % 16), h - (h % 16), "the first image's size"];
+}
+function describeSize() {
+  const auto = $("size-preset").value === "auto";
+  $("size-note").classList.toggle("hidden", !auto);
+  if (!auto) return;
+  const [w, h, why] = autoSize();
+  $("width").value = w; $("height").value = h;
+  $("size-note").textContent = `auto: ${w} × ${h} (${why})`;
+}
+$("size-preset").addEventListener("change", applyPreset);
+for (const id of ["width", "height"]) {
+  $(id).addEventListener("input", () => {
+    const match = `${$("width").value}x${$("height").value}`;
+    $("size-preset").value = [...$("size-preset").options].some((o) => o.value === match) ? match : "custom";
+  });
+}
+
+// ---- a generation ------------------------------------------------------------------------------
+function settings() {
+  const s = { prompt: $("prompt").value.trim(), n: Number($("count").value || 1) };
+  if (!$("model-row").classList.contains("hidden")) s.model = $("model-pick").value;
+  // img2img and inpainting make the first image's size whatever the size field says: none is sent.
+  const repaint = state.refs.length && (state.mask || $("strength").value !== "");
+  if ($("size-preset").value !== "auto" && !repaint) s.size = `${$("width").value}x${$("height").value}`;
+  if ($("seed").value !== "") s.seed = Number($("seed").value);
+  if ($("steps").value !== "") s.steps = Number($("steps").value);
+  if (!$("base-only").classList.contains("hidden")) {
+    if ($("guidance").value !== "") s.guidance = Number($("guidance").value);
+    if ($("negative").value.trim()) s.negative_prompt = $("negative").value.trim();
+  }
+  const loras = [...document.querySelectorAll("#loras .lora")].filter((el) => el.querySelector("input[type=checkbox]").checked)
+    .map((el) => `${el.dataset.name}:${Number(el.querySelector("input[type=number]").value || 1)}`);
+  if (loras.length) s.loras = loras;
+  if (state.refs.length && $("strength").value !== "") s.strength = Number($("strength").value);
+  if (!$("upsample-box").classList.contains("hidden") && $("upsample").checked) s.upsample = true;
+  return s;
+}
+
+async function* sseEvents(response) {
+  // Server-sent events over a fetch body (EventSource cannot POST).
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, cut); buffer = buffer.slice(cut + 2);
+      let name = "message", data = "";
+      for (const line of block.split("\n")) {
+        if (line.startsWith("event: ")) name = line.slice(7);
+        else if (line.startsWith("data: ")) data += line.slice(6);
+      }
+      yield { name, data: JSON.parse(data) };
+    }
+  }
+}
+
+function seconds(t) { return t < 60 ? `${t.toFixed(1)} s` : `${Math.floor(t / 60)} min ${Math.round(t % 60)} s`; }
+
+// What the run is doing before its first step: waiting behind other jobs (the server's counters tell:
+// jobs ahead of ours finish first), then what the server says it does (a ".stage" event).
+const STAGES = { model: "loading the picked model (the other one is released)…", upsample: "writing the caption (prompt upsampler)…", loras: "applying the LoRAs…", text_encoder: "loading the text encoder…", cached: "prompt cached · starting…" };
+function startLabel(run, ahead) {
+  return run.stage ? STAGES[run.stage] || run.stage : ahead > 0 ? `queued: ${ahead} job(s) ahead` : "starting…";
+}
+function watchStart(run) {
+  const tick = async () => {
+    if (run.started || run.over) return;
+    try {
+      const s = await fetchStatus();
+      if (s && !run.started && !run.over) {
+        $("step-label").textContent = startLabel(run, run.ahead - (s.completed - run.completedBefore));
+      }
+    } catch (e) { /* the stream reports failures */ }
+    setTimeout(tick, 400);
+  };
+  tick();
+}
+
+function startRun() {
+  $("error").textContent = "";
+  $("results").replaceChildren(); $("reuse-note").textContent = "";
+  $("preview-fig").classList.add("hidden"); $("preview").removeAttribute("src");
+  $("progress").value = 0; $("progress").max = 1;
+  state.busy = true; state.detail = ""; $("generate").disabled = true; $("cancel").classList.remove("hidden");
+  document.title = "● flux_klein_mlx";
+}
+function endRun() {
+  state.busy = false; state.detail = ""; state.controller = null; $("generate").disabled = false;
+  $("cancel").classList.add("hidden"); document.title = "flux_klein_mlx";
+  refreshStatus();
+}
+
+async function send(s, signal) {
+  if (state.refs.length || state.mask) {
+    const form = new FormData();
+    for (const [k, v] of Object.entries(s)) {
+      if (k === "loras") v.forEach((x) => form.append("loras", x)); else form.append(k, String(v));
+    }
+    form.append("stream", "true");
+    for (const f of state.refs) form.append("image[]", f.file, f.file.name);
+    if (state.mask) form.append("mask", state.mask.file, state.mask.file.name);
+    return fetch("/v1/images/edits", { method: "POST", body: form, headers: headers(), signal });
+  }
+  return fetch("/v1/images/generations", {
+    method: "POST", headers: headers({ "Content-Type": "application/json" }), signal,
+    body: JSON.stringify(Object.assign({ stream: true }, s)),
+  });
+}
+
+async function generate(ev) {
+  ev.preventDefault();
+  if (state.busy) return;
+  if (!state.server) {  // never run on fields this page has not shown: read the server first
+    await refreshStatus();
+    $("error").textContent = state.keyNeeded ? "the server needs its API key: type it above"
+      : state.server ? "the key works: the model's settings are shown now; check them, then Generate"
+      : "the server is unreachable";
+    return;
+  }
+  const s = settings();
+  if (!s.prompt) { $("error").textContent = "write a prompt first"; return; }
+  const [first, mask] = [state.refs[0], state.mask];
+  if (first && mask && (first.width !== mask.width || first.height !== mask.height)) {
+    $("error").textContent = `the mask is ${mask.width} × ${mask.height} but the image is ${first.width} × ${first.height}: ` +
+      "they must be the same size (paint one with the brush)";
+    return;
+  }
+  startRun();
+  sizePreview(s);
+  const before = await fetchStatus().catch(() => null) || { running: false, waiting: 0, completed: 0 };
+  const run = { started: false, over: false, t0: performance.now(), tFirst: null, done: 0, stage: null,
+                ahead: (before.running ? 1 : 0) + before.waiting, completedBefore: before.completed,
+                used: { images: state.refs.length, mask: Boolean(state.mask) } };
+  state.controller = new AbortController();
+  $("step-label").textContent = startLabel(run, run.ahead);
+  watchStart(run);
+  try {
+    const response = await send(s, state.controller.signal);
+    if (!response.ok) {
+      const body = await response.json().catch(() => ({}));
+      throw new Error((body.error && body.error.message) || `HTTP ${response.status}`);
+    }
+    for await (const e of sseEvents(response)) {
+      const d = e.data;
+      if (e.name.endsWith(".stage")) { run.stage = d.stage; if (!run.started) $("step-label").textContent = startLabel(run, 0); }
+      else if (e.name.endsWith(".progress")) showStep(run, d, s.n);
+      else if (e.name.endsWith(".partial_image")) showPreview(run, d);
+      else if (e.name.endsWith(".completed")) await showResult(d, s, run.used);
+      else if (e.name === "error") throw new Error(d.error.message);
+    }
+    $("step-label").textContent = `done in ${seconds((performance.now() - run.t0) / 1000)}`;
+    $("preview-fig").classList.add("hidden");
+  } catch (err) {
+    const cancelled = err.name === "AbortError";
+    $("step-label").textContent = cancelled ? "cancelled" : "failed";
+    if (!cancelled) { $("error").textContent = err.message; $("results").replaceChildren(); }
+    $("preview-fig").classList.add("hidden");
+  } finally {
+    run.over = true;
+    endRun();
+  }
+}
+
+function showStep(run, d, n) {
+  const now = performance.now();
+  if (!run.started) { run.started = true; run.tFirst = now; run.firstDone = d.image_index * d.total_steps + d.step; }
+  const done = d.image_index * d.total_steps + d.step, total = n * d.total_steps;
+  $("progress").max = total; $("progress").value = done;
+  const elapsed = (now - run.t0) / 1000;
+  let eta = "";
+  if (done > run.firstDone) {  // rate from the steps seen so far (not counting loading and encoding)
+    const rate = (now - run.tFirst) / 1000 / (done - run.firstDone);
+    eta = ` · about ${seconds(rate * (total - done))} left`;
+  }
+  const image = n > 1 ? `image ${d.image_index + 1}/${n} · ` : "";
+  if (d.step === d.total_steps) {  // the VAE decodes after the last step: no estimate of steps left to give
+    $("step-label").textContent = `${image}decoding… · ${seconds(elapsed)}`;
+    state.detail = "decoding"; showHeader();
+    return;
+  }
+  $("step-label").textContent = `${image}step ${d.step} / ${d.total_steps} · ${seconds(elapsed)}${eta}`;
+  state.detail = `step ${d.step} / ${d.total_steps}`; showHeader();
+}
+
+// The preview holds the run's shape before its first picture arrives, so the page never scrolls to a
+// figure that has no height yet (auto size: square until the picture tells).
+function sizePreview(s) {
+  const [w, h] = (s.size || "1x1").split("x").map(Number);
+  $("preview").style.aspectRatio = `${w} / ${h}`;
+}
+function showPreview(run, d) {
+  $("preview").src = "data:image/png;base64," + d.b64_json; $("preview-fig").classList.remove("hidden");
+}
+// On a phone the output is below the form: once a preview has drawn, keep it wholly in view.
+$("preview").addEventListener("load", () => {
+  if (!matchMedia("(max-width: 800px)").matches || $("preview-fig").classList.contains("hidden")) return;
+  const r = $("preview-fig").getBoundingClientRect();
+  if (r.top < 0 || r.bottom > innerHeight) $("preview-fig").scrollIntoView({ block: "start" });
+});
+
+function b64Blob(b64) {
+  const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+  return new Blob([bytes], { type: "image/png" });
+}
+
+async function showResult(d, requested, used) {
+  const blob = d.b64_json ? b64Blob(d.b64_json) : await (await fetch(d.url)).blob();
+  const m = d.metadata;
+  // What "reuse" restores: the request as sent (LoRAs, n, strength, size, ...) with this image's seed and steps,
+  // and how many images and whether a mask it used (the pictures themselves are not kept).
+  const entry = { id: `${Date.now()}-${d.image_index}`, created: Date.now(), blob, metadata: m,
+                  settings: Object.assign({ size: `${m.width}x${m.height}` }, requested, { seed: m.seed, steps: m.steps }, used) };
+  const fig = document.createElement("figure");
+  const img = document.createElement("img"); img.className = "result"; img.alt = "result"; img.src = URL.createObjectURL(blob);
+  const cap = document.createElement("figcaption");
+  cap.append(`${d.size}, seed ${m.seed}, ${d.seconds.toFixed(1)} s · `, downloadLink(entry), document.createElement("br"),
+             ...useButtons(entry));
+  const meta = document.createElement("pre"); meta.className = "meta";  // this image's record, beside it
+  meta.textContent = Object.entries(m).filter(([, v]) => v !== null && !(Array.isArray(v) && !v.length))
+    .map(([k, v]) => `${k}: ${showValue(k, v)}`).join("\n");
+  fig.append(img, cap, meta);
+  $("results").append(fig);
+  // On a phone the output is below the form: bring the first result into view.
+  if ($("results").children.length === 1 && matchMedia("(max-width: 800px)").matches) fig.scrollIntoView({ block: "start" });
+  state.history.unshift(entry);
+  await saveHistory(entry);
+  renderHistory();
+}
+
+function downloadLink(entry) {
+  const a = document.createElement("a");
+  a.className = "download"; a.textContent = "download";
+  a.href = URL.createObjectURL(entry.blob);
+  a.download = `flux-klein-${entry.metadata.seed}-${entry.id}.png`;
+  return a;
+}
+
+// The record's LoRAs are {name, sha256, scale}; images are content hashes.
+function showValue(k, v) {
+  if (k === "loras") return v.map(l => `${l.name.replace(/\.safetensors$/, "")}:${l.scale}`).join(", ");
+  return Array.isArray(v) ? v.join(", ") : v;
+}
+
+// ---- history: IndexedDB (PNG blobs with their metadata chunks; localStorage holds only ~5 MB) ----
+function db() {
+  return new Promise((resolve, reject) => {
+    const req = indexedDB.open("flux_klein_mlx", 1);
+    req.onupgradeneeded = () => req.result.createObjectStore("history", { keyPath: "id" });
+    req.onsuccess = () => resolve(req.result);
+    req.onerror = () => reject(req.error);
+  });
+}
+async function store(mode, work) {
+  const d = await db();
+  return new Promise((resolve, reject) => {
+    const tx = d.transaction("history", mode);
+    const out = work(tx.objectStore("history"));
+    tx.oncomplete = () => resolve(out && out.result);
+    tx.onerror = () => reject(tx.error);
+  });
+}
+async function saveHistory(entry) {
+  try {
+    await store("readwrite", (st) => st.put(entry));
+    const extra = state.history.slice(HISTORY_MAX);
+    state.history = state.history.slice(0, HISTORY_MAX);
+    if (extra.length) await store("readwrite", (st) => extra.forEach((h) => st.delete(h.id)));
+  } catch (e) { /* private mode or full: the history lasts this session only */ }
+}
+async function loadHistory() {
+  try {
+    const all = await store("readonly", (st) => st.getAll());
+    state.history = (all || []).sort((a, b) => b.created - a.created).slice(0, HISTORY_MAX);
+  } catch (e) { state.history = []; }
+  renderHistory();
+}
+
+function renderHistory() {
+  $("history").replaceChildren(...state.history.map((h) => {
+    const item = document.createElement("div"); item.className = "item";
+    const img = document.createElement("img"); img.src = URL.createObjectURL(h.blob); img.alt = h.metadata.prompt;
+    img.title = "open large"; img.onclick = () => openViewer(h, img.src);
+    const cap = document.createElement("div"); cap.textContent = `#${h.metadata.seed} ${h.metadata.prompt}`; cap.title = h.metadata.prompt;
+    const reuse = document.createElement("button"); reuse.type = "button"; reuse.className = "reuse"; reuse.textContent = "reuse";
+    reuse.onclick = () => reuseSettings(h.settings);
+    item.append(img, cap, reuse, downloadLink(h), document.createElement("br"), ...useButtons(h));
+    return item;
+  }));
+}
+
+function openViewer(h, src) {
+  $("viewer-img").src = src;
+  $("viewer-caption").textContent = `${h.metadata.width} × ${h.metadata.height} · seed ${h.metadata.seed} · ${h.metadata.prompt}`
+    + (h.metadata.revised_prompt ? ` → ${h.metadata.revised_prompt}` : "");
+  $("viewer").showModal();
+}
+$("viewer").addEventListener("click", () => $("viewer").close());
+
+// Everything the history entry holds goes back into the form; pictures are not kept, so say which were used.
+function reuseSettings(s) {
+  $("prompt").value = s.prompt;
+  if (s.size) {
+    const [w, h] = s.size.split("x"); $("width").value = w; $("height").value = h;
+    $("size-preset").value = [...$("size-preset").options].some((o) => o.value === s.size) ? s.size : "custom";
+  } else $("size-preset").value = "auto";
+  applyPreset();
+  $("seed").value = s.seed ?? ""; $("steps").value = s.steps ?? "";
+  $("guidance").value = s.guidance ?? ""; $("negative").value = s.negative_prompt ?? ""; $("upsample").checked = !!s.upsample;
+  $("count").value = s.n ?? 1; $("strength").value = s.strength ?? "";
+  const wanted = new Map((s.loras || []).map((x) => [x.slice(0, x.lastIndexOf(":")), x.slice(x.lastIndexOf(":") + 1)]));
+  for (const row of document.querySelectorAll("#loras .lora")) {
+    const on = wanted.has(row.dataset.name);
+    row.querySelector("input[type=checkbox]").checked = on;
+    if (on) { row.querySelector("input[type=number]").value = wanted.get(row.dataset.name); wanted.delete(row.dataset.name); }
+  }
+  const notes = [];
+  if (s.images) notes.push(`it used ${s.images} image(s)${s.mask ? " and a mask" : ""}, which the history does not keep: add them again`);
+  if (wanted.size) notes.push(`LoRA(s) ${[...wanted.keys()].join(", ")} are not on this server any more`);
+  $("reuse-note").textContent = notes.length ? `Settings restored; ${notes.join("; ")}.` : "Settings restored.";
+  describeMode();
+}
+
+// ---- the next step from a result: as a reference, as the image-to-image start, or to repaint ----------
+const USES = { edit: "edit this", img2img: "img2img", inpaint: "inpaint" };
+function useButtons(entry) {
+  return Object.entries(USES).map(([mode, words]) => {
+    const b = document.createElement("button"); b.type = "button"; b.className = "use"; b.dataset.use = mode;
+    b.textContent = words; b.onclick = () => useResult(entry, mode);
+    return b;
+  });
+}
+// The result becomes the only image: a reference ("edit this"), the start of img2img (strength 0.6 unless one
+// is set) or the image to repaint (the brush opens on it). The size goes to "auto": the image's own.
+async function useResult(entry, mode) {
+  const [image] = await acceptImages([new File([entry.blob], `result-${entry.metadata.seed}.png`, { type: "image/png" })]);
+  if (!image) return;
+  state.refs = [image]; state.mask = null; clearBrush();
+  $("size-preset").value = "auto"; applyPreset();
+  $("strength").value = mode === "img2img" ? $("strength").value || "0.6" : "";
+  $("brush-box").classList.toggle("hidden", mode !== "inpaint");
+  renderFiles();
+  if (mode === "inpaint") openBrush();
+  $("reuse-note").textContent = `${USES[mode]}: the result (seed ${entry.metadata.seed}) is the first image now.`;
+  $("prompt").focus();
+}
+
+// ---- the mask brush: painted on the first image, sent as a mask of its size (white = repaint, on black) ----
+function openBrush() {
+  const first = state.refs[0];
+  if (!first) return;
+  state.brushFor = first;
+  const c = $("brush");
+  c.width = first.width; c.height = first.height;  // the image's own pixels: the mask is its size
+  $("brush-img").src = URL.createObjectURL(first.file);
+  $("brush-box").classList.remove("hidden"); $("brush-open").classList.add("hidden");
+}
+function clearBrush() {
+  const c = $("brush");
+  c.getContext("2d").clearRect(0, 0, c.width, c.height);
+  if (state.mask && state.mask.painted) state.mask = null;
+}
+function brushTool(erase) {
+  state.erase = erase;
+  $("brush-paint").classList.toggle("on", !erase); $("brush-erase").classList.toggle("on", erase);
+}
+function brushPoint(e) {
+  const c = $("brush"), r = c.getBoundingClientRect();
+  return [(e.clientX - r.left) * c.width / r.width, (e.clientY - r.top) * c.height / r.height];
+}
+function brushStroke(from, to) {
+  const g = $("brush").getContext("2d");
+  g.globalCompositeOperation = state.erase ? "destination-out" : "source-over";
+  g.strokeStyle = "#fff"; g.lineWidth = Number($("brush-size").value); g.lineCap = "round"; g.lineJoin = "round";
+  g.beginPath(); g.moveTo(...from); g.lineTo(...to); g.stroke();
+}
+async function exportMask() {
+  const c = $("brush"), out = document.createElement("canvas");
+  out.width = c.width; out.height = c.height;
+  const g = out.getContext("2d");
+  g.fillStyle = "#000"; g.fillRect(0, 0, out.width, out.height); g.drawImage(c, 0, 0);
+  const blob = await new Promise((resolve) => out.toBlob(resolve, "image/png"));
+  state.mask = { file: new File([blob], "mask.png", { type: "image/png" }), width: out.width, height: out.height, painted: true };
+  renderFiles();
+}
+$("brush").addEventListener("pointerdown", (e) => {
+  e.preventDefault(); $("brush").setPointerCapture(e.pointerId);
+  state.stroke = brushPoint(e); brushStroke(state.stroke, state.stroke);
+});
+$("brush").addEventListener("pointermove", (e) => {
+  if (!state.stroke) return;
+  const p = brushPoint(e); brushStroke(state.stroke, p); state.stroke = p;
+});
+for (const end of ["pointerup", "pointercancel"]) {
+  $("brush").addEventListener(end, () => { if (state.stroke) { state.stroke = null; exportMask(); } });
+}
+$("brush-open").addEventListener("click", openBrush);
+$("brush-paint").addEventListener("click", () => brushTool(false));
+$("brush-erase").addEventListener("click", () => brushTool(true));
+$("brush-clear").addEventListener("click", () => { clearBrush(); renderFiles(); });
+
+// ---- a PNG dropped anywhere else on the page: its record (ours, or A1111's parameters) fills the form ----
+async function inflate(bytes) {
+  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
+  return new Uint8Array(await new Response(stream).arrayBuffer());
+}
+// The PNG's text chunks (tEXt latin-1, zTXt and iTXt, compressed or not) -> {keyword: text}; null: not a PNG.
+async function pngTexts(file) {
+  const b = new Uint8Array(await file.arrayBuffer()), view = new DataView(b.buffer);
+  if (b.length < 8 || ![137, 80, 78, 71, 13, 10, 26, 10].every((v, i) => b[i] === v)) return null;
+  const latin1 = new TextDecoder("latin1"), utf8 = new TextDecoder("utf-8"), out = {};
+  for (let at = 8; at + 8 <= b.length;) {
+    const n = view.getUint32(at), type = latin1.decode(b.subarray(at + 4, at + 8)), data = b.subarray(at + 8, at + 8 + n);
+    at += 12 + n;
+    if (!["tEXt", "zTXt", "iTXt"].includes(type)) continue;
+    const z = data.indexOf(0), key = latin1.decode(data.subarray(0, z));
+    if (type === "tEXt") out[key] = latin1.decode(data.subarray(z + 1));
+    else if (type === "zTXt") out[key] = latin1.decode(await inflate(data.subarray(z + 2)));
+    else {
+      const compressed = data[z + 1] === 1;
+      let p = data.indexOf(0, z + 3); p = data.indexOf(0, p + 1);  // past the language tag and translated keyword
+      out[key] = utf8.decode(compressed ? await inflate(data.subarray(p + 1)) : data.subarray(p + 1));
+    }
+  }
+  return out;
+}
+// A1111's parameters text (infotext_utils.parse_generation_parameters' split): prompt, negative prompt, Key: value.
+function parseA1111(text) {
+  const lines = text.trim().split("\n");
+  let last = lines.pop();
+  const re = /\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)/g;
+  if ([...last.matchAll(re)].length < 3) { lines.push(last); last = ""; }
+  const prompt = [], negative = []; let neg = false;
+  for (let line of lines) {
+    if (line.startsWith("Negative prompt:")) { neg = true; line = line.slice(16).trim(); }
+    (neg ? negative : prompt).push(line);
+  }
+  const fields = {};
+  for (const [, k, v] of last.matchAll(re)) {
+    const value = v.trim();
+    fields[k.trim()] = value.startsWith('"') && value.endsWith('"') && value.length > 1 ? JSON.parse(value) : value;
+  }
+  return { prompt: prompt.join("\n"), negative: negative.join("\n"), fields };
+}
+function fromOurs(r) {
+  const fixed = new Set((state.server && state.server.server_loras || []).map((x) => x.slice(0, x.lastIndexOf(":"))));
+  const loras = (r.loras || []).map((l) => [l.name.replace(/\.safetensors$/, ""), l.scale]).filter(([n]) => !fixed.has(n));
+  return { prompt: r.prompt, negative_prompt: r.negative_prompt, seed: r.seed, steps: r.steps, guidance: r.guidance,
+           size: `${r.width}x${r.height}`, strength: r.strength, n: 1, loras: loras.map(([n, w]) => `${n}:${w}`),
+           images: (r.references || []).length + (r.init_image ? 1 : 0), mask: Boolean(r.mask) };
+}
+function fromA1111(text) {
+  const { prompt, negative, fields: f } = parseA1111(text);
+  const num = (k) => (f[k] !== undefined && f[k] !== "" && !isNaN(Number(f[k])) ? Number(f[k]) : undefined);
+  return { prompt, negative_prompt: negative, seed: num("Seed"), steps: num("Steps"), guidance: num("CFG scale"),
+           size: /^\d+x\d+$/.test(f.Size || "") ? f.Size : undefined, strength: num("Denoising strength"), n: 1 };
+}
+async function readSettingsFile(file) {
+  const texts = file.type === "image/png" || /\.png$/i.test(file.name) ? await pngTexts(file).catch(() => null) : null;
+  if (!texts) { $("error").textContent = `${file.name} is not a PNG: drop a PNG made here or by A1111 / Forge to read its settings`; return; }
+  let s, source;
+  if (texts.flux_klein_mlx) {
+    try { s = fromOurs(JSON.parse(texts.flux_klein_mlx)); source = "its record"; } catch (e) { /* a damaged record: A1111's text */ }
+  }
+  if (!s && texts.parameters) { s = fromA1111(texts.parameters); source = "its A1111 parameters"; }
+  if (!s) { $("error").textContent = `${file.name} holds no settings (no record, no A1111 parameters)`; return; }
+  $("error").textContent = "";
+  reuseSettings(s);
+  $("reuse-note").textContent = `Settings read from ${file.name} (${source}). ` + $("reuse-note").textContent.replace(/^Settings restored[.;] ?/, "");
+}
+document.addEventListener("dragover", (e) => { e.preventDefault(); document.body.classList.add("dropping"); });
+document.addEventListener("dragleave", (e) => { if (!e.relatedTarget) document.body.classList.remove("dropping"); });
+document.addEventListener("drop", async (e) => {
+  e.preventDefault(); document.body.classList.remove("dropping");
+  const [file] = e.dataTransfer.files;
+  if (file) await readSettingsFile(file);
+});
+$("png-file").addEventListener("change", async () => {
+  const [file] = $("png-file").files; $("png-file").value = "";
+  if (file) await readSettingsFile(file);
+});
+// Ctrl+Enter (Cmd+Enter on a Mac) generates from anywhere on the page.
+document.addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) { e.preventDefault(); $("form").requestSubmit(); }
+});
+
+$("model-pick").addEventListener("change", () => state.server && applyServer(state.server));
+$("form").addEventListener("submit", generate);
+$("cancel").addEventListener("click", () => { if (state.controller) state.controller.abort(); });
+$("clear-history").addEventListener("click", async () => {
+  try { await store("readwrite", (st) => st.clear()); } catch (e) { /* nothing stored */ }
+  state.history = []; renderHistory();
+});
+$("apikey").value = localStorage.getItem("flux_klein_api_key") || "";
+pollStatus();
+loadHistory();
