@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 
 import numpy as np
 import pytest
@@ -23,7 +22,7 @@ from PIL.PngImagePlugin import PngInfo
 pytest.importorskip("openai")
 pytest.importorskip("starlette")
 
-from browsing import browser, fill, needs_chromium  # noqa: E402
+from browsing import browser, fill, last_record, needs_chromium, page_bytes, run_and_wait  # noqa: E402
 from refs import picture  # noqa: E402
 from serving import start_server  # noqa: E402
 
@@ -59,39 +58,6 @@ def open_page(served, tmp_path, driver):
     wait.until(lambda d: d.find_element(By.ID, "status").text.endswith(" ready"))
     wait.until(lambda d: d.find_element(By.ID, "lora-box").is_displayed())
     return wait
-
-
-def page_bytes(driver, expression: str) -> bytes:
-    """The bytes of a Blob or File the page holds (`expression` evaluates to it)."""
-    b64 = driver.execute_async_script(
-        f"const done = arguments[0]; const blob = {expression};"
-        "const r = new FileReader(); r.onload = () => done(r.result.split(',')[1]); r.readAsDataURL(blob);"
-    )
-    return base64.b64decode(b64)
-
-
-def last_record(driver) -> dict:
-    png = page_bytes(driver, "state.history[0].blob")
-    return json.loads(Image.open(io.BytesIO(png)).text["flux_klein_mlx"])
-
-
-def run_and_wait(driver, wait, ctrl_enter=False):
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
-
-    before = driver.execute_script("return state.history.length")
-    if ctrl_enter:
-        driver.find_element(By.ID, "prompt").send_keys(Keys.CONTROL, Keys.ENTER)
-    else:
-        driver.find_element(By.ID, "generate").click()
-    wait.until(
-        lambda d: (
-            d.execute_script("return state.history.length") == before + 1
-            or d.find_element(By.ID, "step-label").text == "failed"
-        )
-    )
-    wait.until(lambda d: d.find_element(By.ID, "step-label").text.startswith(("done", "failed")))
-    assert driver.find_element(By.ID, "error").text == ""
 
 
 def drop(driver, name: str, data: bytes, mime: str):

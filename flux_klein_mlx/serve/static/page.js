@@ -112,6 +112,7 @@ function renderFiles() {
   $("brush-open").classList.toggle("hidden", !state.refs.length || !$("brush-box").classList.contains("hidden"));
   if (!state.refs.length) $("brush-box").classList.add("hidden");
   else if (!$("brush-box").classList.contains("hidden") && state.brushFor !== state.refs[0]) openBrush();
+  outpaint.follow();  // the outpaint view closes once its image is not the first any more
   describeMode(); describeSize();
 }
 // Only images the browser decodes become thumbnails; anything else is refused at the drop, by name.
@@ -133,7 +134,8 @@ function describeMode() {
   $("strength").disabled = n === 0;
   const others = n > 1 ? `; the other ${n - 1} image(s) are references` : "";
   $("mode-note").textContent =
-    state.mask && !n ? "add the image to repaint: with a mask, the first image is the one being repainted"
+    outpaint.active() ? `outpainting: the first image on a larger canvas (drag its edges), the new area painted${others}`
+    : state.mask && !n ? "add the image to repaint: with a mask, the first image is the one being repainted"
     : state.mask ? `inpainting: the first image is the one being repainted where the mask is white${others}`
     : n && strength !== "" ? `img2img: the first image is the starting point, strength ${strength}${others}`
     : n ? `editing with ${n} reference image(s)` : "text to image";
@@ -191,7 +193,7 @@ function settings() {
   const s = { prompt: $("prompt").value.trim(), n: Number($("count").value || 1) };
   if (!$("model-row").classList.contains("hidden")) s.model = $("model-pick").value;
   // img2img and inpainting make the first image's size whatever the size field says: none is sent.
-  const repaint = state.refs.length && (state.mask || $("strength").value !== "");
+  const repaint = state.refs.length && (state.mask || $("strength").value !== "" || outpaint.active());
   if ($("size-preset").value !== "auto" && !repaint) s.size = `${$("width").value}x${$("height").value}`;
   if ($("seed").value !== "") s.seed = Number($("seed").value);
   if ($("steps").value !== "") s.steps = Number($("steps").value);
@@ -204,6 +206,7 @@ function settings() {
   if (loras.length) s.loras = loras;
   if (state.refs.length && $("strength").value !== "") s.strength = Number($("strength").value);
   if (!$("upsample-box").classList.contains("hidden") && $("upsample").checked) s.upsample = true;
+  if (outpaint.active()) s.outpaint = outpaint.pads().join(",");  // as rounded and shown (outpaint.js)
   return s;
 }
 
@@ -300,6 +303,8 @@ async function generate(ev) {
       "they must be the same size (paint one with the brush)";
     return;
   }
+  const refused = outpaint.active() && outpaint.refusal();
+  if (refused) { $("error").textContent = refused; return; }
   startRun();
   sizePreview(s);
   const before = await fetchStatus().catch(() => null) || { running: false, waiting: 0, completed: 0 };
@@ -496,7 +501,7 @@ function reuseSettings(s) {
 }
 
 // ---- the next step from a result: as a reference, as the image-to-image start, or to repaint ----------
-const USES = { edit: "edit this", img2img: "img2img", inpaint: "inpaint" };
+const USES = { edit: "edit this", img2img: "img2img", inpaint: "inpaint", outpaint: "outpaint" };
 function useButtons(entry) {
   return Object.entries(USES).map(([mode, words]) => {
     const b = document.createElement("button"); b.type = "button"; b.className = "use"; b.dataset.use = mode;
@@ -505,7 +510,8 @@ function useButtons(entry) {
   });
 }
 // The result becomes the only image: a reference ("edit this"), the start of img2img (strength 0.6 unless one
-// is set) or the image to repaint (the brush opens on it). The size goes to "auto": the image's own.
+// is set), the image to repaint (the brush opens on it) or to outpaint (its canvas opens: outpaint.js). The
+// size goes to "auto": the image's own.
 async function useResult(entry, mode) {
   const [image] = await acceptImages([new File([entry.blob], `result-${entry.metadata.seed}.png`, { type: "image/png" })]);
   if (!image) return;
@@ -515,8 +521,9 @@ async function useResult(entry, mode) {
   $("brush-box").classList.toggle("hidden", mode !== "inpaint");
   renderFiles();
   if (mode === "inpaint") openBrush();
+  if (mode === "outpaint") await outpaint.open(image);
   $("reuse-note").textContent = `${USES[mode]}: the result (seed ${entry.metadata.seed}) is the first image now.`;
-  $("prompt").focus();
+  $("prompt").focus({ preventScroll: mode === "outpaint" });  // the canvas stays in view
 }
 
 // ---- the mask brush: painted on the first image, sent as a mask of its size (white = repaint, on black) ----
