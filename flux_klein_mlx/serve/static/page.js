@@ -74,6 +74,7 @@ function applyServer(s) {
   // Base models take guidance and a negative prompt; distilled ones ignore both.
   $("base-only").classList.toggle("hidden", card.distilled !== false);
   $("upsample-box").classList.toggle("hidden", !(card.upsampler ?? s.upsampler));
+  showBoxes(Boolean(card.upsampler ?? s.upsampler));  // boxes.js: FLUX 3 (the family with an upsampler) reads a layout
   $("steps").placeholder = String(card.default_steps);
   if (s.limits) $("count").max = String(s.limits.max_n);
   const have = [...document.querySelectorAll("#loras .lora")].map((el) => el.dataset.name).join("\n");
@@ -175,10 +176,12 @@ function autoSize() {
 function describeSize() {
   const auto = $("size-preset").value === "auto";
   $("size-note").classList.toggle("hidden", !auto);
-  if (!auto) return;
-  const [w, h, why] = autoSize();
-  $("width").value = w; $("height").value = h;
-  $("size-note").textContent = `auto: ${w} × ${h} (${why})`;
+  if (auto) {
+    const [w, h, why] = autoSize();
+    $("width").value = w; $("height").value = h;
+    $("size-note").textContent = `auto: ${w} × ${h} (${why})`;
+  }
+  sizeBoxCanvas();  // boxes.js: the layout canvas takes the size's aspect
 }
 $("size-preset").addEventListener("change", applyPreset);
 for (const id of ["width", "height"]) {
@@ -207,6 +210,8 @@ function settings() {
   if (state.refs.length && $("strength").value !== "") s.strength = Number($("strength").value);
   if (!$("upsample-box").classList.contains("hidden") && $("upsample").checked) s.upsample = true;
   if (outpaint.active()) s.outpaint = outpaint.pads().join(",");  // as rounded and shown (outpaint.js)
+  const boxes = boxesForRequest();  // boxes.js: "x0,y0,x1,y1:desc" strings; null when none or not offered
+  if (boxes) s.boxes = boxes;
   return s;
 }
 
@@ -272,7 +277,8 @@ async function send(s, signal) {
   if (state.refs.length || state.mask) {
     const form = new FormData();
     for (const [k, v] of Object.entries(s)) {
-      if (k === "loras") v.forEach((x) => form.append("loras", x)); else form.append(k, String(v));
+      if (k === "loras") v.forEach((x) => form.append("loras", x));
+      else form.append(k, k === "boxes" ? JSON.stringify(v) : String(v));  // a form carries boxes as JSON text
     }
     form.append("stream", "true");
     for (const f of state.refs) form.append("image[]", f.file, f.file.name);
@@ -297,6 +303,8 @@ async function generate(ev) {
   }
   const s = settings();
   if (!s.prompt) { $("error").textContent = "write a prompt first"; return; }
+  const boxProblem = boxesProblem();  // boxes.js: a box without a name, which the server would refuse
+  if (boxProblem) { $("error").textContent = boxProblem; return; }
   const [first, mask] = [state.refs[0], state.mask];
   if (first && mask && (first.width !== mask.width || first.height !== mask.height)) {
     $("error").textContent = `the mask is ${mask.width} × ${mask.height} but the image is ${first.width} × ${first.height}: ` +
@@ -418,6 +426,7 @@ function downloadLink(entry) {
 // The record's LoRAs are {name, sha256, scale}; images are content hashes.
 function showValue(k, v) {
   if (k === "loras") return v.map(l => `${l.name.replace(/\.safetensors$/, "")}:${l.scale}`).join(", ");
+  if (k === "boxes") return JSON.stringify(v);
   return Array.isArray(v) ? v.join(", ") : v;
 }
 
@@ -486,7 +495,7 @@ function reuseSettings(s) {
   applyPreset();
   $("seed").value = s.seed ?? ""; $("steps").value = s.steps ?? "";
   $("guidance").value = s.guidance ?? ""; $("negative").value = s.negative_prompt ?? ""; $("upsample").checked = !!s.upsample;
-  $("count").value = s.n ?? 1; $("strength").value = s.strength ?? "";
+  $("count").value = s.n ?? 1; $("strength").value = s.strength ?? ""; setBoxes(s.boxes);
   const wanted = new Map((s.loras || []).map((x) => [x.slice(0, x.lastIndexOf(":")), x.slice(x.lastIndexOf(":") + 1)]));
   for (const row of document.querySelectorAll("#loras .lora")) {
     const on = wanted.has(row.dataset.name);
@@ -628,7 +637,7 @@ function fromOurs(r) {
   const loras = (r.loras || []).map((l) => [l.name.replace(/\.safetensors$/, ""), l.scale]).filter(([n]) => !fixed.has(n));
   return { prompt: r.prompt, negative_prompt: r.negative_prompt, seed: r.seed, steps: r.steps, guidance: r.guidance,
            size: `${r.width}x${r.height}`, strength: r.strength, n: 1, loras: loras.map(([n, w]) => `${n}:${w}`),
-           images: (r.references || []).length + (r.init_image ? 1 : 0), mask: Boolean(r.mask) };
+           boxes: r.boxes, images: (r.references || []).length + (r.init_image ? 1 : 0), mask: Boolean(r.mask) };
 }
 function fromA1111(text) {
   const { prompt, negative, fields: f } = parseA1111(text);
