@@ -136,7 +136,12 @@ def model_ids(models, model_id) -> list[str]:
 def model_card(pipe) -> dict:
     """What the page needs to know of a served model before it is loaded."""
     info = pipe.info
-    return {"variant": info.name, "distilled": info.is_distilled, "default_steps": info.default_steps}
+    return {
+        "variant": info.name,
+        "distilled": info.is_distilled,
+        "default_steps": info.default_steps,
+        "upsampler": bool(info.family.upsampler),  # FLUX 3: the page offers `upsample` and layout boxes for it
+    }
 
 
 def other_models(ids, models, pipes) -> tuple:

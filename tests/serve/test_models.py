@@ -55,6 +55,7 @@ def test_requests_pick_the_model_and_get_its_image(two, named):
     st = two.status()
     assert st["model"] == "klein-fast" and [m["id"] for m in st["models"]] == ["klein-fast", "klein-base"]
     assert [m["distilled"] for m in st["models"]] == [True, False]
+    assert [m["upsampler"] for m in st["models"]] == [False, False]  # FLUX.2: no upsample, no boxes
     kw = dict(prompt="a red fox", size="64x64", extra_body={"seed": 3, "steps": 2})
     got, record = image_of(client.images.generate(model="klein-base", **kw))
     ours = flux_klein_mlx.load(slow, dtype="float32").generate("a red fox", width=64, height=64, seed=3, steps=2)

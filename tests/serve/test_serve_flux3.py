@@ -64,6 +64,15 @@ def test_generate_and_edit_equal_the_pipeline_in_bfloat16(server, flux3):
     np.testing.assert_array_equal(np.asarray(edit.convert("RGB")), np.asarray(ours))
 
 
+def test_a_flux3_model_card_offers_the_upsampler_before_it_is_loaded(flux3, snapshot):
+    """`serve --model A --model B`: the page shows the upsample checkbox and the box editor for a picked FLUX 3
+    model from its card in /v1/status, before the switch loads it (a FLUX.2 card says no)."""
+    from flux_klein_mlx.serve.command import model_card
+
+    assert model_card(flux_klein_mlx.load(flux3, cache=False))["upsampler"] is True
+    assert model_card(flux_klein_mlx.load(snapshot, cache=False))["upsampler"] is False
+
+
 def test_a_bad_request_is_answered_and_the_next_one_runs(server):
     auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     body = json.dumps({"prompt": "a fox", "size": "40x64"}).encode()
