@@ -28,10 +28,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also when a test loads this file
+import common  # noqa: E402, F401  (first: this checkout on sys.path, OpenBLAS bound before mlx loads)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import diffusers_transformer_config, randomize_torch_  # noqa: E402  (preloads OpenBLAS)
+from common import diffusers_transformer_config, randomize_torch_  # noqa: E402
 
 from flux_klein_mlx.bench.command import write_json  # noqa: E402
 from flux_klein_mlx.bench.flops import flops_of_transformer, machine_info  # noqa: E402

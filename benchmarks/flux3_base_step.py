@@ -29,9 +29,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
+import common  # noqa: E402, F401  (first: this checkout on sys.path, OpenBLAS bound before mlx loads)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from common import ROOT  # noqa: E402,F401  (this checkout on sys.path)
 from PIL import Image  # noqa: E402
 
 from flux_klein_mlx.bench.flops import denoise_flops, flux3_pass_flops, machine_info  # noqa: E402

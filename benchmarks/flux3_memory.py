@@ -32,6 +32,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, memory.py
+import common  # noqa: E402, F401  (first: this checkout on sys.path, OpenBLAS bound before mlx loads)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 from common import GB, ROOT, max_rss_bytes, run_json_child  # noqa: E402
 

@@ -54,8 +54,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
+import common  # noqa: E402, F401  (first: this checkout on sys.path, OpenBLAS bound before mlx loads)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
-from common import (  # noqa: E402  (puts this checkout on sys.path, preloads OpenBLAS)
+from common import (  # noqa: E402
     GB,
     ROOT,
     SCHEDULER,

@@ -31,6 +31,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
+import common  # noqa: E402, F401  (first: this checkout on sys.path, OpenBLAS bound before mlx loads)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 from common import GB, max_rss_bytes, qwen3_hf_config, qwen_tokenizer_dir, run_json_child  # noqa: E402
 

@@ -48,11 +48,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, memory.py
+import common  # noqa: E402, F401  (first: this checkout on sys.path, OpenBLAS bound before mlx loads)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
-from common import GB, ROOT, run_json_child  # noqa: E402  (puts this checkout on sys.path, preloads OpenBLAS)
+from common import GB, ROOT, run_json_child  # noqa: E402
 
+import flux_klein_mlx  # noqa: E402
 from flux_klein_mlx.bench.flops import APPLE_CHIPS, flops_of_transformer, lora_training_flops  # noqa: E402
 from flux_klein_mlx.models.config import FluxKleinParams  # noqa: E402
 
@@ -338,6 +342,7 @@ def save_results(results: dict) -> None:
         "processor": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "mlx": mx.__version__,
+        "blas": flux_klein_mlx.preload_openblas(),  # which BLAS the timings ran on (mlx is loaded: it only says)
         "python": platform.python_version(),
     }
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")

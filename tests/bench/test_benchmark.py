@@ -299,3 +299,24 @@ def test_variant_beside_a_model_is_refused_before_any_model(cli, snapshot, tmp_p
     code, _, err = cli("benchmark", "--model", snapshot, "--variant", "klein-9b")
     assert_one_line_error(code, err, "--variant only applies to --random-weights")
     assert no_models == [] and list(tmp_path.iterdir()) == []
+
+
+def test_every_benchmark_binds_openblas_before_mlx_loads():
+    """MLX's Linux CPU wheel bundles a reference BLAS ~10-40x slower than OpenBLAS, and OpenBLAS binds only if it
+    loads before `mlx.core` (flux_klein_mlx.preload_openblas). benchmarks/common.py loads it, so each script must
+    import `common` before any module-level mlx import: sorted imports put `import mlx` first (ruff did, and a
+    FLUX 3 training step timed 18x slow), which `# isort: split` after `import common` prevents."""
+    import ast
+
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        if path.name == "common.py":
+            continue
+        first = {}
+        for node in ast.parse(path.read_text()).body:  # module-level statements only
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            for name in names:
+                root = name.split(".")[0]
+                first.setdefault(root, node.lineno)
+        if "mlx" in first:
+            assert first.get("common", 10**9) < first["mlx"], f"{path.name}: import common before mlx"
