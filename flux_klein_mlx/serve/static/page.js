@@ -1,5 +1,6 @@
-// The page's behaviour: the form, the server's state in the header, runs and their stream, results, history,
-// the mask brush and reading a dropped PNG's record. Served at /static/page.js beside index.html (no outside resources).
+// The page's behaviour: the form, the server's state in the header, runs and their stream, results. Its other
+// scripts load after it and use its $ and state: history.js, brush.js, png.js, boxes.js, outpaint.js. Served at
+// /static/NAME.js beside index.html (no outside resources).
 "use strict";
 const $ = (id) => document.getElementById(id);
 const HISTORY_MAX = 40;
@@ -430,61 +431,6 @@ function showValue(k, v) {
   return Array.isArray(v) ? v.join(", ") : v;
 }
 
-// ---- history: IndexedDB (PNG blobs with their metadata chunks; localStorage holds only ~5 MB) ----
-function db() {
-  return new Promise((resolve, reject) => {
-    const req = indexedDB.open("flux_klein_mlx", 1);
-    req.onupgradeneeded = () => req.result.createObjectStore("history", { keyPath: "id" });
-    req.onsuccess = () => resolve(req.result);
-    req.onerror = () => reject(req.error);
-  });
-}
-async function store(mode, work) {
-  const d = await db();
-  return new Promise((resolve, reject) => {
-    const tx = d.transaction("history", mode);
-    const out = work(tx.objectStore("history"));
-    tx.oncomplete = () => resolve(out && out.result);
-    tx.onerror = () => reject(tx.error);
-  });
-}
-async function saveHistory(entry) {
-  try {
-    await store("readwrite", (st) => st.put(entry));
-    const extra = state.history.slice(HISTORY_MAX);
-    state.history = state.history.slice(0, HISTORY_MAX);
-    if (extra.length) await store("readwrite", (st) => extra.forEach((h) => st.delete(h.id)));
-  } catch (e) { /* private mode or full: the history lasts this session only */ }
-}
-async function loadHistory() {
-  try {
-    const all = await store("readonly", (st) => st.getAll());
-    state.history = (all || []).sort((a, b) => b.created - a.created).slice(0, HISTORY_MAX);
-  } catch (e) { state.history = []; }
-  renderHistory();
-}
-
-function renderHistory() {
-  $("history").replaceChildren(...state.history.map((h) => {
-    const item = document.createElement("div"); item.className = "item";
-    const img = document.createElement("img"); img.src = URL.createObjectURL(h.blob); img.alt = h.metadata.prompt;
-    img.title = "open large"; img.onclick = () => openViewer(h, img.src);
-    const cap = document.createElement("div"); cap.textContent = `#${h.metadata.seed} ${h.metadata.prompt}`; cap.title = h.metadata.prompt;
-    const reuse = document.createElement("button"); reuse.type = "button"; reuse.className = "reuse"; reuse.textContent = "reuse";
-    reuse.onclick = () => reuseSettings(h.settings);
-    item.append(img, cap, reuse, downloadLink(h), document.createElement("br"), ...useButtons(h));
-    return item;
-  }));
-}
-
-function openViewer(h, src) {
-  $("viewer-img").src = src;
-  $("viewer-caption").textContent = `${h.metadata.width} × ${h.metadata.height} · seed ${h.metadata.seed} · ${h.metadata.prompt}`
-    + (h.metadata.revised_prompt ? ` → ${h.metadata.revised_prompt}` : "");
-  $("viewer").showModal();
-}
-$("viewer").addEventListener("click", () => $("viewer").close());
-
 // Everything the history entry holds goes back into the form; pictures are not kept, so say which were used.
 function reuseSettings(s) {
   $("prompt").value = s.prompt;
@@ -535,140 +481,6 @@ async function useResult(entry, mode) {
   $("prompt").focus({ preventScroll: mode === "outpaint" });  // the canvas stays in view
 }
 
-// ---- the mask brush: painted on the first image, sent as a mask of its size (white = repaint, on black) ----
-function openBrush() {
-  const first = state.refs[0];
-  if (!first) return;
-  state.brushFor = first;
-  const c = $("brush");
-  c.width = first.width; c.height = first.height;  // the image's own pixels: the mask is its size
-  $("brush-img").src = URL.createObjectURL(first.file);
-  $("brush-box").classList.remove("hidden"); $("brush-open").classList.add("hidden");
-}
-function clearBrush() {
-  const c = $("brush");
-  c.getContext("2d").clearRect(0, 0, c.width, c.height);
-  if (state.mask && state.mask.painted) state.mask = null;
-}
-function brushTool(erase) {
-  state.erase = erase;
-  $("brush-paint").classList.toggle("on", !erase); $("brush-erase").classList.toggle("on", erase);
-}
-function brushPoint(e) {
-  const c = $("brush"), r = c.getBoundingClientRect();
-  return [(e.clientX - r.left) * c.width / r.width, (e.clientY - r.top) * c.height / r.height];
-}
-function brushStroke(from, to) {
-  const g = $("brush").getContext("2d");
-  g.globalCompositeOperation = state.erase ? "destination-out" : "source-over";
-  g.strokeStyle = "#fff"; g.lineWidth = Number($("brush-size").value); g.lineCap = "round"; g.lineJoin = "round";
-  g.beginPath(); g.moveTo(...from); g.lineTo(...to); g.stroke();
-}
-async function exportMask() {
-  const c = $("brush"), out = document.createElement("canvas");
-  out.width = c.width; out.height = c.height;
-  const g = out.getContext("2d");
-  g.fillStyle = "#000"; g.fillRect(0, 0, out.width, out.height); g.drawImage(c, 0, 0);
-  const blob = await new Promise((resolve) => out.toBlob(resolve, "image/png"));
-  state.mask = { file: new File([blob], "mask.png", { type: "image/png" }), width: out.width, height: out.height, painted: true };
-  renderFiles();
-}
-$("brush").addEventListener("pointerdown", (e) => {
-  e.preventDefault(); $("brush").setPointerCapture(e.pointerId);
-  state.stroke = brushPoint(e); brushStroke(state.stroke, state.stroke);
-});
-$("brush").addEventListener("pointermove", (e) => {
-  if (!state.stroke) return;
-  const p = brushPoint(e); brushStroke(state.stroke, p); state.stroke = p;
-});
-for (const end of ["pointerup", "pointercancel"]) {
-  $("brush").addEventListener(end, () => { if (state.stroke) { state.stroke = null; exportMask(); } });
-}
-$("brush-open").addEventListener("click", openBrush);
-$("brush-paint").addEventListener("click", () => brushTool(false));
-$("brush-erase").addEventListener("click", () => brushTool(true));
-$("brush-clear").addEventListener("click", () => { clearBrush(); renderFiles(); });
-
-// ---- a PNG dropped anywhere else on the page: its record (ours, or A1111's parameters) fills the form ----
-async function inflate(bytes) {
-  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
-  return new Uint8Array(await new Response(stream).arrayBuffer());
-}
-// The PNG's text chunks (tEXt latin-1, zTXt and iTXt, compressed or not) -> {keyword: text}; null: not a PNG.
-async function pngTexts(file) {
-  const b = new Uint8Array(await file.arrayBuffer()), view = new DataView(b.buffer);
-  if (b.length < 8 || ![137, 80, 78, 71, 13, 10, 26, 10].every((v, i) => b[i] === v)) return null;
-  const latin1 = new TextDecoder("latin1"), utf8 = new TextDecoder("utf-8"), out = {};
-  for (let at = 8; at + 8 <= b.length;) {
-    const n = view.getUint32(at), type = latin1.decode(b.subarray(at + 4, at + 8)), data = b.subarray(at + 8, at + 8 + n);
-    at += 12 + n;
-    if (!["tEXt", "zTXt", "iTXt"].includes(type)) continue;
-    const z = data.indexOf(0), key = latin1.decode(data.subarray(0, z));
-    if (type === "tEXt") out[key] = latin1.decode(data.subarray(z + 1));
-    else if (type === "zTXt") out[key] = latin1.decode(await inflate(data.subarray(z + 2)));
-    else {
-      const compressed = data[z + 1] === 1;
-      let p = data.indexOf(0, z + 3); p = data.indexOf(0, p + 1);  // past the language tag and translated keyword
-      out[key] = utf8.decode(compressed ? await inflate(data.subarray(p + 1)) : data.subarray(p + 1));
-    }
-  }
-  return out;
-}
-// A1111's parameters text (infotext_utils.parse_generation_parameters' split): prompt, negative prompt, Key: value.
-function parseA1111(text) {
-  const lines = text.trim().split("\n");
-  let last = lines.pop();
-  const re = /\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)/g;
-  if ([...last.matchAll(re)].length < 3) { lines.push(last); last = ""; }
-  const prompt = [], negative = []; let neg = false;
-  for (let line of lines) {
-    if (line.startsWith("Negative prompt:")) { neg = true; line = line.slice(16).trim(); }
-    (neg ? negative : prompt).push(line);
-  }
-  const fields = {};
-  for (const [, k, v] of last.matchAll(re)) {
-    const value = v.trim();
-    fields[k.trim()] = value.startsWith('"') && value.endsWith('"') && value.length > 1 ? JSON.parse(value) : value;
-  }
-  return { prompt: prompt.join("\n"), negative: negative.join("\n"), fields };
-}
-function fromOurs(r) {
-  const fixed = new Set((state.server && state.server.server_loras || []).map((x) => x.slice(0, x.lastIndexOf(":"))));
-  const loras = (r.loras || []).map((l) => [l.name.replace(/\.safetensors$/, ""), l.scale]).filter(([n]) => !fixed.has(n));
-  return { prompt: r.prompt, negative_prompt: r.negative_prompt, seed: r.seed, steps: r.steps, guidance: r.guidance,
-           size: `${r.width}x${r.height}`, strength: r.strength, n: 1, loras: loras.map(([n, w]) => `${n}:${w}`),
-           boxes: r.boxes, images: (r.references || []).length + (r.init_image ? 1 : 0), mask: Boolean(r.mask) };
-}
-function fromA1111(text) {
-  const { prompt, negative, fields: f } = parseA1111(text);
-  const num = (k) => (f[k] !== undefined && f[k] !== "" && !isNaN(Number(f[k])) ? Number(f[k]) : undefined);
-  return { prompt, negative_prompt: negative, seed: num("Seed"), steps: num("Steps"), guidance: num("CFG scale"),
-           size: /^\d+x\d+$/.test(f.Size || "") ? f.Size : undefined, strength: num("Denoising strength"), n: 1 };
-}
-async function readSettingsFile(file) {
-  const texts = file.type === "image/png" || /\.png$/i.test(file.name) ? await pngTexts(file).catch(() => null) : null;
-  if (!texts) { $("error").textContent = `${file.name} is not a PNG: drop a PNG made here or by A1111 / Forge to read its settings`; return; }
-  let s, source;
-  if (texts.flux_klein_mlx) {
-    try { s = fromOurs(JSON.parse(texts.flux_klein_mlx)); source = "its record"; } catch (e) { /* a damaged record: A1111's text */ }
-  }
-  if (!s && texts.parameters) { s = fromA1111(texts.parameters); source = "its A1111 parameters"; }
-  if (!s) { $("error").textContent = `${file.name} holds no settings (no record, no A1111 parameters)`; return; }
-  $("error").textContent = "";
-  reuseSettings(s);
-  $("reuse-note").textContent = `Settings read from ${file.name} (${source}). ` + $("reuse-note").textContent.replace(/^Settings restored[.;] ?/, "");
-}
-document.addEventListener("dragover", (e) => { e.preventDefault(); document.body.classList.add("dropping"); });
-document.addEventListener("dragleave", (e) => { if (!e.relatedTarget) document.body.classList.remove("dropping"); });
-document.addEventListener("drop", async (e) => {
-  e.preventDefault(); document.body.classList.remove("dropping");
-  const [file] = e.dataTransfer.files;
-  if (file) await readSettingsFile(file);
-});
-$("png-file").addEventListener("change", async () => {
-  const [file] = $("png-file").files; $("png-file").value = "";
-  if (file) await readSettingsFile(file);
-});
 // Ctrl+Enter (Cmd+Enter on a Mac) generates from anywhere on the page.
 document.addEventListener("keydown", (e) => {
   if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) { e.preventDefault(); $("form").requestSubmit(); }
@@ -681,6 +493,9 @@ $("clear-history").addEventListener("click", async () => {
   try { await store("readwrite", (st) => st.clear()); } catch (e) { /* nothing stored */ }
   state.history = []; renderHistory();
 });
-$("apikey").value = localStorage.getItem("flux_klein_api_key") || "";
-pollStatus();
-loadHistory();
+// Start once every script of the page has run (history.js, brush.js, png.js, boxes.js and outpaint.js load after it).
+document.addEventListener("DOMContentLoaded", () => {
+  $("apikey").value = localStorage.getItem("flux_klein_api_key") || "";
+  pollStatus();
+  loadHistory();
+});
