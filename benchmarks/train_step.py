@@ -396,7 +396,7 @@ def part_flux3(results: dict) -> None:
                 save_results(results)
     if "flux3_speed" not in results:
         results["flux3_speed"] = run_child(
-            "speed", size=512, depth=1, depth_single=1, warmup=1, trials=2, family="flux3"
+            "speed", size=512, depth=1, depth_single=1, warmup=1, trials=3, family="flux3"
         )
         save_results(results)
 
