@@ -113,44 +113,48 @@ def child(
         )
     pipe = random_pipeline(row, dtype=DTYPES[dtype], quantize=bits, low_memory=low_memory)
     made = {}
+    settings = dict(width=size, height=size, steps=1, seed=0)
 
-    def make(name: str) -> None:
-        """Make a component before its stage: the stage's peak is then its weights and its work, not the random
-        making's (which draws float temporaries a load from files never holds; reported on its own)."""
-        mx.reset_peak_memory()
-        pipe.component(name)
-        made[name] = mx.get_peak_memory()
-
-    def image(first: bool) -> dict:
-        t0 = time.perf_counter()
-        if first:
-            make("text_encoder")
-        job = pipe.prepare(PROMPT, width=size, height=size, steps=1, seed=0)  # encodes, then releases the encoder
-        if not pipe.is_loaded("transformer"):
-            make("transformer")
-        events = list(pipe.denoise(job))
-        if not pipe.is_loaded("vae"):
-            make("vae")
-        out = pipe.decode(job, "np")
-        seconds = time.perf_counter() - t0
-        return {
-            "job": job,
-            "step_seconds": events[-1].seconds,
-            "seconds": seconds,
-            "shape": out.shape,
-            "plan": pipe.memory,
-        }
-
-    runs = [image(True)]
+    runs = [run_image(pipe, made, True, PROMPT, **settings)]
     if then_low_memory:
         pipe.release("vae")
         pipe.memory = MemoryPlan.of(True)
-        runs.append(image(False))
+        runs.append(run_image(pipe, made, False, PROMPT, **settings))
     rows = [run_row(pipe, r, variant, size, dtype, bits, real, blocks, made) for r in runs]
     rows[-1]["encode_peak"] = rows[0]["encode_peak"]  # (the prompt was remembered by then)
     for r in rows:
         r["peak"] = max(r["encode_peak"], r["denoise_peak"], r["decode_peak"])
     return rows
+
+
+def make_component(pipe, name: str, made: dict) -> None:
+    """Make a component before its stage: the stage's peak is then its weights and its work, not the random
+    making's (which draws float temporaries a load from files never holds; reported on its own, in `made`)."""
+    mx.reset_peak_memory()
+    pipe.component(name)
+    made[name] = mx.get_peak_memory()
+
+
+def run_image(pipe, made: dict, first: bool, prompt, **settings) -> dict:
+    """One image through `pipe`'s stages (`prompt`: a prompt with `settings`, or a PreparedInputs alone), each
+    component made just before the stage that needs it (the text encoder only for the `first` image)."""
+    t0 = time.perf_counter()
+    if first:
+        make_component(pipe, "text_encoder", made)
+    job = pipe.prepare(prompt, **settings)  # encodes, then releases the encoder
+    if not pipe.is_loaded("transformer"):
+        make_component(pipe, "transformer", made)
+    events = list(pipe.denoise(job))
+    if not pipe.is_loaded("vae"):
+        make_component(pipe, "vae", made)
+    out = pipe.decode(job, "np")
+    return {
+        "job": job,
+        "step_seconds": events[-1].seconds,
+        "seconds": time.perf_counter() - t0,
+        "shape": out.shape,
+        "plan": pipe.memory,
+    }
 
 
 def run_row(pipe, r: dict, variant, size, dtype, bits, real, blocks, made) -> dict:

@@ -215,8 +215,9 @@ def emulate_fused_attention() -> None:
     """Give attention the memory profile of MLX's fused Metal kernel: one op that reads q, k, v and
     allocates only its output (the CPU backend instead materialises the (H, L, L) scores).
 
-    The stand-in computes q + sum(k) + sum(v): the same output shape and inputs, so the rest of the
-    lazy graph is scheduled and freed exactly as with the kernel, but the values are meaningless.
+    The stand-in reduces k, v (and the mask) and returns q plus a zero made from those sums: the same output
+    shape and inputs, so the rest of the lazy graph is scheduled and freed exactly as with the kernel, but
+    the values are meaningless.
     Only memory is measured with it. Head dims without a fused kernel (the VAE's 512) run as they are.
     """
     sdpa = mx.fast.scaled_dot_product_attention
@@ -227,7 +228,9 @@ def emulate_fused_attention() -> None:
         extra = k.sum() + v.sum()
         if isinstance(mask, mx.array):
             extra = extra + mask.astype(q.dtype).sum()
-        return q + extra.astype(q.dtype)
+        # k, v and the mask are read as the kernel reads them, and nothing is added to q: a sum that overflows (a
+        # long window's additive mask of -inf) would otherwise reach the output. isnan(...) is finite either way.
+        return q + mx.isnan(extra).astype(q.dtype) * 0
 
     mx.fast.scaled_dot_product_attention = fused_stand_in
 
@@ -270,7 +273,11 @@ def emulate_matmul_kernels() -> None:
         add = mx.zeros((out,), x.dtype) if bias is None else bias
         return mx.broadcast_to(x[..., :1], (*x.shape[:-1], out)) * corner + add
 
+    products = mx.array.__matmul__
+
     def matmul(a, b):  # a (..., K) @ b (K, N): weights, as nn.Linear and linear_part use it
+        if b.ndim != 2:  # a product of activations with batch axes (mlx-vlm's chunked DeltaNet scan): as it is
+            return products(a, b)
         return output_only(a, b[0, 0], b.shape[-1])
 
     def quantized_matmul(x, w, scales, biases=None, transpose=True, group_size=64, bits=4, **kw):

@@ -61,17 +61,19 @@ def randomize(model: nn.Module, dtype, seed: int) -> None:
 
 
 class RandomTokens:
-    """Stands in for the tokenizer: random ids, `REAL_PROMPT_TOKENS` real ones and the rest padding."""
+    """Stands in for the tokenizer: random ids, `real_tokens` real ones (a prompt and its chat template) and the rest
+    padding."""
 
-    def __init__(self, vocab_size: int, seed: int):
+    def __init__(self, vocab_size: int, seed: int, real_tokens: int = REAL_PROMPT_TOKENS):
         self.vocab_size = vocab_size
         self.seed = seed
+        self.real_tokens = real_tokens
 
     def tokens(self, prompts, window: TextWindow = FLUX2_WINDOW) -> Tokens:
         n = 1 if isinstance(prompts, str) else len(prompts)
-        L = window.length(min(REAL_PROMPT_TOKENS, window.max_length))
+        L = window.length(min(self.real_tokens, window.max_length))
         ids = mx.random.randint(0, self.vocab_size, (n, L), key=mx.random.key(self.seed))
-        real, at = mx.arange(L) < REAL_PROMPT_TOKENS, mx.arange(L)
+        real, at = mx.arange(L) < self.real_tokens, mx.arange(L)
         positions = at if window.pad_position is None else mx.where(real, at, window.pad_position)
         rows = (ids, mx.broadcast_to(real, (n, L)), mx.broadcast_to(positions, (n, L)))
         return Tokens(*(a.astype(mx.int32) for a in rows))
@@ -82,11 +84,18 @@ class RandomTokens:
 
 
 def random_pipeline(
-    variant: Variant, *, dtype=mx.float32, quantize: int | None = None, seed: int = 0, low_memory: bool = False
+    variant: Variant,
+    *,
+    dtype=mx.float32,
+    quantize: int | None = None,
+    seed: int = 0,
+    low_memory: bool = False,
+    prompt_tokens: int = REAL_PROMPT_TOKENS,
 ) -> FluxKleinPipeline:
     """The pipeline of `variant` (a row of any family's `variants`) with random weights (`quantize` 4/8:
     transformer and text encoder, quantized from the random weights as `convert` would). The text encoder
-    is built to the family's deepest tap only (FLUX 3: 32 of Qwen3-VL's 36 layers, no vision tower)."""
+    is built to the family's deepest tap only (FLUX 3: 32 of Qwen3-VL's 36 layers, no vision tower).
+    `prompt_tokens`: how many tokens every prompt is taken to be (FLUX 3's window is sized by it)."""
     configs = {name: dataclasses.asdict(getattr(variant, name)) for name in COMPONENTS}
     family = family_of(variant.transformer)
 
@@ -114,7 +123,7 @@ def random_pipeline(
         family=family,
     )
     loaders = {name: functools.partial(make, name) for name in SEED_OFFSETS}
-    loaders["tokenizer"] = functools.partial(RandomTokens, variant.text_encoder.vocab_size, seed)
+    loaders["tokenizer"] = functools.partial(RandomTokens, variant.text_encoder.vocab_size, seed, prompt_tokens)
     return FluxKleinPipeline(
         loaders,
         info,
