@@ -31,6 +31,10 @@ from .request import MAX_NEW_TOKENS, UpsampleRequest
 INSTALL_HINT = 'pip install -e ".[upsample]" (or pip install mlx-vlm==0.7.10)'
 UPSAMPLER_TYPES = ("qwen3_5",)  # config.json model_type of the upsampler's architecture
 UPSAMPLER_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt"]  # what a hub download of the upsampler takes
+# Tokens per prefill pass. The prefill's work grows ~0.8 MB a prompt token at full size (benchmarks/MEMORY.md
+# section 6): mlx-vlm's default of 2048 ran a one-reference edit's 1621 tokens as one pass, 7.29 GB with the
+# 4-bit upsampler; passes of 512 keep it under 7 GB. Each pass still multiplies 512-row matrices.
+PREFILL_CHUNK = 512
 
 
 class Progress(NamedTuple):
@@ -191,6 +195,7 @@ class Upsampler:
             image=list(request.references) or None,
             max_tokens=self.max_new_tokens,
             temperature=0.0,
+            prefill_step_size=PREFILL_CHUNK,
         ):
             if on_progress is not None and last.token is not None:
                 on_progress(Progress(last.text, last.generation_tokens, last.generation_tps))

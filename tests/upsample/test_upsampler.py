@@ -18,7 +18,7 @@ from flux_klein_mlx.errors import FluxKleinError  # noqa: E402
 from flux_klein_mlx.upsample import boxes as ours_boxes  # noqa: E402
 from flux_klein_mlx.upsample.prompts import EDIT_SCAFFOLDS, SYSTEM_PROMPTS  # noqa: E402
 from flux_klein_mlx.upsample.request import build_request, reference_size, shown_reference  # noqa: E402
-from flux_klein_mlx.upsample.runtime import Upsampler  # noqa: E402
+from flux_klein_mlx.upsample.runtime import PREFILL_CHUNK, Upsampler  # noqa: E402
 
 NEW_TOKENS = 24  # enough to differ anywhere; the tiny model never stops on its own
 
@@ -135,6 +135,9 @@ def test_caption_equals_diffusers_token_for_token(case, pup, reference):
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
     assert out[0, inputs["input_ids"].shape[1] :].tolist() == ids
+    # our prefill runs in passes of PREFILL_CHUNK tokens (memory) and diffusers' in one: a prompt longer than a
+    # pass (the system prompts are) compares the chunked prefill itself
+    assert inputs["input_ids"].shape[1] > PREFILL_CHUNK
 
 
 @pytest.mark.parametrize(
