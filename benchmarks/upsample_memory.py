@@ -295,6 +295,7 @@ def child(mode: str, tokens: int, flux3: bool, scan: str, size: int, bits: int, 
 
     from flux_klein_mlx.bench.random_model import random_pipeline
     from flux_klein_mlx.models.flux3.config import FLUX3_VARIANTS
+    from flux_klein_mlx.upsample.runtime import PREFILL_CHUNK
 
     flux3_memory.stand_ins()
     # FLUX 3's random matrices are zeros (as flux3_memory.py's bf16 rows: memory does not depend on values), so the
@@ -317,6 +318,7 @@ def child(mode: str, tokens: int, flux3: bool, scan: str, size: int, bits: int, 
     out = {
         "mode": mode,
         "deltanet_prefill": scan,
+        "prefill_chunk": PREFILL_CHUNK,  # tokens per prefill pass (upsample/runtime)
         "size": size,
         "bits": bits,
         "max_new_tokens": tokens,
@@ -377,15 +379,16 @@ def format_row(r: dict) -> str:
 def report(results: dict) -> str:
     """The markdown table of benchmarks/MEMORY.md (section 6)."""
     lines = [
-        "| `--upsample --quantize 4`, 1024², one step | DeltaNet prefill | upsampler loaded | after the prefill | "
-        "upsample | released to | encode | denoise | decode | peak |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| `--upsample --quantize 4`, 1024², one step | DeltaNet prefill | prefill pass | upsampler loaded | "
+        "after the prefill | upsample | released to | encode | denoise | decode | peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results.get("runs", []):
         flux = [f"{r[k] / GB:.2f} GB" if k in r else "-" for k in ("encode_peak", "denoise_peak", "decode_peak")]
         lines.append(
             f"| {r['mode']}, {r['prompt_tokens']} prompt + {r['new_tokens']} new tokens | "
-            f"{SCANS[r['deltanet_prefill']]} | {r['load_peak'] / GB:.2f} GB | {r['prefill_peak'] / GB:.2f} GB | "
+            f"{SCANS[r['deltanet_prefill']]} | {r['prefill_chunk']} tokens | {r['load_peak'] / GB:.2f} GB | "
+            f"{r['prefill_peak'] / GB:.2f} GB | "
             f"{r['upsample_peak'] / GB:.2f} GB | {r['active_after'] / 1e6:.0f} MB | {' | '.join(flux)} | "
             f"**{r['peak'] / GB:.2f} GB** |"
         )
