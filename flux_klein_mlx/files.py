@@ -33,7 +33,6 @@ import os
 import re
 import secrets
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -153,10 +152,13 @@ MIN_FREE_BYTES = 1 << 20  # below this a disk counts as full: one small image (o
 
 def check_writable(folder: Path, what: str) -> None:
     """The real test of permissions (a read-only folder or volume, ACLs, root squash): create and remove
-    a file in `folder`; one line naming `what` (the option and its value) when that fails."""
+    a file in `folder`; one line naming `what` (the option and its value) when that fails. The probe has one of
+    our temporary names: another process of the same run (mlx.launch's ranks check one --work-dir together)
+    that lists the folder meanwhile counts it as ours, never as a stranger's file."""
+    probe = temporary_name(Path(folder) / "flux_klein_mlx-probe")
     try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".flux_klein_mlx-probe-"):
-            pass
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        probe.unlink(missing_ok=True)  # missing: a cleaner of our temporaries took it first
     except OSError as e:
         raise FluxKleinError(
             f"{what}: cannot write in {folder} ({e.strerror}); choose a folder you can write to"

@@ -286,3 +286,29 @@ def test_jpeg_webp_progress_lines_summary_and_batch_names(cli, snapshot, tmp_pat
         assert piexif.helper.UserComment.load(comment) == a1111_parameters(record)
         assert read_record(path) == record
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fox.webp", "many-0.jpg", "many-1.jpg", "many-2.jpg"]
+
+
+def test_the_writable_probe_counts_as_ours_while_another_process_checks_the_folder(tmp_path, monkeypatch):
+    """mlx.launch's ranks check one --work-dir together: one rank's probe file, listed by the other between its
+    creation and removal, once made `check_owned_folder` refuse the folder as holding a stranger's file. The
+    probe now has one of our temporary names (`is_temporary_file`), and nothing of it stays."""
+    from flux_klein_mlx import files
+    from flux_klein_mlx.train.workdir import WORK_MARKER, check_work_dir, is_work_file
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / WORK_MARKER).write_text("a work folder\n")
+    seen = []
+    real_open = os.open
+
+    def open_and_check(path, flags, *args):  # the other rank lists the folder while the probe exists
+        fd = real_open(path, flags, *args)
+        if "probe" in str(path):
+            seen.append(Path(path).name)
+            files.check_owned_folder(work, WORK_MARKER, is_work_file, "--work-dir")  # raises if it is a stranger's
+        return fd
+
+    monkeypatch.setattr(files.os, "open", open_and_check)
+    check_work_dir(work, data=tmp_path / "data")
+    assert seen and files.is_temporary_file(seen[0]) and is_work_file(seen[0])
+    assert sorted(p.name for p in work.iterdir()) == [WORK_MARKER]
