@@ -40,8 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -56,8 +54,7 @@ import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 from common import GB, ROOT, run_json_child  # noqa: E402
 
-import flux_klein_mlx  # noqa: E402
-from flux_klein_mlx.bench.flops import APPLE_CHIPS, flops_of_transformer, lora_training_flops  # noqa: E402
+from flux_klein_mlx.bench.flops import APPLE_CHIPS, flops_of_transformer, lora_training_flops, machine_info  # noqa: E402
 from flux_klein_mlx.models.config import FluxKleinParams  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "train_step.json"
@@ -337,14 +334,7 @@ def load_results() -> dict:
 
 
 def save_results(results: dict) -> None:
-    results["machine"] = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "mlx": mx.__version__,
-        "blas": flux_klein_mlx.preload_openblas(),  # which BLAS the timings ran on (mlx is loaded: it only says)
-        "python": platform.python_version(),
-    }
+    results["machine"] = machine_info()  # OS, CPU, MLX, and on Linux which BLAS the timings ran on
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
 
 
