@@ -39,9 +39,9 @@ from common import diffusers_transformer_config, randomize_torch_  # noqa: E402
 from flux_klein_mlx.bench.command import write_json  # noqa: E402
 from flux_klein_mlx.bench.flops import flops_of_transformer, machine_info  # noqa: E402
 from flux_klein_mlx.models.config import FluxKleinParams  # noqa: E402
+from flux_klein_mlx.models.flux2.transformer import FluxKlein, sanitize_flux2_klein_weights  # noqa: E402
 from flux_klein_mlx.models.rope import image_ids, text_ids  # noqa: E402
-from flux_klein_mlx.models.transformer import FluxKlein, sanitize_flux2_klein_weights  # noqa: E402
-from flux_klein_mlx.weights import load_into  # noqa: E402
+from flux_klein_mlx.storage.weights import load_into  # noqa: E402
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}

@@ -64,10 +64,10 @@ def make(folder: Path, bits: int = 4, blocks: str | None = None) -> None:
 
     from flux_klein_mlx.bench.command import parse_blocks
     from flux_klein_mlx.bench.random_model import randomize
-    from flux_klein_mlx.components import build_module
     from flux_klein_mlx.convert import Part, write_folder
     from flux_klein_mlx.models.config import VARIANTS
     from flux_klein_mlx.models.quantize import evaluate_by_layer, quantize_model
+    from flux_klein_mlx.run.components import build_module
 
     variant, parts = VARIANTS["klein-4b"], []
     if blocks:
@@ -151,9 +151,9 @@ def child_load(model: str, name: str, readahead: str | None = None, overlap: flo
     """Load one component; `readahead` "alone" (read it all first) or "overlap" (read during `overlap`
     seconds of stand-in compute, then stop it and load)."""
     from flux_klein_mlx.bench.measure import StageMeter, bytes_to_load
-    from flux_klein_mlx.components import load_component
-    from flux_klein_mlx.loading import describe
-    from flux_klein_mlx.readahead import ReadAhead
+    from flux_klein_mlx.run.components import load_component
+    from flux_klein_mlx.run.loading import describe
+    from flux_klein_mlx.storage.readahead import ReadAhead
 
     info = describe(model)
     meter, out = StageMeter(), {"component": name, "readahead": readahead}
@@ -177,9 +177,9 @@ def child_load(model: str, name: str, readahead: str | None = None, overlap: flo
 
 def child_cache(model: str) -> dict:
     """The prompt cache's costs on the real files and a real-size entry."""
-    from flux_klein_mlx.embedding_cache import EmbeddingCache
-    from flux_klein_mlx.loading import describe
     from flux_klein_mlx.models.tokenizer import chat_template_source, load_tokenizer
+    from flux_klein_mlx.run.loading import describe
+    from flux_klein_mlx.storage.embedding_cache import EmbeddingCache
 
     info, out = describe(model), {}
     t0 = time.perf_counter()
@@ -229,8 +229,8 @@ def measure(model: str) -> dict:
         machine_info,
     )
     from flux_klein_mlx.bench.measure import bytes_to_load, drop_from_page_cache, sequential_read_rate
-    from flux_klein_mlx.loading import describe
-    from flux_klein_mlx.readahead import component_spans
+    from flux_klein_mlx.run.loading import describe
+    from flux_klein_mlx.storage.readahead import component_spans
 
     info = describe(model)
     files = {n: list(info.files[n]) for n in COMPONENTS}
@@ -335,7 +335,7 @@ def second_generate(model: str, width: int, height: int, steps: int, dtype: str)
     import subprocess
 
     from flux_klein_mlx.bench.measure import drop_from_page_cache
-    from flux_klein_mlx.loading import describe
+    from flux_klein_mlx.run.loading import describe
 
     info = describe(model)
     files = [f for n in COMPONENTS for f in info.files[n]]
@@ -395,8 +395,8 @@ def overlap(model: str, width: int, height: int, steps: int, dtype: str, pairs: 
 
     from flux_klein_mlx.bench.measure import drop_from_page_cache
     from flux_klein_mlx.bench.time_to_image import one_run
-    from flux_klein_mlx.inputs import RunSettings
-    from flux_klein_mlx.loading import describe
+    from flux_klein_mlx.inputs.settings import RunSettings
+    from flux_klein_mlx.run.loading import describe
 
     info = describe(model)
     files = [f for n in COMPONENTS for f in info.files[n]]

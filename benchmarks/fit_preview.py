@@ -8,7 +8,7 @@ BatchNorm statistics the way `Flux2KleinPipeline` does (patchify -> (z - mean) /
 the space our tokens live in), and the decoder's output, averaged over each latent pixel's 8x8
 block, is the target. Random prior latents (what early steps look like) are mixed in with
 `--noise`. Prints the (C, 3) factors and the bias as Python, plus the fit's R^2 on held-out
-pictures, so a fitted map can be pasted into flux_klein_mlx/output.py.
+pictures, so a fitted map can be pasted into flux_klein_mlx/record/output.py.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     import torch
     from diffusers import AutoencoderKLFlux2
 
-    from flux_klein_mlx.output import fit_preview
+    from flux_klein_mlx.record.output import fit_preview
 
     torch.manual_seed(args.seed)
     vae = AutoencoderKLFlux2.from_pretrained(args.vae, torch_dtype=torch.float32).eval()

@@ -2,7 +2,7 @@
 the same step recomputing them every step.
 
 On Base the text and reference tokens sit at time 0 at every step, so their mode blocks give the same
-output at every step: `family/flux3.Flux3Steps` runs them once per image (`Flux3.early_text`,
+output at every step: `family/flux3/family.Flux3Steps` runs them once per image (`Flux3.early_text`,
 `early_references`; the references once for both CFG passes) and each step runs the image's mode
 blocks and the joint blocks. The recomputing path is the same `Flux3Steps` with `txt_early` and
 `ref_early` set to None, so `forward_with_rope` runs every mode in every pass (as the distilled model
@@ -39,8 +39,8 @@ from PIL import Image  # noqa: E402
 from flux_klein_mlx.bench.flops import denoise_flops, flux3_pass_flops, machine_info  # noqa: E402
 from flux_klein_mlx.bench.random_model import random_pipeline  # noqa: E402
 from flux_klein_mlx.family import FLUX3  # noqa: E402
-from flux_klein_mlx.loading import DTYPES  # noqa: E402
 from flux_klein_mlx.models.flux3.config import FLUX3_VARIANTS  # noqa: E402
+from flux_klein_mlx.run.loading import DTYPES  # noqa: E402
 
 PROMPT = "a red fox in fresh snow at dawn, soft light, 35 mm photograph"
 

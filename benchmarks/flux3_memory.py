@@ -74,8 +74,8 @@ def resident_bytes(pipe, name: str, bits: int | None) -> int:
     shapes and dtypes only, nothing allocated."""
     from mlx.utils import tree_flatten
 
-    from flux_klein_mlx.components import build_module
     from flux_klein_mlx.models.quantize import quantize_model
+    from flux_klein_mlx.run.components import build_module
 
     module = build_module(name, pipe.info.configs[name], pipe.info.family)
     module.set_dtype(pipe.dtype)
@@ -95,8 +95,8 @@ def child(
 
     from flux_klein_mlx.bench.random_model import random_pipeline
     from flux_klein_mlx.events import MemoryPlan
-    from flux_klein_mlx.loading import DTYPES
     from flux_klein_mlx.models.flux3.config import FLUX3_VARIANTS
+    from flux_klein_mlx.run.loading import DTYPES
 
     if not real:
         stand_ins()
@@ -161,7 +161,7 @@ def run_row(pipe, r: dict, variant, size, dtype, bits, real, blocks, made) -> di
     """One image's row: the stage peaks the pipeline recorded, what each component holds, the plan."""
     from mlx.utils import tree_flatten
 
-    from flux_klein_mlx.components import build_module
+    from flux_klein_mlx.run.components import build_module
 
     encoder = build_module("text_encoder", pipe.info.configs["text_encoder"], pipe.info.family)
     names = [n for n, _ in tree_flatten(encoder.parameters())]

@@ -111,7 +111,7 @@ def make_full_snapshot(dst: Path) -> dict:
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from flux_klein_mlx.weights import save_safetensors_sharded, save_safetensors_streaming
+    from flux_klein_mlx.storage.weights import save_safetensors_sharded, save_safetensors_streaming
 
     t0 = time.perf_counter()
     dst.mkdir(parents=True)
@@ -188,8 +188,8 @@ def child_resident(folder: str, name: str) -> dict:
     """Load one component (evaluated) and report what it holds."""
     from mlx.utils import tree_flatten
 
-    from flux_klein_mlx.components import load_component
-    from flux_klein_mlx.loading import describe
+    from flux_klein_mlx.run.components import load_component
+    from flux_klein_mlx.run.loading import describe
 
     t0 = time.perf_counter()
     model = load_component(describe(folder), name)
@@ -350,7 +350,7 @@ def child_stage(
         layers = (9, 18, 27) if depth is None else (depth,)
         model = Qwen3TextEncoder(cfg, out_layers=layers)
     elif stage == "denoise":
-        from flux_klein_mlx.models.transformer import FluxKlein
+        from flux_klein_mlx.models.flux2.transformer import FluxKlein
 
         p = FluxKleinParams.klein_4b() if depth is None else FluxKleinParams(depth=depth, depth_single=depth)
         model = FluxKlein(p)
@@ -453,8 +453,8 @@ def child_activation(
         mx.eval(ids, mask)
         res = _measure(lambda: model(ids, mask))
     elif stage == "denoise":
+        from flux_klein_mlx.models.flux2.transformer import FluxKlein
         from flux_klein_mlx.models.rope import image_ids, text_ids
-        from flux_klein_mlx.models.transformer import FluxKlein
 
         p = FluxKleinParams(depth=depth, depth_single=depth)
         model = FluxKlein(p)

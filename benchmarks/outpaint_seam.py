@@ -65,7 +65,7 @@ def strips(result: np.ndarray, pads, size: int) -> tuple[float, float]:
 def measure(pipe, image, pads, args, seed: int) -> dict:
     from PIL import Image
 
-    from flux_klein_mlx.outpaint import outpaint_canvas
+    from flux_klein_mlx.inputs.outpaint import outpaint_canvas
 
     size = image.width
     canvas, _, outpainting = outpaint_canvas(image, pads)
@@ -100,7 +100,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     import flux_klein_mlx
-    from flux_klein_mlx.outpaint import parse_outpaint
+    from flux_klein_mlx.inputs.outpaint import parse_outpaint
 
     pads = parse_outpaint(args.pads)
     pipe = flux_klein_mlx.load(args.model, dtype=args.dtype)

@@ -39,7 +39,7 @@ from common import GB, max_rss_bytes, qwen3_hf_config, qwen_tokenizer_dir, run_j
 
 from flux_klein_mlx.models.config import FluxKleinParams, qwen3_4b  # noqa: E402
 from flux_klein_mlx.models.text_encoder import OUT_LAYERS  # noqa: E402
-from flux_klein_mlx.weights import save_safetensors_sharded  # noqa: E402
+from flux_klein_mlx.storage.weights import save_safetensors_sharded  # noqa: E402
 
 
 def lazy_checkpoint(seed: int = 0) -> dict[str, mx.array]:
@@ -113,9 +113,9 @@ def write_checkpoint(root: Path) -> list[str]:
 
 def measure(root: Path, dtype_name: str, encode: bool) -> dict:
     """Runs in a fresh process: load (and encode), report peak memory and RSS."""
-    from flux_klein_mlx.components import load_component
-    from flux_klein_mlx.loading import describe
     from flux_klein_mlx.models.text_encoder import encode_prompts
+    from flux_klein_mlx.run.components import load_component
+    from flux_klein_mlx.run.loading import describe
 
     dtype = getattr(mx, dtype_name)
     out = {"dtype": dtype_name, "rss_before_load": max_rss_bytes()}

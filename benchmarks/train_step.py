@@ -83,7 +83,7 @@ def adapter_flops(slots, image_tokens: int, text_tokens: int = TEXT) -> float:
 
 def step_flops(params: FluxKleinParams, size: int, checkpoint: bool) -> tuple[float, float]:
     """(forward FLOPs, training-step FLOPs) of `params` at size x size, rank-16 adapters on every block Linear."""
-    from flux_klein_mlx.train.adapters import parse_targets
+    from flux_klein_mlx.train.step.adapters import parse_targets
 
     fwd = flops_of_transformer(params, width=size, height=size)
     lora = adapter_flops(parse_targets("all", params), (size // 16) ** 2)
@@ -100,9 +100,9 @@ class Setup:
         from flux_klein_mlx.bench.random_model import randomize
         from flux_klein_mlx.family import family_of
         from flux_klein_mlx.models.quantize import quantize_model
-        from flux_klein_mlx.train.adapters import attach_lokr, attach_lora, parse_targets
-        from flux_klein_mlx.train.optimizers import make_optimizer
         from flux_klein_mlx.train.settings import TrainSettings
+        from flux_klein_mlx.train.step.adapters import attach_lokr, attach_lora, parse_targets
+        from flux_klein_mlx.train.step.optimizers import make_optimizer
 
         self.family = family_of(params)  # FLUX 3: its planned text window, its own call (family/)
         model = self.family.build_transformer(params)
@@ -142,7 +142,7 @@ class Setup:
         )
 
     def step(self, checkpoint: bool):
-        from flux_klein_mlx.train.objective import flow_loss, optimizer_step
+        from flux_klein_mlx.train.step.objective import flow_loss, optimizer_step
 
         def loss():
             return flow_loss(
@@ -494,7 +494,7 @@ def lokr_report(results: dict) -> list[str]:
 
 def trainable(adapter: str) -> int:
     """Trained values of rank-16 adapters on every block Linear of klein-4B (5 + 20 blocks), from the shapes."""
-    from flux_klein_mlx.train.adapters import adapter_file_shapes, parse_targets
+    from flux_klein_mlx.train.step.adapters import adapter_file_shapes, parse_targets
 
     params = params_for(5, 20)
     slots = parse_targets("all", params)

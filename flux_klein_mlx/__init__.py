@@ -18,15 +18,15 @@ __version__ = "0.1.0"
 
 # module -> the public names it holds (imported on first use)
 _MODULES = {
-    "pipeline": ("load", "FluxKleinPipeline"),
+    "run.pipeline": ("load", "FluxKleinPipeline"),
     "events": ("Progress", "Event", "Stats", "MemoryPlan"),
-    "inputs": ("RunSettings", "PreparedInputs", "prepare_inputs"),
-    "embedding_cache": ("EmbeddingCache",),
-    "output": ("save_image", "image_metadata"),
-    "a1111": ("resolve_lora_tags",),
-    "loading": ("describe", "load_component", "ModelInfo"),
+    "inputs.settings": ("RunSettings", "PreparedInputs", "prepare_inputs"),
+    "storage.embedding_cache": ("EmbeddingCache",),
+    "record.output": ("save_image", "image_metadata"),
+    "record.a1111": ("resolve_lora_tags",),
+    "run.loading": ("describe", "load_component", "ModelInfo"),
     "models.config": ("VARIANTS", "FluxKleinParams", "Qwen3Config", "AutoEncoderConfig"),
-    "models.transformer": ("FluxKlein", "sanitize_flux2_klein_weights"),
+    "models.flux2.transformer": ("FluxKlein", "sanitize_flux2_klein_weights"),
     "models.kv_cache": ("ReferenceKV",),
     "models.text_encoder": ("Qwen3TextEncoder", "sanitize_qwen3_weights"),
     "models.tokenizer": ("PromptTokenizer",),

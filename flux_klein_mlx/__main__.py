@@ -23,7 +23,7 @@ COMMANDS = {
     "serve": ("flux_klein_mlx.serve.command", "serve"),
     "train": ("flux_klein_mlx.train.command", "train"),
     "lora": ("flux_klein_mlx.lora.command", "lora"),
-    "upsample": ("flux_klein_mlx.upsample.command", "upsample"),
+    "upsample": ("flux_klein_mlx.caption", "upsample"),
 }
 
 

@@ -35,11 +35,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import __version__
-from .components import assemble, check_weights, read_component
 from .errors import FluxKleinError
 from .family import FAMILIES
-from .files import broken_link, check_disk_space, folder_transaction
-from .loading import (
+from .lora.apply import apply_loras, load_loras, pair_scales
+from .models.quantize import check_quantization, quantize_model
+from .models.tokenizer import tokenizer_files
+from .run.components import assemble, check_weights, read_component
+from .run.loading import (
     COMPONENTS,
     DEFAULT_DTYPE,
     DTYPES,
@@ -52,11 +54,9 @@ from .loading import (
     dtype_name,
     is_mlx_folder,
 )
-from .lora.apply import apply_loras, load_loras, pair_scales
-from .models.quantize import check_quantization, quantize_model
-from .models.tokenizer import tokenizer_files
+from .storage.files import broken_link, check_disk_space, folder_transaction
+from .storage.weights import save_safetensors_sharded
 from .upsample.runtime import convert_upsampler, is_upsampler
-from .weights import save_safetensors_sharded
 
 MAX_SHARD_BYTES = 5 << 30
 

@@ -10,7 +10,7 @@ import numpy as np
 from PIL import Image
 
 from .errors import FluxKleinError
-from .inputs import PreparedInputs
+from .inputs.settings import PreparedInputs
 from .models.rope import token_grid
 
 

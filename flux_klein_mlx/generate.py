@@ -10,16 +10,16 @@ from pathlib import Path
 
 import click
 
-from .a1111 import resolve_lora_tags
 from .cli import caption_first, run_command, upsample_options, vae_and_cache_options
-from .embedding_cache import parse_size
-from .files import check_output_file, numbered_name, write_exclusive
-from .inputs import RunSettings, check_prompt_given, prepare_inputs
-from .loading import DEFAULT_DTYPE, DTYPES
+from .inputs.settings import RunSettings, check_prompt_given, prepare_inputs
 from .lora.apply import pair_scales
-from .output import image_format, save_image
-from .pipeline import DEFAULT_MODEL, load
-from .rerun import check_images_given, record_options
+from .record.a1111 import resolve_lora_tags
+from .record.output import image_format, save_image
+from .record.rerun import check_images_given, record_options
+from .run.loading import DEFAULT_DTYPE, DTYPES
+from .run.pipeline import DEFAULT_MODEL, load
+from .storage.embedding_cache import parse_size
+from .storage.files import check_output_file, numbered_name, write_exclusive
 
 
 def output_paths(output: str, count: int) -> list[Path]:

@@ -98,7 +98,7 @@ def cli(capsys):
 @pytest.fixture
 def no_models(monkeypatch):
     """Record every model load of the pipeline; a bad input must be refused before any."""
-    import flux_klein_mlx.pipeline as pipeline_module
+    import flux_klein_mlx.run.pipeline as pipeline_module
 
     calls = []
 

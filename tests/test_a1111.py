@@ -24,7 +24,7 @@ from refs import picture
 
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.output import read_record
+from flux_klein_mlx.record.output import read_record
 
 RE_PARAM = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')  # A1111's infotext_utils
 RE_EXTRA_NET = re.compile(r"<(\w+):([^>]+)>")  # A1111's extra_networks

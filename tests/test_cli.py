@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flux_klein_mlx.images import preprocess_reference
-from flux_klein_mlx.inputs import content_hash
-from flux_klein_mlx.output import read_record
+from flux_klein_mlx.inputs.images import preprocess_reference
+from flux_klein_mlx.inputs.settings import content_hash
+from flux_klein_mlx.record.output import read_record
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,14 +18,14 @@ from mlx.utils import tree_flatten
 from refs import load_folder_component, load_one, rel_err, to_mx
 from tiny_model import LATENT_CHANNELS, QWEN_HIDDEN, TRANSFORMER, write_bfl_transformer
 
-import flux_klein_mlx.weights as weights_module
+import flux_klein_mlx.storage.weights as weights_module
 from flux_klein_mlx import __main__ as cli
 from flux_klein_mlx.convert import convert_model
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.loading import COMPONENTS, FORMAT, describe
-from flux_klein_mlx.loading import read_mlx_config as read_config
 from flux_klein_mlx.models.tokenizer import PromptTokenizer
-from flux_klein_mlx.weights import (
+from flux_klein_mlx.run.loading import COMPONENTS, FORMAT, describe
+from flux_klein_mlx.run.loading import read_mlx_config as read_config
+from flux_klein_mlx.storage.weights import (
     read_safetensors,
     read_weight_files,
     resolve_model,

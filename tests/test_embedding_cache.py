@@ -19,8 +19,14 @@ import pytest
 
 from flux_klein_mlx import embedding_cache as ec
 from flux_klein_mlx import files
-from flux_klein_mlx.embedding_cache import CacheWarning, EmbeddingCache, cached_embeddings, default_folder, parse_size
 from flux_klein_mlx.errors import FluxKleinError
+from flux_klein_mlx.storage.embedding_cache import (
+    CacheWarning,
+    EmbeddingCache,
+    cached_embeddings,
+    default_folder,
+    parse_size,
+)
 
 # The model-side imports (torch, transformers, mlx-lm) are made where they are used, so that the
 # writer processes of the concurrency test, which import this module, start in a fraction of a second.
@@ -39,9 +45,9 @@ def snapshot(tmp_path_factory):
 @pytest.fixture(scope="module")
 def encoder(snapshot):
     """{dtype name: (text encoder, tokenizer)} for the tiny snapshot."""
-    from flux_klein_mlx.components import load_component
-    from flux_klein_mlx.loading import describe
     from flux_klein_mlx.models.tokenizer import load_tokenizer
+    from flux_klein_mlx.run.components import load_component
+    from flux_klein_mlx.run.loading import describe
 
     tok, info = load_tokenizer(snapshot), describe(snapshot)
     return {
@@ -65,8 +71,8 @@ def entry_array(seed: int = 0, dtype=mx.bfloat16, width: int = 96) -> mx.array:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_hit_is_bit_identical_to_the_encoders_output(snapshot, encoder, tmp_path, dtype):
-    from flux_klein_mlx.loading import describe
     from flux_klein_mlx.models.text_encoder import encode_prompts
+    from flux_klein_mlx.run.loading import describe
 
     model, tok = encoder[dtype]
     files = describe(snapshot).files["text_encoder"]
@@ -104,7 +110,7 @@ def test_hit_is_bit_identical_to_the_encoders_output(snapshot, encoder, tmp_path
 
 
 def test_a_cached_run_opens_no_weight_file(snapshot, tmp_path, monkeypatch):
-    from flux_klein_mlx.loading import describe
+    from flux_klein_mlx.run.loading import describe
 
     files = describe(snapshot).files["text_encoder"]
     key = EmbeddingCache(tmp_path).key(files, **KEY_ARGS)

@@ -22,8 +22,8 @@ from command_line import assert_one_line_error, default_args, gen_args, tree_has
 from PIL import Image
 
 from flux_klein_mlx import convert as convert_module
-from flux_klein_mlx.files import TMP_MARKER
-from flux_klein_mlx.output import read_record, save_image
+from flux_klein_mlx.record.output import read_record, save_image
+from flux_klein_mlx.storage.files import TMP_MARKER
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -256,7 +256,7 @@ def test_jpeg_webp_progress_lines_summary_and_batch_names(cli, snapshot, tmp_pat
     import piexif
     import piexif.helper
 
-    from flux_klein_mlx.output import a1111_parameters
+    from flux_klein_mlx.record.output import a1111_parameters
 
     taken = tmp_path / "many-0.jpg"
     taken.write_bytes(b"mine")

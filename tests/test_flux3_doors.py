@@ -113,7 +113,7 @@ def test_convert_writes_a_folder_that_generates_the_same_image(flux3, tmp_path, 
 
 
 def test_a_bfl_file_loads_without_convert_on_its_base_folder(flux3_base, tmp_path):
-    from flux_klein_mlx.loading import describe
+    from flux_klein_mlx.run.loading import describe
 
     file = write_bfl_flux3_file(flux3_base, tmp_path / "flux-3-base.safetensors")
     info = describe(file, base=flux3_base)
@@ -145,7 +145,7 @@ def test_the_prompt_cache_serves_flux3_and_img2img_and_inpainting_run(flux3, tmp
     """A second run of the same prompt never loads the text encoder (its window and taps are in the key);
     img2img and inpainting take FLUX.2's math (docs/flux3.md): the output has the init image's size, and an
     inpaint keeps what the mask keeps closer to the init image than what it repaints."""
-    from flux_klein_mlx.embedding_cache import EmbeddingCache
+    from flux_klein_mlx.storage.embedding_cache import EmbeddingCache
 
     cache = EmbeddingCache(tmp_path / "cache")
     first = flux_klein_mlx.load(flux3, dtype="float32", cache=cache)
@@ -201,7 +201,7 @@ def test_a_size_out_of_range_is_one_line(flux3, tmp_path, cli):
 
 
 def test_a_flux3_transformer_with_a_flux2_base_folder_is_one_line(flux3, snapshot, tmp_path):
-    from flux_klein_mlx.loading import describe
+    from flux_klein_mlx.run.loading import describe
 
     file = write_bfl_flux3_file(flux3, tmp_path / "model.safetensors")
     with pytest.raises(FluxKleinError, match="is a FLUX 3 Image Klein transformer but .* is not a FLUX 3"):

@@ -15,15 +15,15 @@ from diffusers.modular_pipelines.flux3.image_processor import Flux3ImageProcesso
 from PIL import Image
 
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.images import prepare_flux3_references
-from flux_klein_mlx.models.rope import image_ids
-from flux_klein_mlx.output import to_output
-from flux_klein_mlx.references import (
+from flux_klein_mlx.inputs.images import prepare_flux3_references
+from flux_klein_mlx.inputs.references import (
     FLUX3_MAX_REFERENCES,
     check_reference_count,
     crop_to_box,
     prepare_canvas_reference,
 )
+from flux_klein_mlx.models.rope import image_ids
+from flux_klein_mlx.record.output import to_output
 from flux_klein_mlx.sampling import flow_timestep, shifted_schedule
 
 SHIFT = 6.93  # FLUX 3 Image Klein's (Flux3SetTimestepsStep's default)

@@ -100,7 +100,7 @@ def test_a_seed_gives_diffusers_image_for_that_seed(distilled):
 
 
 def test_base_once_per_image_text_and_references_equal_the_per_step_path(base):
-    from flux_klein_mlx.family.flux3 import Flux3Steps
+    from flux_klein_mlx.family.flux3.family import Flux3Steps
 
     ref = picture(64, 48, seed=8)
     pipe = flux_klein_mlx.load(base, dtype="float32", cache=False)
@@ -119,7 +119,7 @@ def test_the_default_dtype_runs(distilled):
     lat = noise(64, 64, seed=9, channels=C)
     theirs = flux3_reference(distilled, prompt="a boat", latents=lat, steps=2)
     image, pipe = ours(distilled, "a boat", steps=2, latents=lat, dtype="bfloat16", width=64, height=64)
-    assert pipe.dtype == flux_klein_mlx.loading.DTYPES["bfloat16"]
+    assert pipe.dtype == flux_klein_mlx.run.loading.DTYPES["bfloat16"]
     assert image.shape == (64, 64, 3) and np.isfinite(image).all()
     assert np.abs(image - theirs).mean() <= 0.05  # bf16 against diffusers' float32: close, not equal
 

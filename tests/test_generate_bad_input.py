@@ -19,8 +19,8 @@ from command_line import assert_one_line_error, default_args, gen_args
 from PIL import Image
 
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.images import open_image, preprocess_reference
-from flux_klein_mlx.pipeline import load
+from flux_klein_mlx.inputs.images import open_image, preprocess_reference
+from flux_klein_mlx.run.pipeline import load
 
 # --- no silent wrong results ----------------------------------------------------------------------------
 
@@ -221,7 +221,7 @@ def test_width_alone_with_a_reference_takes_the_references_height(snapshot, tmp_
 def test_masks_in_openai_convention():
     """A mask with transparency: transparent = repaint (OpenAI's convention), the same mask as white on
     black; an opaque RGBA mask is read by brightness."""
-    from flux_klein_mlx.images import prepare_init_image
+    from flux_klein_mlx.inputs.images import prepare_init_image
 
     init = Image.fromarray((np.random.default_rng(1).random((64, 64, 3)) * 255).astype(np.uint8))
     grey = Image.new("L", (64, 64), 0)
@@ -239,7 +239,7 @@ def test_masks_in_openai_convention():
 
 def test_masks_that_miss_every_cell_refused_by_the_api_and_the_cli(cli, snapshot, tmp_path, no_models):
     """White that misses every 16-px cell is refused: by the API, and by the CLI before any model."""
-    from flux_klein_mlx.images import prepare_init_image
+    from flux_klein_mlx.inputs.images import prepare_init_image
 
     init = Image.fromarray((np.random.default_rng(1).random((64, 64, 3)) * 255).astype(np.uint8))
     tiny = Image.new("L", (64, 64), 0)
@@ -263,7 +263,7 @@ def test_a_size_this_machine_cannot_decode_is_refused_before_any_model(cli, snap
     machine is refused up front with one line naming the need, the machine and the size that fits; the
     machine is pinned at 16 GB so the test holds on any host."""
     from flux_klein_mlx import limits
-    from flux_klein_mlx.inputs import check_image_size
+    from flux_klein_mlx.inputs.settings import check_image_size
 
     monkeypatch.setattr(limits, "machine_memory", lambda: (16 * 10**9, "a 16 GB test machine"))
     code, _, err = cli(*gen_args(snapshot, tmp_path / "big.png", "-W", "4096", "-H", "4096"))

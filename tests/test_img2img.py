@@ -16,8 +16,8 @@ from tiny_model import LATENT_CHANNELS
 
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.images import prepare_init_image
-from flux_klein_mlx.inputs import content_hash
+from flux_klein_mlx.inputs.images import prepare_init_image
+from flux_klein_mlx.inputs.settings import content_hash
 
 
 @pytest.fixture(scope="module")

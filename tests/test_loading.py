@@ -17,7 +17,7 @@ from command_line import assert_one_line_error, free_port, gen_args, tree_hash
 from PIL import Image
 
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.pipeline import load
+from flux_klein_mlx.run.pipeline import load
 
 
 def damaged_copy(snapshot, tmp_path, how):

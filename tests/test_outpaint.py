@@ -21,7 +21,7 @@ from PIL import Image
 from refs import diffusers_pipeline, diffusers_prompt_embeds, picture
 
 import flux_klein_mlx
-from flux_klein_mlx.output import read_record
+from flux_klein_mlx.record.output import read_record
 
 SEAM = 32
 

@@ -220,7 +220,7 @@ def test_quantize_at_load(distilled, tmp_path, bits, tolerance):
 
 def test_references_are_read_and_encoded_once_per_batch(distilled, tmp_path, monkeypatch):
     """`generate -n 2 --image R`: R is decoded once (before any model runs) and VAE-encoded once."""
-    import flux_klein_mlx.images as images_module  # where the run's images are opened
+    import flux_klein_mlx.inputs.images as images_module  # where the run's images are opened
     from flux_klein_mlx.__main__ import main
     from flux_klein_mlx.models.vae import AutoEncoder
 

@@ -15,7 +15,7 @@ from PIL import Image
 from tiny_model import LATENT_CHANNELS
 
 import flux_klein_mlx
-from flux_klein_mlx.output import FLUX2_RGB_FACTORS, LatentPreview, flux2_preview, preview_for, unpatchify_tokens
+from flux_klein_mlx.record.output import FLUX2_RGB_FACTORS, LatentPreview, flux2_preview, preview_for, unpatchify_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 

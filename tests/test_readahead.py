@@ -13,7 +13,7 @@ import pytest
 from flux_klein_mlx import readahead as ra
 from flux_klein_mlx.bench import measure
 from flux_klein_mlx.bench.measure import StageMeter, drop_from_page_cache, storage_read_bytes
-from flux_klein_mlx.readahead import ReadAhead, Span, merge_spans
+from flux_klein_mlx.storage.readahead import ReadAhead, Span, merge_spans
 
 
 def data_file(folder, name="w.bin", size=(24 << 20) + 123):
@@ -93,8 +93,8 @@ def test_spans_merge_in_file_order():
 def test_component_spans_are_exactly_what_the_loader_reads(tmp_path_factory):
     from tiny_model import shared_tiny_snapshot
 
-    from flux_klein_mlx.components import read_component
-    from flux_klein_mlx.loading import describe
+    from flux_klein_mlx.run.components import read_component
+    from flux_klein_mlx.run.loading import describe
 
     info = describe(shared_tiny_snapshot(tmp_path_factory))
     for name in ("transformer", "text_encoder", "vae"):

@@ -22,10 +22,10 @@ from tiny_model import VAE, shared_tiny_snapshot
 
 from flux_klein_mlx.bench.flops import flops_of_vae_decoder
 from flux_klein_mlx.bench.measure import bytes_to_load
-from flux_klein_mlx.components import load_component, read_component
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.loading import describe, with_vae
 from flux_klein_mlx.models.config import AutoEncoderConfig
+from flux_klein_mlx.run.components import load_component, read_component
+from flux_klein_mlx.run.loading import describe, with_vae
 
 SMALL = dict(VAE, block_out_channels=(32, 32, 64, 64), decoder_block_out_channels=(24, 24, 48, 48))
 NARROW_DECODER = dict(VAE, decoder_block_out_channels=(8, 8, 24, 24))  # the tiny snapshot's encoder (16, 16, 32, 32)
@@ -221,7 +221,7 @@ def test_generate_with_another_decoder_names_it_in_the_record(snapshot, small, t
     from PIL import Image
 
     from flux_klein_mlx.__main__ import main
-    from flux_klein_mlx.output import read_record
+    from flux_klein_mlx.record.output import read_record
 
     out = tmp_path / "x.png"
     args = [

@@ -19,9 +19,9 @@ import mlx.core as mx
 from ..cli import run_command
 from ..errors import FluxKleinError
 from ..family import all_variants
-from ..files import check_output_file, write_exclusive
-from ..loading import DEFAULT_DTYPE, DTYPES
-from ..pipeline import load
+from ..run.loading import DEFAULT_DTYPE, DTYPES
+from ..run.pipeline import load
+from ..storage.files import check_output_file, write_exclusive
 from .random_model import random_pipeline
 from .stages import run_benchmark
 from .time_to_image import format_cold, measure_cold

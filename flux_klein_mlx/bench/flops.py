@@ -242,7 +242,7 @@ def flux3_denoise_flops(
     """(a step, once per image) of FLUX 3 with one pass per prompt window in `text_tokens` (Base's CFG: cond
     and uncond, each its own length). The distilled flow map runs every part in every pass (its target time
     changes the text and references every step). Base runs its text and reference mode blocks once per image,
-    at t = 0 (family/flux3.Flux3Steps): each prompt's text once, the references once for both passes.
+    at t = 0 (family/flux3/family.Flux3Steps): each prompt's text once, the references once for both passes.
     FLUX 3 has no reference K/V cache (`cached_references` is always False)."""
     step = once = NO_FLOPS
     for n, T in enumerate(text_tokens):

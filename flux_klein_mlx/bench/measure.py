@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from ..readahead import ReadStats, Span, component_spans, read_spans
+from ..storage.readahead import ReadStats, Span, component_spans, read_spans
 
 
 def bytes_to_load(info, name: str) -> int:

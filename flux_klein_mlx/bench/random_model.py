@@ -17,13 +17,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..components import build_module
 from ..family import family_of
-from ..loading import COMPONENTS, ModelInfo
 from ..models.config import Variant
 from ..models.quantize import evaluate_by_layer, quantize_model
 from ..models.tokenizer import FLUX2_WINDOW, TextWindow, Tokens
-from ..pipeline import FluxKleinPipeline
+from ..run.components import build_module
+from ..run.loading import COMPONENTS, ModelInfo
+from ..run.pipeline import FluxKleinPipeline
 
 REAL_PROMPT_TOKENS = 40  # a typical prompt plus the chat template; the rest of the 512 is padding
 # Each component's weights are drawn from `seed` plus its own offset, named here rather than taken

@@ -47,14 +47,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..embedding_cache import EmbeddingCache
-from ..inputs import RunSettings, prepare_inputs
-from ..loading import DEFAULT_DTYPE, as_dtype, describe
+from ..inputs.settings import RunSettings, prepare_inputs
 from ..models.config import AutoEncoderConfig, Qwen3Config
 from ..models.rope import token_grid
 from ..models.tokenizer import load_tokenizer
-from ..pipeline import load
-from ..readahead import component_spans
+from ..run.loading import DEFAULT_DTYPE, as_dtype, describe
+from ..run.pipeline import load
+from ..storage.embedding_cache import EmbeddingCache
+from ..storage.readahead import component_spans
 from .flops import denoise_flops, flops_of_text_encoder, flops_of_vae_decoder, machine_info
 from .measure import StageMeter, bytes_to_load, drop_from_page_cache, sequential_read_rate
 from .random_model import REAL_PROMPT_TOKENS

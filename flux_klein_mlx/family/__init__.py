@@ -19,8 +19,8 @@ same. `loading.describe` decides a model's family from its files and puts it in 
 from __future__ import annotations
 
 from .base import Family, Steps
-from .flux2 import FLUX2
-from .flux3 import FLUX3
+from .flux2.family import FLUX2
+from .flux3.family import FLUX3
 
 FAMILIES: dict[str, Family] = {FLUX2.key: FLUX2, FLUX3.key: FLUX3}
 

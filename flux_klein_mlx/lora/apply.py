@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import FluxKleinError, first_few
-from ..weights import read_lora_file, resolve_lora
+from ..storage.weights import read_lora_file, resolve_lora
 from .formats import Term, parse_lora
 from .layers import LoRALinear, dense_update
 from .layouts import autov3

@@ -22,10 +22,10 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import FluxKleinError, first_few
-from ..files import check_output_file, write_exclusive
 from ..models.config import FluxKleinParams
 from ..models.flux3.config import Flux3Params
-from ..weights import read_lora_file, save_safetensors_streaming
+from ..storage.files import check_output_file, write_exclusive
+from ..storage.weights import read_lora_file, save_safetensors_streaming
 from .formats import DOWN_ROLES, ParsedLora, parse_lora
 from .layouts import FORMAT_NAMES, adapter_file, autov3, check_layout
 from .names import family_of_names, lora_family

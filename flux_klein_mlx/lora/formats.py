@@ -40,7 +40,7 @@ import mlx.core as mx
 
 from ..errors import FluxKleinError, first_few
 from ..models.config import flux1_marker
-from ..weights import check_safetensors_file
+from ..storage.weights import check_safetensors_file
 from .names import Target, family_of_names, layer_shapes, lora_family, target_table
 
 # Module-name prefixes, longest first, and the format they say.

@@ -40,7 +40,7 @@ import numpy as np
 
 from ..checks import check_choice
 from ..errors import FluxKleinError, first_few
-from ..weights import read_lora_file, save_safetensors_streaming
+from ..storage.weights import read_lora_file, save_safetensors_streaming
 from .formats import Term, parse_lora
 from .names import DIFFUSERS_FUSED, diffusers_modules, layer_shapes, target_table
 

@@ -1,6 +1,6 @@
 """The module names a LoRA may use on each model family's transformer (`LORA_FAMILIES`), and which family a
 file's names are for. The one home of "which diffusers / BFL / kohya name is which of our layers (and rows)",
-read by the readers (`formats.parse_lora`), the writers (`layouts`) and the trainer (`train/adapters`).
+read by the readers (`formats.parse_lora`), the writers (`layouts`) and the trainer (`train/step/adapters`).
 
 FLUX.2 [klein]: BFL fuses q, k, v (and, in a single block, the MLP's input) into one matrix, diffusers splits
 them, so a diffusers name may cover a row range of one of our layers. FLUX 3 Image Klein: every diffusers name
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 from ..errors import FluxKleinError
 from ..family import FLUX2, FLUX3
-from ..models import transformer as flux2
 from ..models.config import HIDDEN_SIZES
+from ..models.flux2 import transformer as flux2
+from ..models.flux2.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, DIFFUSERS_TOP, QKV
 from ..models.flux3 import transformer as flux3
 from ..models.flux3.config import Flux3Params
-from ..models.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, DIFFUSERS_TOP, QKV
 
 # Other trainers' names for diffusers modules: mflux (its own module paths) and flux-2-swift-mlx.
 _ALIASES_TOP = {"time_guidance_embed.linear_1": "time_guidance_embed.timestep_embedder.linear_1",

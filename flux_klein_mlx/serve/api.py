@@ -30,8 +30,8 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from ..errors import FluxKleinError
-from ..files import write_exclusive
-from ..inputs import RunSettings, check_prompt_given
+from ..inputs.settings import RunSettings, check_prompt_given
+from ..storage.files import write_exclusive
 from .forms import (
     EDIT_FIELDS,
     GENERATION_FIELDS,

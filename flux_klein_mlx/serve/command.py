@@ -19,8 +19,8 @@ import click
 
 from ..cli import run_command, vae_and_cache_options
 from ..errors import FluxKleinError
-from ..loading import DEFAULT_DTYPE, DTYPES
-from ..pipeline import DEFAULT_MODEL, load
+from ..run.loading import DEFAULT_DTYPE, DTYPES
+from ..run.pipeline import DEFAULT_MODEL, load
 
 
 def bind(host: str, port: int) -> socket.socket:

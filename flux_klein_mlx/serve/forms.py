@@ -14,8 +14,8 @@ import re
 from starlette.responses import JSONResponse
 
 from ..errors import FluxKleinError
-from ..inputs import check_image_size
-from ..outpaint import centred_pads, parse_outpaint
+from ..inputs.outpaint import centred_pads, parse_outpaint
+from ..inputs.settings import check_image_size
 from ..upsample.boxes import check_boxes
 
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..errors import FluxKleinError
-from ..inputs import RunSettings, prepare_inputs
-from ..loading import COMPONENTS
-from ..output import image_bytes
+from ..inputs.settings import RunSettings, prepare_inputs
+from ..record.output import image_bytes
+from ..run.loading import COMPONENTS
 
 
 class QueueFull(Exception):

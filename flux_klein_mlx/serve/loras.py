@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..a1111 import find_lora, lora_files, resolve_lora_tags
 from ..errors import FluxKleinError
 from ..lora.apply import parse_lora_spec
+from ..record.a1111 import find_lora, lora_files, resolve_lora_tags
 from .forms import MAX_LORAS, ApiError
 
 

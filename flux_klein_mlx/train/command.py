@@ -17,14 +17,14 @@ from click.core import ParameterSource
 
 from ..cli import run_command
 from ..errors import FluxKleinError
-from ..loading import DTYPES
+from ..run.loading import DTYPES
 from .config_file import check_recorded_data, option_names, read_config
-from .distributed import PeerLost, world
-from .evaluation import ValidationFinished
 from .memory import MemoryPlanned, describe_plan
-from .objective import SCHEDULES
-from .optimizers import OPTIMIZERS
+from .report.evaluation import ValidationFinished
 from .settings import DEFAULT_BASE_MODEL, TIMESTEPS, TrainSettings, default_work_dir
+from .step.distributed import PeerLost, world
+from .step.objective import SCHEDULES
+from .step.optimizers import OPTIMIZERS
 from .trainer import (
     CheckpointSaved,
     SamplesSaved,

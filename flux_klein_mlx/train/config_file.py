@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FluxKleinError, first_few
-from .data import IMAGE_SUFFIXES, caption_of, file_sha256, with_trigger
+from .data.dataset import IMAGE_SUFFIXES, caption_of, file_sha256, with_trigger
 from .settings import TrainSettings
 
 if sys.version_info >= (3, 11):

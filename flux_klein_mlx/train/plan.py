@@ -10,20 +10,20 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..components import check_for_training, check_weights
 from ..errors import FluxKleinError
-from ..files import check_output_file
-from ..loading import ModelInfo, as_dtype, describe, single_file_refusal
-from .adapters import adapter_file_shapes, adapter_parameters, parse_targets
-from .data import batches_per_epoch, check_held_out, running_batch, say_shared_images, scan_data
-from .distributed import World, check_processes, world
-from .latents import LatentCache, run_latents
+from ..run.components import check_for_training, check_weights
+from ..run.loading import ModelInfo, as_dtype, describe, single_file_refusal
+from ..storage.files import check_output_file
+from .data.dataset import batches_per_epoch, check_held_out, running_batch, say_shared_images, scan_data
+from .data.latents import LatentCache, run_latents
 from .memory import MemoryPlanned, check_memory
-from .objective import check_schedule
-from .samples import check_sample_model, sample_references
+from .report.samples import check_sample_model, sample_references
 from .settings import TrainSettings
 from .starting import init_arrays
 from .state import resume_point
+from .step.adapters import adapter_file_shapes, adapter_parameters, parse_targets
+from .step.distributed import World, check_processes, world
+from .step.objective import check_schedule
 from .workdir import check_not_locked, check_work_dir, checkpoints
 
 # --- checks before anything runs -----------------------------------------------------------------
@@ -74,7 +74,7 @@ def epochs_ended(step: int, *, batches: int, grad_accum: int) -> range:
 
 
 def _latents(settings: TrainSettings, info: ModelInfo, items: list, held_out: list) -> LatentCache:
-    """The run's latents (train/latents.py); the VAE's weight files are checked here unless every latent is
+    """The run's latents (train/data/latents.py); the VAE's weight files are checked here unless every latent is
     stored (a resume or rerun opens none of them; a damaged entry has them checked before the VAE loads)."""
     latents = run_latents(settings, info, as_dtype(settings.dtype), items=items, held_out=held_out)
     if latents.stored():

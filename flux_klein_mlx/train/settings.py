@@ -19,14 +19,14 @@ from pathlib import Path
 
 from ..checks import check_choice, check_number, check_whole, is_int
 from ..errors import FluxKleinError
-from ..inputs import check_side
-from ..loading import DEFAULT_DTYPE, DTYPES
+from ..inputs.settings import check_side
 from ..lora.layouts import check_layout
 from ..models.quantize import check_quantization
 from ..models.tokenizer import check_text
-from .data import IMAGE_SUFFIXES
-from .objective import check_schedule
-from .optimizers import OPTIMIZERS
+from ..run.loading import DEFAULT_DTYPE, DTYPES
+from .data.dataset import IMAGE_SUFFIXES
+from .step.objective import check_schedule
+from .step.optimizers import OPTIMIZERS
 
 TIMESTEPS = ("shift", "logit-normal", "uniform")
 ADAPTERS = ("lora", "lokr")  # LoRA pairs per diffusers module, or LoKr per layer
@@ -69,7 +69,7 @@ class TrainSettings:
     epochs: int | None = None  # train this many epochs: --steps becomes the steps they take (train/plan.py)
     save_every_epochs: int | None = None  # also checkpoint at the step that ends every Nth epoch
     sample_every_epochs: int | None = None  # also sample at the step that ends every Nth epoch
-    repeats: int = 1  # each image drawn this many times an epoch (times its N_name folder's N; train/data.py)
+    repeats: int = 1  # each image drawn this many times an epoch (times its N_name folder's N; train/data/dataset.py)
     flip: bool = False  # mirror an example left to right with probability 1/2 each time it is drawn
     init_lora: str | Path | None = None  # start from this LoRA file (any layout --lora reads; train/starting.py)
     lr: float = 1e-4
@@ -79,7 +79,9 @@ class TrainSettings:
     timesteps: str = "shift"
     seed: int = 0
     weight_decay: float = 1e-4  # diffusers' trainer; torch/MLX default 0.01 (G9)
-    optimizer: str = "adamw"  # adamw, adafactor, lion or prodigy, each as its torch reference (train/optimizers.py)
+    optimizer: str = (
+        "adamw"  # adamw, adafactor, lion or prodigy, each as its torch reference (train/step/optimizers.py)
+    )
     max_grad_norm: float = 1.0
     dtype: str = DEFAULT_DTYPE
     save_dtype: str | None = None  # the output's (and the kept sample LoRAs') dtype; default: dtype
@@ -104,10 +106,12 @@ class TrainSettings:
     sample_images: tuple = ()
     trigger: str | None = None  # replaces "[trigger]" in each caption, else is prepended as "WORD, "
     caption_dropout: float = 0.0  # probability that an example trains with the empty caption
-    lr_scheduler: str = "constant"  # diffusers' get_scheduler names (train/objective.py)
+    lr_scheduler: str = "constant"  # diffusers' get_scheduler names (train/step/objective.py)
     warmup_steps: int = 0
     force: bool = False  # train even when the memory plan says the step will not fit
-    ema: float | None = None  # decay of the adapters' moving average, written as the output (train/evaluation.py)
+    ema: float | None = (
+        None  # decay of the adapters' moving average, written as the output (train/report/evaluation.py)
+    )
     validation: str | Path | None = None  # folder of held-out images + captions, measured at each checkpoint
     validation_controls: tuple = ()  # with --control: the held-out images' control folders, one per --control
 

@@ -25,7 +25,7 @@ from ..errors import FluxKleinError, first_few
 from ..lora.formats import parse_lora
 from ..lora.layouts import layout_pairs
 from ..lora.names import target_table
-from ..weights import read_lora_file
+from ..storage.weights import read_lora_file
 
 
 def init_arrays(path, slots: list, params, *, rank: int, alpha: float) -> dict[str, mx.array]:

@@ -32,19 +32,19 @@ import numpy as np
 
 from ..checks import is_int
 from ..errors import FluxKleinError
-from ..files import (
+from ..lora import layouts
+from ..storage.files import (
     folder_transaction,
     write_exclusive,
     write_replacing,
 )
-from ..lora import layouts
-from ..weights import read_safetensors, safetensors_table, save_safetensors_streaming
-from .adapters import CHECKPOINT_LAYOUTS
-from .optimizers import state_shapes
+from ..storage.weights import read_safetensors, safetensors_table, save_safetensors_streaming
 from .settings import differences
+from .step.adapters import CHECKPOINT_LAYOUTS
+from .step.optimizers import state_shapes
 from .workdir import checkpoints
 
-EMA_FILE = "ema.safetensors"  # a checkpoint's moving average of the adapters (train/evaluation.py), with --ema
+EMA_FILE = "ema.safetensors"  # a checkpoint's moving average of the adapters (train/report/evaluation.py), with --ema
 
 
 def write_checkpoint(

@@ -29,23 +29,23 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
 from .. import __version__
-from ..components import load_component
 from ..errors import FluxKleinError
-from ..loading import as_dtype
 from ..models.rope import token_grid
-from .adapters import attach_lokr, attach_lora, file_header, write_lora_file
-from .captions import CaptionEmbeddings
-from .data import bucket_counts, dropped_captions, epoch_batches, flipped_examples
-from .distributed import PeerLost, example_draws
-from .evaluation import EMA_FILE, AdapterEMA, Validation, average_window, moving_average, write_loss_plot
-from .events import CheckpointSaved, StageFinished, StageStarted, StepFinished, TrainFinished, TrainStarted
-from .metrics import MetricsLog
-from .objective import batch_loss, flow_loss, lr_at_step, optimizer_step, sigmas_from_draws
-from .optimizers import make_optimizer
+from ..run.components import load_component
+from ..run.loading import as_dtype
+from .data.captions import CaptionEmbeddings
+from .data.dataset import bucket_counts, dropped_captions, epoch_batches, flipped_examples
 from .plan import RunPlan, data_key, epochs_ended, plan_run, run_key
-from .samples import SampleImages, SamplesSaved
+from .report.evaluation import EMA_FILE, AdapterEMA, Validation, average_window, moving_average, write_loss_plot
+from .report.events import CheckpointSaved, StageFinished, StageStarted, StepFinished, TrainFinished, TrainStarted
+from .report.metrics import MetricsLog
+from .report.samples import SampleImages, SamplesSaved
 from .settings import TrainSettings
 from .state import adapter_file, read_checkpoint, write_checkpoint, write_json, write_output
+from .step.adapters import attach_lokr, attach_lora, file_header, write_lora_file
+from .step.distributed import PeerLost, example_draws
+from .step.objective import batch_loss, flow_loss, lr_at_step, optimizer_step, sigmas_from_draws
+from .step.optimizers import make_optimizer
 from .workdir import acquire_lock, check_work_dir, checkpoints, claim_work_dir, remove_temporaries
 
 
@@ -82,7 +82,7 @@ class Trainer:
         self.refs: list[mx.array | None] = []  # per item (1, n_controls * L, C) or None
         self.mirrored: list[tuple] = []  # --flip: per item (x0, refs) mirrored left to right
         self.metrics: MetricsLog | None = None  # rank 0's metrics.jsonl, once the run's first step is known
-        self.latent_cache = plan.latents  # the latents the run needs (train/latents.py)
+        self.latent_cache = plan.latents  # the latents the run needs (train/data/latents.py)
         self.ropes: dict = {}
         self.step_no = 0
         self.epoch = 0
@@ -191,7 +191,7 @@ class Trainer:
         )
 
     def caption_plan(self) -> StageStarted:
-        """The run's texts (captions, held-out captions, the dropout's empty caption; train/captions.py):
+        """The run's texts (captions, held-out captions, the dropout's empty caption; train/data/captions.py):
         those in the prompt cache are read now; says what is left."""
         captions = [it.caption for it in self.items] + self.validation.captions()
         self.text = CaptionEmbeddings(self.settings, self.info, self.dtype, captions)
@@ -200,7 +200,7 @@ class Trainer:
 
     def latent_plan(self) -> StageStarted:
         """The latents of every example (and its controls) and held-out image: those in the latent cache are
-        read now (train/latents.py); says what is left."""
+        read now (train/data/latents.py); says what is left."""
         images = len({it.image.sha256 for it in self.items})
         controls = len({(c.sha256, it.bucket) for it in self.items for c in it.controls})
         return self.latent_cache.plan(images, controls)
@@ -332,7 +332,7 @@ class Trainer:
         if settings.grad_accum > 1:
             grads = tree_map(lambda g: g / settings.grad_accum, grads)
         lr = self.lr_of(self.step_no + 1)
-        self.optimizer.learning_rate = lr  # the schedule's value for this step (train/objective.py)
+        self.optimizer.learning_rate = lr  # the schedule's value for this step (train/step/objective.py)
         norm = optimizer_step(self.optimizer, self.model, grads, settings.max_grad_norm)
         mx.eval(self.model.trainable_parameters(), self.optimizer.state, norm)
         self.step_no += 1
@@ -360,7 +360,7 @@ class Trainer:
         )
 
     def logged(self, ev):
-        """`ev` (a step or a validation), its numbers written to metrics.jsonl first (train/metrics.py)."""
+        """`ev` (a step or a validation), its numbers written to metrics.jsonl first (train/report/metrics.py)."""
         if self.metrics is None:
             return ev
         if isinstance(ev, StepFinished):
@@ -459,7 +459,7 @@ class Trainer:
 
     def samples(self) -> SamplesSaved:
         """Each sample prompt with the LoRA as it is now, as the output would be written (the EMA under --ema),
-        on the sample model (train/samples.py)."""
+        on the sample model (train/report/samples.py)."""
         header = file_header(self.settings, self.info, items=self.items, steps=self.step_no, started_at=self.started_at)
         if self.ema is None:
             return self.sample_images.sample(self.step_no, self.lora, self.trained_peak, header)

@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import FluxKleinError, Notice
-from ..files import (
+from ..storage.files import (
     broken_link,
     check_owned_folder,
     check_writable,
@@ -35,7 +35,7 @@ from ..files import (
     is_temporary_file,
     open_no_follow,
 )
-from .metrics import METRICS_FILE, TENSORBOARD_FOLDER
+from .report.metrics import METRICS_FILE, TENSORBOARD_FOLDER
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d{6,})$")
 # The temporary folders of files.folder_transaction for checkpoints (files: files.is_temporary_file).

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..embedding_cache import EmbeddingCache
+from ..storage.embedding_cache import EmbeddingCache
 from .request import UpsampleRequest
 from .runtime import Progress, Upsampler, upsampler_folder
 

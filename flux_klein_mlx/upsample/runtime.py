@@ -24,8 +24,8 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from ..errors import FluxKleinError
-from ..files import folder_transaction
-from ..weights import check_safetensors_file, resolve_model
+from ..storage.files import folder_transaction
+from ..storage.weights import check_safetensors_file, resolve_model
 from .request import MAX_NEW_TOKENS, UpsampleRequest
 
 INSTALL_HINT = 'pip install -e ".[upsample]" (or pip install mlx-vlm==0.7.10)'

@@ -17,7 +17,7 @@ from flux_klein_mlx.bench import command as bm
 from flux_klein_mlx.bench import flops
 from flux_klein_mlx.bench.random_model import random_pipeline, randomize
 from flux_klein_mlx.models.config import AutoEncoderConfig, FluxKleinParams, Qwen3Config, Variant, qwen3_4b, qwen3_8b
-from flux_klein_mlx.models.transformer import FluxKlein
+from flux_klein_mlx.models.flux2.transformer import FluxKlein
 
 ROOT = Path(__file__).resolve().parents[2]
 

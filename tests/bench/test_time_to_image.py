@@ -19,11 +19,11 @@ from file_opens import FileOpens
 from refs import noise
 
 import flux_klein_mlx
-import flux_klein_mlx.pipeline as pipeline_module
+import flux_klein_mlx.run.pipeline as pipeline_module
 from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.loading import describe
-from flux_klein_mlx.output import read_record
+from flux_klein_mlx.record.output import read_record
+from flux_klein_mlx.run.loading import describe
 
 
 @pytest.fixture
@@ -178,7 +178,7 @@ def test_benchmark_cold_reports_every_run_and_the_limit(distilled, capsys, tmp_p
 
 
 def _spans(snapshot):
-    from flux_klein_mlx.readahead import component_spans
+    from flux_klein_mlx.storage.readahead import component_spans
 
     return component_spans(describe(snapshot), "text_encoder", merge=False)
 
@@ -189,8 +189,8 @@ def test_a_cast_or_quantized_load_never_holds_the_whole_source(distilled, dtype,
     time, not the whole model's: the peak stays near the loaded size (before: loaded + source)."""
     import mlx.core as mx
 
-    from flux_klein_mlx.components import load_component
-    from flux_klein_mlx.loading import as_dtype
+    from flux_klein_mlx.run.components import load_component
+    from flux_klein_mlx.run.loading import as_dtype
 
     mx.clear_cache()
     mx.reset_peak_memory()

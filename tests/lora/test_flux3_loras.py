@@ -41,7 +41,7 @@ from flux_klein_mlx.models.flux3.transformer import (
     sanitize_flux3_weights,
 )
 from flux_klein_mlx.models.quantize import dequantize_model, quantize_model
-from flux_klein_mlx.weights import load_into
+from flux_klein_mlx.storage.weights import load_into
 
 # flux3.md section 4's group-64-safe tiny config: D 64 = 2 heads x 32
 CONFIG = dict(in_channels=32, cond_in_channels=32, num_layers=2, num_single_layers=2, attention_head_dim=32,

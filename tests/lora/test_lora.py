@@ -284,7 +284,7 @@ def single_split_file(path, rng):
 
 
 def _shape(layer):
-    from flux_klein_mlx.models.transformer import linear_shapes
+    from flux_klein_mlx.models.flux2.transformer import linear_shapes
 
     return linear_shapes(PARAMS)[layer]
 
@@ -925,7 +925,7 @@ def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snapshot, tmp_
     assert f'Lora hashes: "style: {autov3(a)}, kohya: {autov3(k)}"' in Image.open(out).text["parameters"]
     assert "LoRA style.safetensors" in err
     # `owner/name:file` names the file; a repo with two .safetensors must be told which
-    from flux_klein_mlx.weights import resolve_lora
+    from flux_klein_mlx.storage.weights import resolve_lora
 
     assert resolve_lora("someone/klein-lora:kohya.safetensors").read_bytes() == k.read_bytes()
     (root / "snapshots" / rev / "other.safetensors").write_bytes(k.read_bytes())

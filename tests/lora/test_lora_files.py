@@ -28,12 +28,12 @@ from safetensors.torch import load_file, save_file
 from tiny_model import diffusers_to_bfl
 
 import flux_klein_mlx
-from flux_klein_mlx.components import load_component
-from flux_klein_mlx.loading import describe
 from flux_klein_mlx.lora.layouts import LAYOUTS, adapter_file
-from flux_klein_mlx.output import a1111_parameters
-from flux_klein_mlx.train.adapters import attach_lora, parse_targets, write_lora_file
-from flux_klein_mlx.weights import save_safetensors_streaming
+from flux_klein_mlx.record.output import a1111_parameters
+from flux_klein_mlx.run.components import load_component
+from flux_klein_mlx.run.loading import describe
+from flux_klein_mlx.storage.weights import save_safetensors_streaming
+from flux_klein_mlx.train.step.adapters import attach_lora, parse_targets, write_lora_file
 
 RANK, ALPHA = 4, 8.0
 H = W = 64
@@ -498,7 +498,7 @@ def dense_updates(path) -> dict[str, np.ndarray]:
     """Our layer -> the file's summed update on its rows, float64: `factor · up @ down`, or for a LoKr
     `factor · kron(w1, w2)` with its output halves rolled where the file's order is [scale ; shift]."""
     from flux_klein_mlx.lora.convert import read_any_lora
-    from flux_klein_mlx.models.transformer import linear_shapes
+    from flux_klein_mlx.models.flux2.transformer import linear_shapes
 
     lora = read_any_lora(path)
     shapes = linear_shapes(lora.params)

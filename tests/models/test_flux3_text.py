@@ -37,7 +37,7 @@ from flux_klein_mlx.models.text_encoder import (
     sanitize_qwen3_weights,
 )
 from flux_klein_mlx.models.tokenizer import FLUX3_WINDOW, PromptTokenizer, TextWindow, chat_template_source
-from flux_klein_mlx.weights import component_files, load_into, read_json, read_weight_files
+from flux_klein_mlx.storage.weights import component_files, load_into, read_json, read_weight_files
 
 HIDDEN, LAYERS = 16, 33
 SHORT = "a red fox in the snow"

@@ -26,7 +26,7 @@ from flux_klein_mlx.models.flux3.transformer import (
     sanitize_flux3_weights,
 )
 from flux_klein_mlx.models.quantize import dequantize_model, quantize_model
-from flux_klein_mlx.weights import load_into
+from flux_klein_mlx.storage.weights import load_into
 
 # flux3.md section 4's tiny configs: "small" (2 heads of 16, text width 24) and "g64", whose every Linear but
 # the 32-wide input projections has an input width that is a multiple of 64 (4-bit group-64 quantization).

@@ -211,7 +211,7 @@ class _Spy:
     """Counts `reference_kv` calls and records which cache each forward received."""
 
     def __init__(self, monkeypatch):
-        from flux_klein_mlx.models.transformer import FluxKlein
+        from flux_klein_mlx.models.flux2.transformer import FluxKlein
 
         self.extracts, self.forwards = 0, []
         real_ref, real_fwd = FluxKlein.reference_kv, FluxKlein.forward_with_rope

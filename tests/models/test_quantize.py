@@ -19,14 +19,14 @@ from test_convert import leftovers, run_cli, text_encoder_outputs, transformer_o
 
 from flux_klein_mlx.convert import convert_model
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.loading import COMPONENTS
-from flux_klein_mlx.loading import read_mlx_config as read_config
 from flux_klein_mlx.models.quantize import (
     apply_quantization,
     dequantize_model,
     quantize_model,
 )
-from flux_klein_mlx.weights import load_into, read_safetensors, read_weight_files, save_safetensors_sharded
+from flux_klein_mlx.run.loading import COMPONENTS
+from flux_klein_mlx.run.loading import read_mlx_config as read_config
+from flux_klein_mlx.storage.weights import load_into, read_safetensors, read_weight_files, save_safetensors_sharded
 
 
 class Toy(nn.Module):

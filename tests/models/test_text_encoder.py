@@ -14,12 +14,12 @@ from refs import config_snapshot, load_one, qwen_tokenizer_dir, randomize_, refe
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 from transformers import Qwen3Config as HFQwen3Config
 
-import flux_klein_mlx.components as components
+import flux_klein_mlx.run.components as components
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.loading import describe
 from flux_klein_mlx.models.config import FluxKleinParams, Qwen3Config, qwen3_4b, qwen3_8b
 from flux_klein_mlx.models.text_encoder import Qwen3TextEncoder, encode_prompts, sanitize_qwen3_weights
 from flux_klein_mlx.models.tokenizer import PromptTokenizer
+from flux_klein_mlx.run.loading import describe
 
 PROMPTS = {
     "short": ["a red fox in the snow"],

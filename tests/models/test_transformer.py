@@ -18,13 +18,13 @@ from safetensors.torch import save_file
 
 from flux_klein_mlx.bench.flops import count_parameters
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.loading import describe
 from flux_klein_mlx.models import attention
 from flux_klein_mlx.models.attention import attend
 from flux_klein_mlx.models.config import FluxKleinParams
+from flux_klein_mlx.models.flux2.transformer import FluxKlein, infer_params, sanitize_flux2_klein_weights
 from flux_klein_mlx.models.rope import image_ids, rope_tables, text_ids
-from flux_klein_mlx.models.transformer import FluxKlein, infer_params, sanitize_flux2_klein_weights
-from flux_klein_mlx.weights import read_safetensors
+from flux_klein_mlx.run.loading import describe
+from flux_klein_mlx.storage.weights import read_safetensors
 
 # Tiny diffusers config: 3 heads of 16 (axes 4×4), 2 double + 2 single blocks, text width 24.
 CONFIG = dict(

@@ -23,7 +23,7 @@ from refs import vae_reference_tokens as reference_tokens
 from safetensors.torch import save_file
 
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.inputs import check_image_size
+from flux_klein_mlx.inputs.settings import check_image_size
 from flux_klein_mlx.models.config import AutoEncoderConfig
 from flux_klein_mlx.models.vae import (
     AutoEncoder,

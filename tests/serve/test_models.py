@@ -73,7 +73,7 @@ def test_requests_pick_the_model_and_get_its_image(two, named):
 
 def test_the_worker_holds_one_model_at_a_time(named):
     """In this process: a request for the other model releases the first's components before the second's load."""
-    from flux_klein_mlx.inputs import RunSettings
+    from flux_klein_mlx.inputs.settings import RunSettings
     from flux_klein_mlx.serve.jobs import EndEvent, ImageRequest, Worker
 
     pipes = {name: flux_klein_mlx.load(path, dtype="float32") for name, path in zip(("a", "b"), named, strict=True)}

@@ -26,8 +26,8 @@ from browsing import browser, fill, last_record, needs_chromium, page_bytes, run
 from refs import picture  # noqa: E402
 from serving import start_server  # noqa: E402
 
-from flux_klein_mlx.images import prepare_init_image, preprocess_reference  # noqa: E402
-from flux_klein_mlx.inputs import content_hash  # noqa: E402
+from flux_klein_mlx.inputs.images import prepare_init_image, preprocess_reference  # noqa: E402
+from flux_klein_mlx.inputs.settings import content_hash  # noqa: E402
 
 pytestmark = needs_chromium
 

@@ -27,7 +27,7 @@ from browsing import browser, fill, last_record, needs_chromium, page_bytes, run
 from serving import start_server  # noqa: E402
 
 import flux_klein_mlx  # noqa: E402
-from flux_klein_mlx.outpaint import outpaint_canvas, round_pads  # noqa: E402
+from flux_klein_mlx.inputs.outpaint import outpaint_canvas, round_pads  # noqa: E402
 
 pytestmark = needs_chromium
 SIDES = ("left", "top", "right", "bottom")

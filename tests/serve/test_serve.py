@@ -39,8 +39,8 @@ from refs import picture  # noqa: E402
 from serving import KEY, ROOT, http, start_server  # noqa: E402
 
 import flux_klein_mlx  # noqa: E402
-from flux_klein_mlx.images import preprocess_reference  # noqa: E402
-from flux_klein_mlx.output import a1111_parameters  # noqa: E402
+from flux_klein_mlx.inputs.images import preprocess_reference  # noqa: E402
+from flux_klein_mlx.record.output import a1111_parameters  # noqa: E402
 
 
 def rss_bytes(pid: int) -> int:
@@ -313,7 +313,7 @@ def test_client_disconnect_cancels_between_steps(server):
 
 
 def test_worker_refuses_while_loading_and_when_full(snapshot):
-    from flux_klein_mlx.inputs import RunSettings
+    from flux_klein_mlx.inputs.settings import RunSettings
     from flux_klein_mlx.serve.jobs import ImageRequest, NotReady, QueueFull, Worker
 
     gate = threading.Event()
@@ -600,7 +600,7 @@ def test_the_model_may_be_named_by_its_path_or_repo_id(server, snapshot, tmp_pat
     """`model` is --model-id, --model as given (a path or a repo id), the folder it resolved to, or the repo a
     converted folder came from; any other name is a 404."""
     from flux_klein_mlx.convert import convert_model
-    from flux_klein_mlx.loading import describe
+    from flux_klein_mlx.run.loading import describe
     from flux_klein_mlx.serve.command import model_aliases
 
     client = server.client()
@@ -808,7 +808,7 @@ def test_error_bodies_show_no_server_path():
 def test_serve_fails_cleanly_at_start(snapshot, tmp_path, cli, monkeypatch):
     """A busy port, a missing model, a broken --lora: one line and exit 1 before "serving"; a load that
     fails after it ends `serve` with one line too (the worker's load fails; the server stops)."""
-    from flux_klein_mlx.pipeline import FluxKleinPipeline
+    from flux_klein_mlx.run.pipeline import FluxKleinPipeline
 
     broken = tmp_path / "broken.safetensors"
     broken.write_bytes(b"not a LoRA")
@@ -1080,8 +1080,8 @@ def test_api_in_the_default_dtype_partial_images_and_an_openai_mask(page_server)
     """bfloat16 through the API (not the page): `partial_images` (OpenAI's meaning: how many partial
     images a stream sends), and an edit whose mask marks the region to repaint by transparency (OpenAI's
     convention) repaints what the same mask in white on black does."""
-    from flux_klein_mlx.images import prepare_init_image
-    from flux_klein_mlx.inputs import content_hash
+    from flux_klein_mlx.inputs.images import prepare_init_image
+    from flux_klein_mlx.inputs.settings import content_hash
 
     client = page_server.client()
     for partial, steps, expected in ((2, 3, [0, 1]), (0, 1, [])):

@@ -89,8 +89,8 @@ def reference_tokens(hf_tokenizer, prompts, max_length: int = 512) -> tuple[list
 
 def load_folder_component(folder, name: str, dtype=None, quantize=None):
     """One component of a model folder through the real loading layer (describe + load_component)."""
-    from flux_klein_mlx.components import load_component
-    from flux_klein_mlx.loading import describe
+    from flux_klein_mlx.run.components import load_component
+    from flux_klein_mlx.run.loading import describe
 
     return load_component(describe(folder), name, dtype, quantize=quantize)
 
@@ -106,10 +106,10 @@ def load_one(name: str, source, dtype=None, config: dict | None = None):
     import dataclasses
 
     from flux_klein_mlx import components  # read through components' names, so that tests can watch the reads
+    from flux_klein_mlx.models.flux2.transformer import infer_params
     from flux_klein_mlx.models.quantize import evaluate_by_layer
     from flux_klein_mlx.models.text_encoder import keeps_key
-    from flux_klein_mlx.models.transformer import infer_params
-    from flux_klein_mlx.weights import component_files, read_json
+    from flux_klein_mlx.storage.weights import component_files, read_json
 
     source = Path(source)
     if source.is_dir() and (source / name).is_dir():

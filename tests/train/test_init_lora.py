@@ -21,11 +21,11 @@ import flux_klein_mlx
 from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.lora.formats import Term
 from flux_klein_mlx.lora.layouts import write_adapter
-from flux_klein_mlx.train.adapters import write_lora_file
-from flux_klein_mlx.train.events import TrainStarted
 from flux_klein_mlx.train.plan import plan_run
+from flux_klein_mlx.train.report.events import TrainStarted
 from flux_klein_mlx.train.settings import TrainSettings
 from flux_klein_mlx.train.starting import init_arrays
+from flux_klein_mlx.train.step.adapters import write_lora_file
 from flux_klein_mlx.train.trainer import Trainer
 
 

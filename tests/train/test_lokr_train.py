@@ -19,10 +19,11 @@ import torch
 from refs import diffusers_lighthouse, diffusers_pipeline_for_loras, our_lighthouse, to_np
 
 import flux_klein_mlx
-from flux_klein_mlx.components import load_component
-from flux_klein_mlx.loading import describe
 from flux_klein_mlx.lora.layers import ROLE_LISTS, LoRALinear
-from flux_klein_mlx.train.adapters import (
+from flux_klein_mlx.run.components import load_component
+from flux_klein_mlx.run.loading import describe
+from flux_klein_mlx.train.state import read_checkpoint
+from flux_klein_mlx.train.step.adapters import (
     LoKrShape,
     add_lokr_term,
     attach_lokr,
@@ -30,7 +31,6 @@ from flux_klein_mlx.train.adapters import (
     parse_targets,
     write_lora_file,
 )
-from flux_klein_mlx.train.state import read_checkpoint
 from flux_klein_mlx.train.trainer import StepFinished
 
 CAPTION = "a striped test card"

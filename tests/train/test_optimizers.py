@@ -1,5 +1,5 @@
 """Issue 39: `--optimizer adamw|adafactor|lion|prodigy`, each equal to its torch reference on the same gradients
-(train/optimizers.py): torch.optim.AdamW, torch.optim.Adafactor (torch 2.5+), lion-pytorch's Lion and
+(train/step/optimizers.py): torch.optim.AdamW, torch.optim.Adafactor (torch 2.5+), lion-pytorch's Lion and
 prodigyopt's Prodigy (the packages the trainers use; `pip install lion-pytorch prodigyopt`, in the test
 extras). Each runs five steps of the same clipped gradients, at a learning rate that changes every step
 (the lr schedule sets it before each step; Prodigy's first step at lr 0, a warmup's, which its reference
@@ -16,9 +16,9 @@ import pytest
 import torch
 from test_train_bad_input import base_args, make_images, no_models, refused  # noqa: F401
 
-from flux_klein_mlx.train.objective import optimizer_step
-from flux_klein_mlx.train.optimizers import make_optimizer
 from flux_klein_mlx.train.settings import TrainSettings
+from flux_klein_mlx.train.step.objective import optimizer_step
+from flux_klein_mlx.train.step.optimizers import make_optimizer
 
 SHAPES = [(4, 24), (40, 4), (64,)]  # a LoRA's A, its B (zero at the start), a vector
 

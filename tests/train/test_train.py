@@ -37,14 +37,14 @@ from refs import (
 from tiny_model import SCHEDULER
 
 import flux_klein_mlx
-from flux_klein_mlx.components import load_component
-from flux_klein_mlx.loading import describe
 from flux_klein_mlx.models.rope import image_ids, text_ids
-from flux_klein_mlx.train.adapters import attach_lora, parse_targets, write_lora_file
-from flux_klein_mlx.train.objective import flow_loss, optimizer_step, shift_mu, sigmas_from_draws
-from flux_klein_mlx.train.optimizers import make_optimizer
+from flux_klein_mlx.run.components import load_component
+from flux_klein_mlx.run.loading import describe
 from flux_klein_mlx.train.plan import plan_run
 from flux_klein_mlx.train.settings import TrainSettings
+from flux_klein_mlx.train.step.adapters import attach_lora, parse_targets, write_lora_file
+from flux_klein_mlx.train.step.objective import flow_loss, optimizer_step, shift_mu, sigmas_from_draws
+from flux_klein_mlx.train.step.optimizers import make_optimizer
 from flux_klein_mlx.train.trainer import StepFinished, Trainer, TrainFinished
 
 RANK, ALPHA = 4, 8.0  # scale 2: a wrong alpha/rank factor shows
@@ -353,7 +353,7 @@ def ref_pipe(snap):
 def test_cached_latents_equal_diffusers_vae_patchify_and_batchnorm(snap, data, ref_pipe, tmp_path):
     from diffusers import Flux2KleinPipeline as P
 
-    from flux_klein_mlx.train.data import load_pixels
+    from flux_klein_mlx.train.data.dataset import load_pixels
 
     plan = plan_run(
         TrainSettings(model=snap, data=data[0], output=tmp_path / "x.safetensors", resolution=64, dtype="float32")
@@ -404,7 +404,7 @@ def test_short_training_lowers_diffusers_own_objective(snap, data, ref_pipe, tmp
     (sigma, noise) draws, with the base model and with the written LoRA loaded."""
     from diffusers import Flux2KleinPipeline as P
 
-    from flux_klein_mlx.train.data import load_pixels
+    from flux_klein_mlx.train.data.dataset import load_pixels
 
     one = tmp_path / "one"
     one.mkdir()
@@ -569,7 +569,7 @@ def test_low_memory_checkpointing_frees_each_block():
     without checkpointing (MLX's nn.utils.checkpoint did not achieve this on the single blocks)."""
     from flux_klein_mlx.bench.random_model import randomize
     from flux_klein_mlx.models.config import FluxKleinParams
-    from flux_klein_mlx.models.transformer import FluxKlein
+    from flux_klein_mlx.models.flux2.transformer import FluxKlein
 
     def peak(n_single: int, checkpoint: bool) -> int:
         p = FluxKleinParams(

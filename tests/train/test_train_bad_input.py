@@ -27,13 +27,13 @@ import flux_klein_mlx
 import flux_klein_mlx.train.trainer as train_module
 from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.loading import describe
+from flux_klein_mlx.run.loading import describe
 from flux_klein_mlx.train import state as train_state
 from flux_klein_mlx.train import workdir
-from flux_klein_mlx.train.adapters import adapter_file_shapes, parse_targets
-from flux_klein_mlx.train.data import bucket_size, scan_data
+from flux_klein_mlx.train.data.dataset import bucket_size, scan_data
 from flux_klein_mlx.train.plan import data_key, plan_run, run_key
 from flux_klein_mlx.train.settings import RUN_KEY_VERSION, TrainSettings
+from flux_klein_mlx.train.step.adapters import adapter_file_shapes, parse_targets
 from flux_klein_mlx.train.trainer import CheckpointSaved, TrainFinished
 
 
@@ -679,8 +679,8 @@ def test_learning_rate_that_underflows_in_the_adapters_is_warned():
     step, lr) leaves most adapter values of a fresh LoRA as they were; at 1e-4 it moves them all."""
     import mlx.nn as nn
 
-    from flux_klein_mlx.train.optimizers import make_optimizer
     from flux_klein_mlx.train.settings import lr_underflow
+    from flux_klein_mlx.train.step.optimizers import make_optimizer
 
     rank = 16
     a0 = (np.random.default_rng(0).standard_normal((rank, 4096)) / rank).astype(np.float32)  # PEFT's init of A
@@ -748,7 +748,7 @@ def test_the_run_talks_ctrl_c_says_how_to_continue_and_one_loss_average_spans_th
     of 3 steps here: a 4-step run would otherwise average 1)."""
     import re
 
-    from flux_klein_mlx.train.evaluation import average_window, moving_average
+    from flux_klein_mlx.train.report.evaluation import average_window, moving_average
 
     data = make_images(tmp_path / "data")
     out, work = tmp_path / "ink.safetensors", tmp_path / "ink.train"
@@ -798,7 +798,7 @@ def test_the_run_talks_ctrl_c_says_how_to_continue_and_one_loss_average_spans_th
 
 
 def test_loss_plot_has_round_ticks_and_shows_a_varying_lr():
-    from flux_klein_mlx.train.evaluation import loss_plot, nice_ticks
+    from flux_klein_mlx.train.report.evaluation import loss_plot, nice_ticks
 
     assert nice_ticks(0.3123, 1.05, 5) == pytest.approx([0.4, 0.6, 0.8, 1.0])
     assert nice_ticks(1, 500, 8, whole=True) == [100, 200, 300, 400, 500]

@@ -1,4 +1,4 @@
-"""Issue 39: the VAE latents of the training images are cached on disk (train/latents.py), as the captions'
+"""Issue 39: the VAE latents of the training images are cached on disk (train/data/latents.py), as the captions'
 embeddings are: a resume and a rerun encode nothing twice and open the VAE's weights zero times
 (measured as the prompt cache's test measures the text encoder: tests/support/file_opens.py); the
 log says so; a damaged entry is ignored and encoded again; the baseline samples are not redrawn on
@@ -14,9 +14,9 @@ from test_train_bad_input import base_args, make_images
 from test_train_said_true import said
 
 import flux_klein_mlx.train.trainer as train_module
-from flux_klein_mlx.embedding_cache import default_folder
-from flux_klein_mlx.loading import describe
-from flux_klein_mlx.train.latents import LATENTS_SUBFOLDER
+from flux_klein_mlx.run.loading import describe
+from flux_klein_mlx.storage.embedding_cache import default_folder
+from flux_klein_mlx.train.data.latents import LATENTS_SUBFOLDER
 
 
 def counting_loads(monkeypatch) -> list[str]:

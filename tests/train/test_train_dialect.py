@@ -1,7 +1,7 @@
 """Issue 39: the trainers' dialect: kohya's repeats (`N_name` folders, `--repeats`), `--flip`, `--epochs` with
 saving and sampling every N epochs.
 
-- repeats and flips change which examples a step draws exactly as documented (train/data.py,
+- repeats and flips change which examples a step draws exactly as documented (train/data/dataset.py,
   docs/training.md#repeats-flips-and-epochs): the draws of a real run are listed and equal those the
   documented rules give (an epoch: each example `repeats` times, permuted by the run's generator, cut
   into batches per bucket, the batches permuted; a flip: U(0, 1) < 1/2 from (seed, "flip", step, example)),
@@ -20,9 +20,9 @@ from test_train_bad_input import base_args, make_images, no_models, refused  # n
 
 import flux_klein_mlx
 import flux_klein_mlx.train.trainer as train_module
-from flux_klein_mlx.train.data import FLIP_STREAM, TrainItem, epoch_batches, load_pixels, scan_data
-from flux_klein_mlx.train.events import CheckpointSaved, StepFinished, TrainStarted
-from flux_klein_mlx.train.samples import SamplesSaved
+from flux_klein_mlx.train.data.dataset import FLIP_STREAM, TrainItem, epoch_batches, load_pixels, scan_data
+from flux_klein_mlx.train.report.events import CheckpointSaved, StepFinished, TrainStarted
+from flux_klein_mlx.train.report.samples import SamplesSaved
 
 
 def kohya_data(root):

@@ -22,7 +22,7 @@ import pytest
 from PIL import Image
 
 import flux_klein_mlx
-from flux_klein_mlx.train.distributed import World, example_draws
+from flux_klein_mlx.train.step.distributed import World, example_draws
 
 ROOT = Path(__file__).resolve().parents[2]
 

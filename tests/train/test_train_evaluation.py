@@ -20,7 +20,7 @@ from refs import diffusers_pipeline, diffusers_pipeline_for_loras, diffusers_pro
 from test_train import diffusers_loss
 
 import flux_klein_mlx
-from flux_klein_mlx.train.evaluation import ValidationFinished
+from flux_klein_mlx.train.report.evaluation import ValidationFinished
 
 CAPTION = "a striped test card"
 
@@ -98,7 +98,7 @@ def diffusers_latents(vae, path, size) -> torch.Tensor:
     the VAE's mode, patchified, normalized by its batch-norm statistics."""
     from diffusers import Flux2KleinPipeline as P
 
-    from flux_klein_mlx.train.data import load_pixels
+    from flux_klein_mlx.train.data.dataset import load_pixels
 
     px = torch.from_numpy(load_pixels(path, size)).permute(2, 0, 1)[None]
     z = P._patchify_latents(vae.encode(px).latent_dist.mode())
@@ -110,7 +110,7 @@ def diffusers_validation(base, lora, held, controls=None) -> np.ndarray:
     """diffusers' loss of each validation level, averaged over the two held-out images, with `lora` loaded
     into a copy of its transformer, our fixed noise and (with `controls`) each image's reference in the
     sequence (D-ki's edit loss)."""
-    from flux_klein_mlx.train.data import bucket_size
+    from flux_klein_mlx.train.data.dataset import bucket_size
 
     shared = diffusers_pipeline(base, "plain", distilled=False)  # the prompt embeddings, computed once per session
     pipe = diffusers_pipeline_for_loras(base, distilled=False)

@@ -21,12 +21,12 @@ from mlx.utils import tree_flatten
 from refs import rel_err, to_np
 from tiny_flux3 import shared_tiny_flux3_snapshot
 
-from flux_klein_mlx.components import load_component
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.family import FLUX3
-from flux_klein_mlx.loading import describe
-from flux_klein_mlx.train.adapters import attach_lora, parse_targets
-from flux_klein_mlx.train.objective import batch_loss, sigmas_from_draws
+from flux_klein_mlx.run.components import load_component
+from flux_klein_mlx.run.loading import describe
+from flux_klein_mlx.train.step.adapters import attach_lora, parse_targets
+from flux_klein_mlx.train.step.objective import batch_loss, sigmas_from_draws
 
 RANK, ALPHA = 4, 8.0  # scale 2: a wrong alpha / rank shows
 
@@ -209,7 +209,7 @@ def test_flux3_lokr_factors_loss_and_gradients_equal_peft_lokr(base3):
 
     from flux_klein_mlx.lora.layers import ROLE_LISTS
     from flux_klein_mlx.models.flux3.transformer import flux3_diffusers_name
-    from flux_klein_mlx.train.adapters import attach_lokr
+    from flux_klein_mlx.train.step.adapters import attach_lokr
 
     rank = alpha = 4  # alpha / r = 1: LyCORIS' whole-w2 scale (1) and peft's scaling agree on every layer
     model = load_component(describe(base3), "transformer", mx.float32)

@@ -31,8 +31,8 @@ import flux_klein_mlx
 from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.lora.convert import convert_lora
-from flux_klein_mlx.output import RECORD_KEY
-from flux_klein_mlx.train.samples import SamplesSaved, sibling_model
+from flux_klein_mlx.record.output import RECORD_KEY
+from flux_klein_mlx.train.report.samples import SamplesSaved, sibling_model
 from flux_klein_mlx.train.trainer import StepFinished, TrainStarted
 
 SHORT = "a striped test card"
@@ -232,7 +232,7 @@ def test_flux3_short_training_lowers_diffusers_own_objective(base3, data, tmp_pa
     from diffusers.modular_pipelines.flux3.before_denoise import Flux3TextRoPEInputsStep, _prepare_image_ids
     from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep, Flux3VaeEncoderStep
 
-    from flux_klein_mlx.train.data import load_pixels
+    from flux_klein_mlx.train.data.dataset import load_pixels
 
     one = tmp_path / "one"
     one.mkdir()

@@ -136,8 +136,8 @@ def test_a_lokr_runs_header_names_lokr(lokr_run):
 
 
 def test_a_lokr_runs_memory_plan_counts_the_lokr_factors_and_prints_the_count(lokr_run, base):
-    from flux_klein_mlx.loading import describe
-    from flux_klein_mlx.train.adapters import adapter_parameters, parse_targets
+    from flux_klein_mlx.run.loading import describe
+    from flux_klein_mlx.train.step.adapters import adapter_parameters, parse_targets
 
     out, events = lokr_run
     plan, started = first(events, MemoryPlanned), first(events, TrainStarted)

@@ -28,7 +28,7 @@ from test_train_samples import pixels, record_of, run_recorded_command
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.train.plan import plan_run
-from flux_klein_mlx.train.samples import SamplesSaved
+from flux_klein_mlx.train.report.samples import SamplesSaved
 from flux_klein_mlx.train.settings import TrainSettings
 
 

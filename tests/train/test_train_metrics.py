@@ -1,4 +1,4 @@
-"""Issue 39: the metrics log (train/metrics.py): `metrics.jsonl` in the work folder holds every step's numbers
+"""Issue 39: the metrics log (train/report/metrics.py): `metrics.jsonl` in the work folder holds every step's numbers
 as the run reported them (and each validation), once per step across a resume; TensorBoard event files
 (tensorboardX, when installed) hold the same scalars, read back with tensorboardX's own protobuf classes.
 """
@@ -13,8 +13,8 @@ from test_train_bad_input import make_images
 
 import flux_klein_mlx
 import flux_klein_mlx.train.trainer as train_module
-from flux_klein_mlx.train.evaluation import ValidationFinished
-from flux_klein_mlx.train.events import StepFinished
+from flux_klein_mlx.train.report.evaluation import ValidationFinished
+from flux_klein_mlx.train.report.events import StepFinished
 
 
 def lines(path) -> list[dict]:

@@ -25,8 +25,8 @@ from PIL import Image
 import flux_klein_mlx
 from flux_klein_mlx.models.config import FluxKleinParams
 from flux_klein_mlx.train import memory
-from flux_klein_mlx.train.data import epoch_batches, scan_data
-from flux_klein_mlx.train.objective import SCHEDULES, lr_at_step
+from flux_klein_mlx.train.data.dataset import epoch_batches, scan_data
+from flux_klein_mlx.train.step.objective import SCHEDULES, lr_at_step
 from flux_klein_mlx.train.trainer import StepFinished, TrainStarted
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -244,7 +244,7 @@ def test_memory_model_reproduces_the_measured_training_rows():
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     results = measured()
-    from flux_klein_mlx.train.adapters import parse_targets
+    from flux_klein_mlx.train.step.adapters import parse_targets
 
     params = FluxKleinParams()
     trainable = sum(16 * (s.in_dims + s.out_dims) for s in parse_targets("all", params))
@@ -262,8 +262,8 @@ def test_memory_model_reproduces_the_measured_training_rows():
 
 
 def test_memory_plan_names_what_makes_it_fit(monkeypatch):
-    from flux_klein_mlx.train.adapters import parse_targets
     from flux_klein_mlx.train.settings import TrainSettings
+    from flux_klein_mlx.train.step.adapters import parse_targets
 
     params = FluxKleinParams()
     trainable = sum(16 * (s.in_dims + s.out_dims) for s in parse_targets("all", params))
@@ -290,7 +290,7 @@ def test_memory_plan_names_what_makes_it_fit(monkeypatch):
 def test_loss_plot_draws_the_learning_rate_and_config_keys_are_the_long_option_names():
     from flux_klein_mlx.train.command import train
     from flux_klein_mlx.train.config_file import option_names
-    from flux_klein_mlx.train.evaluation import loss_plot
+    from flux_klein_mlx.train.report.evaluation import loss_plot
 
     losses = [1.0 - 0.01 * k for k in range(40)]
     lrs = [lr_at_step("cosine", base_lr=1e-4, step=k, warmup=5, total=40) for k in range(1, 41)]

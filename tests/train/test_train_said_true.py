@@ -18,9 +18,9 @@ from command_line import run_cli
 from test_train_bad_input import base_args, make_images, no_models, refused  # noqa: F401
 
 from flux_klein_mlx.train.command import describe_event
-from flux_klein_mlx.train.data import scan_data, with_trigger
-from flux_klein_mlx.train.evaluation import average_window, loss_plot, plot_title
-from flux_klein_mlx.train.events import TrainStarted
+from flux_klein_mlx.train.data.dataset import scan_data, with_trigger
+from flux_klein_mlx.train.report.evaluation import average_window, loss_plot, plot_title
+from flux_klein_mlx.train.report.events import TrainStarted
 from flux_klein_mlx.train.settings import lr_underflow
 
 

@@ -28,9 +28,9 @@ import flux_klein_mlx
 from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.lora.layouts import autov3
-from flux_klein_mlx.output import RECORD_KEY
-from flux_klein_mlx.train.data import dropped_captions, with_trigger
-from flux_klein_mlx.train.samples import SamplesSaved, sample_source, sibling_model
+from flux_klein_mlx.record.output import RECORD_KEY
+from flux_klein_mlx.train.data.dataset import dropped_captions, with_trigger
+from flux_klein_mlx.train.report.samples import SamplesSaved, sample_source, sibling_model
 from flux_klein_mlx.train.settings import TrainSettings
 from flux_klein_mlx.train.trainer import StepFinished
 

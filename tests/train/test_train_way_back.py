@@ -22,11 +22,11 @@ import pytest
 from command_line import assert_one_line_error, run_cli
 from test_train_bad_input import base_args, make_images, refused, small_disk, tree_hash
 
-import flux_klein_mlx.train.samples as samples_module
+import flux_klein_mlx.train.report.samples as samples_module
 import flux_klein_mlx.train.trainer as train_module
 from flux_klein_mlx.train import state as train_state
 from flux_klein_mlx.train import workdir
-from flux_klein_mlx.train.objective import check_schedule
+from flux_klein_mlx.train.step.objective import check_schedule
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,7 @@ import mlx.nn as nn
 
 from ...errors import FluxKleinError
 from ..attention import attend
-from ..recompute import checkpointed
-from ..rope import apply_rope, rope_tables
-from ..transformer import (
+from ..flux2.transformer import (
     LastLayer,
     MLPEmbedder,
     Modulation,
@@ -38,6 +36,8 @@ from ..transformer import (
     swiglu,
     timestep_embedding,
 )
+from ..recompute import checkpointed
+from ..rope import apply_rope, rope_tables
 from .config import Flux3Params
 
 # The modulation heads of each stage, one per token mode (BFL's names).

@@ -1,6 +1,6 @@
 // Outpainting on the page: the first image drawn on a canvas inside a larger frame, whose four edges are
 // dragged (pointer events: mouse, touch, pen) or typed to add pixels on that side. The pads are rounded as
-// the server rounds them (flux_klein_mlx/outpaint.py round_pads: multiples of 16), shown, and sent as the
+// the server rounds them (flux_klein_mlx/inputs/outpaint.py round_pads: multiples of 16), shown, and sent as the
 // edit's `outpaint` field ("LEFT,TOP,RIGHT,BOTTOM" px) by page.js's request. Loaded after page.js: it uses
 // its `$`, `state` and `describeMode`; page.js calls `outpaint.open / follow / active / pads / refusal`.
 "use strict";

@@ -1,0 +1,1 @@
+"""FLUX 3 Image Klein (distilled, Base): everything that names this family outside its networks."""
