@@ -17,9 +17,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from flux_klein_mlx import embedding_cache as ec
-from flux_klein_mlx import files
 from flux_klein_mlx.errors import FluxKleinError
+from flux_klein_mlx.storage import embedding_cache as ec
+from flux_klein_mlx.storage import files
 from flux_klein_mlx.storage.embedding_cache import (
     CacheWarning,
     EmbeddingCache,

@@ -72,7 +72,7 @@ def test_termination_signal_removes_the_temporary_folder(snapshot, tmp_path, sig
     code = f"""
 import sys, time
 sys.path.insert(0, {str(REPO)!r})
-from flux_klein_mlx import weights
+from flux_klein_mlx.storage import weights
 real = weights._tensor_bytes
 def slow(a):
     time.sleep(0.05)
@@ -209,7 +209,7 @@ def test_convert_into_a_link_loop_benchmark_json_into_a_folder_and_a_full_disk(
     `--preview-dir` or `--json`: one line each, before any model, nothing written (issue 30)."""
     import shutil as shutil_module
 
-    from flux_klein_mlx import files as files_module
+    from flux_klein_mlx.storage import files as files_module
 
     loop, converted = tmp_path / "loop", tmp_path / "conv"
     loop.symlink_to(loop)
@@ -292,7 +292,7 @@ def test_the_writable_probe_counts_as_ours_while_another_process_checks_the_fold
     """mlx.launch's ranks check one --work-dir together: one rank's probe file, listed by the other between its
     creation and removal, once made `check_owned_folder` refuse the folder as holding a stranger's file. The
     probe now has one of our temporary names (`is_temporary_file`), and nothing of it stays."""
-    from flux_klein_mlx import files
+    from flux_klein_mlx.storage import files
     from flux_klein_mlx.train.workdir import WORK_MARKER, check_work_dir, is_work_file
 
     work = tmp_path / "work"

@@ -10,9 +10,9 @@ import warnings
 
 import pytest
 
-from flux_klein_mlx import readahead as ra
 from flux_klein_mlx.bench import measure
 from flux_klein_mlx.bench.measure import StageMeter, drop_from_page_cache, storage_read_bytes
+from flux_klein_mlx.storage import readahead as ra
 from flux_klein_mlx.storage.readahead import ReadAhead, Span, merge_spans
 
 
