@@ -25,7 +25,10 @@ README_MAX_LINES = 300
 # A path starts at one of the repository's folders or the package's wings, after a character that
 # cannot be part of a longer path (so `ink.train/train.json` and `~/.cache/flux_klein_mlx/x` are not
 # read as `train/...` or `flux_klein_mlx/...`).
-FOLDERS = "docs|tests|benchmarks|convert|quantize|flux_klein_mlx|models|lora|train|serve|bench|family|inputs|record|storage|run|upsample"
+FOLDERS = (
+    "docs|tests|benchmarks|convert|quantize|flux_klein_mlx"
+    "|models|lora|train|serve|bench|family|inputs|record|storage|run|upsample"
+)
 NAMED_PATH = re.compile(rf"(?<![\w./~$<@-])((?:{FOLDERS})/[\w./-]*)(#[\w-]+)?")
 MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~)")
