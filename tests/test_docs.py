@@ -25,7 +25,10 @@ README_MAX_LINES = 300
 # A path starts at one of the repository's folders or the package's wings, after a character that
 # cannot be part of a longer path (so `ink.train/train.json` and `~/.cache/flux_klein_mlx/x` are not
 # read as `train/...` or `flux_klein_mlx/...`).
-FOLDERS = "docs|tests|benchmarks|convert|quantize|flux_klein_mlx|models|lora|train|serve|bench"
+FOLDERS = (
+    "docs|tests|benchmarks|convert|quantize|flux_klein_mlx"
+    "|models|lora|train|serve|bench|family|inputs|record|storage|run|upsample"
+)
 NAMED_PATH = re.compile(rf"(?<![\w./~$<@-])((?:{FOLDERS})/[\w./-]*)(#[\w-]+)?")
 MD_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~)")
@@ -135,3 +138,72 @@ def test_docs_tests_lists_every_test_file():
     listed = (ROOT / "docs" / "tests.md").read_text(encoding="utf-8")
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py"))
     assert [f for f in files if f"`{f}`" not in listed] == []
+
+
+# A backticked `module.name` in the documents: `lora/names.target_table`, `family.FAMILIES`, `checks.is_int`.
+# File names (`train.json`, `loss.png`) are not modules.
+BACKTICKED = re.compile(r"`([A-Za-z_][\w/]*)\.([A-Za-z_]\w*)`")
+FILE_SUFFIXES = {"json", "jsonl", "png", "jpg", "jpeg", "webp", "safetensors", "md", "py", "toml", "txt", "js", "html"}
+
+
+def _modules() -> dict[str, Path]:
+    """ "storage/files" -> its file; a folder's name -> its __init__.py (`family` -> family/__init__.py)."""
+    found = {}
+    for p in PACKAGE.rglob("*.py"):
+        rel = p.relative_to(PACKAGE).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        if parts:
+            found["/".join(parts)] = p
+    return found
+
+
+def _defined(path: Path) -> set[str]:
+    """The names a module binds at its top level: defs, classes, assignments and imports."""
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def _undefined_module_names() -> list[str]:
+    """Each backticked `module.name` in README.md, ARCHITECTURE.md and docs/ whose module is ours: the name
+    must be defined there, and the module named by its path from the package (`storage/files`, not `files`),
+    so that a reader finds it."""
+    modules = _modules()
+    by_basename: dict[str, list[str]] = {}
+    for path in modules:
+        by_basename.setdefault(path.rsplit("/", 1)[-1], []).append(path)
+    bad = []
+    for md in [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for module, name in BACKTICKED.findall(md.read_text(encoding="utf-8")):
+            where = f"{md.relative_to(ROOT)}: `{module}.{name}`"
+            if name in FILE_SUFFIXES:
+                continue
+            if module in modules:
+                if name not in _defined(modules[module]):
+                    bad.append(f"{where}: {module} defines no {name}")
+            elif module in by_basename:
+                bad.append(f"{where}: name the module by its path ({' or '.join(by_basename[module])})")
+    return bad
+
+
+def test_every_backticked_module_name_is_defined():
+    assert _undefined_module_names() == []
+
+
+def test_the_documents_state_no_test_count():
+    """A count of tests or of their minutes in a document is stale by the next commit: pytest's closing
+    line is the one home of that number."""
+    stated = re.compile(r"\b\d[\d,]* (?:tests|passed)\b|\btests in \d")
+    found = [
+        f"{md.relative_to(ROOT)}: {m.group(0)!r}"
+        for md in [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md"))]
+        for m in stated.finditer(md.read_text(encoding="utf-8"))
+    ]
+    assert found == []

@@ -450,3 +450,15 @@ def test_only_lora_spells_a_lora_file_key():
                 hits = [s for s in FILE_KEY_SPELLINGS if s in node.value]
                 found += [f"{module}.py:{node.lineno}: {node.value!r}" for _ in hits[:1]]
     assert not found, found
+
+
+def test_architecture_lists_the_floors_this_test_holds():
+    """ARCHITECTURE.md's table of train/'s floors is FLOORS above, module for module (`step/objective` is
+    `step.objective`): the document a newcomer reads cannot drift from the rule the build keeps."""
+    text = (PACKAGE.parent / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    table = text.split("### train/'s floors", 1)[1].split("\n\n", 2)[1]
+    listed = {}
+    for row in table.splitlines()[2:]:  # past the header and its rule
+        floor, modules = (cell.strip() for cell in row.strip("|").split("|"))
+        listed.update({m.replace("/", "."): int(floor) for m in modules.split()})
+    assert listed == FLOORS["train"]
