@@ -1,4 +1,6 @@
-"""`upsample`: FLUX 3's caption for a prompt (and an edit's images, and layout boxes), printed.
+"""The CLI's captions: the `upsample` command (FLUX 3's caption for a prompt, an edit's images and layout
+boxes, printed) and `generate --upsample`'s caption stage (`caption_first`), which show a caption's
+progress alike.
 
     python -m flux_klein_mlx upsample --prompt "a fox" [--image room.png ...] [--box "x0,y0,x1,y1:desc" ...]
 
@@ -13,7 +15,7 @@ import sys
 import click
 
 from .cli import run_command, upsample_options
-from .family import FAMILIES
+from .family import default_upsampler
 from .inputs.images import open_image
 from .inputs.settings import check_prompt_given
 from .storage.embedding_cache import EmbeddingCache, parse_size
@@ -35,16 +37,58 @@ def upsample(prompt, *, images, upsample, boxes, upsampler, no_cache, cache_size
     request = build_request(prompt, [open_image(im, "reference image") for im in images], list(boxes) or None)
     size = parse_size(cache_size)
     cache = None if no_cache or size == 0 else CaptionCache.beside(EmbeddingCache.open_default(size))
-    folder = upsampler_folder(upsampler or FAMILIES["flux3"].upsampler)
-    tty = sys.stderr.isatty()
+    folder = upsampler_folder(upsampler or default_upsampler())
+    progress = CaptionProgress()
+    caption, seconds = cached_caption(request, folder, cache, on_progress=progress)
+    click.echo(progress.end() + f"caption ({request.mode}) in {seconds:.1f} s", err=True)
+    click.echo(caption)
 
-    def progress(p) -> None:
-        if tty:
+
+class CaptionProgress:
+    """A caption's words as the upsampler writes them, streamed to stderr on a terminal; the last progress
+    (tokens, tokens/s) is kept for the closing line. Called with `upsample/runtime.Progress` values."""
+
+    def __init__(self):
+        self.tty, self.last = sys.stderr.isatty(), None
+
+    def __call__(self, p) -> None:
+        self.last = p
+        if self.tty:
             click.echo(p.text, nl=False, err=True)
 
-    caption, seconds = cached_caption(request, folder, cache, on_progress=progress)
-    click.echo(("\n" if tty else "") + f"caption ({request.mode}) in {seconds:.1f} s", err=True)
-    click.echo(caption)
+    def end(self) -> str:
+        """What starts the closing line: a newline after streamed words, else nothing."""
+        return "\n" if self.tty and self.last is not None else ""
+
+
+UPSAMPLE_HINT_WORDS = 30  # a FLUX 3 prompt shorter than this is not the full scene caption the model knows
+
+
+def caption_first(pipe, prepared):
+    """A FLUX 3 run's prompt before anything else runs: with --upsample the caption is written (streamed to a
+    terminal, then printed whole with its rate) or read from the cache; a short prompt without it gets a hint."""
+    if prepared.upsample is None:
+        words = len(prepared.settings.prompt.split())
+        if pipe.info.family.upsampler and prepared.typed_prompt is None and words < UPSAMPLE_HINT_WORDS:
+            click.echo(
+                f"hint: {pipe.info.family.title} was trained on full scene captions; --upsample writes one from this "
+                "short prompt with BFL's prompt upsampler (Qwen3.5-9B: an 18.8 GB download in bfloat16, loaded and "
+                "released before the transformer, its captions cached)",
+                err=True,
+            )
+        return prepared
+    click.echo(f"prompt upsampler ({prepared.upsample.mode}): writing the caption", err=True)
+    progress = CaptionProgress()
+    pipe.on_caption = progress
+    try:
+        revised = pipe.inputs(prepared, {})
+    finally:
+        pipe.on_caption = None
+    last = progress.last
+    rate = f"{last.tokens} tokens, {last.tokens_per_second:.1f} tokens/s" if last else "from the caption cache"
+    click.echo(progress.end() + f"caption ({rate}, {revised.upsample_seconds:.1f} s):", err=True)
+    click.echo(revised.settings.prompt, err=True)
+    return revised
 
 
 def main(argv=None):

@@ -6,7 +6,6 @@ Shared by `__main__` and each command module's `main()`, so that no command modu
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 import click
@@ -39,9 +38,6 @@ def vae_and_cache_options(command):
     return command
 
 
-UPSAMPLE_HINT_WORDS = 30  # a FLUX 3 prompt shorter than this is not the full scene caption the model knows
-
-
 def upsample_options(command):
     """`--upsample`, `--box` (repeatable) and `--upsampler`, worded once for `generate` and `upsample`."""
     options = [
@@ -66,38 +62,6 @@ def upsample_options(command):
     for option in reversed(options):
         command = option(command)
     return command
-
-
-def caption_first(pipe, prepared):
-    """A FLUX 3 run's prompt before anything else runs: with --upsample the caption is written (streamed to a
-    terminal, then printed whole with its rate) or read from the cache; a short prompt without it gets a hint."""
-    if prepared.upsample is None:
-        words = len(prepared.settings.prompt.split())
-        if pipe.info.family.upsampler and prepared.typed_prompt is None and words < UPSAMPLE_HINT_WORDS:
-            click.echo(
-                f"hint: {pipe.info.family.title} was trained on full scene captions; --upsample writes one from this "
-                "short prompt with BFL's prompt upsampler (Qwen3.5-9B: an 18.8 GB download in bfloat16, loaded and "
-                "released before the transformer, its captions cached)",
-                err=True,
-            )
-        return prepared
-    tty, last = sys.stderr.isatty(), []
-
-    def progress(p) -> None:
-        last[:] = [p]
-        if tty:
-            click.echo(p.text, nl=False, err=True)
-
-    click.echo(f"prompt upsampler ({prepared.upsample.mode}): writing the caption", err=True)
-    pipe.on_caption = progress
-    try:
-        revised = pipe.inputs(prepared, {})
-    finally:
-        pipe.on_caption = None
-    rate = f"{last[0].tokens} tokens, {last[0].tokens_per_second:.1f} tokens/s" if last else "from the caption cache"
-    click.echo(("\n" if tty and last else "") + f"caption ({rate}, {revised.upsample_seconds:.1f} s):", err=True)
-    click.echo(revised.settings.prompt, err=True)
-    return revised
 
 
 def run_command(command: click.Command, argv=None) -> int:

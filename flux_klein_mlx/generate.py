@@ -10,7 +10,8 @@ from pathlib import Path
 
 import click
 
-from .cli import caption_first, run_command, upsample_options, vae_and_cache_options
+from .caption import caption_first
+from .cli import run_command, upsample_options, vae_and_cache_options
 from .inputs.settings import RunSettings, check_prompt_given, prepare_inputs
 from .lora.apply import pair_scales
 from .record.a1111 import resolve_lora_tags

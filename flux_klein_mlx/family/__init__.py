@@ -35,9 +35,24 @@ def all_variants() -> dict:
     return {name: row for f in FAMILIES.values() for name, row in f.variants.items()}
 
 
+def default_upsampler() -> str:
+    """The prompt upsampler `upsample` runs without --upsampler: the one a family names (FLUX 3's)."""
+    return next(f.upsampler for f in FAMILIES.values() if f.upsampler)
+
+
 def family_of(params) -> Family:
     """The family whose transformer has these hyper-parameters (a `FluxKleinParams`, ...)."""
     return next(f for f in FAMILIES.values() if isinstance(params, f.params_type))
 
 
-__all__ = ["FAMILIES", "FLUX2", "FLUX3", "Family", "Steps", "all_variants", "family_named", "family_of"]
+__all__ = [
+    "FAMILIES",
+    "FLUX2",
+    "FLUX3",
+    "Family",
+    "Steps",
+    "all_variants",
+    "default_upsampler",
+    "family_named",
+    "family_of",
+]
