@@ -169,7 +169,7 @@ def _check_draws(counts: dict[str, int], repeats: int, where: str) -> None:
 
 def _folder_repeats(m: re.Match, where: str) -> int:
     """A repeat folder's N, in [1, MAX_REPEATS] (limits.py): each draw is an entry of the epoch's list."""
-    digits = m.group(1).lstrip("0") or "0"  # a number of thousands of digits is no int() (Python's limit)
+    digits = m.group(1).lstrip("0") or "0"  # up to 250 digits (a name's 255 bytes): compared, not converted
     n = int(digits) if len(digits) <= len(str(MAX_REPEATS)) else MAX_REPEATS + 1
     if n < 1:
         raise FluxKleinError(f"{where} repeats its images 0 times; name it 1_{m.group(2)} or more")
