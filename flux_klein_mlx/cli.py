@@ -128,7 +128,10 @@ def run_command(command: click.Command, argv=None) -> int:
         except OSError as e:  # a path option no check read first, past the OS's limits (limits.check_path)
             if e.errno != errno.ENAMETOOLONG:
                 raise
-            click.echo(f"error: {str(e.filename)[:60]}...: {e.strerror}; use a shorter path", err=True)
+            name = str(e.filename)
+            click.echo(
+                f"error: {name[:60]}{'...' if len(name) > 60 else ''}: {e.strerror}; use a shorter path", err=True
+            )
             return 1
     # A command that ends with ctx.exit(n): click returns n here (standalone_mode=False), not raises.
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
