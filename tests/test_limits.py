@@ -7,6 +7,7 @@ code grew without bound there (a list of 10^9 sigmas); the bound refuses at once
 
 from __future__ import annotations
 
+import json
 import resource
 import subprocess
 import sys
@@ -16,11 +17,14 @@ import pytest
 from command_line import assert_one_line_error, gen_args
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from PIL import Image
+from PIL.PngImagePlugin import PngInfo
 
 from flux_klein_mlx import limits
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.inputs.outpaint import parse_outpaint
 from flux_klein_mlx.inputs.settings import RunSettings
+from flux_klein_mlx.record.output import RECORD_KEY
 from flux_klein_mlx.run.pipeline import load
 from flux_klein_mlx.sampling import schedule, shifted_schedule
 from flux_klein_mlx.serve.forms import ApiError, parse_size
@@ -55,6 +59,18 @@ def test_the_step_bound_is_where_the_schedules_still_hold():
         assert all(a >= b for a, b in zip(sigmas, sigmas[1:], strict=False))
     with pytest.raises(ZeroDivisionError):
         schedule(16, 100_000)  # why a bound is needed at all (the issue's 100,000 steps)
+
+
+def test_a_records_steps_past_the_bound_refused_at_once_memory_flat(snapshot, tmp_path):
+    """A picture from the web whose record says 10^9 steps, read by --from: the same bound, memory flat."""
+    record = {"prompt": "a fox", "steps": 1_000_000_000, "seed": 1, "width": 64, "height": 64, "noise": "torch"}
+    info = PngInfo()
+    info.add_text(RECORD_KEY, json.dumps(record))
+    Image.new("RGB", (64, 64)).save(tmp_path / "found.png", pnginfo=info)
+    out = tmp_path / "x.png"
+    done = capped_cli("generate", "--from", tmp_path / "found.png", "--model", snapshot, "-o", out)
+    assert_one_line_error(done.returncode, done.stderr, f"[1, {limits.MAX_STEPS}]", "1000000000")
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("steps", ["1000000000", "100000", str(limits.MAX_STEPS + 1)])
@@ -141,8 +157,16 @@ def test_python_paths_past_the_limits_refused_before_the_os_sees_them(base, tmp_
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.one_of(st.text(max_size=40), st.text(alphabet="0123456789,- x", max_size=40)))
+@given(
+    st.one_of(
+        st.text(max_size=40),
+        st.text(alphabet="0123456789,- x", max_size=40),
+        st.lists(st.one_of(st.integers(-10, 10**9), st.floats(), st.text(max_size=5), st.none()), max_size=5),
+        st.integers(),
+    )
+)
 def test_outpaint_pads_parse_or_refuse_in_one_line(text):
+    """--outpaint's "LEFT,TOP,RIGHT,BOTTOM", or Python's four numbers: valid pads or one line."""
     try:
         pads = parse_outpaint(text)
     except FluxKleinError as e:
