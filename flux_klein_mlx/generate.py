@@ -12,7 +12,6 @@ import click
 
 from .cli import caption_first, run_command, upsample_options, vae_and_cache_options
 from .inputs.settings import RunSettings, check_prompt_given, prepare_inputs
-from .limits import check_path
 from .lora.apply import pair_scales
 from .record.a1111 import resolve_lora_tags
 from .record.output import image_format, save_image
@@ -28,7 +27,6 @@ def output_paths(output: str, count: int) -> list[Path]:
 
     An existing file is never replaced: a taken name moves on to the next free number (`files.write_exclusive`).
     """
-    check_path(output, "--output")
     base = Path(output).expanduser()
     image_format(base, "--output")
     paths = [base] if count == 1 else [numbered_name(base, i) for i in range(count)]

@@ -136,7 +136,7 @@ def test_a_path_past_the_os_limit_is_one_line(cli, snapshot, tmp_path, option):
         args += [option, path]
     code, _, err = cli(*args)
     assert_one_line_error(code, err)
-    assert "too long" in err or "File name too long" in err
+    assert any(w in err for w in ("too long", "file name is 304 bytes")), err  # -o: files.check_output_file's
     assert list(tmp_path.iterdir()) == []
 
 
