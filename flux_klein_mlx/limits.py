@@ -6,9 +6,7 @@ server's requests, a record read by --from), `train.settings.TrainSettings` and 
 repeat folders, the server's forms. Each bound is checked before any model loads, and its message gives
 the bound.
 
-The largest image:
-
-The decode is where a large image's memory goes (the transformer's attention is split in query
+The largest image. The decode is where a large image's memory goes (the transformer's attention is split in query
 chunks under MLX's CPU score limit: models/attention.SCORE_LIMIT). Per image of W x H pixels,
 with the decoder's channels per level c_0 .. c_n (klein: 128, 256, 512, 512; c_1 = 256) at 2 B
 (bfloat16) or 4 B (float32) per value:
@@ -46,13 +44,13 @@ from .models.rope import PIXELS_PER_TOKEN
 # --- the table of bounds ------------------------------------------------------------------------------
 # Denoising steps of a run (generate --steps, train --sample-steps, a record's steps): the flow-match
 # scheduler's table has 1000 training timesteps, so more steps only repeat them; and FLUX.2's step-fitted
-# shift (sampling.empirical_mu) falls by ~0.0076 a step: past ~98,000 steps exp(mu) underflows to 0 (a
-# ZeroDivisionError), and the schedule's list of sigmas grows with the steps (10^9 filled the memory).
+# shift (sampling.empirical_mu) falls by ~0.0076 a step: past ~98,600 steps (a 64x64 image) exp(mu) underflows to 0
+# (a ZeroDivisionError), and the schedule's list of sigmas grows with the steps (10^9 filled the memory).
 MAX_STEPS = 1000
-MAX_TRAIN_STEPS = 10_000_000  # optimizer steps (train --steps, and the steps --epochs makes): months of a run
-MAX_EPOCHS = 1_000_000  # train --epochs (and --save-every-epochs, --sample-every-epochs)
+MAX_TRAIN_STEPS = 10_000_000  # optimizer steps (train --steps, and those --epochs makes): 116 days at 1 a second
+MAX_EPOCHS = 1_000_000  # train --epochs (and --save-every-epochs, ...); the steps they make: MAX_TRAIN_STEPS
 # Draws of one image per epoch: --repeats, a kohya `N_name/` folder's N, and their product (an epoch's list
-# holds every draw: 10,000 x 1,000 images is 10^7 entries, 80 MB).
+# holds every draw: 10,000 x 1,000 images is 10^7 entries, an 80 MB list).
 MAX_REPEATS = 10_000
 # Reference images of a run (--image, images=, uploads): BFL's bound for FLUX 3 and its prompt upsampler;
 # FLUX.2 has none of its own, and each 1 MP reference adds 4,096 tokens to every step's attention.

@@ -163,10 +163,11 @@ def check_prompt_given(prompt) -> None:
 
 
 def check_prompt_length(text: str, what: str) -> None:
-    """A prompt past MAX_PROMPT_CHARS (limits.py: more than any text window reads) is refused, not cut."""
+    """A prompt past MAX_PROMPT_CHARS (limits.py: about a whole FLUX 3 text window) is refused, not cut."""
     if len(text) > MAX_PROMPT_CHARS:
         raise FluxKleinError(
-            f"{what} is {len(text):,} characters long; the limit is {MAX_PROMPT_CHARS:,} (more than any model reads)"
+            f"{what} is {len(text):,} characters long; the limit is {MAX_PROMPT_CHARS:,} (about 8,000 tokens, "
+            "FLUX 3's whole text window): shorten it"
         )
 
 
