@@ -6,6 +6,7 @@ Shared by `__main__` and each command module's `main()`, so that no command modu
 
 from __future__ import annotations
 
+import errno
 import warnings
 
 import click
@@ -88,5 +89,13 @@ def run_command(command: click.Command, argv=None) -> int:
             return e.exit_code
         except click.exceptions.Exit as e:
             return e.exit_code
+        except OSError as e:  # a path option no check read first, past the OS's limits (limits.check_path)
+            if e.errno != errno.ENAMETOOLONG:
+                raise
+            name = str(e.filename)
+            click.echo(
+                f"error: {name[:60]}{'...' if len(name) > 60 else ''}: {e.strerror}; use a shorter path", err=True
+            )
+            return 1
     # A command that ends with ctx.exit(n): click returns n here (standalone_mode=False), not raises.
     return result if isinstance(result, int) and not isinstance(result, bool) else 0

@@ -1,6 +1,12 @@
-"""The largest image a backend can make: the machine's memory, and the VAE decode's buffers at a size.
+"""The bounds of what a run may be asked: one table of every count a user, a file or a request can give
+(issue 46), and the largest image a backend can make (the machine's memory, the VAE decode's buffers).
 
-The decode is where a large image's memory goes (the transformer's attention is split in query
+The table is read by every door alike: `inputs.RunSettings` (the CLI's generate, Python's generate(), the
+server's requests, a record read by --from), `train.settings.TrainSettings` and the training data's
+repeat folders, the server's forms. Each bound is checked before any model loads, and its message gives
+the bound.
+
+The largest image. The decode is where a large image's memory goes (the transformer's attention is split in query
 chunks under MLX's CPU score limit: models/attention.SCORE_LIMIT). Per image of W x H pixels,
 with the decoder's channels per level c_0 .. c_n (klein: 128, 256, 512, 512; c_1 = 256) at 2 B
 (bfloat16) or 4 B (float32) per value:
@@ -30,9 +36,63 @@ import os
 
 import mlx.core as mx
 
+from .checks import check_whole
 from .errors import FluxKleinError
 from .models.config import AutoEncoderConfig
 from .models.rope import PIXELS_PER_TOKEN
+
+# --- the table of bounds ------------------------------------------------------------------------------
+# Denoising steps of a run (generate --steps, train --sample-steps, a record's steps): the flow-match
+# scheduler's table has 1000 training timesteps, so more steps only repeat them; and FLUX.2's step-fitted
+# shift (sampling.empirical_mu) falls by ~0.0076 a step: past ~98,600 steps (a 64x64 image) exp(mu) underflows to 0
+# (a ZeroDivisionError), and the schedule's list of sigmas grows with the steps (10^9 filled the memory).
+MAX_STEPS = 1000
+MAX_TRAIN_STEPS = 10_000_000  # optimizer steps (train --steps, and those --epochs makes): 116 days at 1 a second
+MAX_EPOCHS = 1_000_000  # train --epochs (and --save-every-epochs, ...); the steps they make: MAX_TRAIN_STEPS
+# Draws of one image per epoch: --repeats, a kohya `N_name/` folder's N, and their product (an epoch's list
+# holds every draw: 10,000 x 1,000 images is 10^7 entries, an 80 MB list).
+MAX_REPEATS = 10_000
+# Reference images of a run (--image, images=, uploads): BFL's bound for FLUX 3 and its prompt upsampler;
+# FLUX.2 has none of its own, and each 1 MP reference adds 4,096 tokens to every step's attention.
+MAX_REFERENCES = 10
+# Characters of a prompt, a negative prompt, and of a run's layout boxes' texts together (a box's text is
+# prompt text): OpenAI's gpt-image prompt limit, about 8,000 tokens of English: FLUX 3's window (8,192
+# tokens, models/tokenizer.FLUX3_WINDOW) reads no more, FLUX.2's (512) far less.
+MAX_PROMPT_CHARS = 32_000
+# Layout boxes of a run (--box, boxes=, "boxes"): each is a row of the layout table the model reads, about
+# 30 tokens before its text; 100 rows take 3,000 of FLUX 3's 8,192-token window.
+MAX_BOXES = 100
+MIN_SIDE = 64  # px: the shortest side of an input image, and of an image drawn (spec 8.1)
+MAX_SIDE = 4096  # px: the longest side drawn; ours (the references have none): 16x the pixels klein was tuned for
+# px added on one side by an outpaint: the canvas side is at most MAX_SIDE and the image's at least MIN_SIDE.
+MAX_OUTPAINT_PAD = MAX_SIDE - MIN_SIDE
+# A path's bytes: one name between slashes (NAME_MAX of ext4 and APFS), the whole path (macOS's PATH_MAX;
+# Linux allows 4096): past them the OS refuses the path (ENAMETOOLONG).
+MAX_NAME_BYTES = 255
+MAX_PATH_BYTES = 1024
+
+
+def check_path(path, what: str) -> None:
+    """Refuse, in one line, a path the OS would refuse (ENAMETOOLONG) or cannot hold (a NUL byte). `what`
+    names it as its door does (--image, images=, "the init image")."""
+    raw = os.fsencode(path)
+    shown = os.fsdecode(raw[:60]) + ("..." if len(raw) > 60 else "")
+    if b"\0" in raw:
+        raise FluxKleinError(f"{what} {shown!r} holds a NUL character, which no path may; give the file's path")
+    longest = max(len(name) for name in raw.split(b"/"))
+    if len(raw) > MAX_PATH_BYTES or longest > MAX_NAME_BYTES:
+        raise FluxKleinError(
+            f"{what} {shown} is too long for a path ({len(raw)} bytes, a name of {longest}): the limits are "
+            f"{MAX_PATH_BYTES} bytes a path and {MAX_NAME_BYTES} a name; use a shorter path"
+        )
+
+
+def check_steps(steps, name: str = "steps") -> None:
+    """Denoising steps: a whole number in [1, MAX_STEPS]; `name` as the door knows it (steps, --sample-steps)."""
+    check_whole(name, steps, 1, MAX_STEPS)
+
+
+# --- the largest image ----------------------------------------------------------------------------------
 
 # The share of the machine's memory an image's decode may take (MLX's CPU allocator takes 0.8 of the
 # physical memory as its default limit, mx.get_memory_limit()); the models and the rest stay in the rest.

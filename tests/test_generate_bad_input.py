@@ -29,7 +29,7 @@ from flux_klein_mlx.run.pipeline import load
     "extra,words",
     [
         (["-W", "0"], "width 0 is below the minimum"),
-        (["--steps", "0"], "steps must be a whole number of at least 1"),
+        (["--steps", "0"], "steps must be a whole number in [1, 1000]"),
         (["--guidance", "nan"], "guidance must be a finite number"),
         (["--guidance", "-5"], "guidance must be a finite number >= 0"),
         (["--guidance", "inf"], "guidance must be a finite number"),

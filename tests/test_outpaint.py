@@ -114,7 +114,7 @@ def test_cli_outpaint_keeps_the_original_bytes_says_the_rounding_and_repeats_by_
         (["--outpaint", "a,b,c,d"], "four whole numbers"),
         (["--outpaint", "-16,0,0,0"], "four whole numbers of pixels >= 0"),
         (["--outpaint", "0,0,0,0"], "adds nothing"),
-        (["--outpaint", "0,0,4096,0"], "above the maximum of 4096"),
+        (["--outpaint", "0,0,4096,0"], "outpaint adds at most 4032 px a side"),
         (["--outpaint", "0,0,64,0", "--mask", "MASK"], "outpaint extends the init image"),
         (["--outpaint", "0,0,64,0", "-W", "64"], "no --mask, --width or --height"),
         (["--outpaint", "0,0,64,0", "NOINIT"], "give --init-image"),

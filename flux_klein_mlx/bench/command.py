@@ -19,6 +19,7 @@ import mlx.core as mx
 from ..cli import run_command
 from ..errors import FluxKleinError
 from ..family import all_variants
+from ..limits import MAX_STEPS
 from ..run.loading import DEFAULT_DTYPE, DTYPES
 from ..run.pipeline import load
 from ..storage.files import check_output_file, write_exclusive
@@ -162,7 +163,9 @@ def _check_sources(model, *, random_weights: bool, blocks, cold: bool, vae) -> N
 )
 @click.option("--width", "-W", type=int, default=1024, show_default=True, help="Image width in px, multiple of 16.")
 @click.option("--height", "-H", type=int, default=1024, show_default=True, help="Image height in px, multiple of 16.")
-@click.option("--steps", type=click.IntRange(1, 1000), default=4, show_default=True, help="Denoising steps per image.")
+@click.option(
+    "--steps", type=click.IntRange(1, MAX_STEPS), default=4, show_default=True, help="Denoising steps per image."
+)
 @click.option(
     "--quantize",
     "-q",

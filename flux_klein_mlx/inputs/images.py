@@ -17,10 +17,10 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from ..errors import FluxKleinError
+from ..limits import MIN_SIDE, check_path
 from ..models.rope import PIXELS_PER_TOKEN, token_grid
 from .references import FLUX3_MAX_REFERENCES, check_reference_count, prepare_canvas_reference
 
-MIN_SIDE = 64  # input images (spec 8.1)
 MAX_ASPECT = 8
 MAX_AREA = 1024 * 1024
 DEFAULT_STRENGTH = 0.8
@@ -65,6 +65,7 @@ def open_image(image, what: str) -> Image.Image:
         return to_8bit(image)
     if not isinstance(image, (str, Path)):
         raise FluxKleinError(f"the {what} must be a PIL image or a file path, not {type(image).__name__}")
+    check_path(image, what)  # before any call of the OS: a name too long for it is an OSError there
     path = Path(image).expanduser()
     if not path.exists():
         raise FluxKleinError(f"{what} not found: {path}")

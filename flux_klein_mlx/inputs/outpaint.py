@@ -21,6 +21,7 @@ from PIL import Image
 
 from ..checks import is_int
 from ..errors import FluxKleinError
+from ..limits import MAX_OUTPAINT_PAD, MAX_SIDE, MIN_SIDE
 from ..models.rope import PIXELS_PER_TOKEN
 
 SEAM = 32  # px of the original repainted and cross-faded along each padded edge (two token cells)
@@ -37,6 +38,11 @@ def parse_outpaint(value) -> tuple[int, int, int, int]:
     if len(pads) != 4 or not all(is_int(p) and p >= 0 for p in pads):
         raise FluxKleinError(
             f"outpaint takes four whole numbers of pixels >= 0, LEFT,TOP,RIGHT,BOTTOM (e.g. 0,0,256,0), not {value!r}"
+        )
+    if too_far := [f"{side} {p}" for side, p in zip(SIDES, pads, strict=True) if p > MAX_OUTPAINT_PAD]:
+        raise FluxKleinError(
+            f"outpaint adds at most {MAX_OUTPAINT_PAD} px a side (a canvas side is at most {MAX_SIDE} px, an image's "
+            f"at least {MIN_SIDE}), not {', '.join(too_far)}"
         )
     if not any(pads):
         raise FluxKleinError("outpaint 0,0,0,0 adds nothing; give the pixels to add on some side (e.g. 0,0,256,0)")

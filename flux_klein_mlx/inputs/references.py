@@ -22,9 +22,10 @@ import numpy as np
 from PIL import Image
 
 from ..errors import FluxKleinError
+from ..limits import MAX_REFERENCES
 from ..models.rope import PIXELS_PER_TOKEN
 
-FLUX3_MAX_REFERENCES = 10  # BFL's and mflux's limit (the upsampler's MAX_REFERENCES)
+FLUX3_MAX_REFERENCES = MAX_REFERENCES  # BFL's and mflux's limit (the upsampler's MAX_REFERENCES); limits.py
 CANVAS_MAX_AREA = 4 * 1024 * 1024  # px of one reference's canvas
 CANVAS_MIN_SIDE = 64
 CANVAS_MAX_SIDE = 4096

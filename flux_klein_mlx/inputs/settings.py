@@ -34,7 +34,7 @@ from PIL import Image
 
 from ..checks import check_number, check_whole, is_int
 from ..errors import FluxKleinError, Notice
-from ..limits import check_decode_fits
+from ..limits import MAX_PROMPT_CHARS, MAX_REFERENCES, MAX_SIDE, check_decode_fits, check_steps
 from ..models.rope import PIXELS_PER_TOKEN, token_grid
 from ..models.tokenizer import check_text
 from ..record.a1111 import LORA_TAG
@@ -52,7 +52,6 @@ from .images import (
 )
 from .outpaint import Outpaint, outpaint_canvas, parse_outpaint, round_pads
 
-MAX_SIDE = 4096  # ours (the references have none): 16x the pixels klein was tuned for
 DEFAULT_SIZE = 1024
 
 
@@ -118,14 +117,17 @@ class RunSettings:
                 "prompt, loras = flux_klein_mlx.resolve_lora_tags(prompt, DIR) and load(..., loras=loras)"
             )
         check_text(self.prompt)  # lone surrogates (argv bytes not UTF-8, JSON "\ud800") end here, not in the tokenizer
+        check_prompt_length(self.prompt, "the prompt")
         if neg is not None:
             check_text(neg, "the negative prompt")
+            check_prompt_length(neg, "the negative prompt")
         if self.width is not None or self.height is not None:
             check_image_size(
                 DEFAULT_SIZE if self.width is None else self.width, DEFAULT_SIZE if self.height is None else self.height
             )
         if self.steps is not None:
-            check_whole("steps", self.steps, 1)
+            check_steps(self.steps)
+        check_images_count(self.images)
         if self.guidance is not None:
             check_number("guidance", self.guidance, 0, hint=" (e.g. 4.0; at most 1 turns CFG off)")
         if self.seed is not None:
@@ -158,6 +160,24 @@ def check_prompt_given(prompt) -> None:
     field); the Python API, like diffusers, takes "" as an unconditional prompt."""
     if isinstance(prompt, str) and not prompt.strip():
         raise FluxKleinError('the prompt is empty: describe the image to make (e.g. "a red fox in fresh snow")')
+
+
+def check_prompt_length(text: str, what: str) -> None:
+    """A prompt past MAX_PROMPT_CHARS (limits.py: about a whole FLUX 3 text window) is refused, not cut."""
+    if len(text) > MAX_PROMPT_CHARS:
+        raise FluxKleinError(
+            f"{what} is {len(text):,} characters long; the limit is {MAX_PROMPT_CHARS:,} (about 8,000 tokens, "
+            "FLUX 3's whole text window): shorten it"
+        )
+
+
+def check_images_count(images) -> None:
+    """At most MAX_REFERENCES reference images (limits.py), counted before any is opened (a single image, None,
+    or an iterable without a length: prepare_inputs counts its list)."""
+    if isinstance(images, (str, Path, Image.Image)) or not hasattr(images, "__len__"):
+        return
+    if len(images) > MAX_REFERENCES:
+        raise FluxKleinError(f"{len(images)} reference images given (--image, images=); the limit is {MAX_REFERENCES}")
 
 
 def check_side(name: str, v) -> None:
@@ -300,6 +320,7 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
             )
         width, height = iw, ih
     images = [settings.images] if isinstance(settings.images, (str, Path, Image.Image)) else list(settings.images or [])
+    check_images_count(images)
     references, crop = info.family.prepare_references(images, info.name)
     prompt, request, boxes = _prompt_plan(settings, images, info)
     if references:  # a side left out is the first reference's (a given side is never 0: checked above)

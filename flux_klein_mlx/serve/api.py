@@ -31,6 +31,7 @@ from starlette.routing import Route
 
 from ..errors import FluxKleinError
 from ..inputs.settings import RunSettings, check_prompt_given
+from ..limits import MAX_PROMPT_CHARS
 from ..storage.files import write_exclusive
 from .forms import (
     EDIT_FIELDS,
@@ -133,7 +134,7 @@ class Server:
         (`kind`: the route's event type prefix, "image_generation" or "image_edit")."""
         o = self.options
         model = pick_model(body.get("model"), o.served())
-        prompt = str_field(body, "prompt")
+        prompt = str_field(body, "prompt", MAX_PROMPT_CHARS)
         if prompt is None:
             raise ApiError(400, "prompt is required: describe the image to make", "prompt")
         try:
@@ -158,7 +159,7 @@ class Server:
             prompt,
             width=width,
             height=height,
-            negative_prompt=str_field(body, "negative_prompt"),
+            negative_prompt=str_field(body, "negative_prompt", MAX_PROMPT_CHARS),
             steps=int_field(body, "steps", lo=1, hi=o.max_steps),
             seed=int_field(body, "seed", lo=0, hi=2**53),
             guidance=float_field(body, "guidance", 0.0, 50.0),
@@ -372,9 +373,10 @@ class Server:
 
     async def script(self, request: Request):
         """GET /static/NAME.js: the page's scripts, only the package's own files (no path reaches beyond static/)."""
-        name = request.path_params["name"]
-        source = resources.files("flux_klein_mlx.serve").joinpath("static", f"{name}.js")
-        if not (name.replace("_", "").isalnum() and source.is_file()):
+        static = resources.files("flux_klein_mlx.serve").joinpath("static")
+        scripts = {entry.name: entry for entry in static.iterdir() if entry.name.endswith(".js")}
+        source = scripts.get(f"{request.path_params['name']}.js")  # the name never reaches the OS (ENAMETOOLONG)
+        if source is None:
             raise HTTPException(404)
         js = source.read_text(encoding="utf-8")
         return Response(js, media_type="text/javascript", headers={"Cache-Control": "no-cache"})

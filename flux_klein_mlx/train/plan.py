@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import FluxKleinError
+from ..limits import MAX_TRAIN_STEPS
 from ..run.components import check_for_training, check_weights
 from ..run.loading import ModelInfo, as_dtype, describe, single_file_refusal
 from ..storage.files import check_output_file
@@ -63,6 +64,11 @@ def with_epochs(settings: TrainSettings, batches: int) -> TrainSettings:
     if settings.epochs is None:
         return settings
     steps = math.ceil(settings.epochs * batches / settings.grad_accum)
+    if steps > MAX_TRAIN_STEPS:
+        raise FluxKleinError(
+            f"--epochs {settings.epochs} of {batches} batches is {steps:,} steps; the limit of --steps is "
+            f"{MAX_TRAIN_STEPS:,}: give at most {MAX_TRAIN_STEPS * settings.grad_accum // batches:,} epochs"
+        )
     check_schedule(settings.lr_scheduler, settings.warmup_steps, steps)
     return dataclasses.replace(settings, steps=steps)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from ..checks import check_choice, check_number, check_whole, is_int
 from ..errors import FluxKleinError
 from ..inputs.settings import check_side
+from ..limits import MAX_EPOCHS, MAX_REPEATS, MAX_STEPS, MAX_TRAIN_STEPS, check_path
 from ..lora.layouts import check_layout
 from ..models.quantize import check_quantization
 from ..models.tokenizer import check_text
@@ -37,14 +38,14 @@ RUN_KEY_VERSION = 2  # 2 (issue 39): --optimizer, --repeats, --flip, --init-lora
 DEFAULT_BASE_MODEL = "black-forest-labs/FLUX.2-klein-base-4B"
 # (setting, low, high) of the whole-number settings, checked in this order
 WHOLE = (
-    ("rank", 1, 1024), ("steps", 1, 10_000_000), ("batch_size", 1, 1024), ("grad_accum", 1, 1024),
+    ("rank", 1, 1024), ("steps", 1, MAX_TRAIN_STEPS), ("batch_size", 1, 1024), ("grad_accum", 1, 1024),
     ("group_size", 1, 1024), ("keep_checkpoints", 1, 1_000_000), ("sample_seed", -(2**63), 2**64),
-    ("seed", 0, 2**63 - 1), ("lokr_factor", -1, 65536), ("repeats", 1, 10_000),
+    ("seed", 0, 2**63 - 1), ("lokr_factor", -1, 65536), ("repeats", 1, MAX_REPEATS),
 )  # fmt: skip
-# whole-number settings that may be None (not asked for), with their (low, high)
-OPTIONAL_WHOLE = {"save_every": (1, 10_000_000), "sample_every": (1, 10_000_000), "sample_steps": (1, 10_000_000),
-                  "epochs": (1, 1_000_000), "save_every_epochs": (1, 1_000_000),
-                  "sample_every_epochs": (1, 1_000_000)}  # fmt: skip
+# whole-number settings that may be None (not asked for), with their (low, high); the counts' bounds: limits.py
+OPTIONAL_WHOLE = {"save_every": (1, MAX_TRAIN_STEPS), "sample_every": (1, MAX_TRAIN_STEPS),
+                  "sample_steps": (1, MAX_STEPS), "epochs": (1, MAX_EPOCHS), "save_every_epochs": (1, MAX_EPOCHS),
+                  "sample_every_epochs": (1, MAX_EPOCHS)}  # fmt: skip
 # (setting, low, high, low excluded) of the real-number settings, checked after the whole numbers
 NUMBERS = (("lr", 0.0, 1.0, True), ("weight_decay", 0.0, 1.0, False), ("max_grad_norm", 0.0, 1e6, True),
            ("alpha", 0.0, 1e6, True), ("caption_dropout", 0.0, 1.0, False))  # fmt: skip
@@ -156,11 +157,15 @@ class TrainSettings:
             v = getattr(self, name)
             if not (isinstance(v, (str, os.PathLike)) or (name in ("work_dir", "init_lora") and v is None)):
                 raise FluxKleinError(f"{name} must be a path (str or Path), not {v!r}")
+            if v is not None:
+                check_path(v, _label(name))  # past the OS's limits a path is an OSError wherever it is used
         for name in ("controls", "validation_controls", "sample_images"):
             folders = folder_list(getattr(self, name))
             if not isinstance(folders, (list, tuple)) or not all(isinstance(c, (str, os.PathLike)) for c in folders):
                 what = "an image path" if name == "sample_images" else "a folder path"
                 raise FluxKleinError(f"{name} must be {what} or a list of them, not {getattr(self, name)!r}")
+            for folder in folders:
+                check_path(folder, _label(name))
         targets_ok = isinstance(self.targets, str) or (
             isinstance(self.targets, (list, tuple)) and all(isinstance(t, str) for t in self.targets)
         )

@@ -449,6 +449,14 @@ BAD_JSON = [
     ("nine LoRAs", {**GOOD, "loras": ["style"] * 9}, None, 400, "a request may name at most 8"),
     ("a LoRA named twice", {**GOOD, "loras": ["style", "style:0.5"]}, None, 400, "LoRA 'style' is named twice"),
     ("partial_images over 3", {**GOOD, "partial_images": 4}, None, 400, "partial_images must be between 0 and 3"),
+    ("prompt past the limit", {**GOOD, "prompt": "x" * 32_001}, None, 400, "32001 characters long; the limit is 32000"),
+    (
+        "negative prompt past the limit",
+        {**GOOD, "negative_prompt": "x" * 32_001},
+        None,
+        400,
+        "negative_prompt is 32001 characters long",
+    ),
     (
         "deeply nested JSON",
         b'{"prompt": "x", "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
@@ -647,7 +655,7 @@ def test_the_page_and_its_scripts_are_served_without_a_key_and_nothing_else_is(s
     assert code == 200 and b'<script src="/static/page.js"></script>' in html
     code, js = http("GET", server.url + "/static/page.js")
     assert code == 200 and js.startswith(b"// The page's behaviour")
-    for name in ("nothing.js", "..%2Fapi.js", "..%2F..%2Fserve%2Fapi.js", "page.py", "index.html"):
+    for name in ("nothing.js", "..%2Fapi.js", "..%2F..%2Fserve%2Fapi.js", "page.py", "index.html", "a" * 300 + ".js"):
         code, body = http("GET", server.url + "/static/" + name)
         assert code == 404 and "no route" in body["error"]["message"], (name, body)
 

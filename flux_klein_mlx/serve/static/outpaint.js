@@ -5,7 +5,7 @@
 // its `$`, `state` and `describeMode`; page.js calls `outpaint.open / follow / active / pads / refusal`.
 "use strict";
 const outpaint = (() => {
-  const GRID = 16, MAX_SIDE = 4096;  // the server's token grid in px, and its largest side (inputs.MAX_SIDE)
+  const GRID = 16, MAX_SIDE = 4096;  // the server's token grid in px, and its largest side (limits.MAX_SIDE)
   const SIDES = ["left", "top", "right", "bottom"];
   const FIT = 0.7, MAX_ZOOM = 4;  // the canvas fills at most 70% of the frame, a small image at most 4x
   // image: the page's image ({file, width, height}) being extended; asked: the px asked per side (dragged or

@@ -52,6 +52,7 @@ from PIL import Image
 
 from ...errors import FluxKleinError, first_few
 from ...inputs.images import check_image_shape, open_image
+from ...limits import MAX_REPEATS
 from ...models.rope import PIXELS_PER_TOKEN
 from ...storage.files import broken_link, file_sha256
 
@@ -150,17 +151,37 @@ def _repeat_folders(folder: Path, option: str) -> tuple[dict[str, Path], dict[st
         if not m or not sub.is_dir() or sub.is_symlink():
             continue
         found = _images_by_stem(sub, option)
-        if found and int(m.group(1)) < 1:
-            raise FluxKleinError(
-                f"{option} {folder}: {sub.name} repeats its images 0 times; name it 1_{m.group(2)} or more"
-            )
+        n = _folder_repeats(m, f"{option} {folder}: {sub.name}") if found else 0
         for stem, path in found.items():
             images[f"{sub.name}/{stem}"] = path
-            repeats[f"{sub.name}/{stem}"] = int(m.group(1))
+            repeats[f"{sub.name}/{stem}"] = n
     return images, repeats
 
 
-def _images_and_repeats(folder: Path, option: str, controls) -> tuple[dict[str, Path], dict[str, int]]:
+def _check_draws(counts: dict[str, int], repeats: int, where: str) -> None:
+    """An image's draws an epoch (its folder's N x --repeats) at most MAX_REPEATS, as each alone is."""
+    if (most := max(counts.values(), default=1)) * repeats > MAX_REPEATS:
+        raise FluxKleinError(
+            f"{where}: a repeat folder's {most} times --repeats {repeats} draws an image {most * repeats:,} times "
+            f"an epoch; the limit is {MAX_REPEATS:,}: lower --repeats or the folder's number"
+        )
+
+
+def _folder_repeats(m: re.Match, where: str) -> int:
+    """A repeat folder's N, in [1, MAX_REPEATS] (limits.py): each draw is an entry of the epoch's list."""
+    digits = m.group(1).lstrip("0") or "0"  # up to 250 digits (a name's 255 bytes): compared, not converted
+    n = int(digits) if len(digits) <= len(str(MAX_REPEATS)) else MAX_REPEATS + 1
+    if n < 1:
+        raise FluxKleinError(f"{where} repeats its images 0 times; name it 1_{m.group(2)} or more")
+    if n > MAX_REPEATS:
+        raise FluxKleinError(
+            f"{where} repeats its images {digits[:12]}{'...' if len(digits) > 12 else ''} times; the limit is "
+            f"{MAX_REPEATS:,}: name it {MAX_REPEATS}_{m.group(2)} or fewer"
+        )
+    return n
+
+
+def _images_and_repeats(folder: Path, option: str, controls, repeats: int) -> tuple[dict[str, Path], dict[str, int]]:
     """stem -> image of a data folder, and -> its folder's repeats: the top level's 1, and under --data each
     kohya repeat folder's N (held-out images are not repeated; an edit LoRA's come from --data itself)."""
     images = _images_by_stem(folder, option)
@@ -174,6 +195,7 @@ def _images_and_repeats(folder: Path, option: str, controls) -> tuple[dict[str, 
             )
         images.update(more)
         counts.update(counts_more)
+        _check_draws(counts, repeats, f"{option} {folder}")  # before any image is decoded
     return images, counts
 
 
@@ -313,7 +335,7 @@ def scan_data(
     warns about what it does not read and what it upscales. Captions are as trained (`trigger` applied).
     """
     folder = Path(data).expanduser()
-    images, counts = _images_and_repeats(folder, option, controls)
+    images, counts = _images_and_repeats(folder, option, controls, repeats)
     for c in controls:
         if _same_folder(Path(c).expanduser(), folder):
             raise FluxKleinError(f"{control_option} {c} is the {option} folder itself; give {CONTROL_WANTED}")
