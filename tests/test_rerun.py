@@ -93,6 +93,10 @@ def test_a_record_names_its_model_and_the_run_uses_model(cli, snapshot, tmp_path
     assert code == 0, err
     assert f"--from {src}: it was made with someone/else; this run uses {snapshot}" in err
     assert read_record(again)["model"] == model_name(snapshot) and read_record(again)["steps"] == 1
+    theirs = png_with(tmp_path / "a1111.png", parameters='a fox\nSteps: 2, Seed: 3, Model: "sdxl, v1", Size: 64x64')
+    note = record_options(theirs).model_note(snapshot)
+    assert note == f"--from {theirs}: it was made with sdxl, v1; this run uses {snapshot} (--model chooses)"
+    assert record_options(again).model_note(str(snapshot)) is None  # the same model (a folder, by name): no note
 
 
 def test_the_record_fills_only_the_options_it_holds(tmp_path):

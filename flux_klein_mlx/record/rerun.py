@@ -242,7 +242,9 @@ def theirs(fields: dict, path) -> Rerun:
         options["width"], options["height"] = number(w, int, f"{where} Size"), number(h, int, f"{where} Size")
         checked(f"{where} Size", check_size, (options["width"], options["height"]))
     wanted = needs(0, True, False) if "strength" in options else {}
-    return Rerun(str(path), {k: v for k, v in options.items() if v is not None}, wanted)
+    if "Model" in fields:  # another program's checkpoint: said, as ours is
+        checked(f"{where} Model", check_model, fields["Model"])
+    return Rerun(str(path), {k: v for k, v in options.items() if v is not None}, wanted, fields.get("Model"))
 
 
 def number(value: str, kind, where: str):
