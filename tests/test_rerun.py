@@ -166,7 +166,7 @@ def test_any_bytes_as_the_text_chunk_are_settings_or_one_line(data, key):
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "r.png"
         info = PngInfo()
-        info.add_text(key, data.replace(b"\0", b" ") + (b"\nSteps: 2, Seed: 3, Size: 64x64" if key[0] == "p" else b""))
+        info.add_text(key, data + (b"\nSteps: 2, Seed: 3, Size: 64x64" if key[0] == "p" else b""))
         Image.new("RGB", (8, 8)).save(path, pnginfo=info)
         assert_settings_or_one_line(path)
 
