@@ -17,6 +17,14 @@ def is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
+def is_finite(v) -> bool:
+    """A real number within a float's range (an integer past it, 10**400, is not: it becomes no float)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def check_whole(name: str, value, low: int | None = None, high: int | None = None) -> None:
     """A whole number (not a bool) in [low, high]; either bound may be left out."""
     if is_int(value) and (low is None or low <= value) and (high is None or value <= high):
@@ -32,7 +40,7 @@ def check_number(
     name: str, value, low: float, *, high: float | None = None, open_low: bool = False, hint: str = ""
 ) -> None:
     """A finite real number (not a bool) from `low` (excluded if `open_low`) to `high` (no bound if None)."""
-    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and is_finite(value)
     ok = ok and (low < value if open_low else low <= value) and (high is None or value <= high)
     if ok:
         return

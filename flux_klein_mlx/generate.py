@@ -16,7 +16,7 @@ from .inputs.settings import RunSettings, check_prompt_given, prepare_inputs
 from .lora.apply import pair_scales
 from .record.a1111 import resolve_lora_tags
 from .record.output import image_format, save_image
-from .record.rerun import check_images_given, record_options
+from .record.rerun import record_options
 from .run.loading import DEFAULT_DTYPE, DTYPES
 from .run.pipeline import DEFAULT_MODEL, load
 from .storage.embedding_cache import parse_size
@@ -54,12 +54,13 @@ def summary(st, seed, index: int, count: int) -> str:
 
 
 def record_defaults(ctx, param, value):
-    """--from IMAGE (eager): its record's settings become the defaults, so options given beside it win."""
-    if value is not None:
-        options = record_options(value)
-        options.pop("needs", None)  # checked once every option is read (_check_rerun)
-        ctx.default_map = {**(ctx.default_map or {}), **options}
-    return value
+    """--from IMAGE (eager): its record's settings become the defaults, so options given beside it win;
+    the parameter's value is the record read (`rerun.Rerun`: the images it needs are checked in `_checked_prompt`)."""
+    if value is None:
+        return None
+    rerun = record_options(value)
+    ctx.default_map = {**(ctx.default_map or {}), **rerun.options}
+    return rerun
 
 
 @click.command("generate")
@@ -196,6 +197,8 @@ def generate(
     options.update(images=list(images), boxes=list(options["boxes"]) or None)
     # cheap checks before loading gigabytes: the settings, the output paths, the LoRA options
     settings = RunSettings(prompt, **options).check()
+    if from_image is not None and (note := from_image.model_note(model)):
+        click.echo(note, err=True)  # a record names a model; --model (or its default) chooses it
     paths = _checked_outputs(output, num_images, preview_dir)
     load_settings = dict(dtype=dtype, quantize=int(quantize) if quantize else None, low_memory=low_memory, vae=vae)
     load_settings.update(loras=pair_scales(loras, lora_scales) + tagged, lora_partial=lora_partial)
@@ -211,7 +214,7 @@ def _checked_prompt(prompt, lora_dir, from_image, *, images, init_image, mask) -
     check_prompt_given(prompt)
     if from_image is not None:
         given = {"--image": len(images), "--init-image": int(init_image is not None), "--mask": int(mask is not None)}
-        check_images_given(from_image, record_options(from_image).get("needs", {}), given)
+        from_image.check_given(given)
     prompt, tagged = resolve_lora_tags(prompt, lora_dir)
     return prompt, [(str(path), weight) for path, weight in tagged]
 

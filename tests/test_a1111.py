@@ -185,7 +185,7 @@ def write_record_png(path, record=None, parameters=None):
         ("from-refs", ["made with 2 --image image(s)", "give them with --image"]),
         ("from-init", ["made with 1 --init-image image(s)"]),
         ("from-latents", ["given latents"]),
-        ("from-a1111-seed", ["Seed: 'abc', not a number"]),
+        ("from-a1111-seed", ["Seed: 'abc' is not a whole number"]),
     ],
 )
 def test_bad_tags_and_from_are_one_line_before_any_model(cli, snapshot, lora_dir, tmp_path, no_models, case, words):

@@ -170,16 +170,22 @@ def record_xmp(record: dict) -> bytes:
     ).encode()
 
 
-def read_record(path: str | Path) -> dict | None:
-    """The record an image written here carries (PNG text chunk, or XMP in JPEG / WebP), or None."""
-    with Image.open(path) as im:
-        raw = getattr(im, "text", {}).get(RECORD_KEY)
-        xmp = im.info.get("xmp")
+def record_text(im: Image.Image) -> str | None:
+    """The JSON text of the record an open image carries (PNG text chunk, or XMP in JPEG / WebP), or None."""
+    raw = getattr(im, "text", {}).get(RECORD_KEY)
+    xmp = im.info.get("xmp")
     if not raw and xmp:
         try:
             raw = ElementTree.fromstring(xmp).findtext(f".//{{{XMP_NS}}}record")
         except ElementTree.ParseError:
             return None
+    return raw or None
+
+
+def read_record(path: str | Path) -> dict | None:
+    """The record an image written here carries, or None (our own images; `rerun` reads a stranger's)."""
+    with Image.open(path) as im:
+        raw = record_text(im)
     return json.loads(raw) if raw else None
 
 
