@@ -247,7 +247,8 @@ def room(module: str) -> str:
 
 def test_no_circle_between_rooms():
     """No two rooms lean on each other, even through others: data flows one way (ARCHITECTURE.md). Before
-    issue 45, the `upsample` command (then in upsample/, now `caption`) imported `inputs` while `inputs` imported `upsample/boxes.py`."""
+    issue 45 the `upsample` command (then in upsample/, now `caption`) imported `inputs`, which imported
+    `upsample/boxes.py`."""
     graph: dict[str, set[str]] = {}
     for module, imports in package_imports().items():
         graph.setdefault(room(module), set()).update(room(m) for m in imports if room(m) != room(module))
