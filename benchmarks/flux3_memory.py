@@ -94,9 +94,9 @@ def child(
     import dataclasses
 
     from flux_klein_mlx.bench.random_model import random_pipeline
+    from flux_klein_mlx.dtypes import DTYPES
     from flux_klein_mlx.events import MemoryPlan
     from flux_klein_mlx.models.flux3.config import FLUX3_VARIANTS
-    from flux_klein_mlx.run.loading import DTYPES
 
     if not real:
         stand_ins()

@@ -19,12 +19,13 @@ __version__ = "0.1.0"
 # module -> the public names it holds (imported on first use)
 _MODULES = {
     "run.pipeline": ("load", "FluxKleinPipeline"),
-    "events": ("Progress", "Event", "Stats", "MemoryPlan"),
+    "events": ("Event", "Stats", "MemoryPlan"),
     "inputs.settings": ("RunSettings", "PreparedInputs", "prepare_inputs"),
     "storage.embedding_cache": ("EmbeddingCache",),
     "record.output": ("save_image", "image_metadata"),
     "record.a1111": ("resolve_lora_tags",),
-    "run.loading": ("describe", "load_component", "ModelInfo"),
+    "run.loading": ("describe", "ModelInfo"),
+    "run.components": ("load_component",),
     "models.config": ("VARIANTS", "FluxKleinParams", "Qwen3Config", "AutoEncoderConfig"),
     "models.flux2.transformer": ("FluxKlein", "sanitize_flux2_klein_weights"),
     "models.kv_cache": ("ReferenceKV",),

@@ -35,25 +35,14 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import __version__
+from .dtypes import DEFAULT_DTYPE, DTYPES, as_dtype, dtype_name
 from .errors import FluxKleinError
 from .family import FAMILIES
 from .lora.apply import apply_loras, load_loras, pair_scales
 from .models.quantize import check_quantization, quantize_model
 from .models.tokenizer import tokenizer_files
 from .run.components import assemble, check_weights, read_component
-from .run.loading import (
-    COMPONENTS,
-    DEFAULT_DTYPE,
-    DTYPES,
-    FORMAT,
-    FORMAT_VERSION,
-    WHAT,
-    ModelInfo,
-    as_dtype,
-    describe,
-    dtype_name,
-    is_mlx_folder,
-)
+from .run.loading import COMPONENTS, FORMAT, FORMAT_VERSION, WHAT, ModelInfo, describe, is_mlx_folder
 from .storage.files import broken_link, check_disk_space, folder_transaction
 from .storage.weights import save_safetensors_sharded
 from .upsample.runtime import convert_upsampler, is_upsampler

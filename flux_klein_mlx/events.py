@@ -89,9 +89,6 @@ class Event:
     grid: tuple[int, int] = (0, 0)  # (h, w) of the latent token grid: image size / 16
 
 
-Progress = Event  # the name earlier releases exported
-
-
 @dataclass(kw_only=True)
 class Job:
     """One image in flight between the stages: its inputs, conditioning, latents and stats."""

@@ -12,12 +12,12 @@ import click
 
 from .caption import caption_first
 from .cli import run_command, upsample_options, vae_and_cache_options
+from .dtypes import DEFAULT_DTYPE, DTYPES
+from .inputs.rerun import record_options
 from .inputs.settings import RunSettings, check_prompt_given, prepare_inputs
 from .lora.apply import pair_scales
 from .record.a1111 import resolve_lora_tags
 from .record.output import image_format, save_image
-from .record.rerun import record_options
-from .run.loading import DEFAULT_DTYPE, DTYPES
 from .run.pipeline import DEFAULT_MODEL, load
 from .storage.embedding_cache import parse_size
 from .storage.files import check_output_file, numbered_name, write_exclusive

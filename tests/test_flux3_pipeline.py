@@ -119,7 +119,7 @@ def test_the_default_dtype_runs(distilled):
     lat = noise(64, 64, seed=9, channels=C)
     theirs = flux3_reference(distilled, prompt="a boat", latents=lat, steps=2)
     image, pipe = ours(distilled, "a boat", steps=2, latents=lat, dtype="bfloat16", width=64, height=64)
-    assert pipe.dtype == flux_klein_mlx.run.loading.DTYPES["bfloat16"]
+    assert pipe.dtype == flux_klein_mlx.dtypes.DTYPES["bfloat16"]
     assert image.shape == (64, 64, 3) and np.isfinite(image).all()
     assert np.abs(image - theirs).mean() <= 0.05  # bf16 against diffusers' float32: close, not equal
 

@@ -346,14 +346,14 @@ def test_the_token_grid_is_computed_in_one_place():
 
 
 def test_the_default_dtype_is_named_once():
-    """`loading.DEFAULT_DTYPE` is every default dtype (the commands' options, load, convert, the trainer, the
+    """`dtypes.DEFAULT_DTYPE` is every default dtype (the commands' options, load, convert, the trainer, the
     benchmark): no other module spells "bfloat16" as a value."""
     spelled = [
         m
         for m, tree in sources().items()
-        if m != "run.loading" and any(isinstance(n, ast.Constant) and n.value == "bfloat16" for n in ast.walk(tree))
+        if m != "dtypes" and any(isinstance(n, ast.Constant) and n.value == "bfloat16" for n in ast.walk(tree))
     ]
-    assert not spelled, f"{spelled} spell 'bfloat16': import loading.DEFAULT_DTYPE"
+    assert not spelled, f"{spelled} spell 'bfloat16': import dtypes.DEFAULT_DTYPE"
 
 
 def test_no_constant_is_assigned_in_two_modules():

@@ -17,10 +17,10 @@ import click
 import mlx.core as mx
 
 from ..cli import run_command
+from ..dtypes import DEFAULT_DTYPE, DTYPES
 from ..errors import FluxKleinError
 from ..family import all_variants
 from ..limits import MAX_STEPS
-from ..run.loading import DEFAULT_DTYPE, DTYPES
 from ..run.pipeline import load
 from ..storage.files import check_output_file, write_exclusive
 from .random_model import random_pipeline

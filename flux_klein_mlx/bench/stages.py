@@ -20,10 +20,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 from PIL import Image
 
+from ..dtypes import dtype_name
 from ..errors import FluxKleinError
 from ..inputs.settings import check_image_size
 from ..models.rope import token_grid
-from ..run.loading import dtype_name
 from ..run.pipeline import FluxKleinPipeline
 from .flops import denoise_flops, flops_of_text_encoder, flops_of_vae_decoder, machine_info
 from .random_model import REAL_PROMPT_TOKENS

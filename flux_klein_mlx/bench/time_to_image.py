@@ -47,11 +47,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..dtypes import DEFAULT_DTYPE, as_dtype
 from ..inputs.settings import RunSettings, prepare_inputs
 from ..models.config import AutoEncoderConfig, Qwen3Config
 from ..models.rope import token_grid
 from ..models.tokenizer import load_tokenizer
-from ..run.loading import DEFAULT_DTYPE, as_dtype, describe
+from ..run.loading import describe
 from ..run.pipeline import load
 from ..storage.embedding_cache import EmbeddingCache
 from ..storage.readahead import component_spans

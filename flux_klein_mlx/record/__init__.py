@@ -1,2 +1,2 @@
-"""What an image leaves and how it is read back: the record and the files written (`output`), A1111's
-habits (`<lora:>` tags, the `parameters` text: `a1111`), an image's record as settings (`rerun`)."""
+"""What an image leaves: the record and the files written (`output`), A1111's habits (`<lora:>` tags,
+the `parameters` text, the model hash: `a1111`). `inputs/rerun` reads a record back as settings."""

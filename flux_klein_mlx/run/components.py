@@ -19,6 +19,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..dtypes import as_dtype
 from ..errors import FluxKleinError
 from ..family import FLUX2, Family
 from ..models.config import AutoEncoderConfig, Qwen3Config
@@ -27,7 +28,7 @@ from ..models.text_encoder import Qwen3TextEncoder, keeps_key, sanitize_qwen3_we
 from ..models.vae import AutoEncoder
 from ..storage.vae_source import merge_decoder, vae_weights
 from ..storage.weights import check_safetensors_file, load_into, read_weight_files
-from .loading import COMPONENTS, WHAT, ModelInfo, as_dtype, check_for_loading
+from .loading import COMPONENTS, WHAT, ModelInfo, check_for_loading
 
 
 def check_for_training(info: ModelInfo, quantize: int | None, weights=COMPONENTS) -> None:

@@ -16,10 +16,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..checks import check_choice
 from ..errors import FluxKleinError
 from ..family import FAMILIES, FLUX2, FLUX3, Family, family_named
 from ..lora.formats import is_lora_file
@@ -51,24 +49,10 @@ from ..storage.weights import (
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
 WHAT = {"transformer": "transformer", "text_encoder": "text encoder", "vae": "VAE"}
-DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
-DEFAULT_DTYPE = "bfloat16"  # weights and activations of every command, the server and the Python API
 
 # The marker of a folder written by `convert` (config.json "format" / "format_version").
 FORMAT = "flux_klein_mlx"
 FORMAT_VERSION = 1
-
-
-def as_dtype(dtype) -> mx.Dtype | None:
-    """None, an mx.Dtype or its name ("bfloat16", "float16", "float32") -> mx.Dtype or None."""
-    if dtype is None or isinstance(dtype, mx.Dtype):
-        return dtype
-    check_choice("dtype", dtype, DTYPES)
-    return DTYPES[dtype]
-
-
-def dtype_name(dtype: mx.Dtype) -> str:
-    return next(k for k, v in DTYPES.items() if v == dtype)
 
 
 @dataclass

@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..checks import check_choice, is_int
+from ..dtypes import DEFAULT_DTYPE, DTYPES, as_dtype, dtype_name
 from ..errors import FluxKleinError
 from ..events import Event, Job, MemoryPlan, StageStats, Stats
 from ..inputs.references import crop_to_box
@@ -46,16 +47,7 @@ from ..storage.embedding_cache import DEFAULT_MAX_BYTES, EmbeddingCache, cached_
 from ..storage.readahead import Prefetch
 from ..upsample.cache import CaptionCache, revise
 from .components import check_weights, load_component, read_component
-from .loading import (
-    COMPONENTS,
-    DEFAULT_DTYPE,
-    DTYPES,
-    ModelInfo,
-    as_dtype,
-    check_for_loading,
-    describe,
-    dtype_name,
-)
+from .loading import COMPONENTS, ModelInfo, check_for_loading, describe
 
 DEFAULT_MODEL = "black-forest-labs/FLUX.2-klein-4B"
 PROMPTS_KEPT = 8  # embeddings of recent prompts (each (1, 512, C): 7.5 MB for klein-4B in bf16)

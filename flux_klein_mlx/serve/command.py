@@ -18,8 +18,8 @@ from pathlib import Path
 import click
 
 from ..cli import run_command, vae_and_cache_options
+from ..dtypes import DEFAULT_DTYPE, DTYPES
 from ..errors import FluxKleinError
-from ..run.loading import DEFAULT_DTYPE, DTYPES
 from ..run.pipeline import DEFAULT_MODEL, load
 
 

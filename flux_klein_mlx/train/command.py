@@ -16,8 +16,8 @@ import click
 from click.core import ParameterSource
 
 from ..cli import run_command
+from ..dtypes import DTYPES
 from ..errors import FluxKleinError
-from ..run.loading import DTYPES
 from .config_file import check_recorded_data, option_names, read_config
 from .memory import MemoryPlanned, describe_plan
 from .report.evaluation import ValidationFinished

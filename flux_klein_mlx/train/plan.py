@@ -10,10 +10,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..dtypes import as_dtype
 from ..errors import FluxKleinError
 from ..limits import MAX_TRAIN_STEPS
 from ..run.components import check_for_training, check_weights
-from ..run.loading import ModelInfo, as_dtype, describe, single_file_refusal
+from ..run.loading import ModelInfo, describe, single_file_refusal
 from ..storage.files import check_output_file
 from .data.dataset import batches_per_epoch, check_held_out, running_batch, say_shared_images, scan_data
 from .data.latents import LatentCache, run_latents

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checks import check_choice, check_number, check_whole, is_int
+from ..dtypes import DEFAULT_DTYPE, DTYPES
 from ..errors import FluxKleinError
 from ..inputs.settings import check_side
 from ..limits import MAX_EPOCHS, MAX_REPEATS, MAX_STEPS, MAX_TRAIN_STEPS, check_path
 from ..lora.layouts import check_layout
 from ..models.quantize import check_quantization
 from ..models.tokenizer import check_text
-from ..run.loading import DEFAULT_DTYPE, DTYPES
 from .data.dataset import IMAGE_SUFFIXES
 from .step.objective import check_schedule
 from .step.optimizers import OPTIMIZERS

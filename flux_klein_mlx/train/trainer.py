@@ -29,10 +29,10 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
 from .. import __version__
+from ..dtypes import as_dtype
 from ..errors import FluxKleinError
 from ..models.rope import token_grid
 from ..run.components import load_component
-from ..run.loading import as_dtype
 from .data.captions import CaptionEmbeddings
 from .data.dataset import bucket_counts, dropped_captions, epoch_batches, flipped_examples
 from .plan import RunPlan, data_key, epochs_ended, plan_run, run_key

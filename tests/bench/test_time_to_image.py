@@ -189,8 +189,8 @@ def test_a_cast_or_quantized_load_never_holds_the_whole_source(distilled, dtype,
     time, not the whole model's: the peak stays near the loaded size (before: loaded + source)."""
     import mlx.core as mx
 
+    from flux_klein_mlx.dtypes import as_dtype
     from flux_klein_mlx.run.components import load_component
-    from flux_klein_mlx.run.loading import as_dtype
 
     mx.clear_cache()
     mx.reset_peak_memory()

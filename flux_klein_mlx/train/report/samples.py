@@ -47,12 +47,13 @@ import numpy as np
 from PIL import Image
 
 from ... import __version__
+from ...dtypes import DEFAULT_DTYPE, as_dtype
 from ...errors import FluxKleinError
 from ...family import FAMILIES
 from ...lora import layouts
 from ...record.output import read_record, write_image
 from ...run.components import check_weights
-from ...run.loading import DEFAULT_DTYPE, ModelInfo, as_dtype, describe
+from ...run.loading import ModelInfo, describe
 from ...storage.files import write_replacing
 from ...storage.weights import save_safetensors_streaming
 from ..data.dataset import check_picture

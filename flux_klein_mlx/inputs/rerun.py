@@ -24,12 +24,12 @@ from pathlib import Path
 from PIL import Image
 
 from ..checks import check_choice, is_finite, is_int
+from ..dtypes import DTYPES
 from ..errors import FluxKleinError
-from ..inputs.settings import RunSettings
 from ..models.quantize import BITS
-from ..run.loading import DTYPES
-from .a1111 import parse_parameters, split_lora_tags
-from .output import RECORD_KEY, a1111_prompt, model_name, record_text
+from ..record.a1111 import parse_parameters, split_lora_tags
+from ..record.output import RECORD_KEY, a1111_prompt, model_name, record_text
+from .settings import RunSettings
 
 SHOWN = 300  # characters of a refusal's reason shown: a forged value can be a megabyte long
 GIVEN = "(given beside --from)"  # what stands for an image the record names by hash, in a check
