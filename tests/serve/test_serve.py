@@ -879,7 +879,7 @@ def test_page_on_a_distilled_model_with_a_key(server, tmp_path):
         wait = WebDriverWait(driver, 30, poll_frequency=0.2)
         wait.until(lambda d: d.find_element(By.ID, "key-row").is_displayed())
         driver.find_element(By.ID, "apikey").send_keys(KEY)
-        driver.execute_script("refreshStatus()")
+        driver.execute_script("flux.refreshStatus()")
         wait.until(lambda d: "ready" in d.find_element(By.ID, "status").text)
         assert not driver.find_element(By.ID, "base-only").is_displayed()
         wait.until(lambda d: d.find_element(By.ID, "lora-box").is_displayed())
