@@ -12,18 +12,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import struct
 
 import numpy as np
 import pytest
 from command_line import assert_one_line_error, gen_args
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image, ImageDraw
 from PIL.PngImagePlugin import PngInfo
 from refs import picture
 
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
+from flux_klein_mlx.record.a1111 import LORA_TAG, split_lora_tags
 from flux_klein_mlx.record.output import read_record
 
 RE_PARAM = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')  # A1111's infotext_utils
@@ -222,3 +226,23 @@ def test_bad_tags_and_from_are_one_line_before_any_model(cli, snapshot, lora_dir
     code, _, err = cli(*args)
     assert_one_line_error(code, err, *words)
     assert not out.exists() and not no_models
+
+
+# --- Hypothesis: any prompt's tags split into names and weights, or one line (issue 46) ----------------
+
+TAG_TEXT = st.text(st.characters(codec="utf-8") | st.sampled_from(list("<>:.\n 0123456789e-+naif")), max_size=30)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(TAG_TEXT, TAG_TEXT.map(lambda t: f"<lora:{t}>")), max_size=5), st.lists(TAG_TEXT, max_size=2))
+def test_any_prompt_splits_or_is_one_line(parts, listed):
+    prompt = " ".join(parts)
+    try:
+        clean, tags = split_lora_tags(prompt, listed=listed)
+    except FluxKleinError as e:
+        assert str(e) and "\n" not in str(e) and len(str(e)) < 300
+        return
+    assert LORA_TAG.search(clean) is None  # the model never sees a tag
+    names = [name for name, _ in tags]
+    assert len(set(names)) == len(names) and all(name for name in names)
+    assert all(math.isfinite(weight) for _, weight in tags)

@@ -118,6 +118,7 @@ class RunSettings:
             )
         check_text(self.prompt)  # lone surrogates (argv bytes not UTF-8, JSON "\ud800") end here, not in the tokenizer
         check_prompt_length(self.prompt, "the prompt")
+        check_boxes(self.boxes, self.prompt, upsample=self.upsample is True)  # bounds before any image or model
         if neg is not None:
             check_text(neg, "the negative prompt")
             check_prompt_length(neg, "the negative prompt")
@@ -400,10 +401,10 @@ def _prompt_plan(settings: RunSettings, images: list, info) -> tuple[str, object
     if not settings.upsample and not settings.boxes:
         return settings.prompt, None, ()
     check_upsampler_family(info.family, upsample=settings.upsample)
-    if not settings.upsample:
-        boxes = check_boxes(settings.boxes)
-        return layout_prompt(settings.prompt, canvas_rows(boxes)), None, boxes
     shown = ([settings.init_image] if settings.init_image is not None else []) + images
+    if not settings.upsample:
+        boxes = check_boxes(settings.boxes, settings.prompt, references=len(shown))
+        return layout_prompt(settings.prompt, canvas_rows(boxes)), None, boxes
     request = build_request(settings.prompt, [open_image(im, "reference image") for im in shown], settings.boxes)
     return settings.prompt, request, request.boxes
 

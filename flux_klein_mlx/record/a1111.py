@@ -51,23 +51,31 @@ def split_lora_tags(prompt: str, listed=()) -> tuple[str, list[tuple[str, float]
     empty name and a name given twice are one-line errors."""
     tags: list[tuple[str, float]] = []
     for body in LORA_TAG.findall(prompt):
-        name, weight = body.strip(), 1.0
+        name, weight, tag = body.strip(), 1.0, _shown(f"<lora:{body}>")
         head, colon, tail = name.rpartition(":")
         if colon and name not in listed:
             try:
                 name, weight = head.strip(), float(tail)
             except ValueError:
                 raise FluxKleinError(
-                    f"<lora:{body}>: the weight {tail.strip()!r} is not a number; write <lora:NAME:0.8>"
+                    f"{tag}: the weight {tail.strip()!r:.40} is not a number; write <lora:NAME:0.8>"
                 ) from None
             if not math.isfinite(weight):
-                raise FluxKleinError(f"<lora:{body}>: the weight must be a finite number, such as 0.8")
+                raise FluxKleinError(f"{tag}: the weight must be a finite number, such as 0.8")
         if not name:
-            raise FluxKleinError(f"<lora:{body}> names no LoRA; write <lora:NAME:0.8>")
+            raise FluxKleinError(f"{tag} names no LoRA; write <lora:NAME:0.8>")
         if any(name == seen for seen, _ in tags):
-            raise FluxKleinError(f"the prompt names LoRA {name!r} twice; give each <lora:...> tag once")
+            raise FluxKleinError(f"the prompt names LoRA {_shown(name)} twice; give each <lora:...> tag once")
         tags.append((name, weight))
-    return LORA_TAG.sub("", prompt).strip(), tags
+    clean = LORA_TAG.sub("", prompt).strip()
+    if LORA_TAG.search(clean):  # "<lora:<lora:a>>": taking the inner tag out leaves a tag
+        raise FluxKleinError("the prompt holds a <lora:...> tag inside another; write each tag as <lora:NAME:0.8>")
+    return clean, tags
+
+
+def _shown(text: str) -> str:
+    """A stranger's text for a one-line message: its repr (newlines escaped), cut at 60 characters."""
+    return repr(text[:60]) + ("..." if len(text) > 60 else "")
 
 
 def resolve_lora_tags(prompt: str, lora_dir, folder_words: str | None = None) -> tuple[str, list[tuple[Path, float]]]:

@@ -164,7 +164,7 @@ class Server:
             seed=int_field(body, "seed", lo=0, hi=2**53),
             guidance=float_field(body, "guidance", 0.0, 50.0),
             upsample=bool_field(body, "upsample"),
-            boxes=boxes_field(body),
+            boxes=boxes_field(body, prompt, 0 if kind == "image_generation" else None),
         )
         stream = bool_field(body, "stream")
         # OpenAI's meaning: how many partial images a stream sends (0-3); left out, one per step (the page).

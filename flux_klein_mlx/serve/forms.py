@@ -195,13 +195,15 @@ def bool_field(body: dict, name: str) -> bool:
     raise ApiError(400, f"{name} must be true or false, not {v!r}", name)
 
 
-def boxes_field(body: dict):
-    """`boxes`: "x0,y0,x1,y1:desc" strings or diffusers' dicts (JSON text in a form), checked; None if absent."""
+def boxes_field(body: dict, prompt: str, references: int | None):
+    """`boxes`: "x0,y0,x1,y1:desc" strings or diffusers' dicts (JSON text in a form), checked with `prompt`
+    (their texts share its limit) and `references` (0: a generation; None: an edit's, checked by the run)."""
     value = body.get("boxes")
     if value is None or value == "":
         return None
     try:
-        return list(check_boxes(json.loads(value) if isinstance(value, str) else value))
+        boxes = json.loads(value) if isinstance(value, str) else value
+        return list(check_boxes(boxes, prompt, references=references, upsample=bool_field(body, "upsample")))
     except FluxKleinError as e:
         raise ApiError(400, str(e), "boxes") from None
     except ValueError:

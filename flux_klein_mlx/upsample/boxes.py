@@ -20,6 +20,8 @@ import re
 from collections.abc import Sequence
 
 from ..errors import FluxKleinError
+from ..limits import MAX_BOXES, MAX_PROMPT_CHARS
+from ..models.tokenizer import check_text
 
 CANVAS = 1000  # the grid the boxes live on, stretched onto the image
 BOX_ID = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
@@ -28,30 +30,44 @@ SAME_BOX_IOU = 0.9  # a re-planned row this close to a locked box is that box
 BOX_SPEC = '"x0,y0,x1,y1:desc" with 0 <= x0 < x1 <= 1 and 0 <= y0 < y1 <= 1 (fractions of the width and height)'
 
 
+KEYS = ("id", "desc", "bbox", "from", "src_bbox", "tgt_bbox")  # diffusers' box dict; nothing else is read
+
+
+def _shown(spec: str) -> str:
+    """A stranger's string for a one-line message: its repr, cut at 60 characters."""
+    return repr(spec[:60]) + ("..." if len(spec) > 60 else "")
+
+
 def parse_box(spec: str) -> dict:
-    """`--box "x0,y0,x1,y1:desc"` -> {"bbox": [y0, x0, y1, x1], "desc"} (checked by `check_boxes`)."""
-    numbers, sep, desc = str(spec).partition(":")
+    """`--box "x0,y0,x1,y1:desc"` -> {"bbox": [y0, x0, y1, x1], "desc"} (checked by `check_boxes`; a box
+    without ":desc" has desc "", which only the upsampler may fill)."""
+    numbers, _, desc = str(spec).partition(":")
     parts = numbers.split(",")
     try:
         x0, y0, x1, y1 = (float(p) for p in parts)
     except ValueError:
-        raise FluxKleinError(f"--box {spec!r} is not {BOX_SPEC}") from None
-    if not sep or not desc.strip():
-        raise FluxKleinError(f'--box {spec!r} names no element: write {BOX_SPEC}, e.g. "0.1,0.5,0.45,0.95:a cat"')
+        raise FluxKleinError(f"--box {_shown(spec)} is not {BOX_SPEC}") from None
     return {"bbox": [y0, x0, y1, x1], "desc": desc.strip()}
 
 
 def _check_unit_box(box, what: str) -> list[float]:
-    """A [y_min, x_min, y_max, x_max] in 0-1 with min < max on both axes, or one line saying what is wrong."""
+    """A [y_min, x_min, y_max, x_max] in 0-1 with min < max on both axes, each side at least one unit of
+    the 0-1000 canvas (a narrower box would be a line or [0, 0, 0, 0] for the model), or one line."""
     ok = isinstance(box, (list, tuple)) and len(box) == 4
     ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in box)
     if not ok:
-        raise FluxKleinError(f"{what} must be [y_min, x_min, y_max, x_max], four numbers in 0-1, not {box!r}")
+        raise FluxKleinError(f"{what} must be [y_min, x_min, y_max, x_max], four numbers in 0-1, not {box!r:.80}")
     y0, x0, y1, x1 = (float(v) for v in box)
     if min(box) < 0 or max(box) > 1:
         raise FluxKleinError(f"{what} {_as_xy(box)} lies outside the image: every coordinate must be in 0-1")
     if x0 >= x1 or y0 >= y1:
         raise FluxKleinError(f"{what} {_as_xy(box)} is empty: it needs x0 < x1 and y0 < y1")
+    cy0, cx0, cy1, cx1 = _on_canvas([y0, x0, y1, x1])
+    if cx0 >= cx1 or cy0 >= cy1:
+        raise FluxKleinError(
+            f"{what} {_as_xy(box)} is narrower than the layout's grid: the model reads boxes in 1/{CANVAS} of "
+            f"the image, so each side must span at least 1/{CANVAS}"
+        )
     return [y0, x0, y1, x1]
 
 
@@ -60,39 +76,95 @@ def _as_xy(box) -> str:
     return f"(x0,y0,x1,y1 = {x0:g},{y0:g},{x1:g},{y1:g})"
 
 
-def check_boxes(boxes: Sequence | None) -> tuple[dict, ...]:
-    """The user's boxes (`--box` strings or diffusers' dicts) checked, as diffusers' dicts; () for none."""
+def check_boxes(
+    boxes: Sequence | None, prompt: str = "", *, references: int | None = None, upsample: bool = False
+) -> tuple[dict, ...]:
+    """The user's boxes (`--box` strings or diffusers' dicts) checked, as diffusers' dicts; () for none.
+    Every door's one parser: at most MAX_BOXES, and their texts with `prompt` at most MAX_PROMPT_CHARS
+    (a box's text is prompt text), both counted before any box is read further. `references`: the images
+    an edit's "from" may name (ref_image_0 ..); 0 is a text-to-image run (no edit forms); None: not known
+    yet (checked again once it is). `upsample`: the upsampler writes a box's desc when it has none."""
     if boxes is None:
         return ()
     if isinstance(boxes, (str, dict)) or not isinstance(boxes, Sequence):
         raise FluxKleinError(f"boxes must be a list of boxes, not {type(boxes).__name__}")
-    out = []
+    if len(boxes) > MAX_BOXES:
+        raise FluxKleinError(f"{len(boxes):,} layout boxes given; the limit is {MAX_BOXES}")
+    chars = len(prompt)
+    out, ids = [], set()
     for i, box in enumerate(boxes):
         what = f"box {i + 1}"
-        box = parse_box(box) if isinstance(box, str) else box
-        if not isinstance(box, dict):
-            raise FluxKleinError(f'{what} must be "x0,y0,x1,y1:desc" or a dict with bbox and desc, not {box!r}')
-        row = {}
-        if box.get("id") is not None:
-            if not isinstance(box["id"], str) or not BOX_ID.fullmatch(box["id"]):
-                raise FluxKleinError(f"{what}'s id must be a letter then letters, digits or _, not {box['id']!r}")
-            row["id"] = box["id"]
-        if not isinstance(box.get("desc", ""), str):
-            raise FluxKleinError(f"{what}'s desc must be text, not {type(box['desc']).__name__}")
-        row["desc"] = box.get("desc", "")
-        if box.get("bbox") is not None:
-            row["bbox"] = _check_unit_box(box["bbox"], what)
-        elif box.get("src_bbox") is not None or box.get("tgt_bbox") is not None:
-            origin = box.get("from")
-            if not isinstance(origin, str) or not ORIGIN.fullmatch(origin):
-                raise FluxKleinError(f"{what}'s from must be 'target' or 'ref_image_N', not {origin!r}")
-            row["from"] = origin
-            for name in ("src_bbox", "tgt_bbox"):
-                row[name] = None if box.get(name) is None else _check_unit_box(box[name], f"{what}'s {name}")
-        else:
-            raise FluxKleinError(f"{what} has no bbox (nor src_bbox / tgt_bbox)")
+        chars += len(box) if isinstance(box, str) else len(str(box.get("desc", ""))) if isinstance(box, dict) else 0
+        if chars > MAX_PROMPT_CHARS:
+            raise FluxKleinError(
+                f"the prompt and the boxes' text are at least {chars:,} characters long; the limit for them "
+                f"together is {MAX_PROMPT_CHARS:,} (a box's text is prompt text): shorten them"
+            )
+        row = _check_box(parse_box(box) if isinstance(box, str) else box, what, references, upsample)
+        row_id = row.get("id") or f"obj_{i + 1}"  # canvas_rows' name for it
+        if row_id in ids:
+            raise FluxKleinError(f"{what}'s id {row_id!r} is taken by an earlier box; give each box its own id")
+        ids.add(row_id)
         out.append(row)
     return tuple(out)
+
+
+def _check_box(box, what: str, references: int | None, upsample: bool) -> dict:
+    """One box (diffusers' dict) checked: its keys, id, desc, and one form of boxes."""
+    if not isinstance(box, dict):
+        raise FluxKleinError(f'{what} must be "x0,y0,x1,y1:desc" or a dict with bbox and desc, not {box!r:.80}')
+    if unknown := [key for key in box if key not in KEYS]:
+        raise FluxKleinError(f"{what} has an unknown key {str(unknown[0])!r:.60}; a box's keys are {', '.join(KEYS)}")
+    row = {}
+    if box.get("id") is not None:
+        if not isinstance(box["id"], str) or not BOX_ID.fullmatch(box["id"]):
+            raise FluxKleinError(f"{what}'s id must be a letter then letters, digits or _, not {box['id']!r:.60}")
+        row["id"] = box["id"]
+    desc = box.get("desc", "")
+    if not isinstance(desc, str):
+        raise FluxKleinError(f"{what}'s desc must be text, not {type(desc).__name__}")
+    check_text(desc, f"{what}'s desc")
+    if not desc.strip() and not upsample:
+        raise FluxKleinError(
+            f'{what} names no element: give its desc (--box "x0,y0,x1,y1:desc", e.g. "0.1,0.5,0.45,0.95:a cat"), '
+            "or let the prompt upsampler write it (upsample)"
+        )
+    row["desc"] = desc.strip()
+    if box.get("bbox") is not None:
+        if any(box.get(key) is not None for key in ("from", "src_bbox", "tgt_bbox")):
+            raise FluxKleinError(f"{what} gives both bbox and an edit's from / src_bbox / tgt_bbox; give one form")
+        row["bbox"] = _check_unit_box(box["bbox"], what)
+    elif box.get("src_bbox") is not None or box.get("tgt_bbox") is not None:
+        row.update(_edit_form(box, what, references))
+    else:
+        raise FluxKleinError(f"{what} has no bbox (nor src_bbox / tgt_bbox)")
+    return row
+
+
+def _edit_form(box: dict, what: str, references: int | None) -> dict:
+    """An edit's box: "from" "ref_image_N" (an element of reference N, 0-based, with its src_bbox there) or
+    "target" (a new element: a tgt_bbox, no src_bbox), as the upsampler's own rows are kept (`added_row`)."""
+    if references == 0:
+        raise FluxKleinError(
+            f"{what} gives from / src_bbox / tgt_bbox, which place an element of a reference image: this run has "
+            "none; give bbox [y_min, x_min, y_max, x_max]"
+        )
+    origin = box.get("from")
+    if not isinstance(origin, str) or not ORIGIN.fullmatch(origin):
+        raise FluxKleinError(f"{what}'s from must be 'target' or 'ref_image_N', not {origin!r:.60}")
+    if references is not None and origin != "target" and int(origin.removeprefix("ref_image_")) >= references:
+        raise FluxKleinError(
+            f"{what}'s from is {origin!r} but the run has {references} reference image(s): ref_image_0 to "
+            f"ref_image_{references - 1}"
+        )
+    rows = {"from": origin}
+    for name in ("src_bbox", "tgt_bbox"):
+        rows[name] = None if box.get(name) is None else _check_unit_box(box[name], f"{what}'s {name}")
+    if (origin == "target") == (rows["src_bbox"] is not None):
+        raise FluxKleinError(
+            f"{what}: a box from 'target' (a new element) has no src_bbox, one from a reference image has one"
+        )
+    return rows
 
 
 def _on_canvas(box: list[float] | None) -> list[int] | None:

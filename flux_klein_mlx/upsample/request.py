@@ -128,7 +128,7 @@ def build_request(prompt: str, images: Sequence[Image.Image] = (), boxes: Sequen
     if not isinstance(prompt, str) or not prompt.strip():
         raise FluxKleinError("the prompt upsampler needs a prompt to expand; give --prompt")
     check_upsampler_references(len(images))
-    checked = check_boxes(boxes)
+    checked = check_boxes(boxes, prompt, references=len(images), upsample=True)
     mode = ("i2i" if images else "t2i") + ("_bbox" if checked else "")
     shown = [shown_reference(image, len(images)) for image in images]
     return UpsampleRequest(prompt=prompt, mode=mode, references=shown, locked=canvas_rows(checked), boxes=checked)

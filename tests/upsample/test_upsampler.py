@@ -62,7 +62,7 @@ def test_the_images_the_model_sees_equal_diffusers(count):
 
 def test_box_rules_equal_diffusers():
     user = [{"bbox": [0.5, 0.1, 0.95, 0.45], "desc": "a cat"}, {"id": "dog_1", "bbox": [0.4, 0.55, 0.95, 0.95]}]
-    checked = ours_boxes.check_boxes(user)
+    checked = ours_boxes.check_boxes(user, upsample=True)  # dog_1 has no desc: the upsampler writes it
     locked = ours_boxes.canvas_rows(checked)
     assert locked == ref.boxes_to_canvas(user)
     assert ours_boxes.layout_request("a cat and a dog", locked) == ref.format_layout_request("a cat and a dog", locked)
@@ -147,7 +147,7 @@ def test_caption_equals_diffusers_token_for_token(case, pup, reference):
         (["0.5,0,0.2,1:cat"], "x0 < x1"),
         (["0,0.6,1,0.6:cat"], "y0 < y1"),
         (["0,0,1:cat"], "x0,y0,x1,y1:desc"),
-        (["0,0,1,1"], "names no element"),
+        ([{"bbox": [0, 0, 1, 1], "descr": "a cat"}], "unknown key 'descr'"),  # no desc: the upsampler writes it
         ([{"bbox": [0, 0, 1, 1], "id": "1x"}], "id must be"),
         ([{"desc": "x"}], "no bbox"),
     ],
