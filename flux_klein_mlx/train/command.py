@@ -35,6 +35,7 @@ from .trainer import (
     TrainStarted,
     train_lora,
 )
+from .workdir import checkpoints
 
 _D = TrainSettings()  # the defaults, shown in --help
 
@@ -343,17 +344,16 @@ def train(**options):
     progress = ProgressLine()
     t0 = time.perf_counter()
     step = 0
-    checkpoint = None
+    work_dir = None  # known from the run's start; its checkpoints on disk are the way back after Ctrl-C
     try:
         for ev in events:
             if isinstance(ev, StepFinished):
                 step = ev.step
                 progress.step(ev)
                 continue
-            if isinstance(ev, TrainStarted) and ev.resumed_from is not None:
-                step = ev.first_step - 1
-                checkpoint = ev.resumed_from
-            checkpoint = ev.path if isinstance(ev, CheckpointSaved) else checkpoint
+            if isinstance(ev, TrainStarted):
+                work_dir = ev.work_dir
+                step = ev.first_step - 1 if ev.resumed_from is not None else step
             text = describe_event(ev)
             if isinstance(ev, TrainFinished):
                 progress.close()
@@ -362,16 +362,19 @@ def train(**options):
                 progress.say(text)
     except KeyboardInterrupt:
         events.close()  # the run's own cleanup (its lock) before the line
-        progress.say(interrupted(step, checkpoint))
+        progress.say(interrupted(step, work_dir))
         click.get_current_context().exit(130)  # the exit status of an interrupted program
     click.echo(f"done in {_clock(time.perf_counter() - t0)}", err=True)
 
 
-def interrupted(step: int, checkpoint) -> str:
-    """The line after Ctrl-C: where the run stopped and how to go on."""
-    if checkpoint is None:
+def interrupted(step: int, work_dir: Path | None) -> str:
+    """The line after Ctrl-C: where the run stopped and how to go on. The checkpoint named is the newest
+    complete one on disk (a checkpoint appears whole, by a rename), not the last one announced: Ctrl-C may
+    come between its rename and the line that reports it."""
+    done = checkpoints(Path(work_dir)) if work_dir is not None else []
+    if not done:
         return f"stopped at step {step}; no checkpoint yet: run the same command again to start over"
-    return f"stopped at step {step}; last checkpoint {checkpoint}: continue with the same command and --resume"
+    return f"stopped at step {step}; last checkpoint {done[-1][1]}: continue with the same command and --resume"
 
 
 def with_config(ctx: click.Context, options: dict) -> tuple[dict, set[str]]:
