@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from .caption import caption_first
+from .checks import check_prompt_given
 from .cli import (
     dtype_option,
     lora_options,
@@ -21,7 +22,7 @@ from .cli import (
     vae_and_cache_options,
 )
 from .inputs.rerun import record_options
-from .inputs.settings import RunSettings, check_prompt_given, prepare_inputs
+from .inputs.settings import RunSettings, prepare_inputs
 from .lora.apply import pair_scales
 from .record.a1111 import resolve_lora_tags
 from .record.output import image_format, save_image
