@@ -105,11 +105,11 @@ def load_one(name: str, source, dtype=None, config: dict | None = None):
     """
     import dataclasses
 
-    from flux_klein_mlx import components  # read through components' names, so that tests can watch the reads
     from flux_klein_mlx.family import FLUX2
     from flux_klein_mlx.models.flux2.transformer import infer_params
     from flux_klein_mlx.models.quantize import evaluate_by_layer
     from flux_klein_mlx.models.text_encoder import keeps_key
+    from flux_klein_mlx.run import components  # read through components' names, so that tests can watch the reads
     from flux_klein_mlx.storage.weights import component_files, read_json
 
     source = Path(source)
