@@ -65,6 +65,7 @@ def make(folder: Path, bits: int = 4, blocks: str | None = None) -> None:
     from flux_klein_mlx.bench.command import parse_blocks
     from flux_klein_mlx.bench.random_model import randomize
     from flux_klein_mlx.convert import Part, write_folder
+    from flux_klein_mlx.family import FLUX2
     from flux_klein_mlx.models.config import VARIANTS
     from flux_klein_mlx.models.quantize import evaluate_by_layer, quantize_model
     from flux_klein_mlx.run.components import build_module
@@ -77,7 +78,7 @@ def make(folder: Path, bits: int = 4, blocks: str | None = None) -> None:
     for seed, name in enumerate(COMPONENTS):
         t0 = time.perf_counter()
         config = dataclasses.asdict(getattr(variant, name))
-        module = build_module(name, config)
+        module = build_module(name, config, FLUX2)
         randomize(module, mx.bfloat16, seed)
         record = None if name == "vae" or not bits else quantize_model(module, bits)
         evaluate_by_layer(module)  # one component quantized at a time: the bf16 weights go before the next

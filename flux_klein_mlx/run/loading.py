@@ -149,7 +149,7 @@ def _bfl_transformer_config(file: Path, base: Path, family: Family) -> dict:
     return dataclasses.asdict(params)
 
 
-def _check_fit(configs: dict[str, dict], where: dict[str, Path], family: Family = FLUX2) -> None:
+def _check_fit(configs: dict[str, dict], where: dict[str, Path], family: Family) -> None:
     """The transformer must read what the text encoder and the VAE make."""
     params = family.params(configs["transformer"])
     vae = AutoEncoderConfig.from_dict(configs["vae"])
@@ -352,7 +352,7 @@ def with_vae(info: ModelInfo, source: str | Path) -> ModelInfo:
     else:  # a whole VAE, as diffusers' `vae=` argument
         swap = {"files": {**info.files, "vae": files}, "decoder_files": None}
     new = dataclasses.replace(info, configs={**info.configs, "vae": config}, vae_source=str(source), **swap)
-    _check_fit(new.configs, {"text_encoder": info.files["text_encoder"][0].parent, "vae": Path(where)})
+    _check_fit(new.configs, {"text_encoder": info.files["text_encoder"][0].parent, "vae": Path(where)}, info.family)
     return new
 
 
