@@ -160,3 +160,16 @@ def test_a_lora_given_as_the_model_is_named_as_a_lora_by_train_load_and_convert(
     rc, _, said = run_cli(capsys, "convert", "--model", str(lora), "--output", str(tmp_path / "converted"))
     assert_one_line_error(rc, said, "holding a LoRA, not a model")
     assert "text encoder or the VAE" not in said and not (tmp_path / "converted").exists()
+
+
+def test_toml_config_with_a_byte_order_mark_is_read(tmp_path):
+    """F13: a TOML file saved with a UTF-8 BOM (as Windows editors do) reads as the same file without it."""
+    from flux_klein_mlx.train.command import train
+    from flux_klein_mlx.train.config_file import option_names, read_config
+
+    text = "lr = 0.0002\nsteps = 7\n"
+    plain, bom = tmp_path / "plain.toml", tmp_path / "bom.toml"
+    plain.write_text(text, encoding="utf-8")
+    bom.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    names = option_names(train)
+    assert read_config(bom, names).settings == read_config(plain, names).settings != {}
