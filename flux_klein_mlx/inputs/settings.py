@@ -50,7 +50,7 @@ from .images import (
     open_image,
     prepare_init_image,
 )
-from .outpaint import Outpaint, outpaint_canvas, parse_outpaint, round_pads
+from .outpaint import Outpaint, check_canvas, outpaint_canvas, parse_outpaint, round_pads
 
 DEFAULT_SIZE = 1024
 
@@ -384,7 +384,7 @@ def prepare_outpaint(settings: RunSettings) -> tuple[InitImage, Outpaint]:
     img = open_image(settings.init_image, "init image")
     check_image_shape(*img.size, "init image")
     pads, said = round_pads(parse_outpaint(settings.outpaint), *img.size)
-    check_image_size(img.width + pads[0] + pads[2], img.height + pads[1] + pads[3])
+    check_canvas(*img.size, pads)
     if said:
         warnings.warn(said, Notice, stacklevel=3)
     canvas, mask, outpainting = outpaint_canvas(img, pads)
