@@ -153,9 +153,11 @@ class TrainSettings:
 
     def _check_types(self) -> None:
         """The paths, texts and switches are of a usable type (the Python API takes anything)."""
-        for name in ("data", "output", "model", "work_dir", "init_lora"):
+        for name in ("data", "output", "model", "work_dir", "init_lora", "validation"):
             v = getattr(self, name)
-            if not (isinstance(v, (str, os.PathLike)) or (name in ("work_dir", "init_lora") and v is None)):
+            if not (
+                isinstance(v, (str, os.PathLike)) or (name in ("work_dir", "init_lora", "validation") and v is None)
+            ):
                 raise FluxKleinError(f"{name} must be a path (str or Path), not {v!r}")
             if v is not None:
                 check_path(v, _label(name))  # past the OS's limits a path is an OSError wherever it is used

@@ -712,6 +712,7 @@ def test_python_api_wrong_types_name_the_argument_and_leave_nothing(snap, tmp_pa
         ({"model": 3.5}, "model must be a path"),
         ({"controls": 7}, "controls must be"),
         ({"work_dir": 1}, "work_dir must be a path"),
+        ({"validation": 123}, "validation must be a path"),
         ({"resume": "yes"}, "resume must be True or False"),
         ({"caption_extension": 1}, "caption_extension"),
     ):
@@ -852,6 +853,8 @@ def test_bad_schedule_and_resolution_list_refused(capsys, snap, tmp_path, no_mod
         ("train.json", '{"settings": {"rank": 4, "warmup": 1}}', ["unknown setting(s) warmup"]),
         ("train.json", "{not json", ["not valid JSON"]),
         ("run.toml", "lr_scheduler = 'cosine'\nwarmup_steps = 9999\n", ["--warmup-steps 9999", "past --steps 500"]),
+        # a UTF-8 byte-order mark (Notepad's) before the keys: read, so the setting's own check speaks
+        ("bom.toml", "\ufefflr_scheduler = 'cosine'\nwarmup_steps = 9999\n", ["--warmup-steps 9999"]),
     ],
 )
 def test_bad_config_refused(capsys, snap, tmp_path, no_models, name, text, words):
