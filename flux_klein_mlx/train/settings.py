@@ -34,7 +34,7 @@ ADAPTERS = ("lora", "lokr")  # LoRA pairs per diffusers module, or LoKr per laye
 # The model `train` starts from: a Base model (generation's default, pipeline.DEFAULT_MODEL, is distilled).
 # The run key's layout (TrainSettings.run_key, plan.run_key): raised when a field is added, renamed or
 # changes meaning; a checkpoint written under another version is refused, never guessed at.
-RUN_KEY_VERSION = 2  # 2 (issue 39): --optimizer, --repeats, --flip, --init-lora
+RUN_KEY_VERSION = 3  # 2 (issue 39): --optimizer, --repeats, --flip, --init-lora; 3 (issue 46): the model's family
 DEFAULT_BASE_MODEL = "black-forest-labs/FLUX.2-klein-base-4B"
 # (setting, low, high) of the whole-number settings, checked in this order
 WHOLE = (

@@ -203,6 +203,28 @@ def test_resume_refuses_another_runs_checkpoints_naming_the_differences(capsys, 
     refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume", "--rank", "8"], "data")
 
 
+def test_resume_of_another_familys_checkpoint_names_both_families(capsys, snap, tmp_path, tmp_path_factory, no_models):
+    """Issue 46: a FLUX.2 run's work folder resumed with a FLUX 3 model was "from a run with other settings";
+    the line names the checkpoint's family and the model's, by their titles."""
+    from tiny_flux3 import shared_tiny_flux3_snapshot
+
+    data = make_images(tmp_path / "data")
+    out = tmp_path / "out.safetensors"
+    fake_checkpoint(
+        tmp_path / "out.train", TrainSettings(model=str(snap), data=data, output=out, resolution=64, rank=4)
+    )
+    flux3 = shared_tiny_flux3_snapshot(tmp_path_factory, distilled=False)
+    capsys.readouterr()  # building it talks
+    line = refused(
+        capsys,
+        tmp_path,
+        base_args(flux3, data, out) + ["--resume"],
+        "is a checkpoint of FLUX.2 [klein]'s adapters",
+        "this run's model is FLUX 3 Image Klein's",
+    )
+    assert "other settings" not in line
+
+
 def test_resume_refuses_a_checkpoint_of_another_run_key_version(capsys, snap, tmp_path, no_models):
     """The run key is versioned (0.1.0 keeps no compatibility branches): a checkpoint whose run key has
     another version, or none (written before the key had one), is refused in one line before any model
