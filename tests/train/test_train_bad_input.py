@@ -696,6 +696,23 @@ def test_captions_bom_extension_and_what_is_not_read(capsys, snap, tmp_path, no_
         )
 
 
+def test_repeat_folders_not_read_are_said_and_a_link_loop_ends(snap, tmp_path):
+    """Issue 46: a kohya repeat folder that is a symbolic link, and one nested in another (2_x/3_y/), were
+    left out without a word; links that loop (to the data folder itself) must not hang the scan."""
+    data = make_images(tmp_path / "data", n=1)
+    make_images(data / "2_x", n=1)
+    make_images(data / "2_x" / "3_y", n=1)
+    (data / "5_link").symlink_to(data / "2_x", target_is_directory=True)
+    (data / "4_self").symlink_to(data, target_is_directory=True)  # a loop
+    (data / "2_x" / "up").symlink_to(data, target_is_directory=True)  # another, one level down
+    with pytest.warns(UserWarning) as said:
+        plan = plan_run(TrainSettings(model=snap, data=data, output=tmp_path / "o.safetensors", resolution=64))
+    text = " | ".join(str(w.message) for w in said)
+    assert "the repeat folder(s) 4_self, 5_link are symbolic links, which are not followed" in text
+    assert "the images in 2_x/3_y, 2_x/up are not read: a repeat folder's own sub-folders are not" in text
+    assert sorted(it.stem for it in plan.items) == ["2_x/im0", "im0"]
+
+
 def test_learning_rate_that_underflows_in_the_adapters_is_warned():
     """The warning's bound is the real one: below it, one AdamW step (gradients of 1: the largest
     step, lr) leaves most adapter values of a fresh LoRA as they were; at 1e-4 it moves them all."""
