@@ -35,6 +35,7 @@ from .trainer import (
     TrainStarted,
     train_lora,
 )
+from .workdir import checkpoints
 
 _D = TrainSettings()  # the defaults, shown in --help
 
@@ -346,17 +347,25 @@ def train(**options):
     progress = ProgressLine()
     t0 = time.perf_counter()
     step = 0
-    checkpoint = None
+    ctrl_c = []  # each SIGINT while the run goes on (see on_ctrl_c)
+
+    def on_ctrl_c(*_):
+        """Python's own Ctrl-C (KeyboardInterrupt at once), remembered: one raised where Python drops it (in
+        a finalizer: "Exception ignored in ...") still ends the run, at its next event."""
+        ctrl_c.append(time.monotonic())
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
     try:
         for ev in events:
+            if ctrl_c:
+                raise KeyboardInterrupt
             if isinstance(ev, StepFinished):
                 step = ev.step
                 progress.step(ev)
                 continue
             if isinstance(ev, TrainStarted) and ev.resumed_from is not None:
                 step = ev.first_step - 1
-                checkpoint = ev.resumed_from
-            checkpoint = ev.path if isinstance(ev, CheckpointSaved) else checkpoint
             text = describe_event(ev)
             if isinstance(ev, TrainFinished):
                 progress.close()
@@ -365,16 +374,28 @@ def train(**options):
                 progress.say(text)
     except KeyboardInterrupt:
         events.close()  # the run's own cleanup (its lock) before the line
-        progress.say(interrupted(step, checkpoint))
+        progress.say(interrupted(step, run_work_dir(options)))
         click.get_current_context().exit(130)  # the exit status of an interrupted program
+    finally:
+        signal.signal(signal.SIGINT, previous)
     click.echo(f"done in {_clock(time.perf_counter() - t0)}", err=True)
 
 
-def interrupted(step: int, checkpoint) -> str:
-    """The line after Ctrl-C: where the run stopped and how to go on."""
-    if checkpoint is None:
+def run_work_dir(options: dict) -> Path:
+    """The run's work folder, as TrainSettings resolves it (--work-dir, or <output stem>.train/)."""
+    if options.get("work_dir"):
+        return Path(options["work_dir"]).expanduser()
+    return default_work_dir(Path(options["output"]).expanduser())
+
+
+def interrupted(step: int, work_dir: Path) -> str:
+    """The line after Ctrl-C: where the run stopped and how to go on, from the newest checkpoint on the disk
+    (each is written whole or not at all: one finished as Ctrl-C came counts, its event seen or not)."""
+    done = checkpoints(work_dir)
+    if not done:
         return f"stopped at step {step}; no checkpoint yet: run the same command again to start over"
-    return f"stopped at step {step}; last checkpoint {checkpoint}: continue with the same command and --resume"
+    at, folder = done[-1]
+    return f"stopped at step {max(step, at)}; last checkpoint {folder}: continue with the same command and --resume"
 
 
 def with_config(ctx: click.Context, options: dict) -> tuple[dict, set[str]]:
