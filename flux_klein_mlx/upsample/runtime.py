@@ -51,7 +51,7 @@ def mlx_vlm_modules():
         from mlx_vlm import load
         from mlx_vlm.generate import stream_generate
     except ImportError:
-        raise FluxKleinError(f"--upsample needs mlx-vlm, which is not installed: {INSTALL_HINT}") from None
+        raise FluxKleinError(f"{{upsample}} needs mlx-vlm, which is not installed: {INSTALL_HINT}") from None
     return load, stream_generate
 
 
