@@ -14,10 +14,10 @@ import sys
 
 import click
 
+from .checks import check_prompt_given
 from .cli import run_command, upsample_options
 from .family import default_upsampler
 from .inputs.images import open_image
-from .inputs.settings import check_prompt_given
 from .storage.embedding_cache import EmbeddingCache, parse_size
 from .upsample.cache import CaptionCache, cached_caption
 from .upsample.request import build_request

@@ -1,7 +1,7 @@
 """The generic checkers of settings, on the bottom floor beside `errors` (the one module it imports):
 every wing refuses a bad value with them (`RunSettings`, `TrainSettings`, the server's forms, dtype and
-layout names, the lr schedule, the noise kind). Each refuses one value with one line (FluxKleinError)
-and changes nothing."""
+layout names, the lr schedule, the noise kind, the prompt the CLI and the server take). Each refuses
+one value with one line (FluxKleinError) and changes nothing."""
 
 from __future__ import annotations
 
@@ -54,3 +54,10 @@ def check_choice(name: str, value, choices) -> None:
     """One of `choices` (named in the message in their order; a dict's keys)."""
     if not isinstance(value, Hashable) or value not in choices:  # a list is no choice (nor a key of a dict)
         raise FluxKleinError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
+
+
+def check_prompt_given(prompt) -> None:
+    """The CLI and the server refuse an empty prompt alike (an unset shell variable, an empty form
+    field); the Python API, like diffusers, takes "" as an unconditional prompt."""
+    if isinstance(prompt, str) and not prompt.strip():
+        raise FluxKleinError('the prompt is empty: describe the image to make (e.g. "a red fox in fresh snow")')

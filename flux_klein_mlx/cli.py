@@ -1,7 +1,9 @@
-"""Running a click command as a program: user errors become one line, never a traceback.
+"""The commands' plumbing: the options every command shares, worded and typed once, and running a click
+command as a program (user errors become one line, never a traceback).
 
 Shared by `__main__` and each command module's `main()`, so that no command module imports
-`__main__` (no import cycle).
+`__main__` (no import cycle). This module imports no mlx at its top: `__main__` imports it before
+`run_command` binds OpenBLAS (the imports inside the option groups run when a command module is loaded).
 """
 
 from __future__ import annotations
@@ -15,9 +17,68 @@ from . import preload_openblas
 from .errors import FluxKleinError, Notice
 
 
-def vae_and_cache_options(command):
-    """`--vae`, `--no-cache` and `--cache-size`, worded once for `generate` and `serve`."""
-    options = [
+def stacked(options: list):
+    """One decorator of several click options, listed (in --help) in the order they are written here."""
+
+    def apply(command):
+        for option in reversed(options):  # click lists options in the order their decorators are written
+            command = option(command)
+        return command
+
+    return apply
+
+
+def model_option(help: str, *name: str, **kwargs):
+    """`--model` / `-m`: every command that reads a model says what it takes (and its default, if any); `name`
+    the parameter's, where it is not `model` (serve's `models`)."""
+    return click.option("--model", "-m", *name, help=help, **kwargs)
+
+
+def as_bits(ctx, param, value: int | None) -> int | None:
+    """`--quantize 4` -> 4, refused in one line unless 4 or 8; not given -> None."""
+    from .models.quantize import check_bits  # imports mlx: run when the command runs, after OpenBLAS is bound
+
+    if value is not None:
+        check_bits(value)
+    return value
+
+
+def quantize_option(help: str, *, name: str = "quantize"):
+    """`--quantize` / `-q` BITS: the same type and refusal in generate, convert, serve, train and benchmark."""
+    return click.option("--quantize", "-q", name, type=int, default=None, callback=as_bits, help=help)
+
+
+def dtype_option(*, default: str | None = "default", help: str | None = None):
+    """`--dtype`: one of the dtypes' names; the default dtype unless a command asks for none."""
+    from .dtypes import DEFAULT_DTYPE, DTYPES  # when the command module is loaded (it imports mlx)
+
+    default = DEFAULT_DTYPE if default == "default" else default
+    return click.option(
+        "--dtype", type=click.Choice(list(DTYPES)), default=default, show_default=default is not None, help=help
+    )
+
+
+LORA_SOURCES = "a .safetensors file, owner/name (its single .safetensors) or owner/name:FILE"
+
+
+def lora_options(purpose: str, *, scales: bool = True):
+    """`--lora` (repeatable) and, where a command takes them by position, `--lora-scale`."""
+    options = [click.option("--lora", "loras", multiple=True, help=f"{purpose}: {LORA_SOURCES}; repeatable.")]
+    if scales:
+        options.append(
+            click.option(
+                "--lora-scale",
+                "lora_scales",
+                type=float,
+                multiple=True,
+                help="Strength of each --lora, by position [default: 1.0].",
+            )
+        )
+    return stacked(options)
+
+
+vae_and_cache_options = stacked(
+    [
         click.option(
             "--vae",
             default=None,
@@ -34,14 +95,11 @@ def vae_and_cache_options(command):
             help="Bound of the prompt-embedding cache on disk (e.g. 500MB, 2GB; 0 = off).",
         ),
     ]
-    for option in reversed(options):  # click lists options in the order their decorators are written
-        command = option(command)
-    return command
+)  # `--vae`, `--no-cache` and `--cache-size`, worded once for `generate` and `serve`
 
 
-def upsample_options(command):
-    """`--upsample`, `--box` (repeatable) and `--upsampler`, worded once for `generate` and `upsample`."""
-    options = [
+upsample_options = stacked(
+    [
         click.option(
             "--upsample",
             is_flag=True,
@@ -60,9 +118,7 @@ def upsample_options(command):
             help="The prompt upsampler: folder or repo id [default: black-forest-labs/flux-3-image-klein-pup].",
         ),
     ]
-    for option in reversed(options):
-        command = option(command)
-    return command
+)  # `--upsample`, `--box` (repeatable) and `--upsampler`, worded once for `generate` and `upsample`
 
 
 def run_command(command: click.Command, argv=None) -> int:

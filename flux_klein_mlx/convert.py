@@ -35,11 +35,12 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import __version__
-from .dtypes import DEFAULT_DTYPE, DTYPES, as_dtype, dtype_name
+from .cli import dtype_option, lora_options, model_option, quantize_option
+from .dtypes import DEFAULT_DTYPE, as_dtype, dtype_name
 from .errors import FluxKleinError
 from .family import FAMILIES
 from .lora.apply import apply_loras, load_loras, pair_scales
-from .models.quantize import check_quantization, quantize_model
+from .models.quantize import already_quantized, check_quantization, quantize_model
 from .models.tokenizer import tokenizer_files
 from .run.components import assemble, check_weights, read_component
 from .run.loading import COMPONENTS, FORMAT, FORMAT_VERSION, WHAT, ModelInfo, describe, is_mlx_folder
@@ -201,11 +202,9 @@ def quantize_folder(
             f"{info.path} is not a folder written by `flux_klein_mlx convert`; convert it first "
             f"(convert --quantize {bits} does both)"
         )
-    if done := [f"{r['bits']}-bit {WHAT[n]}" for n, r in info.quantization.items() if r]:
-        raise FluxKleinError(
-            f"{info.path} is already quantized ({done[0]}); quantize the unquantized "
-            "folder, or convert the original model again with --quantize"
-        )
+    if done := [r["bits"] for r in info.quantization.values() if r]:
+        instead = "quantize the unquantized folder, or convert the original model again with --quantize"
+        raise already_quantized(str(info.path), done[0], instead)
     check_weights(info)
     parts = [make_part(info, name, dtype=None, bits=bits, group_size=group_size) for name in COMPONENTS]
     source = {"model": str(model), "path": str(info.path), "format": FORMAT, "original": info.original}
@@ -398,19 +397,10 @@ def interrupt_on_termination():
 
 
 @click.command("convert")
-@click.option(
-    "--model",
-    "-m",
-    required=True,
-    help="Diffusers snapshot folder, Hugging Face repo id, or BFL single-file .safetensors.",
-)
+@model_option("Diffusers snapshot folder, Hugging Face repo id, or BFL single-file .safetensors.", required=True)
 @click.option("--output", "-o", required=True, type=click.Path(), help="The MLX folder to write.")
-@click.option(
-    "--dtype", type=click.Choice(list(DTYPES)), default=DEFAULT_DTYPE, show_default=True, help="Weight dtype."
-)
-@click.option(
-    "--quantize", "-q", "bits", type=int, default=None, help="Quantize transformer and text encoder to 4 or 8 bits."
-)
+@dtype_option(help="Weight dtype.")
+@quantize_option("Quantize transformer and text encoder to 4 or 8 bits.", name="bits")
 @click.option("--group-size", type=int, default=64, show_default=True, help="Quantization group size (32, 64 or 128).")
 @click.option(
     "--base",
@@ -418,19 +408,7 @@ def interrupt_on_termination():
     help="For a single-file transformer: folder or repo id with text_encoder/, vae/, tokenizer/.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
-@click.option(
-    "--lora",
-    "loras",
-    multiple=True,
-    help="Bake this LoRA (file, owner/name or owner/name:FILE) into the transformer; repeatable.",
-)
-@click.option(
-    "--lora-scale",
-    "lora_scales",
-    type=float,
-    multiple=True,
-    help="Strength of each --lora, by position [default: 1.0].",
-)
+@lora_options("A LoRA baked into the transformer")
 @click.option("--lora-partial", is_flag=True, help="Bake a LoRA even when some of its modules match no layer.")
 @click.option(
     "--vae",
@@ -463,7 +441,7 @@ def convert(model, output, *, dtype, bits, group_size, base, overwrite, loras, l
 
 
 @click.command("quantize")
-@click.option("--model", "-m", required=True, help="A folder written by `convert` (unquantized).")
+@model_option("A folder written by `convert` (unquantized).", required=True)
 @click.option("--bits", "-b", type=int, required=True, help="4 or 8.")
 @click.option(
     "--group-size", type=int, default=64, show_default=True, help="Values sharing one scale and bias: 32, 64 or 128."

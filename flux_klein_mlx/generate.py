@@ -11,10 +11,18 @@ from pathlib import Path
 import click
 
 from .caption import caption_first
-from .cli import run_command, upsample_options, vae_and_cache_options
-from .dtypes import DEFAULT_DTYPE, DTYPES
+from .checks import check_prompt_given
+from .cli import (
+    dtype_option,
+    lora_options,
+    model_option,
+    quantize_option,
+    run_command,
+    upsample_options,
+    vae_and_cache_options,
+)
 from .inputs.rerun import record_options
-from .inputs.settings import RunSettings, check_prompt_given, prepare_inputs
+from .inputs.settings import RunSettings, prepare_inputs
 from .lora.apply import pair_scales
 from .record.a1111 import resolve_lora_tags
 from .record.output import image_format, save_image
@@ -73,12 +81,10 @@ def record_defaults(ctx, param, value):
     help="Rerun IMAGE from its record (ours, or A1111's parameters); options given beside it override.",
 )
 @click.option("--prompt", "-p", required=True, help="What to draw; <lora:NAME:W> tags name LoRAs in --lora-dir.")
-@click.option(
-    "--model",
-    "-m",
+@model_option(
+    "Hugging Face repo id, diffusers folder, or a folder written by `convert`.",
     default=DEFAULT_MODEL,
     show_default=True,
-    help="Hugging Face repo id, diffusers folder, or a folder written by `convert`.",
 )
 @click.option(
     "--width", "-W", type=int, default=None, help="Width in px, multiple of 16 [default: 1024, or the first --image's]."
@@ -128,14 +134,8 @@ def record_defaults(ctx, param, value):
     show_default=True,
     help="Images to make; seeds count up from --seed.",
 )
-@click.option(
-    "--quantize",
-    "-q",
-    type=click.Choice(["4", "8"]),
-    default=None,
-    help="Quantize transformer and text encoder at load (not needed for a quantized folder).",
-)
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default=DEFAULT_DTYPE, show_default=True)
+@quantize_option("Quantize transformer and text encoder at load to 4 or 8 bits (not needed for a quantized folder).")
+@dtype_option()
 @click.option(
     "--low-memory",
     is_flag=True,
@@ -153,19 +153,7 @@ def record_defaults(ctx, param, value):
     default=None,
     help="Also write a small latent preview PNG after every step into this existing folder.",
 )
-@click.option(
-    "--lora",
-    "loras",
-    multiple=True,
-    help="LoRA .safetensors file, owner/name (its single .safetensors) or owner/name:FILE; repeat for several.",
-)
-@click.option(
-    "--lora-scale",
-    "lora_scales",
-    type=float,
-    multiple=True,
-    help="Strength of each --lora, by position [default: 1.0].",
-)
+@lora_options("A LoRA applied to the transformer")
 @click.option("--lora-dir", default=None, help="The folder that the prompt's <lora:NAME:W> tags name LoRAs in.")
 @click.option("--lora-partial", is_flag=True, help="Apply a LoRA even when some of its modules match no layer.")
 @upsample_options
@@ -200,7 +188,7 @@ def generate(
     if from_image is not None and (note := from_image.model_note(model)):
         click.echo(note, err=True)  # a record names a model; --model (or its default) chooses it
     paths = _checked_outputs(output, num_images, preview_dir)
-    load_settings = dict(dtype=dtype, quantize=int(quantize) if quantize else None, low_memory=low_memory, vae=vae)
+    load_settings = dict(dtype=dtype, quantize=quantize, low_memory=low_memory, vae=vae)
     load_settings.update(loras=pair_scales(loras, lora_scales) + tagged, lora_partial=lora_partial)
     load_settings.update(cache=not no_cache, cache_size=parse_size(cache_size), upsampler=upsampler)
     _generate_images(

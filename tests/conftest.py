@@ -33,12 +33,12 @@ def pytest_unconfigure(config):
 # The files that take longest (pytest --durations, 2 cores), run first: the two workers of .ci/run then
 # end together, instead of one finishing a long file picked up last while the other waits.
 LONG_FILES = (
-    "test_train_evaluation.py",
+    "test_evaluation.py",
     "test_serve.py",
-    "test_train_distributed.py",
+    "test_distributed.py",
     "test_pipeline.py",
-    "test_train.py",
-    "test_train_samples.py",
+    "test_objective.py",
+    "test_samples.py",
     "test_kv.py",
     "test_noise.py",
     "test_check_real_weights.py",  # one 45 s test: never the last one picked up

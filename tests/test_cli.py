@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from command_line import assert_one_line_error
 from PIL import Image
 
 from flux_klein_mlx.inputs.images import preprocess_reference
@@ -309,3 +310,55 @@ def test_a_large_download_is_announced_before_it_starts(snapshot, tmp_path, caps
 def test_version(cli):
     code, out, err = cli("--version")
     assert code == 0 and re.fullmatch(r"flux_klein_mlx \d+\.\d+\.\d+\n", out)
+
+
+def _commands():
+    """Every command (and sub-command) the CLI runs, by its full name: `lora convert`, ..."""
+    import importlib
+
+    import click
+
+    from flux_klein_mlx.__main__ import COMMANDS
+
+    found = {}
+    for name, (module, attr) in COMMANDS.items():
+        command = getattr(importlib.import_module(module), attr)
+        subs = command.commands if isinstance(command, click.Group) else {"": command}
+        found.update({f"{name} {sub}".strip(): c for sub, c in subs.items()})
+    return found
+
+
+def test_the_shared_options_are_declared_once_for_every_command():
+    """Issue 45: --model, --quantize, --dtype and --lora come from cli's option groups in every command, with
+    one type and one refusal: --quantize is an int checked by `cli.as_bits` (4 or 8, one line), --dtype one of
+    the dtypes' names, --lora says what it takes in the same words."""
+    from flux_klein_mlx.cli import LORA_SOURCES, as_bits
+    from flux_klein_mlx.dtypes import DTYPES
+
+    seen = set()
+    for name, command in _commands().items():
+        for p in command.params:
+            if "--quantize" in p.opts:
+                assert p.opts == ["--quantize", "-q"] and p.type.name == "integer" and p.callback is as_bits, name
+            elif "--dtype" in p.opts:
+                assert list(p.type.choices) == list(DTYPES), name
+            elif "--lora" in p.opts:
+                assert p.multiple and LORA_SOURCES in p.help, name
+            elif "--model" in p.opts:
+                assert p.opts == ["--model", "-m"], name
+            else:
+                continue
+            seen.add((name, p.opts[0]))
+    for name in ("generate", "serve", "convert", "train", "benchmark"):
+        assert {(name, "--quantize"), (name, "--dtype"), (name, "--model")} <= seen, name
+    assert {("generate", "--lora"), ("serve", "--lora"), ("convert", "--lora")} <= seen
+
+
+@pytest.mark.parametrize("command", ["generate", "convert", "serve", "train", "benchmark"])
+def test_a_quantize_of_three_bits_is_one_line_before_anything_runs(cli, tmp_path, command):
+    """The same refusal, in one line, from every command that takes --quantize (it was click's usage error in
+    four of them and convert's own line in the fifth)."""
+    args = {"convert": ["-m", str(tmp_path / "none"), "-o", str(tmp_path / "out")]}.get(command, [])
+    code, _, err = cli(command, *args, "--quantize", "3")
+    assert_one_line_error(code, err, "cannot quantize to 3 bits; choose 4 or 8")
+    assert not (tmp_path / "out").exists()

@@ -320,9 +320,13 @@ def string_constants(tree: ast.Module) -> str:
 
 
 def test_the_generic_checkers_live_on_the_bottom_floor():
-    """`checks` (is_int, check_whole, check_number, check_choice) imports only `errors`, so every floor may
-    use it; no other module words "must be one of" or cuts a list of names to the first few by hand."""
+    """`checks` (is_int, check_whole, check_number, check_choice, check_prompt_given) imports only `errors`,
+    so every floor may use it; no other module words "must be one of" or "the prompt is empty" (the
+    `upsample` command, the CLI and the server refuse it alike; issue 45: the command reached into
+    `inputs` for it) or cuts a list of names to the first few by hand."""
     assert package_imports()["checks"] == {"errors"}
+    empty = [m for m, tree in sources().items() if "the prompt is empty" in string_constants(tree)]
+    assert empty == ["checks"], f"{empty} refuse an empty prompt: use checks.check_prompt_given"
     by_hand = [m for m, tree in sources().items() if m != "checks" and " must be one of " in string_constants(tree)]
     assert not by_hand, f"{by_hand} word 'must be one of' themselves: use checks.check_choice"
     cut = [m for m, path in package_files().items() if '", ..." if len(' in path.read_text() and m != "errors"]

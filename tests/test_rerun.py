@@ -19,10 +19,11 @@ from hypothesis import strategies as st
 from PIL import Image, PngImagePlugin
 from PIL.PngImagePlugin import PngInfo
 
+from flux_klein_mlx.checks import check_prompt_given
 from flux_klein_mlx.dtypes import DTYPES
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.inputs.rerun import FIELDS, record_options
-from flux_klein_mlx.inputs.settings import RunSettings, check_prompt_given
+from flux_klein_mlx.inputs.settings import RunSettings
 from flux_klein_mlx.record.a1111 import split_lora_tags
 from flux_klein_mlx.record.output import model_name, read_record
 

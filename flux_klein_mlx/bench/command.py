@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 import mlx.core as mx
 
-from ..cli import run_command
+from ..cli import dtype_option, model_option, quantize_option, run_command
 from ..dtypes import DEFAULT_DTYPE, DTYPES
 from ..errors import FluxKleinError
 from ..family import all_variants
@@ -152,7 +152,7 @@ def _check_sources(model, *, random_weights: bool, blocks, cold: bool, vae) -> N
 
 
 @click.command("benchmark")
-@click.option("--model", "-m", default=None, help="Hugging Face repo id or local folder (real weights).")
+@model_option("Hugging Face repo id or local folder (real weights).", default=None)
 @click.option("--random-weights", is_flag=True, help="Build the model with random weights: nothing is downloaded.")
 @click.option(
     "--variant",
@@ -166,19 +166,8 @@ def _check_sources(model, *, random_weights: bool, blocks, cold: bool, vae) -> N
 @click.option(
     "--steps", type=click.IntRange(1, MAX_STEPS), default=4, show_default=True, help="Denoising steps per image."
 )
-@click.option(
-    "--quantize",
-    "-q",
-    type=click.Choice(["4", "8"]),
-    default=None,
-    help="Quantize the transformer and text encoder (group 64) before timing, as generate does.",
-)
-@click.option(
-    "--dtype",
-    type=click.Choice(list(DTYPES)),
-    default=None,
-    help="Compute dtype [default: bfloat16 on a GPU, float32 on a CPU].",
-)
+@quantize_option("Quantize the transformer and text encoder (group 64) to 4 or 8 bits before timing, as generate does.")
+@dtype_option(default=None, help="Compute dtype [default: bfloat16 on a GPU, float32 on a CPU].")
 @click.option("--warmup", type=click.IntRange(0, 100), default=1, show_default=True, help="Untimed runs per stage.")
 @click.option("--trials", type=click.IntRange(1, 1000), default=3, show_default=True, help="Timed runs per stage.")
 @click.option("--skip-text-encoder", is_flag=True, help="Feed random text embeddings instead of running Qwen3.")
@@ -239,19 +228,18 @@ def benchmark(
         check_json_path(json_path)
     row = variant_row(variant, blocks)
     dtype = dtype or (DEFAULT_DTYPE if mx.default_device() == mx.gpu else "float32")
-    bits = int(quantize) if quantize else None
     log = partial(click.echo, err=True)
     if cold:
         measured = measure_cold(
-            model, width=width, height=height, steps=steps, dtype=dtype, quantize=bits, vae=vae, log=log
+            model, width=width, height=height, steps=steps, dtype=dtype, quantize=quantize, vae=vae, log=log
         )
         click.echo(format_cold(measured))
         result = measured.to_json()
     else:
         if model:
-            pipe = load(model, dtype=dtype, quantize=bits, vae=vae)
+            pipe = load(model, dtype=dtype, quantize=quantize, vae=vae)
         else:
-            pipe = random_pipeline(row, dtype=DTYPES[dtype], quantize=bits, seed=seed)
+            pipe = random_pipeline(row, dtype=DTYPES[dtype], quantize=quantize, seed=seed)
         if references is None:  # the KV model exists for editing: time what it is for
             references = 1 if pipe.info.reference_kv else 0
         result = run_benchmark(

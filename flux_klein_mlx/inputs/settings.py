@@ -156,13 +156,6 @@ class RunSettings:
 # --- the checks of a run's own values (the generic checkers live in `checks`) ---------------------------
 
 
-def check_prompt_given(prompt) -> None:
-    """The CLI and the server refuse an empty prompt alike (an unset shell variable, an empty form
-    field); the Python API, like diffusers, takes "" as an unconditional prompt."""
-    if isinstance(prompt, str) and not prompt.strip():
-        raise FluxKleinError('the prompt is empty: describe the image to make (e.g. "a red fox in fresh snow")')
-
-
 def check_prompt_length(text: str, what: str) -> None:
     """A prompt past MAX_PROMPT_CHARS (limits.py: about a whole FLUX 3 text window) is refused, not cut."""
     if len(text) > MAX_PROMPT_CHARS:

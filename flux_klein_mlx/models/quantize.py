@@ -26,16 +26,33 @@ GROUP_SIZES = (32, 64, 128)
 MODE = "affine"
 
 
-def check_quantization(bits: int, group_size: int) -> None:
-    """Refuse bit widths and group sizes we do not support, with a message naming the choices."""
+def check_bits(bits: int) -> None:
+    """Refuse a bit width we do not support, naming the choices (every command's --quantize, `quantize --bits`)."""
     if bits not in BITS:
         raise FluxKleinError(f"cannot quantize to {bits} bits; choose 4 or 8")
+
+
+def check_quantization(bits: int, group_size: int) -> None:
+    """Refuse bit widths and group sizes we do not support, with a message naming the choices."""
+    check_bits(bits)
     if group_size not in GROUP_SIZES:
         raise FluxKleinError(f"group size {group_size} is not supported; choose 32, 64 or 128")
 
 
+def quantized_bits(model: nn.Module) -> int | None:
+    """The bits of the model's first quantized layer, or None when nothing in it is quantized."""
+    quantized = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+    return next((m.bits for _, m in model.named_modules() if isinstance(m, quantized)), None)
+
+
 def is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+    return quantized_bits(model) is not None
+
+
+def already_quantized(what: str, bits: int, instead: str) -> FluxKleinError:
+    """The one refusal of quantizing what is quantized already, at every door (load, `quantize`, train's
+    samples, this module): `what` as the door names it, `instead` what to do."""
+    return FluxKleinError(f"{what} is already quantized to {bits} bits; {instead}")
 
 
 def quantize_model(model: nn.Module, bits: int, group_size: int = 64) -> dict:
@@ -46,8 +63,8 @@ def quantize_model(model: nn.Module, bits: int, group_size: int = 64) -> dict:
     quantize a model whose weights are still on disk and evaluate it layer by layer.
     """
     check_quantization(bits, group_size)
-    if is_quantized(model):
-        raise FluxKleinError("the model is already quantized; quantize the unquantized weights instead")
+    if (done := quantized_bits(model)) is not None:
+        raise already_quantized("the model", done, "quantize the unquantized weights instead")
 
     def fits(_, module: nn.Module) -> bool:  # (out, in) weight; groups run along the input axis
         return isinstance(module, nn.Linear) and module.weight.shape[-1] % group_size == 0

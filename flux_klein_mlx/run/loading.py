@@ -33,7 +33,7 @@ from ..models.config import (
     flux3_marker,
 )
 from ..models.flux2.transformer import FluxKlein
-from ..models.quantize import check_record
+from ..models.quantize import already_quantized, check_record
 from ..models.text_encoder import Qwen3TextEncoder
 from ..models.vae import AutoEncoder, check_flux2
 from ..storage.vae_source import decoder_config, decoder_only, infer_vae_config, vae_weights
@@ -401,7 +401,5 @@ def check_for_loading(info: ModelInfo, quantize: int | None) -> None:
         raise single_file_refusal(info.path)
     stored = info.stored_quantization
     if stored and quantize is not None and quantize != stored["bits"]:
-        raise FluxKleinError(
-            f"{info.path} is already quantized to {stored['bits']} bits; leave --quantize out, or quantize the "
-            f"unquantized folder to {quantize} bits"
-        )
+        instead = f"leave --quantize out, or quantize the unquantized folder to {quantize} bits"
+        raise already_quantized(str(info.path), stored["bits"], instead)

@@ -29,8 +29,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..checks import check_prompt_given
 from ..errors import FluxKleinError
-from ..inputs.settings import RunSettings, check_prompt_given
+from ..inputs.settings import RunSettings
 from ..limits import MAX_PROMPT_CHARS
 from ..storage.files import write_exclusive
 from .forms import (

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import click
 
-from ..cli import run_command, vae_and_cache_options
-from ..dtypes import DEFAULT_DTYPE, DTYPES
+from ..cli import dtype_option, lora_options, model_option, quantize_option, run_command, vae_and_cache_options
 from ..errors import FluxKleinError
 from ..run.pipeline import DEFAULT_MODEL, load
 
@@ -152,31 +151,18 @@ def other_models(ids, models, pipes) -> tuple:
 
 
 @click.command("serve")
-@click.option(
-    "--model",
-    "-m",
+@model_option(
+    "Hugging Face repo id, diffusers folder, or a folder written by `convert`; repeat to serve several "
+    "(one in memory at a time: a request naming another switches).",
     "models",
     multiple=True,
     default=(DEFAULT_MODEL,),
     show_default=True,
-    help="Hugging Face repo id, diffusers folder, or a folder written by `convert`; repeat to serve several "
-    "(one in memory at a time: a request naming another switches).",
 )
-@click.option(
-    "--quantize",
-    "-q",
-    type=click.Choice(["4", "8"]),
-    default=None,
-    help="Quantize transformer and text encoder at load.",
-)
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default=DEFAULT_DTYPE, show_default=True)
+@quantize_option("Quantize transformer and text encoder at load to 4 or 8 bits.")
+@dtype_option()
 @click.option("--low-memory", is_flag=True, help="Release the transformer before decoding (small-memory Macs).")
-@click.option(
-    "--lora",
-    "loras",
-    multiple=True,
-    help="LoRA loaded with the model: a file, owner/name or owner/name:FILE, optionally :SCALE; repeatable.",
-)
+@lora_options("A LoRA loaded with the model (optionally :SCALE after it)", scales=False)
 @click.option("--lora-dir", default=None, help='Folder of .safetensors LoRAs that requests may name ("loras").')
 @click.option(
     "--host",
@@ -239,7 +225,7 @@ def serve(
 
     sock = bind(host, port)
     t0 = time.perf_counter()
-    load_settings = dict(dtype=dtype, quantize=int(quantize) if quantize else None, low_memory=low_memory)
+    load_settings = dict(dtype=dtype, quantize=quantize, low_memory=low_memory)
     load_settings.update(loras=loras, vae=vae, cache=not no_cache, cache_size=cache_size, upsampler=upsampler)
     pipes = [_load_checked(model, sock, load_settings) for model in models]  # every model's files checked
     model, pipe, model_id = models[0], pipes[0], ids[0]

@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from ..cli import run_command
+from ..cli import as_bits, dtype_option, model_option, quantize_option, run_command
 from ..dtypes import DTYPES
 from ..errors import FluxKleinError
 from .config_file import check_recorded_data, option_names, read_config
@@ -154,7 +154,7 @@ def describe_samples(ev: SamplesSaved) -> str:
     show_default=True,
     help="The LoRA file's layout: diffusers, comfyui (ComfyUI, ai-toolkit; diffusers loads it too) or kohya.",
 )
-@click.option("--model", "-m", default=DEFAULT_BASE_MODEL, show_default=True, help="A klein Base repo id or folder.")
+@model_option("A klein Base repo id or folder.", default=DEFAULT_BASE_MODEL, show_default=True)
 @click.option("--caption", default=None, help="Caption of images without a .txt (e.g. a trigger word).")
 @click.option(
     "--caption-extension",
@@ -248,16 +248,14 @@ def describe_samples(ev: SamplesSaved) -> str:
     "step size).",
 )
 @click.option("--max-grad-norm", type=float, default=_D.max_grad_norm, show_default=True)
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default=_D.dtype, show_default=True)
+@dtype_option(default=_D.dtype)
 @click.option(
     "--save-dtype",
     default=None,
     help=f"{'|'.join(DTYPES)}: the output file's dtype, and that of the LoRA each sample point keeps and is "
     "drawn with [default: --dtype].",
 )
-@click.option(
-    "--quantize", "-q", type=click.Choice(["4", "8"]), default=None, help="Quantize the frozen model (QLoRA)."
-)
+@quantize_option("Quantize the frozen model to 4 or 8 bits (QLoRA).")
 @click.option(
     "--low-memory", is_flag=True, help="Gradient checkpointing per block: much less memory, 1.2-1.5x the time per step."
 )
@@ -293,9 +291,10 @@ def describe_samples(ev: SamplesSaved) -> str:
 )
 @click.option(
     "--sample-quantize",
-    type=click.Choice(["4", "8"]),
+    type=int,
     default=None,
-    help="Quantize the sample model (to fit beside training) [default: none, as generate].",
+    callback=as_bits,
+    help="Quantize the sample model to 4 or 8 bits (to fit beside training) [default: none, as generate].",
 )
 @click.option(
     "--sample-image",
@@ -335,8 +334,6 @@ def train(**options):
     options = with_resume(ctx, options, from_config)
     if options["epochs"] is not None and ctx.get_parameter_source("steps") == ParameterSource.COMMANDLINE:
         raise FluxKleinError("give --epochs or --steps, not both: --epochs sets the steps its epochs take")
-    options["quantize"] = int(options["quantize"]) if options["quantize"] else None
-    options["sample_quantize"] = int(options["sample_quantize"]) if options["sample_quantize"] else None
     w = world()
     if w.size > 1:  # mlx.launch ends the others with SIGTERM when one process fails: say so, in one line
         signal.signal(signal.SIGTERM, lambda *_: _stopped(w.size))
@@ -388,10 +385,10 @@ def run_work_dir(options: dict) -> Path:
     return default_work_dir(Path(options["output"]).expanduser())
 
 
-def interrupted(step: int, work_dir: Path) -> str:
+def interrupted(step: int, work_dir: Path | None) -> str:
     """The line after Ctrl-C: where the run stopped and how to go on, from the newest checkpoint on the disk
     (each is written whole or not at all: one finished as Ctrl-C came counts, its event seen or not)."""
-    done = checkpoints(work_dir)
+    done = checkpoints(Path(work_dir)) if work_dir is not None else []
     if not done:
         return f"stopped at step {step}; no checkpoint yet: run the same command again to start over"
     at, folder = done[-1]

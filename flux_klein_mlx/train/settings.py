@@ -381,8 +381,13 @@ def parse_resolutions(value) -> int | tuple[int, ...]:
 
 
 def _prompts(prompts) -> list:
-    """`sample_prompts` as a list: one text, or a sequence of them."""
-    return [prompts] if isinstance(prompts, str) else list(prompts)
+    """`sample_prompts` as a list: one text, or a sequence of them (a TOML's number is neither)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    try:
+        return list(prompts)
+    except TypeError:
+        raise FluxKleinError(f"sample-prompt must be a text or a list of texts, not {prompts!r}") from None
 
 
 def parse_strengths(value) -> tuple[float, ...]:

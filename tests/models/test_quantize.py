@@ -199,7 +199,7 @@ def test_quantize_command_matches_convert_quantize(capsys, folders, tmp_path):
 def test_quantize_command_bad_input(capsys, folders, snapshot, tmp_path):
     out = tmp_path / "o"
     code, _, err = run_cli(capsys, "quantize", "-m", str(folders[4]), "-b", "8", "-o", str(out))
-    assert code == 1 and err.count("\n") == 1 and "already quantized (4-bit" in err
+    assert code == 1 and err.count("\n") == 1 and "already quantized to 4 bits" in err
     code, _, err = run_cli(capsys, "quantize", "-m", str(folders[None]), "-b", "3", "-o", str(out))
     assert code == 1 and err.count("\n") == 1 and "cannot quantize to 3 bits; choose 4 or 8" in err
     code, _, err = run_cli(capsys, "quantize", "-m", str(snapshot), "-b", "4", "-o", str(out))

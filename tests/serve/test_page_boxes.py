@@ -83,7 +83,7 @@ def draw(driver, frm: tuple[float, float], to: tuple[float, float]) -> list[floa
 
 
 def page_boxes(driver) -> list[dict]:
-    return driver.execute_script("return layout.boxes")
+    return driver.execute_script("return flux.layout.boxes")
 
 
 def rows(driver) -> list[tuple[str, str]]:
@@ -100,7 +100,9 @@ def rows(driver) -> list[tuple[str, str]]:
 
 
 def canvas_aspect(driver) -> float:
-    return driver.execute_script("const r = $('boxes-canvas').getBoundingClientRect(); return r.width / r.height")
+    return driver.execute_script(
+        "const r = document.getElementById('boxes-canvas').getBoundingClientRect(); return r.width / r.height"
+    )
 
 
 def test_drawn_named_boxes_are_what_the_server_runs_in_bfloat16(served, pipe, tmp_path):
@@ -116,7 +118,7 @@ def test_drawn_named_boxes_are_what_the_server_runs_in_bfloat16(served, pipe, tm
         assert canvas_aspect(driver) == pytest.approx(1344 / 768, abs=0.02)  # the canvas follows the size
         fill(driver, prompt="a cat and a dog", width=64, height=64, steps=2, seed=3)
         assert canvas_aspect(driver) == pytest.approx(1, abs=0.02)
-        width = driver.execute_script("return $('boxes-canvas').getBoundingClientRect().width")
+        width = driver.execute_script("return document.getElementById('boxes-canvas').getBoundingClientRect().width")
 
         drags = []
         for row, (frm, to, name) in enumerate(
@@ -127,21 +129,21 @@ def test_drawn_named_boxes_are_what_the_server_runs_in_bfloat16(served, pipe, tm
             driver.switch_to.active_element.send_keys(name)  # the new box's name field has the focus
         draw(driver, (0.3, 0.7), (0.3 + 2 / width, 0.7 + 2 / width))  # a click, not a box: selects the first
         boxes = page_boxes(driver)
-        assert len(boxes) == 2 and driver.execute_script("return layout.selected") == 0
+        assert len(boxes) == 2 and driver.execute_script("return flux.layout.selected") == 0
         for box, drag in zip(boxes, drags, strict=True):
             got = [box["x0"], box["y0"], box["x1"], box["y1"]]
             assert got == [round(v, 3) for v in got] and got[0] < got[2] and got[1] < got[3]
             assert got == pytest.approx(drag, abs=1.5 / width)  # where the mouse went, within a pixel
         assert rows(driver) == [(b["desc"], ",".join(f"{b[k]:.3f}" for k in ("x0", "y0", "x1", "y1"))) for b in boxes]
 
-        specs = driver.execute_script("return boxesForRequest()")
+        specs = driver.execute_script("return flux.boxesForRequest()")
         run_and_wait(driver, wait)
         record = last_record(driver)
         assert record["boxes"] == [dict(b) for b in check_boxes(specs)]
         assert [b["desc"] for b in record["boxes"]] == ["a grey cat", "a brown dog"]
         assert record["prompt"] == "a cat and a dog" and record["dtype"] == "bfloat16"
         assert record["revised_prompt"] == layout_prompt("a cat and a dog", canvas_rows(check_boxes(specs)))
-        png = Image.open(io.BytesIO(page_bytes(driver, "state.history[0].blob")))
+        png = Image.open(io.BytesIO(page_bytes(driver, "flux.state.history[0].blob")))
         ours = pipe.generate("a cat and a dog", width=64, height=64, seed=3, steps=2, boxes=specs)
         np.testing.assert_array_equal(np.asarray(png.convert("RGB")), np.asarray(ours))
 
@@ -152,11 +154,11 @@ def test_drawn_named_boxes_are_what_the_server_runs_in_bfloat16(served, pipe, tm
         driver.find_element(By.ID, "refs-file").send_keys(str(ref))
         wait.until(lambda d: d.find_element(By.ID, "mode-note").text == "editing with 1 reference image(s)")
         fill(driver, prompt="the dog at night")
-        [spec] = driver.execute_script("return boxesForRequest()")
+        [spec] = driver.execute_script("return flux.boxesForRequest()")
         run_and_wait(driver, wait)
         record = last_record(driver)
         assert record["boxes"] == [dict(b) for b in check_boxes([spec])] and record["references"]
-        png = Image.open(io.BytesIO(page_bytes(driver, "state.history[0].blob")))
+        png = Image.open(io.BytesIO(page_bytes(driver, "flux.state.history[0].blob")))
         ours = pipe.generate("the dog at night", width=64, height=64, seed=3, steps=2, images=[ref], boxes=[spec])
         np.testing.assert_array_equal(np.asarray(png.convert("RGB")), np.asarray(ours))
 
@@ -164,7 +166,7 @@ def test_drawn_named_boxes_are_what_the_server_runs_in_bfloat16(served, pipe, tm
         assert page_boxes(driver) == [] and rows(driver) == []
         driver.find_elements(By.CSS_SELECTOR, "#history .reuse")[1].click()  # the first run: both boxes back
         wait.until(lambda d: len(rows(d)) == 2)
-        assert driver.execute_script("return boxesForRequest()") == specs
+        assert driver.execute_script("return flux.boxesForRequest()") == specs
 
 
 def test_an_unnamed_box_sends_nothing_and_a_dropped_png_brings_its_boxes(served, tmp_path):
@@ -181,7 +183,7 @@ def test_an_unnamed_box_sends_nothing_and_a_dropped_png_brings_its_boxes(served,
         drop(driver, "room.png", base64.b64decode(made.data[0].b64_json), "image/png")
         wait.until(lambda d: len(rows(d)) == 2)
         assert rows(driver) == [("a lamp", "0.100,0.200,0.500,0.900"), ("a bookshelf", "0.600,0.250,0.950,0.750")]
-        assert driver.execute_script("return boxesForRequest()") == specs
+        assert driver.execute_script("return flux.boxesForRequest()") == specs
 
         fill(driver, prompt="a room", width=64, height=64, steps=1)
         draw(driver, (0.2, 0.2), (0.4, 0.4))
@@ -220,7 +222,7 @@ def test_a_flux2_server_hides_the_editor_and_sends_no_boxes(flux2, served, tmp_p
         drop(driver, "room.png", base64.b64decode(made.data[0].b64_json), "image/png")
         wait.until(lambda d: d.find_element(By.ID, "prompt").get_attribute("value") == "a room")
         assert not driver.find_element(By.ID, "boxes-box").is_displayed()
-        assert driver.execute_script("return boxesForRequest()") is None
+        assert driver.execute_script("return flux.boxesForRequest()") is None
         run_and_wait(driver, wait)
         record = last_record(driver)
         assert "boxes" not in record and record["prompt"] == "a room"

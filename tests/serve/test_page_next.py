@@ -98,14 +98,14 @@ def test_the_brush_paints_the_mask_the_server_receives(served, tmp_path):
             int(80 * scale), 0
         ).release().perform()
         wait.until(lambda d: d.find_element(By.ID, "mode-note").text.startswith("inpainting"))
-        driver.execute_script("window.__painted = state.mask")
+        driver.execute_script("window.__painted = flux.state.mask")
         driver.find_element(By.ID, "brush-erase").click()
         driver.execute_script(centre, canvas)  # the mask's thumbnail above it has moved it
         ActionChains(driver).move_to_element_with_offset(canvas, int(20 * scale), 0).click_and_hold().move_by_offset(
             int(20 * scale), 0
         ).release().perform()  # erase x = 68..88 (and the brush's radius around it)
-        wait.until(lambda d: d.execute_script("return state.mask !== window.__painted && state.mask.painted"))
-        mask = Image.open(io.BytesIO(page_bytes(driver, "state.mask.file")))
+        wait.until(lambda d: d.execute_script("return flux.state.mask !== window.__painted && flux.state.mask.painted"))
+        mask = Image.open(io.BytesIO(page_bytes(driver, "flux.state.mask.file")))
         grey = np.asarray(mask.convert("L"))
         assert mask.size == (96, 64)
         assert (grey[28:37, 16:56] == 255).all() and grey[:20].max() == 0 and grey[46:].max() == 0
@@ -129,7 +129,7 @@ def test_edit_this_img2img_and_inpaint_take_a_result_back_with_ctrl_enter(served
         wait = open_page(served, tmp_path, driver)
         fill(driver, prompt="a fox", width=64, height=80, steps=1, seed=3)
         run_and_wait(driver, wait, ctrl_enter=True)
-        first = page_bytes(driver, "state.history[0].blob")
+        first = page_bytes(driver, "flux.state.history[0].blob")
         driver.find_element(By.CSS_SELECTOR, "#results button[data-use=edit]").click()
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#refs img")) == 1)
         assert Select(driver.find_element(By.ID, "size-preset")).first_selected_option.get_attribute("value") == "auto"

@@ -85,7 +85,7 @@ def test_dragged_edges_are_the_pads_the_server_outpaints(served, snapshot, tmp_p
         wait = open_page(served, driver)
         fill(driver, prompt="a fox", width=80, height=64, steps=1, seed=3)
         run_and_wait(driver, wait)
-        source = Image.open(io.BytesIO(page_bytes(driver, "state.history[0].blob"))).convert("RGB")
+        source = Image.open(io.BytesIO(page_bytes(driver, "flux.state.history[0].blob"))).convert("RGB")
         driver.find_element(By.CSS_SELECTOR, "#results button[data-use=outpaint]").click()
         wait.until(lambda d: d.find_element(By.ID, "outpaint-box").is_displayed())
         assert driver.find_element(By.ID, "mode-note").text.startswith("outpainting")
@@ -109,7 +109,7 @@ def test_dragged_edges_are_the_pads_the_server_outpaints(served, snapshot, tmp_p
         fill(driver, prompt="a fox on a wide field")
         run_and_wait(driver, wait, button="outpaint-send")
         record = last_record(driver)
-        result = np.asarray(Image.open(io.BytesIO(page_bytes(driver, "state.history[0].blob"))).convert("RGB"))
+        result = np.asarray(Image.open(io.BytesIO(page_bytes(driver, "flux.state.history[0].blob"))).convert("RGB"))
         meta = driver.find_element(By.CSS_SELECTOR, "#results figure .meta").text.splitlines()
     assert record["outpaint"] == list(pads) and f"outpaint: {', '.join(map(str, pads))}" in meta
     assert (record["width"], record["height"]) == (width, height) and result.shape == (height, width, 3)
@@ -156,7 +156,7 @@ def test_past_4096_px_is_one_line_and_nothing_runs_and_reset_returns_to_zero(ser
         time.sleep(0.5)  # a request, had one been sent, would be queued or running by now
         after = served.status()
         assert after["completed"] == jobs["completed"] and not after["running"] and not after["waiting"]
-        assert driver.execute_script("return state.history.length") == 1
+        assert driver.execute_script("return flux.state.history.length") == 1
         driver.find_element(By.ID, "outpaint-reset").click()
         assert shown(driver) == {side: f"{side} 0" for side in SIDES}
         assert [driver.find_element(By.ID, f"outpaint-{s}").get_attribute("value") for s in SIDES] == ["0"] * 4

@@ -704,9 +704,11 @@ def test_the_page_and_its_scripts_are_served_without_a_key_and_nothing_else_is(s
     """The page (index.html) and its scripts need no key (the page asks for it); a script name outside
     static/ or not there is a 404 in the API's error shape, never a file of another folder."""
     code, html = http("GET", server.url + "/")
-    assert code == 200 and b'<script src="/static/page.js"></script>' in html
+    assert code == 200 and b'<script type="module" src="/static/page.js"></script>' in html
     code, js = http("GET", server.url + "/static/page.js")
     assert code == 200 and js.startswith(b"// The page's behaviour")
+    code, js = http("GET", server.url + "/static/state.js")  # what page.js imports, beside it
+    assert code == 200 and b"export const state" in js
     for name in ("nothing.js", "..%2Fapi.js", "..%2F..%2Fserve%2Fapi.js", "page.py", "index.html", "a" * 300 + ".js"):
         code, body = http("GET", server.url + "/static/" + name)
         assert code == 404 and "no route" in body["error"]["message"], (name, body)
@@ -931,7 +933,7 @@ def test_page_on_a_distilled_model_with_a_key(server, tmp_path):
         wait = WebDriverWait(driver, 30, poll_frequency=0.2)
         wait.until(lambda d: d.find_element(By.ID, "key-row").is_displayed())
         driver.find_element(By.ID, "apikey").send_keys(KEY)
-        driver.execute_script("refreshStatus()")
+        driver.execute_script("flux.refreshStatus()")
         wait.until(lambda d: "ready" in d.find_element(By.ID, "status").text)
         assert not driver.find_element(By.ID, "base-only").is_displayed()
         wait.until(lambda d: d.find_element(By.ID, "lora-box").is_displayed())

@@ -75,7 +75,7 @@ def page_bytes(driver, expression: str) -> bytes:
 
 
 def last_record(driver) -> dict:
-    png = page_bytes(driver, "state.history[0].blob")
+    png = page_bytes(driver, "flux.state.history[0].blob")
     return json.loads(Image.open(io.BytesIO(png)).text["flux_klein_mlx"])
 
 
@@ -84,14 +84,14 @@ def run_and_wait(driver, wait, ctrl_enter=False, button="generate"):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
-    before = driver.execute_script("return state.history.length")
+    before = driver.execute_script("return flux.state.history.length")
     if ctrl_enter:
         driver.find_element(By.ID, "prompt").send_keys(Keys.CONTROL, Keys.ENTER)
     else:
         driver.find_element(By.ID, button).click()
     wait.until(
         lambda d: (
-            d.execute_script("return state.history.length") == before + 1
+            d.execute_script("return flux.state.history.length") == before + 1
             or d.find_element(By.ID, "step-label").text == "failed"
         )
     )

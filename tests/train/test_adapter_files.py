@@ -8,7 +8,7 @@ run's file is compared with `lora convert --format <its layout>` of (a) the run'
 file of the run in the adapter's checkpoint layout (same seed and data: the same terms). Keys, dtypes
 and tensor bytes must be equal; the header must be the trainer's, less the run's time and name stamps
 (and `converted_from`, which convert adds). diffusers' own loader reading these layouts is proven in
-test_lora_files.py and test_lokr_train.py.
+test_lora_files.py and test_adapters.py.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
-from test_train_bad_input import base_args, make_images, no_models, refused  # noqa: F401
+from test_settings import base_args, make_images, no_models, refused  # noqa: F401
 
 from flux_klein_mlx.train.settings import TrainSettings
 from flux_klein_mlx.train.step.objective import optimizer_step

@@ -2,10 +2,11 @@
 // row. A box is {x0, y0, x1, y1, desc}: fractions of the image's width and height (top-left origin), rounded to
 // 3 decimals, x0 < x1 and y0 < y1. Requests carry them as the server's "x0,y0,x1,y1:desc" strings
 // (upsample/boxes.py), which a box without a name is not: the page refuses it before sending.
-// Loaded after page.js (it uses $ and the form's width and height); page.js calls showBoxes (applyServer),
-// sizeBoxCanvas (describeSize), boxesForRequest and boxesProblem (a generation) and setBoxes (reuse, a PNG).
-"use strict";
-const layout = { boxes: [], selected: -1, drag: null };
+// It reads the form's width and height; page.js calls showBoxes (applyServer), sizeBoxCanvas (describeSize),
+// boxesForRequest and boxesProblem (a generation) and setBoxes (reuse, a PNG).
+import { $ } from "./state.js";
+
+export const layout = { boxes: [], selected: -1, drag: null };
 const MIN_BOX_PX = 4;  // a drag shorter than this (on screen, either side) is a click: it selects, adds nothing
 const BOX_CANVAS_MAX_H = 320;  // CSS px: a portrait size shrinks the canvas's width instead of growing the form
 const BOX_COLORS = ["#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#0fa3b1", "#f032e6", "#9a6324"];
@@ -17,7 +18,7 @@ const boxCoords = (b) => [b.x0, b.y0, b.x1, b.y1].map((v) => v.toFixed(3)).join(
 function boxesOffered() { return !$("boxes-box").classList.contains("hidden"); }
 
 // The section shows when the picked model reads boxes (FLUX 3); sized once it is in the layout (hidden: 0 px).
-function showBoxes(on) {
+export function showBoxes(on) {
   if (on === boxesOffered()) return;
   $("boxes-box").classList.toggle("hidden", !on);
   if (on) sizeBoxCanvas();
@@ -25,7 +26,7 @@ function showBoxes(on) {
 
 // The canvas takes the width x height fields' aspect, as wide as the form allows and at most
 // BOX_CANVAS_MAX_H tall; its pixels are the screen's (devicePixelRatio) so names stay sharp.
-function sizeBoxCanvas() {
+export function sizeBoxCanvas() {
   if (!boxesOffered()) return;
   const w = Number($("width").value) || 1024, h = Number($("height").value) || 1024;
   const room = $("boxes-box").clientWidth || 300;
@@ -129,16 +130,16 @@ function readBox(v) {
   return { x0, y0, x1, y1, desc: typeof v.desc === "string" ? v.desc : "" };
 }
 
-function boxesForRequest() { return boxesOffered() && layout.boxes.length ? layout.boxes.map(boxSpec) : null; }
+export function boxesForRequest() { return boxesOffered() && layout.boxes.length ? layout.boxes.map(boxSpec) : null; }
 // What the server would refuse, said before anything is sent ("" when the boxes are fine or not offered).
-function boxesProblem() {
+export function boxesProblem() {
   if (!boxesOffered()) return "";
   const i = layout.boxes.findIndex((b) => !b.desc.trim());
   if (i < 0) return "";
   selectBox(i); $("boxes-list").children[i].querySelector(".box-name").focus();
   return `box ${i + 1} has no name: type what it holds (e.g. "a red car") or delete it`;
 }
-function setBoxes(list) {
+export function setBoxes(list) {
   layout.boxes = (list || []).map(readBox).filter(Boolean).map((b) => ({ ...b, desc: b.desc.trim() }));
   layout.selected = -1;
   renderBoxRows();

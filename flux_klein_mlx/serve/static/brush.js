@@ -1,7 +1,8 @@
 // The mask brush (inpainting): painted on the first image, sent as a mask of its size (white = repaint, on
-// black). Loaded after page.js (its $, state and renderFiles).
-"use strict";
-function openBrush() {
+// black). The file list is page.js's (`actions.renderFiles`).
+import { $, actions, state } from "./state.js";
+
+export function openBrush() {
   const first = state.refs[0];
   if (!first) return;
   state.brushFor = first;
@@ -10,7 +11,7 @@ function openBrush() {
   $("brush-img").src = URL.createObjectURL(first.file);
   $("brush-box").classList.remove("hidden"); $("brush-open").classList.add("hidden");
 }
-function clearBrush() {
+export function clearBrush() {
   const c = $("brush");
   c.getContext("2d").clearRect(0, 0, c.width, c.height);
   if (state.mask && state.mask.painted) state.mask = null;
@@ -36,7 +37,7 @@ async function exportMask() {
   g.fillStyle = "#000"; g.fillRect(0, 0, out.width, out.height); g.drawImage(c, 0, 0);
   const blob = await new Promise((resolve) => out.toBlob(resolve, "image/png"));
   state.mask = { file: new File([blob], "mask.png", { type: "image/png" }), width: out.width, height: out.height, painted: true };
-  renderFiles();
+  actions.renderFiles();
 }
 $("brush").addEventListener("pointerdown", (e) => {
   e.preventDefault(); $("brush").setPointerCapture(e.pointerId);
@@ -52,4 +53,4 @@ for (const end of ["pointerup", "pointercancel"]) {
 $("brush-open").addEventListener("click", openBrush);
 $("brush-paint").addEventListener("click", () => brushTool(false));
 $("brush-erase").addEventListener("click", () => brushTool(true));
-$("brush-clear").addEventListener("click", () => { clearBrush(); renderFiles(); });
+$("brush-clear").addEventListener("click", () => { clearBrush(); actions.renderFiles(); });

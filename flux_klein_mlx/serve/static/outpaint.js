@@ -1,10 +1,11 @@
 // Outpainting on the page: the first image drawn on a canvas inside a larger frame, whose four edges are
 // dragged (pointer events: mouse, touch, pen) or typed to add pixels on that side. The pads are rounded as
 // the server rounds them (flux_klein_mlx/inputs/outpaint.py round_pads: multiples of 16), shown, and sent as the
-// edit's `outpaint` field ("LEFT,TOP,RIGHT,BOTTOM" px) by page.js's request. Loaded after page.js: it uses
-// its `$`, `state` and `describeMode`; page.js calls `outpaint.open / follow / active / pads / refusal`.
-"use strict";
-const outpaint = (() => {
+// edit's `outpaint` field ("LEFT,TOP,RIGHT,BOTTOM" px) by page.js's request. page.js calls
+// `outpaint.open / follow / active / pads / refusal`; this calls back its `describeMode` (`actions`).
+import { $, actions, state } from "./state.js";
+
+export const outpaint = (() => {
   const GRID = 16, MAX_SIDE = 4096;  // the server's token grid in px, and its largest side (limits.MAX_SIDE)
   const SIDES = ["left", "top", "right", "bottom"];
   const FIT = 0.7, MAX_ZOOM = 4;  // the canvas fills at most 70% of the frame, a small image at most 4x
@@ -43,7 +44,7 @@ const outpaint = (() => {
     $("outpaint-box").classList.remove("hidden");
     fit(); draw();
     $("outpaint-box").scrollIntoView({ block: "nearest" });
-    describeMode();
+    actions.describeMode();
   }
   function close() {
     if (view.bitmap) view.bitmap.close();
@@ -120,7 +121,7 @@ const outpaint = (() => {
     });
   });
   $("outpaint-reset").addEventListener("click", () => { view.asked = [0, 0, 0, 0]; fit(); draw(); });
-  $("outpaint-close").addEventListener("click", () => { close(); describeMode(); });
+  $("outpaint-close").addEventListener("click", () => { close(); actions.describeMode(); });
   $("outpaint-send").addEventListener("click", () => $("form").requestSubmit());
   window.addEventListener("resize", () => { if (view.image && !view.drag) { fit(); draw(); } });
 

@@ -1,6 +1,7 @@
-// A PNG dropped anywhere else on the page: its record (ours, or A1111's parameters) fills the form. Loaded after
-// page.js (its $ and reuseSettings).
-"use strict";
+// A PNG dropped anywhere else on the page: its record (ours, or A1111's parameters) fills the form (page.js's
+// `actions.reuseSettings`). It exports nothing: page.js imports it for its listeners.
+import { $, actions, state } from "./state.js";
+
 async function inflate(bytes) {
   const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
   return new Uint8Array(await new Response(stream).arrayBuffer());
@@ -66,7 +67,7 @@ async function readSettingsFile(file) {
   if (!s && texts.parameters) { s = fromA1111(texts.parameters); source = "its A1111 parameters"; }
   if (!s) { $("error").textContent = `${file.name} holds no settings (no record, no A1111 parameters)`; return; }
   $("error").textContent = "";
-  reuseSettings(s);
+  actions.reuseSettings(s);
   $("reuse-note").textContent = `Settings read from ${file.name} (${source}). ` + $("reuse-note").textContent.replace(/^Settings restored[.;] ?/, "");
 }
 document.addEventListener("dragover", (e) => { e.preventDefault(); document.body.classList.add("dropping"); });

@@ -24,7 +24,7 @@ them. An epoch is the list of examples, each `repeats` times, in an order drawn 
 permutation of that list: a batch may hold one image twice), cut into batches within each bucket.
 `--flip` mirrors an example left to right with probability 1/2 each time it is drawn, from a generator
 keyed by (seed, step, the example's place in the step): see `flipped_examples`. Both change what a
-step draws, exactly as `epoch_batches` and `flipped_examples` say (tests/train/test_train_dialect.py).
+step draws, exactly as `epoch_batches` and `flipped_examples` say (tests/train/test_dataset.py).
 
 Buckets. An image of w x h pixels trains at W x H with W·H close to `resolution`², the aspect ratio
 kept, both sides multiples of 16:

@@ -51,6 +51,7 @@ from ...dtypes import DEFAULT_DTYPE, as_dtype
 from ...errors import FluxKleinError
 from ...family import FAMILIES
 from ...lora import layouts
+from ...models.quantize import already_quantized
 from ...record.output import read_record, write_image
 from ...run.components import check_weights
 from ...run.loading import ModelInfo, describe
@@ -109,9 +110,7 @@ def check_sample_model(settings: TrainSettings, trained: ModelInfo) -> ModelInfo
         )
     stored = next((r for r in info.quantization.values() if r), None)
     if stored and settings.sample_quantize is not None and settings.sample_quantize != stored["bits"]:
-        raise FluxKleinError(
-            f"--sample-model {source} is already quantized to {stored['bits']} bits; leave --sample-quantize out"
-        )
+        raise already_quantized(f"--sample-model {source}", stored["bits"], "leave --sample-quantize out")
     try:
         check_weights(info)
     except FluxKleinError as e:

@@ -32,7 +32,7 @@ Optimizer: AdamW with torch's semantics (bias correction, decoupled weight decay
 eps 1e-8; it and the others of --optimizer: optimizers.py), gradients averaged over `grad_accum`
 micro-batches and clipped to a global norm of 1.0, at the learning rate of `lr_scheduler` (diffusers'
 schedules, below). The trainer (trainer.py) runs these on its batches; each is checked against
-diffusers and torch in tests/train/test_train.py.
+diffusers and torch in tests/train/test_objective.py.
 
 Learning-rate schedules: diffusers' `get_scheduler`, as a plain function of the step.
 

@@ -68,7 +68,7 @@ CASES = [
     for name in SCHEDULES
     for warmup, steps in [(0, 1), (0, 7), (3, 10), (10, 10), (4, 9)]
     if not (name == "constant" and warmup)
-]  # constant with a warmup is refused (test_train_bad_input.py)
+]  # constant with a warmup is refused (test_settings.py)
 
 
 @pytest.mark.parametrize("name, warmup, steps", CASES)

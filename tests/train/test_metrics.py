@@ -9,7 +9,7 @@ import json
 import struct
 
 import pytest
-from test_train_bad_input import make_images
+from test_settings import make_images
 
 import flux_klein_mlx
 import flux_klein_mlx.train.trainer as train_module

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from command_line import assert_one_line_error, run_cli
-from test_train_bad_input import base_args, make_images, refused, small_disk, tree_hash
+from test_settings import base_args, make_images, refused, small_disk, tree_hash
 
 import flux_klein_mlx.train.report.samples as samples_module
 import flux_klein_mlx.train.trainer as train_module

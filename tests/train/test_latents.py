@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 from command_line import run_cli
 from file_opens import FileOpens
-from test_train_bad_input import base_args, make_images
-from test_train_said_true import said
+from test_captions import said
+from test_settings import base_args, make_images
 
 import flux_klein_mlx.train.trainer as train_module
 from flux_klein_mlx.run.loading import describe

@@ -3,7 +3,7 @@ smaller than the training size, held-out images that are the training images, ca
 recorded run, texts that are not UTF-8, and links, folders and files in the wrong place, each in one
 line, before any model loads, changing nothing.
 
-The helpers are those of test_train_bad_input.py: `refused` runs the command and asserts exit status 1,
+The helpers are those of test_settings.py: `refused` runs the command and asserts exit status 1,
 one `error:` line holding the words and an unchanged folder; `no_models` fails a test that loads one.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 from command_line import run_cli
-from test_train_bad_input import base_args, make_images, no_models, refused  # noqa: F401
+from test_settings import base_args, make_images, no_models, refused  # noqa: F401
 
 from flux_klein_mlx.train.memory import step_peak
 from flux_klein_mlx.train.plan import plan_run
@@ -76,7 +76,7 @@ def test_images_far_smaller_than_the_training_size_are_named_with_their_size(bas
 def test_config_from_train_json_names_an_edited_or_added_caption(capsys, base, tmp_path):
     """Case 14: a train.json replayed on captions edited since (or a caption file added to an image that
     trained on --caption) is refused naming them, as changed images are; the advice (give --data) works."""
-    from test_train_bad_input import recorded_run
+    from test_settings import recorded_run
 
     from flux_klein_mlx.train.command import train
     from flux_klein_mlx.train.config_file import check_recorded_data, option_names, read_config

@@ -16,7 +16,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_train_bad_input import base_args, make_images, no_models, refused  # noqa: F401
+from test_settings import base_args, make_images, no_models, refused  # noqa: F401
 
 import flux_klein_mlx
 import flux_klein_mlx.train.trainer as train_module

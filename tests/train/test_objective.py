@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 from mlx.utils import tree_flatten
+from peft_pair import lora_pair
 from PIL import Image
 from refs import (
     diffusers_lighthouse,
@@ -114,26 +115,8 @@ def tokens(nchw: np.ndarray) -> mx.array:
 def pair(snap):
     """The same random LoRA (non-zero B) on our transformer and on diffusers' (peft add_adapter)."""
     from diffusers import Flux2Transformer2DModel
-    from peft import LoraConfig
 
-    model = load_component(describe(snap), "transformer", mx.float32)
-    slots = parse_targets("all", model.params)
-    lora = attach_lora(model, slots, rank=RANK, alpha=ALPHA, rng=np.random.default_rng(1))
-    ref = Flux2Transformer2DModel.from_pretrained(snap / "transformer", dtype=torch.float32).eval()
-    ref.add_adapter(
-        LoraConfig(r=RANK, lora_alpha=ALPHA, init_lora_weights="gaussian", target_modules=[s.name for s in slots])
-    )
-    g = np.random.default_rng(2)
-    values = {}
-    for s in slots:
-        a = (g.standard_normal((RANK, s.in_dims)) / math.sqrt(s.in_dims)).astype(np.float32)
-        b = (0.3 * g.standard_normal((s.out_dims, RANK)) / math.sqrt(RANK)).astype(np.float32)
-        values[f"{s.name}.down"], values[f"{s.name}.up"] = mx.array(a), mx.array(b)
-        m = ref.get_submodule(s.name)
-        m.lora_A["default"].weight.data.copy_(torch.from_numpy(a))
-        m.lora_B["default"].weight.data.copy_(torch.from_numpy(b))
-    lora.load(values, "test values")
-    return model, lora, ref
+    return lora_pair(snap, Flux2Transformer2DModel, rank=RANK, alpha=ALPHA)
 
 
 def batch(edit: bool, seed: int = 3):

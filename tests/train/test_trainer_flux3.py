@@ -201,7 +201,7 @@ def test_flux3_distilled_and_a_flux2_checkpoint_refused_in_one_line(base, base3,
 def test_flux3_two_processes_equal_one_with_twice_the_batch(base3, data, tmp_path):
     """An edit LoRA with captions of two window lengths: `mlx.launch --backend ring -n 2` at batch 1 trains what
     one process trains at batch 2 (the same examples, noise and noise levels; float tolerance)."""
-    from test_train_distributed import launch
+    from test_distributed import launch
 
     common = dict(resolution=64, rank=4, dtype="float32", steps=2, grad_accum=2, lr=1e-3, save_every=2)
     one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"

@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 from refs import diffusers_pipeline, diffusers_pipeline_for_loras, diffusers_prompt_embeds
-from test_train import diffusers_loss
+from test_objective import diffusers_loss
 
 import flux_klein_mlx
 from flux_klein_mlx.train.report.evaluation import ValidationFinished

@@ -1009,3 +1009,26 @@ def test_resume_with_another_process_count_refused(capsys, snap, tmp_path, no_mo
         "mlx.launch",
     )
     refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume", "--ema", "0.9"], "trained by 2")
+
+
+def test_ctrl_c_between_a_checkpoints_rename_and_its_line_names_it(capsys, snap, tmp_path, monkeypatch):
+    """Issue 46: Ctrl-C while a checkpoint is being written (after its folder is complete, before the run
+    reports it) said "no checkpoint yet: run the same command again to start over" with checkpoint-000002 on
+    disk; the line names the newest complete checkpoint in the work folder."""
+    import flux_klein_mlx.train.trainer as trainer_module
+
+    data = make_images(tmp_path / "data")
+    out, work = tmp_path / "ink.safetensors", tmp_path / "ink.train"
+    real = trainer_module.write_checkpoint
+
+    def written_then_interrupted(*args, **kwargs):
+        real(*args, **kwargs)  # the folder is in place, whole
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer_module, "write_checkpoint", written_then_interrupted)
+    assert main(["train", *base_args(snap, data, out), "--steps", "4", "--save-every", "2"]) == 130
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == (
+        f"stopped at step 2; last checkpoint {work / 'checkpoint-000002'}: continue with the same command and --resume"
+    )
+    assert not out.exists()

@@ -22,7 +22,7 @@ import pytest
 from PIL import Image
 from refs import to_np
 from safetensors import safe_open
-from test_train_bad_input import base_args, linked_snapshot, make_images, no_models, refused  # noqa: F401
+from test_settings import base_args, linked_snapshot, make_images, no_models, refused  # noqa: F401
 
 import flux_klein_mlx
 from flux_klein_mlx.__main__ import main

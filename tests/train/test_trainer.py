@@ -2,7 +2,7 @@
 
 - every sample point keeps the LoRA it sampled (samples/step-N.safetensors) in the precision of the
   delivered file (`--save-dtype`) and, under `--ema`, as the delivered average: the last kept file is
-  the output, tensor for tensor (the images themselves: test_train_samples.py);
+  the output, tensor for tensor (the images themselves: test_samples.py);
 - `train --resume DIR` (or `--resume --work-dir DIR`) alone continues a run with its own options
   (bit for bit); a flag beside it that changes what a step computes is refused naming the difference;
 - an edit LoRA's samples edit a reference (--sample-image, else the first held-out one): the record
@@ -22,8 +22,8 @@ import pytest
 from command_line import run_cli
 from PIL import Image
 from safetensors import safe_open
-from test_train_bad_input import base_args, make_images, no_models, refused  # noqa: F401
-from test_train_samples import pixels, record_of, run_recorded_command
+from test_samples import pixels, record_of, run_recorded_command
+from test_settings import base_args, make_images, no_models, refused  # noqa: F401
 
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError

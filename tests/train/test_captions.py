@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from command_line import run_cli
-from test_train_bad_input import base_args, make_images, no_models, refused  # noqa: F401
+from test_settings import base_args, make_images, no_models, refused  # noqa: F401
 
 from flux_klein_mlx.train.command import describe_event
 from flux_klein_mlx.train.data.dataset import scan_data, with_trigger

@@ -10,14 +10,13 @@
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
 from mlx.utils import tree_flatten
+from peft_pair import lora_pair
 from refs import rel_err, to_np
 from tiny_flux3 import shared_tiny_flux3_snapshot
 
@@ -25,7 +24,7 @@ from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.family import FLUX3
 from flux_klein_mlx.run.components import load_component
 from flux_klein_mlx.run.loading import describe
-from flux_klein_mlx.train.step.adapters import attach_lora, parse_targets
+from flux_klein_mlx.train.step.adapters import parse_targets
 from flux_klein_mlx.train.step.objective import batch_loss, sigmas_from_draws
 
 RANK, ALPHA = 4, 8.0  # scale 2: a wrong alpha / rank shows
@@ -40,26 +39,8 @@ def base3(tmp_path_factory):
 def pair3(base3):
     """The same random LoRA (non-zero B) on every block Linear of our FLUX 3 and of diffusers' (peft)."""
     from diffusers import Flux3Transformer2DModel
-    from peft import LoraConfig
 
-    model = load_component(describe(base3), "transformer", mx.float32)
-    slots = parse_targets("all", model.params)
-    lora = attach_lora(model, slots, rank=RANK, alpha=ALPHA, rng=np.random.default_rng(1))
-    ref = Flux3Transformer2DModel.from_pretrained(base3 / "transformer", dtype=torch.float32).eval()
-    ref.add_adapter(
-        LoraConfig(r=RANK, lora_alpha=ALPHA, init_lora_weights="gaussian", target_modules=[s.name for s in slots])
-    )
-    g = np.random.default_rng(2)
-    values = {}
-    for s in slots:
-        a = (g.standard_normal((RANK, s.in_dims)) / math.sqrt(s.in_dims)).astype(np.float32)
-        b = (0.3 * g.standard_normal((s.out_dims, RANK)) / math.sqrt(RANK)).astype(np.float32)
-        values[f"{s.name}.down"], values[f"{s.name}.up"] = mx.array(a), mx.array(b)
-        m = ref.get_submodule(s.name)
-        m.lora_A["default"].weight.data.copy_(torch.from_numpy(a))
-        m.lora_B["default"].weight.data.copy_(torch.from_numpy(b))
-    lora.load(values, "test values")
-    return model, lora, ref
+    return lora_pair(base3, Flux3Transformer2DModel, rank=RANK, alpha=ALPHA)
 
 
 def diffusers_flux3_loss(transformer, x0, noise, sigma, ctxs, conds):

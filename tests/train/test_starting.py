@@ -14,8 +14,8 @@ import shlex
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_train_bad_input import base_args, make_images, no_models, refused  # noqa: F401
-from test_train_samples import pixels, record_of
+from test_samples import pixels, record_of
+from test_settings import base_args, make_images, no_models, refused  # noqa: F401
 
 import flux_klein_mlx
 from flux_klein_mlx.__main__ import main
