@@ -132,7 +132,7 @@ def run_command(command: click.Command, argv=None) -> int:
         try:
             result = command.main(args=argv, prog_name="python -m flux_klein_mlx", standalone_mode=False)
         except FluxKleinError as e:
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {e.worded('cli')}", err=True)
             return 1
         except click.exceptions.Abort:
             click.echo("aborted", err=True)

@@ -193,8 +193,8 @@ def test_preprocessing_matches_diffusers_for_large_images(pipes):
         (dict(strength=1e-18), "so small that none of the 4 steps runs"),
         (dict(mask=Image.new("L", (96, 64), 255)), "the mask is 96x64 but the init image is 100x72"),
         (dict(mask=Image.new("L", (100, 72), 100)), "the mask has no white pixel"),
-        (dict(init_image=None, mask=Image.new("L", (100, 72), 255)), "a mask needs an init image"),
-        (dict(init_image=None, strength=0.5), "strength needs an init image"),
+        (dict(init_image=None, mask=Image.new("L", (100, 72), 255)), "mask= needs an init image: give init_image="),
+        (dict(init_image=None, strength=0.5), "strength= needs an init image: give init_image="),
         (dict(init_image=Image.new("RGB", (48, 96))), "init image is 48x96; both sides must be at least 64 px"),
         (dict(init_image=Image.new("RGB", (640, 64))), "the limit is 8:1"),
         (dict(init_image="/no/such/init.png"), "init image not found: /no/such/init.png"),
@@ -291,8 +291,8 @@ def test_cli_img2img_inpainting_and_noise_metadata(distilled, tmp_path, cli):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--strength", "0.5"], "strength needs an init image (--init-image"),
-        (["--mask", "MASK"], "a mask needs an init image (--init-image"),
+        (["--strength", "0.5"], "--strength needs an init image: give --init-image"),
+        (["--mask", "MASK"], "--mask needs an init image: give --init-image"),
         (["--init-image", "INIT", "--strength", "0"], "strength must be in (0, 1]"),
         (["--init-image", "INIT", "--strength", "1.01"], "strength must be in (0, 1]"),
         (["--init-image", "INIT", "--strength", "1e-18", "--steps", "4"], "so small that none of the 4 steps runs"),

@@ -21,6 +21,7 @@ from PIL import Image
 from refs import diffusers_pipeline, diffusers_prompt_embeds, picture
 
 import flux_klein_mlx
+from flux_klein_mlx.errors import DOORS, SETTING_NAMES, FluxKleinError
 from flux_klein_mlx.record.output import read_record
 
 SEAM = 32
@@ -116,7 +117,7 @@ def test_cli_outpaint_keeps_the_original_bytes_says_the_rounding_and_repeats_by_
         (["--outpaint", "0,0,0,0"], "adds nothing"),
         (["--outpaint", "0,0,4096,0"], "outpaint adds at most 4032 px a side"),
         (["--outpaint", "0,0,64,0", "--mask", "MASK"], "outpaint extends the init image"),
-        (["--outpaint", "0,0,64,0", "-W", "64"], "no --mask, --width or --height"),
+        (["--outpaint", "0,0,64,0", "-W", "64"], "no --mask or --width/--height"),
         (["--outpaint", "0,0,64,0", "NOINIT"], "give --init-image"),
     ],
 )
@@ -135,6 +136,46 @@ def test_bad_outpaint_is_one_line_before_any_model(cli, distilled, tmp_path, no_
     code, _, err = cli(*args, *extra)
     assert_one_line_error(code, err, *words)
     assert not out.exists() and not no_models
+
+
+@pytest.mark.parametrize(
+    "size, words",
+    [
+        ((64, 64), "the outpainted canvas would be 4096x64 (--outpaint 0,0,4032,0 around the 64x64 init image)"),
+        ((1024, 1024), "the outpainted canvas would be 5056x1024 (--outpaint 0,0,4032,0 around the 1024x1024 init"),
+    ],
+)
+def test_a_canvas_past_the_limits_is_blamed_on_the_outpaint(cli, distilled, tmp_path, no_models, size, words):
+    """Issue 46: the canvas, not a width the user could not give ("width 5072") nor the init image ("init
+    image is 4096x64": it is 64x64), is what the line names, through the CLI and Python."""
+    init = tmp_path / "init.png"
+    picture(*size, seed=1).save(init)
+    args = [a for a in gen_args(distilled, tmp_path / "out.png") if a not in ("-W", "-H", "64")]
+    code, _, err = cli(*args, "--init-image", init, "--outpaint", "0,0,4032,0")
+    assert_one_line_error(code, err, words)
+    assert "width" not in err and "init image is" not in err
+    with pytest.raises(FluxKleinError, match="the outpainted canvas would be") as e:
+        flux_klein_mlx.load(distilled).generate("a fox", init_image=init, outpaint="0,0,4032,0")
+    assert "(outpaint= 0,0,4032,0 around" in str(e.value)
+
+
+def test_each_door_names_its_own_settings(cli, distilled, tmp_path, no_models):
+    """Issue 46: the same refusal names what each door calls the settings: the CLI's options, Python's
+    keywords (and the server's fields: tests/serve/test_serve.py); no door's line names another's."""
+    init, mask = tmp_path / "init.png", tmp_path / "mask.png"
+    picture(64, 64, seed=1).save(init)
+    Image.new("L", (64, 64), 255).save(mask)
+    args = [a for a in gen_args(distilled, tmp_path / "out.png") if a not in ("-W", "-H", "64")]
+    code, _, err = cli(*args, "--init-image", init, "--mask", mask, "--outpaint", "0,0,64,0")
+    assert_one_line_error(code, err, "give --init-image, and no --mask or --width/--height")
+    assert "=" not in err
+    with pytest.raises(FluxKleinError) as e:
+        flux_klein_mlx.load(distilled).generate("a fox", init_image=init, mask=mask, outpaint="0,0,64,0")
+    assert "give init_image=, and no mask= or width=/height=" in str(e.value) and "--" not in str(e.value)
+    assert e.value.worded("http").startswith("outpaint extends the init image: give image, and no mask or size ")
+    for door, names in zip(DOORS, zip(*SETTING_NAMES.values(), strict=True), strict=True):
+        message = FluxKleinError(" ".join(f"{{{name}}}" for name in SETTING_NAMES) + " {other} {")
+        assert message.worded(door) == " ".join(names) + " {other} {"
 
 
 def test_the_seam_benchmark_prints_its_figure(distilled):

@@ -21,8 +21,9 @@ from PIL import Image
 
 from ..checks import is_int
 from ..errors import FluxKleinError
-from ..limits import MAX_OUTPAINT_PAD, MAX_SIDE, MIN_SIDE
+from ..limits import MAX_OUTPAINT_PAD, MAX_SIDE, MIN_SIDE, check_decode_fits
 from ..models.rope import PIXELS_PER_TOKEN
+from .images import MAX_ASPECT
 
 SEAM = 32  # px of the original repainted and cross-faded along each padded edge (two token cells)
 SIDES = ("left", "top", "right", "bottom")
@@ -65,6 +66,27 @@ def round_pads(pads, width: int, height: int) -> tuple[tuple[int, int, int, int]
     canvas = f"{left + width + right}x{top + height + bottom}"
     asked, ran = ",".join(map(str, pads)), ",".join(map(str, run))
     return run, f"outpaint: {asked} px rounded to {ran} (a {canvas} canvas: sides in multiples of {PIXELS_PER_TOKEN})"
+
+
+def check_canvas(width: int, height: int, pads) -> None:
+    """The canvas of an original `width` x `height` with `pads` (as run) within the limits of an image drawn,
+    refused by what the user gave: the outpaint and the init image (they give no width or height)."""
+    cw, ch = width + pads[0] + pads[2], height + pads[1] + pads[3]
+    what = (
+        f"the outpainted canvas would be {cw}x{ch} ({{outpaint}} {','.join(map(str, pads))} around the "
+        f"{width}x{height} init image)"
+    )
+    if max(cw, ch) > MAX_SIDE:
+        raise FluxKleinError(f"{what}; a side may be at most {MAX_SIDE} px: add less")
+    if max(cw / ch, ch / cw) > MAX_ASPECT:
+        raise FluxKleinError(
+            f"{what}, an aspect ratio of {max(cw / ch, ch / cw):.1f}; the limit is {MAX_ASPECT}:1: add less, or "
+            "add on the other sides too"
+        )
+    try:
+        check_decode_fits(cw, ch)
+    except FluxKleinError as e:
+        raise FluxKleinError(f"{what}: {e}") from None
 
 
 def centred_pads(width: int, height: int, canvas_width: int, canvas_height: int) -> tuple[int, int, int, int]:

@@ -50,7 +50,7 @@ from .images import (
     open_image,
     prepare_init_image,
 )
-from .outpaint import Outpaint, outpaint_canvas, parse_outpaint, round_pads
+from .outpaint import Outpaint, check_canvas, outpaint_canvas, parse_outpaint, round_pads
 
 DEFAULT_SIZE = 1024
 
@@ -137,15 +137,15 @@ class RunSettings:
             raise FluxKleinError(f"output_type must be 'pil' or 'np', not {self.output_type!r}")
         check_noise_kind(self.noise)
         if self.init_image is None and (self.mask is not None or self.strength is not None):
-            what = "a mask" if self.mask is not None else "strength"
-            raise FluxKleinError(f"{what} needs an init image (--init-image, init_image=)")
+            what = "{mask}" if self.mask is not None else "{strength}"
+            raise FluxKleinError(f"{what} needs an init image: give {{init_image}}")
         if self.strength is not None:
             check_strength(self.strength)
         if self.outpaint is not None:
             parse_outpaint(self.outpaint)
             if self.init_image is None or self.mask is not None or self.width or self.height:
                 raise FluxKleinError(
-                    "outpaint extends the init image: give --init-image, and no --mask, --width or --height "
+                    "outpaint extends the init image: give {init_image}, and no {mask} or {size} "
                     "(the canvas is the image and what the outpaint adds)"
                 )
         if not isinstance(self.upsample, bool):
@@ -171,7 +171,7 @@ def check_images_count(images) -> None:
     if isinstance(images, (str, Path, Image.Image)) or not hasattr(images, "__len__"):
         return
     if len(images) > MAX_REFERENCES:
-        raise FluxKleinError(f"{len(images)} reference images given (--image, images=); the limit is {MAX_REFERENCES}")
+        raise FluxKleinError(f"{len(images)} reference images given ({{images}}); the limit is {MAX_REFERENCES}")
 
 
 def check_side(name: str, v) -> None:
@@ -309,9 +309,7 @@ def prepare_inputs(settings: RunSettings, info) -> PreparedInputs:
     if init is not None:
         ih, iw = init.pixels.shape[:2]
         if (width or iw, height or ih) != (iw, ih):
-            raise FluxKleinError(
-                f"the output takes the init image's size ({iw}x{ih}); leave --width/--height (width=, height=) out"
-            )
+            raise FluxKleinError(f"the output takes the init image's size ({iw}x{ih}); leave {{size}} out")
         width, height = iw, ih
     images = [settings.images] if isinstance(settings.images, (str, Path, Image.Image)) else list(settings.images or [])
     check_images_count(images)
@@ -379,7 +377,7 @@ def prepare_outpaint(settings: RunSettings) -> tuple[InitImage, Outpaint]:
     img = open_image(settings.init_image, "init image")
     check_image_shape(*img.size, "init image")
     pads, said = round_pads(parse_outpaint(settings.outpaint), *img.size)
-    check_image_size(img.width + pads[0] + pads[2], img.height + pads[1] + pads[3])
+    check_canvas(*img.size, pads)
     if said:
         warnings.warn(said, Notice, stacklevel=3)
     canvas, mask, outpainting = outpaint_canvas(img, pads)

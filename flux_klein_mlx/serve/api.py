@@ -141,7 +141,7 @@ class Server:
         try:
             check_prompt_given(prompt)  # the CLI's rule: an empty prompt is refused
         except FluxKleinError as e:
-            raise ApiError(400, str(e), "prompt") from None
+            raise ApiError(400, e.worded("http"), "prompt") from None
         response_format = body.get("response_format") or "b64_json"
         if response_format not in ("b64_json", "url"):
             raise ApiError(

@@ -205,7 +205,7 @@ def boxes_field(body: dict, prompt: str, references: int | None):
         boxes = json.loads(value) if isinstance(value, str) else value
         return list(check_boxes(boxes, prompt, references=references, upsample=bool_field(body, "upsample")))
     except FluxKleinError as e:
-        raise ApiError(400, str(e), "boxes") from None
+        raise ApiError(400, e.worded("http"), "boxes") from None
     except ValueError:
         raise ApiError(400, "boxes must be a JSON list of boxes", "boxes") from None
 
@@ -235,7 +235,7 @@ def outpaint_field(body: dict, settings, image_size: tuple[int, int], repaints: 
         try:
             return parse_outpaint(text)
         except FluxKleinError as e:
-            raise ApiError(400, str(e), "outpaint") from None
+            raise ApiError(400, e.worded("http"), "outpaint") from None
     if not repaints or settings.width is None or settings.width < w or settings.height < h:
         return None  # not an outpaint: the worker checks the size against the image as it prepares it
     return None if (settings.width, settings.height) == (w, h) else centred_pads(w, h, settings.width, settings.height)

@@ -184,7 +184,7 @@ class Worker:
             self.base_loras = tuple((lora.path, lora.scale) for lora in self.pipe.loras)
             self.applied = stamped(self.base_loras)
         except Exception as e:  # any load failure is reported as 503 with its message
-            self.error = str(e) if isinstance(e, FluxKleinError) else f"{type(e).__name__}: {e}"
+            self.error = e.worded("http") if isinstance(e, FluxKleinError) else f"{type(e).__name__}: {e}"
         with self._lock:  # the pipe is set before the state says so
             self.state = "failed" if self.pipe is None else "ready"
             self._lock.notify_all()
@@ -205,7 +205,7 @@ class Worker:
                     self.cancelled_jobs += 1
                 job.on_event(EndEvent(kind="done" if finished else "cancelled"))
             except FluxKleinError as e:
-                job.on_event(EndEvent(kind="error", status=400, message=str(e)))
+                job.on_event(EndEvent(kind="error", status=400, message=e.worded("http")))
             except Exception as e:  # the server must outlive a failed job
                 traceback.print_exc()
                 job.on_event(EndEvent(kind="error", status=500, message=f"generation failed ({type(e).__name__})"))

@@ -29,7 +29,7 @@ def split_spec(item: str, files: dict[str, Path]) -> tuple[str, float]:
     try:
         name, scale = parse_lora_spec(item, files=False)  # never looks at the file system
     except FluxKleinError as e:
-        raise ApiError(400, str(e), "loras") from None
+        raise ApiError(400, e.worded("http"), "loras") from None
     return str(name), scale
 
 

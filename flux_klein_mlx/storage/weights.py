@@ -427,6 +427,10 @@ def announce_download(repo: str, patterns: list[str], cache: str) -> None:
 # --- LoRA files ------------------------------------------------------------------------------------
 
 
+# The safetensors dtypes MLX's loader reads (mlx/io/safetensors.cpp); it refuses F64 and the F8s.
+MLX_DTYPES = {"F32", "F16", "BF16", "BOOL", "I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64"}
+
+
 def read_lora_file(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str], str]:
     """One LoRA safetensors file -> (tensors, header metadata, sha256 hex of the file's bytes).
 
@@ -440,11 +444,12 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str
         header = check_safetensors_file(path)
     except FluxKleinError:
         header = {}  # damaged: mx.load below says so in the LoRA's own words
-    fp8 = next(((k, d) for k, (d, _) in header.items() if d.upper().startswith("F8")), None)
-    if fp8:
+    unread = next(((k, d) for k, (d, _) in header.items() if d.upper() not in MLX_DTYPES), None)
+    if unread:  # a whole file of a type MLX does not load (fp8, float64): not damaged, and said so
+        kind = "fp8" if unread[1].upper().startswith("F8") else "float64" if unread[1].upper() == "F64" else "such"
         raise FluxKleinError(
-            f"LoRA {path.name} stores fp8 tensors ({fp8[1]}, e.g. {fp8[0]}), which flux_klein_mlx does not read; "
-            "use a bf16, fp16 or fp32 export of it"
+            f"LoRA {path.name} stores {kind} tensors ({unread[1]}, e.g. {unread[0]}), which flux_klein_mlx does not "
+            "read; use a bf16, fp16 or fp32 export of it"
         )
     try:
         tensors, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
@@ -453,6 +458,12 @@ def read_lora_file(path: str | Path) -> tuple[dict[str, mx.array], dict[str, str
         raise FluxKleinError(
             f"LoRA {path.name} is damaged or not a safetensors file ({str(e).splitlines()[0][:120]}); download it again"
         ) from None
+    # every door that reads a LoRA (--lora, the server, --init-lora) refuses NaN or inf before it is used
+    bad = [k for k, v in tensors.items() if mx.issubdtype(v.dtype, mx.floating) and not mx.all(mx.isfinite(v)).item()]
+    if bad:
+        raise FluxKleinError(
+            f"LoRA {path.name} holds non-finite values (in {bad[0]}); the file is damaged, download it again"
+        )
     return tensors, dict(metadata or {}), file_sha256(path)
 
 

@@ -344,16 +344,25 @@ def train(**options):
     progress = ProgressLine()
     t0 = time.perf_counter()
     step = 0
-    work_dir = None  # known from the run's start; its checkpoints on disk are the way back after Ctrl-C
+    ctrl_c = []  # each SIGINT while the run goes on (see on_ctrl_c)
+
+    def on_ctrl_c(*_):
+        """Python's own Ctrl-C (KeyboardInterrupt at once), remembered: one raised where Python drops it (in
+        a finalizer: "Exception ignored in ...") still ends the run, at its next event."""
+        ctrl_c.append(time.monotonic())
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
     try:
         for ev in events:
+            if ctrl_c:
+                raise KeyboardInterrupt
             if isinstance(ev, StepFinished):
                 step = ev.step
                 progress.step(ev)
                 continue
-            if isinstance(ev, TrainStarted):
-                work_dir = ev.work_dir
-                step = ev.first_step - 1 if ev.resumed_from is not None else step
+            if isinstance(ev, TrainStarted) and ev.resumed_from is not None:
+                step = ev.first_step - 1
             text = describe_event(ev)
             if isinstance(ev, TrainFinished):
                 progress.close()
@@ -362,19 +371,28 @@ def train(**options):
                 progress.say(text)
     except KeyboardInterrupt:
         events.close()  # the run's own cleanup (its lock) before the line
-        progress.say(interrupted(step, work_dir))
+        progress.say(interrupted(step, run_work_dir(options)))
         click.get_current_context().exit(130)  # the exit status of an interrupted program
+    finally:
+        signal.signal(signal.SIGINT, previous)
     click.echo(f"done in {_clock(time.perf_counter() - t0)}", err=True)
 
 
+def run_work_dir(options: dict) -> Path:
+    """The run's work folder, as TrainSettings resolves it (--work-dir, or <output stem>.train/)."""
+    if options.get("work_dir"):
+        return Path(options["work_dir"]).expanduser()
+    return default_work_dir(Path(options["output"]).expanduser())
+
+
 def interrupted(step: int, work_dir: Path | None) -> str:
-    """The line after Ctrl-C: where the run stopped and how to go on. The checkpoint named is the newest
-    complete one on disk (a checkpoint appears whole, by a rename), not the last one announced: Ctrl-C may
-    come between its rename and the line that reports it."""
+    """The line after Ctrl-C: where the run stopped and how to go on, from the newest checkpoint on the disk
+    (each is written whole or not at all: one finished as Ctrl-C came counts, its event seen or not)."""
     done = checkpoints(Path(work_dir)) if work_dir is not None else []
     if not done:
         return f"stopped at step {step}; no checkpoint yet: run the same command again to start over"
-    return f"stopped at step {step}; last checkpoint {done[-1][1]}: continue with the same command and --resume"
+    at, folder = done[-1]
+    return f"stopped at step {max(step, at)}; last checkpoint {folder}: continue with the same command and --resume"
 
 
 def with_config(ctx: click.Context, options: dict) -> tuple[dict, set[str]]:

@@ -40,7 +40,7 @@ def read_config(path, names: dict[str, str]) -> ConfigFile:
     if not p.is_file():
         raise FluxKleinError(f"--config {p} is not a file; give a .toml file or a run's train.json")
     try:
-        text = p.read_text(encoding="utf-8-sig")  # a BOM (Windows editors) is not TOML text
+        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows' Notepad writes one) is not TOML
     except (OSError, UnicodeDecodeError) as e:
         raise FluxKleinError(f"cannot read --config {p} ({getattr(e, 'strerror', None) or e})") from None
     if p.suffix.lower() == ".json":

@@ -92,8 +92,9 @@ def _latents(settings: TrainSettings, info: ModelInfo, items: list, held_out: li
 
 
 def run_key(settings: TrainSettings, info: ModelInfo, processes: int = 1) -> dict:
-    """The settings a checkpoint must share with a run that resumes it; the model by its resolved path."""
-    return {**settings.run_key(), "model": str(info.path), "processes": processes}
+    """The settings a checkpoint must share with a run that resumes it; the model by its resolved path and
+    its family's title (a checkpoint of another family's adapters is said to be one: state.resume_point)."""
+    return {**settings.run_key(), "model": str(info.path), "family": info.family.title, "processes": processes}
 
 
 def data_key(items) -> list:

@@ -34,7 +34,7 @@ ADAPTERS = ("lora", "lokr")  # LoRA pairs per diffusers module, or LoKr per laye
 # The model `train` starts from: a Base model (generation's default, pipeline.DEFAULT_MODEL, is distilled).
 # The run key's layout (TrainSettings.run_key, plan.run_key): raised when a field is added, renamed or
 # changes meaning; a checkpoint written under another version is refused, never guessed at.
-RUN_KEY_VERSION = 2  # 2 (issue 39): --optimizer, --repeats, --flip, --init-lora
+RUN_KEY_VERSION = 3  # 2 (issue 39): --optimizer, --repeats, --flip, --init-lora; 3 (issue 46): the model's family
 DEFAULT_BASE_MODEL = "black-forest-labs/FLUX.2-klein-base-4B"
 # (setting, low, high) of the whole-number settings, checked in this order
 WHOLE = (
@@ -153,9 +153,11 @@ class TrainSettings:
 
     def _check_types(self) -> None:
         """The paths, texts and switches are of a usable type (the Python API takes anything)."""
-        for name in ("data", "output", "model", "work_dir", "init_lora"):
+        for name in ("data", "output", "model", "work_dir", "init_lora", "validation"):
             v = getattr(self, name)
-            if not (isinstance(v, (str, os.PathLike)) or (name in ("work_dir", "init_lora") and v is None)):
+            if not (
+                isinstance(v, (str, os.PathLike)) or (name in ("work_dir", "init_lora", "validation") and v is None)
+            ):
                 raise FluxKleinError(f"{name} must be a path (str or Path), not {v!r}")
             if v is not None:
                 check_path(v, _label(name))  # past the OS's limits a path is an OSError wherever it is used

@@ -304,6 +304,12 @@ def _refuse_other_settings(folder: Path, key: dict, data: list) -> None:
             f"--resume: {folder} was written under run key version {state['run_key'].get('version')} (this "
             f"flux_klein_mlx writes {key['version']}) and cannot be continued; start anew in another --work-dir"
         )
+    there = state["run_key"].get("family")
+    if there != key.get("family"):
+        raise FluxKleinError(
+            f"--resume: {folder} is a checkpoint of {there}'s adapters (--model {state['run_key'].get('model')}) and "
+            f"this run's model is {key.get('family')}'s; give that run's --model, or start anew in another --work-dir"
+        )
     diffs = differences(state["run_key"], key)
     if state.get("data") != data:
         diffs.append("data: the images, captions or controls differ from the checkpoint's")

@@ -46,7 +46,7 @@ def parse_box(spec: str) -> dict:
     try:
         x0, y0, x1, y1 = (float(p) for p in parts)
     except ValueError:
-        raise FluxKleinError(f"--box {_shown(spec)} is not {BOX_SPEC}") from None
+        raise FluxKleinError(f"{{boxes}} {_shown(spec)} is not {BOX_SPEC}") from None
     return {"bbox": [y0, x0, y1, x1], "desc": desc.strip()}
 
 
@@ -89,7 +89,7 @@ def check_boxes(
     if isinstance(boxes, (str, dict)) or not isinstance(boxes, Sequence):
         raise FluxKleinError(f"boxes must be a list of boxes, not {type(boxes).__name__}")
     if len(boxes) > MAX_BOXES:
-        raise FluxKleinError(f"{len(boxes):,} layout boxes given; the limit is {MAX_BOXES}")
+        raise FluxKleinError(f"{len(boxes):,} layout boxes given ({{boxes}}); the limit is {MAX_BOXES}")
     chars = len(prompt)
     out, ids = [], set()
     for i, box in enumerate(boxes):
@@ -126,8 +126,8 @@ def _check_box(box, what: str, references: int | None, upsample: bool) -> dict:
     check_text(desc, f"{what}'s desc")
     if not desc.strip() and not upsample:
         raise FluxKleinError(
-            f'{what} names no element: give its desc (--box "x0,y0,x1,y1:desc", e.g. "0.1,0.5,0.45,0.95:a cat"), '
-            "or let the prompt upsampler write it (upsample)"
+            f'{what} names no element: give its desc ("0.1,0.5,0.45,0.95:a cat", or "desc": "a cat"), or let the '
+            "prompt upsampler write it ({upsample})"
         )
     row["desc"] = desc.strip()
     if box.get("bbox") is not None:

@@ -81,7 +81,7 @@ def check_upsampler_references(count: int) -> None:
     if count > UPSAMPLER_MAX_REFERENCES:
         raise FluxKleinError(
             f"the prompt upsampler reads at most {UPSAMPLER_MAX_REFERENCES} reference images, not {count}; "
-            "give fewer images, or leave --upsample out and write the caption yourself"
+            "give fewer images, or leave {upsample} out and write the caption yourself"
         )
 
 
@@ -126,7 +126,7 @@ class UpsampleRequest:
 def build_request(prompt: str, images: Sequence[Image.Image] = (), boxes: Sequence | None = None) -> UpsampleRequest:
     """The checked request for `prompt`, the edit's reference images (opened PIL images) and the user's boxes."""
     if not isinstance(prompt, str) or not prompt.strip():
-        raise FluxKleinError("the prompt upsampler needs a prompt to expand; give --prompt")
+        raise FluxKleinError("the prompt upsampler needs a prompt to expand; give {prompt}")
     check_upsampler_references(len(images))
     checked = check_boxes(boxes, prompt, references=len(images), upsample=True)
     mode = ("i2i" if images else "t2i") + ("_bbox" if checked else "")
@@ -140,11 +140,11 @@ def check_upsampler_family(family, *, upsample: bool) -> None:
         return
     if upsample:
         raise FluxKleinError(
-            f"--upsample is for FLUX 3 Image Klein: it rewrites a short prompt into the full scene caption that "
+            f"{{upsample}} is for FLUX 3 Image Klein: it rewrites a short prompt into the full scene caption that "
             f"model was trained on, with BFL's prompt upsampler; {family.title} reads your prompt as written "
-            "(leave --upsample out)"
+            "(leave {upsample} out)"
         )
     raise FluxKleinError(
-        f"--box is for FLUX 3 Image Klein, whose transformer reads a layout of boxes; {family.title} has none "
-        "(leave --box out and say where things go in the prompt)"
+        f"{{boxes}} is for FLUX 3 Image Klein, whose transformer reads a layout of boxes; {family.title} has none "
+        "(leave {boxes} out and say where things go in the prompt)"
     )

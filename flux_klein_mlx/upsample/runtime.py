@@ -51,7 +51,7 @@ def mlx_vlm_modules():
         from mlx_vlm import load
         from mlx_vlm.generate import stream_generate
     except ImportError:
-        raise FluxKleinError(f"--upsample needs mlx-vlm, which is not installed: {INSTALL_HINT}") from None
+        raise FluxKleinError(f"{{upsample}} needs mlx-vlm, which is not installed: {INSTALL_HINT}") from None
     return load, stream_generate
 
 
@@ -62,8 +62,22 @@ def _damaged(folder: Path, why: str) -> FluxKleinError:
     )
 
 
+UPSAMPLER_HINT = "give --upsampler black-forest-labs/flux-3-image-klein-pup or a copy of it"
+
+
+def _pipeline_kind(folder: Path) -> str:
+    """What a folder with a model_index.json is: "a diffusers Flux2KleinPipeline folder" (a whole model)."""
+    try:
+        name = json.loads((folder / "model_index.json").read_text()).get("_class_name")
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+        name = None
+    return f"a diffusers {name} folder (a whole image model)" if isinstance(name, str) else "a diffusers model folder"
+
+
 def upsampler_weight_files(folder: Path) -> list[Path]:
     """The folder's safetensors files, each header checked, after its config: one line if anything is wrong."""
+    if not (folder / "config.json").exists() and (folder / "model_index.json").is_file():
+        raise FluxKleinError(f"{folder} is {_pipeline_kind(folder)}, not a FLUX 3 prompt upsampler; {UPSAMPLER_HINT}")
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError, UnicodeDecodeError) as e:
@@ -72,7 +86,7 @@ def upsampler_weight_files(folder: Path) -> list[Path]:
         kind = config.get("model_type") if isinstance(config, dict) else None
         raise FluxKleinError(
             f"{folder} is not a FLUX 3 prompt upsampler (config.json model_type {kind!r}, not qwen3_5); "
-            "give black-forest-labs/flux-3-image-klein-pup or a copy of it"
+            + UPSAMPLER_HINT
         )
     files = sorted(folder.glob("*.safetensors"))
     if not files:

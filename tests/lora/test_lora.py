@@ -764,6 +764,12 @@ def bad_lora_files(folder):
             r"dup.safetensors holds proj_out's (down|up) matrix twice \(\S*proj_out.lora_[AB]\S* and \S*proj_out",
         ),
         ("fp8", folder / "fp8.safetensors", 1.0, r"LoRA fp8.safetensors stores fp8 tensors \(F8_E4M3"),
+        (  # a whole file, not damaged: said as what it is (it was "damaged ... download it again")
+            "float64",
+            write(folder / "f64.safetensors", {k: v.double() for k, v in pair("transformer.proj_out", C, D).items()}),
+            1.0,
+            r"LoRA f64.safetensors stores float64 tensors \(F64, e.g. transformer.proj_out.lora_[AB].weight\), which",
+        ),
         (
             "a folder",
             folder,

@@ -592,6 +592,27 @@ def test_bad_edit_requests(server, case):
     assert server.status()["state"] == "ready"
 
 
+def test_a_refusal_names_the_api_fields_not_cli_options(server):
+    """Issue 46: the run's refusals name the fields an API client sends (image, mask, size, upsample), as
+    the CLI's name its options (tests/test_outpaint.py: the same refusal through the CLI and Python)."""
+    body = json.dumps({**GOOD, "upsample": True}).encode()
+    code, reply = http(
+        "POST", server.url + "/v1/images/generations", body, {**server.auth, "Content-Type": "application/json"}
+    )
+    message = reply["error"]["message"]
+    assert code == 400 and "upsample is for FLUX 3 Image Klein" in message and "(leave upsample out)" in message
+    mask = png(Image.new("L", (64, 64), 255))
+    body, ctype = multipart(
+        {"prompt": "a fox", "outpaint": "0,0,64,0"},
+        [("image", "a.png", png(picture(64, 64)), "image/png"), ("mask", "m.png", mask, "image/png")],
+    )
+    code, reply = http("POST", server.url + "/v1/images/edits", body, {**server.auth, "Content-Type": ctype})
+    assert code == 400 and "give image, and no mask or size" in reply["error"]["message"], reply
+    for line in (message, reply["error"]["message"]):
+        assert "--" not in line and "=" not in line and "\n" not in line
+    assert server.status()["state"] == "ready"
+
+
 def wait_for_log(server, pattern: str, timeout: float = 20) -> str:
     deadline = time.monotonic() + timeout
     while not re.search(pattern, log := server.log.read_text(), re.M):

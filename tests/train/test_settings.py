@@ -203,6 +203,28 @@ def test_resume_refuses_another_runs_checkpoints_naming_the_differences(capsys, 
     refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume", "--rank", "8"], "data")
 
 
+def test_resume_of_another_familys_checkpoint_names_both_families(capsys, snap, tmp_path, tmp_path_factory, no_models):
+    """Issue 46: a FLUX.2 run's work folder resumed with a FLUX 3 model was "from a run with other settings";
+    the line names the checkpoint's family and the model's, by their titles."""
+    from tiny_flux3 import shared_tiny_flux3_snapshot
+
+    data = make_images(tmp_path / "data")
+    out = tmp_path / "out.safetensors"
+    fake_checkpoint(
+        tmp_path / "out.train", TrainSettings(model=str(snap), data=data, output=out, resolution=64, rank=4)
+    )
+    flux3 = shared_tiny_flux3_snapshot(tmp_path_factory, distilled=False)
+    capsys.readouterr()  # building it talks
+    line = refused(
+        capsys,
+        tmp_path,
+        base_args(flux3, data, out) + ["--resume"],
+        "is a checkpoint of FLUX.2 [klein]'s adapters",
+        "this run's model is FLUX 3 Image Klein's",
+    )
+    assert "other settings" not in line
+
+
 def test_resume_refuses_a_checkpoint_of_another_run_key_version(capsys, snap, tmp_path, no_models):
     """The run key is versioned (0.1.0 keeps no compatibility branches): a checkpoint whose run key has
     another version, or none (written before the key had one), is refused in one line before any model
@@ -674,6 +696,23 @@ def test_captions_bom_extension_and_what_is_not_read(capsys, snap, tmp_path, no_
         )
 
 
+def test_repeat_folders_not_read_are_said_and_a_link_loop_ends(snap, tmp_path):
+    """Issue 46: a kohya repeat folder that is a symbolic link, and one nested in another (2_x/3_y/), were
+    left out without a word; links that loop (to the data folder itself) must not hang the scan."""
+    data = make_images(tmp_path / "data", n=1)
+    make_images(data / "2_x", n=1)
+    make_images(data / "2_x" / "3_y", n=1)
+    (data / "5_link").symlink_to(data / "2_x", target_is_directory=True)
+    (data / "4_self").symlink_to(data, target_is_directory=True)  # a loop
+    (data / "2_x" / "up").symlink_to(data, target_is_directory=True)  # another, one level down
+    with pytest.warns(UserWarning) as said:
+        plan = plan_run(TrainSettings(model=snap, data=data, output=tmp_path / "o.safetensors", resolution=64))
+    text = " | ".join(str(w.message) for w in said)
+    assert "the repeat folder(s) 4_self, 5_link are symbolic links, which are not followed" in text
+    assert "the images in 2_x/3_y, 2_x/up are not read: a repeat folder's own sub-folders are not" in text
+    assert sorted(it.stem for it in plan.items) == ["2_x/im0", "im0"]
+
+
 def test_learning_rate_that_underflows_in_the_adapters_is_warned():
     """The warning's bound is the real one: below it, one AdamW step (gradients of 1: the largest
     step, lr) leaves most adapter values of a fresh LoRA as they were; at 1e-4 it moves them all."""
@@ -712,6 +751,7 @@ def test_python_api_wrong_types_name_the_argument_and_leave_nothing(snap, tmp_pa
         ({"model": 3.5}, "model must be a path"),
         ({"controls": 7}, "controls must be"),
         ({"work_dir": 1}, "work_dir must be a path"),
+        ({"validation": 123}, "validation must be a path"),
         ({"resume": "yes"}, "resume must be True or False"),
         ({"caption_extension": 1}, "caption_extension"),
     ):
@@ -852,6 +892,8 @@ def test_bad_schedule_and_resolution_list_refused(capsys, snap, tmp_path, no_mod
         ("train.json", '{"settings": {"rank": 4, "warmup": 1}}', ["unknown setting(s) warmup"]),
         ("train.json", "{not json", ["not valid JSON"]),
         ("run.toml", "lr_scheduler = 'cosine'\nwarmup_steps = 9999\n", ["--warmup-steps 9999", "past --steps 500"]),
+        # a UTF-8 byte-order mark (Notepad's) before the keys: read, so the setting's own check speaks
+        ("bom.toml", "\ufefflr_scheduler = 'cosine'\nwarmup_steps = 9999\n", ["--warmup-steps 9999"]),
     ],
 )
 def test_bad_config_refused(capsys, snap, tmp_path, no_models, name, text, words):

@@ -117,3 +117,9 @@ def test_init_lora_that_disagrees_is_one_line_before_any_model(capsys, base, tmp
     refused(capsys, tmp_path, [*args, "--init-lora", str(path), "--targets", "double"], "--targets does not train")
     refused(capsys, tmp_path, [*args, "--init-lora", str(tmp_path / "none.safetensors")], "is not a file")
     refused(capsys, tmp_path, [*args, "--init-lora", str(path), "--adapter", "lokr"], "--init-lora", "lokr")
+    # NaN in the file: refused as --lora refuses it, not trained on and then blamed on --lr
+    nan = {k: np.asarray(v) for k, v in mx.load(str(path)).items()}
+    key = sorted(k for k in nan if nan[k].ndim == 2)[0]
+    nan[key][0, 0] = np.nan
+    mx.save_safetensors(str(tmp_path / "nan.safetensors"), {k: mx.array(v) for k, v in nan.items()})
+    refused(capsys, tmp_path, [*args, "--init-lora", str(tmp_path / "nan.safetensors")], "non-finite values", key)

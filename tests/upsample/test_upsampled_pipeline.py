@@ -87,14 +87,16 @@ def test_boxes_without_the_upsampler_are_written_into_the_prompt(snapshot):
 
 def test_upsample_on_flux2_is_one_line_saying_what_it_is_for(tmp_path_factory):
     pipe = flux_klein_mlx.load(shared_tiny_snapshot(tmp_path_factory), dtype="float32", cache=False)
-    with pytest.raises(FluxKleinError, match="--upsample is for FLUX 3 Image Klein: it rewrites a short prompt") as e:
+    with pytest.raises(
+        FluxKleinError, match="upsample=True is for FLUX 3 Image Klein: it rewrites a short prompt"
+    ) as e:
         pipe.generate("a fox", upsample=True, steps=1, width=64, height=64)
     assert "\n" not in str(e.value)
-    with pytest.raises(FluxKleinError, match="--box is for FLUX 3"):
+    with pytest.raises(FluxKleinError, match="boxes= is for FLUX 3"):
         pipe.generate("a fox", boxes=["0,0,1,1:fox"], steps=1, width=64, height=64)
 
 
-def test_a_damaged_upsampler_folder_is_one_line(snapshot, pup, tmp_path):
+def test_a_damaged_upsampler_folder_is_one_line(snapshot, pup, tmp_path, tmp_path_factory):
     import shutil
 
     broken = tmp_path / "pup"
@@ -105,6 +107,11 @@ def test_a_damaged_upsampler_folder_is_one_line(snapshot, pup, tmp_path):
     with pytest.raises(FluxKleinError, match="prompt upsampler folder .* is damaged or incomplete .*truncated") as e:
         pipe.generate("a fox", upsample=True, steps=1, width=64, height=64)
     assert "\n" not in str(e.value)
+    # a whole image model given as the upsampler is said to be one, not "damaged ... download it again"
+    pipe = flux_klein_mlx.load(snapshot, dtype="float32", cache=False, upsampler=shared_tiny_snapshot(tmp_path_factory))
+    with pytest.raises(FluxKleinError, match="is a diffusers Flux2KleinPipeline folder .*, not a FLUX 3 prompt") as e:
+        pipe.generate("a fox", upsample=True, steps=1, width=64, height=64)
+    assert "damaged" not in str(e.value) and "\n" not in str(e.value)
 
 
 def test_mlx_vlm_missing_is_one_line_saying_how_to_install(snapshot, pup, monkeypatch):

@@ -290,14 +290,45 @@ def say_shared_images(held_out: list[TrainItem], items: list[TrainItem]) -> None
         )
 
 
+def _holds_images(folder: Path) -> bool:
+    """Whether an image lies anywhere under `folder` (links below it are not followed: a loop ends)."""
+    return any(q.suffix.lower() in IMAGE_SUFFIXES for q in folder.rglob("*"))
+
+
+def _say_unread_repeat_folders(folder: Path) -> None:
+    """Warn about kohya repeat folders that are not read: a symbolic link (never followed: it may loop or
+    lead out of the data) and a repeat folder's own sub-folders (N_name/ is read one level deep)."""
+    linked, nested = [], []
+    for p in sorted(folder.iterdir()):
+        if not (REPEAT_FOLDER.fullmatch(p.name) and p.is_dir()):
+            continue
+        if p.is_symlink():
+            linked.append(p.name)
+            continue
+        nested += [f"{p.name}/{q.name}" for q in sorted(p.iterdir()) if q.is_dir() and _holds_images(q)]
+    if linked:
+        warnings.warn(
+            f"--data {folder}: the repeat folder(s) {first_few(linked)} are symbolic links, which are not followed "
+            "(a link can loop or lead out of the data): their images are not read; put the folders themselves there",
+            stacklevel=3,
+        )
+    if nested:
+        warnings.warn(
+            f"--data {folder}: the images in {first_few(nested)} are not read: a repeat folder's own sub-folders "
+            "are not; move them into the repeat folder (or into one of their own, N_name/)",
+            stacklevel=3,
+        )
+
+
 def _say_what_is_not_read(folder: Path, images: dict[str, Path], extension: str) -> None:
     """Warn about sub-folders holding images and caption files of another suffix (never silent)."""
     subs = []
     for p in sorted(folder.iterdir()):
-        if REPEAT_FOLDER.fullmatch(p.name) and p.is_dir():  # read: a kohya repeat folder (its own sub-folders aside)
+        if REPEAT_FOLDER.fullmatch(p.name) and p.is_dir():  # a kohya repeat folder: _say_unread_repeat_folders
             continue
-        if p.is_dir() and not p.name.startswith(".") and any(q.suffix.lower() in IMAGE_SUFFIXES for q in p.rglob("*")):
+        if p.is_dir() and not p.name.startswith(".") and _holds_images(p):
             subs.append(p.name)
+    _say_unread_repeat_folders(folder)
     if subs:
         head = first_few(subs)
         warnings.warn(
