@@ -37,7 +37,7 @@ import common  # noqa: E402, F401  (first: this checkout on sys.path, OpenBLAS b
 import mlx.core as mx  # noqa: E402
 from common import GB, max_rss_bytes, qwen3_hf_config, qwen_tokenizer_dir, run_json_child  # noqa: E402
 
-from flux_klein_mlx.models.config import FluxKleinParams, qwen3_4b  # noqa: E402
+from flux_klein_mlx.models.flux2.config import FluxKleinParams, qwen3_4b  # noqa: E402
 from flux_klein_mlx.models.text_encoder import OUT_LAYERS  # noqa: E402
 from flux_klein_mlx.storage.weights import save_safetensors_sharded  # noqa: E402
 

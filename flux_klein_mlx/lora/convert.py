@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import FluxKleinError, first_few
-from ..models.config import FluxKleinParams
+from ..models.flux2.config import FluxKleinParams
 from ..models.flux3.config import Flux3Params
 from ..storage.files import check_output_file, write_exclusive
 from ..storage.weights import read_lora_file, save_safetensors_streaming

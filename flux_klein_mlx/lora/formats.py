@@ -39,7 +39,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import FluxKleinError, first_few
-from ..models.config import flux1_marker
+from ..models.flux2.config import flux1_marker
 from ..storage.weights import check_safetensors_file
 from .names import Target, family_of_names, layer_shapes, lora_family, target_table
 

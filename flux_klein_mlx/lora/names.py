@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from ..errors import FluxKleinError
 from ..family import FLUX2, FLUX3
-from ..models.config import HIDDEN_SIZES
 from ..models.flux2 import transformer as flux2
+from ..models.flux2.config import HIDDEN_SIZES
 from ..models.flux2.transformer import DIFFUSERS_DOUBLE, DIFFUSERS_SINGLE, DIFFUSERS_TOP, QKV
 from ..models.flux3 import transformer as flux3
 from ..models.flux3.config import Flux3Params

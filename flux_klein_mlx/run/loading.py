@@ -21,18 +21,10 @@ from mlx.utils import tree_flatten
 from ..errors import FluxKleinError
 from ..family import FAMILIES, FLUX2, FLUX3, Family, family_named
 from ..lora.formats import is_lora_file
-from ..models.config import (
-    FLUX3_CLASS_PREFIX,
-    FLUX3_NAME,
-    FLUX3_PIPELINE_CLASSES,
-    KV_PIPELINE_CLASS,
-    VARIANTS,
-    AutoEncoderConfig,
-    FluxKleinParams,
-    Qwen3Config,
-    flux3_marker,
-)
+from ..models.config import AutoEncoderConfig, Qwen3Config
+from ..models.flux2.config import KV_PIPELINE_CLASS, VARIANTS, FluxKleinParams
 from ..models.flux2.transformer import FluxKlein
+from ..models.flux3.config import FLUX3_CLASS_PREFIX, FLUX3_NAME, FLUX3_PIPELINE_CLASSES, flux3_marker
 from ..models.quantize import check_record
 from ..models.text_encoder import Qwen3TextEncoder
 from ..models.vae import AutoEncoder, check_flux2

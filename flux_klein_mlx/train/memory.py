@@ -36,7 +36,7 @@ import mlx.nn as nn
 from ..errors import FluxKleinError
 from ..family import family_of
 from ..limits import machine_memory  # the one home of the machine's memory (the pipeline's size limit reads it too)
-from ..models.config import FluxKleinParams
+from ..models.flux2.config import FluxKleinParams
 from ..models.rope import token_grid
 
 # klein-4B's reference geometry (the model the coefficients were measured on)

@@ -16,7 +16,8 @@ from transformers import Qwen3Config as HFQwen3Config
 
 import flux_klein_mlx.run.components as components
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.models.config import FluxKleinParams, Qwen3Config, qwen3_4b, qwen3_8b
+from flux_klein_mlx.models.config import Qwen3Config
+from flux_klein_mlx.models.flux2.config import FluxKleinParams, qwen3_4b, qwen3_8b
 from flux_klein_mlx.models.text_encoder import Qwen3TextEncoder, encode_prompts, sanitize_qwen3_weights
 from flux_klein_mlx.models.tokenizer import PromptTokenizer
 from flux_klein_mlx.run.loading import describe

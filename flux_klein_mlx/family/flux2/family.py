@@ -14,7 +14,7 @@ import mlx.nn as nn
 
 from ...events import Job
 from ...inputs.images import preprocess_reference
-from ...models.config import (
+from ...models.flux2.config import (
     KV_PIPELINE_CLASS,
     PIPELINE_CLASSES,
     VARIANTS,

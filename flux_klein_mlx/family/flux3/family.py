@@ -24,8 +24,7 @@ import mlx.nn as nn
 from ...events import Job
 from ...inputs.images import prepare_flux3_references
 from ...inputs.references import FLUX3_MAX_REFERENCES
-from ...models.config import FLUX3_PIPELINE_CLASSES
-from ...models.flux3.config import FLUX3_VARIANTS, Flux3Params
+from ...models.flux3.config import FLUX3_PIPELINE_CLASSES, FLUX3_VARIANTS, Flux3Params
 from ...models.flux3.transformer import Flux3, infer_flux3_params, linear_shapes, sanitize_flux3_weights
 from ...models.rope import image_ids, text_ids
 from ...models.text_encoder import FLUX3_TAPS, encode_prompts

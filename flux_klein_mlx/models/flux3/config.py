@@ -4,7 +4,7 @@ Defaults are the released 5.5B model (both the Base and the step-distilled one; 
 `flow_map`). diffusers' `transformer/config.json` names are read by `Flux3Params.from_dict`.
 
 `FLUX3_VARIANTS` holds the two released models' rows (their three components and sampling defaults) in
-FLUX.2's `Variant` shape, beside `models/config.VARIANTS` rather than in it: VARIANTS is read as FLUX.2's
+FLUX.2's `Variant` shape, beside `models/flux2/config.VARIANTS` rather than in it: VARIANTS is read as FLUX.2's
 table (its pipeline classes, `variant_for`, the download sizes build `FluxKlein`s), so a FLUX 3 row there
 would make each of those readers filter by family. Each family hands its rows out (`Family.variants`).
 """
@@ -128,3 +128,19 @@ def _flux3_rows() -> dict[str, Variant]:
 
 
 FLUX3_VARIANTS: dict[str, Variant] = _flux3_rows()
+
+
+# FLUX 3 Image Klein: diffusers' Flux3Transformer2DModel (pipelines Flux3ModularPipeline and
+# Flux3DistilledModularPipeline); BFL's file has per-mode blocks and, distilled, a second timestep embedder
+# (the keys diffusers' single-file loader tells it by). Its hidden size is klein-4B's (24 heads x 128 = 3072),
+# so it is told apart by these names, never by its shapes.
+FLUX3_CLASS_PREFIX = "Flux3"
+FLUX3_MARKERS = ("early_stream_modulations.", "single_stream_modulations.", "mode_blocks.", "ref_time_in.")
+FLUX3_NAME = "FLUX 3 Image Klein"
+# diffusers' modular pipelines (modular_model_index.json `_class_name`): Base, and the step-distilled flow map
+FLUX3_PIPELINE_CLASSES = ("Flux3ModularPipeline", "Flux3DistilledModularPipeline")
+
+
+def flux3_marker(names) -> str | None:
+    """The first of `names` (checkpoint keys or module names) that only FLUX 3 Image Klein has, or None."""
+    return next((n for n in names if any(m in f".{n}" for m in FLUX3_MARKERS)), None)
