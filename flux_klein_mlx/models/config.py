@@ -168,3 +168,16 @@ class Variant:
     pipeline_class: str = "Flux2KleinPipeline"  # model_index.json `_class_name`
     reference_kv: bool = False  # distilled to cache the references' K/V (klein 9B-KV, see kv_cache.py)
     repo: str = ""  # the Hugging Face repo id it is published under
+
+
+# --- FLUX.1, which no family runs: its files are refused by name (checkpoints and LoRAs) ---------------
+
+# Module names that only FLUX.1 has (checkpoints and LoRAs; LoRA files may write them with "_" for ".").
+FLUX1_MARKERS = (".img_mod.", ".txt_mod.", "vector_in.", "time_text_embed.", ".norm1.linear.", ".norm1_context.",
+                 "ff.net.")  # fmt: skip
+
+
+def flux1_marker(name: str) -> str | None:
+    """The FLUX.1-only marker that module or key `name` carries (dotted or underscored), or None."""
+    dotted, underscored = f".{name}.", f"_{name}_"
+    return next((m for m in FLUX1_MARKERS if m in dotted or m.replace(".", "_") in underscored), None)

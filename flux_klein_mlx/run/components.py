@@ -21,7 +21,7 @@ import mlx.nn as nn
 
 from ..dtypes import as_dtype
 from ..errors import FluxKleinError
-from ..family import FLUX2, Family
+from ..family import Family
 from ..models.config import AutoEncoderConfig, Qwen3Config
 from ..models.quantize import apply_quantization, evaluate_by_layer, quantize_model
 from ..models.text_encoder import Qwen3TextEncoder, keeps_key, sanitize_qwen3_weights
@@ -71,7 +71,7 @@ def read_component(info: ModelInfo, name: str) -> dict[str, mx.array]:
     return weights if info.format == "mlx" else sanitize(name, weights, family)  # converted folders have our names
 
 
-def build_module(name: str, config: dict, family: Family = FLUX2) -> nn.Module:
+def build_module(name: str, config: dict, family: Family) -> nn.Module:
     """An unloaded (lazily initialised, so free) module for one component's config (`name` checked by callers)."""
     if name == "transformer":
         return family.build_transformer(family.params(config))
@@ -80,7 +80,7 @@ def build_module(name: str, config: dict, family: Family = FLUX2) -> nn.Module:
     return AutoEncoder(AutoEncoderConfig.from_dict(config))
 
 
-def sanitize(name: str, weights: dict[str, mx.array], family: Family = FLUX2) -> dict[str, mx.array]:
+def sanitize(name: str, weights: dict[str, mx.array], family: Family) -> dict[str, mx.array]:
     """A component's checkpoint (diffusers, transformers or BFL names) under our module names."""
     if name == "transformer":
         return family.sanitize_transformer(weights)
@@ -94,7 +94,7 @@ def assemble(
     config: dict,
     *,
     weights: dict[str, mx.array],
-    family: Family = FLUX2,
+    family: Family,
     dtype=None,
     record: dict | None = None,
     bits: int | None = None,

@@ -105,6 +105,7 @@ def load_one(name: str, source, dtype=None, config: dict | None = None):
     """
     import dataclasses
 
+    from flux_klein_mlx.family import FLUX2  # the component tests' references are FLUX.2 [klein]'s
     from flux_klein_mlx.models.flux2.transformer import infer_params
     from flux_klein_mlx.models.quantize import evaluate_by_layer
     from flux_klein_mlx.models.text_encoder import keeps_key
@@ -117,13 +118,17 @@ def load_one(name: str, source, dtype=None, config: dict | None = None):
     keep = keeps_key if name == "text_encoder" else None
     if source.is_dir():
         config = read_json(source / "config.json")
-        weights = components.sanitize(name, components.read_weight_files(component_files(source), keep=keep))
+        weights = components.sanitize(name, components.read_weight_files(component_files(source), keep=keep), FLUX2)
     else:
-        weights = components.sanitize(name, components.read_weight_files([source], keep=keep))
+        weights = components.sanitize(name, components.read_weight_files([source], keep=keep), FLUX2)
         if config is None:
             config = dataclasses.asdict(infer_params(weights))
     model, _ = components.assemble(
-        name, dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config, weights=weights, dtype=dtype
+        name,
+        dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config,
+        weights=weights,
+        family=FLUX2,
+        dtype=dtype,
     )
     evaluate_by_layer(model)
     return model

@@ -174,21 +174,12 @@ def sampling_defaults(distilled: bool) -> tuple[int, float | None]:
 
 # --- the other FLUX models (FLUX.1, FLUX.2-dev), told apart from klein here and nowhere else --------------
 
-# Module names that only FLUX.1 has (checkpoints and LoRAs; LoRA files may write them with "_" for ".").
-FLUX1_MARKERS = (".img_mod.", ".txt_mod.", "vector_in.", "time_text_embed.", ".norm1.linear.", ".norm1_context.",
-                 "ff.net.")  # fmt: skip
 FLUX1_BLOCKS = (19, 38)  # double / single blocks of FLUX.1 [dev] and [schnell]
 FLUX1_IMG_IN = (3072, 64)  # x_embedder (out, in): FLUX.1 packs 16 latent channels x 2 x 2
 DEV_MARKERS = ("guidance_in.", ".guidance_embedder.")  # FLUX.2-dev's guidance embedder
 # Transformers by hidden size (klein-4B and FLUX.1 share 3072; their MLPs differ: 2 x 3D SwiGLU vs 4D GELU).
 HIDDEN_SIZES = {3072: "FLUX.2 [klein] 4B", 4096: "FLUX.2 [klein] 9B", 6144: "FLUX.2-dev"}
 DEV_HIDDEN = 6144
-
-
-def flux1_marker(name: str) -> str | None:
-    """The FLUX.1-only marker that module or key `name` carries (dotted or underscored), or None."""
-    dotted, underscored = f".{name}.", f"_{name}_"
-    return next((m for m in FLUX1_MARKERS if m in dotted or m.replace(".", "_") in underscored), None)
 
 
 def qwen3_4b() -> Qwen3Config:

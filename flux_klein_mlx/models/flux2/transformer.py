@@ -18,10 +18,11 @@ import mlx.nn as nn
 from ...errors import FluxKleinError
 from ..attention import attend
 from ..blocks import LastLayer, MLPEmbedder, Modulation, QKNorm, count_blocks, modulate, swiglu, timestep_embedding
+from ..config import flux1_marker
 from ..kv_cache import KV, ReferenceKV
 from ..recompute import checkpointed
 from ..rope import apply_rope, rope_tables
-from .config import DEV_HIDDEN, DEV_MARKERS, FLUX1_BLOCKS, FLUX1_IMG_IN, FluxKleinParams, flux1_marker
+from .config import DEV_HIDDEN, DEV_MARKERS, FLUX1_BLOCKS, FLUX1_IMG_IN, FluxKleinParams
 
 # --- building blocks ---------------------------------------------------------------------------------
 

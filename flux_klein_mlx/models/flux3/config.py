@@ -130,17 +130,5 @@ def _flux3_rows() -> dict[str, Variant]:
 FLUX3_VARIANTS: dict[str, Variant] = _flux3_rows()
 
 
-# FLUX 3 Image Klein: diffusers' Flux3Transformer2DModel (pipelines Flux3ModularPipeline and
-# Flux3DistilledModularPipeline); BFL's file has per-mode blocks and, distilled, a second timestep embedder
-# (the keys diffusers' single-file loader tells it by). Its hidden size is klein-4B's (24 heads x 128 = 3072),
-# so it is told apart by these names, never by its shapes.
-FLUX3_CLASS_PREFIX = "Flux3"
-FLUX3_MARKERS = ("early_stream_modulations.", "single_stream_modulations.", "mode_blocks.", "ref_time_in.")
-FLUX3_NAME = "FLUX 3 Image Klein"
 # diffusers' modular pipelines (modular_model_index.json `_class_name`): Base, and the step-distilled flow map
 FLUX3_PIPELINE_CLASSES = ("Flux3ModularPipeline", "Flux3DistilledModularPipeline")
-
-
-def flux3_marker(names) -> str | None:
-    """The first of `names` (checkpoint keys or module names) that only FLUX 3 Image Klein has, or None."""
-    return next((n for n in names if any(m in f".{n}" for m in FLUX3_MARKERS)), None)
