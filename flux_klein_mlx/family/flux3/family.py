@@ -22,8 +22,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...events import Job
-from ...inputs.images import prepare_flux3_references
-from ...inputs.references import FLUX3_MAX_REFERENCES
 from ...models.flux3.config import FLUX3_PIPELINE_CLASSES, FLUX3_VARIANTS, Flux3Params
 from ...models.flux3.transformer import Flux3, infer_flux3_params, linear_shapes, sanitize_flux3_weights
 from ...models.rope import image_ids, text_ids
@@ -32,6 +30,7 @@ from ...models.tokenizer import FLUX3_WINDOW
 from ...sampling import cfg, flow_timestep, shifted_schedule
 from ..base import LoraNames
 from .lora import FLUX3_LORA_MARKERS, flux3_check, flux3_modules, flux3_table, guess_params
+from .references import FLUX3_MAX_REFERENCES, prepare_flux3_references
 
 SHIFT = 6.93  # diffusers' Flux3SetTimestepsStep and mflux: sigma' = 6.93 sigma / (1 + 5.93 sigma)
 # what the memory plan counts for a caption before it is encoded: two windows of 80 (about 100 words)
