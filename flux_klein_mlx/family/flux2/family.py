@@ -113,7 +113,7 @@ class Flux2Family:
 
     def encode_prompts(self, encoder, tokenizer, prompts: list[str]) -> list[mx.array]:
         """One (1, 512, C) embedding per prompt, all from one batched call (every window is 512)."""
-        emb = encode_prompts(encoder, tokenizer, prompts)
+        emb = encode_prompts(encoder, tokenizer, prompts, FLUX2_WINDOW)
         return [emb[i : i + 1] for i in range(len(prompts))]
 
     def model_title(self, params: FluxKleinParams, distilled: bool, reference_kv: bool) -> str:
