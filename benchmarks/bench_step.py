@@ -38,7 +38,7 @@ from common import diffusers_transformer_config, randomize_torch_  # noqa: E402
 
 from flux_klein_mlx.bench.command import write_json  # noqa: E402
 from flux_klein_mlx.bench.flops import flops_of_transformer, machine_info  # noqa: E402
-from flux_klein_mlx.models.config import FluxKleinParams  # noqa: E402
+from flux_klein_mlx.models.flux2.config import FluxKleinParams  # noqa: E402
 from flux_klein_mlx.models.flux2.transformer import FluxKlein, sanitize_flux2_klein_weights  # noqa: E402
 from flux_klein_mlx.models.rope import image_ids, text_ids  # noqa: E402
 from flux_klein_mlx.storage.weights import load_into  # noqa: E402

@@ -66,7 +66,7 @@ def make(folder: Path, bits: int = 4, blocks: str | None = None) -> None:
     from flux_klein_mlx.bench.random_model import randomize
     from flux_klein_mlx.convert import Part, write_folder
     from flux_klein_mlx.family import FLUX2
-    from flux_klein_mlx.models.config import VARIANTS
+    from flux_klein_mlx.models.flux2.config import VARIANTS
     from flux_klein_mlx.models.quantize import evaluate_by_layer, quantize_model
     from flux_klein_mlx.run.components import build_module
 

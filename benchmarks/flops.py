@@ -31,7 +31,8 @@ from flux_klein_mlx.bench.flops import (  # noqa: E402,F401  (re-exported)
     transformer_step_flops,
 )
 from flux_klein_mlx.family import FLUX3  # noqa: E402
-from flux_klein_mlx.models.config import AutoEncoderConfig, FluxKleinParams, qwen3_4b, qwen3_8b  # noqa: E402
+from flux_klein_mlx.models.config import AutoEncoderConfig  # noqa: E402
+from flux_klein_mlx.models.flux2.config import FluxKleinParams, qwen3_4b, qwen3_8b  # noqa: E402
 from flux_klein_mlx.models.flux3.config import FLUX3_VARIANTS  # noqa: E402
 
 SIZES = (1024, 512)

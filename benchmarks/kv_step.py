@@ -34,7 +34,7 @@ import mlx.core as mx  # noqa: E402
 
 from flux_klein_mlx.bench.flops import flops_of_transformer, machine_info, reference_pass_flops  # noqa: E402
 from flux_klein_mlx.bench.random_model import randomize  # noqa: E402
-from flux_klein_mlx.models.config import FluxKleinParams  # noqa: E402
+from flux_klein_mlx.models.flux2.config import FluxKleinParams  # noqa: E402
 from flux_klein_mlx.models.flux2.transformer import FluxKlein  # noqa: E402
 from flux_klein_mlx.models.rope import image_ids, text_ids  # noqa: E402
 

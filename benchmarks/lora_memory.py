@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from flux_klein_mlx.bench.random_model import randomize  # noqa: E402
 from flux_klein_mlx.lora.apply import apply_loras, load_loras  # noqa: E402
-from flux_klein_mlx.models.config import FluxKleinParams  # noqa: E402
+from flux_klein_mlx.models.flux2.config import FluxKleinParams  # noqa: E402
 from flux_klein_mlx.models.flux2.transformer import (
     FluxKlein,  # noqa: E402
     linear_shapes,  # noqa: E402

@@ -70,7 +70,8 @@ from common import (  # noqa: E402
     run_json_child,
 )
 
-from flux_klein_mlx.models.config import AutoEncoderConfig, FluxKleinParams, qwen3_4b  # noqa: E402
+from flux_klein_mlx.models.config import AutoEncoderConfig  # noqa: E402
+from flux_klein_mlx.models.flux2.config import FluxKleinParams, qwen3_4b  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "memory.json"
 

@@ -37,7 +37,7 @@ import common  # noqa: E402, F401  (first: this checkout on sys.path, OpenBLAS b
 import mlx.core as mx  # noqa: E402
 from common import GB, max_rss_bytes, qwen3_hf_config, qwen_tokenizer_dir, run_json_child  # noqa: E402
 
-from flux_klein_mlx.models.config import FluxKleinParams, qwen3_4b  # noqa: E402
+from flux_klein_mlx.models.flux2.config import FluxKleinParams, qwen3_4b  # noqa: E402
 from flux_klein_mlx.models.text_encoder import OUT_LAYERS  # noqa: E402
 from flux_klein_mlx.storage.weights import save_safetensors_sharded  # noqa: E402
 
@@ -114,6 +114,7 @@ def write_checkpoint(root: Path) -> list[str]:
 def measure(root: Path, dtype_name: str, encode: bool) -> dict:
     """Runs in a fresh process: load (and encode), report peak memory and RSS."""
     from flux_klein_mlx.models.text_encoder import encode_prompts
+    from flux_klein_mlx.models.tokenizer import FLUX2_WINDOW
     from flux_klein_mlx.run.components import load_component
     from flux_klein_mlx.run.loading import describe
 
@@ -133,7 +134,7 @@ def measure(root: Path, dtype_name: str, encode: bool) -> dict:
 
         tok = load_tokenizer(root)
         t = time.perf_counter()
-        emb = encode_prompts(encoder, tok, "a red fox in fresh snow, golden hour")
+        emb = encode_prompts(encoder, tok, "a red fox in fresh snow, golden hour", FLUX2_WINDOW)
         mx.eval(emb)
         out["encode_s"] = time.perf_counter() - t
         out["shape"] = list(emb.shape)

@@ -55,7 +55,7 @@ import numpy as np  # noqa: E402
 from common import GB, ROOT, run_json_child  # noqa: E402
 
 from flux_klein_mlx.bench.flops import APPLE_CHIPS, flops_of_transformer, lora_training_flops, machine_info  # noqa: E402
-from flux_klein_mlx.models.config import FluxKleinParams  # noqa: E402
+from flux_klein_mlx.models.flux2.config import FluxKleinParams  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "train_step.json"
 RANK = 16

@@ -418,7 +418,9 @@ def interrupt_on_termination():
 )
 def convert(model, output, *, dtype, bits, group_size, base, overwrite, loras, lora_scales, lora_partial, vae):
     """Convert a FLUX.2 [klein] model into an MLX folder (optionally 4/8-bit, optionally with LoRAs baked in)."""
-    if is_upsampler(model, FAMILIES["flux3"].upsampler):  # FLUX 3's prompt upsampler: mlx-vlm writes it
+    if any(
+        is_upsampler(model, f.upsampler) for f in FAMILIES.values()
+    ):  # a family's prompt upsampler: mlx-vlm writes it
         if loras or base or vae:
             raise FluxKleinError("the prompt upsampler takes no --lora, --base or --vae; convert it alone")
         click.echo(f"wrote {convert_upsampler(model, output, bits=bits, group_size=group_size, overwrite=overwrite)}")
@@ -450,7 +452,9 @@ def convert(model, output, *, dtype, bits, group_size, base, overwrite, loras, l
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 def quantize_command(model, *, bits, group_size, output, overwrite):
     """Quantize a converted MLX folder's transformer and text encoder to 4 or 8 bits."""
-    if is_upsampler(model, FAMILIES["flux3"].upsampler):  # FLUX 3's prompt upsampler: mlx-vlm writes it
+    if any(
+        is_upsampler(model, f.upsampler) for f in FAMILIES.values()
+    ):  # a family's prompt upsampler: mlx-vlm writes it
         click.echo(f"wrote {convert_upsampler(model, output, bits=bits, group_size=group_size, overwrite=overwrite)}")
         return
     with interrupt_on_termination(), progress_bars() as bars:

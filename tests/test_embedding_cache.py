@@ -72,13 +72,14 @@ def entry_array(seed: int = 0, dtype=mx.bfloat16, width: int = 96) -> mx.array:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_hit_is_bit_identical_to_the_encoders_output(snapshot, encoder, tmp_path, dtype):
     from flux_klein_mlx.models.text_encoder import encode_prompts
+    from flux_klein_mlx.models.tokenizer import FLUX2_WINDOW
     from flux_klein_mlx.run.loading import describe
 
     model, tok = encoder[dtype]
     files = describe(snapshot).files["text_encoder"]
     # bf16 matmuls are slow on the CPU backend: one prompt there, a batch of two in float32.
     prompts = ["a red fox in fresh snow"] if dtype == "bfloat16" else ["a red fox in fresh snow", ""]
-    miss = encode_prompts(model, tok, prompts)  # (2, 512, 96)
+    miss = encode_prompts(model, tok, prompts, FLUX2_WINDOW)  # (2, 512, 96)
     mx.eval(miss)
     cache = EmbeddingCache(tmp_path / "c")
     template = tok.hf_tokenizer.chat_template
@@ -89,7 +90,7 @@ def test_hit_is_bit_identical_to_the_encoders_output(snapshot, encoder, tmp_path
 
     def encode(missing):
         calls.append(list(missing))
-        emb = encode_prompts(model, tok, missing)
+        emb = encode_prompts(model, tok, missing, FLUX2_WINDOW)
         return [emb[i : i + 1] for i in range(len(missing))]  # one (1, 512, 96) per prompt
 
     first = cached_embeddings(cache, keys, encode)

@@ -15,13 +15,13 @@ from diffusers.modular_pipelines.flux3.image_processor import Flux3ImageProcesso
 from PIL import Image
 
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.inputs.images import prepare_flux3_references
-from flux_klein_mlx.inputs.references import (
+from flux_klein_mlx.family.flux3.references import (
     FLUX3_MAX_REFERENCES,
     check_reference_count,
-    crop_to_box,
     prepare_canvas_reference,
+    prepare_flux3_references,
 )
+from flux_klein_mlx.inputs.images import crop_to_box
 from flux_klein_mlx.models.rope import image_ids
 from flux_klein_mlx.record.output import to_output
 from flux_klein_mlx.sampling import flow_timestep, shifted_schedule

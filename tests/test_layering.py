@@ -165,7 +165,7 @@ def test_the_walker_sees_every_import_form():
     """The checks above are only as good as the walker: it must see every import form."""
     graph = package_imports()
     assert "run.loading" in graph["run.pipeline"]  # from .loading import ...
-    assert "models.config" in graph["models.flux2.transformer"]  # from ..config import ... from a sub-package
+    assert "models.blocks" in graph["models.flux2.transformer"]  # from ..blocks import ... from a sub-package
     assert "errors" in graph["models.flux2.transformer"]  # from ...errors import ...
     assert "models.attention" in graph["models.flux3.transformer"]  # from ..attention import ... (a sub-package)
     assert "errors" in graph["models.flux3.transformer"]  # from ...errors import ...
@@ -489,3 +489,49 @@ def test_architecture_lists_the_floors_this_test_holds():
         floor, modules = (cell.strip() for cell in row.strip("|").split("|"))
         listed.update({m.replace("/", "."): int(floor) for m in modules.split()})
     assert listed == FLOORS["train"]
+
+
+# Who may name a family outside family/ and models/<family>/ (issue 45): each entry says why. A new family
+# touches family/<x>/, models/<x>/, one row of family.FAMILIES and one FLOP entry; whatever else it must touch
+# is listed here. Keep it short: a module here branches on a family by name, which the registry exists to avoid.
+FAMILY_NAMERS = {
+    "bench.flops": "the FLOP model of each family's networks (DENOISE_FLOPS, by Family.key)",
+}
+FAMILY_MODULES = ("family.flux2", "family.flux3", "models.flux2", "models.flux3")
+
+
+def names_a_family(module: str, path: Path, imports: set[str]) -> list[str]:
+    """What in one source file names a family: an import of a family's own module or of FLUX2 / FLUX3, a
+    FAMILIES["..."] look-up, a "flux2" / "flux3" string."""
+    found = sorted(m for m in imports if m.startswith(FAMILY_MODULES))
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            found += [a.name for a in node.names if a.name in ("FLUX2", "FLUX3")]
+        elif isinstance(node, ast.Subscript) and getattr(node.value, "id", None) == "FAMILIES":
+            found.append("FAMILIES[...]")
+        elif isinstance(node, ast.Constant) and node.value in ("flux2", "flux3"):
+            found.append(repr(node.value))
+    return found
+
+
+def test_only_a_family_names_a_family():
+    """Outside family/ and models/<family>/, nothing defines or branches on a family: every question "which
+    family is this folder / file / LoRA / params" is a loop over family.FAMILIES (it fails on 331f8cf: run.loading,
+    run.components, convert, lora.names, lora.convert and others name FLUX2 / FLUX3 / "flux3")."""
+    graph, files = package_imports(), package_files()
+    mine = ("family", "models.flux2", "models.flux3")
+    naming = {
+        m: names_a_family(m, files[m], graph[m])
+        for m in files
+        if not (m == "family" or m.startswith(tuple(f"{p}." for p in mine))) and m not in FAMILY_NAMERS
+    }
+    naming = {m: n for m, n in naming.items() if n}
+    assert not naming, f"{naming} name a family: ask family.FAMILIES (or a Family's attribute) instead"
+
+
+def test_every_family_has_a_flop_count():
+    """The FLOP table (bench/flops.DENOISE_FLOPS) is in step with the registry: one count per family, no other."""
+    from flux_klein_mlx.bench.flops import DENOISE_FLOPS
+    from flux_klein_mlx.family import FAMILIES
+
+    assert set(DENOISE_FLOPS) == set(FAMILIES)

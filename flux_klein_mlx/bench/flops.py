@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .. import __version__, preload_openblas
-from ..models.config import FluxKleinParams
+from ..models.flux2.config import FluxKleinParams
 from ..models.rope import token_grid
 
 

@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 from ..family import family_of
 from ..models.config import Variant
 from ..models.quantize import evaluate_by_layer, quantize_model
-from ..models.tokenizer import FLUX2_WINDOW, TextWindow, Tokens
+from ..models.tokenizer import TextWindow, Tokens
 from ..run.components import build_module
 from ..run.loading import COMPONENTS, ModelInfo
 from ..run.pipeline import FluxKleinPipeline
@@ -69,7 +69,7 @@ class RandomTokens:
         self.seed = seed
         self.real_tokens = real_tokens
 
-    def tokens(self, prompts, window: TextWindow = FLUX2_WINDOW) -> Tokens:
+    def tokens(self, prompts, window: TextWindow) -> Tokens:
         n = 1 if isinstance(prompts, str) else len(prompts)
         L = window.length(min(self.real_tokens, window.max_length))
         ids = mx.random.randint(0, self.vocab_size, (n, L), key=mx.random.key(self.seed))

@@ -35,6 +35,19 @@ def all_variants() -> dict:
     return {name: row for f in FAMILIES.values() for name, row in f.variants.items()}
 
 
+def family_of_names(names) -> Family:
+    """The family whose markers a checkpoint's keys (or module names) carry; the family without markers
+    (FLUX.2 [klein], whose names the later families extend) when no other family's show."""
+    names = [f".{n}" for n in names]
+    marked = (f for f in FAMILIES.values() if f.markers and any(m in n for n in names for m in f.markers))
+    return next(marked, None) or next(f for f in FAMILIES.values() if not f.markers)
+
+
+def family_of_class(name) -> Family | None:
+    """The family a diffusers `_class_name` (a pipeline's or a transformer's) belongs to, or None."""
+    return next((f for f in FAMILIES.values() if isinstance(name, str) and name.startswith(f.class_prefix)), None)
+
+
 def default_upsampler() -> str:
     """The prompt upsampler `upsample` runs without --upsampler: the one a family names (FLUX 3's)."""
     return next(f.upsampler for f in FAMILIES.values() if f.upsampler)
@@ -55,4 +68,6 @@ __all__ = [
     "default_upsampler",
     "family_named",
     "family_of",
+    "family_of_class",
+    "family_of_names",
 ]

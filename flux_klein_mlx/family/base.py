@@ -2,12 +2,47 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..events import Job
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a named module lands in our model: a layer, a row range of its output, and the row order."""
+
+    layer: str  # our module path, e.g. "double_blocks.0.img_attn.qkv"
+    rows: tuple[int, int]  # [start, stop) of the layer's output rows
+    swap: bool = False  # rows given as [scale ; shift] (diffusers' norm_out), ours are [shift ; scale]
+
+
+@dataclass(frozen=True)
+class LoraNames:
+    """What lora/ asks of one model family (`Family.lora`): its transformer's names and shapes, the markers of its
+    LoRA files (a LoRA file has no header that names its model)."""
+
+    title: str  # family/'s Family.title
+    params_type: type  # the transformer's hyper-parameters
+    table: Callable  # params -> {module name a LoRA may use: Target}
+    modules: Callable  # (params, blocks_only) -> diffusers' Linear module names, in model order
+    shapes: Callable  # params -> {our layer: (out, in)}
+    markers: re.Pattern  # module names (dotted or underscored, any prefix) only this family has
+    hidden_sizes: dict[int, str]  # the released models by hidden size, for "made for ..." messages
+    guess: (
+        Callable  # (keys, {module: input width}) -> the transformers a LoRA file's shapes may be for, likeliest first
+    )
+    fused: dict = field(default_factory=dict)  # diffusers' fused projections (their name: our layer)
+    check: Callable | None = None  # (names, params, what) -> None: a family's own refusal
+
+
+SINGLE_BLOCK = re.compile(r"(?:single_blocks|single_transformer_blocks)[._](\d+)[._]")  # N of a single block
+EDGE = r"(?:^|(?<=[._]))"  # a name segment starts here (after a prefix, a dot or kohya's underscore)
 
 
 class Steps(Protocol):
@@ -28,6 +63,9 @@ class Family(Protocol):
     text_key: dict  # what the prompt cache's key adds for this family's embeddings
     index_files: tuple[str, ...]  # a diffusers snapshot's index file names, in the order tried
     pipeline_classes: tuple[str, ...]  # the index's `_class_name`s of this family's pipelines
+    markers: tuple[str, ...]  # checkpoint key parts only this family has (() for the family the others extend)
+    class_prefix: str  # diffusers' class names of its pipelines and transformer start with it
+    lora: LoraNames  # its LoRA files' names, shapes and markers (lora/ asks it)
     upsampler: str | None  # the hub repo of BFL's prompt upsampler for this family (None: it has none)
     variants: dict  # its released models' rows (models/config.Variant), by name: the benchmark's random models
     # training (train/, docs/training.md): the family's pieces of the objective and of --targets
@@ -39,6 +77,10 @@ class Family(Protocol):
 
     def is_distilled(self, index: dict, transformer_config: dict) -> bool:
         """Whether a snapshot is the distilled model, from its index and transformer config."""
+        ...
+
+    def reference_kv(self, index: dict) -> bool:
+        """Whether a snapshot's model caches the references' K/V (klein 9B-KV), from its index."""
         ...
 
     def model_title(self, params, distilled: bool, reference_kv: bool) -> str:

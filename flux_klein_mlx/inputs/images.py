@@ -1,6 +1,7 @@
 """The run's images, read and prepared before any model runs: reference images (FLUX.2's crop to the token
-grid; FLUX 3's one-reference canvas from `references`), the init image and its mask (diffusers' order of
-resizes), each opened once with one-line errors (`open_image`), checked (`check_image_shape`).
+grid, which FLUX 3 uses for several references; its one-reference canvas is `family/flux3/references`), the
+init image and its mask (diffusers' order of resizes), each opened once with one-line errors (`open_image`),
+checked (`check_image_shape`).
 
 Shapes: pixels (H, W, 3) float32 in [-1, 1] with H, W multiples of 16; a mask on the token grid (h*w, 1).
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +19,6 @@ from PIL import Image, ImageOps
 from ..errors import FluxKleinError
 from ..limits import MIN_SIDE, check_path
 from ..models.rope import PIXELS_PER_TOKEN, token_grid
-from .references import FLUX3_MAX_REFERENCES, check_reference_count, prepare_canvas_reference
 
 MAX_ASPECT = 8
 MAX_AREA = 1024 * 1024
@@ -135,19 +134,6 @@ def preprocess_reference(image) -> np.ndarray:
     return _pixels(img.crop((left, top, left + cw, top + ch)), normalize=True)
 
 
-def prepare_flux3_references(images: Sequence, model_name: str) -> tuple[list[np.ndarray], tuple | None]:
-    """FLUX 3's reference pixels and the box to crop the output back to (None with several references).
-
-    One reference is kept whole on its canvas (`references.prepare_canvas_reference`, any size of at least
-    1 px); several are each prepared as FLUX.2 prepares one (`preprocess_reference`, FLUX.2's limits), which
-    is what diffusers' `Flux3ImageProcessor` does with `resize_mode="crop"`."""
-    check_reference_count(len(images), FLUX3_MAX_REFERENCES, model_name)
-    if len(images) == 1:
-        canvas = prepare_canvas_reference(open_image(images[0], "reference image"))
-        return [canvas.pixels], canvas.box
-    return [preprocess_reference(im) for im in images], None
-
-
 @dataclass
 class InitImage:
     """A prepared init image (and mask): what the pipeline needs, computed without any model."""
@@ -216,6 +202,13 @@ def bilinear_resize(x: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
     top = x[y0][:, x0] * (1 - fx) + x[y0][:, x1] * fx
     bottom = x[y1][:, x0] * (1 - fx) + x[y1][:, x1] * fx
     return (top * (1 - fy)[:, None] + bottom * fy[:, None]).astype(np.float32)
+
+
+def crop_to_box(image, box: tuple[int, int, int, int]):
+    """A decoded image (H, W, 3), numpy or MLX, cropped back to the box (left, top, right, bottom) a family's
+    reference preparation returned (FLUX 3's canvas: the reference inside it)."""
+    left, top, right, bottom = box
+    return image[top:bottom, left:right]
 
 
 # --- everything a run needs, before any model runs ----------------------------------------------------

@@ -6,7 +6,7 @@ variant and reads every image the run needs (`images`), all before any model run
 
 - reference images: shrunk to 1024^2 px area if larger (Lanczos, sizes truncated), sides floored to
   multiples of 16 and centre-cropped (spec 8.1); FLUX 3 keeps a single reference whole on a canvas
-  (`images.prepare_flux3_references`, `references`);
+  (`family/flux3/references`: each family prepares its references);
 - an init image (image-to-image / inpainting, as diffusers' `Flux2KleinInpaintPipeline`): shrunk
   to 1024^2 px area if larger, then resized -- not cropped -- to sides floored to multiples of 16;
   it sets the output size. A mask (white = repaint, black = keep) is resized like it, made grey,

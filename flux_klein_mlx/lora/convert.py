@@ -11,8 +11,6 @@ gets a `Flux3Params` the same way (the distilled model when it adapts `ref_time_
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import json
 import math
 import re
@@ -22,31 +20,14 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import FluxKleinError, first_few
-from ..models.config import FluxKleinParams
-from ..models.flux3.config import Flux3Params
 from ..storage.files import check_output_file, write_exclusive
 from ..storage.weights import read_lora_file, save_safetensors_streaming
 from .formats import DOWN_ROLES, ParsedLora, parse_lora
 from .layouts import FORMAT_NAMES, adapter_file, autov3, check_layout
-from .names import family_of_names, lora_family
+from .names import family_of_names, lora_family, unmarked_lora
 
 # a LoRA down matrix's key ending (PEFT's adapter name optional): `.lora_A.weight`, `.lora_down.weight`, ...
 _DOWN = re.compile(rf"\.(?:{'|'.join(re.escape(r) for r in DOWN_ROLES)})(?:\.[A-Za-z0-9_]+)?\.weight$")
-_DOUBLE = re.compile(r"(?<!single_)(?:double_blocks|transformer_blocks)[._](\d+)[._]")
-_SINGLE = re.compile(r"(?:single_blocks|single_transformer_blocks)[._](\d+)[._]")
-# module-name endings whose input width is a model setting, not the hidden size
-_WIDTHS = {"in_channels": ("img_in", "x_embedder"), "context_in_dim": ("txt_in", "context_embedder"),
-           "time_channels": ("time_in.in_layer", "time_in_in_layer", "timestep_embedder.linear_1",
-                             "timestep_embedder_linear_1", "time_guidance_embed.linear_1")}  # fmt: skip
-_VARIANTS = {3072: FluxKleinParams.klein_4b, 4096: FluxKleinParams.klein_9b}
-# FLUX 3 Image Klein: its stacks (diffusers' and ours) and the widths that are settings (BFL / diffusers names)
-_MODE = re.compile(r"(?:mode_blocks[._](?:image|image_cond)|txt_mode_blocks)[._](\d+)[._]")
-_WIDTHS3 = {"in_channels": ("emb_in.image", "emb_in_image", "x_embedders.image", "x_embedders_image"),
-            "cond_in_channels": ("emb_in.image_cond", "emb_in_image_cond", "x_embedders.image_cond",
-                                 "x_embedders_image_cond"),
-            "context_in_dim": ("txt_in", "context_embedder"),
-            "time_channels": ("time_in.in_layer", "time_in_in_layer", "timestep_embedder.linear_1",
-                              "timestep_embedder_linear_1")}  # fmt: skip
 
 
 def _input_widths(tensors: dict[str, mx.array]) -> dict[str, int]:
@@ -60,76 +41,6 @@ def _input_widths(tensors: dict[str, mx.array]) -> dict[str, int]:
     return widths
 
 
-def guess_params(tensors: dict[str, mx.array]) -> list[FluxKleinParams]:
-    """The transformers a LoRA may be for, most likely first: one per candidate hidden size (the most
-    common input width first), klein-4B/9B's own settings for their hidden sizes."""
-    widths = _input_widths(tensors)
-    blocks = [
-        max((int(m.group(1)) + 1 for k in tensors if (m := rx.search(k))), default=0) for rx in (_DOUBLE, _SINGLE)
-    ]
-    extra = {}
-    for field, ends in _WIDTHS.items():
-        hit = next((w for k, w in widths.items() if re.sub(_DOWN, "", k).endswith(ends)), None)
-        if hit is not None:
-            extra[field] = hit
-    candidates = []
-    for hidden, _ in collections.Counter(widths.values()).most_common(4):
-        if (
-            hidden in _VARIANTS
-            and blocks[0] <= _VARIANTS[hidden]().depth
-            and blocks[1] <= _VARIANTS[hidden]().depth_single
-        ):
-            candidates.append(dataclasses.replace(_VARIANTS[hidden](), **extra))
-        elif hidden % 2 == 0:  # any width: one head, one RoPE axis (neither changes a weight's shape)
-            candidates.append(
-                FluxKleinParams(
-                    hidden_size=hidden,
-                    num_heads=1,
-                    axes_dim=(hidden,),
-                    depth=blocks[0],
-                    depth_single=blocks[1],
-                    **extra,
-                )
-            )
-    return candidates or [FluxKleinParams.klein_4b()]
-
-
-def guess_flux3_params(tensors: dict[str, mx.array]) -> list[Flux3Params]:
-    """The FLUX 3 Image Klein transformer a LoRA may be for: the released one for its hidden size (the distilled
-    one when the file adapts the target-time embedder), else one of the file's own widths and block counts."""
-    widths = _input_widths(tensors)
-    bare = {re.sub(_DOWN, "", k): w for k, w in widths.items()}
-    extra = {f: w for f, ends in _WIDTHS3.items() if (w := next((w for k, w in bare.items() if k.endswith(ends)), 0))}
-    flow_map = any(re.search(r"(?:ref_time_in|target_timestep_embedder)[._]", k) for k in tensors)
-    mlp = next((w for k, w in bare.items() if k.endswith(("mlp_out", "ff.linear_out", "ff_linear_out"))), None)
-    depth = max((int(m.group(1)) + 1 for k in tensors if (m := _MODE.search(k))), default=0)
-    single = max((int(m.group(1)) + 1 for k in tensors if (m := _SINGLE.search(k))), default=0)
-    candidates = []
-    for hidden, _ in collections.Counter(widths.values()).most_common(4):
-        released = Flux3Params(flow_map=flow_map)
-        if hidden == released.hidden_size and depth <= released.depth and single <= released.depth_single:
-            candidates.append(dataclasses.replace(released, **extra))
-        elif hidden % 2 == 0:  # one head, one RoPE axis (neither changes a weight's shape)
-            ratio = {"mlp_ratio": mlp / hidden} if mlp else {}
-            candidates.append(
-                Flux3Params(
-                    hidden_size=hidden,
-                    num_heads=1,
-                    axes_dim=(hidden,),
-                    depth=depth,
-                    depth_single=single,
-                    flow_map=flow_map,
-                    **ratio,
-                    **extra,
-                )
-            )
-    return candidates or [Flux3Params(flow_map=flow_map)]
-
-
-# each family's guess of the transformer a file is for, by its hyper-parameter type (names.LoraFamily.params_type)
-_GUESSES = {FluxKleinParams: guess_params, Flux3Params: guess_flux3_params}
-
-
 @dataclass(kw_only=True)
 class LoraFile:
     """A LoRA file read and mapped onto the transformer its shapes describe."""
@@ -138,7 +49,7 @@ class LoraFile:
     metadata: dict[str, str]
     sha256: str  # of the whole file
     parsed: ParsedLora
-    params: FluxKleinParams | Flux3Params
+    params: object  # the family's transformer hyper-parameters
     dtype: mx.Dtype  # of its matrices
 
 
@@ -152,9 +63,9 @@ def read_any_lora(path: str | Path) -> LoraFile:
     if bad:
         raise FluxKleinError(f"LoRA {what} holds non-finite values (in {bad}); the file is damaged")
     first_error = None
-    made = family_of_names(tensors)  # FLUX.2's when no name tells (names both families have)
-    guess = _GUESSES[made[0].params_type if made else FluxKleinParams]
-    for params in guess(tensors):
+    made = family_of_names(tensors)  # the unmarked family's when no name tells (names both families have)
+    widths = {re.sub(_DOWN, "", k): w for k, w in _input_widths(tensors).items()}
+    for params in (made[0] if made else unmarked_lora()).guess(list(tensors), widths):
         try:
             parsed = parse_lora(tensors, metadata, params, what)
         except FluxKleinError as e:  # shapes of another candidate, or a foreign / damaged file

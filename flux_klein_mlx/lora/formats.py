@@ -16,8 +16,8 @@ with the `lycoris_` prefix.
 
 FLUX 3 Image Klein's LoRAs come in A, B and D with its own module names (docs/loras.md#flux-3-image-klein):
 `transformer.mode_blocks.image.0.attn.to_q`, `diffusion_model.content_mode_blocks.image.0.q_proj`,
-`lora_unet_single_blocks_0_mlp_in`. Each family's names are in `names.LORA_FAMILIES`, found by the type of
-the model's hyper-parameters; a file whose names belong to the other family is refused naming both.
+`lora_unet_single_blocks_0_mlp_in`. Each family's names are its `Family.lora` (family/<family>/lora.py), found
+by the type of the model's hyper-parameters; a file whose names belong to another family is refused naming both.
 
 Every key is looked up in one table (`names.target_table`) built from the model's own hyper-parameters:
 our (BFL) module paths, diffusers' names, and both written with underscores (kohya/LyCORIS). An entry is a `Target`:

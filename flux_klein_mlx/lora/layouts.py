@@ -42,7 +42,7 @@ from ..checks import check_choice
 from ..errors import FluxKleinError, first_few
 from ..storage.weights import read_lora_file, save_safetensors_streaming
 from .formats import Term, parse_lora
-from .names import DIFFUSERS_FUSED, diffusers_modules, layer_shapes, target_table
+from .names import diffusers_modules, layer_shapes, lora_family, target_table
 
 LAYOUTS = ("diffusers", "comfyui", "kohya")
 # What the layouts are called in messages and `lora info` (formats.py's names -> words).
@@ -77,7 +77,7 @@ def whole_layer_units(params) -> dict[str, tuple[str, bool]]:
     units = diffusers_units(params)
     out = {layer: (parts[0][0], parts[0][2]) for layer, parts in units.items() if len(parts) == 1}
     for i in range(params.depth):
-        for theirs, ours in DIFFUSERS_FUSED.items():
+        for theirs, ours in lora_family(params).fused.items():
             if f"double_blocks.{i}.{ours}" in units:  # FLUX.2's; FLUX 3 has no fused layer
                 out[f"double_blocks.{i}.{ours}"] = (f"transformer_blocks.{i}.{theirs}", False)
     return out

@@ -1,13 +1,12 @@
-"""Configurations as data: the three components' dataclasses and the table of klein variants.
+"""Configurations as data that every family shares: the text encoder's and the VAE's dataclasses, a released
+model's row (`Variant`), and the helpers that read a diffusers config.json into a dataclass.
 
-Every number that says what klein-4B or klein-9B is lives in `VARIANTS` below; the presets
-elsewhere (`FluxKleinParams.klein_4b()`, `qwen3_4b()`, the benchmark's random models, the default
-steps and guidance of the pipeline) read it. Configs ignore unknown JSON keys (style.md habit 3).
+Each family's transformer params and its table of released models live in models/<family>/config.py.
+Configs ignore unknown JSON keys (style.md habit 3).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, fields
 
 from ..errors import FluxKleinError
@@ -47,86 +46,6 @@ def check_heads_and_axes(params, what: str) -> None:
             f"{what} config is inconsistent: RoPE axes {params.axes_dim} must be even and sum to the "
             f"head dim {params.head_dim}; fix config.json"
         )
-
-
-# --- the flow transformer ------------------------------------------------------------------------
-
-# diffusers `transformer/config.json` names -> ours (BFL's)
-_DIFFUSERS_TRANSFORMER = {
-    "num_layers": "depth",
-    "num_single_layers": "depth_single",
-    "joint_attention_dim": "context_in_dim",
-    "axes_dims_rope": "axes_dim",
-    "rope_theta": "theta",
-    "timestep_guidance_channels": "time_channels",
-    "num_attention_heads": "num_heads",
-}
-
-
-@dataclass
-class FluxKleinParams:
-    """Transformer hyper-parameters (BFL names); defaults are klein-4B."""
-
-    in_channels: int = 128
-    hidden_size: int = 3072
-    context_in_dim: int = 7680
-    num_heads: int = 24
-    mlp_ratio: float = 3.0
-    depth: int = 5
-    depth_single: int = 20
-    axes_dim: tuple[int, ...] = (32, 32, 32, 32)
-    theta: float = 2000.0
-    eps: float = 1e-6
-    time_channels: int = 256
-
-    def __post_init__(self):
-        self.axes_dim = tuple(int(a) for a in self.axes_dim)
-        check_heads_and_axes(self, "transformer")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def mlp_hidden(self) -> int:
-        return int(self.hidden_size * self.mlp_ratio)
-
-    @classmethod
-    def klein_4b(cls) -> FluxKleinParams:
-        return dataclasses.replace(VARIANTS["klein-4b"].transformer)
-
-    @classmethod
-    def klein_9b(cls) -> FluxKleinParams:
-        return dataclasses.replace(VARIANTS["klein-9b"].transformer)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> FluxKleinParams:
-        """From a diffusers `transformer/config.json` (or a dict of our own field names); unknown keys ignored."""
-        return transformer_from_dict(cls, d, _DIFFUSERS_TRANSFORMER)
-
-    def shape_key(self) -> tuple:
-        """Everything that decides a weight's shape; theta/eps/axes do not."""
-        return (
-            self.in_channels,
-            self.hidden_size,
-            self.context_in_dim,
-            self.num_heads,
-            self.mlp_hidden,
-            self.depth,
-            self.depth_single,
-            self.time_channels,
-        )
-
-    @property
-    def variant(self) -> str:
-        """ "klein-4b", "klein-9b" or "other", judged from the shape-deciding fields."""
-        row = variant_for(self, True)
-        return row.family if row is not None else "other"
-
-    def describe(self) -> str:
-        """E.g. "klein-4B (hidden 3072, 5 double / 20 single blocks)"."""
-        name = {"klein-4b": "klein-4B", "klein-9b": "klein-9B"}.get(self.variant, "a custom FLUX.2 transformer")
-        return f"{name} (hidden {self.hidden_size}, {self.depth} double / {self.depth_single} single blocks)"
 
 
 # --- the Qwen3 text encoder ----------------------------------------------------------------------
@@ -241,7 +160,7 @@ class Variant:
     title: str  # e.g. "FLUX.2 [klein] 4B Base"
     family: str  # "klein-4b" | "klein-9b": the transformer's shape
     distilled: bool  # guidance-distilled (no CFG) or Base
-    transformer: FluxKleinParams  # or a family's own params (models/flux3/config.Flux3Params)
+    transformer: object  # the family's params: models/flux2/config.FluxKleinParams, models/flux3/config.Flux3Params
     text_encoder: Qwen3Config
     vae: AutoEncoderConfig
     steps: int  # default denoising steps
@@ -251,120 +170,14 @@ class Variant:
     repo: str = ""  # the Hugging Face repo id it is published under
 
 
-_QWEN3_4B = Qwen3Config(
-    hidden_size=2560,
-    intermediate_size=9728,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-6,
-    rope_theta=1e6,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-    max_position_embeddings=40960,
-)
-_QWEN3_8B = dataclasses.replace(_QWEN3_4B, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)
-_KLEIN_4B = FluxKleinParams()
-_KLEIN_9B = FluxKleinParams(hidden_size=4096, context_in_dim=12288, num_heads=32, depth=8, depth_single=24)
-
-
-def _rows() -> dict[str, Variant]:
-    rows = {}
-    for family, size, transformer, qwen in (
-        ("klein-4b", "4B", _KLEIN_4B, _QWEN3_4B),
-        ("klein-9b", "9B", _KLEIN_9B, _QWEN3_8B),
-    ):
-        for distilled in (True, False):
-            name = family if distilled else f"{family}-base"
-            rows[name] = Variant(
-                name=name,
-                title=f"FLUX.2 [klein] {size}" + ("" if distilled else " Base"),
-                family=family,
-                distilled=distilled,
-                transformer=transformer,
-                text_encoder=qwen,
-                vae=AutoEncoderConfig(),
-                steps=4 if distilled else 50,
-                guidance=None if distilled else 4.0,
-                repo=f"black-forest-labs/FLUX.2-klein-{'' if distilled else 'base-'}{size}",
-            )
-    # klein 9B-KV (black-forest-labs/FLUX.2-klein-9b-kv): klein-9B's shapes, distilled for the reference
-    # K/V cache. Its model_index.json has no is_distilled key; the pipeline class tells it apart.
-    rows["klein-9b-kv"] = dataclasses.replace(
-        rows["klein-9b"],
-        name="klein-9b-kv",
-        title="FLUX.2 [klein] 9B-KV",
-        pipeline_class=KV_PIPELINE_CLASS,
-        reference_kv=True,
-        repo="black-forest-labs/FLUX.2-klein-9b-kv",
-    )
-    return rows
-
-
-KV_PIPELINE_CLASS = "Flux2KleinKVPipeline"
-VARIANTS: dict[str, Variant] = _rows()
-PIPELINE_CLASSES = tuple(dict.fromkeys(v.pipeline_class for v in VARIANTS.values()))
-
-
-def variant_for(params: FluxKleinParams, distilled: bool, reference_kv: bool = False) -> Variant | None:
-    """The table row of a transformer shape and distillation, or None for a custom size."""
-    return next(
-        (
-            v
-            for v in VARIANTS.values()
-            if v.distilled == distilled
-            and v.reference_kv == reference_kv
-            and v.transformer.shape_key() == params.shape_key()
-        ),
-        None,
-    )
-
-
-def sampling_defaults(distilled: bool) -> tuple[int, float | None]:
-    """(steps, guidance) of a distilled or Base model, also for custom sizes (from the table)."""
-    row = VARIANTS["klein-4b" if distilled else "klein-4b-base"]
-    return row.steps, row.guidance
-
-
-# --- the other FLUX models, told apart from klein here and nowhere else --------------------------------
+# --- FLUX.1, which no family runs: its files are refused by name (checkpoints and LoRAs) ---------------
 
 # Module names that only FLUX.1 has (checkpoints and LoRAs; LoRA files may write them with "_" for ".").
 FLUX1_MARKERS = (".img_mod.", ".txt_mod.", "vector_in.", "time_text_embed.", ".norm1.linear.", ".norm1_context.",
                  "ff.net.")  # fmt: skip
-FLUX1_BLOCKS = (19, 38)  # double / single blocks of FLUX.1 [dev] and [schnell]
-FLUX1_IMG_IN = (3072, 64)  # x_embedder (out, in): FLUX.1 packs 16 latent channels x 2 x 2
-DEV_MARKERS = ("guidance_in.", ".guidance_embedder.")  # FLUX.2-dev's guidance embedder
-# Transformers by hidden size (klein-4B and FLUX.1 share 3072; their MLPs differ: 2 x 3D SwiGLU vs 4D GELU).
-HIDDEN_SIZES = {3072: "FLUX.2 [klein] 4B", 4096: "FLUX.2 [klein] 9B", 6144: "FLUX.2-dev"}
-DEV_HIDDEN = 6144
-# FLUX 3 Image Klein: diffusers' Flux3Transformer2DModel (pipelines Flux3ModularPipeline and
-# Flux3DistilledModularPipeline); BFL's file has per-mode blocks and, distilled, a second timestep embedder
-# (the keys diffusers' single-file loader tells it by). Its hidden size is klein-4B's (24 heads x 128 = 3072),
-# so it is told apart by these names, never by its shapes.
-FLUX3_CLASS_PREFIX = "Flux3"
-FLUX3_MARKERS = ("early_stream_modulations.", "single_stream_modulations.", "mode_blocks.", "ref_time_in.")
-FLUX3_NAME = "FLUX 3 Image Klein"
-# diffusers' modular pipelines (modular_model_index.json `_class_name`): Base, and the step-distilled flow map
-FLUX3_PIPELINE_CLASSES = ("Flux3ModularPipeline", "Flux3DistilledModularPipeline")
 
 
 def flux1_marker(name: str) -> str | None:
     """The FLUX.1-only marker that module or key `name` carries (dotted or underscored), or None."""
     dotted, underscored = f".{name}.", f"_{name}_"
     return next((m for m in FLUX1_MARKERS if m in dotted or m.replace(".", "_") in underscored), None)
-
-
-def flux3_marker(names) -> str | None:
-    """The first of `names` (checkpoint keys or module names) that only FLUX 3 Image Klein has, or None."""
-    return next((n for n in names if any(m in f".{n}" for m in FLUX3_MARKERS)), None)
-
-
-def qwen3_4b() -> Qwen3Config:
-    """Qwen3-4B, the text encoder of klein-4B (embeddings 3 x 2560 = 7680 wide)."""
-    return dataclasses.replace(VARIANTS["klein-4b"].text_encoder)
-
-
-def qwen3_8b() -> Qwen3Config:
-    """Qwen3-8B, the text encoder of klein-9B (embeddings 3 x 4096 = 12288 wide)."""
-    return dataclasses.replace(VARIANTS["klein-9b"].text_encoder)

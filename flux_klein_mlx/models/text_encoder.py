@@ -24,7 +24,7 @@ import mlx.nn as nn
 
 from ..errors import FluxKleinError
 from .config import Qwen3Config
-from .tokenizer import FLUX2_WINDOW, PromptTokenizer, TextWindow
+from .tokenizer import PromptTokenizer, TextWindow
 
 OUT_LAYERS = (9, 18, 27)  # FLUX.2 [klein]'s taps (1-based decoder layers)
 FLUX3_TAPS = (4, 8, 12, 16, 20, 24, 28, 32)  # FLUX 3 Image Klein's taps: 8 x 2560 = 20480 per token
@@ -161,7 +161,7 @@ def sanitize_qwen3_weights(weights: dict[str, mx.array], num_layers: int = max(O
 
 
 def encode_prompts(
-    encoder: Qwen3TextEncoder, tokenizer: PromptTokenizer, prompts: str | list[str], window: TextWindow = FLUX2_WINDOW
+    encoder: Qwen3TextEncoder, tokenizer: PromptTokenizer, prompts: str | list[str], window: TextWindow
 ) -> mx.array:
     """Tokenize and encode prompts, lazy: FLUX.2's window gives (B, 512, encoder.output_dim) for B
     prompts; a window sized per prompt (FLUX 3) takes one prompt and gives (1, L, output_dim)."""

@@ -163,7 +163,7 @@ class PromptTokenizer:
             )
         return cls(tok)
 
-    def format(self, prompt: str, window: TextWindow = FLUX2_WINDOW) -> str:
+    def format(self, prompt: str, window: TextWindow) -> str:
         """The chat-template text for one prompt: one user turn (FLUX.2's window: thinking disabled)."""
         extra = {"enable_thinking": False} if window.thinking_off else {}
         return self.hf_tokenizer.apply_chat_template(
@@ -183,7 +183,7 @@ class PromptTokenizer:
             )
         return ids[: window.max_length]
 
-    def tokens(self, prompts: str | list[str], window: TextWindow = FLUX2_WINDOW) -> Tokens:
+    def tokens(self, prompts: str | list[str], window: TextWindow) -> Tokens:
         """Tokenize prompts into one window each, right-padded: `Tokens`, every array int32 (B, L).
 
         L is `window.length` of the prompt (512 for FLUX.2). Prompts longer than `window.max_length`

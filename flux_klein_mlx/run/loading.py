@@ -19,20 +19,9 @@ from pathlib import Path
 from mlx.utils import tree_flatten
 
 from ..errors import FluxKleinError
-from ..family import FAMILIES, FLUX2, FLUX3, Family, family_named
+from ..family import FAMILIES, Family, family_named, family_of_class, family_of_names
 from ..lora.formats import is_lora_file
-from ..models.config import (
-    FLUX3_CLASS_PREFIX,
-    FLUX3_NAME,
-    FLUX3_PIPELINE_CLASSES,
-    KV_PIPELINE_CLASS,
-    VARIANTS,
-    AutoEncoderConfig,
-    FluxKleinParams,
-    Qwen3Config,
-    flux3_marker,
-)
-from ..models.flux2.transformer import FluxKlein
+from ..models.config import AutoEncoderConfig, Qwen3Config
 from ..models.quantize import already_quantized, check_record
 from ..models.text_encoder import Qwen3TextEncoder
 from ..models.vae import AutoEncoder, check_flux2
@@ -55,7 +44,7 @@ FORMAT = "flux_klein_mlx"
 FORMAT_VERSION = 1
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelInfo:
     """What the files say about a model (never guessed from its name)."""
 
@@ -73,8 +62,8 @@ class ModelInfo:
     reference_kv: bool = False  # klein 9B-KV: reference K/V computed once per image, then cached
     vae_source: str | None = None  # `vae=` (--vae): where the VAE, or only its decoder, comes from
     decoder_files: list[Path] | None = None  # a decoder-only `vae=`: its files (the rest is files["vae"])
-    family: Family = FLUX2  # what the model's generation contributes (family/__init__.py)
-    params: FluxKleinParams = field(init=False)
+    family: Family  # what the model's generation contributes (family/__init__.py)
+    params: object = field(init=False)  # the family's transformer hyper-parameters (`Family.params_type`)
 
     def __post_init__(self):
         self.params = self.family.params(self.configs["transformer"])
@@ -206,7 +195,9 @@ def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
             stored_dtype=config.get("dtype"),
             original=config.get("source"),
             reference_kv=bool(config.get("reference_kv", False)),
-            family=family_named(config.get("family", FLUX2.key)),
+            family=family_named(config["family"])
+            if "family" in config
+            else family_of_names(()),  # before families: FLUX.2's
         )
     family = _folder_family(path)
     index_file = next((path / n for n in family.index_files if (path / n).is_file()), None)
@@ -225,8 +216,8 @@ def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
         )
     if kind not in family.pipeline_classes:
         raise FluxKleinError(
-            f"{path} holds a {kind} model; flux_klein_mlx runs FLUX.2 [klein] 4B/9B (Flux2KleinPipeline), distilled or "
-            f"Base, klein 9B-KV ({KV_PIPELINE_CLASS}) and {FLUX3_NAME} ({', '.join(FLUX3_PIPELINE_CLASSES)})"
+            f"{path} holds a {kind} model; flux_klein_mlx runs "
+            + " and ".join(f"{f.title} ({', '.join(f.pipeline_classes)})" for f in FAMILIES.values())
         )
     folders = {n: path / n for n in COMPONENTS}
     configs = {n: read_json(folders[n] / "config.json") for n in COMPONENTS}  # a missing folder: its config is missing
@@ -240,17 +231,18 @@ def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
 
 
 def _folder_family(path: Path) -> Family:
-    """A diffusers folder's family, told by its class names (FLUX 3's sizes are klein-4B's): FLUX 3's
-    pipelines and transformer are Flux3*, everything else is read as FLUX.2."""
+    """A diffusers folder's family, told by its class names (FLUX 3's sizes are klein-4B's): the first of its
+    index files and transformer config whose class a marked family claims (FLUX 3's are Flux3*); else the
+    unmarked family's (FLUX.2's: it reads FLUX.1's and FLUX.2-dev's folders too, to refuse them)."""
     for name in ("modular_model_index.json", "model_index.json", "transformer/config.json"):
         try:
             config = _optional_json(path / name)
         except FluxKleinError:  # unreadable: the checks after this say so where the file is needed
             continue
-        kind = config.get("_class_name") if isinstance(config, dict) else None
-        if isinstance(kind, str) and kind.startswith(FLUX3_CLASS_PREFIX):
-            return FLUX3
-    return FLUX2
+        family = family_of_class(config.get("_class_name") if isinstance(config, dict) else None)
+        if family is not None and family.markers:
+            return family
+    return family_of_names(())
 
 
 def _describe_bfl(model, file: Path, base) -> ModelInfo:
@@ -259,7 +251,7 @@ def _describe_bfl(model, file: Path, base) -> ModelInfo:
             f"{file} is not a .safetensors file; pass a model folder, a repo id or a BFL .safetensors file"
         )
     # The header's names tell the family, before any base folder is needed (FLUX 3's sizes are klein-4B's).
-    family = FLUX3 if flux3_marker(check_safetensors_file(file)) is not None else FLUX2
+    family = family_of_names(check_safetensors_file(file))
     if is_lora_file(file):  # `convert --model a_lora.safetensors` included: a LoRA is said to be one
         raise single_file_refusal(file)
     base_path = resolve_model(base) if base is not None else file.parent
@@ -289,14 +281,14 @@ def _snapshot_info(
 ) -> ModelInfo:
     """A diffusers snapshot's ModelInfo (`snapshot` has the tokenizer, scheduler and `folders`), checked."""
     _check_fit(configs, folders, family)
-    kv = index.get("_class_name") == KV_PIPELINE_CLASS  # distilled, although its index has no is_distilled key
+    kv = family.reference_kv(index)
     # FLUX 3's hub repos keep the tokenizer files in text_encoder/ (there is no tokenizer/ folder)
     tokenizer = snapshot / "tokenizer" if (snapshot / "tokenizer").is_dir() else snapshot / "text_encoder"
     return ModelInfo(
         source=str(model),
         path=path,
         format=fmt,
-        is_distilled=kv or family.is_distilled(index, configs["transformer"]),
+        is_distilled=family.is_distilled(index, configs["transformer"]),
         configs=configs,
         files={**files, **{n: component_files(f) for n, f in folders.items()}},
         quantization=dict.fromkeys(COMPONENTS),
@@ -308,14 +300,19 @@ def _snapshot_info(
 
 
 def download_bytes(repo: str) -> int | None:
-    """About how many bytes the download of a published klein repo is (None for another repo): its
+    """About how many bytes the download of a published model of any family is (None for another repo): its
     components' bf16 weights, every text-encoder layer included, counted from the shapes of lazily
     built modules (nothing is allocated)."""
-    variant = next((v for v in VARIANTS.values() if v.repo.lower() == repo.lower()), None)
+    rows = ((f, v) for f in FAMILIES.values() for v in f.variants.values() if v.repo.lower() == repo.lower())
+    family, variant = next(rows, (None, None))
     if variant is None:
         return None
     te = variant.text_encoder
-    modules = (FluxKlein(variant.transformer), Qwen3TextEncoder(te, (te.num_hidden_layers,)), AutoEncoder(variant.vae))
+    modules = (
+        family.build_transformer(variant.transformer),
+        Qwen3TextEncoder(te, (te.num_hidden_layers,)),
+        AutoEncoder(variant.vae),
+    )
     count = sum(a.size for m in modules for _, a in tree_flatten(m.parameters()))
     count += te.hidden_size * (1 + (0 if te.tie_word_embeddings else te.vocab_size))  # final norm, untied lm_head
     return 2 * count

@@ -32,7 +32,7 @@ from ..checks import check_choice, is_int
 from ..dtypes import DEFAULT_DTYPE, DTYPES, as_dtype, dtype_name
 from ..errors import FluxKleinError
 from ..events import Event, Job, MemoryPlan, StageStats, Stats
-from ..inputs.references import crop_to_box
+from ..inputs.images import crop_to_box
 from ..inputs.settings import PreparedInputs, RunSettings, prepare_inputs
 from ..limits import check_decode_fits, untiled_decode_fits
 from ..lora.apply import apply_loras, load_loras

@@ -36,7 +36,6 @@ import mlx.nn as nn
 from ..errors import FluxKleinError
 from ..family import family_of
 from ..limits import machine_memory  # the one home of the machine's memory (the pipeline's size limit reads it too)
-from ..models.config import FluxKleinParams
 from ..models.rope import token_grid
 
 # klein-4B's reference geometry (the model the coefficients were measured on)
@@ -66,7 +65,7 @@ def coefficients(quantized: bool, low_memory: bool) -> tuple[float, float]:
     return b, c
 
 
-def weight_bytes(params: FluxKleinParams, bits: int | None, group_size: int = 64) -> int:
+def weight_bytes(params, bits: int | None, group_size: int = 64) -> int:
     """The transformer's bytes in memory: shapes counted on a lazy (never evaluated) model."""
     model = family_of(params).build_transformer(params)
     total = 0.0
@@ -93,7 +92,7 @@ class MemoryPlanned:
 
 
 def step_peak(
-    params: FluxKleinParams,
+    params,
     trainable: int,
     *,
     resolution: int,
@@ -117,7 +116,7 @@ def step_peak(
 def plan_memory(
     settings,
     *,
-    params: FluxKleinParams,
+    params,
     trainable: int,
     controls: int = 0,
     bits: int | None = None,

@@ -16,7 +16,8 @@ from mlx.utils import tree_flatten
 from flux_klein_mlx.bench import command as bm
 from flux_klein_mlx.bench import flops
 from flux_klein_mlx.bench.random_model import random_pipeline, randomize
-from flux_klein_mlx.models.config import AutoEncoderConfig, FluxKleinParams, Qwen3Config, Variant, qwen3_4b, qwen3_8b
+from flux_klein_mlx.models.config import AutoEncoderConfig, Qwen3Config, Variant
+from flux_klein_mlx.models.flux2.config import FluxKleinParams, qwen3_4b, qwen3_8b
 from flux_klein_mlx.models.flux2.transformer import FluxKlein
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -248,7 +248,7 @@ def test_quantized_side_path_equals_dequantized_fused(setup):
 
 
 def test_lora_for_the_other_family_is_refused_naming_both(setup, tmp_path):
-    from flux_klein_mlx.models.config import FluxKleinParams
+    from flux_klein_mlx.models.flux2.config import FluxKleinParams
 
     _, ours, _, files, _ = setup
     flux2 = tmp_path / "flux2.safetensors"

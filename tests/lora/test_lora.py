@@ -27,7 +27,7 @@ import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.lora.apply import applied_loras, apply_loras, load_loras, remove_loras
 from flux_klein_mlx.lora.layers import LoRALinear
-from flux_klein_mlx.models.config import FluxKleinParams
+from flux_klein_mlx.models.flux2.config import FluxKleinParams
 from flux_klein_mlx.models.quantize import dequantize_model
 
 C = 4 * LATENT_CHANNELS

@@ -181,7 +181,13 @@ def test_kv_model_is_recognised_as_distilled(kv_pipe):
 
 
 def test_variant_table_row():
-    from flux_klein_mlx.models.config import KV_PIPELINE_CLASS, PIPELINE_CLASSES, VARIANTS, FluxKleinParams, variant_for
+    from flux_klein_mlx.models.flux2.config import (
+        KV_PIPELINE_CLASS,
+        PIPELINE_CLASSES,
+        VARIANTS,
+        FluxKleinParams,
+        variant_for,
+    )
 
     row = VARIANTS["klein-9b-kv"]
     assert row.reference_kv and row.distilled and row.steps == 4 and row.guidance is None
@@ -322,7 +328,8 @@ def test_quantize_at_load_kv_bf16_stays_close(kv_snapshot, kv_pipe):
 def _tiny_variant(kv: bool):
     import dataclasses
 
-    from flux_klein_mlx.models.config import VARIANTS, AutoEncoderConfig, FluxKleinParams, Qwen3Config
+    from flux_klein_mlx.models.config import AutoEncoderConfig, Qwen3Config
+    from flux_klein_mlx.models.flux2.config import VARIANTS, FluxKleinParams
 
     return dataclasses.replace(
         VARIANTS["klein-9b-kv" if kv else "klein-9b"],
@@ -397,7 +404,7 @@ def test_benchmark_reports_the_kv_first_and_cached_steps_apart():
 
 def test_kv_flop_model():
     from flux_klein_mlx.bench import flops
-    from flux_klein_mlx.models.config import FluxKleinParams
+    from flux_klein_mlx.models.flux2.config import FluxKleinParams
 
     p = FluxKleinParams.klein_9b()
     plain = flops.flops_of_transformer(p, width=1024, height=1024)

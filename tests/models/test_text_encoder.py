@@ -16,9 +16,10 @@ from transformers import Qwen3Config as HFQwen3Config
 
 import flux_klein_mlx.run.components as components
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.models.config import FluxKleinParams, Qwen3Config, qwen3_4b, qwen3_8b
+from flux_klein_mlx.models.config import Qwen3Config
+from flux_klein_mlx.models.flux2.config import FluxKleinParams, qwen3_4b, qwen3_8b
 from flux_klein_mlx.models.text_encoder import Qwen3TextEncoder, encode_prompts, sanitize_qwen3_weights
-from flux_klein_mlx.models.tokenizer import PromptTokenizer
+from flux_klein_mlx.models.tokenizer import FLUX2_WINDOW, PromptTokenizer
 from flux_klein_mlx.run.loading import describe
 
 PROMPTS = {
@@ -126,7 +127,7 @@ def test_matches_transformers(request, which, case):
     encoder = load_one("text_encoder", root, dtype=mx.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the long prompt's truncation warning (test_tokenizer checks it)
-        ours = encode_prompts(encoder, snapshot.tok, prompts)
+        ours = encode_prompts(encoder, snapshot.tok, prompts, FLUX2_WINDOW)
     theirs = snapshot.reference(prompts)
     assert ours.shape == (len(prompts), 512, 96) and ours.dtype == mx.float32
     assert np.isfinite(to_np(ours)).all()  # nothing of the poisoned layer 28 / norm / lm_head
@@ -139,7 +140,7 @@ def test_bfloat16_close_to_float32_reference(tied):
     # is 4.3e-2 away from its float32 run, ours 4.4e-2: bf16 has 8 mantissa bits, 27 layers deep.
     snapshot = tied
     encoder = load_one("text_encoder", snapshot.root / "text_encoder", dtype=mx.bfloat16)
-    ours = encode_prompts(encoder, snapshot.tok, PROMPTS["batch"])
+    ours = encode_prompts(encoder, snapshot.tok, PROMPTS["batch"], FLUX2_WINDOW)
     assert ours.dtype == mx.bfloat16
     err = rel_err(ours, snapshot.reference(PROMPTS["batch"]))
     assert err <= 1e-1, f"bf16 rel_err {err:.2e}"

@@ -10,7 +10,7 @@ from refs import qwen_tokenizer_dir, reference_tokens
 from transformers import AutoTokenizer
 
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.models.tokenizer import PromptTokenizer
+from flux_klein_mlx.models.tokenizer import FLUX2_WINDOW, PromptTokenizer
 
 LONG = " ".join(f"word{i} and a fox" for i in range(150))  # well over 512 tokens
 PROMPTS = [
@@ -66,7 +66,10 @@ def test_single_string_is_a_batch_of_one(ours):
 
 def test_template_text(ours):
     # Spec 5.2: one user turn, no system prompt, an empty think block after the assistant header.
-    assert ours.format("P") == "<|im_start|>user\nP<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert (
+        ours.format("P", FLUX2_WINDOW)
+        == "<|im_start|>user\nP<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
 
 
 def test_empty_prompt_has_12_real_tokens(ours):
@@ -79,7 +82,7 @@ def test_empty_prompt_has_12_real_tokens(ours):
 
 
 def test_long_prompt_warns_with_dropped_count(ours, hf):
-    n = len(hf(ours.format(LONG))["input_ids"])
+    n = len(hf(ours.format(LONG, FLUX2_WINDOW))["input_ids"])
     assert n > 512
     expected = rf"prompt is {n} tokens; the last {n - 512} were dropped \(the model reads 512\)"
     with pytest.warns(UserWarning, match=expected):
@@ -91,7 +94,7 @@ def test_text_the_tokenizer_cannot_encode_is_one_clear_error(ours):
     """A lone surrogate (an undecodable argv byte under surrogateescape, or a JSON `\\ud800`) is refused by
     name, not passed to the Rust tokenizer (whose TypeError says nothing); the fast tokenizer does fail on it."""
     with pytest.raises(TypeError):
-        ours.hf_tokenizer(ours.format("caf\udce9"))
+        ours.hf_tokenizer(ours.format("caf\udce9", FLUX2_WINDOW))
     with pytest.raises(
         FluxKleinError,
         match=r"the prompt is not valid text: character 4 is a lone surrogate U\+DCE9 "

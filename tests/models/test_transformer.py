@@ -20,7 +20,7 @@ from flux_klein_mlx.bench.flops import count_parameters
 from flux_klein_mlx.errors import FluxKleinError
 from flux_klein_mlx.models import attention
 from flux_klein_mlx.models.attention import attend
-from flux_klein_mlx.models.config import FluxKleinParams
+from flux_klein_mlx.models.flux2.config import FluxKleinParams
 from flux_klein_mlx.models.flux2.transformer import FluxKlein, infer_params, sanitize_flux2_klein_weights
 from flux_klein_mlx.models.rope import image_ids, rope_tables, text_ids
 from flux_klein_mlx.run.loading import describe

@@ -105,7 +105,7 @@ def load_one(name: str, source, dtype=None, config: dict | None = None):
     """
     import dataclasses
 
-    from flux_klein_mlx.family import FLUX2
+    from flux_klein_mlx.family import FLUX2  # the component tests' references are FLUX.2 [klein]'s
     from flux_klein_mlx.models.flux2.transformer import infer_params
     from flux_klein_mlx.models.quantize import evaluate_by_layer
     from flux_klein_mlx.models.text_encoder import keeps_key

@@ -551,7 +551,7 @@ def test_low_memory_checkpointing_frees_each_block():
     """--low-memory keeps one block's activations at a time: the peak grows with depth far less than
     without checkpointing (MLX's nn.utils.checkpoint did not achieve this on the single blocks)."""
     from flux_klein_mlx.bench.random_model import randomize
-    from flux_klein_mlx.models.config import FluxKleinParams
+    from flux_klein_mlx.models.flux2.config import FluxKleinParams
     from flux_klein_mlx.models.flux2.transformer import FluxKlein
 
     def peak(n_single: int, checkpoint: bool) -> int:

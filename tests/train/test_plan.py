@@ -23,7 +23,7 @@ from command_line import run_cli
 from PIL import Image
 
 import flux_klein_mlx
-from flux_klein_mlx.models.config import FluxKleinParams
+from flux_klein_mlx.models.flux2.config import FluxKleinParams
 from flux_klein_mlx.train import memory
 from flux_klein_mlx.train.data.dataset import epoch_batches, scan_data
 from flux_klein_mlx.train.step.objective import SCHEDULES, lr_at_step

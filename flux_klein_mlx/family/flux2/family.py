@@ -14,7 +14,8 @@ import mlx.nn as nn
 
 from ...events import Job
 from ...inputs.images import preprocess_reference
-from ...models.config import (
+from ...models.flux2.config import (
+    HIDDEN_SIZES,
     KV_PIPELINE_CLASS,
     PIPELINE_CLASSES,
     VARIANTS,
@@ -28,6 +29,8 @@ from ...models.rope import image_ids, text_ids
 from ...models.text_encoder import OUT_LAYERS, encode_prompts
 from ...models.tokenizer import FLUX2_WINDOW, MAX_LENGTH
 from ...sampling import cfg, model_timestep, reference_time, schedule
+from ..base import LoraNames
+from .lora import DIFFUSERS_FUSED, FLUX2_LORA_MARKERS, flux2_modules, flux2_table, guess_params
 
 
 class Flux2Steps:
@@ -74,6 +77,19 @@ class Flux2Family:
     key = "flux2"
     title = "FLUX.2 [klein]"
     upsampler = None
+    lora = LoraNames(
+        title=title,
+        params_type=FluxKleinParams,
+        table=flux2_table,
+        modules=flux2_modules,
+        shapes=linear_shapes,
+        markers=FLUX2_LORA_MARKERS,
+        hidden_sizes=HIDDEN_SIZES,
+        guess=guess_params,
+        fused=DIFFUSERS_FUSED,
+    )
+    markers = ()  # none: its names are the ones every later family extends (family.family_of_names)
+    class_prefix = "Flux2"
     params_type = FluxKleinParams
     max_references = None
     text_taps = OUT_LAYERS
@@ -92,9 +108,12 @@ class Flux2Family:
         """The index says (klein 9B-KV's has no is_distilled key: its pipeline class tells it)."""
         return bool(index.get("is_distilled", False)) or index.get("_class_name") == KV_PIPELINE_CLASS
 
+    def reference_kv(self, index: dict) -> bool:
+        return index.get("_class_name") == KV_PIPELINE_CLASS
+
     def encode_prompts(self, encoder, tokenizer, prompts: list[str]) -> list[mx.array]:
         """One (1, 512, C) embedding per prompt, all from one batched call (every window is 512)."""
-        emb = encode_prompts(encoder, tokenizer, prompts)
+        emb = encode_prompts(encoder, tokenizer, prompts, FLUX2_WINDOW)
         return [emb[i : i + 1] for i in range(len(prompts))]
 
     def model_title(self, params: FluxKleinParams, distilled: bool, reference_kv: bool) -> str:

@@ -22,19 +22,23 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...events import Job
-from ...inputs.images import prepare_flux3_references
-from ...inputs.references import FLUX3_MAX_REFERENCES
-from ...models.config import FLUX3_PIPELINE_CLASSES
-from ...models.flux3.config import FLUX3_VARIANTS, Flux3Params
+from ...models.flux3.config import FLUX3_PIPELINE_CLASSES, FLUX3_VARIANTS, Flux3Params
 from ...models.flux3.transformer import Flux3, infer_flux3_params, linear_shapes, sanitize_flux3_weights
 from ...models.rope import image_ids, text_ids
 from ...models.text_encoder import FLUX3_TAPS, encode_prompts
 from ...models.tokenizer import FLUX3_WINDOW
 from ...sampling import cfg, flow_timestep, shifted_schedule
+from ..base import LoraNames
+from .lora import FLUX3_LORA_MARKERS, flux3_check, flux3_modules, flux3_table, guess_params
+from .references import FLUX3_MAX_REFERENCES, prepare_flux3_references
 
 SHIFT = 6.93  # diffusers' Flux3SetTimestepsStep and mflux: sigma' = 6.93 sigma / (1 + 5.93 sigma)
 # what the memory plan counts for a caption before it is encoded: two windows of 80 (about 100 words)
 PLANNED_TEXT_TOKENS = 160
+# Its hidden size is klein-4B's (24 heads x 128 = 3072), so its files are told apart by names, never by shapes:
+# diffusers' classes are Flux3* (Flux3Transformer2DModel, Flux3ModularPipeline, ...); BFL's file has per-mode
+# blocks and, distilled, a second timestep embedder (the keys diffusers' single-file loader tells it by).
+MARKERS = ("early_stream_modulations.", "single_stream_modulations.", "mode_blocks.", "ref_time_in.")
 
 
 class Flux3Steps:
@@ -84,6 +88,19 @@ class Flux3Family:
     key = "flux3"
     title = "FLUX 3 Image Klein"
     upsampler = "black-forest-labs/flux-3-image-klein-pup"
+    lora = LoraNames(
+        title=title,
+        params_type=Flux3Params,
+        table=flux3_table,
+        modules=flux3_modules,
+        shapes=linear_shapes,
+        markers=FLUX3_LORA_MARKERS,
+        hidden_sizes={Flux3Params().hidden_size: title},
+        guess=guess_params,
+        check=flux3_check,
+    )
+    markers = MARKERS
+    class_prefix = "Flux3"
     params_type = Flux3Params
     max_references = FLUX3_MAX_REFERENCES
     text_taps = FLUX3_TAPS
@@ -110,6 +127,9 @@ class Flux3Family:
     def is_distilled(self, index: dict, transformer_config: dict) -> bool:
         """The transformer says: the distilled model is a flow map (its config's flow_map, BFL's ref_time_in)."""
         return bool(self.params(transformer_config).flow_map)
+
+    def reference_kv(self, index: dict) -> bool:
+        return False  # no KV-distilled FLUX 3 model is released
 
     def encode_prompts(self, encoder, tokenizer, prompts: list[str]) -> list[mx.array]:
         """One (1, L, C) embedding per prompt, each in its own window (L: its length rounded up to 80)."""

@@ -10,7 +10,6 @@ D hidden size, H heads, hd head dim (128), M MLP width (3·D).
 
 from __future__ import annotations
 
-import math
 import re
 
 import mlx.core as mx
@@ -18,31 +17,14 @@ import mlx.nn as nn
 
 from ...errors import FluxKleinError
 from ..attention import attend
-from ..config import DEV_HIDDEN, DEV_MARKERS, FLUX1_BLOCKS, FLUX1_IMG_IN, FluxKleinParams, flux1_marker
+from ..blocks import LastLayer, MLPEmbedder, Modulation, QKNorm, count_blocks, modulate, swiglu, timestep_embedding
+from ..config import flux1_marker
 from ..kv_cache import KV, ReferenceKV
 from ..recompute import checkpointed
 from ..rope import apply_rope, rope_tables
+from .config import DEV_HIDDEN, DEV_MARKERS, FLUX1_BLOCKS, FLUX1_IMG_IN, FluxKleinParams
 
 # --- building blocks ---------------------------------------------------------------------------------
-
-
-def timestep_embedding(t: mx.array, dim: int = 256, max_period: float = 10000.0, *, scale: float = 1000.0) -> mx.array:
-    """Sinusoid of scale·t, (B,) -> (B, dim) float32, cosine half first (FLUX 3 scales in its dtype: scale=1)."""
-    half = dim // 2
-    freqs = mx.exp(-math.log(max_period) * mx.arange(half, dtype=mx.float32) / half)
-    args = (t.astype(mx.float32) * scale)[:, None] * freqs[None, :]
-    return mx.concatenate([mx.cos(args), mx.sin(args)], axis=-1)
-
-
-def modulate(x: mx.array, shift: mx.array, scale: mx.array, eps: float) -> mx.array:
-    """(1 + scale) · LayerNorm(x) + shift, LayerNorm without affine parameters."""
-    return (1 + scale) * mx.fast.layer_norm(x, None, None, eps) + shift
-
-
-def swiglu(x: mx.array) -> mx.array:
-    """SiLU(a) · b for x = [a | b] along the last axis (the first half is gated)."""
-    a, b = mx.split(x, 2, axis=-1)
-    return nn.silu(a) * b
 
 
 def linear_part(layer: nn.Module, x: mx.array, rows: slice = slice(None), cols: tuple = (0, None)) -> mx.array:
@@ -74,56 +56,11 @@ def linear_part(layer: nn.Module, x: mx.array, rows: slice = slice(None), cols: 
     return out if side is None else out + side(x, rows, cols)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.scale = mx.ones((dim,))
-        self.eps = eps
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, self.scale, self.eps)
-
-
-class QKNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.query_norm = RMSNorm(dim, eps)
-        self.key_norm = RMSNorm(dim, eps)
-
-    def __call__(self, qkv: mx.array, num_heads: int) -> tuple[mx.array, mx.array, mx.array]:
-        """(B, L, 3·D) laid out [q | k | v], each head-major -> normed q, k and v, each (B, H, L, hd)."""
-        B, L, _ = qkv.shape
-        q, k, v = qkv.reshape(B, L, 3, num_heads, -1).transpose(2, 0, 3, 1, 4)  # (3, B, H, L, hd)
-        return self.query_norm(q), self.key_norm(k), v
-
-
 class SwiGLU(nn.Module):
     """Parameter-free middle element of the MLP lists, so their Linears sit at BFL's indices 0 and 2."""
 
     def __call__(self, x: mx.array) -> mx.array:
         return swiglu(x)
-
-
-class MLPEmbedder(nn.Module):
-    def __init__(self, in_dim: int, hidden: int):
-        super().__init__()
-        self.in_layer = nn.Linear(in_dim, hidden, bias=False)
-        self.out_layer = nn.Linear(hidden, hidden, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.out_layer(nn.silu(self.in_layer(x)))
-
-
-class Modulation(nn.Module):
-    """SiLU(vec) -> Linear -> `n` chunks of width D, each (B, 1, D) to broadcast over tokens."""
-
-    def __init__(self, dim: int, n: int):
-        super().__init__()
-        self.n = n
-        self.lin = nn.Linear(dim, n * dim, bias=False)
-
-    def __call__(self, vec: mx.array) -> list[mx.array]:
-        return mx.split(self.lin(nn.silu(vec))[:, None, :], self.n, axis=-1)
 
 
 class SelfAttention(nn.Module):
@@ -230,19 +167,6 @@ class SingleStreamBlock(nn.Module):
         shift, scale, gate = mod
         h, kv = self._halves(modulate(x, shift, scale, self.eps), cos, sin, evaluate=low_memory)
         return x + gate * h, kv
-
-
-class LastLayer(nn.Module):
-    def __init__(self, p: FluxKleinParams):
-        super().__init__()
-        self.eps = p.eps
-        # index 1 as in BFL's nn.Sequential(SiLU, Linear); rows are [shift ; scale]
-        self.adaLN_modulation = [nn.SiLU(), nn.Linear(p.hidden_size, 2 * p.hidden_size, bias=False)]
-        self.linear = nn.Linear(p.hidden_size, p.in_channels, bias=False)
-
-    def __call__(self, x: mx.array, vec: mx.array) -> mx.array:
-        shift, scale = mx.split(_run(self.adaLN_modulation, vec)[:, None, :], 2, axis=-1)
-        return self.linear(modulate(x, shift, scale, self.eps))
 
 
 # --- the model ---------------------------------------------------------------------------------------
@@ -419,11 +343,6 @@ DIFFUSERS_SINGLE = {
 }
 QKV = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
         "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}  # fmt: skip
-
-
-def count_blocks(keys, prefix: str) -> int:
-    idx = {int(m.group(1)) for k in keys if (m := re.match(rf"{re.escape(prefix)}\.(\d+)\.", k))}
-    return max(idx) + 1 if idx else 0
 
 
 def _reject_foreign(weights: dict[str, mx.array]) -> None:

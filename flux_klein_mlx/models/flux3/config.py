@@ -4,7 +4,7 @@ Defaults are the released 5.5B model (both the Base and the step-distilled one; 
 `flow_map`). diffusers' `transformer/config.json` names are read by `Flux3Params.from_dict`.
 
 `FLUX3_VARIANTS` holds the two released models' rows (their three components and sampling defaults) in
-FLUX.2's `Variant` shape, beside `models/config.VARIANTS` rather than in it: VARIANTS is read as FLUX.2's
+FLUX.2's `Variant` shape, beside `models/flux2/config.VARIANTS` rather than in it: VARIANTS is read as FLUX.2's
 table (its pipeline classes, `variant_for`, the download sizes build `FluxKlein`s), so a FLUX 3 row there
 would make each of those readers filter by family. Each family hands its rows out (`Family.variants`).
 """
@@ -128,3 +128,7 @@ def _flux3_rows() -> dict[str, Variant]:
 
 
 FLUX3_VARIANTS: dict[str, Variant] = _flux3_rows()
+
+
+# diffusers' modular pipelines (modular_model_index.json `_class_name`): Base, and the step-distilled flow map
+FLUX3_PIPELINE_CLASSES = ("Flux3ModularPipeline", "Flux3DistilledModularPipeline")

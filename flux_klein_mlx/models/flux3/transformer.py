@@ -10,7 +10,7 @@ time to every mode's. Only the image tokens reach the output layer.
 Module attributes follow the BFL checkpoint (`content_mode_blocks.image.0.q_proj`, `final_layer.image.linear`,
 ...), so BFL files and BFL LoRAs load as they are; diffusers folders go through `sanitize_flux3_weights`.
 The pieces shared with FLUX.2 (timestep sinusoid, modulation, SwiGLU, QK norm, RoPE, attention, the output
-layer, checkpointing) are FLUX.2's own, imported.
+layer, checkpointing) are models/'s (blocks.py, rope.py, attention.py, recompute.py).
 
 Shapes: B batch, Lt text, Li image, Lr reference tokens, D hidden, H heads, hd head dim, M MLP width (3·D).
 """
@@ -26,7 +26,7 @@ import mlx.nn as nn
 
 from ...errors import FluxKleinError
 from ..attention import attend
-from ..flux2.transformer import (
+from ..blocks import (
     LastLayer,
     MLPEmbedder,
     Modulation,

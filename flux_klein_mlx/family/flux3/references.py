@@ -5,25 +5,27 @@ One reference is kept whole (diffusers' `Flux3ImageProcessor` with `resize_mode=
 canvas -- each side rounded up to the 16-px token grid, clamped to [64, 4096] -- fits 4 MP, then padded to
 the canvas with its own reflection (mirrored, edge included, when a side is under one token), centred. The
 box (left, top, right, bottom) of the image inside the canvas crops the generated image back to the
-reference (`crop_to_box`) when no size was asked for. Several references are each prepared as FLUX.2
-prepares one (`images.preprocess_reference`: at most 1 MP, centre-cropped to the grid), which is exactly
+reference (`inputs/images.crop_to_box`) when no size was asked for. Several references are each prepared as FLUX.2
+prepares one (`inputs/images.preprocess_reference`: at most 1 MP, centre-cropped to the grid), which is exactly
 `resize_mode="crop"` (tests/test_flux3_inputs.py proves both against diffusers).
 
-This module reads no file: it takes an opened PIL image (`images.open_image` opens one), so `images` may
-import it.
+The hall's `inputs/images` opens the files (`open_image`) and prepares a reference FLUX.2's way
+(`preprocess_reference`); this module is FLUX 3's own rule on top.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image
 
-from ..errors import FluxKleinError
-from ..limits import MAX_REFERENCES
-from ..models.rope import PIXELS_PER_TOKEN
+from ...errors import FluxKleinError
+from ...inputs.images import open_image, preprocess_reference
+from ...limits import MAX_REFERENCES
+from ...models.rope import PIXELS_PER_TOKEN
 
 FLUX3_MAX_REFERENCES = MAX_REFERENCES  # BFL's and mflux's limit (the upsampler's MAX_REFERENCES); limits.py
 CANVAS_MAX_AREA = 4 * 1024 * 1024  # px of one reference's canvas
@@ -99,7 +101,14 @@ def prepare_canvas_reference(image: Image.Image) -> CanvasReference:
     return CanvasReference(pixels=pixels, box=box)
 
 
-def crop_to_box(image, box: tuple[int, int, int, int]):
-    """A decoded canvas-sized image (H, W, 3), numpy or MLX, cropped back to the reference's box."""
-    left, top, right, bottom = box
-    return image[top:bottom, left:right]
+def prepare_flux3_references(images: Sequence, model_name: str) -> tuple[list[np.ndarray], tuple | None]:
+    """FLUX 3's reference pixels and the box to crop the output back to (None with several references).
+
+    One reference is kept whole on its canvas (`prepare_canvas_reference`, any size of at least
+    1 px); several are each prepared as FLUX.2 prepares one (`preprocess_reference`, FLUX.2's limits), which
+    is what diffusers' `Flux3ImageProcessor` does with `resize_mode="crop"`."""
+    check_reference_count(len(images), FLUX3_MAX_REFERENCES, model_name)
+    if len(images) == 1:
+        canvas = prepare_canvas_reference(open_image(images[0], "reference image"))
+        return [canvas.pixels], canvas.box
+    return [preprocess_reference(im) for im in images], None
