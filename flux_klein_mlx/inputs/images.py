@@ -34,11 +34,14 @@ def check_strength(strength) -> float:
     return float(strength)
 
 
-def check_image_shape(w: int, h: int, what: str) -> None:
-    """An input image's limits: each side >= 64 px, aspect ratio <= 8 (spec 8.1)."""
-    if w < MIN_SIDE or h < MIN_SIDE:
-        raise FluxKleinError(f"{what} is {w}x{h}; both sides must be at least {MIN_SIDE} px")
-    if max(w / h, h / w) > MAX_ASPECT:
+def check_image_shape(
+    w: int, h: int, what: str, *, min_side: int = MIN_SIDE, max_aspect: float | None = MAX_ASPECT
+) -> None:
+    """An input image's limits: by default FLUX.2's (spec 8.1: each side >= 64 px, aspect ratio <= 8); a family
+    gives its own (FLUX 3's several references: a side of one token, any aspect)."""
+    if w < min_side or h < min_side:
+        raise FluxKleinError(f"{what} is {w}x{h}; both sides must be at least {min_side} px")
+    if max_aspect is not None and max(w / h, h / w) > max_aspect:
         raise FluxKleinError(f"{what} is {w}x{h} (aspect ratio {max(w / h, h / w):.1f}); the limit is {MAX_ASPECT}:1")
 
 
@@ -123,10 +126,11 @@ def _pixels(img: Image.Image, normalize: bool) -> np.ndarray:
     return 2.0 * x - 1.0 if normalize else x
 
 
-def preprocess_reference(image) -> np.ndarray:
-    """A reference image as the references prepare it: (H, W, 3) float32 in [-1, 1], H, W multiples of 16."""
+def preprocess_reference(image, *, min_side: int = MIN_SIDE, max_aspect: float | None = MAX_ASPECT) -> np.ndarray:
+    """A reference image as the references prepare it: (H, W, 3) float32 in [-1, 1], H, W multiples of 16
+    (at most 1 MP, centre-cropped to the grid); its limits as `check_image_shape`'s."""
     img = open_image(image, "reference image").convert("RGB")
-    check_image_shape(*img.size, "reference image")
+    check_image_shape(*img.size, "reference image", min_side=min_side, max_aspect=max_aspect)
     img = _shrink_to_area(img)
     w, h = img.size
     cw, ch = w // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN, h // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN

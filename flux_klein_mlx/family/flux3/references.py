@@ -105,10 +105,12 @@ def prepare_flux3_references(images: Sequence, model_name: str) -> tuple[list[np
     """FLUX 3's reference pixels and the box to crop the output back to (None with several references).
 
     One reference is kept whole on its canvas (`prepare_canvas_reference`, any size of at least
-    1 px); several are each prepared as FLUX.2 prepares one (`preprocess_reference`, FLUX.2's limits), which
+    1 px); several are each prepared as FLUX.2 prepares one (`preprocess_reference`, with FLUX 3's limits), which
     is what diffusers' `Flux3ImageProcessor` does with `resize_mode="crop"`."""
     check_reference_count(len(images), FLUX3_MAX_REFERENCES, model_name)
     if len(images) == 1:
         canvas = prepare_canvas_reference(open_image(images[0], "reference image"))
         return [canvas.pixels], canvas.box
-    return [preprocess_reference(im) for im in images], None
+    # diffusers' `resize_mode="crop"` floors each side to the grid and checks nothing more: a side of one token
+    # (16 px) is the least that crops to an image, and any aspect ratio goes (a 100x56 reference runs as 96x48)
+    return [preprocess_reference(im, min_side=PIXELS_PER_TOKEN, max_aspect=None) for im in images], None
