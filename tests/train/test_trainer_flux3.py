@@ -193,7 +193,7 @@ def test_flux3_distilled_and_a_flux2_checkpoint_refused_in_one_line(base, base3,
     assert main(flux2 + ["--resolution", "64", "--steps", "1", "--work-dir", str(work), "--rank", "4"]) == 0
     capsys.readouterr()
     line = refused(args + ["--model", str(base3), "--work-dir", str(work), "--resume", "--rank", "4"], capsys)
-    assert "is from a run with other settings (model: " in line and "tiny-flux3-base" in line, line
+    assert "is a checkpoint of FLUX.2 [klein]'s adapters" in line and "model is FLUX 3 Image Klein's" in line, line
     with pytest.raises(FluxKleinError, match="distilled FLUX 3"):
         flux_klein_mlx.train_lora(model=distilled3, data=data[0], output=tmp_path / "y.safetensors")
 
