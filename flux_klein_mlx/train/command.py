@@ -352,7 +352,9 @@ def train(**options):
         ctrl_c.append(time.monotonic())
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGINT, on_ctrl_c)
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.SIG_IGN:  # a run started with Ctrl-C ignored (a script's background job) keeps it so
+        signal.signal(signal.SIGINT, on_ctrl_c)
     try:
         for ev in events:
             if ctrl_c:
