@@ -17,6 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 from command_line import run_cli  # noqa: E402
+from families import KITS  # noqa: E402
 from tiny_model import shared_tiny_snapshot  # noqa: E402
 
 _SESSION_CACHE = tempfile.mkdtemp(prefix="flux-klein-test-cache-")
@@ -76,6 +77,36 @@ def snapshot(distilled):
 def base(tmp_path_factory):
     """The tiny Base snapshot (no is_distilled key in model_index.json)."""
     return shared_tiny_snapshot(tmp_path_factory, distilled=False)
+
+
+@pytest.fixture(scope="session")
+def distilled3(tmp_path_factory):
+    """The tiny distilled FLUX 3 Image Klein snapshot (flow map; modular layout)."""
+    return KITS["flux3"].snapshot(tmp_path_factory, distilled=True)
+
+
+@pytest.fixture(scope="session")
+def base3(tmp_path_factory):
+    """The tiny FLUX 3 Base snapshot."""
+    return KITS["flux3"].snapshot(tmp_path_factory, distilled=False)
+
+
+@pytest.fixture(scope="session", params=sorted(KITS))
+def family(request):
+    """The test kit of each family in turn (tests/support/families.py): a test that takes it runs for both."""
+    return KITS[request.param]
+
+
+@pytest.fixture(scope="session")
+def family_distilled(family, request):
+    """The family's tiny distilled snapshot (the same folder as `distilled` / `distilled3`)."""
+    return request.getfixturevalue("distilled" if family.name == "flux2" else "distilled3")
+
+
+@pytest.fixture(scope="session")
+def family_base(family, request):
+    """The family's tiny Base snapshot (the same folder as `base` / `base3`)."""
+    return request.getfixturevalue("base" if family.name == "flux2" else "base3")
 
 
 @pytest.fixture(scope="session")
