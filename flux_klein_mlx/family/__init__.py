@@ -36,11 +36,11 @@ def all_variants() -> dict:
 
 
 def family_of_names(names) -> Family:
-    """The family whose markers a checkpoint's keys (or module names) carry; the family without markers
-    (FLUX.2 [klein], whose names the later families extend) when no other family's show."""
-    names = [f".{n}" for n in names]
-    marked = (f for f in FAMILIES.values() if f.markers and any(m in n for n in names for m in f.markers))
-    return next(marked, None) or next(f for f in FAMILIES.values() if not f.markers)
+    """The one family whose markers (`LoraNames.markers`) a checkpoint's keys (or module names) carry; the first
+    family, FLUX.2 [klein] (whose reader also knows FLUX.1's and FLUX.2-dev's names, to refuse them), when none
+    or several show."""
+    marked = [f for f in FAMILIES.values() if any(f.lora.markers.search(n) for n in names)]
+    return marked[0] if len(marked) == 1 else next(iter(FAMILIES.values()))
 
 
 def family_of_class(name) -> Family | None:

@@ -24,15 +24,15 @@ class Target:
 
 @dataclass(frozen=True)
 class LoraNames:
-    """What lora/ asks of one model family (`Family.lora`): its transformer's names and shapes, the markers of its
-    LoRA files (a LoRA file has no header that names its model)."""
+    """What lora/ asks of one model family (`Family.lora`): its transformer's names and shapes, and the markers that
+    tell its files (a LoRA file has no header that names its model; a model file's is its keys)."""
 
     title: str  # family/'s Family.title
     params_type: type  # the transformer's hyper-parameters
     table: Callable  # params -> {module name a LoRA may use: Target}
     modules: Callable  # (params, blocks_only) -> diffusers' Linear module names, in model order
     shapes: Callable  # params -> {our layer: (out, in)}
-    markers: re.Pattern  # module names (dotted or underscored, any prefix) only this family has
+    markers: re.Pattern  # module names (dotted or underscored, any prefix) only this family has: its files' one list
     hidden_sizes: dict[int, str]  # the released models by hidden size, for "made for ..." messages
     guess: (
         Callable  # (keys, {module: input width}) -> the transformers a LoRA file's shapes may be for, likeliest first
@@ -63,7 +63,6 @@ class Family(Protocol):
     text_key: dict  # what the prompt cache's key adds for this family's embeddings
     index_files: tuple[str, ...]  # a diffusers snapshot's index file names, in the order tried
     pipeline_classes: tuple[str, ...]  # the index's `_class_name`s of this family's pipelines
-    markers: tuple[str, ...]  # checkpoint key parts only this family has (() for the family the others extend)
     class_prefix: str  # diffusers' class names of its pipelines and transformer start with it
     lora: LoraNames  # its LoRA files' names, shapes and markers (lora/ asks it)
     upsampler: str | None  # the hub repo of BFL's prompt upsampler for this family (None: it has none)

@@ -21,7 +21,7 @@ def lora_family(params) -> LoraNames:
 
 
 def unmarked_lora() -> LoraNames:
-    """The LoRA names of the family whose files carry no marker of their own (FLUX.2 [klein]'s)."""
+    """The LoRA names a file is read with when no name tells its family (`family.family_of_names`' first)."""
     return model_family_of_names(()).lora
 
 

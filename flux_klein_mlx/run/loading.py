@@ -231,18 +231,20 @@ def _describe(model: str | Path, base: str | Path | None) -> ModelInfo:
 
 
 def _folder_family(path: Path) -> Family:
-    """A diffusers folder's family, told by its class names (FLUX 3's sizes are klein-4B's): the first of its
-    index files and transformer config whose class a marked family claims (FLUX 3's are Flux3*); else the
-    unmarked family's (FLUX.2's: it reads FLUX.1's and FLUX.2-dev's folders too, to refuse them)."""
+    """A diffusers folder's family, told by its class names (FLUX 3's sizes are klein-4B's): the first later family
+    whose class prefix one of its index files or its transformer config carries (so a FLUX 3 transformer/ in a
+    FLUX.2 snapshot is found, and refused as a mix); else the first family's (`family_of_names`: it reads FLUX.1's
+    and FLUX.2-dev's folders too, to refuse them)."""
+    first = family_of_names(())
     for name in ("modular_model_index.json", "model_index.json", "transformer/config.json"):
         try:
             config = _optional_json(path / name)
         except FluxKleinError:  # unreadable: the checks after this say so where the file is needed
             continue
         family = family_of_class(config.get("_class_name") if isinstance(config, dict) else None)
-        if family is not None and family.markers:
+        if family not in (None, first):
             return family
-    return family_of_names(())
+    return first
 
 
 def _describe_bfl(model, file: Path, base) -> ModelInfo:

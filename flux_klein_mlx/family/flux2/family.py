@@ -30,7 +30,7 @@ from ...models.text_encoder import OUT_LAYERS, encode_prompts
 from ...models.tokenizer import FLUX2_WINDOW, MAX_LENGTH
 from ...sampling import cfg, model_timestep, reference_time, schedule
 from ..base import LoraNames
-from .lora import DIFFUSERS_FUSED, FLUX2_LORA_MARKERS, flux2_modules, flux2_table, guess_params
+from .lora import DIFFUSERS_FUSED, FLUX2_MARKERS, flux2_modules, flux2_table, guess_params
 
 
 class Flux2Steps:
@@ -83,12 +83,11 @@ class Flux2Family:
         table=flux2_table,
         modules=flux2_modules,
         shapes=linear_shapes,
-        markers=FLUX2_LORA_MARKERS,
+        markers=FLUX2_MARKERS,
         hidden_sizes=HIDDEN_SIZES,
         guess=guess_params,
         fused=DIFFUSERS_FUSED,
     )
-    markers = ()  # none: its names are the ones every later family extends (family.family_of_names)
     class_prefix = "Flux2"
     params_type = FluxKleinParams
     max_references = None

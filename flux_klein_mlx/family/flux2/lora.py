@@ -116,7 +116,9 @@ def guess_params(keys, widths: dict[str, int]) -> list[FluxKleinParams]:
     return candidates or [FluxKleinParams.klein_4b()]
 
 
-FLUX2_LORA_MARKERS = re.compile(
+# Module names (dotted or underscored, any prefix) only FLUX.2 [klein] has: they tell its model files and its LoRA
+# files from a later family's (family.family_of_names, lora/names.family_of_names).
+FLUX2_MARKERS = re.compile(
     EDGE + r"(?:(?:double_blocks|img_attn|txt_attn|img_mlp|txt_mlp|linear[12]|to_qkv_mlp(?:_proj)?|ff_context"
     r"|time_guidance_embed|double_stream_modulation_\w+|single_stream_modulation|add_[qkv]_proj|to_add_out"
     r"|img_in|x_embedder|final_layer[._](?:linear|adaLN))(?:[._]|$)|(?<!single_)(?<!single\.)transformer_blocks[._])"

@@ -29,16 +29,12 @@ from ...models.text_encoder import FLUX3_TAPS, encode_prompts
 from ...models.tokenizer import FLUX3_WINDOW
 from ...sampling import cfg, flow_timestep, shifted_schedule
 from ..base import LoraNames
-from .lora import FLUX3_LORA_MARKERS, flux3_check, flux3_modules, flux3_table, guess_params
+from .lora import FLUX3_MARKERS, flux3_check, flux3_modules, flux3_table, guess_params
 from .references import FLUX3_MAX_REFERENCES, prepare_flux3_references
 
 SHIFT = 6.93  # diffusers' Flux3SetTimestepsStep and mflux: sigma' = 6.93 sigma / (1 + 5.93 sigma)
 # what the memory plan counts for a caption before it is encoded: two windows of 80 (about 100 words)
 PLANNED_TEXT_TOKENS = 160
-# Its hidden size is klein-4B's (24 heads x 128 = 3072), so its files are told apart by names, never by shapes:
-# diffusers' classes are Flux3* (Flux3Transformer2DModel, Flux3ModularPipeline, ...); BFL's file has per-mode
-# blocks and, distilled, a second timestep embedder (the keys diffusers' single-file loader tells it by).
-MARKERS = ("early_stream_modulations.", "single_stream_modulations.", "mode_blocks.", "ref_time_in.")
 
 
 class Flux3Steps:
@@ -94,12 +90,11 @@ class Flux3Family:
         table=flux3_table,
         modules=flux3_modules,
         shapes=linear_shapes,
-        markers=FLUX3_LORA_MARKERS,
+        markers=FLUX3_MARKERS,
         hidden_sizes={Flux3Params().hidden_size: title},
         guess=guess_params,
         check=flux3_check,
     )
-    markers = MARKERS
     class_prefix = "Flux3"
     params_type = Flux3Params
     max_references = FLUX3_MAX_REFERENCES

@@ -85,7 +85,10 @@ def guess_params(keys, widths: dict[str, int]) -> list[Flux3Params]:
     return candidates or [Flux3Params(flow_map=flow_map)]
 
 
-FLUX3_LORA_MARKERS = re.compile(
+# Module names only FLUX 3 has: they tell its model files (its hidden size is klein-4B's, so never by shapes) and its
+# LoRA files from FLUX.2's. diffusers' classes are Flux3*, and BFL's file has per-mode blocks and, distilled, a second
+# timestep embedder (the keys diffusers' single-file loader tells it by).
+FLUX3_MARKERS = re.compile(
     EDGE + r"(?:content_mode_blocks|mode_blocks|early_stream_modulations|single_stream_modulations|emb_in"
     r"|x_embedders|ref_time_in|target_timestep_embedder|(?<!add_)[qkv]_proj|attn_out|mlp_in|mlp_out"
     r"|final_layer[._]image|single_transformer_blocks[._]\d+[._]ff)(?:[._]|$)"
