@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from command_line import assert_one_line_error
 from PIL import Image
+from refs import flux2_reference
 
-from flux_klein_mlx.inputs.images import preprocess_reference
 from flux_klein_mlx.inputs.settings import content_hash
 from flux_klein_mlx.record.output import read_record
 
@@ -118,7 +118,7 @@ def test_editing_with_reference_image(snapshot, tmp_path, cli):
     with Image.open(out) as im:
         assert im.size == (96, 64)  # the reference's size, floored to multiples of 16 and centre-cropped
         # references are named by the content hash of their prepared pixels (the same from every door)
-        assert json.loads(im.text["flux_klein_mlx"])["references"] == [content_hash(preprocess_reference(ref))]
+        assert json.loads(im.text["flux_klein_mlx"])["references"] == [content_hash(flux2_reference(ref))]
 
 
 @pytest.mark.parametrize(

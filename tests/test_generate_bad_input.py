@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 from command_line import assert_one_line_error, default_args, gen_args
 from PIL import Image
+from refs import flux2_reference
 
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.inputs.images import open_image, preprocess_reference
+from flux_klein_mlx.inputs.images import open_image
 from flux_klein_mlx.run.pipeline import load
 
 # --- no silent wrong results ----------------------------------------------------------------------------
@@ -149,13 +150,13 @@ def test_exif_orientation_is_applied(tmp_path):
     im.save(path, exif=exif.tobytes(), quality=95)
     shown = open_image(path, "reference image")
     assert shown.size == (128, 64)  # what a photo viewer shows
-    assert preprocess_reference(path).shape == (64, 128, 3)
+    assert flux2_reference(path).shape == (64, 128, 3)
 
 
 def test_16_bit_grey_converted_by_value(tmp_path):
     path = tmp_path / "grey16.png"
     Image.fromarray(np.full((64, 64), 32768, dtype=np.uint16)).save(path)
-    x = preprocess_reference(path)  # [-1, 1]
+    x = flux2_reference(path)  # [-1, 1]
     assert abs(float(x.mean())) < 0.01  # 50% grey, not white
 
 
@@ -165,7 +166,7 @@ def test_float_images_read_by_value(tmp_path):
     tiff = tmp_path / "half.tif"
     Image.fromarray(half).save(tiff)
     for image in (Image.fromarray(half), tiff, Image.fromarray(half * 255)):
-        x = preprocess_reference(image)  # [-1, 1]
+        x = flux2_reference(image)  # [-1, 1]
         assert abs(float(x.mean())) < 0.01, image  # 50% grey, not black
 
 
@@ -190,7 +191,7 @@ def test_animated_reference_warns_first_frame(tmp_path):
     frames = [Image.new("RGB", (64, 64), c) for c in ((255, 0, 0), (0, 255, 0))]
     frames[0].save(path, save_all=True, append_images=frames[1:])
     with pytest.warns(UserWarning, match="2 frames; the first one is used"):
-        x = preprocess_reference(path)
+        x = flux2_reference(path)
     assert x[..., 0].mean() > 0.9 and x[..., 1].mean() < -0.9
 
 

@@ -1,5 +1,5 @@
-"""The run's images, read and prepared before any model runs: reference images (FLUX.2's crop to the token
-grid, which FLUX 3 uses for several references; its one-reference canvas is `family/flux3/references`), the
+"""The run's images, read and prepared before any model runs: reference images (the centre crop to the token
+grid both families use, each within its own limits; FLUX 3's one-reference canvas is `family/flux3/references`), the
 init image and its mask (diffusers' order of resizes), each opened once with one-line errors (`open_image`),
 checked (`check_image_shape`).
 
@@ -126,9 +126,9 @@ def _pixels(img: Image.Image, normalize: bool) -> np.ndarray:
     return 2.0 * x - 1.0 if normalize else x
 
 
-def preprocess_reference(image, *, min_side: int = MIN_SIDE, max_aspect: float | None = MAX_ASPECT) -> np.ndarray:
-    """A reference image as the references prepare it: (H, W, 3) float32 in [-1, 1], H, W multiples of 16
-    (at most 1 MP, centre-cropped to the grid); its limits as `check_image_shape`'s."""
+def preprocess_reference(image, *, min_side: int, max_aspect: float | None) -> np.ndarray:
+    """A reference image centre-cropped to the grid: (H, W, 3) float32 in [-1, 1], H, W multiples of 16, at most
+    1 MP; refused outside the family's limits (`check_image_shape`: a side under `min_side`, past `max_aspect`)."""
     img = open_image(image, "reference image").convert("RGB")
     check_image_shape(*img.size, "reference image", min_side=min_side, max_aspect=max_aspect)
     img = _shrink_to_area(img)

@@ -35,11 +35,10 @@ pytest.importorskip("multipart")
 
 from browsing import browser, fill, needs_chromium  # noqa: E402
 from command_line import free_port  # noqa: E402
-from refs import picture  # noqa: E402
+from refs import flux2_reference, picture  # noqa: E402
 from serving import KEY, ROOT, http, start_server  # noqa: E402
 
 import flux_klein_mlx  # noqa: E402
-from flux_klein_mlx.inputs.images import preprocess_reference  # noqa: E402
 from flux_klein_mlx.record.output import a1111_parameters  # noqa: E402
 
 
@@ -975,7 +974,7 @@ def test_page_on_a_distilled_model_with_a_key(server, tmp_path):
             picture(w, h, 3).save(path)
             driver.execute_script("for (const b of document.querySelectorAll('#refs button')) b.click()")
             driver.find_element(By.ID, "refs-file").send_keys(str(path))
-            shape = preprocess_reference(path).shape  # the judge: (H, W, 3) as the server prepares it
+            shape = flux2_reference(path).shape  # the judge: (H, W, 3) as the server prepares it
             expected = f"auto: {shape[1]} × {shape[0]} (the first image's size)"
             wait.until(lambda d, expected=expected: d.find_element(By.ID, "size-note").text == expected)
             assert driver.find_element(By.ID, "width").get_attribute("value") == str(shape[1])

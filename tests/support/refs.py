@@ -294,3 +294,10 @@ def vae_reference_decode(vae, tokens: torch.Tensor, h: int, w: int) -> torch.Ten
         bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
         latents = Flux2KleinPipeline._unpatchify_latents(latents * bn_std + bn_mean)
         return vae.decode(latents, return_dict=False)[0]  # (B, 3, 16h, 16w)
+
+
+def flux2_reference(image) -> np.ndarray:
+    """One reference image as FLUX.2 [klein] prepares it (its family's limits): (H, W, 3) float32 in [-1, 1]."""
+    from flux_klein_mlx.family import FAMILIES
+
+    return FAMILIES["flux2"].prepare_references([image], "")[0][0]

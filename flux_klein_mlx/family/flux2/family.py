@@ -13,7 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...events import Job
-from ...inputs.images import preprocess_reference
+from ...inputs.images import MAX_ASPECT, preprocess_reference
+from ...limits import MIN_SIDE
 from ...models.flux2.config import (
     HIDDEN_SIZES,
     KV_PIPELINE_CLASS,
@@ -121,7 +122,8 @@ class Flux2Family:
         return row.title if row is not None else custom
 
     def prepare_references(self, images: list, model_name: str) -> tuple[list, tuple | None]:
-        return [preprocess_reference(im) for im in images], None  # no crop back
+        # The spec's limits (8.1): a side of 64 px at least, 8:1 at most; no crop back.
+        return [preprocess_reference(im, min_side=MIN_SIDE, max_aspect=MAX_ASPECT) for im in images], None
 
     def params(self, config: dict) -> FluxKleinParams:
         return FluxKleinParams.from_dict(config)

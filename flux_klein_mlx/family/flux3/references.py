@@ -5,12 +5,11 @@ One reference is kept whole (diffusers' `Flux3ImageProcessor` with `resize_mode=
 canvas -- each side rounded up to the 16-px token grid, clamped to [64, 4096] -- fits 4 MP, then padded to
 the canvas with its own reflection (mirrored, edge included, when a side is under one token), centred. The
 box (left, top, right, bottom) of the image inside the canvas crops the generated image back to the
-reference (`inputs/images.crop_to_box`) when no size was asked for. Several references are each prepared as FLUX.2
-prepares one (`inputs/images.preprocess_reference`: at most 1 MP, centre-cropped to the grid), which is exactly
-`resize_mode="crop"` (tests/test_flux3_inputs.py proves both against diffusers).
+reference (`inputs/images.crop_to_box`) when no size was asked for. Several references are each centre-cropped
+to the grid (`inputs/images.preprocess_reference`: at most 1 MP), which is exactly `resize_mode="crop"`, with
+FLUX 3's limits (tests/test_flux3_inputs.py proves both against diffusers).
 
-The hall's `inputs/images` opens the files (`open_image`) and prepares a reference FLUX.2's way
-(`preprocess_reference`); this module is FLUX 3's own rule on top.
+The hall's `inputs/images` opens the files (`open_image`) and crops to the grid; this module is FLUX 3's own rule.
 """
 
 from __future__ import annotations
