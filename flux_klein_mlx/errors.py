@@ -20,6 +20,7 @@ SETTING_NAMES = {
     "images": ("--image", "images=", "image"),
     "outpaint": ("--outpaint", "outpaint=", "outpaint"),
     "prompt": ("--prompt", "prompt", "prompt"),
+    "steps": ("--steps", "steps=", "steps"),
     "upsample": ("--upsample", "upsample=True", "upsample"),
     "boxes": ("--box", "boxes=", "boxes"),
 }

@@ -92,7 +92,7 @@ def start_step(steps: int, strength: float) -> int:
     t_start = int(steps - steps * strength)  # strength in (0, 1]: init_timestep = steps * strength
     if t_start == steps:
         raise FluxKleinError(
-            f"strength {strength} is so small that none of the {steps} steps runs; raise --strength or --steps"
+            f"strength {strength} is so small that none of the {steps} steps runs; raise {{strength}} or {{steps}}"
         )
     return t_start
 

@@ -607,7 +607,13 @@ def test_a_refusal_names_the_api_fields_not_cli_options(server):
     )
     code, reply = http("POST", server.url + "/v1/images/edits", body, {**server.auth, "Content-Type": ctype})
     assert code == 400 and "give image, and no mask or size" in reply["error"]["message"], reply
-    for line in (message, reply["error"]["message"]):
+    lines = [message, reply["error"]["message"]]
+    body, ctype = multipart(
+        {"prompt": "a fox", "strength": "1e-18", "steps": "4"}, [("image", "a.png", png(picture(64, 64)), "image/png")]
+    )
+    code, reply = http("POST", server.url + "/v1/images/edits", body, {**server.auth, "Content-Type": ctype})
+    assert code == 400 and "none of the 4 steps runs; raise strength or steps" in reply["error"]["message"], reply
+    for line in [*lines, reply["error"]["message"]]:
         assert "--" not in line and "=" not in line and "\n" not in line
     assert server.status()["state"] == "ready"
 
