@@ -25,6 +25,7 @@ from test_settings import base_args, make_images, refused, small_disk, tree_hash
 
 import flux_klein_mlx.train.report.samples as samples_module
 import flux_klein_mlx.train.trainer as train_module
+from flux_klein_mlx.storage.files import is_temporary_file
 from flux_klein_mlx.train import state as train_state
 from flux_klein_mlx.train import workdir
 from flux_klein_mlx.train.step.objective import check_schedule
@@ -356,5 +357,72 @@ def test_ctrl_c_at_a_checkpoint_names_the_newest_one_on_disk(capsys, snap, tmp_p
     assert [p.name for p in sorted(work.glob("checkpoint-*"))] == ["checkpoint-000002"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the command's handler is gone
     code, _, err = run_cli(capsys, "train", *args, "--resume")  # the advice, followed
+    assert code == 0, err
+    assert out.is_file()
+
+
+def ctrl_c_then(run):
+    """`run` that sends this process a real Ctrl-C first: the command's handler raises in here."""
+
+    def interrupted_run(*a, **k):
+        os.kill(os.getpid(), signal.SIGINT)
+        return run(*a, **k)
+
+    return interrupted_run
+
+
+def ctrl_c_at_load(name):
+    """`load_component` that is interrupted when it loads the component `name` (text_encoder, vae, transformer)."""
+    real = train_module.load_component
+    return lambda info, what, *a, **k: (ctrl_c_then(real) if what == name else real)(info, what, *a, **k)
+
+
+STAGES = {  # stage -> (what to patch, its interrupted stand-in, the checkpoint the line names)
+    "caption cache": (train_module, "load_component", lambda: ctrl_c_at_load("text_encoder"), None),
+    "latent cache": (train_module, "load_component", lambda: ctrl_c_at_load("vae"), None),
+    "model load": (train_module, "load_component", lambda: ctrl_c_at_load("transformer"), None),
+    "first step": (train_module, "optimizer_step", lambda: ctrl_c_then(train_module.optimizer_step), None),
+    "a sample": (
+        samples_module.SampleImages,
+        "sample",
+        lambda: ctrl_c_then(samples_module.SampleImages.sample),
+        "checkpoint-000002",
+    ),
+    "the output file": (
+        train_module,
+        "write_output",
+        lambda: ctrl_c_then(train_module.write_output),
+        "checkpoint-000004",
+    ),
+}
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_ctrl_c_at_every_stage_stops_with_one_line_and_leaves_nothing_half_written(capsys, snap, tmp_path, stage):
+    """Issue 46: a real SIGINT at each stage of a run (the caption and latent caches, the model load, a step, a
+    sample, the output's write) stops it (130) with the line that names the newest checkpoint on disk, or says
+    there is none; the lock is gone, no output and no temporary file is left, Python's Ctrl-C is back; the line's
+    advice runs to the end."""
+    data = make_images(tmp_path / "data")
+    out, work = tmp_path / "out.safetensors", tmp_path / "out.train"
+    args = [*base_args(snap, data, out), "--steps", "4", "--save-every", "2", "--dtype", "float32"]
+    if stage == "a sample":
+        args += ["--sample-every", "2", "--sample-prompt", "x", "--sample-size", "64", "--sample-steps", "1"]
+    owner, name, stand_in, named = STAGES[stage]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(owner, name, stand_in())
+        code, _, err = run_cli(capsys, "train", *args)
+    assert code == 130, err
+    if named is None:
+        line = "stopped at step 0; no checkpoint yet: run the same command again to start over"
+    else:
+        line = (
+            f"stopped at step {named[-1]}; last checkpoint {work / named}: continue with the same command and --resume"
+        )
+    assert err.strip().splitlines()[-1] == line and "Traceback" not in err
+    assert not out.exists() and not (work / "train.lock").exists()
+    assert not [p for p in tmp_path.rglob("*") if is_temporary_file(p.name) or ".tmp-" in p.name]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    code, _, err = run_cli(capsys, "train", *args, *(["--resume"] if named else []))  # the advice, followed
     assert code == 0, err
     assert out.is_file()
