@@ -62,6 +62,9 @@ MAX_PROMPT_CHARS = 32_000
 # Layout boxes of a run (--box, boxes=, "boxes"): each is a row of the layout table the model reads, about
 # 30 tokens before its text; 100 rows take 3,000 of FLUX 3's 8,192-token window.
 MAX_BOXES = 100
+# A seed of the noise (generate --seed, train --sample-seed, a record's seed): torch.Generator.manual_seed's range,
+# the seeds diffusers takes (the noise keeps the low 32 bits: sampling.py); past it torch raises an overflow.
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 MIN_SIDE = 64  # px: the shortest side of an input image, and of an image drawn (spec 8.1)
 MAX_SIDE = 4096  # px: the longest side drawn; ours (the references have none): 16x the pixels klein was tuned for
 # px added on one side by an outpaint: the canvas side is at most MAX_SIDE and the image's at least MIN_SIDE.

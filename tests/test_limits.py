@@ -202,3 +202,19 @@ def test_the_cap_itself_lets_a_refusal_run(tmp_path):
     done = capped_cli("generate", "-p", " ", "-o", tmp_path / "x.png")
     assert_one_line_error(done.returncode, done.stderr, "the prompt is empty")
     assert resource.getrlimit(resource.RLIMIT_AS)[0] != CAP  # only the child was capped
+
+
+@pytest.mark.parametrize("seed", [limits.MAX_SEED + 1, limits.MIN_SEED - 1, 10**23])
+def test_a_seed_past_torchs_range_refused_at_every_door(cli, snapshot, tmp_path, no_models, seed):
+    """Issue 46: a seed torch.Generator.manual_seed refuses (an overflow) ran, as its low bits; the bound is torch's
+    own range, at the CLI, in Python and in a training run's --sample-seed; its ends are taken."""
+    code, _, err = cli(*gen_args(snapshot, tmp_path / "x.png", "--seed", str(seed)))
+    assert_one_line_error(code, err, f"seed must be a whole number in [{limits.MIN_SEED}, {limits.MAX_SEED}]")
+    with pytest.raises(FluxKleinError, match=rf"seed must be a whole number in \[{limits.MIN_SEED}, "):
+        RunSettings("a fox", seed=seed).check()
+    code, _, err = cli("train", "--model", snapshot, "--data", tmp_path, "--output", tmp_path / "o.safetensors",
+                       "--sample-seed", str(seed), "--sample-prompt", "x")  # fmt: skip
+    assert_one_line_error(code, err, "sample-seed must be a whole number in")
+    for ok in (limits.MIN_SEED, limits.MAX_SEED):
+        assert RunSettings("a fox", seed=ok).check()
+    assert no_models == [] and not (tmp_path / "x.png").exists()

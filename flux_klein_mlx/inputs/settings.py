@@ -34,7 +34,15 @@ from PIL import Image
 
 from ..checks import check_number, check_whole, is_int
 from ..errors import FluxKleinError, Notice
-from ..limits import MAX_PROMPT_CHARS, MAX_REFERENCES, MAX_SIDE, check_decode_fits, check_steps
+from ..limits import (
+    MAX_PROMPT_CHARS,
+    MAX_REFERENCES,
+    MAX_SEED,
+    MAX_SIDE,
+    MIN_SEED,
+    check_decode_fits,
+    check_steps,
+)
 from ..models.rope import PIXELS_PER_TOKEN, token_grid
 from ..models.tokenizer import check_text
 from ..record.a1111 import LORA_TAG
@@ -132,7 +140,7 @@ class RunSettings:
         if self.guidance is not None:
             check_number("guidance", self.guidance, 0, hint=" (e.g. 4.0; at most 1 turns CFG off)")
         if self.seed is not None:
-            check_whole("seed", self.seed)
+            check_whole("seed", self.seed, MIN_SEED, MAX_SEED)
         if self.output_type not in ("pil", "np"):
             raise FluxKleinError(f"output_type must be 'pil' or 'np', not {self.output_type!r}")
         check_noise_kind(self.noise)

@@ -21,7 +21,7 @@ from ..checks import check_choice, check_number, check_whole, is_int
 from ..dtypes import DEFAULT_DTYPE, DTYPES
 from ..errors import FluxKleinError
 from ..inputs.settings import check_side
-from ..limits import MAX_EPOCHS, MAX_REPEATS, MAX_STEPS, MAX_TRAIN_STEPS, check_path
+from ..limits import MAX_EPOCHS, MAX_REPEATS, MAX_SEED, MAX_STEPS, MAX_TRAIN_STEPS, MIN_SEED, check_path
 from ..lora.layouts import check_layout
 from ..models.quantize import check_quantization
 from ..models.tokenizer import check_text
@@ -39,7 +39,7 @@ DEFAULT_BASE_MODEL = "black-forest-labs/FLUX.2-klein-base-4B"
 # (setting, low, high) of the whole-number settings, checked in this order
 WHOLE = (
     ("rank", 1, 1024), ("steps", 1, MAX_TRAIN_STEPS), ("batch_size", 1, 1024), ("grad_accum", 1, 1024),
-    ("group_size", 1, 1024), ("keep_checkpoints", 1, 1_000_000), ("sample_seed", -(2**63), 2**64),
+    ("group_size", 1, 1024), ("keep_checkpoints", 1, 1_000_000), ("sample_seed", MIN_SEED, MAX_SEED),
     ("seed", 0, 2**63 - 1), ("lokr_factor", -1, 65536), ("repeats", 1, MAX_REPEATS),
 )  # fmt: skip
 # whole-number settings that may be None (not asked for), with their (low, high); the counts' bounds: limits.py
