@@ -140,6 +140,10 @@ def run_command(command: click.Command, argv=None) -> int:
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             return 130
+        except click.UsageError as e:  # click's own: an unknown option, a value out of an option's range
+            where = f"; {e.ctx.command_path} --help lists the options" if e.ctx is not None else ""
+            click.echo(f"error: {e.format_message().rstrip('.')}{where}", err=True)
+            return 1
         except click.ClickException as e:
             e.show()
             return e.exit_code

@@ -362,3 +362,22 @@ def test_a_quantize_of_three_bits_is_one_line_before_anything_runs(cli, tmp_path
     code, _, err = cli(command, *args, "--quantize", "3")
     assert_one_line_error(code, err, "cannot quantize to 3 bits; choose 4 or 8")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["benchmark", "--trials", "0"], ["'--trials': 0 is not in the range 1<=x<=1000", "benchmark --help"]),
+        (["benchmark", "--seed", str(10**23)], ["'--seed'", "0<=x<=4294967295"]),  # was a traceback in mx.random.key
+        (["serve", "--port", "99999999"], ["'--port'", "1<=x<=65535", "serve --help"]),
+        (["generate", "--stpes", "3"], ["No such option '--stpes'", "--steps", "generate --help"]),
+        (["lora", "convert"], ["Missing argument 'SOURCE'", "lora convert --help"]),
+        (["nope"], ["No such command 'nope'", "flux_klein_mlx --help"]),
+    ],
+)
+def test_clicks_own_refusals_are_one_line_too(cli, args, words):
+    """Issue 46: an option out of its range, a misspelt option or command, a missing argument: click printed its
+    usage (three lines, exit 2); now one line that says what and where the options are, exit 1 (and bench's
+    --seed has a bound: 10^23 was a TypeError traceback)."""
+    code, _, err = cli(*args)
+    assert_one_line_error(code, err, *words)

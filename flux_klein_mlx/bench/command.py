@@ -185,7 +185,13 @@ def _check_sources(model, *, random_weights: bool, blocks, cold: bool, vae) -> N
     metavar="DOUBLE+SINGLE",
     help="With --random-weights: fewer transformer blocks than the variant (e.g. 1+2), for slow machines.",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights and inputs.")
+@click.option(  # mx.random.key takes an unsigned 64-bit seed, to which the stages add small offsets
+    "--seed",
+    type=click.IntRange(0, 2**32 - 1),
+    default=0,
+    show_default=True,
+    help="Seed of the random weights and inputs.",
+)
 @click.option(
     "--json",
     "json_path",
