@@ -8,6 +8,7 @@ Configs ignore unknown JSON keys (style.md habit 3).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 from ..errors import FluxKleinError
 
@@ -46,6 +47,35 @@ def check_heads_and_axes(params, what: str) -> None:
             f"{what} config is inconsistent: RoPE axes {params.axes_dim} must be even and sum to the "
             f"head dim {params.head_dim}; fix config.json"
         )
+
+
+class TransformerParams:
+    """What every family's transformer hyper-parameters (a dataclass of BFL-style fields: hidden_size,
+    num_heads, mlp_ratio, axes_dim, ...) derive alike; `DIFFUSERS_NAMES` maps its diffusers config names to them."""
+
+    DIFFUSERS_NAMES: ClassVar[dict[str, str]] = {}
+    TITLE: ClassVar[str] = "transformer"  # the config's name in a message
+    SHAPE_FIELDS: ClassVar[str] = ""  # the fields that decide a weight's shape, by name (theta, eps, axes do not)
+
+    def __post_init__(self):
+        self.axes_dim = tuple(int(a) for a in self.axes_dim)
+        check_heads_and_axes(self, self.TITLE)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.hidden_size * self.mlp_ratio)
+
+    def shape_key(self) -> tuple:
+        return tuple(getattr(self, name) for name in self.SHAPE_FIELDS.split())
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        """From a diffusers `transformer/config.json` (or a dict of our own field names); unknown keys ignored."""
+        return transformer_from_dict(cls, d, cls.DIFFUSERS_NAMES)
 
 
 # --- the Qwen3 text encoder ----------------------------------------------------------------------

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
-from ..config import AutoEncoderConfig, Qwen3Config, Variant, check_heads_and_axes, transformer_from_dict
+from ..config import AutoEncoderConfig, Qwen3Config, TransformerParams, Variant
 
 # --- the flow transformer ------------------------------------------------------------------------
 
 # diffusers `transformer/config.json` names -> ours (BFL's)
-_DIFFUSERS_TRANSFORMER = {
+DIFFUSERS_TRANSFORMER = {
     "num_layers": "depth",
     "num_single_layers": "depth_single",
     "joint_attention_dim": "context_in_dim",
@@ -28,8 +29,13 @@ _DIFFUSERS_TRANSFORMER = {
 
 
 @dataclass
-class FluxKleinParams:
+class FluxKleinParams(TransformerParams):
     """Transformer hyper-parameters (BFL names); defaults are klein-4B."""
+
+    DIFFUSERS_NAMES: ClassVar[dict[str, str]] = DIFFUSERS_TRANSFORMER
+    SHAPE_FIELDS: ClassVar[str] = (
+        "in_channels hidden_size context_in_dim num_heads mlp_hidden depth depth_single time_channels"
+    )
 
     in_channels: int = 128
     hidden_size: int = 3072
@@ -43,18 +49,6 @@ class FluxKleinParams:
     eps: float = 1e-6
     time_channels: int = 256
 
-    def __post_init__(self):
-        self.axes_dim = tuple(int(a) for a in self.axes_dim)
-        check_heads_and_axes(self, "transformer")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def mlp_hidden(self) -> int:
-        return int(self.hidden_size * self.mlp_ratio)
-
     @classmethod
     def klein_4b(cls) -> FluxKleinParams:
         return dataclasses.replace(VARIANTS["klein-4b"].transformer)
@@ -62,24 +56,6 @@ class FluxKleinParams:
     @classmethod
     def klein_9b(cls) -> FluxKleinParams:
         return dataclasses.replace(VARIANTS["klein-9b"].transformer)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> FluxKleinParams:
-        """From a diffusers `transformer/config.json` (or a dict of our own field names); unknown keys ignored."""
-        return transformer_from_dict(cls, d, _DIFFUSERS_TRANSFORMER)
-
-    def shape_key(self) -> tuple:
-        """Everything that decides a weight's shape; theta/eps/axes do not."""
-        return (
-            self.in_channels,
-            self.hidden_size,
-            self.context_in_dim,
-            self.num_heads,
-            self.mlp_hidden,
-            self.depth,
-            self.depth_single,
-            self.time_channels,
-        )
 
     @property
     def variant(self) -> str:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
-from ..config import AutoEncoderConfig, Qwen3Config, Variant, check_heads_and_axes, transformer_from_dict
+from ..config import AutoEncoderConfig, Qwen3Config, TransformerParams, Variant
 
 # diffusers `Flux3Transformer2DModel` config names -> ours; `attention_head_dim` is folded into hidden_size.
 FLUX3_DIFFUSERS_CONFIG = {
@@ -29,8 +30,15 @@ FLUX3_DIFFUSERS_CONFIG = {
 
 
 @dataclass
-class Flux3Params:
+class Flux3Params(TransformerParams):
     """FLUX 3 transformer hyper-parameters; defaults = the released 5.5B model."""
+
+    DIFFUSERS_NAMES: ClassVar[dict[str, str]] = FLUX3_DIFFUSERS_CONFIG
+    TITLE: ClassVar[str] = "FLUX 3 transformer"
+    SHAPE_FIELDS: ClassVar[str] = (  # with the reference tokens' input and the flow map's second embedder
+        "in_channels cond_in_channels hidden_size context_in_dim num_heads mlp_hidden depth depth_single "
+        "time_channels flow_map"
+    )
 
     in_channels: int = 128  # packed latent channels of the image tokens (32 VAE channels x 2 x 2)
     cond_in_channels: int = 128  # the same for the reference tokens
@@ -48,37 +56,8 @@ class Flux3Params:
     image_rope_scale: float = 0.5  # image ids are (0, y, x, 0) x this; not in diffusers' config
 
     def __post_init__(self):
-        self.axes_dim = tuple(int(a) for a in self.axes_dim)
         self.flow_map = bool(self.flow_map)
-        check_heads_and_axes(self, "FLUX 3 transformer")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def mlp_hidden(self) -> int:
-        return int(self.hidden_size * self.mlp_ratio)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Flux3Params:
-        """From a diffusers `transformer/config.json` (or a dict of our own field names); unknown keys ignored."""
-        return transformer_from_dict(cls, d, FLUX3_DIFFUSERS_CONFIG)
-
-    def shape_key(self) -> tuple:
-        """Everything that decides a weight's shape (the flow-map embedder included); theta/eps/axes do not."""
-        return (
-            self.in_channels,
-            self.cond_in_channels,
-            self.hidden_size,
-            self.context_in_dim,
-            self.num_heads,
-            self.mlp_hidden,
-            self.depth,
-            self.depth_single,
-            self.time_channels,
-            self.flow_map,
-        )
+        super().__post_init__()
 
     @property
     def variant(self) -> str:
