@@ -134,6 +134,23 @@ class Qwen3Config:
         return from_dict(cls, d)
 
 
+# Qwen3-4B's language tower: the text encoder of the 4B-class models, and the shape of every other Qwen3 tower
+# they read (the models' own config rows say how theirs differ).
+QWEN3_4B = Qwen3Config(
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=40960,
+)
+
+
 # --- the VAE -----------------------------------------------------------------------------------
 
 

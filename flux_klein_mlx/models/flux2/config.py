@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..config import AutoEncoderConfig, Qwen3Config, TransformerParams, Variant
+from ..config import QWEN3_4B, AutoEncoderConfig, Qwen3Config, TransformerParams, Variant
 
 # --- the flow transformer ------------------------------------------------------------------------
 
@@ -72,20 +72,7 @@ class FluxKleinParams(TransformerParams):
 # --- the variants ------------------------------------------------------------------------------
 
 
-_QWEN3_4B = Qwen3Config(
-    hidden_size=2560,
-    intermediate_size=9728,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-6,
-    rope_theta=1e6,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-    max_position_embeddings=40960,
-)
-_QWEN3_8B = dataclasses.replace(_QWEN3_4B, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)
+_QWEN3_8B = dataclasses.replace(QWEN3_4B, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)
 _KLEIN_4B = FluxKleinParams()
 _KLEIN_9B = FluxKleinParams(hidden_size=4096, context_in_dim=12288, num_heads=32, depth=8, depth_single=24)
 
@@ -93,7 +80,7 @@ _KLEIN_9B = FluxKleinParams(hidden_size=4096, context_in_dim=12288, num_heads=32
 def _rows() -> dict[str, Variant]:
     rows = {}
     for family, size, transformer, qwen in (
-        ("klein-4b", "4B", _KLEIN_4B, _QWEN3_4B),
+        ("klein-4b", "4B", _KLEIN_4B, QWEN3_4B),
         ("klein-9b", "9B", _KLEIN_9B, _QWEN3_8B),
     ):
         for distilled in (True, False):

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..config import AutoEncoderConfig, Qwen3Config, TransformerParams, Variant
+from ..config import QWEN3_4B, AutoEncoderConfig, TransformerParams, Variant
 
 # diffusers `Flux3Transformer2DModel` config names -> ours; `attention_head_dim` is folded into hidden_size.
 FLUX3_DIFFUSERS_CONFIG = {
@@ -69,20 +69,10 @@ class Flux3Params(TransformerParams):
         return f"FLUX 3 Image Klein (hidden {self.hidden_size}, {self.depth} mode / {self.depth_single} single blocks)"
 
 
-# Qwen3-VL-4B-Instruct's language tower (its `text_config`, flux3.md section 5); FLUX 3 taps layers 4..32 of its 36,
-# so only 32 are ever built (`family.text_taps`). The vision tower is never built nor read.
-QWEN3_VL_4B_TEXT = Qwen3Config(
-    hidden_size=2560,
-    intermediate_size=9728,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-6,
-    rope_theta=5e6,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-)
+# Qwen3-VL-4B-Instruct's language tower (its `text_config`, flux3.md section 5): Qwen3-4B's shape with a RoPE base
+# of 5e6 (max_position_embeddings: Qwen3Config's default, as the row always had). FLUX 3 taps layers 4..32 of
+# its 36, so only 32 are ever built (`family.text_taps`). The vision tower is never built nor read.
+QWEN3_VL_4B_TEXT = dataclasses.replace(QWEN3_4B, rope_theta=5e6, max_position_embeddings=32768)
 
 
 def _flux3_rows() -> dict[str, Variant]:
