@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from text_encoders import TEXTS
 from tiny_flux3 import shared_tiny_flux3_snapshot
 from tiny_model import shared_tiny_snapshot
 
@@ -18,6 +19,8 @@ class FamilyKit:
     name: str  # the key of flux_klein_mlx.family.FAMILIES
     snapshot: Callable[..., Path]  # (tmp_path_factory, *, distilled) -> the tiny snapshot, built once a session
     transformer_class: str  # diffusers' transformer class, by name (diffusers imports late: it is slow)
+    # --- tw-models (tests/models, tests/lora) ---
+    text: object  # text_encoders.Qwen3Texts / Qwen3VLTexts: the tiny text encoder, its judge, prompts, tolerance
 
     def reference_transformer_class(self):
         import diffusers
@@ -26,6 +29,6 @@ class FamilyKit:
 
 
 KITS = {
-    "flux2": FamilyKit("flux2", shared_tiny_snapshot, "Flux2Transformer2DModel"),
-    "flux3": FamilyKit("flux3", shared_tiny_flux3_snapshot, "Flux3Transformer2DModel"),
+    "flux2": FamilyKit("flux2", shared_tiny_snapshot, "Flux2Transformer2DModel", text=TEXTS["flux2"]),
+    "flux3": FamilyKit("flux3", shared_tiny_flux3_snapshot, "Flux3Transformer2DModel", text=TEXTS["flux3"]),
 }
