@@ -244,7 +244,7 @@ def test_quantized_side_path_equals_dequantized_fused(setup):
     err, drift = rel_err(got, want), rel_err(got, float_fused)
     print(f"4-bit side path vs dequantized+fused: rel {err:.1e}; vs the float model + LoRA: rel {drift:.2e}")
     assert err <= 1e-5
-    assert drift <= 0.25  # the 4-bit error itself (tests/models/test_flux3_transformer.py: 0.15 without a LoRA)
+    assert drift <= 0.25  # the 4-bit error itself (tests/models/test_transformer.py: 0.15 without a LoRA)
 
 
 def test_lora_for_the_other_family_is_refused_naming_both(setup, tmp_path):

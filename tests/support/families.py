@@ -12,6 +12,7 @@ from pathlib import Path
 from text_encoders import TEXTS
 from tiny_flux3 import shared_tiny_flux3_snapshot
 from tiny_model import shared_tiny_snapshot
+from tiny_transformers import TRANSFORMERS
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class FamilyKit:
     transformer_class: str  # diffusers' transformer class, by name (diffusers imports late: it is slow)
     # --- tw-models (tests/models, tests/lora) ---
     text: object  # text_encoders.Qwen3Texts / Qwen3VLTexts: the tiny text encoder, its judge, prompts, tolerance
+    transformer: object  # tiny_transformers.Flux2Transformers / Flux3Transformers: references, inputs, BFL names
 
     def reference_transformer_class(self):
         import diffusers
@@ -29,6 +31,14 @@ class FamilyKit:
 
 
 KITS = {
-    "flux2": FamilyKit("flux2", shared_tiny_snapshot, "Flux2Transformer2DModel", text=TEXTS["flux2"]),
-    "flux3": FamilyKit("flux3", shared_tiny_flux3_snapshot, "Flux3Transformer2DModel", text=TEXTS["flux3"]),
+    "flux2": FamilyKit(
+        "flux2", shared_tiny_snapshot, "Flux2Transformer2DModel", text=TEXTS["flux2"], transformer=TRANSFORMERS["flux2"]
+    ),
+    "flux3": FamilyKit(
+        "flux3",
+        shared_tiny_flux3_snapshot,
+        "Flux3Transformer2DModel",
+        text=TEXTS["flux3"],
+        transformer=TRANSFORMERS["flux3"],
+    ),
 }
