@@ -67,9 +67,10 @@ class Flux2Transformers:
                   attention_head_dim=16, num_attention_heads=3, joint_attention_dim=24, mlp_ratio=3.0,
                   timestep_guidance_channels=256, axes_dims_rope=(4, 4, 4, 4), rope_theta=2000, eps=1e-6,
                   guidance_embeds=False)  # fmt: skip
-    # g64: every Linear but the text input (24 wide) has an input width that is a multiple of 32
-    CONFIGS = {"tiny": CONFIG, "g64": dict(CONFIG, in_channels=32, num_layers=1, attention_head_dim=32,
-                                          num_attention_heads=2, axes_dims_rope=(8, 8, 8, 8))}  # fmt: skip
+    # g64: hidden 64 (the tiny snapshot's sizes, with a text width of 24): every Linear but the text input has an
+    # input width that is a multiple of 32
+    CONFIGS = {"tiny": CONFIG, "g64": dict(CONFIG, in_channels=32, attention_head_dim=32, num_attention_heads=2,
+                                          axes_dims_rope=(8, 8, 8, 8))}  # fmt: skip
     variants = ("tiny",)  # the parity tests' models
     cases = [  # (B, grid, references, t, target t)
         (2, (3, 5), [], [1.0, 1.0], None),
@@ -94,11 +95,11 @@ class Flux2Transformers:
          9_078_581_248, 201, "klein-9B (hidden 4096, 8 double / 24 single blocks)"),
     ]  # fmt: skip
 
-    def reference(self, variant: str = "tiny"):
+    def reference(self, variant: str = "tiny", seed: int = 0):
         from diffusers import Flux2Transformer2DModel
 
         torch.manual_seed(0)
-        return randomize_(Flux2Transformer2DModel(**self.CONFIGS[variant]), seed=0).eval()
+        return randomize_(Flux2Transformer2DModel(**self.CONFIGS[variant]), seed=seed).eval()
 
     def load(self, reference, folder, dtype=mx.float32):
         """Ours from the reference saved as diffusers saves it (a single file), through the loader."""
@@ -200,14 +201,15 @@ class Flux3Transformers:
         ("distilled", dict(flow_map=True), 5_548_681_984, None, TITLE),
     ]
 
-    def reference(self, variant: str = "small-fm0"):
+    def reference(self, variant: str = "small-fm0", seed: int = 1):
+        """`seed` + 1 for the flow map."""
         from diffusers import Flux3Transformer2DModel
 
         name, fm = variant.split("-fm")
         flow_map = bool(int(fm))
         torch.manual_seed(0)
         config = dict(self.CONFIGS[name], mlp_ratio=3.0, rope_theta=10000, eps=1e-6, flow_map=flow_map)
-        return randomize_(Flux3Transformer2DModel(**config), seed=1 + flow_map).eval()
+        return randomize_(Flux3Transformer2DModel(**config), seed=seed + flow_map).eval()
 
     def load(self, reference, folder=None, dtype=None):
         """Ours from the reference's state dict: sanitized, params from the shapes, strict load."""
