@@ -109,7 +109,7 @@ class Qwen3Config:
 
         A Qwen3-VL config (FLUX 3) keeps the language tower's fields under `text_config`. Its MRoPE
         (`mrope_section`) splits the frequencies among (t, h, w) position rows; text-only input gives
-        the three rows the same ids, so it is plain 1-D RoPE (tests/models/test_flux3_text.py).
+        the three rows the same ids, so it is plain 1-D RoPE (tests/models/test_text_encoder.py).
         """
         d = dict(d)
         if isinstance(d.get("text_config"), dict):

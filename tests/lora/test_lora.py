@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 
 import mlx.core as mx
 import numpy as np
@@ -21,6 +20,7 @@ import torch
 from mlx.utils import tree_flatten
 from refs import rel_err
 from safetensors.torch import save_file
+from tiny_loras import LORAS, Rand, swap_halves
 from tiny_model import LATENT_CHANNELS, TRANSFORMER
 
 import flux_klein_mlx
@@ -60,21 +60,6 @@ def our_pipe(snapshot):
 @pytest.fixture(scope="module")
 def lat():
     return np.random.default_rng(5).standard_normal((1, C, H // 16, W // 16)).astype(np.float32)
-
-
-class Rand:
-    """Random LoRA factors: down ~ N(0, 1/in), up ~ N(0, 0.5^2/r), so updates are a fair share of the weights."""
-
-    def __init__(self, seed):
-        self.g = torch.Generator().manual_seed(seed)
-
-    def pair(self, out, inp, r):
-        down = torch.randn(r, inp, generator=self.g) / math.sqrt(inp)
-        up = 0.5 * torch.randn(out, r, generator=self.g) / math.sqrt(r)
-        return down, up
-
-    def mat(self, *shape, s=1.0):
-        return s * torch.randn(*shape, generator=self.g)
 
 
 # --- the reference --------------------------------------------------------------------------------------
@@ -118,11 +103,6 @@ def reference(ref_pipe, lat, files=(), weights=None, merge=()):
 def ours(pipe, lat, loras):
     pipe.set_loras(loras)
     return pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np"), pipe
-
-
-def swap_halves(x):
-    h = x.shape[0] // 2
-    return np.concatenate([x[h:], x[:h]], axis=0)
 
 
 # --- LoRA files in each format --------------------------------------------------------------------------
@@ -230,43 +210,6 @@ def lora_kohya(path, rng):
     dropped.append(("double_stream_modulation_img.linear", (up @ down).numpy() * 2.0 / 4))
     save_file(sd, str(path))
     return dropped
-
-
-def lokr_file(path, rng):
-    """LyCORIS LoKr in three namings, whole and factorised factors; returns {our layer: delta} from numpy."""
-    sd, expected = {}, {}
-
-    def add(layer, rows, delta):
-        full = expected.setdefault(layer, np.zeros(_shape(layer), np.float32))
-        full[rows[0] : rows[1]] += delta
-
-    w1, w2 = rng.mat(4, 4), rng.mat(48, 16, s=0.1)  # whole factors: no alpha scaling even with an alpha key
-    sd |= {
-        "double_blocks.0.img_attn.qkv.lokr_w1": w1,
-        "double_blocks.0.img_attn.qkv.lokr_w2": w2,
-        "double_blocks.0.img_attn.qkv.alpha": torch.tensor(2.0),
-    }
-    add("double_blocks.0.img_attn.qkv", (0, 3 * D), np.kron(w1.numpy(), w2.numpy()))
-    a, b, w2 = rng.mat(8, 2), rng.mat(2, 8), rng.mat(72, 8, s=0.1)  # w1 = a @ b, rank 2, alpha 4 -> x2
-    sd |= {
-        "single_blocks.0.linear1.lokr_w1_a": a,
-        "single_blocks.0.linear1.lokr_w1_b": b,
-        "single_blocks.0.linear1.lokr_w2": w2,
-        "single_blocks.0.linear1.alpha": torch.tensor(4.0),
-    }
-    add("single_blocks.0.linear1", (0, 3 * D + 2 * M), 2.0 * np.kron((a @ b).numpy(), w2.numpy()))
-    w1, w2 = rng.mat(2, 4), rng.mat(32, 16, s=0.1)  # diffusers' to_k: rows D..2D of our fused qkv
-    sd |= {"transformer_blocks.1.attn.to_k.lokr_w1": w1, "transformer_blocks.1.attn.to_k.lokr_w2": w2}
-    add("double_blocks.1.img_attn.qkv", (D, 2 * D), np.kron(w1.numpy(), w2.numpy()))
-    w1, w2 = rng.mat(2, 2), rng.mat(64, 32, s=0.1)  # diffusers' norm_out: [scale; shift] -> ours [shift; scale]
-    sd |= {"norm_out.linear.lokr_w1": w1, "norm_out.linear.lokr_w2": w2}
-    add("final_layer.adaLN_modulation.1", (0, 2 * D), swap_halves(np.kron(w1.numpy(), w2.numpy())))
-    w1, a, b = rng.mat(4, 8), rng.mat(16, 3, s=0.3), rng.mat(3, 32, s=0.3)  # w2 = a @ b, rank 3, alpha 1.5
-    name = "lycoris_single_transformer_blocks_1_attn_to_out"
-    sd |= {f"{name}.lokr_w1": w1, f"{name}.lokr_w2_a": a, f"{name}.lokr_w2_b": b, f"{name}.alpha": torch.tensor(1.5)}
-    add("single_blocks.1.linear2", (0, D), 0.5 * np.kron(w1.numpy(), (a @ b).numpy()))
-    save_file(sd, str(path))
-    return expected
 
 
 def single_split_file(path, rng):
@@ -470,24 +413,23 @@ def test_other_mac_trainers_files_match_diffusers(ref_pipe, our_pipe, lat, tmp_p
     check(img, reference(ref_pipe, lat, [ref_file]), base_image)
 
 
-@pytest.mark.parametrize("kind", ["lokr", "single-split"])
-def test_fused_update_equals_numpy_delta(our_pipe, tmp_path, kind):
-    """E: delta = factor * kron(w1, w2) on our layers (rows of the fused qkv, the final layer swapped);
-    separate k / MLP-in LoRAs of a single block land on their rows of linear1."""
-    f = tmp_path / f"{kind}.safetensors"
-    expected = (lokr_file if kind == "lokr" else single_split_file)(f, Rand(6))
+def test_single_block_split_loras_land_on_their_rows(our_pipe, tmp_path):
+    """E: separate k / MLP-in LoRAs of a single block land on their rows of linear1 (set_loras at scale 0.5);
+    LoKr's kron deltas are tests/lora/test_lora_transformer.py's, for both families."""
+    f = tmp_path / "single-split.safetensors"
+    expected = single_split_file(f, Rand(6))
     pipe = our_pipe
     pipe.set_loras([])
     model = pipe.component("transformer")
     before = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     pipe.set_loras([(f, 0.5)])
-    assert pipe.loras[0].format == ("lokr" if kind == "lokr" else "diffusers")
+    assert pipe.loras[0].format == "diffusers"
     after = dict(tree_flatten(model.parameters()))
     worst = 0.0
     for k, b in before.items():
         want = b + 0.5 * expected[k[: -len(".weight")]] if k[: -len(".weight")] in expected else b
         worst = max(worst, float(np.abs(np.array(after[k]) - want).max()))
-    print(f"{kind} fused vs numpy delta: max abs {worst:.2e}")
+    print(f"single-split fused vs numpy delta: max abs {worst:.2e}")
     assert worst <= 1e-5
 
 
@@ -501,7 +443,7 @@ def test_quantized_side_path(snapshot, our_pipe, lat, tmp_path, bits, tolerance)
     dequantized weights with the LoRA fused (kernel rounding only), also in low-memory mode."""
     a = lora_a(tmp_path / "a.safetensors", Rand(7))
     e = tmp_path / "e.safetensors"
-    lokr_file(e, Rand(8))
+    LORAS["flux2"].lokr(e, Rand(8), PARAMS)
     s = tmp_path / "s.safetensors"
     single_split_file(s, Rand(18))  # row blocks of linear1: the low-memory path splits exactly there
     loras = [(a, 0.9), (e, 1.0), (s, 1.1)]

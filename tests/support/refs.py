@@ -95,17 +95,19 @@ def load_folder_component(folder, name: str, dtype=None, quantize=None):
     return load_component(describe(folder), name, dtype, quantize=quantize)
 
 
-def load_one(name: str, source, dtype=None, config: dict | None = None):
+def load_one(name: str, source, dtype=None, config: dict | None = None, family=None):
     """One component from its own folder (diffusers/transformers layout, or a snapshot holding it) or a
     single file, through the package's real steps: read -> sanitize -> assemble (strict) -> evaluate.
 
     The pipeline always loads whole models (`describe` + `load_component`); component tests load the
     reference's saved component alone. A single file carries no config: `config`, or for the
-    transformer the shapes (`infer_params`).
+    transformer the shapes (`infer_params`). `family`: a `flux_klein_mlx.family` Family, FLUX.2 [klein]'s when
+    None (the component tests' references are FLUX.2's but for the text encoder tests written for both).
     """
     import dataclasses
+    from functools import partial
 
-    from flux_klein_mlx.family import FLUX2  # the component tests' references are FLUX.2 [klein]'s
+    from flux_klein_mlx.family import FLUX2
     from flux_klein_mlx.models.flux2.transformer import infer_params
     from flux_klein_mlx.models.quantize import evaluate_by_layer
     from flux_klein_mlx.models.text_encoder import keeps_key
@@ -115,19 +117,20 @@ def load_one(name: str, source, dtype=None, config: dict | None = None):
     source = Path(source)
     if source.is_dir() and (source / name).is_dir():
         source = source / name  # a whole snapshot
-    keep = keeps_key if name == "text_encoder" else None
+    family = family or FLUX2
+    keep = partial(keeps_key, num_layers=max(family.text_taps)) if name == "text_encoder" else None
     if source.is_dir():
         config = read_json(source / "config.json")
-        weights = components.sanitize(name, components.read_weight_files(component_files(source), keep=keep), FLUX2)
+        weights = components.sanitize(name, components.read_weight_files(component_files(source), keep=keep), family)
     else:
-        weights = components.sanitize(name, components.read_weight_files([source], keep=keep), FLUX2)
+        weights = components.sanitize(name, components.read_weight_files([source], keep=keep), family)
         if config is None:
             config = dataclasses.asdict(infer_params(weights))
     model, _ = components.assemble(
         name,
         dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config,
         weights=weights,
-        family=FLUX2,
+        family=family,
         dtype=dtype,
     )
     evaluate_by_layer(model)
