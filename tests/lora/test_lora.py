@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from mlx.utils import tree_flatten
-from refs import rel_err
+from refs import diffusers_image, rel_err
 from safetensors.torch import save_file
 from tiny_loras import LORAS, Rand, swap_halves
 from tiny_model import LATENT_CHANNELS, TRANSFORMER
@@ -88,15 +88,7 @@ def reference(ref_pipe, lat, files=(), weights=None, merge=()):
         pipe.load_lora_weights(str(f), adapter_name=name)
     if weights is not None:
         pipe.set_adapters(names, weights)
-    with torch.no_grad():
-        memo[key] = pipe(
-            prompt_embeds=embeds,
-            height=H,
-            width=W,
-            num_inference_steps=STEPS,
-            output_type="np",
-            latents=torch.from_numpy(lat),
-        ).images[0]
+    memo[key] = diffusers_image(pipe, embeds, lat, H, STEPS)
     return memo[key]
 
 
@@ -808,8 +800,15 @@ def autov3(path) -> str:
     return hashlib.sha256(blob[8 + int.from_bytes(blob[:8], "little") :]).hexdigest()[:12]
 
 
-def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snapshot, tmp_path, cli, monkeypatch):
+def record(path, scale: float) -> dict:
+    """What the PNG's and a converted folder's record say of a LoRA file at `scale`."""
     import hashlib
+
+    return {"name": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()[:12], "scale": scale,
+            "autov3": autov3(path)}  # fmt: skip
+
+
+def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snapshot, tmp_path, cli, monkeypatch):
 
     import huggingface_hub.constants
     from PIL import Image
@@ -855,20 +854,7 @@ def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snapshot, tmp_
     )
     assert code == 0, err
     params = json.loads(Image.open(out).text["flux_klein_mlx"])
-    assert params["loras"] == [
-        {
-            "name": "style.safetensors",
-            "sha256": hashlib.sha256(a.read_bytes()).hexdigest()[:12],
-            "scale": 0.7,
-            "autov3": autov3(a),
-        },
-        {
-            "name": "kohya.safetensors",
-            "sha256": hashlib.sha256(k.read_bytes()).hexdigest()[:12],
-            "scale": 1.0,
-            "autov3": autov3(k),
-        },
-    ]
+    assert params["loras"] == [record(a, 0.7), record(k, 1.0)]
     # A1111's `Lora hashes` name each LoRA by its file stem and A1111's own hash (AutoV3), as Civitai links them
     assert f'Lora hashes: "style: {autov3(a)}, kohya: {autov3(k)}"' in Image.open(out).text["parameters"]
     assert "LoRA style.safetensors" in err
@@ -932,7 +918,6 @@ def test_cli_bad_loras_one_line_exit_1_no_file(snapshot, tmp_path, cli, extra, m
 def test_convert_bakes_loras_and_records_them(snapshot, our_pipe, lat, tmp_path, bits, tolerance):
     """A converted (optionally 8-bit) folder with LoRAs baked in gives the image of the base model with
     the LoRAs applied at load (float: to float rounding; 8-bit: within the quantize tests' tolerance)."""
-    import hashlib
 
     from flux_klein_mlx.convert import convert_model
 
@@ -941,20 +926,7 @@ def test_convert_bakes_loras_and_records_them(snapshot, our_pipe, lat, tmp_path,
     lora_kohya(k, Rand(17))
     out = tmp_path / "baked"
     config = convert_model(snapshot, out, dtype="float32", bits=bits, loras=[(a, 0.7), k])
-    assert config["loras"] == [
-        {
-            "name": "a.safetensors",
-            "sha256": hashlib.sha256(a.read_bytes()).hexdigest()[:12],
-            "scale": 0.7,
-            "autov3": autov3(a),
-        },
-        {
-            "name": "k.safetensors",
-            "sha256": hashlib.sha256(k.read_bytes()).hexdigest()[:12],
-            "scale": 1.0,
-            "autov3": autov3(k),
-        },
-    ]
+    assert config["loras"] == [record(a, 0.7), record(k, 1.0)]
     assert json.loads((out / "config.json").read_text())["loras"] == config["loras"]
     want, _ = ours(our_pipe, lat, [(a, 0.7), k])
     pipe = flux_klein_mlx.load(out, dtype="float32")

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from command_line import run_cli
-from refs import diffusers_pipeline, diffusers_pipeline_for_loras, diffusers_prompt_embeds
+from refs import diffusers_image, diffusers_pipeline, diffusers_pipeline_for_loras, diffusers_prompt_embeds
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tiny_model import diffusers_to_bfl
@@ -99,15 +99,7 @@ def theirs(ref, lat, path=None):
         if path:
             pipe.load_lora_weights(str(path), adapter_name="x")
         try:
-            with torch.no_grad():
-                memo[key] = pipe(
-                    prompt_embeds=embeds,
-                    height=H,
-                    width=W,
-                    num_inference_steps=STEPS,
-                    output_type="np",
-                    latents=torch.from_numpy(lat),
-                ).images[0]
+            memo[key] = diffusers_image(pipe, embeds, lat, H, STEPS)
         finally:
             if path:
                 pipe.delete_adapters("x")

@@ -50,7 +50,7 @@ T, TARGET = [0.7, 0.3], [0.55, 0.1]
 @pytest.fixture(scope="module", params=VARIANTS, ids=["-".join(v) for v in VARIANTS])
 def setup(request, tmp_path_factory):
     """(family name, twin, reference, our model, its inputs, {layout: file} of one adapter, a second adapter's
-    diffusers file)."""
+    diffusers file, diffusers' outputs by the files it loaded)."""
     name, variant = request.param
     twin, loras = KITS[name].transformer, KITS[name].lora
     reference = twin.reference(variant, seed=loras.seed)
@@ -69,18 +69,21 @@ def setup(request, tmp_path_factory):
     second = save_diffusers(loras.mixin, folder / "b", *peft_adapter(reference, seed=12))
     x = twin.inputs(reference, 2, (3, 5), [(2, 3)], seed=5)
     ours = twin.load(reference, folder / "transformer", mx.float32)
-    return name, twin, reference, ours, x, files, second
+    return name, twin, reference, ours, x, files, second, {}
 
 
 def theirs(setup, files=None):
-    """diffusers' output with `files` [(path, scale)] loaded (None: the reference as it is)."""
-    name, twin, reference, _, x, _, _ = setup
-    model = reference if files is None else diffusers_with(KITS[name].lora.mixin, reference, files)
-    return twin.theirs(model, x, T, TARGET)
+    """diffusers' output with `files` [(path, scale)] loaded (None: the reference as it is), once per setup."""
+    name, twin, reference, _, x, _, _, memo = setup
+    key = repr(files)
+    if key not in memo:
+        model = reference if files is None else diffusers_with(KITS[name].lora.mixin, reference, files)
+        memo[key] = twin.theirs(model, x, T, TARGET)
+    return memo[key]
 
 
 def ours_with(setup, files, model=None):
-    _, twin, _, ours, x, _, _ = setup
+    _, twin, _, ours, x, _, _, _ = setup
     model = model or ours
     apply_loras(model, load_loras(files, model.params))
     try:
@@ -90,7 +93,7 @@ def ours_with(setup, files, model=None):
 
 
 def test_every_linear_is_adapted(setup):
-    name, _, reference, ours, _, files, _ = setup
+    name, _, reference, ours, _, files, _, _ = setup
     lora = load_loras([files["diffusers"]], ours.params)[0]
     assert lora.format == "diffusers"
     assert {t.layer for t in lora.terms} == set(FAMILIES[name].linear_shapes(ours.params))
@@ -108,7 +111,7 @@ JUDGE = {"diffusers": "diffusers", "bfl-blocks": "bfl-blocks", "bfl": "diffusers
 
 @pytest.mark.parametrize("layout", list(JUDGE))
 def test_layout_matches_diffusers(setup, layout):
-    name, _, reference, _, _, files, _ = setup
+    name, _, reference, _, _, files, _, _ = setup
     want, base = theirs(setup, [(files[JUDGE[layout]], 1.0)]), theirs(setup)
     got = ours_with(setup, [(files[layout], 1.0)])
     effect = float((want - base).abs().max() / base.abs().max())
@@ -119,7 +122,7 @@ def test_layout_matches_diffusers(setup, layout):
 
 
 def test_two_loras_with_scales_match_set_adapters(setup):
-    name, _, _, _, _, files, second = setup
+    name, _, _, _, _, files, second, _ = setup
     want = theirs(setup, [(files["diffusers"], 0.7), (second, 1.3)])
     got = ours_with(setup, [(files["kohya"], 0.7), (second, 1.3)])  # mixed layouts too
     err = rel_err(got, want)
@@ -130,7 +133,7 @@ def test_two_loras_with_scales_match_set_adapters(setup):
 def test_quantized_side_path_equals_dequantized_fused(setup, tmp_path):
     """4-bit group 64: the quantized layers keep their packed weights and get the LoRA as a side path; equal to
     the same dequantized weights with the LoRA fused (kernel rounding), close to the float model's LoRA output."""
-    _, twin, reference, ours, x, files, second = setup
+    _, twin, reference, ours, x, files, second, _ = setup
     loras = load_loras([(files["bfl"], 0.9), (second, 1.1)], ours.params)
     model = twin.load(reference, tmp_path / "transformer", mx.float32)
     record = quantize_model(model, 4, group_size=64)
@@ -158,7 +161,7 @@ def released_params(name):
 
 
 def test_lora_for_the_other_family_is_refused_naming_both(setup, tmp_path):
-    name, _, _, ours, _, files, _ = setup
+    name, _, _, ours, _, files, _, _ = setup
     (other,) = set(KITS) - {name}
     title, other_title = (re.escape(FAMILIES[n].title) for n in (name, other))
     foreign = tmp_path / "other.safetensors"
@@ -177,7 +180,7 @@ def test_lora_info_names_the_family_and_convert_round_trips_through_diffusers(se
     tables: diffusers layout -> comfyui -> kohya -> diffusers, each read by us as the same LoRA, the last one
     loaded by diffusers' own loader to the source's output; where diffusers' converter reads only a comfyui
     file's block names (FLUX 3), it reads it as the BFL block-only file of the same adapter."""
-    name, _, reference, _, _, files, _ = setup
+    name, _, reference, _, _, files, _, _ = setup
     flow_map = reference.config.get("flow_map", False)
     for layout in ("diffusers", "bfl", "kohya"):
         d = describe_lora(files[layout])
@@ -202,7 +205,7 @@ def test_lokr_fused_update_equals_numpy(setup, tmp_path):
     """LyCORIS LoKr in the family's namings (whole and factorised factors, alpha scaling only a decomposed one):
     the fused update of each layer equals numpy's kron x the scale, in our row order (fused rows, the final
     layer's halves swapped); every other weight is untouched."""
-    name, _, _, ours, _, _, _ = setup
+    name, _, _, ours, _, _, _, _ = setup
     path = tmp_path / "lokr.safetensors"
     expected = KITS[name].lora.lokr(path, Rand(21), ours.params)
     before = {k: np.array(v) for k, v in tree_flatten(ours.parameters())}

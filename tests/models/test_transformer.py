@@ -135,7 +135,7 @@ def test_params_from_config_and_shapes(pairs, name, variant):
     family, config = FAMILIES[name], reference.config
     params = family.params(dict(config))
     assert params == ours.params
-    assert params.theta == twin.theta(config) and getattr(params, "flow_map", False) == config.get("flow_map", False)
+    assert params.theta == config.rope_theta and getattr(params, "flow_map", False) == config.get("flow_map", False)
     # linear_shapes is every Linear of the model, with the checkpoint's shapes; the shapes alone give the params
     weights = family.sanitize_transformer({k: to_mx(v) for k, v in reference.state_dict().items()})
     shapes = family.linear_shapes(params)

@@ -235,6 +235,20 @@ def our_lighthouse(model, loras=()) -> tuple[np.ndarray, object]:
     return image, pipe
 
 
+def diffusers_image(pipe, embeds, latents: np.ndarray, size: int = 64, steps: int = 2) -> np.ndarray:
+    """diffusers' image (size, size, 3) float32 from `pipe` as it is (with whatever LoRA is loaded into it), from
+    prompt embeddings and injected latents in diffusers' layout."""
+    with torch.no_grad():
+        return pipe(
+            prompt_embeds=embeds,
+            height=size,
+            width=size,
+            num_inference_steps=steps,
+            output_type="np",
+            latents=torch.from_numpy(latents),
+        ).images[0]
+
+
 def diffusers_prompt_embeds(pipe, prompt: str):
     """diffusers' own prompt embeddings for `prompt`, computed once per pipeline (its text encoder is slow)."""
     cache = pipe.__dict__.setdefault("_test_prompt_cache", {})

@@ -148,16 +148,13 @@ class Flux2Transformers:
         txt = model.embed_text(to_mx(x.txt))
         return {"hoisted text": model.forward_with_rope(img, None, mx.array(t), rope, txt_embedded=txt)}
 
-    def bfl_state(self, reference) -> dict[str, torch.Tensor]:
-        """The reference's weights under BFL's names, checked by diffusers' own BFL converter mapping them back."""
+    def bfl_state(self, reference) -> tuple[dict, dict]:
+        """(the reference's weights under BFL's names, what diffusers' own BFL converter maps them back to)."""
         from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
         from tiny_model import diffusers_to_bfl
 
         bfl = diffusers_to_bfl(reference.state_dict())
         return bfl, convert_flux2_transformer_checkpoint_to_diffusers({k: v.clone() for k, v in bfl.items()})
-
-    def theta(self, config) -> float:
-        return float(config.rope_theta)
 
     def count(self, params) -> int:
         from flux_klein_mlx.bench.flops import count_parameters
@@ -267,7 +264,7 @@ class Flux3Transformers:
         out = model.forward_with_rope(to_mx(x.img), None, mx.array(t), rope, txt_early=txt_early, ref_early=ref_early)
         return {"early text and references": out}
 
-    def bfl_state(self, reference) -> dict[str, torch.Tensor]:
+    def bfl_state(self, reference) -> tuple[dict, dict]:
         """The reference's weights under BFL's names (as our sanitizer names them), and what diffusers' own BFL
         converter maps them back to."""
         from diffusers.loaders.single_file_utils import convert_flux3_transformer_checkpoint_to_diffusers
@@ -277,9 +274,6 @@ class Flux3Transformers:
         ours = sanitize_flux3_weights({k: to_mx(v) for k, v in reference.state_dict().items()})
         bfl = {k: torch.from_numpy(np.array(v)) for k, v in ours.items()} | self.bfl_extra
         return bfl, convert_flux3_transformer_checkpoint_to_diffusers(dict(bfl))
-
-    def theta(self, config) -> float:
-        return float(config.rope_theta)
 
     def count(self, params) -> int:
         """The Linears' weights and the QK-norm scales (two a block: 3 streams in a mode block, 1 in a single)."""
