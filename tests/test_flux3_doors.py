@@ -2,7 +2,7 @@
 the BFL single file), 4-bit, the server, and every bad input the issue names, in one line.
 
 The judge of the images is diffusers (tests/support/flux3_refs.py) or our float32 pipeline where this file
-only proves that a door leads to the same run (tests/test_flux3_pipeline.py proves that run equals
+only proves that a door leads to the same run (tests/test_pipeline.py proves that run equals
 diffusers').
 """
 

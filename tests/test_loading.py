@@ -188,7 +188,7 @@ def flux3_file(path: Path) -> Path:
 
 
 def test_flux3_image_klein_is_never_taken_for_flux2(cli, snapshot, tmp_path, no_models):
-    """FLUX 3 Image Klein runs now (tests/test_flux3_pipeline.py), but parts of it mixed with FLUX.2's must
+    """FLUX 3 Image Klein runs now (tests/test_pipeline.py), but parts of it mixed with FLUX.2's must
     still be told apart by name, never by shape (its hidden size is klein-4B's): a FLUX 3 transformer in a
     folder with FLUX.2's text encoder (modular index), one under a klein index, and a BFL FLUX 3 file with no
     FLUX 3 folder beside it. `generate`, `convert`, `train`, `benchmark` and `serve` each name FLUX 3 Image

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from flux3_refs import flux3_reference
+from refs import flux2_reference
 from tiny_flux3 import shared_tiny_flux3_snapshot
 from tiny_model import shared_tiny_snapshot
 
@@ -18,6 +20,14 @@ class FamilyKit:
     name: str  # the key of flux_klein_mlx.family.FAMILIES
     snapshot: Callable[..., Path]  # (tmp_path_factory, *, distilled) -> the tiny snapshot, built once a session
     transformer_class: str  # diffusers' transformer class, by name (diffusers imports late: it is slow)
+    # --- tw-doors: the doors' tests (test_pipeline, serve, benchmark, the command line) ---
+    # diffusers' image from injected latents: (snapshot, *, prompt, latents, steps, images=None, guidance=None,
+    # negative_prompt=None, width=None, height=None) -> (H, W, 3) float32 in [0, 1], the pipeline loaded once
+    reference_image: Callable[..., object] = None
+    title: str = ""  # the tiny distilled snapshot's model name (info.name); Base's is it + " Base"
+    defaults: tuple = ()  # (steps, guidance) of the distilled model, then of Base (guidance None: no CFG)
+    windows: tuple[int, int] = ()  # the text window (tokens) of a prompt of over 80 tokens, of a short one
+    bfloat16_max: float = 0.0  # the most a bfloat16 image may differ from float32's (4 steps, 64x64, seed 0)
 
     def reference_transformer_class(self):
         import diffusers
@@ -26,6 +36,26 @@ class FamilyKit:
 
 
 KITS = {
-    "flux2": FamilyKit("flux2", shared_tiny_snapshot, "Flux2Transformer2DModel"),
-    "flux3": FamilyKit("flux3", shared_tiny_flux3_snapshot, "Flux3Transformer2DModel"),
+    "flux2": FamilyKit(
+        "flux2",
+        shared_tiny_snapshot,
+        "Flux2Transformer2DModel",
+        # tw-doors
+        reference_image=flux2_reference,
+        title="FLUX.2 [klein] (custom size)",
+        defaults=((4, None), (50, 4.0)),
+        windows=(512, 512),  # every prompt fills the whole window
+        bfloat16_max=0.1,
+    ),
+    "flux3": FamilyKit(
+        "flux3",
+        shared_tiny_flux3_snapshot,
+        "Flux3Transformer2DModel",
+        # tw-doors
+        reference_image=flux3_reference,
+        title="FLUX 3 Image Klein",
+        defaults=((16, None), (50, 3.5)),
+        windows=(160, 80),  # the prompt's length rounded up to 80 tokens
+        bfloat16_max=0.3,  # measured 0.21 on the tiny FLUX 3 (its mean against diffusers stays under 0.05)
+    ),
 }
