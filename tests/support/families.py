@@ -27,6 +27,9 @@ class FamilyKit:
     title: str = ""  # the tiny distilled snapshot's model name (info.name); Base's is it + " Base"
     defaults: tuple = ()  # (steps, guidance) of the distilled model, then of Base (guidance None: no CFG)
     windows: tuple[int, int] = ()  # the text window (tokens) of a prompt of over 80 tokens, of a short one
+    custom_variant: str = ""  # what `info.variant` says of the tiny snapshots (no released row's size)
+    text_layers: int = 0  # the text encoder's layers a prompt runs through (its deepest tap)
+    base_runs_once_per_image: bool = False  # Base runs the text and references' modes once per image, not per step
     bfloat16_max: float = 0.0  # the most a bfloat16 image may differ from float32's (4 steps, 64x64, seed 0)
 
     def reference_transformer_class(self):
@@ -45,6 +48,9 @@ KITS = {
         title="FLUX.2 [klein] (custom size)",
         defaults=((4, None), (50, 4.0)),
         windows=(512, 512),  # every prompt fills the whole window
+        custom_variant="other",  # neither klein-4b nor klein-9b
+        text_layers=27,
+        base_runs_once_per_image=False,
         bfloat16_max=0.1,
     ),
     "flux3": FamilyKit(
@@ -56,6 +62,9 @@ KITS = {
         title="FLUX 3 Image Klein",
         defaults=((16, None), (50, 3.5)),
         windows=(160, 80),  # the prompt's length rounded up to 80 tokens
+        custom_variant="flux3",  # FLUX 3's params name the family alone
+        text_layers=32,
+        base_runs_once_per_image=True,
         bfloat16_max=0.3,  # measured 0.21 on the tiny FLUX 3 (its mean against diffusers stays under 0.05)
     ),
 }
