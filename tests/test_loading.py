@@ -217,3 +217,22 @@ def test_flux3_image_klein_is_never_taken_for_flux2(cli, snapshot, tmp_path, no_
             assert_one_line_error(code, err, "FLUX 3 Image Klein")
             assert src.name in err and "[klein] 4B" not in err.replace("FLUX.2 [klein] 4B/9B", ""), (args[0], err)
     assert no_models == [] and tree_hash(tmp_path) == before
+
+
+def test_a_bfl_file_loads_without_convert_on_its_base_folder(family, family_base, tmp_path):
+    from flux_klein_mlx.run.loading import describe
+
+    file = family.write_bfl(family_base, tmp_path / f"{family.name}-base.safetensors")
+    info = describe(file, base=family_base)
+    assert info.format == "bfl" and info.family.key == family.name and not info.is_distilled
+    assert info.name == family.title + " Base"
+
+
+def test_a_flux3_transformer_with_a_flux2_base_folder_is_one_line(distilled3, snapshot, tmp_path):
+    from tiny_flux3 import write_bfl_flux3_file
+
+    from flux_klein_mlx.run.loading import describe
+
+    file = write_bfl_flux3_file(distilled3, tmp_path / "model.safetensors")
+    with pytest.raises(FluxKleinError, match="is a FLUX 3 Image Klein transformer but .* is not a FLUX 3"):
+        describe(file, base=snapshot)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from flux3_refs import flux3_reference
 from refs import flux2_reference
-from tiny_flux3 import shared_tiny_flux3_snapshot
-from tiny_model import shared_tiny_snapshot
+from tiny_flux3 import shared_tiny_flux3_snapshot, write_bfl_flux3_file
+from tiny_model import shared_tiny_snapshot, write_bfl_file
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,10 @@ class FamilyKit:
     custom_variant: str = ""  # what `info.variant` says of the tiny snapshots (no released row's size)
     text_layers: int = 0  # the text encoder's layers a prompt runs through (its deepest tap)
     base_runs_once_per_image: bool = False  # Base runs the text and references' modes once per image, not per step
+    keeps_reference_size: bool = False  # one reference runs on its canvas and the image is cropped back to it
+    has_upsampler: bool = False  # the family's prompt upsampler (`upsample`, the page's checkbox)
+    repo_id: str = ""  # the released distilled model's hub id (a test lays the tiny snapshot out under it)
+    write_bfl: Callable[..., Path] = None  # (snapshot, path, *, prefix="") -> the transformer as a BFL file
     bfloat16_max: float = 0.0  # the most a bfloat16 image may differ from float32's (4 steps, 64x64, seed 0)
 
     def reference_transformer_class(self):
@@ -51,6 +55,10 @@ KITS = {
         custom_variant="other",  # neither klein-4b nor klein-9b
         text_layers=27,
         base_runs_once_per_image=False,
+        keeps_reference_size=False,  # the reference is cropped to the 16-px grid, the image has its size
+        has_upsampler=False,
+        repo_id="black-forest-labs/FLUX.2-klein-4B",
+        write_bfl=write_bfl_file,
         bfloat16_max=0.1,
     ),
     "flux3": FamilyKit(
@@ -65,6 +73,10 @@ KITS = {
         custom_variant="flux3",  # FLUX 3's params name the family alone
         text_layers=32,
         base_runs_once_per_image=True,
+        keeps_reference_size=True,
+        has_upsampler=True,
+        repo_id="black-forest-labs/flux-3-image-klein",
+        write_bfl=write_bfl_flux3_file,
         bfloat16_max=0.3,  # measured 0.21 on the tiny FLUX 3 (its mean against diffusers stays under 0.05)
     ),
 }
