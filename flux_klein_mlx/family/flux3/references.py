@@ -7,7 +7,7 @@ the canvas with its own reflection (mirrored, edge included, when a side is unde
 box (left, top, right, bottom) of the image inside the canvas crops the generated image back to the
 reference (`inputs/images.crop_to_box`) when no size was asked for. Several references are each prepared as FLUX.2
 prepares one (`inputs/images.preprocess_reference`: at most 1 MP, centre-cropped to the grid), which is exactly
-`resize_mode="crop"` (tests/test_flux3_inputs.py proves both against diffusers).
+`resize_mode="crop"` (tests/test_modular_inputs.py proves both against diffusers).
 
 The hall's `inputs/images` opens the files (`open_image`) and prepares a reference FLUX.2's way
 (`preprocess_reference`); this module is FLUX 3's own rule on top.
