@@ -1,5 +1,7 @@
 """`python -m flux_klein_mlx generate` on a tiny model: PNG + metadata, reproducibility, the hub
-cache path of a new user (offline), and one-line errors that leave no file behind."""
+cache path of a new user (offline), and one-line errors that leave no file behind; the doors each family
+goes through alike (its repo id in the hub cache, Base's negative prompt, a missing text encoder, a size out
+of range) once for both, and `train` on the distilled FLUX 3 refused."""
 
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from command_line import assert_one_line_error
+from command_line import assert_one_line_error, hub_cache, tree_hash
 from PIL import Image
-from refs import flux2_reference
+from refs import flux2_reference_pixels, picture
 
+import flux_klein_mlx
 from flux_klein_mlx.inputs.settings import content_hash
 from flux_klein_mlx.record.output import read_record
 
@@ -118,7 +121,7 @@ def test_editing_with_reference_image(snapshot, tmp_path, cli):
     with Image.open(out) as im:
         assert im.size == (96, 64)  # the reference's size, floored to multiples of 16 and centre-cropped
         # references are named by the content hash of their prepared pixels (the same from every door)
-        assert json.loads(im.text["flux_klein_mlx"])["references"] == [content_hash(flux2_reference(ref))]
+        assert json.loads(im.text["flux_klein_mlx"])["references"] == [content_hash(flux2_reference_pixels(ref))]
 
 
 @pytest.mark.parametrize(
@@ -201,19 +204,10 @@ def test_non_finite_weights_stop_with_message_and_no_file(snapshot, tmp_path, cl
     assert not (tmp_path / "nan.png").exists()
 
 
-def _hub_cache(snapshot: Path, cache: Path, repo_id: str) -> None:
-    """Lay a snapshot out like huggingface_hub's cache: models--owner--name/{refs/main, snapshots/<rev>}."""
-    rev = "0123456789abcdef0123456789abcdef01234567"
-    root = cache / ("models--" + repo_id.replace("/", "--"))
-    shutil.copytree(snapshot, root / "snapshots" / rev)
-    (root / "refs").mkdir(parents=True)
-    (root / "refs" / "main").write_text(rev)
-
-
 def test_first_run_of_a_new_user_from_the_hub_cache_offline(snapshot, tmp_path):
     """`--model owner/name` resolves through huggingface_hub's cache with HF_HUB_OFFLINE=1, in a real process."""
     cache = tmp_path / "hub"
-    _hub_cache(snapshot, cache, "black-forest-labs/FLUX.2-klein-4B")
+    hub_cache(snapshot, cache, "black-forest-labs/FLUX.2-klein-4B")
     env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
     out = tmp_path / "first.png"
     # The default --model is the klein-4B repo id: exactly what a new user types.
@@ -252,6 +246,81 @@ def test_first_run_of_a_new_user_from_the_hub_cache_offline(snapshot, tmp_path):
         f"cache ({cache}) and HF_HUB_OFFLINE is set"
     )
     assert not (tmp_path / "second.png").exists()
+
+
+def test_generate_from_the_hub_cache_in_the_default_dtype(family, family_distilled, tmp_path, cli, monkeypatch):
+    """Each family's released repo id, laid out in huggingface_hub's cache, runs offline in this process in
+    bfloat16; the record names the id and the model. Two references from files: the first one's size."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    hub_cache(family_distilled, cache, family.repo_id)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "fox.png"
+    args = ["generate", "--model", family.repo_id, "--prompt", "a fox", "--seed", "1", "--steps", "2", "--no-cache"]
+    code, _, err = cli(*args, "--width", "64", "--height", "64", "--output", out)
+    assert code == 0, err
+    record = read_record(out)
+    assert record["model"] == family.repo_id and record["variant"] == family.title and record["dtype"] == "bfloat16"
+    assert record["steps"] == 2 and Image.open(out).size == (64, 64)
+    a, b = tmp_path / "a.png", tmp_path / "b.png"
+    picture(80, 64, seed=1).save(a)
+    picture(64, 96, seed=2).save(b)
+    edit = tmp_path / "edit.png"
+    code, _, err = cli(*args, "--image", a, "--image", b, "--output", edit)
+    assert code == 0, err
+    assert Image.open(edit).size == (80, 64) and len(read_record(edit)["references"]) == 2
+
+
+def test_base_takes_a_negative_prompt_and_the_distilled_model_says_it_ignores_one(
+    family, family_base, family_distilled, tmp_path, cli
+):
+    out = tmp_path / "base.png"
+    code, _, err = cli(
+        "generate", "--model", family_base, "--prompt", "a fox", "--negative-prompt", "snow", "--steps", "2",
+        "--width", "64", "--height", "64", "--dtype", "float32", "--seed", "4", "--output", out, "--no-cache",
+    )  # fmt: skip
+    assert code == 0, err
+    assert read_record(out)["negative_prompt"] == "snow" and read_record(out)["guidance"] == family.defaults[1][1]
+    with pytest.warns(UserWarning, match="negative_prompt is ignored"):
+        flux_klein_mlx.load(family_distilled, dtype="float32", cache=False).prepare(
+            "a fox", negative_prompt="snow", steps=1, width=64, height=64, seed=1
+        )
+
+
+def test_a_folder_missing_its_text_encoder_is_one_line(family_distilled, tmp_path, cli):
+    broken = tmp_path / "broken"
+    shutil.copytree(family_distilled, broken)
+    shutil.rmtree(broken / "text_encoder")
+    before = tree_hash(broken)
+    code, _, err = cli("generate", "--model", broken, "--prompt", "p", "--output", tmp_path / "x.png")
+    assert_one_line_error(code, err, "text_encoder")
+    assert tree_hash(broken) == before and not (tmp_path / "x.png").exists()
+
+
+def test_a_size_out_of_range_is_one_line(family_distilled, tmp_path, cli):
+    args = ("--prompt", "p", "--width", "40", "--output", tmp_path / "x.png")
+    code, _, err = cli("generate", "--model", family_distilled, *args)
+    assert_one_line_error(code, err, "width 40")
+
+
+def test_training_the_distilled_flux3_is_refused_in_one_line_and_base_trains(distilled3, base3, tmp_path, cli):
+    """Issue 37 lifted the refusal of FLUX 3 Base (tests/train/test_objective_flux3.py and
+    tests/train/test_trainer_flux3.py judge its training); the distilled flow map stays refused, naming the Base."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for k in range(2):
+        picture(64, 64, seed=k).save(data / f"{k}.png")
+        (data / f"{k}.txt").write_text("a fox")
+    out = tmp_path / "fox.safetensors"
+    args = ("--data", data, "--output", out, "--steps", "1", "--resolution", "64", "--rank", "4")
+    code, _, err = cli("train", "--model", distilled3, *args)
+    assert_one_line_error(code, err, "is the distilled FLUX 3 Image Klein")
+    assert "flux-3-image-klein-base" in err and not out.exists() and not (tmp_path / "fox.train").exists()
+    code, _, err = cli("train", "--model", base3, *args)
+    assert code == 0 and out.is_file(), err
 
 
 def offline_hub(monkeypatch, cache: Path, endpoint: str = "http://127.0.0.1:9") -> None:

@@ -1,5 +1,7 @@
 """`convert`: a tiny random snapshot in the Hugging Face layout -> MLX folder -> loaded models that
-match the diffusers/transformers references; the BFL single file; atomic writes and bad inputs."""
+match the diffusers/transformers references; the BFL single file; atomic writes and bad inputs. Written once
+for both families: a folder converted from the snapshot or its BFL file gives diffusers' image; a truncated
+BFL file is one line."""
 
 from __future__ import annotations
 
@@ -14,10 +16,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from command_line import assert_one_line_error
 from mlx.utils import tree_flatten
 from refs import load_folder_component, load_one, rel_err, to_mx
 from tiny_model import LATENT_CHANNELS, QWEN_HIDDEN, TRANSFORMER, write_bfl_transformer
 
+import flux_klein_mlx
 import flux_klein_mlx.storage.weights as weights_module
 from flux_klein_mlx import __main__ as cli
 from flux_klein_mlx.convert import convert_model
@@ -212,6 +216,37 @@ def test_bfl_single_file(snapshot, converted, tmp_path):
         convert_model(lone / base_file.name, tmp_path / "x")
     config = convert_model(lone / base_file.name, tmp_path / "with-base", dtype="float32", base=src)
     assert config["source"]["base"] == str(src)
+
+
+@pytest.mark.parametrize("source", ["folder", "bfl"])
+def test_convert_writes_a_folder_that_generates_diffusers_image(family, family_distilled, tmp_path, cli, source):
+    """Each family's snapshot, or its transformer as a BFL file (ComfyUI's `model.diffusion_model.` names) with
+    the snapshot as --base: `convert` writes a folder of that family whose image is diffusers' (1e-3)."""
+    model, extra = family_distilled, []
+    if source == "bfl":
+        model = family.write_bfl(family_distilled, tmp_path / "model.safetensors", prefix="model.diffusion_model.")
+        extra = ["--base", family_distilled]
+    out = tmp_path / "mlx"
+    code, _, err = cli("convert", "--model", model, *extra, "--output", out, "--dtype", "float32")
+    assert code == 0, err
+    config = json.loads((out / "config.json").read_text())
+    assert config["family"] == family.name and config["is_distilled"]
+    assert not any(p.suffix == ".safetensors" for p in (out / "tokenizer").iterdir())  # the tokenizer alone
+    lat = np.random.default_rng(5).standard_normal((1, 32, 4, 4)).astype(np.float32)
+    converted = flux_klein_mlx.load(out, dtype="float32", cache=False)
+    assert converted.info.name == family.title
+    ours = converted.generate("a lighthouse", steps=2, width=64, height=64, latents=lat, output_type="np")
+    theirs = family.reference_image(family_distilled, prompt="a lighthouse", latents=lat, steps=2)
+    assert np.abs(ours - theirs).max() <= 1e-3
+
+
+def test_a_truncated_bfl_file_is_one_line(family, family_distilled, tmp_path, cli):
+    file = family.write_bfl(family_distilled, tmp_path / "model.safetensors")
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) - 1000])
+    code, _, err = cli("convert", "--model", file, "--base", family_distilled, "--output", tmp_path / "out")
+    assert_one_line_error(code, err, str(file))
+    assert not (tmp_path / "out").exists()
 
 
 def test_base_snapshot_is_not_distilled(snapshot, tmp_path):

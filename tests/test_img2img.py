@@ -329,3 +329,25 @@ def test_cli_bad_input_one_line_exit_1_no_file(distilled, tmp_path, cli, extra, 
     assert code != 0 and message in stderr, stderr
     assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
     assert not out.exists() and list(tmp_path.glob("*.png")) == []
+
+
+def test_the_prompt_cache_serves_flux3_and_img2img_and_inpainting_run(distilled3, tmp_path):
+    """A second run of the same prompt never loads the text encoder (its window and taps are in the key);
+    img2img and inpainting take FLUX.2's math (docs/flux3.md): the output has the init image's size, and an
+    inpaint keeps what the mask keeps closer to the init image than what it repaints."""
+    from flux_klein_mlx.storage.embedding_cache import EmbeddingCache
+
+    cache = EmbeddingCache(tmp_path / "cache")
+    first = flux_klein_mlx.load(distilled3, dtype="float32", cache=cache)
+    first.generate("a fox", steps=1, width=64, height=64, seed=1)
+    again = flux_klein_mlx.load(distilled3, dtype="float32", cache=EmbeddingCache(tmp_path / "cache"))
+    assert not again.check_text_encoder(again.inputs("a fox", {"steps": 1, "width": 64, "height": 64}))
+    init = picture(64, 64, seed=9)
+    mask = Image.new("L", (64, 64), 0)
+    mask.paste(255, (0, 0, 32, 64))  # repaint the left half
+    out = again.generate("a fox", init_image=init, strength=0.9, seed=2, steps=4, output_type="np")
+    assert out.shape == (64, 64, 3)
+    painted = again.generate("a fox", init_image=init, mask=mask, seed=2, steps=4, output_type="np")
+    source = np.asarray(init, dtype=np.float32) / 255
+    kept, repainted = np.abs(painted - source)[:, 40:].mean(), np.abs(painted - source)[:, :24].mean()
+    assert kept < repainted

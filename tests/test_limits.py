@@ -91,11 +91,12 @@ def test_python_steps_past_the_bound_refused_before_any_model(base, no_models):
 # --- references, prompts, outpaint pads, paths ------------------------------------------------------------
 
 
-def test_more_references_than_the_bound_refused_before_any_is_opened(cli, snapshot, tmp_path, no_models):
-    """Eleven --image paths that do not even exist: the count is refused first, at the CLI and in Python."""
+def test_more_references_than_the_bound_refused_before_any_is_opened(cli, family_distilled, tmp_path, no_models):
+    """Eleven --image paths that do not even exist: the count is refused first, at the CLI and in Python,
+    on either family's model."""
     many = [str(tmp_path / f"missing{i}.png") for i in range(limits.MAX_REFERENCES + 1)]
     images = [a for p in many for a in ("--image", p)]
-    code, _, err = cli(*gen_args(snapshot, tmp_path / "x.png", *images))
+    code, _, err = cli(*gen_args(family_distilled, tmp_path / "x.png", *images))
     assert_one_line_error(code, err, "11 reference images given", f"the limit is {limits.MAX_REFERENCES}")
     with pytest.raises(FluxKleinError, match=f"the limit is {limits.MAX_REFERENCES}"):
         RunSettings("a fox", images=many).check()

@@ -188,7 +188,7 @@ def flux3_file(path: Path) -> Path:
 
 
 def test_flux3_image_klein_is_never_taken_for_flux2(cli, snapshot, tmp_path, no_models):
-    """FLUX 3 Image Klein runs now (tests/test_flux3_pipeline.py), but parts of it mixed with FLUX.2's must
+    """FLUX 3 Image Klein runs now (tests/test_pipeline.py), but parts of it mixed with FLUX.2's must
     still be told apart by name, never by shape (its hidden size is klein-4B's): a FLUX 3 transformer in a
     folder with FLUX.2's text encoder (modular index), one under a klein index, and a BFL FLUX 3 file with no
     FLUX 3 folder beside it. `generate`, `convert`, `train`, `benchmark` and `serve` each name FLUX 3 Image
@@ -217,3 +217,22 @@ def test_flux3_image_klein_is_never_taken_for_flux2(cli, snapshot, tmp_path, no_
             assert_one_line_error(code, err, "FLUX 3 Image Klein")
             assert src.name in err and "[klein] 4B" not in err.replace("FLUX.2 [klein] 4B/9B", ""), (args[0], err)
     assert no_models == [] and tree_hash(tmp_path) == before
+
+
+def test_a_bfl_file_loads_without_convert_on_its_base_folder(family, family_base, tmp_path):
+    from flux_klein_mlx.run.loading import describe
+
+    file = family.write_bfl(family_base, tmp_path / f"{family.name}-base.safetensors")
+    info = describe(file, base=family_base)
+    assert info.format == "bfl" and info.family.key == family.name and not info.is_distilled
+    assert info.name == family.title + " Base"
+
+
+def test_a_flux3_transformer_with_a_flux2_base_folder_is_one_line(distilled3, snapshot, tmp_path):
+    from tiny_flux3 import write_bfl_flux3_file
+
+    from flux_klein_mlx.run.loading import describe
+
+    file = write_bfl_flux3_file(distilled3, tmp_path / "model.safetensors")
+    with pytest.raises(FluxKleinError, match="is a FLUX 3 Image Klein transformer but .* is not a FLUX 3"):
+        describe(file, base=snapshot)

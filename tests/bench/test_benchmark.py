@@ -228,10 +228,15 @@ def test_cli_quantized(snapshot, tmp_path):
         (["--variant", "klein-4b"], "--random-weights"),
         (["--model", "x", "--random-weights"], "not both"),
         (["--random-weights", "--json", "/nonexistent/dir/r.json"], "does not exist"),
+        (["--model", "SNAPSHOT3", "-W", "100"], "width 100 is not a multiple of 16"),
+        (["--model", "SNAPSHOT3", "--variant", "flux3-klein"], "--variant only applies to --random-weights"),
+        (["--random-weights", "--variant", "flux3-klein", "--blocks", "5+x"], "5+28, its per-mode + single blocks"),
     ],
 )
-def test_cli_bad_options_are_one_line_errors(args, message, snapshot, capsys):
-    args = [str(snapshot) if a == "SNAPSHOT" else a for a in args]
+def test_cli_bad_options_are_one_line_errors(args, message, request, capsys):
+    """SNAPSHOT / SNAPSHOT3: the tiny FLUX.2 / FLUX 3 snapshot."""
+    folders = {"SNAPSHOT": "distilled", "SNAPSHOT3": "distilled3"}
+    args = [str(request.getfixturevalue(folders[a])) if a in folders else a for a in args]
     assert bm.main(args) != 0
     err = capsys.readouterr().err
     assert message in err
@@ -277,20 +282,39 @@ def test_flops_dataclass_total():
     )
 
 
-def test_cli_on_a_tiny_checkpoint_folder(tmp_path):
-    """--model reads a snapshot in the Hugging Face layout through the package's loaders."""
-    from tiny_model import make_tiny_snapshot
+@pytest.mark.parametrize("kind", ["distilled", "base"])
+def test_cli_on_the_tiny_snapshot(family, kind, request, tmp_path):
+    """`benchmark --model <folder>` reads each family's tiny snapshot in its Hugging Face layout through the
+    package's loaders: the family's title, text window (FLUX.2: 512 positions, FLUX 3: 80) and tapped depth
+    (27, 32), its FLOPs; Base runs cond and uncond passes, and FLUX 3 Base reports its once-per-image text
+    and reference modes on their own row (FLUX.2 has none)."""
+    from flux_klein_mlx.family import FAMILIES
 
-    snapshot = make_tiny_snapshot(tmp_path / "snapshot")
+    distilled = kind == "distilled"
+    snapshot = request.getfixturevalue(f"family_{kind}")
     out = tmp_path / "r.json"
-    args = ["--model", str(snapshot), "-W", "64", "-H", "80", "--steps", "2", "--warmup", "0", "--trials", "1"]
-    assert bm.main(args + ["--json", str(out)]) == 0
+    args = ["--model", str(snapshot), "-W", "80", "-H", "64", "--steps", "2", "--warmup", "0", "--trials", "1"]
+    assert bm.main(args + ["--references", "1", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert r["config"]["weights"] == "checkpoint" and r["config"]["model"] == str(snapshot)
-    assert r["config"]["variant"] == "other"  # neither klein-4b nor klein-9b: a tiny custom size
-    assert {"text_encoding", "denoise_step", "vae_decode"} <= set(r["stages"])
-    # The real prompt is tokenized to 512 positions, the real text encoder depth is tapped (27).
-    assert r["flops"]["text_encoder_tflop"] > 0
+    c, f, st = r["config"], r["flops"], r["stages"]
+    assert c["weights"] == "checkpoint" and c["model"] == str(snapshot)
+    assert c["variant"] == family.custom_variant
+    assert c["title"] == family.title + ("" if distilled else " Base")
+    window = family.windows[1]  # the benchmark's prompt is a short one
+    assert c["text_tokens_per_pass"] == ([window] if distilled else [window, window]) and c["reference_tokens"] == 20
+    params = FAMILIES[family.name].params(json.loads((snapshot / "transformer" / "config.json").read_text()))
+    step, once = flops.denoise_flops(
+        family.name, params, image_tokens=20, text_tokens=c["text_tokens_per_pass"], reference_tokens=20
+    )
+    assert f["step_tflop"] == pytest.approx(step.total / 1e12) and f["once_per_image_tflop"] == pytest.approx(
+        once.total / 1e12
+    )
+    hoists = family.base_runs_once_per_image and not distilled
+    assert (once.total > 0) == hoists and ("once_per_image" in st) == hoists
+    te = json.loads((snapshot / "text_encoder" / "config.json").read_text())
+    expected = flops.flops_of_text_encoder(Qwen3Config.from_dict(te), layers=family.text_layers, tokens=window).total
+    assert f["text_encoder_tflop"] == pytest.approx(expected / 1e12) and expected > 0
+    assert {"text_encoding", "denoise_step", "vae_decode"} <= set(st)
 
 
 def test_variant_beside_a_model_is_refused_before_any_model(cli, snapshot, tmp_path, no_models):

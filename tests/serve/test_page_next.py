@@ -23,7 +23,7 @@ pytest.importorskip("openai")
 pytest.importorskip("starlette")
 
 from browsing import browser, fill, last_record, needs_chromium, page_bytes, run_and_wait  # noqa: E402
-from refs import flux2_reference, picture  # noqa: E402
+from refs import flux2_reference_pixels, picture  # noqa: E402
 from serving import start_server  # noqa: E402
 
 from flux_klein_mlx.inputs.images import prepare_init_image  # noqa: E402
@@ -137,7 +137,7 @@ def test_edit_this_img2img_and_inpaint_take_a_result_back_with_ctrl_enter(served
         fill(driver, prompt="the fox in snow")
         run_and_wait(driver, wait, ctrl_enter=True)
         record = last_record(driver)
-        assert record["references"] == [content_hash(flux2_reference(Image.open(io.BytesIO(first))))]
+        assert record["references"] == [content_hash(flux2_reference_pixels(Image.open(io.BytesIO(first))))]
         assert record["init_image"] is None and (record["width"], record["height"]) == (64, 80)
 
         driver.find_elements(By.CSS_SELECTOR, "#history button[data-use=img2img]")[1].click()  # the first result

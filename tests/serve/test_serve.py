@@ -35,7 +35,7 @@ pytest.importorskip("multipart")
 
 from browsing import browser, fill, needs_chromium  # noqa: E402
 from command_line import free_port  # noqa: E402
-from refs import flux2_reference, picture  # noqa: E402
+from refs import flux2_reference_pixels, picture  # noqa: E402
 from serving import KEY, ROOT, http, start_server  # noqa: E402
 
 import flux_klein_mlx  # noqa: E402
@@ -270,15 +270,57 @@ def test_edit_with_references_matches_the_pipeline(server, pipe):
     np.testing.assert_array_equal(np.asarray(im.convert("RGB")), np.asarray(ours))
 
 
-def test_single_image_edit_takes_the_reference_size(server, pipe):
-    ref = picture(96, 64, 3)
-    res = server.client().images.edit(
-        image=("r.png", png(ref), "image/png"), prompt="make it winter", extra_body={"seed": 8, "steps": 2}
-    )
+# ---- each family's model in its default dtype (bfloat16), written once for both ----------------------
+
+
+@pytest.fixture(scope="module")
+def family_server(family, family_distilled, tmp_path_factory):
+    """The family's tiny distilled model served as a new user serves it: the default dtype, a key."""
+    yield from start_server(family_distilled, ["--api-key", KEY, "--model-id", f"{family.name}-tiny"], tmp_path_factory)
+
+
+def test_generate_and_edit_equal_the_pipeline_in_bfloat16(family_server, family, family_distilled):
+    status = family_server.status()
+    assert status["state"] == "ready" and status["variant"] == family.title and status["distilled"]
+    client = family_server.client()
+    res = client.images.generate(
+        model=f"{family.name}-tiny", prompt="a fox", size="64x64", response_format="b64_json",
+        extra_body={"seed": 3, "steps": 2},
+    )  # fmt: skip
     im = decode(res.data[0].b64_json)
-    ours = pipe.generate("make it winter", seed=8, steps=2, images=[ref])
-    assert im.size == ours.size == (96, 64)
+    record = json.loads(im.text["flux_klein_mlx"])
+    assert record["variant"] == family.title and record["dtype"] == "bfloat16"
+    pipe = flux_klein_mlx.load(family_distilled, cache=False)  # the default dtype, as the server's
+    ours = pipe.generate("a fox", width=64, height=64, seed=3, steps=2)
     np.testing.assert_array_equal(np.asarray(im.convert("RGB")), np.asarray(ours))
+
+    ref = picture(72, 40 if family.keeps_reference_size else 64, seed=4)  # off the 16-px grid
+    res = client.images.edit(
+        image=("r.png", png(ref), "image/png"), prompt="at night", extra_body={"seed": 5, "steps": 2}
+    )
+    edit = decode(res.data[0].b64_json)
+    ours = pipe.generate("at night", seed=5, steps=2, images=[ref])
+    # FLUX 3: on its canvas, cropped back to the reference's size; FLUX.2: the reference cropped to the grid
+    assert edit.size == ours.size == (ref.size if family.keeps_reference_size else (64, 64))
+    np.testing.assert_array_equal(np.asarray(edit.convert("RGB")), np.asarray(ours))
+
+
+def test_a_bad_request_is_answered_and_the_next_one_runs(family_server):
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    body = json.dumps({"prompt": "a fox", "size": "40x64"}).encode()
+    code, answer = http("POST", family_server.url + "/v1/images/generations", body, auth)
+    assert code == 400 and "40" in json.dumps(answer)
+    body = json.dumps({"prompt": "a fox", "size": "64x64", "steps": 1, "seed": 1}).encode()
+    code, answer = http("POST", family_server.url + "/v1/images/generations", body, auth, timeout=120)
+    assert code == 200 and answer["data"][0]["b64_json"]
+
+
+def test_a_model_card_says_whether_it_offers_the_upsampler_before_it_is_loaded(family, family_distilled):
+    """`serve --model A --model B`: the page shows the upsample checkbox and the box editor for a picked FLUX 3
+    model from its card in /v1/status, before the switch loads it (a FLUX.2 card says no)."""
+    from flux_klein_mlx.serve.command import model_card
+
+    assert model_card(flux_klein_mlx.load(family_distilled, cache=False))["upsampler"] is family.has_upsampler
 
 
 def test_stream_sends_a_preview_per_step(server):
@@ -980,7 +1022,7 @@ def test_page_on_a_distilled_model_with_a_key(server, tmp_path):
             picture(w, h, 3).save(path)
             driver.execute_script("for (const b of document.querySelectorAll('#refs button')) b.click()")
             driver.find_element(By.ID, "refs-file").send_keys(str(path))
-            shape = flux2_reference(path).shape  # the judge: (H, W, 3) as the server prepares it
+            shape = flux2_reference_pixels(path).shape  # the judge: (H, W, 3) as the server prepares it
             expected = f"auto: {shape[1]} × {shape[0]} (the first image's size)"
             wait.until(lambda d, expected=expected: d.find_element(By.ID, "size-note").text == expected)
             assert driver.find_element(By.ID, "width").get_attribute("value") == str(shape[1])

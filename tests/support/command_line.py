@@ -40,6 +40,17 @@ def tree_hash(path: Path) -> str:
     return h.hexdigest()
 
 
+def hub_cache(snapshot, cache: Path, repo_id: str) -> None:
+    """Lay a snapshot out like huggingface_hub's cache: models--owner--name/{refs/main, snapshots/<rev>}."""
+    import shutil
+
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    root = cache / ("models--" + repo_id.replace("/", "--"))
+    shutil.copytree(snapshot, root / "snapshots" / rev)
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(rev)
+
+
 def gen_args(snapshot, out, *extra):
     """`generate` in float32, 64x64, one step: the tiny run a refusal test would otherwise start."""
     return [

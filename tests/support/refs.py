@@ -181,7 +181,7 @@ def diffusers_pipeline(path, kind: str = "plain", distilled: bool = True):
     key = (str(path), kind, distilled)
     if key not in _PIPELINES:
         if kind == "inpaint":
-            plain = diffusers_pipeline(path, "plain")
+            plain = diffusers_pipeline(path, "plain", distilled)  # the plain one of the same key: loaded once
             pipe = Flux2KleinInpaintPipeline(**plain.components, is_distilled=distilled)
         else:
             cls = Flux2KleinKVPipeline if kind == "kv" else Flux2KleinPipeline
@@ -189,6 +189,43 @@ def diffusers_pipeline(path, kind: str = "plain", distilled: bool = True):
         pipe.set_progress_bar_config(disable=True)
         _PIPELINES[key] = pipe
     return _PIPELINES[key]
+
+
+def flux2_reference(
+    snapshot,
+    *,
+    prompt: str,
+    latents: np.ndarray,
+    steps: int,
+    negative_prompt: str | None = None,
+    images=None,
+    guidance: float | None = None,
+    width: int | None = None,
+    height: int | None = None,
+) -> np.ndarray:
+    """diffusers' Flux2KleinPipeline image, (H, W, 3) float32 in [0, 1]: the arguments (and the sizes' rule) of
+    flux3_refs.flux3_reference_run, so that a test written once asks either family's reference alike.
+
+    latents: the initial noise (1, C, H/16, W/16). Without width/height a text to image run takes its size
+    from the latents' grid, a reference run diffusers' default (the first reference's size, cropped to the
+    grid). guidance None: diffusers' default (4.0 on Base). negative_prompt (Base): diffusers' klein pipeline
+    always reads "" as the unconditional prompt, so ours is given to it as embeddings.
+    """
+    import json
+
+    distilled = json.loads((Path(snapshot) / "model_index.json").read_text()).get("is_distilled", False)
+    ref = diffusers_pipeline(snapshot, "plain", distilled=distilled)
+    if images is None and width is None and height is None:
+        height, width = 16 * latents.shape[2], 16 * latents.shape[3]
+    kwargs = dict(prompt=prompt, height=height, width=width, num_inference_steps=steps, output_type="np")
+    if images is not None:
+        kwargs["image"] = list(images)
+    if guidance is not None:
+        kwargs["guidance_scale"] = guidance
+    if negative_prompt is not None:
+        kwargs["negative_prompt_embeds"] = diffusers_prompt_embeds(ref, negative_prompt)
+    with torch.no_grad():
+        return ref(**kwargs, latents=torch.from_numpy(np.asarray(latents, dtype=np.float32))).images[0]
 
 
 def diffusers_pipeline_for_loras(path, distilled: bool = True):
@@ -313,7 +350,7 @@ def vae_reference_decode(vae, tokens: torch.Tensor, h: int, w: int) -> torch.Ten
         return vae.decode(latents, return_dict=False)[0]  # (B, 3, 16h, 16w)
 
 
-def flux2_reference(image) -> np.ndarray:
+def flux2_reference_pixels(image) -> np.ndarray:
     """One reference image as FLUX.2 [klein] prepares it (its family's limits): (H, W, 3) float32 in [-1, 1]."""
     from flux_klein_mlx.family import FAMILIES
 

@@ -204,12 +204,16 @@ def diffusers_to_bfl(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def write_bfl_transformer(snapshot: str | Path, name: str = "flux-2-klein-4b.safetensors") -> Path:
     """Write the snapshot's transformer as a BFL single file at the snapshot root; return its path."""
+    return write_bfl_file(snapshot, Path(snapshot) / name)
+
+
+def write_bfl_file(snapshot: str | Path, path: str | Path, *, prefix: str = "") -> Path:
+    """Write the snapshot's transformer as a BFL single file at `path`, every key with `prefix` (ComfyUI's
+    files: "model.diffusion_model."); return `path`. (tiny_flux3.write_bfl_flux3_file is FLUX 3's.)"""
     from diffusers import Flux2Transformer2DModel
     from safetensors.torch import save_file
 
-    snapshot = Path(snapshot)
-    model = Flux2Transformer2DModel.from_pretrained(snapshot / "transformer")
-    sd = {k: v.contiguous() for k, v in diffusers_to_bfl(model.state_dict()).items()}
-    out = snapshot / name
-    save_file(sd, str(out))
-    return out
+    model = Flux2Transformer2DModel.from_pretrained(Path(snapshot) / "transformer")
+    sd = {prefix + k: v.contiguous() for k, v in diffusers_to_bfl(model.state_dict()).items()}
+    save_file(sd, str(path))
+    return Path(path)

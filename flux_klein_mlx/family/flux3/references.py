@@ -7,7 +7,7 @@ the canvas with its own reflection (mirrored, edge included, when a side is unde
 box (left, top, right, bottom) of the image inside the canvas crops the generated image back to the
 reference (`inputs/images.crop_to_box`) when no size was asked for. Several references are each centre-cropped
 to the grid (`inputs/images.preprocess_reference`: at most 1 MP), which is exactly `resize_mode="crop"`, with
-FLUX 3's limits (tests/test_flux3_inputs.py proves both against diffusers).
+FLUX 3's limits (tests/test_modular_inputs.py proves both against diffusers).
 
 The hall's `inputs/images` opens the files (`open_image`) and crops to the grid; this module is FLUX 3's own rule.
 """

@@ -94,7 +94,7 @@ def test_one_reference_is_kept_whole_on_its_canvas_as_diffusers(size, mode):
 
 def test_several_references_are_each_cropped_to_the_grid_as_diffusers(tmp_path):
     """`resize_mode="crop"`, which the encoder step uses for two or more references, one call per image:
-    FLUX.2's `preprocess_reference` is exactly that (<= 1 MP Lanczos, sizes truncated, centre crop)."""
+    `inputs/images.preprocess_reference` is exactly that (<= 1 MP Lanczos, sizes truncated, centre crop)."""
     images = [noise_image(1500, 900, seed=1), noise_image(300, 217, seed=2)]
     path = tmp_path / "second.png"
     images[1].save(path)
