@@ -28,6 +28,8 @@ class TrainingKit:
     target_presets: dict  # preset -> the prefix of the slots it names, or those slots themselves (a tuple)
     target_aliases: tuple[str, str]  # our (BFL) name and diffusers' of the same layers
     bad_targets: tuple[str, ...]  # `--targets` values that match nothing of this family
+    title: str  # the family's title, which begins every model title of it
+    distilled_steps: int  # the distilled model's default steps (a training sample's)
 
 
 FLUX2_TRAINING = TrainingKit(
@@ -50,6 +52,8 @@ FLUX2_TRAINING = TrainingKit(
     },
     target_aliases=("img_attn.qkv", "to_q,to_k,to_v"),
     bad_targets=("single:0-12", "nothing_like_this", "double:x"),
+    title="FLUX.2 [klein]",
+    distilled_steps=4,
 )
 
 FLUX3_TRAINING = TrainingKit(
@@ -74,6 +78,8 @@ FLUX3_TRAINING = TrainingKit(
     },
     target_aliases=("q_proj", "to_q"),
     bad_targets=("double", "single:0-5", "ref_time_in.in_layer", "target_timestep_embedder.linear_1"),
+    title="FLUX 3 Image Klein",
+    distilled_steps=16,
 )
 
 # --- end of training (tw-train) ----------------------------------------------------------------------------------

@@ -8,17 +8,20 @@ test takes `family` (its references: tests/support/families.py's TrainingKit, tr
   checkpointing gives the same; FLUX.2's q/k/v row blocks of fused layers as three adapters;
 - the `--targets` presets of each family's blocks, refusing what it has not; the `shift` noise levels against
   musubi's flux2_shift (FLUX.2) and diffusers' FLUX 3 scheduler shift 6.93 (FLUX 3);
-- a short training that lowers diffusers' own objective, measured in diffusers with the LoRA loaded (both);
+- a short training that lowers diffusers' own objective, measured in diffusers with the LoRA loaded; an edit LoRA
+  (captions of two lengths, two buckets, micro-batches, bf16) resumed equals the straight run bit for bit, and
+  its sample on the distilled model is `generate` with the LoRA it keeps (both);
 - FLUX.2: bf16 and QLoRA gradients, AdamW + clipping against torch.optim.AdamW after clip_grad_norm_; uniform
   and logit-normal sigmas against diffusers' scheduler; the cached latents against diffusers' VAE path; the
-  written file in diffusers' `load_lora_weights` (no missing / unexpected keys, same image); resume bit-exact,
-  bf16 and 4-bit runs that train and load, the CLI with samples.
+  written file in diffusers' `load_lora_weights` (no missing / unexpected keys, same image); bf16 and 4-bit runs
+  that train and load, the CLI with samples.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shlex
 import shutil
 
 import mlx.core as mx
@@ -41,11 +44,14 @@ from train_batch import our_loss_and_grads, reference_loss, training_batch
 from train_refs import flux2_shift_mu
 
 import flux_klein_mlx
+from flux_klein_mlx.__main__ import main
 from flux_klein_mlx.family import FAMILIES
 from flux_klein_mlx.models.rope import image_ids, text_ids
+from flux_klein_mlx.record.output import RECORD_KEY
 from flux_klein_mlx.run.components import load_component
 from flux_klein_mlx.run.loading import describe
 from flux_klein_mlx.train.plan import plan_run
+from flux_klein_mlx.train.report.samples import SamplesSaved
 from flux_klein_mlx.train.settings import TrainSettings
 from flux_klein_mlx.train.step.adapters import attach_lora, parse_targets, write_lora_file
 from flux_klein_mlx.train.step.objective import flow_loss, optimizer_step, shift_mu, sigmas_from_draws
@@ -54,6 +60,7 @@ from flux_klein_mlx.train.trainer import StepFinished, Trainer, TrainFinished
 
 RANK, ALPHA = 4, 8.0  # scale 2: a wrong alpha/rank factor shows
 CAPTION = "a striped test card"
+LONG_CAPTION = "a striped test card on a wooden easel in a quiet room, " * 12  # past 80 tokens: a window of 160
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +70,9 @@ def snap(base):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """Three captioned images (two buckets at resolution 64) and a control folder for them."""
+    """Three captioned images in two buckets at resolution 64 (two 64 x 64, one 96 x 64), captions of two lengths
+    in the first (FLUX 3: windows of 80 and 160 tokens; each distinct caption costs a text-encoder run), and a
+    control folder for them."""
     root = tmp_path_factory.mktemp("train-data")
     d, c = root / "photos", root / "before"
     d.mkdir(), c.mkdir()
@@ -73,7 +82,7 @@ def data(tmp_path_factory):
         base = np.stack([xx * 4 % 256, yy * 4 % 256, (xx + yy) * 2 % 256], -1).astype(np.uint8)
         img = Image.fromarray(np.roll(base, 9 * i, axis=1)).resize((w, h))
         img.save(d / f"im{i}.png")
-        (d / f"im{i}.txt").write_text(CAPTION)  # one text: each distinct caption costs a text-encoder run
+        (d / f"im{i}.txt").write_text(LONG_CAPTION if i == 1 else CAPTION)
         Image.fromarray((g.random((h, w, 3)) * 255).astype(np.uint8)).save(c / f"im{i}.jpg")
     return d, c
 
@@ -373,14 +382,20 @@ def test_short_training_lowers_diffusers_own_objective(family, family_base, data
     assert after < 0.9 * before, (before, after)
 
 
-def test_resume_is_bit_exact_with_controls_batches_and_accumulation(snap, data, tmp_path):
-    """In bf16 (the default dtype, no quantization): 2 steps + resume to 4 == 4 steps straight, bit for bit;
-    an edit LoRA (a control folder) with batches of 2 over two buckets and 2 micro-batches per step."""
+def test_resume_is_bit_exact_and_the_sample_on_the_distilled_model_is_generate(
+    family, family_base, family_distilled, data, tmp_path
+):
+    """In bf16 (the default dtype, no quantization): 2 steps + resume to 4 == 4 steps straight, bit for bit, the
+    optimizer's state too; an edit LoRA (a control folder) with batches of 2 over two buckets, captions of two
+    lengths and 2 micro-batches per step. The sample at step 4, on the distilled model (its own steps, no CFG),
+    edits a reference and is `generate` with the LoRA it keeps."""
+    kit = family.training
     common = dict(
-        model=snap,
+        model=family_base,
         data=data[0],
         controls=[data[1]],
         rank=4,
+        lr=5e-3,
         resolution=64,
         batch_size=2,
         grad_accum=2,
@@ -390,12 +405,17 @@ def test_resume_is_bit_exact_with_controls_batches_and_accumulation(snap, data, 
     )
     straight = run(output=tmp_path / "straight.safetensors", steps=4, **common)
     first = run(output=tmp_path / "first.safetensors", steps=2, work_dir=tmp_path / "resumed", **common)
-    second = run(output=tmp_path / "second.safetensors", steps=4, work_dir=tmp_path / "resumed", resume=True, **common)
+    samples = dict(sample_every=4, sample_model=family_distilled, sample_prompts=[CAPTION], sample_seed=3)
+    second = run(
+        output=tmp_path / "second.safetensors", steps=4, work_dir=tmp_path / "resumed", resume=True, **samples, **common
+    )
     steps = lambda evs: [(e.step, e.loss) for e in evs if isinstance(e, StepFinished)]  # noqa: E731
-    assert steps(first) + steps(second) == steps(straight)
+    assert steps(first) + steps(second) == steps(straight) and len(steps(straight)) == 4
     assert [e for e in second if type(e).__name__ == "TrainStarted"][0].first_step == 3
     a, b = (mx.load(str(tmp_path / f"{n}.safetensors")) for n in ("straight", "second"))
     assert a.keys() == b.keys() and all(np.array_equal(to_np(a[k]), to_np(b[k])) for k in a)
+    if kit.reference_blocks:  # the reference blocks trained: the references are their own stream
+        assert any(kit.reference_blocks in k for k in a)
     oa, ob = (
         mx.load(str(d / "checkpoint-000004" / "optimizer.safetensors"))
         for d in (tmp_path / "straight.train", tmp_path / "resumed")
@@ -404,7 +424,16 @@ def test_resume_is_bit_exact_with_controls_batches_and_accumulation(snap, data, 
     state = json.loads((tmp_path / "resumed" / "checkpoint-000004" / "state.json").read_text())
     assert state["step"] == 4 and len(state["losses"]) == 4
     assert all(v.dtype == mx.bfloat16 for v in b.values())
-    assert flux_klein_mlx.load(snap, loras=[tmp_path / "second.safetensors"]).loras[0].format == "diffusers"
+    assert flux_klein_mlx.load(family_base, loras=[tmp_path / "second.safetensors"]).loras[0].format == "diffusers"
+    saved = [e for e in second if isinstance(e, SamplesSaved)]
+    assert [e.step for e in saved] == [0, 4] and saved[-1].model.startswith(kit.title)
+    png = tmp_path / "resumed" / "samples" / "step-000004-0.png"
+    record = json.loads(Image.open(png).text[RECORD_KEY])
+    assert record["steps"] == kit.distilled_steps and record["guidance"] is None and record["references"]
+    again = tmp_path / "again.png"
+    assert main(shlex.split(record["training_sample"]["generate"])[3:] + ["--output", str(again)]) == 0
+    pixels = lambda p: np.asarray(Image.open(p).convert("RGB"), dtype=np.int16)  # noqa: E731
+    assert np.abs(pixels(png) - pixels(again)).max() <= 2
 
 
 def test_cli_default_bf16_4bit_run_with_samples_progress_loss_plot_and_train_json(snap, data, tmp_path, capsys):

@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from command_line import run_cli
+from families import KITS
 from PIL import Image
 
 import flux_klein_mlx
@@ -203,24 +204,25 @@ def test_resume_refuses_another_runs_checkpoints_naming_the_differences(capsys, 
     refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume", "--rank", "8"], "data")
 
 
-def test_resume_of_another_familys_checkpoint_names_both_families(capsys, snap, tmp_path, tmp_path_factory, no_models):
+def test_resume_of_another_familys_checkpoint_names_both_families(
+    capsys, family, family_base, tmp_path, tmp_path_factory, no_models
+):
     """Issue 46: a FLUX.2 run's work folder resumed with a FLUX 3 model was "from a run with other settings";
-    the line names the checkpoint's family and the model's, by their titles."""
-    from tiny_flux3 import shared_tiny_flux3_snapshot
-
+    the line names the checkpoint's family and the model's, by their titles (either way round)."""
+    other = next(kit for kit in KITS.values() if kit is not family)
     data = make_images(tmp_path / "data")
     out = tmp_path / "out.safetensors"
-    fake_checkpoint(
-        tmp_path / "out.train", TrainSettings(model=str(snap), data=data, output=out, resolution=64, rank=4)
-    )
-    flux3 = shared_tiny_flux3_snapshot(tmp_path_factory, distilled=False)
+    theirs = other.snapshot(tmp_path_factory, distilled=False)  # the session's own, built once
     capsys.readouterr()  # building it talks
+    fake_checkpoint(
+        tmp_path / "out.train", TrainSettings(model=str(theirs), data=data, output=out, resolution=64, rank=4)
+    )
     line = refused(
         capsys,
         tmp_path,
-        base_args(flux3, data, out) + ["--resume"],
-        "is a checkpoint of FLUX.2 [klein]'s adapters",
-        "this run's model is FLUX 3 Image Klein's",
+        base_args(family_base, data, out) + ["--resume"],
+        f"is a checkpoint of {other.training.title}'s adapters",
+        f"this run's model is {family.training.title}'s",
     )
     assert "other settings" not in line
 
