@@ -210,7 +210,7 @@ def test_a_flux3_transformer_with_a_flux2_base_folder_is_one_line(flux3, snapsho
 
 def test_training_the_distilled_flux3_is_refused_in_one_line_and_base_trains(flux3, flux3_base, tmp_path, cli):
     """Issue 37 lifted the refusal of FLUX 3 Base (tests/train/test_objective.py and
-    tests/train/test_trainer_flux3.py judge its training); the distilled flow map stays refused, naming the Base."""
+    tests/train/test_trained_files.py judge its training); the distilled flow map stays refused, naming the Base."""
     data = tmp_path / "data"
     data.mkdir()
     for k in range(2):

@@ -30,6 +30,8 @@ class TrainingKit:
     bad_targets: tuple[str, ...]  # `--targets` values that match nothing of this family
     title: str  # the family's title, which begins every model title of it
     distilled_steps: int  # the distilled model's default steps (a training sample's)
+    sibling_repos: dict  # hub repo -> the distilled repo a run from it samples on by default (None: none)
+    cli_bad_targets: tuple  # (`train --targets` value, the words of its one-line refusal), on the Base snapshot
 
 
 FLUX2_TRAINING = TrainingKit(
@@ -54,6 +56,15 @@ FLUX2_TRAINING = TrainingKit(
     bad_targets=("single:0-12", "nothing_like_this", "double:x"),
     title="FLUX.2 [klein]",
     distilled_steps=4,
+    sibling_repos={
+        "black-forest-labs/FLUX.2-klein-base-4B": "black-forest-labs/FLUX.2-klein-4B",
+        "Black-Forest-Labs/FLUX.2-klein-base-9B": "black-forest-labs/FLUX.2-klein-9B",  # any case, the hub's
+        "black-forest-labs/FLUX.2-klein-4B": None,
+    },
+    cli_bad_targets=(
+        ("double:0-9", ("--targets", "2 double blocks")),
+        ("to_nowhere", ("--targets to_nowhere", "matches no layer")),
+    ),
 )
 
 FLUX3_TRAINING = TrainingKit(
@@ -80,6 +91,15 @@ FLUX3_TRAINING = TrainingKit(
     bad_targets=("double", "single:0-5", "ref_time_in.in_layer", "target_timestep_embedder.linear_1"),
     title="FLUX 3 Image Klein",
     distilled_steps=16,
+    sibling_repos={
+        "black-forest-labs/flux-3-image-klein-base": "black-forest-labs/flux-3-image-klein",
+        "black-forest-labs/flux-3-image-klein": None,
+    },
+    cli_bad_targets=(
+        ("double", ("--targets double matches no layer of FLUX 3 Image Klein",)),  # FLUX.2's preset
+        ("ref_time_in.in_layer", ("--targets ref_time_in.in_layer matches no layer",)),  # the distilled model's
+        ("reference", ("--targets reference adapts only the reference blocks",)),  # without --control
+    ),
 )
 
 # --- end of training (tw-train) ----------------------------------------------------------------------------------
