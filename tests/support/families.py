@@ -13,6 +13,9 @@ import train_refs
 from tiny_flux3 import shared_tiny_flux3_snapshot
 from tiny_model import shared_tiny_snapshot
 
+from flux_klein_mlx.models.flux2.config import FluxKleinParams
+from flux_klein_mlx.models.flux3.config import Flux3Params
+
 # --- training (tw-train): what tests/train asks of a family ------------------------------------------------------
 
 
@@ -32,6 +35,9 @@ class TrainingKit:
     distilled_steps: int  # the distilled model's default steps (a training sample's)
     sibling_repos: dict  # hub repo -> the distilled repo a run from it samples on by default (None: none)
     cli_bad_targets: tuple  # (`train --targets` value, the words of its one-line refusal), on the Base snapshot
+    released_params: object  # our transformer parameters of the released Base model at full size
+    released_config: dict  # diffusers' transformer config of it, where it is not the class's defaults
+    released_count: tuple[int, int]  # bounds on its parameter count
 
 
 FLUX2_TRAINING = TrainingKit(
@@ -65,6 +71,11 @@ FLUX2_TRAINING = TrainingKit(
         ("double:0-9", ("--targets", "2 double blocks")),
         ("to_nowhere", ("--targets to_nowhere", "matches no layer")),
     ),
+    released_params=FluxKleinParams(),  # klein-4B (reference-spec 2.1)
+    released_config=dict(
+        num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680, guidance_embeds=False
+    ),
+    released_count=(3_875_544_576, 3_875_544_576),  # counted from the released model (reference-spec 2.1)
 )
 
 FLUX3_TRAINING = TrainingKit(
@@ -100,6 +111,9 @@ FLUX3_TRAINING = TrainingKit(
         ("ref_time_in.in_layer", ("--targets ref_time_in.in_layer matches no layer",)),  # the distilled model's
         ("reference", ("--targets reference adapts only the reference blocks",)),  # without --control
     ),
+    released_params=Flux3Params(),
+    released_config={},  # diffusers' defaults are FLUX 3 Image Klein Base's
+    released_count=(5_500_000_000, 5_600_000_000),
 )
 
 # --- end of training (tw-train) ----------------------------------------------------------------------------------
