@@ -92,12 +92,12 @@ def flux3_training_loss(transformer, x0, noise, u, ctxs, conds, grid):
     return torch.stack(losses).mean()
 
 
-def vae_tokens(vae, patchify, image) -> torch.Tensor:
-    """diffusers' training latents of a 64 x 64 image file: its VAE's mode, patchified, BatchNorm-normalised, as
-    (1, C, h, w)."""
+def vae_latents(vae, patchify, image, size=(64, 64)) -> torch.Tensor:
+    """diffusers' trainer latents (1, C, h, w) of an image file resized and cropped to `size` = (W, H) as ours
+    are: its VAE's mode, patchified (`patchify`: the pipeline's own), normalized by its batch-norm statistics."""
     from flux_klein_mlx.train.data.dataset import load_pixels
 
-    px = torch.from_numpy(load_pixels(image, (64, 64))).permute(2, 0, 1)[None]
+    px = torch.from_numpy(load_pixels(image, size)).permute(2, 0, 1)[None]
     z = patchify(vae.encode(px).latent_dist.mode())
     std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
     return (z - vae.bn.running_mean.view(1, -1, 1, 1)) / std
@@ -111,7 +111,7 @@ def flux2_lora_objective(snapshot, image, caption: str, lora) -> tuple[float, fl
 
     pipe = diffusers_pipeline_for_loras(snapshot, distilled=False)
     with torch.no_grad():
-        x0 = vae_tokens(pipe.vae, P._patchify_latents, image)
+        x0 = vae_latents(pipe.vae, P._patchify_latents, image)
         ctx = diffusers_prompt_embeds(diffusers_pipeline(snapshot, "plain", distilled=False), caption)
         g = torch.Generator().manual_seed(0)
         draws = [(torch.randn(x0.shape, generator=g), torch.randint(0, 1000, (1,), generator=g)) for _ in range(12)]
@@ -142,7 +142,7 @@ def flux3_lora_objective(snapshot, image, caption: str, lora) -> tuple[float, fl
 
     pipe = flux3_pipeline(snapshot)
     with torch.no_grad():
-        x0 = vae_tokens(pipe.vae, Flux3VaeEncoderStep._patchify_latents, image).flatten(2).transpose(1, 2)
+        x0 = vae_latents(pipe.vae, Flux3VaeEncoderStep._patchify_latents, image).flatten(2).transpose(1, 2)
         ctx = Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds(pipe.text_encoder, pipe.tokenizer, caption)
         ids = dict(img_ids=_prepare_image_ids(4, 4, 0.5), txt_ids=Flux3TextRoPEInputsStep._prepare_text_ids(ctx))
         g = torch.Generator().manual_seed(0)
