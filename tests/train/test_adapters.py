@@ -4,7 +4,10 @@
   (LyCORIS' algorithm), and a trained layer's delta and gradients against peft's LoKr layer in torch;
 - the written files, in the ComfyUI/ai-toolkit layout and in the diffusers layout, loaded by
   diffusers' own `load_lora_weights` (its BFL LoKr converter fuses q/k/v) giving our image;
-- resume bit-exact; bad input refused before any model loads.
+- resume bit-exact; bad input refused before any model loads;
+- FLUX 3 Image Klein (issue 37): LoKr on every block Linear (whole w2 on the 64-wide projections, low-rank on
+  the MLP's), its factor shapes peft's LoKr's on diffusers' Flux3Transformer2DModel, the loss and every factor's
+  gradient torch autograd's through it (an edit batch, two references as their own stream).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
-from refs import diffusers_lighthouse, diffusers_pipeline_for_loras, our_lighthouse, to_np
+from families import KITS
+from refs import diffusers_lighthouse, diffusers_pipeline_for_loras, our_lighthouse, rel_err, to_np
+from train_batch import our_loss_and_grads, reference_loss, training_batch
 
 import flux_klein_mlx
 from flux_klein_mlx.lora.layers import ROLE_LISTS, LoRALinear
@@ -264,3 +269,46 @@ def test_bad_lokr_options_are_one_line_before_any_model_loads(base, data, tmp_pa
     assert rc == 1 and len(err.splitlines()) == 1 and err.startswith("error: "), err
     assert all(w in err for w in words), err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_flux3_lokr_factors_loss_and_gradients_equal_peft_lokr(base3):
+    """LoKr on every block Linear of FLUX 3 (whole w2 on the 64-wide projections, low-rank w2 on the MLP's):
+    the factor shapes are peft's LoKr's on diffusers' Flux3Transformer2DModel, and with the same random factors
+    the loss and every factor's gradient equal torch autograd through it (an edit batch, two references)."""
+    from diffusers import Flux3Transformer2DModel
+    from peft import LoKrConfig
+
+    from flux_klein_mlx.models.flux3.transformer import flux3_diffusers_name
+    from flux_klein_mlx.train.step.adapters import attach_lokr
+
+    rank = alpha = 4  # alpha / r = 1: LyCORIS' whole-w2 scale (1) and peft's scaling agree on every layer
+    model = load_component(describe(base3), "transformer", mx.float32)
+    slots = parse_targets("all", model.params)
+    lokr = attach_lokr(
+        model, slots, params=model.params, rank=rank, alpha=alpha, factor=-1, rng=np.random.default_rng(1)
+    )
+    ref = Flux3Transformer2DModel.from_pretrained(base3 / "transformer", dtype=torch.float32).eval()
+    ref.add_adapter(LoKrConfig(r=rank, alpha=alpha, target_modules=[s.name for s in slots]))
+    g = np.random.default_rng(4)
+    values, kinds = {}, set()
+    for path, (_, term, shape) in lokr.where.items():
+        theirs = ref.get_submodule(flux3_diffusers_name(path))
+        for role in term.places:
+            name = ROLE_LISTS[role]
+            assert tuple(getattr(theirs, name)["default"].shape) == shape.factor_shapes()[role], (path, role)
+            value = (0.2 * g.standard_normal(shape.factor_shapes()[role])).astype(np.float32)
+            values[f"{path}.{role}"] = mx.array(value)
+            getattr(theirs, name)["default"].data = torch.from_numpy(value)
+        kinds.add(shape.rank is None)
+    assert kinds == {True, False}  # both a whole and a low-rank w2
+    lokr.load(values, "test values")
+    x0, noise, u, ctxs, conds = training_batch("edit", model.params.context_in_dim)
+    loss, grads = our_loss_and_grads(model, x0, noise, u, ctxs, conds)
+    ref_loss = reference_loss(KITS["flux3"], ref, x0, noise, u, ctxs, conds)
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    for path, (_, term, _) in lokr.where.items():
+        theirs = ref.get_submodule(flux3_diffusers_name(path))
+        for role, i in term.places.items():
+            name = ROLE_LISTS[role]
+            assert rel_err(grads[f"{path}.{name}.{i}"], getattr(theirs, name)["default"].grad) <= 1e-4, (path, role)

@@ -4,11 +4,13 @@
 One story, three runs: one process straight through 4 steps (batch 2, 2 micro-batches per step);
 two processes that lose rank 1 at step 4 (one line, the step-2 checkpoint kept, nothing else
 written); the same two processes resuming to step 4. The two-process file equals the one-process
-file to float tolerance, and only rank 0 printed and wrote.
+file to float tolerance, and only rank 0 printed and wrote. On FLUX 3 Image Klein, an edit LoRA (the
+references as their own stream) with captions of two window lengths: two processes equal one as well.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -25,6 +27,7 @@ import flux_klein_mlx
 from flux_klein_mlx.train.step.distributed import World, example_draws
 
 ROOT = Path(__file__).resolve().parents[2]
+LONG_CAPTION = "a striped test card on a wooden easel in a quiet room, " * 12  # past 80 tokens: a window of 160
 
 # rank 1 dies (as a killed process would: no cleanup) when it starts step DIE_AT
 RANK_DIES = """
@@ -69,13 +72,25 @@ def launch(args: list[str], die_at: int = 0) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """Three captioned images in two buckets at resolution 64 (64x64 x2, 48x80 x1): with a global batch
-    of 2, the 48x80 image makes a batch of one, which leaves rank 1 without an example."""
+    of 2, the 48x80 image makes a batch of one, which leaves rank 1 without an example. The second caption
+    is long (FLUX 3: a window of 160 tokens beside the first's 80, in one batch)."""
     d = tmp_path_factory.mktemp("dist-data")
     g = np.random.default_rng(0)
     for i, (h, w) in enumerate([(64, 64), (64, 64), (96, 64)]):
         Image.fromarray((g.random((h, w, 3)) * 255).astype(np.uint8)).save(d / f"im{i}.png")
-        (d / f"im{i}.txt").write_text("a striped test card")
+        (d / f"im{i}.txt").write_text(LONG_CAPTION if i == 1 else "a striped test card")
     return d
+
+
+@pytest.fixture(scope="module")
+def controls(data, tmp_path_factory):
+    """A control image for each of `data`'s (an edit LoRA's references)."""
+    c = tmp_path_factory.mktemp("dist-controls")
+    g = np.random.default_rng(1)
+    for path in sorted(data.glob("*.png")):
+        w, h = Image.open(path).size
+        Image.fromarray((g.random((h, w, 3)) * 255).astype(np.uint8)).save(c / path.name)
+    return c
 
 
 def test_shares_cover_the_global_batch_and_draws_do_not_depend_on_the_split():
@@ -217,3 +232,26 @@ def test_two_processes_refuse_a_one_process_checkpoint_in_one_line(base, data, t
     assert len(ours) == 1 and ours[0].startswith("error: --resume:"), ours
     assert "trained by 1 process(es), this run has 2" in ours[0]
     assert tree_state(tmp_path) == before
+
+
+def test_flux3_edit_lora_with_two_caption_windows_on_two_processes_equals_one(base3, data, controls, tmp_path):
+    """FLUX 3, an edit LoRA (the references as their own stream) with captions of two window lengths:
+    `mlx.launch --backend ring -n 2` at batch 1 trains what one process trains at batch 2 (the same examples,
+    noise and noise levels; float tolerance)."""
+    common = dict(resolution=64, rank=4, dtype="float32", steps=2, grad_accum=2, lr=1e-3, save_every=2)
+    one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
+    list(flux_klein_mlx.train_lora(model=base3, data=data, controls=[controls], output=one, batch_size=2, **common))
+    args = ["--model", str(base3), "--data", str(data), "--control", str(controls), "--output", str(two)]
+    for key, value in common.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    done = launch(args + ["--batch-size", "1"])
+    assert done.returncode == 0, done.stderr
+    a, b = mx.load(str(one)), mx.load(str(two))
+    assert a.keys() == b.keys() and any("image_cond" in k for k in a)
+    scale = max(float(mx.abs(v).max()) for v in a.values())
+    assert max(float(mx.abs(a[k] - b[k]).max()) for k in a) <= 1e-4 * scale
+    losses = [
+        json.loads((d / "checkpoint-000002" / "state.json").read_text())["losses"]
+        for d in (tmp_path / "one.train", tmp_path / "two.train")
+    ]
+    assert np.allclose(losses[0], losses[1], rtol=1e-5, atol=0)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 from refs import diffusers_pipeline, diffusers_pipeline_for_loras, diffusers_prompt_embeds
-from test_objective import diffusers_loss
+from train_refs import flux2_training_loss, vae_latents
 
 import flux_klein_mlx
 from flux_klein_mlx.train.report.evaluation import ValidationFinished
@@ -93,23 +93,16 @@ def test_ema_equals_diffusers_emamodel_and_numpy_on_every_checkpoint(base, ema_r
     assert flux_klein_mlx.load(base, loras=[out]).loras[0].format == "diffusers"
 
 
-def diffusers_latents(vae, path, size) -> torch.Tensor:
-    """diffusers' trainer latents (1, C, h, w) of an image resized and cropped to `size` = (W, H) as ours are:
-    the VAE's mode, patchified, normalized by its batch-norm statistics."""
-    from diffusers import Flux2KleinPipeline as P
-
-    from flux_klein_mlx.train.data.dataset import load_pixels
-
-    px = torch.from_numpy(load_pixels(path, size)).permute(2, 0, 1)[None]
-    z = P._patchify_latents(vae.encode(px).latent_dist.mode())
-    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-    return (z - vae.bn.running_mean.view(1, -1, 1, 1)) / std
+def tokens(latents: torch.Tensor) -> torch.Tensor:
+    return latents.flatten(2).transpose(1, 2)  # (1, C, h, w) -> (1, h*w, C), row-major
 
 
 def diffusers_validation(base, lora, held, controls=None) -> np.ndarray:
     """diffusers' loss of each validation level, averaged over the two held-out images, with `lora` loaded
     into a copy of its transformer, our fixed noise and (with `controls`) each image's reference in the
     sequence (D-ki's edit loss)."""
+    from diffusers import Flux2KleinPipeline as P
+
     from flux_klein_mlx.train.data.dataset import bucket_size
 
     shared = diffusers_pipeline(base, "plain", distilled=False)  # the prompt embeddings, computed once per session
@@ -120,15 +113,19 @@ def diffusers_validation(base, lora, held, controls=None) -> np.ndarray:
         for i in range(2):
             path = held / f"im{i}.png"
             size = bucket_size(*Image.open(path).size, 64)
-            x0 = diffusers_latents(pipe.vae, path, size)
-            cond = diffusers_latents(pipe.vae, controls / f"im{i}.png", size) if controls else None
+            x0 = vae_latents(pipe.vae, P._patchify_latents, path, size)  # (1, C, h, w)
+            conds = []  # D-ki's references: each image's own, after the target in its sequence
+            if controls:
+                conds.append(tokens(vae_latents(pipe.vae, P._patchify_latents, controls / f"im{i}.png", size)))
             C, h, w = x0.shape[1:]
             noise = np.random.default_rng([29, i]).standard_normal((5, h * w, C), dtype=np.float32)
             ctx = diffusers_prompt_embeds(shared, f"held out picture {i}")
             for k, sigma in enumerate((0.1, 0.3, 0.5, 0.7, 0.9)):
-                eps = torch.from_numpy(noise[k].T.reshape(1, C, h, w).copy())  # tokens (L, C) -> (1, C, h, w)
-                idx = torch.tensor([1000 - round(sigma * 1000)])  # the scheduler's sigma (1000 - idx) / 1000
-                sums[k] += diffusers_loss(pipe.transformer, x0, eps, idx, ctx, cond).item()
+                eps = torch.from_numpy(noise[k][None])  # (1, L, C)
+                # the scheduler's sigma (1000 - idx) / 1000, at the draw u in the middle of [idx, idx + 1) / 1000
+                u = torch.tensor([(1000 - round(sigma * 1000) + 0.5) / 1000], dtype=torch.float32)
+                loss = flux2_training_loss(pipe.transformer, tokens(x0), eps, u, [ctx], conds, (h, w))
+                sums[k] += loss.item()
     return sums / 2
 
 

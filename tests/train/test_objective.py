@@ -1,21 +1,27 @@
-"""LoRA training (issue 20) on the tiny klein Base snapshot, judged by the references.
+"""LoRA training (issues 20, 37) on the tiny Base snapshots, judged by the references; each family's where the
+test takes `family` (its references: tests/support/families.py's TrainingKit, train_refs.py).
 
-- the loss and every adapter's gradient (q/k/v row blocks of fused layers included, and an edit case
-  with a control image in the sequence) against diffusers' Flux2Transformer2DModel + peft's
-  `add_adapter`, the objective transcribed from diffusers' train_dreambooth_lora_flux2_klein(_img2img).py,
-  and torch autograd;
-- AdamW + clipping against torch.optim.AdamW after clip_grad_norm_; sigma sampling against diffusers'
-  scheduler and musubi's flux2_shift formula; the cached latents against diffusers' VAE path;
-- the written file in diffusers' `load_lora_weights` (no missing / unexpected keys, same image);
-- a short training that lowers diffusers' own objective, measured in diffusers with the LoRA loaded;
-- resume bit-exact, bf16 and 4-bit runs that train and load, the CLI with samples.
+- the loss and every adapter's gradient against diffusers' transformer + peft's `add_adapter` and torch
+  autograd, on both families: text to image; an edit batch with two references (FLUX.2: after the target in its
+  stream, the objective transcribed from diffusers' train_dreambooth_lora_flux2_klein(_img2img).py; FLUX 3: their
+  own stream, RoPE l = -1, -2); captions of two window lengths (one pass per window); --low-memory's
+  checkpointing gives the same; FLUX.2's q/k/v row blocks of fused layers as three adapters;
+- the `--targets` presets of each family's blocks, refusing what it has not; the `shift` noise levels against
+  musubi's flux2_shift (FLUX.2) and diffusers' FLUX 3 scheduler shift 6.93 (FLUX 3);
+- a short training that lowers diffusers' own objective, measured in diffusers with the LoRA loaded; an edit LoRA
+  (captions of two lengths, two buckets, micro-batches, bf16) resumed equals the straight run bit for bit, and
+  its sample on the distilled model is `generate` with the LoRA it keeps (both);
+- FLUX.2: bf16 and QLoRA gradients, AdamW + clipping against torch.optim.AdamW after clip_grad_norm_; uniform
+  and logit-normal sigmas against diffusers' scheduler; the cached latents against diffusers' VAE path; the
+  written file in diffusers' `load_lora_weights` (no missing / unexpected keys, same image); bf16 and 4-bit runs
+  that train and load, the CLI with samples.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
+import shlex
 import shutil
 
 import mlx.core as mx
@@ -23,25 +29,29 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
-from mlx.utils import tree_flatten
+from families import KITS
 from peft_pair import lora_pair
 from PIL import Image
 from refs import (
     diffusers_lighthouse,
-    diffusers_pipeline,
     diffusers_pipeline_for_loras,
-    diffusers_prompt_embeds,
     our_lighthouse,
     rel_err,
     to_np,
 )
 from tiny_model import SCHEDULER
+from train_batch import our_loss_and_grads, reference_loss, training_batch
+from train_refs import flux2_shift_mu
 
 import flux_klein_mlx
+from flux_klein_mlx.__main__ import main
+from flux_klein_mlx.family import FAMILIES
 from flux_klein_mlx.models.rope import image_ids, text_ids
+from flux_klein_mlx.record.output import RECORD_KEY
 from flux_klein_mlx.run.components import load_component
 from flux_klein_mlx.run.loading import describe
 from flux_klein_mlx.train.plan import plan_run
+from flux_klein_mlx.train.report.samples import SamplesSaved
 from flux_klein_mlx.train.settings import TrainSettings
 from flux_klein_mlx.train.step.adapters import attach_lora, parse_targets, write_lora_file
 from flux_klein_mlx.train.step.objective import flow_loss, optimizer_step, shift_mu, sigmas_from_draws
@@ -50,6 +60,7 @@ from flux_klein_mlx.train.trainer import StepFinished, Trainer, TrainFinished
 
 RANK, ALPHA = 4, 8.0  # scale 2: a wrong alpha/rank factor shows
 CAPTION = "a striped test card"
+LONG_CAPTION = "a striped test card on a wooden easel in a quiet room, " * 12  # past 80 tokens: a window of 160
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +70,9 @@ def snap(base):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """Three captioned images (two buckets at resolution 64) and a control folder for them."""
+    """Three captioned images in two buckets at resolution 64 (two 64 x 64, one 96 x 64), captions of two lengths
+    in the first (FLUX 3: windows of 80 and 160 tokens; each distinct caption costs a text-encoder run), and a
+    control folder for them."""
     root = tmp_path_factory.mktemp("train-data")
     d, c = root / "photos", root / "before"
     d.mkdir(), c.mkdir()
@@ -69,122 +82,72 @@ def data(tmp_path_factory):
         base = np.stack([xx * 4 % 256, yy * 4 % 256, (xx + yy) * 2 % 256], -1).astype(np.uint8)
         img = Image.fromarray(np.roll(base, 9 * i, axis=1)).resize((w, h))
         img.save(d / f"im{i}.png")
-        (d / f"im{i}.txt").write_text(CAPTION)  # one text: each distinct caption costs a text-encoder run
+        (d / f"im{i}.txt").write_text(LONG_CAPTION if i == 1 else CAPTION)
         Image.fromarray((g.random((h, w, 3)) * 255).astype(np.uint8)).save(c / f"im{i}.jpg")
     return d, c
 
 
-# --- the references ----------------------------------------------------------------------------
-
-
-def diffusers_loss(transformer, x0, noise, idx, ctx, cond=None):
-    """diffusers' klein trainer loss (D-kt `main`; with `cond`, D-ki's edit sequence) for injected
-    latents x0 / noise (B, C, h, w), scheduler indices `idx` and prompt embeddings ctx (B, Lt, E)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from diffusers import Flux2KleinPipeline as P
-
-    sched = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
-    timesteps = sched.timesteps[idx]
-    sigmas = sched.sigmas[idx].to(x0.dtype).view(-1, 1, 1, 1)  # get_sigmas(..., dtype=model_input.dtype)
-    ids = P._prepare_latent_ids(x0)
-    packed = P._pack_latents((1.0 - sigmas) * x0 + sigmas * noise)
-    hidden, img_ids = packed, ids
-    if cond is not None:
-        cond_ids = P._prepare_image_ids([cond[0:1]]).expand(cond.shape[0], -1, -1)
-        hidden, img_ids = torch.cat([packed, P._pack_latents(cond)], 1), torch.cat([ids, cond_ids], 1)
-    pred = transformer(
-        hidden_states=hidden,
-        timestep=timesteps / 1000,
-        guidance=None,
-        encoder_hidden_states=ctx,
-        txt_ids=P._prepare_text_ids(ctx),
-        img_ids=img_ids,
-        return_dict=False,
-    )[0]
-    pred = P._unpack_latents_with_ids(pred[:, : packed.size(1)], ids)
-    target = noise - x0
-    return torch.mean(((pred.float() - target.float()) ** 2).reshape(x0.shape[0], -1), 1).mean()
-
-
-def tokens(nchw: np.ndarray) -> mx.array:
-    B, C, h, w = nchw.shape
-    return mx.array(nchw.reshape(B, C, h * w).transpose(0, 2, 1))  # (B, h*w, C), row-major
+# --- the loss and its gradients, on each family ----------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def pair(snap):
-    """The same random LoRA (non-zero B) on our transformer and on diffusers' (peft add_adapter)."""
-    from diffusers import Flux2Transformer2DModel
-
-    return lora_pair(snap, Flux2Transformer2DModel, rank=RANK, alpha=ALPHA)
+def pairs():
+    """family name -> its LoRA pair: built once for this module, whichever fixture asks first."""
+    return {}
 
 
-def batch(edit: bool, seed: int = 3):
-    g = np.random.default_rng(seed)
-    B, C, h, w, Lt, E = 2, 32, 4, 3, 24, 96
-    x0, noise = g.standard_normal((2, B, C, h, w)).astype(np.float32)
-    ctx = g.standard_normal((B, Lt, E)).astype(np.float32)
-    u = np.array([0.2345, 0.9]) if not edit else np.array([0.6021, 0.05])
-    idx = (u * 1000).astype(np.int64)
-    cond = g.standard_normal((B, C, h, w)).astype(np.float32) if edit else None
-    return x0, noise, ctx, u.astype(np.float32), idx, cond
+@pytest.fixture(scope="module")
+def family_pair(family, family_base, pairs):
+    """The same random LoRA (non-zero B) on every block Linear of our transformer and of diffusers' (peft)."""
+    if family.name not in pairs:
+        pairs[family.name] = lora_pair(family_base, family.reference_transformer_class(), rank=RANK, alpha=ALPHA)
+    return pairs[family.name]
 
 
-def our_loss_and_grads(model, lora, x0, noise, ctx, u, cond, checkpoint=False):
-    B, C, h, w = x0.shape
-    sigma = mx.array(sigmas_from_draws("uniform", u, h * w))
-    ids = [image_ids(h, w)] + ([image_ids(h, w, t=10)] if cond is not None else [])
-    rope = model.compute_rope(text_ids(ctx.shape[1]), mx.concatenate(ids, axis=0))
-    refs = tokens(cond) if cond is not None else None
-    f = nn.value_and_grad(
-        model,
-        lambda: flow_loss(
-            model,
-            tokens(x0),
-            tokens(noise),
-            sigma=sigma,
-            ctx=mx.array(ctx),
-            rope=rope,
-            refs=refs,
-            checkpoint=checkpoint,
-        ),
-    )
-    loss, grads = f()
-    return loss, dict(tree_flatten(grads))
+@pytest.fixture(scope="module")
+def pair(snap, pairs):
+    """FLUX.2's pair (the tests below that judge FLUX.2 alone)."""
+    if "flux2" not in pairs:
+        pairs["flux2"] = lora_pair(snap, KITS["flux2"].reference_transformer_class(), rank=RANK, alpha=ALPHA)
+    return pairs["flux2"]
 
 
-@pytest.mark.parametrize("edit", [False, True], ids=["text-to-image", "edit"])
-def test_loss_and_every_gradient_equal_diffusers_peft_and_autograd(pair, edit):
-    model, lora, ref = pair
-    x0, noise, ctx, u, idx, cond = batch(edit)
-    loss, grads = our_loss_and_grads(model, lora, x0, noise, ctx, u, cond)
+@pytest.mark.parametrize("case", ["text-to-image", "edit", "windows"])
+def test_loss_and_every_gradient_equal_diffusers_peft_and_autograd(family, family_pair, case):
+    """The loss and every adapter's gradient against torch autograd through diffusers' transformer with peft's
+    adapters: text to image, an edit batch with two references (FLUX.2: after the target in its stream; FLUX 3:
+    their own stream), captions of two window lengths (each keeps its own; one pass per window); --low-memory's
+    checkpointing per block recomputes the same function."""
+    model, lora, ref = family_pair
+    x0, noise, u, ctxs, conds = training_batch(case, model.params.context_in_dim)
+    loss, grads = our_loss_and_grads(model, x0, noise, u, ctxs, conds)
     ref.zero_grad()
-    t = lambda a: None if a is None else torch.from_numpy(a)  # noqa: E731
-    ref_loss = diffusers_loss(ref, t(x0), t(noise), torch.from_numpy(idx), t(ctx), t(cond))
+    ref_loss = reference_loss(family, ref, x0, noise, u, ctxs, conds)
     ref_loss.backward()
-    assert abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()) <= 1e-5
-    # --low-memory: gradient checkpointing per block recomputes the same function
-    loss_ckpt, grads_ckpt = our_loss_and_grads(model, lora, x0, noise, ctx, u, cond, checkpoint=True)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    loss_ckpt, grads_ckpt = our_loss_and_grads(model, x0, noise, u, ctxs, conds, checkpoint=True)
     assert abs(loss_ckpt.item() - loss.item()) <= 1e-6 * abs(loss.item())
     assert all(rel_err(grads_ckpt[k], grads[k]) <= 1e-5 for k in grads)
-    names = set()
+    checked = set()
     for name, (pa, pb) in lora.paths().items():
         m = ref.get_submodule(name)
         for ours, theirs in (
             (grads[pa], m.lora_A["default"].weight.grad),
             (grads[pb], m.lora_B["default"].weight.grad),
         ):
+            if theirs is None or not theirs.abs().max():  # a block this case never runs (references without any)
+                assert not np.abs(to_np(ours)).max(), name
+                continue
             o, r = to_np(ours).ravel(), theirs.numpy().ravel()
             assert rel_err(ours, theirs) <= 1e-4, name
             assert o @ r / (np.linalg.norm(o) * np.linalg.norm(r)) >= 0.99999, name
-        names.add(name)
-    # every slot of both streams, the q/k/v row blocks of the fused qkv as three adapters
-    assert {
-        "transformer_blocks.1.attn.to_k",
-        "transformer_blocks.0.attn.add_v_proj",
-        "single_transformer_blocks.1.attn.to_qkv_mlp_proj",
-    } <= names
-    assert len(names) == len(lora.slots) == 2 * 12 + 2 * 2
+            checked.add(name)
+    # every slot the batch runs through was judged: all of them but the references' own blocks without references
+    kit = family.training
+    runs = {
+        s.name for s in lora.slots if conds or not (kit.reference_blocks and s.name.startswith(kit.reference_blocks))
+    }
+    assert checked == runs and len(lora.slots) == kit.lora_slots and kit.some_slots <= {s.name for s in lora.slots}
 
 
 def test_bf16_loss_and_gradients_follow_diffusers(snap, pair):
@@ -199,18 +162,13 @@ def test_bf16_loss_and_gradients_follow_diffusers(snap, pair):
     lora = attach_lora(model, lora32.slots, rank=RANK, alpha=ALPHA, rng=np.random.default_rng(0))
     lora.load(lora32.arrays(), "the float32 pair's values")
     ref = copy.deepcopy(ref32).to(torch.bfloat16)
-    x0, noise, ctx, u, idx, _ = batch(False)
-    loss, grads = our_loss_and_grads(model, lora, x0, noise, ctx, u, None)
-    t = lambda a, dt: torch.from_numpy(a).to(dt)  # noqa: E731
-    ref_loss = diffusers_loss(
-        ref, t(x0, torch.bfloat16), t(noise, torch.bfloat16), torch.from_numpy(idx), t(ctx, torch.bfloat16)
-    )
+    x0, noise, u, ctxs, _ = training_batch("text-to-image", model.params.context_in_dim)
+    loss, grads = our_loss_and_grads(model, x0, noise, u, ctxs, [])
+    ref_loss = reference_loss(KITS["flux2"], ref, x0, noise, u, ctxs, [], dtype=torch.bfloat16)
     ref_loss.backward()
     assert abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()) <= 2e-2
     ref32.zero_grad()
-    diffusers_loss(
-        ref32, t(x0, torch.float32), t(noise, torch.float32), torch.from_numpy(idx), t(ctx, torch.float32)
-    ).backward()
+    reference_loss(KITS["flux2"], ref32, x0, noise, u, ctxs, []).backward()
     cos = lambda a, b: float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))  # noqa: E731
     ours_vs_truth, theirs_vs_truth = [], []
     for name, (pa, pb) in lora.paths().items():
@@ -223,20 +181,27 @@ def test_bf16_loss_and_gradients_follow_diffusers(snap, pair):
     assert np.mean(ours_vs_truth) >= np.mean(theirs_vs_truth)
 
 
-def test_targets_presets_enumerate_the_model_and_refuse_what_matches_nothing(pair):
+def test_targets_presets_enumerate_the_model_and_refuse_what_matches_nothing(family, family_pair):
     from flux_klein_mlx.errors import FluxKleinError
 
-    params = pair[0].params
-    names = lambda t: [s.name for s in parse_targets(t, params)]  # noqa: E731
-    assert names("double") == [n for n in names("all") if n.startswith("transformer_blocks.")]
-    assert names("single:1-1") == [
-        "single_transformer_blocks.1.attn.to_qkv_mlp_proj",
-        "single_transformer_blocks.1.attn.to_out",
-    ]
-    assert len(names("attention")) == 2 * 8 + 2 * 2  # q, k, v, out of both streams; the single blocks' two
-    assert names("img_attn.qkv") == names("to_q,to_k,to_v")
-    assert "transformer_blocks.0.attn.to_out.0" not in names("attn.to_out")  # suffix at a dot, as PEFT matches
-    for bad in ("single:0-12", "nothing_like_this", "double:x"):
+    kit, params = family.training, family_pair[0].params
+    names = lambda t, **kw: [s.name for s in parse_targets(t, params, **kw)]  # noqa: E731
+    every = names("all")
+    assert len(every) == kit.lora_slots
+    for preset, chosen in kit.target_presets.items():  # a prefix of the slots it names, or those slots
+        want = list(chosen) if isinstance(chosen, tuple) else [n for n in every if n.startswith(chosen)]
+        assert want and names(preset) == want, preset
+    assert len(names("attention")) == kit.attention_slots
+    assert names(kit.target_aliases[0]) == names(kit.target_aliases[1])  # our (BFL) name or diffusers'
+    # without control images the reference blocks never run: `all` leaves them out, naming them is refused
+    runs = [n for n in every if not (kit.reference_blocks and n.startswith(kit.reference_blocks))]
+    assert names("all", references=False) == runs
+    if kit.reference_blocks:
+        with pytest.raises(FluxKleinError, match="--targets reference adapts only the reference blocks"):
+            parse_targets("reference", params, references=False)
+    if family.name == "flux2":  # FLUX.2 has a name ending in another's suffix without a dot before it
+        assert "transformer_blocks.0.attn.to_out.0" not in names("attn.to_out")  # suffix at a dot, as PEFT matches
+    for bad in kit.bad_targets:
         with pytest.raises(FluxKleinError, match="--targets"):
             parse_targets(bad, params)
 
@@ -246,7 +211,6 @@ def test_qlora_side_path_on_quantized_layers_matches_the_dequantized_model(snap)
     loss and gradients equal those of the same adapters on the dequantized weights (kernel rounding only)."""
     from flux_klein_mlx.models.quantize import dequantize_model
 
-    x0, noise, ctx, u, _, _ = batch(False)
     out = []
     for dequant in (False, True):
         model = load_component(describe(snap), "transformer", mx.float32, quantize=4)
@@ -261,7 +225,8 @@ def test_qlora_side_path_on_quantized_layers_matches_the_dequantized_model(snap)
         )
         if not dequant:
             assert isinstance(model.double_blocks[0].img_attn.qkv.base, nn.QuantizedLinear)
-        out.append(our_loss_and_grads(model, lora, x0, noise, ctx, u, None))
+        x0, noise, u, ctxs, _ = training_batch("text-to-image", model.params.context_in_dim)
+        out.append(our_loss_and_grads(model, x0, noise, u, ctxs, []))
     assert abs(out[0][0].item() - out[1][0].item()) / out[1][0].item() <= 1e-4
     for k in out[1][1]:
         assert rel_err(out[0][1][k], out[1][1][k]) <= 1e-3, k
@@ -299,7 +264,7 @@ def test_adamw_and_clipping_equal_torch_for_one_and_five_steps():
                 assert np.abs((to_np(a) - a0) - (b - a0)).max() <= 2e-3 * np.abs(b - a0).max()
 
 
-def test_sigma_sampling_equals_diffusers_scheduler_and_musubi_flux2_shift():
+def test_uniform_and_logit_normal_sigmas_equal_diffusers_scheduler_draws():
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.training_utils import compute_density_for_timestep_sampling
 
@@ -317,14 +282,24 @@ def test_sigma_sampling_equals_diffusers_scheduler_and_musubi_flux2_shift():
     )
     ref = sched.sigmas[(uref * 1000).long()].numpy()
     assert (sigmas_from_draws("logit-normal", n.numpy(), 1024) == ref).mean() >= 0.999  # float32 sigmoid ulps at k/1000
-    # shift: musubi's flux2_shift (trainer_base.py) for the token count h*w of the patchified latents
-    for h, w in ((32, 32), (64, 64), (20, 36)):
-        m = (1.15 - 0.5) / (4096 - 256)
-        mu = m * (h * w) + (0.5 - m * 256)
-        t = torch.sigmoid(n * 1.0)
-        t = (t * math.exp(mu)) / (1 + (math.exp(mu) - 1) * t)
-        assert shift_mu(h * w) == pytest.approx(mu, rel=1e-12)
-        assert np.abs(sigmas_from_draws("shift", n.numpy(), h * w) - t.numpy()).max() <= 1e-6
+
+
+def test_shift_noise_levels_are_the_references_shift_of_a_logit_normal_draw(family):
+    """`--timesteps shift`: sigma = the family's time shift of t = sigmoid(N(0, 1)). FLUX.2: musubi's flux2_shift
+    (trainer_base.py), mu by the token count h*w of the patchified latents; FLUX 3: the constant shift of its
+    sampling schedule at every size, judged by diffusers' scheduler as Flux3SetTimestepsStep builds it."""
+    shift = FAMILIES[family.name].train_shift
+    n = torch.normal(0.0, 1.0, size=(2000,), generator=torch.Generator().manual_seed(3))
+    sizes = (16, 20 * 36, 32 * 32, 64 * 64)
+    for tokens in sizes:
+        ours = sigmas_from_draws("shift", n.numpy(), tokens, shift)
+        assert np.abs(ours - family.training.shift_sigmas(n, tokens)).max() <= 1e-6, tokens
+    if family.name == "flux2":  # a shift by the image's size, not a constant
+        assert shift is None and all(shift_mu(t) == pytest.approx(flux2_shift_mu(t), rel=1e-12) for t in sizes)
+    else:
+        from diffusers.modular_pipelines.flux3.before_denoise import Flux3SetTimestepsStep
+
+        assert shift == Flux3SetTimestepsStep().shift == 6.93
 
 
 @pytest.fixture(scope="module")
@@ -382,19 +357,15 @@ def run(**kw) -> list:
     return list(flux_klein_mlx.train_lora(**kw))
 
 
-def test_short_training_lowers_diffusers_own_objective(snap, data, ref_pipe, tmp_path):
-    """One image, 40 steps; then diffusers measures its objective on that image over a fixed set of
-    (sigma, noise) draws, with the base model and with the written LoRA loaded."""
-    from diffusers import Flux2KleinPipeline as P
-
-    from flux_klein_mlx.train.data.dataset import load_pixels
-
+def test_short_training_lowers_diffusers_own_objective(family, family_base, data, tmp_path):
+    """One image, 40 steps (float32, uniform sigma); then diffusers measures its objective on that image over a
+    fixed set of (sigma, noise) draws, with the Base model and with the written LoRA loaded."""
     one = tmp_path / "one"
     one.mkdir()
     shutil.copy(data[0] / "im0.png", one / "im0.png")
     out = tmp_path / "one.safetensors"
     events = run(
-        model=snap,
+        model=family_base,
         data=one,
         caption=CAPTION,
         output=out,
@@ -407,34 +378,24 @@ def test_short_training_lowers_diffusers_own_objective(snap, data, ref_pipe, tmp
         save_every=None,
     )
     assert isinstance(events[-1], TrainFinished) and events[-1].output == out
-    with torch.no_grad():
-        px = torch.from_numpy(load_pixels(one / "im0.png", (64, 64))).permute(2, 0, 1)[None]
-        vae = ref_pipe.vae
-        z = P._patchify_latents(vae.encode(px).latent_dist.mode())
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-        x0 = (z - vae.bn.running_mean.view(1, -1, 1, 1)) / std
-        ctx = diffusers_prompt_embeds(diffusers_pipeline(snap, "plain", distilled=False), CAPTION)
-        g = torch.Generator().manual_seed(0)
-        draws = [(torch.randn(x0.shape, generator=g), torch.randint(0, 1000, (1,), generator=g)) for _ in range(12)]
-
-        def objective():
-            return float(np.mean([diffusers_loss(ref_pipe.transformer, x0, e, i, ctx).item() for e, i in draws]))
-
-        before = objective()
-        ref_pipe.load_lora_weights(out, adapter_name="short")
-        after = objective()
-        ref_pipe.delete_adapters("short")
+    before, after = family.training.lora_objective(family_base, one / "im0.png", CAPTION, out)
     assert after < 0.9 * before, (before, after)
 
 
-def test_resume_is_bit_exact_with_controls_batches_and_accumulation(snap, data, tmp_path):
-    """In bf16 (the default dtype, no quantization): 2 steps + resume to 4 == 4 steps straight, bit for bit;
-    an edit LoRA (a control folder) with batches of 2 over two buckets and 2 micro-batches per step."""
+def test_resume_is_bit_exact_and_the_sample_on_the_distilled_model_is_generate(
+    family, family_base, family_distilled, data, tmp_path
+):
+    """In bf16 (the default dtype, no quantization): 2 steps + resume to 4 == 4 steps straight, bit for bit, the
+    optimizer's state too; an edit LoRA (a control folder) with batches of 2 over two buckets, captions of two
+    lengths and 2 micro-batches per step. The sample at step 4, on the distilled model (its own steps, no CFG),
+    edits a reference and is `generate` with the LoRA it keeps."""
+    kit = family.training
     common = dict(
-        model=snap,
+        model=family_base,
         data=data[0],
         controls=[data[1]],
         rank=4,
+        lr=5e-3,
         resolution=64,
         batch_size=2,
         grad_accum=2,
@@ -444,12 +405,17 @@ def test_resume_is_bit_exact_with_controls_batches_and_accumulation(snap, data, 
     )
     straight = run(output=tmp_path / "straight.safetensors", steps=4, **common)
     first = run(output=tmp_path / "first.safetensors", steps=2, work_dir=tmp_path / "resumed", **common)
-    second = run(output=tmp_path / "second.safetensors", steps=4, work_dir=tmp_path / "resumed", resume=True, **common)
+    samples = dict(sample_every=4, sample_model=family_distilled, sample_prompts=[CAPTION], sample_seed=3)
+    second = run(
+        output=tmp_path / "second.safetensors", steps=4, work_dir=tmp_path / "resumed", resume=True, **samples, **common
+    )
     steps = lambda evs: [(e.step, e.loss) for e in evs if isinstance(e, StepFinished)]  # noqa: E731
-    assert steps(first) + steps(second) == steps(straight)
+    assert steps(first) + steps(second) == steps(straight) and len(steps(straight)) == 4
     assert [e for e in second if type(e).__name__ == "TrainStarted"][0].first_step == 3
     a, b = (mx.load(str(tmp_path / f"{n}.safetensors")) for n in ("straight", "second"))
     assert a.keys() == b.keys() and all(np.array_equal(to_np(a[k]), to_np(b[k])) for k in a)
+    if kit.reference_blocks:  # the reference blocks trained: the references are their own stream
+        assert any(kit.reference_blocks in k for k in a)
     oa, ob = (
         mx.load(str(d / "checkpoint-000004" / "optimizer.safetensors"))
         for d in (tmp_path / "straight.train", tmp_path / "resumed")
@@ -458,7 +424,16 @@ def test_resume_is_bit_exact_with_controls_batches_and_accumulation(snap, data, 
     state = json.loads((tmp_path / "resumed" / "checkpoint-000004" / "state.json").read_text())
     assert state["step"] == 4 and len(state["losses"]) == 4
     assert all(v.dtype == mx.bfloat16 for v in b.values())
-    assert flux_klein_mlx.load(snap, loras=[tmp_path / "second.safetensors"]).loras[0].format == "diffusers"
+    assert flux_klein_mlx.load(family_base, loras=[tmp_path / "second.safetensors"]).loras[0].format == "diffusers"
+    saved = [e for e in second if isinstance(e, SamplesSaved)]
+    assert [e.step for e in saved] == [0, 4] and saved[-1].model.startswith(kit.title)
+    png = tmp_path / "resumed" / "samples" / "step-000004-0.png"
+    record = json.loads(Image.open(png).text[RECORD_KEY])
+    assert record["steps"] == kit.distilled_steps and record["guidance"] is None and record["references"]
+    again = tmp_path / "again.png"
+    assert main(shlex.split(record["training_sample"]["generate"])[3:] + ["--output", str(again)]) == 0
+    pixels = lambda p: np.asarray(Image.open(p).convert("RGB"), dtype=np.int16)  # noqa: E731
+    assert np.abs(pixels(png) - pixels(again)).max() <= 2
 
 
 def test_cli_default_bf16_4bit_run_with_samples_progress_loss_plot_and_train_json(snap, data, tmp_path, capsys):

@@ -6,7 +6,8 @@
   with a cosine schedule (bf16, the default dtype);
 - `--config` (TOML and a previous run's train.json) gives the flags run's file bit for bit; an
   override changes the setting it names and nothing else;
-- the memory model against the rows that benchmarks/train_step.py measured, and the remedies it names.
+- the memory model against the rows that benchmarks/train_step.py measured, and the remedies it names; the
+  plan's weights of each family's released Base model, diffusers' transformer's parameters.
 """
 
 from __future__ import annotations
@@ -285,6 +286,21 @@ def test_memory_plan_names_what_makes_it_fit(monkeypatch):
         TrainSettings(resolution=(512, 768, 1024), low_memory=True), params=params, trainable=trainable
     )
     assert plan.remedies == ["--resolution 512,768 --quantize 4 --low-memory (5.7 GB)"]
+
+
+def test_memory_plan_counts_the_released_base_weights(family):
+    """The plan's weights for the family's released Base model at full size are diffusers' transformer's
+    parameters (built on the meta device, nothing allocated) at 2 bytes; 4-bit counts less than a third of that."""
+    kit = family.training
+    with torch.device("meta"):
+        count = sum(p.numel() for p in family.reference_transformer_class()(**kit.released_config).parameters())
+    low, high = kit.released_count
+    assert low <= count <= high
+    params = kit.released_params
+    assert memory.weight_bytes(params, None) == 2 * count
+    assert memory.weight_bytes(params, 4) < 0.3 * 2 * count
+    peak = lambda m: memory.step_peak(params, 10**7, resolution=512, bits=None, low_memory=m)[0]  # noqa: E731
+    assert 2 * count < peak(True) < peak(False)  # the weights, then activations; keeping every block's costs more
 
 
 def test_loss_plot_draws_the_learning_rate_and_config_keys_are_the_long_option_names():

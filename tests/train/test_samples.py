@@ -5,6 +5,7 @@
   without a LoRA; training on the tiny Base snapshot, sampling on the tiny distilled one, bfloat16;
 - `--trigger` trains exactly as captions written with the trigger; `--caption-dropout 1` trains
   exactly alike whatever the captions say; the dropout draw is the same on resume;
+- the default sample model of a Base hub repo, on either family, is its distilled sibling;
 - bad sample and caption settings: one line, exit 1, before any model loads, nothing written.
 """
 
@@ -151,13 +152,13 @@ def test_sample_at_step_n_is_generate_on_the_sample_model_with_the_lora_it_keeps
     assert not list((tmp_path / "s.train").glob(".*.tmp")) and not list(work.glob(".*"))
 
 
-def test_default_sample_model_is_the_distilled_sibling_of_a_base_repo(base):
-    assert sibling_model("black-forest-labs/FLUX.2-klein-base-4B") == "black-forest-labs/FLUX.2-klein-4B"
-    assert sibling_model("Black-Forest-Labs/FLUX.2-klein-base-9B") == "black-forest-labs/FLUX.2-klein-9B"
-    assert sibling_model("black-forest-labs/FLUX.2-klein-4B") is None and sibling_model(base) is None
+def test_default_sample_model_is_the_distilled_sibling_of_a_base_repo(family, family_base):
+    for repo, sibling in family.training.sibling_repos.items():  # a distilled repo has none
+        assert sibling_model(repo) == sibling, repo
+    assert sibling_model(family_base) is None  # a local folder: no sibling
     assert sample_source(TrainSettings()) == "black-forest-labs/FLUX.2-klein-4B"  # the default --model's sibling
-    assert sample_source(TrainSettings(model=base)) == str(base)
-    assert sample_source(TrainSettings(model=base, sample_model="x/y")) == "x/y"
+    assert sample_source(TrainSettings(model=family_base)) == str(family_base)
+    assert sample_source(TrainSettings(model=family_base, sample_model="x/y")) == "x/y"
 
 
 def lora_tensors(path: Path) -> tuple[dict, dict]:

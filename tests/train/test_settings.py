@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from command_line import run_cli
+from families import KITS
 from PIL import Image
 
 import flux_klein_mlx
@@ -138,14 +139,41 @@ def test_bad_data_refused_naming_the_file(capsys, snap, tmp_path, no_models, lay
         ("--keep-checkpoints", "0", ["keep-checkpoints"]),
         ("--seed", "-1", ["seed"]),
         ("--sample-every", "5", ["--sample-prompt"]),
-        ("--targets", "double:0-9", ["--targets", "2 double blocks"]),
-        ("--targets", "to_nowhere", ["--targets to_nowhere", "matches no layer"]),
         ("--caption", " ", ["--caption"]),
     ],
 )
 def test_out_of_range_settings_refused(capsys, snap, tmp_path, no_models, option, value, words):
     data = make_images(tmp_path / "data")
     refused(capsys, tmp_path, base_args(snap, data, tmp_path / "out.safetensors") + [option, value], *words)
+
+
+def test_targets_the_model_has_not_refused_in_one_line(capsys, family, family_base, tmp_path, no_models):
+    """`--targets` naming what the family's Base model has not (FLUX.2: more double blocks than it has, a module
+    of no name; FLUX 3: FLUX.2's `double`, the distilled model's `ref_time_in`, the reference blocks without
+    --control): one line each before any model loads, nothing written."""
+    data = make_images(tmp_path / "data")
+    for value, words in family.training.cli_bad_targets:
+        args = base_args(family_base, data, tmp_path / "out.safetensors") + ["--targets", value]
+        refused(capsys, tmp_path, args, *words)
+
+
+def test_the_distilled_flow_map_and_a_flux2_checkpoint_refused_on_flux3_in_one_line(
+    capsys, base, base3, distilled3, tmp_path
+):
+    """FLUX 3's distilled model (a flow map) cannot be trained: one line naming the Base repo, from the command
+    and from `train_lora`; a real FLUX.2 run's checkpoint resumed on FLUX 3 Base names both families."""
+    data = make_images(tmp_path / "data")
+    out = tmp_path / "x.safetensors"
+    args = base_args(distilled3, data, out) + ["--steps", "1"]
+    refused(capsys, tmp_path, args, "distilled FLUX 3 Image Klein", "flux-3-image-klein-base")
+    with pytest.raises(FluxKleinError, match="distilled FLUX 3"):
+        flux_klein_mlx.train_lora(model=distilled3, data=data, output=tmp_path / "y.safetensors")
+    work = tmp_path / "w"
+    flux2 = base_args(base, data, tmp_path / "f2.safetensors") + ["--steps", "1", "--work-dir", str(work)]
+    assert main(["train", *flux2]) == 0
+    capsys.readouterr()
+    args = base_args(base3, data, out) + ["--steps", "1", "--work-dir", str(work), "--resume"]
+    refused(capsys, tmp_path, args, "is a checkpoint of FLUX.2 [klein]'s adapters", "model is FLUX 3 Image Klein's")
 
 
 def test_existing_output_is_never_overwritten(capsys, snap, tmp_path, no_models):
@@ -203,24 +231,25 @@ def test_resume_refuses_another_runs_checkpoints_naming_the_differences(capsys, 
     refused(capsys, tmp_path, base_args(snap, data, out) + ["--resume", "--rank", "8"], "data")
 
 
-def test_resume_of_another_familys_checkpoint_names_both_families(capsys, snap, tmp_path, tmp_path_factory, no_models):
+def test_resume_of_another_familys_checkpoint_names_both_families(
+    capsys, family, family_base, tmp_path, tmp_path_factory, no_models
+):
     """Issue 46: a FLUX.2 run's work folder resumed with a FLUX 3 model was "from a run with other settings";
-    the line names the checkpoint's family and the model's, by their titles."""
-    from tiny_flux3 import shared_tiny_flux3_snapshot
-
+    the line names the checkpoint's family and the model's, by their titles (either way round)."""
+    other = next(kit for kit in KITS.values() if kit is not family)
     data = make_images(tmp_path / "data")
     out = tmp_path / "out.safetensors"
-    fake_checkpoint(
-        tmp_path / "out.train", TrainSettings(model=str(snap), data=data, output=out, resolution=64, rank=4)
-    )
-    flux3 = shared_tiny_flux3_snapshot(tmp_path_factory, distilled=False)
+    theirs = other.snapshot(tmp_path_factory, distilled=False)  # the session's own, built once
     capsys.readouterr()  # building it talks
+    fake_checkpoint(
+        tmp_path / "out.train", TrainSettings(model=str(theirs), data=data, output=out, resolution=64, rank=4)
+    )
     line = refused(
         capsys,
         tmp_path,
-        base_args(flux3, data, out) + ["--resume"],
-        "is a checkpoint of FLUX.2 [klein]'s adapters",
-        "this run's model is FLUX 3 Image Klein's",
+        base_args(family_base, data, out) + ["--resume"],
+        f"is a checkpoint of {other.training.title}'s adapters",
+        f"this run's model is {family.training.title}'s",
     )
     assert "other settings" not in line
 
