@@ -67,6 +67,17 @@ def finite(x) -> float | None:
     return float(x) if x is not None and math.isfinite(x) else None
 
 
+def plan_job(settings: dict):
+    """`train`'s checks of a job's settings, all before any model loads (`train/plan.plan_run`): the plan, or
+    one line (400)."""
+    try:
+        return plan_run(TrainSettings(**settings))
+    except FluxKleinError as e:
+        raise ApiError(400, e.worded("http"), "training") from None
+    except (TypeError, ValueError) as e:  # a value of a type no check expected: still one line
+        raise ApiError(400, f"a training option has a value of the wrong type ({e})", "training") from None
+
+
 class TrainingJobs:
     """Every fine-tuning job of one --train-dir: created, run one at a time on the worker, kept on disk."""
 
@@ -159,7 +170,7 @@ class TrainingJobs:
             state = JobState(self.new_record(job_id, body), self.job_settings(job_id, body))
             self.folder(job_id).mkdir(parents=True)  # the work folder's parent, as `train --work-dir` needs
             try:
-                self.describe_plan(state, self.plan(state.settings))
+                self.describe_plan(state, plan_job(state.settings))
                 with self.lock:  # the worker waits for it before the job's first change: the answer is "queued"
                     self.jobs[job_id] = state
                     self.save(state)
@@ -252,16 +263,6 @@ class TrainingJobs:
                 404, f"no file {str(file_id)!r} here; upload one with POST /v1/files", param, "file_not_found"
             )
         return self.files.folders(file_id)
-
-    def plan(self, settings: dict) -> None:
-        """`train`'s checks, all before any model loads: a refusal is one line (400)."""
-        try:
-            plan = plan_run(TrainSettings(**settings))
-        except FluxKleinError as e:
-            raise ApiError(400, e.worded("http"), "training") from None
-        except (TypeError, ValueError) as e:  # a value of a type no check expected: still one line
-            raise ApiError(400, f"a training option has a value of the wrong type ({e})", "training") from None
-        return plan
 
     def submit(self, state: JobState) -> None:
         job_id = state.record["id"]
@@ -407,7 +408,7 @@ class TrainingJobs:
                 )
             self.check_room()
             settings = {**state.settings, "resume": True}
-            self.plan(settings)
+            plan_job(settings)
             with self.lock:  # the worker waits for it before it says "validating_files"
                 previous, state.settings = state.settings, settings
                 try:

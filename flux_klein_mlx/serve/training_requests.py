@@ -77,13 +77,15 @@ def training_options(value) -> dict:
         if name in SERVER_CHOSEN:
             where = SERVER_CHOSEN[name]
             given = f"; it comes from {where}" if where else "; a job reads only its uploaded files and served models"
-            raise ApiError(400, f"training.{key} names a file or folder on the server{given}", f"training.{key}")
+            raise ApiError(400, f"training option {key!r} names a file or folder on the server{given}", "training")
         if name not in fields:
             raise ApiError(
-                400, f"training.{key} is not a train option; see `train --help` (e.g. steps, rank, trigger)", "training"
+                400,
+                f"training option {key!r} is not one of train's; see `train --help` (e.g. steps, rank, trigger)",
+                "training",
             )
         if name in out:
-            raise ApiError(400, f"training gives {name} twice (as {key!r} too); give it once", f"training.{key}")
+            raise ApiError(400, f"training gives {name} twice (as {key!r} too); give it once", "training")
         out[name] = v
     return out
 
@@ -111,7 +113,7 @@ def hyperparameters(body: dict) -> dict:
         if key not in HYPERPARAMETERS:
             raise ApiError(
                 400,
-                f"hyperparameters.{key} is unknown; give n_epochs, batch_size or learning_rate_multiplier "
+                f"hyperparameter {key!r} is unknown; give n_epochs, batch_size or learning_rate_multiplier "
                 "(train's other options go under 'training')",
                 f"hyperparameters.{key}",
             )

@@ -34,7 +34,17 @@ from serving import http, start_server  # noqa: E402
 import flux_klein_mlx  # noqa: E402
 from flux_klein_mlx.errors import FluxKleinError  # noqa: E402
 from flux_klein_mlx.serve import training_files  # noqa: E402
+from flux_klein_mlx.serve.forms import ApiError  # noqa: E402
 from flux_klein_mlx.serve.training_files import TrainingFiles, entry_parts  # noqa: E402
+from flux_klein_mlx.serve.training_jobs import plan_job  # noqa: E402
+from flux_klein_mlx.serve.training_requests import (  # noqa: E402
+    check_fields,
+    check_suffix,
+    hyperparameters,
+    merged,
+    training_options,
+)
+from flux_klein_mlx.train.settings import TrainSettings  # noqa: E402
 
 
 def png(seed: int, size=(64, 64)) -> bytes:
@@ -289,9 +299,9 @@ def job_files(folders) -> tuple:
         (dict(model="flux-pro"), openai.NotFoundError, ["not served"]),
         (dict(training_file="file-" + "0" * 24), openai.NotFoundError, ["no file", "POST /v1/files"]),
         (dict(extra_body={"training": {**TRAINING, "steps": 0}}), openai.BadRequestError, ["steps"]),
-        (dict(extra_body={"training": {"data": "/etc"}}), openai.BadRequestError, ["training.data", "training_file"]),
+        (dict(extra_body={"training": {"data": "/etc"}}), openai.BadRequestError, ["'data'", "training_file"]),
         (dict(extra_body={"training": {"init_lora": "/x.safetensors"}}), openai.BadRequestError, ["init_lora"]),
-        (dict(extra_body={"training": {"stepz": 2}}), openai.BadRequestError, ["stepz", "not a train option"]),
+        (dict(extra_body={"training": {"stepz": 2}}), openai.BadRequestError, ["stepz", "not one of train's"]),
         (dict(extra_body={"training": {"resolution": 65}}), openai.BadRequestError, ["resolution", "16"]),
         (
             dict(hyperparameters={"n_epochs": 2}, extra_body={"training": TRAINING}),
@@ -360,6 +370,94 @@ def test_jobs_and_images_meet_cancel_and_resume(server, client, base_id, folders
         folders[1] / f"{a.fine_tuned_model}.safetensors", folders[1] / f"{b.fine_tuned_model}.safetensors"
     )
     assert client.fine_tuning.jobs.retrieve(second.id).trained_tokens == 0  # cancelled while it waited
+
+
+def test_samples_are_served_as_the_events_name_them(server, client, base_id):
+    f = upload(client, make_zip(dataset()))
+    training = {**TRAINING, "steps": 1, "sample_every": 1, "sample_prompts": ["a test card"], "sample_steps": 1}
+    job = client.fine_tuning.jobs.create(model=base_id, training_file=f.id, extra_body={"training": training})
+    samples = [name for e in events_of(server, job.id) for name in e["data"].get("samples", [])]
+    assert samples and all(name.endswith(".png") for name in samples)
+    code, body = http("GET", f"{server.url}/v1/fine_tuning/jobs/{job.id}/samples/{samples[-1]}", headers=server.auth)
+    assert code == 200 and Image.open(io.BytesIO(body)).size == (64, 64)
+    for bad in ("train.json", "../job.json", "..%2Fjob.json"):
+        code, body = http("GET", f"{server.url}/v1/fine_tuning/jobs/{job.id}/samples/{bad}", headers=server.auth)
+        assert code == 404, (bad, body)
+
+
+def test_a_restarted_server_lists_its_jobs_and_files(base, tmp_path_factory):
+    """A server killed while a job runs: restarted on the same folders it lists the files and the jobs, the
+    finished one as it was, the interrupted one failed ("server_stopped"), which resumes from its checkpoint."""
+    train_dir, lora_dir = tmp_path_factory.mktemp("train-dir"), tmp_path_factory.mktemp("loras")
+    args = ["--api-key", "test-key-123", "--train-dir", str(train_dir), "--lora-dir", str(lora_dir)]
+    first = start_server(base, args, tmp_path_factory)
+    server = next(first)
+    client = server.client()
+    model = client.models.list().data[0].id
+    f = upload(client, make_zip(dataset()))
+    done = client.fine_tuning.jobs.create(model=model, training_file=f.id, extra_body={"training": TRAINING})
+    events_of(server, done.id)
+    cut = client.fine_tuning.jobs.create(
+        model=model, training_file=f.id, extra_body={"training": {**TRAINING, "steps": 1000}}
+    )
+    wait_for(server, cut.id, lambda e: "checkpoint at step 1" in e["message"])
+    server.proc.kill()
+    server.proc.wait(15)
+    next(first, None)
+    second = start_server(base, args, tmp_path_factory)
+    server = next(second)
+    client = server.client()
+    assert [g.id for g in client.files.list()] == [f.id]
+    jobs = {j.id: j for j in client.fine_tuning.jobs.list()}
+    assert jobs.keys() == {done.id, cut.id}
+    assert (
+        jobs[done.id].status == "succeeded" and (lora_dir / f"{jobs[done.id].fine_tuned_model}.safetensors").is_file()
+    )
+    assert jobs[cut.id].status == "failed" and jobs[cut.id].error.code == "server_stopped", jobs[cut.id]
+    assert "/resume" in jobs[cut.id].error.message
+    kept = client.fine_tuning.jobs.checkpoints.list(cut.id).data[0].step_number
+    assert client.fine_tuning.jobs.resume(cut.id).status == "queued"
+    wait_for(server, cut.id, lambda e: e["message"].startswith(f"resuming at step {kept + 1}"))
+    assert client.fine_tuning.jobs.cancel(cut.id).status == "cancelled"
+    next(second, None)
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+OPTIONS = st.sampled_from(sorted(TrainSettings.__dataclass_fields__)) | st.text(max_size=8)
+
+
+@given(
+    body=st.fixed_dictionaries(
+        {},
+        optional={
+            "training": st.dictionaries(OPTIONS, JSON, max_size=4) | JSON,
+            "hyperparameters": st.dictionaries(
+                st.sampled_from(["n_epochs", "batch_size", "learning_rate_multiplier", "x"]), JSON, max_size=3
+            )
+            | JSON,
+            "suffix": JSON,
+            "seed": JSON,
+            "method": JSON,
+            "metadata": JSON,
+        },
+    )
+)
+@settings(max_examples=200, deadline=None)
+def test_any_job_body_maps_to_train_settings_or_is_one_line(body):
+    """Whatever a client sends, the job's settings are `train`'s checked ones or one 4xx line; never a crash."""
+    try:
+        check_fields(body)
+        check_suffix(body.get("suffix"))
+        options = merged(hyperparameters(body), training_options(body.get("training")))
+        plan_job({**options, "data": "/nowhere/data", "output": "/nowhere/x.safetensors"})
+    except ApiError as e:
+        assert 400 <= e.status < 500 and "\n" not in e.message
+        return
+    raise AssertionError("a job with a missing data folder was planned")
 
 
 # ---- the zip's checks, in-process -----------------------------------------------------------------
