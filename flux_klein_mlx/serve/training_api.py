@@ -117,7 +117,8 @@ class TrainingApi:
         jobs = self.stored_jobs()
         body = await read_body(request)
         record = await asyncio.to_thread(jobs.create, body)  # train's checks read the data: off the event loop
-        self.options.log(f"fine-tuning job {record['id']}: queued, {record['steps']} steps on {record['model']}")
+        if record["object"] == "fine_tuning.job":  # not a dry run
+            self.options.log(f"fine-tuning job {record['id']}: queued, {record['steps']} steps on {record['model']}")
         return JSONResponse(record)
 
     async def list_jobs(self, request: Request):

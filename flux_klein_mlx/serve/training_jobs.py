@@ -78,6 +78,22 @@ def plan_job(settings: dict):
         raise ApiError(400, f"a training option has a value of the wrong type ({e})", "training") from None
 
 
+def planned(record: dict, plan) -> dict:
+    """A dry run's answer: what the job would train, and its memory plan (train/memory.py)."""
+    m = plan.memory
+    memory = None
+    if m is not None:
+        memory = {"peak": m.peak, "weights": m.weights, "trainable": m.trainable, "available": m.available}
+        memory.update(fits=m.fits, remedies=m.remedies, description=describe_plan(m))
+    keep = ("model", "training_file", "validation_file", "seed", "steps", "hyperparameters", "training")
+    return {
+        "object": "fine_tuning.job.plan",
+        **{k: record[k] for k in keep},
+        "images": len(plan.items),
+        "memory": memory,
+    }
+
+
 class TrainingJobs:
     """Every fine-tuning job of one --train-dir: created, run one at a time on the worker, kept on disk."""
 
@@ -165,12 +181,17 @@ class TrainingJobs:
         """POST /v1/fine_tuning/jobs: checked and planned as `train` (one line, 400), then queued."""
         check_fields(body)
         with self.planning:
-            self.check_room()
+            if body.get("dry_run") is not True:
+                self.check_room()
             job_id = f"ftjob-{secrets.token_hex(12)}"
             state = JobState(self.new_record(job_id, body), self.job_settings(job_id, body))
             self.folder(job_id).mkdir(parents=True)  # the work folder's parent, as `train --work-dir` needs
             try:
-                self.describe_plan(state, plan_job(state.settings))
+                plan = plan_job(state.settings)
+                self.describe_plan(state, plan)
+                if body.get("dry_run") is True:  # the plan only (the page shows it before starting): no job
+                    shutil.rmtree(self.folder(job_id), ignore_errors=True)
+                    return planned(state.record, plan)
                 with self.lock:  # the worker waits for it before the job's first change: the answer is "queued"
                     self.jobs[job_id] = state
                     self.save(state)

@@ -29,6 +29,7 @@ JOB_FIELDS = {
     "training",
     "metadata",
     "integrations",
+    "dry_run",  # ours: the checks and the memory plan only, no job (the page's "see the plan before starting")
 }
 HYPERPARAMETERS = {"n_epochs": "epochs", "batch_size": "batch_size", "learning_rate_multiplier": "lr"}
 # `train` options that name a file or folder on the server, or the run's own place: never a request's.
@@ -58,6 +59,8 @@ def check_fields(body: dict) -> None:
             f"unknown field {unknown!r}; a job takes {', '.join(sorted(JOB_FIELDS))} (train's options: 'training')",
             unknown,
         )
+    if body.get("dry_run") not in (None, True, False):
+        raise ApiError(400, f"dry_run must be true or false, not {body['dry_run']!r}", "dry_run")
     if body.get("integrations"):
         raise ApiError(400, "integrations are not supported here; leave them out", "integrations")
     if body.get("metadata") is not None and not isinstance(body["metadata"], dict):

@@ -325,6 +325,23 @@ def test_a_bad_job_is_one_line_and_leaves_nothing(client, base_id, folders, fiel
     client.files.delete(f.id)
 
 
+def test_a_dry_run_is_the_plan_and_no_job(client, base_id, folders):
+    """dry_run: train's checks and its memory plan (what the page shows before starting), no job made."""
+    f = upload(client, make_zip(dataset()))
+    before = job_files(folders)
+    plan = client.fine_tuning.jobs.create(
+        model=base_id, training_file=f.id, extra_body={"training": TRAINING, "dry_run": True}
+    )
+    extra = plan.model_extra
+    assert plan.object == "fine_tuning.job.plan" and extra["images"] == 2 and extra["steps"] == 2
+    assert extra["memory"]["fits"] and extra["memory"]["peak"] > 0 and "GB" in extra["memory"]["description"]
+    assert job_files(folders) == before
+    with pytest.raises(openai.BadRequestError, match="steps"):
+        client.fine_tuning.jobs.create(
+            model=base_id, training_file=f.id, extra_body={"training": {**TRAINING, "steps": 0}, "dry_run": True}
+        )
+
+
 def wait_for(server, job_id: str, test, timeout: float = 120) -> dict:
     """The job's events (over SSE) until `test(event)` holds; the event it held for."""
     url = f"{server.url}/v1/fine_tuning/jobs/{job_id}/events?stream=true"
