@@ -22,6 +22,7 @@ import shutil
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,7 +139,9 @@ class TrainingJobs:
         return jobs
 
     def add_event(self, state: JobState, message: str, data: dict | None = None, *, kind: str = "message") -> None:
-        level = "error" if state.record["status"] == "failed" and kind == "end" else "info"
+        level = (
+            "error" if state.record["status"] == "failed" and kind == "end" else "warn" if kind == "warning" else "info"
+        )
         n = len(state.events)
         event = {
             "object": "fine_tuning.job.event",
@@ -306,20 +309,29 @@ class TrainingJobs:
             if job.cancelled.is_set():
                 return False
             self.set(state, status="validating_files")  # train_lora checks everything again before a model loads
+        caught = []  # `train`'s warnings (a small lr, unread folders, a stale lock taken over): events too
         try:
-            events = train_lora(**state.settings)
-            with contextlib.closing(events):  # closed: the run's own cleanup (its lock) on this thread
-                for event in events:
-                    if job.cancelled.is_set():
-                        return False
-                    self.record_event(state, event)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                events = train_lora(**state.settings)
+                with contextlib.closing(events):  # closed: the run's own cleanup (its lock) on this thread
+                    for event in events:
+                        self.say_warnings(state, caught)
+                        if job.cancelled.is_set():
+                            return False
+                        self.record_event(state, event)
         except FluxKleinError as e:
+            self.say_warnings(state, caught)
             self.end(state, "failed", {"code": "invalid_training", "message": e.worded("http"), "param": None})
         except Exception as e:  # the server outlives a failed run; the log has the traceback
             traceback.print_exc()
             message = f"training failed ({type(e).__name__}); the server's log has the details"
             self.end(state, "failed", {"code": "server_error", "message": message, "param": None})
         return True
+
+    def say_warnings(self, state: JobState, caught: list) -> None:
+        while caught:
+            self.add_event(state, str(caught.pop(0).message), kind="warning")
 
     def on_end(self, state: JobState, event) -> None:
         """The worker's end of the job: a job cancelled (before it started, or at a step) is "cancelled"."""

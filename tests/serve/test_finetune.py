@@ -389,11 +389,14 @@ def test_jobs_and_images_meet_cancel_and_resume(server, client, base_id, folders
     assert client.fine_tuning.jobs.retrieve(second.id).trained_tokens == 0  # cancelled while it waited
 
 
-def test_samples_are_served_as_the_events_name_them(server, client, base_id):
+def test_samples_are_served_as_the_events_name_them_and_warnings_are_events(server, client, base_id):
     f = upload(client, make_zip(dataset()))
     training = {**TRAINING, "steps": 1, "sample_every": 1, "sample_prompts": ["a test card"], "sample_steps": 1}
+    training["lr"] = 1e-9  # train warns that it cannot move the adapters
     job = client.fine_tuning.jobs.create(model=base_id, training_file=f.id, extra_body={"training": training})
-    samples = [name for e in events_of(server, job.id) for name in e["data"].get("samples", [])]
+    events = events_of(server, job.id)
+    assert any(e["level"] == "warn" and "too small" in e["message"] for e in events), events
+    samples = [name for e in events for name in e["data"].get("samples", [])]
     assert samples and all(name.endswith(".png") for name in samples)
     code, body = http("GET", f"{server.url}/v1/fine_tuning/jobs/{job.id}/samples/{samples[-1]}", headers=server.auth)
     assert code == 200 and Image.open(io.BytesIO(body)).size == (64, 64)
