@@ -352,25 +352,52 @@ def wait_for(server, job_id: str, test, timeout: float = 120) -> dict:
     raise AssertionError(f"the job {job_id} ended before the event awaited")
 
 
-def test_jobs_and_images_meet_cancel_and_resume(server, client, base_id, folders):
-    """One job runs, one waits, a third is 429; an image request meanwhile is 429 with the job's id and
-    Retry-After 60; the waiting job cancelled never starts; the running one cancelled after its first
-    checkpoint stops there, and resumed it ends with the LoRA of the same job run uninterrupted."""
+def generate(server, **body):
+    """POST /v1/images/generations without the client: (status, JSON)."""
+    data = json.dumps({"prompt": "x", "size": "64x64", **body}).encode()
+    return http(
+        "POST", server.url + "/v1/images/generations", data, {**server.auth, "Content-Type": "application/json"}
+    )
+
+
+def test_a_job_waits_behind_images_and_images_wait_out_a_job(server, client, base_id):
+    """A job created while an image is made is queued behind it; meanwhile a second job and an image request are
+    429 (the image's with the job's id and Retry-After 60); the queued job cancelled is cancelled at once, never
+    started; once it is, images are made again."""
+    f = upload(client, make_zip(dataset()))
+    req = urllib.request.Request(
+        server.url + "/v1/images/generations",
+        data=json.dumps({"prompt": "slow", "size": "64x64", "steps": 200, "seed": 1, "stream": True}).encode(),
+        headers={**server.auth, "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        while not r.readline().startswith(b"event: image_generation.progress"):
+            pass  # the image is being made
+        waiting = client.fine_tuning.jobs.create(model=base_id, training_file=f.id, extra_body={"training": TRAINING})
+        assert waiting.status == "queued"
+        with pytest.raises(openai.RateLimitError, match="1 fine-tuning jobs are queued or running") as e:
+            client.fine_tuning.jobs.create(model=base_id, training_file=f.id, extra_body={"training": TRAINING})
+        assert e.value.response.headers["Retry-After"] == "60"
+        code, body = generate(server)
+        assert code == 429 and waiting.id in body["error"]["message"], body
+        assert body["error"]["code"] == "fine_tuning_job_running"
+        cancelled = client.fine_tuning.jobs.cancel(waiting.id)
+        assert cancelled.status == "cancelled" and cancelled.trained_tokens == 0
+    server.wait_idle()
+    assert generate(server, steps=1)[0] == 200
+    assert not any(e.message.startswith("training") for e in client.fine_tuning.jobs.list_events(waiting.id))
+
+
+def test_cancel_then_resume_is_the_job_uninterrupted(server, client, base_id, folders):
+    """A job cancelled after its first checkpoint stops there (an image request meanwhile is 429); resumed, it
+    ends with the LoRA of the same job run uninterrupted, tensor for tensor."""
     f = upload(client, make_zip(dataset()))
     long = {**TRAINING, "steps": 10, "save_every": 2}  # cancelled at its first checkpoint: 8 steps to spare
     create = lambda: client.fine_tuning.jobs.create(  # noqa: E731
         model=base_id, training_file=f.id, seed=1, extra_body={"training": long}
     )
-    first, second = create(), create()
-    with pytest.raises(openai.RateLimitError, match="2 fine-tuning jobs are queued or running"):
-        create()
-    code, body = http(
-        "POST", server.url + "/v1/images/generations", json.dumps({"prompt": "x", "size": "64x64"}).encode(),
-        {**server.auth, "Content-Type": "application/json"},
-    )  # fmt: skip
-    assert code == 429 and first.id in body["error"]["message"], body
-    assert body["error"]["code"] == "fine_tuning_job_running"
-    assert client.fine_tuning.jobs.cancel(second.id).status == "cancelled"
+    first = create()
+    assert generate(server)[0] == 429
     wait_for(server, first.id, lambda e: "checkpoint at step 2" in e["message"])
     stopped = client.fine_tuning.jobs.cancel(first.id)
     assert stopped.status == "cancelled" and 2 <= stopped.trained_tokens < 10, stopped
@@ -386,7 +413,6 @@ def test_jobs_and_images_meet_cancel_and_resume(server, client, base_id, folders
     assert same_tensors(
         folders[1] / f"{a.fine_tuned_model}.safetensors", folders[1] / f"{b.fine_tuned_model}.safetensors"
     )
-    assert client.fine_tuning.jobs.retrieve(second.id).trained_tokens == 0  # cancelled while it waited
 
 
 def test_samples_are_served_as_the_events_name_them_and_warnings_are_events(server, client, base_id):
