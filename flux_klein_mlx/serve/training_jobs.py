@@ -43,7 +43,7 @@ from ..train.report.events import (
 from ..train.report.samples import SamplesSaved
 from ..train.settings import TrainSettings
 from ..train.trainer import train_lora
-from .forms import ApiError, pick_model
+from .forms import ApiError, pick_model, shown
 from .jobs import EndEvent, NotReady, Task
 from .training_requests import check_fields, check_suffix, hyperparameters, merged, training_options
 
@@ -148,7 +148,7 @@ class TrainingJobs:
             "id": f"ftevent-{n}-{state.record['id'][6:]}",
             "created_at": int(time.time()),
             "level": level,
-            "message": message,
+            "message": shown(message),  # never the server's own folders
             "data": data or {},
             "type": "metrics" if kind == "metrics" else "message",
         }
@@ -350,7 +350,7 @@ class TrainingJobs:
 
     def end(self, state: JobState, status: str, error: dict | None = None) -> None:
         if error is not None:
-            error["message"] = ApiError(400, error["message"]).body()["error"]["message"]  # the server's paths cut
+            error["message"] = shown(error["message"])
         self.set(state, status=status, error=error, finished_at=int(time.time()))
         words = {
             "cancelled": "cancelled; its last checkpoint is kept",

@@ -83,16 +83,16 @@ def folders(tmp_path_factory, base):
 
 
 @pytest.fixture(scope="module")
-def server(base, distilled, folders, tmp_path_factory):
-    """The tiny Base model served first (the one loaded), the distilled one beside it (a job refuses it)."""
+def server(base, distilled, base3, folders, tmp_path_factory):
+    """The tiny FLUX.2 Base model served first (the one loaded), the distilled one beside it (a job refuses it)
+    and the tiny FLUX 3 Base."""
     train_dir, lora_dir, _ = folders
     named = tmp_path_factory.mktemp("models")  # served models are named by their folders' last parts
-    for name, folder in (("klein-base-tiny", base), ("klein-distilled-tiny", distilled)):
+    for name, folder in (("klein-base-tiny", base), ("klein-distilled-tiny", distilled), ("klein3-base-tiny", base3)):
         (named / name).symlink_to(folder, target_is_directory=True)
     args = ["--api-key", "test-key-123", "--train-dir", str(train_dir), "--lora-dir", str(lora_dir)]
-    yield from start_server(
-        named / "klein-base-tiny", [*args, "--model", named / "klein-distilled-tiny"], tmp_path_factory
-    )
+    args += ["--model", named / "klein-distilled-tiny", "--model", named / "klein3-base-tiny"]
+    yield from start_server(named / "klein-base-tiny", args, tmp_path_factory)
 
 
 # what each job trains: the tiny model at 64 px, rank 4, a checkpoint every step (train's own test settings)
@@ -260,6 +260,21 @@ def test_a_job_is_train_with_those_settings(trained, client, folders, tmp_path):
     assert same_tensors(lora, ours)
     work = folders[0] / "jobs" / job.id / "work"
     assert (work / "train.json").is_file() and (work / "loss.png").is_file()  # train's work folder
+
+
+def test_a_flux3_job_is_train_too(server, client, base3, folders, tmp_path):
+    f = upload(client, make_zip(dataset()))
+    job = client.fine_tuning.jobs.create(
+        model="klein3-base-tiny", training_file=f.id, seed=2, extra_body={"training": TRAINING}
+    )
+    events_of(server, job.id)
+    done = client.fine_tuning.jobs.retrieve(job.id)
+    assert done.status == "succeeded" and done.model == "klein3-base-tiny", done
+    data = tmp_path / "data"
+    zipfile.ZipFile(io.BytesIO(make_zip(dataset()))).extractall(data)
+    ours = tmp_path / "ours.safetensors"
+    list(flux_klein_mlx.train_lora(model=base3, data=data, output=ours, seed=2, **TRAINING))
+    assert same_tensors(folders[1] / f"{done.fine_tuned_model}.safetensors", ours)
 
 
 def test_checkpoints_are_usable_loras(trained, client, server):
