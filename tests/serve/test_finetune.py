@@ -260,6 +260,7 @@ def test_a_job_is_train_with_those_settings(trained, client, folders, tmp_path):
     assert same_tensors(lora, ours)
     work = folders[0] / "jobs" / job.id / "work"
     assert (work / "train.json").is_file() and (work / "loss.png").is_file()  # train's work folder
+    assert not any(str(folders[0]) in json.dumps(e) for e in events)  # never the server's own folders
 
 
 def test_a_flux3_job_is_train_too(server, client, base3, folders, tmp_path):
@@ -519,6 +520,37 @@ def test_any_job_body_maps_to_train_settings_or_is_one_line(body):
         assert 400 <= e.status < 500 and "\n" not in e.message
         return
     raise AssertionError("a job with a missing data folder was planned")
+
+
+def in_process_app(options):
+    """The app in this process (no model: these requests never reach the worker)."""
+    from starlette.testclient import TestClient
+
+    from flux_klein_mlx.serve.api import create_app
+    from flux_klein_mlx.serve.jobs import Worker
+
+    return TestClient(create_app(Worker(lambda: None), options))
+
+
+def test_without_train_dir_the_routes_say_how_to_start():
+    from flux_klein_mlx.serve.api import ServerOptions
+
+    app = in_process_app(ServerOptions())
+    for method, path in [("GET", "/v1/files"), ("POST", "/v1/fine_tuning/jobs"), ("GET", "/v1/fine_tuning/jobs/x")]:
+        r = app.request(method, path, json={} if method == "POST" else None)
+        assert r.status_code == 400 and "--train-dir" in r.json()["error"]["message"], (path, r.text)
+
+
+def test_a_zip_past_the_upload_bound_is_413_before_it_is_read(monkeypatch, tmp_path):
+    from flux_klein_mlx.serve import guard
+    from flux_klein_mlx.serve.api import ServerOptions
+
+    monkeypatch.setattr(guard, "MAX_TRAINING_UPLOAD_BYTES", 1000)
+    app = in_process_app(ServerOptions(train_dir=tmp_path, lora_dir=tmp_path))
+    big = make_zip(dataset() | {"big.png": np.random.default_rng(0).bytes(2 << 20)})  # past the bound + 1 MB of form
+    r = app.post("/v1/files", files={"file": ("d.zip", big)}, data={"purpose": "fine-tune"})
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+    assert not (tmp_path / "files").exists() or not list((tmp_path / "files").iterdir())
 
 
 # ---- the zip's checks, in-process -----------------------------------------------------------------
