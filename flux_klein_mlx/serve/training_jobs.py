@@ -277,6 +277,11 @@ class TrainingJobs:
             output=str(self.options.lora_dir / f"{name}.safetensors"),
             work_dir=str(self.folder(job_id) / "work"),
         )
+        if "sample_model" in settings:  # samples on another served model (e.g. the distilled one), by its id
+            if not isinstance(settings["sample_model"], str):
+                raise ApiError(400, "training.sample_model must be the id of a served model (a text)", "training")
+            sampled = pick_model(settings["sample_model"], self.options.served())
+            settings["sample_model"] = str(self.options.model_folders[sampled or model])
         return settings
 
     def file_folders(self, file_id, param: str) -> tuple[Path, tuple[Path, ...]]:

@@ -326,6 +326,7 @@ def job_files(folders) -> tuple:
         ),
         (dict(hyperparameters={"learning_rate_multiplier": -1}), openai.BadRequestError, ["above 0"]),
         (dict(suffix="../up"), openai.BadRequestError, ["suffix"]),
+        (dict(extra_body={"training": {**TRAINING, "sample_model": "/models/x"}}), openai.NotFoundError, ["served"]),
         (dict(extra_body={"training": TRAINING, "traning": {}}), openai.BadRequestError, ["traning"]),
     ],
 )
@@ -434,7 +435,7 @@ def test_cancel_then_resume_is_the_job_uninterrupted(server, client, base_id, fo
 def test_samples_are_served_as_the_events_name_them_and_warnings_are_events(server, client, base_id):
     f = upload(client, make_zip(dataset()))
     training = {**TRAINING, "steps": 1, "sample_every": 1, "sample_prompts": ["a test card"], "sample_steps": 1}
-    training["lr"] = 1e-9  # train warns that it cannot move the adapters
+    training.update(lr=1e-9, sample_model="klein-distilled-tiny")  # train warns that 1e-9 cannot move the adapters
     job = client.fine_tuning.jobs.create(model=base_id, training_file=f.id, extra_body={"training": training})
     events = events_of(server, job.id)
     assert any(e["level"] == "warn" and "too small" in e["message"] for e in events), events
