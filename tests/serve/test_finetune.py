@@ -278,6 +278,17 @@ def test_a_flux3_job_is_train_too(server, client, base3, folders, tmp_path):
     assert same_tensors(folders[1] / f"{done.fine_tuned_model}.safetensors", ours)
 
 
+def test_a_validation_file_is_measured_at_each_checkpoint(server, client, base_id):
+    train, held_out = (
+        upload(client, make_zip({f"v{k}": v for k, v in dataset().items()} if n else dataset())) for n in (0, 1)
+    )
+    job = client.fine_tuning.jobs.create(
+        model=base_id, training_file=train.id, validation_file=held_out.id, extra_body={"training": TRAINING}
+    )
+    losses = [e["data"] for e in events_of(server, job.id) if "valid_loss" in e["data"]]
+    assert [d["step"] for d in losses] == [1, 2] and all(d["valid_loss"] > 0 for d in losses), losses
+
+
 def test_checkpoints_are_usable_loras(trained, client, server):
     job, _ = trained
     checkpoints = client.fine_tuning.jobs.checkpoints.list(job.id).data
