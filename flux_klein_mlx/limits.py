@@ -176,3 +176,15 @@ def _largest_square(config: AutoEncoderConfig, itemsize: int, budget: float, max
     if max_buffer:
         pixels = min(pixels, max_buffer / (c1 * itemsize))
     return max(PIXELS_PER_TOKEN, int(pixels**0.5) // PIXELS_PER_TOKEN * PIXELS_PER_TOKEN)
+
+
+# --- training over the API (serve's POST /v1/files and /v1/fine_tuning/jobs) -------------------------------
+# An uploaded zip of training data: its bytes on the wire, its entries, what it unpacks to, and each image's
+# pixels (read from its header before it is decoded: 50 MP is a 8K photo, and 200 MB of RGBA when decoded).
+MAX_TRAINING_UPLOAD_BYTES = 2 << 30
+MAX_TRAINING_ENTRIES = 20_000
+MAX_TRAINING_UNPACKED_BYTES = 4 << 30
+MAX_TRAINING_IMAGE_PIXELS = 50_000_000
+# Fine-tuning jobs not yet ended (validating, queued or running) at once: one machine trains one at a time,
+# and one more may wait; a job past them is refused with 429.
+MAX_ACTIVE_TRAINING_JOBS = 2

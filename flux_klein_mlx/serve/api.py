@@ -52,6 +52,7 @@ from .forms import (
 from .guard import MB, Guard
 from .jobs import EndEvent, ImageEvent, ImageRequest, NotReady, QueueFull, StageEvent, StepEvent, Worker
 from .loras import lora_files, merge_loras, prompt_loras, resolve_loras
+from .training_api import training_routes
 
 PNG = {"output_format": "png", "background": "opaque"}  # what every result is
 
@@ -80,6 +81,8 @@ class ServerOptions:
     max_steps: int = 200
     url_cache: int = 64  # results kept in memory for `response_format: "url"`
     log: Callable[[str], None] = field(default=lambda line: None)  # one line per request, warnings
+    train_dir: Path | None = None  # fine-tuning's files and jobs (serve/training_api.py); None: no fine-tuning
+    model_folders: dict = field(default_factory=dict)  # served id -> its folder (what a fine-tuning job trains)
 
 
 @dataclass(kw_only=True)
@@ -275,7 +278,7 @@ class Server:
         try:  # events go from the worker thread to this event loop
             job = self.worker.submit(req, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
         except QueueFull as e:
-            raise ApiError(429, str(e), code="queue_full") from None
+            raise ApiError(429, str(e), code=e.code) from None
         except NotReady as e:
             raise ApiError(503, str(e), code="model_loading") from None
         answer.base_url = str(request.base_url).rstrip("/")
@@ -538,6 +541,7 @@ def create_app(worker: Worker, options: ServerOptions) -> Starlette:
         Route("/v1/images/generations", server.images, methods=["POST"]),  # JSON; "stream": true answers with SSE
         Route("/v1/images/edits", server.images, methods=["POST"]),  # multipart: image / image[] (1..8), optional mask
         Route("/v1/images/files/{file_id:str}.png", server.file),  # results of response_format "url" (unguessable ids)
+        *training_routes(worker, options),  # /v1/files and /v1/fine_tuning/jobs (serve/training_api.py)
     ]
     app = Starlette(
         routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash}

@@ -72,10 +72,10 @@ def model_aliases(model: str, info) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n.rstrip("/") for n in names if n))
 
 
-def check_before_start(host: str, api_key: str | None, save_dir, lora_dir) -> None:
+def check_before_start(host: str, api_key: str | None, save_dir, *, lora_dir, train_dir=None) -> None:
     """Refuse, before anything binds or loads, a server that cannot start as asked: the serve extra
-    missing, an empty or non-ASCII key, a non-loopback address without a key, a --save-dir or
-    --lora-dir that is not a folder."""
+    missing, an empty or non-ASCII key, a non-loopback address without a key, a --save-dir,
+    --lora-dir or --train-dir that is not a folder, a --train-dir without --lora-dir (where jobs put LoRAs)."""
     try:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
@@ -92,9 +92,11 @@ def check_before_start(host: str, api_key: str | None, save_dir, lora_dir) -> No
             f"--host {host} exposes the server beyond this machine; set --api-key KEY too "
             "(clients then send 'Authorization: Bearer KEY')"
         )
-    for name, folder in (("--save-dir", save_dir), ("--lora-dir", lora_dir)):
+    for name, folder in (("--save-dir", save_dir), ("--lora-dir", lora_dir), ("--train-dir", train_dir)):
         if folder is not None and not Path(folder).is_dir():
             raise FluxKleinError(f"{name} {folder} is not an existing folder; create it first")
+    if train_dir is not None and lora_dir is None:
+        raise FluxKleinError("--train-dir needs --lora-dir too: the folder fine-tuning jobs write their LoRAs to")
 
 
 def is_loopback(host: str) -> bool:
@@ -193,6 +195,11 @@ def other_models(ids, models, pipes) -> tuple:
     show_default=True,
     help="Largest accepted image upload.",
 )
+@click.option(
+    "--train-dir",
+    default=None,
+    help="Folder of training data and fine-tuning jobs (POST /v1/files, /v1/fine_tuning/jobs); needs --lora-dir.",
+)
 @click.option("--model-id", default=None, help="The model name clients use [default: the last part of --model].")
 @click.option("--upsampler", default=None, help="FLUX 3's prompt upsampler for `upsample` requests: folder or repo id.")
 @vae_and_cache_options
@@ -210,6 +217,7 @@ def serve(
     queue_size,
     save_dir,
     max_upload_mb,
+    train_dir,
     model_id,
     upsampler,
     vae,
@@ -217,7 +225,7 @@ def serve(
     cache_size,
 ):
     """Serve the OpenAI Images API and a web page with live step previews."""
-    check_before_start(host, api_key, save_dir, lora_dir)
+    check_before_start(host, api_key, save_dir, lora_dir=lora_dir, train_dir=train_dir)
     ids = model_ids(models, model_id)
     # The server modules import the serve extra (checked above), so they are imported only here.
     from .api import ServerOptions
@@ -239,6 +247,8 @@ def serve(
         lora_dir=Path(lora_dir) if lora_dir else None,
         save_dir=Path(save_dir) if save_dir else None,
         max_upload_bytes=int(max_upload_mb * MB),
+        train_dir=Path(train_dir).resolve() if train_dir else None,
+        model_folders={i: p.info.path for i, p in zip(ids, pipes, strict=True)},
         log=lambda line: click.echo(line, err=True),
     )
     shown = f"[{host}]" if ":" in host else host

@@ -41,10 +41,12 @@ class ApiError(Exception):
         return {"error": {"message": message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": "5"} if self.status in (429, 503) else None
+        headers = {"Retry-After": str(RETRY_AFTER.get(self.code, 5))} if self.status in (429, 503) else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+# Seconds a 429 or 503 tells the client to wait (Retry-After), by its code; 5 for the others (a queue moves fast).
+RETRY_AFTER = {"fine_tuning_job_running": 60}  # a training run holds the machine for minutes or hours
 # OpenAI fields we accept and ignore (they have no meaning for this model), and our extra fields.
 IGNORED = {"quality", "style", "user", "background", "moderation", "output_compression", "input_fidelity"}
 GENERATION_FIELDS = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 
+from ..limits import MAX_TRAINING_UPLOAD_BYTES
 from .forms import ApiError
 
 MB = 1 << 20
@@ -29,23 +30,28 @@ class Guard:
             if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
                 return ApiError(401, "invalid API key", code="invalid_api_key")
         length = headers.get(b"content-length", b"")
-        return self.too_large() if length.isdigit() and int(length) > self.body_cap else None
+        cap = self.cap(path)
+        return self.too_large(cap) if length.isdigit() and int(length) > cap else None
 
-    def too_large(self) -> ApiError:
-        return ApiError(413, f"the request body is larger than {self.body_cap / MB:.0f} MB")
+    def cap(self, path: str) -> int:
+        """A request's body cap: training data (POST /v1/files, a zip) may be larger than images."""
+        return MAX_TRAINING_UPLOAD_BYTES + MB if path == "/v1/files" else self.body_cap
+
+    def too_large(self, cap: int) -> ApiError:
+        return ApiError(413, f"the request body is larger than {cap / MB:,.0f} MB")
 
     async def __call__(self, scope, receive, send):
         error = self.refusal(dict(scope["headers"]), scope["path"]) if scope["type"] == "http" else None
         if error is not None:
             return await error.response()(scope, receive, send)
-        seen = 0
+        seen, cap = 0, self.cap(scope.get("path", ""))
 
         async def counted_receive():
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))  # only "http.request" messages have a body
-            if seen > self.body_cap:
-                raise self.too_large()  # raised inside the app: its ApiError handler answers
+            if seen > cap:
+                raise self.too_large(cap)  # raised inside the app: its ApiError handler answers
             return message
 
         return await self.app(scope, counted_receive, send)

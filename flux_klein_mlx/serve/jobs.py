@@ -31,9 +31,28 @@ from ..run.loading import COMPONENTS
 class QueueFull(Exception):
     """The waiting line is at its bound; the client should retry later (HTTP 429)."""
 
+    code = "queue_full"  # the API error's code (its Retry-After: forms.RETRY_AFTER)
+
 
 class NotReady(Exception):
     """The model is still loading, or failed to load (HTTP 503)."""
+
+
+class Busy(QueueFull):
+    """A heavy task (a fine-tuning job) holds or waits for the worker: image requests are refused until it
+    ends (HTTP 429 with its reason and a longer Retry-After)."""
+
+    code = "fine_tuning_job_running"
+
+
+@dataclass(kw_only=True)
+class Task:
+    """Work other than images on the worker thread, one machine's heavy job (a fine-tuning run): `work(job)`
+    runs with the pipeline's models released (they load again for the next image) and returns False when
+    cancelled part-way. While one runs or waits, image requests get `Busy` with `busy`'s words."""
+
+    work: Callable[[object], bool]
+    busy: str  # why an image request is refused meanwhile, and what to do
 
 
 @dataclass(kw_only=True)
@@ -144,14 +163,19 @@ class Worker:
             self._lock.wait_for(lambda: self.state != "loading", timeout)
             return self.state == "ready"
 
-    def submit(self, request: ImageRequest, on_event: Callable[[object], None]) -> Job:
-        """Queue a job; raises `NotReady` (loading or failed) or `QueueFull`."""
+    def submit(self, request: ImageRequest | Task, on_event: Callable[[object], None]) -> Job:
+        """Queue a job; raises `NotReady` (loading or failed), `Busy` (an image behind a task) or `QueueFull`.
+        A task is not counted against --queue (its caller bounds tasks)."""
         with self._lock:
             if self.state == "loading":
                 raise NotReady("the model is still loading; retry in a few seconds")
             if self.state == "failed":
                 raise NotReady(f"the model failed to load: {self.error}")
-            if len(self._waiting) >= self.max_queue and (self._running or self._waiting):  # idle: one runs at --queue 0
+            task = next((j.request for j in (self._running, *self._waiting) if j and isinstance(j.request, Task)), None)
+            if task is not None and not isinstance(request, Task):
+                raise Busy(task.busy)
+            full = len(self._waiting) >= self.max_queue and (self._running or self._waiting)  # idle: one runs at 0
+            if full and not isinstance(request, Task):
                 raise QueueFull(
                     f"the queue is full ({self.max_queue} waiting, one running); retry later or start "
                     "the server with a larger --queue"
@@ -199,6 +223,9 @@ class Worker:
             try:
                 if job.cancelled.is_set():  # cancelled while waiting: never starts
                     finished = False
+                elif isinstance(job.request, Task):
+                    self.release_models()
+                    finished = job.request.work(job)
                 else:
                     finished = self._generate(job)
                 if not finished:
@@ -258,14 +285,18 @@ class Worker:
             )
         return True
 
+    def release_models(self) -> None:
+        """Free the pipeline's models for a task; each loads again, with its LoRAs, when an image needs it."""
+        for name in COMPONENTS:
+            self.pipe.release(name)
+
     def _switch(self, model_id: str, job: Job) -> None:
         """Make `model_id` the loaded model: the current one's models released first, then the other's loaded."""
         job.on_event(StageEvent(stage="model"))
         with self._lock:
             self.switching = model_id
         try:
-            for name in COMPONENTS:
-                self.pipe.release(name)
+            self.release_models()
             pipe = self._switch_to(model_id)
             if not pipe.memory.release_models:
                 pipe.component("transformer")  # resident anyway, as at start
