@@ -171,7 +171,14 @@ class Worker:
                 raise NotReady("the model is still loading; retry in a few seconds")
             if self.state == "failed":
                 raise NotReady(f"the model failed to load: {self.error}")
-            task = next((j.request for j in (self._running, *self._waiting) if j and isinstance(j.request, Task)), None)
+            task = next(
+                (
+                    j.request
+                    for j in (self._running, *self._waiting)
+                    if j and isinstance(j.request, Task) and not j.cancelled.is_set()
+                ),
+                None,
+            )
             if task is not None and not isinstance(request, Task):
                 raise Busy(task.busy)
             full = len(self._waiting) >= self.max_queue and (self._running or self._waiting)  # idle: one runs at 0

@@ -1,5 +1,8 @@
 """Training over the API (issue 47), driven by the official `openai` client against a real `serve` of the
-tiny Base model: the files (a zip of images and captions, checked and unpacked safely under --train-dir).
+tiny Base model (and the tiny distilled one beside it): the files (a zip of images and captions, checked and
+unpacked safely under --train-dir) and the fine-tuning jobs, judged by `train` itself: a job's LoRA equals
+`train_lora`'s on the same data and settings, tensor for tensor; generating with its name equals the pipeline
+with that file; cancel then resume equals the run uninterrupted.
 
 Bad input is one line and a 4xx each: a zip holding a non-image, a zip-slip name, a link, a caption that is
 not text, a file that is not a zip; the zip checks themselves are also driven by Hypothesis in-process.
@@ -7,8 +10,11 @@ not text, a file that is not a zip; the zip checks themselves are also driven by
 
 from __future__ import annotations
 
+import base64
 import io
+import json
 import stat
+import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -25,9 +31,20 @@ pytest.importorskip("multipart")
 from command_line import assert_one_line_error, run_cli  # noqa: E402
 from serving import http, start_server  # noqa: E402
 
+import flux_klein_mlx  # noqa: E402
 from flux_klein_mlx.errors import FluxKleinError  # noqa: E402
 from flux_klein_mlx.serve import training_files  # noqa: E402
+from flux_klein_mlx.serve.forms import ApiError  # noqa: E402
 from flux_klein_mlx.serve.training_files import TrainingFiles, entry_parts  # noqa: E402
+from flux_klein_mlx.serve.training_jobs import plan_job  # noqa: E402
+from flux_klein_mlx.serve.training_requests import (  # noqa: E402
+    check_fields,
+    check_suffix,
+    hyperparameters,
+    merged,
+    training_options,
+)
+from flux_klein_mlx.train.settings import TrainSettings  # noqa: E402
 
 
 def png(seed: int, size=(64, 64)) -> bytes:
@@ -60,15 +77,26 @@ def dataset(n: int = 2) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    return tmp_path_factory.mktemp("train-dir"), tmp_path_factory.mktemp("loras")
+def folders(tmp_path_factory, base):
+    """The server's --train-dir and --lora-dir, and the tiny Base model's folder."""
+    return tmp_path_factory.mktemp("train-dir"), tmp_path_factory.mktemp("loras"), Path(base)
 
 
 @pytest.fixture(scope="module")
-def server(base, folders, tmp_path_factory):
-    train_dir, lora_dir = folders
+def server(base, distilled, folders, tmp_path_factory):
+    """The tiny Base model served first (the one loaded), the distilled one beside it (a job refuses it)."""
+    train_dir, lora_dir, _ = folders
+    named = tmp_path_factory.mktemp("models")  # served models are named by their folders' last parts
+    for name, folder in (("klein-base-tiny", base), ("klein-distilled-tiny", distilled)):
+        (named / name).symlink_to(folder, target_is_directory=True)
     args = ["--api-key", "test-key-123", "--train-dir", str(train_dir), "--lora-dir", str(lora_dir)]
-    yield from start_server(base, [*args, "--model-id", "klein-base-tiny"], tmp_path_factory)
+    yield from start_server(
+        named / "klein-base-tiny", [*args, "--model", named / "klein-distilled-tiny"], tmp_path_factory
+    )
+
+
+# what each job trains: the tiny model at 64 px, rank 4, a checkpoint every step (train's own test settings)
+TRAINING = {"steps": 2, "rank": 4, "resolution": 64, "save_every": 1}
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +194,287 @@ def test_train_dir_is_checked_before_start(capsys, base, tmp_path, lora_dir, wor
     train_dir = tmp_path / ("nowhere" if lora_dir else "")
     args = ["serve", "--model", base, "--train-dir", train_dir, *(["--lora-dir", tmp_path] if lora_dir else [])]
     assert_one_line_error(*run_cli(capsys, *args)[::2], *words)
+
+
+# ---- jobs ----------------------------------------------------------------------------------------------
+
+
+def events_of(server, job_id: str) -> list[dict]:
+    """Every event of a job, oldest first, followed over SSE until it ends."""
+    url = f"{server.url}/v1/fine_tuning/jobs/{job_id}/events?stream=true"
+    req = urllib.request.Request(url, headers=server.auth)
+    out = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            if line.startswith(b"data: "):
+                if line.strip() == b"data: [DONE]":
+                    return out
+                out.append(json.loads(line[6:]))
+    raise AssertionError("the stream ended without [DONE]")
+
+
+def tensors(path) -> dict[str, np.ndarray]:
+    import mlx.core as mx
+
+    return {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(path)).items()}
+
+
+def same_tensors(a, b) -> bool:
+    ta, tb = tensors(a), tensors(b)
+    return ta.keys() == tb.keys() and all(np.array_equal(ta[k], tb[k]) for k in ta)
+
+
+@pytest.fixture(scope="module")
+def base_id(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def trained(server, client, base_id, folders):
+    """One job of TRAINING on dataset(), followed to its end."""
+    f = upload(client, make_zip(dataset()))
+    job = client.fine_tuning.jobs.create(
+        model=base_id, training_file=f.id, seed=3, suffix="fox", extra_body={"training": TRAINING}
+    )
+    assert job.status in ("queued", "validating_files", "running") and job.id.startswith("ftjob-")
+    return job, events_of(server, job.id)
+
+
+def test_a_job_is_train_with_those_settings(trained, client, folders, tmp_path):
+    job, events = trained
+    done = client.fine_tuning.jobs.retrieve(job.id)
+    assert done.status == "succeeded" and done.trained_tokens == 2 and done.error is None, done
+    assert done.fine_tuned_model.startswith("ft-fox-") and done.seed == 3 and done.finished_at >= done.created_at
+    steps = [e for e in events if e["type"] == "metrics"]
+    assert [e["data"]["step"] for e in steps] == [1, 2] and all(e["data"]["train_loss"] > 0 for e in steps)
+    assert all(e["data"]["learning_rate"] == pytest.approx(1e-4) for e in steps)
+    assert any("checkpoint at step 2" in e["message"] for e in events)
+    listed = [e.id for e in client.fine_tuning.jobs.list_events(job.id, limit=3)]  # paged, newest first
+    assert listed == [e["id"] for e in events[::-1]]
+    # the judge: train itself, on the same data and settings, in this process
+    data = tmp_path / "data"
+    zipfile.ZipFile(io.BytesIO(make_zip(dataset()))).extractall(data)
+    ours = tmp_path / "ours.safetensors"
+    list(flux_klein_mlx.train_lora(model=folders[2], data=data, output=ours, seed=3, **TRAINING))
+    lora = folders[1] / f"{done.fine_tuned_model}.safetensors"
+    assert same_tensors(lora, ours)
+    work = folders[0] / "jobs" / job.id / "work"
+    assert (work / "train.json").is_file() and (work / "loss.png").is_file()  # train's work folder
+
+
+def test_checkpoints_are_usable_loras(trained, client, server):
+    job, _ = trained
+    checkpoints = client.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert [c.step_number for c in checkpoints] == [2, 1]
+    names = [c.fine_tuned_model_checkpoint for c in checkpoints]
+    assert set(names) <= set(server.status()["loras"])
+
+
+def test_generation_with_the_fine_tuned_model_is_generation_with_its_file(trained, client, base_id, folders):
+    job, _ = trained
+    name = client.fine_tuning.jobs.retrieve(job.id).fine_tuned_model
+    res = client.images.generate(
+        model=base_id, prompt="a test card", size="64x64", extra_body={"seed": 5, "steps": 2, "loras": [name]}
+    )
+    got = np.asarray(Image.open(io.BytesIO(base64.b64decode(res.data[0].b64_json))).convert("RGB"))
+    pipe = flux_klein_mlx.load(folders[2], loras=[folders[1] / f"{name}.safetensors"])
+    ours = np.asarray(pipe.generate("a test card", width=64, height=64, seed=5, steps=2).convert("RGB"))
+    assert np.array_equal(got, ours)
+    tagged = client.images.generate(
+        model=base_id, prompt=f"a test card <lora:{name}:1>", size="64x64", extra_body={"seed": 5, "steps": 2}
+    )
+    assert tagged.data[0].b64_json == res.data[0].b64_json
+
+
+def job_files(folders) -> tuple:
+    """What jobs left on the disk: their folders and the LoRA folder's files."""
+    jobs = folders[0] / "jobs"
+    return sorted(jobs.iterdir()) if jobs.is_dir() else [], sorted(folders[1].iterdir())
+
+
+@pytest.mark.parametrize(
+    "fields, error, words",
+    [
+        (dict(model="klein-distilled-tiny"), openai.BadRequestError, ["distilled", "Base"]),
+        (dict(model="flux-pro"), openai.NotFoundError, ["not served"]),
+        (dict(training_file="file-" + "0" * 24), openai.NotFoundError, ["no file", "POST /v1/files"]),
+        (dict(extra_body={"training": {**TRAINING, "steps": 0}}), openai.BadRequestError, ["steps"]),
+        (dict(extra_body={"training": {"data": "/etc"}}), openai.BadRequestError, ["'data'", "training_file"]),
+        (dict(extra_body={"training": {"init_lora": "/x.safetensors"}}), openai.BadRequestError, ["init_lora"]),
+        (dict(extra_body={"training": {"stepz": 2}}), openai.BadRequestError, ["stepz", "not one of train's"]),
+        (dict(extra_body={"training": {"resolution": 65}}), openai.BadRequestError, ["resolution", "16"]),
+        (
+            dict(hyperparameters={"n_epochs": 2}, extra_body={"training": TRAINING}),
+            openai.BadRequestError,
+            ["not both"],
+        ),
+        (dict(hyperparameters={"learning_rate_multiplier": -1}), openai.BadRequestError, ["above 0"]),
+        (dict(suffix="../up"), openai.BadRequestError, ["suffix"]),
+        (dict(extra_body={"training": TRAINING, "traning": {}}), openai.BadRequestError, ["traning"]),
+    ],
+)
+def test_a_bad_job_is_one_line_and_leaves_nothing(client, base_id, folders, fields, error, words):
+    f = upload(client, make_zip(dataset()))
+    before = job_files(folders)
+    body = dict(model=base_id, training_file=f.id) | fields
+    with pytest.raises(error) as e:
+        client.fine_tuning.jobs.create(**body)
+    message = e.value.body["message"]
+    assert "\n" not in message and all(w in message for w in words), message
+    assert job_files(folders) == before
+    client.files.delete(f.id)
+
+
+def test_a_dry_run_is_the_plan_and_no_job(client, base_id, folders):
+    """dry_run: train's checks and its memory plan (what the page shows before starting), no job made."""
+    f = upload(client, make_zip(dataset()))
+    before = job_files(folders)
+    plan = client.fine_tuning.jobs.create(
+        model=base_id, training_file=f.id, extra_body={"training": TRAINING, "dry_run": True}
+    )
+    extra = plan.model_extra
+    assert plan.object == "fine_tuning.job.plan" and extra["images"] == 2 and extra["steps"] == 2
+    assert extra["memory"]["fits"] and extra["memory"]["peak"] > 0 and "GB" in extra["memory"]["description"]
+    assert job_files(folders) == before
+    with pytest.raises(openai.BadRequestError, match="steps"):
+        client.fine_tuning.jobs.create(
+            model=base_id, training_file=f.id, extra_body={"training": {**TRAINING, "steps": 0}, "dry_run": True}
+        )
+
+
+def wait_for(server, job_id: str, test, timeout: float = 120) -> dict:
+    """The job's events (over SSE) until `test(event)` holds; the event it held for."""
+    url = f"{server.url}/v1/fine_tuning/jobs/{job_id}/events?stream=true"
+    with urllib.request.urlopen(urllib.request.Request(url, headers=server.auth), timeout=timeout) as r:
+        for line in r:
+            if line.startswith(b"data: {") and test(event := json.loads(line[6:])):
+                return event
+    raise AssertionError(f"the job {job_id} ended before the event awaited")
+
+
+def test_jobs_and_images_meet_cancel_and_resume(server, client, base_id, folders):
+    """One job runs, one waits, a third is 429; an image request meanwhile is 429 with the job's id and
+    Retry-After 60; the waiting job cancelled never starts; the running one cancelled after its first
+    checkpoint stops there, and resumed it ends with the LoRA of the same job run uninterrupted."""
+    f = upload(client, make_zip(dataset()))
+    long = {**TRAINING, "steps": 10, "save_every": 2}  # cancelled at its first checkpoint: 8 steps to spare
+    create = lambda: client.fine_tuning.jobs.create(  # noqa: E731
+        model=base_id, training_file=f.id, seed=1, extra_body={"training": long}
+    )
+    first, second = create(), create()
+    with pytest.raises(openai.RateLimitError, match="2 fine-tuning jobs are queued or running"):
+        create()
+    code, body = http(
+        "POST", server.url + "/v1/images/generations", json.dumps({"prompt": "x", "size": "64x64"}).encode(),
+        {**server.auth, "Content-Type": "application/json"},
+    )  # fmt: skip
+    assert code == 429 and first.id in body["error"]["message"], body
+    assert body["error"]["code"] == "fine_tuning_job_running"
+    assert client.fine_tuning.jobs.cancel(second.id).status == "cancelled"
+    wait_for(server, first.id, lambda e: "checkpoint at step 2" in e["message"])
+    stopped = client.fine_tuning.jobs.cancel(first.id)
+    assert stopped.status == "cancelled" and 2 <= stopped.trained_tokens < 10, stopped
+    kept = [c.step_number for c in client.fine_tuning.jobs.checkpoints.list(first.id)]
+    assert kept[-1] == 2 and stopped.trained_tokens - kept[0] < 2, kept  # the last one kept
+    assert client.fine_tuning.jobs.resume(first.id).status == "queued"
+    events = events_of(server, first.id)
+    assert any(f"resuming at step {kept[0] + 1}" in e["message"] for e in events)
+    whole = create()
+    events_of(server, whole.id)
+    a, b = (client.fine_tuning.jobs.retrieve(j.id) for j in (first, whole))
+    assert a.status == b.status == "succeeded" and a.trained_tokens == b.trained_tokens == 10
+    assert same_tensors(
+        folders[1] / f"{a.fine_tuned_model}.safetensors", folders[1] / f"{b.fine_tuned_model}.safetensors"
+    )
+    assert client.fine_tuning.jobs.retrieve(second.id).trained_tokens == 0  # cancelled while it waited
+
+
+def test_samples_are_served_as_the_events_name_them(server, client, base_id):
+    f = upload(client, make_zip(dataset()))
+    training = {**TRAINING, "steps": 1, "sample_every": 1, "sample_prompts": ["a test card"], "sample_steps": 1}
+    job = client.fine_tuning.jobs.create(model=base_id, training_file=f.id, extra_body={"training": training})
+    samples = [name for e in events_of(server, job.id) for name in e["data"].get("samples", [])]
+    assert samples and all(name.endswith(".png") for name in samples)
+    code, body = http("GET", f"{server.url}/v1/fine_tuning/jobs/{job.id}/samples/{samples[-1]}", headers=server.auth)
+    assert code == 200 and Image.open(io.BytesIO(body)).size == (64, 64)
+    for bad in ("train.json", "../job.json", "..%2Fjob.json"):
+        code, body = http("GET", f"{server.url}/v1/fine_tuning/jobs/{job.id}/samples/{bad}", headers=server.auth)
+        assert code == 404, (bad, body)
+
+
+def test_a_restarted_server_lists_its_jobs_and_files(base, tmp_path_factory):
+    """A server killed while a job runs: restarted on the same folders it lists the files and the jobs, the
+    finished one as it was, the interrupted one failed ("server_stopped"), which resumes from its checkpoint."""
+    train_dir, lora_dir = tmp_path_factory.mktemp("train-dir"), tmp_path_factory.mktemp("loras")
+    args = ["--api-key", "test-key-123", "--train-dir", str(train_dir), "--lora-dir", str(lora_dir)]
+    first = start_server(base, args, tmp_path_factory)
+    server = next(first)
+    client = server.client()
+    model = client.models.list().data[0].id
+    f = upload(client, make_zip(dataset()))
+    done = client.fine_tuning.jobs.create(model=model, training_file=f.id, extra_body={"training": TRAINING})
+    events_of(server, done.id)
+    cut = client.fine_tuning.jobs.create(
+        model=model, training_file=f.id, extra_body={"training": {**TRAINING, "steps": 1000}}
+    )
+    wait_for(server, cut.id, lambda e: "checkpoint at step 1" in e["message"])
+    server.proc.kill()
+    server.proc.wait(15)
+    next(first, None)
+    second = start_server(base, args, tmp_path_factory)
+    server = next(second)
+    client = server.client()
+    assert [g.id for g in client.files.list()] == [f.id]
+    jobs = {j.id: j for j in client.fine_tuning.jobs.list()}
+    assert jobs.keys() == {done.id, cut.id}
+    assert (
+        jobs[done.id].status == "succeeded" and (lora_dir / f"{jobs[done.id].fine_tuned_model}.safetensors").is_file()
+    )
+    assert jobs[cut.id].status == "failed" and jobs[cut.id].error.code == "server_stopped", jobs[cut.id]
+    assert "/resume" in jobs[cut.id].error.message
+    kept = client.fine_tuning.jobs.checkpoints.list(cut.id).data[0].step_number
+    assert client.fine_tuning.jobs.resume(cut.id).status == "queued"
+    wait_for(server, cut.id, lambda e: e["message"].startswith(f"resuming at step {kept + 1}"))
+    assert client.fine_tuning.jobs.cancel(cut.id).status == "cancelled"
+    next(second, None)
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+OPTIONS = st.sampled_from(sorted(TrainSettings.__dataclass_fields__)) | st.text(max_size=8)
+
+
+@given(
+    body=st.fixed_dictionaries(
+        {},
+        optional={
+            "training": st.dictionaries(OPTIONS, JSON, max_size=4) | JSON,
+            "hyperparameters": st.dictionaries(
+                st.sampled_from(["n_epochs", "batch_size", "learning_rate_multiplier", "x"]), JSON, max_size=3
+            )
+            | JSON,
+            "suffix": JSON,
+            "seed": JSON,
+            "method": JSON,
+            "metadata": JSON,
+        },
+    )
+)
+@settings(max_examples=200, deadline=None)
+def test_any_job_body_maps_to_train_settings_or_is_one_line(body):
+    """Whatever a client sends, the job's settings are `train`'s checked ones or one 4xx line; never a crash."""
+    try:
+        check_fields(body)
+        check_suffix(body.get("suffix"))
+        options = merged(hyperparameters(body), training_options(body.get("training")))
+        plan_job({**options, "data": "/nowhere/data", "output": "/nowhere/x.safetensors"})
+    except ApiError as e:
+        assert 400 <= e.status < 500 and "\n" not in e.message
+        return
+    raise AssertionError("a job with a missing data folder was planned")
 
 
 # ---- the zip's checks, in-process -----------------------------------------------------------------
