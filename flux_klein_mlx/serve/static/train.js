@@ -30,7 +30,7 @@ $("tab-train").addEventListener("click", () => showTab("train"));
 // ---- the data ----------------------------------------------------------------------------------------------
 // The caption as `train` reads it (train/data/dataset.with_trigger): "[trigger]" replaced, else the trigger
 // put first as "WORD, " unless the caption holds it as a word already.
-export function withTrigger(caption, trigger) {
+function withTrigger(caption, trigger) {
   if (!trigger) return caption;
   if (caption.includes("[trigger]")) return caption.replaceAll("[trigger]", trigger);
   const word = new RegExp(`(?<![\\p{L}\\p{N}_])${trigger.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")}(?![\\p{L}\\p{N}_])`, "u");
@@ -108,7 +108,7 @@ function applyPreset() {
 $("train-preset").addEventListener("change", applyPreset);
 
 // The job's body: OpenAI's fields, and train's options by their names under `training`.
-export function jobBody(fileId) {
+function jobBody(fileId) {
   const p = PRESETS[$("train-preset").value];
   const prompts = $("train-prompts").value.split("\n").map((s) => s.trim()).filter(Boolean);
   const training = { steps: Number($("train-steps").value), rank: Number($("train-rank").value), lr: Number($("train-lr").value),
@@ -153,7 +153,7 @@ async function uploadNow() {
 // (an older answer is dropped).
 let planTimer = null, planAsked = 0;
 function planSoon() {
-  clearTimeout(planTimer); planAsked++; train.plan = null;
+  clearTimeout(planTimer); planAsked++; train.plan = null; showModels();
   $("train-plan").classList.remove("bad");
   $("train-plan").textContent = !$("train-model").value ? "" : train.items.length ? "planning the memory…"
     : "drop the images to see the memory plan";
