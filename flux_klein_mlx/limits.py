@@ -185,6 +185,6 @@ MAX_TRAINING_UPLOAD_BYTES = 2 << 30
 MAX_TRAINING_ENTRIES = 20_000
 MAX_TRAINING_UNPACKED_BYTES = 4 << 30
 MAX_TRAINING_IMAGE_PIXELS = 50_000_000
-# Fine-tuning jobs not yet ended (validating, queued or running) at once: one machine trains one at a time,
-# and one more may wait; a job past them is refused with 429.
-MAX_ACTIVE_TRAINING_JOBS = 2
+# Fine-tuning jobs not yet ended (validating, queued or running) at once: one machine, one heavy job; a
+# second one is refused with 429 until the first ends (image requests meanwhile: serve/jobs.Busy).
+MAX_ACTIVE_TRAINING_JOBS = 1

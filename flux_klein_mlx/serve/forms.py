@@ -37,12 +37,17 @@ class ApiError(Exception):
             if self.status >= 500
             else "invalid_request_error"
         )
-        message = PATH_RE.sub(r"\1", self.message)  # server-side paths shortened to their last part
+        message = shown(self.message)
         return {"error": {"message": message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER.get(self.code, 5))} if self.status in (429, 503) else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def shown(message: str) -> str:
+    """A message as a client sees it: server-side paths shortened to their last part (PATH_RE)."""
+    return PATH_RE.sub(r"\1", message)
 
 
 # Seconds a 429 or 503 tells the client to wait (Retry-After), by its code; 5 for the others (a queue moves fast).

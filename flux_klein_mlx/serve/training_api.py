@@ -122,7 +122,9 @@ class TrainingApi:
         return JSONResponse(record)
 
     async def list_jobs(self, request: Request):
-        states = sorted(self.stored_jobs().jobs.values(), key=lambda s: s.record["created_at"], reverse=True)
+        jobs = self.stored_jobs()
+        with jobs.lock:  # not while a job is added
+            states = sorted(jobs.jobs.values(), key=lambda s: s.record["created_at"], reverse=True)
         return JSONResponse(page([dict(s.record) for s in states], request, default=20))
 
     async def get_job(self, request: Request):

@@ -22,6 +22,7 @@ import shutil
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,7 +43,7 @@ from ..train.report.events import (
 from ..train.report.samples import SamplesSaved
 from ..train.settings import TrainSettings
 from ..train.trainer import train_lora
-from .forms import ApiError, pick_model
+from .forms import ApiError, pick_model, shown
 from .jobs import EndEvent, NotReady, Task
 from .training_requests import check_fields, check_suffix, hyperparameters, merged, training_options
 
@@ -138,14 +139,16 @@ class TrainingJobs:
         return jobs
 
     def add_event(self, state: JobState, message: str, data: dict | None = None, *, kind: str = "message") -> None:
-        level = "error" if state.record["status"] == "failed" and kind == "end" else "info"
+        level = (
+            "error" if state.record["status"] == "failed" and kind == "end" else "warn" if kind == "warning" else "info"
+        )
         n = len(state.events)
         event = {
             "object": "fine_tuning.job.event",
             "id": f"ftevent-{n}-{state.record['id'][6:]}",
             "created_at": int(time.time()),
             "level": level,
-            "message": message,
+            "message": shown(message),  # never the server's own folders
             "data": data or {},
             "type": "metrics" if kind == "metrics" else "message",
         }
@@ -274,6 +277,11 @@ class TrainingJobs:
             output=str(self.options.lora_dir / f"{name}.safetensors"),
             work_dir=str(self.folder(job_id) / "work"),
         )
+        if "sample_model" in settings:  # samples on another served model (e.g. the distilled one), by its id
+            if not isinstance(settings["sample_model"], str):
+                raise ApiError(400, "training.sample_model must be the id of a served model (a text)", "training")
+            sampled = pick_model(settings["sample_model"], self.options.served())
+            settings["sample_model"] = str(self.options.model_folders[sampled or model])
         return settings
 
     def file_folders(self, file_id, param: str) -> tuple[Path, tuple[Path, ...]]:
@@ -306,20 +314,29 @@ class TrainingJobs:
             if job.cancelled.is_set():
                 return False
             self.set(state, status="validating_files")  # train_lora checks everything again before a model loads
+        caught = []  # `train`'s warnings (a small lr, unread folders, a stale lock taken over): events too
         try:
-            events = train_lora(**state.settings)
-            with contextlib.closing(events):  # closed: the run's own cleanup (its lock) on this thread
-                for event in events:
-                    if job.cancelled.is_set():
-                        return False
-                    self.record_event(state, event)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                events = train_lora(**state.settings)
+                with contextlib.closing(events):  # closed: the run's own cleanup (its lock) on this thread
+                    for event in events:
+                        self.say_warnings(state, caught)
+                        if job.cancelled.is_set():
+                            return False
+                        self.record_event(state, event)
         except FluxKleinError as e:
+            self.say_warnings(state, caught)
             self.end(state, "failed", {"code": "invalid_training", "message": e.worded("http"), "param": None})
         except Exception as e:  # the server outlives a failed run; the log has the traceback
             traceback.print_exc()
             message = f"training failed ({type(e).__name__}); the server's log has the details"
             self.end(state, "failed", {"code": "server_error", "message": message, "param": None})
         return True
+
+    def say_warnings(self, state: JobState, caught: list) -> None:
+        while caught:
+            self.add_event(state, str(caught.pop(0).message), kind="warning")
 
     def on_end(self, state: JobState, event) -> None:
         """The worker's end of the job: a job cancelled (before it started, or at a step) is "cancelled"."""
@@ -338,7 +355,7 @@ class TrainingJobs:
 
     def end(self, state: JobState, status: str, error: dict | None = None) -> None:
         if error is not None:
-            error["message"] = ApiError(400, error["message"]).body()["error"]["message"]  # the server's paths cut
+            error["message"] = shown(error["message"])
         self.set(state, status=status, error=error, finished_at=int(time.time()))
         words = {
             "cancelled": "cancelled; its last checkpoint is kept",

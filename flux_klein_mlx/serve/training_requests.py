@@ -43,7 +43,6 @@ SERVER_CHOSEN = {
     "work_dir": "the job",
     "resume": "POST /v1/fine_tuning/jobs/{id}/resume",
     "init_lora": None,
-    "sample_model": None,
     "sample_images": None,
     "config": None,
 }

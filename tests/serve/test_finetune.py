@@ -83,16 +83,16 @@ def folders(tmp_path_factory, base):
 
 
 @pytest.fixture(scope="module")
-def server(base, distilled, folders, tmp_path_factory):
-    """The tiny Base model served first (the one loaded), the distilled one beside it (a job refuses it)."""
+def server(base, distilled, base3, folders, tmp_path_factory):
+    """The tiny FLUX.2 Base model served first (the one loaded), the distilled one beside it (a job refuses it)
+    and the tiny FLUX 3 Base."""
     train_dir, lora_dir, _ = folders
     named = tmp_path_factory.mktemp("models")  # served models are named by their folders' last parts
-    for name, folder in (("klein-base-tiny", base), ("klein-distilled-tiny", distilled)):
+    for name, folder in (("klein-base-tiny", base), ("klein-distilled-tiny", distilled), ("klein3-base-tiny", base3)):
         (named / name).symlink_to(folder, target_is_directory=True)
     args = ["--api-key", "test-key-123", "--train-dir", str(train_dir), "--lora-dir", str(lora_dir)]
-    yield from start_server(
-        named / "klein-base-tiny", [*args, "--model", named / "klein-distilled-tiny"], tmp_path_factory
-    )
+    args += ["--model", named / "klein-distilled-tiny", "--model", named / "klein3-base-tiny"]
+    yield from start_server(named / "klein-base-tiny", args, tmp_path_factory)
 
 
 # what each job trains: the tiny model at 64 px, rank 4, a checkpoint every step (train's own test settings)
@@ -260,6 +260,33 @@ def test_a_job_is_train_with_those_settings(trained, client, folders, tmp_path):
     assert same_tensors(lora, ours)
     work = folders[0] / "jobs" / job.id / "work"
     assert (work / "train.json").is_file() and (work / "loss.png").is_file()  # train's work folder
+    assert not any(str(folders[0]) in json.dumps(e) for e in events)  # never the server's own folders
+
+
+def test_a_flux3_job_is_train_too(server, client, base3, folders, tmp_path):
+    f = upload(client, make_zip(dataset()))
+    job = client.fine_tuning.jobs.create(
+        model="klein3-base-tiny", training_file=f.id, seed=2, extra_body={"training": TRAINING}
+    )
+    events_of(server, job.id)
+    done = client.fine_tuning.jobs.retrieve(job.id)
+    assert done.status == "succeeded" and done.model == "klein3-base-tiny", done
+    data = tmp_path / "data"
+    zipfile.ZipFile(io.BytesIO(make_zip(dataset()))).extractall(data)
+    ours = tmp_path / "ours.safetensors"
+    list(flux_klein_mlx.train_lora(model=base3, data=data, output=ours, seed=2, **TRAINING))
+    assert same_tensors(folders[1] / f"{done.fine_tuned_model}.safetensors", ours)
+
+
+def test_a_validation_file_is_measured_at_each_checkpoint(server, client, base_id):
+    train, held_out = (
+        upload(client, make_zip({f"v{k}": v for k, v in dataset().items()} if n else dataset())) for n in (0, 1)
+    )
+    job = client.fine_tuning.jobs.create(
+        model=base_id, training_file=train.id, validation_file=held_out.id, extra_body={"training": TRAINING}
+    )
+    losses = [e["data"] for e in events_of(server, job.id) if "valid_loss" in e["data"]]
+    assert [d["step"] for d in losses] == [1, 2] and all(d["valid_loss"] > 0 for d in losses), losses
 
 
 def test_checkpoints_are_usable_loras(trained, client, server):
@@ -310,6 +337,7 @@ def job_files(folders) -> tuple:
         ),
         (dict(hyperparameters={"learning_rate_multiplier": -1}), openai.BadRequestError, ["above 0"]),
         (dict(suffix="../up"), openai.BadRequestError, ["suffix"]),
+        (dict(extra_body={"training": {**TRAINING, "sample_model": "/models/x"}}), openai.NotFoundError, ["served"]),
         (dict(extra_body={"training": TRAINING, "traning": {}}), openai.BadRequestError, ["traning"]),
     ],
 )
@@ -352,25 +380,52 @@ def wait_for(server, job_id: str, test, timeout: float = 120) -> dict:
     raise AssertionError(f"the job {job_id} ended before the event awaited")
 
 
-def test_jobs_and_images_meet_cancel_and_resume(server, client, base_id, folders):
-    """One job runs, one waits, a third is 429; an image request meanwhile is 429 with the job's id and
-    Retry-After 60; the waiting job cancelled never starts; the running one cancelled after its first
-    checkpoint stops there, and resumed it ends with the LoRA of the same job run uninterrupted."""
+def generate(server, **body):
+    """POST /v1/images/generations without the client: (status, JSON)."""
+    data = json.dumps({"prompt": "x", "size": "64x64", **body}).encode()
+    return http(
+        "POST", server.url + "/v1/images/generations", data, {**server.auth, "Content-Type": "application/json"}
+    )
+
+
+def test_a_job_waits_behind_images_and_images_wait_out_a_job(server, client, base_id):
+    """A job created while an image is made is queued behind it; meanwhile a second job and an image request are
+    429 (the image's with the job's id and Retry-After 60); the queued job cancelled is cancelled at once, never
+    started; once it is, images are made again."""
+    f = upload(client, make_zip(dataset()))
+    req = urllib.request.Request(
+        server.url + "/v1/images/generations",
+        data=json.dumps({"prompt": "slow", "size": "64x64", "steps": 200, "seed": 1, "stream": True}).encode(),
+        headers={**server.auth, "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        while not r.readline().startswith(b"event: image_generation.progress"):
+            pass  # the image is being made
+        waiting = client.fine_tuning.jobs.create(model=base_id, training_file=f.id, extra_body={"training": TRAINING})
+        assert waiting.status == "queued"
+        with pytest.raises(openai.RateLimitError, match="1 fine-tuning jobs are queued or running") as e:
+            client.fine_tuning.jobs.create(model=base_id, training_file=f.id, extra_body={"training": TRAINING})
+        assert e.value.response.headers["Retry-After"] == "60"
+        code, body = generate(server)
+        assert code == 429 and waiting.id in body["error"]["message"], body
+        assert body["error"]["code"] == "fine_tuning_job_running"
+        cancelled = client.fine_tuning.jobs.cancel(waiting.id)
+        assert cancelled.status == "cancelled" and cancelled.trained_tokens == 0
+    server.wait_idle()
+    assert generate(server, steps=1)[0] == 200
+    assert not any(e.message.startswith("training") for e in client.fine_tuning.jobs.list_events(waiting.id))
+
+
+def test_cancel_then_resume_is_the_job_uninterrupted(server, client, base_id, folders):
+    """A job cancelled after its first checkpoint stops there (an image request meanwhile is 429); resumed, it
+    ends with the LoRA of the same job run uninterrupted, tensor for tensor."""
     f = upload(client, make_zip(dataset()))
     long = {**TRAINING, "steps": 10, "save_every": 2}  # cancelled at its first checkpoint: 8 steps to spare
     create = lambda: client.fine_tuning.jobs.create(  # noqa: E731
         model=base_id, training_file=f.id, seed=1, extra_body={"training": long}
     )
-    first, second = create(), create()
-    with pytest.raises(openai.RateLimitError, match="2 fine-tuning jobs are queued or running"):
-        create()
-    code, body = http(
-        "POST", server.url + "/v1/images/generations", json.dumps({"prompt": "x", "size": "64x64"}).encode(),
-        {**server.auth, "Content-Type": "application/json"},
-    )  # fmt: skip
-    assert code == 429 and first.id in body["error"]["message"], body
-    assert body["error"]["code"] == "fine_tuning_job_running"
-    assert client.fine_tuning.jobs.cancel(second.id).status == "cancelled"
+    first = create()
+    assert generate(server)[0] == 429
     wait_for(server, first.id, lambda e: "checkpoint at step 2" in e["message"])
     stopped = client.fine_tuning.jobs.cancel(first.id)
     assert stopped.status == "cancelled" and 2 <= stopped.trained_tokens < 10, stopped
@@ -386,14 +441,16 @@ def test_jobs_and_images_meet_cancel_and_resume(server, client, base_id, folders
     assert same_tensors(
         folders[1] / f"{a.fine_tuned_model}.safetensors", folders[1] / f"{b.fine_tuned_model}.safetensors"
     )
-    assert client.fine_tuning.jobs.retrieve(second.id).trained_tokens == 0  # cancelled while it waited
 
 
-def test_samples_are_served_as_the_events_name_them(server, client, base_id):
+def test_samples_are_served_as_the_events_name_them_and_warnings_are_events(server, client, base_id):
     f = upload(client, make_zip(dataset()))
     training = {**TRAINING, "steps": 1, "sample_every": 1, "sample_prompts": ["a test card"], "sample_steps": 1}
+    training.update(lr=1e-9, sample_model="klein-distilled-tiny")  # train warns that 1e-9 cannot move the adapters
     job = client.fine_tuning.jobs.create(model=base_id, training_file=f.id, extra_body={"training": training})
-    samples = [name for e in events_of(server, job.id) for name in e["data"].get("samples", [])]
+    events = events_of(server, job.id)
+    assert any(e["level"] == "warn" and "too small" in e["message"] for e in events), events
+    samples = [name for e in events for name in e["data"].get("samples", [])]
     assert samples and all(name.endswith(".png") for name in samples)
     code, body = http("GET", f"{server.url}/v1/fine_tuning/jobs/{job.id}/samples/{samples[-1]}", headers=server.auth)
     assert code == 200 and Image.open(io.BytesIO(body)).size == (64, 64)
@@ -475,6 +532,37 @@ def test_any_job_body_maps_to_train_settings_or_is_one_line(body):
         assert 400 <= e.status < 500 and "\n" not in e.message
         return
     raise AssertionError("a job with a missing data folder was planned")
+
+
+def in_process_app(options):
+    """The app in this process (no model: these requests never reach the worker)."""
+    from starlette.testclient import TestClient
+
+    from flux_klein_mlx.serve.api import create_app
+    from flux_klein_mlx.serve.jobs import Worker
+
+    return TestClient(create_app(Worker(lambda: None), options))
+
+
+def test_without_train_dir_the_routes_say_how_to_start():
+    from flux_klein_mlx.serve.api import ServerOptions
+
+    app = in_process_app(ServerOptions())
+    for method, path in [("GET", "/v1/files"), ("POST", "/v1/fine_tuning/jobs"), ("GET", "/v1/fine_tuning/jobs/x")]:
+        r = app.request(method, path, json={} if method == "POST" else None)
+        assert r.status_code == 400 and "--train-dir" in r.json()["error"]["message"], (path, r.text)
+
+
+def test_a_zip_past_the_upload_bound_is_413_before_it_is_read(monkeypatch, tmp_path):
+    from flux_klein_mlx.serve import guard
+    from flux_klein_mlx.serve.api import ServerOptions
+
+    monkeypatch.setattr(guard, "MAX_TRAINING_UPLOAD_BYTES", 1000)
+    app = in_process_app(ServerOptions(train_dir=tmp_path, lora_dir=tmp_path))
+    big = make_zip(dataset() | {"big.png": np.random.default_rng(0).bytes(2 << 20)})  # past the bound + 1 MB of form
+    r = app.post("/v1/files", files={"file": ("d.zip", big)}, data={"purpose": "fine-tune"})
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+    assert not (tmp_path / "files").exists() or not list((tmp_path / "files").iterdir())
 
 
 # ---- the zip's checks, in-process -----------------------------------------------------------------
