@@ -1,6 +1,6 @@
 // The page's behaviour: the form, the server's state in the header, runs and their stream, results. An ES
 // module, the one index.html loads: it imports the page's other modules (the history, the mask brush, a dropped
-// PNG's settings, the layout boxes, outpainting) and hands them its own functions through state.js's `actions`.
+// PNG's settings, the layout boxes, outpainting, the Train tab) and hands them its own functions through state.js's `actions`.
 // Served at /static/NAME.js beside index.html (no outside resources).
 import { $, HISTORY_MAX, actions, state } from "./state.js";
 import { boxesForRequest, boxesProblem, layout, setBoxes, showBoxes, sizeBoxCanvas } from "./boxes.js";
@@ -8,6 +8,7 @@ import { clearBrush, openBrush } from "./brush.js";
 import { loadHistory, renderHistory, saveHistory, store } from "./history.js";
 import { outpaint } from "./outpaint.js";
 import "./png.js";
+import "./train.js";
 const POLL_MS = 250;  // the header follows the server within a second, also on a loaded machine (400 missed by 1 ms)
 $("history-max").textContent = HISTORY_MAX;
 
@@ -493,7 +494,7 @@ $("clear-history").addEventListener("click", async () => {
   try { await store("readwrite", (st) => st.clear()); } catch (e) { /* nothing stored */ }
   state.history = []; renderHistory();
 });
-Object.assign(actions, { renderFiles, reuseSettings, downloadLink, useButtons, describeMode });
+Object.assign(actions, { renderFiles, reuseSettings, downloadLink, useButtons, describeMode, headers, refreshStatus });
 // The browser tests read the page's state and call these (a module's names are not global): the one global.
 window.flux = { state, layout, boxesForRequest, refreshStatus };
 // Start: a module runs once the document is parsed and the modules it imports have run.

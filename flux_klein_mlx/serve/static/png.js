@@ -70,10 +70,13 @@ async function readSettingsFile(file) {
   actions.reuseSettings(s);
   $("reuse-note").textContent = `Settings read from ${file.name} (${source}). ` + $("reuse-note").textContent.replace(/^Settings restored[.;] ?/, "");
 }
-document.addEventListener("dragover", (e) => { e.preventDefault(); document.body.classList.add("dropping"); });
+// Only on the Generate tab: the Train tab's drops are its data (its drop zone), never a PNG's settings.
+const generating = () => !$("generate-tab").classList.contains("hidden");
+document.addEventListener("dragover", (e) => { e.preventDefault(); if (generating()) document.body.classList.add("dropping"); });
 document.addEventListener("dragleave", (e) => { if (!e.relatedTarget) document.body.classList.remove("dropping"); });
 document.addEventListener("drop", async (e) => {
   e.preventDefault(); document.body.classList.remove("dropping");
+  if (!generating()) return;
   const [file] = e.dataTransfer.files;
   if (file) await readSettingsFile(file);
 });
