@@ -42,6 +42,7 @@ from flux_klein_mlx.serve.training_requests import (  # noqa: E402
     check_suffix,
     hyperparameters,
     merged,
+    public_hyperparameters,
     training_options,
 )
 from flux_klein_mlx.train.settings import TrainSettings  # noqa: E402
@@ -502,6 +503,18 @@ JSON = st.recursive(
     max_leaves=6,
 )
 OPTIONS = st.sampled_from(sorted(TrainSettings.__dataclass_fields__)) | st.text(max_size=8)
+
+
+def test_openai_hyperparameters_are_trains_options():
+    """n_epochs is --epochs, batch_size --batch-size, learning_rate_multiplier times --lr's default; "auto" leaves
+    train's default; the same, given in method.supervised, too; the job shows them back as OpenAI names them."""
+    given = {"n_epochs": 3, "batch_size": 2, "learning_rate_multiplier": 2.5}
+    options = {"epochs": 3, "batch_size": 2, "lr": 2.5 * TrainSettings.lr}
+    assert hyperparameters({"hyperparameters": given}) == options
+    assert hyperparameters({"method": {"type": "supervised", "supervised": {"hyperparameters": given}}}) == options
+    assert hyperparameters({"hyperparameters": {"n_epochs": "auto", "learning_rate_multiplier": "auto"}}) == {}
+    shown = public_hyperparameters(merged(options, {"rank": 8}))
+    assert shown == {"n_epochs": 3, "batch_size": 2, "learning_rate_multiplier": pytest.approx(2.5)}
 
 
 @given(
