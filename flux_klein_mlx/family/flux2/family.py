@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from ...events import Job
 from ...inputs.images import MAX_ASPECT, preprocess_reference
@@ -125,26 +124,15 @@ class Flux2Family:
         # The spec's limits (8.1): a side of 64 px at least, 8:1 at most; no crop back.
         return [preprocess_reference(im, min_side=MIN_SIDE, max_aspect=MAX_ASPECT) for im in images], None
 
-    def params(self, config: dict) -> FluxKleinParams:
-        return FluxKleinParams.from_dict(config)
-
-    def build_transformer(self, params: FluxKleinParams) -> nn.Module:
-        return FluxKlein(params)
-
-    def sanitize_transformer(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        return sanitize_flux2_klein_weights(weights)
-
-    def infer_params(self, weights: dict[str, mx.array]) -> FluxKleinParams:
-        return infer_params(weights)
-
-    def linear_shapes(self, params: FluxKleinParams) -> dict[str, tuple[int, int]]:
-        return linear_shapes(params)
-
-    def defaults(self, distilled: bool) -> tuple[int, float | None]:
-        return sampling_defaults(distilled)
-
-    def sigmas(self, image_tokens: int, steps: int) -> list[float]:
-        return schedule(image_tokens, steps)
+    # The contract's pieces that are its networks' and schedule's own functions (family/base.py types them).
+    params = staticmethod(FluxKleinParams.from_dict)
+    build_transformer = staticmethod(FluxKlein)
+    sanitize_transformer = staticmethod(sanitize_flux2_klein_weights)
+    infer_params = staticmethod(infer_params)
+    linear_shapes = staticmethod(linear_shapes)
+    defaults = staticmethod(sampling_defaults)
+    sigmas = staticmethod(schedule)  # step-fitted: by the image's tokens
+    size_key = staticmethod(FluxKleinParams.shape_key)
 
     def reference_ids(self, k: int, h: int, w: int) -> mx.array:
         return image_ids(h, w, t=reference_time(k))
@@ -154,9 +142,6 @@ class Flux2Family:
         return next(
             (VARIANTS[v.family].repo for v in VARIANTS.values() if not v.distilled and v.repo.lower() == name), None
         )
-
-    def size_key(self, params: FluxKleinParams) -> tuple:
-        return params.shape_key()
 
     def training_rope(self, model, grid: tuple[int, int], references: int, text_tokens: int):
         """One image stream: [target ; reference 0 ; ...], each reference at RoPE time 10 (k + 1)."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from ...events import Job
 from ...models.flux3.config import FLUX3_PIPELINE_CLASSES, FLUX3_VARIANTS, Flux3Params
@@ -133,23 +132,13 @@ class Flux3Family:
     def model_title(self, params: Flux3Params, distilled: bool, reference_kv: bool) -> str:
         return self.title + ("" if distilled else " Base")
 
-    def prepare_references(self, images: list, model_name: str) -> tuple[list, tuple | None]:
-        return prepare_flux3_references(images, model_name)
-
-    def params(self, config: dict) -> Flux3Params:
-        return Flux3Params.from_dict(config)
-
-    def build_transformer(self, params: Flux3Params) -> nn.Module:
-        return Flux3(params)
-
-    def sanitize_transformer(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        return sanitize_flux3_weights(weights)
-
-    def infer_params(self, weights: dict[str, mx.array]) -> Flux3Params:
-        return infer_flux3_params(weights)
-
-    def linear_shapes(self, params: Flux3Params) -> dict[str, tuple[int, int]]:
-        return linear_shapes(params)
+    # The contract's pieces that are its networks' and references' own functions (family/base.py types them).
+    prepare_references = staticmethod(prepare_flux3_references)
+    params = staticmethod(Flux3Params.from_dict)
+    build_transformer = staticmethod(Flux3)
+    sanitize_transformer = staticmethod(sanitize_flux3_weights)
+    infer_params = staticmethod(infer_flux3_params)
+    linear_shapes = staticmethod(linear_shapes)
 
     def defaults(self, distilled: bool) -> tuple[int, float | None]:
         row = self.variants["flux3-klein" if distilled else "flux3-klein-base"]
