@@ -33,16 +33,21 @@ def pytest_unconfigure(config):
 
 # The files that take longest (pytest --durations, 2 cores), run first: the two workers of .ci/run then
 # end together, instead of one finishing a long file picked up last while the other waits.
-LONG_FILES = (
-    "test_evaluation.py",
+LONG_FILES = (  # by the seconds each took (--junitxml, 2 cores), longest first
     "test_serve.py",
+    "test_finetune.py",
     "test_distributed.py",
-    "test_pipeline.py",
     "test_objective.py",
+    "test_upsampled_pipeline.py",
+    "test_page_train.py",
+    "test_pipeline.py",
+    "test_page.py",
+    "test_workdir.py",
+    "test_evaluation.py",
+    "test_models.py",
     "test_samples.py",
+    "test_page_outpaint.py",
     "test_kv.py",
-    "test_noise.py",
-    "test_check_real_weights.py",  # one 45 s test: never the last one picked up
 )
 
 
