@@ -197,7 +197,13 @@ class World:
 
 def world() -> World:
     """The run's processes: MLX's group when started by `mlx.launch` (ring or JACCL), else a group of one."""
-    group = mx.distributed.init()  # a group of one when no backend is configured
+    try:
+        group = mx.distributed.init()  # a group of one when no backend is configured
+    except RuntimeError as e:  # the ring's "Couldn't bind socket (error: 98)": its port is taken
+        raise FluxKleinError(
+            f"this process could not join the others ({e}); a port of the ring may be in use by another program: "
+            "start mlx.launch again with another -p (--starting-port)"
+        ) from None
     if group.size() == 1:
         return World()
     return World(group, group.rank(), group.size())
