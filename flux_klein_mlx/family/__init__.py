@@ -39,6 +39,7 @@ def family_of_names(names) -> Family:
     """The one family whose markers (`LoraNames.markers`) a checkpoint's keys (or module names) carry; the first
     family, FLUX.2 [klein] (whose reader also knows FLUX.1's and FLUX.2-dev's names, to refuse them), when none
     or several show."""
+    names = list(names)  # read once per family: an iterator would be spent by the first
     marked = [f for f in FAMILIES.values() if any(f.lora.markers.search(n) for n in names)]
     return marked[0] if len(marked) == 1 else next(iter(FAMILIES.values()))
 
