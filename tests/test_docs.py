@@ -11,6 +11,7 @@ A named path is read from the repository's root or from the package (`train/sett
 from __future__ import annotations
 
 import ast
+import importlib
 import io
 import re
 import tokenize
@@ -195,6 +196,45 @@ def _undefined_module_names() -> list[str]:
 
 def test_every_backticked_module_name_is_defined():
     assert _undefined_module_names() == []
+
+
+# What a reader types from the documents: `flux_klein_mlx.record.output.read_record` in prose, and the names of
+# `from flux_klein_mlx.convert import convert_model` in a code block.
+DOTTED = re.compile(r"\bflux_klein_mlx(?:\.[A-Za-z_]\w*)+")
+FROM_IMPORT = re.compile(r"^\s*from (flux_klein_mlx[\w.]*) import ([\w, ]+)$", re.MULTILINE)
+
+
+def _resolves(dotted: str) -> bool:
+    """Import the longest module prefix of `dotted`, then read the rest as attributes."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            if not hasattr(found, name):
+                return False
+            found = getattr(found, name)
+        return True
+    return False
+
+
+def _unresolved_python_names() -> list[str]:
+    bad = []
+    for md in _markdown_files():
+        text = md.read_text(encoding="utf-8")
+        named = set(DOTTED.findall(text))
+        for module, names in FROM_IMPORT.findall(text):
+            named |= {f"{module}.{name.strip()}" for name in names.split(",")}
+        bad += [f"{md.relative_to(ROOT)}: {name}" for name in sorted(named) if not _resolves(name)]
+    return bad
+
+
+def test_every_python_name_the_documents_give_resolves():
+    assert _unresolved_python_names() == []
+    assert _resolves("flux_klein_mlx.record.output.read_record")
+    assert not _resolves("flux_klein_mlx.convert.load_mlx_folder")
 
 
 def test_the_documents_state_no_test_count():
