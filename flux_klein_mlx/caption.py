@@ -15,7 +15,7 @@ import sys
 import click
 
 from .checks import check_prompt_given
-from .cli import run_command, upsample_options
+from .cli import upsample_options
 from .family import default_upsampler
 from .inputs.images import open_image
 from .storage.embedding_cache import EmbeddingCache, parse_size
@@ -89,7 +89,3 @@ def caption_first(pipe, prepared):
     click.echo(progress.end() + f"caption ({rate}, {revised.upsample_seconds:.1f} s):", err=True)
     click.echo(revised.settings.prompt, err=True)
     return revised
-
-
-def main(argv=None):
-    return run_command(upsample, argv)

@@ -1,9 +1,10 @@
 """The commands' plumbing: the options every command shares, worded and typed once, and running a click
 command as a program (user errors become one line, never a traceback).
 
-Shared by `__main__` and each command module's `main()`, so that no command module imports
-`__main__` (no import cycle). This module imports no mlx at its top: `__main__` imports it before
-`run_command` binds OpenBLAS (the imports inside the option groups run when a command module is loaded).
+Shared by `__main__` and the command modules (`generate.main` and `bench.command.main` run one command
+alone), so that no command module imports `__main__` (no import cycle). This module imports no mlx at its
+top: `__main__` imports it before `run_command` binds OpenBLAS (the imports inside the option groups run
+when a command module is loaded).
 """
 
 from __future__ import annotations
