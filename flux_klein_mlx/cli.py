@@ -44,9 +44,10 @@ def as_bits(ctx, param, value: int | None) -> int | None:
     return value
 
 
-def quantize_option(help: str, *, name: str = "quantize"):
-    """`--quantize` / `-q` BITS: the same type and refusal in generate, convert, serve, train and benchmark."""
-    return click.option("--quantize", "-q", name, type=int, default=None, callback=as_bits, help=help)
+def quantize_option(help: str, *decls: str):
+    """`--quantize` / `-q` BITS: the same type and refusal in generate, convert, serve, train and benchmark (and
+    train's `--sample-quantize`); `decls` the option's names, where they are not `--quantize`, `-q`."""
+    return click.option(*(decls or ("--quantize", "-q")), type=int, default=None, callback=as_bits, help=help)
 
 
 def dtype_option(*, default: str | None = "default", help: str | None = None):

@@ -387,7 +387,7 @@ def interrupt_on_termination():
 @model_option("Diffusers snapshot folder, Hugging Face repo id, or BFL single-file .safetensors.", required=True)
 @click.option("--output", "-o", required=True, type=click.Path(), help="The MLX folder to write.")
 @dtype_option(help="Weight dtype.")
-@quantize_option("Quantize transformer and text encoder to 4 or 8 bits.", name="bits")
+@quantize_option("Quantize transformer and text encoder to 4 or 8 bits.", "--quantize", "-q", "bits")
 @click.option("--group-size", type=int, default=64, show_default=True, help="Quantization group size (32, 64 or 128).")
 @click.option(
     "--base",

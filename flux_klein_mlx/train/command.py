@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from ..cli import as_bits, dtype_option, model_option, quantize_option
+from ..cli import dtype_option, model_option, quantize_option
 from ..dtypes import DTYPES
 from ..errors import FluxKleinError
 from .config_file import check_recorded_data, option_names, read_config
@@ -255,12 +255,9 @@ def describe_samples(ev: SamplesSaved) -> str:
 @click.option(
     "--sample-strengths", default="1", show_default=True, help="LoRA strengths of each sample, e.g. 0.5,1,1.5."
 )
-@click.option(
+@quantize_option(
+    "Quantize the sample model to 4 or 8 bits (to fit beside training) [default: none, as generate].",
     "--sample-quantize",
-    type=int,
-    default=None,
-    callback=as_bits,
-    help="Quantize the sample model to 4 or 8 bits (to fit beside training) [default: none, as generate].",
 )
 @click.option(
     "--sample-image",
