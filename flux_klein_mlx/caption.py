@@ -15,10 +15,10 @@ import sys
 import click
 
 from .checks import check_prompt_given
-from .cli import run_command, upsample_options
+from .cli import upsample_options
 from .family import default_upsampler
 from .inputs.images import open_image
-from .storage.embedding_cache import EmbeddingCache, parse_size
+from .storage.embedding_cache import open_cache
 from .upsample.cache import CaptionCache, cached_caption
 from .upsample.request import build_request
 from .upsample.runtime import upsampler_folder
@@ -35,8 +35,7 @@ def upsample(prompt, *, images, upsample, boxes, upsampler, no_cache, cache_size
     del upsample  # this command always upsamples; the flag is accepted as generate takes it
     check_prompt_given(prompt)
     request = build_request(prompt, [open_image(im, "reference image") for im in images], list(boxes) or None)
-    size = parse_size(cache_size)
-    cache = None if no_cache or size == 0 else CaptionCache.beside(EmbeddingCache.open_default(size))
+    cache = CaptionCache.beside(open_cache(not no_cache, cache_size))  # None: --no-cache, or a size of 0
     folder = upsampler_folder(upsampler or default_upsampler())
     progress = CaptionProgress()
     caption, seconds = cached_caption(request, folder, cache, on_progress=progress)
@@ -89,7 +88,3 @@ def caption_first(pipe, prepared):
     click.echo(progress.end() + f"caption ({rate}, {revised.upsample_seconds:.1f} s):", err=True)
     click.echo(revised.settings.prompt, err=True)
     return revised
-
-
-def main(argv=None):
-    return run_command(upsample, argv)

@@ -1,9 +1,10 @@
 """The commands' plumbing: the options every command shares, worded and typed once, and running a click
 command as a program (user errors become one line, never a traceback).
 
-Shared by `__main__` and each command module's `main()`, so that no command module imports
-`__main__` (no import cycle). This module imports no mlx at its top: `__main__` imports it before
-`run_command` binds OpenBLAS (the imports inside the option groups run when a command module is loaded).
+Shared by `__main__` and the command modules (`generate.main` and `bench.command.main` run one command
+alone), so that no command module imports `__main__` (no import cycle). This module imports no mlx at its
+top: `__main__` imports it before `run_command` binds OpenBLAS (the imports inside the option groups run
+when a command module is loaded).
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ def as_bits(ctx, param, value: int | None) -> int | None:
     return value
 
 
-def quantize_option(help: str, *, name: str = "quantize"):
-    """`--quantize` / `-q` BITS: the same type and refusal in generate, convert, serve, train and benchmark."""
-    return click.option("--quantize", "-q", name, type=int, default=None, callback=as_bits, help=help)
+def quantize_option(help: str, *decls: str):
+    """`--quantize` / `-q` BITS: the same type and refusal in generate, convert, serve, train and benchmark (and
+    train's `--sample-quantize`); `decls` the option's names, where they are not `--quantize`, `-q`."""
+    return click.option(*(decls or ("--quantize", "-q")), type=int, default=None, callback=as_bits, help=help)
 
 
 def dtype_option(*, default: str | None = "default", help: str | None = None):

@@ -42,7 +42,7 @@ from .family import FAMILIES
 from .lora.apply import apply_loras, load_loras, pair_scales
 from .models.quantize import already_quantized, check_quantization, quantize_model
 from .models.tokenizer import tokenizer_files
-from .run.components import assemble, check_weights, read_component
+from .run.components import assemble_component, check_weights
 from .run.loading import COMPONENTS, FORMAT, FORMAT_VERSION, WHAT, ModelInfo, describe, is_mlx_folder
 from .storage.files import broken_link, check_disk_space, folder_transaction
 from .storage.weights import save_safetensors_sharded
@@ -75,16 +75,8 @@ def make_part(
     tensor is read from disk here. `loras` (transformer only, from `lora.load_loras`) are fused
     into the float weights before quantization."""
     bits = None if name == "vae" else bits
-    module, record = assemble(
-        name,
-        info.configs[name],
-        weights=read_component(info, name),
-        family=info.family,
-        dtype=dtype,
-        record=info.quantization[name],
-        bits=None if loras else bits,
-        group_size=group_size,
-    )  # with LoRAs: quantized once they are fused
+    # with LoRAs: quantized once they are fused
+    module, record = assemble_component(info, name, dtype, bits=None if loras else bits, group_size=group_size)
     if loras:
         apply_loras(module, loras, keep_originals=False, evaluate=False)  # lazy: each fused weight computed as written
         if bits:
@@ -161,17 +153,7 @@ def convert_model(
         for name in COMPONENTS
     ]
     source, vae_folders = _source_record(model, info, vae)
-    meta = {
-        "family": info.family.key,
-        "variant": info.variant,
-        "is_distilled": info.is_distilled,
-        "reference_kv": info.reference_kv,
-        "dtype": dtype_name(cast),
-        "source": source,
-        "scheduler": info.scheduler,
-        "tokenizer_source": info.tokenizer,
-        "loras": [lora.record() for lora in baked] or None,
-    }
+    meta = folder_meta(info, dtype_name(cast), source, loras=[lora.record() for lora in baked] or None)
     return write_folder(
         output,
         parts,
@@ -208,20 +190,10 @@ def quantize_folder(
     check_weights(info)
     parts = [make_part(info, name, dtype=None, bits=bits, group_size=group_size) for name in COMPONENTS]
     source = {"model": str(model), "path": str(info.path), "format": FORMAT, "original": info.original}
-    meta = {
-        "family": info.family.key,
-        "variant": info.variant,
-        "is_distilled": info.is_distilled,
-        "reference_kv": info.reference_kv,
-        "dtype": info.stored_dtype,
-        "source": source,
-        "scheduler": info.scheduler,
-        "tokenizer_source": info.tokenizer,
-    }
     return write_folder(
         output,
         parts,
-        meta,
+        folder_meta(info, info.stored_dtype, source),
         overwrite=overwrite,
         sources=[info.path],
         max_shard_bytes=max_shard_bytes,
@@ -230,6 +202,21 @@ def quantize_folder(
 
 
 # --- writing the folder ----------------------------------------------------------------------------------
+
+
+def folder_meta(info: ModelInfo, dtype: str, source: dict, loras: list | None = None) -> dict:
+    """`write_folder`'s `meta` for a folder written from the model `info` describes, in `dtype`."""
+    return {
+        "family": info.family.key,
+        "variant": info.variant,
+        "is_distilled": info.is_distilled,
+        "reference_kv": info.reference_kv,
+        "dtype": dtype,
+        "source": source,
+        "scheduler": info.scheduler,
+        "tokenizer_source": info.tokenizer,
+        "loras": loras,  # baked into the transformer (their records), or None
+    }
 
 
 def check_output_link(output: str | Path) -> None:
@@ -400,7 +387,7 @@ def interrupt_on_termination():
 @model_option("Diffusers snapshot folder, Hugging Face repo id, or BFL single-file .safetensors.", required=True)
 @click.option("--output", "-o", required=True, type=click.Path(), help="The MLX folder to write.")
 @dtype_option(help="Weight dtype.")
-@quantize_option("Quantize transformer and text encoder to 4 or 8 bits.", name="bits")
+@quantize_option("Quantize transformer and text encoder to 4 or 8 bits.", "--quantize", "-q", "bits")
 @click.option("--group-size", type=int, default=64, show_default=True, help="Quantization group size (32, 64 or 128).")
 @click.option(
     "--base",

@@ -27,12 +27,12 @@ from .lora.apply import pair_scales
 from .record.a1111 import resolve_lora_tags
 from .record.output import image_format, save_image
 from .run.pipeline import DEFAULT_MODEL, load
-from .storage.embedding_cache import parse_size
 from .storage.files import check_output_file, numbered_name, write_exclusive
 
 
-def output_paths(output: str, count: int) -> list[Path]:
-    """The names a run asks for: `output`, or `stem-0.png` ... for several images; checked before any work.
+def output_paths(output: str, count: int, preview_dir=None) -> list[Path]:
+    """The names a run asks for: `output`, or `stem-0.png` ... for several images; checked before any work, as
+    is --preview-dir.
 
     An existing file is never replaced: a taken name moves on to the next free number (`files.write_exclusive`).
     """
@@ -40,6 +40,8 @@ def output_paths(output: str, count: int) -> list[Path]:
     image_format(base, "--output")
     paths = [base] if count == 1 else [numbered_name(base, i) for i in range(count)]
     check_output_file(paths[-1])
+    if preview_dir is not None:  # a missing folder or a file: one-line errors
+        check_output_file(Path(preview_dir) / f"{paths[-1].stem}-step00.png", "--preview-dir")
     return paths
 
 
@@ -187,10 +189,10 @@ def generate(
     settings = RunSettings(prompt, **options).check()
     if from_image is not None and (note := from_image.model_note(model)):
         click.echo(note, err=True)  # a record names a model; --model (or its default) chooses it
-    paths = _checked_outputs(output, num_images, preview_dir)
+    paths = output_paths(output, num_images, preview_dir)
     load_settings = dict(dtype=dtype, quantize=quantize, low_memory=low_memory, vae=vae)
     load_settings.update(loras=pair_scales(loras, lora_scales) + tagged, lora_partial=lora_partial)
-    load_settings.update(cache=not no_cache, cache_size=parse_size(cache_size), upsampler=upsampler)
+    load_settings.update(cache=not no_cache, cache_size=cache_size, upsampler=upsampler)
     _generate_images(
         *_load_checked(model, settings, load_settings), paths=paths, output=output, preview_dir=preview_dir
     )
@@ -205,14 +207,6 @@ def _checked_prompt(prompt, lora_dir, from_image, *, images, init_image, mask) -
         from_image.check_given(given)
     prompt, tagged = resolve_lora_tags(prompt, lora_dir)
     return prompt, [(str(path), weight) for path, weight in tagged]
-
-
-def _checked_outputs(output, count: int, preview_dir) -> list[Path]:
-    """The output paths (`output_paths`) and --preview-dir, checked before any work."""
-    paths = output_paths(output, count)
-    if preview_dir is not None:  # a missing folder or a file: one-line errors
-        check_output_file(Path(preview_dir) / f"{paths[-1].stem}-step00.png", "--preview-dir")
-    return paths
 
 
 def _load_checked(model, settings: RunSettings, load_settings: dict):

@@ -3,11 +3,8 @@ what a LoRA file is. Thin wrappers over `lora.convert`; every refusal is one lin
 
 from __future__ import annotations
 
-import sys
-
 import click
 
-from ..cli import run_command
 from .convert import convert_lora, describe_lora, describe_number
 from .layouts import LAYOUTS
 
@@ -69,11 +66,3 @@ def lokr_rank(d: dict, ranks: str) -> str:
     if d["trained_rank"]:
         return f"LoKr, --rank {ranks} (the rank of w2 where it is a low-rank pair)"
     return f"LoKr, {ranks}" if d["alphas"] else "LoKr"
-
-
-def main(argv=None) -> int:
-    return run_command(lora, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,7 +7,7 @@ strict load, shaped like mlx-lm's `utils.load_model`:
     model = load_component(info, "transformer", mx.bfloat16, quantize=4)
 
 `check_weights` runs the same steps on headers only, before any model runs; `convert` uses
-`assemble` without evaluating. Model files only build modules and sanitize names; all reading
+`assemble_component` without evaluating. Model files only build modules and sanitize names; all reading
 happens here and in `weights.py`.
 """
 
@@ -115,6 +115,22 @@ def assemble(
     return module, record
 
 
+def assemble_component(
+    info: ModelInfo, name: str, dtype=None, *, bits: int | None = None, group_size: int = 64
+) -> tuple[nn.Module, dict | None]:
+    """`assemble` of one component of a described model, its weights read (lazily) from its files."""
+    return assemble(
+        name,
+        info.configs[name],
+        weights=read_component(info, name),
+        family=info.family,
+        dtype=dtype,
+        record=info.quantization[name],
+        bits=bits,
+        group_size=group_size,
+    )
+
+
 def check_weights(info: ModelInfo, names=COMPONENTS) -> None:
     """Check every weight file of `names` before any model runs, reading headers only.
 
@@ -125,8 +141,7 @@ def check_weights(info: ModelInfo, names=COMPONENTS) -> None:
     for name in names:
         for f in info.files[name]:
             check_safetensors_file(f)
-        weights = read_component(info, name)
-        assemble(name, info.configs[name], weights=weights, family=info.family, record=info.quantization[name])
+        assemble_component(info, name)
 
 
 def load_component(
@@ -141,15 +156,6 @@ def load_component(
         raise ValueError(f"unknown component {name!r}; expected one of {COMPONENTS}")
     # No name may hold the read weights while the layers are evaluated: a cast or quantized layer would
     # keep its source tensors alive (evaluated) until the load returns, the whole model twice at its end.
-    module, _ = assemble(
-        name,
-        info.configs[name],
-        weights=read_component(info, name),
-        family=info.family,
-        dtype=dtype,
-        record=info.quantization[name],
-        bits=quantize,
-        group_size=group_size,
-    )
+    module, _ = assemble_component(info, name, dtype, bits=quantize, group_size=group_size)
     evaluate_by_layer(module)
     return module

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from ..cli import dtype_option, lora_options, model_option, quantize_option, run_command, vae_and_cache_options
+from ..cli import dtype_option, lora_options, model_option, quantize_option, vae_and_cache_options
 from ..errors import FluxKleinError
 from ..run.pipeline import DEFAULT_MODEL, load
 
@@ -293,7 +293,3 @@ def _run_server(pipe, options, *, sock, queue_size: int, t0: float, switch=None)
         sock.close()
     if worker.state == "failed":
         raise FluxKleinError(f"the model failed to load: {worker.error}")
-
-
-def main(argv=None):
-    return run_command(serve, argv)

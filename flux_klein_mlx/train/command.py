@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from ..cli import as_bits, dtype_option, model_option, quantize_option, run_command
+from ..cli import dtype_option, model_option, quantize_option
 from ..dtypes import DTYPES
 from ..errors import FluxKleinError
 from .config_file import check_recorded_data, option_names, read_config
@@ -38,6 +38,12 @@ from .trainer import (
 from .workdir import checkpoints
 
 _D = TrainSettings()  # the defaults, shown in --help
+
+
+def setting(flag: str, **kwargs):
+    """An option whose default is `TrainSettings`' own (`--lokr-factor`: `lokr_factor`), shown in --help."""
+    default = getattr(_D, flag.removeprefix("--").replace("-", "_"))
+    return click.option(flag, default=default, show_default=True, **kwargs)
 
 
 def _clock(seconds: float) -> str:
@@ -148,82 +154,46 @@ def describe_samples(ev: SamplesSaved) -> str:
 @click.option(
     "--output", "-o", default="", help="The LoRA file to write (.safetensors, in --format's layout); never overwritten."
 )
-@click.option(
+@setting(
     "--format",
-    default=_D.format,
-    show_default=True,
     help="The LoRA file's layout: diffusers, comfyui (ComfyUI, ai-toolkit; diffusers loads it too) or kohya.",
 )
 @model_option("A klein Base repo id or folder.", default=DEFAULT_BASE_MODEL, show_default=True)
 @click.option("--caption", default=None, help="Caption of images without a .txt (e.g. a trigger word).")
-@click.option(
-    "--caption-extension",
-    default=_D.caption_extension,
-    show_default=True,
-    help="Suffix of the caption files (.caption for kohya-style datasets).",
-)
+@setting("--caption-extension", help="Suffix of the caption files (.caption for kohya-style datasets).")
 @click.option(
     "--control",
     "controls",
     multiple=True,
     help="Edit LoRAs: folder of reference images, same names as --data; repeat for more references.",
 )
-@click.option(
-    "--adapter",
-    default=_D.adapter,
-    show_default=True,
-    help="lora, or lokr: LyCORIS' Kronecker adapters on whole layers (the fused qkv included).",
-)
-@click.option(
-    "--lokr-factor",
-    type=int,
-    default=_D.lokr_factor,
-    show_default=True,
-    help="LoKr: split each width as FACTOR x rest (-1: the most nearly square split).",
-)
-@click.option("--rank", type=int, default=_D.rank, show_default=True)
+@setting("--adapter", help="lora, or lokr: LyCORIS' Kronecker adapters on whole layers (the fused qkv included).")
+@setting("--lokr-factor", type=int, help="LoKr: split each width as FACTOR x rest (-1: the most nearly square split).")
+@setting("--rank", type=int)
 @click.option(
     "--init-lora",
     default=None,
     help="Start from this LoRA file (any layout --lora reads; its rank must be --rank) instead of from zero.",
 )
 @click.option("--alpha", type=float, default=None, help="LoRA alpha; scale = alpha / rank [default: rank].")
-@click.option(
-    "--targets",
-    default=_D.targets,
-    show_default=True,
-    help="all, attention, double (style), single:0-12 (structure), or module names; comma-separated.",
-)
-@click.option("--steps", type=int, default=_D.steps, show_default=True, help="Optimizer steps.")
+@setting("--targets", help="all, attention, double (style), single:0-12 (structure), or module names; comma-separated.")
+@setting("--steps", type=int, help="Optimizer steps.")
 @click.option(
     "--epochs", type=int, default=None, help="Train this many epochs (each image its repeats times): sets --steps."
 )
 @click.option("--save-every-epochs", type=int, default=None, help="Also checkpoint at the end of every N epochs.")
 @click.option("--sample-every-epochs", type=int, default=None, help="Also sample at the end of every N epochs.")
-@click.option(
-    "--repeats",
-    type=int,
-    default=_D.repeats,
-    show_default=True,
-    help="Draw each image N times an epoch (times the N of a kohya N_name sub-folder of --data).",
+@setting(
+    "--repeats", type=int, help="Draw each image N times an epoch (times the N of a kohya N_name sub-folder of --data)."
 )
 @click.option("--flip", is_flag=True, help="Mirror each drawn example left to right with probability 1/2.")
-@click.option("--lr", type=float, default=_D.lr, show_default=True, help="Learning rate (the schedule's peak).")
-@click.option(
-    "--lr-scheduler",
-    default=_D.lr_scheduler,
-    show_default=True,
-    help=f"{'|'.join(SCHEDULES)}: diffusers' get_scheduler schedules.",
+@setting("--lr", type=float, help="Learning rate (the schedule's peak).")
+@setting("--lr-scheduler", help=f"{'|'.join(SCHEDULES)}: diffusers' get_scheduler schedules.")
+@setting(
+    "--warmup-steps", type=int, help="Steps of linear warmup from 0 (the *_with_warmup, linear and cosine schedules)."
 )
-@click.option(
-    "--warmup-steps",
-    type=int,
-    default=_D.warmup_steps,
-    show_default=True,
-    help="Steps of linear warmup from 0 (the *_with_warmup, linear and cosine schedules).",
-)
-@click.option("--batch-size", type=int, default=_D.batch_size, show_default=True)
-@click.option("--grad-accum", type=int, default=_D.grad_accum, show_default=True, help="Micro-batches per step.")
+@setting("--batch-size", type=int)
+@setting("--grad-accum", type=int, help="Micro-batches per step.")
 @click.option(
     "--resolution",
     default=str(_D.resolution),
@@ -231,23 +201,19 @@ def describe_samples(ev: SamplesSaved) -> str:
     help="Train at about this many px squared, aspect ratio kept, sides multiples of 16; several "
     "(512,768,1024): every image at each.",
 )
-@click.option(
+@setting(
     "--timesteps",
     type=click.Choice(TIMESTEPS),
-    default=_D.timesteps,
-    show_default=True,
     help="Noise-level sampling: musubi's flux2_shift, diffusers' logit-normal, or uniform.",
 )
-@click.option("--seed", type=int, default=_D.seed, show_default=True)
-@click.option("--weight-decay", type=float, default=_D.weight_decay, show_default=True)
-@click.option(
+@setting("--seed", type=int)
+@setting("--weight-decay", type=float)
+@setting(
     "--optimizer",
-    default=_D.optimizer,
-    show_default=True,
     help=f"{'|'.join(OPTIMIZERS)}: each as its torch reference (prodigy: --lr 1 is usual; adafactor: torch's "
     "step size).",
 )
-@click.option("--max-grad-norm", type=float, default=_D.max_grad_norm, show_default=True)
+@setting("--max-grad-norm", type=float)
 @dtype_option(default=_D.dtype)
 @click.option(
     "--save-dtype",
@@ -259,8 +225,8 @@ def describe_samples(ev: SamplesSaved) -> str:
 @click.option(
     "--low-memory", is_flag=True, help="Gradient checkpointing per block: much less memory, 1.2-1.5x the time per step."
 )
-@click.option("--save-every", type=int, default=_D.save_every, show_default=True, help="Checkpoint every N steps.")
-@click.option("--keep-checkpoints", type=int, default=_D.keep_checkpoints, show_default=True)
+@setting("--save-every", type=int, help="Checkpoint every N steps.")
+@setting("--keep-checkpoints", type=int)
 @click.option(
     "--work-dir", default=None, help="Checkpoints, samples, loss.png, train.json [default: <output stem>.train/]."
 )
@@ -276,7 +242,7 @@ def describe_samples(ev: SamplesSaved) -> str:
 @click.option("--sample-every", type=int, default=None, help="Write sample images every N steps.")
 @click.option("--sample-prompt", "sample_prompts", multiple=True, help="Prompt of the sample images; repeatable.")
 @click.option("--sample-steps", type=int, default=None, help="Denoising steps of the samples [default: the model's].")
-@click.option("--sample-seed", type=int, default=_D.sample_seed, show_default=True)
+@setting("--sample-seed", type=int)
 @click.option(
     "--sample-model",
     default=None,
@@ -289,12 +255,9 @@ def describe_samples(ev: SamplesSaved) -> str:
 @click.option(
     "--sample-strengths", default="1", show_default=True, help="LoRA strengths of each sample, e.g. 0.5,1,1.5."
 )
-@click.option(
+@quantize_option(
+    "Quantize the sample model to 4 or 8 bits (to fit beside training) [default: none, as generate].",
     "--sample-quantize",
-    type=int,
-    default=None,
-    callback=as_bits,
-    help="Quantize the sample model to 4 or 8 bits (to fit beside training) [default: none, as generate].",
 )
 @click.option(
     "--sample-image",
@@ -304,13 +267,7 @@ def describe_samples(ev: SamplesSaved) -> str:
     "[default: the first held-out image's references].",
 )
 @click.option("--trigger", default=None, help="Replaces [trigger] in each caption, else is prepended: 'sks, a fox'.")
-@click.option(
-    "--caption-dropout",
-    type=float,
-    default=_D.caption_dropout,
-    show_default=True,
-    help="Probability of training an example with the empty caption.",
-)
+@setting("--caption-dropout", type=float, help="Probability of training an example with the empty caption.")
 @click.option("--force", is_flag=True, help="Train even when the memory plan says a step will not fit.")
 @click.option(
     "--ema",
@@ -462,11 +419,3 @@ def _follow(options: dict) -> None:
             pass
     except FluxKleinError:
         raise click.exceptions.Exit(1) from None
-
-
-def main(argv=None) -> int:
-    return run_command(train, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
