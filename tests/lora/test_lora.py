@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from mlx.utils import tree_flatten
-from refs import diffusers_image, rel_err
+from refs import diffusers_image, diffusers_pipeline_for_loras, diffusers_prompt_embeds, rel_err
 from safetensors.torch import save_file
 from tiny_loras import LORAS, Rand, swap_halves
 from tiny_model import LATENT_CHANNELS, TRANSFORMER
@@ -42,15 +42,11 @@ PROMPT = "a lighthouse at dusk"
 
 @pytest.fixture(scope="module")
 def ref_pipe(snapshot):
-    """One diffusers pipeline for the module, its prompt encoded once; each reference runs on a fresh copy
-    of its transformer. Images are memoised by the bytes of the LoRA files and the merges."""
-    from diffusers import Flux2KleinPipeline
-
-    pipe = Flux2KleinPipeline.from_pretrained(snapshot, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    with torch.no_grad():
-        embeds, _ = pipe.encode_prompt(prompt=PROMPT, device="cpu")
-    return pipe, copy.deepcopy(pipe.transformer), embeds, {}
+    """One diffusers pipeline for the module (the session's components, a transformer of its own), its prompt
+    encoded once; each reference runs on a fresh copy of its transformer. Images are memoised by the bytes of the
+    LoRA files and the merges."""
+    pipe = diffusers_pipeline_for_loras(snapshot)
+    return pipe, copy.deepcopy(pipe.transformer), diffusers_prompt_embeds(pipe, PROMPT), {}
 
 
 @pytest.fixture(scope="module")
