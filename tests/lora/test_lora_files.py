@@ -123,9 +123,9 @@ def modules(state_dict) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def written(family, family_base, family_distilled, tmp_path_factory):
+def written(family, family_base, tmp_path_factory):
     """`train --format` in each layout on the family's Base (3 steps from one seed: the same adapter in each file,
-    on every layer `--targets all` names), with diffusers' pipeline of the distilled snapshot that judges them."""
+    on every layer `--targets all` names), with diffusers' pipeline of the Base that judges them (its CFG included)."""
     root = tmp_path_factory.mktemp(f"written-{family.name}")
     photos, _ = card_folders(root)
     files = {}
@@ -135,11 +135,11 @@ def written(family, family_base, family_distilled, tmp_path_factory):
         args += ["--steps", "3", "--rank", "4", "--lr", "2e-2", "--resolution", "64", "--dtype", "float32"]
         assert main(["train", *args, "--save-dtype", "float32", "--targets", "all"]) == 0
     targets = json.loads((root / "diffusers.train" / "train.json").read_text())["targets"]
-    return files, targets, family.lora.judge_pipeline(family_distilled), {}
+    return files, targets, family.lora.judge_pipeline(family_base), {}
 
 
 def test_train_writes_each_layout_that_diffusers_reads_whole_and_that_gives_our_image(
-    family, family_distilled, written, lat, tmp_path, caplog
+    family, family_base, written, lat, tmp_path, caplog
 ):
     """Each layout `train` writes is read by the family's diffusers loader (`lora_state_dict` +
     `load_lora_into_transformer`, on a copy) with every key used and every trained module adapted, and diffusers'
@@ -155,7 +155,7 @@ def test_train_writes_each_layout_that_diffusers_reads_whole_and_that_gives_our_
     loader, run = getattr(diffusers.loaders, family.lora.mixin), dict(prompt=PROMPT, latents=lat, steps=STEPS)
     want = set(targets)
     assert modules(load_file(str(files["diffusers"]))) == {f"transformer.{m}" for m in want}
-    every = [s.name for s in parse_targets("all", describe(family_distilled).params)]
+    every = [s.name for s in parse_targets("all", describe(family_base).params)]
     refs = family.training.reference_blocks  # a text-to-image run leaves the references' own blocks out
     assert len(every) == family.training.lora_slots and want == {n for n in every if not refs or not n.startswith(refs)}
     caplog.set_level(logging.WARNING)
@@ -175,15 +175,15 @@ def test_train_writes_each_layout_that_diffusers_reads_whole_and_that_gives_our_
         model = copy.deepcopy(pipe.transformer)
         loader.load_lora_into_transformer(sd, transformer=model, adapter_name="judge", metadata=meta)
         assert {n for n, m in model.named_modules() if "judge" in getattr(m, "lora_A", {})} == want, layout
-        images[layout] = diffusers_lora_image(family.lora, pipe, family_distilled, [(judge, 1.0)], **run)
+        images[layout] = diffusers_lora_image(family.lora, pipe, family_base, [(judge, 1.0)], **run)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "key" in r.getMessage().lower()]
-    plain = diffusers_lora_image(family.lora, pipe, family_distilled, [], **run)
+    plain = diffusers_lora_image(family.lora, pipe, family_base, [], **run)
     assert np.abs(images["diffusers"] - plain).max() > 1e-2  # the trained LoRA changes the image: not vacuous
     for layout in ("comfyui", "kohya"):
         err = np.abs(images[layout] - images["diffusers"]).max()
         print(f"diffusers: {layout} vs diffusers file {err:.2e}")
         assert err <= 1e-4, (layout, err)
-    ours = flux_klein_mlx.load(family_distilled, dtype="float32")
+    ours = flux_klein_mlx.load(family_base, dtype="float32")
     mine = {}
     for layout, read_as in zip(LAYOUTS, ("diffusers", "bfl", "kohya"), strict=True):  # --lora reads all three alike
         ours.set_loras([files[layout]])

@@ -156,13 +156,19 @@ class Flux2Loras:
         return out
 
     def judge_pipeline(self, snapshot):
-        """diffusers' Flux2KleinPipeline of the snapshot with a transformer of its own (LoRAs load into it)."""
+        """diffusers' Flux2KleinPipeline of the snapshot (distilled or Base, by its model_index.json) with a
+        transformer of its own (LoRAs load into it)."""
+        import json
+        from pathlib import Path
+
         from refs import diffusers_pipeline_for_loras
 
-        return diffusers_pipeline_for_loras(snapshot)
+        index = json.loads((Path(snapshot) / "model_index.json").read_text())
+        return diffusers_pipeline_for_loras(snapshot, distilled=index.get("is_distilled", False))
 
     def judge_image(self, pipe, snapshot, *, prompt, latents, steps) -> np.ndarray:
-        """diffusers' image of `pipe` as it is (its LoRAs loaded), from injected latents, its size the latents'."""
+        """diffusers' image of `pipe` as it is (its LoRAs loaded), from injected latents, its size the latents'
+        (Base: its default guidance 4 and negative prompt "", as ours)."""
         from refs import diffusers_image, diffusers_prompt_embeds
 
         embeds = diffusers_prompt_embeds(pipe, prompt)
