@@ -308,7 +308,7 @@ def test_a_size_out_of_range_is_one_line(family_distilled, tmp_path, cli):
 
 def test_training_the_distilled_flux3_is_refused_in_one_line_and_base_trains(distilled3, base3, tmp_path, cli):
     """Issue 37 lifted the refusal of FLUX 3 Base (tests/train/test_objective.py and
-    tests/train/test_trained_files.py judge its training); the distilled flow map stays refused, naming the Base."""
+    tests/lora/test_lora_files.py judge its training); the distilled flow map stays refused, naming the Base."""
     data = tmp_path / "data"
     data.mkdir()
     for k in range(2):

@@ -1,13 +1,12 @@
 """Our pipeline against diffusers' FLUX 3 modular pipeline where FLUX 3 Image Klein runs otherwise than FLUX.2:
-one reference on its own canvas, cropped back; Base's text and references run once per image; a LoRA loaded
-by diffusers' modular pipeline. The judge is tests/support/flux3_refs.py (the modular pipeline with the
-prompt upsampler popped); what both families share is judged once for both in tests/test_pipeline.py.
+one reference on its own canvas, cropped back; Base's text and references run once per image. The judge is
+tests/support/flux3_refs.py (the modular pipeline with the prompt upsampler popped); what both families share is
+judged once for both in tests/test_pipeline.py (LoRAs: tests/lora/test_lora_pipeline.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from flux3_refs import flux3_canvas, flux3_reference
 from refs import noise, picture
 
@@ -46,50 +45,3 @@ def test_base_once_per_image_text_and_references_equal_the_per_step_path(base3):
     for i in range(3):
         a, b = hoisted.velocity(job.x, i), per_step.velocity(job.x, i)
         assert float(np.abs(np.array(a) - np.array(b)).max()) <= 1e-5
-
-
-@pytest.mark.parametrize("layout", ["diffusers", "bfl"])
-def test_a_lora_gives_diffusers_image_with_its_load_lora_weights(distilled3, tmp_path, layout):
-    """A peft LoRA on every block Linear of the snapshot's transformer, saved by diffusers (PEFT names, alpha in
-    the metadata) or in BFL names (alpha folded); diffusers' modular pipeline `load_lora_weights` is the judge."""
-    import copy
-
-    import torch
-    from diffusers.loaders import Flux3LoraLoaderMixin
-    from flux3_refs import flux3_pipeline
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
-    from flux_klein_mlx.models.flux3.transformer import flux3_name
-
-    pipe = flux3_pipeline(distilled3)
-    adapted = copy.deepcopy(pipe.transformer)
-    names = [n for n, m in adapted.named_modules() if isinstance(m, torch.nn.Linear) and "blocks." in n]
-    torch.manual_seed(3)
-    adapted.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=names, init_lora_weights=False))
-    state = get_peft_model_state_dict(adapted)
-    if layout == "diffusers":
-        meta = {"r": 4, "lora_alpha": 8, "target_modules": sorted(names)}
-        Flux3LoraLoaderMixin.save_lora_weights(tmp_path, state, transformer_lora_adapter_metadata=meta)
-        file = tmp_path / "pytorch_lora_weights.safetensors"
-    else:  # ComfyUI / ai-toolkit names, alpha / rank folded into B
-        file = tmp_path / "comfy.safetensors"
-        bfl = {}
-        for key, value in state.items():
-            name, role = key.rsplit(".lora_", 1)
-            bfl[f"diffusion_model.{flux3_name(name)}.lora_{role}"] = value * 2 if role.startswith("B") else value
-        save_file({k: v.contiguous() for k, v in bfl.items()}, str(file))
-    lat = noise(64, 64, seed=11)
-    pipe.load_lora_weights(str(file), adapter_name="judge")
-    try:
-        theirs = flux3_reference(distilled3, prompt="a fox", latents=lat, steps=2)
-    finally:
-        pipe.unload_lora_weights()
-    plain = flux3_reference(distilled3, prompt="a fox", latents=lat, steps=2)
-    image, _ = ours(distilled3, "a fox", steps=2, latents=lat, width=64, height=64)
-    with_lora = flux_klein_mlx.load(distilled3, dtype="float32", cache=False, loras=[file]).generate(
-        "a fox", steps=2, latents=lat, width=64, height=64, output_type="np"
-    )
-    assert np.abs(with_lora - theirs).max() <= 1e-3
-    assert np.abs(theirs - plain).max() > 0.02 and np.abs(image - plain).max() <= 1e-3  # the LoRA does something

@@ -164,7 +164,7 @@ def lokr_tensors(terms: list[Term], layout: str, *, params, what: str, dtype=Non
     if layout == "kohya":
         raise FluxKleinError(
             f"LoRA {what} is a LoKr, which --format kohya cannot hold; --format comfyui writes it "
-            "(ComfyUI, ai-toolkit and diffusers load that layout), as does --format diffusers"
+            "(ComfyUI and ai-toolkit load that layout), as does --format diffusers"
         )
     shapes = layer_shapes(params)
     units = whole_layer_units(params) if layout == "diffusers" else {}

@@ -1,5 +1,7 @@
-"""LoRAs on the tiny klein snapshot: every format against diffusers' own LoRA loading, LoKr against a
-numpy delta, quantized side paths against the fused float path, exact unfusing, and every refusal.
+"""FLUX.2 [klein]'s own LoRA namings on the tiny klein snapshot: every format against diffusers' own LoRA loading,
+other Mac trainers' files, LoKr against a numpy delta, the quantized side path (low memory's row blocks included)
+against the fused float path, and every refusal. What both families share through the pipeline (two LoRAs at
+once, quantized, unfusing, low memory, `generate --lora`, `convert --lora`) is tests/lora/test_lora_pipeline.py's.
 
 The LoRA files are random and written here in each format's exact key layout. diffusers
 (`Flux2KleinPipeline.load_lora_weights` + `set_adapters`) is the judge, except where it is known
@@ -18,14 +20,14 @@ import numpy as np
 import pytest
 import torch
 from mlx.utils import tree_flatten
-from refs import diffusers_image, rel_err
+from refs import diffusers_image, diffusers_pipeline_for_loras, diffusers_prompt_embeds, rel_err
 from safetensors.torch import save_file
 from tiny_loras import LORAS, Rand, swap_halves
 from tiny_model import LATENT_CHANNELS, TRANSFORMER
 
 import flux_klein_mlx
 from flux_klein_mlx.errors import FluxKleinError
-from flux_klein_mlx.lora.apply import applied_loras, apply_loras, load_loras, remove_loras
+from flux_klein_mlx.lora.apply import apply_loras, load_loras, remove_loras
 from flux_klein_mlx.lora.layers import LoRALinear
 from flux_klein_mlx.models.flux2.config import FluxKleinParams
 from flux_klein_mlx.models.quantize import dequantize_model
@@ -40,15 +42,11 @@ PROMPT = "a lighthouse at dusk"
 
 @pytest.fixture(scope="module")
 def ref_pipe(snapshot):
-    """One diffusers pipeline for the module, its prompt encoded once; each reference runs on a fresh copy
-    of its transformer. Images are memoised by the bytes of the LoRA files and the merges."""
-    from diffusers import Flux2KleinPipeline
-
-    pipe = Flux2KleinPipeline.from_pretrained(snapshot, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    with torch.no_grad():
-        embeds, _ = pipe.encode_prompt(prompt=PROMPT, device="cpu")
-    return pipe, copy.deepcopy(pipe.transformer), embeds, {}
+    """One diffusers pipeline for the module (the session's components, a transformer of its own), its prompt
+    encoded once; each reference runs on a fresh copy of its transformer. Images are memoised by the bytes of the
+    LoRA files and the merges."""
+    pipe = diffusers_pipeline_for_loras(snapshot)
+    return pipe, copy.deepcopy(pipe.transformer), diffusers_prompt_embeds(pipe, PROMPT), {}
 
 
 @pytest.fixture(scope="module")
@@ -288,16 +286,6 @@ def test_kohya_matches_diffusers(ref_pipe, our_pipe, lat, tmp_path, base_image):
     check(img, reference(ref_pipe, lat, [f], merge=dropped), base_image)
 
 
-def test_two_loras_with_weights_match_set_adapters(ref_pipe, our_pipe, lat, tmp_path, base_image):
-    """A (PEFT) at 0.7 plus D (kohya) at 1.3 add up as diffusers' set_adapters([..], [0.7, 1.3])."""
-    a = lora_a(tmp_path / "a.safetensors", Rand(4), r=3, alpha=5.0)
-    k = tmp_path / "k.safetensors"
-    dropped = lora_kohya(k, Rand(5))
-    img, _ = ours(our_pipe, lat, [(a, 0.7), (k, 1.3)])
-    merge = [(m, 1.3 * d) for m, d in dropped]
-    check(img, reference(ref_pipe, lat, [a, k], weights=[0.7, 1.3], merge=merge), base_image)
-
-
 # --- files other Mac trainers write ----------------------------------------------------------------------
 
 
@@ -470,57 +458,6 @@ def test_quantized_side_path(snapshot, our_pipe, lat, tmp_path, bits, tolerance)
         err = rel_err(got, want)
         print(f"{bits}-bit side path vs dequantized+fused (low_memory={low_memory}): rel {err:.1e}")
         assert err < 1e-5
-
-
-def test_unfuse_restores_weights_bit_for_bit_and_set_loras_does_not_reload(snapshot, our_pipe, lat, tmp_path):
-    a = lora_a(tmp_path / "a.safetensors", Rand(9))
-    b = tmp_path / "b.safetensors"
-    lora_bfl(b, Rand(10))
-    for dtype in ("bfloat16", "float32"):
-        pipe = flux_klein_mlx.load(snapshot, dtype=dtype)
-        model = pipe.component("transformer")
-        base = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())}
-        pipe.set_loras([a, (b, 0.5)])
-        assert pipe.component("transformer") is model
-        changed = [
-            k
-            for k, v in tree_flatten(model.parameters())
-            if not np.array_equal(np.array(v.astype(mx.float32)), base[k])
-        ]
-        assert len(changed) >= 20
-        pipe.set_loras([(b, 1.5)])
-        pipe.set_loras([])
-        after = dict(tree_flatten(model.parameters()))
-        assert all(np.array_equal(np.array(after[k].astype(mx.float32)), v) for k, v in base.items()), dtype
-    # Between images: the same pixels as a fresh load with those LoRAs.
-    pipe = flux_klein_mlx.load(snapshot, dtype="float32", loras=[a])
-    pipe.remember_prompt(PROMPT, our_pipe.encode_prompts([PROMPT]))
-    first = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
-    pipe.set_loras([(b, 0.5)])
-    second = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
-    fresh, _ = ours(our_pipe, lat, [(b, 0.5)])
-    assert np.array_equal(second, fresh) and not np.array_equal(first, second)
-    # A quantized model gets its plain QuantizedLinear layers back.
-    pipe = flux_klein_mlx.load(snapshot, dtype="float32", quantize=8, loras=[a])
-    model = pipe.component("transformer")
-    pipe.set_loras([])
-    assert not any(isinstance(m, LoRALinear) for _, m in model.named_modules())
-
-
-def test_low_memory_reapplies_loras_after_reload(snapshot, our_pipe, lat, tmp_path):
-    a = lora_a(tmp_path / "a.safetensors", Rand(11))
-    pipe = flux_klein_mlx.load(snapshot, dtype="float32", low_memory=True, loras=[(a, 0.8)])
-    pipe.remember_prompt(PROMPT, our_pipe.encode_prompts([PROMPT]))
-    one = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
-    assert not pipe.is_loaded("transformer")  # released after the denoise
-    two = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
-    plain, _ = ours(our_pipe, lat, [(a, 0.8)])
-    assert np.array_equal(one, two) and np.abs(one - plain).max() <= 1e-5
-    # No copy of the original weights is kept (the transformer reloads for every image); a change releases it.
-    model = pipe.component("transformer")
-    assert model.lora_state.fused and not model.lora_state.originals
-    pipe.set_loras([])
-    assert not pipe.is_loaded("transformer") and applied_loras(pipe.component("transformer")) == []
 
 
 # --- refusals: one line, nothing applied ---------------------------------------------------------------
@@ -792,83 +729,6 @@ def test_a_refused_lora_leaves_the_model_as_it_was(snapshot, our_pipe, tmp_path)
 # --- the CLI ------------------------------------------------------------------------------------------
 
 
-def autov3(path) -> str:
-    """A1111's LoRA hash (`addnet_hash_safetensors`): sha256 of the file after its header, 12 hex digits."""
-    import hashlib
-
-    blob = path.read_bytes()
-    return hashlib.sha256(blob[8 + int.from_bytes(blob[:8], "little") :]).hexdigest()[:12]
-
-
-def record(path, scale: float) -> dict:
-    """What the PNG's and a converted folder's record say of a LoRA file at `scale`."""
-    import hashlib
-
-    return {"name": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()[:12], "scale": scale,
-            "autov3": autov3(path)}  # fmt: skip
-
-
-def test_cli_loras_from_files_and_the_hub_cache_with_png_metadata(snapshot, tmp_path, cli, monkeypatch):
-
-    import huggingface_hub.constants
-    from PIL import Image
-
-    a = lora_a(tmp_path / "style.safetensors", Rand(13))
-    k = tmp_path / "kohya.safetensors"
-    lora_kohya(k, Rand(14))
-    # `--lora owner/name`: the repo's single .safetensors, from the hub cache, offline
-    rev = "0123456789abcdef0123456789abcdef01234567"
-    cache = tmp_path / "hub"
-    root = cache / "models--someone--klein-lora"
-    (root / "snapshots" / rev).mkdir(parents=True)
-    (root / "refs").mkdir()
-    (root / "refs" / "main").write_text(rev)
-    (root / "snapshots" / rev / "README.md").write_text("a LoRA")
-    (root / "snapshots" / rev / "kohya.safetensors").write_bytes(k.read_bytes())
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
-    out = tmp_path / "img.png"
-    code, stdout, err = cli(
-        "generate",
-        "--model",
-        str(snapshot),
-        "--prompt",
-        PROMPT,
-        "--seed",
-        "1",
-        "--width",
-        "64",
-        "--height",
-        "64",
-        "--steps",
-        "1",
-        "--dtype",
-        "float32",
-        "--output",
-        str(out),
-        "--lora",
-        str(a),
-        "--lora",
-        "someone/klein-lora",
-        "--lora-scale",
-        "0.7",
-    )
-    assert code == 0, err
-    params = json.loads(Image.open(out).text["flux_klein_mlx"])
-    assert params["loras"] == [record(a, 0.7), record(k, 1.0)]
-    # A1111's `Lora hashes` name each LoRA by its file stem and A1111's own hash (AutoV3), as Civitai links them
-    assert f'Lora hashes: "style: {autov3(a)}, kohya: {autov3(k)}"' in Image.open(out).text["parameters"]
-    assert "LoRA style.safetensors" in err
-    # `owner/name:file` names the file; a repo with two .safetensors must be told which
-    from flux_klein_mlx.storage.weights import resolve_lora
-
-    assert resolve_lora("someone/klein-lora:kohya.safetensors").read_bytes() == k.read_bytes()
-    (root / "snapshots" / rev / "other.safetensors").write_bytes(k.read_bytes())
-    with pytest.raises(FluxKleinError, match=r"has 2 .safetensors files .*; name one as someone/klein-lora:FILE"):
-        resolve_lora("someone/klein-lora")
-    with pytest.raises(FluxKleinError, match=r"not in the local Hugging Face cache"):
-        resolve_lora("someone/not-cached")
-
-
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -914,29 +774,6 @@ def test_cli_bad_loras_one_line_exit_1_no_file(snapshot, tmp_path, cli, extra, m
 # --- convert --lora ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bits, tolerance", [(None, 1e-5), (8, 0.05)])
-def test_convert_bakes_loras_and_records_them(snapshot, our_pipe, lat, tmp_path, bits, tolerance):
-    """A converted (optionally 8-bit) folder with LoRAs baked in gives the image of the base model with
-    the LoRAs applied at load (float: to float rounding; 8-bit: within the quantize tests' tolerance)."""
-
-    from flux_klein_mlx.convert import convert_model
-
-    a = lora_a(tmp_path / "a.safetensors", Rand(16))
-    k = tmp_path / "k.safetensors"
-    lora_kohya(k, Rand(17))
-    out = tmp_path / "baked"
-    config = convert_model(snapshot, out, dtype="float32", bits=bits, loras=[(a, 0.7), k])
-    assert config["loras"] == [record(a, 0.7), record(k, 1.0)]
-    assert json.loads((out / "config.json").read_text())["loras"] == config["loras"]
-    want, _ = ours(our_pipe, lat, [(a, 0.7), k])
-    pipe = flux_klein_mlx.load(out, dtype="float32")
-    pipe.remember_prompt(PROMPT, our_pipe.encode_prompts([PROMPT]))  # the same embeddings: only the transformer differs
-    got = pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
-    err = float(np.abs(got - want).max())
-    print(f"convert --lora (bits={bits}) vs LoRAs at load: max abs {err:.2e}")
-    assert err <= tolerance
-
-
 def test_convert_lora_bad_input_writes_nothing(snapshot, tmp_path, cli):
     bad = write(tmp_path / "bad.safetensors", pair("transformer.transformer_blocks.9.attn.to_q", D, D))
     for extra, message in (
@@ -950,19 +787,3 @@ def test_convert_lora_bad_input_writes_nothing(snapshot, tmp_path, cli):
             code == 1 and not out.exists() and len(err) == 1 and err[0].startswith("error: ") and message in err[0]
         ), err
         assert not list(tmp_path.glob("out*"))
-
-
-def test_side_path_on_a_converted_quantized_folder(snapshot, our_pipe, lat, tmp_path):
-    """A 4-bit converted folder takes LoRAs the same way as quantizing at load: the same image."""
-    from flux_klein_mlx.convert import convert_model
-
-    out = tmp_path / "q4"
-    convert_model(snapshot, out, dtype="float32", bits=4)
-    a = lora_a(tmp_path / "a.safetensors", Rand(19))
-    images = []
-    for model, kw in ((out, {}), (snapshot, {"quantize": 4})):
-        pipe = flux_klein_mlx.load(model, dtype="float32", loras=[(a, 1.2)], **kw)
-        pipe.remember_prompt(PROMPT, our_pipe.encode_prompts([PROMPT]))
-        images.append(pipe.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np"))
-        assert any(isinstance(m, LoRALinear) for _, m in pipe.component("transformer").named_modules())
-    assert np.abs(images[0] - images[1]).max() <= 1e-5

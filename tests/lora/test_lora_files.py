@@ -1,12 +1,16 @@
-"""LoRA files that work where they are used (issue 28): `train --format diffusers|comfyui|kohya`,
+"""LoRA files that work where they are used (issues 28, 37): `train --format diffusers|comfyui|kohya`,
 `lora convert`, `lora info`, and A1111's LoRA hash. diffusers is the judge.
 
-One LoRA with random non-zero up matrices on every block layer of the tiny model (rank 4, alpha 8:
-a factor 2 that a wrong alpha shows) is written in the three layouts. The comfyui and kohya files
-must load in diffusers' `Flux2KleinPipeline.load_lora_weights` with every key used (its BFL converter
-refuses leftovers; its kohya converter is called directly and must consume every key) and give the
-image of the diffusers-format file; our `--lora` must read all three the same way; every comfyui key
-must be `diffusion_model.` + a 2-D weight of the BFL checkpoint (tiny_model.diffusers_to_bfl).
+On each family (written once for both, issue 45): `train` on the tiny Base writes one adapter in the three layouts;
+the family's diffusers loader (`Flux2LoraLoaderMixin`, `Flux3LoraLoaderMixin`) reads each with every key used and
+every trained module adapted, and its image with each is its image with the diffusers file, and ours. diffusers
+reads no kohya FLUX 3 names: that file is judged through `lora convert` to the diffusers layout.
+
+On FLUX.2 [klein]: one LoRA with random non-zero up matrices on every block layer of the tiny model (rank 4,
+alpha 8: a factor 2 that a wrong alpha shows) is written in the three layouts: every comfyui key must be
+`diffusion_model.` + a 2-D weight of the BFL checkpoint (tiny_model.diffusers_to_bfl), the kohya file has the same
+modules with alpha, convert round trips give diffusers' image, the diffusers file folds alpha; `lora info`,
+A1111's hash, and every refusal.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ from refs import diffusers_image, diffusers_pipeline, diffusers_pipeline_for_lor
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tiny_model import diffusers_to_bfl
+from train_batch import card_folders
 
 import flux_klein_mlx
+from flux_klein_mlx.__main__ import main
+from flux_klein_mlx.lora.convert import convert_lora
 from flux_klein_mlx.lora.layouts import LAYOUTS, adapter_file
 from flux_klein_mlx.record.output import a1111_parameters
 from flux_klein_mlx.run.components import load_component
@@ -115,32 +122,72 @@ def modules(state_dict) -> set[str]:
     return {k.rsplit(".lora_", 1)[0] for k in state_dict}
 
 
-def test_comfyui_and_kohya_load_in_diffusers_with_every_key_and_give_the_diffusers_files_image(
-    trained, ref, ours, lat, caplog
-):
-    from diffusers import Flux2KleinPipeline
-    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux2_lora_to_diffusers
+@pytest.fixture(scope="module")
+def written(family, family_base, tmp_path_factory):
+    """`train --format` in each layout on the family's Base (3 steps from one seed: the same adapter in each file,
+    on every layer `--targets all` names), with diffusers' pipeline of the Base that judges them (its CFG included)."""
+    root = tmp_path_factory.mktemp(f"written-{family.name}")
+    photos, _ = card_folders(root)
+    files = {}
+    for layout in LAYOUTS:
+        files[layout] = root / f"{layout}.safetensors"
+        args = ["--model", str(family_base), "--data", str(photos), "--output", str(files[layout]), "--format", layout]
+        args += ["--steps", "3", "--rank", "4", "--lr", "2e-2", "--resolution", "64", "--dtype", "float32"]
+        assert main(["train", *args, "--save-dtype", "float32", "--targets", "all"]) == 0
+    targets = json.loads((root / "diffusers.train" / "train.json").read_text())["targets"]
+    return files, targets, family.lora.judge_pipeline(family_base), {}
 
-    want = modules(load_file(str(trained["diffusers"])))
-    for layout in ("comfyui", "kohya"):  # diffusers' converters give every module of the diffusers file
-        assert modules(Flux2KleinPipeline.lora_state_dict(str(trained[layout]))) == want, layout
-    kohya = load_file(str(trained["kohya"]))
-    _convert_kohya_flux2_lora_to_diffusers(kohya)  # pops what it converts
-    assert kohya == {}
+
+def test_train_writes_each_layout_that_diffusers_reads_whole_and_that_gives_our_image(
+    family, family_base, written, lat, tmp_path, caplog
+):
+    """Each layout `train` writes is read by the family's diffusers loader (`lora_state_dict` +
+    `load_lora_into_transformer`, on a copy) with every key used and every trained module adapted, and diffusers'
+    image with it equals its image with the diffusers file; our `--lora` reads all three the same way, to diffusers'
+    image. diffusers reads no kohya FLUX 3 names: that file is judged through `lora convert` to the diffusers layout."""
+    import copy
+
+    import diffusers.loaders
+    from diffusers.loaders import lora_conversion_utils
+    from tiny_loras import diffusers_lora_image
+
+    files, targets, pipe, _ = written
+    loader, run = getattr(diffusers.loaders, family.lora.mixin), dict(prompt=PROMPT, latents=lat, steps=STEPS)
+    want = set(targets)
+    assert modules(load_file(str(files["diffusers"]))) == {f"transformer.{m}" for m in want}
+    every = [s.name for s in parse_targets("all", describe(family_base).params)]
+    refs = family.training.reference_blocks  # a text-to-image run leaves the references' own blocks out
+    assert len(every) == family.training.lora_slots and want == {n for n in every if not refs or not n.startswith(refs)}
     caplog.set_level(logging.WARNING)
-    images = {layout: theirs(ref, lat, trained[layout]) for layout in LAYOUTS}
+    images = {}
+    for layout, path in files.items():
+        judge = path
+        if layout == "kohya":
+            kohya = load_file(str(path))
+            assert all(k.startswith("lora_unet_") for k in kohya)
+            if family.lora.kohya_converter is None:
+                judge = convert_lora(path, tmp_path / "judge.safetensors", "diffusers")
+            else:
+                getattr(lora_conversion_utils, family.lora.kohya_converter)(kohya)  # pops what it converts
+                assert kohya == {}
+        sd, meta = loader.lora_state_dict(str(judge), return_lora_metadata=True)
+        assert modules(sd) == {f"transformer.{m}" for m in want}, layout  # the converters give every module
+        model = copy.deepcopy(pipe.transformer)
+        loader.load_lora_into_transformer(sd, transformer=model, adapter_name="judge", metadata=meta)
+        assert {n for n, m in model.named_modules() if "judge" in getattr(m, "lora_A", {})} == want, layout
+        images[layout] = diffusers_lora_image(family.lora, pipe, family_base, [(judge, 1.0)], **run)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "key" in r.getMessage().lower()]
-    base = theirs(ref, lat)
-    assert np.abs(images["diffusers"] - base).max() > 0.02  # the LoRA changes the image: not vacuous
+    plain = diffusers_lora_image(family.lora, pipe, family_base, [], **run)
+    assert np.abs(images["diffusers"] - plain).max() > 1e-2  # the trained LoRA changes the image: not vacuous
     for layout in ("comfyui", "kohya"):
         err = np.abs(images[layout] - images["diffusers"]).max()
         print(f"diffusers: {layout} vs diffusers file {err:.2e}")
         assert err <= 1e-4, (layout, err)
+    ours = flux_klein_mlx.load(family_base, dtype="float32")
     mine = {}
-    for layout, read_as in zip(
-        LAYOUTS, ("diffusers", "bfl", "kohya"), strict=True
-    ):  # our --lora reads all three the same way
-        mine[layout] = ours_image(ours, lat, trained[layout])
+    for layout, read_as in zip(LAYOUTS, ("diffusers", "bfl", "kohya"), strict=True):  # --lora reads all three alike
+        ours.set_loras([files[layout]])
+        mine[layout] = ours.generate(PROMPT, width=W, height=H, steps=STEPS, latents=lat, output_type="np")
         assert ours.loras[0].format == read_as
         assert np.abs(mine[layout] - mine["diffusers"]).max() <= 1e-4, layout
     assert np.abs(mine["diffusers"] - images["diffusers"]).max() <= 1e-3

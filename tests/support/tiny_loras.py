@@ -79,6 +79,28 @@ def roll_final(name: str, up: torch.Tensor) -> torch.Tensor:
     return torch.roll(up, up.shape[0] // 2, 0) if name == "norm_out.linear" else up
 
 
+# Which file diffusers loads to judge each of our files of one adapter (tests/lora/test_lora_transformer.py and
+# test_lora_pipeline.py): it reads diffusers/PEFT files and BFL block names itself. kohya names and BFL's non-block
+# names (time_in, final_layer, ...) it does not convert for FLUX 3 (`_convert_non_diffusers_flux3_lora_to_diffusers`
+# maps only block linears; FLUX 3 has no kohya converter), and FLUX.2's converter swaps no halves of the final
+# layer and drops kohya's modulation layers: those are judged against diffusers with the diffusers file of the
+# same adapter. A LoKr ("lokr") is judged by its dense twin (`save_dense_twin`): diffusers' FLUX 3 loader takes no
+# LoKr at all (`load_lora_weights` refuses keys without "lora"), and FLUX.2's reads one naming at a time.
+JUDGE = {"diffusers": "diffusers", "bfl-blocks": "bfl-blocks", "bfl": "diffusers", "bfl-model-prefix": "diffusers",
+         "kohya": "diffusers", "lokr": "lokr-twin"}  # fmt: skip
+
+
+def save_dense_twin(path, deltas: dict[str, np.ndarray]) -> str:
+    """A PEFT file whose update on each diffusers module is `deltas[module]` exactly: down = I (in x in), up = the
+    delta, no alpha (diffusers then takes alpha = rank per module: scale 1). The judge of a LoKr's whole update."""
+    out = {}
+    for name, delta in deltas.items():
+        out[f"transformer.{name}.lora_A.weight"] = torch.eye(delta.shape[1])
+        out[f"transformer.{name}.lora_B.weight"] = torch.from_numpy(np.ascontiguousarray(delta, np.float32))
+    save_file(out, str(path))
+    return str(path)
+
+
 class Flux2Loras:
     mixin = "Flux2LoraLoaderMixin"
     variants = ("g64",)  # tests/support/tiny_transformers.py's models
@@ -86,6 +108,7 @@ class Flux2Loras:
     # diffusers' FLUX.2 converter reads every BFL name (the final layer without the half swap: its known bug),
     # so a comfyui file's image in diffusers has no block-only twin
     comfyui_judge = None
+    kohya_converter = "_convert_kohya_flux2_lora_to_diffusers"  # diffusers' reader of kohya names (lora_unet_)
     released = "klein_4b"  # the params of a released model of this family (FluxKleinParams.klein_4b())
     # a module of this family's files at the released size (BFL names, D = 3072), for the other family's model
     foreign = {"diffusion_model.double_blocks.0.img_attn.proj": (3072, 3072)}
@@ -130,6 +153,47 @@ class Flux2Loras:
                 out[f"double_blocks.{m.group(2)}.{self._DOUBLE[m.group(3)]}"] = (down, up)
         for layer, parts in fused.items():
             out[layer] = (torch.cat([d for d, _ in parts]), torch.block_diag(*(u for _, u in parts)))
+        return out
+
+    def judge_pipeline(self, snapshot):
+        """diffusers' Flux2KleinPipeline of the snapshot (distilled or Base, by its model_index.json) with a
+        transformer of its own (LoRAs load into it)."""
+        import json
+        from pathlib import Path
+
+        from refs import diffusers_pipeline_for_loras
+
+        index = json.loads((Path(snapshot) / "model_index.json").read_text())
+        return diffusers_pipeline_for_loras(snapshot, distilled=index.get("is_distilled", False))
+
+    def judge_image(self, pipe, snapshot, *, prompt, latents, steps) -> np.ndarray:
+        """diffusers' image of `pipe` as it is (its LoRAs loaded), from injected latents, its size the latents'
+        (Base: its default guidance 4 and negative prompt "", as ours)."""
+        from refs import diffusers_image, diffusers_prompt_embeds
+
+        embeds = diffusers_prompt_embeds(pipe, prompt)
+        return diffusers_image(pipe, embeds, latents, 16 * latents.shape[2], steps)
+
+    def diffusers_deltas(self, deltas, reference=None) -> dict[str, np.ndarray]:
+        """Our layer -> update (our rows) to diffusers module -> update (its rows): fused q/k/v split in three,
+        the final layer's halves rolled back to [scale ; shift]; all-zero parts left out."""
+        layers = {v: k for k, v in {**self._GLOBAL}.items()}
+        inverse = {v: k for k, v in {**self._DOUBLE, **self._SINGLE}.items()}
+        out = {}
+        for layer, delta in deltas.items():
+            m = re.fullmatch(r"(double|single)_blocks\.(\d+)\.(.+)", layer)
+            if m is None:
+                name = layers[layer]
+                out[name] = np.roll(delta, delta.shape[0] // 2, 0) if name == "norm_out.linear" else delta
+            elif m.group(1) == "single":
+                out[f"single_transformer_blocks.{m.group(2)}.{inverse[m.group(3)]}"] = delta
+            elif m.group(3).endswith("attn.qkv"):
+                rows = delta.shape[0] // 3
+                for name, (fused, part) in self._QKV.items():
+                    if fused == m.group(3) and np.any(delta[part * rows : (part + 1) * rows]):
+                        out[f"transformer_blocks.{m.group(2)}.{name}"] = delta[part * rows : (part + 1) * rows]
+            else:
+                out[f"transformer_blocks.{m.group(2)}.{inverse[m.group(3)]}"] = delta
         return out
 
     def lokr(self, path, rng, params) -> dict[str, np.ndarray]:
@@ -187,6 +251,7 @@ class Flux3Loras:
     # diffusers' FLUX 3 converter maps only block linears (`_convert_non_diffusers_flux3_lora_to_diffusers`): a
     # comfyui file reads there as the block-only BFL file of the same adapter
     comfyui_judge = "bfl-blocks"
+    kohya_converter = None  # diffusers 0.42.1 reads no kohya FLUX 3 names
     released = None  # Flux3Params(): the released size
     foreign = {"diffusion_model.content_mode_blocks.image.1.q_proj": (3072, 3072)}
 
@@ -194,6 +259,28 @@ class Flux3Loras:
         from flux_klein_mlx.models.flux3.transformer import flux3_name
 
         return {flux3_name(name): (down, roll_final(name, up)) for name, (down, up) in pairs(sd).items()}
+
+    def judge_pipeline(self, snapshot):
+        """diffusers' FLUX 3 modular pipeline of the snapshot (the session's: a test unloads what it loads)."""
+        from flux3_refs import flux3_pipeline
+
+        return flux3_pipeline(snapshot)
+
+    def judge_image(self, pipe, snapshot, *, prompt, latents, steps) -> np.ndarray:
+        from flux3_refs import flux3_reference
+
+        return flux3_reference(snapshot, prompt=prompt, latents=latents, steps=steps)
+
+    def diffusers_deltas(self, deltas, reference) -> dict[str, np.ndarray]:
+        """Our layer -> update (our rows) to diffusers module -> update: one module per layer (names from the
+        reference's Linears through flux3_name), the final layer's halves rolled back to [scale ; shift]."""
+        from flux_klein_mlx.models.flux3.transformer import flux3_name
+
+        names = {flux3_name(n): n for n in linear_names(reference)}
+        return {
+            names[layer]: np.roll(delta, delta.shape[0] // 2, 0) if names[layer] == "norm_out.linear" else delta
+            for layer, delta in deltas.items()
+        }
 
     def lokr(self, path, rng, params) -> dict[str, np.ndarray]:
         """LyCORIS LoKr on FLUX 3 names (BFL, diffusers' norm_out with its halves swapped, LyCORIS' underscored
@@ -254,6 +341,21 @@ def save_diffusers(mixin: str, folder, sd, config) -> str:
     config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
     getattr(diffusers.loaders, mixin).save_lora_weights(folder, sd, transformer_lora_adapter_metadata=config)
     return str(folder / "pytorch_lora_weights.safetensors")
+
+
+def diffusers_lora_image(kit, pipe, snapshot, files: list[tuple[str, float]], **run) -> np.ndarray:
+    """diffusers' image of the family's pipeline `pipe` (the lora kit's `judge_pipeline`) with `files` [(path, scale)]
+    loaded by its `load_lora_weights` and weighted by `set_adapters`, unloaded after; `run`: prompt, latents, steps."""
+    names = [f"l{i}" for i in range(len(files))]
+    for (path, _), name in zip(files, names, strict=True):
+        pipe.load_lora_weights(str(path), adapter_name=name)
+    try:
+        if files:
+            pipe.set_adapters(names, [s for _, s in files])
+        return kit.judge_image(pipe, snapshot, **run)
+    finally:
+        if files:
+            pipe.unload_lora_weights()
 
 
 def diffusers_with(mixin: str, reference, files: list[tuple[str, float]]):

@@ -14,6 +14,25 @@ from flux_klein_mlx.family import family_of
 from flux_klein_mlx.train.step.objective import batch_loss, sigmas_from_draws
 
 GRID = (4, 3)  # h, w of the target's token grid (a 48 x 64 px image)
+SHORT = "a striped test card"
+LONG = "a striped test card on a wooden easel in a quiet room, " * 12  # past 80 tokens: FLUX 3's window of 160
+
+
+def card_folders(root):
+    """Four 64 x 64 striped cards with captions of two window lengths (photos/), and a control folder of noise
+    pictures of the same names (before/): (photos, before)."""
+    from PIL import Image
+
+    d, c = root / "photos", root / "before"
+    d.mkdir(), c.mkdir()
+    g = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:64, 0:64]
+    for i in range(4):
+        base = np.stack([xx * 4 % 256, yy * 4 % 256, (xx + yy) * 2 % 256], -1).astype(np.uint8)
+        Image.fromarray(np.roll(base, 9 * i, axis=1)).save(d / f"im{i}.png")
+        (d / f"im{i}.txt").write_text(LONG if i % 2 else SHORT)
+        Image.fromarray((g.random((64, 64, 3)) * 255).astype(np.uint8)).save(c / f"im{i}.png")
+    return d, c
 
 
 def training_batch(case: str, context_dim: int, seed: int = 3):
