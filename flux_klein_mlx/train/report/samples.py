@@ -271,17 +271,7 @@ class SampleImages:
         except (OSError, ValueError, AttributeError):
             return None
         self.baselines = images
-        n = len(paths)
-        return SamplesSaved(
-            step=0,
-            paths=paths,
-            changes=[None] * n,
-            strengths=[None] * n,
-            peak_memory=0,
-            added_memory=None,
-            model=self.info.name,
-            kept=True,
-        )
+        return self._baseline_saved(paths, peak=0, kept=True)
 
     def baseline(self, resumed: bool = False) -> SamplesSaved:
         """samples/step-000000-K.png: each prompt without the LoRA; a resume keeps those of the run's start
@@ -305,6 +295,10 @@ class SampleImages:
             paths.append(self._save(sample_name(0, k, None), image, record))
             self.baselines.append(np.asarray(image, dtype=np.float32))
             peak = max(peak, p)
+        return self._baseline_saved(paths, peak=peak)
+
+    def _baseline_saved(self, paths: list[Path], *, peak: int, kept: bool = False) -> SamplesSaved:
+        """The event of the baseline images at `paths` (no LoRA: no change, no strength; before step 1)."""
         n = len(paths)
         return SamplesSaved(
             step=0,
@@ -314,6 +308,7 @@ class SampleImages:
             peak_memory=peak,
             added_memory=None,
             model=self.info.name,
+            kept=kept,
         )
 
     def sample(self, step: int, lora, trained_peak: int, header: dict[str, str]) -> SamplesSaved:
