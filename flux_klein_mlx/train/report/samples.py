@@ -55,11 +55,10 @@ from ...models.quantize import already_quantized
 from ...record.output import read_record, write_image
 from ...run.components import check_weights
 from ...run.loading import ModelInfo, describe
-from ...storage.files import write_replacing
 from ...storage.weights import save_safetensors_streaming
 from ..data.dataset import check_picture
 from ..settings import TrainSettings
-from ..state import way_back, write_atomic
+from ..state import write_atomic
 
 # A LoRA whose samples differ from the baseline by less than this mean |pixel difference| (of 255)
 # changes almost nothing: at strength 1 a LoRA that has learned anything moves far more pixels.
@@ -370,7 +369,8 @@ class SampleImages:
             dtype=as_dtype(settings.save_dtype or settings.dtype),
             header=header,
         )
-        write_sample_lora(path, tensors, metadata, settings.work_dir)
+        # through a temporary name: a full disk is one line naming the way back, and no part of the file stays
+        write_atomic(path, lambda tmp: save_safetensors_streaming(tmp, tensors, metadata=metadata), settings.work_dir)
         return path
 
     def _warn_if_weak(self, step: int, changes: list[float]) -> None:
@@ -385,14 +385,3 @@ class SampleImages:
 
 def sample_lora_name(step: int) -> str:
     return f"step-{step:06d}.safetensors"
-
-
-def write_sample_lora(path: Path, tensors: dict, header: dict, work_dir: Path) -> None:
-    """The adapter file a sample point keeps (and the sample model loads), written through a temporary name;
-    a full disk is one line naming the way back (state.way_back), and no part of the file stays."""
-    try:
-        write_replacing(path, lambda tmp: save_safetensors_streaming(tmp, tensors, metadata=header))
-    except OSError as e:
-        raise FluxKleinError(
-            f"cannot write the sample LoRA {path} ({e.strerror or e}); {way_back(Path(work_dir))}"
-        ) from None
