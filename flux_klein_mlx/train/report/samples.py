@@ -132,8 +132,7 @@ def sample_references(settings: TrainSettings, items: list, held_out: list) -> l
             if not p.is_file():
                 raise FluxKleinError(f"--sample-image {p} is not a file; give a reference image for the samples")
             check_picture(p, "--sample-image")
-        per_prompt = [paths[k * n : (k + 1) * n] for k in range(prompts)] if len(paths) > n else [paths] * prompts
-        return per_prompt
+        return [paths[k * n : (k + 1) * n] for k in range(prompts)] if len(paths) > n else [paths] * prompts
     if held_out and held_out[0].controls:
         return [[c.path for c in held_out[0].controls]] * prompts
     first = items[0]
@@ -149,24 +148,9 @@ def generate_command(
     record: dict, source: str, lora: Path | None, *, strength: float | None = None, references: list[Path] = ()
 ) -> str:
     """The `generate` command line that makes the image of `record` (a sample's own settings)."""
-    args = [
-        "python",
-        "-m",
-        "flux_klein_mlx",
-        "generate",
-        "--model",
-        source,
-        "--prompt",
-        record["prompt"],
-        "--seed",
-        str(record["seed"]),
-        "--width",
-        str(record["width"]),
-        "--height",
-        str(record["height"]),
-        "--steps",
-        str(record["steps"]),
-    ]
+    args = ["python", "-m", "flux_klein_mlx", "generate", "--model", source, "--prompt", record["prompt"]]
+    for option in ("seed", "width", "height", "steps"):  # the record's keys are the options' names
+        args += [f"--{option}", str(record[option])]
     if record["quantize"]:
         args += ["--quantize", str(record["quantize"])]
     for image in references:
