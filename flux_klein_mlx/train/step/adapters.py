@@ -211,16 +211,12 @@ class TrainableLoRA(TrainedAdapters):
                 out[f"{slot.name}.{role}"] = (layer[ROLE_LISTS[role]], term.places[role])
         return out
 
-    def pair(self, name: str) -> tuple[mx.array, mx.array]:
-        """Slot `name`'s (A (r, in), B (out, r)), the float32 masters."""
-        layer, term = self.where[name]
-        return layer[ROLE_LISTS["down"]][term.places["down"]], layer[ROLE_LISTS["up"]][term.places["up"]]
-
     def terms(self) -> list[Term]:
         """The adapters as updates of our layers (`factor · B @ A` on each slot's rows): what lora/ writes."""
+        masters = self.arrays()  # float32: the masters themselves
         terms = []
         for slot in self.slots:
-            a, b = self.pair(slot.name)
+            a, b = masters[f"{slot.name}.down"], masters[f"{slot.name}.up"]
             terms.append(Term(slot.layer, slot.rows, self.alpha / self.rank, down=a, up=b, key=slot.name))
         return terms
 
