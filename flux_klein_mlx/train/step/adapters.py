@@ -420,11 +420,6 @@ class TrainableLoKr(TrainedAdapters):
     def num_parameters(self) -> int:
         return sum(shape.num_parameters for _, _, shape in self.where.values())
 
-    def factors(self, path: str) -> dict[str, mx.array]:
-        """Layer `path`'s trained factors, role -> the float32 master (w1, w2 or w2_a and w2_b)."""
-        layer, term, _ = self.where[path]
-        return {role: layer[ROLE_LISTS[role]][i] for role, i in term.places.items()}
-
     def places(self) -> dict[str, tuple[list, int]]:
         return {
             f"{path}.{role}": (layer[ROLE_LISTS[role]], i)
@@ -434,9 +429,10 @@ class TrainableLoKr(TrainedAdapters):
 
     def terms(self) -> list[Term]:
         """The adapters as updates of whole layers (`factor · kron(w1, w2)`): what lora/ writes."""
+        masters = self.arrays()  # float32: the masters themselves
         terms = []
         for path, (_, term, _) in self.where.items():
-            f = self.factors(path)
+            f = {role: masters[f"{path}.{role}"] for role in term.places}  # w1, w2 or w2_a and w2_b
             w2 = f["w2"] if "w2" in f else f["w2_a"] @ f["w2_b"]  # (c, r) @ (r, d), float32
             pair = {"w2_a": f.get("w2_a"), "w2_b": f.get("w2_b")}
             terms.append(Term(path, term.rows, term.factor, w1=f["w1"], w2=w2, key=path, **pair))
