@@ -122,17 +122,10 @@ def reference_pass_flops(params: FluxKleinParams, reference_tokens: int) -> Flop
     """FLOPs of klein 9B-KV's reference pass (`FluxKlein.reference_kv`): the reference tokens
     alone through every block, attending only to themselves (counted whole; MLX skips the last
     block's MLP, 1-2 % of it)."""
-    D, R = params.hidden_size, reference_tokens
-    f = transformer_step_flops(
-        hidden=D,
-        depth=params.depth,
-        depth_single=params.depth_single,
-        image_tokens=R,
-        text_tokens=0,
-        mlp_ratio=params.mlp_ratio,
-    )
+    R = reference_tokens
+    f = klein_step_flops(params, image_tokens=R, text_tokens=0)
     return Flops(
-        linear=f.linear, attention=f.attention, other=2.0 * R * params.in_channels * D
+        linear=f.linear, attention=f.attention, other=2.0 * R * params.in_channels * params.hidden_size
     )  # input projection only
 
 
@@ -192,17 +185,28 @@ def flops_of_transformer(
     cached_references: bool = False,
 ) -> Flops:
     """`transformer_step_flops` for a `FluxKleinParams` at a width×height image."""
+    return klein_step_flops(
+        params,
+        image_tokens=math.prod(token_grid(width, height)),
+        text_tokens=text_tokens,
+        reference_tokens=reference_tokens,
+        cached_references=cached_references,
+    )
+
+
+def klein_step_flops(params, *, image_tokens: int, text_tokens: int, **references) -> Flops:
+    """`transformer_step_flops` with the sizes of a `FluxKleinParams` (`references`: reference_tokens,
+    cached_references)."""
     return transformer_step_flops(
         hidden=params.hidden_size,
         depth=params.depth,
         depth_single=params.depth_single,
-        image_tokens=math.prod(token_grid(width, height)),
+        image_tokens=image_tokens,
         text_tokens=text_tokens,
         mlp_ratio=params.mlp_ratio,
         context_dim=params.context_in_dim,
         in_channels=params.in_channels,
-        reference_tokens=reference_tokens,
-        cached_references=cached_references,
+        **references,
     )
 
 
@@ -261,15 +265,10 @@ def flux2_denoise_flops(
     klein 9B-KV with references runs its reference pass once per image."""
     step = NO_FLOPS
     for T in text_tokens:
-        step = step + transformer_step_flops(
-            hidden=params.hidden_size,
-            depth=params.depth,
-            depth_single=params.depth_single,
+        step = step + klein_step_flops(
+            params,
             image_tokens=image_tokens,
             text_tokens=T,
-            mlp_ratio=params.mlp_ratio,
-            context_dim=params.context_in_dim,
-            in_channels=params.in_channels,
             reference_tokens=reference_tokens,
             cached_references=cached_references,
         )

@@ -78,10 +78,6 @@ class RandomTokens:
         rows = (ids, mx.broadcast_to(real, (n, L)), mx.broadcast_to(positions, (n, L)))
         return Tokens(*(a.astype(mx.int32) for a in rows))
 
-    def __call__(self, prompts, max_length: int = 512) -> tuple[mx.array, mx.array]:
-        tokens = self.tokens(prompts, TextWindow(max_length))
-        return tokens.ids, tokens.mask
-
 
 def random_pipeline(
     variant: Variant,

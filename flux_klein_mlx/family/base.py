@@ -57,7 +57,6 @@ class Family(Protocol):
     key: str  # "flux2" | "flux3": what a converted folder and a record name
     title: str  # "FLUX.2 [klein]" | "FLUX 3 Image Klein"
     params_type: type  # the transformer's hyper-parameter dataclass
-    max_references: int | None  # how many reference images a run may give (None: as memory allows)
     text_taps: tuple[int, ...]  # the text encoder's decoder layers (1-based) whose states are stacked per token
     text_window: object  # models/tokenizer.TextWindow: how a prompt fills the window the transformer reads
     text_key: dict  # what the prompt cache's key adds for this family's embeddings

@@ -24,6 +24,17 @@ def from_dict(cls, d: dict, renames: dict[str, str] | None = None):
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in pairs if k in names})
 
 
+# diffusers transformer config names -> ours (BFL's) that every family shares; each adds its timestep width's name
+DIFFUSERS_TRANSFORMER_NAMES = {
+    "num_layers": "depth",
+    "num_single_layers": "depth_single",
+    "joint_attention_dim": "context_in_dim",
+    "axes_dims_rope": "axes_dim",
+    "rope_theta": "theta",
+    "num_attention_heads": "num_heads",
+}
+
+
 def transformer_from_dict(cls, d: dict, renames: dict[str, str]):
     """`from_dict` of a diffusers transformer config (any family): diffusers gives heads and head dim where
     we keep the hidden size (their product)."""

@@ -279,16 +279,22 @@ def check_disk_space(output: Path, needed: int, what: str = "the output") -> Non
         )
 
 
-def _writer_alive(folder: Path) -> bool:
-    try:
-        pid = int((folder / TMP_MARKER).read_text().strip())
-    except (OSError, ValueError):
-        return False
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host (signal 0 checks without sending anything)."""
     try:
         os.kill(pid, 0)
-    except OSError as e:  # PermissionError: it runs, as another user
-        return not isinstance(e, ProcessLookupError)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it runs, as another user
+        return True
     return True
+
+
+def _writer_alive(folder: Path) -> bool:
+    try:
+        return pid_alive(int((folder / TMP_MARKER).read_text().strip()))
+    except (OSError, ValueError):
+        return False
 
 
 def remove_stale_temporaries(output: Path) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -127,22 +128,14 @@ def plan_memory(
     available, source = machine_memory()
     batch = settings.batch_size if batch is None else batch
 
-    def sized(bits, low_memory, resolution) -> tuple[int, int]:  # (peak, weights)
-        return step_peak(
-            params,
-            trainable,
-            resolution=resolution,
-            bits=bits,
-            low_memory=low_memory,
-            batch=batch,
-            controls=controls,
-            group_size=settings.group_size,
-        )
+    # (peak, weights) of a step of this run at `bits`, `low_memory`, `resolution`
+    sized = partial(step_peak, params, trainable, batch=batch, controls=controls, group_size=settings.group_size)
 
-    peak = lambda bits, low_memory, resolution: sized(bits, low_memory, resolution)[0]  # noqa: E731
+    def peak(bits, low_memory, resolution) -> int:
+        return sized(bits=bits, low_memory=low_memory, resolution=resolution)[0]
 
     size = max(settings.resolutions)
-    planned, weights = sized(bits, settings.low_memory, size)
+    planned, weights = sized(bits=bits, low_memory=settings.low_memory, resolution=size)
     remedies: list[str] = []
     if planned > available:
         tries = []  # (the options to add, bits, low_memory, resolution)

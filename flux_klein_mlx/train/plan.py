@@ -121,12 +121,11 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
     trainable = adapter_parameters(
         slots, info.params, adapter=settings.adapter, rank=settings.rank, lokr_factor=settings.lokr_factor
     )
+    read = dict(caption=settings.caption, resolution=settings.resolution, trigger=settings.trigger)
     items = scan_data(
         settings.data,
-        caption=settings.caption,
+        **read,
         controls=settings.controls,
-        resolution=settings.resolution,
-        trigger=settings.trigger,
         caption_extension=settings.caption_extension,
         repeats=settings.repeats,
     )
@@ -138,12 +137,10 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
     held_out = []
     if settings.validation:
         check_held_out(settings.validation, settings.data, settings.validation_controls, settings.controls)
-        held_out = scan_data(
+        held_out = scan_data(  # held-out captions read as the training ones
             settings.validation,
-            caption=settings.caption,
+            **read,
             controls=settings.validation_controls,
-            resolution=settings.resolution,
-            trigger=settings.trigger,  # held-out captions read as the training ones
             option="--validation",
             control_option="--validation-control",
         )

@@ -19,6 +19,7 @@ import math
 import platform
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -461,9 +462,7 @@ class Trainer:
         """Each sample prompt with the LoRA as it is now, as the output would be written (the EMA under --ema),
         on the sample model (train/report/samples.py)."""
         header = file_header(self.settings, self.info, items=self.items, steps=self.step_no, started_at=self.started_at)
-        if self.ema is None:
-            return self.sample_images.sample(self.step_no, self.lora, self.trained_peak, header)
-        with self.ema.in_adapters(self.lora):
+        with self.ema.in_adapters(self.lora) if self.ema else nullcontext():
             return self.sample_images.sample(self.step_no, self.lora, self.trained_peak, header)
 
     def record(self, **extra) -> dict:

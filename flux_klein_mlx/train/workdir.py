@@ -34,6 +34,7 @@ from ..storage.files import (
     claim_folder,
     is_temporary_file,
     open_no_follow,
+    pid_alive,
 )
 from .report.metrics import METRICS_FILE, TENSORBOARD_FOLDER
 
@@ -143,16 +144,6 @@ def _describe_holder(h: dict | None) -> str:
     )
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: it runs, as another user
-        return True
-    return True
-
-
 def _try_flock(fd: int, holder: dict | None, mode: int = fcntl.LOCK_EX) -> bool:
     """Take the lock on `fd` without waiting: True when no live run holds it. Where the volume has
     no locks (some network shares), the pid decides, on this host; another host's lock is kept."""
@@ -172,7 +163,7 @@ def holder_gone(holder: dict | None) -> bool:
     host and its pid no longer runs (or the lock names no run). Another host's run cannot be checked."""
     if holder is None:
         return True
-    return holder["host"] == socket.gethostname() and not _pid_alive(holder["pid"])
+    return holder["host"] == socket.gethostname() and not pid_alive(holder["pid"])
 
 
 def _busy(path: Path, holder: dict | None) -> FluxKleinError:

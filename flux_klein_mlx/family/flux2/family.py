@@ -90,7 +90,6 @@ class Flux2Family:
     )
     class_prefix = "Flux2"
     params_type = FluxKleinParams
-    max_references = None
     text_taps = OUT_LAYERS
     text_window = FLUX2_WINDOW
     text_key = {}  # what the prompt cache's key adds: nothing, so the keys written before families stay valid

@@ -29,7 +29,7 @@ from ...models.tokenizer import FLUX3_WINDOW
 from ...sampling import cfg, flow_timestep, shifted_schedule
 from ..base import LoraNames
 from .lora import FLUX3_MARKERS, flux3_check, flux3_modules, flux3_table, guess_params
-from .references import FLUX3_MAX_REFERENCES, prepare_flux3_references
+from .references import prepare_flux3_references
 
 SHIFT = 6.93  # diffusers' Flux3SetTimestepsStep and mflux: sigma' = 6.93 sigma / (1 + 5.93 sigma)
 # what the memory plan counts for a caption before it is encoded: two windows of 80 (about 100 words)
@@ -96,7 +96,6 @@ class Flux3Family:
     )
     class_prefix = "Flux3"
     params_type = Flux3Params
-    max_references = FLUX3_MAX_REFERENCES
     text_taps = FLUX3_TAPS
     text_window = FLUX3_WINDOW
     # what the prompt cache's key adds: the taps and the window rule decide the embeddings too

@@ -57,10 +57,9 @@ def flux3_check(names: list[str], params, what: str) -> None:
 def guess_params(keys, widths: dict[str, int]) -> list[Flux3Params]:
     """The FLUX 3 Image Klein transformer a LoRA may be for: the released one for its hidden size (the distilled
     one when the file adapts the target-time embedder), else one of the file's own widths and block counts."""
-    bare = widths
-    extra = {f: w for f, ends in _WIDTHS3.items() if (w := next((w for k, w in bare.items() if k.endswith(ends)), 0))}
+    extra = {f: w for f, ends in _WIDTHS3.items() if (w := next((w for k, w in widths.items() if k.endswith(ends)), 0))}
     flow_map = any(re.search(r"(?:ref_time_in|target_timestep_embedder)[._]", k) for k in keys)
-    mlp = next((w for k, w in bare.items() if k.endswith(("mlp_out", "ff.linear_out", "ff_linear_out"))), None)
+    mlp = next((w for k, w in widths.items() if k.endswith(("mlp_out", "ff.linear_out", "ff_linear_out"))), None)
     depth = max((int(m.group(1)) + 1 for k in keys if (m := _MODE.search(k))), default=0)
     single = max((int(m.group(1)) + 1 for k in keys if (m := SINGLE_BLOCK.search(k))), default=0)
     candidates = []

@@ -12,20 +12,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..config import QWEN3_4B, AutoEncoderConfig, Qwen3Config, TransformerParams, Variant
+from ..config import DIFFUSERS_TRANSFORMER_NAMES, QWEN3_4B, AutoEncoderConfig, Qwen3Config, TransformerParams, Variant
 
 # --- the flow transformer ------------------------------------------------------------------------
 
 # diffusers `transformer/config.json` names -> ours (BFL's)
-DIFFUSERS_TRANSFORMER = {
-    "num_layers": "depth",
-    "num_single_layers": "depth_single",
-    "joint_attention_dim": "context_in_dim",
-    "axes_dims_rope": "axes_dim",
-    "rope_theta": "theta",
-    "timestep_guidance_channels": "time_channels",
-    "num_attention_heads": "num_heads",
-}
+DIFFUSERS_TRANSFORMER = {**DIFFUSERS_TRANSFORMER_NAMES, "timestep_guidance_channels": "time_channels"}
 
 
 @dataclass

@@ -15,18 +15,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..config import QWEN3_4B, AutoEncoderConfig, TransformerParams, Variant
+from ..config import DIFFUSERS_TRANSFORMER_NAMES, QWEN3_4B, AutoEncoderConfig, TransformerParams, Variant
 
 # diffusers `Flux3Transformer2DModel` config names -> ours; `attention_head_dim` is folded into hidden_size.
-FLUX3_DIFFUSERS_CONFIG = {
-    "num_layers": "depth",
-    "num_single_layers": "depth_single",
-    "joint_attention_dim": "context_in_dim",
-    "axes_dims_rope": "axes_dim",
-    "rope_theta": "theta",
-    "timestep_channels": "time_channels",
-    "num_attention_heads": "num_heads",
-}
+FLUX3_DIFFUSERS_CONFIG = {**DIFFUSERS_TRANSFORMER_NAMES, "timestep_channels": "time_channels"}
 
 
 @dataclass

@@ -55,11 +55,10 @@ from ...models.quantize import already_quantized
 from ...record.output import read_record, write_image
 from ...run.components import check_weights
 from ...run.loading import ModelInfo, describe
-from ...storage.files import write_replacing
 from ...storage.weights import save_safetensors_streaming
 from ..data.dataset import check_picture
 from ..settings import TrainSettings
-from ..state import way_back, write_atomic
+from ..state import write_atomic
 
 # A LoRA whose samples differ from the baseline by less than this mean |pixel difference| (of 255)
 # changes almost nothing: at strength 1 a LoRA that has learned anything moves far more pixels.
@@ -133,8 +132,7 @@ def sample_references(settings: TrainSettings, items: list, held_out: list) -> l
             if not p.is_file():
                 raise FluxKleinError(f"--sample-image {p} is not a file; give a reference image for the samples")
             check_picture(p, "--sample-image")
-        per_prompt = [paths[k * n : (k + 1) * n] for k in range(prompts)] if len(paths) > n else [paths] * prompts
-        return per_prompt
+        return [paths[k * n : (k + 1) * n] for k in range(prompts)] if len(paths) > n else [paths] * prompts
     if held_out and held_out[0].controls:
         return [[c.path for c in held_out[0].controls]] * prompts
     first = items[0]
@@ -150,24 +148,9 @@ def generate_command(
     record: dict, source: str, lora: Path | None, *, strength: float | None = None, references: list[Path] = ()
 ) -> str:
     """The `generate` command line that makes the image of `record` (a sample's own settings)."""
-    args = [
-        "python",
-        "-m",
-        "flux_klein_mlx",
-        "generate",
-        "--model",
-        source,
-        "--prompt",
-        record["prompt"],
-        "--seed",
-        str(record["seed"]),
-        "--width",
-        str(record["width"]),
-        "--height",
-        str(record["height"]),
-        "--steps",
-        str(record["steps"]),
-    ]
+    args = ["python", "-m", "flux_klein_mlx", "generate", "--model", source, "--prompt", record["prompt"]]
+    for option in ("seed", "width", "height", "steps"):  # the record's keys are the options' names
+        args += [f"--{option}", str(record[option])]
     if record["quantize"]:
         args += ["--quantize", str(record["quantize"])]
     for image in references:
@@ -271,17 +254,7 @@ class SampleImages:
         except (OSError, ValueError, AttributeError):
             return None
         self.baselines = images
-        n = len(paths)
-        return SamplesSaved(
-            step=0,
-            paths=paths,
-            changes=[None] * n,
-            strengths=[None] * n,
-            peak_memory=0,
-            added_memory=None,
-            model=self.info.name,
-            kept=True,
-        )
+        return self._baseline_saved(paths, peak=0, kept=True)
 
     def baseline(self, resumed: bool = False) -> SamplesSaved:
         """samples/step-000000-K.png: each prompt without the LoRA; a resume keeps those of the run's start
@@ -305,6 +278,10 @@ class SampleImages:
             paths.append(self._save(sample_name(0, k, None), image, record))
             self.baselines.append(np.asarray(image, dtype=np.float32))
             peak = max(peak, p)
+        return self._baseline_saved(paths, peak=peak)
+
+    def _baseline_saved(self, paths: list[Path], *, peak: int, kept: bool = False) -> SamplesSaved:
+        """The event of the baseline images at `paths` (no LoRA: no change, no strength; before step 1)."""
         n = len(paths)
         return SamplesSaved(
             step=0,
@@ -314,6 +291,7 @@ class SampleImages:
             peak_memory=peak,
             added_memory=None,
             model=self.info.name,
+            kept=kept,
         )
 
     def sample(self, step: int, lora, trained_peak: int, header: dict[str, str]) -> SamplesSaved:
@@ -375,7 +353,8 @@ class SampleImages:
             dtype=as_dtype(settings.save_dtype or settings.dtype),
             header=header,
         )
-        write_sample_lora(path, tensors, metadata, settings.work_dir)
+        # through a temporary name: a full disk is one line naming the way back, and no part of the file stays
+        write_atomic(path, lambda tmp: save_safetensors_streaming(tmp, tensors, metadata=metadata), settings.work_dir)
         return path
 
     def _warn_if_weak(self, step: int, changes: list[float]) -> None:
@@ -390,14 +369,3 @@ class SampleImages:
 
 def sample_lora_name(step: int) -> str:
     return f"step-{step:06d}.safetensors"
-
-
-def write_sample_lora(path: Path, tensors: dict, header: dict, work_dir: Path) -> None:
-    """The adapter file a sample point keeps (and the sample model loads), written through a temporary name;
-    a full disk is one line naming the way back (state.way_back), and no part of the file stays."""
-    try:
-        write_replacing(path, lambda tmp: save_safetensors_streaming(tmp, tensors, metadata=header))
-    except OSError as e:
-        raise FluxKleinError(
-            f"cannot write the sample LoRA {path} ({e.strerror or e}); {way_back(Path(work_dir))}"
-        ) from None

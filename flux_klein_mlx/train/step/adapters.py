@@ -144,14 +144,44 @@ def _token_slots(token: str, slots: list[Slot], params, family) -> list[str]:
     return [slot.name for slot in slots if _matches(token, slot)]
 
 
-class TrainableLoRA:
-    """The adapters attached to a model: which slot each (A, B) pair is, and the terms its files hold."""
+class TrainedAdapters:
+    """What both kinds of trainable adapters share: every trained tensor under one key (`arrays()`), where it
+    lives (`places()`), and setting them all from such arrays, checked."""
 
-    kind = "lora"
+    title = "adapters"  # what a refusal calls them
 
     def __init__(self, slots: list[Slot], *, rank: int, alpha: float, where: dict, params):
         self.slots, self.rank, self.alpha, self.params = slots, rank, alpha, params
-        self._where = where  # slot name -> (its layer, its term there)
+        self.where = where  # the kind's own: where each adapter's term is (TrainableLoRA, TrainableLoKr)
+
+    def places(self) -> dict[str, tuple[list, int]]:
+        """key -> (the list of its LoRA layer that holds the float32 master, its index there)."""
+        raise NotImplementedError
+
+    def arrays(self, dtype=mx.float32) -> dict[str, mx.array]:
+        """Every trained tensor by key (the kind says which): the trained values (EMA, broadcast), not a file."""
+        return {key: dest[i].astype(dtype) for key, (dest, i) in self.places().items()}
+
+    def load(self, arrays: dict[str, mx.array], what: str) -> None:
+        """Set every tensor from `arrays` (the keys of `arrays()`), float32; shapes and names checked."""
+        places = self.places()
+        if set(arrays) != set(places):
+            missing = sorted(set(places) - set(arrays)) or sorted(set(arrays) - set(places))
+            raise FluxKleinError(
+                f"{what} does not hold this run's {self.title} ({missing[0]}, ...); it is from another run"
+            )
+        for key, (dest, i) in places.items():
+            if arrays[key].shape != dest[i].shape:
+                raise FluxKleinError(f"{what}: {key} has shape {arrays[key].shape}, not {dest[i].shape}")
+            dest[i] = arrays[key].astype(mx.float32)
+
+
+class TrainableLoRA(TrainedAdapters):
+    """The adapters attached to a model: which slot each (A, B) pair is, and the terms its files hold.
+    `arrays()`: `{slot}.down` (r, in) and `{slot}.up` (out, r)."""
+
+    kind = "lora"
+    # where: slot name -> (its layer, its term there)
 
     @property
     def count(self) -> int:
@@ -166,49 +196,27 @@ class TrainableLoRA:
         """slot name -> the paths of its A and B in the model's parameter tree (as `tree_flatten` spells them)."""
         out = {}
         for slot in self.slots:
-            layer, term = self._where[slot.name]
+            layer, term = self.where[slot.name]
             out[slot.name] = (
                 f"{slot.layer}.{layer.factor_path(term, 'down')}",
                 f"{slot.layer}.{layer.factor_path(term, 'up')}",
             )
         return out
 
-    def pair(self, name: str) -> tuple[mx.array, mx.array]:
-        """Slot `name`'s (A (r, in), B (out, r)), the float32 masters."""
-        layer, term = self._where[name]
-        return layer[ROLE_LISTS["down"]][term.places["down"]], layer[ROLE_LISTS["up"]][term.places["up"]]
-
-    def arrays(self, dtype=mx.float32) -> dict[str, mx.array]:
-        """`{slot}.down` (r, in) and `{slot}.up` (out, r): the trained values (EMA, broadcast), not a file."""
+    def places(self) -> dict[str, tuple[list, int]]:
         out = {}
         for slot in self.slots:
-            a, b = self.pair(slot.name)
-            out[f"{slot.name}.down"], out[f"{slot.name}.up"] = a.astype(dtype), b.astype(dtype)
-        return out
-
-    def load(self, arrays: dict[str, mx.array], what: str) -> None:
-        """Set every pair from `arrays` (the keys of `arrays()`), float32; shapes and names checked."""
-        want = self.arrays()
-        if set(arrays) != set(want):
-            missing = sorted(set(want) - set(arrays)) or sorted(set(arrays) - set(want))
-            raise FluxKleinError(
-                f"{what} does not hold this run's adapters ({missing[0]}, ...); it is from another run"
-            )
-        for slot in self.slots:
-            layer, term = self._where[slot.name]
+            layer, term = self.where[slot.name]
             for role in ("down", "up"):
-                dest, i, value = layer[ROLE_LISTS[role]], term.places[role], arrays[f"{slot.name}.{role}"]
-                if value.shape != dest[i].shape:
-                    raise FluxKleinError(
-                        f"{what}: {slot.name}'s {role} matrix has shape {value.shape}, not {dest[i].shape}"
-                    )
-                dest[i] = value.astype(mx.float32)
+                out[f"{slot.name}.{role}"] = (layer[ROLE_LISTS[role]], term.places[role])
+        return out
 
     def terms(self) -> list[Term]:
         """The adapters as updates of our layers (`factor · B @ A` on each slot's rows): what lora/ writes."""
+        masters = self.arrays()  # float32: the masters themselves
         terms = []
         for slot in self.slots:
-            a, b = self.pair(slot.name)
+            a, b = masters[f"{slot.name}.down"], masters[f"{slot.name}.up"]
             terms.append(Term(slot.layer, slot.rows, self.alpha / self.rank, down=a, up=b, key=slot.name))
         return terms
 
@@ -391,18 +399,17 @@ def lokr_layers(slots: list[Slot], params) -> list[str]:
     return list(covered)
 
 
-class TrainableLoKr:
+class TrainableLoKr(TrainedAdapters):
     """LoKr adapters attached to a model: per layer w1 and w2 (or w2's pair), and the terms its files hold.
+    `arrays()`: `<layer>.w1` (a, b), `.w2` (c, d) or `.w2_a` (c, r) + `.w2_b` (r, d).
 
     Checkpoints hold the factors as trained, in LyCORIS' encoding (lora/layouts, the ComfyUI layout):
     it resumes bit for bit and loads anywhere.
     """
 
     kind = "lokr"
-
-    def __init__(self, slots, *, rank: int, alpha: float, where: dict, params):
-        self.slots, self.rank, self.alpha, self.params = slots, rank, alpha, params
-        self.where = where  # our layer -> (its LoRA layer, its term, its factorization)
+    title = "LoKr adapters"
+    # where: our layer -> (its LoRA layer, its term, its factorization)
 
     @property
     def count(self) -> int:
@@ -413,35 +420,19 @@ class TrainableLoKr:
     def num_parameters(self) -> int:
         return sum(shape.num_parameters for _, _, shape in self.where.values())
 
-    def factors(self, path: str) -> dict[str, mx.array]:
-        """Layer `path`'s trained factors, role -> the float32 master (w1, w2 or w2_a and w2_b)."""
-        layer, term, _ = self.where[path]
-        return {role: layer[ROLE_LISTS[role]][i] for role, i in term.places.items()}
-
-    def arrays(self, dtype=mx.float32) -> dict[str, mx.array]:
-        """`<layer>.w1` (a, b), `.w2` (c, d) or `.w2_a` (c, r) + `.w2_b` (r, d): the trained values, not a file."""
-        return {f"{path}.{role}": v.astype(dtype) for path in self.where for role, v in self.factors(path).items()}
-
-    def load(self, arrays: dict[str, mx.array], what: str) -> None:
-        """Set every factor from `arrays` (the keys of `arrays()`), float32; shapes and names checked."""
-        want = self.arrays()
-        if set(arrays) != set(want):
-            odd = sorted(set(want) ^ set(arrays))
-            raise FluxKleinError(
-                f"{what} does not hold this run's LoKr adapters ({odd[0]}, ...); it is from another run"
-            )
-        for path, (layer, term, _) in self.where.items():
-            for role, i in term.places.items():
-                key, dest = f"{path}.{role}", layer[ROLE_LISTS[role]]
-                if arrays[key].shape != dest[i].shape:
-                    raise FluxKleinError(f"{what}: {path}'s {role} has shape {arrays[key].shape}, not {dest[i].shape}")
-                dest[i] = arrays[key].astype(mx.float32)
+    def places(self) -> dict[str, tuple[list, int]]:
+        return {
+            f"{path}.{role}": (layer[ROLE_LISTS[role]], i)
+            for path, (layer, term, _) in self.where.items()
+            for role, i in term.places.items()
+        }
 
     def terms(self) -> list[Term]:
         """The adapters as updates of whole layers (`factor · kron(w1, w2)`): what lora/ writes."""
+        masters = self.arrays()  # float32: the masters themselves
         terms = []
         for path, (_, term, _) in self.where.items():
-            f = self.factors(path)
+            f = {role: masters[f"{path}.{role}"] for role in term.places}  # w1, w2 or w2_a and w2_b
             w2 = f["w2"] if "w2" in f else f["w2_a"] @ f["w2_b"]  # (c, r) @ (r, d), float32
             pair = {"w2_a": f.get("w2_a"), "w2_b": f.get("w2_b")}
             terms.append(Term(path, term.rows, term.factor, w1=f["w1"], w2=w2, key=path, **pair))
