@@ -121,14 +121,13 @@ def _plan(settings: TrainSettings, w: World) -> RunPlan:
     trainable = adapter_parameters(
         slots, info.params, adapter=settings.adapter, rank=settings.rank, lokr_factor=settings.lokr_factor
     )
-    read = dict(caption=settings.caption, resolution=settings.resolution, trigger=settings.trigger)
-    items = scan_data(
-        settings.data,
-        **read,
-        controls=settings.controls,
+    read = dict(  # how captions and sizes are read: the same for the held-out images
+        caption=settings.caption,
         caption_extension=settings.caption_extension,
-        repeats=settings.repeats,
+        resolution=settings.resolution,
+        trigger=settings.trigger,
     )
+    items = scan_data(settings.data, **read, controls=settings.controls, repeats=settings.repeats)
     epoch = batches_per_epoch(items, settings.batch_size * w.size)
     settings = with_epochs(settings, epoch)
     start = {}

@@ -111,6 +111,19 @@ def test_held_out_folder_that_is_a_training_folder_refused(capsys, base, tmp_pat
         )
 
 
+@pytest.mark.usefixtures("no_models")
+def test_held_out_captions_are_read_with_the_training_caption_extension(base, tmp_path):
+    """--caption-extension .caption reads the held-out folder's captions as it reads --data's: a kohya set
+    captioned in .caption files throughout was refused as "no caption" in its validation folder."""
+    data, held_out = make_images(tmp_path / "data", captions=False), make_images(tmp_path / "held_out", captions=False)
+    for i, folder in enumerate([data, data, held_out, held_out]):
+        (folder / f"im{i % 2}.caption").write_text(f"caption {i}")
+    kw = dict(model=base, data=data, output=tmp_path / "o.safetensors", resolution=64, validation=held_out)
+    plan = plan_run(TrainSettings(**kw, caption_extension=".caption"))
+    assert [item.caption for item in plan.validation] == ["caption 2", "caption 3"]
+    assert [item.caption for item in plan.items] == ["caption 0", "caption 1"]
+
+
 @pytest.mark.parametrize(
     "layout, words",
     [
