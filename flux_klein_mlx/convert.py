@@ -44,7 +44,7 @@ from .models.quantize import already_quantized, check_quantization, quantize_mod
 from .models.tokenizer import tokenizer_files
 from .run.components import assemble_component, check_weights
 from .run.loading import COMPONENTS, FORMAT, FORMAT_VERSION, WHAT, ModelInfo, describe, is_mlx_folder
-from .storage.files import broken_link, check_disk_space, folder_transaction
+from .storage.files import check_disk_space, folder_transaction, refuse_broken_links
 from .storage.weights import save_safetensors_sharded
 from .upsample.runtime import convert_upsampler, is_upsampler
 
@@ -142,7 +142,7 @@ def convert_model(
     cast = as_dtype(dtype)
     if bits is not None:
         check_quantization(bits, group_size)
-    check_output_link(output)
+    refuse_broken_links(Path(output).expanduser(), f"--output {output}")
     info = _describe_source(model, base, vae)
     check_weights(info)  # every file's header, keys and shapes, before anything is written
     baked = load_loras(loras, info.params, lora_partial)  # all checked before anything is written
@@ -177,7 +177,7 @@ def quantize_folder(
 ) -> dict:
     """Quantize a converted MLX folder into a new one (transformer and text encoder; the VAE is copied)."""
     check_quantization(bits, group_size)
-    check_output_link(output)
+    refuse_broken_links(Path(output).expanduser(), f"--output {output}")
     info = describe(model)
     if info.format != "mlx":
         raise FluxKleinError(
@@ -217,17 +217,6 @@ def folder_meta(info: ModelInfo, dtype: str, source: dict, loras: list | None = 
         "tokenizer_source": info.tokenizer,
         "loras": loras,  # baked into the transformer (their records), or None
     }
-
-
-def check_output_link(output: str | Path) -> None:
-    """--output, or the folder it is in, as a symbolic link that loops or leads nowhere: one line before
-    anything is read (`Path.resolve` would raise RuntimeError on a loop)."""
-    out = Path(output).expanduser()
-    for p in (out.parent, out):
-        if trouble := broken_link(p):
-            raise FluxKleinError(
-                f"--output {output}: {p} is a symbolic link that {trouble}; remove it or choose another path"
-            )
 
 
 def _check_paths(sources: list[Path], output: Path, overwrite: bool) -> None:

@@ -169,11 +169,7 @@ def check_output_file(path: str | Path, option: str = "--output") -> Path:
     """Raise FluxKleinError unless a new file can be created at `path` (or next to it, if taken)."""
     path = Path(path).expanduser()
     parent = path.parent
-    for p in (parent, path):
-        if trouble := broken_link(p):
-            raise FluxKleinError(
-                f"{option} {path}: {p} is a symbolic link that {trouble}; remove it or choose another path"
-            )
+    refuse_broken_links(path, f"{option} {path}")
     if parent.exists() and not parent.is_dir():
         raise FluxKleinError(f"{option} {path}: {parent} is a file, not a folder; choose another path")
     if not parent.is_dir():
@@ -208,6 +204,14 @@ def broken_link(path: Path) -> str | None:
         if os.path.islink(path):  # not for no such name (or one too long: said below)
             return "loops" if e.errno == errno.ELOOP else "points to nothing"
     return None
+
+
+def refuse_broken_links(path: Path, what: str, instead: str = "another path") -> None:
+    """`path`, or the folder it is in, as a symbolic link that loops or leads nowhere: one line naming
+    `what` ("--output x.png") before anything is read (`Path.resolve` would raise RuntimeError on a loop)."""
+    for p in (path.parent, path):
+        if trouble := broken_link(p):
+            raise FluxKleinError(f"{what}: {p} is a symbolic link that {trouble}; remove it or choose {instead}")
 
 
 def numbered_name(path: Path, n: int) -> Path:

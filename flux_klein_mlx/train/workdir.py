@@ -28,13 +28,13 @@ from pathlib import Path
 
 from ..errors import FluxKleinError, Notice
 from ..storage.files import (
-    broken_link,
     check_owned_folder,
     check_writable,
     claim_folder,
     is_temporary_file,
     open_no_follow,
     pid_alive,
+    refuse_broken_links,
 )
 from .report.metrics import METRICS_FILE, TENSORBOARD_FOLDER
 
@@ -56,11 +56,7 @@ def check_work_dir(work_dir: Path, data, controls=()) -> None:
     folder inside one: a dataset never gains loss.png or train.json), a folder that cannot be written.
     Writes nothing that stays (a probe file is created and removed)."""
     wd = Path(work_dir)
-    for p in (wd.parent, wd):
-        if trouble := broken_link(p):
-            raise FluxKleinError(
-                f"--work-dir {wd}: {p} is a symbolic link that {trouble}; remove it or choose another --work-dir"
-            )
+    refuse_broken_links(wd, f"--work-dir {wd}", instead="another --work-dir")
     if wd.exists() and not wd.is_dir():
         raise FluxKleinError(f"--work-dir {wd} is a file; give a folder (it is created if missing)")
     if not wd.parent.is_dir():
