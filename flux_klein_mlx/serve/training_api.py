@@ -27,7 +27,7 @@ FILE_FIELDS = {"file", "purpose", "expires_after[anchor]", "expires_after[second
 
 
 class TrainingApi:
-    """The files (and, through them, the jobs) of one server's --train-dir."""
+    """The fine-tuning jobs of one server's --train-dir, and through them its uploaded files."""
 
     def __init__(self, worker, options):
         self.options = options
