@@ -1,5 +1,6 @@
 """The one exception type the CLI turns into a one-line message, the one notice category, and
-the one way such a message lists names (`first_few`: every wing words its errors with it).
+the one way such a message lists names (`first_few`) and quotes a stranger's text (`quoted`): every wing
+words its errors with them.
 
 A run's settings come through three doors, each with its own names for them: the CLI's options
 (--init-image), Python's keywords (init_image=) and the server's fields (image). A message names a
@@ -53,3 +54,8 @@ def first_few(names, n: int = 3) -> str:
     """The first `n` names for a one-line message, then ", ..." when there are more: "a, b, c, ..."."""
     names = [str(name) for name in names]
     return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
+
+
+def quoted(text: str, n: int = 60) -> str:
+    """A stranger's text for a one-line message: its repr (newlines escaped), cut at `n` characters."""
+    return repr(text[:n]) + ("..." if len(text) > n else "")

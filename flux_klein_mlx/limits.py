@@ -36,7 +36,6 @@ import os
 
 import mlx.core as mx
 
-from .checks import check_whole
 from .errors import FluxKleinError
 from .models.config import AutoEncoderConfig
 from .models.rope import PIXELS_PER_TOKEN
@@ -88,11 +87,6 @@ def check_path(path, what: str) -> None:
             f"{what} {shown} is too long for a path ({len(raw)} bytes, a name of {longest}): the limits are "
             f"{MAX_PATH_BYTES} bytes a path and {MAX_NAME_BYTES} a name; use a shorter path"
         )
-
-
-def check_steps(steps, name: str = "steps") -> None:
-    """Denoising steps: a whole number in [1, MAX_STEPS]; `name` as the door knows it (steps, --sample-steps)."""
-    check_whole(name, steps, 1, MAX_STEPS)
 
 
 # --- the largest image ----------------------------------------------------------------------------------

@@ -39,9 +39,9 @@ from ..limits import (
     MAX_REFERENCES,
     MAX_SEED,
     MAX_SIDE,
+    MAX_STEPS,
     MIN_SEED,
     check_decode_fits,
-    check_steps,
 )
 from ..models.rope import PIXELS_PER_TOKEN, token_grid
 from ..models.tokenizer import check_text
@@ -135,7 +135,7 @@ class RunSettings:
                 DEFAULT_SIZE if self.width is None else self.width, DEFAULT_SIZE if self.height is None else self.height
             )
         if self.steps is not None:
-            check_steps(self.steps)
+            check_whole("steps", self.steps, 1, MAX_STEPS)
         check_images_count(self.images)
         if self.guidance is not None:
             check_number("guidance", self.guidance, 0, hint=" (e.g. 4.0; at most 1 turns CFG off)")

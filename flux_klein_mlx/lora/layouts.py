@@ -51,10 +51,9 @@ FORMAT_NAMES = {"diffusers": "diffusers / PEFT", "bfl": "BFL names (ComfyUI / ai
                 "lokr": "LyCORIS LoKr"}  # fmt: skip
 
 
-def check_layout(layout, option: str = "--format") -> str:
-    """The layout name, or one line saying which exist."""
-    check_choice(option, layout, LAYOUTS)
-    return layout
+def check_layout(layout) -> None:
+    """One line saying which layouts exist, unless `layout` is one of them (--format)."""
+    check_choice("--format", layout, LAYOUTS)
 
 
 # --- the units of each layout ---------------------------------------------------------------------

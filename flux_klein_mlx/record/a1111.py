@@ -22,7 +22,7 @@ import re
 import unicodedata
 from pathlib import Path
 
-from ..errors import FluxKleinError, first_few
+from ..errors import FluxKleinError, first_few, quoted
 
 LORA_TAG = re.compile(r"\s*<lora:([^<>]*)>")  # A1111's extra-network syntax, for LoRAs
 PARAMETER = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')  # A1111's re_param
@@ -51,7 +51,7 @@ def split_lora_tags(prompt: str, listed=()) -> tuple[str, list[tuple[str, float]
     empty name and a name given twice are one-line errors."""
     tags: list[tuple[str, float]] = []
     for body in LORA_TAG.findall(prompt):
-        name, weight, tag = body.strip(), 1.0, _shown(f"<lora:{body}>")
+        name, weight, tag = body.strip(), 1.0, quoted(f"<lora:{body}>")
         head, colon, tail = name.rpartition(":")
         if colon and name not in listed:
             try:
@@ -65,17 +65,12 @@ def split_lora_tags(prompt: str, listed=()) -> tuple[str, list[tuple[str, float]
         if not name:
             raise FluxKleinError(f"{tag} names no LoRA; write <lora:NAME:0.8>")
         if any(name == seen for seen, _ in tags):
-            raise FluxKleinError(f"the prompt names LoRA {_shown(name)} twice; give each <lora:...> tag once")
+            raise FluxKleinError(f"the prompt names LoRA {quoted(name)} twice; give each <lora:...> tag once")
         tags.append((name, weight))
     clean = LORA_TAG.sub("", prompt).strip()
     if LORA_TAG.search(clean):  # "<lora:<lora:a>>": taking the inner tag out leaves a tag
         raise FluxKleinError("the prompt holds a <lora:...> tag inside another; write each tag as <lora:NAME:0.8>")
     return clean, tags
-
-
-def _shown(text: str) -> str:
-    """A stranger's text for a one-line message: its repr (newlines escaped), cut at 60 characters."""
-    return repr(text[:60]) + ("..." if len(text) > 60 else "")
 
 
 def resolve_lora_tags(prompt: str, lora_dir, folder_words: str | None = None) -> tuple[str, list[tuple[Path, float]]]:

@@ -37,19 +37,20 @@ from ..storage.files import write_exclusive
 from .forms import (
     EDIT_FIELDS,
     GENERATION_FIELDS,
+    MB,
     ApiError,
     bool_field,
     boxes_field,
-    check_multipart_complete,
     float_field,
     int_field,
     outpaint_field,
-    parse_json,
     parse_size,
     pick_model,
+    read_json,
+    read_multipart,
     str_field,
 )
-from .guard import MB, Guard
+from .guard import Guard
 from .jobs import EndEvent, ImageEvent, ImageRequest, NotReady, QueueFull, StageEvent, StepEvent, Worker
 from .loras import lora_files, merge_loras, prompt_loras, resolve_loras
 from .training_api import training_routes
@@ -203,24 +204,11 @@ class Server:
             raise ApiError(400, f"{name} is not a readable image; upload a PNG, JPEG or WebP file", name) from None
         raise ApiError(413, f"{name} is {w}x{h} = {w * h / 1e6:.0f} MP; the limit is {o.max_pixels / 1e6:.0f} MP", name)
 
-    async def read_json(self, request: Request) -> dict:
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MB:
-                raise ApiError(413, "the JSON body is larger than 1 MB; images go to /v1/images/edits")
-        return parse_json(body)
-
     async def read_form(self, request: Request) -> tuple[dict, list[tuple[str, bytes]], bytes | None]:
         """A multipart edit request -> (plain fields, uploaded images in order, the mask upload or None)."""
-        ctype = request.headers.get("content-type", "")
-        if not ctype.startswith("multipart/form-data"):
-            raise ApiError(400, "POST /v1/images/edits takes multipart/form-data with image file(s) and a prompt")
-        check_multipart_complete(ctype, await request.body())  # the whole body (capped), kept for form()
-        try:
-            form = await request.form(max_files=self.options.max_images + 1, max_fields=200, max_part_size=64 * 1024)
-        except HTTPException as e:  # python-multipart's refusal of a malformed body
-            raise ApiError(400, f"the multipart body is malformed: {e.detail}") from None
+        takes = "POST /v1/images/edits takes multipart/form-data with image file(s) and a prompt"
+        limits = {"max_files": self.options.max_images + 1, "max_fields": 200, "max_part_size": 64 * 1024}
+        form = await read_multipart(request, takes, whole=True, **limits)
         body, uploads, mask = {}, [], None
         try:
             for key, value in form.multi_items():
@@ -448,7 +436,7 @@ class Server:
         return response
 
     async def generation_request(self, request: Request):
-        body = await self.read_json(request)
+        body = await read_json(request, "the JSON body is larger than 1 MB; images go to /v1/images/edits")
         for key in (k for k in body if k not in GENERATION_FIELDS):
             if key in ("image", "images", "mask", "image[]"):
                 raise ApiError(

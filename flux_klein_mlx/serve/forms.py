@@ -11,6 +11,8 @@ import json
 import posixpath
 import re
 
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..errors import FluxKleinError
@@ -50,6 +52,7 @@ def shown(message: str) -> str:
     return PATH_RE.sub(r"\1", message)
 
 
+MB = 1 << 20
 # Seconds a 429 or 503 tells the client to wait (Retry-After), by its code; 5 for the others (a queue moves fast).
 RETRY_AFTER = {"fine_tuning_job_running": 60}  # a training run holds the machine for minutes or hours
 # OpenAI fields we accept and ignore (they have no meaning for this model), and our extra fields.
@@ -135,6 +138,31 @@ def parse_json(data: bytes | bytearray) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, 'the request body must be a JSON object like {"prompt": "..."}')
     return body
+
+
+async def read_json(request: Request, too_large: str = "the JSON body is larger than 1 MB") -> dict:
+    """A request's JSON object body, read as it arrives: past 1 MB a 413 (`too_large` says where more goes)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MB:
+            raise ApiError(413, too_large)
+    return parse_json(body)
+
+
+async def read_multipart(request: Request, takes: str, *, whole: bool = False, **limits):
+    """A multipart/form-data request's form (`limits`: starlette's max_files, max_fields, max_part_size), or
+    a 400: another content type (`takes` says what the route takes), a body python-multipart refuses, or
+    (`whole`: the body read first, capped by the guard) one cut short before its closing boundary."""
+    ctype = request.headers.get("content-type", "")
+    if not ctype.startswith("multipart/form-data"):
+        raise ApiError(400, takes)
+    if whole:
+        check_multipart_complete(ctype, await request.body())  # the whole body, kept for form()
+    try:
+        return await request.form(**limits)
+    except HTTPException as e:  # python-multipart's refusal of a malformed body
+        raise ApiError(400, f"the multipart body is malformed: {e.detail}") from None
 
 
 def check_multipart_complete(content_type: str, body: bytes) -> None:

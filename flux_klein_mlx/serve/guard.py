@@ -6,9 +6,7 @@ from __future__ import annotations
 import hmac
 
 from ..limits import MAX_TRAINING_UPLOAD_BYTES
-from .forms import ApiError
-
-MB = 1 << 20
+from .forms import MB, ApiError
 
 
 class Guard:

@@ -14,14 +14,12 @@ import json
 import re
 from pathlib import Path
 
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import FluxKleinError
-from .forms import ApiError, parse_json
-from .guard import MB
+from .forms import ApiError, read_json, read_multipart
 from .training_files import TrainingFiles
 from .training_jobs import ACTIVE, TrainingJobs
 
@@ -29,39 +27,31 @@ FILE_FIELDS = {"file", "purpose", "expires_after[anchor]", "expires_after[second
 
 
 class TrainingApi:
-    """The files (and, through them, the jobs) of one server's --train-dir."""
+    """The fine-tuning jobs of one server's --train-dir, and through them its uploaded files."""
 
     def __init__(self, worker, options):
-        self.worker = worker
         self.options = options
-        self.files = TrainingFiles(options.train_dir) if options.train_dir is not None else None
-        self.jobs = (
-            TrainingJobs(options.train_dir, worker=worker, options=options, files=self.files) if self.files else None
-        )
+        self.jobs = None
+        if options.train_dir is not None:
+            files = TrainingFiles(options.train_dir)
+            self.jobs = TrainingJobs(options.train_dir, worker=worker, options=options, files=files)
 
     def stored_jobs(self) -> TrainingJobs:
-        self.stored_files()  # the same one line without --train-dir
-        return self.jobs
-
-    def stored_files(self) -> TrainingFiles:
-        if self.files is None:
+        """The jobs (and through them the files) of --train-dir, or the one line saying there is none."""
+        if self.jobs is None:
             raise ApiError(
                 400,
                 "this server was started without --train-dir, so it keeps no training data; start it with "
                 "--train-dir DIR (and --lora-dir for the LoRAs it trains)",
                 code="fine_tuning_off",
             )
-        return self.files
+        return self.jobs
 
     async def create_file(self, request: Request):
         """POST /v1/files: multipart `file` (a zip of training data) and `purpose` "fine-tune"."""
-        files = self.stored_files()
-        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-            raise ApiError(400, "POST /v1/files takes multipart/form-data: a zip as 'file' and purpose 'fine-tune'")
-        try:
-            form = await request.form(max_files=1, max_fields=8, max_part_size=64 * 1024)
-        except HTTPException as e:  # python-multipart's refusal of a malformed body
-            raise ApiError(400, f"the multipart body is malformed: {e.detail}") from None
+        files = self.stored_jobs().files
+        takes = "POST /v1/files takes multipart/form-data: a zip as 'file' and purpose 'fine-tune'"
+        form = await read_multipart(request, takes, max_files=1, max_fields=8, max_part_size=64 * 1024)
         try:
             unknown = next((key for key in form if key not in FILE_FIELDS), None)
             if unknown is not None:
@@ -85,37 +75,25 @@ class TrainingApi:
     async def list_files(self, request: Request):
         """GET /v1/files (purpose=fine-tune, or none: every file here is training data)."""
         purpose = request.query_params.get("purpose")
-        files = [] if purpose not in (None, "fine-tune") else await asyncio.to_thread(self.stored_files().all)
+        files = [] if purpose not in (None, "fine-tune") else await asyncio.to_thread(self.stored_jobs().files.all)
         return JSONResponse({"object": "list", "data": files, "has_more": False})
 
-    def file_record(self, file_id: str, param: str | None = None) -> dict:
-        """A stored file's object, or 404 naming the id."""
-        record = self.stored_files().get(file_id)
-        if record is None:
-            raise ApiError(
-                404,
-                f"no file {str(file_id)!r} here; upload one with POST /v1/files (GET /v1/files lists them)",
-                param,
-                "file_not_found",
-            )
-        return record
-
     async def get_file(self, request: Request):
-        return JSONResponse(self.file_record(request.path_params["file_id"]))
+        return JSONResponse(self.stored_jobs().file_record(request.path_params["file_id"]))
 
     async def delete_file(self, request: Request):
         file_id = request.path_params["file_id"]
-        self.file_record(file_id)
+        self.stored_jobs().file_record(file_id)
         if user := self.jobs.uses(file_id):
             raise ApiError(409, f"the file {file_id} is read by the job {user}, not ended; cancel it first", "file_id")
-        deleted = await asyncio.to_thread(self.files.delete, file_id)
+        deleted = await asyncio.to_thread(self.jobs.files.delete, file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": deleted})
 
     # ---- jobs ---------------------------------------------------------------------------------------
 
     async def create_job(self, request: Request):
         jobs = self.stored_jobs()
-        body = await read_body(request)
+        body = await read_json(request)
         record = await asyncio.to_thread(jobs.create, body)  # train's checks read the data: off the event loop
         if record["object"] == "fine_tuning.job":  # not a dry run
             self.options.log(f"fine-tuning job {record['id']}: queued, {record['steps']} steps on {record['model']}")
@@ -166,15 +144,6 @@ class TrainingApi:
         if path not in named or not path.endswith(".png"):
             raise ApiError(404, f"no sample {path!r} in this job; its events name its samples", "path")
         return FileResponse(Path(state.settings["work_dir"]) / path, media_type="image/png")
-
-
-async def read_body(request: Request) -> dict:
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MB:
-            raise ApiError(413, "the JSON body is larger than 1 MB")
-    return parse_json(body)
 
 
 def page(items: list[dict], request: Request, *, default: int) -> dict:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from ..errors import FluxKleinError
+from ..errors import FluxKleinError, quoted
 from ..limits import (
     MAX_NAME_BYTES,
     MAX_PROMPT_CHARS,
@@ -54,7 +54,7 @@ def entry_parts(name: str) -> tuple[str, ...]:
     if any(p in ("", ".", "..") for p in parts):
         raise FluxKleinError(f"the zip holds the entry {name!r}: a name may not hold '..', '.' or '//'")
     if any(len(p.encode()) > MAX_NAME_BYTES for p in parts):
-        raise FluxKleinError(f"the zip holds a name longer than {MAX_NAME_BYTES} bytes: {name[:60]!r}...")
+        raise FluxKleinError(f"the zip holds a name longer than {MAX_NAME_BYTES} bytes: {quoted(name)}")
     if len(parts) > 4:  # an optional wrapper folder, a repeat or control folder, the file: 3; more is refused later
         raise FluxKleinError(f"the zip holds {name!r}, {len(parts) - 1} folders deep; the data is at most 2 deep")
     return parts

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import re
 import secrets
 import shutil
 import threading
@@ -45,9 +44,15 @@ from ..train.settings import TrainSettings
 from ..train.trainer import train_lora
 from .forms import ApiError, pick_model, shown
 from .jobs import EndEvent, NotReady, Task
-from .training_requests import check_fields, check_suffix, hyperparameters, merged, training_options
+from .training_requests import (
+    check_fields,
+    check_suffix,
+    hyperparameters,
+    merged,
+    public_hyperparameters,
+    training_options,
+)
 
-JOB_ID = re.compile(r"ftjob-[0-9a-f]{24}")
 ACTIVE = ("validating_files", "queued", "running")  # OpenAI's statuses of a job not yet ended
 RECORD, EVENTS = "job.json", "events.jsonl"
 
@@ -135,7 +140,7 @@ class TrainingJobs:
                     f"the server stopped while this job was {state.record['status']}; POST "
                     f"/v1/fine_tuning/jobs/{state.record['id']}/resume continues it from its last checkpoint"
                 )
-                self.end(state, "failed", {"code": "server_stopped", "message": message, "param": None})
+                self.end(state, "failed", "server_stopped", message)
         return jobs
 
     def add_event(self, state: JobState, message: str, data: dict | None = None, *, kind: str = "message") -> None:
@@ -187,7 +192,8 @@ class TrainingJobs:
             if body.get("dry_run") is not True:
                 self.check_room()
             job_id = f"ftjob-{secrets.token_hex(12)}"
-            state = JobState(self.new_record(job_id, body), self.job_settings(job_id, body))
+            record = self.new_record(job_id, body)
+            state = JobState(record, self.job_settings(record, body))
             self.folder(job_id).mkdir(parents=True)  # the work folder's parent, as `train --work-dir` needs
             try:
                 plan = plan_job(state.settings)
@@ -210,11 +216,7 @@ class TrainingJobs:
         """What the plan settled (the steps --epochs makes, the seed) into the job object."""
         s = plan.settings
         state.record.update(seed=s.seed, steps=s.steps)
-        state.record["hyperparameters"] = {
-            "n_epochs": s.epochs or "auto",
-            "batch_size": s.batch_size,
-            "learning_rate_multiplier": s.lr / TrainSettings.lr,
-        }
+        state.record["hyperparameters"] = public_hyperparameters(vars(s))
         state.record["method"] = {
             "type": "supervised",
             "supervised": {"hyperparameters": state.record["hyperparameters"]},
@@ -257,8 +259,9 @@ class TrainingJobs:
             "training": body.get("training") or {},  # train's options as the request gave them
         }
 
-    def job_settings(self, job_id: str, body: dict) -> dict:
-        """The request -> `train_lora`'s keyword arguments: the server's folders, then the request's options."""
+    def job_settings(self, record: dict, body: dict) -> dict:
+        """The request (and its job object, `new_record`'s) -> `train_lora`'s keyword arguments: the server's
+        folders, then the request's options."""
         settings = merged(hyperparameters(body), training_options(body.get("training")))
         if body.get("seed") is not None:
             if "seed" in settings:
@@ -269,13 +272,12 @@ class TrainingJobs:
         if body.get("validation_file") is not None:
             held_out, held_out_controls = self.file_folders(body["validation_file"], "validation_file")
             settings.update(validation=str(held_out), validation_controls=[str(c) for c in held_out_controls])
-        model = pick_model(body.get("model"), self.options.served())
-        suffix = check_suffix(body.get("suffix"))
-        name = f"ft-{suffix + '-' if suffix else ''}{job_id[6:18]}"
+        model, suffix = record["model"], record["suffix"]
+        name = f"ft-{suffix + '-' if suffix else ''}{record['id'][6:18]}"
         settings.update(
             model=str(self.options.model_folders[model]),
             output=str(self.options.lora_dir / f"{name}.safetensors"),
-            work_dir=str(self.folder(job_id) / "work"),
+            work_dir=str(self.folder(record["id"]) / "work"),
         )
         if "sample_model" in settings:  # samples on another served model (e.g. the distilled one), by its id
             if not isinstance(settings["sample_model"], str):
@@ -284,13 +286,18 @@ class TrainingJobs:
             settings["sample_model"] = str(self.options.model_folders[sampled or model])
         return settings
 
+    def file_record(self, file_id, param: str | None = None) -> dict:
+        """A stored file's object, or 404 naming the id."""
+        record = self.files.get(file_id)
+        if record is None:
+            message = f"no file {str(file_id)!r} here; upload one with POST /v1/files (GET /v1/files lists them)"
+            raise ApiError(404, message, param, "file_not_found")
+        return record
+
     def file_folders(self, file_id, param: str) -> tuple[Path, tuple[Path, ...]]:
         if file_id in (None, ""):
             raise ApiError(400, f"{param} is required: the id of a zip uploaded with POST /v1/files", param)
-        if self.files.get(file_id) is None:
-            raise ApiError(
-                404, f"no file {str(file_id)!r} here; upload one with POST /v1/files", param, "file_not_found"
-            )
+        self.file_record(file_id, param)
         return self.files.folders(file_id)
 
     def submit(self, state: JobState) -> None:
@@ -327,11 +334,11 @@ class TrainingJobs:
                         self.record_event(state, event)
         except FluxKleinError as e:
             self.say_warnings(state, caught)
-            self.end(state, "failed", {"code": "invalid_training", "message": e.worded("http"), "param": None})
+            self.end(state, "failed", "invalid_training", e.worded("http"))
         except Exception as e:  # the server outlives a failed run; the log has the traceback
             traceback.print_exc()
             message = f"training failed ({type(e).__name__}); the server's log has the details"
-            self.end(state, "failed", {"code": "server_error", "message": message, "param": None})
+            self.end(state, "failed", "server_error", message)
         return True
 
     def say_warnings(self, state: JobState, caught: list) -> None:
@@ -345,7 +352,7 @@ class TrainingJobs:
         elif isinstance(event, EndEvent) and event.kind == "cancelled":
             self.end(state, "cancelled")
         elif isinstance(event, EndEvent) and event.kind == "error":
-            self.end(state, "failed", {"code": "server_error", "message": event.message, "param": None})
+            self.end(state, "failed", "server_error", event.message)
         state.running = None
 
     def set(self, state: JobState, **changes) -> None:
@@ -353,14 +360,11 @@ class TrainingJobs:
             state.record.update(changes)
             self.save(state)
 
-    def end(self, state: JobState, status: str, error: dict | None = None) -> None:
-        if error is not None:
-            error["message"] = shown(error["message"])
+    def end(self, state: JobState, status: str, code: str | None = None, message: str | None = None) -> None:
+        """The job ended with `status`; a failure's error object is OpenAI's {code, message, param}."""
+        error = None if code is None else {"code": code, "message": shown(message), "param": None}
         self.set(state, status=status, error=error, finished_at=int(time.time()))
-        words = {
-            "cancelled": "cancelled; its last checkpoint is kept",
-            "failed": f"failed: {(error or {}).get('message')}",
-        }
+        words = {"cancelled": "cancelled; its last checkpoint is kept", "failed": f"failed: {message}"}
         self.add_event(state, f"the job {words.get(status, status)}", kind="end")
 
     def record_event(self, state: JobState, ev) -> None:

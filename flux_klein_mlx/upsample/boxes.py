@@ -19,7 +19,7 @@ import math
 import re
 from collections.abc import Sequence
 
-from ..errors import FluxKleinError
+from ..errors import FluxKleinError, quoted
 from ..limits import MAX_BOXES, MAX_PROMPT_CHARS
 from ..models.tokenizer import check_text
 
@@ -33,11 +33,6 @@ BOX_SPEC = '"x0,y0,x1,y1:desc" with 0 <= x0 < x1 <= 1 and 0 <= y0 < y1 <= 1 (fra
 KEYS = ("id", "desc", "bbox", "from", "src_bbox", "tgt_bbox")  # diffusers' box dict; nothing else is read
 
 
-def _shown(spec: str) -> str:
-    """A stranger's string for a one-line message: its repr, cut at 60 characters."""
-    return repr(spec[:60]) + ("..." if len(spec) > 60 else "")
-
-
 def parse_box(spec: str) -> dict:
     """`--box "x0,y0,x1,y1:desc"` -> {"bbox": [y0, x0, y1, x1], "desc"} (checked by `check_boxes`; a box
     without ":desc" has desc "", which only the upsampler may fill)."""
@@ -46,7 +41,7 @@ def parse_box(spec: str) -> dict:
     try:
         x0, y0, x1, y1 = (float(p) for p in parts)
     except ValueError:
-        raise FluxKleinError(f"{{boxes}} {_shown(spec)} is not {BOX_SPEC}") from None
+        raise FluxKleinError(f"{{boxes}} {quoted(spec)} is not {BOX_SPEC}") from None
     return {"bbox": [y0, x0, y1, x1], "desc": desc.strip()}
 
 
