@@ -69,7 +69,11 @@ def test_a_second_identical_request_loads_no_upsampler(snapshot, pup, monkeypatc
     resident = []  # at each upsampler load: whether the transformer was still in memory
     real_load = Upsampler.load
     monkeypatch.setattr(Upsampler, "load", lambda up: (real_load(up), resident.append(pipe.is_loaded("transformer"))))
-    for other in ({"boxes": ["0.1,0.2,0.6,0.8:a fox"]}, {"boxes": box, "images": [picture(64, 64, seed=9)]}):
+    # another box (64 x 64, not the default 1024 x 1024: the size is not the point), or the same box with a reference
+    for other in (
+        {"boxes": ["0.1,0.2,0.6,0.8:a fox"], "width": 64, "height": 64},
+        {"boxes": box, "images": [picture(64, 64, seed=9)]},
+    ):
         assert pipe.is_loaded("transformer")  # from the image before
         with FileOpens(watched, monkeypatch) as opens:
             pipe.generate("a fox", output_type="np", upsample=True, steps=1, seed=1, **other)
