@@ -13,7 +13,7 @@ from flux3_refs import flux3_canvas, flux3_upsampled_run  # noqa: E402
 from refs import noise, picture  # noqa: E402
 from tiny_flux3 import shared_tiny_flux3_snapshot  # noqa: E402
 from tiny_model import shared_tiny_snapshot  # noqa: E402
-from tiny_pup import pup_reference, shared_tiny_pup  # noqa: E402
+from tiny_pup import processors_built_once, pup_reference, shared_tiny_pup  # noqa: E402
 
 import flux_klein_mlx  # noqa: E402
 from flux_klein_mlx.errors import FluxKleinError  # noqa: E402
@@ -31,6 +31,11 @@ def snapshot(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pup(tmp_path_factory):
     return shared_tiny_pup(tmp_path_factory)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_processor_per_folder():
+    yield from processors_built_once()  # the upsampler's processor, built once for this module's many loads
 
 
 def ours(snapshot, pup, prompt, cache=False, **settings):
