@@ -264,12 +264,26 @@ def test_a_job_is_train_with_those_settings(trained, client, folders, tmp_path):
     assert not any(str(folders[0]) in json.dumps(e) for e in events)  # never the server's own folders
 
 
-def test_a_flux3_job_is_train_too(server, client, base3, folders, tmp_path):
-    f = upload(client, make_zip(dataset()))
-    job = client.fine_tuning.jobs.create(
-        model="klein3-base-tiny", training_file=f.id, seed=2, extra_body={"training": TRAINING}
+@pytest.fixture(scope="module")
+def flux3_trained(server, client):
+    """One FLUX 3 job of TRAINING on dataset(), with a validation file (the same images under other names), followed
+    to its end: the job and its events. The held-out loss is measured apart from training (its own fixed noise), so
+    the LoRA is train's without one; one job for the two tests below."""
+    train, held_out = (
+        upload(client, make_zip({f"v{k}": v for k, v in dataset().items()} if n else dataset())) for n in (0, 1)
     )
-    events_of(server, job.id)
+    job = client.fine_tuning.jobs.create(
+        model="klein3-base-tiny",
+        training_file=train.id,
+        validation_file=held_out.id,
+        seed=2,
+        extra_body={"training": TRAINING},
+    )
+    return job, events_of(server, job.id)
+
+
+def test_a_flux3_job_is_train_too(flux3_trained, client, base3, folders, tmp_path):
+    job, _ = flux3_trained
     done = client.fine_tuning.jobs.retrieve(job.id)
     assert done.status == "succeeded" and done.model == "klein3-base-tiny", done
     data = tmp_path / "data"
@@ -279,14 +293,9 @@ def test_a_flux3_job_is_train_too(server, client, base3, folders, tmp_path):
     assert same_tensors(folders[1] / f"{done.fine_tuned_model}.safetensors", ours)
 
 
-def test_a_validation_file_is_measured_at_each_checkpoint(server, client, base_id):
-    train, held_out = (
-        upload(client, make_zip({f"v{k}": v for k, v in dataset().items()} if n else dataset())) for n in (0, 1)
-    )
-    job = client.fine_tuning.jobs.create(
-        model=base_id, training_file=train.id, validation_file=held_out.id, extra_body={"training": TRAINING}
-    )
-    losses = [e["data"] for e in events_of(server, job.id) if "valid_loss" in e["data"]]
+def test_a_validation_file_is_measured_at_each_checkpoint(flux3_trained):
+    _, events = flux3_trained
+    losses = [e["data"] for e in events if "valid_loss" in e["data"]]
     assert [d["step"] for d in losses] == [1, 2] and all(d["valid_loss"] > 0 for d in losses), losses
 
 

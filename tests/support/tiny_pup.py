@@ -172,3 +172,32 @@ def quick_pup(folder: str | Path, tmp_path: str | Path) -> Path:
     generation["eos_token_id"] = [generation["eos_token_id"], first]
     (quick / "generation_config.json").write_text(json.dumps(generation))
     return quick
+
+
+def processors_built_once():
+    """A generator for a module fixture: while it runs, mlx-vlm's `load_processor` (which `Upsampler.load` reaches
+    through `mlx_vlm.load`) builds each upsampler folder's processor once, keyed by the contents of its files but
+    the weights: transformers parses the 11 MB tokenizer.json in Python twice a load (~1.3 s each, measured), and a
+    test loads the same tiny upsampler again and again. The model itself loads every time, from its files; a folder
+    changed or copied elsewhere, and every subprocess, runs the real loader. (tests/conftest.py does the same for
+    the prompt tokenizer.)"""
+    import hashlib
+
+    import mlx_vlm.utils
+    import pytest
+
+    real = mlx_vlm.utils.load_processor
+    built = {}
+
+    def load_processor(model_path, add_detokenizer=True, eos_token_ids=None, **kwargs):
+        files = sorted(p for p in Path(model_path).iterdir() if p.is_file() and p.suffix != ".safetensors")
+        contents = tuple((p.name, hashlib.sha256(p.read_bytes()).hexdigest()) for p in files)
+        key = (str(model_path), contents, add_detokenizer, repr(eos_token_ids), repr(sorted(kwargs.items())))
+        if key not in built:
+            built[key] = real(model_path, add_detokenizer, eos_token_ids, **kwargs)
+        return built[key]
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(mlx_vlm.utils, "load_processor", load_processor)
+    yield
+    mp.undo()

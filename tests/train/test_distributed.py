@@ -121,7 +121,33 @@ def test_shares_cover_the_global_batch_and_draws_do_not_depend_on_the_split():
     assert ((uniform >= 0) & (uniform < 1)).all() and not np.array_equal(uniform, whole[0])
 
 
-def test_two_processes_equal_one_with_twice_the_batch_survive_a_dead_rank_and_resume(base, data, tmp_path):
+@pytest.fixture(scope="module")
+def one_process(base, data, tmp_path_factory):
+    """One process straight through 4 steps at batch 2 (2 micro-batches per step), float32, a checkpoint every 2
+    steps: its folder, holding one.safetensors and its work folder one.train (checkpoints 2 and 4). The two-process
+    runs are judged by it, and its checkpoint is the one a two-process --resume refuses (one run for both tests)."""
+    folder = tmp_path_factory.mktemp("one-process")
+    list(
+        flux_klein_mlx.train_lora(
+            model=base,
+            data=data,
+            output=folder / "one.safetensors",
+            resolution=64,
+            rank=4,
+            dtype="float32",
+            steps=4,
+            grad_accum=2,
+            lr=1e-3,
+            save_every=2,
+            keep_checkpoints=5,
+            batch_size=2,
+        )
+    )
+    return folder
+
+
+def test_two_processes_equal_one_with_twice_the_batch_survive_a_dead_rank_and_resume(base, data, one_process):
+    tmp_path = one_process  # the two-process run writes beside the one-process run's files
     common = [
         "--model",
         str(base),
@@ -144,23 +170,7 @@ def test_two_processes_equal_one_with_twice_the_batch_survive_a_dead_rank_and_re
         "--keep-checkpoints",
         "5",
     ]
-    one = tmp_path / "one.safetensors"
-    list(
-        flux_klein_mlx.train_lora(
-            model=base,
-            data=data,
-            output=one,
-            resolution=64,
-            rank=4,
-            dtype="float32",
-            steps=4,
-            grad_accum=2,
-            lr=1e-3,
-            save_every=2,
-            keep_checkpoints=5,
-            batch_size=2,
-        )
-    )
+    one = tmp_path / "one.safetensors"  # the module's one-process run, with the settings of `common` at batch 2
     two, work = tmp_path / "two.safetensors", tmp_path / "two.train"
     args = common + ["--batch-size", "1", "--output", str(two), "--work-dir", str(work)]
 
@@ -210,11 +220,10 @@ def tree_state(root):
     return sorted((p.relative_to(root), p.stat().st_mtime_ns if p.is_file() else None) for p in root.rglob("*"))
 
 
-def test_two_processes_refuse_a_one_process_checkpoint_in_one_line(base, data, tmp_path):
+def test_two_processes_refuse_a_one_process_checkpoint_in_one_line(base, data, one_process):
     """The real two-process path of the refusal (rank 0 checks the work folder, rank 1 agrees): one line,
-    before any model loads, nothing written."""
-    out = tmp_path / "one.safetensors"
-    list(flux_klein_mlx.train_lora(model=base, data=data, output=out, resolution=64, rank=4, steps=1, batch_size=2))
+    before any model loads, nothing written. The one-process checkpoint is the module's run's."""
+    tmp_path = one_process
     before = tree_state(tmp_path)
     args = [
         "--model",
@@ -230,7 +239,7 @@ def test_two_processes_refuse_a_one_process_checkpoint_in_one_line(base, data, t
         "--batch-size",
         "1",
         "--output",
-        str(tmp_path / "two.safetensors"),
+        str(tmp_path / "refused.safetensors"),  # not two.safetensors: the other test's output may be there
         "--work-dir",
         str(tmp_path / "one.train"),
         "--resume",

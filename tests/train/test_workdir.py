@@ -157,15 +157,31 @@ def test_a_full_disk_at_a_sample_point_is_one_line_and_leaves_no_temporary(
 # --- cases 7 and 8: NaN in a checkpoint, a missing or damaged ema.safetensors -----------------------
 
 
-def trained_run(capsys, snap, tmp_path, *extra) -> list[str]:
-    """A 3-step run with a checkpoint at each step (all kept) in tmp_path/work; returns the arguments
-    that resume it for a 4th step."""
-    data = make_images(tmp_path / "data")
+@pytest.fixture(scope="module")
+def trained_runs(tmp_path_factory):
+    """`trained_run`'s runs, made once for this module (extra arguments -> the folder it ran in): each test damages
+    and resumes a copy of its own."""
+    return {}, tmp_path_factory
+
+
+def trained_run(capsys, snap, tmp_path, trained_runs, *extra) -> list[str]:
+    """A 3-step run with a checkpoint at each step (all kept) in tmp_path/work (a copy of the module's run with
+    these `extra` arguments: its data, work folder and first.safetensors); returns the arguments that resume it
+    for a 4th step."""
+    made, factory = trained_runs
+    if extra not in made:
+        root = factory.mktemp("trained-run")
+        data = make_images(root / "data")
+        common = ["--work-dir", root / "work", "--save-every", "1", "--keep-checkpoints", "3", "--dtype", "float32"]
+        first = base_args(snap, data, root / "first.safetensors") + common + ["--steps", "3", *extra]
+        code, _, err = run_cli(capsys, "train", *first)
+        assert code == 0, err
+        made[extra] = root
+    shutil.copytree(made[extra], tmp_path, dirs_exist_ok=True)  # the run's folders, moved: resume reads no paths
     common = ["--work-dir", tmp_path / "work", "--save-every", "1", "--keep-checkpoints", "3", "--dtype", "float32"]
-    first = base_args(snap, data, tmp_path / "first.safetensors") + common + ["--steps", "3", *extra]
-    code, _, err = run_cli(capsys, "train", *first)
-    assert code == 0, err
-    return base_args(snap, data, tmp_path / "out.safetensors") + common + ["--steps", "4", "--resume", *extra]
+    return (
+        base_args(snap, tmp_path / "data", tmp_path / "out.safetensors") + common + ["--steps", "4", "--resume", *extra]
+    )
 
 
 def poison(path: Path, value: float) -> str:
@@ -198,10 +214,10 @@ def resumed(capsys, args: list, out: Path) -> None:
 
 
 @pytest.mark.parametrize("how", ["nan-in-lora", "inf-in-moments-and-an-earlier-one"])
-def test_nan_in_a_checkpoint_is_named_before_any_model_loads(capsys, snap, tmp_path, monkeypatch, how):
+def test_nan_in_a_checkpoint_is_named_before_any_model_loads(capsys, snap, tmp_path, monkeypatch, trained_runs, how):
     """NaN or infinity in a checkpoint resumed, then failed with "lower --lr": now its bytes are read
     with its headers, and the line names it and the newest earlier checkpoint that is whole."""
-    args = trained_run(capsys, snap, tmp_path)
+    args = trained_run(capsys, snap, tmp_path, trained_runs)
     work = tmp_path / "work"
     if how == "nan-in-lora":
         name = poison(work / "checkpoint-000003" / "lora.safetensors", float("nan"))
@@ -222,11 +238,11 @@ def test_nan_in_a_checkpoint_is_named_before_any_model_loads(capsys, snap, tmp_p
 
 
 @pytest.mark.parametrize("how", ["missing", "cut-short", "nan"])
-def test_a_damaged_ema_file_is_named_with_the_checkpoint(capsys, snap, tmp_path, monkeypatch, how):
+def test_a_damaged_ema_file_is_named_with_the_checkpoint(capsys, snap, tmp_path, monkeypatch, trained_runs, how):
     """A missing ema.safetensors got advice (resume without --ema) that was itself refused; a damaged
     one was found after the model loaded, with "download it again": now both are named with the
     checkpoint, before any model loads, and the advice resumes."""
-    args = trained_run(capsys, snap, tmp_path, "--ema", "0.9")
+    args = trained_run(capsys, snap, tmp_path, trained_runs, "--ema", "0.9")
     ema = tmp_path / "work" / "checkpoint-000003" / "ema.safetensors"
     if how == "missing":
         ema.unlink()

@@ -13,7 +13,7 @@ from flux3_refs import flux3_canvas, flux3_upsampled_run  # noqa: E402
 from refs import noise, picture  # noqa: E402
 from tiny_flux3 import shared_tiny_flux3_snapshot  # noqa: E402
 from tiny_model import shared_tiny_snapshot  # noqa: E402
-from tiny_pup import pup_reference, shared_tiny_pup  # noqa: E402
+from tiny_pup import processors_built_once, pup_reference, shared_tiny_pup  # noqa: E402
 
 import flux_klein_mlx  # noqa: E402
 from flux_klein_mlx.errors import FluxKleinError  # noqa: E402
@@ -31,6 +31,11 @@ def snapshot(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pup(tmp_path_factory):
     return shared_tiny_pup(tmp_path_factory)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_processor_per_folder():
+    yield from processors_built_once()  # the upsampler's processor, built once for this module's many loads
 
 
 def ours(snapshot, pup, prompt, cache=False, **settings):
@@ -69,7 +74,11 @@ def test_a_second_identical_request_loads_no_upsampler(snapshot, pup, monkeypatc
     resident = []  # at each upsampler load: whether the transformer was still in memory
     real_load = Upsampler.load
     monkeypatch.setattr(Upsampler, "load", lambda up: (real_load(up), resident.append(pipe.is_loaded("transformer"))))
-    for other in ({"boxes": ["0.1,0.2,0.6,0.8:a fox"]}, {"boxes": box, "images": [picture(64, 64, seed=9)]}):
+    # another box (64 x 64, not the default 1024 x 1024: the size is not the point), or the same box with a reference
+    for other in (
+        {"boxes": ["0.1,0.2,0.6,0.8:a fox"], "width": 64, "height": 64},
+        {"boxes": box, "images": [picture(64, 64, seed=9)]},
+    ):
         assert pipe.is_loaded("transformer")  # from the image before
         with FileOpens(watched, monkeypatch) as opens:
             pipe.generate("a fox", output_type="np", upsample=True, steps=1, seed=1, **other)

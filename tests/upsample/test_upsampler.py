@@ -12,7 +12,7 @@ from PIL import Image
 pytest.importorskip("mlx_vlm")
 
 from diffusers.modular_pipelines.flux3 import prompt_upsampler as ref  # noqa: E402
-from tiny_pup import pup_reference, shared_tiny_pup  # noqa: E402
+from tiny_pup import processors_built_once, pup_reference, shared_tiny_pup  # noqa: E402
 
 from flux_klein_mlx.errors import FluxKleinError  # noqa: E402
 from flux_klein_mlx.upsample import boxes as ours_boxes  # noqa: E402
@@ -37,6 +37,11 @@ def pup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(pup):
     return pup_reference(pup)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_processor_per_folder():
+    yield from processors_built_once()  # the upsampler's processor, built once for this module's loads (one a case)
 
 
 def test_the_words_are_diffusers():
