@@ -5,11 +5,14 @@
 
 from __future__ import annotations
 
+import atexit
 import base64
 import contextlib
 import io
 import json
 import shutil
+import tempfile
+from urllib.parse import urlsplit
 
 import pytest
 from PIL import Image
@@ -27,10 +30,9 @@ needs_chromium = pytest.mark.skipif(
 )
 
 
-@contextlib.contextmanager
-def browser(tmp_path, width=1280, height=900):
-    """A headless Chromium with its own profile (so storage survives reloads within a test)."""
-    pytest.importorskip("selenium")
+def start_chromium(profile, width, height):
+    """A headless Chromium with its profile in `profile`, its window `width` x `height` as given on the command
+    line (a window sized afterwards differs: the flag's 390 px window is 500 px wide inside, a resized one 390)."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -45,15 +47,53 @@ def browser(tmp_path, width=1280, height=900):
         "--no-first-run",
         "--disable-extensions",
         f"--window-size={width},{height}",
-        f"--user-data-dir={tmp_path / 'profile'}",
+        f"--user-data-dir={profile}",
     ):
         opts.add_argument(arg)
     driver = webdriver.Chrome(service=Service(driver_path), options=opts)
-    try:
-        driver.set_page_load_timeout(30)
-        yield driver
-    finally:
-        driver.quit()
+    driver.set_page_load_timeout(30)
+    atexit.register(driver.quit)
+    return driver
+
+
+def forget(driver) -> None:
+    """Back to a fresh profile's state: one blank tab, and no storage (localStorage, IndexedDB, cache) left for
+    any origin a tab went to (a later server may get the same port, hence the same origin)."""
+    origins = set()
+    for handle in driver.window_handles:
+        driver.switch_to.window(handle)
+        history = driver.execute_cdp_cmd("Page.getNavigationHistory", {})["entries"]
+        origins |= {f"{u.scheme}://{u.netloc}" for u in map(urlsplit, (e["url"] for e in history)) if u.netloc}
+    for handle in driver.window_handles[1:]:
+        driver.switch_to.window(handle)
+        driver.close()
+    driver.switch_to.window(driver.window_handles[0])
+    driver.get("about:blank")
+    for origin in origins:
+        driver.execute_cdp_cmd("Storage.clearDataForOrigin", {"origin": origin, "storageTypes": "all"})
+    driver.execute_cdp_cmd("Network.clearBrowserCache", {})
+
+
+# The Chromium each window size has in this test process, started by the first test that asks for that size.
+STARTED: dict[tuple[int, int], object] = {}
+
+
+@contextlib.contextmanager
+def browser(tmp_path, width=1280, height=900):
+    """A headless Chromium as a fresh profile is (storage survives reloads within a test, none is left from
+    another). Each test process starts one per window size and lends it out, forgetting what a test left (a
+    start and quit cost ~2 s a test; `tmp_path`, once its profile's folder, is unused); a test that fails ends
+    its loan, so the next test of that size starts a new one."""
+    pytest.importorskip("selenium")
+    key = (width, height)
+    if key not in STARTED:
+        profile = tempfile.mkdtemp(prefix="chromium-")
+        atexit.register(shutil.rmtree, profile, ignore_errors=True)  # runs after the quit registered below
+        STARTED[key] = start_chromium(profile, width, height)
+    driver = STARTED.pop(key)
+    yield driver  # a failed test raises here: its Chromium is never lent again (it is quit at exit)
+    forget(driver)
+    STARTED[key] = driver
 
 
 def fill(driver, **fields):
