@@ -286,14 +286,16 @@ def test_converted_and_quantized_kv_folders_keep_the_kv_identity(kv_snapshot, kv
     from flux_klein_mlx.convert import convert_model, quantize_folder
 
     lat, ref = noise(64, 64), picture(80, 64, 7)
-    want = kv_pipe.generate("a boat", images=[ref], latents=lat, width=64, height=64, output_type="np")
+    # 2 steps: the extract step and a cached one
+    run = dict(images=[ref], latents=lat, width=64, height=64, steps=2, output_type="np")
+    want = kv_pipe.generate("a boat", **run)
     out = tmp_path / "kv-mlx"
     convert_model(kv_snapshot, out, dtype="float32")
     config = json.loads((out / "config.json").read_text())
     assert config["reference_kv"] is True and config["is_distilled"] is True
     pipe = flux_klein_mlx.load(out, dtype="float32")
     assert pipe.info.reference_kv and pipe.info.is_distilled
-    got = pipe.generate("a boat", images=[ref], latents=lat, width=64, height=64, output_type="np")
+    got = pipe.generate("a boat", **run)
     assert np.abs(got - want).max() <= 1e-5
 
     q4 = tmp_path / "kv-q4"
@@ -303,7 +305,7 @@ def test_converted_and_quantized_kv_folders_keep_the_kv_identity(kv_snapshot, kv
     assert config["transformer"]["quantization"]["bits"] == 4
     pipe = flux_klein_mlx.load(q4, dtype="float32")
     assert pipe.info.reference_kv
-    got = pipe.generate("a boat", images=[ref], latents=lat, width=64, height=64, output_type="np")
+    got = pipe.generate("a boat", **run)
     assert pipe.last_stats.reference_kv_bytes is not None
     assert 0 < np.abs(got - want).max() <= 0.5
 
@@ -313,9 +315,10 @@ def test_quantize_at_load_kv_bf16_stays_close(kv_snapshot, kv_pipe):
     import flux_klein_mlx
 
     lat, ref = noise(64, 64), picture(64, 64, 8)
-    want = kv_pipe.generate("a boat", images=[ref], latents=lat, output_type="np")
+    run = dict(images=[ref], latents=lat, steps=2, output_type="np")  # 2 steps: the extract one and a cached one
+    want = kv_pipe.generate("a boat", **run)
     pipe = flux_klein_mlx.load(kv_snapshot, dtype="bfloat16", quantize=4)
-    got = pipe.generate("a boat", images=[ref], latents=lat, output_type="np")
+    got = pipe.generate("a boat", **run)
     assert pipe.info.reference_kv and pipe.quantization["bits"] == 4
     assert pipe.last_stats.reference_kv_bytes is not None
     err = np.abs(got - want).max()

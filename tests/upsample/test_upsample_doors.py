@@ -13,7 +13,7 @@ pytest.importorskip("mlx_vlm")
 from command_line import assert_one_line_error, gen_args  # noqa: E402
 from PIL import Image  # noqa: E402
 from tiny_flux3 import shared_tiny_flux3_snapshot  # noqa: E402
-from tiny_pup import quick_pup, shared_tiny_pup  # noqa: E402
+from tiny_pup import processors_built_once, quick_pup, shared_tiny_pup  # noqa: E402
 
 import flux_klein_mlx  # noqa: E402
 
@@ -23,6 +23,11 @@ BOX = "0.1,0.2,0.6,0.9:a fox"
 @pytest.fixture(scope="module")
 def flux3(tmp_path_factory):
     return shared_tiny_flux3_snapshot(tmp_path_factory, distilled=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_processor_per_folder():
+    yield from processors_built_once()  # the in-process loads of one folder build its processor once (~2.6 s each)
 
 
 @pytest.fixture(scope="module")
