@@ -33,21 +33,23 @@ def pytest_unconfigure(config):
 
 # The files that take longest (pytest --durations, 2 cores), run first: the two workers of .ci/run then
 # end together, instead of one finishing a long file picked up last while the other waits.
-LONG_FILES = (  # by the seconds each took (--junitxml, 2 cores), longest first
-    "test_serve.py",
-    "test_finetune.py",
-    "test_distributed.py",
-    "test_objective.py",
-    "test_page_train.py",
-    "test_pipeline.py",
-    "test_page.py",
-    "test_workdir.py",
-    "test_evaluation.py",
-    "test_models.py",
-    "test_samples.py",
-    "test_page_outpaint.py",
-    "test_kv.py",
-    "test_upsampled_pipeline.py",  # 44 s until its cache-miss run stopped drawing 1024 x 1024 (~18 s since, estimated)
+LONG_FILES = (  # by the seconds each took (--junitxml of the whole suite, 2 cores), longest first
+    "test_serve.py",  # 81 s
+    "test_distributed.py",  # 61
+    "test_page_train.py",  # 56
+    "test_objective.py",  # 55
+    "test_finetune.py",  # 53
+    "test_pipeline.py",  # 42
+    "test_trainer.py",  # 31
+    "test_workdir.py",  # 31
+    "test_page.py",  # 31
+    "test_samples.py",  # 27
+    "test_evaluation.py",  # 23
+    "test_kv.py",  # 22
+    "test_upsample_doors.py",  # 22
+    "test_page_boxes.py",  # 21
+    "test_page_outpaint.py",  # 21
+    "test_page_next.py",  # 20
 )
 
 
